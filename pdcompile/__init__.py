@@ -1,0 +1,33 @@
+"""pdcompile: a compiler for pipeline-parallel DNN training in the style of PipeDream.
+
+Public surface: `Cluster`, `Plan`, `Stage`, `plan`, `compile`, `load`, `profiles`, `costgraph`.
+Heavy parts (torch) are imported on first use so that planning from a profile stays light.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdcompile import costgraph, profiles
+from pdcompile.cluster import Cluster, Device, Level
+from pdcompile.errors import PdcompileError
+from pdcompile.plan import Plan, Stage
+
+__all__ = [
+    "Cluster", "Device", "Level", "Plan", "Stage", "PdcompileError",
+    "plan", "compile", "load", "costgraph", "profiles",
+]
+__version__ = "0.1.0"
+
+
+def __getattr__(name: str) -> Any:
+    """Lazy entry points: `plan` (partitioner), `compile` and `load` (torch side)."""
+    if name == "plan":
+        from pdcompile.planner import plan
+
+        return plan
+    if name in ("compile", "load"):
+        from pdcompile import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'pdcompile' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Where a compiled pipeline runs: local (one process), distributed, simulate (costs only)."""

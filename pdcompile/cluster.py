@@ -1,0 +1,320 @@
+"""The cluster we plan for: a hierarchy of link levels (innermost first) and a device model.
+
+String grammar (`Cluster.parse`), levels innermost first as in PipeDream's `-n 8 2`:
+
+    [LEVELS][@BANDWIDTHS][~LATENCIES][:DEVICE]      or a preset name, or local-N
+    LEVELS      N or NxMx...         "8x2" = 2 servers of 8 workers each
+    BANDWIDTHS  B[,B...]             one per level, innermost first; 1e9, 10Gbps, 25GB/s
+    LATENCIES   L[,L...]             one per level; 10us, 1e-5
+    DEVICE      a device preset      v100, titanx, a100, h100, cpu
+
+Examples: "4", "16@1e9", "4x4@1e10,1.25e9", "8x2@300GB/s,25Gbps~5us,50us:v100", "A", "local-4".
+Ranks are numbered innermost level fastest: in "4x4", ranks 0-3 share the first server.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from pdcompile.errors import ClusterError
+from pdcompile.units import format_bandwidth, format_bytes, parse_quantity
+
+_EXAMPLE = 'e.g. "4x4@1e10,1.25e9:v100" (2 levels, innermost first) or "16@10Gbps" or "A"'
+
+
+@dataclass(frozen=True)
+class Device:
+    """What one worker can do: memory (bytes), peak FLOP/s (fp32 and low precision), bytes/s."""
+
+    name: str
+    memory: float
+    flops: float
+    mem_bandwidth: float
+    flops_lowp: float | None = None
+
+    def peak_flops(self, low_precision: bool = False) -> float:
+        """FLOP/s for fp32, or for fp16/bf16 where the device has faster units for those."""
+        if low_precision and self.flops_lowp:
+            return self.flops_lowp
+        return self.flops
+
+
+@dataclass(frozen=True)
+class Level:
+    """One level of the hierarchy: `workers` children joined by links of this speed."""
+
+    workers: int
+    bandwidth: float
+    latency: float = 0.0
+
+
+DEVICES: dict[str, Device] = {
+    "v100": Device("v100", 16 * 2.0**30, 15.7e12, 900e9, 125e12),
+    "titanx": Device("titanx", 12 * 2.0**30, 11.0e12, 480e9, None),
+    "a100": Device("a100", 80e9, 19.5e12, 2.0e12, 312e12),
+    "h100": Device("h100", 80e9, 67e12, 3.35e12, 989e12),
+    "cpu": Device("cpu", 16 * 2.0**30, 50e9, 10e9, None),
+}
+
+_PCIE, _NVLINK_V100, _NVLINK_H100 = 1e10, 1.5e11, 4.5e11
+
+PRESET_HELP: dict[str, str] = {
+    "A": "PipeDream cluster A: 4 servers x 4 V100, PCIe inside (10 GB/s), 10 Gbps between",
+    "B": "PipeDream cluster B: 2 servers x 8 V100, NVLink inside (150 GB/s), 25 Gbps between",
+    "C": "PipeDream cluster C: 4 servers x 1 Titan X, 40 Gbps between",
+    "h100-node": "one server of 8 x H100 with NVLink (450 GB/s)",
+    "h100-4node": "4 servers x 8 H100, NVLink inside, 400 Gbps between",
+    "local": "this machine's processes (local-N for N workers, default 2), bandwidth measured",
+}
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Workers in nested levels (innermost first) and the device each worker has."""
+
+    levels: tuple[Level, ...]
+    device: Device = field(default_factory=lambda: DEVICES["v100"])
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.levels:
+            raise ClusterError(f"a cluster needs at least one level ({_EXAMPLE})")
+        for i, level in enumerate(self.levels):
+            if not isinstance(level.workers, int) or level.workers < 1:
+                raise ClusterError(
+                    f"level {i} has {level.workers!r} workers; each level needs a positive "
+                    f"integer ({_EXAMPLE})"
+                )
+            if not level.bandwidth > 0 or math.isnan(level.bandwidth):
+                raise ClusterError(
+                    f"level {i} has bandwidth {level.bandwidth!r}; bandwidth must be > 0 "
+                    f"bytes/s ({_EXAMPLE})"
+                )
+            if level.latency < 0:
+                raise ClusterError(f"level {i} has negative latency {level.latency!r} s")
+
+    # ----------------------------------------------------------------------------- queries
+    @property
+    def workers(self) -> int:
+        """All workers of the cluster."""
+        return math.prod(level.workers for level in self.levels)
+
+    def group_size(self, level: int) -> int:
+        """Workers inside one group of `level` (level 0: one server's workers)."""
+        return math.prod(lv.workers for lv in self.levels[: level + 1])
+
+    def link_level(self, rank_a: int, rank_b: int) -> int:
+        """The innermost level whose group holds both ranks (the level their link crosses)."""
+        for k in range(len(self.levels)):
+            size = self.group_size(k)
+            if rank_a // size == rank_b // size:
+                return k
+        raise ClusterError(f"ranks {rank_a} and {rank_b} are outside this {self.workers}-worker cluster")
+
+    def bandwidth_between(self, rank_a: int, rank_b: int) -> float:
+        """Bytes/s of the link between two ranks."""
+        return self.levels[self.link_level(rank_a, rank_b)].bandwidth
+
+    def latency_between(self, rank_a: int, rank_b: int) -> float:
+        """Seconds of latency of the link between two ranks."""
+        return self.levels[self.link_level(rank_a, rank_b)].latency
+
+    def slowest_level_of(self, ranks: tuple[int, ...] | list[int]) -> int:
+        """The outermost level that a group of ranks spans (its all-reduce's bottleneck)."""
+        if len(ranks) <= 1:
+            return 0
+        return max(self.link_level(ranks[0], r) for r in ranks[1:])
+
+    def with_workers(self, workers: int) -> Cluster:
+        """The same kind of cluster flattened to its innermost link with `workers` workers."""
+        return replace(self, levels=(replace(self.levels[0], workers=workers),))
+
+    def describe(self) -> str:
+        """One line: "4x4 workers (10 GB/s, 1.25 GB/s) of v100 (16.0 GiB)"."""
+        shape = "x".join(str(lv.workers) for lv in self.levels)
+        links = ", ".join(format_bandwidth(lv.bandwidth) for lv in self.levels)
+        label = f"{self.name}: " if self.name else ""
+        return f"{label}{shape} workers ({links}) of {self.device.name} ({format_bytes(self.device.memory)})"
+
+    # ----------------------------------------------------------------------------- builders
+    @classmethod
+    def flat(cls, workers: int, bandwidth: float | str, device: Device | str | None = None) -> Cluster:
+        """A single level of `workers` all joined by links of `bandwidth` bytes/s."""
+        bw = _quantity(bandwidth, "bandwidth", "bandwidth")
+        return cls(levels=(Level(workers, bw),), device=_device(device))
+
+    @classmethod
+    def preset(cls, name: str, *, workers: int | None = None) -> Cluster:
+        """A named cluster; see `PRESET_HELP` (also listed by `pdcompile plan --help`)."""
+        key = name.strip()
+        if key.lower() == "local" or key.lower().startswith("local-"):
+            count = workers or (int(key[6:]) if key[6:].isdigit() else 2)
+            return _local_cluster(count)
+        v100, titan, h100 = DEVICES["v100"], DEVICES["titanx"], DEVICES["h100"]
+        gbps = 1e9 / 8
+        table: dict[str, tuple[tuple[Level, ...], Device]] = {
+            "A": ((Level(4, _PCIE, 10e-6), Level(4, 10 * gbps, 50e-6)), v100),
+            "B": ((Level(8, _NVLINK_V100, 5e-6), Level(2, 25 * gbps, 50e-6)), v100),
+            "C": ((Level(4, 40 * gbps, 30e-6),), titan),
+            "h100-node": ((Level(8, _NVLINK_H100, 3e-6),), h100),
+            "h100-4node": ((Level(8, _NVLINK_H100, 3e-6), Level(4, 400 * gbps, 5e-6)), h100),
+        }
+        for alias, canonical in (("a", "A"), ("b", "B"), ("c", "C"), ("paper-a", "A"),
+                                 ("paper-b", "B"), ("paper-c", "C")):
+            table[alias] = table[canonical]
+        if key not in table:
+            names = ", ".join(PRESET_HELP)
+            raise ClusterError(f"unknown cluster preset {name!r}; presets are: {names}")
+        levels, device = table[key]
+        cluster = cls(levels=levels, device=device, name=key.upper() if len(key) == 1 else key)
+        return cluster if workers is None else cluster.with_workers(workers)
+
+    @classmethod
+    def parse(cls, text: str) -> Cluster:
+        """Read the short form (module docstring); a bad part is quoted with a valid example."""
+        if not isinstance(text, str) or not text.strip():
+            raise ClusterError(f"empty cluster string; write {_EXAMPLE}")
+        spec = text.strip()
+        head = re.split(r"[@~:]", spec, maxsplit=1)[0]
+        if head and not re.fullmatch(r"[0-9x ]+", head):
+            if spec != head:
+                raise ClusterError(f"in cluster {text!r}: a preset name ({head!r}) takes no options; "
+                                   f"write {_EXAMPLE}")
+            return cls.preset(head)
+        match = re.fullmatch(r"([^@~:]*)(?:@([^~:]*))?(?:~([^:]*))?(?::(.*))?", spec)
+        if match is None:  # pragma: no cover - the pattern accepts every string
+            raise ClusterError(f"cannot read cluster {text!r}; write {_EXAMPLE}")
+        shape, bws, lats, dev = match.groups()
+        counts: list[int] = []
+        for part in shape.split("x"):
+            if not part.strip().isdigit() or int(part) < 1:
+                raise ClusterError(f"in cluster {text!r}: {part.strip()!r} is not a positive worker "
+                                   f"count; write {_EXAMPLE}")
+            counts.append(int(part))
+        n = len(counts)
+        bandwidths = _per_level(text, bws, n, "bandwidth", default=1e9)
+        latencies = _per_level(text, lats, n, "seconds", default=0.0)
+        levels = tuple(Level(c, b, lat) for c, b, lat in zip(counts, bandwidths, latencies))
+        try:
+            device = _device(dev.strip() if dev else None)
+        except ClusterError as err:
+            raise ClusterError(f"in cluster {text!r}: {err}") from None
+        return cls(levels=levels, device=device)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Cluster:
+        """Read a JSON or YAML file: {name, device, levels: [{workers, bandwidth, latency}]}."""
+        file = Path(path)
+        example = ('levels:\n  - {workers: 4, bandwidth: 10GB/s, latency: 10us}\n'
+                   '  - {workers: 4, bandwidth: 10Gbps}\ndevice: v100')
+        try:
+            raw = file.read_text()
+        except OSError as err:
+            raise ClusterError(f"cannot read cluster file {file}: {err.strerror}") from None
+        try:
+            if file.suffix.lower() == ".json":
+                data = json.loads(raw)
+            else:
+                import yaml
+
+                data = yaml.safe_load(raw)
+        except Exception as err:  # json/yaml errors carry the position
+            raise ClusterError(f"cluster file {file} is not valid {file.suffix[1:] or 'YAML'}: "
+                               f"{err}") from None
+        if not isinstance(data, dict) or "levels" not in data:
+            raise ClusterError(f"cluster file {file} needs a 'levels' list; a valid file:\n{example}")
+        try:
+            return cls.from_dict(data)
+        except ClusterError as err:
+            raise ClusterError(f"cluster file {file}: {err}\na valid file:\n{example}") from None
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Cluster:
+        """Inverse of `to_dict`; quantities may carry units ("10Gbps")."""
+        levels_raw = data.get("levels")
+        if not isinstance(levels_raw, list) or not levels_raw:
+            raise ClusterError("'levels' must be a non-empty list, innermost first")
+        levels = []
+        for i, item in enumerate(levels_raw):
+            if not isinstance(item, dict) or "workers" not in item or "bandwidth" not in item:
+                raise ClusterError(f"level {i} ({item!r}) needs 'workers' and 'bandwidth'")
+            unknown = set(item) - {"workers", "bandwidth", "latency"}
+            if unknown:
+                raise ClusterError(f"level {i} has unknown keys {sorted(unknown)}")
+            workers = item["workers"]
+            if not isinstance(workers, int) or isinstance(workers, bool):
+                raise ClusterError(f"level {i}: workers {workers!r} is not an integer")
+            levels.append(Level(workers, _quantity(item["bandwidth"], "bandwidth", f"level {i} bandwidth"),
+                                _quantity(item.get("latency", 0.0), "seconds", f"level {i} latency")))
+        return cls(levels=tuple(levels), device=_device(data.get("device")), name=str(data.get("name", "")))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data for JSON (base units: bytes, bytes/s, seconds, FLOP/s)."""
+        return {"name": self.name, "device": asdict(self.device),
+                "levels": [asdict(level) for level in self.levels]}
+
+
+def _quantity(value: Any, kind: str, what: str) -> float:
+    try:
+        return parse_quantity(value, kind)
+    except (ValueError, TypeError) as err:
+        raise ClusterError(f"{what}: {err}") from None
+
+
+def _per_level(text: str, part: str | None, n: int, kind: str, default: float) -> list[float]:
+    if part is None or not part.strip():
+        return [default] * n
+    items = [p.strip() for p in part.split(",")]
+    if len(items) != n:
+        raise ClusterError(f"in cluster {text!r}: {len(items)} {kind} values ({part!r}) for {n} "
+                           f"level(s); give one per level, innermost first, {_EXAMPLE}")
+    try:
+        return [parse_quantity(p, kind) for p in items]
+    except ValueError as err:
+        raise ClusterError(f"in cluster {text!r}: {err}") from None
+
+
+def _device(device: Device | str | dict[str, Any] | None) -> Device:
+    if device is None:
+        return DEVICES["v100"]
+    if isinstance(device, Device):
+        return device
+    if isinstance(device, dict):
+        try:
+            return Device(
+                name=str(device.get("name", "custom")),
+                memory=parse_quantity(device["memory"], "bytes"),
+                flops=parse_quantity(device["flops"], "flops"),
+                mem_bandwidth=parse_quantity(device["mem_bandwidth"], "bandwidth"),
+                flops_lowp=(parse_quantity(device["flops_lowp"], "flops")
+                            if device.get("flops_lowp") is not None else None),
+            )
+        except KeyError as err:
+            raise ClusterError(f"device {device!r} lacks {err.args[0]!r}; a device needs memory, "
+                               "flops and mem_bandwidth (or name a preset: "
+                               f"{', '.join(DEVICES)})") from None
+        except ValueError as err:
+            raise ClusterError(f"device {device!r}: {err}") from None
+    key = device.strip().lower()
+    if key in ("cpu-local", "local"):
+        from pdcompile.local_machine import local_device
+
+        return local_device()
+    if key not in DEVICES:
+        raise ClusterError(f"unknown device {device!r}; devices are: {', '.join(DEVICES)}, cpu-local")
+    return DEVICES[key]
+
+
+def _local_cluster(workers: int) -> Cluster:
+    from pdcompile.local_machine import local_bandwidth, local_device
+
+    if workers < 1:
+        raise ClusterError(f"local cluster needs at least 1 worker (got {workers})")
+    bandwidth, latency = local_bandwidth()
+    return Cluster(levels=(Level(workers, bandwidth, latency),), device=local_device(workers),
+                   name=f"local-{workers}")

@@ -1,0 +1,153 @@
+"""This machine as a cluster: loopback bandwidth and CPU speed, measured once and cached.
+
+The figures are cached in `$PDCOMPILE_CACHE` (default `~/.cache/pdcompile/local.json`) so that
+the measurement (a few seconds: two gloo processes and a matmul) runs once per machine.
+`PDCOMPILE_LOCAL_BANDWIDTH` (bytes/s) overrides the measured bandwidth.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+from pdcompile.cluster import Device
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("PDCOMPILE_CACHE") or os.path.join(Path.home(), ".cache", "pdcompile")
+    return Path(root) / "local.json"
+
+
+def _read_cache() -> dict[str, Any]:
+    try:
+        data = json.loads(_cache_file().read_text())
+        return data if isinstance(data, dict) else {}
+    except (OSError, ValueError):
+        return {}
+
+
+def _write_cache(update: dict[str, Any]) -> None:
+    data = _read_cache() | update
+    file = _cache_file()
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        os.replace(tmp, file)
+    except OSError:
+        pass  # a read-only home only costs a re-measurement next time
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _pingpong(rank: int, port: int, sizes: list[int], result: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2, timeout=__import__("datetime").timedelta(seconds=30))
+    try:
+        timings = []
+        for numel in sizes:
+            buf = torch.zeros(numel)
+            best = float("inf")
+            for _ in range(5):
+                dist.barrier()
+                start = time.perf_counter()
+                if rank == 0:
+                    dist.send(buf, 1)
+                    dist.recv(buf, 1)
+                else:
+                    dist.recv(buf, 0)
+                    dist.send(buf, 0)
+                best = min(best, (time.perf_counter() - start) / 2)
+            timings.append(best)
+        if rank == 0:
+            result.put(timings)
+    finally:
+        dist.destroy_process_group()
+
+
+def measure_loopback() -> tuple[float, float]:
+    """(bytes/s, seconds of latency) of a gloo send between two processes on this machine."""
+    import torch.multiprocessing as mp
+
+    sizes = [1, 4 * 2**20]  # 4 bytes for latency, 16 MiB for bandwidth
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_pingpong, args=(r, port, sizes, queue)) for r in range(2)]
+    for proc in procs:
+        proc.start()
+    try:
+        small, large = queue.get(timeout=120)
+    finally:
+        for proc in procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+    latency = small
+    bandwidth = 4 * sizes[1] / max(large - latency, 1e-9)
+    return bandwidth, latency
+
+
+def local_bandwidth() -> tuple[float, float]:
+    """Loopback (bytes/s, latency s) between processes here: env override, cache, or measured."""
+    override = os.environ.get("PDCOMPILE_LOCAL_BANDWIDTH")
+    if override:
+        from pdcompile.units import parse_quantity
+
+        return parse_quantity(override, "bandwidth"), 50e-6
+    cached = _read_cache()
+    if "bandwidth" in cached and "latency" in cached:
+        return float(cached["bandwidth"]), float(cached["latency"])
+    bandwidth, latency = measure_loopback()
+    _write_cache({"bandwidth": bandwidth, "latency": latency})
+    return bandwidth, latency
+
+
+def _measure_cpu() -> tuple[float, float]:
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(512, 512), torch.randn(512, 512)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            torch.mm(a, b)
+            best = min(best, time.perf_counter() - start)
+        flops = 2 * 512**3 / best
+        x = torch.empty(8 * 2**20)
+        y = torch.empty_like(x)
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            y.copy_(x)
+            best = min(best, time.perf_counter() - start)
+        return flops, 2 * x.numel() * 4 / best
+    finally:
+        torch.set_num_threads(threads)
+
+
+def local_device(workers: int = 1) -> Device:
+    """One process of this machine: one thread's FLOP/s, memory shared among `workers`."""
+    cached = _read_cache()
+    if "flops" not in cached or "mem_bandwidth" not in cached:
+        flops, mem_bw = _measure_cpu()
+        _write_cache({"flops": flops, "mem_bandwidth": mem_bw})
+        cached = _read_cache() | {"flops": flops, "mem_bandwidth": mem_bw}
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return Device("cpu-local", total / max(workers, 1), float(cached["flops"]),
+                  float(cached["mem_bandwidth"]), None)

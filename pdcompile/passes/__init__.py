@@ -1,0 +1,1 @@
+"""The compiler passes: trace, shapes, cost, partition, split, schedule, codegen."""

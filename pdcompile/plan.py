@@ -1,0 +1,163 @@
+"""The Plan: the partitioner's decision as data (stages, replicas, ranks, predicted times)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+from pdcompile.errors import PlanError
+from pdcompile.units import format_bytes, format_seconds
+
+PLAN_FORMAT = "pdcompile.plan/1"
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One pipeline stage: its graph nodes, on `replicas` workers (`ranks`), with predicted costs.
+
+    Times are seconds per minibatch as seen by the pipeline (a stage with r replicas handles one
+    minibatch in r of them, so `compute` is the stage's fwd+bwd divided by r); `memory` is bytes
+    per worker.
+    """
+
+    nodes: tuple[str, ...]
+    replicas: int
+    ranks: tuple[int, ...]
+    compute: float = 0.0
+    sync: float = 0.0
+    comm: float = 0.0
+    memory: float = 0.0
+    time: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or len(self.ranks) != self.replicas:
+            raise PlanError(f"a stage with {self.replicas} replicas needs as many ranks, got "
+                            f"{list(self.ranks)}")
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Stages in pipeline order plus what the planner predicted and how it got there."""
+
+    stages: tuple[Stage, ...]
+    time_per_minibatch: float
+    dp_time: float
+    workers: int
+    cost_model: str = "native"
+    planner: str = "dp"
+    status: str = "OPTIMAL"
+    bound: float | None = None
+    solve_seconds: float = 0.0
+    cluster: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not self.stages:
+            raise PlanError("a plan needs at least one stage")
+        seen: dict[str, int] = {}
+        for index, stage in enumerate(self.stages):
+            for node in stage.nodes:
+                if node in seen:
+                    raise PlanError(f"node {node!r} is in stages {seen[node]} and {index}")
+                seen[node] = index
+        ranks = [r for stage in self.stages for r in stage.ranks]
+        if len(set(ranks)) != len(ranks):
+            raise PlanError(f"a rank serves two stages: {ranks}")
+
+    # ----------------------------------------------------------------------------- views
+    @property
+    def config(self) -> str:
+        """PipeDream's notation: "15-1" (replicas per stage), "straight", or "16" (data parallel)."""
+        replicas = [s.replicas for s in self.stages]
+        if len(replicas) > 1 and all(r == 1 for r in replicas):
+            return "straight"
+        return "-".join(str(r) for r in replicas)
+
+    @property
+    def speedup_over_dp(self) -> float:
+        """Predicted data-parallel time per minibatch over ours, on the same cluster and model."""
+        return self.dp_time / self.time_per_minibatch if self.time_per_minibatch > 0 else float("inf")
+
+    @property
+    def gap(self) -> float | None:
+        """Relative gap between the plan's time and the solver's lower bound (None if no bound)."""
+        if self.bound is None or self.time_per_minibatch <= 0:
+            return None
+        return max(0.0, (self.time_per_minibatch - self.bound) / self.time_per_minibatch)
+
+    def stage_of(self) -> dict[str, int]:
+        """Map node name -> stage index."""
+        return {node: i for i, stage in enumerate(self.stages) for node in stage.nodes}
+
+    def rank_to_stage(self) -> dict[int, int]:
+        """Map rank -> stage index."""
+        return {rank: i for i, stage in enumerate(self.stages) for rank in stage.ranks}
+
+    def expanded(self, mapping: dict[str, list[str]]) -> Plan:
+        """The same plan with fused blocks replaced by their member nodes (see costgraph.coarsen)."""
+        stages = tuple(
+            replace(s, nodes=tuple(m for node in s.nodes for m in mapping.get(node, [node])))
+            for s in self.stages
+        )
+        return replace(self, stages=stages)
+
+    # ----------------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data; `config` and `speedup_over_dp` included for readers of the file."""
+        data = asdict(self)
+        data["stages"] = [asdict(s) | {"nodes": list(s.nodes), "ranks": list(s.ranks)}
+                          for s in self.stages]
+        return {"format": PLAN_FORMAT, **data, "config": self.config,
+                "speedup_over_dp": self.speedup_over_dp}
+
+    def to_json(self, indent: int | None = 1) -> str:
+        """JSON text; `Plan.from_json(plan.to_json()) == plan`."""
+        return json.dumps(self.to_dict(), indent=indent)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Plan:
+        """Inverse of `to_dict`."""
+        if data.get("format") != PLAN_FORMAT:
+            raise PlanError(f"not a plan (format {data.get('format')!r}, want {PLAN_FORMAT!r})")
+        fields = {k: v for k, v in data.items() if k not in ("format", "config", "speedup_over_dp")}
+        fields["stages"] = tuple(
+            Stage(**(s | {"nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"])}))
+            for s in data["stages"]
+        )
+        return cls(**fields)
+
+    @classmethod
+    def from_json(cls, text: str) -> Plan:
+        """Inverse of `to_json`."""
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise PlanError(f"plan JSON is malformed: {err}") from None
+        return cls.from_dict(data)
+
+    # ----------------------------------------------------------------------------- report
+    def summary(self) -> str:
+        """A readable table: one row per stage, then the predicted totals."""
+        header = (f"{'stage':>5} {'nodes':>6} {'first .. last':<34} {'replicas':>8} {'ranks':<12} "
+                  f"{'compute':>10} {'sync':>10} {'comm':>10} {'time':>10} {'memory':>10}")
+        lines = [header, "-" * len(header)]
+        for i, s in enumerate(self.stages):
+            span = f"{s.nodes[0]} .. {s.nodes[-1]}" if s.nodes else "-"
+            ranks = ",".join(str(r) for r in s.ranks)
+            lines.append(
+                f"{i:>5} {len(s.nodes):>6} {span[:34]:<34} {s.replicas:>8} {ranks[:12]:<12} "
+                f"{format_seconds(s.compute):>10} {format_seconds(s.sync):>10} "
+                f"{format_seconds(s.comm):>10} {format_seconds(s.time):>10} "
+                f"{format_bytes(s.memory):>10}"
+            )
+        status = self.status + (f", gap {self.gap:.1%}" if self.gap is not None else "")
+        lines.append("")
+        lines.append(
+            f"config {self.config} on {self.workers} workers; predicted "
+            f"{format_seconds(self.time_per_minibatch)} per minibatch, "
+            f"{self.speedup_over_dp:.2f}x over data parallel ({format_seconds(self.dp_time)}); "
+            f"planner {self.planner} ({status}, {self.solve_seconds:.2f} s), cost model "
+            f"{self.cost_model}"
+        )
+        return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""What generated per-rank loops call at run time: transports, stash buffers, handlers."""

@@ -1,0 +1,27 @@
+"""Shared fixtures: every test starts from the same seeds, with one thread."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "pipedream"
+
+
+@pytest.fixture(autouse=True)
+def _seed() -> None:
+    import torch
+
+    random.seed(0)
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+
+
+@pytest.fixture
+def profiles_dir() -> Path:
+    """The shipped PipeDream profiles (../shared/profiles/pipedream)."""
+    if not PROFILES.is_dir():
+        pytest.fail(f"the PipeDream profiles are expected at {PROFILES} (../shared beside the repo)")
+    return PROFILES
