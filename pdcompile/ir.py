@@ -4,14 +4,18 @@ Actions print as in torch.distributed.pipelining: "1F3" (stage 1, forward of mic
 "1B3", "0SEND_F3->1" (stage 0 sends microbatch 3's activations to stage 1), "1RECV_F3<-0",
 "1SEND_B3->0", "0RECV_B3<-1", "2ALLREDUCE3", "2STEP3". `parse_action(str(a)) == a`.
 For asynchronous schedules `microbatch` is the minibatch's index in the stream; for flush
-schedules it is the microbatch's index inside the minibatch. The compute-only schedule comes
-from a generator (passes/schedule), the communication is added by lowering; the generated code,
-the simulator and the backends all read the same `Schedule`.
+schedules it is the microbatch's index inside the minibatch; for 2bw it is the global microbatch
+index (minibatch k holds microbatches k*M .. k*M+M-1). For ALLREDUCE and STEP the number is the
+index of the weight update (0, 1, 2, ... on every replica of the stage): "2STEP3" makes stage 2's
+weight version 4; the k-th ALLREDUCE of every replica of a stage is one collective.
+The compute-only schedule comes from a generator (passes/schedule), the communication is added
+by lowering; the generated code, the simulator and the backends all read the same `Schedule`.
 """
 
 from __future__ import annotations
 
 import enum
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +82,8 @@ def parse_action(text: str) -> Action:
     stage, kind, microbatch, arrow, peer = match.groups()
     action = Action(int(stage), Kind(kind), int(microbatch), int(peer) if peer else None)
     if arrow and _COMM_ARROW.get(action.kind) != arrow:
-        raise ScheduleError(f"action {text!r}: {kind} is written with {_COMM_ARROW.get(action.kind)}")
+        raise ScheduleError(f"action {text!r}: {kind} is written with "
+                            f"{_COMM_ARROW.get(action.kind)}")
     return action
 
 
@@ -126,22 +131,82 @@ class Schedule:
         )
 
     def to_text(self) -> str:
-        """A header line and one line per rank; `Schedule.from_text` reads it back."""
+        """A header line and one line per rank; `Schedule.from_text` reads it back.
+
+        Options (when there are any) follow the header as ` options=<json>`.
+        """
         shape = ";".join(",".join(str(r) for r in ranks) for ranks in self.stage_ranks)
-        return f"# schedule {self.name} microbatches={self.microbatches} stages={shape}\n{self}\n"
+        extra = f" options={json.dumps(self.options, sort_keys=True)}" if self.options else ""
+        return (f"# schedule {self.name} microbatches={self.microbatches} stages={shape}{extra}\n"
+                f"{self}\n")
+
+    def grid(self, *, mark: dict[int, int] | None = None, window: int | None = 12) -> str:
+        """The rank x step grid (see `format_grid`)."""
+        return format_grid(self, mark=mark, window=window)
 
     @classmethod
     def from_text(cls, text: str) -> Schedule:
         """Inverse of `to_text`."""
         lines = [line for line in text.strip().splitlines() if line.strip()]
-        head = re.match(r"# schedule (\S+) microbatches=(\d+) stages=(\S+)", lines[0]) if lines else None
+        head = (re.match(r"# schedule (\S+) microbatches=(\d+) stages=(\S+)", lines[0])
+                if lines else None)
         if head is None:
             raise ScheduleError("a schedule file starts with '# schedule NAME microbatches=M "
                                 "stages=0;1,2;3'")
-        stage_ranks = tuple(tuple(int(r) for r in part.split(",")) for part in head.group(3).split(";"))
+        stage_ranks = tuple(tuple(int(r) for r in part.split(","))
+                            for part in head.group(3).split(";"))
+        options: dict[str, Any] = {}
+        rest_of_head = lines[0][head.end():].strip()
+        if rest_of_head.startswith("options="):
+            try:
+                options = json.loads(rest_of_head[len("options="):])
+            except ValueError as err:
+                raise ScheduleError(f"schedule header options are not JSON ({err}): "
+                                    f"{rest_of_head!r}") from None
         actions: dict[int, tuple[Action, ...]] = {}
         for line in lines[1:]:
             label, _, rest = line.partition(":")
-            rank = int(label.replace("rank", "").strip())
+            try:
+                rank = int(label.replace("rank", "").strip())
+            except ValueError:
+                raise ScheduleError(f"schedule line {line!r} does not start with 'rank N:'"
+                                    ) from None
             actions[rank] = tuple(parse_action(tok) for tok in rest.split())
-        return cls(head.group(1), int(head.group(2)), stage_ranks, actions)
+        return cls(head.group(1), int(head.group(2)), stage_ranks, actions, options)
+
+
+def format_grid(schedule: Schedule, *, mark: dict[int, int] | None = None,
+                window: int | None = 12) -> str:
+    """The rank x step grid: one row per rank, one column per position in its action list.
+
+    `mark` maps rank -> step to highlight (written `>1F3<`, others ` 1F3 `; `>~<` marks a step past
+    the end of the rank's list, where something is missing); with `window`, only
+    the columns within `window` steps of a marked step (or the first 2*window) are shown.
+    """
+    mark = mark or {}
+    length = max((len(a) for a in schedule.actions.values()), default=0)
+    if window is None or length <= 2 * window + 1:
+        lo, hi = 0, length
+    elif mark:
+        centre = min(mark.values())
+        lo, hi = max(0, centre - window), min(length, max(mark.values()) + window + 1)
+    else:
+        lo, hi = 0, 2 * window
+    cells: dict[int, list[str]] = {}
+    for rank in schedule.ranks:
+        row = list(schedule.actions.get(rank, ()))
+        cells[rank] = [
+            (f">{row[i]}<" if mark.get(rank) == i else f" {row[i]} ") if i < len(row)
+            else (">~<" if mark.get(rank) == i else "")
+            for i in range(lo, hi)
+        ]
+    width = max([len(c) for row in cells.values() for c in row] + [len(str(hi)) + 2])
+    label = max(len(f"rank {r}") for r in schedule.ranks) if schedule.ranks else 6
+    head = " " * label + " |" + "".join(f"{i:^{width}}" for i in range(lo, hi))
+    lines = [head + (" ..." if hi < length else "")]
+    if lo > 0:
+        lines[0] = head.replace("|", "| ...", 1)
+    for rank in schedule.ranks:
+        prefix = f"{'rank ' + str(rank):<{label}} |" + (" ..." if lo > 0 else "")
+        lines.append(prefix + "".join(f"{c:^{width}}" for c in cells[rank]))
+    return "\n".join(lines)

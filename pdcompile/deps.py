@@ -1,0 +1,191 @@
+"""The one dependency function of the schedule IR, used by lowering, validation and simulation.
+
+An action is named by its position `(rank, index)` in its rank's list. It may start when the
+action before it on its rank has finished (program order) and when everything in
+`dependencies(schedule)[(rank, index)]` has finished:
+
+- lowered schedules: `RECV_F m <- p` on stage s waits for the matching `SEND_F m -> s` of stage p
+  on the rank handling m (k-th receive matched with k-th send); `RECV_B` likewise with `SEND_B`.
+  Sends wait for nothing else (they are non-blocking). `ALLREDUCE k` of a replicated stage is a
+  collective: it waits until every other replica has finished the action before its own
+  `ALLREDUCE k`, so all replicas start it together.
+- compute-only schedules (no communication yet): `F m` of stage s waits for `F m` of every
+  producer stage, `B m` for `B m` of every consumer stage (edges from `options["stage_edges"]`,
+  else the straight chain).
+
+`execution_order` runs the ranks against these rules and reports a deadlock with the grid.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict, deque
+
+from pdcompile.errors import ScheduleError
+from pdcompile.ir import Action, Kind, Schedule
+
+Ref = tuple[int, int]  # (rank, index in that rank's action list)
+
+_COMM = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.ALLREDUCE)
+_MATCH = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
+
+
+def is_lowered(schedule: Schedule) -> bool:
+    """Whether the schedule already carries its communication (it was lowered)."""
+    if schedule.options.get("lowered"):
+        return True
+    return any(a.kind in _COMM for actions in schedule.actions.values() for a in actions)
+
+
+def stage_edges(schedule: Schedule) -> list[tuple[int, int]]:
+    """The schedule's stage edges: `options["stage_edges"]` or the straight chain."""
+    given = schedule.options.get("stage_edges")
+    if given is not None:
+        return [(int(a), int(b)) for a, b in given]
+    return [(s, s + 1) for s in range(schedule.stages - 1)]
+
+
+def dependencies(schedule: Schedule) -> dict[Ref, tuple[Ref, ...]]:
+    """For each action with cross-rank dependencies, the (rank, index) pairs it waits for.
+
+    Program order (the previous action on the same rank) is implied and not listed. Raises
+    ScheduleError (with the grid, the action marked) when an action has nothing to match.
+    """
+    occurrences: dict[tuple[int, Action], list[int]] = defaultdict(list)
+    for rank, actions in schedule.actions.items():
+        for index, action in enumerate(actions):
+            occurrences[rank, action].append(index)
+    if is_lowered(schedule):
+        return _lowered(schedule, occurrences)
+    return _compute_only(schedule, occurrences)
+
+
+def _missing(schedule: Schedule, rank: int, index: int, what: str) -> ScheduleError:
+    action = schedule.actions[rank][index]
+    return ScheduleError(f"rank {rank} step {index} ({action}) {what}\n"
+                         f"{schedule.grid(mark={rank: index})}")
+
+
+def _lowered(schedule: Schedule,
+             occurrences: dict[tuple[int, Action], list[int]]) -> dict[Ref, tuple[Ref, ...]]:
+    deps: dict[Ref, tuple[Ref, ...]] = {}
+    seen: dict[tuple[int, Action], int] = defaultdict(int)
+    for rank, actions in schedule.actions.items():
+        for index, action in enumerate(actions):
+            kind = action.kind
+            if kind in _MATCH:
+                if action.peer is None:
+                    raise _missing(schedule, rank, index, "has no peer stage")
+                nth = seen[rank, action]
+                seen[rank, action] += 1
+                src = _peer_rank(schedule, action.peer, action.microbatch)
+                want = Action(action.peer, _MATCH[kind], action.microbatch, action.stage)
+                found = occurrences.get((src, want), []) if src is not None else []
+                if nth >= len(found):
+                    raise _missing(schedule, rank, index,
+                                   f"has no matching {want} on rank {src}")
+                assert src is not None
+                deps[rank, index] = ((src, found[nth]),)
+            elif kind == Kind.ALLREDUCE:
+                nth = seen[rank, action]
+                seen[rank, action] += 1
+                waits: list[Ref] = []
+                for other in schedule.stage_ranks[action.stage]:
+                    if other == rank:
+                        continue
+                    found = occurrences.get((other, action), [])
+                    if nth >= len(found):
+                        raise _missing(schedule, rank, index,
+                                       f"has no partner {action} on replica rank {other}")
+                    if found[nth] > 0:
+                        waits.append((other, found[nth] - 1))
+                if waits:
+                    deps[rank, index] = tuple(waits)
+    return deps
+
+
+def _compute_only(schedule: Schedule,
+                  occurrences: dict[tuple[int, Action], list[int]]) -> dict[Ref, tuple[Ref, ...]]:
+    edges = stage_edges(schedule)
+    producers = {s: [a for a, b in edges if b == s] for s in range(schedule.stages)}
+    consumers = {s: [b for a, b in edges if a == s] for s in range(schedule.stages)}
+    deps: dict[Ref, tuple[Ref, ...]] = {}
+    for rank, actions in schedule.actions.items():
+        for index, action in enumerate(actions):
+            if action.kind == Kind.F:
+                others = producers.get(action.stage, [])
+            elif action.kind == Kind.B:
+                others = consumers.get(action.stage, [])
+            else:
+                continue
+            waits: list[Ref] = []
+            for stage in others:
+                peer = _peer_rank(schedule, stage, action.microbatch)
+                want = Action(stage, action.kind, action.microbatch)
+                found = occurrences.get((peer, want), []) if peer is not None else []
+                if not found:
+                    raise _missing(schedule, rank, index,
+                                   f"needs {want}, which rank {peer} never runs")
+                assert peer is not None
+                waits.append((peer, found[0]))
+            if waits:
+                deps[rank, index] = tuple(waits)
+    return deps
+
+
+def _peer_rank(schedule: Schedule, stage: int, microbatch: int) -> int | None:
+    if not 0 <= stage < schedule.stages:
+        return None
+    return schedule.rank_of(stage, microbatch)
+
+
+def execution_order(schedule: Schedule,
+                    deps: dict[Ref, tuple[Ref, ...]] | None = None) -> list[Ref]:
+    """Every action once, each after its rank predecessor and its dependencies.
+
+    Ranks advance as far as they can, lowest rank first; a rank blocked on an action resumes as
+    soon as it finishes. Raises ScheduleError with the grid (blocked steps marked) on deadlock.
+    """
+    deps = dependencies(schedule) if deps is None else deps
+    done_upto = {rank: -1 for rank in schedule.actions}  # last finished index per rank
+    waiters: dict[Ref, list[int]] = defaultdict(list)
+    order: list[Ref] = []
+    ready = deque(sorted(schedule.actions))
+    queued = set(ready)
+    while ready:
+        rank = ready.popleft()
+        queued.discard(rank)
+        actions = schedule.actions[rank]
+        index = done_upto[rank] + 1
+        while index < len(actions):
+            blocker = next((d for d in deps.get((rank, index), ())
+                            if done_upto.get(d[0], -1) < d[1]), None)
+            if blocker is not None:
+                waiters[blocker].append(rank)
+                break
+            done_upto[rank] = index
+            order.append((rank, index))
+            for waiting in waiters.pop((rank, index), ()):
+                if waiting not in queued:
+                    ready.append(waiting)
+                    queued.add(waiting)
+            index += 1
+    total = sum(len(a) for a in schedule.actions.values())
+    if len(order) < total:
+        raise deadlock_error(schedule, deps, done_upto)
+    return order
+
+
+def deadlock_error(schedule: Schedule, deps: dict[Ref, tuple[Ref, ...]],
+                   done_upto: dict[int, int]) -> ScheduleError:
+    """The error for a schedule that cannot make progress: who waits for whom, and the grid."""
+    blocked = {rank: done_upto[rank] + 1 for rank, actions in schedule.actions.items()
+               if done_upto[rank] + 1 < len(actions)}
+    lines = []
+    for rank, index in sorted(blocked.items()):
+        action = schedule.actions[rank][index]
+        waits = [f"{schedule.actions[r][i]} (rank {r} step {i})"
+                 for r, i in deps.get((rank, index), ()) if done_upto.get(r, -1) < i]
+        lines.append(f"  rank {rank} step {index} {action} waits for " + ", ".join(waits))
+    return ScheduleError(
+        f"schedule {schedule.name!r} deadlocks: no rank can make progress\n" + "\n".join(lines)
+        + "\n" + schedule.grid(mark=blocked))

@@ -1,0 +1,154 @@
+"""validate(schedule): reject a schedule that misses or duplicates work or cannot make progress.
+
+Checks, in order, each failure raising ScheduleError with the rank x step grid, the culprit marked:
+1. every action on a rank belongs to that rank's stage;
+2. every microbatch has exactly one F and one B on the right replica of every stage, F first;
+3. (lowered schedules) every send has exactly one matching receive and the other way round; for
+   every stage edge the four transfers of each microbatch are where lowering puts them; weight
+   updates on each rank are numbered 0, 1, 2, ...;
+4. no deadlock: the ranks are run against `pdcompile.deps.dependencies` until all finish.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from pdcompile.deps import dependencies, execution_order, is_lowered, stage_edges
+from pdcompile.errors import ScheduleError
+from pdcompile.ir import Action, Kind, Schedule
+
+
+def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> ScheduleError:
+    return ScheduleError(f"schedule {schedule.name!r}: {message}\n{schedule.grid(mark=mark)}")
+
+
+def _positions(schedule: Schedule) -> dict[tuple[int, Action], int]:
+    """(rank, action) -> its first index on that rank."""
+    found: dict[tuple[int, Action], int] = {}
+    for rank, actions in schedule.actions.items():
+        for index, action in enumerate(actions):
+            found.setdefault((rank, action), index)
+    return found
+
+
+def validate(schedule: Schedule) -> None:
+    """Raise ScheduleError if `schedule` is wrong (see module docstring); return None if sound."""
+    unknown = sorted(set(schedule.actions) - set(schedule.ranks))
+    if unknown:
+        raise _fail(schedule, f"ranks {unknown} have actions but run no stage "
+                    f"(stage_ranks={[list(r) for r in schedule.stage_ranks]})")
+    _check_stages(schedule)
+    _check_work(schedule)
+    if is_lowered(schedule):
+        _check_transfers(schedule)
+        _check_updates(schedule)
+    execution_order(schedule, dependencies(schedule))
+
+
+def _check_stages(schedule: Schedule) -> None:
+    for rank, actions in schedule.actions.items():
+        stage = schedule.stage_of_rank(rank)
+        for index, action in enumerate(actions):
+            if action.stage != stage:
+                raise _fail(schedule, f"rank {rank} runs stage {stage} but step {index} is "
+                            f"{action} (stage {action.stage})", {rank: index})
+            if not 0 <= action.microbatch or (action.kind.is_compute
+                                             and action.microbatch >= schedule.microbatches):
+                raise _fail(schedule, f"rank {rank} step {index}: {action} is outside microbatches "
+                            f"0..{schedule.microbatches - 1}", {rank: index})
+
+
+def _check_work(schedule: Schedule) -> None:
+    positions: dict[tuple[int, Kind, int], list[tuple[int, int]]] = {}
+    for rank, actions in schedule.actions.items():
+        for index, action in enumerate(actions):
+            if action.kind in (Kind.F, Kind.B):
+                positions.setdefault((action.stage, action.kind, action.microbatch), []).append(
+                    (rank, index))
+    for stage in range(schedule.stages):
+        for m in range(schedule.microbatches):
+            rank = schedule.rank_of(stage, m)
+            for kind in (Kind.F, Kind.B):
+                where = positions.get((stage, kind, m), [])
+                name = f"{stage}{kind.value}{m}"
+                if not where:
+                    last = len(schedule.actions.get(rank, ()))
+                    raise _fail(schedule, f"{name} is missing: stage {stage} must run {kind.value} "
+                                f"of microbatch {m} on rank {rank}", {rank: last})
+                if len(where) > 1:
+                    raise _fail(schedule, f"{name} runs {len(where)} times (at rank, step "
+                                f"{where}); each microbatch runs once per stage", dict(where[1:2]))
+                if where[0][0] != rank:
+                    raise _fail(schedule, f"{name} runs on rank {where[0][0]}, but microbatch {m} "
+                                f"of stage {stage} belongs to rank {rank} (round robin over "
+                                f"{list(schedule.stage_ranks[stage])})", dict(where))
+            (_, f_at), = positions[stage, Kind.F, m]
+            (_, b_at), = positions[stage, Kind.B, m]
+            if b_at < f_at:
+                raise _fail(schedule, f"{stage}B{m} comes before {stage}F{m} on rank {rank}",
+                            {rank: b_at})
+
+
+def _check_transfers(schedule: Schedule) -> None:
+    sends: Counter[tuple[Kind, int, int, int, int, int]] = Counter()
+    recvs: Counter[tuple[Kind, int, int, int, int, int]] = Counter()
+    where: dict[tuple[Kind, int, int, int, int, int], tuple[int, int]] = {}
+    for rank, actions in schedule.actions.items():
+        for index, a in enumerate(actions):
+            if a.kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
+                if a.peer is None or not 0 <= a.peer < schedule.stages or a.peer == a.stage:
+                    raise _fail(schedule, f"rank {rank} step {index}: {a} has no valid peer stage",
+                                {rank: index})
+            if a.kind in (Kind.SEND_F, Kind.SEND_B):
+                assert a.peer is not None
+                kind = Kind.F if a.kind == Kind.SEND_F else Kind.B
+                key = (kind, a.stage, a.peer, a.microbatch, rank,
+                       schedule.rank_of(a.peer, a.microbatch))
+                sends[key] += 1
+                where.setdefault(key, (rank, index))
+            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
+                assert a.peer is not None
+                kind = Kind.F if a.kind == Kind.RECV_F else Kind.B
+                key = (kind, a.peer, a.stage, a.microbatch,
+                       schedule.rank_of(a.peer, a.microbatch), rank)
+                recvs[key] += 1
+                where.setdefault(key, (rank, index))
+    for key in sorted(set(sends) | set(recvs), key=lambda k: (k[0].value,) + k[1:]):
+        if sends[key] != recvs[key]:
+            kind, src, dst, m, src_rank, dst_rank = key
+            raise _fail(schedule, f"{kind.value}-transfer of microbatch {m} from stage {src} (rank "
+                        f"{src_rank}) to stage {dst} (rank {dst_rank}): {sends[key]} send(s) but "
+                        f"{recvs[key]} receive(s); each send needs exactly one receive",
+                        dict([where[key]]))
+    if "stage_edges" not in schedule.options:
+        return
+    position = _positions(schedule)
+    for src, dst in stage_edges(schedule):
+        for m in range(schedule.microbatches):
+            prod, cons = schedule.rank_of(src, m), schedule.rank_of(dst, m)
+            needed = [
+                (prod, Action(src, Kind.SEND_F, m, dst), Action(src, Kind.F, m), "after"),
+                (cons, Action(dst, Kind.RECV_F, m, src), Action(dst, Kind.F, m), "before"),
+                (cons, Action(dst, Kind.SEND_B, m, src), Action(dst, Kind.B, m), "after"),
+                (prod, Action(src, Kind.RECV_B, m, dst), Action(src, Kind.B, m), "before"),
+            ]
+            for rank, transfer, compute, side in needed:
+                t_at, c_at = position.get((rank, transfer)), position.get((rank, compute))
+                assert c_at is not None  # _check_work ran first
+                if t_at is None:
+                    raise _fail(schedule, f"stage edge ({src}, {dst}) needs {transfer} {side} "
+                                f"{compute} on rank {rank}", {rank: c_at})
+                if (t_at > c_at) != (side == "after"):
+                    raise _fail(schedule, f"{transfer} must come {side} {compute} on rank {rank}",
+                                {rank: t_at})
+
+
+def _check_updates(schedule: Schedule) -> None:
+    for rank, actions in schedule.actions.items():
+        expected = 0
+        for index, a in enumerate(actions):
+            if a.kind == Kind.STEP:
+                if a.microbatch != expected:
+                    raise _fail(schedule, f"rank {rank}: weight update {a} should be number "
+                                f"{expected} (updates count 0, 1, 2, ...)", {rank: index})
+                expected += 1
