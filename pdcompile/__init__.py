@@ -20,6 +20,14 @@ __all__ = [
 __version__ = "0.1.0"
 
 
+def plan(*args: Any, **kwargs: Any) -> Plan:
+    """`pdcompile.planner.plan` (defined here because the submodule `pdcompile.plan`, imported
+    above, would otherwise shadow the lazy entry point)."""
+    from pdcompile.planner import plan as _plan
+
+    return _plan(*args, **kwargs)
+
+
 def __getattr__(name: str) -> Any:
     """Lazy entry points: `plan` (partitioner), `compile` and `load` (torch side)."""
     if name == "plan":

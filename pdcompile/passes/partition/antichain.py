@@ -1,0 +1,196 @@
+"""PipeDream's antichain linearisation of a DAG (Narayanan et al., SOSP 2019, section 3.1).
+
+A branching graph cannot be cut by a single index, so PipeDream plans over *states*: each state is
+a downset (a set of nodes closed under predecessors) named by its antichain of maximal nodes. A
+stage is the difference of two nested states, which is always convex (no edge leaves it and comes
+back). The states are generated as PipeDream does: start from the first source, and repeatedly
+replace a node of the *augmented* antichain (the antichain plus the ancestors whose outputs are
+still needed outside their own branch) by one of its successors. The augmented antichain's output
+bytes are what PipeDream charges for a cut there.
+
+Downsets are Python ints used as bitsets over the nodes in topological order.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import networkx as nx
+
+from pdcompile.costgraph import topological_order, validate
+from pdcompile.errors import CostGraphError
+
+
+@dataclass(frozen=True)
+class AntichainStates:
+    """The states of a graph, sorted by downset size; state 0 is the empty set, the last is all.
+
+    `downsets[s]`: bitset of nodes (bit i = `order[i]`) in state s. `frontier[s]`: node indices of
+    the augmented antichain (PipeDream's `states[s].antichain`). `reach[s]`: bitset over states of
+    the states from which s is reachable in PipeDream's antichain DAG (the empty state reaches all).
+    """
+
+    order: tuple[str, ...]
+    downsets: tuple[int, ...]
+    frontier: tuple[tuple[int, ...], ...]
+    reach: tuple[int, ...]
+
+    def __len__(self) -> int:
+        return len(self.downsets)
+
+    def members(self, state: int) -> list[int]:
+        """Node indices in a state's downset."""
+        bits, out, i = self.downsets[state], [], 0
+        while bits:
+            if bits & 1:
+                out.append(i)
+            bits >>= 1
+            i += 1
+        return out
+
+    def stage_nodes(self, before: int, after: int) -> list[str]:
+        """Node ids of the stage between two nested states, in topological order."""
+        bits = self.downsets[after] & ~self.downsets[before]
+        return [self.order[i] for i in range(len(self.order)) if bits >> i & 1]
+
+
+def antichain_states(graph: nx.DiGraph, *, complete: bool = False,
+                     max_states: int = 20000) -> AntichainStates:
+    """Enumerate PipeDream's antichain states of `graph` (see the module docstring).
+
+    With `complete=True`, every downset instead (so that a DP over them is exact over all convex
+    stage sequences; PipeDream's generation can miss some). `reach` is then the strict-subset
+    relation. Raises CostGraphError when the graph has more than `max_states` states (coarsen it
+    first).
+    """
+    validate(graph)
+    order = tuple(topological_order(graph))
+    index = {node: i for i, node in enumerate(order)}
+    n = len(order)
+    succ = [[index[v] for v in graph.successors(u)] for u in order]
+    pred = [[index[u] for u in graph.predecessors(v)] for v in order]
+    anc = [0] * n  # strict ancestors
+    for v in range(n):
+        for u in pred[v]:
+            anc[v] |= anc[u] | (1 << u)
+    desc = [0] * n  # strict descendants
+    for u in reversed(range(n)):
+        for v in succ[u]:
+            desc[u] |= desc[v] | (1 << v)
+    out_bits = [sum(1 << v for v in succ[u]) for u in range(n)]
+
+    def augment(antichain: frozenset[int]) -> tuple[int, ...]:
+        extra: set[int] = set()
+        for a in antichain:
+            keep = anc[a] | (1 << a)
+            bits = anc[a]
+            while bits:
+                low = bits & -bits
+                p = low.bit_length() - 1
+                bits ^= low
+                if out_bits[p] & ~keep:
+                    extra.add(p)
+        return tuple(sorted(extra | antichain))
+
+    def deaugment(nodes: list[int]) -> frozenset[int]:
+        present = 0
+        for x in nodes:
+            present |= 1 << x
+        return frozenset(x for x in nodes if not desc[x] & present)
+
+    if complete:
+        return _all_downsets(graph, order, pred, anc, succ, max_states)
+    sources = [i for i in range(n) if not pred[i]]
+    first = [index[node] for node in graph.nodes if not pred[index[node]]][0] if sources else 0
+    start = frozenset([first])
+    augmented: dict[frozenset[int], tuple[int, ...]] = {start: augment(start)}
+    parents: dict[frozenset[int], set[frozenset[int]]] = {start: set()}
+    queue: deque[frozenset[int]] = deque([start])
+    expanded: set[frozenset[int]] = set()
+    while queue:
+        antichain = queue.popleft()
+        if antichain in expanded:
+            continue
+        expanded.add(antichain)
+        aug = augmented[antichain]
+        aug_bits = sum(1 << x for x in aug)
+        for x in aug:
+            for y in succ[x]:
+                if y in antichain or desc[y] & aug_bits:
+                    continue
+                nxt = deaugment([y if z == x else z for z in aug])
+                if nxt not in augmented:
+                    if len(augmented) >= max_states:
+                        raise CostGraphError(
+                            f"graph {graph.graph.get('name', '')!r} has more than {max_states} "
+                            "antichain states; coarsen it first (costgraph.coarsen) or use the "
+                            "CP-SAT planner")
+                    augmented[nxt] = augment(nxt)
+                    parents[nxt] = set()
+                parents[nxt].add(antichain)
+                queue.append(nxt)
+
+    def downset(antichain: frozenset[int]) -> int:
+        bits = 0
+        for a in antichain:
+            bits |= anc[a] | (1 << a)
+        return bits
+
+    keyed = sorted(augmented, key=lambda a: (bin(downset(a)).count("1"), sorted(a)))
+    position = {a: i + 1 for i, a in enumerate(keyed)}
+    downsets = [0] + [downset(a) for a in keyed]
+    frontier: list[tuple[int, ...]] = [()] + [augmented[a] for a in keyed]
+    reach = [0] * (len(keyed) + 1)
+    for a in keyed:
+        s = position[a]
+        bits = 1  # the empty state precedes everything
+        for p in parents[a]:
+            bits |= reach[position[p]] | (1 << position[p])
+        reach[s] = bits
+    full = (1 << n) - 1
+    if downsets[-1] != full:
+        # Graphs whose last state is not everything (several sinks that no antichain joins)
+        # get a final state holding all nodes, reachable from every state.
+        downsets.append(full)
+        frontier.append(tuple(i for i in range(n) if not succ[i]))
+        reach.append((1 << len(downsets) - 1) - 1)
+    return AntichainStates(order=order, downsets=tuple(downsets), frontier=tuple(frontier),
+                           reach=tuple(reach))
+
+
+def _too_many(graph: nx.DiGraph, max_states: int) -> CostGraphError:
+    return CostGraphError(
+        f"graph {graph.graph.get('name', '')!r} has more than {max_states} antichain states; "
+        "coarsen it first (costgraph.coarsen) or use the CP-SAT planner")
+
+
+def _all_downsets(graph: nx.DiGraph, order: tuple[str, ...], pred: list[list[int]],
+                  anc: list[int], succ: list[list[int]], max_states: int) -> AntichainStates:
+    n = len(order)
+    need = [sum(1 << u for u in pred[v]) for v in range(n)]
+    seen = {0}
+    frontier_sets = [0]
+    while frontier_sets:
+        nxt = []
+        for bits in frontier_sets:
+            for v in range(n):
+                if not bits >> v & 1 and need[v] & bits == need[v]:
+                    grown = bits | (1 << v)
+                    if grown not in seen:
+                        if len(seen) >= max_states:
+                            raise _too_many(graph, max_states)
+                        seen.add(grown)
+                        nxt.append(grown)
+        frontier_sets = nxt
+    downsets = sorted(seen, key=lambda b: (bin(b).count("1"), b))
+    frontier = []
+    for bits in downsets:
+        frontier.append(tuple(u for u in range(n) if bits >> u & 1
+                              and any(not bits >> v & 1 for v in succ[u])))
+    reach = []
+    for bits in downsets:
+        reach.append(sum(1 << i for i, other in enumerate(downsets)
+                         if other != bits and other & bits == other))
+    return AntichainStates(order=order, downsets=tuple(downsets), frontier=tuple(frontier),
+                           reach=tuple(reach))

@@ -1,0 +1,238 @@
+"""The cost of a pipeline plan: per-stage compute, weight sync, communication, memory, time.
+
+One function, `evaluate`, prices a plan for every planner and every report. Two models:
+
+* ``"pipedream"``: exactly the model of PipeDream's optimizer (Narayanan et al., SOSP 2019;
+  ``optimizer_graph_hierarchical.py``). A stage of T seconds of fwd+bwd and P parameter bytes on
+  r replicas costs ``(T + 4 (r-1) P / (B r)) / r`` (the all-reduce is added to compute, not
+  overlapped); a cut with O output bytes costs ``2 O / (B r)`` on each side of it (r: that side's
+  replicas) and the stage time is the maximum of the three. O is the activation bytes of the
+  cut's *augmented antichain* (see antichain.py). `Input` sources and unused `__getitem__` sinks
+  are dropped first, as the original does. Memory: ``ceil(D / r) (act + P)`` with D the workers
+  downstream of the stage (the original's stash estimate).
+
+* ``"native"``: our best honest model of this project's runtime. Gradient sync is a ring
+  all-reduce among the replicas, ``2 (r-1)/r P / B + 2 (r-1) latency``, done once per round of r
+  minibatches and not overlapped with compute (the ALLREDUCE action blocks its rank). Point-to-point
+  sends are asynchronous, so a stage's network time overlaps its compute: stage time =
+  ``max(compute + sync, comm)``, with ``comm`` = bytes the stage receives plus sends per minibatch
+  (every edge crossing its boundary, skip connections included, each at the bandwidth of the
+  cluster level between the two stages' ranks; links are full duplex, activations one way and
+  gradients the other) plus one latency per tensor, divided by r. Memory per worker for 1F1B:
+  ``n (P + keep) + P (gradients) + optimizer_state * P`` with n = ceil((r + D) / r) minibatches in
+  flight (weight versions stashed = n); flush schedules keep one weight version and min(n, M) of
+  M microbatches. Flush schedules also pay the pipeline bubble, (M + S - 1) / M.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import networkx as nx
+
+from pdcompile.cluster import Cluster
+from pdcompile.costgraph import edge_bytes
+from pdcompile.errors import PlanError
+from pdcompile.plan import Stage
+
+COST_MODELS = ("native", "pipedream")
+SCHEDULES = ("1f1b", "1f1b-flush", "gpipe", "2bw")
+OPTIMIZER_STATE = 2.0  # bytes of optimizer state per parameter byte (Adam: two moments)
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """What `evaluate` and the planners need besides the graph and the cluster."""
+
+    cost_model: str = "native"
+    schedule: str = "1f1b"
+    microbatches: int = 1
+    optimizer_state: float = OPTIMIZER_STATE
+
+    def __post_init__(self) -> None:
+        if self.cost_model not in COST_MODELS:
+            raise PlanError(f"unknown cost model {self.cost_model!r}; use one of {COST_MODELS}")
+        if self.schedule not in SCHEDULES:
+            raise PlanError(f"unknown schedule {self.schedule!r}; use one of {SCHEDULES}")
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise PlanError(f"microbatches must be a positive integer (got {self.microbatches!r})")
+
+
+# ------------------------------------------------------------------------------ primitives
+def in_flight(replicas: int, downstream: int, options: ModelOptions) -> float:
+    """Minibatches (or microbatch fractions of one) whose activations a worker keeps at once."""
+    if options.cost_model == "pipedream":
+        return float(math.ceil(downstream / replicas))
+    depth = math.ceil((replicas + downstream) / replicas)
+    if options.schedule in ("1f1b", "2bw"):
+        return float(depth)
+    if options.schedule == "gpipe":
+        return 1.0
+    return min(depth, options.microbatches) / options.microbatches
+
+
+def weight_versions(replicas: int, downstream: int, options: ModelOptions) -> float:
+    """Copies of a stage's weights a worker holds (weight stashing)."""
+    if options.schedule == "1f1b":
+        return float(math.ceil((replicas + downstream) / replicas))
+    if options.schedule == "2bw":
+        return 2.0
+    return 1.0
+
+
+def stage_memory(params: float, keep: float, replicas: int, downstream: int,
+                 options: ModelOptions) -> float:
+    """Bytes per worker of a stage with `params` weight bytes and `keep` activation bytes."""
+    flight = in_flight(replicas, downstream, options)
+    if options.cost_model == "pipedream":
+        return flight * (keep + params)
+    versions = weight_versions(replicas, downstream, options)
+    return versions * params + params * (1.0 + options.optimizer_state) + flight * keep
+
+
+def sync_seconds(params: float, replicas: int, bandwidth: float, latency: float,
+                 options: ModelOptions) -> float:
+    """Weight-sync time per minibatch of a stage replicated `replicas` ways."""
+    if replicas <= 1:
+        return 0.0
+    r = replicas
+    if options.cost_model == "pipedream":
+        return 4.0 * (r - 1) * params / (bandwidth * r) / r
+    ring = 2.0 * (r - 1) / r * params / bandwidth + 2.0 * (r - 1) * latency
+    return ring / r
+
+
+def bubble(stages: int, options: ModelOptions) -> float:
+    """Factor on the slowest stage for flush schedules (1 for asynchronous ones)."""
+    if options.cost_model == "native" and options.schedule in ("1f1b-flush", "gpipe"):
+        return (options.microbatches + stages - 1) / options.microbatches
+    return 1.0
+
+
+# ------------------------------------------------------------------------------ pipedream graph
+def pipedream_view(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
+    """The graph PipeDream's optimizer plans over: `Input*` sources and unused `__getitem__` sinks
+    removed. Returns it and a map removed node -> the node whose stage it joins."""
+    view = graph.copy()
+    attach: dict[str, str] = {}
+    for node in list(view.nodes):
+        if view.in_degree(node) == 0 and str(view.nodes[node].get("label", "")).startswith("Input"):
+            succ = list(view.successors(node))
+            if succ and view.number_of_nodes() > 1:
+                attach[node] = succ[0]
+                view.remove_node(node)
+    for node in list(view.nodes):
+        if (view.out_degree(node) == 0 and view.number_of_nodes() > 1
+                and str(view.nodes[node].get("label", "")).startswith("__getitem__")):
+            preds = list(view.predecessors(node))
+            if preds:
+                attach[node] = preds[0]
+                view.remove_node(node)
+    for node, target in list(attach.items()):  # chains of removed nodes
+        while target in attach:
+            target = attach[target]
+        attach[node] = target
+    return view, attach
+
+
+def augmented_frontier(graph: nx.DiGraph, downset: set[str]) -> set[str]:
+    """PipeDream's augmented antichain of a downset: its maximal nodes plus each maximal node's
+    ancestors that feed something outside that maximal node's own ancestry."""
+    maximal = [n for n in downset if not any(s in downset for s in graph.successors(n))]
+    out: set[str] = set(maximal)
+    for a in maximal:
+        ancestors = nx.ancestors(graph, a)
+        for p in ancestors:
+            if any(s not in ancestors and s != a for s in graph.successors(p)):
+                out.add(p)
+    return out
+
+
+# ------------------------------------------------------------------------------ evaluate
+def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+             cluster: Cluster, *, options: ModelOptions, memory: float | None = None,
+             ) -> tuple[tuple[Stage, ...], float]:
+    """Price a plan given as (nodes, ranks) per stage in pipeline order.
+
+    Returns the priced stages and the predicted time per minibatch (the slowest stage, times the
+    bubble factor for flush schedules). Nodes of `graph` missing from every stage raise PlanError.
+    """
+    stage_of: dict[str, int] = {}
+    for i, (nodes, _) in enumerate(stages):
+        for node in nodes:
+            stage_of[node] = i
+    missing = [n for n in graph.nodes if n not in stage_of]
+    if missing:
+        raise PlanError(f"plan leaves nodes unassigned: {missing[:5]}")
+    for u, v in graph.edges:
+        if stage_of[u] > stage_of[v]:
+            raise PlanError(f"edge {u} -> {v} goes from stage {stage_of[u]} back to stage "
+                            f"{stage_of[v]}; stages must be convex")
+    if options.cost_model == "pipedream":
+        view, _ = pipedream_view(graph)
+    else:
+        view = graph
+    count = len(stages)
+    ranks = [tuple(r) for _, r in stages]
+    workers_after = [sum(len(ranks[j]) for j in range(i + 1, count)) for i in range(count)]
+    compute = [0.0] * count
+    params = [0.0] * count
+    keep = [0.0] * count
+    for node, data in view.nodes(data=True):
+        i = stage_of[node]
+        compute[i] += float(data["fwd"]) + float(data["bwd"])
+        params[i] += float(data["params"])
+        keep[i] += float(data["act"] if options.cost_model == "pipedream"
+                         else data.get("keep", data["act"]))
+    comm = [0.0] * count
+    if options.cost_model == "pipedream":
+        prefix: set[str] = set()
+        for i in range(count - 1):
+            prefix |= {n for n in stages[i][0] if n in view}
+            cut = sum(float(view.nodes[n]["act"]) for n in augmented_frontier(view, prefix))
+            level = cluster.slowest_level_of(list(ranks[i]) + list(ranks[i + 1]))
+            bw = cluster.levels[level].bandwidth
+            comm[i] = max(comm[i], 2.0 * cut / (bw * len(ranks[i])))
+            comm[i + 1] = max(comm[i + 1], 2.0 * cut / (bw * len(ranks[i + 1])))
+    else:
+        for u, v in view.edges:
+            a, c = stage_of[u], stage_of[v]
+            if a == c:
+                continue
+            level = cluster.slowest_level_of(list(ranks[a]) + list(ranks[c]))
+            lv = cluster.levels[level]
+            seconds = edge_bytes(view, u, v) / lv.bandwidth + lv.latency
+            comm[a] += seconds / len(ranks[a])
+            comm[c] += seconds / len(ranks[c])
+    priced = []
+    for i in range(count):
+        r = len(ranks[i])
+        lv = cluster.levels[cluster.slowest_level_of(ranks[i])]
+        sync = sync_seconds(params[i], r, lv.bandwidth, lv.latency, options)
+        work = compute[i] / r + sync
+        mem = stage_memory(params[i], keep[i], r, workers_after[i], options)
+        priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
+                            compute=compute[i] / r, sync=sync, comm=comm[i], memory=mem,
+                            time=max(work, comm[i])))
+    slowest = max(s.time for s in priced)
+    return tuple(priced), slowest * bubble(count, options)
+
+
+def data_parallel_time(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions) -> float:
+    """Time per minibatch of plain data parallelism over every worker of the cluster."""
+    view = pipedream_view(graph)[0] if options.cost_model == "pipedream" else graph
+    total = sum(float(d["fwd"]) + float(d["bwd"]) for _, d in view.nodes(data=True))
+    params = sum(float(d["params"]) for _, d in view.nodes(data=True))
+    if options.cost_model == "pipedream":
+        # The original's recursion: each level all-reduces, divided by the workers inside.
+        time, inside = total, 1
+        for level in cluster.levels:
+            n = level.workers
+            time = (time + 4.0 * (n - 1) * params / (level.bandwidth * n) / inside) / n
+            inside = n
+        return time
+    workers = cluster.workers
+    lv = cluster.levels[cluster.slowest_level_of(list(range(workers)))]
+    return total / workers + sync_seconds(params, workers, lv.bandwidth, lv.latency, options)

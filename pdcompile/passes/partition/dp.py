@@ -1,0 +1,357 @@
+"""PipeDream's dynamic program over antichain states (Narayanan et al., SOSP 2019, section 3.1).
+
+Both cost models run the recurrence "best pipeline for a piece of the graph on m workers = min over
+the last stage's start state k and replicas r of max(best pipeline before k on m - r workers,
+the last stage's time)". The states are those of antichain.py, so branching graphs work.
+
+* `pipedream_dp` reproduces the original optimizer: front to back, one level per cluster level
+  (the level below's best pipeline on all its workers is the "compute time" of a segment at the
+  level above), all workers used, optional memory constraint and straight option.
+* `native_dp` prices stages with the native model of costmodel.py, back to front (so that a
+  stage knows the workers downstream of it, which its memory depends on) and over rank positions
+  (contiguous ranks: the cluster level that each stage's replicas and its boundaries span is known,
+  so one pass covers every level of the hierarchy).
+
+Both are vectorised with numpy over (successor state, workers, replicas).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import networkx as nx
+import numpy as np
+
+from pdcompile.cluster import Cluster
+from pdcompile.costgraph import edge_bytes
+from pdcompile.errors import PlanError
+from pdcompile.passes.partition.antichain import AntichainStates
+from pdcompile.passes.partition.costmodel import ModelOptions
+
+INF = float("inf")
+
+
+@dataclass(frozen=True)
+class DPStage:
+    """One stage found by a DP: between states `before` and `after`, on these ranks."""
+
+    before: int
+    after: int
+    ranks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class DPResult:
+    """Stages in pipeline order and the DP's own objective (seconds per minibatch)."""
+
+    stages: tuple[DPStage, ...]
+    objective: float
+
+
+# ------------------------------------------------------------------------------ state tables
+@dataclass(frozen=True)
+class StateTables:
+    """Per-state cumulative sums and per-pair boundary traffic (numpy arrays)."""
+
+    compute: np.ndarray  # [s] fwd+bwd seconds of the downset
+    params: np.ndarray  # [s] parameter bytes of the downset
+    keep: np.ndarray  # [s] activation bytes the backward keeps (native) / act (pipedream)
+    act: np.ndarray  # [s] act bytes of the downset (pipedream's stash estimate)
+    frontier: np.ndarray  # [s] PipeDream cut bytes: act of the augmented antichain
+    cut: np.ndarray  # [s] bytes on edges leaving the downset
+    cut_msgs: np.ndarray  # [s] edges leaving the downset
+    skip: np.ndarray  # [k, j] bytes on edges from downset k to outside downset j
+    skip_msgs: np.ndarray  # [k, j]
+    valid: np.ndarray  # [k, j] bool: a stage may span (k, j]
+
+
+def state_tables(graph: nx.DiGraph, states: AntichainStates) -> StateTables:
+    """Tables of `states` over `graph` (node attributes as in costgraph)."""
+    order = states.order
+    n, s = len(order), len(states)
+    member = np.zeros((s, n), dtype=np.float64)
+    for i in range(s):
+        bits = states.downsets[i]
+        member[i] = [(bits >> v) & 1 for v in range(n)]
+    node = [graph.nodes[x] for x in order]
+    comp = np.array([float(d["fwd"]) + float(d["bwd"]) for d in node])
+    par = np.array([float(d["params"]) for d in node])
+    act = np.array([float(d["act"]) for d in node])
+    keep = np.array([float(d.get("keep", d["act"])) for d in node])
+    index = {x: i for i, x in enumerate(order)}
+    edges = list(graph.edges)
+    src = np.array([index[u] for u, _ in edges], dtype=np.int64)
+    dst = np.array([index[v] for _, v in edges], dtype=np.int64)
+    w = np.array([edge_bytes(graph, u, v) for u, v in edges])
+    if edges:
+        out_src = member[:, src]  # [s, e] source inside
+        outside_dst = 1.0 - member[:, dst]  # [s, e] destination outside
+        cut = (out_src * outside_dst) @ w
+        cut_msgs = (out_src * outside_dst).sum(axis=1)
+        skip = (out_src * w) @ outside_dst.T
+        skip_msgs = out_src @ outside_dst.T
+    else:
+        cut = cut_msgs = np.zeros(s)
+        skip = skip_msgs = np.zeros((s, s))
+    frontier = np.array([sum(act[v] for v in states.frontier[i]) for i in range(s)])
+    valid = np.zeros((s, s), dtype=bool)
+    for j in range(s):
+        bits = states.reach[j]
+        valid[[k for k in range(s) if bits >> k & 1], j] = True
+    return StateTables(compute=member @ comp, params=member @ par, keep=member @ keep,
+                       act=member @ act, frontier=frontier, cut=cut, cut_msgs=cut_msgs,
+                       skip=skip, skip_msgs=skip_msgs, valid=valid)
+
+
+# ------------------------------------------------------------------------------ native
+def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
+              memory: float | None, straight: bool = False) -> DPResult:
+    """Best plan under the native model using every worker (straight: one worker per stage,
+    as many stages as workers if the graph allows, fewer otherwise).
+
+    Raises PlanError when no plan fits `memory` bytes per worker.
+    """
+    n = cluster.workers
+    s = len(tables.compute)
+    last = s - 1
+    # coefficient grids over (m workers for this stage and the rest, r replicas of this stage)
+    m_idx, r_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    ok = (r_idx >= 1) & (r_idx <= m_idx)
+    if straight:
+        ok &= r_idx == 1
+    r_safe = np.maximum(r_idx, 1).astype(np.float64)
+    sync_a = np.zeros((n + 1, n + 1))
+    sync_b = np.zeros((n + 1, n + 1))
+    in_a = np.zeros((n + 1, n + 1))
+    in_l = np.zeros((n + 1, n + 1))
+    out_a = np.zeros((n + 1, n + 1))
+    out_l = np.zeros((n + 1, n + 1))
+    flight = np.zeros((n + 1, n + 1))
+    versions = np.zeros((n + 1, n + 1))
+    from pdcompile.passes.partition.costmodel import in_flight, weight_versions
+
+    for m in range(1, n + 1):
+        start = n - m
+        for r in range(1, m + 1):
+            end = start + r - 1
+            lv = cluster.levels[cluster.link_level(start, end)]
+            if r > 1:
+                sync_a[m, r] = 2.0 * (r - 1) / r / lv.bandwidth / r
+                sync_b[m, r] = 2.0 * (r - 1) * lv.latency / r
+            if start > 0:
+                li = cluster.levels[cluster.link_level(start - 1, end)]
+                in_a[m, r], in_l[m, r] = 1.0 / (li.bandwidth * r), li.latency / r
+            if m > r:
+                lo = cluster.levels[cluster.link_level(start, end + 1)]
+                out_a[m, r], out_l[m, r] = 1.0 / (lo.bandwidth * r), lo.latency / r
+            flight[m, r] = in_flight(r, m - r, options)
+            versions[m, r] = weight_versions(r, m - r, options)
+    prev = np.clip(m_idx - r_idx, 0, n)
+    mem_limit = INF if memory is None else memory
+    opt = 1.0 + options.optimizer_state
+
+    best = np.full((s, n + 1), INF)
+    best[last, 0] = 0.0
+    choice_j = np.full((s, n + 1), -1, dtype=np.int64)
+    choice_r = np.zeros((s, n + 1), dtype=np.int64)
+    for k in range(last - 1, -1, -1):
+        js = np.nonzero(tables.valid[k])[0]
+        if js.size == 0:
+            continue
+        t = (tables.compute[js] - tables.compute[k])[:, None, None]
+        p = (tables.params[js] - tables.params[k])[:, None, None]
+        kp = (tables.keep[js] - tables.keep[k])[:, None, None]
+        skip = tables.skip[k, js]
+        skip_m = tables.skip_msgs[k, js]
+        inb = (tables.cut[k] - skip)[:, None, None]
+        outb = (tables.cut[js] - skip)[:, None, None]
+        inm = (tables.cut_msgs[k] - skip_m)[:, None, None]
+        outm = (tables.cut_msgs[js] - skip_m)[:, None, None]
+        work = t / r_safe + p * sync_a + sync_b
+        comm = inb * in_a + inm * in_l + outb * out_a + outm * out_l
+        stage = np.maximum(work, comm)
+        mem = p * (versions + opt) + kp * flight
+        rest = best[js][:, prev]  # [j, m, r] best of what follows with m - r workers
+        cand = np.maximum(stage, rest)
+        cand = np.where(ok[None] & (mem <= mem_limit), cand, INF)
+        flat = cand.transpose(1, 0, 2).reshape(n + 1, -1)  # [m, j*r]
+        arg = np.argmin(flat, axis=1)
+        val = flat[np.arange(n + 1), arg]
+        better = val < best[k]
+        best[k] = np.where(better, val, best[k])
+        choice_j[k] = np.where(better, js[arg // (n + 1)], choice_j[k])
+        choice_r[k] = np.where(better, arg % (n + 1), choice_r[k])
+    if straight:
+        used = int(np.argmin(best[0]))
+        if not math.isfinite(best[0, used]):
+            used = n
+    else:
+        used = n
+    if not math.isfinite(best[0, used]):
+        raise PlanError("no plan fits")  # the planner turns this into an actionable message
+    stages = []
+    k, m = 0, used
+    while k != last:
+        j, r = int(choice_j[k, m]), int(choice_r[k, m])
+        start = used - m
+        stages.append(DPStage(before=k, after=j, ranks=tuple(range(start, start + r))))
+        k, m = j, m - r
+    return DPResult(stages=tuple(stages), objective=float(best[0, used]))
+
+
+def native_min_memory(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
+                      straight: bool = False) -> float:
+    """The smallest per-worker memory under which `native_dp` finds any plan."""
+    return _min_memory(lambda mem: native_dp(tables, cluster, options=options, memory=mem,
+                                             straight=straight), tables)
+
+
+def _min_memory(solve: object, tables: StateTables) -> float:
+    assert callable(solve)
+    hi = float(tables.params[-1] * 8 + tables.keep[-1] * 64 + tables.act[-1] * 64 + 1.0)
+    try:
+        solve(hi)
+    except PlanError:
+        return INF
+    lo = 0.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        try:
+            solve(mid)
+            hi = mid
+        except PlanError:
+            lo = mid
+        if hi - lo <= 1e-4 * hi:
+            break
+    return hi
+
+
+# ------------------------------------------------------------------------------ pipedream
+def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
+                 straight: bool = False) -> DPResult:
+    """The original optimizer's hierarchical recurrence (see the module docstring).
+
+    `memory` None means no memory constraint (the original's default); otherwise its
+    stash estimate must fit. Levels are the cluster's, innermost first.
+    """
+    s = len(tables.compute)
+    last = s - 1
+    levels = cluster.levels
+    seg = tables.compute[None, :] - tables.compute[:, None]  # [a, j] fwd+bwd of (a, j]
+    seg = np.where(tables.valid, seg, INF)
+    seg[0] = np.where(np.arange(s) > 0, tables.compute, INF)
+    tables_levels = []
+    inside = 1
+    for depth, level in enumerate(levels):
+        final = depth == len(levels) - 1
+        starts = np.array([0]) if final else np.arange(s)
+        table = _pd_level(tables, seg, starts, level.workers, level.bandwidth, inside, memory,
+                          straight)
+        tables_levels.append((starts, table))
+        if not final:
+            full = table[0][:, :, level.workers]  # [a, j]
+            seg = full
+        inside = level.workers
+    # walk back down: split each top-level segment with the level below
+    top_starts, (top_val, top_k, top_r) = tables_levels[-1]
+    objective = float(top_val[0, last, levels[-1].workers])
+    if not math.isfinite(objective):
+        raise PlanError("no plan fits")
+    segments = [(0, last, 1, tuple(range(cluster.workers)))]  # (a, j, replica factor, ranks)
+    for depth in range(len(levels) - 1, -1, -1):
+        starts, (val, kk, rr) = tables_levels[depth]
+        row = {int(a): i for i, a in enumerate(starts)}
+        group = cluster.group_size(depth - 1) if depth > 0 else 1  # workers per unit here
+        out = []
+        for a, j, factor, ranks in segments:
+            i = row[a]
+            pieces = []
+            m, end = levels[depth].workers, j
+            while True:
+                k, r = int(kk[i, end, m]), int(rr[i, end, m])
+                if k < 0:  # the base case: (a, end] on all m remaining units
+                    pieces.append((a, end, m))
+                    break
+                pieces.append((k, end, r))
+                end, m = k, m - r
+            pieces.reverse()
+            # ranks: this segment's units are blocks of `group` ranks; a piece on r units takes
+            # r consecutive blocks out of every copy of the segment.
+            units = [ranks[u * group:(u + 1) * group] for u in range(len(ranks) // group)]
+            per_copy = levels[depth].workers
+            copies = [units[c * per_copy:(c + 1) * per_copy] for c in range(len(units) // per_copy)]
+            offset = 0
+            for before, after, r in pieces:
+                mine = tuple(sorted(x for copy in copies for unit in copy[offset:offset + r]
+                                    for x in unit))
+                out.append((before, after, factor * r, mine))
+                offset += r
+        segments = out
+    stages = tuple(DPStage(before=a, after=j, ranks=ranks) for a, j, _, ranks in segments)
+    return DPResult(stages=stages, objective=objective)
+
+
+def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, bandwidth: float,
+              inside: int, memory: float | None, straight: bool,
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One level of the original recurrence for every start in `starts`.
+
+    Returns val[a, j, m] (best time of (a, j] on m units, INF if none), and the choice
+    k[a, j, m] (-1: one stage on all m units) and r[a, j, m] (replicas of the last stage).
+    """
+    s = len(tables.compute)
+    last = s - 1
+    na = len(starts)
+    val = np.full((na, s, n + 1), INF)
+    kk = np.full((na, s, n + 1), -1, dtype=np.int64)
+    rr = np.zeros((na, s, n + 1), dtype=np.int64)
+    mem_limit = INF if memory is None else memory
+    ms = np.arange(1, n + 1)
+    # base case: one stage (a, j] on m units
+    for i, a in enumerate(starts):
+        t = seg[a]  # [j]
+        p = tables.params - tables.params[a]
+        act = tables.act - tables.act[a]
+        for m in (ms if not straight else ms[:1]):
+            stash = math.ceil((n - m) / m) * (act + p)
+            base = (t + 4.0 * (m - 1) * p / (bandwidth * m) / inside) / m
+            base = np.where(stash <= mem_limit, base, INF)
+            val[i, :, m] = base
+    start_pos = {int(a): i for i, a in enumerate(starts)}
+    rmax = 1 if straight else n - 1
+    for j in range(1, s):
+        ks = np.nonzero(tables.valid[:, j])[0]
+        ks = ks[ks > 0]
+        if ks.size == 0:
+            continue
+        # first part (a, k] must exist: a strictly before k
+        first_ok = tables.valid[starts][:, ks] if starts.size > 1 or starts[0] != 0 else None
+        last_t = seg[ks, j]  # [k] time of (k, j] at the level below
+        p = tables.params[j] - tables.params[ks]
+        act = tables.act[j] - tables.act[ks]
+        for m in range(2, n + 1):
+            best = val[:, j, m].copy()
+            bk = kk[:, j, m].copy()
+            br = rr[:, j, m].copy()
+            for r in range(1, min(rmax, m - 1) + 1):
+                stash = math.ceil((n - m) / r) * (act + p)
+                stage = (last_t + 4.0 * (r - 1) * p / (bandwidth * r)) / r
+                in_t = 2.0 * tables.frontier[ks] / (bandwidth * r)
+                stage = np.maximum(stage, in_t)
+                if j < last:
+                    stage = np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * r))
+                stage = np.where(stash <= mem_limit, stage, INF)
+                first = val[:, ks, m - r]  # [a, k]
+                if first_ok is not None:
+                    first = np.where(first_ok, first, INF)
+                cand = np.maximum(first, stage[None, :])
+                arg = np.argmin(cand, axis=1)
+                v = cand[np.arange(na), arg]
+                better = v < best
+                best = np.where(better, v, best)
+                bk = np.where(better, ks[arg], bk)
+                br = np.where(better, r, br)
+            val[:, j, m], kk[:, j, m], rr[:, j, m] = best, bk, br
+    del start_pos
+    return val, kk, rr

@@ -1,0 +1,226 @@
+"""`pdcompile.plan`: choose stages, replicas and ranks for a CostGraph on a Cluster.
+
+The entry point of the partitioner (passes/partition): validates the input, picks the antichain
+states (coarsening big graphs first), runs PipeDream's dynamic program, optionally improves or
+verifies it with the exact CP-SAT model, and prices the result with the one cost model.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+import networkx as nx
+
+from pdcompile.cluster import Cluster, Level
+from pdcompile.costgraph import coarsen, topological_order, validate
+from pdcompile.errors import CostGraphError, PlanError
+from pdcompile.plan import Plan, Stage
+from pdcompile.units import format_bytes, parse_quantity
+
+PLANNERS = ("auto", "dp", "ilp")
+ILP_AUTO_NODES = 60  # "auto" runs CP-SAT after the DP on graphs this small (after coarsening)
+ILP_DEFAULT_LIMIT = 10.0  # seconds
+
+
+def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
+         cost_model: str = "native", straight: bool = False, memory: float | str | None = None,
+         time_limit: float | None = None, schedule: str = "1f1b", microbatches: int = 1,
+         progress: bool = False) -> Plan:
+    """Partition `cost_graph` over `cluster` and return the Plan (see pdcompile.plan.Plan).
+
+    planner: "dp" (PipeDream's dynamic program), "ilp" (DP, then the exact CP-SAT model warm-started
+    from it), "auto" (CP-SAT only when the graph is small). cost_model: "native" or "pipedream"
+    (the original optimizer's model; it applies a memory constraint only when `memory` is given,
+    as the original does with --use_memory_constraint). memory: bytes per worker (or "16GiB"),
+    default the cluster device's memory. time_limit: seconds for CP-SAT (default 10).
+    """
+    from pdcompile.passes.partition.costmodel import ModelOptions, data_parallel_time, evaluate
+
+    started = time.perf_counter()
+    if planner not in PLANNERS:
+        raise PlanError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    if not isinstance(cluster, Cluster):
+        raise PlanError(f"cluster must be a pdcompile.Cluster or a cluster string, not "
+                        f"{type(cluster).__name__}")
+    validate(cost_graph)
+    options = ModelOptions(cost_model=cost_model, schedule=schedule, microbatches=microbatches)
+    limit = _memory(memory, cluster, cost_model)
+    if time_limit is not None and not time_limit > 0:
+        raise PlanError(f"time_limit must be > 0 seconds (got {time_limit!r})")
+
+    work, attach = _planning_graph(cost_graph, cost_model)
+    dp_stages, states_kind, mapping, dp_objective = _run_dp(work, cluster, options, limit,
+                                                            straight, cost_graph)
+    nodes_ranks = _expand(dp_stages, mapping, attach, cost_graph)
+    priced, predicted = evaluate(cost_graph, nodes_ranks, cluster, options=options, memory=limit)
+    extra: dict[str, Any] = {"states": states_kind, "memory_limit": limit}
+    objective = predicted
+    if cost_model == "pipedream" and len(cluster.levels) > 1:
+        # The original's hierarchical objective is recursive (a level's stage time is the best
+        # pipeline of the level below); it is what the original reports, so we report it too.
+        extra["flattened_time"] = predicted
+        objective = dp_objective
+    result = Plan(stages=priced, time_per_minibatch=objective,
+                  dp_time=data_parallel_time(cost_graph, cluster, options=options),
+                  workers=cluster.workers, cost_model=cost_model, planner="dp",
+                  status="OPTIMAL" if states_kind == "all downsets" else "HEURISTIC",
+                  bound=None, solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra)
+    use_ilp = planner == "ilp" or (planner == "auto" and work.number_of_nodes() <= ILP_AUTO_NODES)
+    if use_ilp and not straight:
+        from pdcompile.passes.partition.ilp import improve
+
+        result = improve(cost_graph, cluster, result, options=options, memory=limit,
+                         time_limit=time_limit or ILP_DEFAULT_LIMIT, progress=progress)
+    return replace(result, solve_seconds=time.perf_counter() - started)
+
+
+# ------------------------------------------------------------------------------ helpers
+def _memory(memory: float | str | None, cluster: Cluster, cost_model: str) -> float | None:
+    if memory is None:
+        return None if cost_model == "pipedream" else float(cluster.device.memory)
+    try:
+        value = parse_quantity(memory, "bytes")
+    except (ValueError, TypeError) as err:
+        raise PlanError(f"memory {memory!r}: {err}") from None
+    if not value > 0 or math.isinf(value):
+        raise PlanError(f"memory per worker must be a positive number of bytes (got {memory!r}); "
+                        "write e.g. memory='16GiB'")
+    return value
+
+
+def _planning_graph(graph: nx.DiGraph, cost_model: str) -> tuple[nx.DiGraph, dict[str, str]]:
+    if cost_model == "pipedream":
+        from pdcompile.passes.partition.costmodel import pipedream_view
+
+        return pipedream_view(graph)
+    return graph, {}
+
+
+MAX_COMPLETE_STATES = 2500
+MAX_STATES = 6000
+
+
+def _states_for(work: nx.DiGraph, cost_model: str) -> tuple[Any, str, dict[str, list[str]]]:
+    """Antichain states of `work` (coarsened when needed) and how they were obtained."""
+    from pdcompile.passes.partition.antichain import antichain_states
+
+    identity = {node: [node] for node in work.nodes}
+    if cost_model == "native":
+        try:
+            return antichain_states(work, complete=True, max_states=MAX_COMPLETE_STATES), \
+                "all downsets", identity
+        except CostGraphError:
+            pass
+    try:
+        return antichain_states(work, max_states=MAX_STATES), "pipedream antichains", identity
+    except CostGraphError:
+        pass
+    target = work.number_of_nodes()
+    while target > 2:
+        target = max(2, target * 2 // 3)
+        coarse, mapping = coarsen(work, target=target)
+        try:
+            states = antichain_states(coarse, max_states=MAX_STATES)
+            return states, f"pipedream antichains of {coarse.number_of_nodes()} coarse blocks", \
+                mapping
+        except CostGraphError:
+            continue
+    raise CostGraphError(f"graph {work.graph.get('name', '')!r} is too branched for the DP even "
+                         "after coarsening; use planner='ilp'")
+
+
+def _run_dp(work: nx.DiGraph, cluster: Cluster, options: Any, limit: float | None,
+            straight: bool, original: nx.DiGraph,
+            ) -> tuple[Any, str, dict[str, list[str]], float]:
+    from pdcompile.passes.partition.dp import native_dp, pipedream_dp, state_tables
+
+    states, kind, mapping = _states_for(work, options.cost_model)
+    graph = work
+    if any(len(v) > 1 for v in mapping.values()):
+        graph = coarsen(work, target=len(mapping))[0]
+    tables = state_tables(graph, states)
+    try:
+        if options.cost_model == "pipedream":
+            result = pipedream_dp(tables, cluster, memory=limit, straight=straight)
+        else:
+            result = native_dp(tables, cluster, options=options, memory=limit, straight=straight)
+    except PlanError:
+        raise _no_fit(original, cluster, options, limit, straight) from None
+    stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
+    return stages, kind, mapping, result.objective
+
+
+def _expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, list[str]],
+            attach: dict[str, str], graph: nx.DiGraph) -> list[tuple[list[str], tuple[int, ...]]]:
+    stage_of = {}
+    for i, (nodes, _) in enumerate(stages):
+        for block in nodes:
+            for node in mapping.get(block, [block]):
+                stage_of[node] = i
+    for node, target in attach.items():
+        stage_of[node] = stage_of[target]
+    order = topological_order(graph)
+    return [([n for n in order if stage_of[n] == i], ranks) for i, (_, ranks) in enumerate(stages)]
+
+
+def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: Any, limit: float | None,
+            straight: bool) -> PlanError:
+    """The error for a model that fits no plan: the memory or the workers that would fit."""
+    from pdcompile.passes.partition.antichain import antichain_states
+    from pdcompile.passes.partition.dp import native_dp, pipedream_dp, state_tables
+
+    work, _ = _planning_graph(graph, options.cost_model)
+    try:
+        states = antichain_states(work, complete=options.cost_model == "native",
+                                  max_states=MAX_COMPLETE_STATES)
+    except CostGraphError:
+        states = _states_for(work, options.cost_model)[0]
+        if len(states.order) != work.number_of_nodes():
+            work = coarsen(work, target=len(states.order))[0]
+    tables = state_tables(work, states)
+
+    def fits(c: Cluster, mem: float) -> bool:
+        try:
+            if options.cost_model == "pipedream":
+                pipedream_dp(tables, c, memory=mem, straight=straight)
+            else:
+                native_dp(tables, c, options=options, memory=mem, straight=straight)
+            return True
+        except PlanError:
+            return False
+
+    lo, hi = 0.0, float(limit or 1.0)
+    while not fits(cluster, hi) and hi < 1e18:
+        lo, hi = hi, hi * 2
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        if fits(cluster, mid):
+            hi = mid
+        else:
+            lo = mid
+    need_memory = hi
+    more = None
+    for factor in range(2, 9):
+        outer = cluster.levels[-1]
+        bigger = replace(cluster, levels=cluster.levels[:-1] + (
+            Level(outer.workers * factor, outer.bandwidth, outer.latency),))
+        if bigger.workers > 4096:
+            break
+        if fits(bigger, float(limit or 0.0)):
+            more = bigger.workers
+            break
+    how = (f"at least {more} workers" if more is not None
+           else f"more than {cluster.workers * 8} workers")
+    return PlanError(
+        f"{graph.graph.get('name') or 'the model'} does not fit {format_bytes(limit or 0)} per "
+        f"worker on {cluster.workers} workers under any plan; it needs "
+        f"{format_bytes(need_memory)} per worker on this cluster, or {how} with "
+        f"{format_bytes(limit or 0)} each (pass memory=... / --memory, or a bigger cluster)")
+
+
+__all__ = ["plan", "Plan", "Stage"]
