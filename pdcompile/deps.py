@@ -27,6 +27,9 @@ Ref = tuple[int, int]  # (rank, index in that rank's action list)
 
 _COMM = (Kind.SEND_F, Kind.RECV_F, Kind.SEND_B, Kind.RECV_B, Kind.ALLREDUCE)
 _MATCH = {Kind.RECV_F: Kind.SEND_F, Kind.RECV_B: Kind.SEND_B}
+_TARGETS_LOWERED = frozenset((Kind.SEND_F, Kind.SEND_B, Kind.ALLREDUCE))  # what others wait for
+_TARGETS_COMPUTE = frozenset((Kind.F, Kind.B))
+_WAITING = frozenset((Kind.RECV_F, Kind.RECV_B, Kind.ALLREDUCE))  # what waits for others
 
 
 def is_lowered(schedule: Schedule) -> bool:
@@ -50,11 +53,14 @@ def dependencies(schedule: Schedule) -> dict[Ref, tuple[Ref, ...]]:
     Program order (the previous action on the same rank) is implied and not listed. Raises
     ScheduleError (with the grid, the action marked) when an action has nothing to match.
     """
+    lowered = is_lowered(schedule)
+    targets = _TARGETS_LOWERED if lowered else _TARGETS_COMPUTE
     occurrences: dict[tuple[int, Action], list[int]] = defaultdict(list)
     for rank, actions in schedule.actions.items():
         for index, action in enumerate(actions):
-            occurrences[rank, action].append(index)
-    if is_lowered(schedule):
+            if action.kind in targets:
+                occurrences[rank, action].append(index)
+    if lowered:
         return _lowered(schedule, occurrences)
     return _compute_only(schedule, occurrences)
 
@@ -72,6 +78,8 @@ def _lowered(schedule: Schedule,
     for rank, actions in schedule.actions.items():
         for index, action in enumerate(actions):
             kind = action.kind
+            if kind not in _WAITING:
+                continue
             if kind in _MATCH:
                 if action.peer is None:
                     raise _missing(schedule, rank, index, "has no peer stage")

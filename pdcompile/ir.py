@@ -36,12 +36,16 @@ class Kind(enum.Enum):
     ALLREDUCE = "ALLREDUCE"  # sum gradients among the stage's replicas
     STEP = "STEP"            # optimizer step (a new weight version)
 
+    # members are singletons: identity hashing is valid and much faster than Enum's name hash
+    __hash__ = object.__hash__
+
     @property
     def is_compute(self) -> bool:
         """F, B and W are compute; the rest is communication or bookkeeping."""
         return self in (Kind.F, Kind.B, Kind.W)
 
 
+_KIND_TEXT = {kind: kind.value for kind in Kind}  # Enum.value is slow in hot loops
 _COMM_ARROW = {Kind.SEND_F: "->", Kind.SEND_B: "->", Kind.RECV_F: "<-", Kind.RECV_B: "<-"}
 _ACTION_RE = re.compile(
     r"^(\d+)(SEND_F|SEND_B|RECV_F|RECV_B|ALLREDUCE|STEP|F|B|W)(\d+)(?:(->|<-)(\d+))?$"
@@ -58,7 +62,7 @@ class Action:
     peer: int | None = None
 
     def __str__(self) -> str:
-        text = f"{self.stage}{self.kind.value}{self.microbatch}"
+        text = f"{self.stage}{_KIND_TEXT[self.kind]}{self.microbatch}"
         if self.peer is not None:
             text += f"{_COMM_ARROW.get(self.kind, '->')}{self.peer}"
         return text

@@ -1,0 +1,132 @@
+"""Stage costs: what one worker of each stage spends per microbatch, the simulator's input.
+
+Per stage s: forward and backward seconds for one microbatch on one worker (`fwd[s]`, `bwd[s]`),
+parameter bytes (`params[s]`), bytes kept for the backward per microbatch in flight
+(`activations[s]`), optimizer-step seconds (`optimizer[s]`, None: the simulator estimates it from
+the device's memory bandwidth); per stage edge (src, dst): bytes sent per microbatch (`edges`; the
+gradient going back is the same size). Built from a CostGraph and a Plan (`from_plan`), or given
+directly (`uniform`, the constructor).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import networkx as nx
+
+from pdcompile.costgraph import edge_bytes, topological_order
+from pdcompile.errors import PlanError
+from pdcompile.plan import Plan
+
+
+@dataclass(frozen=True)
+class StageCosts:
+    """Per-stage, per-microbatch costs (seconds, bytes) and bytes per stage edge."""
+
+    fwd: tuple[float, ...]
+    bwd: tuple[float, ...]
+    params: tuple[float, ...] = ()
+    activations: tuple[float, ...] = ()
+    edges: dict[tuple[int, int], float] = field(default_factory=dict)
+    optimizer: tuple[float, ...] | None = None
+
+    def __post_init__(self) -> None:
+        stages = len(self.fwd)
+        if stages == 0 or len(self.bwd) != stages:
+            raise PlanError(f"stage costs need one fwd and one bwd per stage (got {len(self.fwd)} "
+                            f"and {len(self.bwd)})")
+        object.__setattr__(self, "params", tuple(self.params) or (0.0,) * stages)
+        object.__setattr__(self, "activations", tuple(self.activations) or (0.0,) * stages)
+        for name in ("params", "activations"):
+            if len(getattr(self, name)) != stages:
+                raise PlanError(f"stage costs: {name} has {len(getattr(self, name))} entries for "
+                                f"{stages} stages")
+        if self.optimizer is not None and len(self.optimizer) != stages:
+            raise PlanError(f"stage costs: optimizer has {len(self.optimizer)} entries for "
+                            f"{stages} stages")
+        for (src, dst) in self.edges:
+            if not 0 <= src < dst < stages:
+                raise PlanError(f"stage edge ({src}, {dst}) is not (src, dst) with "
+                                f"0 <= src < dst < {stages}")
+        for name in ("fwd", "bwd", "params", "activations"):
+            if any(v < 0 for v in getattr(self, name)):
+                raise PlanError(f"stage costs: negative {name} {list(getattr(self, name))}")
+
+    @property
+    def stages(self) -> int:
+        """Number of stages."""
+        return len(self.fwd)
+
+    def stage_edges(self) -> list[tuple[int, int]]:
+        """The edges (sorted); a chain when no edges were given and there are several stages."""
+        if self.edges:
+            return sorted(self.edges)
+        return [(s, s + 1) for s in range(self.stages - 1)]
+
+    def edge_bytes(self, src: int, dst: int) -> float:
+        """Bytes per microbatch over stage edge (src, dst) (either order), 0 if unknown."""
+        return self.edges.get((min(src, dst), max(src, dst)), 0.0)
+
+    @classmethod
+    def uniform(cls, stages: int, *, fwd: float, bwd: float, params: float = 0.0,
+                activations: float = 0.0, edge_bytes: float = 0.0,
+                optimizer: float | None = 0.0) -> StageCosts:
+        """Every stage the same; a straight chain of edges carrying `edge_bytes` each."""
+        return cls((fwd,) * stages, (bwd,) * stages, (params,) * stages, (activations,) * stages,
+                   {(s, s + 1): edge_bytes for s in range(stages - 1)},
+                   None if optimizer is None else (optimizer,) * stages)
+
+    @classmethod
+    def from_lists(cls, fwd: Sequence[float], bwd: Sequence[float], **kwargs: object) -> StageCosts:
+        """Convenience: lists instead of tuples."""
+        return cls(tuple(fwd), tuple(bwd), **kwargs)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_plan(cls, graph: nx.DiGraph, plan: Plan, *, microbatches: int = 1) -> StageCosts:
+        """Sum the CostGraph's per-minibatch node costs per stage, divided by `microbatches`.
+
+        Nodes the plan does not place (e.g. zero-cost inputs) join the stage of their first placed
+        successor (stage 0 if none). A tensor sent from one node to several nodes of a later stage
+        crosses once; an edge from a later stage to an earlier one is an error in the plan.
+        """
+        if microbatches < 1:
+            raise PlanError(f"microbatches must be a positive integer (got {microbatches})")
+        placed = plan.stage_of()
+        unknown = [n for n in placed if n not in graph]
+        if unknown:
+            raise PlanError(f"the plan places nodes that the CostGraph does not have: "
+                            f"{unknown[:5]}; plan and graph must come from the same model "
+                            "(expand a coarsened plan with Plan.expanded)")
+        stage_of: dict[str, int] = {}
+        for node in reversed(topological_order(graph)):
+            if node in placed:
+                stage_of[node] = placed[node]
+            else:
+                later = [stage_of[v] for v in graph.successors(node) if v in stage_of]
+                stage_of[node] = min(later) if later else 0
+        stages = len(plan.stages)
+        fwd, bwd, params, keep = ([0.0] * stages for _ in range(4))
+        for node, data in graph.nodes(data=True):
+            s = stage_of[node]
+            fwd[s] += float(data["fwd"])
+            bwd[s] += float(data["bwd"])
+            params[s] += float(data["params"])
+            keep[s] += float(data.get("keep", data["act"]))
+        crossing: dict[tuple[str, int], tuple[int, float]] = {}
+        for u, v in graph.edges:
+            su, sv = stage_of[u], stage_of[v]
+            if su == sv:
+                continue
+            if su > sv:
+                raise PlanError(f"edge {u} -> {v} goes from stage {su} back to stage {sv}; stages "
+                                "must follow the graph's order")
+            size = edge_bytes(graph, u, v)
+            key = (u, sv)
+            crossing[key] = (su, max(size, crossing.get(key, (su, 0.0))[1]))
+        edges: dict[tuple[int, int], float] = {}
+        for (_, sv), (su, size) in crossing.items():
+            edges[su, sv] = edges.get((su, sv), 0.0) + size / microbatches
+        m = float(microbatches)
+        return cls(tuple(f / m for f in fwd), tuple(b / m for b in bwd), tuple(params),
+                   tuple(k / m for k in keep), edges, None)

@@ -1,0 +1,246 @@
+"""Timelines: what ran where and when, one `Event(rank, action, start, end)` per executed action.
+
+The simulator writes them, and so do measured runs (local and distributed backends, through a
+`Recorder` per rank), in one JSON format, so the same pictures and the same figures (time per
+minibatch, bubble fraction) come out of both and can be compared. Times are seconds; `action` is
+the schedule IR's text ("1F3", "0SEND_F3->1", "2STEP0").
+
+File format (`Timeline.to_json`)::
+
+    {"format": "pdcompile.timeline/1", "source": "simulated", "meta": {...},
+     "events": [[rank, "1F3", start, end], ...]}
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdcompile.errors import PdcompileError
+from pdcompile.ir import Action, Kind, parse_action
+
+TIMELINE_FORMAT = "pdcompile.timeline/1"
+COMPUTE_KINDS = (Kind.F, Kind.B, Kind.W)
+
+
+class TimelineError(PdcompileError, ValueError):
+    """A timeline file or event that cannot be read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    """One action on one rank, from `start` to `end` (seconds)."""
+
+    rank: int
+    action: str
+    start: float
+    end: float
+
+    @property
+    def duration(self) -> float:
+        """Seconds the action took (for a receive: the time spent waiting for the data)."""
+        return self.end - self.start
+
+    def parsed(self) -> Action:
+        """The IR action this event ran."""
+        return parse_action(self.action)
+
+
+@dataclass
+class Timeline:
+    """Events of all ranks plus where they came from (`source`) and facts about the run (`meta`).
+
+    `meta` keys read by the figures: "schedule" (its name), "microbatches_per_minibatch",
+    "minibatches" (minibatches the run covers; flush schedules).
+    """
+
+    events: list[Event]
+    source: str = "simulated"
+    meta: dict[str, Any] = field(default_factory=dict)
+    _compute: tuple[int, list[tuple[Event, Action]]] | None = field(
+        default=None, init=False, repr=False, compare=False)
+
+    # ------------------------------------------------------------------------- views
+    @property
+    def ranks(self) -> list[int]:
+        """Ranks that have events, sorted."""
+        return sorted({e.rank for e in self.events})
+
+    def by_rank(self) -> dict[int, list[Event]]:
+        """Each rank's events in start order."""
+        out: dict[int, list[Event]] = {}
+        for event in sorted(self.events, key=lambda e: (e.rank, e.start, e.end)):
+            out.setdefault(event.rank, []).append(event)
+        return out
+
+    @property
+    def start(self) -> float:
+        """Earliest start."""
+        return min((e.start for e in self.events), default=0.0)
+
+    @property
+    def end(self) -> float:
+        """Latest end."""
+        return max((e.end for e in self.events), default=0.0)
+
+    @property
+    def makespan(self) -> float:
+        """From the first start to the last end."""
+        return self.end - self.start
+
+    def compute_events(self) -> list[tuple[Event, Action]]:
+        """The F/B/W events with their parsed actions (cached while `events` keeps its length)."""
+        if self._compute is not None and self._compute[0] == len(self.events):
+            return self._compute[1]
+        out = []
+        for event in self.events:
+            if "SEND" in event.action or "RECV" in event.action:
+                continue
+            action = parse_action(event.action)
+            if action.kind in COMPUTE_KINDS:
+                out.append((event, action))
+        self._compute = (len(self.events), out)
+        return out
+
+    # ------------------------------------------------------------------------- figures
+    def completions(self) -> list[float]:
+        """When each microbatch left the pipeline: the end of its last backward (sorted)."""
+        done: dict[int, float] = {}
+        for event, action in self.compute_events():
+            if action.kind == Kind.B:
+                done[action.microbatch] = max(done.get(action.microbatch, 0.0), event.end)
+        return sorted(done.values())
+
+    def steady_window(self) -> tuple[float, float, int]:
+        """(t0, t1, n): the middle half of the microbatch completions and how many fell in it.
+
+        Warm-up and drain are outside the window. With fewer than 4 microbatches the whole run.
+        """
+        done = self.completions()
+        if len(done) < 4:
+            return self.start, self.end, max(1, len(done))
+        lo, hi = len(done) // 4, (3 * len(done)) // 4
+        if done[hi] <= done[lo]:
+            return self.start, self.end, len(done)
+        return done[lo], done[hi], hi - lo
+
+    def time_per_minibatch(self) -> float:
+        """Seconds per minibatch: steady state when streaming, else makespan / minibatches."""
+        per_minibatch = int(self.meta.get("microbatches_per_minibatch", 1))
+        if self.meta.get("schedule") in ("1f1b", "2bw"):
+            t0, t1, n = self.steady_window()
+            return (t1 - t0) / n * per_minibatch
+        return self.makespan / max(1, int(self.meta.get("minibatches", 1)))
+
+    def bubble_fraction(self, window: tuple[float, float] | None = None) -> float:
+        """Share of rank-time not spent in compute (F, B, W) over the run or `window`."""
+        t0, t1 = window if window is not None else (self.start, self.end)
+        ranks = self.ranks
+        if t1 <= t0 or not ranks:
+            return 0.0
+        busy = sum(max(0.0, min(e.end, t1) - max(e.start, t0)) for e, _ in self.compute_events())
+        return max(0.0, 1.0 - busy / (len(ranks) * (t1 - t0)))
+
+    def steady_bubble_fraction(self) -> float:
+        """Bubble fraction inside `steady_window` (0 for a full asynchronous pipeline)."""
+        t0, t1, _ = self.steady_window()
+        return self.bubble_fraction((t0, t1))
+
+    # ------------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (see module docstring)."""
+        return {"format": TIMELINE_FORMAT, "source": self.source, "meta": self.meta,
+                "events": [[e.rank, e.action, e.start, e.end] for e in self.events]}
+
+    def to_json(self) -> str:
+        """JSON text; `Timeline.from_json(t.to_json()) == t`."""
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Timeline:
+        """Inverse of `to_dict`."""
+        if not isinstance(data, dict) or data.get("format") != TIMELINE_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise TimelineError(f"not a timeline (format {found!r}, want {TIMELINE_FORMAT!r})")
+        events = []
+        for i, item in enumerate(data.get("events", [])):
+            try:
+                rank, action, start, end = item
+                events.append(Event(int(rank), str(action), float(start), float(end)))
+            except (TypeError, ValueError):
+                raise TimelineError(f"timeline event {i} is {item!r}; events are "
+                                    "[rank, action, start, end]") from None
+        return cls(events, str(data.get("source", "simulated")), dict(data.get("meta", {})))
+
+    @classmethod
+    def from_json(cls, text: str) -> Timeline:
+        """Inverse of `to_json`."""
+        try:
+            data = json.loads(text)
+        except ValueError as err:
+            raise TimelineError(f"timeline JSON is malformed: {err}") from None
+        return cls.from_dict(data)
+
+    def save(self, path: str | Path) -> None:
+        """Write `to_json()` to a file."""
+        Path(path).write_text(self.to_json())
+
+    @classmethod
+    def load(cls, path: str | Path) -> Timeline:
+        """Read a file written by `save`."""
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise TimelineError(f"cannot read timeline {path}: {err}") from None
+        return cls.from_json(text)
+
+    @classmethod
+    def merge(cls, parts: Iterable[Timeline], *, source: str | None = None) -> Timeline:
+        """One timeline from per-rank ones (e.g. one per process), times shifted to start at 0.
+
+        Each part's clock is assumed to be the same wall clock (time.time on one machine) or
+        already aligned; the common earliest start becomes 0.
+        """
+        parts = list(parts)
+        events = [e for p in parts for e in p.events]
+        t0 = min((e.start for e in events), default=0.0)
+        meta: dict[str, Any] = {}
+        for p in parts:
+            meta.update(p.meta)
+        return cls([Event(e.rank, e.action, e.start - t0, e.end - t0) for e in events],
+                   source or (parts[0].source if parts else "measured"), meta)
+
+
+class Recorder:
+    """Records the actions one rank really runs: `with recorder.record("1F3"): ...`.
+
+    `clock` defaults to `time.time` (comparable across processes on one machine); times are
+    stored as read, `Timeline.merge` aligns the ranks.
+    """
+
+    def __init__(self, rank: int, *, clock: Callable[[], float] = time.time) -> None:
+        self.rank = rank
+        self.clock = clock
+        self.events: list[Event] = []
+
+    @contextmanager
+    def record(self, action: str | Action) -> Iterator[None]:
+        """Time the block as one event."""
+        start = self.clock()
+        try:
+            yield
+        finally:
+            self.events.append(Event(self.rank, str(action), start, self.clock()))
+
+    def add(self, action: str | Action, start: float, end: float) -> None:
+        """Add an event timed elsewhere."""
+        self.events.append(Event(self.rank, str(action), start, end))
+
+    def timeline(self, **meta: Any) -> Timeline:
+        """This rank's events as a measured Timeline."""
+        return Timeline(list(self.events), "measured", dict(meta))
