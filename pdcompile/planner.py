@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import networkx as nx
 
 from pdcompile.cluster import Cluster, Level
-from pdcompile.costgraph import coarsen, topological_order, validate
+from pdcompile.costgraph import coarsen, edge_bytes, topological_order, validate
 from pdcompile.errors import CostGraphError, PlanError
 from pdcompile.plan import Plan, Stage
 from pdcompile.units import format_bytes, parse_quantity
@@ -93,7 +93,11 @@ def _memory(memory: float | str | None, cluster: Cluster, cost_model: str) -> fl
     return value
 
 
-def _planning_graph(graph: nx.DiGraph, cost_model: str) -> tuple[nx.DiGraph, dict[str, str]]:
+def _planning_graph(graph: nx.DiGraph, cost_model: str,
+                    ) -> tuple[nx.DiGraph, dict[str, str | None]]:
+    """The graph the DP sees and the nodes left out of it (-> the node whose stage they join,
+    None for the first stage). Native: inputs (sources with no cost) are pinned to the first
+    stage; their traffic to later stages is still charged (dp.state_tables `pinned`)."""
     if cost_model == "pipedream":
         from pdcompile.passes.partition.costmodel import pipedream_view
 
@@ -101,95 +105,119 @@ def _planning_graph(graph: nx.DiGraph, cost_model: str) -> tuple[nx.DiGraph, dic
     return graph, {}
 
 
-MAX_COMPLETE_STATES = 2500
-MAX_STATES = 6000
+def _pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
+    pinned = tuple(
+        n for n in topological_order(graph)
+        if graph.in_degree(n) == 0 and graph.out_degree(n) > 0
+        and not any(float(graph.nodes[n][k]) for k in ("fwd", "bwd", "params"))
+    )
+    return pinned if len(pinned) < graph.number_of_nodes() else ()
 
 
-def _states_for(work: nx.DiGraph, cost_model: str) -> tuple[Any, str, dict[str, list[str]]]:
-    """Antichain states of `work` (coarsened when needed) and how they were obtained."""
-    from pdcompile.passes.partition.antichain import antichain_states
+COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below
+DP_BUDGET = 1.5e8  # (states^2 / 2) * (workers + 1)^2 elements: about 1 s of numpy
 
-    identity = {node: [node] for node in work.nodes}
+
+def _state_budget(workers: int) -> int:
+    return max(200, min(6000, int((2 * DP_BUDGET) ** 0.5 / (workers + 1))))
+
+
+@dataclass
+class _Prepared:
+    """What the DP runs on: states over `core`, tables over `graph` (= core + pinned)."""
+
+    states: Any
+    kind: str
+    mapping: dict[str, list[str]]
+    graph: nx.DiGraph
+    pinned: tuple[str, ...]
+
+
+def _prepare(work: nx.DiGraph, cost_model: str, workers: int) -> _Prepared:
+    """Antichain states of `work` within the DP's budget, trying in turn: every downset (native
+    only: exact), PipeDream's antichains, the same on a coarsened graph, and finally the prefixes
+    of a topological order of the coarsened graph."""
+    from pdcompile.passes.partition.antichain import antichain_states, prefix_states
+
+    budget = _state_budget(workers) if cost_model == "native" else 6000
+    pinned = _pinned_inputs(work) if cost_model == "native" else ()
+    core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
+    identity = {node: [node] for node in core.nodes}
     if cost_model == "native":
         try:
-            return antichain_states(work, complete=True, max_states=MAX_COMPLETE_STATES), \
-                "all downsets", identity
+            states = antichain_states(core, complete=True, max_states=budget)
+            return _Prepared(states, "all downsets", identity, work, pinned)
         except CostGraphError:
             pass
     try:
-        return antichain_states(work, max_states=MAX_STATES), "pipedream antichains", identity
+        states = antichain_states(core, max_states=budget)
+        return _Prepared(states, "pipedream antichains", identity, work, pinned)
     except CostGraphError:
         pass
-    target = work.number_of_nodes()
-    while target > 2:
-        target = max(2, target * 2 // 3)
-        coarse, mapping = coarsen(work, target=target)
-        try:
-            states = antichain_states(coarse, max_states=MAX_STATES)
-            return states, f"pipedream antichains of {coarse.number_of_nodes()} coarse blocks", \
-                mapping
-        except CostGraphError:
-            continue
-    raise CostGraphError(f"graph {work.graph.get('name', '')!r} is too branched for the DP even "
-                         "after coarsening; use planner='ilp'")
+    coarse, mapping = coarsen(core, target=COARSE_NODES)
+    try:
+        states = antichain_states(coarse, max_states=budget)
+        kind = f"pipedream antichains of {coarse.number_of_nodes()} coarse blocks"
+    except CostGraphError:
+        states = prefix_states(coarse)
+        kind = f"prefixes of a topological order of {coarse.number_of_nodes()} coarse blocks"
+    full = coarse.copy()
+    block_of = {m: b for b, members in mapping.items() for m in members}
+    for z in pinned:
+        full.add_node(z, **work.nodes[z])
+        for v in work.successors(z):
+            b = block_of[v]
+            extra = full.edges[z, b]["bytes"] if full.has_edge(z, b) else 0.0
+            full.add_edge(z, b, bytes=extra + edge_bytes(work, z, v))
+    return _Prepared(states, kind, mapping, full, pinned)
+
+
+def _solve(prepared: _Prepared, cluster: Cluster, options: Any, limit: float | None,
+           straight: bool) -> Any:
+    from pdcompile.passes.partition.dp import native_dp, pipedream_dp, state_tables
+
+    tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
+    if options.cost_model == "pipedream":
+        return pipedream_dp(tables, cluster, memory=limit, straight=straight)
+    return native_dp(tables, cluster, options=options, memory=limit, straight=straight)
 
 
 def _run_dp(work: nx.DiGraph, cluster: Cluster, options: Any, limit: float | None,
             straight: bool, original: nx.DiGraph,
             ) -> tuple[Any, str, dict[str, list[str]], float]:
-    from pdcompile.passes.partition.dp import native_dp, pipedream_dp, state_tables
-
-    states, kind, mapping = _states_for(work, options.cost_model)
-    graph = work
-    if any(len(v) > 1 for v in mapping.values()):
-        graph = coarsen(work, target=len(mapping))[0]
-    tables = state_tables(graph, states)
+    prepared = _prepare(work, options.cost_model, cluster.workers)
     try:
-        if options.cost_model == "pipedream":
-            result = pipedream_dp(tables, cluster, memory=limit, straight=straight)
-        else:
-            result = native_dp(tables, cluster, options=options, memory=limit, straight=straight)
+        result = _solve(prepared, cluster, options, limit, straight)
     except PlanError:
-        raise _no_fit(original, cluster, options, limit, straight) from None
+        raise _no_fit(original, prepared, cluster, options, limit, straight) from None
+    states = prepared.states
     stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
-    return stages, kind, mapping, result.objective
+    if stages and prepared.pinned:
+        stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
+    return stages, prepared.kind, prepared.mapping, result.objective
 
 
 def _expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, list[str]],
-            attach: dict[str, str], graph: nx.DiGraph) -> list[tuple[list[str], tuple[int, ...]]]:
+            attach: dict[str, str | None], graph: nx.DiGraph,
+            ) -> list[tuple[list[str], tuple[int, ...]]]:
     stage_of = {}
     for i, (nodes, _) in enumerate(stages):
         for block in nodes:
             for node in mapping.get(block, [block]):
                 stage_of[node] = i
     for node, target in attach.items():
-        stage_of[node] = stage_of[target]
+        stage_of[node] = 0 if target is None else stage_of[target]
     order = topological_order(graph)
     return [([n for n in order if stage_of[n] == i], ranks) for i, (_, ranks) in enumerate(stages)]
 
 
-def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: Any, limit: float | None,
-            straight: bool) -> PlanError:
+def _no_fit(graph: nx.DiGraph, prepared: _Prepared, cluster: Cluster, options: Any,
+            limit: float | None, straight: bool) -> PlanError:
     """The error for a model that fits no plan: the memory or the workers that would fit."""
-    from pdcompile.passes.partition.antichain import antichain_states
-    from pdcompile.passes.partition.dp import native_dp, pipedream_dp, state_tables
-
-    work, _ = _planning_graph(graph, options.cost_model)
-    try:
-        states = antichain_states(work, complete=options.cost_model == "native",
-                                  max_states=MAX_COMPLETE_STATES)
-    except CostGraphError:
-        states = _states_for(work, options.cost_model)[0]
-        if len(states.order) != work.number_of_nodes():
-            work = coarsen(work, target=len(states.order))[0]
-    tables = state_tables(work, states)
 
     def fits(c: Cluster, mem: float) -> bool:
         try:
-            if options.cost_model == "pipedream":
-                pipedream_dp(tables, c, memory=mem, straight=straight)
-            else:
-                native_dp(tables, c, options=options, memory=mem, straight=straight)
+            _solve(prepared, c, options, mem, straight)
             return True
         except PlanError:
             return False
@@ -197,7 +225,7 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: Any, limit: float | No
     lo, hi = 0.0, float(limit or 1.0)
     while not fits(cluster, hi) and hi < 1e18:
         lo, hi = hi, hi * 2
-    for _ in range(40):
+    for _ in range(14):  # to 1 part in 16000
         mid = (lo + hi) / 2
         if fits(cluster, mid):
             hi = mid

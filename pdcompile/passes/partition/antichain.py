@@ -194,3 +194,21 @@ def _all_downsets(graph: nx.DiGraph, order: tuple[str, ...], pred: list[list[int
                          if other != bits and other & bits == other))
     return AntichainStates(order=order, downsets=tuple(downsets), frontier=tuple(frontier),
                            reach=tuple(reach))
+
+
+def prefix_states(graph: nx.DiGraph) -> AntichainStates:
+    """The prefixes of one topological order as states: a linearisation that always has
+    len(graph) + 1 states (stages are then runs of consecutive nodes in that order). A fallback
+    for graphs too branched for `antichain_states`; it may miss the best plan."""
+    validate(graph)
+    order = tuple(topological_order(graph))
+    index = {node: i for i, node in enumerate(order)}
+    n = len(order)
+    downsets = [(1 << i) - 1 for i in range(n + 1)]
+    frontier = []
+    for i in range(n + 1):
+        frontier.append(tuple(u for u in range(i)
+                              if any(index[v] >= i for v in graph.successors(order[u]))))
+    reach = [(1 << i) - 1 for i in range(n + 1)]
+    return AntichainStates(order=order, downsets=tuple(downsets), frontier=tuple(frontier),
+                           reach=tuple(reach))

@@ -112,16 +112,16 @@ def bubble(stages: int, options: ModelOptions) -> float:
 
 
 # ------------------------------------------------------------------------------ pipedream graph
-def pipedream_view(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
+def pipedream_view(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str | None]]:
     """The graph PipeDream's optimizer plans over: `Input*` sources and unused `__getitem__` sinks
-    removed. Returns it and a map removed node -> the node whose stage it joins."""
+    removed. Returns it and a map removed node -> the node whose stage it joins (None: the first
+    stage, where the original puts its inputs)."""
     view = graph.copy()
-    attach: dict[str, str] = {}
+    attach: dict[str, str | None] = {}
     for node in list(view.nodes):
         if view.in_degree(node) == 0 and str(view.nodes[node].get("label", "")).startswith("Input"):
-            succ = list(view.successors(node))
-            if succ and view.number_of_nodes() > 1:
-                attach[node] = succ[0]
+            if view.number_of_nodes() > 1:
+                attach[node] = None
                 view.remove_node(node)
     for node in list(view.nodes):
         if (view.out_degree(node) == 0 and view.number_of_nodes() > 1
@@ -131,7 +131,7 @@ def pipedream_view(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str]]:
                 attach[node] = preds[0]
                 view.remove_node(node)
     for node, target in list(attach.items()):  # chains of removed nodes
-        while target in attach:
+        while target is not None and target in attach:
             target = attach[target]
         attach[node] = target
     return view, attach

@@ -66,14 +66,20 @@ class StateTables:
     valid: np.ndarray  # [k, j] bool: a stage may span (k, j]
 
 
-def state_tables(graph: nx.DiGraph, states: AntichainStates) -> StateTables:
-    """Tables of `states` over `graph` (node attributes as in costgraph)."""
-    order = states.order
+def state_tables(graph: nx.DiGraph, states: AntichainStates,
+                 pinned: tuple[str, ...] = ()) -> StateTables:
+    """Tables of `states` over `graph` (node attributes as in costgraph).
+
+    `pinned`: nodes of `graph` outside the states (inputs) that live on the first stage; they
+    count as members of every state, and `native_dp` charges them to the first stage.
+    """
+    order = tuple(states.order) + tuple(pinned)
     n, s = len(order), len(states)
     member = np.zeros((s, n), dtype=np.float64)
     for i in range(s):
         bits = states.downsets[i]
-        member[i] = [(bits >> v) & 1 for v in range(n)]
+        member[i, :len(states.order)] = [(bits >> v) & 1 for v in range(len(states.order))]
+    member[:, len(states.order):] = 1.0
     node = [graph.nodes[x] for x in order]
     comp = np.array([float(d["fwd"]) + float(d["bwd"]) for d in node])
     par = np.array([float(d["params"]) for d in node])
@@ -96,9 +102,10 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates) -> StateTables:
         skip = skip_msgs = np.zeros((s, s))
     frontier = np.array([sum(act[v] for v in states.frontier[i]) for i in range(s)])
     valid = np.zeros((s, s), dtype=bool)
+    width = (s + 7) // 8
     for j in range(s):
-        bits = states.reach[j]
-        valid[[k for k in range(s) if bits >> k & 1], j] = True
+        raw = np.frombuffer(states.reach[j].to_bytes(width, "little"), dtype=np.uint8)
+        valid[:, j] = np.unpackbits(raw, bitorder="little")[:s].astype(bool)
     return StateTables(compute=member @ comp, params=member @ par, keep=member @ keep,
                        act=member @ act, frontier=frontier, cut=cut, cut_msgs=cut_msgs,
                        skip=skip, skip_msgs=skip_msgs, valid=valid)
@@ -159,15 +166,23 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
         js = np.nonzero(tables.valid[k])[0]
         if js.size == 0:
             continue
-        t = (tables.compute[js] - tables.compute[k])[:, None, None]
-        p = (tables.params[js] - tables.params[k])[:, None, None]
-        kp = (tables.keep[js] - tables.keep[k])[:, None, None]
-        skip = tables.skip[k, js]
-        skip_m = tables.skip_msgs[k, js]
-        inb = (tables.cut[k] - skip)[:, None, None]
-        outb = (tables.cut[js] - skip)[:, None, None]
-        inm = (tables.cut_msgs[k] - skip_m)[:, None, None]
-        outm = (tables.cut_msgs[js] - skip_m)[:, None, None]
+        if k == 0:  # the first stage also holds the pinned inputs and sends what they feed
+            t = tables.compute[js][:, None, None]
+            p = tables.params[js][:, None, None]
+            kp = tables.keep[js][:, None, None]
+            inb = inm = np.zeros((js.size, 1, 1))
+            outb = tables.cut[js][:, None, None]
+            outm = tables.cut_msgs[js][:, None, None]
+        else:
+            t = (tables.compute[js] - tables.compute[k])[:, None, None]
+            p = (tables.params[js] - tables.params[k])[:, None, None]
+            kp = (tables.keep[js] - tables.keep[k])[:, None, None]
+            skip = tables.skip[k, js]
+            skip_m = tables.skip_msgs[k, js]
+            inb = (tables.cut[k] - skip)[:, None, None]
+            outb = (tables.cut[js] - skip)[:, None, None]
+            inm = (tables.cut_msgs[k] - skip_m)[:, None, None]
+            outm = (tables.cut_msgs[js] - skip_m)[:, None, None]
         work = t / r_safe + p * sync_a + sync_b
         comm = inb * in_a + inm * in_l + outb * out_a + outm * out_l
         stage = np.maximum(work, comm)
@@ -198,33 +213,6 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
         stages.append(DPStage(before=k, after=j, ranks=tuple(range(start, start + r))))
         k, m = j, m - r
     return DPResult(stages=tuple(stages), objective=float(best[0, used]))
-
-
-def native_min_memory(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
-                      straight: bool = False) -> float:
-    """The smallest per-worker memory under which `native_dp` finds any plan."""
-    return _min_memory(lambda mem: native_dp(tables, cluster, options=options, memory=mem,
-                                             straight=straight), tables)
-
-
-def _min_memory(solve: object, tables: StateTables) -> float:
-    assert callable(solve)
-    hi = float(tables.params[-1] * 8 + tables.keep[-1] * 64 + tables.act[-1] * 64 + 1.0)
-    try:
-        solve(hi)
-    except PlanError:
-        return INF
-    lo = 0.0
-    for _ in range(60):
-        mid = (lo + hi) / 2
-        try:
-            solve(mid)
-            hi = mid
-        except PlanError:
-            lo = mid
-        if hi - lo <= 1e-4 * hi:
-            break
-    return hi
 
 
 # ------------------------------------------------------------------------------ pipedream
