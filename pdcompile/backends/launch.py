@@ -1,0 +1,531 @@
+"""Starting worker processes and noticing when one of them dies (fault detection).
+
+`launch(fn, nprocs)` spawns `nprocs` processes on this machine, hosts the rendezvous TCPStore in
+the parent (so it outlives any worker), initialises a process group in each child and calls
+`fn(worker, *args)`. Every run is bounded: a hard `timeout` for the whole run and a
+`fault_timeout` within which the survivors of a dead worker stop.
+
+Fault detection (`FaultMonitor`, one per worker, also used under torchrun) works over the store:
+
+- each worker registers its host and pid and bumps a heartbeat counter from a daemon thread;
+- the first party that learns of a failure writes one record, `fault`, with the dead rank and the
+  reason (compare-and-set: the first cause wins, later echoes do not overwrite it). Writers: a
+  worker whose code raised, the launcher when a child exits without reporting, a monitor that sees
+  a same-host pid vanish or a heartbeat stop for `fault_timeout` seconds;
+- communication waits call `FaultMonitor.check()` before blocking and turn a transport error
+  (gloo: "Connection closed by peer") into `PeerFailure` naming the dead rank from the record;
+- a worker blocked in a wait that no transport error will ever end (a peer that hangs rather than
+  dies) is stopped by its monitor thread: it reports the `PeerFailure` and exits the process.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import multiprocessing
+import os
+import queue as queue_mod
+import signal
+import socket
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from pdcompile.errors import DistributedError
+
+DEFAULT_FAULT_TIMEOUT = 10.0
+_PREFIX = "pdcompile"
+
+
+class PeerFailure(DistributedError):
+    """This worker stops because another one (`dead_rank`) died or failed."""
+
+    def __init__(self, message: str, *, dead_rank: int, reason: str) -> None:
+        super().__init__(message)
+        self.dead_rank = dead_rank
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_rebuild_peer_failure, (str(self), self.dead_rank, self.reason))
+
+
+def _rebuild_peer_failure(message: str, dead_rank: int, reason: str) -> PeerFailure:
+    return PeerFailure(message, dead_rank=dead_rank, reason=reason)
+
+
+def backend_for(device: Any) -> str:
+    """The torch.distributed backend for a device: NCCL for CUDA, gloo otherwise."""
+    kind = getattr(device, "type", None) or str(device).split(":")[0]
+    return "nccl" if kind == "cuda" else "gloo"
+
+
+def open_master_store(addr: str, port: int, *, timeout: float = 60.0) -> Any:
+    """Host the rendezvous TCPStore on `addr:port` (0 picks a free port)."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(addr, port, None, True, timeout=datetime.timedelta(seconds=timeout),
+                             wait_for_workers=False)
+    except Exception as err:  # DistNetworkError, RuntimeError
+        text = str(err)
+        if "EADDRINUSE" in text or "address already in use" in text.lower():
+            raise DistributedError(
+                f"master port {port} on {addr} is already in use (another run or program holds "
+                "it); pass a different --master-port, or none to pick a free port") from None
+        raise DistributedError(f"cannot listen on {addr}:{port} for the rendezvous: "
+                               f"{text.splitlines()[0]}; check --master-addr is an address of "
+                               "this machine") from None
+
+
+def connect_store(addr: str, port: int, *, timeout: float = 60.0) -> Any:
+    """A client of the rendezvous TCPStore at `addr:port`, with a clear error if unreachable."""
+    import torch.distributed as dist
+
+    try:
+        return dist.TCPStore(addr, port, None, False, timeout=datetime.timedelta(seconds=timeout))
+    except Exception as err:
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DistributedError(
+            f"cannot reach the master at {addr}:{port} within {timeout:g} s ({first}); check "
+            "that the master (rank 0 / torchrun --master-addr) is running and reachable from this "
+            "machine, and that MASTER_ADDR/MASTER_PORT (or --master-addr/--master-port) are "
+            "right") from None
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side: fault monitor
+
+
+@dataclass
+class FaultMonitor:
+    """Watches the other workers of one run through the store (see module docstring)."""
+
+    store: Any
+    rank: int
+    world_size: int
+    fault_timeout: float = DEFAULT_FAULT_TIMEOUT
+    namespace: str = "0"
+    on_hard_stop: Callable[[PeerFailure], None] | None = None
+    _fault: tuple[int, str] | None = field(default=None, init=False)
+    _blocked_since: float | None = field(default=None, init=False)
+    _stop: threading.Event = field(default_factory=threading.Event, init=False)
+    _thread: threading.Thread | None = field(default=None, init=False)
+
+    def _key(self, *parts: object) -> str:
+        return "/".join([_PREFIX, self.namespace, *map(str, parts)])
+
+    @property
+    def period(self) -> float:
+        """Seconds between two heartbeats (and two looks at the others)."""
+        return max(0.02, min(0.25, self.fault_timeout / 8))
+
+    def start(self) -> FaultMonitor:
+        """Register this worker and start the heartbeat thread."""
+        self.store.set(self._key("pid", self.rank), f"{socket.gethostname()}:{os.getpid()}")
+        self.store.add(self._key("hb", self.rank), 1)
+        self._thread = threading.Thread(target=self._loop, name=f"pdcompile-monitor-{self.rank}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, *, done: bool = True) -> None:
+        """Stop the heartbeat; `done` tells the others this worker finished on purpose."""
+        if done:
+            try:
+                self.store.set(self._key("done", self.rank), "1")
+            except Exception:  # the store is gone: nothing left to tell
+                pass
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * self.period + 1)
+
+    # -- fault records ------------------------------------------------------------------------
+
+    def report(self, dead_rank: int, reason: str) -> tuple[int, str]:
+        """Record a failure (the first record wins); returns the record in force."""
+        record = json.dumps({"rank": dead_rank, "reason": reason})
+        try:
+            current = self.store.compare_set(self._key("fault"), "", record)
+            data = json.loads(current.decode() if isinstance(current, bytes) else current)
+            self._fault = (int(data["rank"]), str(data["reason"]))
+        except Exception:
+            self._fault = self._fault or (dead_rank, reason)
+        return self._fault
+
+    def _read_fault(self) -> tuple[int, str] | None:
+        key = self._key("fault")
+        if not self.store.check([key]):
+            return None
+        data = json.loads(self.store.get(key).decode())
+        return int(data["rank"]), str(data["reason"])
+
+    def error(self) -> PeerFailure | None:
+        """The failure this worker must stop for, if any is known."""
+        if self._fault is None or self._fault[0] == self.rank:
+            return None
+        dead, reason = self._fault
+        return PeerFailure(f"rank {self.rank} stops: rank {dead} died or failed ({reason})",
+                           dead_rank=dead, reason=reason)
+
+    def check(self) -> None:
+        """Raise `PeerFailure` if another worker is known to have died."""
+        err = self.error()
+        if err is not None:
+            raise err
+
+    def explain(self, peer: int, err: BaseException, *, what: str) -> PeerFailure:
+        """Turn a transport error while talking to `peer` into the `PeerFailure` to raise.
+
+        Waits up to `fault_timeout` for the record of the root cause (the launcher or the dead
+        worker's own report); if none comes, blames `peer`.
+        """
+        deadline = time.monotonic() + self.fault_timeout
+        while time.monotonic() < deadline:
+            if self._fault is None:
+                try:
+                    self._fault = self._read_fault()
+                except Exception:  # the store died with its host: blame the peer below
+                    break
+            if self._fault is not None:
+                break
+            time.sleep(self.period / 2)
+        if self._fault is None or self._fault[0] == self.rank:
+            first = str(err).splitlines()[0] if str(err) else type(err).__name__
+            self.report(peer, f"lost the connection during {what}: {first}")
+        failure = self.error()
+        assert failure is not None
+        return failure
+
+    @contextmanager
+    def blocking(self) -> Iterator[None]:
+        """Mark a blocking wait, so that the monitor can stop a worker stuck in it."""
+        self.check()
+        self._blocked_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._blocked_since = None
+
+    # -- the thread -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        seen: dict[int, tuple[int, float]] = {}
+        fault_seen_at: float | None = None
+        store_lost_at: float | None = None
+        host = socket.gethostname()
+        while not self._stop.wait(self.period):
+            now = time.monotonic()
+            try:
+                self.store.add(self._key("hb", self.rank), 1)
+                if self._fault is None:
+                    self._fault = self._read_fault()
+                if self._fault is None:
+                    self._look_at_peers(seen, now, host)
+                store_lost_at = None
+            except Exception:
+                store_lost_at = store_lost_at or now
+                if now - store_lost_at > self.fault_timeout and self._fault is None:
+                    self._fault = (0, "the rendezvous store (master) stopped answering")
+            if self._fault is not None and self._fault[0] != self.rank:
+                fault_seen_at = fault_seen_at or now
+                blocked = self._blocked_since
+                stuck = blocked is not None and now - max(blocked, fault_seen_at)
+                if stuck and stuck > self.fault_timeout / 2:
+                    self._hard_stop()
+
+    def _look_at_peers(self, seen: dict[int, tuple[int, float]], now: float, host: str) -> None:
+        for peer in range(self.world_size):
+            if peer == self.rank or self.store.check([self._key("done", peer)]):
+                continue
+            beats = int(self.store.add(self._key("hb", peer), 0))
+            last = seen.get(peer)
+            if last is None or beats != last[0]:
+                seen[peer] = (beats, now)
+            elif now - last[1] > self.fault_timeout:
+                self.report(peer, f"no heartbeat for {now - last[1]:.1f} s")
+                return
+            pid_key = self._key("pid", peer)
+            if beats and self.store.check([pid_key]):
+                peer_host, _, pid = self.store.get(pid_key).decode().rpartition(":")
+                if peer_host == host and not _pid_alive(int(pid)):
+                    if not self.store.check([self._key("done", peer)]):
+                        self.report(peer, f"process {pid} is gone")
+                        return
+
+    def _hard_stop(self) -> None:
+        failure = self.error()
+        if failure is None:
+            return
+        if self.on_hard_stop is not None:
+            try:
+                self.on_hard_stop(failure)
+            except Exception:
+                pass
+        else:
+            print(f"pdcompile: {failure}", flush=True)
+        os._exit(1)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped by its parent) is dead for our purpose
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side: process-group set-up
+
+
+@dataclass
+class Worker:
+    """What `fn` receives in each launched process."""
+
+    rank: int
+    world_size: int
+    monitor: FaultMonitor
+    backend: str
+
+
+def init_worker(*, rank: int, world_size: int, master_addr: str, master_port: int,
+                backend: str = "gloo", fault_timeout: float = DEFAULT_FAULT_TIMEOUT,
+                connect_timeout: float = 60.0, namespace: str = "0",
+                on_hard_stop: Callable[[PeerFailure], None] | None = None) -> Worker:
+    """Join the rendezvous, initialise the default process group, start the fault monitor."""
+    import torch.distributed as dist
+
+    store = connect_store(master_addr, master_port, timeout=connect_timeout)
+    pg_store = dist.PrefixStore(f"{_PREFIX}/{namespace}/pg", store)
+    dist.init_process_group(backend, store=pg_store, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=max(connect_timeout, 60.0)))
+    monitor_store = connect_store(master_addr, master_port, timeout=connect_timeout)
+    monitor = FaultMonitor(monitor_store, rank, world_size, fault_timeout, namespace,
+                           on_hard_stop).start()
+    return Worker(rank, world_size, monitor, backend)
+
+
+def monitor_from_env(*, rank: int, world_size: int,
+                     fault_timeout: float = DEFAULT_FAULT_TIMEOUT) -> FaultMonitor | None:
+    """A monitor for a process group someone else initialised (torchrun: MASTER_ADDR/PORT)."""
+    addr, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+    if not addr or not port:
+        return None
+    store = connect_store(addr, int(port), timeout=30.0)
+    namespace = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    return FaultMonitor(store, rank, world_size, fault_timeout,
+                        f"{run_id}-{namespace}" if run_id else namespace).start()
+
+
+def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
+           master_port: int, backend: str, fault_timeout: float, results: Any,
+           args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+
+    def hard_stop(failure: PeerFailure) -> None:
+        results.put((rank, "error", failure, time.time()))
+        results.close()
+        results.join_thread()
+
+    worker: Worker | None = None
+    try:
+        worker = init_worker(rank=rank, world_size=world_size, master_addr=master_addr,
+                             master_port=master_port, backend=backend,
+                             fault_timeout=fault_timeout, on_hard_stop=hard_stop)
+        value = fn(worker, *args)
+        worker.monitor.stop(done=True)
+        results.put((rank, "ok", value, time.time()))
+    except PeerFailure as err:
+        results.put((rank, "error", err, time.time()))
+    except BaseException as err:  # noqa: BLE001 - reported to the parent, which re-raises
+        reason = f"{type(err).__name__}: {err}"
+        if worker is not None:
+            worker.monitor.report(rank, reason)
+        detail = traceback.format_exc()
+        if isinstance(err, DistributedError):
+            exc: BaseException = DistributedError(str(err))
+        else:
+            exc = DistributedError(f"rank {rank} raised {reason}\n{detail}")
+        results.put((rank, "error", exc, time.time()))
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+        if worker is not None:
+            worker.monitor.stop(done=False)
+        results.close()
+        results.join_thread()
+
+
+# ----------------------------------------------------------------------------------------------
+# Parent side
+
+
+@dataclass
+class RankOutcome:
+    """How one worker ended: its return value or its error, and when (time.time())."""
+
+    rank: int
+    value: Any = None
+    error: BaseException | None = None
+    finished_at: float | None = None
+    exitcode: int | None = None
+
+
+class LaunchError(DistributedError):
+    """A launched run failed; `outcomes` has every rank's result or error."""
+
+    def __init__(self, message: str, outcomes: Sequence[RankOutcome], *,
+                 dead_rank: int | None, died_at: float | None) -> None:
+        super().__init__(message)
+        self.outcomes = list(outcomes)
+        self.dead_rank = dead_rank
+        self.died_at = died_at
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
+           backend: str = "gloo", timeout: float = 300.0,
+           fault_timeout: float = DEFAULT_FAULT_TIMEOUT, master_addr: str = "127.0.0.1",
+           master_port: int = 0) -> list[Any]:
+    """Run `fn(worker, *args)` in `nprocs` new processes; returns their values by rank.
+
+    `fn` must be importable (a module-level function). Raises `LaunchError` (a
+    DistributedError) if any worker fails, with the root cause first; all processes are gone
+    when this returns or raises, at most `timeout` seconds after the start (plus a few seconds
+    to reap them).
+    """
+    if nprocs < 1:
+        raise DistributedError(f"nprocs must be a positive integer ({nprocs} < 1)")
+    store = open_master_store(master_addr, master_port)
+    port = int(store.port)
+    ctx = multiprocessing.get_context("spawn")
+    results = ctx.Queue()
+    procs = [ctx.Process(target=_child, name=f"pdcompile-rank-{rank}", daemon=True,
+                         args=(fn, rank, nprocs, master_addr, port, backend, fault_timeout,
+                               results, args))
+             for rank in range(nprocs)]
+    outcomes = [RankOutcome(rank) for rank in range(nprocs)]
+    start = time.monotonic()
+    dead_rank: int | None = None
+    died_at: float | None = None
+    for proc in procs:
+        proc.start()
+    try:
+        pending = set(range(nprocs))
+        gone_since: dict[int, float] = {}
+        fault_at: float | None = None
+        while pending:
+            if fault_at is None and any(o.error is not None for o in outcomes):
+                fault_at = time.monotonic()
+            if fault_at is not None and time.monotonic() - fault_at > fault_timeout + 2.0:
+                for rank in sorted(pending):
+                    procs[rank].kill()
+                    outcomes[rank].error = DistributedError(
+                        f"rank {rank} did not stop within {fault_timeout + 2.0:g} s after the "
+                        "failure (it was killed)")
+                    outcomes[rank].finished_at = time.time()
+                break
+            if time.monotonic() - start > timeout:
+                for proc in procs:
+                    proc.kill()
+                raise LaunchError(
+                    f"the run did not finish within {timeout:g} s; ranks still running: "
+                    f"{sorted(pending)} (they were stopped)", outcomes,
+                    dead_rank=dead_rank, died_at=died_at)
+            try:
+                rank, status, payload, when = results.get(timeout=0.05)
+                outcome = outcomes[rank]
+                outcome.finished_at = when
+                if status == "ok":
+                    outcome.value = payload
+                else:
+                    outcome.error = payload
+                pending.discard(rank)
+                continue
+            except queue_mod.Empty:
+                pass
+            for rank in sorted(pending):
+                code = procs[rank].exitcode
+                if code is None:
+                    continue
+                # exited without a result: give its queue writes a moment to arrive first
+                first = gone_since.setdefault(rank, time.monotonic())
+                if time.monotonic() - first < 0.5:
+                    continue
+                pending.discard(rank)
+                outcomes[rank].exitcode = code
+                outcomes[rank].finished_at = time.time()
+                outcomes[rank].error = DistributedError(f"rank {rank} {_describe_exit(code)}")
+                if dead_rank is None:
+                    dead_rank, died_at = rank, time.time()
+                    _record_fault(store, rank, _describe_exit(code))
+    finally:
+        _reap(procs)
+        results.close()
+        for proc, outcome in zip(procs, outcomes, strict=True):
+            outcome.exitcode = proc.exitcode
+    failed = [o for o in outcomes if o.error is not None]
+    if failed:
+        raise LaunchError(_summary(failed, dead_rank), outcomes, dead_rank=dead_rank,
+                          died_at=died_at)
+    return [o.value for o in outcomes]
+
+
+def _record_fault(store: Any, rank: int, reason: str) -> None:
+    record = json.dumps({"rank": rank, "reason": reason})
+    try:
+        store.compare_set(f"{_PREFIX}/0/fault", "", record)
+    except Exception:
+        pass
+
+
+def _summary(failed: list[RankOutcome], dead_rank: int | None) -> str:
+    roots = [o for o in failed if not isinstance(o.error, PeerFailure)]
+    if dead_rank is not None:
+        roots.sort(key=lambda o: o.rank != dead_rank)
+    lines = [f"rank {o.rank}: {o.error}" for o in roots + [o for o in failed if o not in roots]]
+    head = roots[0] if roots else failed[0]
+    return (f"distributed run failed: rank {head.rank} failed first "
+            f"({str(head.error).splitlines()[0]})\n" + "\n".join(lines))
+
+
+def _reap(procs: Sequence[Any]) -> None:
+    """Join every process, terminating then killing any that linger."""
+    deadline = time.monotonic() + 3.0
+    for proc in procs:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=2.0)
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=2.0)
