@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import networkx as nx
 
+from pdcompile.cluster import Cluster
 from pdcompile.costgraph import edge_bytes, topological_order
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan
@@ -67,6 +68,35 @@ class StageCosts:
     def edge_bytes(self, src: int, dst: int) -> float:
         """Bytes per microbatch over stage edge (src, dst) (either order), 0 if unknown."""
         return self.edges.get((min(src, dst), max(src, dst)), 0.0)
+
+    def transfer_seconds(self, src: int, dst: int, stage_ranks: Sequence[Sequence[int]],
+                         cluster: Cluster) -> float:
+        """One microbatch over stage edge (src, dst) on the slowest link between their ranks."""
+        size = self.edge_bytes(src, dst)
+        if size == 0:
+            return 0.0
+        level = max(cluster.link_level(a, b) for a in stage_ranks[src] for b in stage_ranks[dst])
+        return size / cluster.levels[level].bandwidth + cluster.levels[level].latency
+
+    def round_trips(self, stage_ranks: Sequence[Sequence[int]], cluster: Cluster) -> list[float]:
+        """Seconds from a microbatch's forward at stage s to the end of its backward there,
+        with nothing queued: the compute of s and every later stage plus each transfer on an
+        edge leaving s or a later stage, there and back."""
+        out = []
+        for stage in range(self.stages):
+            compute = sum(self.fwd[s] + self.bwd[s] for s in range(stage, self.stages))
+            links = sum(self.transfer_seconds(a, b, stage_ranks, cluster)
+                        for a, b in self.stage_edges() if a >= stage)
+            out.append(compute + 2 * links)
+        return out
+
+    def period(self, stage_ranks: Sequence[Sequence[int]], cluster: Cluster) -> float:
+        """The pipeline's time per microbatch if nothing waits: the busiest worker or link."""
+        compute = max((self.fwd[s] + self.bwd[s]) / len(stage_ranks[s])
+                      for s in range(self.stages))
+        links = [self.transfer_seconds(a, b, stage_ranks, cluster) /
+                 min(len(stage_ranks[a]), len(stage_ranks[b])) for a, b in self.stage_edges()]
+        return max([compute] + links)
 
     @classmethod
     def uniform(cls, stages: int, *, fwd: float, bwd: float, params: float = 0.0,

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import networkx as nx
 import pytest
 
 from pdcompile.backends.simulate import simulate
+from pdcompile.cli import main
 from pdcompile.cluster import Cluster, Level
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError, ScheduleError
-from pdcompile.ir import Kind
+from pdcompile.ir import Kind, Schedule
 from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate, warmup_depth
+from pdcompile.passes.schedule import generate, latency_aware_warmup, warmup_depth
 from pdcompile.plan import Plan, Stage
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Recorder, Timeline, TimelineError
@@ -229,3 +232,67 @@ def test_recorder_and_merge() -> None:
     assert merged.source == "measured"
     assert merged.meta["schedule"] == "gpipe"
     assert merged.bubble_fraction() == pytest.approx(1 - 2.5 / 6.0)
+
+
+# ------------------------------------------------------------------ latency-aware warm-up
+def test_latency_aware_warmup_is_noam_when_transfers_are_free() -> None:
+    ranks = ranks_of([2, 1, 1])
+    costs = StageCosts((2.0, 1.0, 1.0), (4.0, 2.0, 2.0))
+    depths = latency_aware_warmup(ranks, costs.round_trips(ranks, FREE), costs.period(ranks, FREE))
+    assert depths == [warmup_depth(ranks, s) for s in range(3)]
+
+
+def test_latency_aware_warmup_hides_slow_links() -> None:
+    ranks = straight(3)
+    cluster = Cluster.flat(3, 1.0)
+    costs = StageCosts.uniform(3, fwd=1.0, bwd=2.0, edge_bytes=3.0)  # 3 s per transfer
+    noam = simulate(lower(generate("1f1b", ranks, 60)), costs, cluster)
+    depths = latency_aware_warmup(ranks, costs.round_trips(ranks, cluster),
+                                  costs.period(ranks, cluster))
+    assert depths[0] > warmup_depth(ranks, 0)
+    deeper = lower(generate("1f1b", ranks, 60, warmup=depths))
+    result = simulate(deeper, costs, cluster)
+    assert noam.time_per_minibatch > F + B + 0.5
+    assert result.time_per_minibatch == pytest.approx(F + B)
+    assert result.memory[0].in_flight == depths[0] + 1 > noam.memory[0].in_flight
+
+
+# ------------------------------------------------------------------ command line
+def test_simulate_command(tmp_path: Path, profiles_dir: Path,
+                          capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "sim"
+    code = main(["simulate", "--profile", str(profiles_dir / "alexnet"), "--cluster", "4@1e9",
+                 "--planner", "dp", "--minibatches", "16", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "per minibatch" in printed and "bubble" in printed
+    for name in ("plan.json", "schedule.txt", "timeline.json", "gantt.png", "gantt.svg",
+                 "trace.json"):
+        assert (out / name).stat().st_size > 0, name
+    line = Timeline.load(out / "timeline.json")
+    schedule = Schedule.from_text((out / "schedule.txt").read_text())
+    assert len(line.events) == sum(len(a) for a in schedule.actions.values())
+    code = main(["simulate", "--profile", str(profiles_dir / "alexnet"), "--cluster", "4@1e9",
+                 "--plan", str(out / "plan.json"), "--minibatches", "16", "--json",
+                 "--measured", str(out / "timeline.json")])
+    figures = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert figures["predicted_over_measured"] == pytest.approx(1.0)
+    assert figures["schedule"] == "1f1b"
+
+
+def test_simulate_command_flush_schedule(profiles_dir: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["simulate", "--profile", str(profiles_dir / "vgg16"), "--cluster", "2x2@1e10,1e9",
+                 "--planner", "dp", "--schedule", "gpipe", "--microbatches", "4", "--json"])
+    figures = json.loads(capsys.readouterr().out)
+    assert code == 0 and figures["schedule"] == "gpipe"
+    assert figures["makespan"] == pytest.approx(figures["time_per_minibatch"])
+
+
+def test_simulate_command_errors(profiles_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["simulate", "--cluster", "A"]) == 1
+    assert "exactly one of MODEL" in capsys.readouterr().err
+    assert main(["simulate", "--profile", str(profiles_dir / "alexnet"), "--cluster", "4@1e9",
+                 "--planner", "dp", "--microbatches", "4"]) == 1
+    assert "'1f1b' runs whole minibatches" in capsys.readouterr().err

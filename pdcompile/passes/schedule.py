@@ -19,8 +19,12 @@ and 8 microbatches (`1f1b-flush`, `1f1b` alike; F of microbatch m written Fm)::
     stage 3:           F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7
 
 Microbatch m of stage s runs on replica `m % r_s` (1F1B-RR); each replica applies the same order
-to its own microbatches. GPipe runs all forwards, then all backwards in reverse microbatch order
-(the last microbatch's backward first, as autograd would), like figure 2(c) of the GPipe paper.
+to its own microbatches. `warmup=` overrides the depth per stage, e.g. with
+`latency_aware_warmup`, which also counts the time transfers take (NOAM assumes they are free;
+on slow links a stage then waits for gradients with nothing to do).
+
+GPipe runs all forwards, then all backwards in reverse microbatch order (the last microbatch's
+backward first, as autograd would), like figure 2(c) of the GPipe paper.
 """
 
 from __future__ import annotations
@@ -65,6 +69,32 @@ def warmup_depth(stage_ranks: Sequence[Sequence[int]], stage: int) -> int:
     return in_flight_limit(stage_ranks, stage) - 1
 
 
+def latency_aware_warmup(stage_ranks: Sequence[Sequence[int]], round_trip: Sequence[float],
+                         period: float) -> list[int]:
+    """Warm-up depth per stage that keeps the pipeline full when transfers take time.
+
+    A replica of stage s must hold as many minibatches as arrive at it during one round trip of
+    a minibatch from s to the end and back (`round_trip[s]` seconds, compute and transfers),
+    one arriving every `replicas * period` seconds (`period`: the pipeline's time per
+    minibatch). Depths never fall below NOAM, and the minibatches in flight per stage
+    (depth + 1) * replicas never grow downstream, which keeps the schedule deadlock-free.
+    """
+    shape = normalise_stage_ranks(stage_ranks)
+    if len(round_trip) != len(shape) or not period > 0:
+        raise ScheduleError(f"latency_aware_warmup needs one round trip per stage "
+                            f"({len(shape)}, got {len(round_trip)}) and a period > 0 "
+                            f"(got {period})")
+    depths = [0] * len(shape)
+    after = 0  # minibatches in flight at the next stage, all replicas
+    for stage in reversed(range(len(shape))):
+        replicas = len(shape[stage])
+        needed = math.ceil(round_trip[stage] / (replicas * period) - 1e-9)
+        in_flight = max(needed, in_flight_limit(shape, stage), math.ceil(after / replicas))
+        depths[stage] = in_flight - 1
+        after = in_flight * replicas
+    return depths
+
+
 def one_f_one_b(microbatches: Sequence[int], warmup: int) -> list[tuple[Kind, int]]:
     """Warm-up forwards, then one forward one backward, then the remaining backwards."""
     warmup = min(warmup, len(microbatches))
@@ -89,6 +119,7 @@ def generate(
     *,
     vertical_sync: bool = False,
     microbatches_per_minibatch: int | None = None,
+    warmup: Sequence[int] | None = None,
 ) -> Schedule:
     """The compute-only schedule `name` for a pipeline whose stage s runs on `stage_ranks[s]`.
 
@@ -98,7 +129,9 @@ def generate(
     - "1f1b-flush" (PipeDream-Flush) and "gpipe": `microbatches` microbatches of one minibatch.
     - "2bw" (PipeDream-2BW): a stream of `microbatches` microbatches (global index), each
       minibatch being `microbatches_per_minibatch` consecutive ones, in 1F1B order without flush.
-    `vertical_sync` is carried in `options` for the runtime (1f1b only).
+    `vertical_sync` is carried in `options` for the runtime (1f1b only). `warmup[s]` replaces
+    the warm-up depth of stage s (forwards before the first backward, per replica; default
+    NOAM_s - 1; not for gpipe).
     """
     shape = normalise_stage_ranks(stage_ranks)
     if name not in SCHEDULES:
@@ -109,6 +142,12 @@ def generate(
         raise ScheduleError(f"vertical_sync applies to the asynchronous '1f1b' schedule, "
                             f"not {name!r}")
     per_minibatch = _per_minibatch(name, shape, microbatches, microbatches_per_minibatch)
+    depths = [warmup_depth(shape, s) for s in range(len(shape))]
+    if warmup is not None:
+        if name == "gpipe" or len(warmup) != len(shape) or any(int(w) < 0 for w in warmup):
+            raise ScheduleError(f"warmup must give one depth >= 0 per stage ({len(shape)}) for a "
+                                f"1F1B-ordered schedule; got {list(warmup)} for {name!r}")
+        depths = [int(w) for w in warmup]
 
     actions: dict[int, tuple[Action, ...]] = {}
     for stage, ranks in enumerate(shape):
@@ -118,11 +157,13 @@ def generate(
             if name == "gpipe":
                 order = _gpipe_order(own)
             else:
-                order = one_f_one_b(own, warmup_depth(shape, stage))
+                order = one_f_one_b(own, depths[stage])
             actions[rank] = tuple(Action(stage, kind, m) for kind, m in order)
     options: dict[str, object] = {"microbatches_per_minibatch": per_minibatch}
     if name == "1f1b":
         options["vertical_sync"] = vertical_sync
+    if warmup is not None:
+        options["warmup"] = depths
     return Schedule(name, microbatches, shape, actions, options)
 
 

@@ -1,0 +1,242 @@
+"""`pdcompile simulate`: plan a model or profile on a cluster, simulate the schedule, draw it.
+
+    pdcompile simulate --profile vgg16/graph.txt --cluster A --schedule 1f1b --out sim/
+    pdcompile simulate examples/vgg16.py:factory --cluster B --schedule 1f1b-flush --microbatches 8
+
+Prints the plan and the simulated figures (time per minibatch, throughput, bubble, memory per
+worker) and writes to --out: plan.json, schedule.txt, timeline.json, gantt.png, gantt.svg,
+trace.json (Chrome trace). With --measured TIMELINE.json (recorded by a real run) it reports
+predicted against measured time per minibatch and draws the measured run too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import networkx as nx
+
+from pdcompile.backends.simulate import SimResult, simulate
+from pdcompile.cli.common import add_cluster_option, load_cluster
+from pdcompile.cluster import Cluster
+from pdcompile.errors import PdcompileError
+from pdcompile.ir import Schedule
+from pdcompile.passes.lower import lower
+from pdcompile.passes.schedule import SCHEDULES, generate, latency_aware_warmup
+from pdcompile.plan import Plan
+from pdcompile.stage_costs import StageCosts
+from pdcompile.timeline import Timeline
+from pdcompile.units import format_seconds
+from pdcompile.validate import validate
+
+DEFAULT_MINIBATCHES = 64
+DEFAULT_MICROBATCHES = 8
+
+
+def register(subparsers: Any) -> None:
+    """Add the `simulate` parser."""
+    parser = subparsers.add_parser(
+        "simulate", help="predict a pipeline's speed on a cluster and draw its timeline",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model", nargs="?",
+                        help="path/to/file.py:factory returning (model, example inputs)")
+    parser.add_argument("--profile",
+                        help="a PipeDream graph.txt (or its folder) instead of a model")
+    parser.add_argument("--costgraph", help="a CostGraph JSON file instead of a model")
+    parser.add_argument("--plan", dest="plan_file", help="use this plan.json instead of planning")
+    add_cluster_option(parser, default="A")
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="microbatches per minibatch (1f1b-flush, gpipe, 2bw; default "
+                        f"{DEFAULT_MICROBATCHES}; 1f1b: 1)")
+    parser.add_argument("--minibatches", type=int, default=DEFAULT_MINIBATCHES,
+                        help="minibatches streamed through 1f1b / 2bw (rounded up to a multiple of "
+                        f"the replica counts; default {DEFAULT_MINIBATCHES})")
+    parser.add_argument("--warmup", default="noam", choices=("noam", "latency"),
+                        help="warm-up depth: PipeDream's NOAM (default) or 'latency', deeper so "
+                        "that transfers are hidden too (more activations in flight)")
+    parser.add_argument("--planner", default="auto", choices=("auto", "dp", "ilp"))
+    parser.add_argument("--cost-model", default="native", choices=("native", "pipedream"))
+    parser.add_argument("--measured", help="a timeline.json recorded by a real run, to compare")
+    parser.add_argument("--out", help="folder for plan.json, schedule.txt, timeline.json, "
+                        "gantt.png/.svg and trace.json")
+    parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.set_defaults(func=run)
+
+
+# --------------------------------------------------------------------------------- library
+def stream_length(plan: Plan, minibatches: int) -> int:
+    """`minibatches` rounded up to a multiple of every stage's replica count (1f1b needs it)."""
+    step = math.lcm(*(s.replicas for s in plan.stages))
+    return max(step, math.ceil(minibatches / step) * step)
+
+
+def build_schedule(plan: Plan, costs: StageCosts, *, schedule: str, microbatches: int,
+                   minibatches: int, warmup: str = "noam",
+                   cluster: Cluster | None = None) -> Schedule:
+    """The lowered, validated schedule of `plan` for `schedule` (see `simulate_plan`)."""
+    stage_ranks = [list(s.ranks) for s in plan.stages]
+    depths = None
+    if warmup == "latency" and schedule != "gpipe":
+        if cluster is None:
+            raise PdcompileError("warmup='latency' needs the cluster")
+        depths = latency_aware_warmup(stage_ranks, costs.round_trips(stage_ranks, cluster),
+                                      costs.period(stage_ranks, cluster))
+    elif warmup not in ("noam", "latency"):
+        raise PdcompileError(f"warmup must be 'noam' or 'latency', not {warmup!r}")
+    if schedule == "1f1b":
+        compute = generate("1f1b", stage_ranks, stream_length(plan, minibatches), warmup=depths)
+    elif schedule == "2bw":
+        step = math.lcm(*(s.replicas for s in plan.stages))
+        per = max(step, math.ceil(microbatches / step) * step)
+        compute = generate("2bw", stage_ranks, per * max(1, minibatches),
+                           microbatches_per_minibatch=per, warmup=depths)
+    else:
+        compute = generate(schedule, stage_ranks, microbatches, warmup=depths)
+    lowered = lower(compute, costs.stage_edges())
+    validate(lowered)
+    return lowered
+
+
+def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule: str = "1f1b",
+                  microbatches: int | None = None, minibatches: int = DEFAULT_MINIBATCHES,
+                  warmup: str = "noam", timeline: bool = True) -> tuple[Schedule, SimResult]:
+    """Simulate `plan` of `graph` on `cluster`.
+
+    1f1b: a stream of `minibatches` whole minibatches; 1f1b-flush / gpipe: one minibatch cut into
+    `microbatches`; 2bw: `minibatches` minibatches of `microbatches` each. `warmup`: "noam"
+    (PipeDream's depth) or "latency" (`passes.schedule.latency_aware_warmup`).
+    """
+    per = 1 if schedule == "1f1b" else (microbatches or DEFAULT_MICROBATCHES)
+    if schedule == "1f1b" and microbatches not in (None, 1):
+        raise PdcompileError("'1f1b' runs whole minibatches; use --schedule 2bw or 1f1b-flush "
+                             f"for {microbatches} microbatches per minibatch")
+    costs = StageCosts.from_plan(graph, plan, microbatches=per)
+    lowered = build_schedule(plan, costs, schedule=schedule, microbatches=per,
+                             minibatches=minibatches, warmup=warmup, cluster=cluster)
+    return lowered, simulate(lowered, costs, cluster, timeline=timeline)
+
+
+def data_parallel_plan(graph: nx.DiGraph, cluster: Cluster) -> Plan:
+    """Plain data parallelism as a Plan: every node in one stage replicated on every worker."""
+    from pdcompile.costgraph import topological_order
+    from pdcompile.plan import Stage
+
+    workers = cluster.workers
+    stage = Stage(tuple(topological_order(graph)), workers, tuple(range(workers)))
+    return Plan(stages=(stage,), time_per_minibatch=0.0, dp_time=0.0, workers=workers,
+                planner="data-parallel")
+
+
+def load_cost_graph(args: argparse.Namespace) -> nx.DiGraph:
+    """The CostGraph from --profile, --costgraph or a model factory (traced and costed)."""
+    sources = [x for x in (args.model, args.profile, args.costgraph) if x]
+    if len(sources) != 1:
+        raise PdcompileError("give exactly one of MODEL (file.py:factory), --profile graph.txt "
+                             "or --costgraph graph.json")
+    if args.profile:
+        from pdcompile.profiles import load_pipedream
+
+        return load_pipedream(args.profile)
+    if args.costgraph:
+        from pdcompile.costgraph import load
+
+        return load(args.costgraph)
+    from pdcompile.cli.common import load_factory
+
+    model, inputs = load_factory(args.model)
+    try:
+        from pdcompile.passes.cost import annotate_costs, to_cost_graph
+        from pdcompile.passes.shapes import annotate_shapes
+        from pdcompile.passes.trace import trace
+    except ModuleNotFoundError as err:
+        raise PdcompileError(f"tracing a model needs {err.name}, which this installation lacks; "
+                             "use --profile or --costgraph") from None
+    gm = trace(model)
+    annotate_shapes(gm, inputs)
+    annotate_costs(gm, inputs)
+    return to_cost_graph(gm, name=args.model)
+
+
+def run(args: argparse.Namespace) -> int:
+    """The subcommand."""
+    import pdcompile
+
+    cluster = load_cluster(args.cluster)
+    graph = load_cost_graph(args)
+    per = None if args.schedule == "1f1b" else (args.microbatches or DEFAULT_MICROBATCHES)
+    if args.plan_file:
+        plan = Plan.from_json(Path(args.plan_file).read_text())
+    else:
+        plan = pdcompile.plan(graph, cluster, planner=args.planner, cost_model=args.cost_model,
+                              schedule=args.schedule, microbatches=per or 1)
+    if plan.workers > cluster.workers:
+        raise PdcompileError(f"the plan uses {plan.workers} workers but the cluster has "
+                             f"{cluster.workers}")
+    schedule, result = simulate_plan(graph, plan, cluster, schedule=args.schedule,
+                                     microbatches=args.microbatches if per is None else per,
+                                     minibatches=args.minibatches, warmup=args.warmup)
+    measured = Timeline.load(args.measured) if args.measured else None
+    figures = _figures(plan, result, measured)
+    if args.json:
+        print(json.dumps(figures, indent=1))
+    else:
+        print(plan.summary())
+        print()
+        print(result.summary())
+        print(f"planner predicted {format_seconds(plan.time_per_minibatch)} per minibatch; "
+              f"simulated {format_seconds(result.time_per_minibatch)}")
+        if measured is not None:
+            print(f"measured {format_seconds(figures['measured_time_per_minibatch'])} per "
+                  f"minibatch; simulated / measured = {figures['predicted_over_measured']:.3f}")
+    if args.out:
+        written = write_outputs(Path(args.out), plan, schedule, result, measured)
+        if not args.json:
+            print("wrote " + ", ".join(str(p) for p in written))
+    return 0
+
+
+def _figures(plan: Plan, result: SimResult, measured: Timeline | None) -> dict[str, Any]:
+    figures: dict[str, Any] = {
+        "config": plan.config, "schedule": result.schedule,
+        "planner_time_per_minibatch": plan.time_per_minibatch,
+        "time_per_minibatch": result.time_per_minibatch, "throughput": result.throughput,
+        "makespan": result.makespan, "bubble": result.bubble,
+        "steady_bubble": result.steady_bubble, "peak_memory": result.peak_memory,
+        "memory": {str(r): m.total for r, m in sorted(result.memory.items())},
+    }
+    if measured is not None:
+        measured_time = measured.time_per_minibatch()
+        figures["measured_time_per_minibatch"] = measured_time
+        figures["predicted_over_measured"] = (result.time_per_minibatch / measured_time
+                                              if measured_time > 0 else float("inf"))
+    return figures
+
+
+def write_outputs(out: Path, plan: Plan, schedule: Schedule, result: SimResult,
+                  measured: Timeline | None) -> list[Path]:
+    """plan.json, schedule.txt, timeline.json, gantt.png/.svg, trace.json (+ measured_*)."""
+    from pdcompile.viz.chrome_trace import write_chrome_trace
+    from pdcompile.viz.gantt import draw_gantt
+
+    out.mkdir(parents=True, exist_ok=True)
+    written = [out / "plan.json", out / "schedule.txt", out / "timeline.json"]
+    written[0].write_text(plan.to_json())
+    written[1].write_text(schedule.to_text())
+    result.timeline.save(written[2])
+    stage_of = plan.rank_to_stage()
+    title = f"{plan.config} {result.schedule}: {format_seconds(result.time_per_minibatch)} per " \
+            f"minibatch, bubble {result.bubble:.0%} (simulated)"
+    draw_gantt(result.timeline, [out / "gantt.png", out / "gantt.svg"], title=title,
+               stage_of_rank=stage_of)
+    written += [out / "gantt.png", out / "gantt.svg", write_chrome_trace(result.timeline,
+                                                                         out / "trace.json")]
+    if measured is not None:
+        draw_gantt(measured, out / "measured_gantt.png", stage_of_rank=stage_of,
+                   title=f"{plan.config} measured")
+        written += [out / "measured_gantt.png",
+                    write_chrome_trace(measured, out / "measured_trace.json")]
+    return written
