@@ -1,0 +1,208 @@
+"""Training throughput of our distributed pipeline against its peers, side by side in one run.
+
+Model: 8 blocks of Linear(1024, 1024) + ReLU and a Linear(1024, 10) head, cross-entropy, SGD,
+minibatch 256; the two-stage split is 4 blocks | 4 blocks + head. One thread per process.
+
+    (a) single     one process, one thread, plain training (the reference for ratios)
+    (a') single-8  one process, the same 8 x 32 microbatching (what microbatching alone costs)
+    (b) ddp        DistributedDataParallel on 2 processes (128 samples each)
+    (c) pp-1f1b    torch.distributed.pipelining Schedule1F1B, 2 stages, 8 microbatches of 32
+    (c) pp-gpipe   torch.distributed.pipelining ScheduleGPipe, same
+    (d) ours-1f1b  our asynchronous 1F1B (PipeDream): whole minibatches stream through, no flush
+    (e) ours-flush our 1F1B-flush (PipeDream-Flush), 8 microbatches of 32
+
+Each configuration runs `--rounds` rounds of `--steps` minibatches after a warm-up; the table
+shows the median samples/s and the ratio to (a).
+
+    python benchmarks/runtime.py [--rounds 6] [--steps 8] [--only single,ddp,...] [--md FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from pdcompile.backends.launch import Worker, launch
+
+WIDTH, BLOCKS, CLASSES, MINIBATCH, MICRO = 1024, 8, 10, 256, 8
+LR = 0.01
+
+
+def build_model(seed: int = 0) -> nn.Sequential:
+    """The benchmark MLP (same weights for every configuration)."""
+    torch.manual_seed(seed)
+    layers: list[nn.Module] = []
+    for _ in range(BLOCKS):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.ReLU()]
+    layers.append(nn.Linear(WIDTH, CLASSES))
+    return nn.Sequential(*layers)
+
+
+def split_model(model: nn.Sequential) -> tuple[nn.Sequential, nn.Sequential]:
+    """4 blocks | 4 blocks + head."""
+    cut = 2 * BLOCKS // 2
+    return model[:cut], model[cut:]
+
+
+def make_data(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`steps` minibatches (cycled over 4 distinct ones, to keep memory small)."""
+    gen = torch.Generator().manual_seed(seed)
+    distinct = [(torch.randn(MINIBATCH, WIDTH, generator=gen),
+                 torch.randint(0, CLASSES, (MINIBATCH,), generator=gen)) for _ in range(4)]
+    return [distinct[i % 4] for i in range(steps)]
+
+
+def _rounds(step: Callable[[int], None], *, rounds: int, steps: int, warmup: int,
+            sync: Callable[[], None] = lambda: None) -> list[float]:
+    """Seconds per round of `steps` steps, after `warmup` steps."""
+    for i in range(warmup):
+        step(i)
+    sync()
+    times = []
+    for _ in range(rounds):
+        sync()
+        start = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        sync()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+# -- (a) one process ----
+
+
+def run_single(*, rounds: int, steps: int, warmup: int, micro: int = 1) -> list[float]:
+    """Plain training in this process with one thread (`micro` > 1: gradient accumulation)."""
+    torch.set_num_threads(1)
+    model = build_model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = make_data(steps + warmup)
+    loss_fn = nn.CrossEntropyLoss()
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        opt.zero_grad()
+        for xs, ys in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            (loss_fn(model(xs), ys) / micro).backward()
+        opt.step()
+
+    return _rounds(step, rounds=rounds, steps=steps, warmup=warmup)
+
+
+# -- (b) DDP ----
+
+
+def _ddp_worker(worker: Worker, rounds: int, steps: int, warmup: int) -> list[float]:
+    from torch.nn.parallel import DistributedDataParallel
+
+    model = DistributedDataParallel(build_model())
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    data = make_data(steps + warmup)
+    loss_fn = nn.CrossEntropyLoss()
+    half = MINIBATCH // worker.world_size
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        lo = worker.rank * half
+        opt.zero_grad()
+        loss_fn(model(x[lo:lo + half]), y[lo:lo + half]).backward()
+        opt.step()
+
+    return _rounds(step, rounds=rounds, steps=steps, warmup=warmup, sync=dist.barrier)
+
+
+# -- (c) torch.distributed.pipelining ----
+
+
+def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
+               warmup: int) -> list[float]:
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    part = split_model(build_model())[worker.rank]
+    stage = PipelineStage(part, worker.rank, 2, torch.device("cpu"))
+    cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
+    schedule = cls(stage, MICRO, loss_fn=nn.CrossEntropyLoss())
+    opt = torch.optim.SGD(part.parameters(), lr=LR)
+    data = make_data(steps + warmup)
+
+    def step(i: int) -> None:
+        x, y = data[i % len(data)]
+        opt.zero_grad()
+        if worker.rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y, losses=[])
+        opt.step()
+
+    return _rounds(step, rounds=rounds, steps=steps, warmup=warmup, sync=dist.barrier)
+
+
+# -- driver ----
+
+
+def _dist(fn: Callable[..., list[float]], *args: Any) -> list[float]:
+    values = launch(fn, 2, args=args, timeout=1800, fault_timeout=60)
+    return [max(a, b) for a, b in zip(values[0], values[1], strict=True)]
+
+
+CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
+    "single": ("(a) one process, one thread", lambda r, s, w: run_single(
+        rounds=r, steps=s, warmup=w)),
+    "single-8": ("(a') one process, 8x32 microbatches", lambda r, s, w: run_single(
+        rounds=r, steps=s, warmup=w, micro=MICRO)),
+    "ddp": ("(b) DDP, 2 processes", lambda r, s, w: _dist(_ddp_worker, r, s, w)),
+    "pp-1f1b": ("(c) pipelining Schedule1F1B, 8x32", lambda r, s, w: _dist(
+        _pp_worker, "1f1b", r, s, w)),
+    "pp-gpipe": ("(c) pipelining ScheduleGPipe, 8x32", lambda r, s, w: _dist(
+        _pp_worker, "gpipe", r, s, w)),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the configurations and print the table (and write it as Markdown with --md)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=8, help="minibatches per round")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--only", default="", help="comma-separated subset of: "
+                        + ", ".join(CONFIGS))
+    parser.add_argument("--md", default="", help="also write the table to this Markdown file")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    names = [n for n in args.only.split(",") if n] or list(CONFIGS)
+    rows: list[tuple[str, str, float, list[float]]] = []
+    for name in names:
+        label, fn = CONFIGS[name]
+        times = fn(args.rounds, args.steps, args.warmup)
+        rates = [args.steps * MINIBATCH / t for t in times]
+        rows.append((name, label, statistics.median(rates), rates))
+        print(f"{name:<11} {statistics.median(rates):8.1f} samples/s  "
+              f"rounds: {' '.join(f'{r:.0f}' for r in rates)}", file=sys.stderr, flush=True)
+    base = next((r[2] for r in rows if r[0] == "single"), None)
+    lines = [f"machine: {platform.node()} ({platform.machine()}, "
+             f"{torch.get_num_threads()} thread per process), torch {torch.__version__}, "
+             f"{args.rounds} rounds x {args.steps} minibatches of {MINIBATCH}, medians",
+             "", "| configuration | samples/s | ratio to (a) |", "|---|---:|---:|"]
+    for _name, label, rate, _rates in rows:
+        ratio = f"{rate / base:.2f}x" if base else "-"
+        lines.append(f"| {label} | {rate:.1f} | {ratio} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.md:
+        with open(args.md, "w") as out:
+            out.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
