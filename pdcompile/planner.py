@@ -28,7 +28,7 @@ ILP_DEFAULT_LIMIT = 10.0  # seconds
 def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
          cost_model: str = "native", straight: bool = False, memory: float | str | None = None,
          time_limit: float | None = None, schedule: str = "1f1b", microbatches: int = 1,
-         progress: bool = False) -> Plan:
+         ) -> Plan:
     """Partition `cost_graph` over `cluster` and return the Plan (see pdcompile.plan.Plan).
 
     planner: "dp" (PipeDream's dynamic program), "ilp" (DP, then the exact CP-SAT model warm-started
@@ -70,12 +70,16 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                   workers=cluster.workers, cost_model=cost_model, planner="dp",
                   status="OPTIMAL" if states_kind == "all downsets" else "HEURISTIC",
                   bound=None, solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra)
-    use_ilp = planner == "ilp" or (planner == "auto" and work.number_of_nodes() <= ILP_AUTO_NODES)
-    if use_ilp and not straight:
+    if planner == "ilp" and (straight or cost_model != "native"):
+        raise PlanError("the CP-SAT planner handles the native cost model without --straight; "
+                        "use planner='dp' for cost_model='pipedream' or straight pipelines")
+    use_ilp = planner == "ilp" or (planner == "auto" and cost_model == "native" and not straight
+                                   and work.number_of_nodes() <= ILP_AUTO_NODES)
+    if use_ilp:
         from pdcompile.passes.partition.ilp import improve
 
         result = improve(cost_graph, cluster, result, options=options, memory=limit,
-                         time_limit=time_limit or ILP_DEFAULT_LIMIT, progress=progress)
+                         time_limit=time_limit or ILP_DEFAULT_LIMIT)
     return replace(result, solve_seconds=time.perf_counter() - started)
 
 

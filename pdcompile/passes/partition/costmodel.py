@@ -111,6 +111,43 @@ def bubble(stages: int, options: ModelOptions) -> float:
     return 1.0
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Per-byte and fixed costs of a stage on ranks [start, start + replicas) of `workers`, as
+    the planners price it (native model): the all-reduce spans those ranks; what the stage
+    receives crosses the link from rank start - 1, what it sends the link to start + replicas."""
+
+    sync_per_byte: float
+    sync_fixed: float
+    in_per_byte: float
+    in_per_msg: float
+    out_per_byte: float
+    out_per_msg: float
+    in_flight: float
+    versions: float
+
+
+def placement(cluster: Cluster, start: int, replicas: int, workers: int,
+              options: ModelOptions) -> Placement:
+    """Coefficients of a stage at a rank position (see `Placement`); all already divided by the
+    replicas, so that stage time = max(T / r + P * sync_per_byte + sync_fixed, in/out terms)."""
+    r, end = replicas, start + replicas - 1
+    sync_a = sync_b = in_a = in_l = out_a = out_l = 0.0
+    if r > 1:
+        lv = cluster.levels[cluster.link_level(start, end)]
+        sync_a = 2.0 * (r - 1) / r / lv.bandwidth / r
+        sync_b = 2.0 * (r - 1) * lv.latency / r
+    if start > 0:
+        li = cluster.levels[cluster.link_level(start - 1, end)]
+        in_a, in_l = 1.0 / (li.bandwidth * r), li.latency / r
+    if end + 1 < workers:
+        lo = cluster.levels[cluster.link_level(start, end + 1)]
+        out_a, out_l = 1.0 / (lo.bandwidth * r), lo.latency / r
+    downstream = workers - start - r
+    return Placement(sync_a, sync_b, in_a, in_l, out_a, out_l,
+                     in_flight(r, downstream, options), weight_versions(r, downstream, options))
+
+
 # ------------------------------------------------------------------------------ pipedream graph
 def pipedream_view(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str | None]]:
     """The graph PipeDream's optimizer plans over: `Input*` sources and unused `__getitem__` sinks

@@ -27,7 +27,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.costgraph import edge_bytes
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.antichain import AntichainStates
-from pdcompile.passes.partition.costmodel import ModelOptions
+from pdcompile.passes.partition.costmodel import ModelOptions, placement
 
 INF = float("inf")
 
@@ -136,24 +136,13 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
     out_l = np.zeros((n + 1, n + 1))
     flight = np.zeros((n + 1, n + 1))
     versions = np.zeros((n + 1, n + 1))
-    from pdcompile.passes.partition.costmodel import in_flight, weight_versions
-
     for m in range(1, n + 1):
-        start = n - m
         for r in range(1, m + 1):
-            end = start + r - 1
-            lv = cluster.levels[cluster.link_level(start, end)]
-            if r > 1:
-                sync_a[m, r] = 2.0 * (r - 1) / r / lv.bandwidth / r
-                sync_b[m, r] = 2.0 * (r - 1) * lv.latency / r
-            if start > 0:
-                li = cluster.levels[cluster.link_level(start - 1, end)]
-                in_a[m, r], in_l[m, r] = 1.0 / (li.bandwidth * r), li.latency / r
-            if m > r:
-                lo = cluster.levels[cluster.link_level(start, end + 1)]
-                out_a[m, r], out_l[m, r] = 1.0 / (lo.bandwidth * r), lo.latency / r
-            flight[m, r] = in_flight(r, m - r, options)
-            versions[m, r] = weight_versions(r, m - r, options)
+            c = placement(cluster, n - m, r, n, options)
+            sync_a[m, r], sync_b[m, r] = c.sync_per_byte, c.sync_fixed
+            in_a[m, r], in_l[m, r] = c.in_per_byte, c.in_per_msg
+            out_a[m, r], out_l[m, r] = c.out_per_byte, c.out_per_msg
+            flight[m, r], versions[m, r] = c.in_flight, c.versions
     prev = np.clip(m_idx - r_idx, 0, n)
     mem_limit = INF if memory is None else memory
     opt = 1.0 + options.optimizer_state

@@ -1,0 +1,199 @@
+"""An exact CP-SAT model of pipeline partitioning over a general DAG (OR-Tools).
+
+Decides, for every node, its stage; for every stage, its replicas and its rank position (stages
+take consecutive ranks in pipeline order, every worker is used); minimises the slowest stage under
+the native model's planning terms (costmodel.placement), which are the DP's: compute over replicas
+plus ring all-reduce, against asynchronous communication of every edge crossing the stage's
+boundary, skip connections included; per-worker memory must fit. Stages are convex (every edge
+goes to the same or a later stage). Zero-cost inputs stay on the first stage, as in the DP.
+
+Times are scaled to integers (the model's rounding is below 1e-5 of the slowest stage); the
+solution is re-priced exactly with costmodel.evaluate and kept only if it beats the DP's plan,
+which is also the solver's hint, so the result is never worse than the hint.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import replace
+from typing import Any
+
+import networkx as nx
+
+from pdcompile.cluster import Cluster
+from pdcompile.costgraph import edge_bytes, topological_order
+from pdcompile.errors import PlanError
+from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, placement
+from pdcompile.plan import Plan
+
+SCALE_UNITS = 1e7  # integer units for the largest possible stage time
+
+
+def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOptions,
+            memory: float | None, time_limit: float) -> Plan:
+    """Solve the CP-SAT model warm-started from `hint` (a plan of `graph`); return the better of
+    the two, with planner "ilp", the solver's status, its lower bound and the gap."""
+    if options.cost_model != "native":
+        raise PlanError("the CP-SAT planner prices plans with the native cost model; use "
+                        "planner='dp' with cost_model='pipedream'")
+    started = time.perf_counter()
+    solution = solve(graph, cluster, options=options, memory=memory, time_limit=time_limit,
+                     hint=hint)
+    seconds = time.perf_counter() - started
+    extra = dict(hint.extra) | {"ilp_status": solution["status"], "ilp_seconds": seconds,
+                                "dp_time_per_minibatch": hint.time_per_minibatch}
+    bound = solution.get("bound")
+    best = hint
+    if solution.get("stages"):
+        priced, predicted = evaluate(graph, solution["stages"], cluster, options=options,
+                                     memory=memory)
+        if predicted < hint.time_per_minibatch * (1 - 1e-9):
+            best = replace(hint, stages=priced, time_per_minibatch=predicted)
+    status = solution["status"]
+    if bound is not None:
+        bound = min(bound, best.time_per_minibatch)
+    return replace(best, planner="ilp", status=status, bound=bound, extra=extra)
+
+
+def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory: float | None,
+          time_limit: float, hint: Plan | None = None) -> dict[str, Any]:
+    """Build and solve the model. Returns {"status", "bound" (seconds, lower bound on the slowest
+    stage), "stages" ([(nodes, ranks)] or None)}."""
+    from ortools.sat.python import cp_model
+
+    order = topological_order(graph)
+    nodes = list(order)
+    workers = cluster.workers
+    pinned = [v for v in nodes if graph.in_degree(v) == 0 and graph.out_degree(v) > 0
+              and not any(float(graph.nodes[v][k]) for k in ("fwd", "bwd", "params"))]
+    if len(pinned) == len(nodes):
+        pinned = []
+    stages = min(workers, len(nodes) - len(pinned))
+    edges = [(u, v, edge_bytes(graph, u, v)) for u, v in graph.edges]
+    comp = {v: float(graph.nodes[v]["fwd"]) + float(graph.nodes[v]["bwd"]) for v in nodes}
+    par = {v: float(graph.nodes[v]["params"]) for v in nodes}
+    keep = {v: float(graph.nodes[v].get("keep", graph.nodes[v]["act"])) for v in nodes}
+    coef = {(a, k): placement(cluster, a, k, workers, options)
+            for a in range(workers) for k in range(1, workers - a + 1)}
+    # scale: the slowest conceivable stage maps to SCALE_UNITS
+    worst = sum(comp.values()) + max(c.sync_per_byte for c in coef.values()) * sum(par.values()) \
+        + max(c.sync_fixed for c in coef.values()) \
+        + sum(b for *_, b in edges) * 2 * max(max(c.in_per_byte, c.out_per_byte)
+                                              for c in coef.values()) \
+        + len(edges) * 2 * max(max(c.in_per_msg, c.out_per_msg) for c in coef.values())
+    scale = SCALE_UNITS / worst if worst > 0 else 1.0
+
+    model = cp_model.CpModel()
+    # x[v, s]: node v runs in stage s
+    x = {(v, s): model.new_bool_var(f"x[{v},{s}]") for v in nodes for s in range(stages)}
+    # used[s]: stage s has at least one node (stages are used from 0 up)
+    used = [model.new_bool_var(f"used[{s}]") for s in range(stages)]
+    # z[s, a, k]: stage s runs on ranks [a, a + k)
+    z = {(s, a, k): model.new_bool_var(f"z[{s},{a},{k}]")
+         for s in range(stages) for (a, k) in coef}
+    # t: the slowest stage, in integer units
+    t = model.new_int_var(0, int(SCALE_UNITS * 2) + 1, "t")
+
+    for v in nodes:  # each node in exactly one stage
+        model.add_exactly_one(x[v, s] for s in range(stages))
+    for v in pinned:  # inputs on the first stage
+        model.add(x[v, 0] == 1)
+    for s in range(stages):  # a stage is used iff it has nodes; used stages come first
+        for v in nodes:
+            model.add_implication(x[v, s], used[s])
+        model.add(sum(x[v, s] for v in nodes if v not in pinned) >= 1).only_enforce_if(used[s])
+        model.add(sum(x[v, s] for v in nodes) == 0).only_enforce_if(~used[s])
+        if s + 1 < stages:
+            model.add_implication(used[s + 1], used[s])
+    model.add(used[0] == 1)
+    stage_index = {v: sum(s * x[v, s] for s in range(1, stages)) for v in nodes}
+    for u, v, _ in edges:  # convex stages: edges never go backwards
+        model.add(stage_index[u] <= stage_index[v])
+    # placement: a used stage has one position; positions are consecutive; all workers used
+    start = [model.new_int_var(0, workers - 1, f"start[{s}]") for s in range(stages)]
+    reps = [model.new_int_var(0, workers, f"replicas[{s}]") for s in range(stages)]
+    for s in range(stages):
+        model.add(sum(z[s, a, k] for (a, k) in coef) == used[s])
+        model.add(start[s] == sum(a * z[s, a, k] for (a, k) in coef))
+        model.add(reps[s] == sum(k * z[s, a, k] for (a, k) in coef))
+        if s + 1 < stages:
+            model.add(start[s + 1] == start[s] + reps[s]).only_enforce_if(used[s + 1])
+    model.add(start[0] == 0)
+    model.add(sum(reps) == workers)
+    # e_in[e, s] / e_out[e, s]: edge e enters / leaves stage s (>= is enough: minimising)
+    before = {(v, s): sum(x[v, q] for q in range(s)) for v in nodes for s in range(stages)}
+    after = {(v, s): sum(x[v, q] for q in range(s + 1, stages)) for v in nodes
+             for s in range(stages)}
+    e_in: dict[tuple[int, int], Any] = {}
+    e_out: dict[tuple[int, int], Any] = {}
+    for i, (u, v, _) in enumerate(edges):
+        for s in range(stages):
+            if s > 0:
+                e_in[i, s] = model.new_bool_var(f"in[{i},{s}]")
+                model.add(e_in[i, s] >= x[v, s] + before[u, s] - 1)
+            if s + 1 < stages:
+                e_out[i, s] = model.new_bool_var(f"out[{i},{s}]")
+                model.add(e_out[i, s] >= x[u, s] + after[v, s] - 1)
+    mem_limit = math.inf if memory is None else memory
+    for s in range(stages):
+        for (a, k), c in coef.items():
+            zz = z[s, a, k]
+            work = [(x[v, s], round(scale * (comp[v] / k + c.sync_per_byte * par[v])))
+                    for v in nodes]
+            model.add(sum(w * var for var, w in work) + round(scale * c.sync_fixed) <= t
+                      ).only_enforce_if(zz)
+            comm = []
+            for i, (_, _, b) in enumerate(edges):
+                if (i, s) in e_in:
+                    comm.append((e_in[i, s], round(scale * (b * c.in_per_byte + c.in_per_msg))))
+                if (i, s) in e_out:
+                    comm.append((e_out[i, s],
+                                 round(scale * (b * c.out_per_byte + c.out_per_msg))))
+            if comm:
+                model.add(sum(w * var for var, w in comm) <= t).only_enforce_if(zz)
+            if math.isfinite(mem_limit):
+                per_node = {v: par[v] * (c.versions + 1.0 + options.optimizer_state)
+                            + keep[v] * c.in_flight for v in nodes}
+                if sum(per_node.values()) > mem_limit:
+                    unit = mem_limit / 1e9  # memory in billionths of the limit
+                    model.add(sum(math.ceil(per_node[v] / unit) * x[v, s] for v in nodes)
+                              <= 1_000_000_000).only_enforce_if(zz)
+    model.minimize(t)
+    # symmetry is broken by the ordering of stages; hint the DP's plan
+    if hint is not None:
+        _add_hint(model, hint, x, used, z, nodes, stages, coef)
+    solver = cp_model.CpSolver()
+    solver.parameters.max_time_in_seconds = float(time_limit)
+    solver.parameters.num_workers = 2
+    code = solver.solve(model)
+    status = solver.status_name(code)
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        return {"status": status, "bound": None, "stages": None}
+    bound = solver.best_objective_bound / scale
+    # the rounding of coefficients can move the optimum by up to one unit per term
+    slack = (len(nodes) + 2 * len(edges) + 1) / scale
+    result = []
+    for s in range(stages):
+        if not solver.value(used[s]):
+            continue
+        members = [v for v in nodes if solver.value(x[v, s])]
+        ranks = tuple(range(solver.value(start[s]), solver.value(start[s]) + solver.value(reps[s])))
+        result.append((members, ranks))
+    return {"status": status, "bound": max(0.0, bound - slack), "stages": result}
+
+
+def _add_hint(model: Any, hint: Plan, x: dict[Any, Any], used: list[Any], z: dict[Any, Any],
+              nodes: list[str], stages: int, coef: dict[Any, Any]) -> None:
+    if len(hint.stages) > stages:
+        return
+    stage_of = hint.stage_of()
+    for v in nodes:
+        for s in range(stages):
+            model.add_hint(x[v, s], stage_of.get(v) == s)
+    for s in range(stages):
+        model.add_hint(used[s], s < len(hint.stages))
+        for (a, k) in coef:
+            on = s < len(hint.stages) and hint.stages[s].ranks[0] == a \
+                and hint.stages[s].replicas == k
+            model.add_hint(z[s, a, k], on)
