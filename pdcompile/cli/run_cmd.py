@@ -1,0 +1,141 @@
+"""`pdcompile run EXPORT_DIR --nproc N`: train an exported pipeline across processes (torchrun).
+
+The command builds a `torchrun` command line whose worker is
+`python -m pdcompile.backends.distributed EXPORT_DIR ...` (so the exported folder also runs
+under a plain `torchrun` with the same arguments) and runs it. Multi-node flags (`--nnodes`,
+`--node-rank`, `--master-addr`, `--master-port`, `--rdzv-*`, `--max-restarts`) pass through.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from pdcompile.errors import DistributedError, PdcompileError
+from pdcompile.local_machine import free_port
+
+WORKER_MODULE = "pdcompile.backends.distributed"
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    """Add the `run` subcommand."""
+    parser = subparsers.add_parser(
+        "run", help="train an exported pipeline on several processes (wraps torchrun)",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("export_dir", metavar="EXPORT_DIR",
+                        help="a folder written by Pipeline.export / pdcompile export")
+    parser.add_argument("--nproc", type=int, default=None,
+                        help="worker processes on this node (default: the plan's workers / "
+                             "--nnodes)")
+    launch = parser.add_argument_group("launch (passed to torchrun)")
+    launch.add_argument("--nnodes", default="1")
+    launch.add_argument("--node-rank", type=int, default=None)
+    launch.add_argument("--master-addr", default=None)
+    launch.add_argument("--master-port", type=int, default=None)
+    launch.add_argument("--rdzv-backend", default=None)
+    launch.add_argument("--rdzv-endpoint", default=None)
+    launch.add_argument("--rdzv-id", default=None)
+    launch.add_argument("--max-restarts", type=int, default=0,
+                        help="restart the workers this many times after a failure; with "
+                             "--checkpoint-dir the run resumes from the last checkpoint")
+    train = parser.add_argument_group("training (passed to the workers)")
+    train.add_argument("--steps", type=int, default=None, help="minibatches to train")
+    train.add_argument("--checkpoint-dir", default=None)
+    train.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                       help="checkpoint every K minibatches")
+    train.add_argument("--fault-timeout", type=float, default=None, metavar="SECONDS",
+                       help="stop within this many seconds after another worker dies")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="print the torchrun command instead of running it")
+    parser.set_defaults(func=run)
+
+
+def _plan_workers(export_dir: Path) -> int | None:
+    try:
+        data = json.loads((export_dir / "plan.json").read_text())
+    except (OSError, ValueError):
+        return None
+    workers = data.get("workers") if isinstance(data, dict) else None
+    return int(workers) if isinstance(workers, int) else None
+
+
+def _check_port_free(addr: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind((addr, port))
+        except OSError:
+            raise DistributedError(f"master port {port} on {addr} is already in use; pass a "
+                                   "different --master-port, or none to pick a free one") from None
+
+
+def torchrun_command(args: argparse.Namespace) -> list[str]:
+    """The torchrun command line for `args` (see `register`)."""
+    export_dir = Path(args.export_dir)
+    if not export_dir.is_dir():
+        raise PdcompileError(f"export folder {str(export_dir)!r} does not exist; write one with "
+                             "`pdcompile export` or Pipeline.export(path)")
+    nnodes = str(args.nnodes)
+    single = nnodes == "1"
+    workers = _plan_workers(export_dir)
+    nproc = args.nproc
+    if nproc is None:
+        if workers is None:
+            raise PdcompileError(f"{export_dir}/plan.json gives no worker count; pass --nproc N")
+        nproc = workers // max(1, int(nnodes.split(":")[-1]))
+    if nproc < 1:
+        raise PdcompileError(f"--nproc must be a positive integer ({nproc} < 1)")
+    if single and workers is not None and nproc != workers:
+        raise PdcompileError(f"the pipeline in {export_dir} was compiled for {workers} workers, "
+                             f"not --nproc {nproc}; pass --nproc {workers}")
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+           f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}"]
+    if args.rdzv_endpoint or args.rdzv_backend:
+        cmd += [f"--rdzv-backend={args.rdzv_backend or 'c10d'}"]
+        if args.rdzv_endpoint:
+            cmd += [f"--rdzv-endpoint={args.rdzv_endpoint}"]
+        if args.rdzv_id:
+            cmd += [f"--rdzv-id={args.rdzv_id}"]
+    else:
+        addr = args.master_addr or ("127.0.0.1" if single else None)
+        if addr is None:
+            raise PdcompileError("a multi-node run needs --master-addr (the address of node 0) "
+                                 "or --rdzv-endpoint")
+        port = args.master_port
+        if port is None:
+            if not single:
+                raise PdcompileError("a multi-node run needs --master-port (the same on every "
+                                     "node)")
+            port = free_port()
+        elif single:
+            _check_port_free(addr, port)
+        cmd += [f"--master-addr={addr}", f"--master-port={port}"]
+        if args.node_rank is not None:
+            cmd += [f"--node-rank={args.node_rank}"]
+    cmd += ["-m", WORKER_MODULE, str(export_dir)]
+    if args.steps is not None:
+        cmd += ["--steps", str(args.steps)]
+    if args.checkpoint_dir:
+        cmd += ["--checkpoint-dir", str(args.checkpoint_dir)]
+    if args.checkpoint_every is not None:
+        cmd += ["--checkpoint-every", str(args.checkpoint_every)]
+    if args.fault_timeout is not None:
+        cmd += ["--fault-timeout", str(args.fault_timeout)]
+    return cmd
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the torchrun command and run it (or print it with --dry-run)."""
+    cmd = torchrun_command(args)
+    if args.dry_run:
+        print(shlex.join(cmd))
+        return 0
+    completed = subprocess.run(cmd, check=False)
+    if completed.returncode != 0:
+        raise DistributedError(f"the distributed run failed (torchrun exit code "
+                               f"{completed.returncode}); the workers' errors are above")
+    return 0
