@@ -46,7 +46,8 @@ def small_dags(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
 
 clusters = st.builds(
     lambda w, bw, lat: Cluster.parse(f"{w}@{bw}~{lat}"),
-    st.sampled_from([1, 2, 3, 3, 4, 4]), st.sampled_from(["1e8", "1e9", "1e10"]), st.sampled_from(["0", "20us"]),
+    st.sampled_from([1, 2, 3, 3, 4, 4]), st.sampled_from(["1e8", "1e9", "1e10"]),
+    st.sampled_from(["0", "20us"]),
 )
 
 

@@ -1,4 +1,4 @@
-"""The CP-SAT model: agrees with brute force and the DP on tiny graphs, never worse than its hint."""
+"""The CP-SAT model: agrees with brute force and the DP on tiny graphs, never worse than the DP."""
 
 from __future__ import annotations
 
@@ -71,8 +71,8 @@ def test_ilp_never_worse_than_its_hint_on_a_hierarchical_cluster() -> None:
 def test_ilp_reports_bound_and_gap_under_a_tight_time_limit() -> None:
     graph = new_cost_graph("chain")
     for i in range(30):
-        add_block(graph, f"l{i}", fwd=1e-3 * (1 + i % 7), bwd=2e-3 * (1 + i % 5), act=1e6 * (1 + i % 3),
-                  params=1e6 * (i % 4))
+        add_block(graph, f"l{i}", fwd=1e-3 * (1 + i % 7), bwd=2e-3 * (1 + i % 5),
+                  act=1e6 * (1 + i % 3), params=1e6 * (i % 4))
         if i:
             graph.add_edge(f"l{i - 1}", f"l{i}")
     dp = plan(graph, "8@1e9", planner="dp")
