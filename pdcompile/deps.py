@@ -53,6 +53,12 @@ def dependencies(schedule: Schedule) -> dict[Ref, tuple[Ref, ...]]:
     Program order (the previous action on the same rank) is implied and not listed. Raises
     ScheduleError (with the grid, the action marked) when an action has nothing to match.
     """
+    return {(rank, index): waits for rank, per_rank in dependency_lists(schedule).items()
+            for index, waits in enumerate(per_rank) if waits}
+
+
+def dependency_lists(schedule: Schedule) -> dict[int, list[tuple[Ref, ...]]]:
+    """The same as `dependencies`, as one list per rank (empty tuple: nothing to wait for)."""
     lowered = is_lowered(schedule)
     targets = _TARGETS_LOWERED if lowered else _TARGETS_COMPUTE
     occurrences: dict[tuple[int, Action], list[int]] = defaultdict(list)
@@ -72,10 +78,12 @@ def _missing(schedule: Schedule, rank: int, index: int, what: str) -> ScheduleEr
 
 
 def _lowered(schedule: Schedule,
-             occurrences: dict[tuple[int, Action], list[int]]) -> dict[Ref, tuple[Ref, ...]]:
-    deps: dict[Ref, tuple[Ref, ...]] = {}
+             occurrences: dict[tuple[int, Action], list[int]]) -> dict[int, list[tuple[Ref, ...]]]:
+    out: dict[int, list[tuple[Ref, ...]]] = {}
     seen: dict[tuple[int, Action], int] = defaultdict(int)
     for rank, actions in schedule.actions.items():
+        deps: list[tuple[Ref, ...]] = [()] * len(actions)
+        out[rank] = deps
         for index, action in enumerate(actions):
             kind = action.kind
             if kind not in _WAITING:
@@ -92,7 +100,7 @@ def _lowered(schedule: Schedule,
                     raise _missing(schedule, rank, index,
                                    f"has no matching {want} on rank {src}")
                 assert src is not None
-                deps[rank, index] = ((src, found[nth]),)
+                deps[index] = ((src, found[nth]),)
             elif kind == Kind.ALLREDUCE:
                 nth = seen[rank, action]
                 seen[rank, action] += 1
@@ -106,18 +114,19 @@ def _lowered(schedule: Schedule,
                                        f"has no partner {action} on replica rank {other}")
                     if found[nth] > 0:
                         waits.append((other, found[nth] - 1))
-                if waits:
-                    deps[rank, index] = tuple(waits)
-    return deps
+                deps[index] = tuple(waits)
+    return out
 
 
-def _compute_only(schedule: Schedule,
-                  occurrences: dict[tuple[int, Action], list[int]]) -> dict[Ref, tuple[Ref, ...]]:
+def _compute_only(schedule: Schedule, occurrences: dict[tuple[int, Action], list[int]]
+                  ) -> dict[int, list[tuple[Ref, ...]]]:
     edges = stage_edges(schedule)
     producers = {s: [a for a, b in edges if b == s] for s in range(schedule.stages)}
     consumers = {s: [b for a, b in edges if a == s] for s in range(schedule.stages)}
-    deps: dict[Ref, tuple[Ref, ...]] = {}
+    out: dict[int, list[tuple[Ref, ...]]] = {}
     for rank, actions in schedule.actions.items():
+        deps: list[tuple[Ref, ...]] = [()] * len(actions)
+        out[rank] = deps
         for index, action in enumerate(actions):
             if action.kind == Kind.F:
                 others = producers.get(action.stage, [])
@@ -135,9 +144,8 @@ def _compute_only(schedule: Schedule,
                                    f"needs {want}, which rank {peer} never runs")
                 assert peer is not None
                 waits.append((peer, found[0]))
-            if waits:
-                deps[rank, index] = tuple(waits)
-    return deps
+            deps[index] = tuple(waits)
+    return out
 
 
 def _peer_rank(schedule: Schedule, stage: int, microbatch: int) -> int | None:
@@ -147,40 +155,66 @@ def _peer_rank(schedule: Schedule, stage: int, microbatch: int) -> int | None:
 
 
 def execution_order(schedule: Schedule,
-                    deps: dict[Ref, tuple[Ref, ...]] | None = None) -> list[Ref]:
+                    deps: dict[Ref, tuple[Ref, ...]] | dict[int, list[tuple[Ref, ...]]] | None
+                    = None) -> list[Ref]:
     """Every action once, each after its rank predecessor and its dependencies.
 
-    Ranks advance as far as they can, lowest rank first; a rank blocked on an action resumes as
-    soon as it finishes. Raises ScheduleError with the grid (blocked steps marked) on deadlock.
+    `deps` is what `dependencies` or `dependency_lists` returned (computed when None). Ranks
+    advance as far as they can, lowest rank first; a rank blocked on an action resumes as soon
+    as it finishes. Raises ScheduleError with the grid (blocked steps marked) on deadlock.
     """
-    deps = dependencies(schedule) if deps is None else deps
+    lists = _as_lists(schedule, deps)
     done_upto = {rank: -1 for rank in schedule.actions}  # last finished index per rank
-    waiters: dict[Ref, list[int]] = defaultdict(list)
+    waiting_on: dict[int, dict[int, list[int]]] = {rank: {} for rank in schedule.actions}
     order: list[Ref] = []
     ready = deque(sorted(schedule.actions))
     queued = set(ready)
     while ready:
         rank = ready.popleft()
         queued.discard(rank)
-        actions = schedule.actions[rank]
+        waits = lists[rank]
+        watchers = waiting_on[rank]
         index = done_upto[rank] + 1
-        while index < len(actions):
-            blocker = next((d for d in deps.get((rank, index), ())
-                            if done_upto.get(d[0], -1) < d[1]), None)
-            if blocker is not None:
-                waiters[blocker].append(rank)
+        while index < len(waits):
+            blocked = False
+            for other, at in waits[index]:
+                if done_upto.get(other, -1) < at:
+                    waiting_on[other].setdefault(at, []).append(rank)
+                    blocked = True
+                    break
+            if blocked:
                 break
             done_upto[rank] = index
             order.append((rank, index))
-            for waiting in waiters.pop((rank, index), ()):
-                if waiting not in queued:
-                    ready.append(waiting)
-                    queued.add(waiting)
+            if watchers:
+                for waiting in watchers.pop(index, ()):
+                    if waiting not in queued:
+                        ready.append(waiting)
+                        queued.add(waiting)
             index += 1
     total = sum(len(a) for a in schedule.actions.values())
     if len(order) < total:
-        raise deadlock_error(schedule, deps, done_upto)
+        raise deadlock_error(schedule, _as_dict(lists), done_upto)
     return order
+
+
+def _as_lists(schedule: Schedule,
+              deps: dict[Ref, tuple[Ref, ...]] | dict[int, list[tuple[Ref, ...]]] | None
+              ) -> dict[int, list[tuple[Ref, ...]]]:
+    if deps is None:
+        return dependency_lists(schedule)
+    if deps and all(isinstance(v, list) for v in deps.values()):
+        return deps  # type: ignore[return-value]
+    lists: dict[int, list[tuple[Ref, ...]]] = {
+        rank: [()] * len(actions) for rank, actions in schedule.actions.items()}
+    for (rank, index), waits in deps.items():  # type: ignore[misc]
+        lists[rank][index] = waits  # type: ignore[assignment]
+    return lists
+
+
+def _as_dict(lists: dict[int, list[tuple[Ref, ...]]]) -> dict[Ref, tuple[Ref, ...]]:
+    return {(rank, index): waits for rank, per_rank in lists.items()
+            for index, waits in enumerate(per_rank) if waits}
 
 
 def deadlock_error(schedule: Schedule, deps: dict[Ref, tuple[Ref, ...]],

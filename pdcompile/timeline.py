@@ -65,6 +65,15 @@ class Timeline:
     _compute: tuple[int, list[tuple[Event, Action]]] | None = field(
         default=None, init=False, repr=False, compare=False)
 
+    @classmethod
+    def with_compute(cls, events: list[Event], compute: list[tuple[Event, Action]],
+                     source: str = "simulated", meta: dict[str, Any] | None = None) -> Timeline:
+        """A timeline whose compute events (the F/B/W ones, with their parsed actions) are
+        already known, so they are not parsed again from text (the simulator's fast path)."""
+        line = cls(events, source, dict(meta or {}))
+        line._compute = (len(events), list(compute))
+        return line
+
     # ------------------------------------------------------------------------- views
     @property
     def ranks(self) -> list[int]:

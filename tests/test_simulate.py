@@ -296,3 +296,15 @@ def test_simulate_command_errors(profiles_dir: Path, capsys: pytest.CaptureFixtu
     assert main(["simulate", "--profile", str(profiles_dir / "alexnet"), "--cluster", "4@1e9",
                  "--planner", "dp", "--microbatches", "4"]) == 1
     assert "'1f1b' runs whole minibatches" in capsys.readouterr().err
+
+
+def test_allreduce_does_not_wait_for_a_partners_transfer() -> None:
+    # replicas of stage 1 send their gradient back (slow link) right before their all-reduce:
+    # the all-reduce starts when both replicas have *issued* the send, not when it has arrived
+    cluster = Cluster.flat(3, 1.0)
+    costs = StageCosts((1.0, 1.0), (1.0, 1.0), params=(0.0, 0.0), edges={(0, 1): 10.0},
+                       optimizer=(0.0, 0.0))
+    result = simulate(lower(generate("1f1b", [[0], [1, 2]], 2)), costs, cluster)
+    events = {(e.rank, e.action): e for e in result.timeline.events}
+    assert events[2, "1SEND_B1->0"].end == pytest.approx(events[2, "1B1"].end)
+    assert events[1, "1ALLREDUCE0"].start == pytest.approx(events[2, "1B1"].end)

@@ -23,9 +23,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdcompile.cluster import Cluster
-from pdcompile.deps import dependencies, execution_order, is_lowered
+from pdcompile.deps import dependency_lists, execution_order, is_lowered
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Kind, Schedule
+from pdcompile.ir import Action, Kind, Schedule
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
 from pdcompile.units import format_bytes, format_seconds
@@ -95,7 +95,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     if top >= cluster.workers:
         raise ScheduleError(f"the schedule uses rank {top} but cluster {cluster.describe()} has "
                             f"{cluster.workers} workers; choose a larger cluster")
-    deps = dependencies(schedule)
+    deps = dependency_lists(schedule)
     order = execution_order(schedule, deps)
 
     step_time = costs.optimizer or tuple(3.0 * p / cluster.device.mem_bandwidth
@@ -109,24 +109,27 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                          + 2 * (r - 1) * level.latency)
 
     free_at = {rank: 0.0 for rank in schedule.actions}
-    end: dict[tuple[int, int], float] = {}
-    arrival: dict[tuple[int, int], float] = {}  # send (rank, index) -> data there
+    # end[rank][i]: when action i of rank finished; arrival[rank][i]: when a send's data arrived
+    end: dict[int, list[float]] = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
+    arrival: dict[int, list[float]] = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
     link_free: dict[tuple[int, int], float] = {}
     link_speed: dict[tuple[int, int], tuple[float, float]] = {}
     events: list[Event] = []
+    compute: list[tuple[Event, Action]] = []
     actions = schedule.actions
-    for ref in order:
-        rank, index = ref
+    recv = (Kind.RECV_F, Kind.RECV_B)
+    for rank, index in order:
         action = actions[rank][index]
         kind = action.kind
         start = free_at[rank]
-        waits = deps.get(ref, ())
-        if kind in (Kind.RECV_F, Kind.RECV_B):
-            (sender,) = waits
-            finish = max(start, arrival[sender])
+        waits = deps[rank][index]
+        if kind in recv:
+            ((sender, at),) = waits
+            finish = arrival[sender][at] if arrival[sender][at] > start else start
         else:
-            for dep in waits:
-                start = max(start, end[dep])
+            for other, at in waits:
+                if end[other][at] > start:
+                    start = end[other][at]
             stage = action.stage
             if kind == Kind.F:
                 finish = start + costs.fwd[stage]
@@ -150,13 +153,15 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                 bandwidth, latency = link_speed[link]
                 busy = size / bandwidth if size else 0.0
                 link_free[link] = begin + busy
-                arrival[ref] = begin + busy + (latency if size else 0.0)
+                arrival[rank][index] = begin + busy + (latency if size else 0.0)
                 finish = start
-        end[ref] = finish
+        end[rank][index] = finish
         free_at[rank] = finish
-        if timeline:
-            events.append(Event(rank, str(action), start, finish))
-        elif kind in (Kind.F, Kind.B, Kind.W):
+        if kind.is_compute:
+            event = Event(rank, str(action), start, finish)
+            compute.append((event, action))
+            events.append(event)
+        elif timeline:
             events.append(Event(rank, str(action), start, finish))
 
     meta: dict[str, object] = {
@@ -164,7 +169,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
         "microbatches_per_minibatch": int(schedule.options.get("microbatches_per_minibatch", 1))}
     if schedule.name in ("1f1b-flush", "gpipe"):
         meta["minibatches"] = 1
-    line = Timeline(events, "simulated", meta)
+    line = Timeline.with_compute(events, compute, "simulated", meta)
     per_minibatch = line.time_per_minibatch()
     t0, t1, _ = line.steady_window()
     return SimResult(
