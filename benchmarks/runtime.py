@@ -11,8 +11,9 @@ minibatch 256; the two-stage split is 4 blocks | 4 blocks + head. One thread per
     (d) ours-1f1b  our asynchronous 1F1B (PipeDream): whole minibatches stream through, no flush
     (e) ours-flush our 1F1B-flush (PipeDream-Flush), 8 microbatches of 32
 
-Each configuration runs `--rounds` rounds of `--steps` minibatches after a warm-up; the table
-shows the median samples/s and the ratio to (a).
+Each configuration runs `--rounds` rounds of `--steps` minibatches, each after a warm-up; the
+rounds of all configurations are interleaved (so that a load from elsewhere on the machine hits
+them alike), and the table shows the median samples/s and the ratio to (a).
 
     python benchmarks/runtime.py [--rounds 6] [--steps 8] [--only single,ddp,...] [--md FILE]
 """
@@ -180,12 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
+    # passes interleave the configurations, so that load from elsewhere hits them all alike
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for _ in range(args.rounds):
+        for name in names:
+            times[name] += CONFIGS[name][1](1, args.steps, args.warmup)
     rows: list[tuple[str, str, float, list[float]]] = []
     for name in names:
-        label, fn = CONFIGS[name]
-        times = fn(args.rounds, args.steps, args.warmup)
-        rates = [args.steps * MINIBATCH / t for t in times]
-        rows.append((name, label, statistics.median(rates), rates))
+        rates = [args.steps * MINIBATCH / t for t in times[name]]
+        rows.append((name, CONFIGS[name][0], statistics.median(rates), rates))
         print(f"{name:<11} {statistics.median(rates):8.1f} samples/s  "
               f"rounds: {' '.join(f'{r:.0f}' for r in rates)}", file=sys.stderr, flush=True)
     base = next((r[2] for r in rows if r[0] == "single"), None)
