@@ -1,0 +1,157 @@
+"""Typed, namespaced `node.meta` entries written by the passes, and their accessors.
+
+Keys: "pd.shape" -> NodeShape (written by passes.shapes), "pd.cost" -> NodeCost (passes.cost),
+"pd.stage" -> int (the partitioner / api). Reading a key the writing pass has not set raises
+MetaMissingError saying which pass to run, never a bare KeyError.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from pdcompile.errors import MetaMissingError
+
+SHAPE_KEY = "pd.shape"
+COST_KEY = "pd.cost"
+STAGE_KEY = "pd.stage"
+
+_ITEM_BYTES = {
+    "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
+    "int8": 1, "uint8": 1, "bool": 1, "complex64": 8, "complex128": 16,
+    "float8_e4m3fn": 1, "float8_e5m2": 1,
+}
+
+
+def dtype_name(dtype: Any) -> str:
+    """'float32' for torch.float32 (the string form stored in TensorShape)."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TensorShape:
+    """Shape and dtype of one tensor (dtype as a string such as 'float32')."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element (unknown dtypes count 4)."""
+        return _ITEM_BYTES.get(self.dtype, 4)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor's data."""
+        return self.numel * self.itemsize
+
+    def __str__(self) -> str:
+        return f"{self.dtype}[{', '.join(str(s) for s in self.shape)}]"
+
+
+class NodeShape(tuple[TensorShape, ...]):
+    """The tensors a node produces, flattened in pytree order (empty for non-tensor values such
+    as the int of `x.size(0)`). A tuple of TensorShape with a few conveniences."""
+
+    __slots__ = ()
+
+    def __new__(cls, tensors: Any = ()) -> NodeShape:
+        return super().__new__(cls, tuple(tensors))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of all tensors the node outputs."""
+        return sum(t.nbytes for t in self)
+
+    def __str__(self) -> str:
+        if not self:
+            return "-"
+        return str(self[0]) if len(self) == 1 else "(" + ", ".join(str(t) for t in self) + ")"
+
+    def __repr__(self) -> str:
+        return f"NodeShape({tuple(self)!r})"
+
+
+@dataclass(frozen=True)
+class NodeCost:
+    """What one node costs per minibatch: `fwd`/`bwd` seconds, `act` bytes of its output,
+    `params` bytes of the parameters it owns (a parameter shared by several nodes is owned by
+    the first one that uses it, so sums count it once), `keep` bytes autograd saves for its
+    backward (parameters excluded). `flops_fwd`/`flops_bwd` where known (analytic source),
+    `source` says where the times come from ("measured", "analytic", "imported")."""
+
+    fwd: float
+    bwd: float
+    act: float
+    params: float
+    keep: float
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+    source: str = ""
+
+
+def _node_name(node: Any) -> str:
+    return str(getattr(node, "name", node))
+
+
+def get_shape(node: Any) -> NodeShape:
+    """node.meta["pd.shape"]; raises MetaMissingError if the shapes pass has not run."""
+    value = node.meta.get(SHAPE_KEY)
+    if value is None:
+        raise MetaMissingError(f"node {_node_name(node)!r} has no shape; run "
+                               "pdcompile.passes.shapes.annotate_shapes(gm, example_inputs) first")
+    return value  # type: ignore[no-any-return]
+
+
+def set_shape(node: Any, shape: NodeShape) -> None:
+    """Write node.meta["pd.shape"]."""
+    node.meta[SHAPE_KEY] = shape
+
+
+def has_shape(node: Any) -> bool:
+    """Whether the shapes pass has annotated this node."""
+    return SHAPE_KEY in node.meta
+
+
+def get_cost(node: Any) -> NodeCost:
+    """node.meta["pd.cost"]; raises MetaMissingError if the cost pass has not run."""
+    value = node.meta.get(COST_KEY)
+    if value is None:
+        raise MetaMissingError(f"node {_node_name(node)!r} has no cost; run "
+                               "pdcompile.passes.cost.annotate_costs(gm, example_inputs) first")
+    return value  # type: ignore[no-any-return]
+
+
+def set_cost(node: Any, cost: NodeCost) -> None:
+    """Write node.meta["pd.cost"]."""
+    node.meta[COST_KEY] = cost
+
+
+def has_cost(node: Any) -> bool:
+    """Whether the cost pass has annotated this node."""
+    return COST_KEY in node.meta
+
+
+def get_stage(node: Any) -> int:
+    """node.meta["pd.stage"]; raises MetaMissingError if no plan has been applied."""
+    value = node.meta.get(STAGE_KEY)
+    if value is None:
+        raise MetaMissingError(f"node {_node_name(node)!r} has no stage; partition the graph "
+                               "first (pdcompile.compile, or set_stage from a Plan)")
+    return int(value)
+
+
+def set_stage(node: Any, stage: int) -> None:
+    """Write node.meta["pd.stage"]."""
+    node.meta[STAGE_KEY] = int(stage)
+
+
+def has_stage(node: Any) -> bool:
+    """Whether a stage has been assigned to this node."""
+    return STAGE_KEY in node.meta

@@ -1,0 +1,462 @@
+"""Cost pass: a NodeCost (forward/backward seconds, activation, parameter and kept bytes) on every
+node, from one of two sources behind one interface, and the CostGraph the planner reads.
+
+- "measured": each node is run on its own with the inputs it received in a real forward pass,
+  timed with CUDA events on a GPU or the wall clock on a CPU (warm-up, repeats, median). Its
+  backward is measured the same way: autograd of that node alone, from its recorded inputs,
+  with the same requires_grad pattern as in the whole model (PipeDream profiles per layer this
+  way, Narayanan et al., SOSP 2019, section 3.1).
+- "analytic": FLOPs from torch.utils.flop_counter.FlopCounterMode and bytes moved by every aten
+  operation, forward and backward, on a roofline of a device model (max of compute time and
+  memory time). Runs on fake tensors, so a model on the `meta` device is costed without memory.
+
+In both, `keep` is what autograd saves for the node's backward (saved_tensors_hooks), parameters
+excluded; `params` counts each parameter once, at the first node that uses it. The third source,
+PipeDream's own profiles, is `pdcompile.profiles.load_pipedream`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import networkx as nx
+import torch
+import torch.fx as fx
+from torch import nn
+from torch.fx.node import map_arg
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from pdcompile.cluster import DEVICES, Cluster, Device
+from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.errors import PdcompileError
+from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
+from pdcompile.passes.shapes import annotate_shapes, bind_inputs
+from pdcompile.passes.timers import Timer, measure, select_timer
+
+SOURCES = ("measured", "analytic")
+_COMPUTE_OPS = ("call_module", "call_function", "call_method")
+_LOWP = ("float16", "bfloat16")
+
+
+# --------------------------------------------------------------------------------- entry points
+def annotate_costs(
+    gm: fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    source: str = "measured",
+    device: Device | Cluster | str | None = None,
+    warmup: int = 2,
+    repeats: int = 5,
+    progress: bool = False,
+    example_kwargs: dict[str, Any] | None = None,
+    timer: Timer | None = None,
+) -> fx.GraphModule:
+    """Write "pd.cost" on every node of `gm` and return it.
+
+    `source`: "measured" (on the device the model and inputs live on; `timer` overrides the
+    automatic choice of CUDA events or wall clock) or "analytic" (on `device`: a Device, a
+    Cluster whose device is used, or a device preset name; default v100). Runs the shapes pass
+    first if it has not run.
+    """
+    if source not in SOURCES:
+        raise PdcompileError(f"unknown cost source {source!r}; use one of {', '.join(SOURCES)} "
+                             "(PipeDream profiles: pdcompile.profiles.load_pipedream)")
+    if repeats < 1 or warmup < 0:
+        raise PdcompileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    values = bind_inputs(gm, tuple(example_inputs), example_kwargs)
+    if not all(has_shape(n) for n in gm.graph.nodes):
+        annotate_shapes(gm, tuple(example_inputs), example_kwargs)
+    owners = param_owners(gm)
+    if source == "measured":
+        costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
+                          timer=timer)
+    else:
+        costs = _analytic(gm, values, _device_model(device), progress=progress)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            set_cost(node, NodeCost(0.0, 0.0, 0.0, 0.0, 0.0, source=source))
+            continue
+        fwd, bwd, keep, flops_f, flops_b = costs.get(node.name, (0.0, 0.0, 0.0, 0.0, 0.0))
+        act = 0.0 if node.op == "get_attr" else float(get_shape(node).nbytes)
+        set_cost(node, NodeCost(fwd=fwd, bwd=bwd, act=act, params=float(owners.get(node.name, 0)),
+                                keep=keep, flops_fwd=flops_f, flops_bwd=flops_b, source=source))
+    return gm
+
+
+def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
+    """The CostGraph of a costed GraphModule: one node per fx node (ids are the fx node names;
+    placeholders are zero-compute input nodes, the output node is left out), one edge per use."""
+    graph = new_cost_graph(name=name or type(gm).__name__, batch_size=None)
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        cost = get_cost(node)
+        add_block(graph, node.name, fwd=cost.fwd, bwd=cost.bwd, act=cost.act, params=cost.params,
+                  keep=cost.keep, label=node_label(gm, node))
+        for source in node.all_input_nodes:
+            if source.op != "output":
+                graph.add_edge(source.name, node.name)
+    for node in gm.graph.nodes:
+        if node.op == "placeholder" and has_shape(node) and get_shape(node):
+            first = get_shape(node)[0]
+            if first.shape:
+                graph.graph["batch_size"] = first.shape[0]
+                graph.graph["input_bytes"] = float(get_shape(node).nbytes)
+            break
+    return graph
+
+
+def node_label(gm: fx.GraphModule, node: fx.Node) -> str:
+    """What a node is, for tables and pictures: 'Conv2d(3, 64, ...)', 'add', 'input x'."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        text = repr(module).splitlines()[0]
+        return text if len(text) <= 60 else text[:57] + "..."
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", str(node.target))
+    if node.op == "call_method":
+        return f".{node.target}()"
+    if node.op == "placeholder":
+        return f"input {node.target}"
+    if node.op == "get_attr":
+        return f"attr {node.target}"
+    return node.op
+
+
+def param_owners(gm: fx.GraphModule) -> dict[str, int]:
+    """Parameter bytes per node name; a parameter used by several nodes (tied weights) belongs
+    to the first of them in graph order, so the values sum to the model's parameter bytes."""
+    seen: set[int] = set()
+    owners: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        params: list[torch.Tensor] = []
+        if node.op == "call_module":
+            params = list(gm.get_submodule(str(node.target)).parameters())
+        elif node.op == "get_attr":
+            value = _get_attr(gm, str(node.target))
+            if isinstance(value, nn.Parameter):
+                params = [value]
+        total = 0
+        for p in params:
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        if total:
+            owners[node.name] = total
+    return owners
+
+
+def measure_model(model: nn.Module, example_inputs: Sequence[Any], *, warmup: int = 2,
+                  repeats: int = 5, example_kwargs: dict[str, Any] | None = None,
+                  timer: Timer | None = None) -> tuple[float, float]:
+    """Median (forward, backward) seconds of the whole model, as one training step runs it:
+    forward with autograd, then backward from all-ones gradients of its float outputs."""
+    kwargs = dict(example_kwargs or {})
+    timer = timer or select_timer(_device_of(model, example_inputs))
+    buffers = _snapshot_buffers(model)
+
+    def forward(_: Any) -> Any:
+        return model(*example_inputs, **kwargs)
+
+    def backward(out: Any) -> None:
+        outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+
+    try:
+        fwd = measure(timer, forward, warmup=warmup, repeats=repeats)
+        bwd = measure(timer, backward, setup=lambda: forward(None), warmup=warmup,
+                      repeats=repeats)
+    finally:
+        _restore_buffers(model, buffers)
+        model.zero_grad(set_to_none=True)
+    return fwd, bwd
+
+
+# --------------------------------------------------------------------------------- helpers
+def _get_attr(gm: nn.Module, target: str) -> Any:
+    value: Any = gm
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _device_model(device: Device | Cluster | str | None) -> Device:
+    if device is None:
+        return DEVICES["v100"]
+    if isinstance(device, Cluster):
+        return device.device
+    if isinstance(device, Device):
+        return device
+    key = str(device).strip().lower()
+    if key not in DEVICES:
+        raise PdcompileError(f"unknown device model {device!r} for analytic costs; use one of "
+                             f"{', '.join(DEVICES)}, a pdcompile.Device or a Cluster")
+    return DEVICES[key]
+
+
+def _device_of(model: nn.Module, inputs: Sequence[Any]) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for t in tree_leaves(list(inputs)):
+        if isinstance(t, torch.Tensor):
+            return t.device
+    return torch.device("cpu")
+
+
+def _snapshot_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: b.detach().clone() for name, b in model.named_buffers()
+            if b.device.type != "meta"}
+
+
+def _restore_buffers(model: nn.Module, saved: dict[str, torch.Tensor]) -> None:
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            if name in saved:
+                b.copy_(saved[name])
+
+
+def _run_node(gm: fx.GraphModule, node: fx.Node, args: tuple[Any, ...],
+              kwargs: dict[str, Any], params: dict[str, torch.Tensor] | None = None) -> Any:
+    """Execute one fx node on given argument values (params: replacement module state)."""
+    if node.op == "call_module":
+        module = gm.get_submodule(str(node.target))
+        if params is None:
+            return module(*args, **kwargs)
+        prefix = f"{node.target}."
+        local = {k[len(prefix):]: v for k, v in params.items() if k.startswith(prefix)}
+        return torch.func.functional_call(module, local, args, kwargs)
+    if node.op == "call_function":
+        return node.target(*args, **kwargs)  # type: ignore[operator]
+    if node.op == "call_method":
+        return getattr(args[0], str(node.target))(*args[1:], **kwargs)
+    raise PdcompileError(f"cannot run node {node.name!r} of kind {node.op}")
+
+
+_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
+
+
+def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
+    if node.op == "call_module":
+        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
+    if node.op == "call_method":
+        return str(node.target).endswith("_") and not str(node.target).endswith("__")
+    if node.op == "call_function":
+        if node.target in _INPLACE_FUNCTIONS or node.kwargs.get("inplace") is True:
+            return True
+        name = getattr(node.target, "__name__", "")
+        return name.endswith("_") and not name.endswith("__")
+    return False
+
+
+@contextlib.contextmanager
+def _saved_bytes(exclude: set[int], total: list[int]) -> Iterator[None]:
+    """Add to total[0] the bytes of distinct storages autograd saves for backward."""
+    seen: set[int] = set()
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            key, size = storage._cdata, storage.nbytes()
+        except (RuntimeError, NotImplementedError):
+            key, size = id(t), t.numel() * t.element_size()
+        if key not in exclude and key not in seen:
+            seen.add(key)
+            total[0] += int(size)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        yield
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    try:
+        return int(t.untyped_storage()._cdata)
+    except (RuntimeError, NotImplementedError):
+        return id(t)
+
+
+def _grad_outputs(out: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+    return outs, [torch.ones_like(t) for t in outs]
+
+
+class _RecordInterpreter(fx.Interpreter):
+    """A forward pass with autograd that keeps every node's output detached, with the
+    requires_grad flag it had, so each node can later be re-run alone on exactly its inputs."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.values: dict[str, Any] = {}
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        self.values[n.name] = tree_map(_detach_keep_flag, result)
+        return result
+
+
+def _detach_keep_flag(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_(x.requires_grad)
+    return x
+
+
+def _fresh(x: Any, clone: bool) -> Any:
+    """A new autograd leaf with the same data and requires_grad flag (a clone of it when the
+    node works in place, so the recorded value and the leaf stay untouched)."""
+    if not isinstance(x, torch.Tensor):
+        return x
+    leaf = x.detach().requires_grad_(x.requires_grad)
+    return leaf.clone() if clone else leaf
+
+
+def _progress(items: list[fx.Node], enabled: bool, desc: str) -> Any:
+    if not enabled:
+        return items
+    from tqdm import tqdm
+
+    return tqdm(items, desc=desc, unit="node", leave=False)
+
+
+# --------------------------------------------------------------------------------- measured
+def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: int,
+              progress: bool, timer: Timer | None) -> dict[str, tuple[float, ...]]:
+    timer = timer or select_timer(_device_of(gm, values))
+    buffers = _snapshot_buffers(gm)
+    exclude = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
+    costs: dict[str, tuple[float, ...]] = {}
+    try:
+        recorder = _RecordInterpreter(gm)
+        recorder.run(*values)
+        env = recorder.values
+        nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
+        for node in _progress(nodes, progress, "measuring nodes"):
+            clone = _is_inplace(gm, node)
+
+            def setup(node: fx.Node = node, clone: bool = clone) -> tuple[Any, Any]:
+                args = map_arg(node.args, lambda a: tree_map(lambda v: _fresh(v, clone),
+                                                             env[a.name]))
+                kwargs = map_arg(node.kwargs, lambda a: tree_map(lambda v: _fresh(v, clone),
+                                                                 env[a.name]))
+                return args, kwargs
+
+            def forward(ak: tuple[Any, Any], node: fx.Node = node) -> Any:
+                return _run_node(gm, node, ak[0], ak[1])
+
+            fwd = measure(timer, forward, setup=setup, warmup=warmup, repeats=repeats)
+            kept = [0]
+            with _saved_bytes(exclude, kept):
+                out = forward(setup())
+            outs, _ = _grad_outputs(out)
+            bwd = 0.0
+            if outs:
+                def setup_b(node: fx.Node = node) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+                    return _grad_outputs(forward(setup(), node))
+
+                bwd = measure(timer, lambda og: torch.autograd.backward(og[0], og[1]),
+                              setup=setup_b, warmup=warmup, repeats=repeats)
+            costs[node.name] = (fwd, bwd, float(kept[0]), 0.0, 0.0)
+    finally:
+        _restore_buffers(gm, buffers)
+        gm.zero_grad(set_to_none=True)
+    return costs
+
+
+# --------------------------------------------------------------------------------- analytic
+class _ByteCounter(TorchDispatchMode):
+    """Bytes read and written by every aten operation (views and metadata-only ops move none)."""
+
+    _FREE = {"detach", "view", "_unsafe_view", "t", "transpose", "permute", "expand", "unsqueeze",
+             "squeeze", "as_strided", "alias", "slice", "select", "reshape", "lift_fresh",
+             "empty", "empty_like", "empty_strided", "new_empty", "sym_size", "sym_stride"}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if not getattr(func, "is_view", False) and name not in self._FREE:
+            for t in tree_leaves((args, kwargs or {}, out)):
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+def _roofline(flops: float, moved: float, device: Device, low_precision: bool) -> float:
+    return max(flops / device.peak_flops(low_precision), moved / device.mem_bandwidth)
+
+
+def _analytic(gm: fx.GraphModule, values: list[Any], device: Device, *,
+              progress: bool) -> dict[str, tuple[float, ...]]:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils.flop_counter import FlopCounterMode
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    costs: dict[str, tuple[float, ...]] = {}
+    with mode:
+        state: dict[str, torch.Tensor] = {}
+        for name, p in gm.named_parameters():
+            state[name] = mode.from_tensor(p).requires_grad_(p.requires_grad)
+        for name, b in gm.named_buffers():
+            state[name] = mode.from_tensor(b)
+        exclude = {_storage_key(t) for t in state.values()}
+        env: dict[str, Any] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for node, value in zip(placeholders, values, strict=True):
+            env[node.name] = tree_map(
+                lambda v: mode.from_tensor(v) if isinstance(v, torch.Tensor) else v, value)
+        nodes = [n for n in gm.graph.nodes if n.op in ("get_attr",) + _COMPUTE_OPS]
+        for node in _progress(nodes, progress, "costing nodes"):
+            if node.op == "get_attr":
+                target = str(node.target)
+                value = state.get(target)
+                if value is None:
+                    raw = _get_attr(gm, target)
+                    value = mode.from_tensor(raw) if isinstance(raw, torch.Tensor) else raw
+                env[node.name] = value
+                continue
+            args = map_arg(node.args, lambda a: env[a.name])
+            kwargs = map_arg(node.kwargs, lambda a: env[a.name])
+            if _is_inplace(gm, node):
+                args = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
+            kept = [0]
+            counter, flops = _ByteCounter(), FlopCounterMode(display=False)
+            with _saved_bytes(exclude, kept), flops, counter:
+                out = _run_node(gm, node, args, kwargs, state)
+            flops_f, bytes_f = float(flops.get_total_flops()), float(counter.bytes)
+            outs, grads = _grad_outputs(out)
+            flops_b = bytes_b = 0.0
+            if outs:
+                counter_b, flops_bm = _ByteCounter(), FlopCounterMode(display=False)
+                with flops_bm, counter_b:
+                    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                              and t.requires_grad]
+                    if node.op == "call_module":
+                        prefix = f"{node.target}."
+                        leaves += [v for k, v in state.items()
+                                   if k.startswith(prefix) and v.requires_grad]
+                    if leaves:
+                        torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+                flops_b, bytes_b = float(flops_bm.get_total_flops()), float(counter_b.bytes)
+            lowp = any(s.dtype in _LOWP for s in get_shape(node))
+            fwd = _roofline(flops_f, bytes_f, device, lowp)
+            bwd = _roofline(flops_b, bytes_b, device, lowp)
+            costs[node.name] = (fwd, bwd, float(kept[0]), flops_f, flops_b)
+            env[node.name] = tree_map(_detach_keep_flag, out)
+    return costs
+
+
+def total_cost(gm: fx.GraphModule) -> NodeCost:
+    """Sums of every node's cost (params counted once by construction)."""
+    items = [get_cost(n) for n in gm.graph.nodes if n.op != "output"]
+    return NodeCost(fwd=sum(c.fwd for c in items), bwd=sum(c.bwd for c in items),
+                    act=sum(c.act for c in items), params=sum(c.params for c in items),
+                    keep=sum(c.keep for c in items), flops_fwd=sum(c.flops_fwd for c in items),
+                    flops_bwd=sum(c.flops_bwd for c in items),
+                    source=items[0].source if items else "")

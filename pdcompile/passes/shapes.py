@@ -1,0 +1,103 @@
+"""Shapes pass: shape and dtype of every node's output, propagated on fake tensors.
+
+The graph runs under torch's FakeTensorMode, so no real memory is used: a model built on the
+`meta` device (GPT-2 XL, say) is shaped without allocating its weights. Writes "pd.shape".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.utils._pytree import tree_leaves
+
+from pdcompile.errors import PipelineInputError
+from pdcompile.meta import NodeShape, TensorShape, dtype_name, set_shape
+
+
+def shape_of(value: Any) -> NodeShape:
+    """The NodeShape of a value: its tensor leaves in pytree order."""
+    return NodeShape(TensorShape(tuple(int(s) for s in t.shape), dtype_name(t.dtype))
+                     for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def bind_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                example_kwargs: dict[str, Any] | None = None) -> list[Any]:
+    """One value per placeholder, in graph order: positional inputs first, then keyword inputs
+    by name, then the placeholder's default. Raises PipelineInputError on a mismatch."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    names = [str(n.target).lstrip("*") for n in placeholders]
+    kwargs = dict(example_kwargs or {})
+    if len(example_inputs) > len(placeholders):
+        raise PipelineInputError(f"{len(example_inputs)} example inputs given but the traced "
+                                 f"model takes {len(placeholders)} ({', '.join(names)})")
+    values: list[Any] = list(example_inputs)
+    for node, name in zip(placeholders[len(values):], names[len(values):], strict=True):
+        if name in kwargs:
+            values.append(kwargs.pop(name))
+        elif node.args:
+            values.append(node.args[0])
+        else:
+            raise PipelineInputError(f"no example value for input {name!r}; pass it in "
+                                     f"example_inputs or example_kwargs={{{name!r}: ...}}")
+    if kwargs:
+        raise PipelineInputError(f"example_kwargs names {sorted(kwargs)}, which the traced model "
+                                 f"does not take as inputs ({', '.join(names)}); trace with "
+                                 "example_kwargs_names=[...] to keep keyword inputs")
+    return values
+
+
+class _ShapeInterpreter(fx.Interpreter):
+    """Runs every node and records the NodeShape of its output."""
+
+    def run_node(self, n: fx.Node) -> Any:
+        try:
+            result = super().run_node(n)
+        except PipelineInputError:
+            raise
+        except Exception as err:
+            inputs = ", ".join(str(shape_of(self.env[a])) for a in n.all_input_nodes
+                               if a in self.env)
+            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+            raise PipelineInputError(f"node {n.name!r} ({n.op} {_target_name(n)}) fails on inputs "
+                                     f"{inputs or '(none)'}: {reason}; check that example_inputs "
+                                     "have the shapes and dtypes the model expects") from None
+        set_shape(n, shape_of(result))
+        return result
+
+
+def _target_name(node: fx.Node) -> str:
+    target = node.target
+    return getattr(target, "__name__", None) or str(target)
+
+
+def annotate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
+                    example_kwargs: dict[str, Any] | None = None) -> fx.GraphModule:
+    """Write "pd.shape" on every node of `gm` (placeholders and output included); returns `gm`.
+
+    Runs on fake tensors; inputs and parameters may be real, meta or fake. If an operation has
+    no fake implementation (a data-dependent output size) and everything is real, it falls back
+    to running the graph for real under no_grad.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    values = bind_inputs(gm, tuple(example_inputs), example_kwargs)
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    try:
+        with mode:
+            fake_values = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
+                           for v in values]
+            _ShapeInterpreter(gm).run(*fake_values)
+    except PipelineInputError as err:
+        real = all(not isinstance(v, torch.Tensor) or v.device.type != "meta" for v in values)
+        real = real and all(p.device.type != "meta" for p in gm.parameters())
+        if not real:
+            raise
+        try:
+            with torch.no_grad():
+                _ShapeInterpreter(gm).run(*values)
+        except PipelineInputError:
+            raise err from None
+    return gm

@@ -1,0 +1,81 @@
+"""Timers for the measured cost source: wall clock on the CPU, CUDA events on a GPU, one interface.
+
+`select_timer(device)` picks the right one; `measure(timer, fn, setup=..., warmup=, repeats=)`
+runs `setup` untimed and `fn` timed, after warm-up, and returns the median (robust to the odd
+slow run caused by the OS or the allocator).
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+class Timer(ABC):
+    """Times one call of a function, in seconds, on the device the work runs on."""
+
+    @abstractmethod
+    def time(self, fn: Callable[[], Any]) -> float:
+        """Seconds `fn()` takes (work queued on the device included)."""
+
+
+class WallClockTimer(Timer):
+    """time.perf_counter around the call; right for CPU work, which runs synchronously."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        start = self._clock()
+        fn()
+        return self._clock() - start
+
+
+class CudaEventTimer(Timer):
+    """CUDA events recorded before and after the call on the current stream, then synchronised:
+    the time the GPU spent, not the time Python took to queue the kernels.
+
+    `event_factory` and `synchronize` exist so that the interface can be tested without a GPU.
+    """
+
+    def __init__(self, *, event_factory: Callable[[], Any] | None = None,
+                 synchronize: Callable[[], None] | None = None) -> None:
+        self._event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
+        self._synchronize = synchronize or torch.cuda.synchronize
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        self._synchronize()  # work queued earlier must not be billed to fn
+        start, end = self._event(), self._event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return float(start.elapsed_time(end)) / 1000.0  # elapsed_time is in milliseconds
+
+
+def select_timer(device: torch.device | str) -> Timer:
+    """CudaEventTimer for a CUDA device, WallClockTimer otherwise."""
+    kind = torch.device(device).type
+    if kind == "cuda":
+        return CudaEventTimer()
+    return WallClockTimer()
+
+
+def measure(timer: Timer, fn: Callable[[Any], Any], *, setup: Callable[[], Any] | None = None,
+            warmup: int = 2, repeats: int = 5) -> float:
+    """Median seconds of `fn(setup())` over `repeats` runs after `warmup` untimed ones;
+    `setup` (untimed) prepares each run's argument (None when not given)."""
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    samples: list[float] = []
+    for i in range(warmup + repeats):
+        arg = setup() if setup is not None else None
+        seconds = timer.time(lambda arg=arg: fn(arg))
+        if i >= warmup:
+            samples.append(seconds)
+    return float(statistics.median(samples))

@@ -1,0 +1,166 @@
+"""Trace pass: a model to a torch.fx GraphModule, with a leaf-module policy and clear errors.
+
+Leaves (kept whole as one `call_module` node): torch.nn's own modules as fx does by default, plus
+recurrent layers and `nn.MultiheadAttention` (`DEFAULT_LEAVES`), plus whatever the user names by
+type or qualified name. A model fx cannot trace ends in one TraceError that names the module, the
+source line and the fix, not an fx traceback.
+"""
+
+from __future__ import annotations
+
+import inspect
+import linecache
+import os
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch import nn
+
+from pdcompile.errors import TraceError
+
+DEFAULT_LEAVES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.MultiheadAttention)
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_THIS_FILE = os.path.abspath(__file__)
+
+
+class _PolicyTracer(fx.Tracer):
+    """fx.Tracer with the leaf policy and a record of the innermost module that failed."""
+
+    def __init__(self, leaf_types: tuple[type[nn.Module], ...], leaf_names: frozenset[str]) -> None:
+        super().__init__()
+        self._leaf_types = leaf_types
+        self._leaf_names = leaf_names
+        self.failed: tuple[str, nn.Module] | None = None
+
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_names:
+            return True
+        return bool(super().is_leaf_module(m, module_qualified_name))
+
+    def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...],
+                    kwargs: dict[str, Any]) -> Any:
+        try:
+            return super().call_module(m, forward, args, kwargs)
+        except Exception:
+            if self.failed is None:
+                try:
+                    qualname = self.path_of_module(m)
+                except NameError:
+                    qualname = "?"
+                self.failed = (qualname, m)
+            raise
+
+
+def trace(
+    model: nn.Module,
+    *,
+    leaf_modules: Iterable[type[nn.Module] | str] = (),
+    example_kwargs_names: Sequence[str] | None = None,
+    num_positional: int | None = None,
+) -> fx.GraphModule:
+    """Trace `model` symbolically into a GraphModule.
+
+    `leaf_modules`: module types or qualified names ("encoder.rnn") to keep as one node, added to
+    `DEFAULT_LEAVES`. Inputs: forward parameters without a default are traced as placeholders;
+    a parameter with a default is fixed to its default (so `if mask is not None` branches are
+    resolved) unless it is named in `example_kwargs_names` or lies among the first
+    `num_positional` parameters (pass `len(example_inputs)` when inputs fill defaulted slots).
+    Parameters, buffers and tied parameters stay the model's own objects (shared, not copied).
+    """
+    if not isinstance(model, nn.Module):
+        raise TraceError(f"trace() takes an nn.Module, got {type(model).__name__}; wrap a "
+                         "function in an nn.Module whose forward calls it")
+    leaf_types: list[type[nn.Module]] = list(DEFAULT_LEAVES)
+    leaf_names: set[str] = set()
+    for item in leaf_modules:
+        if isinstance(item, str):
+            try:
+                model.get_submodule(item)
+            except AttributeError:
+                names = [n for n, _ in model.named_modules() if n][:8]
+                raise TraceError(f"leaf_modules names {item!r}, which is not a submodule of "
+                                 f"{type(model).__name__}; submodules are named like "
+                                 f"{', '.join(names) or '(none)'}") from None
+            leaf_names.add(item)
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            leaf_types.append(item)
+        else:
+            raise TraceError(f"leaf_modules takes nn.Module types or qualified names, got "
+                             f"{item!r}; e.g. leaf_modules=[nn.LSTM, 'encoder.block0']")
+    concrete = _concrete_args(model, example_kwargs_names, num_positional)
+    tracer = _PolicyTracer(tuple(leaf_types), frozenset(leaf_names))
+    try:
+        graph = tracer.trace(model, concrete_args=concrete or None)
+    except TraceError:
+        raise
+    except Exception as err:
+        raise _explain(model, tracer, err) from None
+    gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
+    gm.train(model.training)
+    return gm
+
+
+def _concrete_args(model: nn.Module, kwargs_names: Sequence[str] | None,
+                   num_positional: int | None) -> dict[str, Any]:
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return {}
+    wanted = set(kwargs_names or ())
+    params = list(signature.parameters.values())
+    known = {p.name for p in params}
+    unknown = wanted - known
+    if unknown:
+        raise TraceError(f"example_kwargs_names names {sorted(unknown)}, which "
+                         f"{type(model).__name__}.forward does not take (its parameters: "
+                         f"{', '.join(p.name for p in params)})")
+    concrete: dict[str, Any] = {}
+    for index, param in enumerate(params):
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
+            raise TraceError(f"{type(model).__name__}.forward takes *{param.name}; torch.fx "
+                             "needs named inputs: write forward(self, x, y, ...) with one "
+                             "parameter per input")
+        if param.default is param.empty or param.name in wanted:
+            continue
+        if num_positional is not None and index < num_positional:
+            continue
+        concrete[param.name] = param.default
+    return concrete
+
+
+def _user_frame(tb: TracebackType | None) -> tuple[str, int] | None:
+    """The innermost traceback frame outside torch and this file: the user's line."""
+    found: tuple[str, int] | None = None
+    while tb is not None:
+        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
+        if not filename.startswith(_TORCH_DIR) and filename != _THIS_FILE \
+                and not filename.startswith("<"):
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found
+
+
+def _explain(model: nn.Module, tracer: _PolicyTracer, err: Exception) -> TraceError:
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    frame = _user_frame(err.__traceback__)
+    where = ""
+    if frame is not None:
+        filename, line = frame
+        source = linecache.getline(filename, line).strip()
+        where = f" at {filename}:{line}" + (f" ({source!r})" if source else "")
+    if tracer.failed is not None and tracer.failed[0] not in ("", "?"):
+        qualname, module = tracer.failed
+        kind = type(module).__name__
+        fix = (f"mark it as a leaf so it runs as one opaque node: trace(model, "
+               f"leaf_modules=[{qualname!r}]) (or leaf_modules=[{kind}] for every {kind}), "
+               "or rewrite the data-dependent code with tensor operations (torch.where)")
+        culprit = f"module {qualname!r} ({kind})"
+    else:
+        fix = ("move the data-dependent part into a submodule and pass it in leaf_modules=, "
+               "or rewrite it with tensor operations (torch.where)")
+        culprit = f"{type(model).__name__}.forward"
+    return TraceError(f"torch.fx cannot trace {culprit}{where}: {reason}. Fix: {fix}")
