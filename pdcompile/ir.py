@@ -185,7 +185,8 @@ def format_grid(schedule: Schedule, *, mark: dict[int, int] | None = None,
 
     `mark` maps rank -> step to highlight (written `>1F3<`, others ` 1F3 `; `>~<` marks a step past
     the end of the rank's list, where something is missing); with `window`, only
-    the columns within `window` steps of a marked step (or the first 2*window) are shown.
+    the columns from `window` steps before the first marked step are shown, at most 4*window
+    of them (the first 2*window when nothing is marked).
     """
     mark = mark or {}
     length = max((len(a) for a in schedule.actions.values()), default=0)
@@ -193,7 +194,8 @@ def format_grid(schedule: Schedule, *, mark: dict[int, int] | None = None,
         lo, hi = 0, length
     elif mark:
         centre = min(mark.values())
-        lo, hi = max(0, centre - window), min(length, max(mark.values()) + window + 1)
+        lo = max(0, centre - window)
+        hi = min(length, max(mark.values()) + window + 1, lo + 4 * window)
     else:
         lo, hi = 0, 2 * window
     cells: dict[int, list[str]] = {}

@@ -20,6 +20,7 @@ from pdcompile.passes.schedule import generate, latency_aware_warmup, warmup_dep
 from pdcompile.plan import Plan, Stage
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Recorder, Timeline, TimelineError
+from pdcompile.validate import validate
 
 FREE = Cluster.flat(64, 1e30)  # free communication: infinite-ish bandwidth, no latency
 F, B = 1.0, 2.0
@@ -308,3 +309,15 @@ def test_allreduce_does_not_wait_for_a_partners_transfer() -> None:
     events = {(e.rank, e.action): e for e in result.timeline.events}
     assert events[2, "1SEND_B1->0"].end == pytest.approx(events[2, "1B1"].end)
     assert events[1, "1ALLREDUCE0"].start == pytest.approx(events[2, "1B1"].end)
+
+
+@pytest.mark.parametrize("replicas", [[2, 1, 1, 4, 8], [1, 2], [3, 2, 1], [2, 2, 2, 1], [1, 3, 1],
+                                      [4, 1, 2, 3], [6, 2, 8]])
+def test_latency_aware_warmup_never_deadlocks(replicas: list[int]) -> None:
+    ranks = ranks_of(replicas)
+    n = 2 * math.lcm(*replicas) * len(replicas)
+    for scale in (0.5, 2.0, 10.0, 40.0):  # round trips from short to many periods long
+        round_trip = [scale * (len(replicas) - s) for s in range(len(replicas))]
+        depths = latency_aware_warmup(ranks, round_trip, 1.0)
+        assert all(d >= warmup_depth(ranks, s) for s, d in enumerate(depths))
+        validate(lower(generate("1f1b", ranks, n, warmup=depths)))

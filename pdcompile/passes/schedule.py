@@ -76,8 +76,10 @@ def latency_aware_warmup(stage_ranks: Sequence[Sequence[int]], round_trip: Seque
     A replica of stage s must hold as many minibatches as arrive at it during one round trip of
     a minibatch from s to the end and back (`round_trip[s]` seconds, compute and transfers),
     one arriving every `replicas * period` seconds (`period`: the pipeline's time per
-    minibatch). Depths never fall below NOAM, and the minibatches in flight per stage
-    (depth + 1) * replicas never grow downstream, which keeps the schedule deadlock-free.
+    minibatch). Depths never fall below NOAM, and a stage keeps at least `replicas - 1` more
+    minibatches in flight than the next one: its replicas all-reduce after each round, so a round
+    can only finish once the next stage has run the backward of the round's last minibatch,
+    which that stage runs after the forwards of as many later minibatches as it keeps in flight.
     """
     shape = normalise_stage_ranks(stage_ranks)
     if len(round_trip) != len(shape) or not period > 0:
@@ -89,7 +91,8 @@ def latency_aware_warmup(stage_ranks: Sequence[Sequence[int]], round_trip: Seque
     for stage in reversed(range(len(shape))):
         replicas = len(shape[stage])
         needed = math.ceil(round_trip[stage] / (replicas * period) - 1e-9)
-        in_flight = max(needed, in_flight_limit(shape, stage), math.ceil(after / replicas))
+        in_flight = max(needed, in_flight_limit(shape, stage),
+                        math.ceil((after + replicas - 1) / replicas))
         depths[stage] = in_flight - 1
         after = in_flight * replicas
     return depths
