@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import PdcompileError
-from pdcompile.ir import Action, Kind, parse_action
+from pdcompile.ir import Action, Kind, Schedule, parse_action
 
 TIMELINE_FORMAT = "pdcompile.timeline/1"
 COMPUTE_KINDS = (Kind.F, Kind.B, Kind.W)
@@ -83,7 +83,7 @@ class Timeline:
     def by_rank(self) -> dict[int, list[Event]]:
         """Each rank's events in start order."""
         out: dict[int, list[Event]] = {}
-        for event in sorted(self.events, key=lambda e: (e.rank, e.start, e.end)):
+        for event in sorted(self.events, key=lambda e: (e.rank, e.start)):
             out.setdefault(event.rank, []).append(event)
         return out
 
@@ -115,6 +115,25 @@ class Timeline:
                 out.append((event, action))
         self._compute = (len(self.events), out)
         return out
+
+    def check_schedule(self, schedule: Schedule) -> None:
+        """Raise TimelineError unless every rank ran exactly its schedule's actions, in order.
+
+        Events are ordered per rank by start time (ties keep recording order), so a measured
+        run's timeline can be checked against the lowered schedule it executed.
+        """
+        runs = self.by_rank()
+        for rank in sorted(set(schedule.actions) | set(runs)):
+            want = [str(a) for a in schedule.actions.get(rank, ())]
+            got = [e.action for e in runs.get(rank, [])]
+            if got != want:
+                at = next((i for i, (a, b) in enumerate(zip(got, want, strict=False)) if a != b),
+                          min(len(got), len(want)))
+                raise TimelineError(
+                    f"rank {rank}: the timeline has {len(got)} events, the schedule "
+                    f"{len(want)} actions; first difference at step {at}: ran "
+                    f"{got[at] if at < len(got) else 'nothing'}, schedule says "
+                    f"{want[at] if at < len(want) else 'nothing'}")
 
     # ------------------------------------------------------------------------- figures
     def completions(self) -> list[float]:

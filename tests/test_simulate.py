@@ -321,3 +321,13 @@ def test_latency_aware_warmup_never_deadlocks(replicas: list[int]) -> None:
         depths = latency_aware_warmup(ranks, round_trip, 1.0)
         assert all(d >= warmup_depth(ranks, s) for s, d in enumerate(depths))
         validate(lower(generate("1f1b", ranks, n, warmup=depths)))
+
+
+def test_timeline_checked_against_its_schedule() -> None:
+    schedule = lower(generate("1f1b-flush", straight(2), 3))
+    result = simulate(schedule, StageCosts.uniform(2, fwd=F, bwd=B), FREE)
+    result.timeline.check_schedule(schedule)  # one event per action, in order
+    events = [e for e in result.timeline.events if e.action != "1F2"]
+    with pytest.raises(TimelineError, match="rank 1: the timeline has 12 events, the schedule 13 "
+                       "actions; first difference at step 9: ran 1B2, schedule says 1F2"):
+        Timeline(events, "measured").check_schedule(schedule)
