@@ -8,8 +8,10 @@ One function, `evaluate`, prices a plan for every planner and every report. Two 
   overlapped); a cut with O output bytes costs ``2 O / (B r)`` on each side of it (r: that side's
   replicas) and the stage time is the maximum of the three. O is the activation bytes of the
   cut's *augmented antichain* (see antichain.py). `Input` sources and unused `__getitem__` sinks
-  are dropped first, as the original does. Memory: ``ceil(D / r) (act + P)`` with D the workers
-  downstream of the stage (the original's stash estimate).
+  are dropped first, as the original does, and (a quirk of its recurrence, kept) the first stage's
+  output transfer is never charged, only the second stage's input. Memory:
+  ``ceil(D / r) (act + P)`` with D the workers downstream of the stage (the original's stash
+  estimate).
 
 * ``"native"``: our best honest model of this project's runtime. Gradient sync is a ring
   all-reduce among the replicas, ``2 (r-1)/r P / B + 2 (r-1) latency``, done once per round of r
@@ -231,7 +233,8 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
             cut = sum(float(view.nodes[n]["act"]) for n in augmented_frontier(view, prefix))
             level = cluster.slowest_level_of(list(ranks[i]) + list(ranks[i + 1]))
             bw = cluster.levels[level].bandwidth
-            comm[i] = max(comm[i], 2.0 * cut / (bw * len(ranks[i])))
+            if i > 0:  # the original never charges the first stage's output (its base case)
+                comm[i] = max(comm[i], 2.0 * cut / (bw * len(ranks[i])))
             comm[i + 1] = max(comm[i + 1], 2.0 * cut / (bw * len(ranks[i + 1])))
     else:
         for u, v in view.edges:

@@ -295,40 +295,53 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
             base = (t + 4.0 * (m - 1) * p / (bandwidth * m) / inside) / m
             base = np.where(stash <= mem_limit, base, INF)
             val[i, :, m] = base
-    start_pos = {int(a): i for i, a in enumerate(starts)}
     rmax = 1 if straight else n - 1
+    pairs = [(m, r) for m in range(2, n + 1) for r in range(1, min(rmax, m - 1) + 1)]
+    if not pairs:
+        return val, kk, rr
+    pm = np.array([m for m, _ in pairs])
+    pr = np.array([r for _, r in pairs])
+    stash_factor = np.ceil((n - pm) / pr)  # [p]
+    col = np.zeros((n + 1, n + 1), dtype=np.int64)  # (m, r) -> pair index
+    col[pm, pr] = np.arange(pm.size)
+    by_units = np.ascontiguousarray(val.transpose(0, 2, 1))  # [a, m, j], for gathers along j
+    row_of = np.full(s, -1, dtype=np.int64)
+    row_of[starts] = np.arange(na)
     for j in range(1, s):
         ks = np.nonzero(tables.valid[:, j])[0]
         ks = ks[ks > 0]
         if ks.size == 0:
             continue
-        # first part (a, k] must exist: a strictly before k
-        first_ok = tables.valid[starts][:, ks] if starts.size > 1 or starts[0] != 0 else None
-        last_t = seg[ks, j]  # [k] time of (k, j] at the level below
-        p = tables.params[j] - tables.params[ks]
-        act = tables.act[j] - tables.act[ks]
-        for m in range(2, n + 1):
-            best = val[:, j, m].copy()
-            bk = kk[:, j, m].copy()
-            br = rr[:, j, m].copy()
-            for r in range(1, min(rmax, m - 1) + 1):
-                stash = math.ceil((n - m) / r) * (act + p)
-                stage = (last_t + 4.0 * (r - 1) * p / (bandwidth * r)) / r
-                in_t = 2.0 * tables.frontier[ks] / (bandwidth * r)
-                stage = np.maximum(stage, in_t)
-                if j < last:
-                    stage = np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * r))
-                stage = np.where(stash <= mem_limit, stage, INF)
-                first = val[:, ks, m - r]  # [a, k]
-                if first_ok is not None:
-                    first = np.where(first_ok, first, INF)
-                cand = np.maximum(first, stage[None, :])
-                arg = np.argmin(cand, axis=1)
-                v = cand[np.arange(na), arg]
-                better = v < best
-                best = np.where(better, v, best)
-                bk = np.where(better, ks[arg], bk)
-                br = np.where(better, r, br)
-            val[:, j, m], kk[:, j, m], rr[:, j, m] = best, bk, br
-    del start_pos
+        # rows whose start reaches j (others stay INF); val[a, k] is INF unless a reaches k
+        if na == 1:
+            rows = np.array([0])
+        else:
+            reaching = starts[tables.valid[starts, j]]
+            if reaching.size == 0:
+                continue
+            rows = row_of[reaching]
+        p = (tables.params[j] - tables.params[ks])[:, None]
+        act = (tables.act[j] - tables.act[ks])[:, None]
+        stage = (seg[ks, j][:, None] + 4.0 * (pr - 1) * p / (bandwidth * pr)) / pr  # [k, p]
+        stage = np.maximum(stage, 2.0 * tables.frontier[ks][:, None] / (bandwidth * pr))
+        if j < last:
+            stage = np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * pr))
+        stage = np.where(stash_factor * (act + p) <= mem_limit, stage, INF)
+        cand = by_units[np.ix_(rows, pm - pr, ks)]  # [a, p, k] the first part on m - r units
+        np.maximum(cand, stage.T[None, :, :], out=cand)
+        arg = np.argmin(cand, axis=2)  # [a, p]
+        best_p = np.take_along_axis(cand, arg[:, :, None], axis=2)[:, :, 0]
+        # per m: the first r with the smallest time, taken only if strictly better than the
+        # single stage (the original's order: base case, then r ascending)
+        padded = np.full((rows.size, n + 1, n + 1), INF)
+        padded[:, pm, pr] = best_p
+        r_best = np.argmin(padded, axis=2)  # [a, m]
+        v_best = np.take_along_axis(padded, r_best[:, :, None], axis=2)[:, :, 0]
+        k_best = ks[np.take_along_axis(arg, col[np.arange(n + 1)[None, :], r_best], axis=1)]
+        current = val[rows, j, :]
+        better = v_best < current
+        val[rows, j, :] = np.where(better, v_best, current)
+        by_units[rows, :, j] = val[rows, j, :]
+        kk[rows, j, :] = np.where(better, k_best, kk[rows, j, :])
+        rr[rows, j, :] = np.where(better, r_best, rr[rows, j, :])
     return val, kk, rr
