@@ -51,6 +51,8 @@ def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOp
         if predicted < hint.time_per_minibatch * (1 - 1e-9):
             best = replace(hint, stages=priced, time_per_minibatch=predicted)
     status = solution["status"]
+    if status not in ("OPTIMAL", "FEASIBLE"):  # no solution in time: the DP's plan stands
+        status = "FEASIBLE"
     if bound is not None:
         bound = min(bound, best.time_per_minibatch)
     return replace(best, planner="ilp", status=status, bound=bound, extra=extra)
