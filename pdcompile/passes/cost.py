@@ -54,6 +54,7 @@ def annotate_costs(
     progress: bool = False,
     example_kwargs: dict[str, Any] | None = None,
     timer: Timer | None = None,
+    statistic: str = "median",
 ) -> fx.GraphModule:
     """Write "pd.cost" on every node of `gm` and return it.
 
@@ -73,7 +74,7 @@ def annotate_costs(
     owners = param_owners(gm)
     if source == "measured":
         costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
-                          timer=timer)
+                          timer=timer, statistic=statistic)
     else:
         costs = _analytic(gm, values, _device_model(device), progress=progress)
     for node in gm.graph.nodes:
@@ -152,7 +153,7 @@ def param_owners(gm: fx.GraphModule) -> dict[str, int]:
 
 def measure_model(model: nn.Module, example_inputs: Sequence[Any], *, warmup: int = 2,
                   repeats: int = 5, example_kwargs: dict[str, Any] | None = None,
-                  timer: Timer | None = None) -> tuple[float, float]:
+                  timer: Timer | None = None, statistic: str = "median") -> tuple[float, float]:
     """Median (forward, backward) seconds of the whole model, as one training step runs it:
     forward with autograd, then backward from all-ones gradients of its float outputs."""
     kwargs = dict(example_kwargs or {})
@@ -167,9 +168,9 @@ def measure_model(model: nn.Module, example_inputs: Sequence[Any], *, warmup: in
         torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
 
     try:
-        fwd = measure(timer, forward, warmup=warmup, repeats=repeats)
+        fwd = measure(timer, forward, warmup=warmup, repeats=repeats, statistic=statistic)
         bwd = measure(timer, backward, setup=lambda: forward(None), warmup=warmup,
-                      repeats=repeats)
+                      repeats=repeats, statistic=statistic)
     finally:
         _restore_buffers(model, buffers)
         model.zero_grad(set_to_none=True)
@@ -322,8 +323,26 @@ def _progress(items: list[fx.Node], enabled: bool, desc: str) -> Any:
 
 
 # --------------------------------------------------------------------------------- measured
+def _overheads(timer: Timer, device: torch.device, *, warmup: int, repeats: int,
+               statistic: str) -> tuple[float, float]:
+    """What timing one node alone adds that the whole model does not pay per node: the timed
+    call itself (forward) and one autograd engine run from fresh leaves (backward), measured on
+    an operation that does no work (a view). Subtracted from every node's times."""
+    leaf = torch.ones(1, device=device, requires_grad=True)
+
+    def setup_b() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        return _grad_outputs(leaf.detach().requires_grad_().view_as(leaf))
+
+    fwd = measure(timer, lambda a: a, setup=lambda: leaf, warmup=warmup, repeats=repeats,
+                  statistic=statistic)
+    bwd = measure(timer, lambda og: torch.autograd.backward(og[0], og[1]), setup=setup_b,
+                  warmup=warmup, repeats=repeats, statistic=statistic)
+    return fwd, bwd
+
+
 def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: int,
-              progress: bool, timer: Timer | None) -> dict[str, tuple[float, ...]]:
+              progress: bool, timer: Timer | None,
+              statistic: str) -> dict[str, tuple[float, ...]]:
     timer = timer or select_timer(_device_of(gm, values))
     buffers = _snapshot_buffers(gm)
     exclude = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
@@ -332,6 +351,8 @@ def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: in
         recorder = _RecordInterpreter(gm)
         recorder.run(*values)
         env = recorder.values
+        base_f, base_b = _overheads(timer, _device_of(gm, values), warmup=warmup,
+                                    repeats=repeats, statistic=statistic)
         nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
         for node in _progress(nodes, progress, "measuring nodes"):
             clone = _is_inplace(gm, node)
@@ -346,7 +367,8 @@ def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: in
             def forward(ak: tuple[Any, Any], node: fx.Node = node) -> Any:
                 return _run_node(gm, node, ak[0], ak[1])
 
-            fwd = measure(timer, forward, setup=setup, warmup=warmup, repeats=repeats)
+            fwd = measure(timer, forward, setup=setup, warmup=warmup, repeats=repeats,
+                          statistic=statistic)
             kept = [0]
             with _saved_bytes(exclude, kept):
                 out = forward(setup())
@@ -357,8 +379,10 @@ def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: in
                     return _grad_outputs(forward(setup(), node))
 
                 bwd = measure(timer, lambda og: torch.autograd.backward(og[0], og[1]),
-                              setup=setup_b, warmup=warmup, repeats=repeats)
-            costs[node.name] = (fwd, bwd, float(kept[0]), 0.0, 0.0)
+                              setup=setup_b, warmup=warmup, repeats=repeats,
+                              statistic=statistic)
+            costs[node.name] = (max(fwd - base_f, 0.0), max(bwd - base_b, 0.0),
+                                float(kept[0]), 0.0, 0.0)
     finally:
         _restore_buffers(gm, buffers)
         gm.zero_grad(set_to_none=True)

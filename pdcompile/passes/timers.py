@@ -66,16 +66,26 @@ def select_timer(device: torch.device | str) -> Timer:
     return WallClockTimer()
 
 
+STATISTICS: dict[str, Callable[[list[float]], float]] = {
+    "median": statistics.median,
+    "min": min,
+    "mean": statistics.fmean,
+}
+
+
 def measure(timer: Timer, fn: Callable[[Any], Any], *, setup: Callable[[], Any] | None = None,
-            warmup: int = 2, repeats: int = 5) -> float:
-    """Median seconds of `fn(setup())` over `repeats` runs after `warmup` untimed ones;
-    `setup` (untimed) prepares each run's argument (None when not given)."""
+            warmup: int = 2, repeats: int = 5, statistic: str = "median") -> float:
+    """Seconds of `fn(setup())`: the `statistic` (median by default; "min" is the estimate least
+    disturbed by other processes on a busy machine) over `repeats` runs after `warmup` untimed
+    ones; `setup` (untimed) prepares each run's argument (None when not given)."""
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    if statistic not in STATISTICS:
+        raise ValueError(f"unknown statistic {statistic!r}; use one of {', '.join(STATISTICS)}")
     samples: list[float] = []
     for i in range(warmup + repeats):
         arg = setup() if setup is not None else None
         seconds = timer.time(lambda arg=arg: fn(arg))
         if i >= warmup:
             samples.append(seconds)
-    return float(statistics.median(samples))
+    return float(STATISTICS[statistic](samples))
