@@ -208,6 +208,18 @@ clusters, transcribed from memory, check before quoting); everything else is com
 
 {table}
 
+Reading the table. The planner prices a plan with a closed-form model (slowest stage, transfers
+and replica all-reduce assumed overlapped or added per stage); the simulator runs the actual 1F1B
+order on the cluster model, which adds three effects the closed form leaves out: (1) replicas of
+a stage all-reduce after every round, so a round ends with its slowest replica, and replicas fed
+one after another by a narrower stage wait for each other; (2) PipeDream's warm-up depth (NOAM)
+counts workers only, so when a transfer takes longer than a stage's compute the pipeline drains
+while data is on the wire; the latency-aware depth hides that at the price of more activations
+in flight (see the memory column; "(over device)" marks plans that would not fit a 16 GiB V100);
+(3) transfers on one link queue behind each other. With the native cost model, where the plan
+is plain data parallelism ("16") the two agree exactly: both price the ring all-reduce alike (the
+pipedream cost model prices it its own way, so its data-parallel times differ).
+
 ## Simulator speed
 
 {speed_table}

@@ -331,3 +331,21 @@ def test_timeline_checked_against_its_schedule() -> None:
     with pytest.raises(TimelineError, match="rank 1: the timeline has 12 events, the schedule 13 "
                        "actions; first difference at step 9: ran 1B2, schedule says 1F2"):
         Timeline(events, "measured").check_schedule(schedule)
+
+
+def test_simulate_command_from_a_costgraph_file(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from pdcompile.costgraph import save
+
+    graph = new_cost_graph("chain")
+    for i in range(6):
+        add_block(graph, f"n{i}", fwd=0.01, bwd=0.02, act=1e6, params=1e6)
+        if i:
+            graph.add_edge(f"n{i - 1}", f"n{i}")
+    save(graph, tmp_path / "g.json")
+    code = main(["simulate", "--costgraph", str(tmp_path / "g.json"), "--cluster", "3@1e10",
+                 "--planner", "dp", "--schedule", "2bw", "--microbatches", "2", "--minibatches",
+                 "8", "--json"])
+    figures = json.loads(capsys.readouterr().out)
+    assert code == 0 and figures["schedule"] == "2bw"
+    assert figures["time_per_minibatch"] > 0
