@@ -1,0 +1,367 @@
+"""Split: one `torch.fx.GraphModule` per pipeline stage, cut from the traced graph by a Plan.
+
+The cutting itself is `torch.fx.passes.split_module` (the Plan's decision is the callback); this
+pass only reads its result and records, for every stage, what each input placeholder is (a model
+input read from the data, or a value another stage sends), which values it sends to which stage
+(skip connections go straight from producer to consumer, never relayed), which parameters it
+shares with other stages (tied embeddings: `ties`) and the original name of each parameter and
+buffer. Parameters that the traced graph reads with `get_attr` (e.g. a tied embedding used in
+`F.linear`) are moved into the stage that reads them, so that every stage owns its weights.
+Each stage module is a deep copy: stages do not share tensors with each other or with the model.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+from torch.utils import _pytree as pytree
+
+from pdcompile.errors import PlanError
+from pdcompile.meta import has_stage, set_stage
+from pdcompile.plan import Plan, Stage
+
+
+@dataclass(frozen=True)
+class ValueRef:
+    """Where a value comes from: a model input (`stage` is None) or an output of `stage`."""
+
+    name: str
+    stage: int | None = None
+
+    @property
+    def is_data(self) -> bool:
+        """True for a model input (read from the data, not received from a stage)."""
+        return self.stage is None
+
+
+@dataclass
+class StageProgram:
+    """One stage: its module, where each of its inputs comes from and where its outputs go.
+
+    `inputs[i]` feeds the module's i-th placeholder; `outputs` are the names of the values its
+    forward returns (a tuple, in this order); `receives[src]` / `sends[dst]` are the value names
+    exchanged with another stage, in message order; `param_names[name]` and `buffer_names[name]`
+    give the model's qualified names of each of the module's parameters and buffers.
+    """
+
+    index: int
+    module: fx.GraphModule
+    inputs: tuple[ValueRef, ...]
+    outputs: tuple[str, ...]
+    receives: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    sends: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    param_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    buffer_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def data_inputs(self) -> tuple[str, ...]:
+        """The model inputs this stage reads from the data."""
+        return tuple(ref.name for ref in self.inputs if ref.is_data)
+
+
+@dataclass(frozen=True)
+class TiedParameter:
+    """One parameter of the model held by several stages: `members` are (stage, name in stage)."""
+
+    name: str
+    members: tuple[tuple[int, str], ...]
+
+    @property
+    def stages(self) -> tuple[int, ...]:
+        """The stages holding a copy, ascending."""
+        return tuple(sorted({s for s, _ in self.members}))
+
+
+@dataclass
+class SplitResult:
+    """All stages plus the model's inputs, its output structure and the tied parameters."""
+
+    stages: list[StageProgram]
+    data_inputs: tuple[str, ...]
+    output_refs: tuple[ValueRef, ...]
+    output_spec: pytree.TreeSpec
+    ties: tuple[TiedParameter, ...] = ()
+
+    @property
+    def edges(self) -> list[tuple[int, int]]:
+        """Stage edges (src, dst), src < dst, sorted; a skip connection is its own edge."""
+        return sorted({(s.index, dst) for s in self.stages for dst in s.sends})
+
+
+def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
+    """Stage of every fx node (output excluded), written to node.meta["pd.stage"].
+
+    Nodes the Plan does not list (attribute reads, nodes of a coarsened plan's gaps) follow the
+    first stage that uses them, or, without users, the last stage of their inputs. Raises
+    PlanError when a value would flow from a later stage back to an earlier one.
+    """
+    given = plan.stage_of()
+    stage_of: dict[str, int] = {}
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]
+    unknown = [n.name for n in nodes if n.name not in given and n.op not in ("get_attr",)]
+    known_names = {n.name for n in nodes}
+    foreign = [name for name in given if name not in known_names]
+    if foreign:
+        raise PlanError(f"the plan names nodes the traced graph does not have: {foreign[:5]}; "
+                        "plan the cost graph of this model (to_cost_graph of the same trace)")
+    for node in nodes:
+        if node.name in given:
+            stage_of[node.name] = given[node.name]
+        elif node.op != "get_attr" and node.all_input_nodes:
+            stage_of[node.name] = max(stage_of.get(p.name, 0) for p in node.all_input_nodes)
+    for node in reversed(nodes):
+        if node.name not in stage_of:
+            users = [stage_of[u.name] for u in node.users if u.name in stage_of]
+            stage_of[node.name] = min(users) if users else 0
+    del unknown
+    for node in nodes:
+        for user in node.users:
+            if user.op == "output" or node.op == "get_attr":
+                continue
+            if stage_of[user.name] < stage_of[node.name]:
+                raise PlanError(
+                    f"node {user.name!r} (stage {stage_of[user.name]}) uses {node.name!r} from the "
+                    f"later stage {stage_of[node.name]}; stages must follow the graph's order "
+                    "(put both in one stage, or cut later)")
+    for node in nodes:
+        set_stage(node, stage_of[node.name])
+    last = len(plan.stages) - 1
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            set_stage(node, last)
+    return stage_of
+
+
+def manual_plan(gm: fx.GraphModule, assignment: Mapping[str, int] | Callable[[fx.Node], int],
+                *, replicas: Sequence[int] | None = None) -> Plan:
+    """A Plan from an explicit node -> stage assignment (for tests and hand-made pipelines).
+
+    `assignment` maps node names (missing ones follow their inputs) or is a function of the node.
+    `replicas[s]` workers run stage s (default 1); ranks are numbered stage after stage.
+    """
+    nodes = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
+    stage_of: dict[str, int] = {}
+    for node in nodes:
+        if callable(assignment):
+            stage_of[node.name] = int(assignment(node))
+        elif node.name in assignment:
+            stage_of[node.name] = int(assignment[node.name])
+        else:
+            stage_of[node.name] = max((stage_of.get(p.name, 0) for p in node.all_input_nodes),
+                                      default=0)
+    count = max(stage_of.values(), default=0) + 1
+    return _plan_from(stage_of, count, replicas)
+
+
+def even_plan(gm: fx.GraphModule, stages: int, *,
+              replicas: Sequence[int] | None = None) -> Plan:
+    """A straight cut of the graph's topological order into `stages` contiguous pieces of about
+    equal weight (parameters of the node's module plus one per node); inputs go to stage 0."""
+    if stages < 1:
+        raise PlanError(f"stages must be a positive integer ({stages} < 1)")
+    body = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr", "placeholder")]
+    if len(body) < stages:
+        raise PlanError(f"the model has {len(body)} operations, too few for {stages} stages; "
+                        f"use at most {len(body)} stages")
+    weights = [1.0 + _node_params(gm, n) for n in body]
+    total = sum(weights)
+    stage_of = {n.name: 0 for n in gm.graph.nodes if n.op == "placeholder"}
+    done = 0.0
+    for index, (node, weight) in enumerate(zip(body, weights, strict=True)):
+        stage = min(stages - 1, int((done + weight / 2) / total * stages))
+        left = len(body) - index  # keep at least one node for every stage still to come
+        stage = max(stage, stages - left)
+        if index:
+            previous = stage_of[body[index - 1].name]
+            stage = min(max(stage, previous), previous + 1)
+        stage_of[node.name] = stage
+        done += weight
+    return _plan_from(stage_of, stages, replicas)
+
+
+def _node_params(gm: fx.GraphModule, node: fx.Node) -> float:
+    if node.op == "call_module":
+        return float(sum(p.numel() for p in gm.get_submodule(str(node.target)).parameters()))
+    return 0.0
+
+
+def _plan_from(stage_of: dict[str, int], count: int, replicas: Sequence[int] | None) -> Plan:
+    replicas = list(replicas) if replicas is not None else [1] * count
+    if len(replicas) != count or any(r < 1 for r in replicas):
+        raise PlanError(f"replicas must give a positive worker count for each of the {count} "
+                        f"stages, got {replicas}")
+    stages, rank = [], 0
+    for s in range(count):
+        nodes = tuple(name for name, st in stage_of.items() if st == s)
+        stages.append(Stage(nodes=nodes, replicas=replicas[s],
+                            ranks=tuple(range(rank, rank + replicas[s]))))
+        rank += replicas[s]
+    return Plan(stages=tuple(stages), time_per_minibatch=0.0, dp_time=0.0, workers=rank,
+                planner="manual", status="GIVEN")
+
+
+def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = None) -> SplitResult:
+    """Cut `gm` into the Plan's stages (see the module docstring); annotates "pd.stage".
+
+    `model` is the module `gm` was traced from (default `gm`), used to name parameters and to
+    find parameters shared between stages.
+    """
+    root = model if model is not None else gm
+    stage_of = assign_stages(gm, plan)
+    count = len(plan.stages)
+    used = {stage_of[n.name] for n in gm.graph.nodes
+            if n.op not in ("placeholder", "get_attr", "output")}
+    empty = [s for s in range(count) if s not in used]
+    if empty:
+        raise PlanError(f"stages {empty} of the plan have no operation to run; use fewer stages "
+                        f"(at most {len(used)}) or move operations into them")
+
+    def callback(node: fx.Node) -> int:
+        return stage_of[node.name]
+
+    top = split_module(gm, gm, callback, keep_original_order=True, tuple_return=True)
+    data_inputs = tuple(n.name for n in top.graph.nodes if n.op == "placeholder")
+    outputs_of: dict[str, tuple[int, tuple[str, ...]]] = {}  # submod node name -> stage, outputs
+    getitem_of: dict[str, ValueRef] = {}
+    programs: dict[int, StageProgram] = {}
+    for node in top.graph.nodes:
+        if node.op == "call_module":
+            index = int(str(node.target).rsplit("_", 1)[1])
+            sub = top.get_submodule(str(node.target))
+            assert isinstance(sub, fx.GraphModule)
+            inputs = _stage_inputs(sub, node, getitem_of, gm)
+            out_node = next(n for n in sub.graph.nodes if n.op == "output")
+            names = tuple(a.name for a in out_node.args[0])  # type: ignore[union-attr]
+            outputs_of[node.name] = (index, names)
+            programs[index] = StageProgram(index, sub, inputs, names)
+        elif node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) \
+                and node.args[0].name in outputs_of:
+            index, names = outputs_of[node.args[0].name]
+            getitem_of[node.name] = ValueRef(names[int(node.args[1])], index)  # type: ignore[arg-type]
+    out_node = next(n for n in top.graph.nodes if n.op == "output")
+    leaves, spec = pytree.tree_flatten(out_node.args[0])
+    output_refs = tuple(_ref_of(leaf, getitem_of) for leaf in leaves)
+    stages = [programs[s] for s in range(count)]
+    last = count - 1
+    for program in stages:
+        for ref in program.inputs:
+            if not ref.is_data:
+                _link(stages, ref, program.index)
+    for ref in output_refs:
+        if not ref.is_data and ref.stage != last:
+            _link(stages, ref, last)
+    ties = _name_and_copy(stages, root)
+    return SplitResult(stages, data_inputs, output_refs, spec, ties)
+
+
+def _ref_of(leaf: Any, getitem_of: dict[str, ValueRef]) -> ValueRef:
+    if isinstance(leaf, fx.Node):
+        if leaf.op == "placeholder":
+            return ValueRef(leaf.name)
+        if leaf.name in getitem_of:
+            return getitem_of[leaf.name]
+    raise PlanError(f"the model's output {leaf!r} is neither an input nor computed by a stage; "
+                    "return tensors computed by the model")
+
+
+def _link(stages: list[StageProgram], ref: ValueRef, dst: int) -> None:
+    """Record that `ref` travels from its stage straight to `dst` (once per value)."""
+    assert ref.stage is not None
+    src = stages[ref.stage]
+    if ref.name not in src.sends.get(dst, ()):
+        src.sends[dst] = src.sends.get(dst, ()) + (ref.name,)
+        stages[dst].receives[ref.stage] = stages[dst].receives.get(ref.stage, ()) + (ref.name,)
+
+
+def _stage_inputs(sub: fx.GraphModule, call: fx.Node, getitem_of: dict[str, ValueRef],
+                  gm: fx.GraphModule) -> tuple[ValueRef, ...]:
+    """Where each placeholder's value comes from; attribute reads become the stage's own."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    refs: list[ValueRef] = []
+    changed = False
+    for placeholder, arg in zip(placeholders, call.args, strict=True):
+        assert isinstance(arg, fx.Node)
+        if arg.op == "get_attr":
+            _own_attribute(sub, placeholder, gm, str(arg.target))
+            changed = True
+        elif arg.op == "placeholder":
+            refs.append(ValueRef(arg.name))
+        else:
+            refs.append(getitem_of[arg.name])
+    if changed:
+        sub.graph.lint()
+        sub.recompile()
+    return tuple(refs)
+
+
+def _own_attribute(sub: fx.GraphModule, placeholder: fx.Node, gm: fx.GraphModule,
+                   target: str) -> None:
+    """Replace a placeholder fed by `gm.<target>` with the stage's own attribute."""
+    value = gm.get_parameter(target) if _is_param(gm, target) else _get_path(gm, target)
+    name = target.replace(".", "_")
+    while hasattr(sub, name):
+        name += "_"
+    if isinstance(value, torch.nn.Parameter):
+        sub.register_parameter(name, value)
+    elif isinstance(value, torch.Tensor):
+        sub.register_buffer(name, value)
+    else:
+        setattr(sub, name, value)
+    with sub.graph.inserting_before(placeholder):
+        read = sub.graph.get_attr(name)
+    placeholder.replace_all_uses_with(read)
+    sub.graph.erase_node(placeholder)
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True
+
+
+def _get_path(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _name_and_copy(stages: list[StageProgram], root: torch.nn.Module) -> tuple[TiedParameter, ...]:
+    """Give every stage its own copy of its tensors; record original names and cross-stage ties."""
+    param_names: dict[int, list[str]] = {}
+    for name, p in root.named_parameters(remove_duplicate=False):
+        param_names.setdefault(id(p), []).append(name)
+    buffer_names: dict[int, list[str]] = {}
+    for name, b in root.named_buffers(remove_duplicate=False):
+        buffer_names.setdefault(id(b), []).append(name)
+    holders: dict[int, list[tuple[int, str]]] = {}
+    for program in stages:
+        for name, p in program.module.named_parameters(remove_duplicate=False):
+            program.param_names[name] = tuple(param_names.get(id(p), [name]))
+            holders.setdefault(id(p), []).append((program.index, name))
+        for name, b in program.module.named_buffers(remove_duplicate=False):
+            program.buffer_names[name] = tuple(buffer_names.get(id(b), [name]))
+        program.module = copy.deepcopy(program.module)
+    ties = []
+    for members in holders.values():
+        if len({s for s, _ in members}) > 1:
+            first = stages[members[0][0]].param_names[members[0][1]][0]
+            ties.append(TiedParameter(first, tuple(members)))
+    return tuple(ties)
+
+
+def stage_annotations_complete(gm: fx.GraphModule) -> bool:
+    """Whether every node of `gm` carries "pd.stage" (true after `split`)."""
+    return all(has_stage(n) for n in gm.graph.nodes)
+
+
+__all__ = ["SplitResult", "StageProgram", "TiedParameter", "ValueRef", "assign_stages",
+           "even_plan", "manual_plan", "split", "stage_annotations_complete"]

@@ -1,0 +1,466 @@
+"""Pipeline: a model cut into stages, with a schedule, generated rank loops and per-rank weights.
+
+`pdcompile.compile` builds one; `pdcompile.load` reads an exported one back. Every rank (one
+replica of one stage) owns its copy of the stage module and its optimizer. `step` and `train`
+run the generated code of all ranks on the local backend; `run_distributed` hands the same
+pipeline to the torch.distributed backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from pdcompile.backends.local import run_local
+from pdcompile.errors import PipelineInputError, PlanError
+from pdcompile.ir import Schedule
+from pdcompile.passes.codegen import RankFn, generate_rank, load_rank
+from pdcompile.passes.lower import lower
+from pdcompile.passes.schedule import SCHEDULES, generate
+from pdcompile.passes.split import SplitResult, StageProgram
+from pdcompile.plan import Plan
+from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
+from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
+from pdcompile.runtime.transport import Tag, TensorSpec
+from pdcompile.timeline import Recorder, Timeline
+
+OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+FLUSH = ("1f1b-flush", "gpipe")
+
+
+def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """SGD with learning rate 0.01 (the default of `compile`)."""
+    return torch.optim.SGD(params, lr=0.01)
+
+
+@dataclass
+class RankState:
+    """What one worker keeps between runs: its stage module copy and its optimizer."""
+
+    rank: int
+    stage: int
+    module: fx.GraphModule
+    optimizer: torch.optim.Optimizer
+    param_order: tuple[str, ...]
+
+
+class MicrobatchData:
+    """Inputs (by model input name) and targets of the microbatches of one run."""
+
+    def __init__(self, inputs: list[dict[str, Any]], targets: list[Any]) -> None:
+        self._inputs = inputs
+        self._targets = targets
+
+    def inputs(self, microbatch: int) -> dict[str, Any]:
+        """Model inputs of a microbatch, by placeholder name."""
+        return self._inputs[microbatch]
+
+    def target(self, microbatch: int) -> Any:
+        """The target of a microbatch."""
+        return self._targets[microbatch]
+
+    def __len__(self) -> int:
+        return len(self._inputs)
+
+
+class Pipeline:
+    """A compiled pipeline (see DESIGN.md, public contract)."""
+
+    def __init__(self, *, graph: fx.GraphModule | None, plan: Plan, parts: SplitResult,
+                 schedule: str = "1f1b", microbatches: int | None = None,
+                 loss_fn: Callable[..., torch.Tensor] | None = None,
+                 optimizer: OptimizerFactory | None = None, stash: bool = True,
+                 vertical_sync: bool = False, name: str = "model") -> None:
+        if schedule not in SCHEDULES:
+            raise PipelineInputError(f"unknown schedule {schedule!r}; choose one of "
+                                     f"{', '.join(SCHEDULES)}")
+        self.plan = plan
+        self.graph = graph
+        self.parts = parts
+        self.schedule_name = schedule
+        self.microbatches = int(microbatches) if microbatches else _default_microbatches(
+            schedule, plan)
+        self.loss_fn = loss_fn
+        self.optimizer_factory: OptimizerFactory = optimizer or default_optimizer
+        self.stash = stash
+        self.vertical_sync = vertical_sync
+        self.name = name
+        self.record = False
+        self.last_timeline: Timeline | None = None
+        self.last_runtimes: dict[int, StageRuntime] = {}
+        self._sources: dict[tuple[int, int], dict[int, str]] = {}
+        self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
+        self._check()
+        self.ranks: dict[int, RankState] = {}
+        for stage, program in enumerate(parts.stages):
+            for replica, rank in enumerate(plan.stages[stage].ranks):
+                module = program.module if replica == 0 else _copy(program.module)
+                self.ranks[rank] = self._rank_state(rank, stage, module)
+
+    # ------------------------------------------------------------------ construction
+    def _rank_state(self, rank: int, stage: int, module: fx.GraphModule,
+                    param_order: Sequence[str] | None = None) -> RankState:
+        named = dict(module.named_parameters())
+        order = tuple(param_order) if param_order is not None else tuple(named)
+        optimizer = self.optimizer_factory([named[n] for n in order])
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise PipelineInputError(f"optimizer must be a callable params -> "
+                                     f"torch.optim.Optimizer, e.g. lambda p: torch.optim.SGD(p, "
+                                     f"lr=0.1); it returned {type(optimizer).__name__}")
+        return RankState(rank, stage, module, optimizer, order)
+
+    def _check(self) -> None:
+        replicas = [s.replicas for s in self.plan.stages]
+        if len(self.parts.stages) != len(replicas):
+            raise PlanError(f"plan has {len(replicas)} stages but the split has "
+                            f"{len(self.parts.stages)}")
+        if self.vertical_sync and (self.schedule_name != "1f1b" or len(set(replicas)) > 1):
+            raise PipelineInputError("vertical_sync needs schedule '1f1b' and the same number of "
+                                     f"replicas in every stage (got {self.schedule_name!r}, "
+                                     f"replicas {replicas})")
+        if self.schedule_name == "1f1b":
+            for tie in self.parts.ties:
+                counts = {replicas[s] for s in tie.stages}
+                if len(counts) > 1:
+                    raise PlanError(f"parameter {tie.name!r} is shared by stages {tie.stages} "
+                                    f"with different replica counts {sorted(counts)}; with "
+                                    "'1f1b' they update at different rates; give them equal "
+                                    "replicas or use a flush schedule")
+
+    # ------------------------------------------------------------------ views
+    @property
+    def stage_programs(self) -> list[StageProgram]:
+        """The split: inputs, outputs, sends and receives of every stage."""
+        return self.parts.stages
+
+    @property
+    def stage_modules(self) -> list[fx.GraphModule]:
+        """The module of every stage (replica 0's live copy)."""
+        return [self.ranks[s.ranks[0]].module for s in self.plan.stages]
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        """Every rank's optimizer, in rank order (attach LR schedulers to each)."""
+        return [self.ranks[r].optimizer for r in sorted(self.ranks)]
+
+    def stage_optimizers(self, stage: int) -> list[torch.optim.Optimizer]:
+        """The optimizers of a stage's replicas."""
+        return [self.ranks[r].optimizer for r in self.plan.stages[stage].ranks]
+
+    @property
+    def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
+        """The ranks of every stage."""
+        return tuple(tuple(s.ranks) for s in self.plan.stages)
+
+    def named_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The model's parameters by their original names (replica 0 of the stage holding them;
+        a tied parameter under each of its names, from the first stage holding it)."""
+        out: dict[str, torch.nn.Parameter] = {}
+        for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
+            params = dict(module.named_parameters(remove_duplicate=False))
+            for name, originals in program.param_names.items():
+                for original in originals:
+                    out.setdefault(original, params[name])
+        return out
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters and buffers under the model's own names (compare with model.state_dict())."""
+        out: dict[str, torch.Tensor] = {k: v.detach() for k, v in self.named_parameters().items()}
+        for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
+            buffers = dict(module.named_buffers(remove_duplicate=False))
+            for name, originals in program.buffer_names.items():
+                for original in originals:
+                    out.setdefault(original, buffers[name])
+        return out
+
+    def summary(self) -> str:
+        """The plan's table plus the schedule, the stage edges and the tied parameters."""
+        lines = [self.plan.summary(), ""]
+        lines.append(f"schedule {self.schedule_name}, {self.microbatches} microbatches"
+                     + (", vertical sync" if self.vertical_sync else "")
+                     + ("" if self.stash else ", NO weight stashing"))
+        for program in self.parts.stages:
+            params = sum(p.numel() for p in self.stage_modules[program.index].parameters())
+            sends = ", ".join(f"{len(v)} to {d}" for d, v in sorted(program.sends.items()))
+            lines.append(f"stage {program.index}: {params:,} parameters; inputs "
+                         f"{len(program.inputs)}; sends {sends or 'nothing (loss)'}")
+        for tie in self.parts.ties:
+            lines.append(f"tied: {tie.name} held by stages {list(tie.stages)} (gradients summed)")
+        return "\n".join(lines)
+
+    # ------------------------------------------------------------------ schedules and code
+    def schedule(self, microbatches: int | None = None,
+                 per_minibatch: int | None = None) -> Schedule:
+        """The lowered schedule of a run of `microbatches` (default: the compile-time count)."""
+        n = microbatches or self._schedule_length()
+        per = per_minibatch if per_minibatch is not None else self.per_minibatch
+        kwargs: dict[str, Any] = {}
+        if self.schedule_name == "2bw":
+            kwargs["microbatches_per_minibatch"] = per
+        if self.vertical_sync:
+            kwargs["vertical_sync"] = True
+        compute = generate(self.schedule_name, self.stage_ranks, n, **kwargs)
+        return lower(compute, self.parts.edges)
+
+    @property
+    def per_minibatch(self) -> int:
+        """Microbatches per minibatch (1 for '1f1b', where each microbatch is a minibatch)."""
+        return 1 if self.schedule_name == "1f1b" else self.microbatches
+
+    def _schedule_length(self) -> int:
+        if self.schedule_name == "2bw":
+            return self.microbatches * max(2, len(self.plan.stages))
+        return self.microbatches
+
+    def rank_sources(self, microbatches: int | None = None,
+                     per_minibatch: int | None = None) -> dict[int, str]:
+        """Generated `run_rank` source of every rank for a run of that shape."""
+        n = microbatches or self._schedule_length()
+        per = per_minibatch if per_minibatch is not None else self.per_minibatch
+        key = (n, per)
+        if key not in self._sources:
+            lowered = self.schedule(n, per)
+            self._sources[key] = {r: generate_rank(lowered, r) for r in lowered.ranks}
+        return self._sources[key]
+
+    def use_sources(self, sources: dict[int, str], microbatches: int, per_minibatch: int) -> None:
+        """Run this code for runs of that shape (e.g. the rank files of an export)."""
+        self._sources[(microbatches, per_minibatch)] = dict(sources)
+        self._functions.pop((microbatches, per_minibatch), None)
+
+    def _rank_functions(self, n: int, per: int) -> dict[int, RankFn]:
+        key = (n, per)
+        if key not in self._functions:
+            self._functions[key] = {r: load_rank(src, name=f"rank {r}")
+                                    for r, src in self.rank_sources(n, per).items()}
+        return self._functions[key]
+
+    # ------------------------------------------------------------------ running
+    def runtime(self, rank: int, *, config: RunConfig, transport: Any, data: Any,
+                specs: Callable[[Tag], list[TensorSpec]] | None = None,
+                recorder: Any = None) -> StageRuntime:
+        """The runtime of one rank for one run (backends call this)."""
+        state = self.ranks[rank]
+        return StageRuntime(
+            rank=rank, io=self.parts.stages[state.stage], module=state.module,
+            optimizer=state.optimizer, config=config, transport=transport, data=data,
+            loss_fn=self.loss_fn, output_refs=self.parts.output_refs,
+            output_spec=self.parts.output_spec, ties=self.tie_groups(state.stage),
+            specs=specs, recorder=recorder)
+
+    def run_config(self, per_minibatch: int) -> RunConfig:
+        """The runtime configuration of a run."""
+        return RunConfig(self.schedule_name, self.stage_ranks, per_minibatch, self.stash,
+                         self.vertical_sync)
+
+    def tie_groups(self, stage: int) -> list[TieGroup]:
+        """Tied parameters of `stage`, grouped by the set of stages sharing them."""
+        groups: dict[tuple[int, ...], list[tuple[str, str]]] = {}
+        for tie in self.parts.ties:
+            mine = [name for s, name in tie.members if s == stage]
+            if mine:
+                groups.setdefault(tie.stages, []).append((tie.name, mine[0]))
+        out = []
+        for stages, members in sorted(groups.items()):
+            ranks = tuple(sorted(r for s in stages for r in self.plan.stages[s].ranks))
+            out.append(TieGroup(ranks, tuple(name for _, name in sorted(members))))
+        return out
+
+    def _run(self, data: MicrobatchData, n: int, per: int) -> dict[int, torch.Tensor]:
+        """All ranks' generated loops over `n` microbatches on the local backend; the losses."""
+        config = self.run_config(per)
+        boxes = Mailboxes()
+        recorders = {r: Recorder(r) for r in self.ranks} if self.record else {}
+        runtimes = {r: self.runtime(r, config=config, transport=LocalTransport(r, boxes),
+                                    data=data, recorder=recorders.get(r)) for r in self.ranks}
+        run_local(self._rank_functions(n, per), runtimes)
+        for rt in runtimes.values():
+            rt.finish()
+        left = boxes.pending()
+        if left:
+            raise PipelineInputError(f"messages never received: {left[:4]}")
+        self.last_runtimes = runtimes
+        if recorders:
+            self.last_timeline = Timeline.merge([rec.timeline() for rec in recorders.values()],
+                                                source="measured")
+            self.last_timeline.meta.update(schedule=self.schedule_name,
+                                           microbatches_per_minibatch=per, backend="local")
+        losses: dict[int, torch.Tensor] = {}
+        for stage_rank in self.plan.stages[-1].ranks:
+            losses.update(runtimes[stage_rank].losses)
+        return losses
+
+    def step(self, *inputs: Any, target: Any = None) -> float:
+        """One training step on one minibatch cut into `microbatches`; its mean loss."""
+        if self.schedule_name in FLUSH:
+            m = self.microbatches
+            data = MicrobatchData(self._cut(inputs, m), _cut_target(target, m))
+            losses = self._run(data, m, m)
+            return float(torch.stack([losses[i] for i in range(m)]).mean())
+        return self.train([(inputs, target)])[0]
+
+    def train(self, batches: Iterable[tuple[Any, Any]], *, steps: int | None = None
+              ) -> list[float]:
+        """Train on a stream of `(inputs, target)` minibatches; one loss per minibatch.
+
+        Asynchronous schedules overlap the minibatches in the pipeline (PipeDream); the pipeline
+        fills at the start and drains at the end of the call. Flush schedules run `step` per
+        minibatch.
+        """
+        items = []
+        for index, item in enumerate(batches):
+            if steps is not None and index >= steps:
+                break
+            inputs, target = item
+            items.append((inputs if isinstance(inputs, tuple | list) else (inputs,), target))
+        if not items:
+            return []
+        if self.schedule_name in FLUSH:
+            return [self.step(*inputs, target=target) for inputs, target in items]
+        if self.schedule_name == "1f1b":
+            lcm = _lcm([s.replicas for s in self.plan.stages])
+            if len(items) % lcm:
+                raise PipelineInputError(
+                    f"'1f1b' with replicated stages ({self.plan.config}) trains a number of "
+                    f"minibatches that is a multiple of {lcm}; got {len(items)} (pass "
+                    f"steps={len(items) // lcm * lcm or lcm} or more batches)")
+            data = MicrobatchData([self._named(inputs) for inputs, _ in items],
+                                  [t for _, t in items])
+            losses = self._run(data, len(items), 1)
+            return [float(losses[i]) for i in range(len(items))]
+        m = self.microbatches  # 2bw
+        inputs_all: list[dict[str, Any]] = []
+        targets: list[Any] = []
+        for inputs, target in items:
+            inputs_all.extend(self._cut(inputs, m))
+            targets.extend(_cut_target(target, m))
+        losses = self._run(MicrobatchData(inputs_all, targets), len(items) * m, m)
+        return [float(torch.stack([losses[k * m + i] for i in range(m)]).mean())
+                for k in range(len(items))]
+
+    def _named(self, inputs: Sequence[Any]) -> dict[str, Any]:
+        names = self.parts.data_inputs
+        if len(inputs) != len(names):
+            raise PipelineInputError(f"the model takes {len(names)} inputs ({', '.join(names)}), "
+                                     f"got {len(inputs)}; pass them positionally as in "
+                                     "example_inputs")
+        return dict(zip(names, inputs, strict=True))
+
+    def _cut(self, inputs: Sequence[Any], m: int) -> list[dict[str, Any]]:
+        named = self._named(inputs)
+        chunks = {name: _chunks(value, m, name) for name, value in named.items()}
+        return [{name: chunks[name][i] for name in named} for i in range(m)]
+
+    def __call__(self, *inputs: Any) -> Any:
+        """The model's output, computed by the stage modules one after another (no schedule)."""
+        from torch.utils import _pytree as pytree
+
+        named = self._named(inputs)
+        values: dict[tuple[int, str], Any] = {}
+        for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
+            args = [named[r.name] if r.stage is None else values[r.stage, r.name]
+                    for r in program.inputs]
+            for name, value in zip(program.outputs, module(*args), strict=True):
+                values[program.index, name] = value
+        leaves = [named[r.name] if r.stage is None else values[r.stage, r.name]
+                  for r in self.parts.output_refs]
+        return pytree.tree_unflatten(leaves, self.parts.output_spec)
+
+    def lr_scheduler(self, factory: Callable[[torch.optim.Optimizer], Any]) -> _Schedulers:
+        """One LR scheduler per rank's optimizer; `.step()` steps them all."""
+        return _Schedulers([factory(opt) for opt in self.optimizers])
+
+    def timed(self, record: bool = True) -> Pipeline:
+        """Record a measured timeline of every action in later runs (`last_timeline`)."""
+        self.record = record
+        return self
+
+    def edge_specs(self, inputs: Sequence[Any]) -> dict[Tag, list[TensorSpec]]:
+        """Shapes and dtypes of every message of microbatch 0 for a minibatch like `inputs`
+        (computed on copies of the stage modules; the random state is left as it was)."""
+        m = self.microbatches if self.schedule_name in FLUSH + ("2bw",) else 1
+        named = self._cut(inputs, m)[0]
+        out: dict[Tag, list[TensorSpec]] = {}
+        values: dict[tuple[int, str], Any] = {}
+        with torch.random.fork_rng(), torch.no_grad():
+            for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
+                args = [named[r.name] if r.stage is None else values[r.stage, r.name]
+                        for r in program.inputs]
+                for name, value in zip(program.outputs, _copy(module)(*args), strict=True):
+                    values[program.index, name] = value
+        for program in self.parts.stages:
+            for dst, names in program.sends.items():
+                acts = [values[program.index, n] for n in names]
+                out[Tag("act", program.index, dst, 0)] = [
+                    TensorSpec(tuple(t.shape), t.dtype) for t in acts]
+                out[Tag("grad", dst, program.index, 0)] = [
+                    TensorSpec(tuple(t.shape), t.dtype) for t in acts if t.is_floating_point()]
+        return out
+
+    # ------------------------------------------------------------------ elsewhere
+    def export(self, path: str) -> None:
+        """Write everything needed to run or reload this pipeline (see pdcompile.export)."""
+        from pdcompile.export import export_pipeline
+
+        export_pipeline(self, path)
+
+    def run_distributed(self, *args: Any, **kwargs: Any) -> Any:
+        """Train on torch.distributed (pdcompile.backends.distributed.run_distributed)."""
+        from pdcompile.backends import distributed
+
+        runner = getattr(distributed, "run_distributed", None)
+        if runner is None:
+            raise PipelineInputError("the distributed backend has no run_distributed yet; "
+                                     "export the pipeline and use `pdcompile run`")
+        return runner(self, *args, **kwargs)
+
+
+class _Schedulers:
+    def __init__(self, schedulers: list[Any]) -> None:
+        self.schedulers = schedulers
+
+    def step(self) -> None:
+        for scheduler in self.schedulers:
+            scheduler.step()
+
+
+def _copy(module: fx.GraphModule) -> fx.GraphModule:
+    import copy
+
+    return copy.deepcopy(module)
+
+
+def _default_microbatches(schedule: str, plan: Plan) -> int:
+    if schedule == "1f1b":
+        return max(2 * plan.workers, _lcm([s.replicas for s in plan.stages]))
+    return max(1, len(plan.stages))
+
+
+def _lcm(values: list[int]) -> int:
+    import math
+
+    return math.lcm(*values) if values else 1
+
+
+def _chunks(value: Any, m: int, name: str) -> list[Any]:
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return [value] * m
+    if value.shape[0] % m:
+        raise PipelineInputError(f"input {name!r} has batch size {value.shape[0]}, which does not "
+                                 f"split into {m} equal microbatches; use a batch size that is a "
+                                 f"multiple of {m} or change microbatches=")
+    return list(torch.chunk(value, m))
+
+
+def _cut_target(target: Any, m: int) -> list[Any]:
+    if isinstance(target, tuple | list):
+        parts = [_chunks(t, m, "target") for t in target]
+        return [type(target)(p[i] for p in parts) for i in range(m)]
+    return _chunks(target, m, "target")
+
+
+__all__ = ["MicrobatchData", "Pipeline", "RankState", "default_optimizer"]

@@ -1,0 +1,413 @@
+"""The handlers a generated rank loop calls: `rt.forward(m)`, `rt.backward(m)`, `rt.step(k)`...
+
+One `StageRuntime` serves one rank (one replica of one stage) for one run of a schedule. Every
+handler is a generator (`yield from rt.<op>(...)` in the generated code) that yields only while it
+waits for a message or a collective, so one driver interleaves all ranks in one process (local
+backend) and another runs a rank to exhaustion over torch.distributed.
+
+Semantics per schedule (PipeDream, Narayanan et al., SOSP 2019; PipeDream-2BW and -Flush,
+Narayanan et al., ICML 2021; GPipe, Huang et al., NeurIPS 2019):
+
+- "1f1b": a weight update after every backward (with r replicas: after each round of r
+  backwards, gradients averaged over the replicas); with stashing, minibatch m's forward and
+  backward use the same weight version (the one current at its forward), and the update applies
+  that gradient to the latest weights. `vertical_sync`: every stage uses the version stage 0 used
+  for m (the version travels with the activations). `stash=False` recomputes the forward with the
+  latest weights at backward time (what happens without stashing; for comparison only).
+- "1f1b-flush", "gpipe": gradients of the M microbatches (loss scaled by 1/M) accumulate, one
+  update at the end: ordinary training with gradient accumulation.
+- "2bw": minibatch t (microbatches tM .. tM+M-1) runs forward and backward with version
+  max(t-1, 0) and its summed gradient updates the latest weights:
+  W(t+1) = W(t) - lr * grad(W(t-1)). At most two versions are in use.
+
+Parameters tied across stages (tied embeddings) have their gradients summed over the stages that
+hold them inside `step` (an all-reduce among those ranks), so the copies stay equal.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Generator, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.func import functional_call
+from torch.utils import _pytree as pytree
+
+from pdcompile.errors import PipelineInputError, ScheduleError
+from pdcompile.ir import Action, Kind
+from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
+from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
+
+Op = Generator[Pending, None, None]
+ASYNC = ("1f1b", "2bw")
+
+
+class ValueSource(Protocol):
+    """Where a stage-module input comes from (see passes/split.ValueRef)."""
+
+    name: str
+    stage: int | None
+
+
+class StageIO(Protocol):
+    """What the runtime needs to know of a stage (see passes/split.StageProgram)."""
+
+    index: int
+    inputs: tuple[Any, ...]
+    outputs: tuple[str, ...]
+    receives: dict[int, tuple[str, ...]]
+    sends: dict[int, tuple[str, ...]]
+
+
+class DataSource(Protocol):
+    """The data of one run: model inputs and targets per microbatch (as numbered by the
+    schedule)."""
+
+    def inputs(self, microbatch: int) -> Mapping[str, Any]:
+        """Model inputs by placeholder name."""
+
+    def target(self, microbatch: int) -> Any:
+        """The loss function's target."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """How a run behaves (schedule semantics) and its shape."""
+
+    schedule: str
+    stage_ranks: tuple[tuple[int, ...], ...]
+    microbatches_per_minibatch: int = 1
+    stash: bool = True
+    vertical_sync: bool = False
+
+    @property
+    def loss_scale(self) -> float:
+        """Flush schedules and 2bw average the loss over a minibatch's microbatches."""
+        return 1.0 if self.schedule == "1f1b" else 1.0 / self.microbatches_per_minibatch
+
+
+@dataclass(frozen=True)
+class TieGroup:
+    """Tied parameters of this stage shared with other stages: summed over `ranks`."""
+
+    ranks: tuple[int, ...]
+    names: tuple[str, ...]
+
+
+SpecFn = Callable[[Tag], list[TensorSpec]]
+
+
+class StageRuntime:
+    """One rank's state for one run; the generated `run_rank(rt)` calls its handlers."""
+
+    def __init__(self, *, rank: int, io: StageIO, module: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer, config: RunConfig, transport: Transport,
+                 data: DataSource, loss_fn: Callable[..., torch.Tensor] | None = None,
+                 output_refs: Sequence[ValueSource] = (), output_spec: Any = None,
+                 ties: Sequence[TieGroup] = (), specs: SpecFn | None = None,
+                 recorder: Any = None) -> None:
+        self.rank = rank
+        self.io = io
+        self.stage = io.index
+        self.module = module
+        self.optimizer = optimizer
+        self.config = config
+        self.transport = transport
+        self.data = data
+        self.loss_fn = loss_fn
+        self.output_refs = tuple(output_refs)
+        self.output_spec = output_spec
+        self.ties = tuple(ties)
+        self.specs = specs
+        self.recorder = recorder
+        self.replicas = len(config.stage_ranks[self.stage])
+        self.is_last = self.stage == len(config.stage_ranks) - 1
+        self.params = dict(module.named_parameters(remove_duplicate=False))
+        self.versions = WeightVersions(self.params, copy=config.schedule in ASYNC)
+        self.stash = StashBuffer()
+        self.losses: dict[int, torch.Tensor] = {}
+        self.completed = 0  # actions finished (the local driver watches it for progress)
+        self._received: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self._grads_in: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self._grads_out: dict[int, dict[int, list[torch.Tensor]]] = {}
+        self._sync_version: dict[int, int] = {}
+        self._forwards_done: dict[int, int] = {}
+        self._fresh = True  # next gradient contribution starts a new accumulation
+
+    # ------------------------------------------------------------------ helpers
+    def _peer_rank(self, stage: int, microbatch: int) -> int:
+        ranks = self.config.stage_ranks[stage]
+        return ranks[microbatch % len(ranks)]
+
+    def _wait(self, pending: Pending) -> Generator[Pending, None, list[torch.Tensor]]:
+        while not pending.ready():
+            yield pending
+        return pending.wait()
+
+    def _record(self, kind: Kind, number: int, peer: int | None, start: float) -> None:
+        self.completed += 1
+        if self.recorder is not None:
+            self.recorder.add(Action(self.stage, kind, number, peer), start, time.time())
+
+    def _spec(self, tag: Tag) -> list[TensorSpec]:
+        return self.specs(tag) if self.specs is not None else []
+
+    def _carries_version(self) -> bool:
+        return self.config.vertical_sync
+
+    # ------------------------------------------------------------------ communication
+    def recv_f(self, microbatch: int, src: int) -> Op:
+        """Receive the activations `src` stage sends this stage for `microbatch`."""
+        start = time.time()
+        tag = Tag("act", src, self.stage, microbatch)
+        got = yield from self._wait(
+            self.transport.recv(self._spec(tag), self._peer_rank(src, microbatch), tag))
+        if self._carries_version():
+            self._sync_version[microbatch] = int(got[-1].item())
+            got = got[:-1]
+        leaves = [t.detach().requires_grad_(True) if t.is_floating_point() else t for t in got]
+        self._received.setdefault(microbatch, {})[src] = leaves
+        self._record(Kind.RECV_F, microbatch, src, start)
+
+    def send_f(self, microbatch: int, dst: int) -> Op:
+        """Send `dst` stage the values it needs from this stage's forward of `microbatch`."""
+        start = time.time()
+        entry = self.stash.get(microbatch)
+        tensors = [entry.values[name].detach() for name in self.io.sends[dst]]
+        if self._carries_version():
+            tensors.append(torch.tensor(entry.version, dtype=torch.int64))
+        self.transport.send(tensors, self._peer_rank(dst, microbatch),
+                            Tag("act", self.stage, dst, microbatch))
+        self._record(Kind.SEND_F, microbatch, dst, start)
+        yield from ()
+
+    def recv_b(self, microbatch: int, src: int) -> Op:
+        """Receive the gradients of the values sent to `src` stage for `microbatch`."""
+        start = time.time()
+        tag = Tag("grad", src, self.stage, microbatch)
+        got = yield from self._wait(
+            self.transport.recv(self._spec(tag), self._peer_rank(src, microbatch), tag))
+        self._grads_in.setdefault(microbatch, {})[src] = got
+        self._record(Kind.RECV_B, microbatch, src, start)
+
+    def send_b(self, microbatch: int, dst: int) -> Op:
+        """Send `dst` stage the gradients of the activations it sent for `microbatch`."""
+        start = time.time()
+        grads = self._grads_out[microbatch].pop(dst)
+        if not self._grads_out[microbatch]:
+            del self._grads_out[microbatch]
+        self.transport.send(grads, self._peer_rank(dst, microbatch),
+                            Tag("grad", self.stage, dst, microbatch))
+        self._record(Kind.SEND_B, microbatch, dst, start)
+        yield from ()
+
+    # ------------------------------------------------------------------ compute
+    def _version_for(self, microbatch: int) -> int:
+        """The weight version this stage's forward of `microbatch` uses."""
+        config = self.config
+        if config.schedule == "2bw":
+            return max(microbatch // config.microbatches_per_minibatch - 1, 0)
+        if config.vertical_sync and self.stage > 0:
+            return self._sync_version[microbatch]
+        return self.versions.current
+
+    def _arguments(self, microbatch: int, received: dict[int, list[torch.Tensor]]) -> list[Any]:
+        by_name: dict[tuple[int, str], torch.Tensor] = {}
+        for src, tensors in received.items():
+            for name, tensor in zip(self.io.receives[src], tensors, strict=True):
+                by_name[src, name] = tensor
+        data = self.data.inputs(microbatch) if any(r.stage is None for r in self.io.inputs) \
+            else {}
+        return [data[ref.name] if ref.stage is None else by_name[ref.stage, ref.name]
+                for ref in self.io.inputs]
+
+    def _run(self, entry: StashEntry, microbatch: int) -> None:
+        """The stage module (and, on the last stage, the loss) on the stashed inputs."""
+        with torch.enable_grad():
+            if self.versions.is_master(entry.params):
+                outputs = self.module(*entry.inputs)
+            else:
+                outputs = functional_call(self.module, entry.params, tuple(entry.inputs))
+            entry.values = dict(zip(self.io.outputs, outputs, strict=True))
+            if self.is_last:
+                entry.loss = self._loss(entry, microbatch)
+
+    def _loss(self, entry: StashEntry, microbatch: int) -> torch.Tensor:
+        leaves = []
+        data: Mapping[str, Any] = {}
+        for ref in self.output_refs:
+            if ref.stage is None:
+                data = data or self.data.inputs(microbatch)
+                leaves.append(data[ref.name])
+            elif ref.stage == self.stage:
+                leaves.append(entry.values[ref.name])
+            else:
+                names = self.io.receives[ref.stage]
+                leaves.append(entry.received[ref.stage][names.index(ref.name)])
+        output = pytree.tree_unflatten(leaves, self.output_spec)
+        loss = output if self.loss_fn is None else self.loss_fn(output, self.data.target(microbatch))
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise PipelineInputError(
+                "the loss must be a tensor with one element; pass loss_fn=(output, target) -> "
+                "scalar to compile(), or make the model return its loss (got "
+                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''})")
+        return loss.reshape(())
+
+    def forward(self, microbatch: int) -> Op:
+        """Forward of `microbatch` through the stage with its weight version; stash it."""
+        start = time.time()
+        version = self._version_for(microbatch)
+        if version > self.versions.current:
+            raise ScheduleError(
+                f"stage {self.stage} (rank {self.rank}) needs weight version {version} for "
+                f"microbatch {microbatch} but has only reached version {self.versions.current}; "
+                "with '2bw' use at least as many microbatches per minibatch as stages")
+        if self.config.vertical_sync and self.stage > 0:
+            self.versions.unkeep_below(version)
+        received = self._received.pop(microbatch, {})
+        params = self.versions.acquire(version) if self.config.stash else self.params
+        entry = StashEntry(version, params, self._arguments(microbatch, received), received)
+        if self.config.stash:
+            self._run(entry, microbatch)
+        else:
+            with torch.no_grad():
+                self._run(entry, microbatch)
+        if entry.loss is not None:
+            self.losses[microbatch] = entry.loss.detach()
+        self.stash.put(microbatch, entry)
+        if self.config.schedule == "2bw":
+            self._count_forward(microbatch)
+        self._record(Kind.F, microbatch, None, start)
+        yield from ()
+
+    def _count_forward(self, microbatch: int) -> None:
+        """2bw: once all of minibatch t's forwards ran here, version t-1 may be dropped."""
+        per = self.config.microbatches_per_minibatch
+        t = microbatch // per
+        self._forwards_done[t] = self._forwards_done.get(t, 0) + 1
+        if self._forwards_done[t] == per // self.replicas:
+            self.versions.unkeep(max(t - 1, 0))
+
+    def backward(self, microbatch: int) -> Op:
+        """Backward of `microbatch` with its stashed version; gradients go to the live weights."""
+        start = time.time()
+        entry = self.stash.get(microbatch)
+        if not self.config.stash:  # no stashing: recompute with the latest weights
+            for tensors in entry.received.values():
+                for t in tensors:
+                    t.grad = None
+            entry.params = self.params
+            self._run(entry, microbatch)
+        if self._fresh:
+            for p in self.params.values():
+                p.grad = None
+            self._fresh = False
+        roots: list[torch.Tensor] = []
+        grads: list[torch.Tensor | None] = []
+        if entry.loss is not None and entry.loss.requires_grad:
+            roots.append(entry.loss * self.config.loss_scale)
+            grads.append(None)
+        for dst, received in self._grads_in.pop(microbatch, {}).items():
+            for name, grad in zip(self.io.sends[dst], received, strict=True):
+                value = entry.values[name]
+                if isinstance(value, torch.Tensor) and value.requires_grad:
+                    roots.append(value)
+                    grads.append(grad)
+        if roots:
+            torch.autograd.backward(roots, grads)  # type: ignore[arg-type]
+        out: dict[int, list[torch.Tensor]] = {}
+        for src, tensors in entry.received.items():
+            out[src] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                        for t in tensors if t.is_floating_point()]
+        if out:
+            self._grads_out[microbatch] = out
+        self._collect(entry.params)
+        self.stash.pop(microbatch)
+        if self.config.stash:
+            self.versions.release(entry.version)
+        self._record(Kind.B, microbatch, None, start)
+        yield from ()
+
+    def _collect(self, params: dict[str, torch.Tensor]) -> None:
+        """Move gradients from a stashed version's leaves into the live parameters' `.grad`."""
+        if params is self.params:
+            return
+        seen: set[int] = set()
+        for name, leaf in params.items():
+            if id(leaf) in seen or leaf.grad is None:
+                continue
+            seen.add(id(leaf))
+            p = self.params[name]
+            p.grad = leaf.grad.clone() if p.grad is None else p.grad.add_(leaf.grad)
+            leaf.grad = None
+
+    def _grads(self) -> list[torch.Tensor]:
+        """The live parameters' gradients (zeros where none was computed), one per tensor."""
+        out = []
+        for p in _unique(self.params.values()):
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            out.append(p.grad)
+        return out
+
+    # ------------------------------------------------------------------ updates
+    def all_reduce(self, index: int) -> Op:
+        """Sum the gradients over the stage's replicas (averaged for asynchronous 1f1b)."""
+        start = time.time()
+        grads = self._grads()
+        ranks = self.config.stage_ranks[self.stage]
+        if grads:
+            yield from self._wait(self.transport.all_reduce(grads, ranks))
+            if self.config.schedule == "1f1b":
+                for g in grads:
+                    g.div_(len(ranks))
+        self._record(Kind.ALLREDUCE, index, None, start)
+
+    def step(self, index: int) -> Op:
+        """Optimizer step: a new weight version (tied gradients summed over stages first)."""
+        start = time.time()
+        for group in self.ties:
+            tied = [self.params[name] for name in group.names]
+            for p in tied:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                p.grad.div_(self.replicas)
+            yield from self._wait(self.transport.all_reduce([p.grad for p in tied],  # type: ignore[misc]
+                                                            group.ranks))
+        self._keep_for_later()
+        self.optimizer.step()
+        self.versions.advance()
+        self._fresh = True
+        self._record(Kind.STEP, index, None, start)
+
+    def _keep_for_later(self) -> None:
+        """Before an update: hold the current version if a later forward will still use it."""
+        current = self.versions.current
+        if self.config.schedule == "2bw":
+            per = self.config.microbatches_per_minibatch // self.replicas
+            if self._forwards_done.get(current + 1, 0) < per:
+                self.versions.keep(current)
+        elif self.config.vertical_sync and self.stage > 0:
+            self.versions.keep(current)
+
+    def finish(self) -> None:
+        """End of the run: nothing may remain in flight; drop every kept version."""
+        if self.stash.entries:
+            raise ScheduleError(f"rank {self.rank}: microbatches {sorted(self.stash.entries)} "
+                                "were forwarded but never backpropagated")
+        self.versions.clear()
+
+
+def _unique(tensors: Any) -> list[torch.Tensor]:
+    seen: set[int] = set()
+    out = []
+    for t in tensors:
+        if id(t) not in seen:
+            seen.add(id(t))
+            out.append(t)
+    return out
+
+
+__all__ = ["DataSource", "RunConfig", "StageIO", "StageRuntime", "TieGroup", "ValueSource"]
