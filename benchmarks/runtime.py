@@ -148,6 +148,77 @@ def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     return _rounds(step, rounds=rounds, steps=steps, warmup=warmup, sync=dist.barrier)
 
 
+# -- (d), (e) ours ----
+
+class _Data:
+    """DataSource of the generated code: microbatch m of the run -> inputs and target."""
+
+    def __init__(self, name: str, batch: tuple[torch.Tensor, torch.Tensor], micro: int) -> None:
+        self.name, self.micro = name, micro
+        self.xs, self.ys = batch[0].chunk(micro), batch[1].chunk(micro)
+
+    def inputs(self, microbatch: int) -> dict[str, torch.Tensor]:
+        return {self.name: self.xs[microbatch % self.micro]}
+
+    def target(self, microbatch: int) -> torch.Tensor:
+        return self.ys[microbatch % self.micro]
+
+
+def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
+                 warmup: int) -> list[float]:
+    """Our pipeline: the generated rank loop and stage runtime over DistributedTransport."""
+    from torch.fx import Node
+
+    from pdcompile.backends.distributed import DistributedTransport, drive, expect_schedule
+    from pdcompile.passes.codegen import generate_rank, load_rank
+    from pdcompile.passes.lower import lower
+    from pdcompile.passes.schedule import generate
+    from pdcompile.passes.split import manual_plan, split
+    from pdcompile.passes.trace import trace
+    from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime
+    from pdcompile.runtime.transport import Tag, TensorSpec
+
+    model = build_model()
+    gm = trace(model)
+
+    def stage_of(node: Node) -> int:  # 4 blocks | 4 blocks + head
+        return int(node.op == "call_module" and int(str(node.target)) >= BLOCKS)
+
+    result = split(gm, manual_plan(gm, stage_of), model=model)
+    program = result.stages[worker.rank]
+    stage_ranks = ((0,), (1,))
+    flush = schedule_name != "1f1b"
+    micro = MICRO if flush else 1
+    per_run = micro if flush else steps  # microbatches in one run of the generated loop
+    lowered = lower(generate(schedule_name, stage_ranks, per_run), result.edges)
+    run_rank = load_rank(generate_rank(lowered, worker.rank), name=f"rank {worker.rank}")
+    optimizer = torch.optim.SGD(program.module.parameters(), lr=LR)
+    transport = DistributedTransport(stage_ranks=stage_ranks, monitor=worker.monitor)
+    rows = MINIBATCH // micro
+
+    def specs(tag: Tag) -> list[TensorSpec]:
+        return [TensorSpec((rows, WIDTH), torch.float32)]
+
+    config = RunConfig(schedule_name, stage_ranks, microbatches_per_minibatch=micro)
+    data = make_data(max(steps, 4))
+    name = result.data_inputs[0]
+
+    def one_run(batch_index: int) -> None:
+        runtime = StageRuntime(
+            rank=worker.rank, io=program, module=program.module, optimizer=optimizer,
+            config=config, transport=transport, data=_Data(name, data[batch_index % 4], micro),
+            loss_fn=nn.functional.cross_entropy, output_refs=result.output_refs,
+            output_spec=result.output_spec, specs=specs)
+        expect_schedule(transport, lowered, worker.rank, specs)
+        drive(run_rank(runtime), transport)
+        runtime.finish()
+
+    if flush:
+        return _rounds(one_run, rounds=rounds, steps=steps, warmup=warmup, sync=dist.barrier)
+    # asynchronous 1F1B: one run of the generated loop streams all `steps` minibatches
+    return _rounds(lambda i: one_run(0), rounds=rounds, steps=1, warmup=1, sync=dist.barrier)
+
+
 # -- driver ----
 
 
@@ -166,6 +237,10 @@ CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
         _pp_worker, "1f1b", r, s, w)),
     "pp-gpipe": ("(c) pipelining ScheduleGPipe, 8x32", lambda r, s, w: _dist(
         _pp_worker, "gpipe", r, s, w)),
+    "ours-1f1b": ("(d) ours, async 1F1B, whole minibatches", lambda r, s, w: _dist(
+        _ours_worker, "1f1b", r, s, w)),
+    "ours-flush": ("(e) ours, 1F1B-flush, 8x32", lambda r, s, w: _dist(
+        _ours_worker, "1f1b-flush", r, s, w)),
 }
 
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from pdcompile.backends.launch import FaultMonitor, PeerFailure, backend_for
 from pdcompile.errors import DistributedError
+from pdcompile.ir import Kind, Schedule
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}
@@ -221,6 +222,23 @@ class DistributedTransport(Transport):
         self.awaited = None
 
 
+def expect_schedule(transport: DistributedTransport, schedule: Schedule, rank: int,
+                    specs: Callable[[Tag], Sequence[TensorSpec]]) -> None:
+    """Announce every receive of `rank` in a lowered schedule to the transport (preposting).
+
+    Tags are those the stage runtime uses: ("act", src, dst, m) and ("grad", src, dst, m).
+    """
+    stage = schedule.stage_of_rank(rank)
+    receives = []
+    for action in schedule.actions.get(rank, ()):
+        if action.kind not in (Kind.RECV_F, Kind.RECV_B) or action.peer is None:
+            continue
+        kind = "act" if action.kind is Kind.RECV_F else "grad"
+        tag = Tag(kind, action.peer, stage, action.microbatch)
+        receives.append((specs(tag), schedule.rank_of(action.peer, action.microbatch), tag))
+    transport.expect(receives)
+
+
 def drive(program: Generator[Any, Any, Any], transport: DistributedTransport) -> Any:
     """Run a rank's generator to exhaustion; each yield blocks on what the rank waits for.
 
@@ -241,4 +259,4 @@ def drive(program: Generator[Any, Any, Any], transport: DistributedTransport) ->
 
 
 __all__ = ["DistributedTransport", "DistPending", "PeerFailure", "backend_for", "drive",
-           "wire_tag"]
+           "expect_schedule", "wire_tag"]
