@@ -53,12 +53,25 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if time_limit is not None and not time_limit > 0:
         raise PlanError(f"time_limit must be > 0 seconds (got {time_limit!r})")
 
+    if planner == "ilp" and (straight or cost_model != "native"):
+        raise PlanError("the CP-SAT planner handles the native cost model without --straight; "
+                        "use planner='dp' for cost_model='pipedream' or straight pipelines")
     work, attach = _planning_graph(cost_graph, cost_model)
     dp_stages, states_kind, mapping, dp_objective = _run_dp(work, cluster, options, limit,
                                                             straight, cost_graph)
     nodes_ranks = _expand(dp_stages, mapping, attach, cost_graph)
     priced, predicted = evaluate(cost_graph, nodes_ranks, cluster, options=options, memory=limit)
     extra: dict[str, Any] = {"states": states_kind, "memory_limit": limit}
+    flat_objective = cost_model == "native" or len(cluster.levels) == 1
+    if flat_objective and not straight and len(priced) > 1:
+        # The DP over an approximate state set (coarsened, linearised) can miss plain data
+        # parallelism's price on the real graph; never return something worse than it.
+        everything = [(topological_order(cost_graph), tuple(range(cluster.workers)))]
+        dp_stages_priced, dp_predicted = evaluate(cost_graph, everything, cluster,
+                                                  options=options)
+        if dp_predicted < predicted and (limit is None or dp_stages_priced[0].memory <= limit):
+            priced, predicted = dp_stages_priced, dp_predicted
+            extra["fallback"] = "data parallel (cheaper than the DP's plan on the full graph)"
     objective = predicted
     if cost_model == "pipedream" and len(cluster.levels) > 1:
         # The original's hierarchical objective is recursive (a level's stage time is the best
@@ -70,16 +83,16 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                   workers=cluster.workers, cost_model=cost_model, planner="dp",
                   status="OPTIMAL" if states_kind == "all downsets" else "HEURISTIC",
                   bound=None, solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra)
-    if planner == "ilp" and (straight or cost_model != "native"):
-        raise PlanError("the CP-SAT planner handles the native cost model without --straight; "
-                        "use planner='dp' for cost_model='pipedream' or straight pipelines")
-    use_ilp = planner == "ilp" or (planner == "auto" and cost_model == "native" and not straight
-                                   and work.number_of_nodes() <= ILP_AUTO_NODES)
-    if use_ilp:
-        from pdcompile.passes.partition.ilp import improve
+    if planner != "dp" and cost_model == "native" and not straight:
+        model_graph, model_mapping = cost_graph, None
+        if cost_graph.number_of_nodes() > ILP_AUTO_NODES:
+            model_graph, model_mapping = _coarse_with_pinned(cost_graph, ILP_AUTO_NODES)
+        if planner == "ilp" or model_graph.number_of_nodes() <= ILP_AUTO_NODES:
+            from pdcompile.passes.partition.ilp import improve
 
-        result = improve(cost_graph, cluster, result, options=options, memory=limit,
-                         time_limit=time_limit or ILP_DEFAULT_LIMIT)
+            result = improve(cost_graph, cluster, result, options=options, memory=limit,
+                             time_limit=time_limit or ILP_DEFAULT_LIMIT,
+                             model_graph=model_graph, mapping=model_mapping)
     return replace(result, solve_seconds=time.perf_counter() - started)
 
 
@@ -158,22 +171,35 @@ def _prepare(work: nx.DiGraph, cost_model: str, workers: int) -> _Prepared:
         return _Prepared(states, "pipedream antichains", identity, work, pinned)
     except CostGraphError:
         pass
-    coarse, mapping = coarsen(core, target=COARSE_NODES)
+    full, mapping = _coarse_with_pinned(work, COARSE_NODES, pinned)
+    coarse = full.subgraph([b for b in full.nodes if b not in set(pinned)]).copy()
     try:
         states = antichain_states(coarse, max_states=budget)
         kind = f"pipedream antichains of {coarse.number_of_nodes()} coarse blocks"
     except CostGraphError:
         states = prefix_states(coarse)
         kind = f"prefixes of a topological order of {coarse.number_of_nodes()} coarse blocks"
+    return _Prepared(states, kind, mapping, full, pinned)
+
+
+def _coarse_with_pinned(work: nx.DiGraph, target: int, pinned: tuple[str, ...] | None = None,
+                        ) -> tuple[nx.DiGraph, dict[str, list[str]]]:
+    """`work` with its chains fused down to about `target` blocks, inputs kept apart (so that they
+    stay pinned to the first stage); mapping block -> original nodes (inputs map to themselves)."""
+    if pinned is None:
+        pinned = _pinned_inputs(work)
+    core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
+    coarse, mapping = coarsen(core, target=target)
     full = coarse.copy()
     block_of = {m: b for b, members in mapping.items() for m in members}
     for z in pinned:
         full.add_node(z, **work.nodes[z])
+        mapping[z] = [z]
         for v in work.successors(z):
             b = block_of[v]
             extra = full.edges[z, b]["bytes"] if full.has_edge(z, b) else 0.0
             full.add_edge(z, b, bytes=extra + edge_bytes(work, z, v))
-    return _Prepared(states, kind, mapping, full, pinned)
+    return full, mapping
 
 
 def _solve(prepared: _Prepared, cluster: Cluster, options: Any, limit: float | None,
@@ -251,8 +277,16 @@ def _no_fit(graph: nx.DiGraph, prepared: _Prepared, cluster: Cluster, options: A
     return PlanError(
         f"{graph.graph.get('name') or 'the model'} does not fit {format_bytes(limit or 0)} per "
         f"worker on {cluster.workers} workers under any plan; it needs "
-        f"{format_bytes(need_memory)} per worker on this cluster, or {how} with "
+        f"{_bytes_up(need_memory)} per worker on this cluster, or {how} with "
         f"{format_bytes(limit or 0)} each (pass memory=... / --memory, or a bigger cluster)")
+
+
+def _bytes_up(value: float) -> str:
+    """Bytes in GiB/MiB with two decimals, rounded up (so that the figure shown suffices)."""
+    for unit, scale in (("GiB", 2.0**30), ("MiB", 2.0**20), ("KiB", 2.0**10)):
+        if value >= scale:
+            return f"{math.ceil(value / scale * 100) / 100:.2f} {unit}"
+    return f"{math.ceil(value)} B"
 
 
 __all__ = ["plan", "Plan", "Stage"]

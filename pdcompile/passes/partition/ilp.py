@@ -31,15 +31,24 @@ SCALE_UNITS = 1e7  # integer units for the largest possible stage time
 
 
 def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOptions,
-            memory: float | None, time_limit: float) -> Plan:
+            memory: float | None, time_limit: float, model_graph: nx.DiGraph | None = None,
+            mapping: dict[str, list[str]] | None = None) -> Plan:
     """Solve the CP-SAT model warm-started from `hint` (a plan of `graph`); return the better of
-    the two, with planner "ilp", the solver's status, its lower bound and the gap."""
+    the two, with planner "ilp", the solver's status, its lower bound and the gap.
+
+    `model_graph` (with `mapping` block -> nodes of `graph`) is a coarsened graph to solve
+    instead; its plan is expanded and priced on `graph`. The bound is then a bound for plans
+    that keep each block whole."""
     if options.cost_model != "native":
         raise PlanError("the CP-SAT planner prices plans with the native cost model; use "
                         "planner='dp' with cost_model='pipedream'")
     started = time.perf_counter()
-    solution = solve(graph, cluster, options=options, memory=memory, time_limit=time_limit,
-                     hint=hint)
+    coarse = graph if model_graph is None else model_graph
+    solution = solve(coarse, cluster, options=options, memory=memory, time_limit=time_limit,
+                     hint=_coarse_hint(hint, mapping) if mapping else hint)
+    if solution.get("stages") and mapping:
+        solution["stages"] = [([m for block in nodes for m in mapping.get(block, [block])], ranks)
+                              for nodes, ranks in solution["stages"]]
     seconds = time.perf_counter() - started
     extra = dict(hint.extra) | {"ilp_status": solution["status"], "ilp_seconds": seconds,
                                 "dp_time_per_minibatch": hint.time_per_minibatch}
@@ -183,6 +192,16 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
         ranks = tuple(range(solver.value(start[s]), solver.value(start[s]) + solver.value(reps[s])))
         result.append((members, ranks))
     return {"status": status, "bound": max(0.0, bound - slack), "stages": result}
+
+
+def _coarse_hint(hint: Plan, mapping: dict[str, list[str]]) -> Plan:
+    """The hint with each block in the stage of its first member."""
+    stage_of = hint.stage_of()
+    stages = []
+    for i, stage in enumerate(hint.stages):
+        blocks = tuple(b for b, members in mapping.items() if stage_of.get(members[0]) == i)
+        stages.append(replace(stage, nodes=blocks))
+    return replace(hint, stages=tuple(stages))
 
 
 def _add_hint(model: Any, hint: Plan, x: dict[Any, Any], used: list[Any], z: dict[Any, Any],
