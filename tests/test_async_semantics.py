@@ -1,0 +1,234 @@
+"""Asynchronous schedules against independent step-by-step references of their semantics.
+
+1f1b (PipeDream): minibatch m's forward and backward at stage s use the version stage s had at
+m's forward, v_s(m) = max(0, m // r_s - w_s) with w_s = ceil(W_s / r_s) - 1 (W_s: workers in
+stages s..end, r_s: replicas); stage s's k-th update applies the mean gradient of minibatches
+k*r_s .. k*r_s + r_s - 1 to its latest weights. Vertical sync: every stage uses v_0(m).
+2bw: W(t+1) = W(t) - lr * grad_t(W(t-1)), W(-1) = W(0).
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import math
+import weakref
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.func import functional_call
+
+import pdcompile
+from pdcompile.passes.split import manual_plan
+from pdcompile.passes.trace import trace
+
+BLOCKS = 4
+mse = nn.functional.mse_loss
+
+
+def make_model() -> nn.Sequential:
+    layers: list[nn.Module] = []
+    for _ in range(BLOCKS):
+        layers.append(nn.Sequential(nn.Linear(6, 6), nn.Tanh()))
+    layers.append(nn.Linear(6, 3))
+    return nn.Sequential(*layers)
+
+
+def block_of(name: str) -> int:
+    """Block index of a parameter or module name ("2.0.weight", "2.0")."""
+    return min(int(name.split(".")[0]), BLOCKS - 1)
+
+
+def stage_of_block(block: int, stages: int) -> int:
+    return block * stages // BLOCKS
+
+
+def build(model: nn.Module, stages: int, replicas: list[int] | None, **options: object
+          ) -> pdcompile.pipeline.Pipeline:
+    gm = trace(model)
+
+    def assign(node: torch.fx.Node) -> int:
+        if node.op == "placeholder":
+            return 0
+        return stage_of_block(block_of(str(node.target)), stages)
+
+    plan = manual_plan(gm, assign, replicas=replicas)
+    return pdcompile.compile(model, example_inputs=(torch.randn(4, 6),), loss_fn=mse,
+                             plan=plan, **options)  # type: ignore[arg-type]
+
+
+def batches(n: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(size, 6, generator=g), torch.randn(size, 3, generator=g))
+            for _ in range(n)]
+
+
+OptFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+
+
+def reference_1f1b(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
+                   stages: int, replicas: list[int], make_opt: OptFactory, *,
+                   vertical_sync: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """PipeDream's weight-stashed 1F1B, minibatch by minibatch, one weight history per stage."""
+    names = [n for n, _ in model.named_parameters()]
+    stage_names = [[n for n in names if stage_of_block(block_of(n), stages) == s]
+                   for s in range(stages)]
+    live = [{n: dict(model.named_parameters())[n].detach().clone().requires_grad_()
+             for n in stage_names[s]} for s in range(stages)]
+    opts = [make_opt(list(live[s].values())) for s in range(stages)]
+    history = [[{n: t.detach().clone() for n, t in live[s].items()}] for s in range(stages)]
+    pending: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(stages)]
+    workers = [sum(replicas[s:]) for s in range(stages)]
+    depth = [math.ceil(workers[s] / replicas[s]) - 1 for s in range(stages)]
+
+    def version(s: int, m: int) -> int:
+        return max(0, m // replicas[s] - depth[s])
+
+    losses = []
+    for m, (x, y) in enumerate(data):
+        used = [version(0 if vertical_sync else s, m) for s in range(stages)]
+        params = {}
+        for s in range(stages):
+            for n, t in history[s][used[s]].items():
+                params[n] = t.clone().requires_grad_()
+        loss = mse(functional_call(model, params, (x,)), y)
+        loss.backward()
+        losses.append(loss.item())
+        for s in range(stages):
+            pending[s].append({n: params[n].grad for n in stage_names[s]})
+            if len(pending[s]) == replicas[s]:
+                for n, t in live[s].items():
+                    t.grad = sum(g[n] for g in pending[s]) / replicas[s]
+                opts[s].step()
+                pending[s] = []
+                history[s].append({n: t.detach().clone() for n, t in live[s].items()})
+    final = {n: t.detach() for s in range(stages) for n, t in live[s].items()}
+    return losses, final
+
+
+def reference_2bw(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
+                  micro: int, make_opt: OptFactory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """W(t+1) = W(t) - lr * grad_t(W(t-1)), gradients accumulated over the microbatches."""
+    live = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
+    opt = make_opt(list(live.values()))
+    history = [{n: t.detach().clone() for n, t in live.items()}]
+    losses = []
+    for t, (x, y) in enumerate(data):
+        params = {n: v.clone().requires_grad_() for n, v in history[max(t - 1, 0)].items()}
+        total = 0.0
+        for xc, yc in zip(x.chunk(micro), y.chunk(micro), strict=True):
+            loss = mse(functional_call(model, params, (xc,)), yc)
+            (loss / micro).backward()
+            total += loss.item() / micro
+        losses.append(total)
+        for n, v in live.items():
+            v.grad = params[n].grad
+        opt.step()
+        history.append({n: v.detach().clone() for n, v in live.items()})
+    return losses, {n: v.detach() for n, v in live.items()}
+
+
+def sgd_momentum(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+
+
+def adam(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=0.01)
+
+
+def assert_weights(pipe: pdcompile.pipeline.Pipeline, expected: dict[str, torch.Tensor]) -> None:
+    got = pipe.state_dict()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value)
+
+
+@pytest.mark.parametrize(("stages", "replicas", "make_opt"), [
+    (4, [1, 1, 1, 1], sgd_momentum),
+    (3, [1, 1, 1], adam),
+    (2, [2, 1], sgd_momentum),
+    (2, [1, 2], adam),
+])
+def test_1f1b_matches_pipedream_reference(stages: int, replicas: list[int],
+                                          make_opt: OptFactory) -> None:
+    model = make_model()
+    data = batches(8)
+    pipe = build(copy.deepcopy(model), stages, replicas, schedule="1f1b", optimizer=make_opt)
+    losses = pipe.train(data)
+    ref_losses, ref_weights = reference_1f1b(model, data, stages, replicas, make_opt)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    assert_weights(pipe, ref_weights)
+
+
+def test_1f1b_without_stashing_differs_from_reference() -> None:
+    model = make_model()
+    data = batches(8)
+    pipe = build(copy.deepcopy(model), 4, None, schedule="1f1b", optimizer=sgd_momentum,
+                 stash=False)
+    pipe.train(data)
+    _, ref_weights = reference_1f1b(model, data, 4, [1] * 4, sgd_momentum)
+    got = pipe.state_dict()
+    gap = max((got[n] - v).abs().max().item() for n, v in ref_weights.items())
+    assert gap > 1e-4, "without stashing the backward must see newer weights"
+
+
+def test_1f1b_vertical_sync_matches_reference() -> None:
+    model = make_model()
+    data = batches(8)
+    pipe = build(copy.deepcopy(model), 4, None, schedule="1f1b", optimizer=sgd_momentum,
+                 vertical_sync=True)
+    losses = pipe.train(data)
+    ref_losses, ref_weights = reference_1f1b(model, data, 4, [1] * 4, sgd_momentum,
+                                             vertical_sync=True)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    assert_weights(pipe, ref_weights)
+    plain, _ = reference_1f1b(model, data, 4, [1] * 4, sgd_momentum)
+    assert not torch.allclose(torch.tensor(plain), torch.tensor(ref_losses))
+
+
+@pytest.mark.parametrize(("stages", "replicas", "micro"), [
+    (4, None, 4),
+    (3, [2, 1, 1], 4),
+])
+def test_2bw_matches_delayed_update_rule(stages: int, replicas: list[int] | None,
+                                         micro: int) -> None:
+    model = make_model()
+    data = batches(4, size=8)
+    pipe = build(copy.deepcopy(model), stages, replicas, schedule="2bw", microbatches=micro,
+                 optimizer=sgd_momentum)
+    losses = pipe.train(data)
+    ref_losses, ref_weights = reference_2bw(model, data, micro, sgd_momentum)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    assert_weights(pipe, ref_weights)
+    held = [len(rt.versions.held) for rt in pipe.last_runtimes.values()]
+    assert held == [0] * len(held)
+    assert max(rt.versions.peak for rt in pipe.last_runtimes.values()) <= 2
+
+
+def test_stash_versions_equal_in_flight_and_are_released() -> None:
+    model = make_model()
+    pipe = build(copy.deepcopy(model), 4, None, schedule="1f1b")
+    alive: list[weakref.ref[torch.Tensor]] = []
+    for module in pipe.stage_modules:
+        module.register_forward_hook(
+            lambda _m, _i, out: alive.extend(weakref.ref(t) for t in out))
+    pipe.train(batches(12))
+    for rank, rt in pipe.last_runtimes.items():
+        limit = 4 - rt.stage  # NOAM of a straight 4-stage pipeline
+        assert rt.stash.peak == limit, f"rank {rank} in flight"
+        assert rt.versions.peak == limit, f"rank {rank} weight versions"
+        assert rt.stash.entries == {} and rt.versions.held == []
+    del rt
+    pipe.last_runtimes = {}
+    gc.collect()
+    assert alive and all(ref() is None for ref in alive), "stashed activations not released"
+
+
+def test_flush_keeps_one_version() -> None:
+    pipe = build(make_model(), 4, None, schedule="1f1b-flush", microbatches=8)
+    x, y = batches(1, size=16)[0]
+    pipe.step(x, target=y)
+    for rt in pipe.last_runtimes.values():
+        assert rt.versions.peak == 1
+        assert rt.stash.peak == min(8, 4 - rt.stage)
