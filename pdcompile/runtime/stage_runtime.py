@@ -217,7 +217,8 @@ class StageRuntime:
         by_name: dict[tuple[int, str], torch.Tensor] = {}
         for src, tensors in received.items():
             for name, tensor in zip(self.io.receives[src], tensors, strict=True):
-                by_name[src, name] = tensor
+                # a non-leaf copy: the stage may modify its input in place (ReLU(inplace=True))
+                by_name[src, name] = tensor.clone() if tensor.requires_grad else tensor
         data = self.data.inputs(microbatch) if any(r.stage is None for r in self.io.inputs) \
             else {}
         return [data[ref.name] if ref.stage is None else by_name[ref.stage, ref.name]
