@@ -27,7 +27,7 @@ from pdcompile.errors import PlanError
 from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, placement
 from pdcompile.plan import Plan
 
-SCALE_UNITS = 1e7  # integer units for the largest possible stage time
+SCALE_UNITS = 1e9  # integer units for the largest possible stage time
 
 
 def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOptions,

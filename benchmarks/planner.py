@@ -1,0 +1,119 @@
+"""Planner benchmark: every shipped PipeDream profile on 4, 8, 16 workers (1e9 B/s) and on two
+levels 4x4 (1e10 / 1.25e9 B/s).
+
+For each row: PipeDream's DP under the original optimizer's cost model (`pipedream`), then the DP
+and CP-SAT under the native model: planner wall time, predicted time per minibatch, config,
+speed-up over data parallelism on the same cluster and model, and CP-SAT's gain over the DP.
+
+    python benchmarks/planner.py                  # all rows, writes benchmarks/results/planner.md
+    python benchmarks/planner.py --models vgg16 --ilp-limit 5 --out -
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PROFILES = ROOT.parent / "shared" / "profiles" / "pipedream"
+CLUSTERS = ("4@1e9", "8@1e9", "16@1e9", "4x4@1e10,1.25e9")
+
+
+def _row(model: str, cluster: str, ilp_limit: float) -> dict[str, object]:
+    import pdcompile
+    from pdcompile.errors import PdcompileError
+    from pdcompile.profiles import load_pipedream
+
+    graph = load_pipedream(PROFILES / model / "graph.txt")
+    row: dict[str, object] = {"model": model, "cluster": cluster, "nodes": graph.number_of_nodes()}
+    for key, kwargs in (("pd", {"planner": "dp", "cost_model": "pipedream"}),
+                        ("dp", {"planner": "dp"}),
+                        ("ilp", {"planner": "ilp", "time_limit": ilp_limit})):
+        started = time.perf_counter()
+        try:
+            result = pdcompile.plan(graph, cluster, **kwargs)  # type: ignore[arg-type]
+        except PdcompileError as err:
+            row[key] = f"error: {err}"
+            continue
+        row[key] = {
+            "seconds": time.perf_counter() - started, "time": result.time_per_minibatch,
+            "config": result.config, "stages": len(result.stages),
+            "speedup": result.speedup_over_dp, "status": result.status, "gap": result.gap,
+            "states": result.extra.get("states", ""),
+        }
+    return row
+
+
+def _fmt(cell: object, *, ilp: bool = False, dp_time: float | None = None) -> str:
+    if not isinstance(cell, dict):
+        return f"{cell} | | | |" + (" | |" if ilp else "")
+    config = cell["config"] if len(str(cell["config"])) <= 24 else f"{cell['stages']} stages"
+    text = (f"{cell['seconds']:.2f} | {cell['time'] * 1e3:.2f} | {config} | "
+            f"{cell['speedup']:.2f}x")
+    if ilp:
+        gain = dp_time / cell["time"] if dp_time else float("nan")
+        gap = f", gap {cell['gap']:.1%}" if cell["gap"] is not None else ""
+        text += f" | {gain:.3f}x | {cell['status']}{gap}"
+    return text
+
+
+def main() -> int:
+    """Run the rows and print/write the table."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=None)
+    parser.add_argument("--clusters", nargs="*", default=list(CLUSTERS))
+    parser.add_argument("--ilp-limit", type=float, default=10.0)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.md"))
+    args = parser.parse_args()
+    import torch
+
+    torch.set_num_threads(1)
+    import pdcompile
+    from pdcompile.profiles import load_pipedream
+
+    models = args.models or sorted(p.name for p in PROFILES.iterdir()
+                                   if (p / "graph.txt").is_file())
+    pdcompile.plan(load_pipedream(PROFILES / "alexnet" / "graph.txt"), "2", planner="dp")  # warm
+    lines = [
+        "# Planner benchmark",
+        "",
+        f"Machine: {platform.machine()} {platform.processor() or ''} ({_cpus()} cores), "
+        f"Python {platform.python_version()}, this VM; one process, numpy single-threaded use.",
+        "Times: planner wall time (s) of one `pdcompile.plan` call; predicted time per minibatch "
+        "(ms); config; speed-up over data parallelism on the same cluster and cost model. "
+        f"CP-SAT limit {args.ilp_limit:g} s (model building included), warm-started from the "
+        "native DP; 'vs DP' is the DP's predicted time over CP-SAT's.",
+        "",
+        "| profile | cluster | pipedream DP s | ms | config | vs DP-par | native DP s | ms | "
+        "config | vs DP-par | CP-SAT s | ms | config | vs DP-par | vs DP | status |",
+        "|" + "---|" * 16,
+    ]
+    print("\n".join(lines), flush=True)
+    for model in models:
+        for cluster in args.clusters:
+            row = _row(model, cluster, args.ilp_limit)
+            native_dp = row["dp"]
+            dp_time = native_dp["time"] if isinstance(native_dp, dict) else None
+            line = (f"| {model} | {cluster} | {_fmt(row['pd'])} | {_fmt(row['dp'])} | "
+                    f"{_fmt(row['ilp'], ilp=True, dp_time=dp_time)} |")
+            lines.append(line)
+            print(line, flush=True)
+    text = "\n".join(lines) + "\n"
+    if args.out != "-":
+        Path(args.out).write_text(text)
+        print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _cpus() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
