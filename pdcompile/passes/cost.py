@@ -54,12 +54,15 @@ def annotate_costs(
     progress: bool = False,
     example_kwargs: dict[str, Any] | None = None,
     timer: Timer | None = None,
+    clock: str = "wall",
     statistic: str = "median",
 ) -> fx.GraphModule:
     """Write "pd.cost" on every node of `gm` and return it.
 
-    `source`: "measured" (on the device the model and inputs live on; `timer` overrides the
-    automatic choice of CUDA events or wall clock) or "analytic" (on `device`: a Device, a
+    `source`: "measured" (on the device the model and inputs live on: CUDA events on a GPU,
+    else the wall clock, or with clock="cpu" this process's CPU time, which other processes on
+    a busy machine do not disturb; `timer` overrides the choice; each node's time is the
+    `statistic` of `repeats` runs after `warmup`) or "analytic" (on `device`: a Device, a
     Cluster whose device is used, or a device preset name; default v100). Runs the shapes pass
     first if it has not run.
     """
@@ -73,6 +76,7 @@ def annotate_costs(
         annotate_shapes(gm, tuple(example_inputs), example_kwargs)
     owners = param_owners(gm)
     if source == "measured":
+        timer = timer or select_timer(_device_of(gm, values), clock=clock)
         costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
                           timer=timer, statistic=statistic)
     else:
@@ -153,11 +157,12 @@ def param_owners(gm: fx.GraphModule) -> dict[str, int]:
 
 def measure_model(model: nn.Module, example_inputs: Sequence[Any], *, warmup: int = 2,
                   repeats: int = 5, example_kwargs: dict[str, Any] | None = None,
-                  timer: Timer | None = None, statistic: str = "median") -> tuple[float, float]:
+                  timer: Timer | None = None, clock: str = "wall",
+                  statistic: str = "median") -> tuple[float, float]:
     """Median (forward, backward) seconds of the whole model, as one training step runs it:
     forward with autograd, then backward from all-ones gradients of its float outputs."""
     kwargs = dict(example_kwargs or {})
-    timer = timer or select_timer(_device_of(model, example_inputs))
+    timer = timer or select_timer(_device_of(model, example_inputs), clock=clock)
     buffers = _snapshot_buffers(model)
 
     def forward(_: Any) -> Any:
@@ -341,9 +346,7 @@ def _overheads(timer: Timer, device: torch.device, *, warmup: int, repeats: int,
 
 
 def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: int,
-              progress: bool, timer: Timer | None,
-              statistic: str) -> dict[str, tuple[float, ...]]:
-    timer = timer or select_timer(_device_of(gm, values))
+              progress: bool, timer: Timer, statistic: str) -> dict[str, tuple[float, ...]]:
     buffers = _snapshot_buffers(gm)
     exclude = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
     costs: dict[str, tuple[float, ...]] = {}
@@ -405,7 +408,9 @@ class _ByteCounter(TorchDispatchMode):
                            kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if not getattr(func, "is_view", False) and name not in self._FREE:
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
+        if outputs and getattr(func, "namespace", "aten") == "aten" \
+                and not getattr(func, "is_view", False) and name not in self._FREE:
             for t in tree_leaves((args, kwargs or {}, out)):
                 if isinstance(t, torch.Tensor):
                     self.bytes += t.numel() * t.element_size()

@@ -13,6 +13,7 @@ Each stage module is a deep copy: stages do not share tensors with each other or
 from __future__ import annotations
 
 import copy
+import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -120,6 +121,10 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
             stage_of[node.name] = min(users) if users else 0
     del unknown
+    for node in nodes:  # a tuple's items are read where it is made: only tensors cross stages
+        if node.op == "call_function" and node.target is operator.getitem \
+                and isinstance(node.args[0], fx.Node):
+            stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])
     for node in nodes:
         for user in node.users:
             if user.op == "output" or node.op == "get_attr":

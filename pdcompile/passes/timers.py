@@ -1,4 +1,5 @@
-"""Timers for the measured cost source: wall clock on the CPU, CUDA events on a GPU, one interface.
+"""Timers for the measured cost source: wall clock (or CPU time) on the CPU, CUDA events on a
+GPU, one interface.
 
 `select_timer(device)` picks the right one; `measure(timer, fn, setup=..., warmup=, repeats=)`
 runs `setup` untimed and `fn` timed, after warm-up, and returns the median (robust to the odd
@@ -36,6 +37,20 @@ class WallClockTimer(Timer):
         return self._clock() - start
 
 
+class CpuTimeTimer(Timer):
+    """CPU seconds this process spent in the call (time.process_time: user + system, all its
+    threads). Unlike the wall clock it does not count time other processes took the core away,
+    so it stays steady on a busy machine; with one torch thread it equals the compute time."""
+
+    def __init__(self, *, clock: Callable[[], float] = time.process_time) -> None:
+        self._clock = clock
+
+    def time(self, fn: Callable[[], Any]) -> float:
+        start = self._clock()
+        fn()
+        return self._clock() - start
+
+
 class CudaEventTimer(Timer):
     """CUDA events recorded before and after the call on the current stream, then synchronised:
     the time the GPU spent, not the time Python took to queue the kernels.
@@ -58,12 +73,18 @@ class CudaEventTimer(Timer):
         return float(start.elapsed_time(end)) / 1000.0  # elapsed_time is in milliseconds
 
 
-def select_timer(device: torch.device | str) -> Timer:
-    """CudaEventTimer for a CUDA device, WallClockTimer otherwise."""
+CLOCKS = ("wall", "cpu")
+
+
+def select_timer(device: torch.device | str, *, clock: str = "wall") -> Timer:
+    """CudaEventTimer for a CUDA device; on other devices the wall clock, or with clock="cpu"
+    the process's CPU time (steady on a shared machine; right with one torch thread)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"unknown clock {clock!r}; use one of {', '.join(CLOCKS)}")
     kind = torch.device(device).type
     if kind == "cuda":
         return CudaEventTimer()
-    return WallClockTimer()
+    return CpuTimeTimer() if clock == "cpu" else WallClockTimer()
 
 
 STATISTICS: dict[str, Callable[[list[float]], float]] = {

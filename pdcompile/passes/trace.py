@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import inspect
 import linecache
+import operator
 import os
 from collections.abc import Iterable, Sequence
 from types import TracebackType
@@ -99,6 +100,7 @@ def trace(
         raise
     except Exception as err:
         raise _explain(model, tracer, err) from None
+    _drop_specialized(graph, model, concrete)
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
     gm.train(model.training)
     return gm
@@ -130,6 +132,37 @@ def _concrete_args(model: nn.Module, kwargs_names: Sequence[str] | None,
             continue
         concrete[param.name] = param.default
     return concrete
+
+
+_ASSERTS = {torch._assert, operator.eq, getattr(fx._symbolic_trace, "_assert_is_none", None)}
+
+
+def _drop_specialized(graph: fx.Graph, model: nn.Module, concrete: dict[str, Any]) -> None:
+    """Remove the placeholders fx makes for arguments fixed to their defaults, with the checks
+    it hangs on them, so that the graph's inputs are exactly the traced ones."""
+    if not concrete:
+        return
+    names = list(inspect.signature(model.forward).parameters)
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    for name, node in zip(names, placeholders, strict=False):
+        if name not in concrete:
+            continue
+        checks: list[fx.Node] = []
+        frontier = [node]
+        while frontier:
+            current = frontier.pop()
+            for user in current.users:
+                if user.op == "call_function" and user.target in _ASSERTS and user not in checks:
+                    checks.append(user)
+                    frontier.append(user)
+        if any(u not in checks for c in [node, *checks] for u in c.users):
+            continue  # the value is really used: keep the placeholder with its default
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for check in sorted(checks, key=order.__getitem__, reverse=True):
+            graph.erase_node(check)
+        if not node.users:
+            graph.erase_node(node)
+    graph.lint()
 
 
 def _user_frame(tb: TracebackType | None) -> tuple[str, int] | None:

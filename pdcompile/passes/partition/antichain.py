@@ -80,18 +80,23 @@ def antichain_states(graph: nx.DiGraph, *, complete: bool = False,
             desc[u] |= desc[v] | (1 << v)
     out_bits = [sum(1 << v for v in succ[u]) for u in range(n)]
 
+    # leaky[a]: ancestors of a that feed something outside a's own ancestry (PipeDream's
+    # "extra nodes" of an augmented antichain, which depend only on each antichain member)
+    leaky = [0] * n
+    for a in range(n):
+        keep = anc[a] | (1 << a)
+        bits = anc[a]
+        while bits:
+            low = bits & -bits
+            if out_bits[low.bit_length() - 1] & ~keep:
+                leaky[a] |= low
+            bits ^= low
+
     def augment(antichain: frozenset[int]) -> tuple[int, ...]:
-        extra: set[int] = set()
+        bits = 0
         for a in antichain:
-            keep = anc[a] | (1 << a)
-            bits = anc[a]
-            while bits:
-                low = bits & -bits
-                p = low.bit_length() - 1
-                bits ^= low
-                if out_bits[p] & ~keep:
-                    extra.add(p)
-        return tuple(sorted(extra | antichain))
+            bits |= leaky[a] | (1 << a)
+        return _bit_list(bits)
 
     def deaugment(nodes: list[int]) -> frozenset[int]:
         present = 0
@@ -100,7 +105,7 @@ def antichain_states(graph: nx.DiGraph, *, complete: bool = False,
         return frozenset(x for x in nodes if not desc[x] & present)
 
     if complete:
-        return _all_downsets(graph, order, pred, anc, succ, max_states)
+        return _all_downsets(graph, order, pred, succ, max_states)
     sources = [i for i in range(n) if not pred[i]]
     first = [index[node] for node in graph.nodes if not pred[index[node]]][0] if sources else 0
     start = frozenset([first])
@@ -165,23 +170,35 @@ def _too_many(graph: nx.DiGraph, max_states: int) -> CostGraphError:
         "coarsen it first (costgraph.coarsen) or use the CP-SAT planner")
 
 
+def _bit_list(bits: int) -> tuple[int, ...]:
+    out = []
+    while bits:
+        low = bits & -bits
+        out.append(low.bit_length() - 1)
+        bits ^= low
+    return tuple(out)
+
+
 def _all_downsets(graph: nx.DiGraph, order: tuple[str, ...], pred: list[list[int]],
-                  anc: list[int], succ: list[list[int]], max_states: int) -> AntichainStates:
+                  succ: list[list[int]], max_states: int) -> AntichainStates:
     n = len(order)
     need = [sum(1 << u for u in pred[v]) for v in range(n)]
+    sources = sum(1 << v for v in range(n) if not pred[v])
+    out_bits = [sum(1 << v for v in succ[u]) for u in range(n)]
+    # each downset with the union of its nodes' successors: its only possible growth points
     seen = {0}
-    frontier_sets = [0]
+    frontier_sets = [(0, sources)]
     while frontier_sets:
         nxt = []
-        for bits in frontier_sets:
-            for v in range(n):
-                if not bits >> v & 1 and need[v] & bits == need[v]:
+        for bits, reach in frontier_sets:
+            for v in _bit_list(reach & ~bits):
+                if need[v] & bits == need[v]:
                     grown = bits | (1 << v)
                     if grown not in seen:
                         if len(seen) >= max_states:
                             raise _too_many(graph, max_states)
                         seen.add(grown)
-                        nxt.append(grown)
+                        nxt.append((grown, reach | out_bits[v]))
         frontier_sets = nxt
     downsets = sorted(seen, key=lambda b: (bin(b).count("1"), b))
     frontier = []
