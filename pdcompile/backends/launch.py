@@ -24,6 +24,7 @@ import datetime
 import json
 import multiprocessing
 import os
+import pickle
 import queue as queue_mod
 import signal
 import socket
@@ -348,7 +349,8 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
                              fault_timeout=fault_timeout, on_hard_stop=hard_stop)
         value = fn(worker, *args)
         worker.monitor.stop(done=True)
-        results.put((rank, "ok", value, time.time()))
+        # plain pickle: tensors travel by value, not as shared-memory handles that die with us
+        results.put((rank, "ok", pickle.dumps(value), time.time()))
     except PeerFailure as err:
         results.put((rank, "error", err, time.time()))
     except BaseException as err:  # noqa: BLE001 - reported to the parent, which re-raises
@@ -464,7 +466,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
                 outcome = outcomes[rank]
                 outcome.finished_at = when
                 if status == "ok":
-                    outcome.value = payload
+                    outcome.value = pickle.loads(payload)
                 else:
                     outcome.error = payload
                 pending.discard(rank)
