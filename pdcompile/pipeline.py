@@ -27,6 +27,7 @@ from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
 from pdcompile.timeline import Recorder, Timeline
+from pdcompile.validate import validate
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 FLUSH = ("1f1b-flush", "gpipe")
@@ -204,7 +205,9 @@ class Pipeline:
         if self.vertical_sync:
             kwargs["vertical_sync"] = True
         compute = generate(self.schedule_name, self.stage_ranks, n, **kwargs)
-        return lower(compute, self.parts.edges)
+        lowered = lower(compute, self.parts.edges)
+        validate(lowered)
+        return lowered
 
     @property
     def per_minibatch(self) -> int:
