@@ -169,7 +169,8 @@ class Cluster:
             table[alias] = table[canonical]
         if key not in table:
             names = ", ".join(PRESET_HELP)
-            raise ClusterError(f"unknown cluster preset {name!r}; presets are: {names}")
+            raise ClusterError(f"unknown cluster preset {name!r}; presets are: {names}; "
+                               f"or write a short form, {_EXAMPLE}")
         levels, device = table[key]
         cluster = cls(levels=levels, device=device, name=key.upper() if len(key) == 1 else key)
         return cluster if workers is None else cluster.with_workers(workers)

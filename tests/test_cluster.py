@@ -1,0 +1,158 @@
+"""Cluster model: presets, the short string form, files, and the messages for bad ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from pdcompile.cluster import DEVICES, PRESET_HELP, Cluster, Device, Level
+from pdcompile.errors import ClusterError
+
+GBPS = 1e9 / 8
+
+
+@pytest.fixture
+def local_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`local` without a measurement: bandwidth from the override, CPU figures from a cache."""
+    monkeypatch.setenv("PDCOMPILE_LOCAL_BANDWIDTH", "2GB/s")
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
+    (tmp_path / "local.json").write_text(json.dumps({"flops": 5e10, "mem_bandwidth": 1e10}))
+
+
+@pytest.mark.parametrize("name", sorted(PRESET_HELP))
+def test_every_preset_parses(name: str, local_env: None) -> None:
+    cluster = Cluster.preset(name)
+    assert cluster.workers >= 1
+    assert all(level.bandwidth > 0 for level in cluster.levels)
+    assert cluster.device.memory > 0 and cluster.device.flops > 0
+    assert Cluster.parse(name) == cluster
+
+
+def test_paper_presets_have_the_papers_numbers() -> None:
+    a, b, c = Cluster.preset("A"), Cluster.preset("B"), Cluster.preset("C")
+    assert [lv.workers for lv in a.levels] == [4, 4] and a.device.name == "v100"
+    assert a.levels[1].bandwidth == pytest.approx(10 * GBPS)
+    assert [lv.workers for lv in b.levels] == [8, 2]
+    assert b.levels[1].bandwidth == pytest.approx(25 * GBPS)
+    assert b.levels[0].bandwidth > a.levels[0].bandwidth  # NVLink beats PCIe
+    assert c.workers == 4 and c.device.name == "titanx"
+    assert c.levels[0].bandwidth == pytest.approx(40 * GBPS)
+    h100 = Cluster.preset("h100-4node")
+    assert h100.workers == 32 and h100.device.name == "h100"
+    assert h100.levels[1].bandwidth == pytest.approx(400 * GBPS)
+
+
+def test_local_preset(local_env: None) -> None:
+    cluster = Cluster.parse("local-3")
+    assert cluster.workers == 3 and cluster.levels[0].bandwidth == 2e9
+    assert cluster.device.flops == 5e10
+
+
+@pytest.mark.parametrize(
+    ("text", "workers", "bandwidths", "device"),
+    [
+        ("4", [4], [1e9], "v100"),
+        ("16@10Gbps", [16], [10 * GBPS], "v100"),
+        ("4x4@1e10,1.25e9", [4, 4], [1e10, 1.25e9], "v100"),
+        ("8x2@300GB/s,25Gbps~5us,50us:h100", [8, 2], [300e9, 25 * GBPS], "h100"),
+        (" 2x2x2 @ 1e9,1e9,1e8 :titanx ", [2, 2, 2], [1e9, 1e9, 1e8], "titanx"),
+    ],
+)
+def test_strings_parse(text: str, workers: list[int], bandwidths: list[float],
+                       device: str) -> None:
+    cluster = Cluster.parse(text)
+    assert [lv.workers for lv in cluster.levels] == workers
+    assert [lv.bandwidth for lv in cluster.levels] == pytest.approx(bandwidths)
+    assert cluster.device.name == device
+
+
+def test_latency_and_topology_queries() -> None:
+    cluster = Cluster.parse("4x4@1e10,1.25e9~10us,50us")
+    assert [lv.latency for lv in cluster.levels] == pytest.approx([10e-6, 50e-6])
+    assert cluster.workers == 16 and cluster.group_size(0) == 4
+    assert cluster.link_level(0, 3) == 0 and cluster.link_level(3, 4) == 1
+    assert cluster.bandwidth_between(1, 2) == 1e10
+    assert cluster.bandwidth_between(1, 5) == 1.25e9
+    assert cluster.latency_between(0, 15) == pytest.approx(50e-6)
+    assert cluster.slowest_level_of([0, 1, 2]) == 0 and cluster.slowest_level_of([0, 4]) == 1
+    with pytest.raises(ClusterError, match="outside"):
+        cluster.link_level(0, 16)
+
+
+@pytest.mark.parametrize(
+    ("text", "quoted"),
+    [
+        ("", "empty cluster string"),
+        ("4y4", "'4y4'"),
+        ("4x4@1e9", "'1e9'"),
+        ("4@fast", "'fast'"),
+        ("4:tpu", "'tpu'"),
+        ("0x4", "'0'"),
+        ("A@1e9", "'A'"),
+        ("4~1e-5,2", "'1e-5,2'"),
+    ],
+)
+def test_bad_strings_quote_the_bad_part_and_show_an_example(text: str, quoted: str) -> None:
+    with pytest.raises(ClusterError) as info:
+        Cluster.parse(text)
+    message = str(info.value)
+    assert quoted in message
+    # every message shows something valid to write: an example, or the valid names
+    assert "e.g." in message or "devices are: v100" in message
+
+
+def test_flat() -> None:
+    cluster = Cluster.flat(8, "25Gbps", device="a100")
+    assert cluster.workers == 8 and cluster.levels == (Level(8, 25 * GBPS),)
+    assert cluster.device == DEVICES["a100"]
+    custom = Device("mine", memory=1e9, flops=1e12, mem_bandwidth=1e11)
+    assert Cluster.flat(2, 1e9, device=custom).device is custom
+    with pytest.raises(ClusterError, match="bandwidth"):
+        Cluster.flat(2, "quick")
+    with pytest.raises(ClusterError, match="positive integer"):
+        Cluster.flat(0, 1e9)
+
+
+def test_files_round_trip(tmp_path: Path) -> None:
+    yaml_file = tmp_path / "c.yaml"
+    yaml_file.write_text("name: lab\nlevels:\n  - {workers: 4, bandwidth: 10GB/s, latency: 10us}\n"
+                         "  - {workers: 2, bandwidth: 10Gbps}\ndevice: v100\n")
+    cluster = Cluster.load(yaml_file)
+    assert cluster.name == "lab" and cluster.workers == 8
+    assert cluster.levels[0] == Level(4, 10e9, pytest.approx(10e-6))  # type: ignore[arg-type]
+    json_file = tmp_path / "c.json"
+    json_file.write_text(json.dumps(cluster.to_dict()))
+    assert Cluster.load(json_file) == cluster
+    custom = tmp_path / "d.yaml"
+    custom.write_text("levels: [{workers: 2, bandwidth: 1e9}]\n"
+                      "device: {name: x, memory: 8GiB, flops: 10TFLOPS, mem_bandwidth: 1TB/s}\n")
+    device = Cluster.load(custom).device
+    assert device.memory == 8 * 2**30 and device.flops == 10e12 and device.mem_bandwidth == 1e12
+
+
+@pytest.mark.parametrize(
+    ("content", "suffix", "expect"),
+    [
+        ("levels: [{workers: 4}]", ".yaml", "needs 'workers' and 'bandwidth'"),
+        ("workers: 4", ".yaml", "needs a 'levels' list"),
+        ("levels: [{workers: four, bandwidth: 1e9}]", ".yaml", "'four' is not an integer"),
+        ("levels: [{workers: 4, bandwidth: warp}]", ".yaml", "'warp'"),
+        ("levels: [{workers: 4, bandwidth: 1e9, colour: red}]", ".yaml", "unknown keys"),
+        ("{not json", ".json", "not valid json"),
+        ("levels: [{workers: 2, bandwidth: 1e9}]\ndevice: {name: x}", ".yaml", "lacks"),
+    ],
+)
+def test_bad_files(tmp_path: Path, content: str, suffix: str, expect: str) -> None:
+    file = tmp_path / f"bad{suffix}"
+    file.write_text(content)
+    with pytest.raises(ClusterError) as info:
+        Cluster.load(file)
+    assert expect in str(info.value)
+    assert str(file) in str(info.value)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ClusterError, match="cannot read cluster file"):
+        Cluster.load(tmp_path / "nope.yaml")
