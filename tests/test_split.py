@@ -1,0 +1,138 @@
+"""Split: stage modules from split_module, with their receive/send lists, ties and buffers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+from pdcompile.errors import PlanError
+from pdcompile.meta import get_stage
+from pdcompile.passes.split import ValueRef, even_plan, manual_plan, split
+from pdcompile.passes.trace import trace
+
+
+class Net(nn.Module):
+    """emb (tied with head) -> a -> b (+ skip from emb) -> head; BatchNorm in b; a bias read by
+    get_attr in the last stage."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Sequential(nn.Linear(6, 6), nn.BatchNorm1d(6))
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+        self.bias = nn.Parameter(torch.zeros(11))
+
+    def forward(self, idx: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        e = self.emb(idx)
+        h = torch.relu(self.a(e))
+        y = self.b(h) + e
+        return self.head(y) * scale + self.bias, h
+
+
+STAGE = {"idx": 0, "scale": 0, "emb": 0, "a": 1, "relu": 1, "b_0": 2, "b_1": 2, "add": 2}
+
+
+def cut(model: nn.Module) -> tuple[torch.fx.GraphModule, object]:
+    gm = trace(model)
+    plan = manual_plan(gm, lambda n: STAGE.get(n.name, 3))
+    return gm, split(gm, plan, model=model)
+
+
+def test_receives_sends_and_skip_connections() -> None:
+    model = Net()
+    _, parts = cut(model)
+    s0, s1, s2, s3 = parts.stages  # type: ignore[attr-defined]
+    assert s0.sends == {1: ("emb",), 2: ("emb",)}  # the skip goes straight to stage 2
+    assert s1.receives == {0: ("emb",)} and s1.sends == {2: ("relu",), 3: ("relu",)}
+    assert s2.receives == {1: ("relu",), 0: ("emb",)} and s2.sends == {3: ("add",)}
+    assert s3.receives == {2: ("add",), 1: ("relu",)}  # `h` is a model output: sent to the end
+    assert s3.inputs == (ValueRef("add", 2), ValueRef("scale"))
+    assert parts.edges == [(0, 1), (0, 2), (1, 2), (1, 3), (2, 3)]  # type: ignore[attr-defined]
+    assert parts.output_refs == (ValueRef("add_1", 3), ValueRef("relu", 1))  # type: ignore
+
+
+def test_every_node_has_its_stage() -> None:
+    gm, _ = cut(Net())
+    stages = {n.name: get_stage(n) for n in gm.graph.nodes}
+    assert stages["emb"] == 0 and stages["relu"] == 1 and stages["b_1"] == 2
+    assert stages["output"] == 3 and stages["bias"] == 3
+
+
+def test_chained_stages_compute_the_model() -> None:
+    model = Net()
+    _, parts = cut(model)
+    idx, scale = torch.randint(0, 11, (5,)), torch.tensor(2.0)
+    values: dict[tuple[int, str], torch.Tensor] = {}
+    for program in parts.stages:  # type: ignore[attr-defined]
+        args = [{"idx": idx, "scale": scale}[r.name] if r.is_data else values[r.stage, r.name]
+                for r in program.inputs]
+        for name, value in zip(program.outputs, program.module(*args), strict=True):
+            values[program.index, name] = value
+    expected = model(idx, scale)
+    got = [values[r.stage, r.name] for r in parts.output_refs]  # type: ignore[attr-defined]
+    for a, b in zip(got, expected, strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_ties_buffers_and_owned_copies() -> None:
+    model = Net()
+    _, parts = cut(model)
+    (tie,) = parts.ties  # type: ignore[attr-defined]
+    assert tie.name == "emb.weight" and tie.stages == (0, 3)
+    stages = parts.stages  # type: ignore[attr-defined]
+    assert stages[3].param_names["head.weight"] == ("emb.weight", "head.weight")
+    assert stages[3].param_names["bias"] == ("bias",)
+    assert {b for names in stages[2].buffer_names.values() for b in names} == {
+        "b.1.running_mean", "b.1.running_var", "b.1.num_batches_tracked"}
+    model_tensors = {id(t) for t in list(model.parameters()) + list(model.buffers())}
+    for program in stages:
+        owned = list(program.module.parameters()) + list(program.module.buffers())
+        assert not model_tensors & {id(t) for t in owned}, "stages must own their tensors"
+
+
+def test_values_cannot_flow_backwards() -> None:
+    gm = trace(Net())
+    plan = manual_plan(gm, {"emb": 1, "a": 0})
+    with pytest.raises(PlanError, match="later stage"):
+        split(gm, plan)
+
+
+def test_empty_stage_is_refused() -> None:
+    gm = trace(Net())
+    plan = manual_plan(gm, lambda n: 0 if n.op == "placeholder" else (1 if n.name != "emb" else 0))
+    plan2 = manual_plan(gm, lambda n: 0 if n.op == "placeholder" else 2 if n.name == "a" else
+                        (3 if n.name not in ("emb",) else 0))
+    split(gm, plan)
+    with pytest.raises(PlanError, match="no operation"):
+        split(gm, plan2)
+
+
+def test_even_plan_is_contiguous_and_balanced() -> None:
+    model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(8)])
+    gm = trace(model)
+    plan = even_plan(gm, 4, replicas=[2, 1, 1, 1])
+    assert [len(s.nodes) for s in plan.stages] == [3, 2, 2, 2]  # input + 2 layers, then 2 each
+    assert plan.config == "2-1-1-1" and plan.stages[1].ranks == (2,)
+    with pytest.raises(PlanError, match="too few"):
+        even_plan(gm, 20)
+
+
+def test_tuple_values_are_unpacked_where_made() -> None:
+    class Rnn(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(4, 4, batch_first=True)
+            self.out = nn.Linear(4, 2)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            y, _ = self.lstm(x)
+            return self.out(y)
+
+    model = Rnn()
+    gm = trace(model)
+    plan = manual_plan(gm, {"x": 0, "lstm": 0, "getitem": 1, "out": 1})
+    parts = split(gm, plan, model=model)
+    assert parts.stages[0].sends == {1: ("getitem",)}
