@@ -42,7 +42,7 @@ def _row(model: str, cluster: str, ilp_limit: float) -> dict[str, object]:
             "seconds": time.perf_counter() - started, "time": result.time_per_minibatch,
             "config": result.config, "stages": len(result.stages),
             "speedup": result.speedup_over_dp, "status": result.status, "gap": result.gap,
-            "states": result.extra.get("states", ""),
+            "states": result.extra.get("states", ""), "dp_fits": result.extra.get("dp_fits"),
         }
     return row
 
@@ -51,8 +51,9 @@ def _fmt(cell: object, *, ilp: bool = False, dp_time: float | None = None) -> st
     if not isinstance(cell, dict):
         return f"{cell} | | | |" + (" | |" if ilp else "")
     config = cell["config"] if len(str(cell["config"])) <= 24 else f"{cell['stages']} stages"
+    mark = "" if cell["dp_fits"] is not False else "*"
     text = (f"{cell['seconds']:.2f} | {cell['time'] * 1e3:.2f} | {config} | "
-            f"{cell['speedup']:.2f}x")
+            f"{cell['speedup']:.2f}x{mark}")
     if ilp:
         gain = dp_time / cell["time"] if dp_time else float("nan")
         gap = f", gap {cell['gap']:.1%}" if cell["gap"] is not None else ""

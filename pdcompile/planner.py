@@ -62,14 +62,15 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     nodes_ranks = _expand(dp_stages, mapping, attach, cost_graph)
     priced, predicted = evaluate(cost_graph, nodes_ranks, cluster, options=options, memory=limit)
     extra: dict[str, Any] = {"states": states_kind, "memory_limit": limit}
+    everything = [(topological_order(cost_graph), tuple(range(cluster.workers)))]
+    dp_stages_priced, dp_predicted = evaluate(cost_graph, everything, cluster, options=options)
+    dp_fits = limit is None or dp_stages_priced[0].memory <= limit
+    extra["dp_fits"] = dp_fits  # whether plain data parallelism fits the memory limit
     flat_objective = cost_model == "native" or len(cluster.levels) == 1
     if flat_objective and not straight and len(priced) > 1:
         # The DP over an approximate state set (coarsened, linearised) can miss plain data
         # parallelism's price on the real graph; never return something worse than it.
-        everything = [(topological_order(cost_graph), tuple(range(cluster.workers)))]
-        dp_stages_priced, dp_predicted = evaluate(cost_graph, everything, cluster,
-                                                  options=options)
-        if dp_predicted < predicted and (limit is None or dp_stages_priced[0].memory <= limit):
+        if dp_predicted < predicted and dp_fits:
             priced, predicted = dp_stages_priced, dp_predicted
             extra["fallback"] = "data parallel (cheaper than the DP's plan on the full graph)"
     objective = predicted
@@ -132,11 +133,11 @@ def _pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
 
 
 COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below
-DP_BUDGET = 1.5e8  # (states^2 / 2) * (workers + 1)^2 elements: about 1 s of numpy
+DP_BUDGET = 3e7  # (states^2 / 2) * (workers (workers + 1) / 2) elements: well under 1 s of numpy
 
 
 def _state_budget(workers: int) -> int:
-    return max(200, min(6000, int((2 * DP_BUDGET) ** 0.5 / (workers + 1))))
+    return max(200, min(1500, int((4 * DP_BUDGET / (workers * (workers + 1))) ** 0.5)))
 
 
 @dataclass

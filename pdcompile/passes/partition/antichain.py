@@ -82,20 +82,21 @@ def antichain_states(graph: nx.DiGraph, *, complete: bool = False,
 
     # leaky[a]: ancestors of a that feed something outside a's own ancestry (PipeDream's
     # "extra nodes" of an augmented antichain, which depend only on each antichain member)
-    leaky = [0] * n
-    for a in range(n):
-        keep = anc[a] | (1 << a)
-        bits = anc[a]
-        while bits:
-            low = bits & -bits
-            if out_bits[low.bit_length() - 1] & ~keep:
-                leaky[a] |= low
-            bits ^= low
+    leaky: dict[int, int] = {}
+
+    def leaky_of(a: int) -> int:
+        if a not in leaky:
+            keep, found = anc[a] | (1 << a), 0
+            for p in _bit_list(anc[a]):
+                if out_bits[p] & ~keep:
+                    found |= 1 << p
+            leaky[a] = found
+        return leaky[a]
 
     def augment(antichain: frozenset[int]) -> tuple[int, ...]:
         bits = 0
         for a in antichain:
-            bits |= leaky[a] | (1 << a)
+            bits |= leaky_of(a) | (1 << a)
         return _bit_list(bits)
 
     def deaugment(nodes: list[int]) -> frozenset[int]:
@@ -222,10 +223,8 @@ def prefix_states(graph: nx.DiGraph) -> AntichainStates:
     index = {node: i for i, node in enumerate(order)}
     n = len(order)
     downsets = [(1 << i) - 1 for i in range(n + 1)]
-    frontier = []
-    for i in range(n + 1):
-        frontier.append(tuple(u for u in range(i)
-                              if any(index[v] >= i for v in graph.successors(order[u]))))
+    last_use = [max((index[v] for v in graph.successors(u)), default=-1) for u in order]
+    frontier = [tuple(u for u in range(i) if last_use[u] >= i) for i in range(n + 1)]
     reach = [(1 << i) - 1 for i in range(n + 1)]
     return AntichainStates(order=order, downsets=tuple(downsets), frontier=tuple(frontier),
                            reach=tuple(reach))

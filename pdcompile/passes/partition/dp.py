@@ -122,28 +122,24 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
     n = cluster.workers
     s = len(tables.compute)
     last = s - 1
-    # coefficient grids over (m workers for this stage and the rest, r replicas of this stage)
-    m_idx, r_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
-    ok = (r_idx >= 1) & (r_idx <= m_idx)
-    if straight:
-        ok &= r_idx == 1
-    r_safe = np.maximum(r_idx, 1).astype(np.float64)
-    sync_a = np.zeros((n + 1, n + 1))
-    sync_b = np.zeros((n + 1, n + 1))
-    in_a = np.zeros((n + 1, n + 1))
-    in_l = np.zeros((n + 1, n + 1))
-    out_a = np.zeros((n + 1, n + 1))
-    out_l = np.zeros((n + 1, n + 1))
-    flight = np.zeros((n + 1, n + 1))
-    versions = np.zeros((n + 1, n + 1))
-    for m in range(1, n + 1):
-        for r in range(1, m + 1):
-            c = placement(cluster, n - m, r, n, options)
-            sync_a[m, r], sync_b[m, r] = c.sync_per_byte, c.sync_fixed
-            in_a[m, r], in_l[m, r] = c.in_per_byte, c.in_per_msg
-            out_a[m, r], out_l[m, r] = c.out_per_byte, c.out_per_msg
-            flight[m, r], versions[m, r] = c.in_flight, c.versions
-    prev = np.clip(m_idx - r_idx, 0, n)
+    # coefficients per pair q = (m workers for this stage and the rest, r replicas of it)
+    pairs = [(m, r) for m in range(1, n + 1) for r in ((1,) if straight else range(1, m + 1))
+             if r <= m]
+    mq = np.array([m for m, _ in pairs])
+    rq = np.array([r for _, r in pairs])
+    coef = [placement(cluster, n - m, r, n, options) for m, r in pairs]
+    sync_a = np.array([c.sync_per_byte for c in coef])
+    sync_b = np.array([c.sync_fixed for c in coef])
+    in_a = np.array([c.in_per_byte for c in coef])
+    in_l = np.array([c.in_per_msg for c in coef])
+    out_a = np.array([c.out_per_byte for c in coef])
+    out_l = np.array([c.out_per_msg for c in coef])
+    flight = np.array([c.in_flight for c in coef])
+    versions = np.array([c.versions for c in coef])
+    inv_r = 1.0 / rq
+    prev = mq - rq
+    col = np.zeros((n + 1, n + 1), dtype=np.int64)  # (m, r) -> q
+    col[mq, rq] = np.arange(len(pairs))
     mem_limit = INF if memory is None else memory
     opt = 1.0 + options.optimizer_state
 
@@ -156,36 +152,36 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
         if js.size == 0:
             continue
         if k == 0:  # the first stage also holds the pinned inputs and sends what they feed
-            t = tables.compute[js][:, None, None]
-            p = tables.params[js][:, None, None]
-            kp = tables.keep[js][:, None, None]
-            inb = inm = np.zeros((js.size, 1, 1))
-            outb = tables.cut[js][:, None, None]
-            outm = tables.cut_msgs[js][:, None, None]
+            t = tables.compute[js][:, None]
+            p = tables.params[js][:, None]
+            kp = tables.keep[js][:, None]
+            inb = inm = np.zeros((js.size, 1))
+            outb = tables.cut[js][:, None]
+            outm = tables.cut_msgs[js][:, None]
         else:
-            t = (tables.compute[js] - tables.compute[k])[:, None, None]
-            p = (tables.params[js] - tables.params[k])[:, None, None]
-            kp = (tables.keep[js] - tables.keep[k])[:, None, None]
+            t = (tables.compute[js] - tables.compute[k])[:, None]
+            p = (tables.params[js] - tables.params[k])[:, None]
+            kp = (tables.keep[js] - tables.keep[k])[:, None]
             skip = tables.skip[k, js]
             skip_m = tables.skip_msgs[k, js]
-            inb = (tables.cut[k] - skip)[:, None, None]
-            outb = (tables.cut[js] - skip)[:, None, None]
-            inm = (tables.cut_msgs[k] - skip_m)[:, None, None]
-            outm = (tables.cut_msgs[js] - skip_m)[:, None, None]
-        work = t / r_safe + p * sync_a + sync_b
-        comm = inb * in_a + inm * in_l + outb * out_a + outm * out_l
-        stage = np.maximum(work, comm)
-        mem = p * (versions + opt) + kp * flight
-        rest = best[js][:, prev]  # [j, m, r] best of what follows with m - r workers
-        cand = np.maximum(stage, rest)
-        cand = np.where(ok[None] & (mem <= mem_limit), cand, INF)
-        flat = cand.transpose(1, 0, 2).reshape(n + 1, -1)  # [m, j*r]
-        arg = np.argmin(flat, axis=1)
-        val = flat[np.arange(n + 1), arg]
+            inb = (tables.cut[k] - skip)[:, None]
+            outb = (tables.cut[js] - skip)[:, None]
+            inm = (tables.cut_msgs[k] - skip_m)[:, None]
+            outm = (tables.cut_msgs[js] - skip_m)[:, None]
+        stage = np.maximum(t * inv_r + p * sync_a + sync_b,
+                           inb * in_a + inm * in_l + outb * out_a + outm * out_l)  # [j, q]
+        cand = np.maximum(stage, best[js][:, prev])  # with the best of what follows
+        cand[p * (versions + opt) + kp * flight > mem_limit] = INF
+        arg = np.argmin(cand, axis=0)  # [q] best successor state per (m, r)
+        v_q = cand[arg, np.arange(len(pairs))]
+        grid = np.full((n + 1, n + 1), INF)
+        grid[mq, rq] = v_q
+        r_best = np.argmin(grid, axis=1)  # [m]
+        val = grid[np.arange(n + 1), r_best]
         better = val < best[k]
         best[k] = np.where(better, val, best[k])
-        choice_j[k] = np.where(better, js[arg // (n + 1)], choice_j[k])
-        choice_r[k] = np.where(better, arg % (n + 1), choice_r[k])
+        choice_j[k] = np.where(better, js[arg[col[np.arange(n + 1), r_best]]], choice_j[k])
+        choice_r[k] = np.where(better, r_best, choice_r[k])
     if straight:
         used = int(np.argmin(best[0]))
         if not math.isfinite(best[0, used]):
