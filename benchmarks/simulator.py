@@ -8,8 +8,9 @@ parallelism: the planner's own estimate, the simulator's (PipeDream's NOAM warm-
 latency-aware warm-up of passes.schedule), next to the figures of the paper's Table 1 where it has
 them (those are measured epoch-time speed-ups from the paper, not computed here).
 
-Part 2 (`fidelity`): real distributed runs against the simulator; needs the distributed backend
-(owner E's pdcompile.backends.distributed) and is not run yet: see `fidelity`.
+Part 2: real runs against the simulator. `fidelity_synthetic` runs the lowered schedule IR on real
+processes with synthetic stages and gloo transfers (runs here). `fidelity` is the same with
+compiled pipelines on the distributed backend (owner E); not runnable yet: see its docstring.
 
     python benchmarks/simulator.py [--planner dp] [--cost-model native] [--write]
 """
@@ -18,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import platform
 import sys
 import time
@@ -137,6 +139,143 @@ def scaling() -> list[tuple[str, int, int, float, float]]:
     return out
 
 
+# ------------------------------------------------------------------ fidelity, synthetic stages
+def _work(seconds: float, mode: str, per_iteration: float, a: torch.Tensor) -> None:
+    """Spend `seconds`: sleeping (an accelerator's kernel: the CPU stays free) or multiplying."""
+    if mode == "sleep":
+        time.sleep(seconds)
+        return
+    for _ in range(max(1, round(seconds / per_iteration))):
+        torch.mm(a, a)
+
+
+def _synthetic_worker(rank: int, world: int, port: int, schedule_text: str,
+                      fwd: list[float], bwd: list[float], edge_numel: int, params_numel: int,
+                      mode: str, out: str) -> None:
+    """Run one rank's lowered actions for real: compute stand-ins, gloo sends and all-reduces."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from pdcompile.ir import Kind, Schedule
+    from pdcompile.timeline import Recorder, Timeline
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=timedelta(seconds=60))
+    try:
+        schedule = Schedule.from_text(schedule_text)
+        groups = {s: dist.new_group(list(ranks)) for s, ranks in enumerate(schedule.stage_ranks)
+                  if len(ranks) > 1}
+        stage = schedule.stage_of_rank(rank)
+        a = torch.randn(128, 128)
+        started = time.perf_counter()
+        for _ in range(50):
+            torch.mm(a, a)
+        per_iteration = (time.perf_counter() - started) / 50
+        payload, grads = torch.zeros(edge_numel), torch.zeros(params_numel)
+        inbox = torch.zeros(edge_numel)
+        recorder, sends = Recorder(rank), []
+        dist.barrier()
+        for action in schedule.actions[rank]:
+            with recorder.record(action):
+                kind = action.kind
+                if kind == Kind.F:
+                    _work(fwd[stage], mode, per_iteration, a)
+                elif kind == Kind.B:
+                    _work(bwd[stage], mode, per_iteration, a)
+                elif kind in (Kind.SEND_F, Kind.SEND_B):
+                    assert action.peer is not None
+                    dst = schedule.rank_of(action.peer, action.microbatch)
+                    tag = 2 * action.microbatch + (kind == Kind.SEND_B)
+                    sends.append(dist.isend(payload, dst, tag=tag))
+                elif kind in (Kind.RECV_F, Kind.RECV_B):
+                    assert action.peer is not None
+                    src = schedule.rank_of(action.peer, action.microbatch)
+                    dist.recv(inbox, src, tag=2 * action.microbatch + (kind == Kind.RECV_B))
+                elif kind == Kind.ALLREDUCE:
+                    dist.all_reduce(grads, group=groups[stage])
+        for handle in sends:
+            handle.wait()
+        dist.barrier()
+        Timeline(recorder.events, "measured").save(Path(out) / f"rank_{rank}.json")
+    finally:
+        dist.destroy_process_group()
+
+
+def fidelity_synthetic(*, mode: str = "sleep", minibatches: int = 48,
+                       fwd: float = 0.02, bwd: float = 0.04, edge_bytes: float = 4e6,
+                       params_bytes: float = 4e6) -> list[dict[str, Any]]:
+    """Simulated against measured time per minibatch for synthetic stages on real processes.
+
+    Each rank runs its lowered 1F1B actions: F and B are stand-ins of `fwd` / `bwd` seconds
+    (`mode` "sleep": the CPU stays free, as with an accelerator; "matmul": real CPU work),
+    transfers are real gloo sends of `edge_bytes`, replicas all-reduce `params_bytes`. The
+    simulator gets the per-stage F and B times measured in the same run and the local cluster
+    model (measured loopback bandwidth), and predicts the same schedule.
+    """
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from pdcompile.backends.simulate import simulate
+    from pdcompile.local_machine import free_port
+    from pdcompile.passes.lower import lower
+    from pdcompile.passes.schedule import generate
+    from pdcompile.stage_costs import StageCosts
+    from pdcompile.timeline import Timeline
+
+    rows = []
+    shapes = [("2 stages", [[0], [1]]), ("4 stages", [[0], [1], [2], [3]]),
+              ("2-1-1", [[0, 1], [2], [3]])]
+    if mode == "matmul":
+        shapes = shapes[:1]  # 2 cores: more processes than cores would measure the contention
+    for label, ranks in shapes:
+        world = sum(len(r) for r in ranks)
+        schedule = lower(generate("1f1b", ranks, minibatches))
+        stages = len(ranks)
+        f = [fwd * len(r) for r in ranks]  # a replicated stage is that much slower per worker
+        b = [bwd * len(r) for r in ranks]
+        with tempfile.TemporaryDirectory() as out:
+            ctx = mp.get_context("spawn")
+            port = free_port()
+            procs = [ctx.Process(target=_synthetic_worker,
+                                 args=(r, world, port, schedule.to_text(), f, b,
+                                       int(edge_bytes // 4), int(params_bytes // 4), mode, out))
+                     for r in range(world)]
+            for proc in procs:
+                proc.start()
+            for proc in procs:
+                proc.join(timeout=300)
+            for proc in procs:
+                if proc.is_alive():
+                    proc.kill()
+            if any(proc.exitcode != 0 for proc in procs):
+                codes = [p.exitcode for p in procs]
+                raise RuntimeError(f"synthetic run {label}: exit codes {codes}")
+            parts = [Timeline.load(Path(out) / f"rank_{r}.json") for r in range(world)]
+        measured = Timeline.merge(parts)
+        measured.meta.update({"schedule": "1f1b", "microbatches_per_minibatch": 1})
+        measured.check_schedule(schedule)
+        durations: dict[tuple[int, str], list[float]] = {}
+        for event, action in measured.compute_events():
+            durations.setdefault((action.stage, action.kind.value), []).append(event.duration)
+        costs = StageCosts(
+            tuple(sum(durations[s, "F"]) / len(durations[s, "F"]) for s in range(stages)),
+            tuple(sum(durations[s, "B"]) / len(durations[s, "B"]) for s in range(stages)),
+            params=(params_bytes,) * stages,
+            edges={(s, s + 1): edge_bytes for s in range(stages - 1)},
+            optimizer=(0.0,) * stages)
+        predicted = simulate(schedule, costs, Cluster.preset(f"local-{world}"), timeline=False)
+        real = measured.time_per_minibatch()
+        rows.append({"shape": label, "processes": world, "mode": mode,
+                     "measured_ms": real * 1e3, "simulated_ms": predicted.time_per_minibatch * 1e3,
+                     "error": predicted.time_per_minibatch / real - 1.0})
+        print(f"  fidelity {label} ({mode}): measured {real * 1e3:.1f} ms, simulated "
+              f"{predicted.time_per_minibatch * 1e3:.1f} ms", file=sys.stderr)
+    return rows
+
+
 def fidelity(processes: tuple[int, ...] = (2, 4)) -> list[dict[str, Any]]:
     """NOT YET RUNNABLE: simulated against measured time per minibatch on this machine.
 
@@ -168,6 +307,8 @@ def main() -> int:
     parser.add_argument("--minibatches", type=int, default=64)
     parser.add_argument("--profiles", nargs="*", default=None)
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS.relative_to(ROOT)}")
+    parser.add_argument("--no-fidelity", action="store_true",
+                        help="skip the synthetic multi-process runs")
     args = parser.parse_args()
     torch.set_num_threads(1)
 
@@ -186,7 +327,26 @@ def main() -> int:
         fidelity()
         fidelity_text = "(ran)"
     except NotImplementedError as err:
-        fidelity_text = f"Not run: {err}."
+        fidelity_text = f"Compiled pipelines on the distributed backend: not run: {err}."
+    synthetic: list[dict[str, Any]] = []
+    if not args.no_fidelity:
+        load_before = os.getloadavg()[0]
+        synthetic = fidelity_synthetic(mode="sleep") + fidelity_synthetic(mode="matmul")
+        load_after = os.getloadavg()[0]
+        fidelity_text += f"""
+
+Synthetic stages on real processes (`fidelity_synthetic`): every rank runs its lowered 1F1B
+actions from the schedule IR, F and B as stand-ins (sleep: the CPU stays free, as with an
+accelerator; matmul: real CPU work, 2 processes only on this 2-core machine), transfers as real
+gloo sends of 4 MB between processes, replicas all-reducing 4 MB; 48 minibatches. The simulator
+gets the F and B times measured in the same run and the `local-N` cluster (loopback bandwidth
+measured), so the difference is the modelling of the schedule and the communication. Load
+average of the machine (shared with other jobs) {load_before:.1f} before, {load_after:.1f} after.
+
+| shape | processes | compute | measured ms per minibatch | simulated | error |
+|---|---|---|---|---|---|
+""" + "\n".join(f"| {r['shape']} | {r['processes']} | {r['mode']} | {r['measured_ms']:.1f} | "
+                f"{r['simulated_ms']:.1f} | {r['error']:+.1%} |" for r in synthetic)
     machine = (f"{platform.processor() or platform.machine()}, this VM (2 cores), Python "
                f"{platform.python_version()}, torch {torch.__version__} CPU")
     report = f"""# Simulator results
