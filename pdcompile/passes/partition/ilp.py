@@ -181,11 +181,14 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
     solver.parameters.num_workers = 2
     code = solver.solve(model)
     status = solver.status_name(code)
-    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        return {"status": status, "bound": None, "stages": None}
-    bound = solver.best_objective_bound / scale
     # the rounding of coefficients can move the optimum by up to one unit per term
     slack = (len(nodes) + 2 * len(edges) + 1) / scale
+    if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
+        bound_so_far = None
+        if code == cp_model.UNKNOWN and math.isfinite(solver.best_objective_bound):
+            bound_so_far = max(0.0, solver.best_objective_bound / scale - slack)
+        return {"status": status, "bound": bound_so_far, "stages": None}
+    bound = solver.best_objective_bound / scale
     result = []
     for s in range(stages):
         if not solver.value(used[s]):
