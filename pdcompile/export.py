@@ -19,6 +19,7 @@ import copy
 import importlib
 import importlib.util
 import json
+import keyword
 import math
 import pickle
 import shlex
@@ -63,18 +64,18 @@ def module_source(module: fx.GraphModule, class_name: str, *, doc: str = ""
         text = _constructor(child)
         if text is None:
             pickled[name] = child
-            init.append(f"        self.{name} = modules[{name!r}]")
-        else:
-            init.append(f"        self.{name} = {text}")
+            text = f"modules[{name!r}]"
+        init.append(f"        self.{name} = {text}" if _plain(name)
+                    else f"        self.add_module({name!r}, {text})")
     direct = {n for n, _ in module.named_parameters(recurse=False)}
     for name, p in module.named_parameters(recurse=False):
-        init.append(f"        self.{name} = torch.nn.Parameter({_empty(p)}, "
-                    f"requires_grad={p.requires_grad})")
+        init.append(f"        self.register_parameter({name!r}, torch.nn.Parameter("
+                    f"{_empty(p)}, requires_grad={p.requires_grad}))")
     for name, b in module.named_buffers(recurse=False):
         init.append(f"        self.register_buffer({name!r}, {_empty(b)})")
         direct.add(name)
     for name in _constants(module, direct):
-        init.append(f"        self.{name} = {_empty(getattr(module, name))}")
+        init.append(f"        setattr(self, {name!r}, {_empty(getattr(module, name))})")
     src = code.src.strip("\n").splitlines()
     start = next(i for i, line in enumerate(src) if line.startswith("def forward"))
     top = [line for line in src[:start] if line.strip()]  # e.g. torch.fx wrap() of functions
@@ -82,6 +83,10 @@ def module_source(module: fx.GraphModule, class_name: str, *, doc: str = ""
     lines = head + body + top + ["", "", f"class {class_name}(torch.nn.Module):"] + init + [
         "", forward]
     return "\n".join(lines).rstrip() + "\n", pickled
+
+
+def _plain(name: str) -> bool:
+    return name.isidentifier() and not keyword.iskeyword(name)
 
 
 def _global_line(name: str, value: Any) -> str | None:

@@ -1,0 +1,123 @@
+"""Export and load: the files, and a round trip with identical outputs and next steps."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn as nn
+
+import pdcompile
+from pdcompile.cli import main
+from pdcompile.errors import PipelineInputError
+from pdcompile.ir import Schedule
+from pdcompile.models import gpt2, resnet50
+from pdcompile.plan import Plan
+
+
+def gpt() -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:
+    model, inputs = gpt2.factory(size="tiny", layers=2, d=16, heads=2, vocab_size=50, seq_len=6,
+                                 batch_size=8, dropout=0.0)
+    return model, inputs, gpt2.make_target(inputs, vocab_size=50)
+
+
+def assert_same_state(a: pdcompile.pipeline.Pipeline, b: pdcompile.pipeline.Pipeline) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert set(sa) == set(sb)
+    for name, value in sa.items():
+        assert torch.equal(value, sb[name]), name
+
+
+def test_round_trip_flush_with_adam_and_tied_weights(tmp_path: Path) -> None:
+    model, inputs, target = gpt()
+    pipe = pdcompile.compile(model, example_inputs=inputs, loss_fn=gpt2.loss_fn,
+                             optimizer=functools.partial(torch.optim.Adam, lr=0.01),
+                             plan=[1, 2, 1], schedule="1f1b-flush", microbatches=4)
+    pipe.step(*inputs, target=target)  # optimizer state (Adam moments) must travel too
+    pipe.export(str(tmp_path))
+    names = {p.name for p in tmp_path.iterdir()}
+    for i in range(3):
+        assert {f"stage_{i}.py", f"stage_{i}.safetensors", f"optimizer_{i}.pt"} <= names
+    assert {f"rank_{r}.py" for r in range(4)} <= names
+    assert {"plan.json", "schedule.txt", "pipeline.json", "launch.sh", "README.md"} <= names
+    assert Plan.from_json((tmp_path / "plan.json").read_text()) == pipe.plan
+    assert Schedule.from_text((tmp_path / "schedule.txt").read_text()).ranks == [0, 1, 2, 3]
+    assert "pdcompile run" in (tmp_path / "launch.sh").read_text()
+    assert "class Stage1(torch.nn.Module)" in (tmp_path / "stage_1.py").read_text()
+
+    loaded = pdcompile.load(str(tmp_path))
+    assert loaded.rank_sources(4, 4)[2] == (tmp_path / "rank_2.py").read_text()
+    assert loaded.parts.ties and loaded.parts.ties[0].stages == (0, 2)
+    assert loaded.graph is not None
+    assert [n.meta["pd.stage"] for n in loaded.graph.graph.nodes] == [
+        n.meta["pd.stage"] for n in pipe.graph.graph.nodes]
+    with torch.no_grad():
+        assert torch.equal(pipe(*inputs), loaded(*inputs))
+    for _ in range(2):
+        assert pipe.step(*inputs, target=target) == loaded.step(*inputs, target=target)
+    assert_same_state(pipe, loaded)
+
+
+def test_round_trip_async_1f1b_with_batchnorm(tmp_path: Path) -> None:
+    model, inputs = resnet50.factory(batch_size=4, image_size=32, width=16, blocks=(1, 1, 1, 1))
+    target = resnet50.make_target(inputs)
+    momentum = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9)
+    pipe = pdcompile.compile(model, example_inputs=inputs, loss_fn=resnet50.loss_fn, plan=3,
+                             schedule="1f1b", optimizer=momentum)
+    batches = [(inputs, target)] * 3
+    pipe.train(batches)
+    pipe.export(str(tmp_path / "out"))
+    loaded = pdcompile.load(str(tmp_path / "out"))
+    assert pipe.train(batches) == loaded.train(batches)
+    assert_same_state(pipe, loaded)
+
+
+def test_unpicklable_optimizer_must_be_given_again(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    pipe = pdcompile.compile(model, example_inputs=(torch.randn(4, 4),),
+                             loss_fn=nn.functional.mse_loss, plan=2, schedule="gpipe",
+                             microbatches=2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    pipe.export(str(tmp_path))
+    with pytest.raises(PipelineInputError, match="optimizer="):
+        pdcompile.load(str(tmp_path))
+    loaded = pdcompile.load(str(tmp_path), optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    assert pipe.step(x, target=y) == loaded.step(x, target=y)
+    with pytest.raises(PipelineInputError, match="pipeline.json"):
+        pdcompile.load(str(tmp_path / "nothing"))
+
+
+def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "vgg"
+    code = main(["export", "pdcompile.models.vgg16:factory", "--stages", "2",
+                 "--schedule", "gpipe", "--microbatches", "2", "--out", str(out)])
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "schedule gpipe" in printed and f"pdcompile run {out}" in printed
+    loaded = pdcompile.load(str(out))
+    from pdcompile.models import vgg16
+
+    model, inputs = vgg16.factory()
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    loss = loaded.step(*inputs, target=vgg16.make_target(inputs))
+    assert loss == loss  # a number (not NaN)
+    assert main(["export", "pdcompile.models.vgg16:factory", "--stages", "x", "--out",
+                 str(out)]) == 1
+
+
+def test_outputs_match_the_model_after_load(tmp_path: Path) -> None:
+    model, inputs, _ = gpt()
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, plan=3,
+                             schedule="gpipe", microbatches=2, loss_fn=gpt2.loss_fn)
+    pipe.export(str(tmp_path))
+    loaded = pdcompile.load(str(tmp_path))
+    model.eval()
+    for module in loaded.stage_modules:
+        module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(*inputs), model(*inputs))
