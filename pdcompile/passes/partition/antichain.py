@@ -191,27 +191,37 @@ def _all_downsets(graph: nx.DiGraph, order: tuple[str, ...], pred: list[list[int
     frontier_sets = [(0, sources)]
     while frontier_sets:
         nxt = []
-        for bits, reach in frontier_sets:
-            for v in _bit_list(reach & ~bits):
+        for bits, grows in frontier_sets:
+            for v in _bit_list(grows & ~bits):
                 if need[v] & bits == need[v]:
                     grown = bits | (1 << v)
                     if grown not in seen:
                         if len(seen) >= max_states:
                             raise _too_many(graph, max_states)
                         seen.add(grown)
-                        nxt.append((grown, reach | out_bits[v]))
+                        nxt.append((grown, grows | out_bits[v]))
         frontier_sets = nxt
     downsets = sorted(seen, key=lambda b: (bin(b).count("1"), b))
     frontier = []
     for bits in downsets:
         frontier.append(tuple(u for u in range(n) if bits >> u & 1
                               and any(not bits >> v & 1 for v in succ[u])))
-    reach = []
-    for bits in downsets:
-        reach.append(sum(1 << i for i, other in enumerate(downsets)
-                         if other != bits and other & bits == other))
     return AntichainStates(order=order, downsets=tuple(downsets), frontier=tuple(frontier),
-                           reach=tuple(reach))
+                           reach=_strict_subsets(downsets, n))
+
+
+def _strict_subsets(downsets: list[int], n: int) -> tuple[int, ...]:
+    """For each set, the bitset (over the list) of the sets strictly inside it."""
+    import numpy as np
+
+    width = (n + 7) // 8
+    member = np.unpackbits(
+        np.frombuffer(b"".join(d.to_bytes(width, "little") for d in downsets), dtype=np.uint8)
+        .reshape(len(downsets), width), axis=1, bitorder="little")[:, :n].astype(np.float32)
+    outside = (member @ (1.0 - member).T) == 0  # [k, j]: k has nothing outside j
+    np.fill_diagonal(outside, False)
+    packed = np.packbits(outside.T, axis=1, bitorder="little")  # row j: bits k
+    return tuple(int.from_bytes(row.tobytes(), "little") for row in packed)
 
 
 def prefix_states(graph: nx.DiGraph) -> AntichainStates:
