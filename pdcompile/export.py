@@ -333,7 +333,8 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
         extra = torch.load(folder / f"stage_{index}_modules.pt", weights_only=False)
     stage = getattr(source, f"Stage{index}")(extra)
     # fresh (aligned) storage: kernels may pick another path for unaligned mmap-ed tensors
-    tensors = {k: v.clone() for k, v in load_file(str(folder / f"stage_{index}.safetensors")).items()}
+    stored = load_file(str(folder / f"stage_{index}.safetensors"))
+    tensors = {k: v.clone() for k, v in stored.items()}
     plain = {n for n in tensors if n not in dict(stage.named_parameters())
              and n not in dict(stage.named_buffers())}
     for n in plain:  # tensor constants read by get_attr

@@ -105,7 +105,6 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     given = plan.stage_of()
     stage_of: dict[str, int] = {}
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
-    unknown = [n.name for n in nodes if n.name not in given and n.op not in ("get_attr",)]
     known_names = {n.name for n in nodes}
     foreign = [name for name in given if name not in known_names]
     if foreign:
@@ -120,7 +119,6 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.name not in stage_of:
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
             stage_of[node.name] = min(users) if users else 0
-    del unknown
     for node in nodes:  # a tuple's items are read where it is made: only tensors cross stages
         if node.op == "call_function" and node.target is operator.getitem \
                 and isinstance(node.args[0], fx.Node):

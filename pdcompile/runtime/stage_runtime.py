@@ -47,8 +47,13 @@ ASYNC = ("1f1b", "2bw")
 class ValueSource(Protocol):
     """Where a stage-module input comes from (see passes/split.ValueRef)."""
 
-    name: str
-    stage: int | None
+    @property
+    def name(self) -> str:
+        """The value's name (a model input, or an output of `stage`)."""
+
+    @property
+    def stage(self) -> int | None:
+        """The producing stage; None for a model input."""
 
 
 class StageIO(Protocol):
@@ -124,7 +129,8 @@ class StageRuntime:
         self.recorder = recorder
         self.replicas = len(config.stage_ranks[self.stage])
         self.is_last = self.stage == len(config.stage_ranks) - 1
-        self.params = dict(module.named_parameters(remove_duplicate=False))
+        self.params: dict[str, torch.Tensor] = dict(
+            module.named_parameters(remove_duplicate=False))
         self.versions = WeightVersions(self.params, copy=config.schedule in ASYNC)
         self.stash = StashBuffer()
         self.losses: dict[int, torch.Tensor] = {}
@@ -248,12 +254,16 @@ class StageRuntime:
                 names = self.io.receives[ref.stage]
                 leaves.append(entry.received[ref.stage][names.index(ref.name)])
         output = pytree.tree_unflatten(leaves, self.output_spec)
-        loss = output if self.loss_fn is None else self.loss_fn(output, self.data.target(microbatch))
+        if self.loss_fn is None:
+            loss = output
+        else:
+            loss = self.loss_fn(output, self.data.target(microbatch))
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else ""
             raise PipelineInputError(
                 "the loss must be a tensor with one element; pass loss_fn=(output, target) -> "
                 "scalar to compile(), or make the model return its loss (got "
-                f"{type(loss).__name__}{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''})")
+                f"{type(loss).__name__}{shape})")
         return loss.reshape(())
 
     def forward(self, microbatch: int) -> Op:

@@ -29,7 +29,7 @@ class WeightVersions:
     detached clone, shared by all minibatches that use it, with its own `.grad` leaves.
     """
 
-    def __init__(self, master: dict[str, torch.nn.Parameter], *, copy: bool) -> None:
+    def __init__(self, master: dict[str, torch.Tensor], *, copy: bool) -> None:
         self.master = master
         self.copy = copy
         self.current = 0
@@ -54,7 +54,7 @@ class WeightVersions:
                 raise ScheduleError(f"weight version {version} requested but only the current "
                                     f"version {self.current} exists (schedule without stashing)")
             self.peak = max(self.peak, 1)
-            return self.master  # type: ignore[return-value]
+            return self.master
         if version not in self._snapshots:
             if version != self.current:
                 raise ScheduleError(
