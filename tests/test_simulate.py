@@ -349,3 +349,17 @@ def test_simulate_command_from_a_costgraph_file(tmp_path: Path,
     figures = json.loads(capsys.readouterr().out)
     assert code == 0 and figures["schedule"] == "2bw"
     assert figures["time_per_minibatch"] > 0
+
+
+def test_simulate_command_from_a_model(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model_file = tmp_path / "mlp.py"
+    model_file.write_text(
+        "import torch\n"
+        "def factory():\n"
+        "    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(6)])\n"
+        "    return model, (torch.randn(16, 64),)\n")
+    code = main(["simulate", f"{model_file}:factory", "--cluster", "2@1e9", "--planner", "dp",
+                 "--schedule", "1f1b-flush", "--microbatches", "4", "--json"])
+    figures = json.loads(capsys.readouterr().out)
+    assert code == 0 and figures["schedule"] == "1f1b-flush"
+    assert figures["time_per_minibatch"] > 0 and set(figures["memory"]) <= {"0", "1"}
