@@ -363,3 +363,15 @@ def test_simulate_command_from_a_model(tmp_path: Path, capsys: pytest.CaptureFix
     figures = json.loads(capsys.readouterr().out)
     assert code == 0 and figures["schedule"] == "1f1b-flush"
     assert figures["time_per_minibatch"] > 0 and set(figures["memory"]) <= {"0", "1"}
+
+
+def test_figures_do_not_depend_on_keeping_the_full_timeline() -> None:
+    schedule = lower(generate("gpipe", [[0, 1], [2]], 4))
+    costs = StageCosts((2.0, 1.0), (4.0, 2.0), params=(1e9, 1e9), optimizer=(0.5, 0.5))
+    full = simulate(schedule, costs, Cluster.flat(3, 1e9))
+    lean = simulate(schedule, costs, Cluster.flat(3, 1e9), timeline=False)
+    assert any("ALLREDUCE" in e.action for e in full.timeline.events)
+    assert not any("ALLREDUCE" in e.action for e in lean.timeline.events)
+    for name in ("makespan", "time_per_minibatch", "bubble", "steady_bubble"):
+        assert getattr(lean, name) == pytest.approx(getattr(full, name)), name
+    assert full.makespan > max(e.end for e in full.timeline.events if e.action[1:2] in "FB")

@@ -57,7 +57,7 @@ class SimResult:
     time_per_minibatch: float
     throughput: float  # minibatches per second
     bubble: float  # over the whole run
-    steady_bubble: float  # inside the steady-state window
+    steady_bubble: float  # inside the steady-state window (flush schedules: the whole run)
     memory: dict[int, MemoryUse] = field(default_factory=dict)
 
     @property
@@ -170,16 +170,19 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     if schedule.name in ("1f1b-flush", "gpipe"):
         meta["minibatches"] = 1
     line = Timeline.with_compute(events, compute, "simulated", meta)
-    per_minibatch = line.time_per_minibatch()
+    makespan = max(free_at.values(), default=0.0)  # the timeline may hold compute events only
+    flush = schedule.name in ("1f1b-flush", "gpipe")
+    per_minibatch = makespan if flush else line.time_per_minibatch()
+    bubble = line.bubble_fraction((0.0, makespan))
     t0, t1, _ = line.steady_window()
     return SimResult(
         schedule=schedule.name,
         timeline=line,
-        makespan=line.makespan,
+        makespan=makespan,
         time_per_minibatch=per_minibatch,
         throughput=1.0 / per_minibatch if per_minibatch > 0 else float("inf"),
-        bubble=line.bubble_fraction(),
-        steady_bubble=line.bubble_fraction((t0, t1)),
+        bubble=bubble,
+        steady_bubble=bubble if flush else line.bubble_fraction((t0, t1)),
         memory=_memory(schedule, costs),
     )
 
