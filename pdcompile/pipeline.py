@@ -68,6 +68,21 @@ class MicrobatchData:
         return len(self._inputs)
 
 
+@dataclass
+class RunInput:
+    """One run of the schedule: its data and shape."""
+
+    data: MicrobatchData
+    microbatches: int      # microbatches in the run (the schedule's count)
+    per_minibatch: int     # microbatches per minibatch (one update each, per replica round)
+
+    def minibatch_losses(self, losses: dict[int, torch.Tensor]) -> list[float]:
+        """Mean loss of each minibatch from the loss of each microbatch."""
+        per = self.per_minibatch
+        return [float(torch.stack([losses[k * per + i] for i in range(per)]).mean())
+                for k in range(self.microbatches // per)]
+
+
 class Pipeline:
     """A compiled pipeline (see DESIGN.md, public contract)."""
 
@@ -299,11 +314,6 @@ class Pipeline:
 
     def step(self, *inputs: Any, target: Any = None) -> float:
         """One training step on one minibatch cut into `microbatches`; its mean loss."""
-        if self.schedule_name in FLUSH:
-            m = self.microbatches
-            data = MicrobatchData(self._cut(inputs, m), _cut_target(target, m))
-            losses = self._run(data, m, m)
-            return float(torch.stack([losses[i] for i in range(m)]).mean())
         return self.train([(inputs, target)])[0]
 
     def train(self, batches: Iterable[tuple[Any, Any]], *, steps: int | None = None
@@ -311,39 +321,77 @@ class Pipeline:
         """Train on a stream of `(inputs, target)` minibatches; one loss per minibatch.
 
         Asynchronous schedules overlap the minibatches in the pipeline (PipeDream); the pipeline
-        fills at the start and drains at the end of the call. Flush schedules run `step` per
-        minibatch.
+        fills at the start and drains at the end of the call. Flush schedules run one schedule
+        (one synchronous update) per minibatch.
         """
         items = []
         for index, item in enumerate(batches):
             if steps is not None and index >= steps:
                 break
             inputs, target = item
-            items.append((inputs if isinstance(inputs, tuple | list) else (inputs,), target))
+            items.append((tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,),
+                          target))
+        if self.schedule_name in FLUSH:
+            out = []
+            for item in items:
+                run = self.prepare([item])
+                out.extend(run.minibatch_losses(self._run(run.data, run.microbatches,
+                                                          run.per_minibatch)))
+            return out
         if not items:
             return []
-        if self.schedule_name in FLUSH:
-            return [self.step(*inputs, target=target) for inputs, target in items]
+        run = self.prepare(items)
+        return run.minibatch_losses(self._run(run.data, run.microbatches, run.per_minibatch))
+
+    def prepare(self, batches: Sequence[tuple[Sequence[Any], Any]]) -> RunInput:
+        """The data of one run of the schedule over these minibatches, cut into microbatches
+        and numbered as the schedule numbers them (backends run `rank_function` on it)."""
+        batches = [(tuple(x) if isinstance(x, tuple | list) else (x,), t) for x, t in batches]
+        if self.schedule_name in FLUSH and len(batches) != 1:
+            raise PipelineInputError(f"a {self.schedule_name!r} run covers one minibatch, got "
+                                     f"{len(batches)}")
         if self.schedule_name == "1f1b":
             lcm = _lcm([s.replicas for s in self.plan.stages])
-            if len(items) % lcm:
+            if len(batches) % lcm:
                 raise PipelineInputError(
                     f"'1f1b' with replicated stages ({self.plan.config}) trains a number of "
-                    f"minibatches that is a multiple of {lcm}; got {len(items)} (pass "
-                    f"steps={len(items) // lcm * lcm or lcm} or more batches)")
-            data = MicrobatchData([self._named(inputs) for inputs, _ in items],
-                                  [t for _, t in items])
-            losses = self._run(data, len(items), 1)
-            return [float(losses[i]) for i in range(len(items))]
-        m = self.microbatches  # 2bw
+                    f"minibatches that is a multiple of {lcm}; got {len(batches)} (pass "
+                    f"steps={len(batches) // lcm * lcm or lcm} or more batches)")
+            data = MicrobatchData([self._named(inputs) for inputs, _ in batches],
+                                  [t for _, t in batches])
+            return RunInput(data, len(batches), 1)
+        m = self.microbatches
         inputs_all: list[dict[str, Any]] = []
         targets: list[Any] = []
-        for inputs, target in items:
+        for inputs, target in batches:
             inputs_all.extend(self._cut(inputs, m))
             targets.extend(_cut_target(target, m))
-        losses = self._run(MicrobatchData(inputs_all, targets), len(items) * m, m)
-        return [float(torch.stack([losses[k * m + i] for i in range(m)]).mean())
-                for k in range(len(items))]
+        return RunInput(MicrobatchData(inputs_all, targets), len(batches) * m, m)
+
+    def rank_function(self, rank: int, microbatches: int, per_minibatch: int) -> RankFn:
+        """The compiled generated loop of `rank` for a run of that shape."""
+        return self._rank_functions(microbatches, per_minibatch)[rank]
+
+    def collective_groups(self) -> list[tuple[int, ...]]:
+        """Rank groups that all-reduce together: replicas of a stage, and the ranks of stages
+        sharing tied parameters (a distributed transport needs a process group for each)."""
+        groups = {tuple(s.ranks) for s in self.plan.stages if s.replicas > 1}
+        for stage in range(len(self.plan.stages)):
+            groups.update(g.ranks for g in self.tie_groups(stage))
+        return sorted(groups)
+
+    def spec_function(self, inputs: Sequence[Any] | torch.Tensor
+                      ) -> Callable[[Tag], list[TensorSpec]]:
+        """Tag -> shapes and dtypes of the message, for microbatches shaped like those of a
+        minibatch like `inputs` (vertical sync adds the version number to activations)."""
+        table = self.edge_specs(inputs)
+        version = [TensorSpec((), torch.int64)] if self.vertical_sync else []
+
+        def specs(tag: Tag) -> list[TensorSpec]:
+            found = table[Tag(tag.kind, tag.src_stage, tag.dst_stage, 0)]
+            return found + version if tag.kind == "act" else found
+
+        return specs
 
     def _named(self, inputs: Sequence[Any]) -> dict[str, Any]:
         names = self.parts.data_inputs
@@ -382,11 +430,11 @@ class Pipeline:
         self.record = record
         return self
 
-    def edge_specs(self, inputs: Sequence[Any]) -> dict[Tag, list[TensorSpec]]:
+    def edge_specs(self, inputs: Sequence[Any] | torch.Tensor) -> dict[Tag, list[TensorSpec]]:
         """Shapes and dtypes of every message of microbatch 0 for a minibatch like `inputs`
         (computed on copies of the stage modules; the random state is left as it was)."""
         m = self.microbatches if self.schedule_name in FLUSH + ("2bw",) else 1
-        named = self._cut(inputs, m)[0]
+        named = self._cut(tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,), m)[0]
         out: dict[Tag, list[TensorSpec]] = {}
         values: dict[tuple[int, str], Any] = {}
         with torch.random.fork_rng(), torch.no_grad():
@@ -466,4 +514,4 @@ def _cut_target(target: Any, m: int) -> list[Any]:
     return _chunks(target, m, "target")
 
 
-__all__ = ["MicrobatchData", "Pipeline", "RankState", "default_optimizer"]
+__all__ = ["MicrobatchData", "Pipeline", "RankState", "RunInput", "default_optimizer"]

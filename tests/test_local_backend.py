@@ -182,3 +182,36 @@ def test_user_errors_name_the_fix() -> None:
     with pytest.raises(PipelineInputError, match="vertical_sync"):
         pdcompile.compile(mlp(), example_inputs=(torch.randn(8, 6),), loss_fn=mse, plan=[2, 1],
                           vertical_sync=True)
+
+
+@pytest.mark.parametrize(("plan", "options"), [([1, 2, 1], {"schedule": "1f1b"}),
+                                               (3, {"schedule": "1f1b", "vertical_sync": True}),
+                                               ([2, 1], {"schedule": "2bw", "microbatches": 2})])
+def test_message_specs_match_what_is_sent(plan: Any, options: dict[str, Any]) -> None:
+    """What a distributed backend needs: the shapes of every message ahead, and the pieces
+    (prepare, run_config, runtime, rank_function) to run a rank itself."""
+    pipe = pdcompile.compile(mlp(), example_inputs=(torch.randn(8, 6),), loss_fn=mse, plan=plan,
+                             **options)
+    batches = data(4)
+    run = pipe.prepare(batches)
+    specs = pipe.spec_function(batches[0][0])
+    received: list[tuple[Any, Any]] = []
+
+    class Checking(LocalTransport):
+        def recv(self, specs_: Any, src_rank: int, tag: Tag) -> Any:
+            pending = super().recv(specs_, src_rank, tag)
+            received.append((specs_, pending))
+            return pending
+
+    boxes = Mailboxes()
+    runtimes = {r: pipe.runtime(r, config=pipe.run_config(run.per_minibatch),
+                                transport=Checking(r, boxes), data=run.data, specs=specs)
+                for r in pipe.ranks}
+    run_local({r: pipe.rank_function(r, run.microbatches, run.per_minibatch)
+               for r in pipe.ranks}, runtimes)
+    assert received
+    for expected, pending in received:
+        got = pending.wait()
+        assert [(tuple(t.shape), t.dtype) for t in got] == [(s.shape, s.dtype) for s in expected]
+    for group in pipe.collective_groups():
+        assert len(group) > 1
