@@ -42,10 +42,11 @@ def ranks_of(replicas: list[int]) -> list[list[int]]:
 @pytest.mark.parametrize("name", ["gpipe", "1f1b-flush"])
 @pytest.mark.parametrize("p", [1, 2, 3, 4, 6])
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 16])
-def test_flush_makespan_and_bubble(name: str, p: int, m: int) -> None:
-    result = simulate(lower(generate(name, straight(p), m)), StageCosts.uniform(p, fwd=F, bwd=B),
+@pytest.mark.parametrize("f, b", [(F, B), (0.3, 0.3), (2.0, 0.5)])
+def test_flush_makespan_and_bubble(name: str, p: int, m: int, f: float, b: float) -> None:
+    result = simulate(lower(generate(name, straight(p), m)), StageCosts.uniform(p, fwd=f, bwd=b),
                       FREE)
-    assert result.makespan == pytest.approx((m + p - 1) * (F + B))
+    assert result.makespan == pytest.approx((m + p - 1) * (f + b))
     assert result.bubble == pytest.approx((p - 1) / (m + p - 1))
     assert result.time_per_minibatch == pytest.approx(result.makespan)
 
