@@ -303,3 +303,31 @@ def test_timer_selection_and_statistics() -> None:
                    repeats=2, statistic="min") == 1.0
     with pytest.raises(ValueError, match="statistic"):
         measure(timer, lambda _: None, statistic="max")
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.mean() > 0 else x
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.gate = Gate()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.gate(self.lin(x))
+
+
+def test_analytic_cost_of_a_value_dependent_leaf() -> None:
+    model = Gated()
+    gm = trace(model, leaf_modules=["gate"])
+    annotate_costs(gm, (torch.randn(4, 8),), source="analytic")
+    gate = get_cost(_node(gm, "gate"))
+    assert gate.flops_fwd == 0 and gate.fwd > 0  # counted on real values: bytes moved
+    with torch.device("meta"):
+        meta_model = Gated()
+    gm = trace(meta_model, leaf_modules=["gate"])
+    with pytest.raises(PdcompileError, match="'gate'.*depends on tensor values"):
+        annotate_costs(gm, (torch.randn(4, 8, device="meta"),), source="analytic")

@@ -319,6 +319,13 @@ def _fresh(x: Any, clone: bool) -> Any:
     return leaf.clone() if clone else leaf
 
 
+def _node_inputs(node: fx.Node, env: dict[str, Any], *, clone: bool) -> tuple[Any, Any]:
+    """Fresh (args, kwargs) of a node from recorded values (see `_fresh`)."""
+    args = map_arg(node.args, lambda a: tree_map(lambda v: _fresh(v, clone), env[a.name]))
+    kwargs = map_arg(node.kwargs, lambda a: tree_map(lambda v: _fresh(v, clone), env[a.name]))
+    return args, kwargs
+
+
 def _progress(items: list[fx.Node], enabled: bool, desc: str) -> Any:
     if not enabled:
         return items
@@ -361,11 +368,7 @@ def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: in
             clone = _is_inplace(gm, node)
 
             def setup(node: fx.Node = node, clone: bool = clone) -> tuple[Any, Any]:
-                args = map_arg(node.args, lambda a: tree_map(lambda v: _fresh(v, clone),
-                                                             env[a.name]))
-                kwargs = map_arg(node.kwargs, lambda a: tree_map(lambda v: _fresh(v, clone),
-                                                                 env[a.name]))
-                return args, kwargs
+                return _node_inputs(node, env, clone=clone)
 
             def forward(ak: tuple[Any, Any], node: fx.Node = node) -> Any:
                 return _run_node(gm, node, ak[0], ak[1])
@@ -421,13 +424,52 @@ def _roofline(flops: float, moved: float, device: Device, low_precision: bool) -
     return max(flops / device.peak_flops(low_precision), moved / device.mem_bandwidth)
 
 
+def _count(gm: fx.GraphModule, node: fx.Node, args: Any, kwargs: Any,
+           state: dict[str, torch.Tensor] | None,
+           exclude: set[int]) -> tuple[Any, float, float, float, float, float]:
+    """Run one node under the FLOP and byte counters, forward then backward:
+    (output, flops_fwd, bytes_fwd, kept bytes, flops_bwd, bytes_bwd)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    if _is_inplace(gm, node):
+        args = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
+    kept = [0]
+    counter, flops = _ByteCounter(), FlopCounterMode(display=False)
+    with _saved_bytes(exclude, kept), flops, counter:
+        out = _run_node(gm, node, args, kwargs, state)
+    outs, grads = _grad_outputs(out)
+    flops_b = bytes_b = 0.0
+    if outs:
+        leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
+                  and t.requires_grad]
+        if node.op == "call_module":
+            module = gm.get_submodule(str(node.target))
+            if state is None:
+                leaves += [p for p in module.parameters() if p.requires_grad]
+            else:
+                prefix = f"{node.target}."
+                leaves += [v for k, v in state.items() if k.startswith(prefix)
+                           and v.requires_grad]
+        counter_b, flops_bm = _ByteCounter(), FlopCounterMode(display=False)
+        if leaves:
+            with flops_bm, counter_b:
+                torch.autograd.grad(outs, leaves, grads, allow_unused=True)
+        flops_b, bytes_b = float(flops_bm.get_total_flops()), float(counter_b.bytes)
+    return (out, float(flops.get_total_flops()), float(counter.bytes), float(kept[0]),
+            flops_b, bytes_b)
+
+
 def _analytic(gm: fx.GraphModule, values: list[Any], device: Device, *,
               progress: bool) -> dict[str, tuple[float, ...]]:
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils.flop_counter import FlopCounterMode
+    """Count every node on fake tensors. A node fake tensors cannot run (a leaf module whose
+    control flow reads tensor values) is counted on the real values it receives instead, when
+    the model and inputs are real."""
+    from torch._subclasses.fake_tensor import FakeTensorMode, unset_fake_temporarily
 
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     costs: dict[str, tuple[float, ...]] = {}
+    real_env: dict[str, Any] | None = None
+    real_exclude = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
     with mode:
         state: dict[str, torch.Tensor] = {}
         for name, p in gm.named_parameters():
@@ -452,33 +494,44 @@ def _analytic(gm: fx.GraphModule, values: list[Any], device: Device, *,
                 continue
             args = map_arg(node.args, lambda a: env[a.name])
             kwargs = map_arg(node.kwargs, lambda a: env[a.name])
-            if _is_inplace(gm, node):
-                args = tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, args)
-            kept = [0]
-            counter, flops = _ByteCounter(), FlopCounterMode(display=False)
-            with _saved_bytes(exclude, kept), flops, counter:
-                out = _run_node(gm, node, args, kwargs, state)
-            flops_f, bytes_f = float(flops.get_total_flops()), float(counter.bytes)
-            outs, grads = _grad_outputs(out)
-            flops_b = bytes_b = 0.0
-            if outs:
-                counter_b, flops_bm = _ByteCounter(), FlopCounterMode(display=False)
-                with flops_bm, counter_b:
-                    leaves = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)
-                              and t.requires_grad]
-                    if node.op == "call_module":
-                        prefix = f"{node.target}."
-                        leaves += [v for k, v in state.items()
-                                   if k.startswith(prefix) and v.requires_grad]
-                    if leaves:
-                        torch.autograd.grad(outs, leaves, grads, allow_unused=True)
-                flops_b, bytes_b = float(flops_bm.get_total_flops()), float(counter_b.bytes)
+            try:
+                out, flops_f, bytes_f, kept, flops_b, bytes_b = _count(
+                    gm, node, args, kwargs, state, exclude)
+            except Exception as err:
+                with unset_fake_temporarily():
+                    if real_env is None:
+                        real_env = _real_values(gm, values, node, err)
+                    rargs, rkwargs = _node_inputs(node, real_env, clone=False)
+                    real_out, flops_f, bytes_f, kept, flops_b, bytes_b = _count(
+                        gm, node, rargs, rkwargs, None, real_exclude)
+                out = tree_map(lambda v: mode.from_tensor(v.detach()).requires_grad_(
+                    v.requires_grad) if isinstance(v, torch.Tensor) else v, real_out)
             lowp = any(s.dtype in _LOWP for s in get_shape(node))
             fwd = _roofline(flops_f, bytes_f, device, lowp)
             bwd = _roofline(flops_b, bytes_b, device, lowp)
-            costs[node.name] = (fwd, bwd, float(kept[0]), flops_f, flops_b)
+            costs[node.name] = (fwd, bwd, kept, flops_f, flops_b)
             env[node.name] = tree_map(_detach_keep_flag, out)
     return costs
+
+
+def _real_values(gm: fx.GraphModule, values: list[Any], node: fx.Node,
+                 err: Exception) -> dict[str, Any]:
+    """Every node's real output, for nodes that fake tensors cannot run."""
+    on_meta = any(t.device.type == "meta" for t in list(gm.parameters()) + [
+        v for v in tree_leaves(values) if isinstance(v, torch.Tensor)])
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    if on_meta:
+        raise PdcompileError(
+            f"node {node.name!r} ({node_label(gm, node)}) cannot be costed on meta tensors: "
+            f"{reason}; its result depends on tensor values, so build the model on a real "
+            "device or make that part shape-only") from None
+    recorder = _RecordInterpreter(gm)
+    buffers = _snapshot_buffers(gm)
+    try:
+        recorder.run(*values)
+    finally:
+        _restore_buffers(gm, buffers)
+    return recorder.values
 
 
 def total_cost(gm: fx.GraphModule) -> NodeCost:

@@ -50,20 +50,36 @@ def bind_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
 
 class _ShapeInterpreter(fx.Interpreter):
-    """Runs every node and records the NodeShape of its output."""
+    """Runs every node and records the NodeShape of its output; `failure` explains a failing
+    node in one line (fx appends its own notes to the exception itself)."""
+
+    def __init__(self, gm: fx.GraphModule) -> None:
+        super().__init__(gm)
+        self.failure: str | None = None
 
     def run_node(self, n: fx.Node) -> Any:
+        from torch._subclasses.fake_tensor import (
+            DataDependentOutputException,
+            DynamicOutputShapeException,
+        )
+
         try:
             result = super().run_node(n)
-        except PipelineInputError:
-            raise
         except Exception as err:
-            inputs = ", ".join(str(shape_of(self.env[a])) for a in n.all_input_nodes
-                               if a in self.env)
-            reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-            raise PipelineInputError(f"node {n.name!r} ({n.op} {_target_name(n)}) fails on inputs "
-                                     f"{inputs or '(none)'}: {reason}; check that example_inputs "
-                                     "have the shapes and dtypes the model expects") from None
+            if self.failure is None:
+                inputs = ", ".join(str(shape_of(self.env[a])) for a in n.all_input_nodes
+                                   if a in self.env)
+                what = f"node {n.name!r} ({n.op} {_target_name(n)})"
+                if isinstance(err, (DataDependentOutputException, DynamicOutputShapeException)):
+                    self.failure = (f"{what}: its output depends on tensor values, which "
+                                    "meta/fake tensors do not have; build the model and inputs "
+                                    "on a real device, or make that part depend on shapes only")
+                else:
+                    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+                    self.failure = (f"{what} fails on inputs {inputs or '(none)'}: {reason}; "
+                                    "check that example_inputs have the shapes and dtypes the "
+                                    "model expects")
+            raise
         set_shape(n, shape_of(result))
         return result
 
@@ -85,19 +101,23 @@ def annotate_shapes(gm: fx.GraphModule, example_inputs: Sequence[Any],
 
     values = bind_inputs(gm, tuple(example_inputs), example_kwargs)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _ShapeInterpreter(gm)
     try:
         with mode:
             fake_values = [mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
                            for v in values]
-            _ShapeInterpreter(gm).run(*fake_values)
-    except PipelineInputError as err:
-        real = all(not isinstance(v, torch.Tensor) or v.device.type != "meta" for v in values)
-        real = real and all(p.device.type != "meta" for p in gm.parameters())
-        if not real:
-            raise
+            fake.run(*fake_values)
+        return gm
+    except Exception as err:
+        failure = fake.failure or f"shapes cannot be propagated: {err}"
+    real = all(not isinstance(v, torch.Tensor) or v.device.type != "meta" for v in values)
+    real = real and all(p.device.type != "meta" for p in gm.parameters())
+    if real:
+        interpreter = _ShapeInterpreter(gm)
         try:
             with torch.no_grad():
-                _ShapeInterpreter(gm).run(*values)
-        except PipelineInputError:
-            raise err from None
-    return gm
+                interpreter.run(*values)
+            return gm
+        except Exception:
+            failure = interpreter.failure or failure
+    raise PipelineInputError(failure)
