@@ -69,7 +69,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
     parts = split(gm, chosen, model=model)
     return Pipeline(graph=gm, plan=chosen, parts=parts, schedule=schedule,
                     microbatches=microbatches, loss_fn=loss_fn, optimizer=optimizer,
-                    stash=stash, vertical_sync=vertical_sync, name=type(model).__name__)
+                    stash=stash, vertical_sync=vertical_sync, name=type(model).__name__,
+                    example_inputs=inputs)
 
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str | None, *,

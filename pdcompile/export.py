@@ -202,6 +202,7 @@ def export_pipeline(pipe: Pipeline, path: str | Path) -> Path:
             "param_order": list(pipe.ranks[rank].param_order),
             "aliases": aliases,
             "pickled_modules": sorted(pickled),
+            "kinds": dict(program.kinds),
         })
     n, per = pipe._schedule_length(), pipe.per_minibatch
     for old in out.glob("rank_*.py"):
@@ -355,7 +356,8 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
         receives={int(k): tuple(v) for k, v in meta["receives"].items()},
         sends={int(k): tuple(v) for k, v in meta["sends"].items()},
         param_names={k: tuple(v) for k, v in meta["param_names"].items()},
-        buffer_names={k: tuple(v) for k, v in meta["buffer_names"].items()})
+        buffer_names={k: tuple(v) for k, v in meta["buffer_names"].items()},
+        kinds=dict(meta.get("kinds", {})))
 
 
 def _get_path(module: torch.nn.Module, target: str) -> Any:

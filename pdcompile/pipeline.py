@@ -90,7 +90,8 @@ class Pipeline:
                  schedule: str = "1f1b", microbatches: int | None = None,
                  loss_fn: Callable[..., torch.Tensor] | None = None,
                  optimizer: OptimizerFactory | None = None, stash: bool = True,
-                 vertical_sync: bool = False, name: str = "model") -> None:
+                 vertical_sync: bool = False, name: str = "model",
+                 example_inputs: Sequence[Any] | None = None) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}; choose one of "
                                      f"{', '.join(SCHEDULES)}")
@@ -111,6 +112,8 @@ class Pipeline:
         self._sources: dict[tuple[int, int], dict[int, str]] = {}
         self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
         self._check()
+        if example_inputs is not None:
+            self._learn_kinds(example_inputs)
         self.ranks: dict[int, RankState] = {}
         for stage, program in enumerate(parts.stages):
             for replica, rank in enumerate(plan.stages[stage].ranks):
@@ -430,26 +433,58 @@ class Pipeline:
         self.record = record
         return self
 
-    def edge_specs(self, inputs: Sequence[Any] | torch.Tensor) -> dict[Tag, list[TensorSpec]]:
-        """Shapes and dtypes of every message of microbatch 0 for a minibatch like `inputs`
-        (computed on copies of the stage modules; the random state is left as it was)."""
-        m = self.microbatches if self.schedule_name in FLUSH + ("2bw",) else 1
-        named = self._cut(tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,), m)[0]
-        out: dict[Tag, list[TensorSpec]] = {}
+    def _example_values(self, inputs: Sequence[Any] | torch.Tensor) -> dict[tuple[int, str], Any]:
+        """Every stage output for microbatch 0 of a minibatch like `inputs`, without side
+        effects (no gradients, random state and buffers such as BatchNorm statistics restored).
+        """
+        inputs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
+        m = 1 if self.schedule_name == "1f1b" else self.microbatches
+        named = {name: value[:-(-value.shape[0] // m)]
+                 if isinstance(value, torch.Tensor) and value.dim() else value
+                 for name, value in self._named(inputs).items()}
         values: dict[tuple[int, str], Any] = {}
-        with torch.random.fork_rng(), torch.no_grad():
-            for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
-                args = [named[r.name] if r.stage is None else values[r.stage, r.name]
-                        for r in program.inputs]
-                for name, value in zip(program.outputs, _copy(module)(*args), strict=True):
-                    values[program.index, name] = value
+        modules = [p.module for p in self.parts.stages]
+        saved = [{k: b.clone() for k, b in mod.named_buffers()} for mod in modules]
+        try:
+            with torch.random.fork_rng(), torch.no_grad():
+                for program, module in zip(self.parts.stages, modules, strict=True):
+                    args = [named[r.name] if r.stage is None else values[r.stage, r.name]
+                            for r in program.inputs]
+                    for name, value in zip(program.outputs, module(*args), strict=True):
+                        values[program.index, name] = value
+        finally:
+            for mod, buffers in zip(modules, saved, strict=True):
+                for k, b in mod.named_buffers():
+                    b.copy_(buffers[k])
+        return values
+
+    def _learn_kinds(self, inputs: Sequence[Any]) -> None:
+        """Record which exchanged values are not tensors (they travel as 0-d tensors)."""
+        from pdcompile.runtime.stage_runtime import value_kind
+
+        values = self._example_values(inputs)
         for program in self.parts.stages:
             for dst, names in program.sends.items():
-                acts = [values[program.index, n] for n in names]
+                for name in names:
+                    kind = value_kind(values[program.index, name])
+                    if kind is not None:
+                        program.kinds[name] = kind
+                        self.parts.stages[dst].kinds[name] = kind
+
+    def edge_specs(self, inputs: Sequence[Any] | torch.Tensor) -> dict[Tag, list[TensorSpec]]:
+        """Shapes and dtypes of every message of microbatch 0 for a minibatch like `inputs`."""
+        from pdcompile.runtime.stage_runtime import _encode
+
+        values = self._example_values(inputs)
+        out: dict[Tag, list[TensorSpec]] = {}
+        for program in self.parts.stages:
+            for dst, names in program.sends.items():
+                acts = [_encode(values[program.index, n], n) for n in names]
                 out[Tag("act", program.index, dst, 0)] = [
                     TensorSpec(tuple(t.shape), t.dtype) for t in acts]
                 out[Tag("grad", dst, program.index, 0)] = [
-                    TensorSpec(tuple(t.shape), t.dtype) for t in acts if t.is_floating_point()]
+                    TensorSpec(tuple(t.shape), t.dtype) for t, n in zip(acts, names, strict=True)
+                    if t.is_floating_point() and n not in program.kinds]
         return out
 
     # ------------------------------------------------------------------ elsewhere

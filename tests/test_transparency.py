@@ -202,3 +202,10 @@ def test_gpt2_tied_embeddings_three_stages() -> None:
 
 def test_gpt2_replicated_middle_stage() -> None:
     check(gpt_case(), schedule="1f1b-flush", micro=4, plan=[1, 2, 1])
+
+
+def test_gpt2_four_stages_integer_positions_cross_stages() -> None:
+    case = gpt_case()
+    pipe = check(case, schedule="gpipe", micro=2, plan=4)
+    dtypes = {spec.dtype for specs in pipe.edge_specs(case[1]).values() for spec in specs}
+    assert torch.int64 in dtypes and torch.float32 in dtypes  # positions travel with activations

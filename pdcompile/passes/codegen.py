@@ -31,7 +31,7 @@ _CALLS = {
     Kind.ALLREDUCE: "all_reduce({n})",
     Kind.STEP: "step({n})",
 }
-MAX_PERIOD = 32
+MAX_PERIOD = 96
 MIN_REPEATS = 3
 
 

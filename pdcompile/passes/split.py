@@ -48,7 +48,9 @@ class StageProgram:
     `inputs[i]` feeds the module's i-th placeholder; `outputs` are the names of the values its
     forward returns (a tuple, in this order); `receives[src]` / `sends[dst]` are the value names
     exchanged with another stage, in message order; `param_names[name]` and `buffer_names[name]`
-    give the model's qualified names of each of the module's parameters and buffers.
+    give the model's qualified names of each of the module's parameters and buffers; `kinds`
+    names the exchanged values that are not tensors (e.g. the int of `x.size(1)`), which travel
+    as 0-d tensors (filled in by Pipeline from an example run).
     """
 
     index: int
@@ -59,6 +61,7 @@ class StageProgram:
     sends: dict[int, tuple[str, ...]] = field(default_factory=dict)
     param_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     buffer_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    kinds: dict[str, str] = field(default_factory=dict)  # exchanged non-tensors: "int", "size"...
 
     @property
     def data_inputs(self) -> tuple[str, ...]:

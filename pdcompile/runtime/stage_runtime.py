@@ -64,6 +64,7 @@ class StageIO(Protocol):
     outputs: tuple[str, ...]
     receives: dict[int, tuple[str, ...]]
     sends: dict[int, tuple[str, ...]]
+    kinds: dict[str, str]
 
 
 class DataSource(Protocol):
@@ -173,7 +174,8 @@ class StageRuntime:
         if self._carries_version():
             self._sync_version[microbatch] = int(got[-1].item())
             got = got[:-1]
-        leaves = [t.detach().requires_grad_(True) if t.is_floating_point() else t for t in got]
+        leaves = [_decode(t, self.io.kinds.get(name))
+                  for name, t in zip(self.io.receives[src], got, strict=True)]
         self._received.setdefault(microbatch, {})[src] = leaves
         self._record(Kind.RECV_F, microbatch, src, start)
 
@@ -181,7 +183,7 @@ class StageRuntime:
         """Send `dst` stage the values it needs from this stage's forward of `microbatch`."""
         start = time.time()
         entry = self.stash.get(microbatch)
-        tensors = [entry.values[name].detach() for name in self.io.sends[dst]]
+        tensors = [_encode(entry.values[name], name) for name in self.io.sends[dst]]
         if self._carries_version():
             tensors.append(torch.tensor(entry.version, dtype=torch.int64))
         self.transport.send(tensors, self._peer_rank(dst, microbatch),
@@ -220,11 +222,11 @@ class StageRuntime:
         return self.versions.current
 
     def _arguments(self, microbatch: int, received: dict[int, list[torch.Tensor]]) -> list[Any]:
-        by_name: dict[tuple[int, str], torch.Tensor] = {}
+        by_name: dict[tuple[int, str], Any] = {}
         for src, tensors in received.items():
             for name, tensor in zip(self.io.receives[src], tensors, strict=True):
                 # a non-leaf copy: the stage may modify its input in place (ReLU(inplace=True))
-                by_name[src, name] = tensor.clone() if tensor.requires_grad else tensor
+                by_name[src, name] = tensor.clone() if _carries_grad(tensor) else tensor
         data = self.data.inputs(microbatch) if any(r.stage is None for r in self.io.inputs) \
             else {}
         return [data[ref.name] if ref.stage is None else by_name[ref.stage, ref.name]
@@ -308,7 +310,8 @@ class StageRuntime:
         if not self.config.stash:  # no stashing: recompute with the latest weights
             for tensors in entry.received.values():
                 for t in tensors:
-                    t.grad = None
+                    if isinstance(t, torch.Tensor):
+                        t.grad = None
             entry.params = self.params
             self._run(entry, microbatch)
         if self._fresh:
@@ -321,9 +324,10 @@ class StageRuntime:
             roots.append(entry.loss * self.config.loss_scale)
             grads.append(None)
         for dst, received in self._grads_in.pop(microbatch, {}).items():
-            for name, grad in zip(self.io.sends[dst], received, strict=True):
+            floating = [n for n in self.io.sends[dst] if _carries_grad(entry.values[n])]
+            for name, grad in zip(floating, received, strict=True):  # only floats get gradients
                 value = entry.values[name]
-                if isinstance(value, torch.Tensor) and value.requires_grad:
+                if value.requires_grad:
                     roots.append(value)
                     grads.append(grad)
         if roots:
@@ -331,7 +335,7 @@ class StageRuntime:
         out: dict[int, list[torch.Tensor]] = {}
         for src, tensors in entry.received.items():
             out[src] = [t.grad if t.grad is not None else torch.zeros_like(t)
-                        for t in tensors if t.is_floating_point()]
+                        for t in tensors if _carries_grad(t)]
         if out:
             self._grads_out[microbatch] = out
         self._collect(entry.params)
@@ -411,6 +415,44 @@ class StageRuntime:
         self.versions.clear()
 
 
+def _carries_grad(value: Any) -> bool:
+    """Floating-point tensors travel with gradients; ints, masks and Python numbers do not."""
+    return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _encode(value: Any, name: str) -> torch.Tensor:
+    """A value as a tensor for the transport (Python numbers and sizes as 0-d / 1-d tensors)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, bool | int | float):
+        return torch.tensor(value)
+    if isinstance(value, torch.Size | tuple | list) and all(isinstance(v, int) for v in value):
+        return torch.tensor(list(value), dtype=torch.int64)
+    raise PipelineInputError(f"value {name!r} ({type(value).__name__}) crosses stages, but only "
+                             "tensors, numbers and sizes can; move the cut so that it stays "
+                             "inside one stage")
+
+
+def _decode(tensor: torch.Tensor, kind: str | None) -> Any:
+    """Inverse of `_encode`; received floating tensors become leaves that collect gradients."""
+    if kind is None:
+        return tensor.detach().requires_grad_(True) if tensor.is_floating_point() else tensor
+    if kind == "size":
+        return torch.Size(tensor.tolist())
+    if kind in ("tuple", "list"):
+        return {"tuple": tuple, "list": list}[kind](tensor.tolist())
+    return {"int": int, "float": float, "bool": bool}[kind](tensor.item())
+
+
+def value_kind(value: Any) -> str | None:
+    """How a non-tensor value travels (None for tensors); see `_encode`."""
+    if isinstance(value, torch.Tensor):
+        return None
+    if isinstance(value, torch.Size):
+        return "size"
+    return type(value).__name__
+
+
 def _unique(tensors: Any) -> list[torch.Tensor]:
     seen: set[int] = set()
     out = []
@@ -421,4 +463,5 @@ def _unique(tensors: Any) -> list[torch.Tensor]:
     return out
 
 
-__all__ = ["DataSource", "RunConfig", "StageIO", "StageRuntime", "TieGroup", "ValueSource"]
+__all__ = ["DataSource", "RunConfig", "StageIO", "StageRuntime", "TieGroup", "ValueSource",
+           "value_kind"]
