@@ -8,6 +8,7 @@ slow run caused by the OS or the allocator).
 
 from __future__ import annotations
 
+import functools
 import statistics
 import time
 from abc import ABC, abstractmethod
@@ -106,7 +107,7 @@ def measure(timer: Timer, fn: Callable[[Any], Any], *, setup: Callable[[], Any] 
     samples: list[float] = []
     for i in range(warmup + repeats):
         arg = setup() if setup is not None else None
-        seconds = timer.time(lambda arg=arg: fn(arg))
+        seconds = timer.time(functools.partial(fn, arg))
         if i >= warmup:
             samples.append(seconds)
     return float(STATISTICS[statistic](samples))

@@ -1,0 +1,150 @@
+"""Cost-pass fidelity: is the sum of the measured per-node times the time of the whole model?
+
+For each bundled example at its default size: the measured cost pass (every node timed alone,
+forward and backward, from its recorded inputs) against the whole model's forward + backward,
+timed in the same run, with the wall clock and with the process's CPU time. The issue's bound
+is 35%. Also: the analytic cost pass's FLOPs, and GPT-2 XL on `meta` (time and peak RSS of
+trace + shapes + analytic costs, in a fresh process).
+
+    python benchmarks/cost_fidelity.py                 # writes benchmarks/results/cost.md
+    python benchmarks/cost_fidelity.py --models gpt2 --out -
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = ("vgg16", "resnet50", "alexnet", "gnmt", "gpt2")
+
+XL_SCRIPT = """
+import json, resource, time, torch
+torch.set_num_threads(1)
+start = time.perf_counter()
+from pdcompile.models import gpt2
+from pdcompile.passes.cost import annotate_costs, total_cost, to_cost_graph
+from pdcompile.passes.shapes import annotate_shapes
+from pdcompile.passes.trace import trace
+model, inputs = gpt2.factory(size="xl", batch_size=1, device="meta")
+gm = trace(model)
+annotate_shapes(gm, inputs)
+annotate_costs(gm, inputs, source="analytic", device="h100")
+t = total_cost(gm)
+print(json.dumps({"seconds": time.perf_counter() - start, "nodes": len(gm.graph.nodes),
+                  "params": t.params, "flops_fwd": t.flops_fwd, "flops_bwd": t.flops_bwd,
+                  "fwd": t.fwd, "bwd": t.bwd, "keep": t.keep,
+                  "rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))
+"""
+
+
+def _row(name: str, clock: str, warmup: int, repeats: int) -> dict[str, float | str]:
+    import torch
+
+    from pdcompile.passes.cost import annotate_costs, measure_model, total_cost
+    from pdcompile.passes.trace import trace
+
+    torch.manual_seed(0)
+    module = importlib.import_module(f"pdcompile.models.{name}")
+    model, inputs = module.factory()
+    gm = trace(model)
+    start = time.perf_counter()
+    annotate_costs(gm, inputs, clock=clock, warmup=warmup, repeats=repeats)
+    pass_seconds = time.perf_counter() - start
+    nodes = total_cost(gm)
+    fwd, bwd = measure_model(model, inputs, clock=clock, warmup=warmup, repeats=2 * repeats)
+    analytic = total_cost(annotate_costs(gm, inputs, source="analytic"))
+    return {"model": name, "clock": clock, "nodes": len(gm.graph.nodes) - 1,
+            "node_fwd": nodes.fwd, "node_bwd": nodes.bwd, "whole_fwd": fwd, "whole_bwd": bwd,
+            "ratio": (nodes.fwd + nodes.bwd) / (fwd + bwd), "pass_seconds": pass_seconds,
+            "gflops": (analytic.flops_fwd + analytic.flops_bwd) / 1e9}
+
+
+def _xl() -> dict[str, float]:
+    done = subprocess.run([sys.executable, "-c", XL_SCRIPT], capture_output=True, text=True,
+                          timeout=600, check=True, cwd=ROOT)
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def main() -> None:
+    """Run and print (and write) the tables."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="*", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--no-xl", action="store_true", help="skip the GPT-2 XL meta run")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cost.md"),
+                        help="markdown file to write, '-' for none")
+    args = parser.parse_args()
+
+    import torch
+
+    torch.set_num_threads(1)
+    lines = [
+        "| model | clock | nodes | sum of nodes fwd / bwd (ms) | whole model fwd / bwd (ms) "
+        "| sum / whole | cost pass (s) | analytic GFLOP (fwd+bwd) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    print(lines[0])
+    print(lines[1])
+    for name in args.models:
+        for clock in ("wall", "cpu"):
+            r = _row(name, clock, args.warmup, args.repeats)
+            line = (f"| {name} | {clock} | {r['nodes']} | {1e3 * float(r['node_fwd']):.2f} / "
+                    f"{1e3 * float(r['node_bwd']):.2f} | {1e3 * float(r['whole_fwd']):.2f} / "
+                    f"{1e3 * float(r['whole_bwd']):.2f} | {float(r['ratio']):.2f} | "
+                    f"{float(r['pass_seconds']):.1f} | {float(r['gflops']):.3f} |")
+            lines.append(line)
+            print(line, flush=True)
+    if not args.no_xl:
+        xl = _xl()
+        lines += [
+            "",
+            "GPT-2 XL on `meta` (batch 1 x 1024 tokens), trace + shapes + analytic costs on h100, "
+            "fresh process:",
+            "",
+            "| fx nodes | parameters | fwd / bwd GFLOP | predicted fwd / bwd (ms, h100) | "
+            "activations kept for backward | wall time | peak RSS |",
+            "|---|---|---|---|---|---|---|",
+            f"| {xl['nodes']:.0f} | {xl['params'] / 4 / 1e9:.3f} B | "
+            f"{xl['flops_fwd'] / 1e9:.0f} / {xl['flops_bwd'] / 1e9:.0f} | "
+            f"{1e3 * xl['fwd']:.1f} / {1e3 * xl['bwd']:.1f} | {xl['keep'] / 2**30:.1f} GiB | "
+            f"{xl['seconds']:.1f} s | {xl['rss'] / 2**20:.0f} MiB |",
+        ]
+        print("\n".join(lines[-6:]))
+    if args.out != "-":
+        header = (
+            "# Cost pass fidelity\n\n"
+            f"Machine: {platform.machine()} VM, 2 cores shared with other jobs, torch "
+            f"{torch.__version__}, one torch thread. Command: `python benchmarks/cost_fidelity.py"
+            f"` (warm-up {args.warmup}, {args.repeats} repeats per node, median; whole model "
+            f"{2 * args.repeats} repeats, median). Models at their default `factory()` size.\n\n"
+            "\"sum / whole\" is the sum of every node's measured forward and backward time over "
+            "the whole model's measured forward + backward (issue 2's bound: within 35%, i.e. "
+            "0.65-1.35). `wall` is time.perf_counter; `cpu` is the process's CPU time, which "
+            "other processes on this shared machine do not inflate.\n\n"
+        )
+        footer = (
+            "\nReading it: each node is timed alone from the inputs it received in a real "
+            "forward pass, its backward by autograd of that node alone (same requires_grad "
+            "pattern as in the model); the cost of one timed call and one autograd run on a "
+            "no-op (measured at the start) is subtracted per node. A wall-clock row far from 1 "
+            "while the CPU-time row of the same model is close means other jobs took the "
+            "cores during that measurement (the whole-model time inflates most, as one sample "
+            "spans several scheduler slices). tests/test_cost.py asserts the 35% bound in CPU "
+            "time for vgg16, gpt2, resnet50 and gnmt (smaller sizes), and the GPT-2 XL peak "
+            "RSS below 1 GB.\n"
+        )
+        Path(args.out).write_text(header + "\n".join(lines) + "\n" + footer)
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()
