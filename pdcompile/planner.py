@@ -88,7 +88,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         model_graph, model_mapping = cost_graph, None
         if cost_graph.number_of_nodes() > ILP_AUTO_NODES:
             model_graph, model_mapping = _coarse_with_pinned(cost_graph, ILP_AUTO_NODES)
-        if planner == "ilp" or model_graph.number_of_nodes() <= ILP_AUTO_NODES:
+        blocks = model_graph.number_of_nodes() - len(_pinned_inputs(cost_graph))
+        if planner == "ilp" or blocks <= ILP_AUTO_NODES:
             from pdcompile.passes.partition.ilp import improve
 
             result = improve(cost_graph, cluster, result, options=options, memory=limit,
@@ -114,7 +115,7 @@ def _memory(memory: float | str | None, cluster: Cluster, cost_model: str) -> fl
 def _planning_graph(graph: nx.DiGraph, cost_model: str,
                     ) -> tuple[nx.DiGraph, dict[str, str | None]]:
     """The graph the DP sees and the nodes left out of it (-> the node whose stage they join,
-    None for the first stage). Native: inputs (sources with no cost) are pinned to the first
+    None for the first stage). Native: inputs (costmodel.input_nodes) are pinned to the first
     stage; their traffic to later stages is still charged (dp.state_tables `pinned`)."""
     if cost_model == "pipedream":
         from pdcompile.passes.partition.costmodel import pipedream_view
@@ -124,12 +125,10 @@ def _planning_graph(graph: nx.DiGraph, cost_model: str,
 
 
 def _pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
-    pinned = tuple(
-        n for n in topological_order(graph)
-        if graph.in_degree(n) == 0 and graph.out_degree(n) > 0
-        and not any(float(graph.nodes[n][k]) for k in ("fwd", "bwd", "params"))
-    )
-    return pinned if len(pinned) < graph.number_of_nodes() else ()
+    from pdcompile.passes.partition.costmodel import input_nodes
+
+    pinned = set(input_nodes(graph))
+    return tuple(n for n in topological_order(graph) if n in pinned)
 
 
 COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below

@@ -2,7 +2,8 @@
 
 Independent of the DP and CP-SAT code (it shares only the one cost model, costmodel.evaluate):
 stages are the differences of a strictly growing chain of downsets of the graph (so every convex
-ordered partition is tried), zero-cost inputs sit on the first stage as the planners put them,
+ordered partition is tried), inputs (costmodel.input_nodes) sit on the first stage as the cost
+model requires,
 ranks are consecutive, and all workers are used (straight: one worker per stage, any number of
 stages up to the workers).
 """
@@ -16,7 +17,7 @@ import networkx as nx
 
 from pdcompile.cluster import Cluster
 from pdcompile.costgraph import topological_order
-from pdcompile.passes.partition.costmodel import ModelOptions, evaluate
+from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, input_nodes
 
 
 def _downsets(graph: nx.DiGraph, nodes: list[str]) -> list[frozenset[str]]:
@@ -51,10 +52,7 @@ def brute_force(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions,
                 ) -> tuple[float, list[tuple[list[str], tuple[int, ...]]]] | None:
     """The best (time per minibatch, stages) over all plans, or None if no plan fits memory."""
     order = topological_order(graph)
-    pinned = [v for v in order if graph.in_degree(v) == 0 and graph.out_degree(v) > 0
-              and not any(float(graph.nodes[v][k]) for k in ("fwd", "bwd", "params"))]
-    if len(pinned) == len(order):
-        pinned = []
+    pinned = [v for v in order if v in set(input_nodes(graph))]
     core = [v for v in order if v not in pinned]
     full = frozenset(core)
     workers = cluster.workers

@@ -88,3 +88,20 @@ def test_spinner_reports_slow_work_only(monkeypatch: pytest.MonkeyPatch) -> None
     with Spinner("slow", delay=0.05):
         time.sleep(0.3)
     assert "slow ..." in stream.getvalue() and "slow: done in" in stream.getvalue()
+
+
+def test_plan_model_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    source = tmp_path / "tiny.py"
+    source.write_text(
+        "import torch\n"
+        "from torch import nn\n\n\n"
+        "def factory():\n"
+        "    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))\n"
+        "    return model, (torch.randn(8, 16),)\n")
+    code = main(["plan", f"{source}:factory", "--cluster", "2@1e9", "--planner", "dp",
+                 "--analytic", "--json"])
+    result = Plan.from_json(capsys.readouterr().out)
+    assert code == 0
+    nodes = [n for s in result.stages for n in s.nodes]
+    assert len(nodes) == len(set(nodes)) >= 4  # the input and the three layers at least
+    assert sum(s.replicas for s in result.stages) == 2

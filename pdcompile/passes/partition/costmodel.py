@@ -23,7 +23,9 @@ One function, `evaluate`, prices a plan for every planner and every report. Two 
   gradients the other) plus one latency per tensor, divided by r. Memory per worker for 1F1B:
   ``n (P + keep) + P (gradients) + optimizer_state * P`` with n = ceil((r + D) / r) minibatches in
   flight (weight versions stashed = n); flush schedules keep one weight version and min(n, M) of
-  M microbatches. Flush schedules also pay the pipeline bubble, (M + S - 1) / M.
+  M microbatches. Flush schedules also pay the pipeline bubble, (M + S - 1) / M. Inputs (see
+  `input_nodes`) stay on the first stage and cost no compute (a profile's `Input` forward time is
+  data loading, overlapped by the input pipeline); what they feed to later stages is traffic.
 """
 
 from __future__ import annotations
@@ -150,6 +152,19 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int,
                      in_flight(r, downstream, options), weight_versions(r, downstream, options))
 
 
+# ------------------------------------------------------------------------------ inputs
+def input_nodes(graph: nx.DiGraph) -> tuple[str, ...]:
+    """The graph's inputs under the native model: sources without parameters or backward work
+    (fx placeholders, PipeDream's `Input` nodes). They live on the first stage and cost no
+    compute there: a PipeDream profile's `Input` forward time is data loading, which the input
+    pipeline overlaps with training. What they feed to later stages is charged as traffic.
+    Empty when every node is such a source."""
+    found = tuple(n for n in graph.nodes
+                  if graph.in_degree(n) == 0 and graph.out_degree(n) > 0
+                  and not float(graph.nodes[n]["params"]) and not float(graph.nodes[n]["bwd"]))
+    return found if len(found) < graph.number_of_nodes() else ()
+
+
 # ------------------------------------------------------------------------------ pipedream graph
 def pipedream_view(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str | None]]:
     """The graph PipeDream's optimizer plans over: `Input*` sources and unused `__getitem__` sinks
@@ -215,13 +230,18 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
         view = graph
     count = len(stages)
     ranks = [tuple(r) for _, r in stages]
+    inputs = set(input_nodes(view)) if options.cost_model == "native" else set()
+    misplaced = [n for n in inputs if stage_of[n] != 0]
+    if misplaced:
+        raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
     workers_after = [sum(len(ranks[j]) for j in range(i + 1, count)) for i in range(count)]
     compute = [0.0] * count
     params = [0.0] * count
     keep = [0.0] * count
     for node, data in view.nodes(data=True):
         i = stage_of[node]
-        compute[i] += float(data["fwd"]) + float(data["bwd"])
+        if node not in inputs:
+            compute[i] += float(data["fwd"]) + float(data["bwd"])
         params[i] += float(data["params"])
         keep[i] += float(data["act"] if options.cost_model == "pipedream"
                          else data.get("keep", data["act"]))
@@ -263,7 +283,9 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
 def data_parallel_time(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions) -> float:
     """Time per minibatch of plain data parallelism over every worker of the cluster."""
     view = pipedream_view(graph)[0] if options.cost_model == "pipedream" else graph
-    total = sum(float(d["fwd"]) + float(d["bwd"]) for _, d in view.nodes(data=True))
+    inputs = set(input_nodes(view)) if options.cost_model == "native" else set()
+    total = sum(float(d["fwd"]) + float(d["bwd"]) for n, d in view.nodes(data=True)
+                if n not in inputs)
     params = sum(float(d["params"]) for _, d in view.nodes(data=True))
     if options.cost_model == "pipedream":
         # The original's recursion: each level all-reduces, divided by the workers inside.

@@ -81,7 +81,9 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
         member[i, :len(states.order)] = [(bits >> v) & 1 for v in range(len(states.order))]
     member[:, len(states.order):] = 1.0
     node = [graph.nodes[x] for x in order]
-    comp = np.array([float(d["fwd"]) + float(d["bwd"]) for d in node])
+    pinned_set = set(pinned)  # inputs: no compute (costmodel.input_nodes)
+    comp = np.array([0.0 if x in pinned_set else float(d["fwd"]) + float(d["bwd"])
+                     for x, d in zip(order, node, strict=True)])
     par = np.array([float(d["params"]) for d in node])
     act = np.array([float(d["act"]) for d in node])
     keep = np.array([float(d.get("keep", d["act"])) for d in node])

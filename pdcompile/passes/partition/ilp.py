@@ -24,7 +24,7 @@ import networkx as nx
 from pdcompile.cluster import Cluster
 from pdcompile.costgraph import edge_bytes, topological_order
 from pdcompile.errors import PlanError
-from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, placement
+from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, input_nodes, placement
 from pdcompile.plan import Plan
 
 SCALE_UNITS = 1e9  # integer units for the largest possible stage time
@@ -77,13 +77,11 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
     order = topological_order(graph)
     nodes = list(order)
     workers = cluster.workers
-    pinned = [v for v in nodes if graph.in_degree(v) == 0 and graph.out_degree(v) > 0
-              and not any(float(graph.nodes[v][k]) for k in ("fwd", "bwd", "params"))]
-    if len(pinned) == len(nodes):
-        pinned = []
+    pinned = list(input_nodes(graph))
     stages = min(workers, len(nodes) - len(pinned))
     edges = [(u, v, edge_bytes(graph, u, v)) for u, v in graph.edges]
-    comp = {v: float(graph.nodes[v]["fwd"]) + float(graph.nodes[v]["bwd"]) for v in nodes}
+    comp = {v: 0.0 if v in pinned else float(graph.nodes[v]["fwd"]) + float(graph.nodes[v]["bwd"])
+            for v in nodes}
     par = {v: float(graph.nodes[v]["params"]) for v in nodes}
     keep = {v: float(graph.nodes[v].get("keep", graph.nodes[v]["act"])) for v in nodes}
     coef = {(a, k): placement(cluster, a, k, workers, options)
@@ -171,6 +169,9 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
                     unit = mem_limit / 1e9  # memory in billionths of the limit
                     model.add(sum(math.ceil(per_node[v] / unit) * x[v, s] for v in nodes)
                               <= 1_000_000_000).only_enforce_if(zz)
+    # a valid cut that tightens the bound: the workers share all the compute, so the slowest
+    # stage takes at least total compute / workers (less a margin for the coefficients' rounding)
+    model.add(t >= math.floor(scale * sum(comp.values()) / workers) - len(nodes) - 1)
     model.minimize(t)
     # symmetry is broken by the ordering of stages; hint the DP's plan
     if hint is not None:
