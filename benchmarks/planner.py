@@ -22,7 +22,36 @@ PROFILES = ROOT.parent / "shared" / "profiles" / "pipedream"
 CLUSTERS = ("4@1e9", "8@1e9", "16@1e9", "4x4@1e10,1.25e9")
 
 
-def _row(model: str, cluster: str, ilp_limit: float) -> dict[str, object]:
+NOTES = """
+## Reading the table
+
+* **pipedream DP**: `pdcompile.plan(..., planner="dp", cost_model="pipedream")`, the original
+  optimizer's cost model and recurrence. It reproduces every figure quoted in
+  `../shared/profiles/pipedream/README.md` (times per minibatch, configurations, speed-ups over
+  data parallelism; asserted in tests/test_partition_costmodel.py): vgg16 4 -> 3-1 0.2055 s,
+  vgg16 16 -> 13-2-1 0.0565 s, alexnet 4 -> 3-1 0.0342 s, resnet50 4 -> 2 stages 0.1629 s,
+  resnet50 16 -> 7-6-3 0.0478 s, densenet121 8 -> 5-2-1 0.0471 s, gnmt 4 straight 0.0259 s,
+  gnmt_large 4 straight 0.1371 s, vgg16 4x4 0.0671 s, resnet101 8x2 7 stages 0.0439 s.
+  The original's state counts (VGG-16 40, AlexNet 22, ResNet-50 240, GNMT 99, GNMT-16 1495) are
+  reproduced too. Graphs with more than 6000 antichain states (inception_v3, the nasnets) are
+  coarsened (chains fused) and, if still too branched, linearised (prefixes of a topological
+  order): those rows are heuristic, and the original could not plan them at all.
+* **native DP / CP-SAT**: our model (ring all-reduce, asynchronous sends overlapped with compute,
+  per-level bandwidth, weight stashing and optimizer state in memory, V100 16 GiB per worker).
+  The DP is exact over all downsets where their number fits its budget (resnets, densenet, vgg,
+  alexnet, squeezenet); otherwise PipeDream's antichains, or a coarsened / linearised graph.
+  CP-SAT runs on the graph coarsened to 60 blocks, warm-started from the DP and never returns a
+  worse plan; "OPTIMAL" certifies the optimum over plans that keep those blocks whole.
+* `*`: plain data parallelism does not fit the memory limit under the native model (the
+  profiles' activation sizes summed over all layers exceed 16 GiB for most CNNs at their batch
+  sizes), so the speed-up over it compares with an infeasible baseline; the planned
+  configurations do fit.
+* The pipedream model reports its own objective; on two-level clusters that is the original's
+  recursive figure (a level's stage time is the best pipeline of the level below).
+"""
+
+
+def _row(model: str, cluster: str, ilp_limit: float, repeats: int) -> dict[str, object]:
     import pdcompile
     from pdcompile.errors import PdcompileError
     from pdcompile.profiles import load_pipedream
@@ -32,14 +61,17 @@ def _row(model: str, cluster: str, ilp_limit: float) -> dict[str, object]:
     for key, kwargs in (("pd", {"planner": "dp", "cost_model": "pipedream"}),
                         ("dp", {"planner": "dp"}),
                         ("ilp", {"planner": "ilp", "time_limit": ilp_limit})):
-        started = time.perf_counter()
+        seconds = []
         try:
-            result = pdcompile.plan(graph, cluster, **kwargs)  # type: ignore[arg-type]
+            for _ in range(1 if key == "ilp" else repeats):  # the DP: best of `repeats` runs
+                started = time.perf_counter()
+                result = pdcompile.plan(graph, cluster, **kwargs)  # type: ignore[arg-type]
+                seconds.append(time.perf_counter() - started)
         except PdcompileError as err:
             row[key] = f"error: {err}"
             continue
         row[key] = {
-            "seconds": time.perf_counter() - started, "time": result.time_per_minibatch,
+            "seconds": min(seconds), "time": result.time_per_minibatch,
             "config": result.config, "stages": len(result.stages),
             "speedup": result.speedup_over_dp, "status": result.status, "gap": result.gap,
             "states": result.extra.get("states", ""), "dp_fits": result.extra.get("dp_fits"),
@@ -68,6 +100,7 @@ def main() -> int:
     parser.add_argument("--models", nargs="*", default=None)
     parser.add_argument("--clusters", nargs="*", default=list(CLUSTERS))
     parser.add_argument("--ilp-limit", type=float, default=10.0)
+    parser.add_argument("--repeats", type=int, default=3, help="DP timings: best of this many")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.md"))
     args = parser.parse_args()
     import torch
@@ -84,7 +117,8 @@ def main() -> int:
         "",
         f"Machine: {platform.machine()} {platform.processor() or ''} ({_cpus()} cores), "
         f"Python {platform.python_version()}, this VM; one process, numpy single-threaded use.",
-        "Times: planner wall time (s) of one `pdcompile.plan` call; predicted time per minibatch "
+        f"Times: planner wall time (s) of one `pdcompile.plan` call (DP: best of {args.repeats}); "
+        "predicted time per minibatch "
         "(ms); config; speed-up over data parallelism on the same cluster and cost model. "
         f"CP-SAT limit {args.ilp_limit:g} s (model building included), warm-started from the "
         "native DP; 'vs DP' is the DP's predicted time over CP-SAT's.",
@@ -96,14 +130,14 @@ def main() -> int:
     print("\n".join(lines), flush=True)
     for model in models:
         for cluster in args.clusters:
-            row = _row(model, cluster, args.ilp_limit)
+            row = _row(model, cluster, args.ilp_limit, args.repeats)
             native_dp = row["dp"]
             dp_time = native_dp["time"] if isinstance(native_dp, dict) else None
             line = (f"| {model} | {cluster} | {_fmt(row['pd'])} | {_fmt(row['dp'])} | "
                     f"{_fmt(row['ilp'], ilp=True, dp_time=dp_time)} |")
             lines.append(line)
             print(line, flush=True)
-    text = "\n".join(lines) + "\n"
+    text = "\n".join(lines) + "\n" + NOTES
     if args.out != "-":
         Path(args.out).write_text(text)
         print(f"wrote {args.out}", file=sys.stderr)
