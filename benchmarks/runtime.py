@@ -263,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             times[name] += CONFIGS[name][1](1, args.steps, args.warmup)
     rows: list[tuple[str, str, float, list[float]]] = []
     for name in names:
-        rates = [args.steps * MINIBATCH / t for t in times[name]]
+        rates = [args.steps * MINIBATCH / t for t in times[name] if t > 0] or [0.0]
         rows.append((name, CONFIGS[name][0], statistics.median(rates), rates))
         print(f"{name:<11} {statistics.median(rates):8.1f} samples/s  "
               f"rounds: {' '.join(f'{r:.0f}' for r in rates)}", file=sys.stderr, flush=True)
