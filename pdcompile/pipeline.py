@@ -38,6 +38,16 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
     return torch.optim.SGD(params, lr=0.01)
 
 
+class NoParameters(torch.optim.Optimizer):
+    """The optimizer of a stage without parameters (pooling, activations): steps do nothing."""
+
+    def __init__(self) -> None:
+        super().__init__([torch.zeros(0, requires_grad=True)], {"lr": 0.0})
+
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
+        """Nothing to update."""
+
+
 @dataclass
 class RankState:
     """What one worker keeps between runs: its stage module copy and its optimizer."""
@@ -125,7 +135,8 @@ class Pipeline:
                     param_order: Sequence[str] | None = None) -> RankState:
         named = dict(module.named_parameters())
         order = tuple(param_order) if param_order is not None else tuple(named)
-        optimizer = self.optimizer_factory([named[n] for n in order])
+        params = [named[n] for n in order]
+        optimizer = self.optimizer_factory(params) if params else NoParameters()
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PipelineInputError(f"optimizer must be a callable params -> "
                                      f"torch.optim.Optimizer, e.g. lambda p: torch.optim.SGD(p, "

@@ -215,3 +215,19 @@ def test_message_specs_match_what_is_sent(plan: Any, options: dict[str, Any]) ->
         assert [(tuple(t.shape), t.dtype) for t in got] == [(s.shape, s.dtype) for s in expected]
     for group in pipe.collective_groups():
         assert len(group) > 1
+
+
+def test_stage_without_parameters() -> None:
+    from pdcompile.passes.split import manual_plan
+    from pdcompile.passes.trace import trace
+
+    model = mlp()
+    order = {"_0": 0, "_1": 1, "_2": 2}
+    plan = manual_plan(trace(model), lambda n: order.get(n.name, 0 if n.op == "placeholder"
+                                                             else 2))
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(torch.randn(8, 6),),
+                             loss_fn=mse, plan=plan, schedule="1f1b-flush", microbatches=2)
+    assert list(pipe.stage_modules[1].parameters()) == []
+    batches = data(2)
+    expected = reference_steps(model, batches, 2, lambda p: torch.optim.SGD(p, lr=0.01))
+    torch.testing.assert_close(torch.tensor(pipe.train(batches)), torch.tensor(expected))

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 import pdcompile
-from pdcompile.models import gnmt, gpt2, resnet50, vgg16
+from pdcompile.models import alexnet, gnmt, gpt2, resnet50, vgg16
 from pdcompile.passes.split import manual_plan
 from pdcompile.passes.trace import trace
 
@@ -209,3 +209,10 @@ def test_gpt2_four_stages_integer_positions_cross_stages() -> None:
     pipe = check(case, schedule="gpipe", micro=2, plan=4)
     dtypes = {spec.dtype for specs in pipe.edge_specs(case[1]).values() for spec in specs}
     assert torch.int64 in dtypes and torch.float32 in dtypes  # positions travel with activations
+
+
+def test_alexnet_planned_stages_without_parameters() -> None:
+    model, inputs = alexnet.factory(batch_size=8, image_size=64, width=8)
+    case = (model, inputs, alexnet.make_target(inputs), alexnet.loss_fn)
+    pipe = check(case, schedule="gpipe", micro=2, plan=[1, 2, 1, 1])
+    assert len(pipe.stage_modules) == 4
