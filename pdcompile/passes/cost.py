@@ -339,8 +339,11 @@ def _overheads(timer: Timer, device: torch.device, *, warmup: int, repeats: int,
                statistic: str) -> tuple[float, float]:
     """What timing one node alone adds that the whole model does not pay per node: the timed
     call itself (forward) and one autograd engine run from fresh leaves (backward), measured on
-    an operation that does no work (a view). Subtracted from every node's times."""
+    an operation that does no work (a view). Subtracted from every node's times, so it is
+    measured with at least 3 warm-up runs and 15 repeats whatever the nodes get (a cold first
+    autograd run would otherwise be subtracted from everything)."""
     leaf = torch.ones(1, device=device, requires_grad=True)
+    warmup, repeats = max(warmup, 3), max(repeats, 15)
 
     def setup_b() -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         return _grad_outputs(leaf.detach().requires_grad_().view_as(leaf))
