@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 
 from pdcompile.backends.local import run_local
-from pdcompile.errors import PipelineInputError, PlanError
+from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
 from pdcompile.ir import Schedule
 from pdcompile.passes.codegen import RankFn, generate_rank, load_rank
 from pdcompile.passes.lower import lower
@@ -94,7 +94,18 @@ class RunInput:
 
 
 class Pipeline:
-    """A compiled pipeline (see DESIGN.md, public contract)."""
+    """A compiled pipeline (see DESIGN.md, public contract).
+
+    A backend runs one rank of one run like this (the local backend does it for all ranks)::
+
+        run = pipe.prepare(batches)                 # data + shape of the run
+        rt = pipe.runtime(rank, config=pipe.run_config(run.per_minibatch), transport=t,
+                          data=run.data, specs=pipe.spec_function(batches[0][0]))
+        program = pipe.rank_function(rank, run.microbatches, run.per_minibatch)(rt)
+        ...drive the generator...; rt.finish(); losses: rt.losses on the last stage
+
+    The transport needs a collective group for each of `pipe.collective_groups()`.
+    """
 
     def __init__(self, *, graph: fx.GraphModule | None, plan: Plan, parts: SplitResult,
                  schedule: str = "1f1b", microbatches: int | None = None,
@@ -314,7 +325,7 @@ class Pipeline:
             rt.finish()
         left = boxes.pending()
         if left:
-            raise PipelineInputError(f"messages never received: {left[:4]}")
+            raise ScheduleError(f"the schedule sent messages nobody received: {left[:4]}")
         self.last_runtimes = runtimes
         if recorders:
             self.last_timeline = Timeline.merge([rec.timeline() for rec in recorders.values()],
