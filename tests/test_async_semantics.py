@@ -173,18 +173,20 @@ def test_1f1b_without_stashing_differs_from_reference() -> None:
     assert gap > 1e-4, "without stashing the backward must see newer weights"
 
 
-def test_1f1b_vertical_sync_matches_reference() -> None:
+@pytest.mark.parametrize(("stages", "replicas"), [(4, [1, 1, 1, 1]), (2, [2, 2])])
+def test_1f1b_vertical_sync_matches_reference(stages: int, replicas: list[int]) -> None:
     model = make_model()
     data = batches(8)
-    pipe = build(copy.deepcopy(model), 4, None, schedule="1f1b", optimizer=sgd_momentum,
-                 vertical_sync=True)
+    pipe = build(copy.deepcopy(model), stages, replicas, schedule="1f1b",
+                 optimizer=sgd_momentum, vertical_sync=True)
     losses = pipe.train(data)
-    ref_losses, ref_weights = reference_1f1b(model, data, 4, [1] * 4, sgd_momentum,
+    ref_losses, ref_weights = reference_1f1b(model, data, stages, replicas, sgd_momentum,
                                              vertical_sync=True)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     assert_weights(pipe, ref_weights)
-    plain, _ = reference_1f1b(model, data, 4, [1] * 4, sgd_momentum)
+    plain, _ = reference_1f1b(model, data, stages, replicas, sgd_momentum)
     assert not torch.allclose(torch.tensor(plain), torch.tensor(ref_losses))
+    assert all(rt.versions.held == [] for rt in pipe.last_runtimes.values())
 
 
 @pytest.mark.parametrize(("stages", "replicas", "micro"), [
