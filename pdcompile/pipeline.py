@@ -221,7 +221,10 @@ class Pipeline:
     def summary(self) -> str:
         """The plan's table plus the schedule, the stage edges and the tied parameters."""
         lines = [self.plan.summary(), ""]
-        lines.append(f"schedule {self.schedule_name}, {self.microbatches} microbatches"
+        shape = (f"minibatches stream through, {self.microbatches} in the exported loop"
+                 if self.schedule_name == "1f1b" else
+                 f"{self.microbatches} microbatches per minibatch")
+        lines.append(f"schedule {self.schedule_name}, {shape}"
                      + (", vertical sync" if self.vertical_sync else "")
                      + ("" if self.stash else ", NO weight stashing"))
         for program in self.parts.stages:
