@@ -2,10 +2,12 @@
 node, from one of two sources behind one interface, and the CostGraph the planner reads.
 
 - "measured": each node is run on its own with the inputs it received in a real forward pass,
-  timed with CUDA events on a GPU or the wall clock on a CPU (warm-up, repeats, median). Its
-  backward is measured the same way: autograd of that node alone, from its recorded inputs,
-  with the same requires_grad pattern as in the whole model (PipeDream profiles per layer this
-  way, Narayanan et al., SOSP 2019, section 3.1).
+  timed with CUDA events on a GPU or the wall clock (or the process's CPU time) on a CPU
+  (warm-up, repeats, median). Its backward is measured the same way: autograd of that node
+  alone, from its recorded inputs, with the same requires_grad pattern as in the whole model
+  (PipeDream's profiler records per-layer forward and backward times, Narayanan et al., SOSP
+  2019, section 3.1). What timing a node alone adds (one timed call, one autograd run, measured
+  on a no-op) is subtracted, so that the node times add up to the whole model's time.
 - "analytic": FLOPs from torch.utils.flop_counter.FlopCounterMode and bytes moved by every aten
   operation, forward and backward, on a roofline of a device model (max of compute time and
   memory time). Runs on fake tensors, so a model on the `meta` device is costed without memory.
@@ -64,7 +66,7 @@ def annotate_costs(
     a busy machine do not disturb; `timer` overrides the choice; each node's time is the
     `statistic` of `repeats` runs after `warmup`) or "analytic" (on `device`: a Device, a
     Cluster whose device is used, or a device preset name; default v100). Runs the shapes pass
-    first if it has not run.
+    on the same inputs first.
     """
     if source not in SOURCES:
         raise PdcompileError(f"unknown cost source {source!r}; use one of {', '.join(SOURCES)} "
@@ -72,8 +74,7 @@ def annotate_costs(
     if repeats < 1 or warmup < 0:
         raise PdcompileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     values = bind_inputs(gm, tuple(example_inputs), example_kwargs)
-    if not all(has_shape(n) for n in gm.graph.nodes):
-        annotate_shapes(gm, tuple(example_inputs), example_kwargs)
+    annotate_shapes(gm, tuple(example_inputs), example_kwargs)  # these inputs' shapes
     owners = param_owners(gm)
     if source == "measured":
         timer = timer or select_timer(_device_of(gm, values), clock=clock)

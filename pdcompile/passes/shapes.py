@@ -32,7 +32,9 @@ def bind_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
     kwargs = dict(example_kwargs or {})
     if len(example_inputs) > len(placeholders):
         raise PipelineInputError(f"{len(example_inputs)} example inputs given but the traced "
-                                 f"model takes {len(placeholders)} ({', '.join(names)})")
+                                 f"model takes {len(placeholders)} ({', '.join(names)}); inputs "
+                                 "that fill parameters with defaults need "
+                                 f"trace(model, num_positional={len(example_inputs)})")
     values: list[Any] = list(example_inputs)
     for node, name in zip(placeholders[len(values):], names[len(values):], strict=True):
         if name in kwargs:
