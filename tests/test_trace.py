@@ -118,6 +118,19 @@ def test_keyword_input_and_defaults() -> None:
     torch.testing.assert_close(keyed(x, mask=mask), model(x, mask=mask))
 
 
+def test_positional_input_in_a_defaulted_slot() -> None:
+    from pdcompile.errors import PipelineInputError
+    from pdcompile.passes.shapes import annotate_shapes
+
+    model = WithKeyword()
+    x, mask = torch.randn(3, 4), torch.ones(3, 4)
+    with pytest.raises(PipelineInputError, match="num_positional=2"):
+        annotate_shapes(trace(model), (x, mask))
+    gm = trace(model, num_positional=2)
+    assert _ops(gm, "placeholder") == ["x", "mask"]
+    torch.testing.assert_close(gm(x, mask), model(x, mask))
+
+
 def test_tied_parameters_stay_one_parameter() -> None:
     model = Tied()
     gm = trace(model)
