@@ -147,6 +147,8 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
                 model.add(e_out[i, s] >= x[u, s] + after[v, s] - 1)
     mem_limit = math.inf if memory is None else memory
     for s in range(stages):
+        if time.perf_counter() - built > time_limit:  # too big to even build in time
+            return {"status": "MODEL_TOO_BIG", "bound": None, "stages": None}
         for (a, k), c in coef.items():
             zz = z[s, a, k]
             work = [(x[v, s], round(scale * (comp[v] / k + c.sync_per_byte * par[v])))
