@@ -114,7 +114,8 @@ class Cluster:
             size = self.group_size(k)
             if rank_a // size == rank_b // size:
                 return k
-        raise ClusterError(f"ranks {rank_a} and {rank_b} are outside this {self.workers}-worker cluster")
+        raise ClusterError(f"ranks {rank_a} and {rank_b} are outside this "
+                               f"{self.workers}-worker cluster")
 
     def bandwidth_between(self, rank_a: int, rank_b: int) -> float:
         """Bytes/s of the link between two ranks."""
@@ -139,11 +140,13 @@ class Cluster:
         shape = "x".join(str(lv.workers) for lv in self.levels)
         links = ", ".join(format_bandwidth(lv.bandwidth) for lv in self.levels)
         label = f"{self.name}: " if self.name else ""
-        return f"{label}{shape} workers ({links}) of {self.device.name} ({format_bytes(self.device.memory)})"
+        memory = format_bytes(self.device.memory)
+        return f"{label}{shape} workers ({links}) of {self.device.name} ({memory})"
 
     # ----------------------------------------------------------------------------- builders
     @classmethod
-    def flat(cls, workers: int, bandwidth: float | str, device: Device | str | None = None) -> Cluster:
+    def flat(cls, workers: int, bandwidth: float | str,
+             device: Device | str | None = None) -> Cluster:
         """A single level of `workers` all joined by links of `bandwidth` bytes/s."""
         bw = _quantity(bandwidth, "bandwidth", "bandwidth")
         return cls(levels=(Level(workers, bw),), device=_device(device))
@@ -184,7 +187,8 @@ class Cluster:
         head = re.split(r"[@~:]", spec, maxsplit=1)[0]
         if head and not re.fullmatch(r"[0-9x ]+", head):
             if spec != head:
-                raise ClusterError(f"in cluster {text!r}: a preset name ({head!r}) takes no options; "
+                raise ClusterError(f"in cluster {text!r}: a preset name ({head!r}) takes no "
+                                   "options; "
                                    f"write {_EXAMPLE}")
             return cls.preset(head)
         match = re.fullmatch(r"([^@~:]*)(?:@([^~:]*))?(?:~([^:]*))?(?::(.*))?", spec)
@@ -194,13 +198,15 @@ class Cluster:
         counts: list[int] = []
         for part in shape.split("x"):
             if not part.strip().isdigit() or int(part) < 1:
-                raise ClusterError(f"in cluster {text!r}: {part.strip()!r} is not a positive worker "
+                raise ClusterError(f"in cluster {text!r}: {part.strip()!r} is not a positive "
+                                   "worker "
                                    f"count; write {_EXAMPLE}")
             counts.append(int(part))
         n = len(counts)
         bandwidths = _per_level(text, bws, n, "bandwidth", default=1e9)
         latencies = _per_level(text, lats, n, "seconds", default=0.0)
-        levels = tuple(Level(c, b, lat) for c, b, lat in zip(counts, bandwidths, latencies))
+        levels = tuple(Level(c, b, lat) for c, b, lat in zip(counts, bandwidths, latencies,
+                                                                   strict=True))
         try:
             device = _device(dev.strip() if dev else None)
         except ClusterError as err:
@@ -228,7 +234,8 @@ class Cluster:
             raise ClusterError(f"cluster file {file} is not valid {file.suffix[1:] or 'YAML'}: "
                                f"{err}") from None
         if not isinstance(data, dict) or "levels" not in data:
-            raise ClusterError(f"cluster file {file} needs a 'levels' list; a valid file:\n{example}")
+            raise ClusterError(f"cluster file {file} needs a 'levels' list; a valid file:\n"
+                               f"{example}")
         try:
             return cls.from_dict(data)
         except ClusterError as err:
@@ -250,9 +257,11 @@ class Cluster:
             workers = item["workers"]
             if not isinstance(workers, int) or isinstance(workers, bool):
                 raise ClusterError(f"level {i}: workers {workers!r} is not an integer")
-            levels.append(Level(workers, _quantity(item["bandwidth"], "bandwidth", f"level {i} bandwidth"),
-                                _quantity(item.get("latency", 0.0), "seconds", f"level {i} latency")))
-        return cls(levels=tuple(levels), device=_device(data.get("device")), name=str(data.get("name", "")))
+            bandwidth = _quantity(item["bandwidth"], "bandwidth", f"level {i} bandwidth")
+            latency = _quantity(item.get("latency", 0.0), "seconds", f"level {i} latency")
+            levels.append(Level(workers, bandwidth, latency))
+        return cls(levels=tuple(levels), device=_device(data.get("device")),
+                   name=str(data.get("name", "")))
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (base units: bytes, bytes/s, seconds, FLOP/s)."""
@@ -307,7 +316,8 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
 
         return local_device()
     if key not in DEVICES:
-        raise ClusterError(f"unknown device {device!r}; devices are: {', '.join(DEVICES)}, cpu-local")
+        raise ClusterError(f"unknown device {device!r}; devices are: {', '.join(DEVICES)}, "
+                       "cpu-local")
     return DEVICES[key]
 
 

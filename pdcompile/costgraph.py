@@ -67,7 +67,8 @@ def validate(graph: nx.DiGraph) -> None:
                                      f"{', '.join(COST_KEYS)} (use add_block)")
             value = data[key]
             if not isinstance(value, (int, float)) or math.isnan(value) or math.isinf(value):
-                raise CostGraphError(f"node {node!r} has {key}={value!r}; costs must be finite numbers")
+                raise CostGraphError(f"node {node!r} has {key}={value!r}; costs must be finite "
+                                     "numbers")
             if value < 0:
                 raise CostGraphError(f"node {node!r} has negative {key}={value!r}; costs are >= 0 "
                                      "(seconds and bytes)")
@@ -105,7 +106,8 @@ def to_dict(graph: nx.DiGraph) -> dict[str, Any]:
 def from_dict(data: dict[str, Any]) -> nx.DiGraph:
     """Inverse of `to_dict`."""
     if data.get("format") != FORMAT:
-        raise CostGraphError(f"not a CostGraph file (format {data.get('format')!r}, want {FORMAT!r})")
+        raise CostGraphError(f"not a CostGraph file (format {data.get('format')!r}, "
+                             f"want {FORMAT!r})")
     graph = new_cost_graph(data.get("name", ""), data.get("batch_size"))
     for item in data["nodes"]:
         add_block(graph, item["id"], fwd=item["fwd"], bwd=item["bwd"], act=item["act"],

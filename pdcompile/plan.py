@@ -68,7 +68,8 @@ class Plan:
     # ----------------------------------------------------------------------------- views
     @property
     def config(self) -> str:
-        """PipeDream's notation: "15-1" (replicas per stage), "straight", or "16" (data parallel)."""
+        """PipeDream's notation: "15-1" (replicas per stage), "straight", or "16" (data
+        parallel)."""
         replicas = [s.replicas for s in self.stages]
         if len(replicas) > 1 and all(r == 1 for r in replicas):
             return "straight"
@@ -77,7 +78,9 @@ class Plan:
     @property
     def speedup_over_dp(self) -> float:
         """Predicted data-parallel time per minibatch over ours, on the same cluster and model."""
-        return self.dp_time / self.time_per_minibatch if self.time_per_minibatch > 0 else float("inf")
+        if self.time_per_minibatch <= 0:
+            return float("inf")
+        return self.dp_time / self.time_per_minibatch
 
     @property
     def gap(self) -> float | None:
@@ -95,7 +98,8 @@ class Plan:
         return {rank: i for i, stage in enumerate(self.stages) for rank in stage.ranks}
 
     def expanded(self, mapping: dict[str, list[str]]) -> Plan:
-        """The same plan with fused blocks replaced by their member nodes (see costgraph.coarsen)."""
+        """The same plan with fused blocks replaced by their member nodes (see
+        costgraph.coarsen)."""
         stages = tuple(
             replace(s, nodes=tuple(m for node in s.nodes for m in mapping.get(node, [node])))
             for s in self.stages

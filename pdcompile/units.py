@@ -19,7 +19,8 @@ _SECONDS = {"": 1.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "ns": 1e-9}
 _FLOPS = {"": 1.0, "flops": 1.0, "gflops": 1e9, "tflops": 1e12, "pflops": 1e15}
 
 _TABLES = {"bytes": _BYTES, "bandwidth": _BANDWIDTH, "seconds": _SECONDS, "flops": _FLOPS}
-_EXAMPLES = {"bytes": "16GiB", "bandwidth": "10Gbps or 1.25e9", "seconds": "10us", "flops": "15.7TFLOPS"}
+_EXAMPLES = {"bytes": "16GiB", "bandwidth": "10Gbps or 1.25e9", "seconds": "10us",
+             "flops": "15.7TFLOPS"}
 
 
 def parse_quantity(text: str | float | int, kind: str) -> float:

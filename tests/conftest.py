@@ -23,5 +23,6 @@ def _seed() -> None:
 def profiles_dir() -> Path:
     """The shipped PipeDream profiles (../shared/profiles/pipedream)."""
     if not PROFILES.is_dir():
-        pytest.fail(f"the PipeDream profiles are expected at {PROFILES} (../shared beside the repo)")
+        pytest.fail(f"the PipeDream profiles are expected at {PROFILES} (../shared beside "
+                    "the repo)")
     return PROFILES
