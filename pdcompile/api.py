@@ -36,6 +36,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     stash: bool = True,
     vertical_sync: bool = False,
     time_limit: float | None = None,
+    example_target: Any = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
@@ -45,6 +46,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
     `microbatches`: microbatches per minibatch for '1f1b-flush', 'gpipe' and '2bw'; for '1f1b'
     the length of the exported schedule. `stash=False` turns weight stashing off (comparison
     only); `vertical_sync` makes every stage use stage 0's weight version ('1f1b').
+    `example_target`: the target of the example minibatch (optional; exported with it, so that
+    `pdcompile run` can train on the example when no data is given).
     """
     from pdcompile.passes.split import even_plan, split
     from pdcompile.passes.trace import trace
@@ -70,7 +73,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     return Pipeline(graph=gm, plan=chosen, parts=parts, schedule=schedule,
                     microbatches=microbatches, loss_fn=loss_fn, optimizer=optimizer,
                     stash=stash, vertical_sync=vertical_sync, name=type(model).__name__,
-                    example_inputs=inputs)
+                    example_inputs=inputs, example_target=example_target)
 
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str | None, *,

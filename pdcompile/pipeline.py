@@ -112,7 +112,8 @@ class Pipeline:
                  loss_fn: Callable[..., torch.Tensor] | None = None,
                  optimizer: OptimizerFactory | None = None, stash: bool = True,
                  vertical_sync: bool = False, name: str = "model",
-                 example_inputs: Sequence[Any] | None = None) -> None:
+                 example_inputs: Sequence[Any] | None = None,
+                 example_target: Any = None) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}; choose one of "
                                      f"{', '.join(SCHEDULES)}")
@@ -133,6 +134,10 @@ class Pipeline:
         self._sources: dict[tuple[int, int], dict[int, str]] = {}
         self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
         self._check()
+        # one minibatch as compiled: backends check shapes against it, export saves it
+        self.example_inputs: tuple[Any, ...] | None = (
+            None if example_inputs is None else tuple(example_inputs))
+        self.example_target: Any = example_target
         if example_inputs is not None:
             self._learn_kinds(example_inputs)
         self.ranks: dict[int, RankState] = {}
