@@ -231,30 +231,64 @@ class Timeline:
     def merge(cls, parts: Iterable[Timeline], *, source: str | None = None) -> Timeline:
         """One timeline from per-rank ones (e.g. one per process), times shifted to start at 0.
 
-        Each part's clock is assumed to be the same wall clock (time.time on one machine) or
-        already aligned; the common earliest start becomes 0.
+        Clocks: when every part carries a clock reference for each of its ranks
+        (`meta["clock_reference"]`, written by `Recorder.set_reference` just after a barrier
+        that all ranks leave together), each rank's events are taken relative to its own
+        reference, so processes whose clocks disagree (other machines) line up to within the
+        barrier's skew. Otherwise all parts are assumed to read one clock (time.time on one
+        machine). Either way the earliest start becomes 0.
         """
         parts = list(parts)
-        events = [e for p in parts for e in p.events]
-        t0 = min((e.start for e in events), default=0.0)
+        references: dict[int, float] = {}
+        aligned = bool(parts)
+        for p in parts:
+            refs = p.clock_references()
+            if not refs or any(e.rank not in refs for e in p.events):
+                aligned = False
+            references.update(refs)
+        shifted = [Event(e.rank, e.action, e.start - references[e.rank],
+                         e.end - references[e.rank]) if aligned else e
+                   for p in parts for e in p.events]
+        t0 = min((e.start for e in shifted), default=0.0)
         meta: dict[str, Any] = {}
         for p in parts:
-            meta.update(p.meta)
-        return cls([Event(e.rank, e.action, e.start - t0, e.end - t0) for e in events],
+            meta.update({k: v for k, v in p.meta.items() if k != "clock_reference"})
+        meta["clock"] = "barrier" if aligned else "shared"
+        return cls([Event(e.rank, e.action, e.start - t0, e.end - t0) for e in shifted],
                    source or (parts[0].source if parts else "measured"), meta)
+
+    def clock_references(self) -> dict[int, float]:
+        """Rank -> the clock reading its `Recorder.set_reference` took (empty if none)."""
+        raw = self.meta.get("clock_reference") or {}
+        try:
+            return {int(rank): float(t) for rank, t in dict(raw).items()}
+        except (TypeError, ValueError):
+            raise TimelineError(f"timeline meta clock_reference is {raw!r}; want "
+                                "{rank: seconds}") from None
+
+    def stage_of_ranks(self) -> dict[int, int]:
+        """Rank -> the stage its compute events belong to (ranks without compute left out)."""
+        return {event.rank: action.stage for event, action in self.compute_events()}
 
 
 class Recorder:
     """Records the actions one rank really runs: `with recorder.record("1F3"): ...`.
 
     `clock` defaults to `time.time` (comparable across processes on one machine); times are
-    stored as read, `Timeline.merge` aligns the ranks.
+    stored as read. Across machines, call `set_reference()` on every rank right after a common
+    barrier: `Timeline.merge` then aligns each rank's events to its own reference.
     """
 
     def __init__(self, rank: int, *, clock: Callable[[], float] = time.time) -> None:
         self.rank = rank
         self.clock = clock
         self.events: list[Event] = []
+        self.reference: float | None = None
+
+    def set_reference(self, at: float | None = None) -> float:
+        """Take this rank's clock reading now (or `at`) as the common time origin; returns it."""
+        self.reference = self.clock() if at is None else float(at)
+        return self.reference
 
     @contextmanager
     def record(self, action: str | Action) -> Iterator[None]:
@@ -270,5 +304,8 @@ class Recorder:
         self.events.append(Event(self.rank, str(action), start, end))
 
     def timeline(self, **meta: Any) -> Timeline:
-        """This rank's events as a measured Timeline."""
-        return Timeline(list(self.events), "measured", dict(meta))
+        """This rank's events as a measured Timeline (with its clock reference, if set)."""
+        data = dict(meta)
+        if self.reference is not None:
+            data["clock_reference"] = {str(self.rank): self.reference}
+        return Timeline(list(self.events), "measured", data)
