@@ -14,18 +14,25 @@ schedule asks for.
 
 from __future__ import annotations
 
+import math
+import os
+import threading
+import time
 import zlib
 from collections import deque
 from collections.abc import Callable, Generator, Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from pdcompile.backends.launch import FaultMonitor, PeerFailure, backend_for
-from pdcompile.errors import DistributedError
-from pdcompile.ir import Kind, Schedule
+from pdcompile.backends.launch import FaultMonitor, PeerFailure, Worker, backend_for, launch
+from pdcompile.errors import DistributedError, PipelineInputError
+from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
+from pdcompile.timeline import Recorder, Timeline
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}
 _MAX_OPEN_SENDS = 64
@@ -81,12 +88,14 @@ class DistPending(Pending):
 class DistributedTransport(Transport):
     """A Transport over the default torch.distributed process group.
 
-    `stage_ranks` (every stage's ranks, pipeline order) is needed when any stage is replicated:
-    the process groups of replicated stages are created here, by every rank in the same order,
-    as torch.distributed requires. `device` is where received tensors are allocated.
+    `stage_ranks` (every stage's ranks, pipeline order) and `groups` (further rank groups that
+    all-reduce together, e.g. the stages sharing a tied parameter: `Pipeline.collective_groups()`)
+    name the process groups to create here, by every rank in the same order, as
+    torch.distributed requires. `device` is where received tensors are allocated.
     """
 
     def __init__(self, *, stage_ranks: Sequence[Sequence[int]] = (),
+                 groups: Sequence[Sequence[int]] = (),
                  monitor: FaultMonitor | None = None, device: torch.device | str = "cpu",
                  prepost_depth: int = 2) -> None:
         if not dist.is_initialized():
@@ -101,7 +110,7 @@ class DistributedTransport(Transport):
         self.prepost_depth = max(0, prepost_depth)
         self.awaited: DistPending | None = None
         self._groups: dict[tuple[int, ...], Any] = {}
-        for ranks in stage_ranks:
+        for ranks in [*stage_ranks, *groups]:
             key = tuple(sorted(int(r) for r in ranks))
             if len(key) > 1 and key not in self._groups:
                 self._groups[key] = dist.new_group(list(key))
@@ -193,8 +202,9 @@ class DistributedTransport(Transport):
             if len(key) != self.world_size:
                 raise DistributedError(
                     f"rank {self.rank}: no process group for ranks {list(key)}; pass the "
-                    "pipeline's stage_ranks to DistributedTransport so that the groups of "
-                    "replicated stages are created on every rank")
+                    "pipeline's stage_ranks and collective_groups() to DistributedTransport so "
+                    "that the groups of replicated stages and tied parameters are created on "
+                    "every rank")
             group = dist.group.WORLD
         flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if len(tensors) > 1 else None
         buffer = flat if flat is not None else tensors[0].detach()
@@ -222,12 +232,21 @@ class DistributedTransport(Transport):
         self.awaited = None
 
 
+Receive = tuple[Sequence[TensorSpec], int, Tag]
+
+
 def expect_schedule(transport: DistributedTransport, schedule: Schedule, rank: int,
                     specs: Callable[[Tag], Sequence[TensorSpec]]) -> None:
     """Announce every receive of `rank` in a lowered schedule to the transport (preposting).
 
     Tags are those the stage runtime uses: ("act", src, dst, m) and ("grad", src, dst, m).
     """
+    transport.expect(schedule_receives(schedule, rank, specs))
+
+
+def schedule_receives(schedule: Schedule, rank: int,
+                      specs: Callable[[Tag], Sequence[TensorSpec]]) -> list[Receive]:
+    """Every receive of `rank` in a lowered schedule, in program order: (specs, source, tag)."""
     stage = schedule.stage_of_rank(rank)
     receives = []
     for action in schedule.actions.get(rank, ()):
@@ -236,18 +255,22 @@ def expect_schedule(transport: DistributedTransport, schedule: Schedule, rank: i
         kind = "act" if action.kind is Kind.RECV_F else "grad"
         tag = Tag(kind, action.peer, stage, action.microbatch)
         receives.append((specs(tag), schedule.rank_of(action.peer, action.microbatch), tag))
-    transport.expect(receives)
+    return receives
 
 
-def drive(program: Generator[Any, Any, Any], transport: DistributedTransport) -> Any:
+def drive(program: Generator[Any, Any, Any], transport: DistributedTransport, *,
+          after: Callable[[], None] | None = None) -> Any:
     """Run a rank's generator to exhaustion; each yield blocks on what the rank waits for.
 
     The value a rank yields may be the `Pending` it waits for; otherwise the transport knows the
-    last operation the rank found not ready. Returns the generator's return value.
+    last operation the rank found not ready. `after()` is called whenever the rank is about to
+    wait (e.g. to report losses as they become known). Returns the generator's return value.
     """
     try:
         value = next(program)
         while True:
+            if after is not None:
+                after()
             target = value if isinstance(value, Pending) else transport.awaited
             if target is not None and not (isinstance(target, DistPending) and target._done):
                 target.wait()
@@ -258,5 +281,418 @@ def drive(program: Generator[Any, Any, Any], transport: DistributedTransport) ->
         return stop.value
 
 
-__all__ = ["DistributedTransport", "DistPending", "PeerFailure", "backend_for", "drive",
-           "expect_schedule", "wire_tag"]
+# ----------------------------------------------------------------------------------------------
+# Training a Pipeline: one rank of it, in an initialised process group
+
+
+@dataclass
+class DistributedRun:
+    """What `run_distributed` returns on each rank (`losses` are the same on every rank).
+
+    `losses`: one per minibatch of the whole run, resumed ones included (index = minibatch);
+    `seconds`: wall time of this call's training loop; `samples`: samples trained by this call;
+    `timeline`: with `record=True`, this rank's measured timeline, and on rank 0 all ranks'
+    merged; `resumed_from`: the checkpoint step this call started from (None: from scratch).
+    """
+
+    losses: list[float]
+    rank: int
+    stage: int
+    seconds: float
+    samples: int
+    timeline: Timeline | None = None
+    resumed_from: int | None = None
+    steps: int = 0  # minibatches trained by this call
+
+    @property
+    def samples_per_second(self) -> float:
+        """Training throughput of this call."""
+        return self.samples / self.seconds if self.seconds > 0 else 0.0
+
+
+class _Renumbered:
+    """A recorder proxy that numbers a run's actions after those of the earlier runs, so that a
+    timeline of many runs (flush schedules, checkpoint segments) reads as one stream."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        self.recorder = recorder
+        self.micro_base = 0
+        self.update_base = 0
+        self._updates = 0
+
+    def next_run(self, microbatches: int) -> None:
+        self.micro_base += microbatches
+        self.update_base += self._updates
+        self._updates = 0
+
+    def add(self, action: Action, start: float, end: float) -> None:
+        if action.kind in (Kind.STEP, Kind.ALLREDUCE):
+            self._updates = max(self._updates, action.microbatch + 1)
+            number = action.microbatch + self.update_base
+        else:
+            number = action.microbatch + self.micro_base
+        self.recorder.add(replace(action, microbatch=number), start, end)
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__
+
+
+def _signature(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, tuple | list):
+        return tuple(_signature(v) for v in value)
+    return type(value).__name__
+
+
+class _ShapeCheck:
+    """Refuses minibatches not shaped like the one the pipeline was compiled with, on every
+    rank before the run that would use them starts (so no rank is left waiting)."""
+
+    def __init__(self, names: Sequence[str], inputs: Sequence[Any] | None, target: Any,
+                 origin: str) -> None:
+        self.names = tuple(names)
+        self.inputs = None if inputs is None else tuple(inputs)
+        self.target = target
+        self.origin = origin
+
+    def __call__(self, index: int, inputs: tuple[Any, ...], target: Any) -> None:
+        if self.inputs is None:
+            self.inputs, self.origin = inputs, "the first minibatch"
+        if self.target is None:
+            self.target = target
+        if len(inputs) != len(self.inputs):
+            raise PipelineInputError(
+                f"minibatch {index} has {len(inputs)} inputs but the pipeline takes "
+                f"{len(self.inputs)} ({', '.join(self.names)}); pass them positionally as in "
+                "example_inputs")
+        for name, given, want in zip(self.names, inputs, self.inputs, strict=False):
+            if _signature(given) != _signature(want):
+                raise PipelineInputError(
+                    f"minibatch {index}: input {name!r} is {_describe(given)} but the pipeline "
+                    f"was compiled for {_describe(want)} ({self.origin}); every minibatch must "
+                    "have the compiled shape, batch size included (compile again with "
+                    "example_inputs of the new shape)")
+        if self.target is not None and _signature(target) != _signature(self.target):
+            raise PipelineInputError(
+                f"minibatch {index}: the target is {_describe(target)} but "
+                f"{_describe(self.target)} was expected (the target of {self.origin}); every "
+                "minibatch's target must have the same shape")
+
+
+def _minibatch(item: Any, index: int) -> tuple[tuple[Any, ...], Any]:
+    try:
+        inputs, target = item
+    except (TypeError, ValueError):
+        raise PipelineInputError(
+            f"minibatch {index} is a {type(item).__name__}, not a pair (inputs, target); "
+            "yield (x, y) or ((x1, x2), y) from the data") from None
+    return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
+
+
+def _batch_size(inputs: tuple[Any, ...]) -> int:
+    for value in inputs:
+        if isinstance(value, torch.Tensor) and value.dim():
+            return int(value.shape[0])
+    return 1
+
+
+def _module_device(module: torch.nn.Module) -> torch.device:
+    for tensor in [*module.parameters(), *module.buffers()]:
+        return tensor.device
+    return torch.device("cpu")
+
+
+def _gather_losses(local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    """Every rank's microbatch losses, merged (an all-gather: every rank calls it)."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in local.items()})
+    merged: dict[int, torch.Tensor] = {}
+    for part in parts:
+        merged.update(part)
+    return merged
+
+
+def _mean(values: list[torch.Tensor]) -> float:
+    """A minibatch's loss from its microbatches' (as Pipeline.train computes it)."""
+    return float(torch.stack(values).mean())
+
+
+def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None = None,
+                    checkpoint_dir: str | os.PathLike[str] | None = None,
+                    checkpoint_every: int | None = None, monitor: FaultMonitor | None = None,
+                    record: bool = False, progress: Callable[[int, float], None] | None = None,
+                    prepost_depth: int = 2, keep_checkpoints: int = 2) -> DistributedRun:
+    """Train `pipeline` on this process's rank of an initialised default process group.
+
+    Every rank calls it with the same `batches` (an iterable of `(inputs, target)` minibatches,
+    the same stream everywhere; stage 0 uses the inputs, the last stage the targets) and runs
+    its generated rank loop (`pipeline.rank_function`) over a `DistributedTransport`: flush
+    schedules one run per minibatch, asynchronous '1f1b' / '2bw' one stream, exactly as
+    `Pipeline.train` does on the local backend (same losses and weights).
+
+    `steps`: minibatches in the whole run (resumed ones included; default: the whole stream).
+    `checkpoint_dir` / `checkpoint_every` K: every K minibatches (and at the end) each rank
+    saves its weights, optimizer, RNG state and the data position; a later call with the same
+    folder resumes from the newest step all ranks saved. An asynchronous stream is cut into
+    runs of K minibatches for that (the pipeline drains at each checkpoint, so no stash state
+    is in flight; the losses then equal `Pipeline.train` called once per K minibatches).
+    `progress(step, loss)` is called on the first rank of the last stage after each minibatch
+    whose loss it knows (`step` indexes `losses`); with a replicated last stage the other
+    replicas' minibatches are reported at checkpoints and at the end.
+    `monitor`: the fault monitor (launch / torchrun), so that a dead peer is named.
+    """
+    if not dist.is_initialized():
+        raise DistributedError("run_distributed needs an initialised process group; call "
+                               "torch.distributed.init_process_group first (torchrun does it "
+                               "from its environment), or use train_processes / `pdcompile run`")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan = pipeline.plan
+    if world != plan.workers:
+        raise DistributedError(
+            f"the pipeline was compiled for {plan.workers} workers (configuration {plan.config}) "
+            f"but the process group has {world}; start {plan.workers} processes (torchrun "
+            f"--nproc-per-node={plan.workers} / pdcompile run --nproc {plan.workers})")
+    if steps is not None and steps < 0:
+        raise PipelineInputError(f"steps must be a non-negative number of minibatches "
+                                 f"({steps} < 0)")
+    if checkpoint_every is not None and checkpoint_every < 1:
+        raise PipelineInputError(f"checkpoint_every must be a positive number of minibatches "
+                                 f"({checkpoint_every} < 1)")
+    if checkpoint_every is not None and checkpoint_dir is None:
+        raise PipelineInputError("checkpoint_every needs checkpoint_dir (the folder to save to)")
+    name = pipeline.schedule_name
+    flush = name in _FLUSH
+    if name == "1f1b" and checkpoint_every is not None:
+        lcm = math.lcm(*[s.replicas for s in plan.stages])
+        if checkpoint_every % lcm:
+            raise PipelineInputError(
+                f"'1f1b' with replicated stages ({plan.config}) trains in multiples of {lcm} "
+                f"minibatches; use a checkpoint interval that is a multiple of {lcm} "
+                f"(not {checkpoint_every})")
+    state = pipeline.ranks[rank]
+    stage = state.stage
+    reporter = plan.stages[-1].ranks[0] == rank and progress is not None
+
+    # -- resume point: the newest step every rank has saved (agreed over the group) ----------
+    ckpt: Checkpointer | None = None
+    done = 0
+    losses: list[float] = []
+    resumed: int | None = None
+    if checkpoint_dir is not None:
+        ckpt = Checkpointer(checkpoint_dir, rank=rank, every=checkpoint_every or 1,
+                            keep=keep_checkpoints)
+        everyone: list[Any] = [None] * world
+        dist.all_gather_object(everyone, ckpt.steps())
+        common = set.intersection(*(set(steps_of) for steps_of in everyone))
+        if common:
+            resumed = done = max(common)
+            saved = ckpt.load(done)
+            if saved.get("pipeline") != _identity(pipeline, stage):
+                raise DistributedError(
+                    f"the checkpoints in {checkpoint_dir} were written by another pipeline "
+                    f"({saved.get('pipeline')}, this one is {_identity(pipeline, stage)}); "
+                    "name another checkpoint folder or delete this one")
+            restore_module_state(saved, state.module, state.optimizer)
+            losses = [float(v) for v in saved["losses"]]
+
+    stream = iter(batches)
+    for skipped in range(done):
+        if next(stream, _END) is _END:
+            raise PipelineInputError(f"the data ends after {skipped} minibatches but the run "
+                                     f"resumes at minibatch {done} (checkpoint)")
+    check = _ShapeCheck(pipeline.parts.data_inputs, getattr(pipeline, "example_inputs", None),
+                        getattr(pipeline, "example_target", None),
+                        "the example_inputs given to compile()")
+    segment = 1 if flush else checkpoint_every
+
+    def take(index: int) -> list[tuple[tuple[Any, ...], Any]]:
+        items: list[tuple[tuple[Any, ...], Any]] = []
+        while (segment is None or len(items) < segment) and (
+                steps is None or index + len(items) < steps):
+            item = next(stream, _END)
+            if item is _END:
+                break
+            inputs, target = _minibatch(item, index + len(items))
+            check(index + len(items), inputs, target)
+            items.append((inputs, target))
+        return items
+
+    items = take(done)  # checked on every rank before any communication of the run
+    device = _module_device(state.module)
+    transport = DistributedTransport(stage_ranks=pipeline.stage_ranks,
+                                     groups=pipeline.collective_groups(), monitor=monitor,
+                                     device=device, prepost_depth=prepost_depth)
+    specs = pipeline.spec_function(items[0][0]) if items else None
+    recorder = Recorder(rank) if record else None
+    renumbered = _Renumbered(recorder) if recorder is not None else None
+    if renumbered is not None:
+        renumbered.micro_base = done * pipeline.per_minibatch
+    receives: dict[tuple[int, int], list[Receive]] = {}
+    micro: dict[int, torch.Tensor] = {}   # microbatch losses of this rank, numbered globally
+    per = pipeline.per_minibatch
+    reported = [len(losses)]
+
+    def report(known: dict[int, torch.Tensor]) -> None:
+        while True:
+            k = reported[0]
+            parts = [known.get(k * per + i) for i in range(per)]
+            if any(p is None for p in parts):
+                return
+            assert progress is not None
+            progress(k, _mean(parts))  # type: ignore[arg-type]
+            reported[0] = k + 1
+
+    first = done
+    samples = 0
+    start = time.perf_counter()
+    while items:
+        run = pipeline.prepare(items)
+        n = run.microbatches
+        key = (n, per)
+        if key not in receives:
+            assert specs is not None
+            receives[key] = schedule_receives(pipeline.schedule(n, per), rank, specs)
+        transport.expect(receives[key])
+        rt = pipeline.runtime(rank, config=pipeline.run_config(per), transport=transport,
+                              data=run.data, specs=specs, recorder=renumbered)
+        base = done * per
+        seen = [0]
+
+        def after(rt: Any = rt, base: int = base, seen: list[int] = seen,
+                  micro: dict[int, torch.Tensor] = micro) -> None:
+            if len(rt.losses) != seen[0]:
+                seen[0] = len(rt.losses)
+                for m, loss in rt.losses.items():
+                    micro.setdefault(base + m, loss)
+                report(micro)
+
+        drive(pipeline.rank_function(rank, n, per)(rt), transport,
+              after=after if reporter else None)
+        rt.finish()
+        for m, loss in rt.losses.items():
+            micro[base + m] = loss
+        if reporter:
+            report(micro)
+        if renumbered is not None:
+            renumbered.next_run(n)
+        done += len(items)
+        samples += sum(_batch_size(inputs) for inputs, _ in items)
+        items = take(done)
+        if ckpt is not None and (not items or (checkpoint_every is not None
+                                               and done % checkpoint_every == 0)):
+            merged = _gather_losses(micro)
+            losses.extend(_mean([merged[k * per + i] for i in range(per)])
+                          for k in range(len(losses), done))
+            for k in [k for k in micro if k < done * per]:
+                del micro[k]
+            if reporter:
+                report(merged)
+            ckpt.save(done, module_state(state.module, state.optimizer, losses=list(losses),
+                                         data_position=done,
+                                         pipeline=_identity(pipeline, stage)))
+    seconds = time.perf_counter() - start
+    transport.flush()
+    if len(losses) < done:
+        merged = _gather_losses(micro)
+        losses.extend(_mean([merged[k * per + i] for i in range(per)])
+                      for k in range(len(losses), done))
+        if reporter:
+            report(merged)
+    timeline = None
+    if recorder is not None:
+        meta = {"schedule": name, "microbatches_per_minibatch": per, "backend": "distributed",
+                "minibatches": done - first}
+        timeline = recorder.timeline(**meta)
+        parts: list[Any] = [None] * world if rank == 0 else []
+        dist.gather_object(timeline.to_dict(), parts if rank == 0 else None, dst=0)
+        if rank == 0:
+            timeline = Timeline.merge([Timeline.from_dict(p) for p in parts], source="measured")
+            timeline.meta.update(meta)
+    return DistributedRun(losses=losses, rank=rank, stage=stage, seconds=seconds,
+                          samples=samples, timeline=timeline, resumed_from=resumed,
+                          steps=done - first)
+
+
+_END = object()
+_FLUSH = ("1f1b-flush", "gpipe")
+
+
+def _identity(pipeline: Any, stage: int) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by a pipeline's rank."""
+    return {"config": pipeline.plan.config, "schedule": pipeline.schedule_name,
+            "stage": stage, "microbatches": pipeline.microbatches}
+
+
+# ----------------------------------------------------------------------------------------------
+# Launching from Python: one process per worker on this machine
+
+
+def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[Any]],
+                  options: dict[str, Any], channel: Any) -> DistributedRun:
+    from pdcompile.export import load_pipeline  # the worker loads what the user exported
+
+    pipe = load_pipeline(export_dir)
+    progress = None if channel is None else (lambda step, loss: channel.put((step, loss)))
+    return run_distributed(pipe, data(), monitor=worker.monitor, progress=progress, **options)
+
+
+def train_processes(export_dir: str | os.PathLike[str], nproc: int,
+                    data: Callable[[], Iterable[Any]], *, steps: int | None = None,
+                    timeout: float = 600, fault_timeout: float = 10, record: bool = False,
+                    checkpoint_dir: str | os.PathLike[str] | None = None,
+                    checkpoint_every: int | None = None,
+                    progress: Callable[[int, float], None] | None = None) -> DistributedRun:
+    """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result.
+
+    Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
+    `data` must be picklable (a module-level function or a functools.partial of one) and give
+    the same stream in every process. `progress(step, loss)` is called here, in this process.
+    Raises `LaunchError` naming the rank that failed first; no process outlives the call.
+    """
+    import multiprocessing
+
+    options = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
+               "checkpoint_every": checkpoint_every}
+    channel = multiprocessing.get_context("spawn").Queue() if progress is not None else None
+    stop = threading.Event()
+    relay: threading.Thread | None = None
+    if channel is not None and progress is not None:
+        relay = threading.Thread(target=_relay, args=(channel, progress, stop),
+                                 name="pdcompile-progress", daemon=True)
+        relay.start()
+    try:
+        values = launch(_train_worker, nproc, args=(str(export_dir), data, options, channel),
+                        timeout=timeout, fault_timeout=fault_timeout)
+    finally:
+        stop.set()
+        if relay is not None:
+            relay.join(timeout=5)
+    result: DistributedRun = values[0]
+    return result
+
+
+def _relay(channel: Any, progress: Callable[[int, float], None], stop: threading.Event) -> None:
+    """Call `progress` in the parent for what the reporting worker sent, until told to stop."""
+    import queue
+
+    while True:
+        try:
+            step, loss = channel.get(timeout=0.05)
+        except queue.Empty:
+            if stop.is_set():
+                return
+            continue
+        except (EOFError, OSError):
+            return
+        progress(step, loss)
+
+
+__all__ = ["DistributedRun", "DistributedTransport", "DistPending", "PeerFailure",
+           "backend_for", "drive", "expect_schedule", "run_distributed", "schedule_receives",
+           "train_processes", "wire_tag"]
