@@ -281,6 +281,13 @@ def test_simulate_command(tmp_path: Path, profiles_dir: Path,
     assert code == 0
     assert figures["predicted_over_measured"] == pytest.approx(1.0)
     assert figures["schedule"] == "1f1b"
+    assert figures["comparison"]["stage 0 forward"]["error"] == pytest.approx(0.0)
+    code = main(["simulate", "--profile", str(profiles_dir / "alexnet"), "--cluster", "4@1e9",
+                 "--plan", str(out / "plan.json"), "--minibatches", "16",
+                 "--measured", str(out / "timeline.json")])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "predicted against measured" in printed and "stage 0 receive wait" in printed
 
 
 def test_simulate_command_flush_schedule(profiles_dir: Path,

@@ -5,8 +5,9 @@
 
 Prints the plan and the simulated figures (time per minibatch, throughput, bubble, memory per
 worker) and writes to --out: plan.json, schedule.txt, timeline.json, gantt.png, gantt.svg,
-trace.json (Chrome trace). With --measured TIMELINE.json (recorded by a real run) it reports
-predicted against measured time per minibatch and draws the measured run too.
+trace.json (Chrome trace). With --measured TIMELINE.json (recorded by a real run of the same
+plan) it prints predicted against measured figures (`pdcompile.compare`: time per minibatch,
+bubble, per-stage forward, backward and receive waits) and draws the measured run too.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import networkx as nx
 from pdcompile.backends.simulate import SimResult, simulate
 from pdcompile.cli.common import add_cluster_option, load_cluster
 from pdcompile.cluster import Cluster
+from pdcompile.compare import Comparison, compare
 from pdcompile.errors import PdcompileError
 from pdcompile.ir import Schedule
 from pdcompile.passes.lower import lower
@@ -180,7 +182,8 @@ def run(args: argparse.Namespace) -> int:
                                      microbatches=args.microbatches if per is None else per,
                                      minibatches=args.minibatches, warmup=args.warmup)
     measured = Timeline.load(args.measured) if args.measured else None
-    figures = _figures(plan, result, measured)
+    comparison = compare(result.timeline, measured) if measured is not None else None
+    figures = _figures(plan, result, comparison)
     if args.json:
         print(json.dumps(figures, indent=1))
     else:
@@ -189,9 +192,10 @@ def run(args: argparse.Namespace) -> int:
         print(result.summary())
         print(f"planner predicted {format_seconds(plan.time_per_minibatch)} per minibatch; "
               f"simulated {format_seconds(result.time_per_minibatch)}")
-        if measured is not None:
-            print(f"measured {format_seconds(figures['measured_time_per_minibatch'])} per "
-                  f"minibatch; simulated / measured = {figures['predicted_over_measured']:.3f}")
+        if comparison is not None:
+            print()
+            print(f"predicted against measured ({args.measured}):")
+            print(comparison.table())
     if args.out:
         written = write_outputs(Path(args.out), plan, schedule, result, measured)
         if not args.json:
@@ -199,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _figures(plan: Plan, result: SimResult, measured: Timeline | None) -> dict[str, Any]:
+def _figures(plan: Plan, result: SimResult, comparison: Comparison | None) -> dict[str, Any]:
     figures: dict[str, Any] = {
         "config": plan.config, "schedule": result.schedule,
         "planner_time_per_minibatch": plan.time_per_minibatch,
@@ -208,11 +212,12 @@ def _figures(plan: Plan, result: SimResult, measured: Timeline | None) -> dict[s
         "steady_bubble": result.steady_bubble, "peak_memory": result.peak_memory,
         "memory": {str(r): m.total for r, m in sorted(result.memory.items())},
     }
-    if measured is not None:
-        measured_time = measured.time_per_minibatch()
+    if comparison is not None:
+        measured_time = comparison.time_per_minibatch.measured
         figures["measured_time_per_minibatch"] = measured_time
         figures["predicted_over_measured"] = (result.time_per_minibatch / measured_time
                                               if measured_time > 0 else float("inf"))
+        figures["comparison"] = comparison.to_dict()
     return figures
 
 
