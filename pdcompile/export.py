@@ -9,6 +9,7 @@
     pipeline.json           everything else `load` needs (stage inputs/outputs, ties, names)
     graph.py                the traced model's code (structure only; best effort)
     callables.pkl           loss function and optimizer factory, when they can be pickled
+    example.pt              the example minibatch (inputs, target) compile() was given
     launch.sh, README.md    how to run it on several processes (`pdcompile run`)
 """
 
@@ -213,6 +214,11 @@ def export_pipeline(pipe: Pipeline, path: str | Path) -> Path:
     (out / "schedule.txt").write_text(pipe.schedule(n, per).to_text())
     graph_stages = _save_graph(pipe.graph, out)
     callables = _save_callables(pipe, out / "callables.pkl")
+    example = out / "example.pt"  # one minibatch as compiled: shape checks, default data
+    if pipe.example_inputs is not None:
+        torch.save({"inputs": pipe.example_inputs, "target": pipe.example_target}, example)
+    elif example.exists():
+        example.unlink()
     meta = {
         "format": EXPORT_FORMAT, "name": pipe.name, "schedule": pipe.schedule_name,
         "microbatches": pipe.microbatches, "schedule_length": n, "per_minibatch": per,
@@ -313,6 +319,9 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
                                             param_order=stage_meta["param_order"])
         saved = torch.load(folder / f"optimizer_{state.stage}.pt", weights_only=False)
         pipe.ranks[rank].optimizer.load_state_dict(saved)
+    if (folder / "example.pt").exists():
+        example = torch.load(folder / "example.pt", weights_only=False)
+        pipe.example_inputs, pipe.example_target = tuple(example["inputs"]), example["target"]
     sources = {int(p.stem.split("_")[1]): p.read_text() for p in folder.glob("rank_*.py")}
     text = (folder / "schedule.txt").read_text()
     if sources and Schedule.from_text(text).ranks == sorted(sources):

@@ -696,3 +696,11 @@ def _relay(channel: Any, progress: Callable[[int, float], None], stop: threading
 __all__ = ["DistributedRun", "DistributedTransport", "DistPending", "PeerFailure",
            "backend_for", "drive", "expect_schedule", "run_distributed", "schedule_receives",
            "train_processes", "wire_tag"]
+
+
+if __name__ == "__main__":  # `python -m pdcompile.backends.distributed EXPORT_DIR ...` (torchrun)
+    import sys
+
+    from pdcompile.backends.distributed_main import main
+
+    sys.exit(main())

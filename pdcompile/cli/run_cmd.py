@@ -50,6 +50,14 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="checkpoint every K minibatches")
     train.add_argument("--fault-timeout", type=float, default=None, metavar="SECONDS",
                        help="stop within this many seconds after another worker dies")
+    train.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
+                       help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
+                            "same in every process (default: the exported example minibatch, "
+                            "repeated; needs --steps)")
+    train.add_argument("--threads", type=int, default=None,
+                       help="torch threads per worker process")
+    train.add_argument("--timeline", default=None, metavar="FILE.json",
+                       help="record a measured timeline of every rank; rank 0 writes it here")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the torchrun command instead of running it")
     parser.set_defaults(func=run)
@@ -125,6 +133,12 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--checkpoint-every", str(args.checkpoint_every)]
     if args.fault_timeout is not None:
         cmd += ["--fault-timeout", str(args.fault_timeout)]
+    if args.data:
+        cmd += ["--data", str(args.data)]
+    if args.threads is not None:
+        cmd += ["--threads", str(args.threads)]
+    if args.timeline:
+        cmd += ["--timeline", str(args.timeline)]
     return cmd
 
 

@@ -1,0 +1,174 @@
+"""The worker of `pdcompile run` / torchrun: one rank of an exported pipeline, trained.
+
+    torchrun --nproc-per-node=N -m pdcompile.backends.distributed EXPORT_DIR [--steps S]
+        [--checkpoint-dir D --checkpoint-every K] [--fault-timeout T] [--data FILE.py:FUNCTION]
+
+Initialises the default process group from torchrun's environment (RANK, WORLD_SIZE,
+MASTER_ADDR, MASTER_PORT), loads the export, trains it with `run_distributed` and prints the
+progress on the rank that computes the losses and the summary on rank 0. Without `--data`, the
+example minibatch saved at export time is trained again and again (`--steps` needed). With a
+checkpoint folder, a worker restarted by `torchrun --max-restarts` resumes from the newest
+checkpoint every rank saved.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import importlib.util
+import itertools
+import json
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+from pdcompile.errors import DistributedError, PdcompileError
+
+# test hook only: "RANK:MINIBATCH" makes that rank kill itself (SIGKILL) when it reads that
+# minibatch in the first attempt of a torchrun run (restart count 0)
+DIE_ENV = "PDCOMPILE_TEST_DIE_AT"
+
+
+def parser() -> argparse.ArgumentParser:
+    """The worker's command line."""
+    out = argparse.ArgumentParser(prog="python -m pdcompile.backends.distributed",
+                                  description=__doc__,
+                                  formatter_class=argparse.RawDescriptionHelpFormatter)
+    out.add_argument("export_dir", metavar="EXPORT_DIR")
+    out.add_argument("--steps", type=int, default=None, help="minibatches in the whole run")
+    out.add_argument("--checkpoint-dir", default=None)
+    out.add_argument("--checkpoint-every", type=int, default=None, metavar="K")
+    out.add_argument("--fault-timeout", type=float, default=10.0, metavar="SECONDS")
+    out.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
+                     help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
+                          "same in every process (default: the exported example minibatch, "
+                          "repeated)")
+    out.add_argument("--threads", type=int, default=None,
+                     help="torch threads per process (default: torch's, OMP_NUM_THREADS)")
+    out.add_argument("--timeline", default=None, metavar="FILE.json",
+                     help="record a measured timeline of every rank; rank 0 writes it here")
+    return out
+
+
+def load_data(spec: str) -> Callable[[], Iterable[Any]]:
+    """`path/to/file.py:function` or `package.module:function`, imported."""
+    path, sep, name = spec.rpartition(":")
+    if not sep or not path or not name:
+        raise PdcompileError(f"--data {spec!r} must be written as path/to/file.py:function")
+    if path.endswith(".py"):
+        file = Path(path)
+        if not file.is_file():
+            raise PdcompileError(f"--data file {path!r} does not exist")
+        module_name = f"pdcompile_data_{file.stem}"
+        spec_obj = importlib.util.spec_from_file_location(module_name, file)
+        if spec_obj is None or spec_obj.loader is None:
+            raise PdcompileError(f"cannot import {path!r} as a Python file")
+        module = importlib.util.module_from_spec(spec_obj)
+        sys.modules[module_name] = module
+        spec_obj.loader.exec_module(module)
+    else:
+        module = importlib.import_module(path)
+    function = getattr(module, name, None)
+    if not callable(function):
+        raise PdcompileError(f"{path} has no callable {name!r}; define 'def {name}(): return "
+                             "an iterable of (inputs, target)'")
+    return function  # type: ignore[no-any-return]
+
+
+def example_data(pipe: Any, export_dir: str) -> Iterable[Any]:
+    """The exported example minibatch, repeated forever."""
+    inputs = getattr(pipe, "example_inputs", None)
+    target = getattr(pipe, "example_target", None)
+    if inputs is None:
+        raise PdcompileError(f"{export_dir} holds no example minibatch (exported before "
+                             "pdcompile saved one); pass --data FILE.py:FUNCTION")
+    if target is None and pipe.loss_fn is not None:
+        raise PdcompileError(f"{export_dir} holds the example inputs but no target for the loss "
+                             "function (compile(..., example_target=y) saves one); pass --data "
+                             "FILE.py:FUNCTION")
+    return itertools.repeat((inputs, target))
+
+
+def _die_hook(stream: Iterable[Any], rank: int) -> Iterator[Any]:
+    spec = os.environ.get(DIE_ENV, "")
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if not spec or not first_attempt or int(spec.split(":")[0]) != rank:
+        yield from stream
+        return
+    at = int(spec.split(":")[1])
+    for index, item in enumerate(stream):
+        if index == at:
+            print(f"rank {rank}: killing myself at minibatch {at} ({DIE_ENV})", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        yield item
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run one worker; returns the exit status (errors print one line)."""
+    args = parser().parse_args(argv)
+    try:
+        return _main(args)
+    except PdcompileError as err:
+        print(f"pdcompile: error: {err}", file=sys.stderr, flush=True)
+        return 1
+
+
+def _main(args: argparse.Namespace) -> int:
+    import torch
+    import torch.distributed as dist
+
+    from pdcompile.backends.distributed import run_distributed
+    from pdcompile.backends.launch import PeerFailure, monitor_from_env
+    from pdcompile.export import load_pipeline
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if k not in os.environ]
+    if missing:
+        raise DistributedError(f"{', '.join(missing)} not set: start the workers with torchrun "
+                               "or `pdcompile run EXPORT_DIR --nproc N`")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    pipe = load_pipeline(args.export_dir)
+    data = load_data(args.data)() if args.data else example_data(pipe, args.export_dir)
+    if args.data is None and args.steps is None:
+        raise PdcompileError("training on the repeated example minibatch needs --steps N")
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    monitor = monitor_from_env(rank=rank, world_size=world, fault_timeout=args.fault_timeout)
+    failed = True
+    try:
+        def progress(step: int, loss: float) -> None:
+            total = f"/{args.steps}" if args.steps else ""
+            print(f"step {step + 1}{total} loss {loss:.6f}", flush=True)
+
+        run = run_distributed(pipe, _die_hook(data, rank), steps=args.steps,
+                              checkpoint_dir=args.checkpoint_dir,
+                              checkpoint_every=args.checkpoint_every, monitor=monitor,
+                              record=args.timeline is not None, progress=progress)
+        if rank == 0:
+            if run.resumed_from is not None:
+                print(f"resumed from the checkpoint after minibatch {run.resumed_from}")
+            print(f"trained {run.steps} minibatches in {run.seconds:.3f} s "
+                  f"({run.samples_per_second:.1f} samples/s)")
+            print("losses " + json.dumps(run.losses), flush=True)
+            if args.timeline and run.timeline is not None:
+                run.timeline.save(args.timeline)
+        failed = False
+    except BaseException as err:
+        if monitor is not None and not isinstance(err, PeerFailure):
+            monitor.report(rank, f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        if monitor is not None:
+            monitor.stop(done=not failed)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
