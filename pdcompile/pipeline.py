@@ -224,22 +224,17 @@ class Pipeline:
         return out
 
     def summary(self) -> str:
-        """The plan's table plus the schedule, the stage edges and the tied parameters."""
-        lines = [self.plan.summary(), ""]
-        shape = (f"minibatches stream through, {self.microbatches} in the exported loop"
-                 if self.schedule_name == "1f1b" else
-                 f"{self.microbatches} microbatches per minibatch")
-        lines.append(f"schedule {self.schedule_name}, {shape}"
-                     + (", vertical sync" if self.vertical_sync else "")
-                     + ("" if self.stash else ", NO weight stashing"))
-        for program in self.parts.stages:
-            params = sum(p.numel() for p in self.stage_modules[program.index].parameters())
-            sends = ", ".join(f"{len(v)} to {d}" for d, v in sorted(program.sends.items()))
-            lines.append(f"stage {program.index}: {params:,} parameters; inputs "
-                         f"{len(program.inputs)}; sends {sends or 'nothing (loss)'}")
-        for tie in self.parts.ties:
-            lines.append(f"tied: {tie.name} held by stages {list(tie.stages)} (gradients summed)")
-        return "\n".join(lines)
+        """Per stage: replicas, first/last node, nodes, parameters, compute, bytes sent,
+        communication, memory; then predicted totals, schedule, tied parameters."""
+        from pdcompile.stage_table import pipeline_summary
+
+        return pipeline_summary(self)
+
+    def draw(self, path: str, **options: Any) -> Any:
+        """Draw the partitioned graph (.svg/.png/.dot); see pdcompile.viz.plan_graph.draw_plan."""
+        from pdcompile.viz.plan_graph import draw_plan
+
+        return draw_plan(self, path, **options)
 
     # ------------------------------------------------------------------ schedules and code
     def schedule(self, microbatches: int | None = None,

@@ -1,0 +1,184 @@
+"""The per-stage table of a compiled pipeline (what `Pipeline.summary()` prints).
+
+Per stage: replicas and ranks, node count with its first and last node, parameters, predicted
+compute, the bytes it sends downstream per minibatch and the predicted time to send them,
+predicted memory per worker. Node facts come from the traced graph (`node.meta["pd.stage"]`),
+times and memory from the Plan, bytes from node shapes (propagated on a copy of the graph from
+the pipeline's example minibatch when the graph carries none).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+import torch.fx as fx
+
+from pdcompile.units import format_bytes, format_seconds
+
+
+@dataclass(frozen=True)
+class StageRow:
+    """One stage of the table."""
+
+    index: int
+    replicas: int
+    ranks: tuple[int, ...]
+    nodes: tuple[str, ...]
+    parameters: int
+    compute: float
+    comm: float
+    sends: float  # bytes sent to later stages per minibatch
+    memory: float
+
+    @property
+    def first(self) -> str:
+        """The stage's first node in graph order."""
+        return self.nodes[0] if self.nodes else "-"
+
+    @property
+    def last(self) -> str:
+        """The stage's last node in graph order."""
+        return self.nodes[-1] if self.nodes else "-"
+
+
+def stage_nodes(graph: fx.GraphModule, stages: int) -> list[list[fx.Node]]:
+    """The fx nodes of each stage in graph order (the output node left out)."""
+    out: list[list[fx.Node]] = [[] for _ in range(stages)]
+    for node in graph.graph.nodes:
+        if node.op == "output" or "pd.stage" not in node.meta:
+            continue
+        stage = int(node.meta["pd.stage"])
+        if 0 <= stage < stages:
+            out[stage].append(node)
+    return out
+
+
+def node_bytes(graph: fx.GraphModule, *, example_inputs: Sequence[Any] | None = None,
+               cost_graph: nx.DiGraph | None = None) -> dict[str, float]:
+    """Bytes of each node's output per minibatch: from a CostGraph when given, else from shapes
+    on the nodes, else from shapes propagated on a copy of the graph (empty if impossible)."""
+    if cost_graph is not None:
+        return {str(n): float(d.get("act", 0.0)) for n, d in cost_graph.nodes(data=True)}
+    from pdcompile.meta import get_shape, has_shape
+
+    nodes = [n for n in graph.graph.nodes if n.op != "output"]
+    if nodes and all(has_shape(n) for n in nodes):
+        return {n.name: float(get_shape(n).nbytes) for n in nodes}
+    if example_inputs is None:
+        return {}
+    import torch
+
+    from pdcompile.errors import PdcompileError
+    from pdcompile.passes.shapes import annotate_shapes
+
+    shaped = copy.deepcopy(graph)
+    try:
+        with torch.random.fork_rng():
+            annotate_shapes(shaped, tuple(example_inputs))
+    except (PdcompileError, RuntimeError, TypeError, ValueError):
+        return {}
+    return {n.name: float(get_shape(n).nbytes) for n in shaped.graph.nodes
+            if n.op != "output" and has_shape(n)}
+
+
+def crossing_edges(graph: fx.GraphModule) -> list[tuple[fx.Node, fx.Node]]:
+    """Every (producer, consumer) pair of nodes in different stages."""
+    out = []
+    for node in graph.graph.nodes:
+        if node.op == "output" or "pd.stage" not in node.meta:
+            continue
+        for src in node.all_input_nodes:
+            if "pd.stage" in src.meta and src.meta["pd.stage"] != node.meta["pd.stage"]:
+                out.append((src, node))
+    return out
+
+
+def stage_rows(pipe: Any, *, cost_graph: nx.DiGraph | None = None) -> list[StageRow]:
+    """The rows of the table for a Pipeline."""
+    plan = pipe.plan
+    count = len(plan.stages)
+    graph = pipe.graph
+    per_stage = stage_nodes(graph, count) if graph is not None else [[] for _ in range(count)]
+    sizes = (node_bytes(graph, example_inputs=pipe.example_inputs, cost_graph=cost_graph)
+             if graph is not None else {})
+    sent: list[float] = [0.0] * count
+    seen: set[tuple[str, int]] = set()
+    if graph is not None:
+        for src, dst in crossing_edges(graph):
+            key = (src.name, int(dst.meta["pd.stage"]))
+            if key not in seen:  # one tensor goes once to each stage that reads it
+                seen.add(key)
+                sent[int(src.meta["pd.stage"])] += sizes.get(src.name, 0.0)
+    rows = []
+    for index, stage in enumerate(plan.stages):
+        names = tuple(n.name for n in per_stage[index]) or tuple(stage.nodes)
+        params = sum(p.numel() for p in pipe.stage_modules[index].parameters())
+        rows.append(StageRow(index, stage.replicas, tuple(stage.ranks), names, params,
+                             stage.compute, stage.comm, sent[index], stage.memory))
+    return rows
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 2] + ".."
+
+
+def stage_table(rows: Sequence[StageRow], *, predicted: bool = True) -> str:
+    """The rows as aligned text (`predicted=False`: no time and memory columns' values)."""
+
+    def timed(text: str) -> str:
+        return text if predicted else "-"
+
+    header = ("stage", "replicas", "ranks", "nodes", "first", "last", "params", "compute",
+              "sends/mb", "comm", "memory")
+    body = [(str(r.index), str(r.replicas), _clip(",".join(map(str, r.ranks)), 12),
+             str(len(r.nodes)), _clip(r.first, 22), _clip(r.last, 22), f"{r.parameters:,}",
+             timed(format_seconds(r.compute)),
+             format_bytes(r.sends) if r.sends else "-", timed(format_seconds(r.comm)),
+             timed(format_bytes(r.memory))) for r in rows]
+    widths = [max(len(row[i]) for row in [header, *body]) for i in range(len(header))]
+    left = {2, 4, 5}
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i in left else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(row, widths, strict=True))).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *map(line, body)])
+
+
+def pipeline_summary(pipe: Any) -> str:
+    """Stage table, the plan's predicted totals, the schedule and the tied parameters."""
+    plan = pipe.plan
+    status = plan.status + (f", gap {plan.gap:.1%}" if plan.gap is not None else "")
+    if plan.time_per_minibatch <= 0:
+        totals = (f"config {plan.config} on {plan.workers} workers; the plan was given "
+                  f"({plan.planner}), so nothing is predicted (let the planner plan for times)")
+        return "\n".join([stage_table(stage_rows(pipe), predicted=False), "", totals,
+                          *_schedule_lines(pipe)])
+    lines = [stage_table(stage_rows(pipe)), "",
+             f"config {plan.config} on {plan.workers} workers; predicted "
+             f"{format_seconds(plan.time_per_minibatch)} per minibatch, "
+             f"{plan.speedup_over_dp:.2f}x over data parallel "
+             f"({format_seconds(plan.dp_time)}); planner {plan.planner} ({status}, "
+             f"{plan.solve_seconds:.2f} s), cost model {plan.cost_model}"]
+    return "\n".join(lines + _schedule_lines(pipe))
+
+
+def _schedule_lines(pipe: Any) -> list[str]:
+    lines = []
+    shape = (f"minibatches stream through, {pipe.microbatches} in the exported loop"
+             if pipe.schedule_name == "1f1b" else
+             f"{pipe.microbatches} microbatches per minibatch")
+    lines.append(f"schedule {pipe.schedule_name}, {shape}"
+                 + (", vertical sync" if pipe.vertical_sync else "")
+                 + ("" if pipe.stash else ", NO weight stashing"))
+    for tie in pipe.parts.ties:
+        lines.append(f"tied: {tie.name} held by stages {list(tie.stages)} (gradients summed)")
+    return lines
+
+
+__all__ = ["StageRow", "crossing_edges", "node_bytes", "pipeline_summary", "stage_nodes",
+           "stage_rows", "stage_table"]
