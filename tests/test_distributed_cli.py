@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import signal
 import socket
+import subprocess
+import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
+import torch
+from torch import nn
 
+import pdcompile
 from pdcompile.cli import main
 
 
@@ -53,3 +62,70 @@ def test_user_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert f"master port {port} on 127.0.0.1 is already in use" in capsys.readouterr().err
     assert main(["run", str(folder), "--nnodes", "2", "--nproc", "2", "--dry-run"]) == 1
     assert "needs --master-addr" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------------------------------------
+# End to end: real torchrun workers
+
+
+def _exported(tmp_path: Path, schedule: str = "1f1b-flush") -> tuple[Path, Any, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(12, 12), nn.ReLU(), nn.Linear(12, 12), nn.ReLU(),
+                          nn.Linear(12, 3))
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    pipe = pdcompile.compile(model, example_inputs=(x,), example_target=y,
+                             loss_fn=nn.functional.cross_entropy,
+                             optimizer=functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9),
+                             schedule=schedule, microbatches=2, stages=[1, 1])
+    folder = tmp_path / "pipe"
+    pipe.export(str(folder))
+    return folder, x, y
+
+
+def _run_cli(args: list[str], env: dict[str, str] | None = None,
+             timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    """`python -m pdcompile run ...` in its own session, killed with its workers on timeout."""
+    proc = subprocess.Popen([sys.executable, "-m", "pdcompile", "run", *args], text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True, env={**os.environ, **(env or {})})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, _ = proc.communicate()
+        pytest.fail(f"pdcompile run did not finish within {timeout} s:\n{out}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
+
+
+def _losses(output: str) -> list[float]:
+    lines = [line for line in output.splitlines() if line.startswith("losses [")]
+    assert len(lines) == 1, output
+    return [float(v) for v in json.loads(lines[0][len("losses "):])]
+
+
+@pytest.mark.timeout(200)
+def test_pdcompile_run_trains_the_export_on_torchrun(tmp_path: Path) -> None:
+    folder, x, y = _exported(tmp_path)
+    done = _run_cli([str(folder), "--nproc", "2", "--steps", "3", "--threads", "1"])
+    assert done.returncode == 0, done.stdout
+    want = pdcompile.load(str(folder)).train([((x,), y)] * 3)
+    assert _losses(done.stdout) == pytest.approx(want, rel=1e-6)
+    for step, loss in enumerate(want, 1):  # progress, printed as the losses become known
+        assert f"step {step}/3 loss {loss:.6f}" in done.stdout
+
+
+@pytest.mark.timeout(240)
+def test_dead_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path: Path) -> None:
+    folder, x, y = _exported(tmp_path)
+    ckpt = tmp_path / "ckpt"
+    done = _run_cli([str(folder), "--nproc", "2", "--steps", "6", "--threads", "1",
+                     "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
+                     "--max-restarts", "1", "--fault-timeout", "5"],
+                    env={"PDCOMPILE_TEST_DIE_AT": "1:3"})
+    assert done.returncode == 0, done.stdout
+    assert "rank 1: killing myself at minibatch 3" in done.stdout
+    assert "resumed from the checkpoint after minibatch 2" in done.stdout
+    want = pdcompile.load(str(folder)).train([((x,), y)] * 6)
+    assert _losses(done.stdout) == pytest.approx(want, rel=1e-6)
+    assert sorted(p.name for p in (ckpt / "rank_1").iterdir()) == [
+        "step_00000004.pt", "step_00000006.pt"]

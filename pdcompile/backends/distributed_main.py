@@ -107,6 +107,26 @@ def _die_hook(stream: Iterable[Any], rank: int) -> Iterator[Any]:
         yield item
 
 
+def _init_process_group(rank: int, world: int) -> None:
+    """The default group from torchrun's environment, under a key prefix of its own attempt.
+
+    torchrun's static rendezvous keeps one store across restarts, so a restarted worker would
+    read the gloo addresses the dead attempt left there; a per-attempt prefix avoids them.
+    """
+    import torch.distributed as dist
+
+    from pdcompile.backends.launch import connect_store
+
+    timeout = datetime.timedelta(seconds=120)
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        dist.init_process_group("gloo", timeout=timeout)  # env://: rank 0 hosts the store
+        return
+    store = connect_store(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"pdcompile/pg/{attempt}", store),
+                            rank=rank, world_size=world, timeout=timeout)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one worker; returns the exit status (errors print one line)."""
     args = parser().parse_args(argv)
@@ -137,7 +157,7 @@ def _main(args: argparse.Namespace) -> int:
     data = load_data(args.data)() if args.data else example_data(pipe, args.export_dir)
     if args.data is None and args.steps is None:
         raise PdcompileError("training on the repeated example minibatch needs --steps N")
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    _init_process_group(rank, world)
     monitor = monitor_from_env(rank=rank, world_size=world, fault_timeout=args.fault_timeout)
     failed = True
     try:
