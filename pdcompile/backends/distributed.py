@@ -484,6 +484,7 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
     done = 0
     losses: list[float] = []
     resumed: int | None = None
+    saved: dict[str, Any] = {}
     if checkpoint_dir is not None:
         ckpt = Checkpointer(checkpoint_dir, rank=rank, every=checkpoint_every or 1,
                             keep=keep_checkpoints)
@@ -506,6 +507,8 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
         if next(stream, _END) is _END:
             raise PipelineInputError(f"the data ends after {skipped} minibatches but the run "
                                      f"resumes at minibatch {done} (checkpoint)")
+    if resumed is not None and saved.get("rng") is not None:
+        torch.set_rng_state(saved["rng"])  # as saved, whatever skipping the data drew
     check = _ShapeCheck(pipeline.parts.data_inputs, getattr(pipeline, "example_inputs", None),
                         getattr(pipeline, "example_target", None),
                         "the example_inputs given to compile()")
