@@ -20,7 +20,7 @@ from typing import Any
 import networkx as nx
 
 from pdcompile.errors import PdcompileError
-from pdcompile.stage_table import crossing_edges, node_bytes, stage_nodes
+from pdcompile.stage_table import node_bytes, stage_nodes
 from pdcompile.units import format_bytes
 
 PALETTE = ("#8fb8e8", "#9fd89f", "#f5b971", "#d7b8e8", "#f2a0a0", "#a8dcd9", "#e8d88f",
@@ -51,55 +51,97 @@ def plan_picture(pipe: Any, *, cost_graph: nx.DiGraph | None = None, collapse: i
     if graph is None:
         raise PdcompileError("this pipeline has no traced graph to draw (Pipeline.graph is None)")
     count = len(pipe.plan.stages)
+    per_stage = [[(n.name, _node_label(graph, n)) for n in nodes]
+                 for nodes in stage_nodes(graph, count)]
+    edges = [(src.name, node.name) for node in graph.graph.nodes if node.op != "output"
+             for src in node.all_input_nodes]
+    sizes = node_bytes(graph, example_inputs=pipe.example_inputs, cost_graph=cost_graph)
+    return _picture(per_stage, edges, sizes, pipe.plan, collapse=collapse, stage=stage)
+
+
+def costgraph_picture(graph: nx.DiGraph, plan: Any = None, *, collapse: int = COLLAPSE,
+                      stage: int | None = None) -> PlanPicture:
+    """The same picture for a CostGraph (a profile, or a model's costs) and the Plan made from
+    it; without a plan, the whole graph is one stage. Nodes the plan does not place (inputs)
+    join the stage of their first placed successor."""
+    from pdcompile.costgraph import edge_bytes, topological_order
+    from pdcompile.plan import Plan, Stage
+
+    order = topological_order(graph)
+    if plan is None:
+        plan = Plan(stages=(Stage(tuple(order), 1, (0,)),), time_per_minibatch=0.0, dp_time=0.0,
+                    workers=1, planner="none")
+    placed = plan.stage_of()
+    stage_of: dict[str, int] = {}
+    for node in reversed(order):
+        if node in placed:
+            stage_of[node] = placed[node]
+        else:
+            after = [stage_of[v] for v in graph.successors(node) if v in stage_of]
+            stage_of[node] = min(after, default=0)
+    per_stage: list[list[tuple[str, str]]] = [[] for _ in plan.stages]
+    for node in order:
+        label = str(graph.nodes[node].get("label", ""))
+        text = str(node) if not label or label == str(node) else f"{node}\n{label[:28]}"
+        per_stage[min(stage_of[node], len(per_stage) - 1)].append((str(node), text))
+    sizes = {str(u): edge_bytes(graph, u, v) for u, v in graph.edges}
+    return _picture(per_stage, [(str(u), str(v)) for u, v in graph.edges], sizes, plan,
+                    collapse=collapse, stage=stage)
+
+
+def _picture(per_stage: list[list[tuple[str, str]]], pairs: list[tuple[str, str]],
+             sizes: dict[str, float], plan: Any, *, collapse: int,
+             stage: int | None) -> PlanPicture:
+    count = len(per_stage)
     if stage is not None and not 0 <= stage < count:
         raise PdcompileError(f"stage {stage} does not exist: the plan has stages 0..{count - 1}")
-    per_stage = stage_nodes(graph, count)
-    sizes = node_bytes(graph, example_inputs=pipe.example_inputs, cost_graph=cost_graph)
+    if collapse < 1:
+        raise PdcompileError(f"collapse takes a positive node count, not {collapse}")
     if stage is not None:
         collapsed = {s for s in range(count) if s != stage}
     else:
         collapsed = {s for s in range(count) if len(per_stage[s]) > collapse}
     box: dict[str, str] = {}
+    home: dict[str, int] = {}
     columns: list[list[str]] = []
     labels: dict[str, str] = {}
     titles = []
     for s, nodes in enumerate(per_stage):
-        info = pipe.plan.stages[s]
+        info = plan.stages[s]
         ranks = ",".join(str(r) for r in info.ranks)
-        titles.append(f"stage {s}: {info.replicas} replica{'s' if info.replicas > 1 else ''}"
-                      f" (rank{'s' if info.replicas > 1 else ''} {ranks})")
+        many = info.replicas > 1
+        titles.append(f"stage {s}: {info.replicas} replica{'s' if many else ''}"
+                      f" (rank{'s' if many else ''} {ranks})")
+        for name, _ in nodes:
+            home[name] = s
         if s in collapsed:
             name = f"stage {s}"
-            first = nodes[0].name if nodes else "-"
-            last = nodes[-1].name if nodes else "-"
+            first = nodes[0][0] if nodes else "-"
+            last = nodes[-1][0] if nodes else "-"
             labels[name] = f"{len(nodes)} nodes\n{first}\n..\n{last}"
             columns.append([name])
-            for node in nodes:
-                box[node.name] = name
+            for node, _ in nodes:
+                box[node] = name
         else:
-            columns.append([n.name for n in nodes])
-            for node in nodes:
-                box[node.name] = node.name
-                labels[node.name] = _node_label(graph, node)
+            columns.append([name for name, _ in nodes])
+            for name, text in nodes:
+                box[name] = name
+                labels[name] = text
     edges: dict[tuple[str, str], float] = {}
     inner: set[tuple[str, str]] = set()
     sent: set[tuple[str, str]] = set()
-    crossing = set(crossing_edges(graph))
-    for node in graph.graph.nodes:
-        if node.name not in box:
+    for src, dst in pairs:
+        if src not in box or dst not in box:
             continue
-        for src in node.all_input_nodes:
-            if src.name not in box:
-                continue
-            key = (box[src.name], box[node.name])
-            if key[0] == key[1]:
-                continue
-            if (src, node) in crossing:
-                if (src.name, key[1]) not in sent:  # a tensor goes once to each box reading it
-                    sent.add((src.name, key[1]))
-                    edges[key] = edges.get(key, 0.0) + sizes.get(src.name, float("nan"))
-            else:
-                inner.add(key)
+        key = (box[src], box[dst])
+        if key[0] == key[1]:
+            continue
+        if home[src] != home[dst]:
+            if (src, key[1]) not in sent:  # a tensor goes once to each box that reads it
+                sent.add((src, key[1]))
+                edges[key] = edges.get(key, 0.0) + sizes.get(src, float("nan"))
+        else:
+            inner.add(key)
     out = [(a, b, "") for a, b in sorted(inner)]
     out += [(a, b, "?" if value != value else format_bytes(value))
             for (a, b), value in edges.items()]
@@ -128,8 +170,14 @@ def draw_plan(pipe: Any, path: str | Path, *, graph: nx.DiGraph | None = None,
     `graph`: the CostGraph the plan came from, for the bytes on the cut edges (otherwise they
     come from shapes of the example minibatch).
     """
-    target = Path(path)
     picture = plan_picture(pipe, cost_graph=graph, collapse=collapse, stage=stage)
+    return write_picture(picture, path, title or f"{pipe.name}: {pipe.plan.config} on "
+                         f"{pipe.plan.workers} workers (edges: bytes per minibatch)")
+
+
+def write_picture(picture: PlanPicture, path: str | Path, title: str) -> Path:
+    """Write a picture to `path`: .svg or .png drawn with matplotlib, .dot as DOT source."""
+    target = Path(path)
     target.parent.mkdir(parents=True, exist_ok=True)
     suffix = target.suffix.lower()
     if suffix == ".dot":
@@ -137,8 +185,7 @@ def draw_plan(pipe: Any, path: str | Path, *, graph: nx.DiGraph | None = None,
         return target
     if suffix not in (".svg", ".png"):
         raise PdcompileError(f"plan drawing {target} must end in .svg, .png or .dot")
-    _draw(picture, target, title or f"{pipe.name}: {pipe.plan.config} on "
-          f"{pipe.plan.workers} workers (edges: bytes per minibatch)")
+    _draw(picture, target, title)
     return target
 
 
@@ -227,4 +274,5 @@ def to_dot(picture: PlanPicture) -> str:
     return "\n".join(lines) + "\n"
 
 
-__all__ = ["COLLAPSE", "PlanPicture", "draw_plan", "plan_picture", "to_dot"]
+__all__ = ["COLLAPSE", "PlanPicture", "costgraph_picture", "draw_plan", "plan_picture", "to_dot",
+           "write_picture"]
