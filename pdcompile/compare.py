@@ -2,11 +2,12 @@
 
 `compare(predicted, measured)` takes the simulator's timeline and one recorded by a real run
 (local or distributed backend) and returns a `Comparison`: time per minibatch, steady-state
-bubble, and per stage the forward and backward time per microbatch, the time spent waiting in
-receives and the share of the steady window spent computing, each predicted, measured and the
-error. Per-stage compute tells whether a wrong prediction comes from the costs (forward and
-backward already off) or from what the simulator models around them (transfers, waiting,
-per-action overheads: compute right but time per minibatch off).
+bubble, and per stage the forward and backward time per microbatch, the optimizer step, the
+time spent posting sends and waiting in receives, the share of the steady window spent
+computing and the share spent outside any action, each predicted, measured and the error.
+Per-stage compute tells whether a wrong prediction comes from the costs (forward and backward
+already off) or from what the simulator models around them (transfers, waiting, per-action
+overheads: compute right but time per minibatch off).
 """
 
 from __future__ import annotations
@@ -104,41 +105,65 @@ class Comparison:
 
 
 def stage_figures(timeline: Timeline) -> dict[int, dict[str, float]]:
-    """Per stage: mean forward and backward seconds per microbatch ("fwd", "bwd"), mean seconds
-    a worker of the stage waits in receives per microbatch it computes ("wait"), and the share
-    of the steady window its workers spend computing ("busy")."""
+    """Per stage, from the events that start in the steady window (means over the stage's
+    workers and its microbatches there):
+
+    - "fwd", "bwd": seconds per forward / backward of one microbatch;
+    - "step": seconds per optimizer step; "send": seconds per microbatch spent posting sends;
+    - "wait": seconds per microbatch spent waiting in receives;
+    - "busy": share of the steady window spent computing (F, B, W);
+    - "unrecorded": share of the steady window inside no event at all (the generated loop's
+      own work between actions: zero in a simulation).
+    """
     stage_of = timeline.stage_of_ranks()
     t0, t1, _ = timeline.steady_window()
-    sums: dict[int, dict[str, float]] = {}
-    counts: dict[int, dict[str, int]] = {}
-    for event, action in timeline.compute_events():
-        key = "fwd" if action.kind == Kind.F else "bwd"
-        sums.setdefault(action.stage, {}).setdefault(key, 0.0)
-        sums[action.stage][key] += event.duration
-        counts.setdefault(action.stage, {}).setdefault(key, 0)
-        counts[action.stage][key] += 1
-        if t1 > t0:
-            inside = max(0.0, min(event.end, t1) - max(event.start, t0))
-            sums[action.stage]["busy"] = sums[action.stage].get("busy", 0.0) + inside
+    total: dict[int, dict[str, float]] = {}
+    count: dict[int, dict[str, int]] = {}
+    inside: dict[int, dict[str, float]] = {}
+    names = {Kind.F: "fwd", Kind.B: "bwd", Kind.STEP: "step"}
+    # means over the actions that start in the steady window (warm-up outliers such as the
+    # first call's allocations and connection set-up stay out), unless none does
+    use_all = not any(t0 <= e.start < t1 for e in timeline.events)
     for event in timeline.events:
-        if "RECV" in event.action and event.rank in stage_of:
-            stage = stage_of[event.rank]
-            sums.setdefault(stage, {})
-            sums[stage]["wait"] = sums[stage].get("wait", 0.0) + event.duration
+        stage = stage_of.get(event.rank)
+        if stage is None:
+            continue
+        text = event.action
+        if "RECV" in text:
+            key = "wait"
+        elif "SEND" in text:
+            key = "send"
+        else:
+            kind = event.parsed().kind
+            key = names.get(kind, "compute" if kind.is_compute else "other")
+        if use_all or t0 <= event.start < t1:
+            total.setdefault(stage, {}).setdefault(key, 0.0)
+            total[stage][key] += event.duration
+            count.setdefault(stage, {}).setdefault(key, 0)
+            count[stage][key] += 1
+        if t1 > t0:
+            part = max(0.0, min(event.end, t1) - max(event.start, t0))
+            where = "busy" if key in ("fwd", "bwd", "compute") else "recorded"
+            inside.setdefault(stage, {}).setdefault(where, 0.0)
+            inside[stage][where] += part
     workers: dict[int, int] = {}
     for stage in stage_of.values():
         workers[stage] = workers.get(stage, 0) + 1
     out: dict[int, dict[str, float]] = {}
-    for stage in sorted(sums):
-        n_f = counts.get(stage, {}).get("fwd", 0)
-        n_b = counts.get(stage, {}).get("bwd", 0)
-        got = sums[stage]
+    for stage in sorted(total):
+        got, n = total[stage], count[stage]
+        forwards = max(1, n.get("fwd", 0))
+        span = workers[stage] * (t1 - t0)
+        busy = inside.get(stage, {}).get("busy", 0.0)
+        recorded = busy + inside.get(stage, {}).get("recorded", 0.0)
         out[stage] = {
-            "fwd": got.get("fwd", 0.0) / n_f if n_f else 0.0,
-            "bwd": got.get("bwd", 0.0) / n_b if n_b else 0.0,
-            "wait": got.get("wait", 0.0) / max(1, n_f),
-            "busy": (got.get("busy", 0.0) / (workers.get(stage, 1) * (t1 - t0))
-                     if t1 > t0 else 0.0),
+            "fwd": got.get("fwd", 0.0) / max(1, n.get("fwd", 0)),
+            "bwd": got.get("bwd", 0.0) / max(1, n.get("bwd", 0)),
+            "step": got.get("step", 0.0) / max(1, n.get("step", 0)),
+            "send": got.get("send", 0.0) / forwards,
+            "wait": got.get("wait", 0.0) / forwards,
+            "busy": busy / span if span > 0 else 0.0,
+            "unrecorded": max(0.0, 1.0 - recorded / span) if span > 0 else 0.0,
         }
     return out
 
@@ -172,8 +197,12 @@ def compare(predicted: Timeline, measured: Timeline) -> Comparison:
         figures += [
             Figure(f"stage {stage} forward", p["fwd"], m.get("fwd", 0.0)),
             Figure(f"stage {stage} backward", p["bwd"], m.get("bwd", 0.0)),
+            Figure(f"stage {stage} optimizer step", p["step"], m.get("step", 0.0)),
+            Figure(f"stage {stage} sending", p["send"], m.get("send", 0.0)),
             Figure(f"stage {stage} receive wait", p["wait"], m.get("wait", 0.0)),
             Figure(f"stage {stage} busy", p["busy"], m.get("busy", 0.0), "share"),
+            Figure(f"stage {stage} between actions", p["unrecorded"], m.get("unrecorded", 0.0),
+                   "share"),
         ]
     return Comparison(predicted, measured, figures)
 
