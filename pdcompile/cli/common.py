@@ -1,10 +1,13 @@
-"""Options and loaders shared by several subcommands (model spec, cluster, output)."""
+"""Options and loaders shared by several subcommands (model spec, cluster, progress)."""
 
 from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +66,46 @@ def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
     return model, inputs
+
+
+class Spinner:
+    """Progress on stderr once the work has taken more than `delay` seconds: a spinner with the
+    elapsed time on a terminal, one line otherwise."""
+
+    def __init__(self, label: str, *, delay: float = 1.0) -> None:
+        self.label = label
+        self.delay = delay
+        self.tty = sys.stderr.isatty()
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._spin, daemon=True)
+        self._shown = False
+        self._started = 0.0
+
+    def __enter__(self) -> Spinner:
+        self._started = time.perf_counter()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._done.set()
+        self._thread.join()
+        if self._shown:
+            elapsed = time.perf_counter() - self._started
+            start = "\r" if self.tty else ""
+            sys.stderr.write(f"{start}{self.label}: done in {elapsed:.1f} s\n")
+            sys.stderr.flush()
+
+    def _spin(self) -> None:
+        if self._done.wait(self.delay):
+            return
+        self._shown = True
+        if not self.tty:
+            sys.stderr.write(f"{self.label} ...\n")
+            sys.stderr.flush()
+            return
+        for char in itertools.cycle("|/-\\"):
+            elapsed = time.perf_counter() - self._started
+            sys.stderr.write(f"\r{self.label} {char} {elapsed:.0f} s")
+            sys.stderr.flush()
+            if self._done.wait(0.2):
+                return

@@ -5,8 +5,10 @@
         --out net/
 
 Writes what `Pipeline.export` writes (stage sources and weights, rank loops, plan, schedule,
-launch command) and prints the pipeline's summary. The loss function is the `loss_fn` defined
-beside the factory, if there is one (otherwise the model must return its loss).
+launch command) and prints the pipeline's summary (--json: the plan and the folder as JSON).
+The loss function is the `loss_fn` defined beside the factory, if there is one (otherwise the
+model must return its loss). Run the folder with `pdcompile run DIR --nproc N` or torchrun.
+Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -14,13 +16,14 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib
+import json
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pdcompile.cli.common import add_cluster_option, load_cluster, load_factory
+from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_factory
 from pdcompile.errors import PdcompileError
 from pdcompile.passes.schedule import SCHEDULES
 from pdcompile.plan import Plan
@@ -32,20 +35,31 @@ def register(subparsers: Any) -> None:
         "export", help="compile a model into a pipeline and write it to a folder",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", help="path/to/file.py:factory or package.module:factory "
-                        "returning (model, example inputs)")
+                        "returning (model, example inputs), e.g. pdcompile.models.vgg16:factory")
     add_cluster_option(parser)
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
-    parser.add_argument("--microbatches", type=int, default=None,
+    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+                        help="the pipeline schedule (default 1f1b), e.g. --schedule gpipe")
+    parser.add_argument("--microbatches", type=int, default=None, metavar="N",
                         help="microbatches per minibatch (1f1b-flush, gpipe, 2bw); for 1f1b the "
-                        "length of the exported stream")
-    parser.add_argument("--out", required=True, help="the folder to write")
-    parser.add_argument("--plan", dest="plan_file", help="use this plan.json instead of planning")
-    parser.add_argument("--stages", help="skip the planner: a stage count ('3') or replicas per "
-                        "stage ('2,1,1'), cut evenly")
-    parser.add_argument("--planner", default="auto", choices=("auto", "dp", "ilp"))
-    parser.add_argument("--cost", default="measured", choices=("measured", "analytic"))
-    parser.add_argument("--lr", type=float, default=0.01, help="SGD learning rate (default 0.01)")
-    parser.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (default 0)")
+                        "length of the exported stream, e.g. --microbatches 4")
+    parser.add_argument("--out", required=True, metavar="DIR",
+                        help="the folder to write, e.g. --out vgg/")
+    parser.add_argument("--plan", dest="plan_file", metavar="PLAN.json",
+                        help="use this plan (from `pdcompile plan --json`) instead of planning")
+    parser.add_argument("--stages", metavar="SPEC",
+                        help="skip the planner: a stage count or replicas per stage, cut evenly, "
+                        "e.g. --stages 3 or --stages 2,1,1")
+    parser.add_argument("--planner", default="auto", choices=("auto", "dp", "ilp"),
+                        help="the partitioner (default auto), e.g. --planner dp")
+    parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),
+                        help="costs measured on this machine (default) or analytic on the "
+                        "cluster's device, e.g. --cost analytic")
+    parser.add_argument("--lr", type=float, default=0.01,
+                        help="SGD learning rate (default 0.01), e.g. --lr 0.1")
+    parser.add_argument("--momentum", type=float, default=0.0,
+                        help="SGD momentum (default 0), e.g. --momentum 0.9")
+    parser.add_argument("--json", action="store_true",
+                        help="print the folder, launch command and plan as JSON")
     parser.set_defaults(func=run)
 
 
@@ -65,6 +79,9 @@ def run(args: argparse.Namespace) -> int:
     loss_fn = getattr(_factory_module(args.model), "loss_fn", None)
     plan: Any = None
     if args.plan_file:
+        if not Path(args.plan_file).is_file():
+            raise PdcompileError(f"plan file {args.plan_file!r} does not exist; write one with "
+                                 "`pdcompile plan MODEL --json > plan.json`")
         plan = Plan.from_json(Path(args.plan_file).read_text())
     elif args.stages:
         try:
@@ -72,15 +89,23 @@ def run(args: argparse.Namespace) -> int:
         except ValueError:
             raise PdcompileError(f"--stages {args.stages!r}: write a stage count like 3 or "
                                  "replicas per stage like 2,1,1") from None
+        if any(p < 1 for p in parts):
+            raise PdcompileError(f"--stages {args.stages!r}: counts must be positive")
         plan = parts[0] if len(parts) == 1 else parts
-    pipe = compile_pipeline(
-        model, load_cluster(args.cluster), example_inputs=inputs, loss_fn=loss_fn,
-        optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
-        schedule=args.schedule, microbatches=args.microbatches, planner=args.planner,
-        cost=args.cost, plan=plan)
+    cluster = load_cluster(args.cluster)
+    with Spinner("compiling (trace, profile, plan, split)"):
+        pipe = compile_pipeline(
+            model, cluster, example_inputs=inputs, loss_fn=loss_fn,
+            optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
+            schedule=args.schedule, microbatches=args.microbatches, planner=args.planner,
+            cost=args.cost, plan=plan)
     pipe.export(args.out)
+    command = f"pdcompile run {args.out} --nproc {pipe.plan.workers}"
+    if args.json:
+        print(json.dumps({"out": str(args.out), "workers": pipe.plan.workers,
+                          "command": command, "plan": pipe.plan.to_dict()}, indent=1))
+        return 0
     print(pipe.summary())
     print(f"\nwrote {args.out}: stage_<i>.py/.safetensors, rank_<r>.py, plan.json, "
-          f"schedule.txt, pipeline.json, launch.sh\nrun it with: pdcompile run {args.out} "
-          f"--nproc {pipe.plan.workers}")
+          f"schedule.txt, pipeline.json, launch.sh\nrun it with: {command}")
     return 0

@@ -4,9 +4,13 @@
     pdcompile inspect examples/my_model.py:factory --cost analytic --cluster h100-node --svg g.svg
     pdcompile inspect --profile ../shared/profiles/pipedream/resnet50/graph.txt --coarsen 40
 
+    pdcompile inspect pdcompile.models.democnn:factory --draw graph.png --json > graph.json
+
 The table has one row per node (or per block with --coarsen): what it is, its output shape,
 forward and backward seconds, output activation, parameter and kept bytes, then the totals.
---svg draws the graph with graphviz `dot`.
+--draw draws the graph with matplotlib (.svg/.png; .dot for graphviz), no graphviz needed;
+--svg renders a richer DOT drawing with graphviz `dot` when it is installed.
+Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import argparse
 import json
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,27 +42,42 @@ def register(subparsers: Any) -> None:
         "inspect", help="trace and cost a model (or read a profile): node table and graph",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("model", nargs="?", help="path/to/file.py:factory or "
-                        "package.module:factory returning (model, example inputs)")
-    parser.add_argument("--profile", help="a PipeDream graph.txt (or its folder) instead")
-    parser.add_argument("--costgraph", help="a CostGraph JSON file instead")
+                        "package.module:factory returning (model, example inputs), e.g. "
+                        "pdcompile.models.vgg16:factory")
+    parser.add_argument("--profile", metavar="PATH", help="a PipeDream graph.txt (or its "
+                        "folder) instead, e.g. --profile ../shared/profiles/pipedream/vgg16")
+    parser.add_argument("--costgraph", metavar="PATH",
+                        help="a CostGraph JSON file instead (from --save), e.g. --costgraph g.json")
     parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),
                         help="measured on this machine (default) or analytic on the device of "
-                        "--cluster (FLOPs and bytes on a roofline)")
+                        "--cluster (FLOPs and bytes on a roofline), e.g. --cost analytic "
+                        "--cluster h100-node")
     add_cluster_option(parser, default="A")
     parser.add_argument("--leaf", action="append", default=[], metavar="MODULE",
-                        help="qualified name of a submodule to keep as one node (repeatable)")
-    parser.add_argument("--warmup", type=int, default=2, help="measured: untimed runs per node")
-    parser.add_argument("--repeats", type=int, default=5, help="measured: timed runs per node")
+                        help="qualified name of a submodule to keep as one node (repeatable), e.g. "
+                        "--leaf encoder.attn")
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="measured: untimed runs per node (default 2)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="measured: timed runs per node (default 5), e.g. --repeats 20")
     parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                         help="measured on a CPU: wall clock (default) or process CPU time, "
                         "steadier on a busy machine")
     parser.add_argument("--coarsen", type=int, metavar="N",
-                        help="fuse chains until at most N blocks remain (shows blocks)")
+                        help="fuse chains until at most N blocks remain (shows blocks), e.g. "
+                        "--coarsen 40")
     parser.add_argument("--top", type=int, metavar="N",
-                        help="show only the N nodes with the largest fwd+bwd (totals stay whole)")
-    parser.add_argument("--svg", metavar="PATH", help="draw the graph to this SVG file")
-    parser.add_argument("--save", metavar="PATH", help="write the CostGraph as JSON")
-    parser.add_argument("--json", action="store_true", help="print the CostGraph as JSON")
+                        help="show only the N nodes with the largest fwd+bwd (totals stay whole), "
+                        "e.g. --top 10")
+    parser.add_argument("--draw", metavar="PATH", help="draw the graph with matplotlib "
+                        "(.svg, .png or .dot), e.g. --draw graph.svg")
+    parser.add_argument("--svg", metavar="PATH", help="draw the graph to this SVG file with "
+                        "graphviz `dot` (also writes PATH.dot), e.g. --svg graph.svg")
+    parser.add_argument("--save", metavar="PATH",
+                        help="write the CostGraph as JSON (for plan --costgraph), e.g. "
+                        "--save g.json")
+    parser.add_argument("--json", action="store_true",
+                        help="print the CostGraph and its totals as JSON")
     parser.set_defaults(func=run)
 
 
@@ -227,6 +247,13 @@ def run(args: argparse.Namespace) -> int:
               f"{graph.number_of_edges()} edges; costs: {graph.graph.get('source', '')}; "
               f"batch size {graph.graph.get('batch_size') or '?'}")
         print(table(graph, top=args.top))
+    if args.draw:
+        from pdcompile.viz.plan_graph import costgraph_picture, write_picture
+
+        picture = costgraph_picture(graph, collapse=graph.number_of_nodes() + 1)
+        drawn = write_picture(picture, args.draw, f"{graph.graph.get('name', '')}: "
+                              f"{graph.number_of_nodes()} nodes (edges: bytes per minibatch)")
+        print(f"wrote {drawn}", file=sys.stderr if args.json else sys.stdout)
     if args.svg:
         svg = draw_svg(graph, args.svg)
         if not args.json:

@@ -3,24 +3,28 @@
     pdcompile plan --profile vgg16/graph.txt --cluster 4x4@1e10,1.25e9 --cost-model pipedream
     pdcompile plan examples/vgg16.py:factory --cluster A --planner ilp --time-limit 30
     pdcompile plan --costgraph graph.json --cluster 16 --memory 16GiB --json > plan.json
+    pdcompile plan pdcompile.models.democnn:factory --cluster local-2 --draw plan.svg
+    pdcompile plan --profile ../shared/profiles/pipedream/vgg16 --cluster A --draw vgg.png \
+        --stage 1
 
 Prints the plan's summary (stages, replicas, ranks, predicted compute, sync, communication,
 memory, time per minibatch, speed-up over data parallelism, planner status); --json prints
-the plan as JSON instead (the same as Plan.to_json()).
+the plan as JSON instead (the same as Plan.to_json()). --draw writes the partitioned graph:
+nodes grouped and coloured by stage, replicas in the stage titles, every edge crossing a stage
+boundary labelled with its bytes per minibatch (.svg/.png drawn with matplotlib, .dot for
+graphviz); stages of more than --collapse nodes are drawn as one box, --stage K expands only K.
+Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import sys
-import threading
-import time
 from typing import Any
 
 import networkx as nx
 
-from pdcompile.cli.common import add_cluster_option, load_cluster, load_factory
+from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_factory
 from pdcompile.errors import PdcompileError
 from pdcompile.planner import PLANNERS
 
@@ -31,32 +35,51 @@ def register(subparsers: Any) -> None:
         "plan", help="partition a model or profile into (replicated) pipeline stages",
         description=__doc__, formatter_class=_Formatter)
     parser.add_argument("model", nargs="?",
-                        help="path/to/file.py:factory returning (model, example inputs)")
-    parser.add_argument("--profile",
-                        help="a PipeDream graph.txt (or its folder) instead of a model")
-    parser.add_argument("--costgraph", help="a CostGraph JSON file instead of a model")
+                        help="path/to/file.py:factory or package.module:factory returning "
+                        "(model, example inputs), e.g. pdcompile.models.vgg16:factory")
+    parser.add_argument("--profile", metavar="PATH",
+                        help="a PipeDream graph.txt (or its folder) instead of a model, e.g. "
+                        "--profile ../shared/profiles/pipedream/vgg16")
+    parser.add_argument("--costgraph", metavar="PATH",
+                        help="a CostGraph JSON file instead of a model (written by "
+                        "`pdcompile inspect --save`), e.g. --costgraph graph.json")
     add_cluster_option(parser, default="A")
     parser.add_argument("--planner", default="auto", choices=PLANNERS,
                         help="dp: PipeDream's dynamic program; ilp: the DP then the exact CP-SAT "
-                        "model; auto: CP-SAT too when the graph is small (default)")
+                        "model; auto: CP-SAT too when the graph is small (default), e.g. "
+                        "--planner dp")
     parser.add_argument("--cost-model", default="native", choices=("native", "pipedream"),
-                        help="native (default) or pipedream (the original optimizer's model)")
+                        help="native (default) or pipedream (the original optimizer's model), "
+                        "e.g. --cost-model pipedream")
     parser.add_argument("--straight", action="store_true",
-                        help="no replication: one worker per stage")
+                        help="no replication: one worker per stage (a straight pipeline)")
     parser.add_argument("--memory", default=None,
-                        help="memory per worker, e.g. 16GiB (default: the cluster's device; the "
-                        "pipedream model applies a memory limit only when this is given)")
+                        help="memory per worker, e.g. --memory 16GiB (default: the cluster's "
+                        "device; the pipedream model applies a memory limit only when given)")
     parser.add_argument("--time-limit", type=float, default=None, metavar="S",
-                        help="seconds for CP-SAT (default 10)")
+                        help="seconds for CP-SAT (default 10), e.g. --time-limit 30")
     parser.add_argument("--schedule", default="1f1b",
                         choices=("1f1b", "1f1b-flush", "gpipe", "2bw"),
-                        help="the schedule the plan is priced for (memory, bubble)")
-    parser.add_argument("--microbatches", type=int, default=1,
-                        help="microbatches per minibatch for the flush schedules")
-    parser.add_argument("--analytic", action="store_true",
-                        help="for a MODEL: analytic costs on the cluster's device instead of "
-                        "measuring on this machine")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
+                        help="the schedule the plan is priced for (memory, bubble; default "
+                        "1f1b), e.g. --schedule gpipe")
+    parser.add_argument("--microbatches", type=int, default=1, metavar="N",
+                        help="microbatches per minibatch for the flush schedules, e.g. "
+                        "--microbatches 8")
+    parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),
+                        help="for a MODEL: measured on this machine (default) or analytic on "
+                        "the cluster's device (FLOPs and bytes), e.g. --cost analytic")
+    parser.add_argument("--analytic", action="store_const", const="analytic", dest="cost",
+                        help=argparse.SUPPRESS)
+    parser.add_argument("--draw", metavar="PATH",
+                        help="draw the partitioned graph to PATH (.svg, .png or .dot), e.g. "
+                        "--draw plan.svg")
+    parser.add_argument("--stage", type=int, metavar="K",
+                        help="with --draw: expand only stage K, the others as boxes")
+    parser.add_argument("--collapse", type=int, default=40, metavar="N",
+                        help="with --draw: stages of more than N nodes drawn as one box "
+                        "(default 40)")
+    parser.add_argument("--json", action="store_true",
+                        help="print the plan as JSON (Plan.to_json()), e.g. --json > plan.json")
     parser.set_defaults(func=run)
 
 
@@ -92,6 +115,17 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"{graph.graph.get('name') or 'model'} on {cluster.describe()}")
         print(result.summary())
+    if args.draw:
+        from pdcompile.viz.plan_graph import costgraph_picture, write_picture
+
+        picture = costgraph_picture(graph, result, collapse=args.collapse, stage=args.stage)
+        where = cluster.name or f"{cluster.workers} workers"
+        title = (f"{graph.graph.get('name') or 'model'}: {result.config} on {where} "
+                 "(edges: bytes per minibatch)")
+        written = write_picture(picture, args.draw, title)
+        print(f"wrote {written}", file=sys.stderr if args.json else sys.stdout)
+    elif args.stage is not None:
+        raise PdcompileError("--stage K chooses the stage --draw expands; add --draw plan.svg")
     return 0
 
 
@@ -114,51 +148,8 @@ def _cost_graph(args: argparse.Namespace, cluster: Any) -> nx.DiGraph:
     model, inputs = load_factory(args.model)
     gm = trace(model)
     annotate_shapes(gm, inputs)
-    if args.analytic:
+    if args.cost == "analytic":
         annotate_costs(gm, inputs, source="analytic", device=cluster.device)
     else:
-        annotate_costs(gm, inputs)
+        annotate_costs(gm, inputs, progress=not args.json and sys.stderr.isatty())
     return to_cost_graph(gm, name=args.model)
-
-
-class Spinner:
-    """Progress on stderr once the work has taken more than `delay` seconds: a spinner with the
-    elapsed time on a terminal, one line otherwise."""
-
-    def __init__(self, label: str, *, delay: float = 1.0) -> None:
-        self.label = label
-        self.delay = delay
-        self.tty = sys.stderr.isatty()
-        self._done = threading.Event()
-        self._thread = threading.Thread(target=self._spin, daemon=True)
-        self._shown = False
-        self._started = 0.0
-
-    def __enter__(self) -> Spinner:
-        self._started = time.perf_counter()
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self._done.set()
-        self._thread.join()
-        if self._shown:
-            elapsed = time.perf_counter() - self._started
-            start = "\r" if self.tty else ""
-            sys.stderr.write(f"{start}{self.label}: done in {elapsed:.1f} s\n")
-            sys.stderr.flush()
-
-    def _spin(self) -> None:
-        if self._done.wait(self.delay):
-            return
-        self._shown = True
-        if not self.tty:
-            sys.stderr.write(f"{self.label} ...\n")
-            sys.stderr.flush()
-            return
-        for char in itertools.cycle("|/-\\"):
-            elapsed = time.perf_counter() - self._started
-            sys.stderr.write(f"\r{self.label} {char} {elapsed:.0f} s")
-            sys.stderr.flush()
-            if self._done.wait(0.2):
-                return
