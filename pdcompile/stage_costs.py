@@ -3,9 +3,12 @@
 Per stage s: forward and backward seconds for one microbatch on one worker (`fwd[s]`, `bwd[s]`),
 parameter bytes (`params[s]`), bytes kept for the backward per microbatch in flight
 (`activations[s]`), optimizer-step seconds (`optimizer[s]`, None: the simulator estimates it from
-the device's memory bandwidth); per stage edge (src, dst): bytes sent per microbatch (`edges`; the
-gradient going back is the same size). Built from a CostGraph and a Plan (`from_plan`), or given
-directly (`uniform`, the constructor).
+the device's memory bandwidth), seconds to copy the stage's weights once (`stash[s]`, None: the
+simulator estimates a read and a write of them at the device's memory bandwidth; asynchronous
+1F1B pays it for each new stashed weight version and again in each backward, moving the
+gradients of the stashed version into the live weights); per stage edge (src, dst): bytes sent
+per microbatch (`edges`; the gradient going back is the same size). Built from a CostGraph and
+a Plan (`from_plan`), or given directly (`uniform`, the constructor).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ class StageCosts:
     activations: tuple[float, ...] = ()
     edges: dict[tuple[int, int], float] = field(default_factory=dict)
     optimizer: tuple[float, ...] | None = None
+    stash: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         stages = len(self.fwd)
@@ -43,9 +47,11 @@ class StageCosts:
             if len(getattr(self, name)) != stages:
                 raise PlanError(f"stage costs: {name} has {len(getattr(self, name))} entries for "
                                 f"{stages} stages")
-        if self.optimizer is not None and len(self.optimizer) != stages:
-            raise PlanError(f"stage costs: optimizer has {len(self.optimizer)} entries for "
-                            f"{stages} stages")
+        for name in ("optimizer", "stash"):
+            given = getattr(self, name)
+            if given is not None and len(given) != stages:
+                raise PlanError(f"stage costs: {name} has {len(given)} entries for "
+                                f"{stages} stages")
         for (src, dst) in self.edges:
             if not 0 <= src < dst < stages:
                 raise PlanError(f"stage edge ({src}, {dst}) is not (src, dst) with "

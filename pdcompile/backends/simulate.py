@@ -11,7 +11,12 @@ Each rank runs its actions in order. An action starts when the rank is free and 
 - ALLREDUCE k: starts when every replica of the stage has reached it; a ring all-reduce of the
   stage's parameters over the slowest level the replicas span, 2 (r-1)/r * P / bw + 2 (r-1) latency;
 - STEP: `StageCosts.optimizer[s]` seconds, by default reading weights and gradients and writing
-  weights once at the device's memory bandwidth (3 P / mem_bandwidth).
+  weights once at the device's memory bandwidth (3 P / mem_bandwidth);
+- weight stashing (asynchronous '1f1b', `stash=True`): the first forward after an optimizer step
+  snapshots the stage's weights (a new version), and every backward moves the stashed version's
+  gradients into the live weights: each adds `StageCosts.stash[s]` seconds, by default a read and
+  a write of the weights at the device's memory bandwidth (2 P / mem_bandwidth), as the runtime
+  (runtime/stash.py) does.
 
 Memory per worker (peak): weights + one gradient buffer + stashed weight versions (1f1b: one per
 minibatch in flight beyond the newest, PipeDream's weight stashing; 2bw: one extra version) +
@@ -83,8 +88,10 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-             timeline: bool = True) -> SimResult:
-    """Run the lowered `schedule` against `costs` on `cluster` (see module docstring)."""
+             timeline: bool = True, stash: bool = True) -> SimResult:
+    """Run the lowered `schedule` against `costs` on `cluster` (see module docstring).
+
+    `stash=False`: the pipeline runs without weight stashing (no snapshot copies)."""
     if not is_lowered(schedule):
         raise ScheduleError(f"simulate() needs a lowered schedule; call "
                             f"passes.lower.lower(schedule) first (schedule {schedule.name!r})")
@@ -100,6 +107,10 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
 
     step_time = costs.optimizer or tuple(3.0 * p / cluster.device.mem_bandwidth
                                          for p in costs.params)
+    copy_time = (costs.stash or tuple(2.0 * p / cluster.device.mem_bandwidth
+                                      for p in costs.params)) \
+        if stash and schedule.name == "1f1b" else (0.0,) * costs.stages
+    fresh = {rank: True for rank in schedule.actions}  # no snapshot of the current weights yet
     allreduce = []
     for stage, ranks in enumerate(schedule.stage_ranks):
         r = len(ranks)
@@ -133,14 +144,18 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
             stage = action.stage
             if kind == Kind.F:
                 finish = start + costs.fwd[stage]
+                if fresh[rank]:
+                    finish += copy_time[stage]
+                    fresh[rank] = False
             elif kind == Kind.B:
-                finish = start + costs.bwd[stage]
+                finish = start + costs.bwd[stage] + copy_time[stage]
             elif kind == Kind.W:
                 finish = start + 0.5 * costs.bwd[stage]
             elif kind == Kind.ALLREDUCE:
                 finish = start + allreduce[stage]
             elif kind == Kind.STEP:
                 finish = start + step_time[stage]
+                fresh[rank] = True
             else:  # SEND_F / SEND_B: non-blocking; the link carries it
                 assert action.peer is not None
                 dst = schedule.rank_of(action.peer, action.microbatch)
