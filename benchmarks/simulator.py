@@ -410,7 +410,8 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
             from_run = StageCosts(tuple(seen[s]["fwd"] for s in stages),
                                   tuple(seen[s]["bwd"] for s in stages), costs.params,
                                   costs.activations, costs.edges,
-                                  tuple(seen[s]["step"] for s in stages))
+                                  tuple(seen[s]["step"] for s in stages),
+                                  (0.0,) * costs.stages)  # measured F and B include the copies
             with_measured = simulate(schedule, from_run, cluster, timeline=False)
             stretch = max(1.0, n / cores)
             crowded = StageCosts(tuple(f * stretch for f in costs.fwd),
