@@ -150,73 +150,39 @@ def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
 
 # -- (d), (e) ours ----
 
-class _Data:
-    """DataSource of the generated code: microbatch m of the run -> inputs and target."""
-
-    def __init__(self, name: str, batch: tuple[torch.Tensor, torch.Tensor], micro: int) -> None:
-        self.name, self.micro = name, micro
-        self.xs, self.ys = batch[0].chunk(micro), batch[1].chunk(micro)
-
-    def inputs(self, microbatch: int) -> dict[str, torch.Tensor]:
-        return {self.name: self.xs[microbatch % self.micro]}
-
-    def target(self, microbatch: int) -> torch.Tensor:
-        return self.ys[microbatch % self.micro]
-
 
 def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
                  warmup: int) -> list[float]:
-    """Our pipeline: the generated rank loop and stage runtime over DistributedTransport."""
-    from torch.fx import Node
-
-    from pdcompile.backends.distributed import DistributedTransport, drive, expect_schedule
-    from pdcompile.passes.codegen import generate_rank, load_rank
-    from pdcompile.passes.lower import lower
-    from pdcompile.passes.schedule import generate
-    from pdcompile.passes.split import manual_plan, split
+    """Our pipeline as a user runs it: `pdcompile.compile` with the 4 | 4 + head plan, then
+    `run_distributed` (the generated rank loop over DistributedTransport) once per round; a
+    round's time is the training loop's wall time (`DistributedRun.seconds`, the ranks start it
+    together after a barrier; the slower rank's counts)."""
+    import pdcompile
+    from pdcompile.backends.distributed import run_distributed
+    from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
-    from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime
-    from pdcompile.runtime.transport import Tag, TensorSpec
 
     model = build_model()
     gm = trace(model)
-
-    def stage_of(node: Node) -> int:  # 4 blocks | 4 blocks + head
-        return int(node.op == "call_module" and int(str(node.target)) >= BLOCKS)
-
-    result = split(gm, manual_plan(gm, stage_of), model=model)
-    program = result.stages[worker.rank]
-    stage_ranks = ((0,), (1,))
+    plan = manual_plan(gm, lambda node: int(  # 4 blocks | 4 blocks + head
+        node.op == "call_module" and int(str(node.target)) >= BLOCKS))
+    data = make_data(max(steps, warmup, 4))
     flush = schedule_name != "1f1b"
-    micro = MICRO if flush else 1
-    per_run = micro if flush else steps  # microbatches in one run of the generated loop
-    lowered = lower(generate(schedule_name, stage_ranks, per_run), result.edges)
-    run_rank = load_rank(generate_rank(lowered, worker.rank), name=f"rank {worker.rank}")
-    optimizer = torch.optim.SGD(program.module.parameters(), lr=LR)
-    transport = DistributedTransport(stage_ranks=stage_ranks, monitor=worker.monitor)
-    rows = MINIBATCH // micro
-
-    def specs(tag: Tag) -> list[TensorSpec]:
-        return [TensorSpec((rows, WIDTH), torch.float32)]
-
-    config = RunConfig(schedule_name, stage_ranks, microbatches_per_minibatch=micro)
-    data = make_data(max(steps, 4))
-    name = result.data_inputs[0]
-
-    def one_run(batch_index: int) -> None:
-        runtime = StageRuntime(
-            rank=worker.rank, io=program, module=program.module, optimizer=optimizer,
-            config=config, transport=transport, data=_Data(name, data[batch_index % 4], micro),
-            loss_fn=nn.functional.cross_entropy, output_refs=result.output_refs,
-            output_spec=result.output_spec, specs=specs)
-        expect_schedule(transport, lowered, worker.rank, specs)
-        drive(run_rank(runtime), transport)
-        runtime.finish()
-
-    if flush:
-        return _rounds(one_run, rounds=rounds, steps=steps, warmup=warmup, sync=dist.barrier)
-    # asynchronous 1F1B: one run of the generated loop streams all `steps` minibatches
-    return _rounds(lambda i: one_run(0), rounds=rounds, steps=1, warmup=1, sync=dist.barrier)
+    pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
+                             loss_fn=nn.functional.cross_entropy,
+                             optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+                             schedule=schedule_name, microbatches=MICRO if flush else None,
+                             plan=plan)
+    times = []
+    if warmup:
+        run_distributed(pipe, data[:warmup], monitor=worker.monitor)
+    for _ in range(rounds):
+        # asynchronous 1F1B: the round's minibatches stream through one run of the loop
+        run = run_distributed(pipe, data[:steps], monitor=worker.monitor)
+        mine = torch.tensor([run.seconds])
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        times.append(float(mine))
+    return times
 
 
 # -- driver ----

@@ -20,7 +20,8 @@ import threading
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -408,10 +409,30 @@ def _module_device(module: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def _gather_losses(local: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+@contextmanager
+def _guarded(monitor: FaultMonitor | None, what: str) -> Iterator[None]:
+    """Run a collective of the whole group so that a dead peer is named, not a gloo error."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if monitor is None:
+        try:
+            yield
+        except RuntimeError as err:
+            raise DistributedError(f"rank {rank}: {what} failed: "
+                                   f"{str(err).splitlines()[0] if str(err) else err!r}") from None
+        return
+    with monitor.blocking():
+        try:
+            yield
+        except RuntimeError as err:
+            raise monitor.explain((rank + 1) % world, err, what=what) from None
+
+
+def _gather_losses(local: dict[int, torch.Tensor],
+                   monitor: FaultMonitor | None) -> dict[int, torch.Tensor]:
     """Every rank's microbatch losses, merged (an all-gather: every rank calls it)."""
     parts: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in local.items()})
+    with _guarded(monitor, "the gathering of the losses"):
+        dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in local.items()})
     merged: dict[int, torch.Tensor] = {}
     for part in parts:
         merged.update(part)
@@ -489,7 +510,8 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
         ckpt = Checkpointer(checkpoint_dir, rank=rank, every=checkpoint_every or 1,
                             keep=keep_checkpoints)
         everyone: list[Any] = [None] * world
-        dist.all_gather_object(everyone, ckpt.steps())
+        with _guarded(monitor, "the agreement on the checkpoint to resume from"):
+            dist.all_gather_object(everyone, ckpt.steps())
         common = set.intersection(*(set(steps_of) for steps_of in everyone))
         if common:
             resumed = done = max(common)
@@ -553,6 +575,8 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
 
     first = done
     samples = 0
+    with _guarded(monitor, "the barrier before training"):  # all ranks start the clock together
+        dist.barrier()
     start = time.perf_counter()
     while items:
         run = pipeline.prepare(items)
@@ -589,7 +613,7 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
         items = take(done)
         if ckpt is not None and (not items or (checkpoint_every is not None
                                                and done % checkpoint_every == 0)):
-            merged = _gather_losses(micro)
+            merged = _gather_losses(micro, monitor)
             losses.extend(_mean([merged[k * per + i] for i in range(per)])
                           for k in range(len(losses), done))
             for k in [k for k in micro if k < done * per]:
@@ -602,7 +626,7 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
     seconds = time.perf_counter() - start
     transport.flush()
     if len(losses) < done:
-        merged = _gather_losses(micro)
+        merged = _gather_losses(micro, monitor)
         losses.extend(_mean([merged[k * per + i] for i in range(per)])
                       for k in range(len(losses), done))
         if reporter:
@@ -613,7 +637,8 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
                 "minibatches": done - first}
         timeline = recorder.timeline(**meta)
         parts: list[Any] = [None] * world if rank == 0 else []
-        dist.gather_object(timeline.to_dict(), parts if rank == 0 else None, dst=0)
+        with _guarded(monitor, "the gathering of the timelines"):
+            dist.gather_object(timeline.to_dict(), parts if rank == 0 else None, dst=0)
         if rank == 0:
             timeline = Timeline.merge([Timeline.from_dict(p) for p in parts], source="measured")
             timeline.meta.update(meta)

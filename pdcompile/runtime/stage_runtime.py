@@ -355,7 +355,8 @@ class StageRuntime:
                 continue
             seen.add(id(leaf))
             p = self.params[name]
-            p.grad = leaf.grad.clone() if p.grad is None else p.grad.add_(leaf.grad)
+            # the first contribution is moved, not copied: the leaf lets go of it below
+            p.grad = leaf.grad if p.grad is None else p.grad.add_(leaf.grad)
             leaf.grad = None
 
     def _grads(self) -> list[torch.Tensor]:
