@@ -505,17 +505,19 @@ def fidelity_section(rows: list[dict[str, Any]], *, minibatches: int, load: tupl
     cores = os.cpu_count() or 1
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     quiet = max(load) < 0.5
-    conditions = ("the machine was otherwise idle" if quiet else
-                  f"**measured under load**: the machine ({cores} cores) was shared with other "
-                  "jobs, so every measured time here is inflated and noisy; rerun on a quiet "
-                  "machine before reading the errors")
+    conditions = ("The machine was otherwise idle." if quiet else
+                  f"**Measured under load**: the machine ({cores} cores) was shared with other "
+                  "jobs while these ran, so every measured time here is inflated and noisy; "
+                  "rerun on a quiet machine before reading the errors.")
     details = "\n\n".join(
         f"#### {r['model']}, {r['processes']} processes ({r['config']})\n\n"
         + r["comparison"].markdown() for r in rows)
     return f"""{FIDELITY_TITLE}
 
-Produced by `{command}` ({stamp}; {minibatches} minibatches per run, load average
-{load[0]:.1f} before and {load[1]:.1f} after; {conditions}).
+Produced by `{command}` ({stamp}; {minibatches} minibatches per run; load average
+{load[0]:.1f} before and {load[1]:.1f} after).
+
+{conditions}
 
 Each row: the model's per-node costs measured by the cost pass in this process (one thread, as
 every worker runs), a straight pipeline with one stage per process planned by the DP planner
@@ -527,10 +529,14 @@ gloo over 127.0.0.1). The simulator runs the same lowered schedule that ran:
 forward, backward and optimizer step by the means measured in the run, so what remains is the
 simulator's model of the schedule, the transfers and the overheads between actions; "compute /
 cores" stretches the cost-pass compute by N / cores when there are more processes than cores.
-The compute column sums forward + backward of all stages per minibatch three ways: the cost
-pass (per node, summed), each whole stage module timed alone in this process, and the means
-measured in the run. "mlp": 8 linear layers of 1024 on minibatches of 64; "cnn": 6 convolutions
-of 48 channels on 32 x 32 images, minibatches of 16 (`fidelity_model`).
+On top of the cost pass the simulator adds what the runtime does around the stage modules:
+the optimizer step (3 P / memory bandwidth) and, under asynchronous 1F1B, the weight-stash
+copies (a snapshot of the weights per new version and a gradient move per backward, 2 P /
+memory bandwidth each). The compute column sums forward + backward of all stages per minibatch
+three ways: the cost pass (per node, summed), each whole stage module timed alone in this
+process, and the means measured in the run (stash copies included). "mlp": 8 linear layers
+of 1024 on minibatches of 64; "cnn": 6 convolutions of 48 channels on 32 x 32 images,
+minibatches of 16 (`fidelity_model`).
 
 **4 processes on a {cores}-core machine are oversubscribed**: four busy workers share {cores}
 cores, so each stage runs about 4 / {cores} times slower than the cost pass (one process, one
@@ -585,6 +591,19 @@ def replace_sections(text: str, sections: dict[str, str]) -> str:
         if title not in done:
             out.append(body.rstrip("\n") + "\n\n")
     return "".join(out).rstrip("\n") + "\n"
+
+
+def sections_of(text: str) -> dict[str, str]:
+    """The "## title" sections of a Markdown text, by title line (each with its title)."""
+    out: dict[str, str] = {}
+    title: str | None = None
+    for line in text.splitlines(keepends=True):
+        if line.startswith("## "):
+            title = line.rstrip("\n")
+            out[title] = ""
+        if title is not None:
+            out[title] += line
+    return out
 
 
 def main() -> int:
@@ -685,6 +704,11 @@ pipedream cost model prices it its own way, so its data-parallel times differ).
 
 {speed_table}
 """
+    if args.write and RESULTS.exists():  # sections not rerun now are kept from the last run
+        kept = sections_of(RESULTS.read_text())
+        for title in (FIDELITY_TITLE, SYNTHETIC_TITLE):
+            if title not in sections and title in kept:
+                sections[title] = kept[title]
     report = replace_sections(report, sections)
     print(report)
     if args.write:
