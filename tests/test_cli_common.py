@@ -41,7 +41,7 @@ def model_file(tmp_path: Path) -> Path:
 def _subparser(name: str) -> object:
     parser = build_parser()
     action = next(a for a in parser._actions if a.dest == "command")
-    return action.choices[name]  # type: ignore[attr-defined]
+    return action.choices[name]  # type: ignore[attr-defined,index]
 
 
 @pytest.mark.parametrize("name", OWNED)

@@ -40,6 +40,7 @@ def test_summary_lists_each_stage() -> None:
     for column in ("stage", "replicas", "ranks", "nodes", "first", "last", "params", "compute",
                    "sends/mb", "comm", "memory"):
         assert column in header
+    assert pipe.graph is not None
     assert rows[0].split()[:4] == ["0", "2", "0,1", str(sum(
         1 for n in pipe.graph.graph.nodes if n.meta.get("pd.stage") == 0 and n.op != "output"))]
     assert rows[0].split()[4] == "x"  # first node of stage 0: the input
@@ -58,6 +59,7 @@ def test_summary_of_a_planned_pipeline_has_predictions() -> None:
 def test_picture_groups_by_stage_and_labels_cut_edges() -> None:
     pipe = _pipe(2)
     picture = plan_picture(pipe)
+    assert pipe.graph is not None
     stage_of = {n.name: n.meta["pd.stage"] for n in pipe.graph.graph.nodes if n.op != "output"}
     assert len(picture.columns) == 2
     for s, column in enumerate(picture.columns):
