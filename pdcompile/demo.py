@@ -317,6 +317,8 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
                    f"{format_seconds(per)} per minibatch")
         files += [folder / f"{name}_timeline.json", *pictures,
                   write_chrome_trace(line, folder / f"{name}_trace.json")]
+    files.append(_stack_images([folder / "predicted_gantt.png", folder / "measured_gantt.png"],
+                               folder / "gantt.png"))
     predicted_per, measured_per = predicted.time_per_minibatch(), measured.time_per_minibatch()
     log(f"time per minibatch: predicted {format_seconds(predicted_per)}, measured "
         f"{format_seconds(measured_per)} (predicted / measured = "
@@ -348,9 +350,23 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
     (folder / "demo.md").write_text("\n".join(log.lines) + "\n")
     result.files += [folder / "demo.json", folder / "demo.md"]
     log()
-    log(f"wrote {folder}/: plan.svg/.png, plan.json, pipeline/, predicted_/measured_ gantt.png, "
-        "gantt.svg, trace.json (open in ui.perfetto.dev), timeline.json, demo.md, demo.json")
+    log(f"wrote {folder}/: gantt.png (predicted over measured), plan.svg/.png, plan.json, "
+        "pipeline/, predicted_/measured_ gantt.png, gantt.svg, trace.json (open in "
+        "ui.perfetto.dev), timeline.json, demo.md, demo.json")
     return result
+
+
+def _stack_images(parts: list[Path], target: Path) -> Path:
+    """One PNG with the given PNGs one above the other (predicted over measured)."""
+    import numpy as np
+    from matplotlib import image
+
+    images = [image.imread(str(p)) for p in parts]
+    width = max(i.shape[1] for i in images)
+    padded = [np.pad(i, ((0, 0), (0, width - i.shape[1]), (0, 0)), constant_values=1.0)
+              for i in images]
+    image.imsave(str(target), np.concatenate(padded, axis=0))
+    return target
 
 
 def _lcm(plan: Plan) -> int:
