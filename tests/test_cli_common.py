@@ -145,3 +145,16 @@ def test_console_entry_exit_codes(tmp_path: Path) -> None:
     usage = subprocess.run([sys.executable, "-m", "pdcompile", "demo", "--workers", "0"],
                            capture_output=True, text=True, timeout=100, check=False)
     assert usage.returncode == 2 and "usage:" in usage.stderr
+
+
+def test_cli_reference_lists_every_option() -> None:
+    """docs/cli.md (python docs/gen_cli.py) names every subcommand and option."""
+    text = (Path(__file__).resolve().parents[1] / "docs" / "cli.md").read_text()
+    parser = build_parser()
+    action = next(a for a in parser._actions if a.dest == "command")
+    for name, sub in action.choices.items():  # type: ignore[union-attr]
+        assert f"## `pdcompile {name}`" in text
+        for option in sub._actions:
+            for flag in option.option_strings:
+                if option.help != "==SUPPRESS==":
+                    assert flag in text, f"docs/cli.md lacks {name} {flag}: run docs/gen_cli.py"
