@@ -129,7 +129,7 @@ def load_graph(args: argparse.Namespace) -> nx.DiGraph:
     return cost_graph_of_model(args.model, cost=args.cost, cluster=args.cluster,
                                leaves=tuple(args.leaf), warmup=args.warmup,
                                repeats=args.repeats, clock=args.clock,
-                               progress=not args.json)
+                               progress=not args.json and sys.stderr.isatty())
 
 
 def table(graph: nx.DiGraph, *, top: int | None = None) -> str:
