@@ -204,11 +204,13 @@ def _distributed_trainer() -> Callable[..., Any] | None:
 def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
              size: DemoSize | None = None, backend: str = "distributed",
              stream: TextIO | None = None, progress: bool | None = None,
-             timeout: float = 600, lr: float = 1e-3, replicas: bool = False) -> DemoResult:
+             timeout: float = 600, lr: float = 1e-3, replicas: bool = False,
+             command: str | None = None) -> DemoResult:
     """Run the demo (see the module docstring); prints as it goes to `stream` (stdout).
 
     `backend`: "distributed" (one process per worker, gloo) or "local" (one process; the
     reference semantics). `progress`: bars on stderr (default: when stderr is a terminal).
+    `command`: the command line to name in the report.
     `replicas`: let the planner replicate stages on local-N (it may then choose plain data
     parallelism, which shows no pipeline); by default the local plan is a straight pipeline.
     Cluster A is always planned without restriction.
@@ -237,7 +239,14 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
 
     log("# pdcompile demo")
     log()
+    if command:
+        log(f"command: `{command}`")
     log(f"machine: {machine()}")
+    try:
+        load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+        log(f"load average before the run (1, 5, 15 min): {load}")
+    except OSError:
+        pass
     log(f"model: DemoCNN (pdcompile.models.democnn), minibatch {size.batch_size} images "
         f"{size.image_size}x{size.image_size}, {size.steps} minibatches, Adam lr {lr:g}")
     log()

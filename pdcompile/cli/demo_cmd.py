@@ -69,9 +69,14 @@ def run(args: argparse.Namespace) -> int:
                                  f"{args.steps}")
         size = replace(size, steps=args.steps)
     stream = io.StringIO() if args.json else sys.stdout
+    command = " ".join(["pdcompile demo", f"--workers {args.workers}", f"--out {args.out}",
+                        *(["--quick"] if args.quick else []),
+                        *([f"--steps {args.steps}"] if args.steps is not None else []),
+                        *([f"--backend {args.backend}"] if args.backend != "distributed" else []),
+                        *(["--replicas"] if args.replicas else [])])
     result = run_demo(workers=args.workers, out=args.out, size=size, backend=args.backend,
                       stream=stream, timeout=args.timeout, lr=args.lr,
-                      replicas=args.replicas)
+                      replicas=args.replicas, command=command)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     return 0
