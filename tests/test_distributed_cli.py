@@ -121,9 +121,9 @@ def test_dead_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path: Path
     done = _run_cli([str(folder), "--nproc", "2", "--steps", "6", "--threads", "1",
                      "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2",
                      "--max-restarts", "1", "--fault-timeout", "5"],
-                    env={"PDCOMPILE_TEST_DIE_AT": "1:3"})
+                    env={"PDCOMPILE_TEST_DIE_AT": "0:3"})
     assert done.returncode == 0, done.stdout
-    assert "rank 1: killing myself at minibatch 3" in done.stdout
+    assert "rank 0: killing myself at minibatch 3" in done.stdout
     assert "resumed from the checkpoint after minibatch 2" in done.stdout
     want = pdcompile.load(str(folder)).train([((x,), y)] * 6)
     assert _losses(done.stdout) == pytest.approx(want, rel=1e-6)

@@ -93,13 +93,16 @@ def _weights(pipe: Any, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
-    from pdcompile.backends.distributed import run_distributed
+    from pdcompile.backends.distributed import reads_data, run_distributed
 
     out = []
     for case in cases:
         pipe = _pipeline(case)
         seen: list[tuple[int, float]] = []
-        run = run_distributed(pipe, iter(_batches(case.model, case.steps)),
+        # only stage 0 reads the data: the last stage gets its targets over the wire
+        batches = iter(_batches(case.model, case.steps)) if reads_data(pipe, worker.rank) \
+            else None
+        run = run_distributed(pipe, batches,
                               monitor=worker.monitor, record=case.record,
                               progress=lambda step, loss, seen=seen: seen.append((step, loss)))
         out.append({"losses": run.losses, "weights": _weights(pipe, worker.rank),

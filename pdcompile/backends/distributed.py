@@ -27,9 +27,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
 from pdcompile.backends.launch import FaultMonitor, PeerFailure, Worker, backend_for, launch
-from pdcompile.errors import DistributedError, PipelineInputError
+from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
 from pdcompile.ir import Action, Kind, Schedule
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
@@ -444,18 +445,20 @@ def _mean(values: list[torch.Tensor]) -> float:
     return float(torch.stack(values).mean())
 
 
-def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None = None,
+def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int | None = None,
                     checkpoint_dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None, monitor: FaultMonitor | None = None,
                     record: bool = False, progress: Callable[[int, float], None] | None = None,
                     prepost_depth: int = 2, keep_checkpoints: int = 2) -> DistributedRun:
     """Train `pipeline` on this process's rank of an initialised default process group.
 
-    Every rank calls it with the same `batches` (an iterable of `(inputs, target)` minibatches,
-    the same stream everywhere; stage 0 uses the inputs, the last stage the targets) and runs
-    its generated rank loop (`pipeline.rank_function`) over a `DistributedTransport`: flush
-    schedules one run per minibatch, asynchronous '1f1b' / '2bw' one stream, exactly as
-    `Pipeline.train` does on the local backend (same losses and weights).
+    Every rank calls it. `batches` (an iterable of `(inputs, target)` minibatches) is read only
+    by the ranks that `reads_data` names (stage 0, and a stage using a model input directly),
+    which must all get the same stream; other ranks may pass None. Stage 0 announces each
+    run's minibatches to the others, and sends each microbatch's target to the last stage with
+    its forward. Each rank runs its generated rank loop (`pipeline.rank_function`) over a
+    `DistributedTransport`: flush schedules one run per minibatch, asynchronous '1f1b' / '2bw'
+    one stream, exactly as `Pipeline.train` does on the local backend (same losses, weights).
 
     `steps`: minibatches in the whole run (resumed ones included; default: the whole stream).
     `checkpoint_dir` / `checkpoint_every` K: every K minibatches (and at the end) each rank
@@ -524,8 +527,16 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
             restore_module_state(saved, state.module, state.optimizer)
             losses = [float(v) for v in saved["losses"]]
 
-    stream = iter(batches)
-    for skipped in range(done):
+    reads = reads_data(pipeline, rank)
+    source = plan.stages[0].ranks[0]  # the reader that tells the others what comes
+    last = len(plan.stages) - 1
+    routed = {r for r in plan.stages[last].ranks if not reads_data(pipeline, r)}
+    if reads and batches is None:
+        raise PipelineInputError(f"rank {rank} runs stage {stage}, which reads the model's "
+                                 "inputs: pass it the minibatches (batches=None only on ranks "
+                                 "that do not read data, see reads_data)")
+    stream = iter(batches if reads and batches is not None else ())
+    for skipped in range(done if reads else 0):
         if next(stream, _END) is _END:
             raise PipelineInputError(f"the data ends after {skipped} minibatches but the run "
                                      f"resumes at minibatch {done} (checkpoint)")
@@ -548,12 +559,42 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
             items.append((inputs, target))
         return items
 
-    items = take(done)  # checked on every rank before any communication of the run
+    def next_run(index: int, first: bool) -> tuple[Any, dict[str, Any]]:
+        """The next run's data (readers) and its header: minibatch count and sizes, plus the
+        message shapes in the first; a reader's refusal reaches every rank at the same point,
+        before the run, so that none is left waiting."""
+        header: dict[str, Any] = {"count": 0, "sizes": [], "error": None}
+        run = None
+        if reads:
+            try:
+                items = take(index)
+                header["count"] = len(items)
+                header["sizes"] = [_batch_size(inputs) for inputs, _ in items]
+                if items:
+                    run = pipeline.prepare(items)
+                    if first:
+                        header["edges"] = pipeline.edge_specs(items[0][0])
+                        header["target"] = _target_layout(run.data.target(0)) if routed \
+                            else None
+            except PdcompileError as err:
+                header["error"] = str(err)
+        if world > 1:
+            box = [header]
+            with _guarded(monitor, "the announcement of the next minibatches"):
+                dist.broadcast_object_list(box, src=source)
+            header = box[0]
+        if header["error"] is not None:
+            raise PipelineInputError(header["error"])
+        return run, header
+
+    run, header = next_run(done, True)  # checked before any message of the pipeline is sent
     device = _module_device(state.module)
     transport = DistributedTransport(stage_ranks=pipeline.stage_ranks,
                                      groups=pipeline.collective_groups(), monitor=monitor,
                                      device=device, prepost_depth=prepost_depth)
-    specs = pipeline.spec_function(items[0][0]) if items else None
+    specs = _spec_function(header["edges"], pipeline.vertical_sync) if header["count"] \
+        else None
+    layout = header.get("target")
     recorder = Recorder(rank) if record else None
     renumbered = _Renumbered(recorder) if recorder is not None else None
     if renumbered is not None:
@@ -573,21 +614,33 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
             progress(k, _mean(parts))  # type: ignore[arg-type]
             reported[0] = k + 1
 
+    def data_source(run: Any) -> Any:
+        """What the stage runtime reads: the run's data, the targets sent to the last stage
+        (readers of stage 0) or received from stage 0 (the last stage), or nothing."""
+        if run is not None:
+            return _SendsTargets(run.data, transport, plan, routed) if stage == 0 and routed \
+                else run.data
+        if rank in routed:
+            return _ReceivesTargets(transport, plan, layout)
+        return _NoData(rank, stage)
+
     first = done
     samples = 0
     with _guarded(monitor, "the barrier before training"):  # all ranks start the clock together
         dist.barrier()
     start = time.perf_counter()
-    while items:
-        run = pipeline.prepare(items)
-        n = run.microbatches
+    while header["count"]:
+        count = header["count"]
+        n = count * per
         key = (n, per)
         if key not in receives:
             assert specs is not None
             receives[key] = schedule_receives(pipeline.schedule(n, per), rank, specs)
+            if rank in routed and layout is not None:
+                receives[key] = _with_targets(receives[key], plan, layout)
         transport.expect(receives[key])
         rt = pipeline.runtime(rank, config=pipeline.run_config(per), transport=transport,
-                              data=run.data, specs=specs, recorder=renumbered)
+                              data=data_source(run), specs=specs, recorder=renumbered)
         base = done * per
         seen = [0]
 
@@ -608,11 +661,11 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
             report(micro)
         if renumbered is not None:
             renumbered.next_run(n)
-        done += len(items)
-        samples += sum(_batch_size(inputs) for inputs, _ in items)
-        items = take(done)
-        if ckpt is not None and (not items or (checkpoint_every is not None
-                                               and done % checkpoint_every == 0)):
+        done += count
+        samples += sum(header["sizes"])
+        run, header = next_run(done, False)
+        if ckpt is not None and (not header["count"] or (checkpoint_every is not None
+                                                         and done % checkpoint_every == 0)):
             merged = _gather_losses(micro, monitor)
             losses.extend(_mean([merged[k * per + i] for i in range(per)])
                           for k in range(len(losses), done))
@@ -647,6 +700,130 @@ def run_distributed(pipeline: Any, batches: Iterable[Any], *, steps: int | None 
                           steps=done - first)
 
 
+def reads_data(pipeline: Any, rank: int) -> bool:
+    """Whether `rank` reads the minibatches: stage 0 (the model's inputs), and any stage that
+    uses a model input directly. Other ranks may pass `batches=None` to run_distributed; the
+    last stage then gets its targets from stage 0 over the wire."""
+    stage = pipeline.ranks[rank].stage
+    if stage == 0 or any(ref.stage is None for ref in pipeline.parts.stages[stage].inputs):
+        return True
+    last = stage == len(pipeline.plan.stages) - 1
+    return last and any(ref.stage is None for ref in pipeline.parts.output_refs)
+
+
+def _spec_function(table: dict[Tag, list[TensorSpec]], vertical_sync: bool
+                   ) -> Callable[[Tag], list[TensorSpec]]:
+    """Tag -> message shapes, from microbatch 0's table (as Pipeline.spec_function)."""
+    version = [TensorSpec((), torch.int64)] if vertical_sync else []
+
+    def specs(tag: Tag) -> list[TensorSpec]:
+        found = table[Tag(tag.kind, tag.src_stage, tag.dst_stage, 0)]
+        return found + version if tag.kind == "act" else found
+
+    return specs
+
+
+TargetLayout = tuple[str, list[TensorSpec]]
+
+
+def _target_layout(target: Any) -> TargetLayout | None:
+    """How a microbatch's target travels: its tree structure and its tensors' shapes."""
+    if target is None:
+        return None
+    leaves, spec = pytree.tree_flatten(target)
+    if not all(isinstance(t, torch.Tensor) for t in leaves):
+        raise PipelineInputError(
+            f"the target ({_describe(target)}) must be a tensor or a tuple of tensors to travel "
+            "from stage 0 to the last stage; convert it with torch.as_tensor")
+    return pytree.treespec_dumps(spec), [TensorSpec(tuple(t.shape), t.dtype) for t in leaves]
+
+
+def _target_tag(plan: Any, microbatch: int) -> Tag:
+    return Tag("target", 0, len(plan.stages) - 1, microbatch)
+
+
+def _with_targets(receives: list[Receive], plan: Any, layout: TargetLayout) -> list[Receive]:
+    """A last-stage rank's receives with each microbatch's target before its activations."""
+    first = plan.stages[0].ranks
+    out: list[Receive] = []
+    seen: set[int] = set()
+    for specs, src, tag in receives:
+        if tag.kind == "act" and tag.microbatch not in seen:
+            seen.add(tag.microbatch)
+            out.append((layout[1], first[tag.microbatch % len(first)],
+                        _target_tag(plan, tag.microbatch)))
+        out.append((specs, src, tag))
+    return out
+
+
+class _SendsTargets:
+    """Stage 0's data: reading microbatch m's inputs also sends its target to the last stage."""
+
+    def __init__(self, data: Any, transport: DistributedTransport, plan: Any,
+                 routed: set[int]) -> None:
+        self.data = data
+        self.transport = transport
+        self.plan = plan
+        self.routed = routed
+        self.last = plan.stages[-1].ranks
+        self.sent: set[int] = set()
+
+    def inputs(self, microbatch: int) -> Any:
+        dst = self.last[microbatch % len(self.last)]
+        if microbatch not in self.sent and dst in self.routed:
+            self.sent.add(microbatch)
+            leaves = pytree.tree_leaves(self.data.target(microbatch))
+            if leaves:
+                self.transport.send(leaves, dst, _target_tag(self.plan, microbatch))
+        return self.data.inputs(microbatch)
+
+    def target(self, microbatch: int) -> Any:
+        return self.data.target(microbatch)
+
+
+class _ReceivesTargets:
+    """The last stage's data when it reads none: targets arrive from stage 0."""
+
+    def __init__(self, transport: DistributedTransport, plan: Any,
+                 layout: TargetLayout | None) -> None:
+        self.transport = transport
+        self.plan = plan
+        self.layout = layout
+        self.spec = None if layout is None else pytree.treespec_loads(layout[0])
+        self.first = plan.stages[0].ranks
+        self.got: dict[int, Any] = {}
+
+    def inputs(self, microbatch: int) -> Any:
+        raise DistributedError(f"the last stage asked for the model inputs of microbatch "
+                               f"{microbatch}, which only stage 0 reads")
+
+    def target(self, microbatch: int) -> Any:
+        if self.layout is None:
+            return None
+        if microbatch not in self.got:
+            src = self.first[microbatch % len(self.first)]
+            leaves = self.transport.recv(self.layout[1], src,
+                                         _target_tag(self.plan, microbatch)).wait()
+            assert self.spec is not None
+            self.got[microbatch] = pytree.tree_unflatten(leaves, self.spec)
+        return self.got[microbatch]
+
+
+class _NoData:
+    """The data of a stage that reads none."""
+
+    def __init__(self, rank: int, stage: int) -> None:
+        self.rank, self.stage = rank, stage
+
+    def inputs(self, microbatch: int) -> Any:
+        raise DistributedError(f"rank {self.rank} (stage {self.stage}) reads no data, but asked "
+                               f"for the inputs of microbatch {microbatch}")
+
+    def target(self, microbatch: int) -> Any:
+        raise DistributedError(f"rank {self.rank} (stage {self.stage}) reads no data, but asked "
+                               f"for the target of microbatch {microbatch}")
+
+
 _END = object()
 _FLUSH = ("1f1b-flush", "gpipe")
 
@@ -667,7 +844,8 @@ def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[A
 
     pipe = load_pipeline(export_dir)
     progress = None if channel is None else (lambda step, loss: channel.put((step, loss)))
-    return run_distributed(pipe, data(), monitor=worker.monitor, progress=progress, **options)
+    batches = data() if reads_data(pipe, worker.rank) else None  # only the readers load it
+    return run_distributed(pipe, batches, monitor=worker.monitor, progress=progress, **options)
 
 
 def train_processes(export_dir: str | os.PathLike[str], nproc: int,
@@ -680,7 +858,8 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
 
     Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
     `data` must be picklable (a module-level function or a functools.partial of one) and give
-    the same stream in every process. `progress(step, loss)` is called here, in this process.
+    the same stream in every process that reads data (stage 0; the others do not call it).
+    `progress(step, loss)` is called here, in this process.
     Raises `LaunchError` naming the rank that failed first; no process outlives the call.
     """
     import multiprocessing
@@ -722,7 +901,8 @@ def _relay(channel: Any, progress: Callable[[int, float], None], stop: threading
 
 
 __all__ = ["DistributedRun", "DistributedTransport", "DistPending", "PeerFailure",
-           "backend_for", "drive", "expect_schedule", "run_distributed", "schedule_receives",
+           "backend_for", "drive", "expect_schedule", "reads_data", "run_distributed",
+           "schedule_receives",
            "train_processes", "wire_tag"]
 
 

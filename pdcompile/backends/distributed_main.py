@@ -28,8 +28,8 @@ from typing import Any
 
 from pdcompile.errors import DistributedError, PdcompileError
 
-# test hook only: "RANK:MINIBATCH" makes that rank kill itself (SIGKILL) when it reads that
-# minibatch in the first attempt of a torchrun run (restart count 0)
+# test hook only: "RANK:MINIBATCH" makes that rank (one that reads data) kill itself (SIGKILL)
+# when it reads that minibatch in the first attempt of a torchrun run (restart count 0)
 DIE_ENV = "PDCOMPILE_TEST_DIE_AT"
 
 
@@ -141,7 +141,7 @@ def _main(args: argparse.Namespace) -> int:
     import torch
     import torch.distributed as dist
 
-    from pdcompile.backends.distributed import run_distributed
+    from pdcompile.backends.distributed import reads_data, run_distributed
     from pdcompile.backends.launch import PeerFailure, monitor_from_env
     from pdcompile.export import load_pipeline
 
@@ -154,9 +154,11 @@ def _main(args: argparse.Namespace) -> int:
                                "or `pdcompile run EXPORT_DIR --nproc N`")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     pipe = load_pipeline(args.export_dir)
-    data = load_data(args.data)() if args.data else example_data(pipe, args.export_dir)
     if args.data is None and args.steps is None:
         raise PdcompileError("training on the repeated example minibatch needs --steps N")
+    data: Iterable[Any] | None = None
+    if reads_data(pipe, rank):  # stage 0 reads; the last stage gets its targets from it
+        data = load_data(args.data)() if args.data else example_data(pipe, args.export_dir)
     _init_process_group(rank, world)
     monitor = monitor_from_env(rank=rank, world_size=world, fault_timeout=args.fault_timeout)
     failed = True
@@ -165,7 +167,8 @@ def _main(args: argparse.Namespace) -> int:
             total = f"/{args.steps}" if args.steps else ""
             print(f"step {step + 1}{total} loss {loss:.6f}", flush=True)
 
-        run = run_distributed(pipe, _die_hook(data, rank), steps=args.steps,
+        run = run_distributed(pipe, None if data is None else _die_hook(data, rank),
+                              steps=args.steps,
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, monitor=monitor,
                               record=args.timeline is not None, progress=progress)
