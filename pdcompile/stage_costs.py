@@ -123,8 +123,11 @@ class StageCosts:
         """Sum the CostGraph's per-minibatch node costs per stage, divided by `microbatches`.
 
         Nodes the plan does not place (e.g. zero-cost inputs) join the stage of their first placed
-        successor (stage 0 if none). A tensor sent from one node to several nodes of a later stage
-        crosses once; an edge from a later stage to an earlier one is an error in the plan.
+        successor (stage 0 if none). Inputs (`input_nodes`) cost no compute: a PipeDream
+        profile's `Input` forward time is data loading, which the input pipeline overlaps with
+        training (as the planner's native cost model has it). A tensor sent from one node to
+        several nodes of a later stage crosses once; an edge from a later stage to an earlier one
+        is an error in the plan.
         """
         if microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {microbatches})")
@@ -143,9 +146,11 @@ class StageCosts:
                 stage_of[node] = min(later) if later else 0
         stages = len(plan.stages)
         fwd, bwd, params, keep = ([0.0] * stages for _ in range(4))
+        loading = set(input_nodes(graph))
         for node, data in graph.nodes(data=True):
             s = stage_of[node]
-            fwd[s] += float(data["fwd"])
+            if node not in loading:
+                fwd[s] += float(data["fwd"])
             bwd[s] += float(data["bwd"])
             params[s] += float(data["params"])
             keep[s] += float(data.get("keep", data["act"]))
@@ -166,3 +171,14 @@ class StageCosts:
         m = float(microbatches)
         return cls(tuple(f / m for f in fwd), tuple(b / m for b in bwd), tuple(params),
                    tuple(k / m for k in keep), edges, None)
+
+
+def input_nodes(graph: nx.DiGraph) -> tuple[str, ...]:
+    """The graph's inputs: sources without parameters or backward work (fx placeholders,
+    PipeDream's `Input` nodes), the same rule as the native cost model's
+    (passes.partition.costmodel.input_nodes, which backends may not import). Empty when every
+    node is such a source."""
+    found = tuple(n for n in graph.nodes
+                  if graph.in_degree(n) == 0 and graph.out_degree(n) > 0
+                  and not float(graph.nodes[n]["params"]) and not float(graph.nodes[n]["bwd"]))
+    return found if len(found) < graph.number_of_nodes() else ()

@@ -197,7 +197,7 @@ def test_simulated_timeline_has_one_event_per_action() -> None:
 # ------------------------------------------------------------------ stage costs from a plan
 def test_stage_costs_from_plan() -> None:
     graph = new_cost_graph("toy")
-    add_block(graph, "input", fwd=0, bwd=0, act=8, params=0)
+    add_block(graph, "input", fwd=5, bwd=0, act=8, params=0)  # 5: data loading, not compute
     add_block(graph, "a", fwd=2, bwd=4, act=16, params=100)
     add_block(graph, "b", fwd=6, bwd=8, act=32, params=200)
     add_block(graph, "c", fwd=4, bwd=4, act=4, params=50)
