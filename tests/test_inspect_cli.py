@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -109,8 +110,19 @@ def test_profile_totals_and_coarsening(profiles_dir: Path, tmp_path: Path,
     assert "showing the 3 most expensive" in out
 
 
-@pytest.mark.skipif(shutil.which("dot") is None, reason="graphviz is part of the dev setup")
-def test_svg(model_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_svg(model_file: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+             capsys: pytest.CaptureFixture[str]) -> None:
+    """--svg runs graphviz's `dot -Tsvg FILE.dot -o FILE.svg`; a stand-in `dot` on PATH (the
+    real one when installed) checks the call and the DOT source it is given."""
+    if shutil.which("dot") is None:
+        bin_dir = tmp_path / "bin"
+        bin_dir.mkdir()
+        fake = bin_dir / "dot"
+        fake.write_text("#!/bin/sh\n# dot -Tsvg IN -o OUT: wrap the DOT source in an svg\n"
+                        '[ "$1" = "-Tsvg" ] && [ "$3" = "-o" ] || exit 3\n'
+                        '{ echo "<svg>"; cat "$2"; echo "</svg>"; } > "$4"\n')
+        fake.chmod(0o755)
+        monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ.get('PATH', '')}")
     svg = tmp_path / "net.svg"
     code = main(["inspect", f"{model_file}:factory", "--cost", "analytic", "--svg", str(svg)])
     assert code == 0 and f"wrote {svg}" in capsys.readouterr().out
