@@ -129,3 +129,18 @@ def test_dead_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path: Path
     assert _losses(done.stdout) == pytest.approx(want, rel=1e-6)
     assert sorted(p.name for p in (ckpt / "rank_1").iterdir()) == [
         "step_00000004.pt", "step_00000006.pt"]
+
+
+def test_default_data_needs_steps_and_an_example_target(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    folder, _, _ = _exported(tmp_path)
+    assert main(["run", str(folder), "--nproc", "2", "--dry-run"]) == 1
+    assert "repeated example minibatch needs --steps N" in capsys.readouterr().err
+    assert main(["run", str(folder), "--nproc", "2", "--dry-run", "--data", "d.py:f"]) == 0
+    assert "--data d.py:f" in capsys.readouterr().out
+    torch.save({"inputs": (torch.randn(8, 12),), "target": None}, folder / "example.pt")
+    assert main(["run", str(folder), "--nproc", "2", "--steps", "2", "--dry-run"]) == 1
+    assert "no target for its loss function" in capsys.readouterr().err
+    (folder / "example.pt").unlink()
+    assert main(["run", str(folder), "--nproc", "2", "--steps", "2", "--dry-run"]) == 1
+    assert "holds no example minibatch" in capsys.readouterr().err

@@ -81,6 +81,30 @@ def _check_port_free(addr: str, port: int) -> None:
                                    "different --master-port, or none to pick a free one") from None
 
 
+def _check_default_data(export_dir: Path, steps: int | None) -> None:
+    """Without --data the workers train the exported example minibatch: say now, not from
+    inside torchrun, when the export cannot do that."""
+    try:
+        meta = json.loads((export_dir / "pipeline.json").read_text())
+    except (OSError, ValueError):
+        return  # not a full export: the workers will say what is missing
+    example = export_dir / "example.pt"
+    if not example.is_file():
+        raise PdcompileError(f"{export_dir} holds no example minibatch to train on; pass "
+                             "--data FILE.py:FUNCTION (FUNCTION() returns an iterable of "
+                             "(inputs, target))")
+    if steps is None:
+        raise PdcompileError("training on the repeated example minibatch needs --steps N (or "
+                             "pass --data FILE.py:FUNCTION)")
+    if "loss_fn" in meta.get("callables", []):
+        import torch
+
+        if torch.load(example, weights_only=False).get("target") is None:
+            raise PdcompileError(
+                f"{export_dir} holds the example inputs but no target for its loss function "
+                "(compile(..., example_target=y) saves one); pass --data FILE.py:FUNCTION")
+
+
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for `args` (see `register`)."""
     export_dir = Path(args.export_dir)
@@ -100,6 +124,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     if single and workers is not None and nproc != workers:
         raise PdcompileError(f"the pipeline in {export_dir} was compiled for {workers} workers, "
                              f"not --nproc {nproc}; pass --nproc {workers}")
+    if args.data is None:
+        _check_default_data(export_dir, args.steps)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
            f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint or args.rdzv_backend:
