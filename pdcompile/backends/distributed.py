@@ -461,6 +461,8 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     one stream, exactly as `Pipeline.train` does on the local backend (same losses, weights).
 
     `steps`: minibatches in the whole run (resumed ones included; default: the whole stream).
+    An asynchronous stream is one run of the schedule, read whole before it starts; bound the
+    memory this takes with `checkpoint_every` (a run per K minibatches).
     `checkpoint_dir` / `checkpoint_every` K: every K minibatches (and at the end) each rank
     saves its weights, optimizer, RNG state and the data position; a later call with the same
     folder resumes from the newest step all ranks saved. An asynchronous stream is cut into
