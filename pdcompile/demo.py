@@ -330,8 +330,8 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
                    f"{format_seconds(per)} per minibatch")
         files += [folder / f"{name}_timeline.json", *pictures,
                   write_chrome_trace(line, folder / f"{name}_trace.json")]
-    files.append(_stack_images([folder / "predicted_gantt.png", folder / "measured_gantt.png"],
-                               folder / "gantt.png"))
+    files.append(_side_by_side(predicted, measured, folder, stage_of,
+                               f"DemoCNN {plan.config} 1f1b on local-{workers}"))
     predicted_per, measured_per = predicted.time_per_minibatch(), measured.time_per_minibatch()
     log(f"time per minibatch: predicted {format_seconds(predicted_per)}, measured "
         f"{format_seconds(measured_per)} (predicted / measured = "
@@ -367,6 +367,31 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
         "pipeline/, predicted_/measured_ gantt.png, gantt.svg, trace.json (open in "
         "ui.perfetto.dev), timeline.json, demo.md, demo.json")
     return result
+
+
+def _side_by_side(predicted: Timeline, measured: Timeline, folder: Path,
+                  stage_of: dict[int, int], title: str) -> Path:
+    """gantt.png: the predicted chart above the measured one, on the same time axis."""
+    import tempfile
+
+    from pdcompile.timeline import Event
+    from pdcompile.viz.gantt import draw_gantt
+
+    span = max(predicted.makespan, measured.makespan)
+    parts = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, line in (("predicted", predicted), ("measured", measured)):
+            # a zero-length send (not drawn) at the common end stretches the shorter axis
+            rank = line.ranks[0]
+            end = Event(rank, f"{stage_of.get(rank, 0)}SEND_F0->1", line.start + span,
+                        line.start + span)
+            padded = Timeline([*line.events, end], line.source, dict(line.meta))
+            path = Path(tmp) / f"{name}.png"
+            draw_gantt(padded, path, stage_of_rank=stage_of, width=16.0,
+                       title=f"{title}, {name}: {format_seconds(line.time_per_minibatch())} "
+                       "per minibatch")
+            parts.append(path)
+        return _stack_images(parts, folder / "gantt.png")
 
 
 def _stack_images(parts: list[Path], target: Path) -> Path:
