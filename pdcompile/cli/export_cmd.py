@@ -54,6 +54,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),
                         help="costs measured on this machine (default) or analytic on the "
                         "cluster's device, e.g. --cost analytic")
+    parser.add_argument("--cost-model", default="native", choices=("native", "pipedream"),
+                        help="the planner's cost model (default native), e.g. --cost-model "
+                        "pipedream")
+    parser.add_argument("--time-limit", type=float, default=None, metavar="S",
+                        help="seconds for CP-SAT (default 10), e.g. --time-limit 30")
     parser.add_argument("--lr", type=float, default=0.01,
                         help="SGD learning rate (default 0.01), e.g. --lr 0.1")
     parser.add_argument("--momentum", type=float, default=0.0,
@@ -98,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
             model, cluster, example_inputs=inputs, loss_fn=loss_fn,
             optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
             schedule=args.schedule, microbatches=args.microbatches, planner=args.planner,
-            cost=args.cost, plan=plan)
+            cost=args.cost, cost_model=args.cost_model, time_limit=args.time_limit, plan=plan)
     pipe.export(args.out)
     command = f"pdcompile run {args.out} --nproc {pipe.plan.workers}"
     if args.json:
