@@ -76,9 +76,13 @@ def node_bytes(graph: fx.GraphModule, *, example_inputs: Sequence[Any] | None = 
     from pdcompile.passes.shapes import annotate_shapes
 
     shaped = copy.deepcopy(graph)
+    inputs = tuple(example_inputs)
+    weights = next(iter(shaped.parameters()), None)
+    if weights is not None and weights.device.type == "meta":  # a loaded export's graph
+        inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in inputs)
     try:
         with torch.random.fork_rng():
-            annotate_shapes(shaped, tuple(example_inputs))
+            annotate_shapes(shaped, inputs)
     except (PdcompileError, RuntimeError, TypeError, ValueError):
         return {}
     return {n.name: float(get_shape(n).nbytes) for n in shaped.graph.nodes

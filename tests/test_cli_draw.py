@@ -125,3 +125,13 @@ def test_plan_cli_draw_and_stage(profiles_dir: Path, tmp_path: Path,
     code = main(["plan", "--profile", str(profiles_dir / "vgg16"), "--cluster", "A",
                  "--planner", "dp", "--stage", "1"])
     assert code == 1 and "add --draw" in capsys.readouterr().err
+
+
+def test_loaded_pipeline_draws_with_bytes(tmp_path: Path) -> None:
+    """An exported pipeline's graph has meta weights; the bytes still come out."""
+    pipe = _pipe(2)
+    pipe.export(str(tmp_path / "exp"))
+    loaded = pdcompile.load(str(tmp_path / "exp"))
+    labels = sorted(label for _, _, label in plan_picture(loaded).edges if label)
+    assert labels == sorted(label for _, _, label in plan_picture(pipe).edges if label)
+    assert loaded.summary().splitlines()[2].split()[:2] == ["0", "1"]
