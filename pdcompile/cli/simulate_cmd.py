@@ -157,6 +157,11 @@ def load_cost_graph(args: argparse.Namespace) -> nx.DiGraph:
     except ModuleNotFoundError as err:
         raise PdcompileError(f"tracing a model needs {err.name}, which this installation lacks; "
                              "use --profile or --costgraph") from None
+    import torch
+
+    # one thread, as the workers run and as `inspect`, `plan` and `export` measure: more
+    # threads than free cores make small operators' timings meaningless
+    torch.set_num_threads(1)
     gm = trace(model)
     annotate_shapes(gm, inputs)
     annotate_costs(gm, inputs)
