@@ -104,6 +104,16 @@ def paper_comparison(*, planner: str, cost_model: str, minibatches: int,
                                   timeline=False)
             sim_seconds = time.perf_counter() - started
             paper = PAPER_TABLE_1.get((name, cluster_name), (None, None, ""))
+            theirs = paper_plan(graph, paper[0], cluster) if paper[0] else None
+            paper_sim: tuple[float, float] | None = None
+            if theirs is not None:
+                step = max(minibatches, 4 * math.lcm(*(s.replicas for s in theirs.stages)))
+                _, p_noam = simulate_plan(graph, theirs, cluster, minibatches=step,
+                                          timeline=False)
+                _, p_aware = simulate_plan(graph, theirs, cluster, minibatches=step,
+                                           warmup="latency", timeline=False)
+                paper_sim = (dp.time_per_minibatch / p_noam.time_per_minibatch,
+                             dp.time_per_minibatch / p_aware.time_per_minibatch)
             rows.append({
                 "profile": name, "cluster": cluster_name, "config": plan.config,
                 "planner_speedup": plan.speedup_over_dp,
@@ -117,12 +127,36 @@ def paper_comparison(*, planner: str, cost_model: str, minibatches: int,
                 "sim_ms": noam.time_per_minibatch * 1e3,
                 "sim_dp_ms": dp.time_per_minibatch * 1e3,
                 "paper_config": paper[0], "paper_speedup": paper[1],
-                "paper_source": paper[2],
+                "paper_source": paper[2], "paper_sim": paper_sim,
                 "plan_seconds": plan_seconds, "sim_seconds": sim_seconds,
             })
             print(f"  {name:<14} {cluster_name} {plan.config:<24} done "
                   f"({plan_seconds:.1f} s plan, {sim_seconds:.1f} s simulate)", file=sys.stderr)
     return rows
+
+
+def paper_plan(graph: Any, config: str, cluster: Cluster) -> Any:
+    """The paper's configuration as a Plan we can simulate, where we know where it cuts: "16"
+    (data parallelism) and "15-1" cut before the first fully connected layer (the source says
+    the convolutional layers are replicated and the fully connected ones are not; the exact cut
+    is our reading). None for other configurations."""
+    from pdcompile.costgraph import topological_order
+    from pdcompile.plan import Plan, Stage
+
+    if config == str(cluster.workers):
+        return data_parallel_plan(graph, cluster)
+    if config != f"{cluster.workers - 1}-1":
+        return None
+    order = topological_order(graph)
+    first_fc = next((i for i, n in enumerate(order)
+                     if str(graph.nodes[n].get("label", "")).startswith("Linear")), None)
+    if first_fc is None:
+        return None
+    workers = cluster.workers
+    stages = (Stage(tuple(order[:first_fc]), workers - 1, tuple(range(workers - 1))),
+              Stage(tuple(order[first_fc:]), 1, (workers - 1,)))
+    return Plan(stages=stages, time_per_minibatch=0.0, dp_time=0.0, workers=workers,
+                planner="paper")
 
 
 def format_table(rows: list[dict[str, Any]]) -> str:
@@ -131,20 +165,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             "simulated speed-up (latency-aware warm-up) | steady bubble (NOAM) | "
             "planner / simulated / simulated DP ms per minibatch | peak GiB per worker "
             "(NOAM / latency-aware) | **paper** config | **paper** speed-up (Table 1) | "
-            "source |")
-    lines = [head, "|" + "---|" * 12]
+            "source | paper's config simulated here: speed-up (NOAM / latency-aware) |")
+    lines = [head, "|" + "---|" * 13]
     for r in rows:
         listed = (r["profile"], r["cluster"]) in PAPER_TABLE_1
         missing = "not available" if listed else "-"
         paper = r["paper_speedup"] or missing
         config = r["paper_config"] or missing
+        theirs = (f"{r['paper_sim'][0]:.2f}x / {r['paper_sim'][1]:.2f}x"
+                  if r["paper_sim"] else "-")
         over = " (over device)" if r["peak_gib"] > r["device_gib"] else ""
         lines.append(
             f"| {r['profile']} | {r['cluster']} | {r['config']} | {r['planner_speedup']:.2f}x | "
             f"{r['sim_speedup']:.2f}x | {r['sim_speedup_latency']:.2f}x | {r['sim_bubble']:.0%} | "
             f"{r['planner_ms']:.1f} / {r['sim_ms']:.1f} / {r['sim_dp_ms']:.1f} | "
             f"{r['peak_gib']:.1f} / {r['peak_gib_latency']:.1f}{over} | "
-            f"{config} | {paper} | {r['paper_source'] or '-'} |")
+            f"{config} | {paper} | {r['paper_source'] or '-'} | {theirs} |")
     return "\n".join(lines)
 
 
@@ -684,7 +720,9 @@ PipeDream's warm-up depth; latency-aware: the deeper depth that also covers tran
 (Table 1 of the PipeDream SOSP'19 paper: speed-ups measured on real clusters, epoch time unless
 marked TTA, time to accuracy), only where a source was found ("source" column, listed below);
 "not available": the table has the row, but no source gave the figure; "-": the paper has no
-such row. Everything else is computed here.
+such row. The last column simulates the paper's own configuration where we can build it ("16";
+"15-1" cut before the first fully connected layer) against the same data-parallel baseline.
+Everything else is computed here.
 
 {table}
 
@@ -703,6 +741,15 @@ is plain data parallelism ("16") the two agree to within 1% (the simulator adds 
 step and the weight-stash copies): both price the ring all-reduce alike and leave the profiles'
 `Input` time (data loading) out (the pipedream cost model prices the all-reduce its own way, so
 its data-parallel times differ).
+
+Against the paper. The simulated speed-ups are well below the paper's measured ones, and for
+VGG-16 the paper's own configuration (15-1) simulates better here (2.38x on A, 1.72x on B) than
+the plans our planners choose (1.37x and 1.29x at best): the planners' closed-form models rank
+configurations differently from the simulator (the planner's business, not fixed here). The
+remaining gap to 5.28x / 2.98x is not explained by anything measured here; one candidate is the
+baseline: our data parallelism is an ideal ring all-reduce at full link bandwidth, the paper's
+was PyTorch's DistributedDataParallel of 2019 on those clusters. This comparison is
+deterministic (profiles and cluster models only, no timing), so it does not change between runs.
 
 ## Simulator speed
 
