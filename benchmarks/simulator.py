@@ -744,8 +744,9 @@ its data-parallel times differ).
 
 Against the paper. The simulated speed-ups are well below the paper's measured ones, and for
 VGG-16 the paper's own configuration (15-1) simulates better here (2.38x on A, 1.72x on B) than
-the plans our planners choose (1.37x and 1.29x at best): the planners' closed-form models rank
-configurations differently from the simulator (the planner's business, not fixed here). The
+the plans our planners choose (at best 1.45x on A, 1.29x on B): the planners' closed-form
+models rank configurations differently from the simulator (the planner's business, not fixed
+here). The
 remaining gap to 5.28x / 2.98x is not explained by anything measured here; one candidate is the
 baseline: our data parallelism is an ideal ring all-reduce at full link bandwidth, the paper's
 was PyTorch's DistributedDataParallel of 2019 on those clusters. This comparison is
