@@ -533,17 +533,20 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     source = plan.stages[0].ranks[0]  # the reader that tells the others what comes
     last = len(plan.stages) - 1
     routed = {r for r in plan.stages[last].ranks if not reads_data(pipeline, r)}
-    if reads and batches is None:
-        raise PipelineInputError(f"rank {rank} runs stage {stage}, which reads the model's "
-                                 "inputs: pass it the minibatches (batches=None only on ranks "
-                                 "that do not read data, see reads_data)")
     stream = iter(batches if reads and batches is not None else ())
-    for skipped in range(done if reads else 0):
-        if next(stream, _END) is _END:
-            raise PipelineInputError(f"the data ends after {skipped} minibatches but the run "
-                                     f"resumes at minibatch {done} (checkpoint)")
-    if resumed is not None and saved.get("rng") is not None:
-        torch.set_rng_state(saved["rng"])  # as saved, whatever skipping the data drew
+
+    def skip(count: int) -> None:
+        """A reader's data, moved to the resume point (errors reach every rank, see next_run)."""
+        if reads and batches is None:
+            raise PipelineInputError(f"rank {rank} runs stage {stage}, which reads the model's "
+                                     "inputs: pass it the minibatches (batches=None only on "
+                                     "ranks that do not read data, see reads_data)")
+        for skipped in range(count if reads else 0):
+            if next(stream, _END) is _END:
+                raise PipelineInputError(f"the data ends after {skipped} minibatches but the "
+                                         f"run resumes at minibatch {count} (checkpoint)")
+        if resumed is not None and saved.get("rng") is not None:
+            torch.set_rng_state(saved["rng"])  # as saved, whatever skipping the data drew
     check = _ShapeCheck(pipeline.parts.data_inputs, getattr(pipeline, "example_inputs", None),
                         getattr(pipeline, "example_target", None),
                         "the example_inputs given to compile()")
@@ -569,6 +572,8 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
         run = None
         if reads:
             try:
+                if first:
+                    skip(index)
                 items = take(index)
                 header["count"] = len(items)
                 header["sizes"] = [_batch_size(inputs) for inputs, _ in items]
