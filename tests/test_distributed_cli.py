@@ -18,6 +18,7 @@ from torch import nn
 
 import pdcompile
 from pdcompile.cli import main
+from pdcompile.timeline import Timeline
 
 
 def _export(tmp_path: Path, workers: int) -> Path:
@@ -106,8 +107,12 @@ def _losses(output: str) -> list[float]:
 @pytest.mark.timeout(200)
 def test_pdcompile_run_trains_the_export_on_torchrun(tmp_path: Path) -> None:
     folder, x, y = _exported(tmp_path)
-    done = _run_cli([str(folder), "--nproc", "2", "--steps", "3", "--threads", "1"])
+    done = _run_cli([str(folder), "--nproc", "2", "--steps", "3", "--threads", "1",
+                     "--timeline", str(tmp_path / "timeline.json")])
     assert done.returncode == 0, done.stdout
+    timeline = Timeline.load(tmp_path / "timeline.json")  # every rank's actions, from rank 0
+    assert timeline.source == "measured" and timeline.ranks == [0, 1]
+    assert timeline.meta["minibatches"] == 3
     want = pdcompile.load(str(folder)).train([((x,), y)] * 3)
     assert _losses(done.stdout) == pytest.approx(want, rel=1e-6)
     for step, loss in enumerate(want, 1):  # progress, printed as the losses become known

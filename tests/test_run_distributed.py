@@ -8,6 +8,7 @@ identical pipeline to float rounding. Several configurations share one launch (o
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,7 +103,9 @@ def _train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
         # only stage 0 reads the data: the last stage gets its targets over the wire
         batches = iter(_batches(case.model, case.steps)) if reads_data(pipe, worker.rank) \
             else None
-        run = run_distributed(pipe, batches,
+        # the public entry point: Pipeline.run_distributed delegates to the backend
+        train = pipe.run_distributed if case.record else functools.partial(run_distributed, pipe)
+        run = train(batches,
                               monitor=worker.monitor, record=case.record,
                               progress=lambda step, loss, seen=seen: seen.append((step, loss)))
         out.append({"losses": run.losses, "weights": _weights(pipe, worker.rank),
