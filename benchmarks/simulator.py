@@ -704,7 +704,8 @@ def main() -> int:
                f"Python {platform.python_version()}, torch {torch.__version__} CPU")
     report = f"""# Simulator results
 
-Machine: {machine}. Produced by `python benchmarks/simulator.py --planner {args.planner} \
+Machine: {machine}.
+Produced by `python benchmarks/simulator.py --planner {args.planner} \
 --cost-model {" ".join(args.cost_model)} --write`; the fidelity section alone by
 `python benchmarks/simulator.py --fidelity --write` (about 2 minutes).
 
