@@ -43,32 +43,23 @@ def _export(folder: Path, schedule: str) -> Path:
 def test_resumed_run_equals_uninterrupted(tmp_path: Path, schedule: str) -> None:
     export = _export(tmp_path / "pipe", schedule)
     data = functools.partial(batches, 6)
-    seen: list[tuple[int, float]] = []
-    whole = train_processes(export, 2, data, steps=6, timeout=120, fault_timeout=5,
-                            checkpoint_dir=tmp_path / "a", checkpoint_every=2,
-                            progress=lambda step, loss: seen.append((step, loss)))
-    assert whole.resumed_from is None and whole.steps == 6 and len(whole.losses) == 6
-    assert seen == list(enumerate(whole.losses))  # relayed to this process, in order
-
-    first = train_processes(export, 2, data, steps=4, timeout=120, fault_timeout=5,
-                            checkpoint_dir=tmp_path / "b", checkpoint_every=2)
-    second = train_processes(export, 2, data, steps=6, timeout=120, fault_timeout=5,
-                             checkpoint_dir=tmp_path / "b", checkpoint_every=2)
-    assert first.losses == whole.losses[:4]
-    assert second.resumed_from == 4 and second.steps == 2
-    assert second.losses == whole.losses
-
-    # the stream drains at each checkpoint: Pipeline.train once per checkpoint interval
+    # uninterrupted, the stream drains at each checkpoint: Pipeline.train once per interval
     local = pdcompile.load(str(export))
     data_all = batches(6)
     want = [loss for k in range(0, 6, 2) for loss in local.train(data_all[k:k + 2])]
-    torch.testing.assert_close(torch.tensor(whole.losses), torch.tensor(want))
+
+    seen: list[tuple[int, float]] = []
+    first = train_processes(export, 2, data, steps=4, timeout=120, fault_timeout=5,
+                            checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2,
+                            progress=lambda step, loss: seen.append((step, loss)))
+    assert first.resumed_from is None and first.steps == 4
+    assert seen == list(enumerate(first.losses))  # relayed to this process, in order
+    second = train_processes(export, 2, data, steps=6, timeout=120, fault_timeout=5,
+                             checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+    assert second.resumed_from == 4 and second.steps == 2 and second.losses[:4] == first.losses
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(want))
     for rank in (0, 1):
-        a = Checkpointer(tmp_path / "a", rank=rank, every=2).load(6)
-        b = Checkpointer(tmp_path / "b", rank=rank, every=2).load(6)
-        assert a["data_position"] == b["data_position"] == 6
-        for key, value in a["model"].items():
-            torch.testing.assert_close(b["model"][key], value, rtol=0, atol=0)
-        stage = local.stage_modules[rank].state_dict()
-        for key, value in stage.items():
-            torch.testing.assert_close(a["model"][key], value)
+        saved = Checkpointer(tmp_path / "ckpt", rank=rank, every=2).load(6)
+        assert saved["data_position"] == 6 and saved["losses"] == second.losses
+        for key, value in local.stage_modules[rank].state_dict().items():
+            torch.testing.assert_close(saved["model"][key], value)
