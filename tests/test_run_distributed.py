@@ -35,6 +35,7 @@ class Case:
     micro: int | None = None
     model: str = "mlp"
     record: bool = False
+    vertical_sync: bool = False
 
 
 class Tied(nn.Module):
@@ -81,7 +82,7 @@ def _pipeline(case: Case) -> Any:
     return pdcompile.compile(_model(case.model), example_inputs=(example[0],),
                              example_target=example[1], loss_fn=nn.functional.cross_entropy,
                              optimizer=momentum, schedule=case.schedule, microbatches=case.micro,
-                             stages=list(case.replicas))
+                             stages=list(case.replicas), vertical_sync=case.vertical_sync)
 
 
 def _weights(pipe: Any, rank: int) -> dict[str, torch.Tensor]:
@@ -156,7 +157,8 @@ def test_three_processes_straight_and_replicated() -> None:
                                                                     micro=4),
                       Case("1f1b-flush", (2, 1), 2, micro=4), Case("1f1b", (1, 2), 4),
                       Case("2bw", (1, 2), 4, micro=2),
-                      Case("1f1b-flush", (1, 1, 1), 2, micro=2, model="tied")], 3)
+                      Case("1f1b-flush", (1, 1, 1), 2, micro=2, model="tied"),
+                      Case("1f1b", (1, 1, 1), 5, vertical_sync=True)], 3)
     # rank 0 holds every rank's measured timeline, which ran exactly the lowered schedule
     timeline = results[0][0]["timeline"]
     assert isinstance(timeline, Timeline) and timeline.source == "measured"
