@@ -145,12 +145,13 @@ class TrainingProgress:
             self._first = (done, now)
         first, at = self._first
         # samples/s since the first report (process start-up and pipeline fill left out)
-        rate = (done - first) * self.batch_size / (now - at) if now > at else 0.0
+        # (a burst of reports, e.g. a one-stage pipeline reporting at the end, shows no rate)
+        rate = (done - first) * self.batch_size / (now - at) if now - at > 0.05 else 0.0
         if self._bar is not None:
             self._bar.set_postfix(loss=f"{loss:.3f}", samples_per_s=f"{rate:.0f}")
             self._bar.update(max(0, done - self._bar.n))
         elif done % self.every == 0 or done == self.total or done == 1:
-            speed = f"{rate:8.1f} samples/s" if done > first else ""
+            speed = f"{rate:8.1f} samples/s" if rate > 0 else ""
             print(f"  minibatch {done:>4}/{self.total}  loss {loss:7.4f}  {speed}".rstrip(),
                   file=self.stream, flush=True)
 

@@ -85,15 +85,23 @@ def test_demo_bad_options(argv: list[str], code: int, expect: str, tmp_path: Pat
 
 def test_training_progress_lines(capsys: pytest.CaptureFixture[str]) -> None:
     import io
+    import time
 
     from pdcompile.demo import TrainingProgress
 
     stream = io.StringIO()
     progress = TrainingProgress(16, 8, stream=stream, bar=False)
     for step in range(16):
+        time.sleep(0.01)
         progress(step, 2.0 - step / 10)
     progress.close()
     lines = stream.getvalue().splitlines()
     assert lines[0].strip() == "minibatch    1/16  loss  2.0000"
     assert lines[-1].startswith("  minibatch   16/16  loss  0.5000") and "samples/s" in lines[-1]
     assert len(lines) == 1 + 8  # the first, then every 2nd of 16
+    # losses reported all at once (a one-stage pipeline reports at the end): no made-up rate
+    burst = io.StringIO()
+    progress = TrainingProgress(4, 8, stream=burst, bar=False)
+    for step in range(4):
+        progress(step, 1.0)
+    assert "samples/s" not in burst.getvalue()
