@@ -163,6 +163,7 @@ def test_three_processes_straight_and_replicated() -> None:
     timeline = results[0][0]["timeline"]
     assert isinstance(timeline, Timeline) and timeline.source == "measured"
     assert timeline.ranks == [0, 1, 2] and timeline.meta["backend"] == "distributed"
+    assert timeline.meta["clock"] == "barrier"  # aligned on the barrier before the loop
     timeline.check_schedule(_pipeline(Case("1f1b", (1, 1, 1), 6)).schedule(6, 1))
     assert results[1][0]["timeline"].ranks == [1]
 

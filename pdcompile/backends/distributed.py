@@ -635,6 +635,8 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     samples = 0
     with _guarded(monitor, "the barrier before training"):  # all ranks start the clock together
         dist.barrier()
+    if recorder is not None:  # the common origin Timeline.merge aligns the ranks' clocks on
+        recorder.set_reference()
     start = time.perf_counter()
     while header["count"]:
         count = header["count"]
