@@ -213,7 +213,7 @@ def export_pipeline(pipe: Pipeline, path: str | Path) -> Path:
     (out / "plan.json").write_text(pipe.plan.to_json())
     (out / "schedule.txt").write_text(pipe.schedule(n, per).to_text())
     graph_stages = _save_graph(pipe.graph, out)
-    callables = _save_callables(pipe, out / "callables.pkl")
+    callables, unsaved = _save_callables(pipe, out / "callables.pkl")
     example = out / "example.pt"  # one minibatch as compiled: shape checks, default data
     if pipe.example_inputs is not None:
         torch.save({"inputs": pipe.example_inputs, "target": pipe.example_target}, example)
@@ -229,6 +229,7 @@ def export_pipeline(pipe: Pipeline, path: str | Path) -> Path:
         "ties": [{"name": t.name, "members": [list(m) for m in t.members]}
                  for t in pipe.parts.ties],
         "stages": stages_meta, "graph_stages": graph_stages, "callables": callables,
+        "unsaved_callables": unsaved,
     }
     (out / "pipeline.json").write_text(json.dumps(meta, indent=1))
     workers = pipe.plan.workers
@@ -265,16 +266,42 @@ def _save_graph(graph: fx.GraphModule | None, folder: Path) -> dict[str, int]:
     return stages
 
 
-def _save_callables(pipe: Pipeline, path: Path) -> list[str]:
+def _save_callables(pipe: Pipeline, path: Path) -> tuple[list[str], list[str]]:
+    """Pickle the loss function and optimizer factory; (saved names, given but unpicklable)."""
     saved: dict[str, Any] = {}
+    unsaved: list[str] = []
     for key, value in (("loss_fn", pipe.loss_fn), ("optimizer", pipe.optimizer_factory)):
-        try:
-            pickle.dumps(value)
-        except Exception:
+        if value is None:
             continue
-        saved[key] = value
+        try:
+            saved[key] = pickle.dumps(value)  # each apart, so a failed load names its culprit
+        except Exception:
+            unsaved.append(key)
     path.write_bytes(pickle.dumps(saved))
-    return sorted(saved)
+    return sorted(saved), unsaved
+
+
+def _load_callables(folder: Path, meta: dict[str, Any], *, wanted: list[str]) -> dict[str, Any]:
+    """The pickled loss function / optimizer factory; a clear error when they cannot be read back
+    (a function defined in a script run as __main__ exists only in that script's process)."""
+    path = folder / "callables.pkl"
+    if not wanted or not set(wanted) & set(meta.get("callables", [])) or not path.exists():
+        return {}
+    packed: dict[str, Any] = pickle.loads(path.read_bytes())  # noqa: S301
+    out: dict[str, Any] = {}
+    for name in wanted:
+        if name not in packed:
+            continue
+        try:
+            value = packed[name]
+            out[name] = pickle.loads(value) if isinstance(value, bytes) else value  # noqa: S301
+        except Exception as err:
+            raise PipelineInputError(
+                f"cannot read back the {name} saved in {path} ({type(err).__name__}: {err}); "
+                "a function defined in a script run as __main__ cannot be loaded by another "
+                "process: define it in an importable module, or pass it again: "
+                f"pdcompile.load(path, {name}=...)") from None
+    return out
 
 
 # ---------------------------------------------------------------------- load
@@ -291,17 +318,20 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
         raise PipelineInputError(f"{folder}/pipeline.json is format {meta.get('format')!r}, "
                                  f"expected {EXPORT_FORMAT!r}")
     plan = Plan.from_json((folder / "plan.json").read_text())
-    stored: dict[str, Any] = {}
-    if "callables" in meta and (folder / "callables.pkl").exists():
-        try:
-            stored = pickle.loads((folder / "callables.pkl").read_bytes())  # noqa: S301
-        except Exception:
-            stored = {}
+    given = {"loss_fn": loss_fn, "optimizer": optimizer}
+    stored = _load_callables(folder, meta, wanted=[k for k, v in given.items() if v is None])
     loss_fn = loss_fn if loss_fn is not None else stored.get("loss_fn")
     optimizer = optimizer if optimizer is not None else stored.get("optimizer")
-    if optimizer is None and "optimizer" not in meta.get("callables", []):
-        raise PipelineInputError(f"the optimizer of {folder} could not be saved (not picklable); "
-                                 "pass it again: pdcompile.load(path, optimizer=...)")
+    lost = [k for k in meta.get("unsaved_callables", []) if given.get(k) is None]
+    if optimizer is None and "optimizer" not in meta.get("callables", []) \
+            and "unsaved_callables" not in meta:
+        lost.append("optimizer")
+    if lost:
+        raise PipelineInputError(
+            f"the {' and '.join(lost)} of {folder} could not be saved at export (not picklable, "
+            "e.g. a lambda or a local function); pass it again: pdcompile.load(path, "
+            f"{', '.join(k + '=...' for k in lost)}), or compile with a module-level function "
+            "(e.g. torch.nn.functional.cross_entropy, functools.partial(torch.optim.SGD, lr=0.1))")
     programs = [_load_stage(folder, i, s) for i, s in enumerate(meta["stages"])]
     parts = SplitResult(
         stages=programs, data_inputs=tuple(meta["data_inputs"]),

@@ -121,3 +121,37 @@ def test_outputs_match_the_model_after_load(tmp_path: Path) -> None:
         module.eval()
     with torch.no_grad():
         torch.testing.assert_close(loaded(*inputs), model(*inputs))
+
+
+def test_unpicklable_loss_must_be_given_again(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    pipe = pdcompile.compile(model, example_inputs=(torch.randn(4, 4),),
+                             loss_fn=lambda out, y: nn.functional.mse_loss(out, y), plan=2,
+                             schedule="gpipe", microbatches=2)
+    pipe.export(str(tmp_path))
+    with pytest.raises(PipelineInputError, match=r"loss_fn of .* could not be saved.*loss_fn="):
+        pdcompile.load(str(tmp_path))
+    loaded = pdcompile.load(str(tmp_path), loss_fn=nn.functional.mse_loss)
+    x, y = torch.randn(4, 4), torch.randn(4, 2)
+    assert pipe.step(x, target=y) == loaded.step(x, target=y)
+
+
+def test_callables_that_cannot_be_read_back_are_named(tmp_path: Path) -> None:
+    """A loss defined in a script run as __main__ pickles by reference but does not load in
+    another process: the load says so instead of failing later without a loss."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import torch, torch.nn as nn, pdcompile\n"
+        "def my_loss(out, y):\n    return nn.functional.mse_loss(out, y)\n"
+        "model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))\n"
+        "pipe = pdcompile.compile(model, example_inputs=(torch.randn(4, 4),), loss_fn=my_loss, "
+        "plan=2, schedule='gpipe', microbatches=2)\n"
+        f"pipe.export({str(tmp_path / 'out')!r})\n")
+    subprocess.run([sys.executable, str(script)], check=True, timeout=120)
+    with pytest.raises(PipelineInputError, match=r"cannot read back the loss_fn.*__main__"):
+        pdcompile.load(str(tmp_path / "out"))
+    loaded = pdcompile.load(str(tmp_path / "out"), loss_fn=nn.functional.mse_loss)
+    assert loaded.step(torch.randn(4, 4), target=torch.randn(4, 2)) > 0
