@@ -49,6 +49,7 @@ def test_two_process_run_records_one_event_per_action(tmp_path: Path) -> None:
     assert measured.ranks == [0, 1]
     assert all(e.end >= e.start >= 0.0 for e in measured.events)
     assert measured.meta["schedule"] == "1f1b" and measured.meta["backend"] == "distributed"
+    assert measured.meta["clock"] == "barrier"  # ranks aligned on their common barrier
     # the same drawing code as for a simulation
     bars = draw_gantt(measured, tmp_path / "measured.png")
     drawn = (Kind.F, Kind.B, Kind.ALLREDUCE, Kind.STEP)
