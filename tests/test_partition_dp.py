@@ -79,6 +79,32 @@ def test_dp_matches_brute_force(graph: nx.DiGraph, cluster: Cluster,
         assert sum(s.replicas for s in result.stages) == cluster.workers
 
 
+@st.composite
+def chains(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
+    """Random chains: PipeDream's antichain states of a chain are all its prefixes."""
+    n = draw(st.integers(1, max_nodes))
+    graph = new_cost_graph("chain")
+    for i in range(n):
+        add_block(graph, f"n{i}", fwd=draw(st.floats(1e-4, 1e-2)), bwd=draw(st.floats(1e-4, 2e-2)),
+                  act=draw(st.floats(0, 5e7)), params=draw(st.floats(0, 1e6) | st.floats(0, 1e8)))
+        if i:
+            graph.add_edge(f"n{i - 1}", f"n{i}")
+    return graph
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=chains(), cluster=clusters)
+def test_pipedream_dp_matches_brute_force_on_chains(graph: nx.DiGraph, cluster: Cluster) -> None:
+    # The pipedream-mode DP (flat cluster, replication, no memory constraint: the original's
+    # default) finds the best plan that evaluate() prices under the original's model.
+    pipedream = ModelOptions(cost_model="pipedream")
+    expected = brute_force(graph, cluster, options=pipedream, memory=None)
+    assert expected is not None
+    result = plan(graph, cluster, planner="dp", cost_model="pipedream")
+    assert result.time_per_minibatch == pytest.approx(expected[0], rel=1e-9, abs=1e-15)
+    assert sum(s.replicas for s in result.stages) == cluster.workers
+
+
 def test_replication_chosen_for_a_compute_heavy_chain() -> None:
     graph = new_cost_graph("chain")
     for i in range(3):
