@@ -72,6 +72,11 @@ def validate(graph: nx.DiGraph) -> None:
             if value < 0:
                 raise CostGraphError(f"node {node!r} has negative {key}={value!r}; costs are >= 0 "
                                      "(seconds and bytes)")
+    for u, v, data in graph.edges(data=True):
+        value = data.get("bytes", 0.0)
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise CostGraphError(f"edge {u!r} -> {v!r} has bytes={value!r}; edge bytes must be a "
+                                 "finite number >= 0 (leave it out to use the source's act)")
     if not nx.is_directed_acyclic_graph(graph):
         cycle = nx.find_cycle(graph)
         path = " -> ".join(str(u) for u, _ in cycle) + f" -> {cycle[0][0]}"

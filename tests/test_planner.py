@@ -75,7 +75,7 @@ def test_model_that_cannot_fit_names_memory_and_workers() -> None:
     pdcompile.plan(graph, f"{workers}@1e9", planner="dp", memory="8GiB")
 
 
-@pytest.mark.parametrize("kind", ["empty", "cyclic", "negative"])
+@pytest.mark.parametrize("kind", ["empty", "cyclic", "negative", "edge"])
 def test_bad_graphs_get_clear_errors(kind: str) -> None:
     graph = new_cost_graph("bad")
     if kind != "empty":
@@ -86,8 +86,11 @@ def test_bad_graphs_get_clear_errors(kind: str) -> None:
         graph.add_edge("b", "a")
     if kind == "negative":
         graph.nodes["b"]["fwd"] = -1.0
-    with pytest.raises(CostGraphError, match={"empty": "empty", "cyclic": "cycle",
-                                              "negative": "negative"}[kind]):
+    if kind == "edge":
+        graph.edges["a", "b"]["bytes"] = -5.0
+    expected = {"empty": "empty", "cyclic": "cycle", "negative": "negative",
+                "edge": "edge 'a' -> 'b'"}[kind]
+    with pytest.raises(CostGraphError, match=expected):
         pdcompile.plan(graph, "2")
 
 
