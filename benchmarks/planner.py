@@ -49,15 +49,28 @@ NOTES = """
 * The pipedream model reports its own objective; on two-level clusters that is the original's
   recursive figure (a level's stage time is the best pipeline of the level below).
 * Target "DP under 1 s on every row": the native DP meets it on every row. The pipedream DP
-  misses it on two-level rows with many antichain states (gnmt_large 4x4 most): the original's
-  two-level recurrence solves the inner pipeline of every segment, cubic in the number of states
-  (1495 for gnmt_large); ours is vectorised but keeps that recurrence exactly. For scale: the
-  README quotes 674 s for the original on resnet101 8x2; ours takes a few seconds there.
+  misses it on two-level rows with many antichain states (gnmt_large 4x4 by far, densenet121 and
+  nasnetalarge 4x4 around 1 s): the original's two-level recurrence solves the inner pipeline of
+  every segment (every start state), cubic in the number of states; ours is vectorised with
+  numpy but keeps that recurrence and its tie-breaking exactly. Measured on gnmt_large 4x4 (1496
+  states): 22.6 M reachable triples (start, split, end), 135 M candidates over the 6 (workers,
+  replicas) pairs of the inner level, 145 M per pair in the dense per-end blocks we evaluate.
+  Pruning with exact bounds (a split whose compute alone over its workers exceeds the best known
+  time cannot win) cuts densenet121 and resnet101 about 100-fold (to under 1 M candidates) but
+  gnmt_large only to 23-52 M: its 1496 states fall into 70 classes with identical costs (9 nodes
+  with zero time and bytes, `hidden` and its 8 `__getitem__`, can join any state), so every
+  window of useful splits holds dozens of equivalent states. Within each class the inner
+  values of one start are equal (checked on gnmt_large), so the fix left to do is to compute the
+  values per cost class (the min over a class only needs "some state of the class lies between
+  start and end", one boolean product per class) and the tie-broken split only along the
+  walk back. For scale: the README quotes 12 s for the original on gnmt_large with 4 workers
+  (flat; ours 0.3 s) and 674 s on resnet101 8x2.
 * CP-SAT's bound comes from a weak relaxation (big-M placement constraints); "gap 100%" means
   its bound did not rise above the compute-balance cut in the time limit. It improves on the DP
   only where the DP ran on an approximate state set (gnmt, nasnetalarge).
-* Timings were taken on a shared 2-core VM while other work was running: expect noise of tens
-  of percent between runs.
+* Timings were taken on a shared 2-core VM while three other jobs ran on the same cores: expect
+  noise of tens of percent between runs (and more on the CP-SAT columns, which are wall-clock
+  limited).
 """
 
 
