@@ -221,8 +221,17 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
     for depth, level in enumerate(levels):
         final = depth == len(levels) - 1
         starts = np.array([0]) if final else np.arange(s)
-        table = _pd_level(tables, seg, starts, level.workers, level.bandwidth, inside, memory,
-                          straight)
+        if (depth == 0 and not final and memory is None and not straight
+                and len(np.unique(tables.compute)) >= s // 2):
+            # every start: the pruned level (additive segments). Not with a memory limit or
+            # straight (single stages then give no finite bound to prune with), nor when many
+            # states share their compute (the windows of useful splits stay crowded): there the
+            # plain level is faster. Both give the same tables.
+            table = _pd_level_all_starts(tables, seg, level.workers, level.bandwidth, memory,
+                                         straight)
+        else:
+            table = _pd_level(tables, seg, starts, level.workers, level.bandwidth, inside,
+                              memory, straight)
         tables_levels.append((starts, table))
         if not final:
             full = table[0][:, :, level.workers]  # [a, j]
@@ -342,4 +351,103 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
         by_units[rows, :, j] = val[rows, j, :]
         kk[rows, j, :] = np.where(better, k_best, kk[rows, j, :])
         rr[rows, j, :] = np.where(better, r_best, rr[rows, j, :])
+    return val, kk, rr
+
+
+CHUNK = 1 << 22  # candidates evaluated per numpy batch (bounds memory)
+
+
+def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth: float,
+                         memory: float | None, straight: bool,
+                         ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`_pd_level` for every start at the innermost level, with the same tables, ties included.
+
+    Why it is faster: it runs by (m units, r replicas of the last stage), m ascending, over all
+    (start a, end j) at once, and only tries split states k whose compute could beat the best
+    time known for (a, j): a pipeline on u units takes at least its compute over u, so k must
+    satisfy compute(a, k) <= (m - r) * best and compute(k, j) <= r * best, a window of states
+    sorted by cumulative compute. Candidates outside it are slower than the best known, so the
+    minimum and its first (smallest) k are unchanged. Needs additive segments (seg = compute
+    differences), hence the innermost level only.
+    """
+    s = len(tables.compute)
+    last = s - 1
+    comp = tables.compute
+    val = np.full((s, s, n + 1), INF)
+    kk = np.full((s, s, n + 1), -1, dtype=np.int64)
+    rr = np.zeros((s, s, n + 1), dtype=np.int64)
+    mem_limit = INF if memory is None else memory
+    for a in range(s):  # base case, as in _pd_level
+        t = seg[a]
+        p = tables.params - tables.params[a]
+        act = tables.act - tables.act[a]
+        for m in (range(1, n + 1) if not straight else (1,)):
+            stash = math.ceil((n - m) / m) * (act + p)
+            base = (t + 4.0 * (m - 1) * p / (bandwidth * m) / 1) / m
+            val[a, :, m] = np.where(stash <= mem_limit, base, INF)
+    rmax = 1 if straight else n - 1
+    by_comp = np.lexsort((np.arange(s), comp))  # states by cumulative compute, then index
+    sorted_comp = comp[by_comp]
+    valid = tables.valid.copy()
+    valid[:, 0] = False  # a split is never the empty state
+    cell_a, cell_j = np.nonzero(tables.valid)
+    slack = 1.0 + 1e-9
+    for m in range(2, n + 1):
+        best = val[cell_a, cell_j, m].copy()  # the single stage, then improved by r
+        best_k = np.full(cell_a.size, -1, dtype=np.int64)
+        best_r = np.zeros(cell_a.size, dtype=np.int64)
+        for r in range(1, min(rmax, m - 1) + 1):
+            stash_factor = math.ceil((n - m) / r)
+            prev = val[:, :, m - r]
+            bound = np.where(np.isfinite(best), best * slack, np.inf)
+            lo = np.searchsorted(sorted_comp, comp[cell_j] - r * bound, side="left")
+            hi = np.searchsorted(sorted_comp, comp[cell_a] + (m - r) * bound, side="right")
+            hi = np.maximum(hi, lo)
+            count = hi - lo
+            r_val = np.full(cell_a.size, INF)
+            r_k = np.full(cell_a.size, -1, dtype=np.int64)
+            start = 0
+            while start < cell_a.size:
+                stop = start + 1 + int(np.searchsorted(np.cumsum(count[start:]), CHUNK))
+                stop = min(stop, cell_a.size)
+                cells = np.arange(start, stop)
+                sizes = count[cells]
+                total = int(sizes.sum())
+                start = stop
+                if total == 0:
+                    continue
+                owner = np.repeat(cells, sizes)
+                offset = np.arange(total) - np.repeat(np.cumsum(sizes) - sizes, sizes)
+                k = by_comp[lo[owner] + offset]
+                a = cell_a[owner]
+                j = cell_j[owner]
+                keep = valid[a, k] & valid[k, j]
+                owner, k, a, j = owner[keep], k[keep], a[keep], j[keep]
+                if owner.size == 0:
+                    continue
+                p = tables.params[j] - tables.params[k]
+                act = tables.act[j] - tables.act[k]
+                stage = (seg[k, j] + 4.0 * (r - 1) * p / (bandwidth * r)) / r
+                stage = np.maximum(stage, 2.0 * tables.frontier[k] / (bandwidth * r))
+                stage = np.where(j < last,
+                                 np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * r)),
+                                 stage)
+                stage = np.where(stash_factor * (act + p) <= mem_limit, stage, INF)
+                cand = np.maximum(prev[a, k], stage)
+                # per cell (owner runs are contiguous): the smallest candidate, and the
+                # smallest k reaching it (np.argmin's first index over ascending k)
+                heads = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+                mins = np.minimum.reduceat(cand, heads)
+                hit = cand == np.repeat(mins, np.diff(np.r_[heads, owner.size]))
+                first = np.minimum.reduceat(np.where(hit, k, s), heads)
+                r_val[owner[heads]] = mins
+                r_k[owner[heads]] = first
+            better = r_val < best  # r ascending: a later r must be strictly better
+            best = np.where(better, r_val, best)
+            best_k = np.where(better, r_k, best_k)
+            best_r = np.where(better, r, best_r)
+        taken = best_r > 0
+        val[cell_a, cell_j, m] = best
+        kk[cell_a[taken], cell_j[taken], m] = best_k[taken]
+        rr[cell_a[taken], cell_j[taken], m] = best_r[taken]
     return val, kk, rr
