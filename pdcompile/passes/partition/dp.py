@@ -377,14 +377,14 @@ def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth
     kk = np.full((s, s, n + 1), -1, dtype=np.int64)
     rr = np.zeros((s, s, n + 1), dtype=np.int64)
     mem_limit = INF if memory is None else memory
-    for a in range(s):  # base case, as in _pd_level
-        t = seg[a]
-        p = tables.params - tables.params[a]
-        act = tables.act - tables.act[a]
+    for start in range(s):  # base case, as in _pd_level
+        t = seg[start]
+        p = tables.params - tables.params[start]
+        act = tables.act - tables.act[start]
         for m in (range(1, n + 1) if not straight else (1,)):
             stash = math.ceil((n - m) / m) * (act + p)
             base = (t + 4.0 * (m - 1) * p / (bandwidth * m) / 1) / m
-            val[a, :, m] = np.where(stash <= mem_limit, base, INF)
+            val[start, :, m] = np.where(stash <= mem_limit, base, INF)
     rmax = 1 if straight else n - 1
     by_comp = np.lexsort((np.arange(s), comp))  # states by cumulative compute, then index
     sorted_comp = comp[by_comp]
@@ -439,9 +439,9 @@ def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth
                 heads = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
                 mins = np.minimum.reduceat(cand, heads)
                 hit = cand == np.repeat(mins, np.diff(np.r_[heads, owner.size]))
-                first = np.minimum.reduceat(np.where(hit, k, s), heads)
+                first_k = np.minimum.reduceat(np.where(hit, k, s), heads)
                 r_val[owner[heads]] = mins
-                r_k[owner[heads]] = first
+                r_k[owner[heads]] = first_k
             better = r_val < best  # r ascending: a later r must be strictly better
             best = np.where(better, r_val, best)
             best_k = np.where(better, r_k, best_k)
