@@ -5,8 +5,7 @@ parameter bytes (`params[s]`), bytes kept for the backward per microbatch in fli
 (`activations[s]`), optimizer-step seconds (`optimizer[s]`, None: the simulator estimates it from
 the device's memory bandwidth), seconds to copy the stage's weights once (`stash[s]`, None: the
 simulator estimates a read and a write of them at the device's memory bandwidth; asynchronous
-1F1B pays it for each new stashed weight version and again in each backward, moving the
-gradients of the stashed version into the live weights); per stage edge (src, dst): bytes sent
+1F1B pays it for each new stashed weight version); per stage edge (src, dst): bytes sent
 per microbatch (`edges`; the gradient going back is the same size). Built from a CostGraph and
 a Plan (`from_plan`), or given directly (`uniform`, the constructor).
 """

@@ -13,10 +13,10 @@ Each rank runs its actions in order. An action starts when the rank is free and 
 - STEP: `StageCosts.optimizer[s]` seconds, by default reading weights and gradients and writing
   weights once at the device's memory bandwidth (3 P / mem_bandwidth);
 - weight stashing (asynchronous '1f1b', `stash=True`): the first forward after an optimizer step
-  snapshots the stage's weights (a new version), and every backward moves the stashed version's
-  gradients into the live weights: each adds `StageCosts.stash[s]` seconds, by default a read and
-  a write of the weights at the device's memory bandwidth (2 P / mem_bandwidth), as the runtime
-  (runtime/stash.py) does.
+  snapshots the stage's weights (a new version), adding `StageCosts.stash[s]` seconds, by default
+  a read and a write of the weights at the device's memory bandwidth (2 P / mem_bandwidth), as
+  the runtime (runtime/stash.py) clones them; a backward hands the stashed version's gradients to
+  the live weights without a copy (runtime/stage_runtime.py moves the tensors), so it adds none.
 
 Memory per worker (peak): weights + one gradient buffer + stashed weight versions (1f1b: one per
 minibatch in flight beyond the newest, PipeDream's weight stashing; 2bw: one extra version) +
@@ -148,7 +148,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                     finish += copy_time[stage]
                     fresh[rank] = False
             elif kind == Kind.B:
-                finish = start + costs.bwd[stage] + copy_time[stage]
+                finish = start + costs.bwd[stage]
             elif kind == Kind.W:
                 finish = start + 0.5 * costs.bwd[stage]
             elif kind == Kind.ALLREDUCE:
