@@ -101,6 +101,11 @@ def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
     from pdcompile.models import vgg16
 
     model, inputs = vgg16.factory()
+    # the factory module's make_target gave the export its example target (default data for run)
+    assert loaded.example_target is not None
+    expected = vgg16.make_target(inputs)
+    assert loaded.example_target.shape == expected.shape
+    assert loaded.example_target.dtype == expected.dtype
     for module in model.modules():
         if isinstance(module, nn.Dropout):
             module.p = 0.0

@@ -81,7 +81,12 @@ def run(args: argparse.Namespace) -> int:
 
     torch.set_num_threads(1)
     model, inputs = load_factory(args.model)
-    loss_fn = getattr(_factory_module(args.model), "loss_fn", None)
+    module = _factory_module(args.model)
+    loss_fn = getattr(module, "loss_fn", None)
+    # a factory module's make_target gives the export an example target, so that the exported
+    # folder trains on synthetic data without --data (as the bundled models do)
+    make_target = getattr(module, "make_target", None)
+    example_target = make_target(inputs) if callable(make_target) else None
     plan: Any = None
     if args.plan_file:
         if not Path(args.plan_file).is_file():
@@ -100,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     cluster = load_cluster(args.cluster)
     with Spinner("compiling (trace, profile, plan, split)"):
         pipe = compile_pipeline(
-            model, cluster, example_inputs=inputs, loss_fn=loss_fn,
+            model, cluster, example_inputs=inputs, loss_fn=loss_fn, example_target=example_target,
             optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
             schedule=args.schedule, microbatches=args.microbatches, planner=args.planner,
             cost=args.cost, cost_model=args.cost_model, time_limit=args.time_limit, plan=plan)
