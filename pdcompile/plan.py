@@ -164,4 +164,7 @@ class Plan:
             f"planner {self.planner} ({status}, {self.solve_seconds:.2f} s), cost model "
             f"{self.cost_model}"
         )
+        if self.extra.get("dp_fits") is False:
+            lines.append("note: plain data parallelism does not fit the device memory here; the "
+                         "speed-up compares with a baseline that could not run")
         return "\n".join(lines)

@@ -142,3 +142,13 @@ def test_flush_schedule_is_priced_with_its_bubble() -> None:
     assert flush.time_per_minibatch == pytest.approx(
         max(s.time for s in flush.stages) * (4 + stages - 1) / 4)
     assert flush.time_per_minibatch >= asynchronous.time_per_minibatch
+
+
+def test_summary_says_when_data_parallelism_would_not_fit(profiles_dir: Path) -> None:
+    # resnet50's profile at its batch size: every layer's activations on one V100 exceed 16 GiB
+    graph = load_pipedream(profiles_dir / "resnet50" / "graph.txt")
+    tight = pdcompile.plan(graph, "4@1e9", planner="dp")
+    assert tight.extra["dp_fits"] is False
+    assert "data parallelism does not fit" in tight.summary()
+    roomy = pdcompile.plan(graph, "4@1e9", planner="dp", cost_model="pipedream")
+    assert "does not fit" not in roomy.summary()
