@@ -17,7 +17,9 @@ Both are vectorised with numpy over (successor state, workers, replicas).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import networkx as nx
@@ -216,35 +218,45 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
     seg = tables.compute[None, :] - tables.compute[:, None]  # [a, j] fwd+bwd of (a, j]
     seg = np.where(tables.valid, seg, INF)
     seg[0] = np.where(np.arange(s) > 0, tables.compute, INF)
+    # per level: its starts, its values val[a, j, m] and its recorded split of (a, j] on m units
+    tables_levels: list[tuple[np.ndarray, np.ndarray, Callable[[int, int, int], tuple[int, int]]]]
     tables_levels = []
     inside = 1
     for depth, level in enumerate(levels):
         final = depth == len(levels) - 1
         starts = np.array([0]) if final else np.arange(s)
-        if (depth == 0 and not final and memory is None and not straight
-                and len(np.unique(tables.compute)) >= s // 2):
-            # every start: the pruned level (additive segments). Not with a memory limit or
-            # straight (single stages then give no finite bound to prune with), nor when many
-            # states share their compute (the windows of useful splits stay crowded): there the
-            # plain level is faster. Both give the same tables.
-            table = _pd_level_all_starts(tables, seg, level.workers, level.bandwidth, memory,
-                                         straight)
+        if depth == 0 and not final and memory is None and not straight:
+            # every start, additive segments. Not with a memory limit or straight (single
+            # stages then give no finite bound to prune with). All give the same tables.
+            if int(_cost_classes(tables).max()) + 1 <= s // 4:
+                # few cost classes (states differing by zero-cost nodes): values per class,
+                # the splits recovered along the walk back only
+                val = _pd_level_by_class(tables, seg, level.workers, level.bandwidth)
+                tables_levels.append((starts, val, functools.partial(
+                    _pd_level_split, tables, seg, val, level.workers, level.bandwidth)))
+            elif len(np.unique(tables.compute)) >= s // 2:
+                # the pruned level; not when many states share their compute (the windows of
+                # useful splits stay crowded): there the plain level is faster
+                tables_levels.append((starts, *_as_split(*_pd_level_all_starts(
+                    tables, seg, level.workers, level.bandwidth, memory, straight))))
+            else:
+                tables_levels.append((starts, *_as_split(*_pd_level(
+                    tables, seg, starts, level.workers, level.bandwidth, inside, memory,
+                    straight))))
         else:
-            table = _pd_level(tables, seg, starts, level.workers, level.bandwidth, inside,
-                              memory, straight)
-        tables_levels.append((starts, table))
+            tables_levels.append((starts, *_as_split(*_pd_level(
+                tables, seg, starts, level.workers, level.bandwidth, inside, memory, straight))))
         if not final:
-            full = table[0][:, :, level.workers]  # [a, j]
-            seg = full
+            seg = tables_levels[-1][1][:, :, level.workers]  # [a, j]
         inside = level.workers
     # walk back down: split each top-level segment with the level below
-    top_starts, (top_val, top_k, top_r) = tables_levels[-1]
+    top_val = tables_levels[-1][1]
     objective = float(top_val[0, last, levels[-1].workers])
     if not math.isfinite(objective):
         raise PlanError("no plan fits")
     segments = [(0, last, 1, tuple(range(cluster.workers)))]  # (a, j, replica factor, ranks)
     for depth in range(len(levels) - 1, -1, -1):
-        starts, (val, kk, rr) = tables_levels[depth]
+        starts, _, split = tables_levels[depth]
         row = {int(a): i for i, a in enumerate(starts)}
         group = cluster.group_size(depth - 1) if depth > 0 else 1  # workers per unit here
         out = []
@@ -253,7 +265,7 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
             pieces = []
             m, end = levels[depth].workers, j
             while True:
-                k, r = int(kk[i, end, m]), int(rr[i, end, m])
+                k, r = split(i, end, m)
                 if k < 0:  # the base case: (a, end] on all m remaining units
                     pieces.append((a, end, m))
                     break
@@ -274,6 +286,14 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
         segments = out
     stages = tuple(DPStage(before=a, after=j, ranks=ranks) for a, j, _, ranks in segments)
     return DPResult(stages=stages, objective=objective)
+
+
+def _as_split(val: np.ndarray, kk: np.ndarray, rr: np.ndarray,
+              ) -> tuple[np.ndarray, Callable[[int, int, int], tuple[int, int]]]:
+    """A level's values and its split tables as (values, split(row, end, units) -> (k, r))."""
+    def split(i: int, j: int, m: int) -> tuple[int, int]:
+        return int(kk[i, j, m]), int(rr[i, j, m])
+    return val, split
 
 
 def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, bandwidth: float,
@@ -451,3 +471,202 @@ def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth
         kk[cell_a[taken], cell_j[taken], m] = best_k[taken]
         rr[cell_a[taken], cell_j[taken], m] = best_r[taken]
     return val, kk, rr
+
+
+def _cost_classes(tables: StateTables) -> np.ndarray:
+    """Class of every state: states with the same cumulative compute and params and the same
+    frontier bytes (the first and the last state apart) give the same stage times in the
+    memory-free level, as a split or as an end."""
+    s = len(tables.compute)
+    keys: dict[tuple[float, float, float, int], int] = {}
+    out = np.empty(s, dtype=np.int64)
+    for i in range(s):
+        tag = 1 if i == 0 else 2 if i == s - 1 else 0
+        key = (float(tables.compute[i]), float(tables.params[i]), float(tables.frontier[i]), tag)
+        out[i] = keys.setdefault(key, len(keys))
+    return out
+
+
+def _class_stages(tables: StateTables, rep: np.ndarray, n: int, bandwidth: float) -> np.ndarray:
+    """stage[r, c, e]: the last stage's time from a state of class c to one of class e on r
+    replicas (r < n), with the same arithmetic as `_pd_level` (so the same floats)."""
+    last = len(tables.compute) - 1
+    comp = tables.compute[rep]
+    par = tables.params[rep]
+    front = tables.frontier[rep]
+    seg = comp[None, :] - comp[:, None]  # [c, e], as pipedream_dp's seg
+    p = par[None, :] - par[:, None]
+    out = np.full((n, rep.size, rep.size), INF)
+    for r in range(1, n):
+        stage = (seg + 4.0 * (r - 1) * p / (bandwidth * r)) / r
+        stage = np.maximum(stage, (2.0 * front / (bandwidth * r))[:, None])
+        out[r] = np.where((rep < last)[None, :],
+                          np.maximum(stage, (2.0 * front / (bandwidth * r))[None, :]), stage)
+    return out
+
+
+def _pd_level_by_class(tables: StateTables, seg: np.ndarray, n: int, bandwidth: float,
+                       ) -> np.ndarray:
+    """The value table val[a, j, m] of `_pd_level` for every start at the innermost level,
+    memory-free and not straight (additive segments), computed per cost class of the split.
+
+    A split state k enters (a, j] only through val[a, k, m - r] and the last stage's time, which
+    depends on the classes of k and j alone (`_cost_classes`). Per start a, split class c and
+    end class e, t[a, e, c] = min over r of max(smallest val[a, ., m - r] over class c,
+    stage(c, e, r)) is a lower bound on the candidates through class c, attained when some state
+    of class c lies between a and j (reached from a, reaching j) and the class's finite values
+    from a are all equal ("even": then that state has the smallest value). So a cell (a, j)
+    takes the best class among those between a and j; if that class is uneven, the cell is
+    evaluated over all its splits. The table is the same as `_pd_level`'s (the same floats:
+    each value is one of its candidates); the splits come from `_pd_level_split`.
+    """
+    s = len(tables.compute)
+    valid = tables.valid
+    cls = _cost_classes(tables)
+    n_cls = int(cls.max()) + 1
+    order = np.argsort(cls, kind="stable")
+    heads = np.searchsorted(cls[order], np.arange(n_cls))
+    rep = order[heads]  # the first state of each class
+    stages_t = _class_stages(tables, rep, n, bandwidth).transpose(0, 2, 1).copy()  # [r, e, c]
+    reach = np.isfinite(seg)  # [a, k]: val[a, k, .] is finite
+    planes = np.empty((n + 1, s, s))  # planes[m] = val[:, :, m]
+    planes[0] = INF
+    p_all = tables.params[None, :] - tables.params[:, None]
+    for m in range(1, n + 1):  # base case, as in _pd_level
+        planes[m] = (seg + 4.0 * (m - 1) * p_all / (bandwidth * m) / 1) / m
+    cells_a, cells_j = np.nonzero(valid[:, 1:])  # the cells the recurrence updates
+    cells_j = cells_j + 1
+    ends = cls[cells_j]
+    between = _Between(reach, valid, order, heads)
+    low = np.full((n + 1, s, n_cls), INF)  # smallest val[a, k, m] over the k of class c
+    even = np.ones((s, n_cls), dtype=bool)  # ... its finite values equal, for every m so far
+    block = max(1, CHUNK // max(1, n_cls * n_cls))
+    buf = np.empty((min(block, s), n_cls, n_cls))
+    for m in range(2, n + 1):
+        prev = m - 1
+        by_cls = planes[prev][:, order]
+        low[prev] = np.minimum.reduceat(by_cls, heads, axis=1)
+        high = np.maximum.reduceat(np.where(np.isfinite(by_cls), by_cls, -INF), heads, axis=1)
+        even &= (low[prev] == high) | ~np.isfinite(low[prev])
+        low[prev][:, cls[0]] = INF  # the empty state is never a split
+        best = np.empty((s, n_cls))
+        arg = np.empty((s, n_cls), dtype=np.int64)
+        for lo in range(0, s, block):  # t[a, e, c], minimised over c
+            hi = min(s, lo + block)
+            t = buf[:hi - lo]
+            np.maximum(low[m - 1][lo:hi, None, :], stages_t[1][None], out=t)
+            for r in range(2, m):
+                np.minimum(t, np.maximum(low[m - r][lo:hi, None, :], stages_t[r][None]), out=t)
+            arg[lo:hi] = np.argmin(t, axis=2)
+            best[lo:hi] = np.take_along_axis(t, arg[lo:hi, :, None], axis=2)[:, :, 0]
+        value = best[cells_a, ends]
+        c = arg[cells_a, ends]
+        finite = np.flatnonzero(np.isfinite(value))
+        rest = finite[~between.one(cells_a[finite], cells_j[finite], c[finite])]
+        step = max(1, CHUNK // (n_cls + between.from_a.shape[1]))
+        for lo in range(0, rest.size, step):  # the best class is not between: the best between
+            part = rest[lo:lo + step]
+            a_r, e_r = cells_a[part], ends[part]
+            tc = np.maximum(low[m - 1][a_r], stages_t[1][e_r])
+            for r in range(2, m):
+                np.minimum(tc, np.maximum(low[m - r][a_r], stages_t[r][e_r]), out=tc)
+            tc[~between.all(a_r, cells_j[part])] = INF
+            c[part] = np.argmin(tc, axis=1)
+            value[part] = tc[np.arange(part.size), c[part]]
+        odd = np.flatnonzero(np.isfinite(value) & ~even[cells_a, c])
+        if odd.size:  # the best class between has unequal values from a: every split
+            value[odd] = _pd_cells(planes, cls, stages_t, valid, cells_a[odd], cells_j[odd], m)
+        base = planes[m][cells_a, cells_j]
+        planes[m][cells_a, cells_j] = np.where(value < base, value, base)
+    return planes.transpose(1, 2, 0)
+
+
+class _Between:
+    """Is some state k of class c reached from a (reach[a, k]) and reaching j (valid[k, j])?
+    Bitsets over the members of each class (states `order`, classes starting at `heads`), in
+    64-bit words: one AND per word."""
+
+    def __init__(self, reach: np.ndarray, valid: np.ndarray, order: np.ndarray,
+                 heads: np.ndarray) -> None:
+        s = reach.shape[0]
+        sizes = np.diff(np.r_[heads, s])
+        self.words = (sizes + 63) // 64  # per class
+        self.first_word = np.cumsum(self.words) - self.words
+        n_words = int(self.words.sum())
+        word_class = np.repeat(np.arange(heads.size), self.words)
+        member = (heads[word_class] + 64 * (np.arange(n_words) - self.first_word[word_class]))
+        member = member[:, None] + np.arange(64)[None, :]  # [word, bit] -> position in `order`
+        present = member < (heads + sizes)[word_class][:, None]
+        state = order[np.minimum(member, s - 1)]
+
+        def pack(rows: np.ndarray) -> np.ndarray:  # rows[x, k] -> bits[x, word]
+            bits = rows[:, state] & present[None]  # [x, word, 64]
+            return np.packbits(bits, axis=2, bitorder="little").view(np.uint64)[:, :, 0].copy()
+
+        self.from_a = pack(reach)  # [a, word]
+        self.to_j = pack(valid.T)  # [j, word]
+
+    def one(self, a: np.ndarray, j: np.ndarray, c: np.ndarray) -> np.ndarray:
+        """[cell]: class c[cell] between a[cell] and j[cell]."""
+        out = np.zeros(a.size, dtype=bool)
+        for o in range(int(self.words[c].max(initial=0))):
+            on = np.flatnonzero(o < self.words[c])
+            w = self.first_word[c[on]] + o
+            out[on] |= (self.from_a[a[on], w] & self.to_j[j[on], w]) != 0
+        return out
+
+    def all(self, a: np.ndarray, j: np.ndarray) -> np.ndarray:
+        """[cell, c]: every class."""
+        hit = (self.from_a[a] & self.to_j[j]) != 0
+        return np.logical_or.reduceat(hit, self.first_word, axis=1)
+
+
+def _pd_cells(planes: np.ndarray, cls: np.ndarray, stages_t: np.ndarray, valid: np.ndarray,
+              cell_a: np.ndarray, cell_j: np.ndarray, m: int) -> np.ndarray:
+    """min over r < m and splits k > 0 of max(val[a, k, m - r], stage(k, j, r)) per cell
+    (planes[m'] = val[:, :, m'], stages_t[r, e, c] the last stage's time)."""
+    out = np.full(cell_a.size, INF)
+    step = max(1, CHUNK // valid.shape[0])
+    for start in range(0, cell_a.size, step):
+        cells = np.arange(start, min(cell_a.size, start + step))
+        sub = valid[1:, cell_j[cells]].T  # [cell, k - 1]
+        owner, k = np.nonzero(sub)  # owner ascending, then k ascending
+        if owner.size == 0:
+            continue
+        k = k + 1
+        a = cell_a[cells][owner]
+        e = cls[cell_j[cells]][owner]
+        cand = np.full(owner.size, INF)
+        for r in range(1, m):
+            np.minimum(cand, np.maximum(planes[m - r][a, k], stages_t[r][e, cls[k]]), out=cand)
+        heads = np.flatnonzero(np.r_[True, owner[1:] != owner[:-1]])
+        out[cells[owner[heads]]] = np.minimum.reduceat(cand, heads)
+    return out
+
+
+def _pd_level_split(tables: StateTables, seg: np.ndarray, val: np.ndarray, n: int,
+                    bandwidth: float, a: int, j: int, m: int) -> tuple[int, int]:
+    """The split (k, r) that `_pd_level` records for (a, j] on m units of the memory-free level
+    over every start, from its value table: the first r, then the first k, of the smallest
+    candidate, if strictly better than the single stage; (-1, 0) otherwise."""
+    if m < 2 or not tables.valid[a, j]:
+        return -1, 0
+    ks = np.nonzero(tables.valid[:, j])[0]
+    ks = ks[ks > 0]
+    if ks.size == 0:
+        return -1, 0
+    last = len(tables.compute) - 1
+    p = tables.params[j] - tables.params[ks]
+    best_v, best_k, best_r = INF, -1, 0
+    for r in range(1, min(n - 1, m - 1) + 1):
+        stage = (seg[ks, j] + 4.0 * (r - 1) * p / (bandwidth * r)) / r
+        stage = np.maximum(stage, 2.0 * tables.frontier[ks] / (bandwidth * r))
+        if j < last:
+            stage = np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * r))
+        cand = np.maximum(val[a, ks, m - r], stage)
+        i = int(np.argmin(cand))
+        if cand[i] < best_v:
+            best_v, best_k, best_r = float(cand[i]), int(ks[i]), r
+    p_a = tables.params[j] - tables.params[a]
+    base = (seg[a, j] + 4.0 * (m - 1) * p_a / (bandwidth * m) / 1) / m
+    return (best_k, best_r) if best_v < base else (-1, 0)
