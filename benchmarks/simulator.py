@@ -569,8 +569,8 @@ simulator's model of the schedule, the transfers and the overheads between actio
 cores" stretches the cost-pass compute by N / cores when there are more processes than cores.
 On top of the cost pass the simulator adds what the runtime does around the stage modules:
 the optimizer step (3 P / memory bandwidth) and, under asynchronous 1F1B, the weight-stash
-copies (a snapshot of the weights per new version and a gradient move per backward, 2 P /
-memory bandwidth each). The compute column sums forward + backward of all stages per minibatch
+snapshot (a read and a write of the weights per new version, 2 P / memory bandwidth; a
+backward hands the stashed gradients over without a copy). The compute column sums forward + backward of all stages per minibatch
 three ways: the cost pass (per node, summed), each whole stage module timed alone in this
 process, and the means measured in the run (stash copies included). "mlp": 8 linear layers
 of 1024 on minibatches of 64; "cnn": 6 convolutions of 48 channels on 32 x 32 images,
