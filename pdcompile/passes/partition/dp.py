@@ -375,6 +375,7 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
 
 
 CHUNK = 1 << 22  # candidates evaluated per numpy batch (bounds memory)
+SMALL = 1 << 16  # elements per block of the level by class (cache-sized)
 
 
 def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth: float,
@@ -532,33 +533,47 @@ def _pd_level_by_class(tables: StateTables, seg: np.ndarray, n: int, bandwidth: 
     planes = np.empty((n + 1, s, s))  # planes[m] = val[:, :, m]
     planes[0] = INF
     p_all = tables.params[None, :] - tables.params[:, None]
-    for m in range(1, n + 1):  # base case, as in _pd_level
-        planes[m] = (seg + 4.0 * (m - 1) * p_all / (bandwidth * m) / 1) / m
+    for m in range(1, n + 1):  # base case: _pd_level's arithmetic, in place
+        here = planes[m]
+        np.multiply(4.0 * (m - 1), p_all, out=here)
+        np.divide(here, bandwidth * m, out=here)
+        np.add(seg, here, out=here)
+        np.divide(here, m, out=here)
+    del p_all
     cells_a, cells_j = np.nonzero(valid[:, 1:])  # the cells the recurrence updates
     cells_j = cells_j + 1
     ends = cls[cells_j]
     between = _Between(reach, valid, order, heads)
     low = np.full((n + 1, s, n_cls), INF)  # smallest val[a, k, m] over the k of class c
     even = np.ones((s, n_cls), dtype=bool)  # ... its finite values equal, for every m so far
-    block = max(1, CHUNK // max(1, n_cls * n_cls))
-    buf = np.empty((min(block, s), n_cls, n_cls))
+    unreached = ~reach[:, order]
+    rows = max(1, SMALL // s)
+    by_cls = np.empty((min(rows, s), s))
+    block = max(1, SMALL // (n_cls * n_cls))  # small blocks: they stay in cache
+    t = np.empty((min(block, s), n_cls, n_cls))
+    t_r = np.empty_like(t)
     for m in range(2, n + 1):
         prev = m - 1
-        by_cls = planes[prev][:, order]
-        low[prev] = np.minimum.reduceat(by_cls, heads, axis=1)
-        high = np.maximum.reduceat(np.where(np.isfinite(by_cls), by_cls, -INF), heads, axis=1)
-        even &= (low[prev] == high) | ~np.isfinite(low[prev])
+        for lo in range(0, s, rows):
+            hi = min(s, lo + rows)
+            part = by_cls[:hi - lo]
+            np.take(planes[prev][lo:hi], order, axis=1, out=part)
+            low[prev, lo:hi] = np.minimum.reduceat(part, heads, axis=1)
+            part[unreached[lo:hi]] = -INF  # the finite values' largest
+            high = np.maximum.reduceat(part, heads, axis=1)
+            even[lo:hi] &= (low[prev, lo:hi] == high) | (high == -INF)
         low[prev][:, cls[0]] = INF  # the empty state is never a split
         best = np.empty((s, n_cls))
         arg = np.empty((s, n_cls), dtype=np.int64)
         for lo in range(0, s, block):  # t[a, e, c], minimised over c
             hi = min(s, lo + block)
-            t = buf[:hi - lo]
-            np.maximum(low[m - 1][lo:hi, None, :], stages_t[1][None], out=t)
+            here, here_r = t[:hi - lo], t_r[:hi - lo]
+            np.maximum(low[m - 1][lo:hi, None, :], stages_t[1][None], out=here)
             for r in range(2, m):
-                np.minimum(t, np.maximum(low[m - r][lo:hi, None, :], stages_t[r][None]), out=t)
-            arg[lo:hi] = np.argmin(t, axis=2)
-            best[lo:hi] = np.take_along_axis(t, arg[lo:hi, :, None], axis=2)[:, :, 0]
+                np.maximum(low[m - r][lo:hi, None, :], stages_t[r][None], out=here_r)
+                np.minimum(here, here_r, out=here)
+            arg[lo:hi] = np.argmin(here, axis=2)
+            best[lo:hi] = np.take_along_axis(here, arg[lo:hi, :, None], axis=2)[:, :, 0]
         value = best[cells_a, ends]
         c = arg[cells_a, ends]
         finite = np.flatnonzero(np.isfinite(value))
