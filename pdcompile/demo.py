@@ -24,6 +24,7 @@ import torch
 
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PdcompileError
+from pdcompile.optimizer_cost import time_optimizer_steps
 from pdcompile.plan import Plan
 from pdcompile.timeline import Timeline
 from pdcompile.units import format_seconds
@@ -179,8 +180,14 @@ def profile(size: DemoSize, *, progress: bool = False, seed: int = 0
     return model, inputs, to_cost_graph(gm, name="DemoCNN")
 
 
-def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int) -> Timeline:
-    """The simulator's timeline of `minibatches` streamed through `plan` on `cluster` (1F1B)."""
+def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,
+            optimizer_steps: tuple[float, ...] | None = None) -> Timeline:
+    """The simulator's timeline of `minibatches` streamed through `plan` on `cluster` (1F1B).
+
+    `optimizer_steps`: seconds of each stage's optimizer step (optimizer_cost); None: the
+    simulator's memory-bandwidth default."""
+    from dataclasses import replace
+
     from pdcompile.backends.simulate import simulate
     from pdcompile.passes.lower import lower
     from pdcompile.passes.schedule import generate
@@ -188,6 +195,8 @@ def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int) -
     from pdcompile.validate import validate
 
     costs = StageCosts.from_plan(graph, plan)
+    if optimizer_steps is not None:
+        costs = replace(costs, optimizer=optimizer_steps)
     stage_ranks = [list(s.ranks) for s in plan.stages]
     lowered = lower(generate("1f1b", stage_ranks, minibatches), costs.stage_edges())
     validate(lowered)
@@ -320,7 +329,7 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
 
     log()
     log("## 4. predicted against measured")
-    predicted = predict(graph, plan, cluster, steps)
+    predicted = predict(graph, plan, cluster, steps, time_optimizer_steps(pipe))
     stage_of = plan.rank_to_stage()
     for name, line in (("predicted", predicted), ("measured", measured)):
         line.save(folder / f"{name}_timeline.json")
