@@ -48,29 +48,29 @@ NOTES = """
   configurations do fit.
 * The pipedream model reports its own objective; on two-level clusters that is the original's
   recursive figure (a level's stage time is the best pipeline of the level below).
-* Target "DP under 1 s on every row": the native DP meets it on every row. The pipedream DP
-  misses it on two-level rows with many antichain states (gnmt_large 4x4 by far, densenet121 and
-  nasnetalarge 4x4 around 1 s): the original's two-level recurrence solves the inner pipeline of
-  every segment (every start state), cubic in the number of states; ours is vectorised with
-  numpy but keeps that recurrence and its tie-breaking exactly. Measured on gnmt_large 4x4 (1496
-  states): 22.6 M reachable triples (start, split, end), 135 M candidates over the 6 (workers,
-  replicas) pairs of the inner level, 145 M per pair in the dense per-end blocks we evaluate.
-  Pruning with exact bounds (a split whose compute alone over its workers exceeds the best known
-  time cannot win) cuts densenet121 and resnet101 about 100-fold (to under 1 M candidates) but
-  gnmt_large only to 23-52 M: its 1496 states fall into 70 classes with identical costs (9 nodes
-  with zero time and bytes, `hidden` and its 8 `__getitem__`, can join any state), so every
-  window of useful splits holds dozens of equivalent states. Within each class the inner
-  values of one start are equal (checked on gnmt_large), so the fix left to do is to compute the
-  values per cost class (the min over a class only needs "some state of the class lies between
-  start and end", one boolean product per class) and the tie-broken split only along the
-  walk back. For scale: the README quotes 12 s for the original on gnmt_large with 4 workers
-  (flat; ours 0.3 s) and 674 s on resnet101 8x2.
+* Target "DP under 1 s on every row": met by both DPs. The original's two-level recurrence solves
+  the inner pipeline of every segment (every start state), cubic in the number of states; ours
+  keeps that recurrence and its tie-breaking exactly (same tables, asserted against the plain
+  level in tests/test_partition_dp_pruned.py) but skips work that cannot change them. Where states
+  have distinct costs (densenet121, resnet101, resnext101) splits are pruned with exact bounds (a
+  split whose compute alone over its workers exceeds the best known time cannot win): under 1 M
+  candidates instead of ~100 M. gnmt_large's 1496 states fall into 65 classes with identical costs
+  (9 nodes with zero time and bytes, `hidden` and its 8 `__getitem__`, can join any state), so
+  there the inner level runs per cost class: a split enters only through the best inner time up to
+  it and the last stage's time, which depends on the classes alone, so each (start, end) takes the
+  best class that has a state between them (bitset test), exact when that class's values from the
+  start are all equal (checked; otherwise that cell is evaluated over all its splits), and the
+  tie-broken split (first r, first k) is recovered only along the walk back. Measured with
+  `plan(..., "4x4@1e10,1.25e9", planner="dp", cost_model="pipedream")`, one call per process,
+  niced while other jobs ran: gnmt_large 7.2 s -> 0.52-0.77 s (same 14 stages, 42.06 ms),
+  densenet121 0.31-0.34 s (24.61 ms); every row of the table 0.64 s at most in one sweep, all with
+  the table's times per minibatch. For scale: the README quotes 12 s for the original on
+  gnmt_large with 4 workers (flat; ours 0.3 s) and 674 s on resnet101 8x2.
 * CP-SAT's bound comes from a weak relaxation (big-M placement constraints); "gap 100%" means
   its bound did not rise above the compute-balance cut in the time limit. It improves on the DP
   only where the DP ran on an approximate state set (gnmt, nasnetalarge).
-* Timings were taken on a shared 2-core VM while three other jobs ran on the same cores: expect
-  noise of tens of percent between runs (and more on the CP-SAT columns, which are wall-clock
-  limited).
+* Timings: one run on the project's 2-core VM; expect noise of tens of percent between runs when
+  other jobs share the cores (more on the CP-SAT columns, which are wall-clock limited).
 """
 
 
