@@ -36,6 +36,7 @@ from pdcompile.cluster import DEVICES, Cluster, Device
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PdcompileError
 from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
+from pdcompile.passes.neighbours import TrainStep, busy_neighbours, check_count
 from pdcompile.passes.shapes import annotate_shapes, bind_inputs
 from pdcompile.passes.timers import Timer, measure, select_timer
 
@@ -58,6 +59,7 @@ def annotate_costs(
     timer: Timer | None = None,
     clock: str = "wall",
     statistic: str = "median",
+    neighbours: int = 0,
 ) -> fx.GraphModule:
     """Write "pd.cost" on every node of `gm` and return it.
 
@@ -67,19 +69,35 @@ def annotate_costs(
     `statistic` of `repeats` runs after `warmup`) or "analytic" (on `device`: a Device, a
     Cluster whose device is used, or a device preset name; default v100). Runs the shapes pass
     on the same inputs first.
+
+    `neighbours` (measured costs only): time every node while that many helper processes, one
+    torch thread each, run this model's forward and backward on the same inputs in a loop
+    (`pdcompile.passes.neighbours`). Workers of a pipeline on one host compute at the same time
+    and share its caches and memory bandwidth, so each layer runs slower than in a profile taken
+    on an idle machine: on a host where each pipeline worker shares the machine with N-1 other
+    busy workers, profile with neighbours=N-1, capped to cores-1 (with more, the neighbours
+    take this process's core away and the wall clock counts that too). The model and inputs
+    must pickle (each neighbour gets a copy). 0, the default, profiles on an idle machine.
     """
     if source not in SOURCES:
         raise PdcompileError(f"unknown cost source {source!r}; use one of {', '.join(SOURCES)} "
                              "(PipeDream profiles: pdcompile.profiles.load_pipedream)")
     if repeats < 1 or warmup < 0:
         raise PdcompileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
+    check_count(neighbours)
+    if neighbours and source != "measured":
+        raise PdcompileError(f"neighbours={neighbours} applies to measured costs only (the "
+                             f"{source} source runs nothing to slow down); use neighbours=0")
     values = bind_inputs(gm, tuple(example_inputs), example_kwargs)
     annotate_shapes(gm, tuple(example_inputs), example_kwargs)  # these inputs' shapes
     owners = param_owners(gm)
     if source == "measured":
         timer = timer or select_timer(_device_of(gm, values), clock=clock)
-        costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
-                          timer=timer, statistic=statistic)
+        busy = (busy_neighbours(neighbours, TrainStep(gm, values)) if neighbours else
+                contextlib.nullcontext())
+        with busy:
+            costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
+                              timer=timer, statistic=statistic)
     else:
         costs = _analytic(gm, values, _device_model(device), progress=progress)
     for node in gm.graph.nodes:
