@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import multiprocessing
+import os
 import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -135,7 +136,8 @@ def busy_neighbours(count: int, work: Callable[[], object] | None, *, threads: i
         for index in range(count):
             reader, writer = ctx.Pipe(duplex=False)
             readers.append(reader)
-            proc = ctx.Process(target=_neighbour_main, args=(payload, writer, threads),
+            proc = ctx.Process(target=_neighbour_main,
+                               args=(payload, writer, threads, os.getpid()),
                                name=f"pdcompile-neighbour-{index}", daemon=True)
             try:
                 proc.start()
@@ -192,8 +194,9 @@ def _stop(procs: list[BaseProcess], timeout: float) -> None:
             proc.join(timeout)
 
 
-def _neighbour_main(payload: bytes, conn: Connection, threads: int) -> None:
-    """A neighbour process: load the workload, run it once, report, then loop until killed."""
+def _neighbour_main(payload: bytes, conn: Connection, threads: int, parent: int) -> None:
+    """A neighbour process: load the workload, run it once, report, then loop until killed, or
+    until its parent is gone (a parent killed outright cannot stop it; it must not spin on)."""
     torch.set_num_threads(threads)
     try:
         try:
@@ -209,5 +212,5 @@ def _neighbour_main(payload: bytes, conn: Connection, threads: int) -> None:
         conn.send(("ready", ""))
     finally:
         conn.close()
-    while True:
+    while os.getppid() == parent:
         work()
