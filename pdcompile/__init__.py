@@ -15,7 +15,7 @@ from pdcompile.plan import Plan, Stage
 
 __all__ = [
     "Cluster", "Device", "Level", "Plan", "Stage", "PdcompileError",
-    "plan", "compile", "load", "costgraph", "profiles",
+    "plan", "refine_plan", "compile", "load", "costgraph", "profiles",
 ]
 __version__ = "0.1.0"
 
@@ -29,11 +29,16 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
 
 
 def __getattr__(name: str) -> Any:
-    """Lazy entry points: `plan` (partitioner), `compile` and `load` (torch side)."""
+    """Lazy entry points: `plan` (partitioner), `refine_plan` (simulation-scored local search),
+    `compile` and `load` (torch side)."""
     if name == "plan":
         from pdcompile.planner import plan
 
         return plan
+    if name == "refine_plan":
+        from pdcompile.refine import refine_plan
+
+        return refine_plan
     if name in ("compile", "load"):
         from pdcompile import api
 
