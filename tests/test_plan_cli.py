@@ -105,3 +105,19 @@ def test_plan_model_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     nodes = [n for s in result.stages for n in s.nodes]
     assert len(nodes) == len(set(nodes)) >= 4  # the input and the three layers at least
     assert sum(s.replicas for s in result.stages) == 2
+
+
+def test_plan_refine_prints_the_simulated_gain(profiles_dir: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["plan", "--profile", str(profiles_dir / "alexnet"), "--cluster", "A",
+                 "--planner", "dp", "--refine", "150"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "refined by simulation" in out and "planner dp+simulation" in out
+    code = main(["plan", "--profile", str(profiles_dir / "alexnet"), "--cluster", "A",
+                 "--planner", "dp", "--refine", "150", "--json"])
+    plan = Plan.from_json(capsys.readouterr().out)
+    assert plan.planner == "dp+simulation" and "simulated_time_per_minibatch" in plan.extra
+    assert main(["plan", "--profile", str(profiles_dir / "alexnet"), "--cluster", "A",
+                 "--refine", "0"]) == 1
+    assert "--refine 0" in capsys.readouterr().err

@@ -6,6 +6,7 @@
     pdcompile plan pdcompile.models.democnn:factory --cluster local-2 --draw plan.svg
     pdcompile plan --profile ../shared/profiles/pipedream/vgg16 --cluster A --draw vgg.png \
         --stage 1
+    pdcompile plan --profile ../shared/profiles/pipedream/alexnet --cluster A --refine 300
 
 Prints the plan's summary (stages, replicas, ranks, predicted compute, sync, communication,
 memory, time per minibatch, speed-up over data parallelism, planner status); --json prints
@@ -13,6 +14,8 @@ the plan as JSON instead (the same as Plan.to_json()). --draw writes the partiti
 nodes grouped and coloured by stage, replicas in the stage titles, every edge crossing a stage
 boundary labelled with its bytes per minibatch (.svg/.png drawn with matplotlib, .dot for
 graphviz); stages of more than --collapse nodes are drawn as one box, --stage K expands only K.
+--refine N then searches around the planner's plan with up to N simulations of asynchronous
+1F1B (pdcompile.refine_plan) and prints the plan that simulates fastest.
 Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
 """
 
@@ -78,6 +81,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--collapse", type=int, default=40, metavar="N",
                         help="with --draw: stages of more than N nodes drawn as one box "
                         "(default 40)")
+    parser.add_argument("--refine", type=int, default=None, metavar="N",
+                        help="then improve the plan by a local search scored by the simulator "
+                        "(async 1F1B), N simulations at most, e.g. --refine 300")
     parser.add_argument("--json", action="store_true",
                         help="print the plan as JSON (Plan.to_json()), e.g. --json > plan.json")
     parser.set_defaults(func=run)
@@ -110,11 +116,26 @@ def run(args: argparse.Namespace) -> int:
         result = plan(graph, cluster, planner=args.planner, cost_model=args.cost_model,
                       straight=args.straight, memory=args.memory, time_limit=args.time_limit,
                       schedule=args.schedule, microbatches=args.microbatches)
+    refined = None
+    if args.refine is not None:
+        from pdcompile.refine import refine_plan
+
+        if args.refine < 1:
+            raise PdcompileError(f"--refine {args.refine}: give the number of simulations, "
+                                 "e.g. --refine 300")
+        with Spinner(f"refining {result.config} by simulation ({args.refine} at most)"):
+            refined = refine_plan(result, graph, cluster, max_evaluations=args.refine)
+        result = refined.plan
     if args.json:
         print(result.to_json())
     else:
         print(f"{graph.graph.get('name') or 'model'} on {cluster.describe()}")
         print(result.summary())
+        if refined is not None:
+            print(f"refined by simulation ({refined.evaluations} simulations): "
+                  f"{refined.start * 1e3:.2f} ms -> {refined.simulated * 1e3:.2f} ms per "
+                  f"minibatch simulated ({refined.gain:.2f}x)"
+                  + "".join(f"\n  {move}" for move in refined.moves))
     if args.draw:
         from pdcompile.viz.plan_graph import costgraph_picture, write_picture
 
