@@ -15,7 +15,8 @@ time per minibatch is lowest, if it beats the current plan:
 
 Stages stay contiguous in one topological order of the graph (so they stay convex) and keep
 consecutive ranks; plans whose simulated peak memory exceeds the device's are skipped. The
-input plan is always a candidate, so the result never simulates slower than it.
+input plan and plain data parallelism are the seeds (the search continues from the faster),
+so the result never simulates slower than either.
 """
 
 from __future__ import annotations
@@ -66,11 +67,17 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
         raise PlanError(f"max_evaluations must be a positive integer (got {max_evaluations})")
     order, state = _linearise(plan, graph)
     search = _Search(graph, cluster, order, plan, minibatches=minibatches, warmup=warmup)
-    best = search.score(state)
+    start = best = search.score(state)
+    moves = []
+    if max_evaluations > 1:  # data parallelism is a seed too: the search never ends below it
+        whole: State = ((0,), (cluster.workers,))
+        value = search.score(whole)
+        if value < best * (1 - 1e-9):
+            best, state = value, whole
+            moves.append(f"start from data parallelism: {value * 1e3:.2f} ms")
     if not math.isfinite(best):
-        raise PlanError("the plan to refine does not fit the device memory in simulation; "
-                        "plan with a memory limit first")
-    start, moves = best, []
+        raise PlanError("neither the plan to refine nor data parallelism fits the device memory "
+                        "in simulation; plan with a memory limit first")
     while search.evaluations < max_evaluations:
         candidates = [(search.score(s), name, s) for name, s in _neighbours(state, len(order))
                       if search.evaluations < max_evaluations or s in search.cache]

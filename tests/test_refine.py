@@ -9,7 +9,7 @@ import pytest
 
 import pdcompile
 from pdcompile import Cluster
-from pdcompile.cli.simulate_cmd import simulate_plan
+from pdcompile.cli.simulate_cmd import data_parallel_plan, simulate_plan
 from pdcompile.errors import PlanError
 from pdcompile.profiles import load_pipedream
 
@@ -49,6 +49,11 @@ def test_refine_never_returns_a_slower_plan(profiles_dir: Path) -> None:
     refined = pdcompile.refine_plan(start, graph, cluster, max_evaluations=40)
     assert refined.simulated <= refined.start
     _check_valid(refined.plan, graph, cluster)
+    # data parallelism is a seed: the DP's 8-8 simulates slower than it here, the result not
+    _, data_parallel = simulate_plan(graph, data_parallel_plan(graph, cluster), cluster,
+                                     minibatches=64, timeline=False)
+    assert refined.start > data_parallel.time_per_minibatch
+    assert refined.simulated <= data_parallel.time_per_minibatch * (1 + 1e-9)
     one = pdcompile.refine_plan(start, graph, cluster, max_evaluations=1)  # the input alone
     assert one.evaluations == 1 and one.simulated == one.start and not one.moves
 
