@@ -15,7 +15,7 @@ time per minibatch is lowest, if it beats the current plan:
 
 Stages stay contiguous in one topological order of the graph (so they stay convex) and keep
 consecutive ranks; plans whose simulated peak memory exceeds the device's are skipped. The
-input plan and plain data parallelism are the seeds (the search continues from the faster),
+input plan and plain data parallelism are both seeds (a descent from each, sharing the budget),
 so the result never simulates slower than either.
 """
 
@@ -67,20 +67,34 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
         raise PlanError(f"max_evaluations must be a positive integer (got {max_evaluations})")
     order, state = _linearise(plan, graph)
     search = _Search(graph, cluster, order, plan, minibatches=minibatches, warmup=warmup)
-    start = best = search.score(state)
-    moves = []
+    start = search.score(state)
+    seeds = [("the plan", state, start)]
     if max_evaluations > 1:  # data parallelism is a seed too: the search never ends below it
         whole: State = ((0,), (cluster.workers,))
-        value = search.score(whole)
-        if value < best * (1 - 1e-9):
-            best, state = value, whole
-            moves.append(f"start from data parallelism: {value * 1e3:.2f} ms")
-    if not math.isfinite(best):
+        if whole != state:
+            seeds.append(("data parallelism", whole, search.score(whole)))
+    if not any(math.isfinite(value) for _, _, value in seeds):
         raise PlanError("neither the plan to refine nor data parallelism fits the device memory "
                         "in simulation; plan with a memory limit first")
-    while search.evaluations < max_evaluations:
-        candidates = [(search.score(s), name, s) for name, s in _neighbours(state, len(order))
-                      if search.evaluations < max_evaluations or s in search.cache]
+    # descend from each seed that fits, the first on half the budget, the last on what is left
+    results = []
+    runnable = [seed for seed in seeds if math.isfinite(seed[2])]
+    for index, (label, seed, value) in enumerate(runnable):
+        share = max_evaluations if index == len(runnable) - 1 else \
+            search.evaluations + (max_evaluations - search.evaluations) // 2
+        results.append(_descend(search, seed, value, label, limit=share, nodes=len(order)))
+    best, state, moves = min(results, key=lambda r: r[0])
+    refined = search.plan_of(state, simulated=best, start=start)
+    return Refined(refined, best, start, search.evaluations, tuple(moves))
+
+
+def _descend(search: _Search, state: State, best: float, label: str, *, limit: int,
+             nodes: int) -> tuple[float, State, list[str]]:
+    """Steepest descent from `state` until no neighbour is faster or `limit` simulations ran."""
+    moves = [f"from {label}: {_config(state[1])} {best * 1e3:.2f} ms"]
+    while search.evaluations < limit:
+        candidates = [(search.score(s), name, s) for name, s in _neighbours(state, nodes)
+                      if search.evaluations < limit or s in search.cache]
         if not candidates:
             break
         value, name, chosen = min(candidates, key=lambda c: c[0])
@@ -88,8 +102,7 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
             break
         best, state = value, chosen
         moves.append(f"{name}: {_config(chosen[1])} {value * 1e3:.2f} ms")
-    refined = search.plan_of(state, simulated=best, start=start)
-    return Refined(refined, best, start, search.evaluations, tuple(moves))
+    return best, state, moves
 
 
 def _linearise(plan: Plan, graph: nx.DiGraph) -> tuple[list[str], State]:
