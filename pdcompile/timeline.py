@@ -14,6 +14,7 @@ File format (`Timeline.to_json`)::
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -144,8 +145,21 @@ class Timeline:
                 done[action.microbatch] = max(done.get(action.microbatch, 0.0), event.end)
         return sorted(done.values())
 
+    def period(self) -> int:
+        """Microbatches after which a round-robin schedule repeats: the least common multiple of
+        the stages' replica counts (ranks running each stage's forwards), times the microbatches
+        per minibatch. 1 for a straight pipeline."""
+        ranks_of: dict[int, set[int]] = {}
+        for event, action in self.compute_events():
+            if action.kind == Kind.F:
+                ranks_of.setdefault(action.stage, set()).add(event.rank)
+        replicas = math.lcm(*(len(r) for r in ranks_of.values())) if ranks_of else 1
+        return replicas * max(1, int(self.meta.get("microbatches_per_minibatch", 1)))
+
     def steady_window(self) -> tuple[float, float, int]:
-        """(t0, t1, n): the middle half of the microbatch completions and how many fell in it.
+        """(t0, t1, n): about the middle half of the microbatch completions and how many fell in
+        it, spanning whole periods (`period`): replicated stages finish their minibatches in
+        bursts, one per round, and a window cutting a burst would count part of a round.
 
         Warm-up and drain are outside the window. With fewer than 4 microbatches the whole run.
         """
@@ -153,6 +167,11 @@ class Timeline:
         if len(done) < 4:
             return self.start, self.end, max(1, len(done))
         lo, hi = len(done) // 4, (3 * len(done)) // 4
+        period = self.period()
+        if hi - lo >= period:
+            hi = lo + (hi - lo) // period * period
+        elif len(done) - 1 - lo >= period:  # a short run: one whole period from lo
+            hi = lo + period
         if done[hi] <= done[lo]:
             return self.start, self.end, len(done)
         return done[lo], done[hi], hi - lo
