@@ -776,11 +776,11 @@ step and the weight-stash copies): both price the ring all-reduce alike and leav
 its data-parallel times differ).
 
 Against the paper. The simulated speed-ups are well below the paper's measured ones, and for
-VGG-16 the paper's own configuration (15-1) simulates better here (2.38x on A, 1.72x on B) than
-the plans our planners choose (at best 1.45x on A, 1.29x on B): the planners' closed-form
-models rank configurations differently from the simulator (the planner's business, not fixed
-here). The
-remaining gap to 5.28x / 2.98x is not explained by anything measured here; one candidate is the
+VGG-16 the paper's own configuration (15-1) simulates better here (1.88x on A, 1.35x on B) than
+the plans our planners choose (at best 1.45x on A, 1.29x on B), though it needs 27.6 GiB per
+worker in our memory model (over a 16 GiB V100): the planners' closed-form models rank
+configurations differently from the simulator; `pdcompile.refine_plan` searches around the
+planner's plan with the simulator itself (benchmarks/refine.py, refine.md). The remaining gap to 5.28x / 2.98x is not explained by anything measured here; one candidate is the
 baseline: our data parallelism is an ideal ring all-reduce at full link bandwidth, the paper's
 was PyTorch's DistributedDataParallel of 2019 on those clusters. This comparison is
 deterministic (profiles and cluster models only, no timing), so it does not change between runs.
