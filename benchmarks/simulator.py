@@ -564,8 +564,8 @@ def fidelity_section(rows: list[dict[str, Any]], *, minibatches: int, load: tupl
     """The Markdown section of the compiled-pipeline fidelity runs (title included)."""
     cores = os.cpu_count() or 1
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    quiet = max(load) < 0.5
-    conditions = ("The machine was otherwise idle." if quiet else
+    quiet = load[0] < 0.5  # before the runs: the runs' own processes raise the load after them
+    conditions = ("The machine was otherwise idle when the runs started." if quiet else
                   f"**Measured under load**: the machine ({cores} cores) was shared with other "
                   "jobs while these ran, so every measured time here is inflated and noisy; "
                   "rerun on a quiet machine before reading the errors.")
@@ -780,10 +780,11 @@ VGG-16 the paper's own configuration (15-1) simulates better here (1.88x on A, 1
 the plans our planners choose (at best 1.45x on A, 1.29x on B), though it needs 27.6 GiB per
 worker in our memory model (over a 16 GiB V100): the planners' closed-form models rank
 configurations differently from the simulator; `pdcompile.refine_plan` searches around the
-planner's plan with the simulator itself (benchmarks/refine.py, refine.md). The remaining gap to 5.28x / 2.98x is not explained by anything measured here; one candidate is the
-baseline: our data parallelism is an ideal ring all-reduce at full link bandwidth, the paper's
-was PyTorch's DistributedDataParallel of 2019 on those clusters. This comparison is
-deterministic (profiles and cluster models only, no timing), so it does not change between runs.
+planner's plan with the simulator itself (benchmarks/refine.py, refine.md). The remaining gap to
+5.28x / 2.98x is not explained by anything measured here; one candidate is the baseline: our
+data parallelism is an ideal ring all-reduce at full link bandwidth, the paper's was PyTorch's
+DistributedDataParallel of 2019 on those clusters. This comparison is deterministic (profiles
+and cluster models only, no timing), so it does not change between runs.
 
 ## Simulator speed
 
