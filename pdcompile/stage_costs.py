@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import networkx as nx
 
@@ -21,6 +22,9 @@ from pdcompile.cluster import Cluster
 from pdcompile.costgraph import edge_bytes, topological_order
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan
+
+if TYPE_CHECKING:
+    from pdcompile.timeline import Timeline
 
 
 @dataclass(frozen=True)
@@ -116,6 +120,27 @@ class StageCosts:
     def from_lists(cls, fwd: Sequence[float], bwd: Sequence[float], **kwargs: object) -> StageCosts:
         """Convenience: lists instead of tuples."""
         return cls(tuple(fwd), tuple(bwd), **kwargs)  # type: ignore[arg-type]
+
+    def with_measured_compute(self, timeline: Timeline) -> StageCosts:
+        """These costs with each stage's forward, backward and optimizer step replaced by the
+        means a recorded run measured (`compare.stage_figures`: its steady window).
+
+        Why: the cost pass times each node alone; a run of the compiled pipeline (even a short
+        local one, `Pipeline.timed()` then `train`) times whole stages through the runtime's
+        own path (weight stashing included), which is what the workers will run. The measured
+        forward and backward already contain the stash copies, so `stash` becomes 0."""
+        from pdcompile.compare import stage_figures
+
+        seen = stage_figures(timeline)
+        missing = [s for s in range(self.stages) if s not in seen]
+        if missing:
+            raise PlanError(f"the timeline has no actions of stages {missing}; record a run of "
+                            f"this pipeline ({self.stages} stages)")
+        stages = range(self.stages)
+        return StageCosts(tuple(seen[s]["fwd"] for s in stages),
+                          tuple(seen[s]["bwd"] for s in stages), self.params, self.activations,
+                          self.edges, tuple(seen[s]["step"] for s in stages),
+                          (0.0,) * self.stages)
 
     @classmethod
     def from_plan(cls, graph: nx.DiGraph, plan: Plan, *, microbatches: int = 1) -> StageCosts:
