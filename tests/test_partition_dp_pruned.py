@@ -24,7 +24,7 @@ def _levels(graph: nx.DiGraph, workers: int, bandwidth: float,
     seg = np.where(tables.valid, seg, dp.INF)
     seg[0] = np.where(np.arange(s) > 0, tables.compute, dp.INF)
     plain = dp._pd_level(tables, seg, np.arange(s), workers, bandwidth, 1, None, False)
-    pruned = dp._pd_level_all_starts(tables, seg, workers, bandwidth, None, False)
+    pruned = dp._pd_level_all_starts(tables, seg, workers, bandwidth)
     return plain, pruned
 
 

@@ -225,25 +225,21 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
     for depth, level in enumerate(levels):
         final = depth == len(levels) - 1
         starts = np.array([0]) if final else np.arange(s)
-        if depth == 0 and not final and memory is None and not straight:
-            # every start, additive segments. Not with a memory limit or straight (single
-            # stages then give no finite bound to prune with). All give the same tables.
-            if int(_cost_classes(tables).max()) + 1 <= s // 4:
-                # few cost classes (states differing by zero-cost nodes): values per class,
-                # the splits recovered along the walk back only
-                val = _pd_level_by_class(tables, seg, level.workers, level.bandwidth)
-                tables_levels.append((starts, val, functools.partial(
-                    _pd_level_split, tables, seg, val, level.workers, level.bandwidth)))
-            elif len(np.unique(tables.compute)) >= s // 2:
-                # the pruned level; not when many states share their compute (the windows of
-                # useful splits stay crowded): there the plain level is faster
-                tables_levels.append((starts, *_as_split(*_pd_level_all_starts(
-                    tables, seg, level.workers, level.bandwidth, memory, straight))))
-            else:
-                tables_levels.append((starts, *_as_split(*_pd_level(
-                    tables, seg, starts, level.workers, level.bandwidth, inside, memory,
-                    straight))))
-        else:
+        # the innermost level over every start has additive segments: two exact shortcuts
+        # (not with a memory limit or straight: single stages then give no finite bound)
+        fast = depth == 0 and not final and memory is None and not straight
+        if fast and int(_cost_classes(tables).max()) + 1 <= s // 4:
+            # few cost classes (states differing by zero-cost nodes): values per class, the
+            # splits recovered along the walk back only
+            val = _pd_level_by_class(tables, seg, level.workers, level.bandwidth)
+            tables_levels.append((starts, val, functools.partial(
+                _pd_level_split, tables, seg, val, level.workers, level.bandwidth)))
+        elif fast and len(np.unique(tables.compute)) >= s // 2:
+            # the pruned level; not when many states share their compute (the windows of
+            # useful splits stay crowded): there the plain level is faster
+            tables_levels.append((starts, *_as_split(*_pd_level_all_starts(
+                tables, seg, level.workers, level.bandwidth))))
+        else:  # the plain level; all three give the same tables
             tables_levels.append((starts, *_as_split(*_pd_level(
                 tables, seg, starts, level.workers, level.bandwidth, inside, memory, straight))))
         if not final:
@@ -379,7 +375,6 @@ SMALL = 1 << 16  # elements per block of the level by class (cache-sized)
 
 
 def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth: float,
-                         memory: float | None, straight: bool,
                          ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """`_pd_level` for every start at the innermost level, with the same tables, ties included.
 
@@ -389,7 +384,7 @@ def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth
     satisfy compute(a, k) <= (m - r) * best and compute(k, j) <= r * best, a window of states
     sorted by cumulative compute. Candidates outside it are slower than the best known, so the
     minimum and its first (smallest) k are unchanged. Needs additive segments (seg = compute
-    differences), hence the innermost level only.
+    differences), hence the innermost level only, and neither a memory limit nor `straight`.
     """
     s = len(tables.compute)
     last = s - 1
@@ -397,16 +392,11 @@ def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth
     val = np.full((s, s, n + 1), INF)
     kk = np.full((s, s, n + 1), -1, dtype=np.int64)
     rr = np.zeros((s, s, n + 1), dtype=np.int64)
-    mem_limit = INF if memory is None else memory
     for start in range(s):  # base case, as in _pd_level
-        t = seg[start]
         p = tables.params - tables.params[start]
-        act = tables.act - tables.act[start]
-        for m in (range(1, n + 1) if not straight else (1,)):
-            stash = math.ceil((n - m) / m) * (act + p)
-            base = (t + 4.0 * (m - 1) * p / (bandwidth * m) / 1) / m
-            val[start, :, m] = np.where(stash <= mem_limit, base, INF)
-    rmax = 1 if straight else n - 1
+        for m in range(1, n + 1):
+            val[start, :, m] = (seg[start] + 4.0 * (m - 1) * p / (bandwidth * m)) / m
+    rmax = n - 1
     by_comp = np.lexsort((np.arange(s), comp))  # states by cumulative compute, then index
     sorted_comp = comp[by_comp]
     valid = tables.valid.copy()
@@ -418,7 +408,6 @@ def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth
         best_k = np.full(cell_a.size, -1, dtype=np.int64)
         best_r = np.zeros(cell_a.size, dtype=np.int64)
         for r in range(1, min(rmax, m - 1) + 1):
-            stash_factor = math.ceil((n - m) / r)
             prev = val[:, :, m - r]
             bound = np.where(np.isfinite(best), best * slack, np.inf)
             lo = np.searchsorted(sorted_comp, comp[cell_j] - r * bound, side="left")
@@ -447,13 +436,11 @@ def _pd_level_all_starts(tables: StateTables, seg: np.ndarray, n: int, bandwidth
                 if owner.size == 0:
                     continue
                 p = tables.params[j] - tables.params[k]
-                act = tables.act[j] - tables.act[k]
                 stage = (seg[k, j] + 4.0 * (r - 1) * p / (bandwidth * r)) / r
                 stage = np.maximum(stage, 2.0 * tables.frontier[k] / (bandwidth * r))
                 stage = np.where(j < last,
                                  np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * r)),
                                  stage)
-                stage = np.where(stash_factor * (act + p) <= mem_limit, stage, INF)
                 cand = np.maximum(prev[a, k], stage)
                 # per cell (owner runs are contiguous): the smallest candidate, and the
                 # smallest k reaching it (np.argmin's first index over ascending k)
