@@ -32,6 +32,7 @@ from pdcompile.costgraph import topological_order
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.costmodel import ModelOptions, evaluate
 from pdcompile.plan import Plan, Stage
+from pdcompile.stage_costs import stage_of_every_node
 
 State = tuple[tuple[int, ...], tuple[int, ...]]  # (stage start indices into the order, replicas)
 
@@ -108,16 +109,8 @@ def _descend(search: _Search, state: State, best: float, label: str, *, limit: i
 def _linearise(plan: Plan, graph: nx.DiGraph) -> tuple[list[str], State]:
     """One topological order with every stage contiguous, and the plan as a State. Nodes the
     plan does not place join the stage of their first placed successor (stage 0 if none)."""
-    placed = plan.stage_of()
-    unknown = [n for n in placed if n not in graph]
-    if unknown:
-        raise PlanError(f"the plan places nodes the graph does not have: {unknown[:5]}; plan and "
-                        "graph must come from the same model")
+    stage_of = stage_of_every_node(graph, plan)
     topo = topological_order(graph)
-    stage_of: dict[str, int] = {}
-    for node in reversed(topo):
-        later = [stage_of[v] for v in graph.successors(node) if v in stage_of]
-        stage_of[node] = placed.get(node, min(later) if later else 0)
     position = {n: i for i, n in enumerate(topo)}
     order = sorted(topo, key=lambda n: (stage_of[n], position[n]))
     starts, at = [], 0

@@ -155,19 +155,7 @@ class StageCosts:
         """
         if microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {microbatches})")
-        placed = plan.stage_of()
-        unknown = [n for n in placed if n not in graph]
-        if unknown:
-            raise PlanError(f"the plan places nodes that the CostGraph does not have: "
-                            f"{unknown[:5]}; plan and graph must come from the same model "
-                            "(expand a coarsened plan with Plan.expanded)")
-        stage_of: dict[str, int] = {}
-        for node in reversed(topological_order(graph)):
-            if node in placed:
-                stage_of[node] = placed[node]
-            else:
-                later = [stage_of[v] for v in graph.successors(node) if v in stage_of]
-                stage_of[node] = min(later) if later else 0
+        stage_of = stage_of_every_node(graph, plan)
         stages = len(plan.stages)
         fwd, bwd, params, keep = ([0.0] * stages for _ in range(4))
         loading = set(input_nodes(graph))
@@ -206,3 +194,22 @@ def input_nodes(graph: nx.DiGraph) -> tuple[str, ...]:
                   if graph.in_degree(n) == 0 and graph.out_degree(n) > 0
                   and not float(graph.nodes[n]["params"]) and not float(graph.nodes[n]["bwd"]))
     return found if len(found) < graph.number_of_nodes() else ()
+
+
+def stage_of_every_node(graph: nx.DiGraph, plan: Plan) -> dict[str, int]:
+    """The stage of every node of `graph` under `plan`: nodes the plan does not place (e.g.
+    zero-cost inputs) join the stage of their first placed successor (stage 0 if none)."""
+    placed = plan.stage_of()
+    unknown = [n for n in placed if n not in graph]
+    if unknown:
+        raise PlanError(f"the plan places nodes that the CostGraph does not have: "
+                        f"{unknown[:5]}; plan and graph must come from the same model "
+                        "(expand a coarsened plan with Plan.expanded)")
+    stage_of: dict[str, int] = {}
+    for node in reversed(topological_order(graph)):
+        if node in placed:
+            stage_of[node] = placed[node]
+        else:
+            later = [stage_of[v] for v in graph.successors(node) if v in stage_of]
+            stage_of[node] = min(later) if later else 0
+    return stage_of
