@@ -23,10 +23,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = ROOT.parent / "shared" / "profiles" / "pipedream"
 RESULTS = ROOT / "benchmarks" / "results" / "refine.md"
-# Table 1 of the PipeDream paper (SOSP'19), where a source gave the figure (see simulator.md)
-PAPER = {("vgg16", "A"): "15-1, 5.28x", ("vgg16", "B"): "15-1, 2.98x",
-         ("alexnet", "A"): "4.92x", ("alexnet", "B"): "2.04x",
-         ("gnmt_large", "B"): "3.14x", ("resnet50", "A"): "16, 1x", ("resnet50", "B"): "16, 1x"}
+
 
 
 def row(name: str, cluster_name: str, budget: int, minibatches: int) -> dict[str, Any]:
@@ -52,7 +49,15 @@ def row(name: str, cluster_name: str, budget: int, minibatches: int) -> dict[str
             "speedup": dp.time_per_minibatch / refined.simulated,
             "gain": refined.gain, "evaluations": refined.evaluations,
             "plan_seconds": plan_seconds, "refine_seconds": refine_seconds,
-            "paper": PAPER.get((name, cluster_name), "-")}
+            "paper": _paper(name, cluster_name)}
+
+
+def _paper(name: str, cluster_name: str) -> str:
+    """The paper's Table 1 entry as benchmarks/simulator.py lists it (config, speed-up)."""
+    from simulator import PAPER_TABLE_1  # benchmarks/ is on the path of a script run from it
+
+    config, speedup, _ = PAPER_TABLE_1.get((name, cluster_name), (None, None, ""))
+    return ", ".join(x for x in (config, speedup) if x) or "-"
 
 
 def table(rows: list[dict[str, Any]]) -> str:
