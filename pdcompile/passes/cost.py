@@ -73,9 +73,10 @@ def annotate_costs(
     `neighbours` (measured costs only): time every node while that many helper processes, one
     torch thread each, run this model's forward and backward on the same inputs in a loop
     (`pdcompile.passes.neighbours`). Workers of a pipeline on one host compute at the same time
-    and share its caches and memory bandwidth, so each layer runs slower than in a profile taken
-    on an idle machine: on a host where each pipeline worker shares the machine with N-1 other
-    busy workers, profile with neighbours=N-1, capped to cores-1 (with more, the neighbours
+    and share its caches and memory bandwidth, so a layer can run slower than in a profile taken
+    on an idle machine (5-10% on the development VM; benchmarks/results/simulator.md): on a host
+    where each pipeline worker shares the machine with N-1 other busy workers, profile with
+    neighbours=N-1, capped to cores-1 (with more, the neighbours
     take this process's core away and the wall clock counts that too). The model and inputs
     must pickle (each neighbour gets a copy). 0, the default, profiles on an idle machine.
     """
@@ -93,9 +94,7 @@ def annotate_costs(
     owners = param_owners(gm)
     if source == "measured":
         timer = timer or select_timer(_device_of(gm, values), clock=clock)
-        busy = (busy_neighbours(neighbours, TrainStep(gm, values)) if neighbours else
-                contextlib.nullcontext())
-        with busy:
+        with busy_neighbours(neighbours, TrainStep(gm, values) if neighbours else None):
             costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
                               timer=timer, statistic=statistic)
     else:

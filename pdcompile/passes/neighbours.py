@@ -3,10 +3,11 @@ nodes.
 
 Why: a pipeline worker does not run alone. On one host every stage computes at the same time
 and all of them share the last-level cache and the memory bandwidth, so the same layer runs
-slower in a pipeline than in a profiler that has the machine to itself (on a 2-core VM with one
-shared L3, 1.3-1.45x slower; benchmarks/results/simulator.md). Timing each node while N-1 other
-processes run a realistic workload (by default the same model's forward and backward) measures
-the compute a worker of an N-process pipeline actually gets.
+slower in a pipeline than in a profiler that has the machine to itself (on the 2-core
+development VM a busy neighbour slowed whole-model forward+backward by 5-10%; the larger gap
+between profile and run seen there had other causes: benchmarks/results/simulator.md). Timing
+each node while N-1 other processes run a realistic workload (by default the same model's
+forward and backward) measures the compute a worker of an N-process pipeline actually gets.
 
     with busy_neighbours(1, TrainStep(model, (x,))):
         ...  # time things here; one other core runs model's forward + backward in a loop
