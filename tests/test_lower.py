@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from pdcompile.deps import dependencies, execution_order
+from pdcompile.deps import dependencies, dependency_lists, execution_order
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind
 from pdcompile.passes.lower import chain_edges, lower
@@ -104,3 +106,34 @@ def test_execution_order_respects_dependencies() -> None:
     for ref, waits in dependencies(lowered).items():
         for dep in waits:
             assert position[dep] < position[ref]
+
+
+@pytest.mark.parametrize("name", ["1f1b", "1f1b-flush", "gpipe"])
+def test_transfers_are_the_compute_dependencies(name: str) -> None:
+    """Lowering reads deps.dependency_lists: each receive before an action is one of its waits,
+    each send after an action goes to a stage waiting on it, and nothing else is added."""
+    edges = [(0, 1), (0, 2), (1, 2), (1, 3), (2, 3)]
+    compute = generate(name, [[0], [1, 2], [3], [4]], 4)
+    lowered = lower(compute, edges)
+    waits = dependency_lists(replace(compute, options={**compute.options,
+                                                       "stage_edges": edges}))
+    for rank, own in compute.actions.items():
+        stage = compute.stage_of_rank(rank)
+        expected: list[str] = []
+        waited_by: dict[int, list[int]] = {}
+        for other, per_rank in waits.items():
+            for refs in per_rank:
+                for r, i in refs:
+                    if r == rank:
+                        waited_by.setdefault(i, []).append(compute.stage_of_rank(other))
+        for index, action in enumerate(own):
+            recv = "RECV_F" if action.kind == Kind.F else "RECV_B"
+            send = "SEND_F" if action.kind == Kind.F else "SEND_B"
+            peers = sorted(compute.actions[r][i].stage for r, i in waits[rank][index])
+            expected += [f"{stage}{recv}{action.microbatch}<-{p}" for p in peers]
+            expected.append(str(action))
+            expected += [f"{stage}{send}{action.microbatch}->{p}"
+                         for p in sorted(waited_by.get(index, []))]
+        got = [str(a) for a in lowered.actions[rank] if a.kind not in (Kind.STEP, Kind.ALLREDUCE)]
+        assert got == expected
+    validate(lowered)

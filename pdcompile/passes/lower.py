@@ -1,14 +1,18 @@
 """Lowering: add sends, receives, replica all-reduces and optimizer steps to a compute schedule.
 
-For every stage edge (src, dst) with src < dst (a skip connection may jump stages):
+Where transfers go is read from the one dependency function, `pdcompile.deps.dependency_lists`,
+applied to the compute-only schedule with `options["stage_edges"]` set to the checked edges
+(`F m` of a stage waits for `F m` of every producer stage, `B m` for `B m` of every consumer
+stage; an edge (src, dst) with src < dst may jump stages, a skip connection):
 
-- on the producer, after `F m`: `SEND_F m -> dst` (to the consumer's replica for m);
-- on the consumer, before `F m`: `RECV_F m <- src`;
-- on the consumer, after `B m`: `SEND_B m -> src`;
-- on the producer, before `B m`: `RECV_B m <- dst`.
+- before an `F m`/`B m`: a `RECV_F m <- p`/`RECV_B m <- p` for each action it waits on (p: that
+  action's stage), in stage order;
+- after an `F m`/`B m` that others wait on: a `SEND_F m -> s`/`SEND_B m -> s` to each waiting
+  stage s (its replica for m), in stage order.
 
-Sends are non-blocking; a receive blocks at its position. Weight updates (STEP k, preceded by
-ALLREDUCE k on replicated stages) come after:
+So on a straight chain: `SEND_F m -> s+1` after `F m`, `RECV_F m <- s-1` before it, `SEND_B m ->
+s-1` after `B m`, `RECV_B m <- s+1` before it. Sends are non-blocking; a receive blocks at its
+position. Weight updates (STEP k, preceded by ALLREDUCE k on replicated stages) come after:
 
 - "1f1b": every backward (k = m // replicas: one update per round of backwards across replicas);
 - "1f1b-flush", "gpipe": the last action (k = 0);
@@ -17,10 +21,15 @@ ALLREDUCE k on replicated stages) come after:
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Iterable
 
+from pdcompile.deps import dependency_lists
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
+
+_RECV = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
+_SEND = {Kind.F: Kind.SEND_F, Kind.B: Kind.SEND_B}
 
 
 def chain_edges(stages: int) -> list[tuple[int, int]]:
@@ -49,10 +58,24 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
     if schedule.options.get("lowered"):
         raise ScheduleError(f"schedule {schedule.name!r} is already lowered; lower the "
                             "compute-only schedule from passes.schedule.generate")
+    for rank, own in schedule.actions.items():
+        for action in own:
+            if not action.kind.is_compute:
+                raise ScheduleError(f"rank {rank}: lower() takes a compute-only schedule, found "
+                                    f"{action}")
     edges = check_edges(schedule, chain_edges(schedule.stages) if stage_edges is None
                         else stage_edges)
-    producers = {s: [a for a, b in edges if b == s] for s in range(schedule.stages)}
-    consumers = {s: [b for a, b in edges if a == s] for s in range(schedule.stages)}
+    edge_lists = [list(e) for e in edges]
+    compute = Schedule(schedule.name, schedule.microbatches, schedule.stage_ranks,
+                       schedule.actions, {**schedule.options, "stage_edges": edge_lists})
+    waits = dependency_lists(compute)
+    # waited_by[rank, index]: the stages whose actions wait for that action
+    waited_by: dict[tuple[int, int], list[int]] = defaultdict(list)
+    for rank, per_rank in waits.items():
+        stage = compute.stage_of_rank(rank)
+        for refs in per_rank:
+            for ref in refs:
+                waited_by[ref].append(stage)
     per_minibatch = int(schedule.options.get("microbatches_per_minibatch", 1))
 
     actions: dict[int, tuple[Action, ...]] = {}
@@ -62,31 +85,26 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
         own = schedule.actions.get(rank, ())
         last_of_minibatch = _last_of_minibatch(own, per_minibatch) if schedule.name == "2bw" else {}
         out: list[Action] = []
-        for action in own:
+        for index, action in enumerate(own):
             m = action.microbatch
-            if action.kind == Kind.F:
-                out.extend(Action(stage, Kind.RECV_F, m, src) for src in producers[stage])
-                out.append(action)
-                out.extend(Action(stage, Kind.SEND_F, m, dst) for dst in consumers[stage])
-            elif action.kind in (Kind.B, Kind.W):
-                if action.kind == Kind.B:
-                    out.extend(Action(stage, Kind.RECV_B, m, dst) for dst in consumers[stage])
-                out.append(action)
-                if action.kind == Kind.B:
-                    out.extend(Action(stage, Kind.SEND_B, m, src) for src in producers[stage])
-                    if schedule.name == "1f1b":
-                        out.extend(_update(stage, m // replicas, replicas))
-                    elif m in last_of_minibatch:
-                        out.extend(_update(stage, last_of_minibatch[m], replicas))
-            else:
-                raise ScheduleError(f"rank {rank}: lower() takes a compute-only schedule, found "
-                                    f"{action}")
+            if action.kind in _RECV:
+                peers = sorted(compute.actions[r][i].stage for r, i in waits[rank][index])
+                out.extend(Action(stage, _RECV[action.kind], m, p) for p in peers)
+            out.append(action)
+            if action.kind in _SEND:
+                out.extend(Action(stage, _SEND[action.kind], m, p)
+                           for p in sorted(waited_by.get((rank, index), ())))
+            if action.kind == Kind.B:
+                if schedule.name == "1f1b":
+                    out.extend(_update(stage, m // replicas, replicas))
+                elif m in last_of_minibatch:
+                    out.extend(_update(stage, last_of_minibatch[m], replicas))
         if schedule.name in ("1f1b-flush", "gpipe"):
             out.extend(_update(stage, 0, replicas))
         actions[rank] = tuple(out)
     options = dict(schedule.options)
     options["lowered"] = True
-    options["stage_edges"] = [list(e) for e in edges]
+    options["stage_edges"] = edge_lists
     return Schedule(schedule.name, schedule.microbatches, schedule.stage_ranks, actions, options)
 
 
