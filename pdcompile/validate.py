@@ -5,8 +5,15 @@ Checks, in order, each failure raising ScheduleError with the rank x step grid, 
 2. every microbatch has exactly one F and one B on the right replica of every stage, F first;
 3. (lowered schedules) every send has exactly one matching receive and the other way round; for
    every stage edge the four transfers of each microbatch are where lowering puts them; weight
-   updates on each rank are numbered 0, 1, 2, ...;
-4. no deadlock: the ranks are run against `pdcompile.deps.dependencies` until all finish.
+   updates on each rank are numbered 0, 1, 2, ... (none twice);
+4. no deadlock: the ranks are run against `pdcompile.deps.dependencies` until all finish;
+5. (lowered schedules) each rank has exactly the weight updates lowering gives it, none missing,
+   duplicated or extra: "1f1b-flush"/"gpipe" one STEP 0 as the rank's last action; "2bw" one
+   STEP k per minibatch k the rank takes part in, after its last backward of k; "1f1b" STEP k
+   after the backward of microbatch m with k = m // replicas; a STEP comes before the rank's
+   next F/B. On a replicated stage ALLREDUCE k comes right before each STEP k; a stage without
+   replicas has no ALLREDUCE. (Checked after the deadlock run, which explains an all-reduce
+   out of order better.)
 """
 
 from __future__ import annotations
@@ -39,10 +46,13 @@ def validate(schedule: Schedule) -> None:
                     f"(stage_ranks={[list(r) for r in schedule.stage_ranks]})")
     _check_stages(schedule)
     _check_work(schedule)
-    if is_lowered(schedule):
+    lowered = is_lowered(schedule)
+    if lowered:
         _check_transfers(schedule)
         _check_updates(schedule)
     execution_order(schedule, dependencies(schedule))
+    if lowered:
+        _check_expected_updates(schedule)
 
 
 def _check_stages(schedule: Schedule) -> None:
@@ -148,7 +158,97 @@ def _check_updates(schedule: Schedule) -> None:
         expected = 0
         for index, a in enumerate(actions):
             if a.kind == Kind.STEP:
+                if 0 <= a.microbatch < expected:
+                    raise _fail(schedule, f"rank {rank}: weight update {a} runs twice; each "
+                                f"update runs once per rank (the next should be number "
+                                f"{expected})", {rank: index})
                 if a.microbatch != expected:
                     raise _fail(schedule, f"rank {rank}: weight update {a} should be number "
                                 f"{expected} (updates count 0, 1, 2, ...)", {rank: index})
                 expected += 1
+
+
+def _update_anchors(schedule: Schedule, rank: int) -> list[tuple[int, int | None]] | None:
+    """The weight updates lowering gives `rank`, in order: (update index k, the index of the
+    backward it follows; None: the rank's end). None when the schedule's name is not known."""
+    actions = schedule.actions.get(rank, ())
+    backwards = [(i, a.microbatch) for i, a in enumerate(actions) if a.kind == Kind.B]
+    if schedule.name in ("1f1b-flush", "gpipe"):
+        return [(0, None)]
+    if schedule.name == "1f1b":
+        replicas = len(schedule.stage_ranks[schedule.stage_of_rank(rank)])
+        return [(m // replicas, i) for i, m in backwards]
+    if schedule.name == "2bw":
+        per_minibatch = int(schedule.options.get("microbatches_per_minibatch", 1))
+        last: dict[int, int] = {}
+        for i, m in backwards:
+            last[m // per_minibatch] = i
+        return sorted(last.items())
+    return None
+
+
+def _check_expected_updates(schedule: Schedule) -> None:
+    for rank in schedule.ranks:
+        actions = schedule.actions.get(rank, ())
+        stage = schedule.stage_of_rank(rank)
+        replicas = schedule.stage_ranks[stage]
+        steps = [(i, a) for i, a in enumerate(actions) if a.kind == Kind.STEP]
+        anchors = _update_anchors(schedule, rank)
+        if anchors is not None:
+            rule = {"1f1b-flush": "one STEP 0 at the end", "gpipe": "one STEP 0 at the end",
+                    "1f1b": f"STEP m // {len(replicas)} after each backward B m",
+                    "2bw": "one STEP k after the last backward of each minibatch k"}[schedule.name]
+            if len(steps) > len(anchors):
+                at, step = steps[len(anchors)]
+                raise _fail(schedule, f"rank {rank}: extra weight update {step} (schedule "
+                            f"{schedule.name!r}: {rule}, {len(anchors)} on this rank)",
+                            {rank: at})
+            for n, (k, after) in enumerate(anchors):
+                want = Action(stage, Kind.STEP, k)
+                if n >= len(steps):
+                    where = len(actions) - 1 if after is None else after
+                    place = (f"after {actions[where]}" if where >= 0
+                             else "on this rank, which has no actions")
+                    raise _fail(schedule, f"rank {rank}: weight update {want} is missing {place} "
+                                f"(schedule {schedule.name!r}: {rule}; the rank has "
+                                f"{len(steps)} of {len(anchors)})", {rank: max(where, 0)})
+                at, step = steps[n]
+                if step != want:
+                    raise _fail(schedule, f"rank {rank}: weight update {step} should be {want} "
+                                f"({rule})", {rank: at})
+                if after is None:
+                    if at != len(actions) - 1:
+                        raise _fail(schedule, f"rank {rank}: {step} must be the rank's last "
+                                    f"action ({rule})", {rank: at})
+                else:
+                    between = [a for a in actions[after + 1:at] if a.kind.is_compute]
+                    if at < after or between:
+                        raise _fail(schedule, f"rank {rank}: {step} must follow "
+                                    f"{actions[after]} before any other compute ({rule})",
+                                    {rank: at})
+        _check_allreduces(schedule, rank, steps)
+
+
+def _check_allreduces(schedule: Schedule, rank: int, steps: list[tuple[int, Action]]) -> None:
+    actions = schedule.actions.get(rank, ())
+    replicas = schedule.stage_ranks[schedule.stage_of_rank(rank)]
+    reduces = [(i, a) for i, a in enumerate(actions) if a.kind == Kind.ALLREDUCE]
+    if len(replicas) == 1:
+        if reduces:
+            at, a = reduces[0]
+            raise _fail(schedule, f"rank {rank}: {a} on a stage without replicas (only rank "
+                        f"{rank}); ALLREDUCE belongs to replicated stages", {rank: at})
+        return
+    paired = set()
+    for at, step in steps:
+        want = Action(step.stage, Kind.ALLREDUCE, step.microbatch)
+        if at == 0 or actions[at - 1] != want:
+            raise _fail(schedule, f"rank {rank}: {step} on a replicated stage (ranks "
+                        f"{list(replicas)}) needs {want} right before it, to sum the replicas' "
+                        "gradients", {rank: at})
+        paired.add(at - 1)
+    for at, a in reduces:
+        if at not in paired:
+            raise _fail(schedule, f"rank {rank}: {a} is not followed by its STEP "
+                        f"{a.microbatch}; each ALLREDUCE k comes right before STEP k", {rank: at})
+

@@ -155,3 +155,114 @@ def test_all_pairs_of_small_straight_pipelines() -> None:
     for stages, m in itertools.product(range(1, 5), range(1, 9)):
         for name in ("1f1b", "1f1b-flush", "gpipe"):
             validate(lower(generate(name, [[s] for s in range(stages)], m)))
+
+
+def without(lowered: Schedule, drop: str, ranks: list[int] | None = None) -> Schedule:
+    """`lowered` with every action whose text contains `drop` removed (on `ranks`, default all)."""
+    actions = {rank: tuple(a for a in row if drop not in str(a)
+                           or (ranks is not None and rank not in ranks))
+               for rank, row in lowered.actions.items()}
+    return Schedule(lowered.name, lowered.microbatches, lowered.stage_ranks, actions,
+                    lowered.options)
+
+
+def with_row(lowered: Schedule, rank: int, row: list[str]) -> Schedule:
+    return Schedule(lowered.name, lowered.microbatches, lowered.stage_ranks,
+                    {**lowered.actions, rank: tuple(parse_action(a) for a in row)},
+                    lowered.options)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "1f1b-flush", "gpipe", "2bw"])
+def test_missing_steps(name: str) -> None:
+    mpm = 2 if name == "2bw" else None
+    lowered = lower(generate(name, [[0], [1]], 4, microbatches_per_minibatch=mpm))
+    flush = name in ("1f1b-flush", "gpipe")
+    broken = without(lowered, "STEP")
+    # flush: the rank's last action; otherwise the backward the update follows
+    after = str(broken.actions[0][-1]) if flush else "0B1" if name == "2bw" else "0B0"
+    message = assert_rejected(broken, f"weight update 0STEP0 is missing after {after}", after)
+    assert "rank 0: weight update" in message
+    broken = without(lowered, "STEP", ranks=[1])
+    after = str(broken.actions[1][-1]) if flush else "1B1" if name == "2bw" else "1B0"
+    assert_rejected(broken, f"weight update 1STEP0 is missing after {after}", after)
+
+
+def test_missing_last_step_of_1f1b_marks_where_it_belongs() -> None:
+    lowered = lower(generate("1f1b", [[0], [1]], 3))
+    row = [str(a) for a in lowered.actions[1]]
+    assert row[-2:] == ["1SEND_B2->0", "1STEP2"]
+    message = assert_rejected(with_row(lowered, 1, row[:-1]),
+                              "1STEP2 is missing after 1B2 .* the rank has 2 of 3", "1B2")
+    assert "STEP m // 1 after each backward" in message
+
+
+@pytest.mark.parametrize("name", ["1f1b", "1f1b-flush", "gpipe"])
+def test_missing_allreduce_on_every_replica(name: str) -> None:
+    lowered = lower(generate(name, [[0, 1], [2]], 4))
+    validate(lowered)
+    assert_rejected(without(lowered, "ALLREDUCE"), r"0STEP0 on a replicated stage \(ranks "
+                    r"\[0, 1\]\) needs 0ALLREDUCE0 right before it", "0STEP0")
+
+
+def test_allreduce_on_a_stage_without_replicas() -> None:
+    lowered = lower(generate("gpipe", [[0], [1]], 2))
+    row = [str(a) for a in lowered.actions[1]]
+    broken = with_row(lowered, 1, row[:-1] + ["1ALLREDUCE0", "1STEP0"])
+    assert_rejected(broken, "1ALLREDUCE0 on a stage without replicas", "1ALLREDUCE0")
+
+
+def test_allreduce_without_its_step() -> None:
+    lowered = lower(generate("1f1b-flush", [[0, 1], [2]], 2))
+    for rank in (0, 1):
+        row = [str(a) for a in lowered.actions[rank]]
+        assert row[-2:] == ["0ALLREDUCE0", "0STEP0"]
+        lowered = with_row(lowered, rank, row[:-2] + ["0ALLREDUCE1", "0ALLREDUCE0", "0STEP0"])
+    assert_rejected(lowered, "0ALLREDUCE1 is not followed by its STEP 1", "0ALLREDUCE1")
+
+
+@pytest.mark.parametrize("name", ["1f1b-flush", "gpipe"])
+def test_extra_step_in_a_flush_schedule(name: str) -> None:
+    lowered = lower(generate(name, [[0], [1]], 2))
+    row = [str(a) for a in lowered.actions[0]]
+    assert_rejected(with_row(lowered, 0, row + ["0STEP1"]), "extra weight update 0STEP1 .*"
+                    "one STEP 0 at the end, 1 on this rank", "0STEP1")
+
+
+def test_extra_step_in_1f1b() -> None:
+    lowered = lower(generate("1f1b", [[0], [1]], 2))
+    row = [str(a) for a in lowered.actions[1]]
+    assert_rejected(with_row(lowered, 1, row + ["1STEP2"]), "extra weight update 1STEP2",
+                    "1STEP2")
+
+
+@pytest.mark.parametrize("name", ["1f1b", "1f1b-flush", "2bw"])
+def test_duplicate_step(name: str) -> None:
+    mpm = 2 if name == "2bw" else None
+    lowered = lower(generate(name, [[0], [1]], 4, microbatches_per_minibatch=mpm))
+    row = [str(a) for a in lowered.actions[0]]
+    at = row.index("0STEP0")
+    broken = with_row(lowered, 0, row[:at + 1] + ["0STEP0"] + row[at + 1:])
+    message = assert_rejected(broken, "rank 0: weight update 0STEP0 runs twice", "0STEP0")
+    marked = [line for line in message.splitlines() if ">0STEP0<" in line]
+    assert marked[0].index(" 0STEP0 ") < marked[0].index(">0STEP0<")  # the second is marked
+
+
+def test_step_in_the_wrong_place() -> None:
+    flush = lower(generate("1f1b-flush", [[0], [1]], 2))
+    row = [str(a) for a in flush.actions[0]]
+    moved = ["0STEP0"] + row[:-1]
+    assert_rejected(with_row(flush, 0, moved), "0STEP0 must be the rank's last action", "0STEP0")
+    async_ = lower(generate("1f1b", [[0], [1]], 3))
+    row = [str(a) for a in async_.actions[0]]
+    at = row.index("0STEP0")
+    late = row[:at] + row[at + 1:at + 4] + ["0STEP0"] + row[at + 4:]
+    assert any(a[1] == "F" or a[1] == "B" for a in row[at + 1:at + 4])
+    assert_rejected(with_row(async_, 0, late), "0STEP0 must follow 0B0 before any other compute",
+                    "0STEP0")
+
+
+def test_1f1b_vertical_sync_and_long_2bw_still_valid() -> None:
+    for replicas in SHAPES:
+        ranks = ranks_of(replicas)
+        validate(lower(generate("1f1b", ranks, 12, vertical_sync=True)))
+        validate(lower(generate("2bw", ranks, 24, microbatches_per_minibatch=12)))
