@@ -37,6 +37,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     vertical_sync: bool = False,
     time_limit: float | None = None,
     example_target: Any = None,
+    fuse: bool = True,
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
@@ -48,7 +49,10 @@ def compile(  # noqa: A001 - the public name of the one-liner
     only); `vertical_sync` makes every stage use stage 0's weight version ('1f1b').
     `example_target`: the target of the example minibatch (optional; exported with it, so that
     `pdcompile run` can train on the example when no data is given).
+    `fuse`: rewrite the stages' Linear layers so that their backward adds the weight gradient
+    straight into `.grad` (passes/fuse.py; faster with microbatches; off: plain autograd).
     """
+    from pdcompile.passes.fuse import fuse_grad_accumulation
     from pdcompile.passes.split import even_plan, split
     from pdcompile.passes.trace import trace
 
@@ -70,6 +74,9 @@ def compile(  # noqa: A001 - the public name of the one-liner
                           cost_model=cost_model, schedule=schedule,
                           microbatches=microbatches or 1, time_limit=time_limit)
     parts = split(gm, chosen, model=model)
+    if fuse:
+        for program in parts.stages:
+            fuse_grad_accumulation(program.module)
     return Pipeline(graph=gm, plan=chosen, parts=parts, schedule=schedule,
                     microbatches=microbatches, loss_fn=loss_fn, optimizer=optimizer,
                     stash=stash, vertical_sync=vertical_sync, name=type(model).__name__,

@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PipelineInputError, ScheduleError
 from pdcompile.ir import Action, Kind
+from pdcompile.passes.fuse import accumulating_grads
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 
@@ -234,7 +235,7 @@ class StageRuntime:
 
     def _run(self, entry: StashEntry, microbatch: int) -> None:
         """The stage module (and, on the last stage, the loss) on the stashed inputs."""
-        with torch.enable_grad():
+        with torch.enable_grad(), accumulating_grads():
             if self.versions.is_master(entry.params):
                 outputs = self.module(*entry.inputs)
             else:
