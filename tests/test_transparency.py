@@ -1,9 +1,15 @@
 """Transparency: flush pipelines train exactly like ordinary gradient accumulation.
 
-For every example model (small sizes) and for models with skip connections across stages, tied
-embeddings and BatchNorm, `1f1b-flush` and `gpipe` pipelines with 2, 3 and 4 stages (some
-replicated) give the same losses, gradients, updated weights and buffers as single-process
-training with gradient accumulation over the same microbatches, for several steps.
+For every example model (VGG-16, ResNet-50, GNMT-like, GPT-2-style; small sizes) with 2, 3 and 4
+stages and with a replicated stage, under `1f1b-flush` and `gpipe` (the full grid), and for
+models with skip connections across stages, tied embeddings and BatchNorm, pipelines give the
+same losses, gradients, updated weights and buffers as single-process training with gradient
+accumulation over the same microbatches, for several steps. Exception (xfail, strict): BatchNorm
+running statistics on a replicated stage, which each replica keeps from its own microbatches.
+
+ResNet runs on 64x64 images: at 32x32 its last BatchNorm normalises 2 values per microbatch and
+three steps of training amplify float summation order (gpipe's reversed backward order) beyond
+any tolerance, even between two single-process references.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ from pdcompile.models import alexnet, gnmt, gpt2, resnet50, vgg16
 from pdcompile.passes.split import manual_plan
 from pdcompile.passes.trace import trace
 
-STEPS = 2
+STEPS = 3
 
 
 def momentum(params: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -85,7 +91,7 @@ def vgg(batch_norm: bool = False) -> Case:
 
 
 def resnet() -> Case:
-    model, inputs = resnet50.factory(batch_size=8, image_size=32, width=16, blocks=(1, 1, 1, 1))
+    model, inputs = resnet50.factory(batch_size=8, image_size=64, width=16, blocks=(1, 1, 1, 1))
     return model, inputs, resnet50.make_target(inputs), resnet50.loss_fn
 
 
@@ -120,7 +126,18 @@ def reference(model: nn.Module, inputs: tuple[torch.Tensor, ...], target: torch.
     return losses, grads, model.state_dict()
 
 
-def check(case: Case, *, schedule: str, micro: int, plan: Any) -> pdcompile.pipeline.Pipeline:
+def replicated_buffers(pipe: pdcompile.pipeline.Pipeline) -> set[str]:
+    """Original names of the buffers that live on a replicated stage."""
+    return {original for program, stage in zip(pipe.parts.stages, pipe.plan.stages, strict=True)
+            if len(stage.ranks) > 1 for originals in program.buffer_names.values()
+            for original in originals}
+
+
+def check(case: Case, *, schedule: str, micro: int, plan: Any,
+          replicated_stats: bool = True) -> pdcompile.pipeline.Pipeline:
+    """Compare with `reference`; `replicated_stats=False` leaves out the buffers (BatchNorm
+    statistics) of replicated stages, which each replica keeps from its own microbatches
+    (see test_batchnorm_statistics_of_a_replicated_stage)."""
     model, inputs, target, loss_fn = case
     for module in model.modules():  # a pipeline draws dropout masks in another order
         if isinstance(module, nn.Dropout):
@@ -139,7 +156,10 @@ def check(case: Case, *, schedule: str, micro: int, plan: Any) -> pdcompile.pipe
         torch.testing.assert_close(params[name].grad, grad, msg=lambda m, n=name: f"{n}: {m}")
     state = pipe.state_dict()
     assert set(state) == set(ref_state)
+    left_out = set() if replicated_stats else replicated_buffers(pipe)
     for name, value in ref_state.items():
+        if name in left_out:
+            continue
         torch.testing.assert_close(state[name], value, msg=lambda m, n=name: f"{n}: {m}")
     return pipe
 
@@ -179,29 +199,41 @@ def test_tied_embedding_and_batchnorm(schedule: str) -> None:
     assert any(name.startswith("bn") for name in dict(pipe.stage_modules[1].named_buffers()))
 
 
-def test_vgg16_three_stages() -> None:
-    check(vgg(), schedule="1f1b-flush", micro=4, plan=3)
+# every example model x stage layout x flush schedule; plans: stage count, or replicas per stage
+MODELS: dict[str, Callable[[], Case]] = {"vgg16": vgg, "resnet50": resnet, "gnmt": gnmt_case,
+                                         "gpt2": gpt_case}
+LAYOUTS: dict[str, dict[str, int | list[int]]] = {
+    "2": {name: 2 for name in MODELS},
+    "3": {name: 3 for name in MODELS},
+    "4": {name: 4 for name in MODELS},
+    "replicated": {"vgg16": [2, 1], "resnet50": [1, 2], "gnmt": [2, 1, 1], "gpt2": [1, 2, 1]},
+}
 
 
-def test_vgg16_batchnorm_two_stages_gpipe() -> None:
-    check(vgg(batch_norm=True), schedule="gpipe", micro=2, plan=2)
+@pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_example_models(model: str, layout: str, schedule: str) -> None:
+    plan = LAYOUTS[layout][model]
+    pipe = check(MODELS[model](), schedule=schedule, micro=4, plan=plan,
+                 replicated_stats=False)
+    stages = plan if isinstance(plan, int) else len(plan)
+    assert len(pipe.stage_modules) == stages
+    if isinstance(plan, list):
+        assert [len(s.ranks) for s in pipe.plan.stages] == plan
 
 
-def test_resnet50_four_stages() -> None:
-    check(resnet(), schedule="1f1b-flush", micro=2, plan=4)
-
-
-def test_gnmt_replicated_first_stage() -> None:
-    check(gnmt_case(), schedule="gpipe", micro=4, plan=[2, 1])
+@pytest.mark.xfail(strict=True, reason="each replica of a stage updates BatchNorm running "
+                   "statistics from its own microbatches only (as DDP without SyncBatchNorm); "
+                   "single-process training sees all of them in turn")
+def test_batchnorm_statistics_of_a_replicated_stage() -> None:
+    pipe = check(resnet(), schedule="1f1b-flush", micro=4, plan=[1, 2])
+    assert replicated_buffers(pipe)
 
 
 def test_gpt2_tied_embeddings_three_stages() -> None:
     pipe = check(gpt_case(), schedule="1f1b-flush", micro=2, plan=3)
     assert pipe.parts.ties and pipe.parts.ties[0].stages == (0, 2)
-
-
-def test_gpt2_replicated_middle_stage() -> None:
-    check(gpt_case(), schedule="1f1b-flush", micro=4, plan=[1, 2, 1])
 
 
 def test_gpt2_four_stages_integer_positions_cross_stages() -> None:
