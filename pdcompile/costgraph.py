@@ -139,53 +139,141 @@ def load(path: str | Path) -> nx.DiGraph:
 
 
 # --------------------------------------------------------------------------------- coarsening
-def coarsen(graph: nx.DiGraph, *, target: int = 300) -> tuple[nx.DiGraph, dict[str, list[str]]]:
-    """Fuse straight-chain edges (u's only successor is v, v's only predecessor is u), cheapest
-    pair first, until at most `target` blocks remain or no chain edge is left.
+def coarsen(graph: nx.DiGraph, *, target: int = 300, branches: bool = False,
+            ) -> tuple[nx.DiGraph, dict[str, list[str]]]:
+    """Fuse nodes into blocks until at most `target` blocks remain (or nothing can be fused).
 
-    Chain contraction never creates a cycle and only removes cut points inside a chain, so the
-    planner still sees every branch. Zero-cost nodes (views, getattrs) are the cheapest and go
-    first. Returns the coarse graph and a map block -> original node names.
+    A fusion contracts one edge u -> v of the current block graph; it is allowed when no other
+    path leads from u to v, so the block graph stays acyclic and every block is convex (a path
+    between two members never leaves the block): a plan of the coarse graph, expanded with the
+    returned map (Plan.expanded), is a plan of the original. Two phases:
+
+    1. every compute-free block (views, getitems, sizes, getattrs: fwd + bwd = 0) joins its
+       cheapest neighbour that it can be fused with, whatever its number of inputs and outputs;
+    2. then the cheapest straight-chain edge (u's only successor is v, v's only predecessor is
+       u), again and again: this keeps every branch, so the planner can still cut at each one.
+       With `branches`, the cheapest fusable pair instead, chain or not: any connected graph
+       then gets down to `target` (GPT-2 XL's ~2,000 fx nodes: 580 blocks without, `target`
+       with; both in a fraction of a second).
+
+    A block's `fwd`, `bwd`, `params` and `keep` are the sums over its members; its `act` is what
+    leaves it: the outputs of members used outside the block or by nobody (the model's outputs),
+    each counted once (for a straight chain: the last member's output). Edge `bytes` between
+    blocks count each source node's output once per destination block. `members` lists the
+    original nodes in topological order; the block is named after the first. Returns the coarse
+    graph and the map block -> original node names.
     """
     validate(graph)
-    coarse = graph.copy()
-    for node in coarse.nodes:
-        coarse.nodes[node].setdefault("members", [node])
-        coarse.nodes[node].setdefault("keep", coarse.nodes[node]["act"])
+    order = topological_order(graph)
+    position = {node: i for i, node in enumerate(order)}
+    # the current block graph: representative node -> its successors / predecessors / members
+    succ: dict[str, set[str]] = {n: set(graph.successors(n)) for n in graph.nodes}
+    pred: dict[str, set[str]] = {n: set(graph.predecessors(n)) for n in graph.nodes}
+    members: dict[str, list[str]] = {n: [n] for n in graph.nodes}
+    compute = {n: float(d["fwd"]) + float(d["bwd"]) for n, d in graph.nodes(data=True)}
 
-    def weight(n: str) -> float:
-        data = coarse.nodes[n]
-        return float(data["fwd"] + data["bwd"])
+    def other_path(u: str, v: str) -> bool:
+        """Whether v is reachable from u other than by the edge u -> v."""
+        if len(succ[u]) == 1 or len(pred[v]) == 1:
+            return False  # every other path would leave u by this edge or enter v by it
+        stack = [w for w in succ[u] if w != v]
+        seen = set(stack)
+        while stack:
+            for w in succ[stack.pop()]:
+                if w == v:
+                    return True
+                if w not in seen:
+                    seen.add(w)
+                    stack.append(w)
+        return False
 
-    def chain_edge(u: str, v: str) -> bool:
-        return coarse.out_degree(u) == 1 and coarse.in_degree(v) == 1
+    def fuse(u: str, v: str) -> None:
+        """Contract the edge u -> v into u."""
+        for w in succ.pop(v):
+            pred[w].discard(v)
+            if w != u:
+                pred[w].add(u)
+                succ[u].add(w)
+        for p in pred.pop(v):
+            succ[p].discard(v)
+            if p != u:
+                succ[p].add(u)
+                pred[u].add(p)
+        succ[u].discard(v)
+        members[u] += members.pop(v)
+        compute[u] += compute.pop(v)
 
-    heap: list[tuple[float, int, str, str]] = []
-    counter = 0
-    for u, v in coarse.edges:
-        if chain_edge(u, v):
-            heap.append((weight(u) + weight(v), counter, u, v))
-            counter += 1
+    # phase 1: compute-free blocks join a neighbour (the cheapest one they can join)
+    for node in order:
+        z = node
+        while len(members) > target and z in members and compute[z] == 0:
+            candidates = sorted([(compute[p], 0, position[p], p, z) for p in pred[z]]
+                                + [(compute[s], 1, position[s], z, s) for s in succ[z]])
+            fused = next(((u, v) for _, _, _, u, v in candidates if not other_path(u, v)), None)
+            if fused is None:
+                break
+            fuse(*fused)
+            z = fused[0]  # the block that absorbed z, or z itself: again if still compute-free
+
+    # phase 2: the cheapest straight-chain edge (with `branches`: the cheapest pair), again and
+    # again; an edge skipped here is pushed again when a fusion next to it changes its status
+    heap = [(compute[u] + compute[v], position[u], position[v], u, v)
+            for u in members for v in succ[u]]
     heapq.heapify(heap)
-    while heap and coarse.number_of_nodes() > target:
-        _, _, u, v = heapq.heappop(heap)
-        if u not in coarse or v not in coarse or not coarse.has_edge(u, v) or not chain_edge(u, v):
+    while heap and len(members) > target:
+        weight, _, _, u, v = heapq.heappop(heap)
+        if u not in members or v not in succ[u] or weight != compute[u] + compute[v]:
+            continue  # stale: a fused block pushed its edges again with the new weight
+        if not branches and (len(succ[u]) > 1 or len(pred[v]) > 1):
             continue
-        du, dv = coarse.nodes[u], coarse.nodes[v]
-        merged = {
-            "fwd": du["fwd"] + dv["fwd"], "bwd": du["bwd"] + dv["bwd"],
-            "params": du["params"] + dv["params"], "act": dv["act"],
-            "keep": du["keep"] + dv["keep"], "label": dv.get("label", ""),
-            "members": list(du["members"]) + list(dv["members"]),
-        }
-        successors = [(w, dict(coarse.edges[v, w])) for w in coarse.successors(v)]
-        coarse.remove_node(v)
-        coarse.nodes[u].update(merged)
-        for w, attrs in successors:
-            coarse.add_edge(u, w, **attrs)
-        for a, b in list(coarse.in_edges(u)) + list(coarse.out_edges(u)):
-            if chain_edge(a, b):
-                heapq.heappush(heap, (weight(a) + weight(b), counter, a, b))
-                counter += 1
-    mapping = {node: list(coarse.nodes[node]["members"]) for node in coarse.nodes}
+        if other_path(u, v):
+            continue
+        fuse(u, v)
+        for p in pred[u]:
+            heapq.heappush(heap, (compute[p] + compute[u], position[p], position[u], p, u))
+        for w in succ[u]:
+            heapq.heappush(heap, (compute[u] + compute[w], position[u], position[w], u, w))
+
+    return _block_graph(graph, members, position)
+
+
+def _block_graph(graph: nx.DiGraph, groups: dict[str, list[str]], position: dict[str, int],
+                 ) -> tuple[nx.DiGraph, dict[str, list[str]]]:
+    """The CostGraph of `graph` with each group of nodes fused into one block (see `coarsen`)."""
+    mapping = {}
+    for group in groups.values():
+        ordered = sorted(group, key=position.__getitem__)
+        mapping[ordered[0]] = ordered
+    block_of = {m: block for block, group in mapping.items() for m in group}
+    coarse = nx.DiGraph(**graph.graph)
+    index = {node: i for i, node in enumerate(graph.nodes)}
+    for block in sorted(mapping, key=index.__getitem__):
+        group = mapping[block]
+        data = [graph.nodes[m] for m in group]
+        leaving = [m for m in group if not graph.succ[m]
+                   or any(block_of[w] != block for w in graph.successors(m))]
+        coarse.add_node(block, **{
+            **data[0],
+            "fwd": sum(float(d["fwd"]) for d in data), "bwd": sum(float(d["bwd"]) for d in data),
+            "params": sum(float(d["params"]) for d in data),
+            "act": sum(float(graph.nodes[m]["act"]) for m in leaving),
+            "keep": sum(float(d.get("keep", d["act"])) for d in data),
+            "label": data[-1].get("label", ""), "members": list(group)})
+    # bytes[a, b][s]: what source node s sends to block b (once, however many members use it)
+    sent: dict[tuple[str, str], dict[str, float]] = {}
+    attrs: dict[tuple[str, str], dict[str, Any]] = {}
+    for u, v, d in graph.edges(data=True):
+        a, b = block_of[u], block_of[v]
+        if a == b:
+            continue
+        from_u = sent.setdefault((a, b), {})
+        from_u[u] = max(from_u.get(u, 0.0), edge_bytes(graph, u, v))
+        attrs.setdefault((a, b), {}).update(d)
+    for (a, b), from_u in sent.items():
+        size = sum(from_u.values())
+        extra = {k: v for k, v in attrs[(a, b)].items() if k != "bytes"}
+        if size == coarse.nodes[a]["act"]:
+            coarse.add_edge(a, b, **extra)
+        else:
+            coarse.add_edge(a, b, **extra, bytes=size)
     return coarse, mapping
