@@ -66,19 +66,26 @@ def batches(n: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 OptFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
+SchedFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 
 def reference_1f1b(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
                    stages: int, replicas: list[int], make_opt: OptFactory, *,
-                   vertical_sync: bool = False) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """PipeDream's weight-stashed 1F1B, minibatch by minibatch, one weight history per stage."""
+                   vertical_sync: bool = False, calls: list[int] | None = None,
+                   make_sched: SchedFactory | None = None
+                   ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """PipeDream's weight-stashed 1F1B, minibatch by minibatch, one weight history per stage.
+
+    `calls`: the minibatches of each `train()` call (default: one call over all `data`); every
+    call fills and drains the pipeline, so weight versions count from that call's start. After
+    each call every stage's `make_sched` scheduler steps once (`Pipeline.lr_scheduler`)."""
     names = [n for n, _ in model.named_parameters()]
     stage_names = [[n for n in names if stage_of_block(block_of(n), stages) == s]
                    for s in range(stages)]
     live = [{n: dict(model.named_parameters())[n].detach().clone().requires_grad_()
              for n in stage_names[s]} for s in range(stages)]
     opts = [make_opt(list(live[s].values())) for s in range(stages)]
-    history = [[{n: t.detach().clone() for n, t in live[s].items()}] for s in range(stages)]
+    scheds = [make_sched(opt) for opt in opts] if make_sched else []
     pending: list[list[dict[str, torch.Tensor]]] = [[] for _ in range(stages)]
     workers = [sum(replicas[s:]) for s in range(stages)]
     depth = [math.ceil(workers[s] / replicas[s]) - 1 for s in range(stages)]
@@ -87,23 +94,30 @@ def reference_1f1b(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor
         return max(0, m // replicas[s] - depth[s])
 
     losses = []
-    for m, (x, y) in enumerate(data):
-        used = [version(0 if vertical_sync else s, m) for s in range(stages)]
-        params = {}
-        for s in range(stages):
-            for n, t in history[s][used[s]].items():
-                params[n] = t.clone().requires_grad_()
-        loss = mse(functional_call(model, params, (x,)), y)
-        loss.backward()
-        losses.append(loss.item())
-        for s in range(stages):
-            pending[s].append({n: params[n].grad for n in stage_names[s]})
-            if len(pending[s]) == replicas[s]:
-                for n, t in live[s].items():
-                    t.grad = sum(g[n] for g in pending[s]) / replicas[s]
-                opts[s].step()
-                pending[s] = []
-                history[s].append({n: t.detach().clone() for n, t in live[s].items()})
+    start = 0
+    for size in calls or [len(data)]:
+        history = [[{n: t.detach().clone() for n, t in live[s].items()}] for s in range(stages)]
+        for m, (x, y) in enumerate(data[start:start + size]):
+            used = [version(0 if vertical_sync else s, m) for s in range(stages)]
+            params = {}
+            for s in range(stages):
+                for n, t in history[s][used[s]].items():
+                    params[n] = t.clone().requires_grad_()
+            loss = mse(functional_call(model, params, (x,)), y)
+            loss.backward()
+            losses.append(loss.item())
+            for s in range(stages):
+                pending[s].append({n: params[n].grad for n in stage_names[s]})
+                if len(pending[s]) == replicas[s]:
+                    for n, t in live[s].items():
+                        t.grad = sum(g[n] for g in pending[s]) / replicas[s]
+                    opts[s].step()
+                    pending[s] = []
+                    history[s].append({n: t.detach().clone() for n, t in live[s].items()})
+        start += size
+        for sched in scheds:
+            sched.step()
+    assert start == len(data) and all(p == [] for p in pending)
     final = {n: t.detach() for s in range(stages) for n, t in live[s].items()}
     return losses, final
 
@@ -234,3 +248,43 @@ def test_flush_keeps_one_version() -> None:
     for rt in pipe.last_runtimes.values():
         assert rt.versions.peak == 1
         assert rt.stash.peak == min(8, 4 - rt.stage)
+
+
+def halve(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+@pytest.mark.parametrize(("stages", "replicas", "calls"), [
+    (3, [1, 1, 1], [1, 1, 1, 1]),  # pipe.step per minibatch: the LR changes every minibatch
+    (3, [1, 2, 1], [4, 2, 4]),     # pipe.train over several: the LR changes between calls
+])
+def test_1f1b_lr_scheduler_steps_between_calls(stages: int, replicas: list[int],
+                                               calls: list[int]) -> None:
+    """`Pipeline.lr_scheduler(f).step()` steps every rank's scheduler once. Under asynchronous
+    1f1b each `train()` call fills and drains the pipeline, so every update of one call uses
+    the LR in force when the call began; the reference does the same, with Adam."""
+    model = make_model()
+    data = batches(sum(calls))
+    pipe = build(copy.deepcopy(model), stages, replicas, schedule="1f1b", optimizer=adam)
+    schedulers = pipe.lr_scheduler(halve)
+    losses: list[float] = []
+    start = 0
+    for size in calls:
+        chunk = data[start:start + size]
+        if size == 1:
+            (x, y), = chunk
+            losses.append(pipe.step(x, target=y))
+        else:
+            losses.extend(pipe.train(chunk))
+        start += size
+        schedulers.step()
+    assert len(pipe.optimizers) == sum(replicas)
+    lr = 0.01 * 0.5 ** len(calls)
+    assert all(o.param_groups[0]["lr"] == pytest.approx(lr) for o in pipe.optimizers)
+    ref_losses, ref_weights = reference_1f1b(model, data, stages, replicas, adam, calls=calls,
+                                             make_sched=halve)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    assert_weights(pipe, ref_weights)
+    # one call over everything (no scheduler steps in between) trains differently
+    other, _ = reference_1f1b(model, data, stages, replicas, adam, make_sched=halve)
+    assert not torch.allclose(torch.tensor(other), torch.tensor(ref_losses))

@@ -13,7 +13,7 @@ import torch.nn as nn
 
 import pdcompile
 from pdcompile.backends.local import run_local
-from pdcompile.errors import PipelineInputError, ScheduleError
+from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
 from pdcompile.ir import parse_action
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.transport import Tag
@@ -231,3 +231,36 @@ def test_stage_without_parameters() -> None:
     batches = data(2)
     expected = reference_steps(model, batches, 2, lambda p: torch.optim.SGD(p, lr=0.01))
     torch.testing.assert_close(torch.tensor(pipe.train(batches)), torch.tensor(expected))
+
+
+@pytest.mark.parametrize("plan", [3, [2, 1, 2]], ids=["3-stages", "replicated-ends"])
+def test_1f1b_keeps_tied_embeddings_equal(plan: Any) -> None:
+    """GPT-2's token embedding is tied to its output head across stages 0 and 2; under async
+    1f1b every copy (on every replica) gets the same updates and stays equal. (Tied stages with
+    different replica counts are refused: they would update at different rates.)"""
+    from pdcompile.models import gpt2
+
+    model, inputs = gpt2.factory(size="tiny", layers=2, d=16, heads=2, vocab_size=50, seq_len=6,
+                                 batch_size=4, dropout=0.0)
+    pipe = pdcompile.compile(model, example_inputs=inputs, loss_fn=gpt2.loss_fn, plan=plan,
+                             schedule="1f1b",
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9))
+    (tie,) = pipe.parts.ties
+    assert tie.stages == (0, 2)
+    copies = [pipe.ranks[rank].module.get_parameter(name)
+              for stage, name in tie.members for rank in pipe.plan.stages[stage].ranks]
+    assert len(copies) == (4 if isinstance(plan, list) else 2)
+    assert len({id(c) for c in copies}) == len(copies)
+    before = copies[0].detach().clone()
+    g = torch.Generator().manual_seed(1)
+    tokens = [torch.randint(0, 50, (4, 6), generator=g) for _ in range(12)]
+    stream = [((x,), gpt2.make_target((x,), vocab_size=50)) for x in tokens]
+    losses = pipe.train(stream[:6]) + pipe.train(stream[6:])
+    assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
+    assert not torch.allclose(copies[0], before)
+    for other in copies[1:]:
+        torch.testing.assert_close(other, copies[0], rtol=0, atol=0)
+    if isinstance(plan, list):
+        with pytest.raises(PlanError, match="different replica counts"):
+            pdcompile.compile(model, example_inputs=inputs, loss_fn=gpt2.loss_fn, plan=[2, 1, 1],
+                              schedule="1f1b")
