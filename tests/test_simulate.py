@@ -16,7 +16,13 @@ from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError, ScheduleError
 from pdcompile.ir import Kind, Schedule
 from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate, latency_aware_warmup, warmup_depth
+from pdcompile.passes.schedule import (
+    copies_weights,
+    generate,
+    latency_aware_warmup,
+    updates_in_flight,
+    warmup_depth,
+)
 from pdcompile.plan import Plan, Stage
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Recorder, Timeline, TimelineError
@@ -163,18 +169,42 @@ def test_ring_allreduce_and_optimizer_step() -> None:
 
 
 def test_weight_stashing_copies_cost_time_in_async_1f1b() -> None:
-    # one stage: F, then B, then STEP; the first F after each step snapshots the weights (the
-    # B hands the stashed gradients over without a copy): 1 + 0.25 + 2 + 0.5 per minibatch
-    costs = StageCosts((1.0,), (2.0,), params=(1e6,), optimizer=(0.5,), stash=(0.25,))
-    schedule = lower(generate("1f1b", [[0]], 8))
-    assert simulate(schedule, costs, FREE).time_per_minibatch == pytest.approx(3.75)
+    # two stages: stage 0 keeps two minibatches in flight, so the first F after each of its
+    # steps snapshots the weights (+0.25); the last stage runs each F right before its B and
+    # updates after it, so it uses the live weights and never copies
+    costs = StageCosts((1.0, 1.0), (2.0, 2.0), params=(1e6, 1e6), optimizer=(0.5, 0.5),
+                       stash=(0.25, 0.25))
+    schedule = lower(generate("1f1b", [[0], [1]], 8))
+    result = simulate(schedule, costs, FREE)
+    forwards = {rank: [e.duration for e in result.timeline.events
+                       if e.rank == rank and e.parsed().kind == Kind.F] for rank in (0, 1)}
+    assert forwards[1] == pytest.approx([1.0] * 8)
+    assert forwards[0][0] == pytest.approx(1.25)  # version 0, then one per update
+    assert sorted(set(round(d, 6) for d in forwards[0])) == [1.0, 1.25]
+    # steady state: stage 0 is the bottleneck, F + copy + B + step = 3.75 per minibatch
+    assert result.time_per_minibatch == pytest.approx(3.75)
     assert simulate(schedule, costs, FREE, stash=False).time_per_minibatch == pytest.approx(3.5)
     flush = lower(generate("1f1b-flush", [[0]], 4))  # one update per minibatch: no stash
-    assert simulate(flush, costs, FREE).makespan == pytest.approx(4 * 3.0 + 0.5)
+    one = StageCosts((1.0,), (2.0,), params=(1e6,), optimizer=(0.5,), stash=(0.25,))
+    assert simulate(flush, one, FREE).makespan == pytest.approx(4 * 3.0 + 0.5)
     # by default: a read and a write of the weights at the device's memory bandwidth
-    default = StageCosts((1.0,), (2.0,), params=(1e6,), optimizer=(0.0,))
+    default = StageCosts((1.0, 1.0), (2.0, 2.0), params=(1e6, 1e6), optimizer=(0.0, 0.0))
     copy = 2e6 / FREE.device.mem_bandwidth
     assert simulate(schedule, default, FREE).time_per_minibatch == pytest.approx(3.0 + copy)
+
+
+@pytest.mark.parametrize("shape", [[[0], [1]], [[0], [1], [2], [3]], [[0, 1], [2]],
+                                   [[0], [1, 2]], [[0, 1], [2], [3, 4, 5]], [[0]]])
+def test_copy_rule_agrees_with_the_schedule(shape: list[list[int]]) -> None:
+    """The runtime decides from the stage's position (copies_weights), the simulator from the
+    actions (updates_in_flight): the same ranks copy."""
+    schedule = lower(generate("1f1b", shape, 12))
+    for stage, ranks in enumerate(shape):
+        for rank in ranks:
+            assert updates_in_flight(schedule.actions[rank]) == copies_weights(
+                "1f1b", shape, stage)
+    assert copies_weights("1f1b", shape, len(shape) - 1, vertical_sync=True)
+    assert not copies_weights("1f1b-flush", shape, 0)
 
 
 def test_simulate_rejects_bad_input() -> None:

@@ -12,7 +12,9 @@ Each rank runs its actions in order. An action starts when the rank is free and 
   stage's parameters over the slowest level the replicas span, 2 (r-1)/r * P / bw + 2 (r-1) latency;
 - STEP: `StageCosts.optimizer[s]` seconds, by default reading weights and gradients and writing
   weights once at the device's memory bandwidth (3 P / mem_bandwidth);
-- weight stashing (asynchronous '1f1b', `stash=True`): the first forward after an optimizer step
+- weight stashing (asynchronous '1f1b', `stash=True`): on a rank where an update can come while
+  a minibatch is in flight (`passes.schedule.updates_in_flight`; not the last stage, which runs
+  each backward right after its forward), the first forward after an optimizer step
   snapshots the stage's weights (a new version), adding `StageCosts.stash[s]` seconds, by default
   a read and a write of the weights at the device's memory bandwidth (2 P / mem_bandwidth), as
   the runtime (runtime/stash.py) clones them; a backward hands the stashed version's gradients to
@@ -31,6 +33,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.deps import dependency_lists, execution_order, is_lowered
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.passes.schedule import updates_in_flight
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
 from pdcompile.units import format_bytes, format_seconds
@@ -110,7 +113,10 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     copy_time = (costs.stash or tuple(2.0 * p / cluster.device.mem_bandwidth
                                       for p in costs.params)) \
         if stash and schedule.name == "1f1b" else (0.0,) * costs.stages
-    fresh = {rank: True for rank in schedule.actions}  # no snapshot of the current weights yet
+    # a rank snapshots its weights only if an update can come while a minibatch is in flight
+    copying = {rank: bool(schedule.options.get("vertical_sync")) or updates_in_flight(actions)
+               for rank, actions in schedule.actions.items()}
+    fresh = dict(copying)  # no snapshot of the current weights yet
     allreduce = []
     for stage, ranks in enumerate(schedule.stage_ranks):
         r = len(ranks)
@@ -155,7 +161,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                 finish = start + allreduce[stage]
             elif kind == Kind.STEP:
                 finish = start + step_time[stage]
-                fresh[rank] = True
+                fresh[rank] = copying[rank]
             else:  # SEND_F / SEND_B: non-blocking; the link carries it
                 assert action.peer is not None
                 dst = schedule.rank_of(action.peer, action.microbatch)

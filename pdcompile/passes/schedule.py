@@ -64,6 +64,39 @@ def in_flight_limit(stage_ranks: Sequence[Sequence[int]], stage: int) -> int:
     return math.ceil(later / len(stage_ranks[stage]))
 
 
+def copies_weights(schedule: str, stage_ranks: Sequence[Sequence[int]], stage: int, *,
+                   vertical_sync: bool = False) -> bool:
+    """Whether weight stashing must copy `stage`'s weights (one snapshot per new version).
+
+    Only when an update can fall between a minibatch's forward and its backward on one replica:
+    asynchronous '1f1b' stages with more than one minibatch in flight (NOAM_s > 1), every stage
+    under vertical sync (they use stage 0's version, older than their own), and '2bw' (two
+    versions by design). A stage that runs each forward right before its backward (the last
+    stage of a 1F1B pipeline) updates only after the backward, so the live weights are the
+    version its minibatch needs and no copy is made. `updates_in_flight` states the same rule
+    on a schedule's actions (the simulator uses it; the two agree on generated schedules).
+    """
+    if schedule == "2bw":
+        return True
+    if schedule != "1f1b":
+        return False
+    return vertical_sync or in_flight_limit(stage_ranks, stage) > 1
+
+
+def updates_in_flight(actions: Sequence[Action]) -> bool:
+    """Whether a weight update (STEP) of one rank falls while a microbatch it forwarded still
+    awaits its backward: then weight stashing must snapshot the weights (`copies_weights`)."""
+    in_flight: set[int] = set()
+    for action in actions:
+        if action.kind == Kind.F:
+            in_flight.add(action.microbatch)
+        elif action.kind == Kind.B:
+            in_flight.discard(action.microbatch)
+        elif action.kind == Kind.STEP and in_flight:
+            return True
+    return False
+
+
 def warmup_depth(stage_ranks: Sequence[Sequence[int]], stage: int) -> int:
     """Forwards a replica of `stage` runs before its first backward (NOAM_s - 1)."""
     return in_flight_limit(stage_ranks, stage) - 1

@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import PipelineInputError, ScheduleError
 from pdcompile.ir import Action, Kind
 from pdcompile.passes.fuse import accumulating_grads
+from pdcompile.passes.schedule import copies_weights
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 
@@ -133,7 +134,8 @@ class StageRuntime:
         self.is_last = self.stage == len(config.stage_ranks) - 1
         self.params: dict[str, torch.Tensor] = dict(
             module.named_parameters(remove_duplicate=False))
-        self.versions = WeightVersions(self.params, copy=config.schedule in ASYNC)
+        self.versions = WeightVersions(self.params, copy=copies_weights(
+            config.schedule, config.stage_ranks, self.stage, vertical_sync=config.vertical_sync))
         self.stash = StashBuffer()
         self.losses: dict[int, torch.Tensor] = {}
         self.completed = 0  # actions finished (the local driver watches it for progress)
