@@ -10,6 +10,7 @@ minibatch 256; the two-stage split is 4 blocks | 4 blocks + head. One thread per
     (c) pp-gpipe   torch.distributed.pipelining ScheduleGPipe, same
     (d) ours-1f1b  our asynchronous 1F1B (PipeDream): whole minibatches stream through, no flush
     (e) ours-flush our 1F1B-flush (PipeDream-Flush), 8 microbatches of 32
+    (e') ours-flush-plain  the same without fused weight-gradient accumulation (passes/fuse.py)
 
 Each configuration runs `--rounds` rounds of `--steps` minibatches, each after a warm-up; the
 rounds of all configurations are interleaved (so that a load from elsewhere on the machine hits
@@ -152,11 +153,12 @@ def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
 
 
 def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
-                 warmup: int) -> list[float]:
+                 warmup: int, fuse: bool = True) -> list[float]:
     """Our pipeline as a user runs it: `pdcompile.compile` with the 4 | 4 + head plan, then
     `run_distributed` (the generated rank loop over DistributedTransport) once per round; a
     round's time is the training loop's wall time (`DistributedRun.seconds`, the ranks start it
-    together after a barrier; the slower rank's counts)."""
+    together after a barrier; the slower rank's counts). `fuse=False` compiles without the fused
+    weight-gradient accumulation (passes/fuse.py), to show what it contributes."""
     import pdcompile
     from pdcompile.backends.distributed import run_distributed
     from pdcompile.passes.split import manual_plan
@@ -172,7 +174,7 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
                              loss_fn=nn.functional.cross_entropy,
                              optimizer=lambda params: torch.optim.SGD(params, lr=LR),
                              schedule=schedule_name, microbatches=MICRO if flush else None,
-                             plan=plan)
+                             plan=plan, fuse=fuse)
     times = []
     if warmup:
         run_distributed(pipe, data[:warmup], monitor=worker.monitor)
@@ -207,6 +209,8 @@ CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
         _ours_worker, "1f1b", r, s, w)),
     "ours-flush": ("(e) ours, 1F1B-flush, 8x32", lambda r, s, w: _dist(
         _ours_worker, "1f1b-flush", r, s, w)),
+    "ours-flush-plain": ("(e') ours, 1F1B-flush, 8x32, plain autograd accumulation",
+                         lambda r, s, w: _dist(_ours_worker, "1f1b-flush", r, s, w, False)),
 }
 
 

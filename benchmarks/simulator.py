@@ -382,7 +382,8 @@ def fidelity_batches(name: str, steps: int) -> list[tuple[torch.Tensor, torch.Te
 
 
 def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = ("mlp",),
-             minibatches: int = 32, out: Path | None = None) -> list[dict[str, Any]]:
+             minibatches: int = 32, repeats: int = 3,
+             out: Path | None = None) -> list[dict[str, Any]]:
     """Simulated against measured time per minibatch of compiled pipelines on real processes.
 
     For each model and process count n: trace the model, measure its per-node costs with the
@@ -409,8 +410,12 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
     - "cost pass, cores": the cost-pass prediction with compute stretched by n / cores when
       there are more processes than cores (this machine has 2): n busy processes share them.
 
-    `compare()` of the cost-pass prediction and the measured timeline says where the error is.
-    With `out`, each run's timelines, Gantt charts and comparison table are written there.
+    `repeats` real runs and as many dry runs: this VM's compute varies from run to run by about
+    as much as the target, so the row reports the median measured time (and its spread), the
+    median of the dry runs' predictions and of the measured-compute predictions; the comparison
+    table is of the median run. `compare()` of the cost-pass prediction and the measured
+    timeline says where the error is. With `out`, the median run's timelines, Gantt charts and
+    comparison table are written there.
     """
     import functools
     import tempfile
@@ -442,25 +447,30 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
             plan = pdcompile.plan(graph, cluster, planner="dp", straight=True)
             pipe = pdcompile.compile(model, example_inputs=(example,), example_target=target,
                                      plan=plan, loss_fn=torch.nn.functional.cross_entropy)
+            schedule = pipe.schedule(minibatches)
+            runs = []
             with tempfile.TemporaryDirectory() as export:
                 pipe.export(export)
-                started = time.perf_counter()
-                run = train_processes(export, n, functools.partial(fidelity_batches, name,
-                                                                   minibatches),
-                                      steps=minibatches, record=True, timeout=300)
-                wall = time.perf_counter() - started
-            measured = run.timeline
-            assert measured is not None
-            schedule = pipe.schedule(minibatches)
-            measured.check_schedule(schedule)
+                for _ in range(repeats):
+                    started = time.perf_counter()
+                    run = train_processes(export, n, functools.partial(fidelity_batches, name,
+                                                                       minibatches),
+                                          steps=minibatches, record=True, timeout=300)
+                    assert run.timeline is not None
+                    run.timeline.check_schedule(schedule)
+                    runs.append((run.timeline.time_per_minibatch(), run.timeline,
+                                 time.perf_counter() - started))
+            runs.sort(key=lambda r: r[0])
+            _, measured, wall = runs[len(runs) // 2]  # the median run (odd repeats)
             costs = StageCosts.from_plan(graph, plan)
             predicted = simulate(schedule, costs, cluster)
             costs_busy = StageCosts.from_plan(graph_busy, plan)
             with_busy = simulate(schedule, costs_busy, cluster, timeline=False)
             seen = stage_figures(measured)
             stages = range(costs.stages)
-            from_run = costs.with_measured_compute(measured)  # F and B include the copies
-            with_measured = simulate(schedule, from_run, cluster, timeline=False)
+            # F and B of each run include the copies; the median run's prediction is reported
+            with_measured = simulate(schedule, costs.with_measured_compute(measured), cluster,
+                                     timeline=False)
             stretch = max(1.0, n / cores)
             crowded = StageCosts(tuple(f * stretch for f in costs.fwd),
                                  tuple(b * stretch for b in costs.bwd), costs.params,
@@ -471,12 +481,16 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
             alone = _stages_alone(pipe.stage_modules, example)
             # a local dry run: the compiled pipeline's own rank loops in this one process
             # (stash path included), a few minibatches, its per-stage means as the costs
+            dry = []
             pipe.timed()
-            pipe.train(fidelity_batches(name, DRY_RUN_MINIBATCHES))
-            assert pipe.last_timeline is not None
-            from_dry = costs.with_measured_compute(pipe.last_timeline)
+            for _ in range(repeats):
+                pipe.train(fidelity_batches(name, DRY_RUN_MINIBATCHES))
+                assert pipe.last_timeline is not None
+                from_dry = costs.with_measured_compute(pipe.last_timeline)
+                dry.append(simulate(schedule, from_dry, cluster, timeline=False))
             pipe.timed(record=False)
-            with_dry = simulate(schedule, from_dry, cluster, timeline=False)
+            dry.sort(key=lambda r: r.time_per_minibatch)
+            with_dry = dry[len(dry) // 2]
             cost_compute = sum(costs.fwd[s] + costs.bwd[s] for s in stages)
             run_compute = sum(seen[s]["fwd"] + seen[s]["bwd"] for s in stages)
             busy_compute = sum(costs_busy.fwd[s] + costs_busy.bwd[s] for s in stages)
@@ -484,6 +498,8 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
                 "model": name, "processes": n, "cores": cores,
                 "config": f"{plan.config}, {len(plan.stages)} stages",
                 "measured_ms": real * 1e3,
+                "measured_range_ms": (runs[0][0] * 1e3, runs[-1][0] * 1e3),
+                "repeats": repeats,
                 "predicted_ms": predicted.time_per_minibatch * 1e3,
                 "error": predicted.time_per_minibatch / real - 1.0,
                 "neighbours": neighbours,
@@ -547,7 +563,8 @@ def _write_fidelity_run(folder: Path, predicted: Any, measured: Any, table: str,
 
 def fidelity_table(rows: list[dict[str, Any]]) -> str:
     """Markdown table of `fidelity` rows."""
-    lines = ["| model | processes | plan | measured ms per minibatch | predicted (cost pass) | "
+    lines = ["| model | processes | plan | measured ms per minibatch, median (range) | "
+             "predicted (cost pass) | "
              "error | predicted (cost pass, N-1 busy neighbours) | error | predicted from a local "
              "dry run | error | predicted with "
              "measured compute | error | cost pass, compute / cores | error | compute per "
@@ -557,7 +574,8 @@ def fidelity_table(rows: list[dict[str, Any]]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['processes']} | {r['config']} | {r['measured_ms']:.1f} | "
+            f"| {r['model']} | {r['processes']} | {r['config']} | {r['measured_ms']:.1f} "
+            f"({r['measured_range_ms'][0]:.1f}-{r['measured_range_ms'][1]:.1f}) | "
             f"{r['predicted_ms']:.1f} | **{r['error']:+.1%}** | "
             f"{r['busy_ms']:.1f} ({r['neighbours']}) | **{r['busy_error']:+.1%}** | "
             f"{r['dry_ms']:.1f} | **{r['dry_error']:+.1%}** | "
@@ -596,9 +614,11 @@ Produced by `{command}`
 
 {conditions}
 
-Each row: the model's per-node costs measured by the cost pass in this process (one thread, as
-every worker runs), a straight pipeline with one stage per process planned by the DP planner
-for `local-N` (loopback bandwidth measured), compiled, exported and trained for real under
+Every row is the median of {rows[0]['repeats'] if rows else 1} real runs (range in brackets) and
+of as many local dry runs: this VM's compute varies from run to run by about as much as the
+target. Each row: the model's per-node costs measured by the cost pass in this process (one
+thread, as every worker runs), a straight pipeline with one stage per process planned by the DP
+planner for `local-N` (loopback bandwidth measured), compiled, exported and trained for real under
 asynchronous 1F1B on N processes by the distributed backend (`train_processes(record=True)`,
 gloo over 127.0.0.1). The simulator runs the same lowered schedule that ran:
 "predicted (cost pass)" is the prediction a user gets before running anything (target: within
@@ -710,6 +730,8 @@ def main() -> int:
                         help="only the fidelity runs of compiled pipelines (about 3 minutes); "
                         "with --write only their section of the results is replaced")
     parser.add_argument("--fidelity-minibatches", type=int, default=32)
+    parser.add_argument("--fidelity-repeats", type=int, default=3,
+                        help="real runs and dry runs per row (medians; odd)")
     parser.add_argument("--fidelity-models", nargs="+", default=list(FIDELITY_MODELS),
                         choices=FIDELITY_MODELS)
     parser.add_argument("--fidelity-out", type=Path, default=None,
@@ -723,7 +745,8 @@ def main() -> int:
     if not args.no_fidelity:
         before = os.getloadavg()[0]
         rows = fidelity(models=tuple(args.fidelity_models),
-                        minibatches=args.fidelity_minibatches, out=args.fidelity_out)
+                        minibatches=args.fidelity_minibatches,
+                        repeats=args.fidelity_repeats, out=args.fidelity_out)
         command = ("python benchmarks/simulator.py --fidelity --write" if args.fidelity else
                    "python benchmarks/simulator.py --write")
         sections[FIDELITY_TITLE] = fidelity_section(
