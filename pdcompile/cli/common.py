@@ -40,7 +40,7 @@ def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     path, sep, name = spec.rpartition(":")
     if not sep or not path or not name:
         raise PdcompileError(f"model {spec!r} must be written as path/to/file.py:factory "
-                             "(e.g. examples/vgg16.py:factory)")
+                             "(e.g. pdcompile/models/vgg16.py:factory)")
     if path.endswith(".py"):
         file = Path(path)
         if not file.is_file():

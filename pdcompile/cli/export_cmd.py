@@ -1,8 +1,8 @@
 """`pdcompile export MODEL --cluster C --schedule S --out DIR`: compile a model and write it out.
 
     pdcompile export pdcompile.models.vgg16:factory --cluster local-2 --schedule 1f1b --out vgg/
-    pdcompile export examples/net.py:factory --stages 1,2,1 --schedule gpipe --microbatches 4 \\
-        --out net/
+    pdcompile export pdcompile/models/democnn.py:factory --stages 1,2,1 --schedule gpipe \\
+        --microbatches 4 --out net/
 
 Writes what `Pipeline.export` writes (stage sources and weights, rank loops, plan, schedule,
 launch command) and prints the pipeline's summary (--json: the plan and the folder as JSON).

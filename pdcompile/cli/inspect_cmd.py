@@ -1,7 +1,8 @@
 """`pdcompile inspect`: trace and cost a model (or read a profile), print a node table, draw it.
 
     pdcompile inspect pdcompile.models.vgg16:factory
-    pdcompile inspect examples/my_model.py:factory --cost analytic --cluster h100-node --svg g.svg
+    pdcompile inspect pdcompile/models/resnet50.py:factory --cost analytic --cluster h100-node \\
+        --draw g.svg
     pdcompile inspect --profile ../shared/profiles/pipedream/resnet50/graph.txt --coarsen 40
 
     pdcompile inspect pdcompile.models.democnn:factory --draw graph.png --json > graph.json

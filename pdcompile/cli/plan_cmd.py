@@ -1,10 +1,11 @@
 """`pdcompile plan`: partition a model or a profile over a cluster and print the plan.
 
-    pdcompile plan --profile vgg16/graph.txt --cluster 4x4@1e10,1.25e9 --cost-model pipedream
-    pdcompile plan examples/vgg16.py:factory --cluster A --planner ilp --time-limit 30
+    pdcompile plan --profile ../shared/profiles/pipedream/vgg16/graph.txt \\
+        --cluster 4x4@1e10,1.25e9 --cost-model pipedream
+    pdcompile plan pdcompile/models/vgg16.py:factory --cluster A --planner ilp --time-limit 30
     pdcompile plan --costgraph graph.json --cluster 16 --memory 16GiB --json > plan.json
     pdcompile plan pdcompile.models.democnn:factory --cluster local-2 --draw plan.svg
-    pdcompile plan --profile ../shared/profiles/pipedream/vgg16 --cluster A --draw vgg.png \
+    pdcompile plan --profile ../shared/profiles/pipedream/vgg16 --cluster A --draw vgg.png \\
         --stage 1
     pdcompile plan --profile ../shared/profiles/pipedream/alexnet --cluster A --refine 300
 

@@ -1,7 +1,9 @@
 """`pdcompile simulate`: plan a model or profile on a cluster, simulate the schedule, draw it.
 
-    pdcompile simulate --profile vgg16/graph.txt --cluster A --schedule 1f1b --out sim/
-    pdcompile simulate examples/vgg16.py:factory --cluster B --schedule 1f1b-flush --microbatches 8
+    pdcompile simulate --profile ../shared/profiles/pipedream/vgg16/graph.txt --cluster A \\
+        --schedule 1f1b --out sim/
+    pdcompile simulate pdcompile/models/vgg16.py:factory --cluster B --schedule 1f1b-flush \\
+        --microbatches 8
 
 Prints the plan and the simulated figures (time per minibatch, throughput, bubble, memory per
 worker) and writes to --out: plan.json, schedule.txt, timeline.json, gantt.png, gantt.svg,
