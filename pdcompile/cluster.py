@@ -25,6 +25,10 @@ from pdcompile.errors import ClusterError
 from pdcompile.units import format_bandwidth, format_bytes, parse_quantity
 
 _EXAMPLE = 'e.g. "4x4@1e10,1.25e9:v100" (2 levels, innermost first) or "16@10Gbps" or "A"'
+_FILE_EXAMPLE_YAML = ("levels:\n  - {workers: 4, bandwidth: 10GB/s, latency: 10us}\n"
+                      "  - {workers: 4, bandwidth: 10Gbps}\ndevice: v100")
+_FILE_EXAMPLE_JSON = ('{"levels": [{"workers": 4, "bandwidth": "10GB/s", "latency": "10us"},\n'
+                      '            {"workers": 4, "bandwidth": "10Gbps"}],\n "device": "v100"}')
 
 
 @dataclass(frozen=True)
@@ -210,36 +214,43 @@ class Cluster:
         try:
             device = _device(dev.strip() if dev else None)
         except ClusterError as err:
-            raise ClusterError(f"in cluster {text!r}: {err}") from None
+            fixed = spec[:len(spec) - len(dev or "") - 1]
+            raise ClusterError(f"in cluster {text!r}: {err}; write e.g. \"{fixed}:v100\"") from None
         return cls(levels=levels, device=device)
 
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
-        """Read a JSON or YAML file: {name, device, levels: [{workers, bandwidth, latency}]}."""
+        """Read a JSON or YAML file: {name, device, levels: [{workers, bandwidth, latency}]}.
+
+        A file that is missing, not JSON/YAML (the message quotes the bad line and marks the
+        column) or not a cluster gets one ClusterError that shows a valid file."""
         file = Path(path)
-        example = ('levels:\n  - {workers: 4, bandwidth: 10GB/s, latency: 10us}\n'
-                   '  - {workers: 4, bandwidth: 10Gbps}\ndevice: v100')
+        is_json = file.suffix.lower() == ".json"
+        example = _FILE_EXAMPLE_JSON if is_json else _FILE_EXAMPLE_YAML
+        valid = f"a valid {'JSON' if is_json else 'YAML'} cluster file:\n{example}"
         try:
             raw = file.read_text()
         except OSError as err:
-            raise ClusterError(f"cannot read cluster file {file}: {err.strerror}") from None
+            raise ClusterError(f"cannot read cluster file {str(file)!r}: "
+                               f"{err.strerror or err}; check the path, or write {valid}\n"
+                               f"or give the cluster as a string, {_EXAMPLE}") from None
         try:
-            if file.suffix.lower() == ".json":
+            if is_json:
                 data = json.loads(raw)
             else:
                 import yaml
 
                 data = yaml.safe_load(raw)
         except Exception as err:  # json/yaml errors carry the position
-            raise ClusterError(f"cluster file {file} is not valid {file.suffix[1:] or 'YAML'}: "
-                               f"{err}") from None
+            raise ClusterError(f"cluster file {file} is not valid "
+                               f"{'JSON' if is_json else 'YAML'}: {_syntax_error(err, raw)}\n"
+                               f"{valid}") from None
         if not isinstance(data, dict) or "levels" not in data:
-            raise ClusterError(f"cluster file {file} needs a 'levels' list; a valid file:\n"
-                               f"{example}")
+            raise ClusterError(f"cluster file {file} needs a 'levels' list; {valid}")
         try:
             return cls.from_dict(data)
         except ClusterError as err:
-            raise ClusterError(f"cluster file {file}: {err}\na valid file:\n{example}") from None
+            raise ClusterError(f"cluster file {file}: {err}\n{valid}") from None
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Cluster:
@@ -267,6 +278,22 @@ class Cluster:
         """Plain data for JSON (base units: bytes, bytes/s, seconds, FLOP/s)."""
         return {"name": self.name, "device": asdict(self.device),
                 "levels": [asdict(level) for level in self.levels]}
+
+
+def _syntax_error(err: Exception, raw: str) -> str:
+    """A JSON or YAML parse error as "what, at line L column C:" and the line with a caret."""
+    if isinstance(err, json.JSONDecodeError):
+        what, line, column = err.msg, err.lineno, err.colno
+    else:  # yaml.MarkedYAMLError: 0-based marks
+        mark = getattr(err, "problem_mark", None) or getattr(err, "context_mark", None)
+        what = str(getattr(err, "problem", None) or getattr(err, "context", None) or err)
+        if mark is None:
+            return what
+        line, column = mark.line + 1, mark.column + 1
+    lines = raw.splitlines()
+    text = lines[line - 1] if 0 < line <= len(lines) else ""
+    return (f"{what}, at line {line} column {column}:\n    {text}\n"
+            f"    {' ' * (column - 1)}^")
 
 
 def _quantity(value: Any, kind: str, what: str) -> float:

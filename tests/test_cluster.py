@@ -140,7 +140,7 @@ def test_files_round_trip(tmp_path: Path) -> None:
         ("levels: [{workers: four, bandwidth: 1e9}]", ".yaml", "'four' is not an integer"),
         ("levels: [{workers: 4, bandwidth: warp}]", ".yaml", "'warp'"),
         ("levels: [{workers: 4, bandwidth: 1e9, colour: red}]", ".yaml", "unknown keys"),
-        ("{not json", ".json", "not valid json"),
+        ("{not json", ".json", "not valid JSON"),
         ("levels: [{workers: 2, bandwidth: 1e9}]\ndevice: {name: x}", ".yaml", "lacks"),
     ],
 )
@@ -154,5 +154,60 @@ def test_bad_files(tmp_path: Path, content: str, suffix: str, expect: str) -> No
 
 
 def test_missing_file(tmp_path: Path) -> None:
-    with pytest.raises(ClusterError, match="cannot read cluster file"):
-        Cluster.load(tmp_path / "nope.yaml")
+    for name in ("nope.yaml", "nope.json"):
+        with pytest.raises(ClusterError) as info:
+            Cluster.load(tmp_path / name)
+        message = str(info.value)
+        assert message.startswith(f"cannot read cluster file {str(tmp_path / name)!r}: ")
+        assert "No such file or directory" in message
+        _assert_shows_a_valid_file(message, tmp_path, name[-5:])
+        assert '"4x4@1e10,1.25e9:v100"' in message  # or a string
+
+
+def _assert_shows_a_valid_file(message: str, tmp_path: Path, suffix: str) -> None:
+    """The message ends with a valid cluster file of the same kind, which loads."""
+    kind = "JSON" if suffix == ".json" else "YAML"
+    assert f"a valid {kind} cluster file:\n" in message
+    example = message.split(f"a valid {kind} cluster file:\n", 1)[1].split("\nor give", 1)[0]
+    good = tmp_path / f"example{suffix}"
+    good.write_text(example)
+    assert Cluster.load(good).workers == 16
+
+
+@pytest.mark.parametrize(
+    ("content", "suffix", "line", "problem"),
+    [
+        ('{"levels": [{"workers": 4, "bandwidth": 1e10},]}', ".json",
+         '{"levels": [{"workers": 4, "bandwidth": 1e10},]}',
+         "Expecting value, at line 1 column 47"),
+        ('{\n "levels": [{"workers": 4 "bandwidth": 1e10}]\n}', ".json",
+         ' "levels": [{"workers": 4 "bandwidth": 1e10}]', "delimiter, at line 2 column 27"),
+        ("levels: [\n  - workers: 4\n", ".yaml", "  - workers: 4", "at line 2 column 3"),
+    ],
+)
+def test_syntax_errors_quote_the_line_and_show_a_valid_file(
+        tmp_path: Path, content: str, suffix: str, line: str, problem: str) -> None:
+    file = tmp_path / f"bad{suffix}"
+    file.write_text(content)
+    with pytest.raises(ClusterError) as info:
+        Cluster.load(file)
+    message = str(info.value)
+    kind = "JSON" if suffix == ".json" else "YAML"
+    assert message.startswith(f"cluster file {file} is not valid {kind}: ")
+    assert problem in message
+    column = int(problem.rsplit(" ", 1)[1])
+    assert f"\n    {line}\n    {' ' * (column - 1)}^\n" in message  # the bad line, marked
+    _assert_shows_a_valid_file(message, tmp_path, suffix)
+
+
+@pytest.mark.parametrize(("text", "fixed"), [("4x4:v200", "4x4:v100"),
+                                             ("8x2@300GB/s,25Gbps:h200", "8x2@300GB/s,25Gbps:v100"),
+                                             ("16:TPU", "16:v100")])
+def test_unknown_device_in_a_string(text: str, fixed: str) -> None:
+    with pytest.raises(ClusterError) as info:
+        Cluster.parse(text)
+    message = str(info.value)
+    bad = text.rsplit(":", 1)[1]
+    assert message.startswith(f"in cluster {text!r}: unknown device {bad!r}; devices are: v100")
+    assert message.endswith(f'write e.g. "{fixed}"')
+    assert Cluster.parse(fixed).workers == Cluster.parse(fixed.replace(":v100", "")).workers
