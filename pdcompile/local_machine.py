@@ -78,11 +78,14 @@ def _pingpong(rank: int, port: int, sizes: list[int], result: Any) -> None:
         dist.destroy_process_group()
 
 
-def measure_loopback() -> tuple[float, float]:
-    """(bytes/s, seconds of latency) of a gloo send between two processes on this machine."""
+def measure_loopback(*, numel: int = 4 * 2**20) -> tuple[float, float]:
+    """(bytes/s, seconds of latency) of a gloo send between two processes on this machine:
+    4 bytes for the latency, `numel` float32s (default 16 MiB) for the bandwidth."""
     import torch.multiprocessing as mp
 
-    sizes = [1, 4 * 2**20]  # 4 bytes for latency, 16 MiB for bandwidth
+    if numel < 2:
+        raise ValueError(f"numel must be at least 2 floats (got {numel})")
+    sizes = [1, numel]
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = free_port()
@@ -97,7 +100,9 @@ def measure_loopback() -> tuple[float, float]:
             if proc.is_alive():
                 proc.kill()
     latency = small
-    bandwidth = 4 * sizes[1] / max(large - latency, 1e-9)
+    # the latency is subtracted, but never for more than half of the large send's time: with
+    # small sizes the two timings are close and their noisy difference gave absurd bandwidths
+    bandwidth = 4 * sizes[1] / max(large - latency, large / 2, 1e-9)
     return bandwidth, latency
 
 
