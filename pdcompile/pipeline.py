@@ -450,7 +450,14 @@ class Pipeline:
         return pytree.tree_unflatten(leaves, self.parts.output_spec)
 
     def lr_scheduler(self, factory: Callable[[torch.optim.Optimizer], Any]) -> _Schedulers:
-        """One LR scheduler per rank's optimizer; `.step()` steps them all."""
+        """One LR scheduler per rank's optimizer; `.step()` steps them all.
+
+        The caller steps it between calls of `step` / `train` (e.g. once per epoch). Under
+        asynchronous '1f1b' one `train()` call streams many minibatches through the pipeline and
+        every update inside it uses the learning rate in force when the call began; to change
+        the rate more often, train in shorter calls (each fills and drains the pipeline).
+        Flush schedules make one update per minibatch, so stepping after each `step` is exact.
+        """
         return _Schedulers([factory(opt) for opt in self.optimizers])
 
     def timed(self, record: bool = True) -> Pipeline:
