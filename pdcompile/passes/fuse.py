@@ -5,8 +5,9 @@ microbatch. Plain autograd computes each microbatch's dW = gy^T x into a fresh t
 adds it to `.grad`: for a 1024 x 1024 layer and 32-row microbatches that is 8 MiB of extra
 memory traffic per layer and microbatch, about as much as the product itself moves. The fused
 backward does it in one `addmm_` (gy^T x + grad, in place), as Megatron-LM's
-`gradient_accumulation_fusion` does on GPUs. On this project's 2-core CPU it makes the forward
-and backward of 8 microbatches of 32 through four Linear(1024, 1024) + ReLU about 18% faster.
+`gradient_accumulation_fusion` does on GPUs. On this project's 2-core CPU the 2-process
+1F1B-flush benchmark (8 microbatches of 32, Linear(1024, 1024) layers) trains 1.20x faster with
+it (benchmarks/results/runtime.md).
 
 The rewrite is applied to stage modules after the split (`fuse_grad_accumulation`): every
 `nn.Linear` submodule call (and `F.linear` on a module's own parameters) becomes
