@@ -135,7 +135,7 @@ def test_measured_backward_is_measured_not_guessed() -> None:
     assert cost.bwd > 5 * cost.fwd
 
 
-@pytest.mark.parametrize("name", ["vgg16", "gpt2", "resnet50", "gnmt"])
+@pytest.mark.parametrize("name", ["vgg16", "gpt2", "resnet50", "gnmt", "alexnet"])
 def test_sum_of_node_times_matches_whole_model(name: str) -> None:
     """The issue's bound: the sum of the per-node forward and backward times is within 35% of
     the whole model's forward + backward. Timed in CPU time (one torch thread), which other
@@ -146,6 +146,7 @@ def test_sum_of_node_times_matches_whole_model(name: str) -> None:
         "gpt2": {"batch_size": 4, "seq_len": 32},
         "resnet50": {"batch_size": 4, "image_size": 32, "width": 8, "blocks": (1, 1, 1, 1)},
         "gnmt": {"batch_size": 4, "src_len": 8, "tgt_len": 8, "hidden": 64, "layers": 2},
+        "alexnet": {"batch_size": 4, "image_size": 64, "width": 8},
     }
     module = importlib.import_module(f"pdcompile.models.{name}")
     model, inputs = module.factory(**options[name])
