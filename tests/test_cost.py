@@ -351,3 +351,15 @@ def test_paper_size_costs_match_pipedream_profiles(name: str, batch: int,
     assert ours.act == pytest.approx(theirs["act"], rel=0.005)
     ratio = (ours.fwd + ours.bwd) / (theirs["fwd"] + theirs["bwd"])
     assert 0.4 < ratio < 2.5
+
+
+def test_progress_bar_counts_the_nodes(capsys: pytest.CaptureFixture[str]) -> None:
+    """Costing shows a progress bar over the nodes when asked (it can take a while)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    gm = trace(model)
+    annotate_costs(gm, (torch.randn(4, 8),), progress=True, warmup=1, repeats=1)
+    err = capsys.readouterr().err
+    assert "measuring nodes" in err
+    assert "node" in err and "/" in err  # tqdm's "k/n" counter
+    annotate_costs(trace(model), (torch.randn(4, 8),), progress=False, warmup=1, repeats=1)
+    assert "measuring nodes" not in capsys.readouterr().err
