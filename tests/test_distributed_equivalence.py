@@ -2,14 +2,18 @@
 
 1F1B-flush and GPipe accumulate the gradients of a minibatch's microbatches and update once, so
 their losses and final weights must equal plain single-process training with the same seeds, to
-float rounding, whatever the number of processes and replicas.
+float rounding, whatever the number of processes and replicas. With BatchNorm on a replicated
+stage, the buffers (synchronised over the replicas at every update) equal the local backend's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch import nn
+from torch.fx import Node
 
 from pdcompile.backends.launch import Worker, launch
 
@@ -18,8 +22,12 @@ pytestmark = pytest.mark.timeout(180)
 WIDTH, MB, MICRO, STEPS, LR = 16, 8, 4, 2, 0.1
 
 
-def _model() -> nn.Sequential:
+def _model(bn: bool = False) -> nn.Sequential:
     torch.manual_seed(0)
+    if bn:  # Linear 0, BatchNorm 1, ReLU 2, Linear 3, BatchNorm 4, ReLU 5, Linear 6
+        return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(),
+                             nn.Linear(WIDTH, WIDTH), nn.BatchNorm1d(WIDTH), nn.ReLU(),
+                             nn.Linear(WIDTH, 3))
     return nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
                          nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, 3))
 
@@ -42,10 +50,17 @@ class _Data:
         return self.ys[microbatch]
 
 
-def _worker(worker: Worker, schedule: str, cuts: tuple[int, ...],
-            replicas: tuple[int, ...]) -> tuple[list[float], dict[str, torch.Tensor]]:
-    from torch.fx import Node
+def _stage_of(cuts: tuple[int, ...]) -> Callable[[Node], int]:
+    def stage_of(node: Node) -> int:
+        if node.op != "call_module":
+            return 0
+        return sum(int(str(node.target)) >= cut for cut in cuts)
+    return stage_of
 
+
+def _worker(worker: Worker, schedule: str, cuts: tuple[int, ...], replicas: tuple[int, ...],
+            bn: bool = False
+            ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     from pdcompile.backends.distributed import DistributedTransport, drive, expect_schedule
     from pdcompile.passes.codegen import generate_rank, load_rank
     from pdcompile.passes.lower import lower
@@ -55,15 +70,9 @@ def _worker(worker: Worker, schedule: str, cuts: tuple[int, ...],
     from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime
     from pdcompile.runtime.transport import Tag, TensorSpec
 
-    model = _model()
+    model = _model(bn)
     gm = trace(model)
-
-    def stage_of(node: Node) -> int:
-        if node.op != "call_module":
-            return 0
-        return sum(int(str(node.target)) >= cut for cut in cuts)
-
-    plan = manual_plan(gm, stage_of, replicas=replicas)
+    plan = manual_plan(gm, _stage_of(cuts), replicas=replicas)
     result = split(gm, plan, model=model)
     stage_ranks = tuple(tuple(s.ranks) for s in plan.stages)
     stage = next(i for i, ranks in enumerate(stage_ranks) if worker.rank in ranks)
@@ -91,7 +100,10 @@ def _worker(worker: Worker, schedule: str, cuts: tuple[int, ...],
     weights = {model_name: p.detach().clone()
                for name, p in program.module.named_parameters()
                for model_name in program.param_names.get(name, (name,))}
-    return losses, weights
+    buffers = {model_name: b.detach().clone()
+               for name, b in program.module.named_buffers()
+               for model_name in program.buffer_names.get(name, (name,))}
+    return losses, weights, buffers
 
 
 def _reference() -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -124,7 +136,7 @@ def test_flush_schedules_match_plain_training(schedule: str, cuts: tuple[int, ..
     losses = [sum(vals) for vals in zip(*(outcomes[r][0] for r in last), strict=True)]
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
     weights: dict[str, torch.Tensor] = {}
-    for _, w in outcomes:
+    for _, w, _ in outcomes:
         for key, value in w.items():
             if key in weights:  # replicas of one stage must hold identical weights
                 torch.testing.assert_close(value, weights[key], rtol=0, atol=0)
@@ -132,3 +144,41 @@ def test_flush_schedules_match_plain_training(schedule: str, cuts: tuple[int, ..
     assert sorted(weights) == sorted(ref_params)
     for name, want in ref_params.items():
         torch.testing.assert_close(weights[name], want)
+
+
+def test_replicated_batchnorm_buffers_match_the_local_backend() -> None:
+    """Stage 1 (Linear, BatchNorm, ReLU, Linear) on two replicas: after two updates the
+    replicas' buffers are identical and equal the local backend's (which tests/
+    test_replica_buffers.py checks against a reference), and so do losses and weights."""
+    import pdcompile
+    from pdcompile.passes.split import manual_plan
+    from pdcompile.passes.trace import trace
+
+    cuts, replicas = (3,), (1, 2)
+    outcomes = launch(_worker, sum(replicas), args=("1f1b-flush", cuts, replicas, True),
+                      timeout=150)
+    model = _model(bn=True)
+    pipe = pdcompile.compile(
+        _model(bn=True), example_inputs=(_data()[0][0],), loss_fn=nn.functional.cross_entropy,
+        optimizer=lambda p: torch.optim.SGD(p, lr=LR), schedule="1f1b-flush",
+        microbatches=MICRO, plan=manual_plan(trace(model), _stage_of(cuts), replicas=replicas))
+    local_losses = pipe.train(_data())
+    torch.testing.assert_close(
+        torch.tensor([sum(v) / MICRO for v in zip(*(outcomes[r][0] for r in (1, 2)),
+                                                  strict=True)]),
+        torch.tensor(local_losses))
+    for rank, (_, weights, buffers) in enumerate(outcomes):
+        state = pipe.ranks[rank]
+        program = pipe.parts.stages[state.stage]
+        local = {original: b for name, b in state.module.named_buffers()
+                 for original in program.buffer_names.get(name, (name,))}
+        assert sorted(buffers) == sorted(local) and buffers
+        for name, value in buffers.items():
+            torch.testing.assert_close(value, local[name], msg=lambda m, n=name: f"{n}: {m}")
+        params = pipe.named_parameters()
+        for name, value in weights.items():
+            torch.testing.assert_close(value, params[name].detach())
+    for name, value in outcomes[1][2].items():  # the two replicas of stage 1
+        assert torch.equal(outcomes[2][2][name], value), name
+    assert int(outcomes[1][2]["4.num_batches_tracked"]) == STEPS * MICRO
+    assert not torch.equal(outcomes[1][2]["4.running_mean"], torch.zeros(WIDTH))

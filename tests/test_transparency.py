@@ -4,8 +4,11 @@ For every example model (VGG-16, ResNet-50, GNMT-like, GPT-2-style; small sizes)
 stages and with a replicated stage, under `1f1b-flush` and `gpipe` (the full grid), and for
 models with skip connections across stages, tied embeddings and BatchNorm, pipelines give the
 same losses, gradients, updated weights and buffers as single-process training with gradient
-accumulation over the same microbatches, for several steps. Exception (xfail, strict): BatchNorm
-running statistics on a replicated stage, which each replica keeps from its own microbatches.
+accumulation over the same microbatches, for several steps. Exception: BatchNorm running
+statistics on a replicated stage are the mean of the replicas' statistics (synchronised at every
+update), close to but not equal to single-process statistics, which see all microbatches in turn;
+the grid leaves them out (tests/test_replica_buffers.py checks them; the test below checks the
+count and that they stay close).
 
 ResNet runs on 64x64 images: at 32x32 its last BatchNorm normalises 2 values per microbatch and
 three steps of training amplify float summation order (gpipe's reversed backward order) beyond
@@ -136,8 +139,8 @@ def replicated_buffers(pipe: pdcompile.pipeline.Pipeline) -> set[str]:
 def check(case: Case, *, schedule: str, micro: int, plan: Any,
           replicated_stats: bool = True) -> pdcompile.pipeline.Pipeline:
     """Compare with `reference`; `replicated_stats=False` leaves out the buffers (BatchNorm
-    statistics) of replicated stages, which each replica keeps from its own microbatches
-    (see test_batchnorm_statistics_of_a_replicated_stage)."""
+    statistics) of replicated stages, which are the mean over replicas of statistics each kept
+    from its own microbatches (see test_batchnorm_statistics_of_a_replicated_stage)."""
     model, inputs, target, loss_fn = case
     for module in model.modules():  # a pipeline draws dropout masks in another order
         if isinstance(module, nn.Dropout):
@@ -223,12 +226,28 @@ def test_example_models(model: str, layout: str, schedule: str) -> None:
         assert [len(s.ranks) for s in pipe.plan.stages] == plan
 
 
-@pytest.mark.xfail(strict=True, reason="each replica of a stage updates BatchNorm running "
-                   "statistics from its own microbatches only (as DDP without SyncBatchNorm); "
-                   "single-process training sees all of them in turn")
 def test_batchnorm_statistics_of_a_replicated_stage() -> None:
-    pipe = check(resnet(), schedule="1f1b-flush", micro=4, plan=[1, 2])
-    assert replicated_buffers(pipe)
+    """Replicas end with equal statistics (synchronised at every update) and the single-process
+    count of batches. Their running averages take 2 momentum steps per update (4 microbatches
+    over 2 replicas) where single-process training takes 4, so they trail it: from where they
+    started, they cover more than 60% of the way to single-process statistics (about 70%)."""
+    case = resnet()
+    start = {name: value.clone() for name, value in case[0].state_dict().items()}
+    pipe = check(case, schedule="1f1b-flush", micro=4, plan=[1, 2], replicated_stats=False)
+    left_out = replicated_buffers(pipe)
+    assert any(name.endswith("running_mean") for name in left_out)
+    ref_state = case[0].state_dict()  # check() trained the model itself as the reference
+    replicas = [dict(pipe.ranks[r].module.named_buffers()) for r in pipe.plan.stages[1].ranks]
+    for name, value in replicas[0].items():
+        assert torch.equal(replicas[1][name], value), name
+    state = pipe.state_dict()
+    for name in left_out:
+        if name.endswith("num_batches_tracked"):
+            # check() called the pipeline and the model once before training, in training mode
+            assert int(state[name]) == int(ref_state[name]) == 1 + STEPS * 4, name
+        else:
+            left = (state[name] - ref_state[name]).norm() / (start[name] - ref_state[name]).norm()
+            assert left < 0.4, (name, float(left))
 
 
 def test_gpt2_tied_embeddings_three_stages() -> None:

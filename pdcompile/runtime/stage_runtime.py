@@ -22,6 +22,18 @@ Narayanan et al., ICML 2021; GPipe, Huang et al., NeurIPS 2019):
 
 Parameters tied across stages (tied embeddings) have their gradients summed over the stages that
 hold them inside `step` (an all-reduce among those ranks), so the copies stay equal.
+
+Buffers of a replicated stage (BatchNorm running statistics) are synchronised over its replicas
+in every `step`, before the optimizer step (one all-reduce per dtype, started together with the
+tied-gradient ones; at a run's first update one more per dtype, see below): a floating-point buffer
+moves by the mean of the replicas' changes since the last update, so it becomes the mean over
+replicas (elements no replica changes, such as a constant mask, stay bit for bit); an integer
+buffer moves by their sum, so a count such as `num_batches_tracked` is what single-process
+training counts. Changes are measured from the start of the run, then from each sync; the first
+sync of a run also gives every replica replica 0's buffers at the start of the run as the common
+base (they differ when the pipeline was called outside training, which runs replica 0: in
+training mode that call updates replica 0's statistics, as calling the model would). Boolean
+buffers are left alone.
 """
 
 from __future__ import annotations
@@ -145,6 +157,19 @@ class StageRuntime:
         self._sync_version: dict[int, int] = {}
         self._forwards_done: dict[int, int] = {}
         self._fresh = True  # next gradient contribution starts a new accumulation
+        # replicated stage: buffer values at the last sync (the start of the run at first), in
+        # groups of one dtype and device (one all-reduce each, the same order on every replica)
+        self._synced: dict[str, torch.Tensor] = {}
+        self._sync_groups: list[list[str]] = []
+        self._base_pending = True  # the first sync takes replica 0's starting values
+        if self.replicas > 1:
+            groups: dict[tuple[torch.dtype, torch.device], list[str]] = {}
+            for name, buffer in module.named_buffers():
+                if buffer.dtype == torch.bool or buffer.is_complex():
+                    continue
+                self._synced[name] = buffer.detach().clone()
+                groups.setdefault((buffer.dtype, buffer.device), []).append(name)
+            self._sync_groups = list(groups.values())
 
     # ------------------------------------------------------------------ helpers
     def _peer_rank(self, stage: int, microbatch: int) -> int:
@@ -385,21 +410,70 @@ class StageRuntime:
         self._record(Kind.ALLREDUCE, index, None, start)
 
     def step(self, index: int) -> Op:
-        """Optimizer step: a new weight version (tied gradients summed over stages first)."""
+        """Optimizer step: a new weight version (tied gradients summed over stages first, a
+        replicated stage's buffers synchronised)."""
         start = time.time()
+        # every collective is started before any is awaited: the last rank to join them all
+        # finishes the step at once (the local driver sees progress only when an action ends)
+        pending = []
         for group in self.ties:
             tied = [self.params[name] for name in group.names]
             for p in tied:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
                 p.grad.div_(self.replicas)
-            yield from self._wait(self.transport.all_reduce([p.grad for p in tied],  # type: ignore[misc]
-                                                            group.ranks))
+            pending.append(self.transport.all_reduce([p.grad for p in tied],  # type: ignore[misc]
+                                                     group.ranks))
+        finish_sync = self._start_buffer_sync(pending)
+        for started in pending:
+            yield from self._wait(started)
+        finish_sync()
         self._keep_for_later()
         self.optimizer.step()
         self.versions.advance()
         self._fresh = True
         self._record(Kind.STEP, index, None, start)
+
+    def _start_buffer_sync(self, pending: list[Pending]) -> Callable[[], None]:
+        """Replicated stage: start the all-reduces (appended to `pending`) after which every
+        replica's buffers move by the mean (floating point) or the sum (integers) of all
+        replicas' changes since the last sync; the function returned applies them once done
+        (see the module docstring)."""
+        if not self._sync_groups:
+            return lambda: None
+        ranks = self.config.stage_ranks[self.stage]
+        buffers = dict(self.module.named_buffers())
+        deltas: dict[str, torch.Tensor] = {}
+        bases: dict[str, torch.Tensor] = {}
+        for names in self._sync_groups:
+            if self._base_pending:  # a broadcast from replica 0: the others add zeros
+                group = [self._synced[name].clone() if self.rank == ranks[0] else
+                         torch.zeros_like(self._synced[name]) for name in names]
+                pending.append(self.transport.all_reduce(group, ranks))
+                bases.update(zip(names, group, strict=True))
+            group = [_change(buffers[name].detach(), self._synced[name]) for name in names]
+            pending.append(self.transport.all_reduce(group, ranks))
+            deltas.update(zip(names, group, strict=True))
+        self._base_pending = False
+
+        def finish() -> None:
+            for name, base in bases.items():  # equal values stay as they are (-0.0, NaN)
+                own = self._synced[name]
+                self._synced[name] = torch.where((base == own) | (base.isnan() & own.isnan()),
+                                                 own, base) if own.is_floating_point() else base
+            with torch.no_grad():
+                for name, delta in deltas.items():
+                    synced = self._synced[name]
+                    if synced.is_floating_point():  # unchanged elements (inf, -0.0) stay as is
+                        synced.copy_(torch.where(delta == 0, synced,
+                                                 synced + delta / self.replicas))
+                    else:
+                        synced.add_(delta)
+                    # through .data: the autograd graphs of microbatches in flight (1f1b) saved
+                    # the running statistics, which a training-mode backward does not read; a
+                    # tracked write would fail their version check like any in-place change
+                    buffers[name].data.copy_(synced)
+        return finish
 
     def _keep_for_later(self) -> None:
         """Before an update: hold the current version if a later forward will still use it."""
@@ -422,6 +496,15 @@ class StageRuntime:
 def _carries_grad(value: Any) -> bool:
     """Floating-point tensors travel with gradients; ints, masks and Python numbers do not."""
     return isinstance(value, torch.Tensor) and value.is_floating_point()
+
+
+def _change(value: torch.Tensor, synced: torch.Tensor) -> torch.Tensor:
+    """How far a buffer moved since the last sync; zero where it did not (infinities and NaNs
+    that stayed included)."""
+    if not value.is_floating_point():
+        return value - synced
+    same = (value == synced) | (value.isnan() & synced.isnan())
+    return torch.where(same, torch.zeros_like(value), value - synced)
 
 
 def _encode(value: Any, name: str) -> torch.Tensor:
