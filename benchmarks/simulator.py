@@ -637,8 +637,9 @@ optimizer step by the means measured in the run, so what remains is the simulato
 the schedule, the transfers and the overheads between actions; "compute / cores" stretches the
 cost-pass compute by N / cores when there are more processes than cores. On top of the cost
 pass the simulator adds what the runtime does around the stage modules: the optimizer step
-(3 P / memory bandwidth) and, under asynchronous 1F1B, the weight-stash snapshot (a read and a
-write of the weights per new version, 2 P / memory bandwidth; a backward hands the stashed
+(3 P / memory bandwidth) and, under asynchronous 1F1B, the weight-stash snapshot on stages
+that keep more than one minibatch in flight (a read and a write of the weights per new version,
+2 P / memory bandwidth; the last stage uses its live weights; a backward hands the stashed
 gradients over without a copy). The first compute column sums forward + backward of all stages
 per minibatch three ways: the cost pass (per node, summed), each whole stage module timed alone
 in this process, and the means measured in the run (stash copies included); the next one is the
