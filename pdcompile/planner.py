@@ -171,7 +171,7 @@ def _prepare(work: nx.DiGraph, cost_model: str, workers: int) -> _Prepared:
         return _Prepared(states, "pipedream antichains", identity, work, pinned)
     except CostGraphError:
         pass
-    full, mapping = _coarse_with_pinned(work, COARSE_NODES, pinned, branches=True)
+    full, mapping = _coarse_with_pinned(work, COARSE_NODES, pinned)
     coarse = full.subgraph([b for b in full.nodes if b not in set(pinned)]).copy()
     try:
         states = antichain_states(coarse, max_states=budget)
@@ -183,16 +183,13 @@ def _prepare(work: nx.DiGraph, cost_model: str, workers: int) -> _Prepared:
 
 
 def _coarse_with_pinned(work: nx.DiGraph, target: int, pinned: tuple[str, ...] | None = None,
-                        *, branches: bool = False) -> tuple[nx.DiGraph, dict[str, list[str]]]:
+                        ) -> tuple[nx.DiGraph, dict[str, list[str]]]:
     """`work` with its chains fused down to about `target` blocks, inputs kept apart (so that they
-    stay pinned to the first stage); mapping block -> original nodes (inputs map to themselves).
-    `branches`: also fuse across branches (any graph reaches `target`; costgraph.coarsen); the
-    DP's fallback does, the auto-CP-SAT size test does not (it asks whether chains alone
-    bring the graph under ILP_AUTO_NODES)."""
+    stay pinned to the first stage); mapping block -> original nodes (inputs map to themselves)."""
     if pinned is None:
         pinned = _pinned_inputs(work)
     core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
-    coarse, mapping = coarsen(core, target=target, branches=branches)
+    coarse, mapping = coarsen(core, target=target)
     full = coarse.copy()
     block_of = {m: b for b, members in mapping.items() for m in members}
     for z in pinned:
