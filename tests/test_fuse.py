@@ -145,3 +145,19 @@ def test_parameter_also_read_directly_is_left_alone() -> None:
 
     gm = trace(Tied())
     assert fuse_grad_accumulation(gm) == 0
+
+
+def test_autocast_takes_the_plain_path() -> None:
+    """Under autocast the forward runs in low precision; its backward must be autograd's."""
+    torch.manual_seed(3)
+    layer = nn.Linear(8, 4)
+    ref = copy.deepcopy(layer)
+    x = torch.randn(3, 8)
+    with torch.autocast("cpu", dtype=torch.bfloat16), accumulating_grads():
+        out = linear_accumulate(x, layer.weight, layer.bias)
+    assert out.dtype == torch.bfloat16
+    out.float().sum().backward()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref(x).float().sum().backward()
+    assert layer.weight.grad is not None and ref.weight.grad is not None
+    assert torch.equal(layer.weight.grad, ref.weight.grad)

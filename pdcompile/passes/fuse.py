@@ -18,8 +18,9 @@ of two roundings).
 
 The fused path is taken only for forwards run inside `accumulating_grads()` (the pipeline
 runtime's): there the graph is always consumed by `backward()`, which accumulates into `.grad`.
-Elsewhere (a user calling a stage module, `torch.autograd.grad`, double backward) the rewritten
-module is plain `F.linear`. Parameters read more than once in the stage keep the ordinary path.
+Elsewhere (a user calling a stage module, `torch.autograd.grad`, double backward) and under
+autocast the rewritten module is plain `F.linear`. Parameters the graph also reads directly keep
+the ordinary path.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def _accumulates(leaf: torch.Tensor) -> bool:
 def linear_accumulate(x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with the fused gradient accumulation (module docstring)."""
-    if not (_ACCUMULATING.get() and torch.is_grad_enabled() and weight.requires_grad):
+    if not (_ACCUMULATING.get() and torch.is_grad_enabled() and weight.requires_grad) \
+            or torch.is_autocast_enabled(x.device.type):  # autocast: its casts need autograd's
         return F.linear(x, weight, bias)
     return _LinearAccumulate.apply(x, weight, bias)  # type: ignore[no-any-return]
 
