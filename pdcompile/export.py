@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import PipelineInputError
 from pdcompile.ir import Schedule
 from pdcompile.meta import set_stage
+from pdcompile.passes.fuse import linear_accumulate
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
 from pdcompile.plan import Plan
@@ -386,7 +387,9 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
     for alias, primary in meta["aliases"].items():
         _set_path(stage, alias, _get_path(stage, primary))
-    graph = _LeafTracer().trace(stage)
+    # the fused Linear calls (passes/fuse.py) stay calls: traced through, they would bake in
+    # the plain path
+    graph = _LeafTracer(autowrap_functions=(linear_accumulate,)).trace(stage)
     module = fx.GraphModule(stage, graph, class_name=f"Stage{index}")
     return StageProgram(
         index=index, module=module,

@@ -160,3 +160,19 @@ def test_callables_that_cannot_be_read_back_are_named(tmp_path: Path) -> None:
         pdcompile.load(str(tmp_path / "out"))
     loaded = pdcompile.load(str(tmp_path / "out"), loss_fn=nn.functional.mse_loss)
     assert loaded.step(torch.randn(4, 4), target=torch.randn(4, 2)) > 0
+
+
+def test_export_fuses_linears_unless_told_not_to(tmp_path: Path) -> None:
+    """The exported stage code carries the fused accumulation; --no-fuse keeps nn.Linear calls."""
+    fused, plain = tmp_path / "fused", tmp_path / "plain"
+    assert main(["export", "pdcompile.models.vgg16:factory", "--stages", "2", "--out",
+                 str(fused)]) == 0
+    assert main(["export", "pdcompile.models.vgg16:factory", "--stages", "2", "--no-fuse",
+                 "--out", str(plain)]) == 0
+    fused_code = "".join(p.read_text() for p in sorted(fused.glob("stage_*.py")))
+    plain_code = "".join(p.read_text() for p in sorted(plain.glob("stage_*.py")))
+    assert "linear_accumulate" in fused_code
+    assert "linear_accumulate" not in plain_code
+    loaded = pdcompile.load(str(fused))
+    assert any(n.op == "call_function" and "linear_accumulate" in str(n.target)
+               for m in loaded.stage_modules for n in m.graph.nodes)

@@ -63,6 +63,10 @@ def register(subparsers: Any) -> None:
                         help="SGD learning rate (default 0.01), e.g. --lr 0.1")
     parser.add_argument("--momentum", type=float, default=0.0,
                         help="SGD momentum (default 0), e.g. --momentum 0.9")
+    parser.add_argument("--no-fuse", dest="fuse", action="store_false",
+                        help="keep plain autograd weight-gradient accumulation in the stages "
+                        "(default: Linear layers add dW into .grad in place, faster with "
+                        "microbatches)")
     parser.add_argument("--json", action="store_true",
                         help="print the folder, launch command and plan as JSON")
     parser.set_defaults(func=run)
@@ -108,7 +112,8 @@ def run(args: argparse.Namespace) -> int:
             model, cluster, example_inputs=inputs, loss_fn=loss_fn, example_target=example_target,
             optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
             schedule=args.schedule, microbatches=args.microbatches, planner=args.planner,
-            cost=args.cost, cost_model=args.cost_model, time_limit=args.time_limit, plan=plan)
+            cost=args.cost, cost_model=args.cost_model, time_limit=args.time_limit, plan=plan,
+            fuse=args.fuse)
     pipe.export(args.out)
     command = f"pdcompile run {args.out} --nproc {pipe.plan.workers}"
     if args.json:
