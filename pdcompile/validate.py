@@ -23,6 +23,7 @@ from collections import Counter
 from pdcompile.deps import dependencies, execution_order, is_lowered, stage_edges
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.passes.lower import last_backward_of_minibatch
 
 
 def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> ScheduleError:
@@ -180,10 +181,8 @@ def _update_anchors(schedule: Schedule, rank: int) -> list[tuple[int, int | None
         return [(m // replicas, i) for i, m in backwards]
     if schedule.name == "2bw":
         per_minibatch = int(schedule.options.get("microbatches_per_minibatch", 1))
-        last: dict[int, int] = {}
-        for i, m in backwards:
-            last[m // per_minibatch] = i
-        return sorted(last.items())
+        last = last_backward_of_minibatch(actions, per_minibatch)  # as lowering places them
+        return sorted((last[m], i) for i, m in backwards if m in last)
     return None
 
 

@@ -24,6 +24,7 @@ import torch.nn as nn
 import pdcompile
 from pdcompile.passes.split import manual_plan
 from pdcompile.passes.trace import trace
+from tests.test_transparency import TiedBN
 
 MICRO, BATCH, STEPS = 4, 8, 3
 LAYOUTS = ([1, 2], [2, 1])
@@ -226,22 +227,6 @@ def test_an_unreplicated_pipeline_keeps_no_copies() -> None:
     x, y = _batches(1)[0]
     pipe.step(x, target=y)
     assert all(not rt._sync_groups for rt in pipe.last_runtimes.values())
-
-
-class TiedBN(nn.Module):
-    """An embedding tied to the output layer (stages 0 and 2) around a BatchNorm (stage 1)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(20, 8)
-        self.proj = nn.Linear(8, 8)
-        self.bn = nn.BatchNorm1d(8)
-        self.head = nn.Linear(8, 20, bias=False)
-        self.head.weight = self.emb.weight
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        h = self.proj(self.emb(idx).mean(1))
-        return self.head(torch.relu(self.bn(h)))
 
 
 @pytest.mark.parametrize("replicas", [[1, 2, 1], [2, 2, 2]], ids=str)

@@ -22,7 +22,7 @@ position. Weight updates (STEP k, preceded by ALLREDUCE k on replicated stages) 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from pdcompile.deps import dependency_lists
 from pdcompile.errors import ScheduleError
@@ -83,7 +83,8 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
         stage = schedule.stage_of_rank(rank)
         replicas = len(schedule.stage_ranks[stage])
         own = schedule.actions.get(rank, ())
-        last_of_minibatch = _last_of_minibatch(own, per_minibatch) if schedule.name == "2bw" else {}
+        last_of_minibatch = (last_backward_of_minibatch(own, per_minibatch)
+                             if schedule.name == "2bw" else {})
         out: list[Action] = []
         for index, action in enumerate(own):
             m = action.microbatch
@@ -114,8 +115,9 @@ def _update(stage: int, index: int, replicas: int) -> list[Action]:
     return ([Action(stage, Kind.ALLREDUCE, index)] if replicas > 1 else []) + step
 
 
-def _last_of_minibatch(own: tuple[Action, ...], per_minibatch: int) -> dict[int, int]:
-    """For 2bw: microbatch -> minibatch index, for this rank's last backward of each minibatch."""
+def last_backward_of_minibatch(own: Sequence[Action], per_minibatch: int) -> dict[int, int]:
+    """For 2bw: microbatch -> minibatch index, for this rank's last backward of each minibatch
+    (where its update goes; validate checks lowered schedules against the same rule)."""
     last: dict[int, int] = {}
     for action in own:
         if action.kind == Kind.B:

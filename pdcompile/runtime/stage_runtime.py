@@ -55,7 +55,6 @@ from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 
 Op = Generator[Pending, None, None]
-ASYNC = ("1f1b", "2bw")
 
 
 class ValueSource(Protocol):
