@@ -25,6 +25,7 @@ the ordinary path.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -105,13 +106,8 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor,
 
 def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
     """Rewrite the Linear calls of `gm` in place (module docstring); returns how many."""
-    uses: dict[int, int] = {}
-    for _name, p in gm.named_parameters(remove_duplicate=False):
-        uses[id(p)] = uses.get(id(p), 0) + 1
-    get_attr_uses: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "get_attr":
-            get_attr_uses[str(node.target)] = get_attr_uses.get(str(node.target), 0) + 1
+    uses = Counter(id(p) for _name, p in gm.named_parameters(remove_duplicate=False))
+    get_attr_uses = Counter(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
     fused = 0
     for node in list(gm.graph.nodes):
         if node.op != "call_module" or node.kwargs or len(node.args) != 1:
@@ -120,9 +116,9 @@ def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
         if type(module) is not torch.nn.Linear:
             continue
         own = [module.weight] + ([module.bias] if module.bias is not None else [])
-        if any(uses.get(id(p), 0) != 1 for p in own):
-            continue  # tied inside the stage: autograd must sum the uses
-        if any(get_attr_uses.get(f"{node.target}.{n}", 0) for n in ("weight", "bias")):
+        if any(uses[id(p)] != 1 for p in own):
+            continue  # shared with another module of the stage: left to autograd
+        if any(get_attr_uses[f"{node.target}.{n}"] for n in ("weight", "bias")):
             continue  # the graph also reads the parameter directly
         with gm.graph.inserting_before(node):
             weight = gm.graph.get_attr(f"{node.target}.weight")
