@@ -50,11 +50,16 @@ class Device:
 
 @dataclass(frozen=True)
 class Level:
-    """One level of the hierarchy: `workers` children joined by links of this speed."""
+    """One level of the hierarchy: `workers` children joined by links of this speed.
+
+    `cpu_copies`: transfers over this level are copies made by the endpoints' CPUs, as between
+    processes of one host over loopback, so the sending rank is busy for the transfer's duration
+    (a NIC or NVLink copies by itself and leaves the rank free)."""
 
     workers: int
     bandwidth: float
     latency: float = 0.0
+    cpu_copies: bool = False
 
 
 DEVICES: dict[str, Device] = {
@@ -101,6 +106,9 @@ class Cluster:
                 )
             if level.latency < 0:
                 raise ClusterError(f"level {i} has negative latency {level.latency!r} s")
+            if not isinstance(level.cpu_copies, bool):
+                raise ClusterError(f"level {i} has cpu_copies {level.cpu_copies!r}; write true "
+                                   "or false")
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -129,6 +137,10 @@ class Cluster:
         """Seconds of latency of the link between two ranks."""
         return self.levels[self.link_level(rank_a, rank_b)].latency
 
+    def cpu_copies_between(self, rank_a: int, rank_b: int) -> bool:
+        """Whether the CPUs copy the data between two ranks (the sender is busy meanwhile)."""
+        return self.levels[self.link_level(rank_a, rank_b)].cpu_copies
+
     def slowest_level_of(self, ranks: tuple[int, ...] | list[int]) -> int:
         """The outermost level that a group of ranks spans (its all-reduce's bottleneck)."""
         if len(ranks) <= 1:
@@ -142,7 +154,8 @@ class Cluster:
     def describe(self) -> str:
         """One line: "4x4 workers (10 GB/s, 1.25 GB/s) of v100 (16.0 GiB)"."""
         shape = "x".join(str(lv.workers) for lv in self.levels)
-        links = ", ".join(format_bandwidth(lv.bandwidth) for lv in self.levels)
+        links = ", ".join(format_bandwidth(lv.bandwidth) + (" CPU copies" if lv.cpu_copies else "")
+                          for lv in self.levels)
         label = f"{self.name}: " if self.name else ""
         memory = format_bytes(self.device.memory)
         return f"{label}{shape} workers ({links}) of {self.device.name} ({memory})"
@@ -220,7 +233,8 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
-        """Read a JSON or YAML file: {name, device, levels: [{workers, bandwidth, latency}]}.
+        """Read a JSON or YAML file: {name, device, levels: [{workers, bandwidth, latency,
+        cpu_copies}]} (latency and cpu_copies optional).
 
         A file that is missing, not JSON/YAML (the message quotes the bad line and marks the
         column) or not a cluster gets one ClusterError that shows a valid file."""
@@ -262,7 +276,7 @@ class Cluster:
         for i, item in enumerate(levels_raw):
             if not isinstance(item, dict) or "workers" not in item or "bandwidth" not in item:
                 raise ClusterError(f"level {i} ({item!r}) needs 'workers' and 'bandwidth'")
-            unknown = set(item) - {"workers", "bandwidth", "latency"}
+            unknown = set(item) - {"workers", "bandwidth", "latency", "cpu_copies"}
             if unknown:
                 raise ClusterError(f"level {i} has unknown keys {sorted(unknown)}")
             workers = item["workers"]
@@ -270,7 +284,10 @@ class Cluster:
                 raise ClusterError(f"level {i}: workers {workers!r} is not an integer")
             bandwidth = _quantity(item["bandwidth"], "bandwidth", f"level {i} bandwidth")
             latency = _quantity(item.get("latency", 0.0), "seconds", f"level {i} latency")
-            levels.append(Level(workers, bandwidth, latency))
+            cpu_copies = item.get("cpu_copies", False)
+            if not isinstance(cpu_copies, bool):
+                raise ClusterError(f"level {i}: cpu_copies {cpu_copies!r} is not true or false")
+            levels.append(Level(workers, bandwidth, latency, cpu_copies))
         return cls(levels=tuple(levels), device=_device(data.get("device")),
                    name=str(data.get("name", "")))
 
@@ -354,5 +371,7 @@ def _local_cluster(workers: int) -> Cluster:
     if workers < 1:
         raise ClusterError(f"local cluster needs at least 1 worker (got {workers})")
     bandwidth, latency = local_bandwidth()
-    return Cluster(levels=(Level(workers, bandwidth, latency),), device=local_device(workers),
+    # processes of one host: gloo over loopback is a copy made by the sending process's CPU
+    level = Level(workers, bandwidth, latency, cpu_copies=True)
+    return Cluster(levels=(level,), device=local_device(workers),
                    name=f"local-{workers}")

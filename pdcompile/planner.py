@@ -14,7 +14,7 @@ from typing import Any
 
 import networkx as nx
 
-from pdcompile.cluster import Cluster, Level
+from pdcompile.cluster import Cluster
 from pdcompile.costgraph import coarsen, edge_bytes, topological_order, validate
 from pdcompile.errors import CostGraphError, PlanError
 from pdcompile.plan import Plan, Stage
@@ -266,7 +266,7 @@ def _no_fit(graph: nx.DiGraph, prepared: _Prepared, cluster: Cluster, options: A
     for factor in range(2, 9):
         outer = cluster.levels[-1]
         bigger = replace(cluster, levels=cluster.levels[:-1] + (
-            Level(outer.workers * factor, outer.bandwidth, outer.latency),))
+            replace(outer, workers=outer.workers * factor),))
         if bigger.workers > 4096:
             break
         if fits(bigger, float(limit or 0.0)):

@@ -4,9 +4,11 @@ Each rank runs its actions in order. An action starts when the rank is free and 
 (`pdcompile.deps.dependencies`, the same function validation uses) are met:
 
 - F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds (W: half of `bwd[s]`);
-- SEND_*: non-blocking, takes no time on the rank; the transfer starts when the link from the
-  sending rank to the receiving rank is free (one transfer at a time per directed rank pair, in
-  send order) and takes latency + bytes / bandwidth of the cluster level the link crosses;
+- SEND_*: non-blocking, takes no time on the rank over a network; the transfer starts when the
+  link from the sending rank to the receiving rank is free (one transfer at a time per directed
+  rank pair, in send order) and takes latency + bytes / bandwidth of the cluster level the link
+  crosses; on a level with `cpu_copies` (loopback: the sender's CPU makes the copy) the send
+  occupies the rank until its bytes are on the link, through any wait for it (`begin + busy`);
 - RECV_*: ends when the data has arrived (its duration is the time the rank waited);
 - ALLREDUCE k: starts when every replica of the stage has reached it; a ring all-reduce of the
   stage's parameters over the slowest level the replicas span, 2 (r-1)/r * P / bw + 2 (r-1) latency;
@@ -130,7 +132,8 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     end: dict[int, list[float]] = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
     arrival: dict[int, list[float]] = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
     link_free: dict[tuple[int, int], float] = {}
-    link_speed: dict[tuple[int, int], tuple[float, float]] = {}
+    # link_speed[src, dst]: (bytes/s, latency, whether the sender's CPU makes the copy)
+    link_speed: dict[tuple[int, int], tuple[float, float, bool]] = {}
     events: list[Event] = []
     compute: list[tuple[Event, Action]] = []
     actions = schedule.actions
@@ -162,7 +165,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
             elif kind == Kind.STEP:
                 finish = start + step_time[stage]
                 fresh[rank] = copying[rank]
-            else:  # SEND_F / SEND_B: non-blocking; the link carries it
+            else:  # SEND_F / SEND_B: the link carries it; with CPU copies the sender waits
                 assert action.peer is not None
                 dst = schedule.rank_of(action.peer, action.microbatch)
                 link = (rank, dst)
@@ -170,12 +173,13 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                 begin = max(start, link_free.get(link, 0.0))
                 if link not in link_speed:
                     link_speed[link] = (cluster.bandwidth_between(rank, dst),
-                                        cluster.latency_between(rank, dst))
-                bandwidth, latency = link_speed[link]
+                                        cluster.latency_between(rank, dst),
+                                        cluster.cpu_copies_between(rank, dst))
+                bandwidth, latency, cpu_copies = link_speed[link]
                 busy = size / bandwidth if size else 0.0
                 link_free[link] = begin + busy
                 arrival[rank][index] = begin + busy + (latency if size else 0.0)
-                finish = start
+                finish = begin + busy if cpu_copies and size else start
         end[rank][index] = finish
         free_at[rank] = finish
         if kind.is_compute:
