@@ -34,6 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from pdcompile.backends.launch import Worker, launch
+from pdcompile.runtime.allocator import tune_allocator
 
 WIDTH, BLOCKS, CLASSES, MINIBATCH, MICRO = 1024, 8, 10, 256, 8
 LR = 0.01
@@ -225,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default="", help="also write the table to this Markdown file")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    # every configuration runs with the allocator pdcompile's workers use: this process for (a),
+    # the launched workers of the others (backends/launch.py); PDCOMPILE_ALLOCATOR=system for none
+    tune_allocator()
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
     # passes interleave the configurations, so that load from elsewhere hits them all alike
     times: dict[str, list[float]] = {name: [] for name in names}

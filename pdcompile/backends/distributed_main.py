@@ -144,7 +144,9 @@ def _main(args: argparse.Namespace) -> int:
     from pdcompile.backends.distributed import reads_data, run_distributed
     from pdcompile.backends.launch import PeerFailure, monitor_from_env
     from pdcompile.export import load_pipeline
+    from pdcompile.runtime.allocator import tune_allocator
 
+    tune_allocator()  # freed memory stays for reuse (runtime/allocator.py)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")

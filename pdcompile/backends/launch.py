@@ -335,7 +335,10 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
     import torch
     import torch.distributed as dist
 
+    from pdcompile.runtime.allocator import tune_allocator
+
     torch.set_num_threads(1)
+    tune_allocator()
 
     def hard_stop(failure: PeerFailure) -> None:
         results.put((rank, "error", failure, time.time()))

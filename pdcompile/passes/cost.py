@@ -39,6 +39,7 @@ from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
 from pdcompile.passes.neighbours import TrainStep, busy_neighbours, check_count
 from pdcompile.passes.shapes import annotate_shapes, bind_inputs
 from pdcompile.passes.timers import Timer, measure, select_timer
+from pdcompile.runtime.allocator import tune_allocator
 
 SOURCES = ("measured", "analytic")
 _COMPUTE_OPS = ("call_module", "call_function", "call_method")
@@ -79,6 +80,10 @@ def annotate_costs(
     neighbours=N-1, capped to cores-1 (with more, the neighbours
     take this process's core away and the wall clock counts that too). The model and inputs
     must pickle (each neighbour gets a copy). 0, the default, profiles on an idle machine.
+
+    Measuring applies `pdcompile.runtime.allocator.tune_allocator()` to this process first
+    (glibc keeps freed memory for reuse, as pdcompile's workers run; PDCOMPILE_ALLOCATOR=system
+    opts out), so the profile sees the allocator the pipeline will run with.
     """
     if source not in SOURCES:
         raise PdcompileError(f"unknown cost source {source!r}; use one of {', '.join(SOURCES)} "
@@ -93,6 +98,7 @@ def annotate_costs(
     annotate_shapes(gm, tuple(example_inputs), example_kwargs)  # these inputs' shapes
     owners = param_owners(gm)
     if source == "measured":
+        tune_allocator()  # time nodes with the allocator the workers will run with
         timer = timer or select_timer(_device_of(gm, values), clock=clock)
         with busy_neighbours(neighbours, TrainStep(gm, values) if neighbours else None):
             costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
@@ -180,6 +186,7 @@ def measure_model(model: nn.Module, example_inputs: Sequence[Any], *, warmup: in
     """Median (forward, backward) seconds of the whole model, as one training step runs it:
     forward with autograd, then backward from all-ones gradients of its float outputs."""
     kwargs = dict(example_kwargs or {})
+    tune_allocator()
     timer = timer or select_timer(_device_of(model, example_inputs), clock=clock)
     buffers = _snapshot_buffers(model)
 

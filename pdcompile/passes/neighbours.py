@@ -198,7 +198,10 @@ def _stop(procs: list[BaseProcess], timeout: float) -> None:
 def _neighbour_main(payload: bytes, conn: Connection, threads: int, parent: int) -> None:
     """A neighbour process: load the workload, run it once, report, then loop until killed, or
     until its parent is gone (a parent killed outright cannot stop it; it must not spin on)."""
+    from pdcompile.runtime.allocator import tune_allocator
+
     torch.set_num_threads(threads)
+    tune_allocator()  # as a pipeline worker runs
     try:
         try:
             work = pickle.loads(payload)
