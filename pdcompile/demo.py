@@ -24,7 +24,7 @@ import torch
 
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PdcompileError
-from pdcompile.optimizer_cost import time_optimizer_steps
+from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
 from pdcompile.plan import Plan
 from pdcompile.timeline import Timeline
 from pdcompile.units import format_seconds
@@ -181,11 +181,12 @@ def profile(size: DemoSize, *, progress: bool = False, seed: int = 0
 
 
 def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,
-            optimizer_steps: tuple[float, ...] | None = None) -> Timeline:
+            optimizer_steps: tuple[float, ...] | None = None,
+            weight_copies: tuple[float, ...] | None = None) -> Timeline:
     """The simulator's timeline of `minibatches` streamed through `plan` on `cluster` (1F1B).
 
-    `optimizer_steps`: seconds of each stage's optimizer step (optimizer_cost); None: the
-    simulator's memory-bandwidth default."""
+    `optimizer_steps`, `weight_copies`: seconds of each stage's optimizer step and weight
+    snapshot (optimizer_cost); None: the simulator's memory-bandwidth defaults."""
     from dataclasses import replace
 
     from pdcompile.backends.simulate import simulate
@@ -197,6 +198,8 @@ def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,
     costs = StageCosts.from_plan(graph, plan)
     if optimizer_steps is not None:
         costs = replace(costs, optimizer=optimizer_steps)
+    if weight_copies is not None:
+        costs = replace(costs, stash=weight_copies)
     stage_ranks = [list(s.ranks) for s in plan.stages]
     lowered = lower(generate("1f1b", stage_ranks, minibatches), costs.stage_edges())
     validate(lowered)
@@ -329,7 +332,8 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
 
     log()
     log("## 4. predicted against measured")
-    predicted = predict(graph, plan, cluster, steps, time_optimizer_steps(pipe))
+    predicted = predict(graph, plan, cluster, steps, time_optimizer_steps(pipe),
+                        time_weight_copies(pipe))
     stage_of = plan.rank_to_stage()
     for name, line in (("predicted", predicted), ("measured", measured)):
         line.save(folder / f"{name}_timeline.json")

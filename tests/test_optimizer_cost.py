@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pdcompile
-from pdcompile.optimizer_cost import time_optimizer_steps
+from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
 
 
 def _pipe(optimizer: object) -> pdcompile.Pipeline:
@@ -41,3 +41,25 @@ def test_adam_costs_more_than_sgd_on_the_same_stages() -> None:
 def test_bad_repeats_is_refused() -> None:
     with pytest.raises(ValueError, match="repeats"):
         time_optimizer_steps(_pipe(functools.partial(torch.optim.SGD, lr=0.1)), repeats=0)
+
+
+def test_weight_copies_are_timed_per_stage_and_grow_with_the_weights() -> None:
+    pipe = _pipe(functools.partial(torch.optim.SGD, lr=0.1))
+    copies = time_weight_copies(pipe, repeats=9)
+    assert len(copies) == 2 and all(c > 0 for c in copies)
+    # stage 0 holds 64x512 + 512x512 weights, stage 1 512x4; the bigger stage copies longer
+    sizes = [sum(p.numel() for p in m.parameters()) for m in pipe.stage_modules]
+    bigger = max(range(2), key=lambda s: sizes[s])
+    assert copies[bigger] > copies[1 - bigger]
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Flatten())  # stage 1: no parameters
+    empty = pdcompile.compile(model, example_inputs=(torch.randn(4, 16),), plan=2)
+    assert time_weight_copies(empty, repeats=1)[1] == 0.0
+
+
+def test_weight_copies_refuse_meta_parameters_and_bad_repeats() -> None:
+    pipe = _pipe(functools.partial(torch.optim.SGD, lr=0.1))
+    with pytest.raises(ValueError, match="repeats"):
+        time_weight_copies(pipe, repeats=0)
+    pipe.stage_modules[0].to("meta")
+    with pytest.raises(ValueError, match="meta device"):
+        time_weight_copies(pipe)

@@ -77,8 +77,10 @@ def annotate_costs(
     and share its caches and memory bandwidth, so a layer can run slower than in a profile taken
     on an idle machine (5-10% on the development VM; benchmarks/results/simulator.md): on a host
     where each pipeline worker shares the machine with N-1 other busy workers, profile with
-    neighbours=N-1, capped to cores-1 (with more, the neighbours
-    take this process's core away and the wall clock counts that too). The model and inputs
+    neighbours=N-1; with more workers than cores the neighbours also take turns with this
+    process on the cores, and the wall clock counts that time slicing as the workers will see
+    it (on the development VM, 4 processes on 2 cores: compute per minibatch 164 ms profiled,
+    163 ms in the run, for a small CNN). The model and inputs
     must pickle (each neighbour gets a copy). 0, the default, profiles on an idle machine.
 
     Measuring applies `pdcompile.runtime.allocator.tune_allocator()` to this process first

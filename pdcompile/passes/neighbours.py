@@ -100,7 +100,7 @@ def check_count(count: object, what: str = "neighbours") -> int:
     if isinstance(count, bool) or not isinstance(count, int) or count < 0:
         raise PdcompileError(f"{what} must be a whole number >= 0 (got {count!r}): the number of "
                              "other busy pipeline workers sharing this machine (N-1 for N "
-                             "workers on one host, at most the number of cores - 1)")
+                             "workers on one host)")
     return count
 
 
