@@ -141,3 +141,27 @@ def test_a_bad_flag_is_refused(tmp_path: Path) -> None:
     file.write_text(json.dumps({"levels": [{"workers": 2, "bandwidth": 1e9, "cpu_copies": "yes"}]}))
     with pytest.raises(ClusterError, match="cpu_copies 'yes' is not true or false"):
         Cluster.load(file)
+
+
+def test_simulate_command_notes_more_workers_than_cores(local_env: None, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    from pdcompile.cli import main
+    from pdcompile.costgraph import add_block, new_cost_graph, save
+
+    graph = new_cost_graph("chain")
+    for i in range(4):
+        add_block(graph, f"n{i}", fwd=0.01, bwd=0.02, act=1e5, params=1e5)
+        if i:
+            graph.add_edge(f"n{i - 1}", f"n{i}")
+    save(graph, tmp_path / "g.json")
+    command = ["simulate", "--costgraph", str(tmp_path / "g.json"), "--cluster", "local-2",
+               "--planner", "dp", "--minibatches", "8", "--json"]
+    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    assert main(command) == 0
+    assert "NOTE" not in capsys.readouterr().err
+    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    assert main(command) == 0
+    captured = capsys.readouterr()
+    assert "2 worker processes would share this machine's 1 cores" in captured.err
+    assert json.loads(captured.out)["time_per_minibatch"] > 0  # stdout stays JSON

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -185,6 +187,12 @@ def run(args: argparse.Namespace) -> int:
     if plan.workers > cluster.workers:
         raise PdcompileError(f"the plan uses {plan.workers} workers but the cluster has "
                              f"{cluster.workers}")
+    cores = os.cpu_count() or 1
+    if cluster.name.startswith("local") and plan.workers > cores:
+        print(f"NOTE: {plan.workers} worker processes would share this machine's {cores} cores; "
+              "the simulation assumes a core per worker, so a real run here will be slower "
+              "(benchmarks/results/simulator.md: 30-75% on 4 processes and 2 cores)",
+              file=sys.stderr)
     schedule, result = simulate_plan(graph, plan, cluster, schedule=args.schedule,
                                      microbatches=args.microbatches if per is None else per,
                                      minibatches=args.minibatches, warmup=args.warmup)
