@@ -185,3 +185,14 @@ def test_console_script_runs_a_bundled_model() -> None:
                            "2"], capture_output=True, text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr
     assert "analytic on v100" in done.stdout and "total (" in done.stdout
+
+
+def test_json_of_a_model_measured_with_cold_caches(model_file: Path,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["inspect", f"{model_file}:factory", "--caches", "cold", "--repeats", "2",
+                 "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert data["source"] == "measured (wall clock, cold caches)"
+    graph = costgraph.from_dict(data)
+    assert graph.nodes["a"]["fwd"] > 0

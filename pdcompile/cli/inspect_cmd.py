@@ -64,6 +64,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
                         help="measured on a CPU: wall clock (default) or process CPU time, "
                         "steadier on a busy machine")
+    parser.add_argument("--caches", default="warm", choices=("warm", "cold"),
+                        help="measured: time each run with the node's data in the caches "
+                        "(warm, default) or after evicting the last-level cache (cold: as a "
+                        "pipeline meets a node; slower to profile), e.g. --caches cold")
     parser.add_argument("--coarsen", type=int, metavar="N",
                         help="fuse chains until at most N blocks remain (shows blocks), e.g. "
                         "--coarsen 40")
@@ -85,7 +89,8 @@ def register(subparsers: Any) -> None:
 # --------------------------------------------------------------------------------- library
 def cost_graph_of_model(spec: str, *, cost: str = "measured", cluster: str = "A",
                         leaves: tuple[str, ...] = (), warmup: int = 2, repeats: int = 5,
-                        clock: str = "wall", progress: bool = True) -> nx.DiGraph:
+                        clock: str = "wall", progress: bool = True,
+                        caches: str = "warm") -> nx.DiGraph:
     """Trace, shape and cost the model a factory spec names; node `shape` attributes added."""
     import torch
 
@@ -100,12 +105,13 @@ def cost_graph_of_model(spec: str, *, cost: str = "measured", cluster: str = "A"
     annotate_shapes(gm, inputs)
     device = load_cluster(cluster).device if cost == "analytic" else None
     annotate_costs(gm, inputs, source=cost, device=device, warmup=warmup, repeats=repeats,
-                   clock=clock, progress=progress)
+                   clock=clock, progress=progress, caches=caches if cost == "measured" else "warm")
     graph = to_cost_graph(gm, name=spec)
     for node in gm.graph.nodes:
         if node.name in graph:
             graph.nodes[node.name]["shape"] = str(get_shape(node))
-    graph.graph["source"] = cost if cost == "analytic" else f"measured ({clock} clock)"
+    graph.graph["source"] = cost if cost == "analytic" else \
+        f"measured ({clock} clock{', cold caches' if caches == 'cold' else ''})"
     if cost == "analytic" and device is not None:
         graph.graph["source"] = f"analytic on {device.name}"
     return graph
@@ -130,7 +136,8 @@ def load_graph(args: argparse.Namespace) -> nx.DiGraph:
     return cost_graph_of_model(args.model, cost=args.cost, cluster=args.cluster,
                                leaves=tuple(args.leaf), warmup=args.warmup,
                                repeats=args.repeats, clock=args.clock,
-                               progress=not args.json and sys.stderr.isatty())
+                               progress=not args.json and sys.stderr.isatty(),
+                               caches=getattr(args, "caches", "warm"))
 
 
 def table(graph: nx.DiGraph, *, top: int | None = None) -> str:

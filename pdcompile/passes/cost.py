@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import networkx as nx
@@ -36,12 +36,14 @@ from pdcompile.cluster import DEVICES, Cluster, Device
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PdcompileError
 from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
+from pdcompile.passes.cache_flush import CacheFlush
 from pdcompile.passes.neighbours import TrainStep, busy_neighbours, check_count
 from pdcompile.passes.shapes import annotate_shapes, bind_inputs
 from pdcompile.passes.timers import Timer, measure, select_timer
 from pdcompile.runtime.allocator import tune_allocator
 
 SOURCES = ("measured", "analytic")
+CACHES = ("warm", "cold")
 _COMPUTE_OPS = ("call_module", "call_function", "call_method")
 _LOWP = ("float16", "bfloat16")
 
@@ -61,6 +63,7 @@ def annotate_costs(
     clock: str = "wall",
     statistic: str = "median",
     neighbours: int = 0,
+    caches: str = "warm",
 ) -> fx.GraphModule:
     """Write "pd.cost" on every node of `gm` and return it.
 
@@ -83,6 +86,13 @@ def annotate_costs(
     163 ms in the run, for a small CNN). The model and inputs
     must pickle (each neighbour gets a copy). 0, the default, profiles on an idle machine.
 
+    `caches` (measured costs only): "warm" (default) times each run of a node right after the
+    previous one, with its weights and inputs in the caches; "cold" evicts the last-level cache
+    before every timed run (`passes/cache_flush.py`: as a pipeline meets a node, after the rest
+    of the model and the other workers have used the caches; slower to profile, each flush
+    writes a buffer the size of that cache). Warm profiles are optimistic for memory-bound
+    nodes, cold ones pessimistic.
+
     Measuring applies `pdcompile.runtime.allocator.tune_allocator()` to this process first
     (glibc keeps freed memory for reuse, as pdcompile's workers run; PDCOMPILE_ALLOCATOR=system
     opts out), so the profile sees the allocator the pipeline will run with.
@@ -93,6 +103,12 @@ def annotate_costs(
     if repeats < 1 or warmup < 0:
         raise PdcompileError(f"repeats must be >= 1 and warmup >= 0 (got {repeats}, {warmup})")
     check_count(neighbours)
+    if caches not in CACHES:
+        raise PdcompileError(f"caches={caches!r}: use one of {', '.join(CACHES)} (\"cold\" "
+                             "evicts the last-level cache before every timed run)")
+    if caches != "warm" and source != "measured":
+        raise PdcompileError(f"caches={caches!r} applies to measured costs only; use "
+                             "caches='warm' with the analytic source")
     if neighbours and source != "measured":
         raise PdcompileError(f"neighbours={neighbours} applies to measured costs only (the "
                              f"{source} source runs nothing to slow down); use neighbours=0")
@@ -103,8 +119,9 @@ def annotate_costs(
         tune_allocator()  # time nodes with the allocator the workers will run with
         timer = timer or select_timer(_device_of(gm, values), clock=clock)
         with busy_neighbours(neighbours, TrainStep(gm, values) if neighbours else None):
+            flush = CacheFlush(_device_of(gm, values)) if caches == "cold" else None
             costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
-                              timer=timer, statistic=statistic)
+                              timer=timer, statistic=statistic, flush=flush)
     else:
         costs = _analytic(gm, values, _device_model(device), progress=progress)
     for node in gm.graph.nodes:
@@ -382,8 +399,21 @@ def _overheads(timer: Timer, device: torch.device, *, warmup: int, repeats: int,
     return fwd, bwd
 
 
+def _then(setup: Callable[[], Any], flush: Callable[[], None] | None) -> Callable[[], Any]:
+    """`setup`, followed by a cache flush when one is given (so the timed run starts cold)."""
+    if flush is None:
+        return setup
+
+    def run() -> Any:
+        arg = setup()
+        flush()
+        return arg
+    return run
+
+
 def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: int,
-              progress: bool, timer: Timer, statistic: str) -> dict[str, tuple[float, ...]]:
+              progress: bool, timer: Timer, statistic: str,
+              flush: Callable[[], None] | None = None) -> dict[str, tuple[float, ...]]:
     buffers = _snapshot_buffers(gm)
     exclude = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
     costs: dict[str, tuple[float, ...]] = {}
@@ -403,8 +433,8 @@ def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: in
             def forward(ak: tuple[Any, Any], node: fx.Node = node) -> Any:
                 return _run_node(gm, node, ak[0], ak[1])
 
-            fwd = measure(timer, forward, setup=setup, warmup=warmup, repeats=repeats,
-                          statistic=statistic)
+            fwd = measure(timer, forward, setup=_then(setup, flush), warmup=warmup,
+                          repeats=repeats, statistic=statistic)
             kept = [0]
             with _saved_bytes(exclude, kept):
                 out = forward(setup())
@@ -415,7 +445,7 @@ def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: in
                     return _grad_outputs(forward(setup(), node))
 
                 bwd = measure(timer, lambda og: torch.autograd.backward(og[0], og[1]),
-                              setup=setup_b, warmup=warmup, repeats=repeats,
+                              setup=_then(setup_b, flush), warmup=warmup, repeats=repeats,
                               statistic=statistic)
             costs[node.name] = (max(fwd - base_f, 0.0), max(bwd - base_b, 0.0),
                                 float(kept[0]), 0.0, 0.0)
