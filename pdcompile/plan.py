@@ -17,8 +17,9 @@ class Stage:
     """One pipeline stage: its graph nodes, on `replicas` workers (`ranks`), with predicted costs.
 
     Times are seconds per minibatch as seen by the pipeline (a stage with r replicas handles one
-    minibatch in r of them, so `compute` is the stage's fwd+bwd divided by r); `memory` is bytes
-    per worker.
+    minibatch in r of them, so `compute` is the stage's fwd+bwd divided by r); `copies` is the
+    time the stage's own CPU spends copying what it sends over loopback links (`Level.cpu_copies`),
+    which it cannot overlap with compute; `memory` is bytes per worker.
     """
 
     nodes: tuple[str, ...]
@@ -29,6 +30,7 @@ class Stage:
     comm: float = 0.0
     memory: float = 0.0
     time: float = 0.0
+    copies: float = 0.0
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or len(self.ranks) != self.replicas:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import networkx as nx
 import pytest
@@ -46,10 +47,17 @@ def small_dags(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
     return graph
 
 
+def _cluster(workers: int, bandwidth: str, latency: str, cpu_copies: bool) -> Cluster:
+    """A flat cluster; with `cpu_copies` its link is loopback, where senders copy by CPU."""
+    cluster = Cluster.parse(f"{workers}@{bandwidth}~{latency}")
+    return replace(cluster, levels=tuple(replace(lv, cpu_copies=cpu_copies)
+                                         for lv in cluster.levels))
+
+
 clusters = st.builds(
-    lambda w, bw, lat: Cluster.parse(f"{w}@{bw}~{lat}"),
+    _cluster,
     st.sampled_from([1, 2, 3, 3, 4, 4]), st.sampled_from(["1e8", "1e9", "1e10"]),
-    st.sampled_from(["0", "20us"]),
+    st.sampled_from(["0", "20us"]), st.booleans(),
 )
 
 

@@ -20,7 +20,10 @@ One function, `evaluate`, prices a plan for every planner and every report. Two 
   ``max(compute + sync, comm)``, with ``comm`` = bytes the stage receives plus sends per minibatch
   (every edge crossing its boundary, skip connections included, each at the bandwidth of the
   cluster level between the two stages' ranks; links are full duplex, activations one way and
-  gradients the other) plus one latency per tensor, divided by r. Memory per worker for 1F1B:
+  gradients the other) plus one latency per tensor, divided by r. On a level with `cpu_copies`
+  (loopback between processes of one host) the sender's CPU makes each copy, so a stage also
+  spends the bytes it sends (activations forward, gradients back) / bandwidth / r of its own
+  time: stage time = ``max(compute + sync + copies, comm)``. Memory per worker for 1F1B:
   ``n (P + keep) + P (gradients) + optimizer_state * P`` with n = ceil((r + D) / r) minibatches in
   flight (weight versions stashed = n); flush schedules keep one weight version and min(n, M) of
   M microbatches. Flush schedules also pay the pipeline bubble, (M + S - 1) / M. Inputs (see
@@ -129,14 +132,17 @@ class Placement:
     out_per_msg: float
     in_flight: float
     versions: float
+    copy_in_per_byte: float = 0.0   # CPU time per byte sent back over the input link (loopback)
+    copy_out_per_byte: float = 0.0  # CPU time per byte sent forward over the output link
 
 
 def placement(cluster: Cluster, start: int, replicas: int, workers: int,
               options: ModelOptions) -> Placement:
     """Coefficients of a stage at a rank position (see `Placement`); all already divided by the
-    replicas, so that stage time = max(T / r + P * sync_per_byte + sync_fixed, in/out terms)."""
+    replicas, so that stage time = max(T / r + P * sync_per_byte + sync_fixed + in bytes *
+    copy_in_per_byte + out bytes * copy_out_per_byte, in/out terms)."""
     r, end = replicas, start + replicas - 1
-    sync_a = sync_b = in_a = in_l = out_a = out_l = 0.0
+    sync_a = sync_b = in_a = in_l = out_a = out_l = copy_in = copy_out = 0.0
     if r > 1:
         lv = cluster.levels[cluster.link_level(start, end)]
         sync_a = 2.0 * (r - 1) / r / lv.bandwidth / r
@@ -144,12 +150,15 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int,
     if start > 0:
         li = cluster.levels[cluster.link_level(start - 1, end)]
         in_a, in_l = 1.0 / (li.bandwidth * r), li.latency / r
+        copy_in = in_a if li.cpu_copies and options.cost_model == "native" else 0.0
     if end + 1 < workers:
         lo = cluster.levels[cluster.link_level(start, end + 1)]
         out_a, out_l = 1.0 / (lo.bandwidth * r), lo.latency / r
+        copy_out = out_a if lo.cpu_copies and options.cost_model == "native" else 0.0
     downstream = workers - start - r
     return Placement(sync_a, sync_b, in_a, in_l, out_a, out_l,
-                     in_flight(r, downstream, options), weight_versions(r, downstream, options))
+                     in_flight(r, downstream, options), weight_versions(r, downstream, options),
+                     copy_in, copy_out)
 
 
 # ------------------------------------------------------------------------------ inputs
@@ -256,7 +265,8 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
             if i > 0:  # the original never charges the first stage's output (its base case)
                 comm[i] = max(comm[i], 2.0 * cut / (bw * len(ranks[i])))
             comm[i + 1] = max(comm[i + 1], 2.0 * cut / (bw * len(ranks[i + 1])))
-    else:
+    copies = [0.0] * count
+    if options.cost_model != "pipedream":
         for u, v in view.edges:
             a, c = stage_of[u], stage_of[v]
             if a == c:
@@ -266,6 +276,10 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
             seconds = edge_bytes(view, u, v) / lv.bandwidth + lv.latency
             comm[a] += seconds / len(ranks[a])
             comm[c] += seconds / len(ranks[c])
+            if lv.cpu_copies:  # a sends the activations, c their gradients, each by its CPU
+                copy = edge_bytes(view, u, v) / lv.bandwidth
+                copies[a] += copy / len(ranks[a])
+                copies[c] += copy / len(ranks[c])
     priced = []
     for i in range(count):
         r = len(ranks[i])
@@ -275,7 +289,7 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
         mem = stage_memory(params[i], keep[i], r, workers_after[i], options)
         priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
                             compute=compute[i] / r, sync=sync, comm=comm[i], memory=mem,
-                            time=max(work, comm[i])))
+                            time=max(work + copies[i], comm[i]), copies=copies[i]))
     slowest = max(s.time for s in priced)
     return tuple(priced), slowest * bubble(count, options)
 

@@ -138,6 +138,8 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
     in_l = np.array([c.in_per_msg for c in coef])
     out_a = np.array([c.out_per_byte for c in coef])
     out_l = np.array([c.out_per_msg for c in coef])
+    copy_in = np.array([c.copy_in_per_byte for c in coef])
+    copy_out = np.array([c.copy_out_per_byte for c in coef])
     flight = np.array([c.in_flight for c in coef])
     versions = np.array([c.versions for c in coef])
     inv_r = 1.0 / rq
@@ -172,7 +174,7 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
             outb = (tables.cut[js] - skip)[:, None]
             inm = (tables.cut_msgs[k] - skip_m)[:, None]
             outm = (tables.cut_msgs[js] - skip_m)[:, None]
-        stage = np.maximum(t * inv_r + p * sync_a + sync_b,
+        stage = np.maximum(t * inv_r + p * sync_a + sync_b + inb * copy_in + outb * copy_out,
                            inb * in_a + inm * in_l + outb * out_a + outm * out_l)  # [j, q]
         cand = np.maximum(stage, best[js][:, prev])  # with the best of what follows
         cand[p * (versions + opt) + kp * flight > mem_limit] = INF

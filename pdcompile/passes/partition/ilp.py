@@ -100,7 +100,9 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
         + max(c.sync_fixed for c in coef.values()) \
         + sum(b for *_, b in edges) * 2 * max(max(c.in_per_byte, c.out_per_byte)
                                               for c in coef.values()) \
-        + len(edges) * 2 * max(max(c.in_per_msg, c.out_per_msg) for c in coef.values())
+        + len(edges) * 2 * max(max(c.in_per_msg, c.out_per_msg) for c in coef.values()) \
+        + sum(b for *_, b in edges) * 2 * max(max(c.copy_in_per_byte, c.copy_out_per_byte)
+                                              for c in coef.values())
     scale = SCALE_UNITS / worst if worst > 0 else 1.0
 
     model = cp_model.CpModel()
@@ -162,15 +164,19 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             zz = z[s, a, k]
             work = [(x[v, s], round(scale * (comp[v] / k + c.sync_per_byte * par[v])))
                     for v in nodes]
-            model.add(sum(w * var for var, w in work) + round(scale * c.sync_fixed) <= t
-                      ).only_enforce_if(zz)
             comm = []
             for i, (_, _, b) in enumerate(edges):
                 if (i, s) in e_in:
                     comm.append((e_in[i, s], round(scale * (b * c.in_per_byte + c.in_per_msg))))
+                    if c.copy_in_per_byte:  # sent back by this stage's CPU (loopback)
+                        work.append((e_in[i, s], round(scale * b * c.copy_in_per_byte)))
                 if (i, s) in e_out:
                     comm.append((e_out[i, s],
                                  round(scale * (b * c.out_per_byte + c.out_per_msg))))
+                    if c.copy_out_per_byte:
+                        work.append((e_out[i, s], round(scale * b * c.copy_out_per_byte)))
+            model.add(sum(w * var for var, w in work) + round(scale * c.sync_fixed) <= t
+                      ).only_enforce_if(zz)
             if comm:
                 model.add(sum(w * var for var, w in comm) <= t).only_enforce_if(zz)
             if math.isfinite(mem_limit):
