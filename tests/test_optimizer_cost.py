@@ -63,3 +63,27 @@ def test_weight_copies_refuse_meta_parameters_and_bad_repeats() -> None:
     pipe.stage_modules[0].to("meta")
     with pytest.raises(ValueError, match="meta device"):
         time_weight_copies(pipe)
+
+
+def test_steps_are_timed_after_evicting_the_caches_by_default(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdcompile.optimizer_cost as optimizer_cost
+
+    flushes: list[int] = []
+
+    class Counting:
+        def __init__(self, device: torch.device) -> None:
+            flushes.append(0)
+
+        def __call__(self) -> None:
+            flushes[-1] += 1
+
+    monkeypatch.setattr(optimizer_cost, "CacheFlush", Counting)
+    pipe = _pipe(functools.partial(torch.optim.SGD, lr=0.1))
+    time_optimizer_steps(pipe, repeats=4)
+    assert flushes == [4, 4]  # one before every timed step of each stage
+    flushes.clear()
+    time_optimizer_steps(pipe, repeats=4, caches="warm")
+    assert flushes == []
+    with pytest.raises(ValueError, match="caches='lukewarm'"):
+        time_optimizer_steps(pipe, caches="lukewarm")
