@@ -191,7 +191,8 @@ def run(args: argparse.Namespace) -> int:
     if cluster.name.startswith("local") and plan.workers > cores:
         print(f"NOTE: {plan.workers} worker processes would share this machine's {cores} cores; "
               "the simulation assumes a core per worker, so a real run here will be slower "
-              "(benchmarks/results/simulator.md: 30-75% on 4 processes and 2 cores)",
+              "(benchmarks/results/simulator.md: 4 processes on 2 cores took 2.4-4x the "
+              "prediction)",
               file=sys.stderr)
     schedule, result = simulate_plan(graph, plan, cluster, schedule=args.schedule,
                                      microbatches=args.microbatches if per is None else per,
