@@ -66,8 +66,10 @@ def _bad_input_worker(worker: Worker) -> dict[str, Any]:
     wrong_first = [(torch.randn(BATCH, WIDTH + 1), torch.randint(0, 3, (BATCH,)))] + _good(2)
     wrong_third = _good(2) + [(torch.randn(BATCH // 2, WIDTH), torch.randint(0, 3, (BATCH,)))]
     wrong_target = [(_good(1)[0][0], torch.randint(0, 3, (BATCH, 2)))]
+    # past the first announcement of runs (distributed.ANNOUNCE_AHEAD): found by a later one
+    wrong_sixth = _good(5) + [(torch.randn(BATCH, WIDTH + 2), torch.randint(0, 3, (BATCH,)))]
     for name, data in (("first", wrong_first), ("third", wrong_third),
-                       ("target", wrong_target)):
+                       ("target", wrong_target), ("sixth", wrong_sixth)):
         try:
             run_distributed(pipe, data, monitor=worker.monitor)
         except PipelineInputError as err:
@@ -90,6 +92,8 @@ def test_wrong_shapes_are_refused_on_every_rank_without_hanging() -> None:
                                        "pipeline was compiled for (8, 12) float32")
         assert out["target"].startswith("minibatch 0: the target is (8, 2) int64 but (8,) int64 "
                                         "was expected")
+        assert out["sixth"].startswith("minibatch 5: input 'input_1' is (8, 14) float32 but the "
+                                       "pipeline was compiled for (8, 12) float32")
         assert "compiled for 3 workers" in out["world"] and "process group has 2" in out["world"]
     # nothing was left in flight by the refused runs: the same group then trains normally
     assert results[0]["losses"] == results[1]["losses"]

@@ -172,3 +172,36 @@ def test_four_processes_replicated_middle_stage_and_tied() -> None:
     _check([Case("1f1b", (1, 2, 1), 4), Case("1f1b-flush", (1, 2, 1), 2, micro=4),
             Case("gpipe", (1, 1, 1, 1), 2, micro=4), Case("2bw", (2, 1, 1), 4, micro=4),
             Case("gpipe", (1, 2, 1), 2, micro=2, model="tied")], 4)
+
+
+def _announcement_worker(worker: Worker, steps: int) -> tuple[int, list[float]]:
+    """Counts the broadcasts that announce runs while a flush schedule trains `steps`
+    minibatches (one run each)."""
+    from pdcompile.backends import distributed
+
+    calls = [0]
+    broadcast = distributed.dist.broadcast_object_list
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return broadcast(*args, **kwargs)
+
+    distributed.dist.broadcast_object_list = counting  # type: ignore[assignment]
+    try:
+        case = Case("1f1b-flush", (1, 1), steps, micro=2)
+        run = distributed.run_distributed(_pipeline(case), _batches("mlp", steps),
+                                          monitor=worker.monitor)
+    finally:
+        distributed.dist.broadcast_object_list = broadcast  # type: ignore[assignment]
+    return calls[0], run.losses
+
+
+def test_flush_runs_are_announced_several_at_a_time() -> None:
+    from pdcompile.backends.distributed import ANNOUNCE_AHEAD
+
+    steps = 2 * ANNOUNCE_AHEAD + 1
+    results = launch(_announcement_worker, 2, args=(steps,), timeout=120, fault_timeout=10)
+    # runs 0..steps-1 and the end of the data, ANNOUNCE_AHEAD per broadcast (not one each)
+    assert [calls for calls, _ in results] == [3, 3]
+    want = _pipeline(Case("1f1b-flush", (1, 1), steps, micro=2)).train(_batches("mlp", steps))
+    torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(want))

@@ -38,6 +38,9 @@ from pdcompile.timeline import Recorder, Timeline
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}
 _MAX_OPEN_SENDS = 64
+# runs (minibatches, under flush schedules) the first reader reads ahead and announces in one
+# broadcast: fewer collectives between minibatches, at the price of that many prepared in memory
+ANNOUNCE_AHEAD = 4
 
 
 def wire_tag(tag: Tag, index: int) -> int:
@@ -455,8 +458,9 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     Every rank calls it. `batches` (an iterable of `(inputs, target)` minibatches) is read only
     by the ranks that `reads_data` names (stage 0, and a stage using a model input directly),
     which must all get the same stream; other ranks may pass None. Stage 0 announces each
-    run's minibatches to the others, and sends each microbatch's target to the last stage with
-    its forward. Each rank runs its generated rank loop (`pipeline.rank_function`) over a
+    run's minibatches to the others (under flush schedules ANNOUNCE_AHEAD runs per broadcast, so
+    it reads that many minibatches ahead), and sends each microbatch's target to the last stage
+    with its forward. Each rank runs its generated rank loop (`pipeline.rank_function`) over a
     `DistributedTransport`: flush schedules one run per minibatch, asynchronous '1f1b' / '2bw'
     one stream, exactly as `Pipeline.train` does on the local backend (same losses, weights).
 
@@ -564,32 +568,54 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
             items.append((inputs, target))
         return items
 
-    def next_run(index: int, first: bool) -> tuple[Any, dict[str, Any]]:
-        """The next run's data (readers) and its header: minibatch count and sizes, plus the
-        message shapes in the first; a reader's refusal reaches every rank at the same point,
-        before the run, so that none is left waiting."""
+    def read_run(index: int, first: bool) -> tuple[Any, dict[str, Any]]:
+        """A reader's next run: its data and its header (minibatch count and sizes, plus the
+        message shapes in the first); a refusal becomes the header's error."""
         header: dict[str, Any] = {"count": 0, "sizes": [], "error": None}
         run = None
-        if reads:
-            try:
+        try:
+            if first:
+                skip(index)
+            items = take(index)
+            header["count"] = len(items)
+            header["sizes"] = [_batch_size(inputs) for inputs, _ in items]
+            if items:
+                run = pipeline.prepare(items)
                 if first:
-                    skip(index)
-                items = take(index)
-                header["count"] = len(items)
-                header["sizes"] = [_batch_size(inputs) for inputs, _ in items]
-                if items:
-                    run = pipeline.prepare(items)
-                    if first:
-                        header["edges"] = pipeline.edge_specs(items[0][0])
-                        header["target"] = _target_layout(run.data.target(0)) if routed \
-                            else None
-            except PdcompileError as err:
-                header["error"] = str(err)
-        if world > 1:
-            box = [header]
-            with _guarded(monitor, "the announcement of the next minibatches"):
-                dist.broadcast_object_list(box, src=source)
-            header = box[0]
+                    header["edges"] = pipeline.edge_specs(items[0][0])
+                    header["target"] = _target_layout(run.data.target(0)) if routed else None
+        except PdcompileError as err:
+            header["error"] = str(err)
+        return run, header
+
+    # flush schedules run one minibatch at a time: the reader announces several runs in one
+    # broadcast, which otherwise sits on the critical path between two minibatches
+    ahead = ANNOUNCE_AHEAD if flush else 1
+    announced: deque[tuple[Any, dict[str, Any]]] = deque()
+
+    def next_run(index: int, first: bool) -> tuple[Any, dict[str, Any]]:
+        """The next run's data (readers) and its header. Headers come from the first reader,
+        up to `ahead` runs per broadcast; a reader's refusal reaches every rank at the same
+        point, before the run it concerns, so that none is left waiting."""
+        if not announced:
+            runs: list[tuple[Any, dict[str, Any]]] = []
+            at = index
+            while reads and len(runs) < ahead:
+                run, header = read_run(at, first and not runs)
+                runs.append((run, header))
+                if header["error"] is not None or not header["count"]:
+                    break
+                at += header["count"]
+            headers = [header for _, header in runs]
+            if world > 1:
+                box = [headers]
+                with _guarded(monitor, "the announcement of the next minibatches"):
+                    dist.broadcast_object_list(box, src=source)
+                headers = box[0]
+            own = [run for run, _ in runs]
+            announced.extend((own[i] if i < len(own) else None, header)
+                             for i, header in enumerate(headers))
+        run, header = announced.popleft()
         if header["error"] is not None:
             raise PipelineInputError(header["error"])
         return run, header
