@@ -106,7 +106,8 @@ class Comparison:
 
 def stage_figures(timeline: Timeline) -> dict[int, dict[str, float]]:
     """Per stage, from the events that start in the steady window (means over the stage's
-    workers and its microbatches there):
+    workers and its microbatches there; a stage none of whose forwards, backwards or steps
+    starts there, as in short runs, gets the mean of all of that kind):
 
     - "fwd", "bwd": seconds per forward / backward of one microbatch;
     - "step": seconds per optimizer step; "send": seconds per microbatch spent posting sends;
@@ -122,8 +123,11 @@ def stage_figures(timeline: Timeline) -> dict[int, dict[str, float]]:
     inside: dict[int, dict[str, float]] = {}
     names = {Kind.F: "fwd", Kind.B: "bwd", Kind.STEP: "step"}
     # means over the actions that start in the steady window (warm-up outliers such as the
-    # first call's allocations and connection set-up stay out), unless none does
+    # first call's allocations and connection set-up stay out), unless none does; a stage
+    # whose actions of one kind all start outside it (short runs) gets the mean of all of them
     use_all = not any(t0 <= e.start < t1 for e in timeline.events)
+    every: dict[int, dict[str, float]] = {}
+    every_count: dict[int, dict[str, int]] = {}
     for event in timeline.events:
         stage = stage_of.get(event.rank)
         if stage is None:
@@ -136,6 +140,10 @@ def stage_figures(timeline: Timeline) -> dict[int, dict[str, float]]:
         else:
             kind = event.parsed().kind
             key = names.get(kind, "compute" if kind.is_compute else "other")
+        every.setdefault(stage, {}).setdefault(key, 0.0)
+        every[stage][key] += event.duration
+        every_count.setdefault(stage, {}).setdefault(key, 0)
+        every_count[stage][key] += 1
         if use_all or t0 <= event.start < t1:
             total.setdefault(stage, {}).setdefault(key, 0.0)
             total[stage][key] += event.duration
@@ -150,9 +158,12 @@ def stage_figures(timeline: Timeline) -> dict[int, dict[str, float]]:
     for stage in stage_of.values():
         workers[stage] = workers.get(stage, 0) + 1
     out: dict[int, dict[str, float]] = {}
-    for stage in sorted(total):
-        got, n = total[stage], count[stage]
-        forwards = max(1, n.get("fwd", 0))
+    for stage in sorted(every):
+        got, n = dict(total.get(stage, {})), dict(count.get(stage, {}))
+        forwards = max(1, n.get("fwd", 0))  # sends and waits: per forward in the window
+        for key in ("fwd", "bwd", "step"):
+            if not n.get(key) and every_count[stage].get(key):
+                got[key], n[key] = every[stage][key], every_count[stage][key]
         span = workers[stage] * (t1 - t0)
         busy = inside.get(stage, {}).get("busy", 0.0)
         recorded = busy + inside.get(stage, {}).get("recorded", 0.0)

@@ -115,3 +115,20 @@ def test_local_run_against_its_simulation() -> None:
     result = compare(predicted, measured)
     assert math.isfinite(result.error)
     assert result.figure("stage 1 forward").measured > 0
+
+
+def test_stage_figures_fall_back_to_every_action_when_none_starts_in_the_window() -> None:
+    # stage 0 sets the steady window (its backwards end each microbatch); stage 1's backwards
+    # all start before it, as happens in short runs: their mean, not 0, is the figure
+    events = []
+    for m in range(8):
+        events += [Event(0, f"0F{m}", 10.0 * m, 10.0 * m + 1.0),
+                   Event(0, f"0B{m}", 10.0 * m + 5.0, 10.0 * m + 6.0),
+                   Event(1, f"1F{m}", 10.0 * m + 1.0, 10.0 * m + 2.0),
+                   Event(1, f"1B{m}", 0.1 * m, 0.1 * m + 0.05)]
+    line = Timeline(events, "measured", {"schedule": "1f1b"})
+    t0, t1, _ = line.steady_window()
+    assert not any(t0 <= e.start < t1 for e in events if e.action.startswith("1B"))
+    figures = stage_figures(line)
+    assert figures[1]["bwd"] == pytest.approx(0.05)
+    assert figures[1]["fwd"] == pytest.approx(1.0) and figures[0]["bwd"] == pytest.approx(1.0)
