@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from pdcompile.passes.cache_flush import CacheFlush
+from pdcompile.passes.cache_flush import CACHES, CacheFlush
+from pdcompile.runtime.stash import WeightVersions
 
 if TYPE_CHECKING:
     from pdcompile.pipeline import Pipeline
@@ -42,7 +43,7 @@ def time_optimizer_steps(pipe: Pipeline, *, repeats: int = 5,
     warm, 7.9 ms cold, 9.6 ms in a 2-process pipeline). "warm" times them back to back."""
     if repeats < 1:
         raise ValueError(f"repeats must be a positive integer (got {repeats})")
-    if caches not in ("warm", "cold"):
+    if caches not in CACHES:
         raise ValueError(f"caches={caches!r}: use 'cold' (the default) or 'warm'")
     return tuple(_time_steps(pipe, list(module.parameters()), repeats, cold=caches == "cold")
                  for module in pipe.stage_modules)
@@ -54,22 +55,24 @@ def time_weight_copies(pipe: Pipeline, *, repeats: int = 5) -> tuple[float, ...]
     snapshot of each stage is not counted; stages without parameters take 0 s."""
     if repeats < 1:
         raise ValueError(f"repeats must be a positive integer (got {repeats})")
-    return tuple(_time_copies(list(module.parameters()), repeats)
+    return tuple(_time_copies(dict(module.named_parameters(remove_duplicate=False)), repeats)
                  for module in pipe.stage_modules)
 
 
-def _time_copies(params: Sequence[torch.Tensor], repeats: int) -> float:
+def _time_copies(params: dict[str, torch.Tensor], repeats: int) -> float:
     if not params:
         return 0.0
-    if any(p.device.type == "meta" for p in params):
+    first = next(iter(params.values()))
+    if any(p.device.type == "meta" for p in params.values()):
         raise ValueError("parameters on the meta device have no data to copy; time the copies "
                          "on a materialised model, or leave the simulator's default")
+    versions = WeightVersions(params, copy=True)  # the runtime's own snapshot
     seconds = []
     for attempt in range(repeats + 1):
-        _synchronize(params[0])
+        _synchronize(first)
         started = time.perf_counter()
-        clones = [p.detach().clone() for p in params]
-        _synchronize(clones[0])
+        clones = versions.snapshot()
+        _synchronize(first)
         if attempt:  # the first one may grow the heap
             seconds.append(time.perf_counter() - started)
         del clones

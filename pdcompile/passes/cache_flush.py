@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+CACHES = ("warm", "cold")  # how the profilers may leave the caches before a timed run
 DEFAULT_BYTES = 64 * 2**20  # when the cache size cannot be read
 MAX_BYTES = 2**30  # a flush must stay cheap next to the run it precedes
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
@@ -68,4 +69,4 @@ class CacheFlush:
         self.calls += 1
 
 
-__all__ = ["CacheFlush", "last_level_cache_bytes"]
+__all__ = ["CACHES", "CacheFlush", "last_level_cache_bytes"]

@@ -36,14 +36,13 @@ from pdcompile.cluster import DEVICES, Cluster, Device
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PdcompileError
 from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
-from pdcompile.passes.cache_flush import CacheFlush
+from pdcompile.passes.cache_flush import CACHES, CacheFlush
 from pdcompile.passes.neighbours import TrainStep, busy_neighbours, check_count
 from pdcompile.passes.shapes import annotate_shapes, bind_inputs
 from pdcompile.passes.timers import Timer, measure, select_timer
 from pdcompile.runtime.allocator import tune_allocator
 
 SOURCES = ("measured", "analytic")
-CACHES = ("warm", "cold")
 _COMPUTE_OPS = ("call_module", "call_function", "call_method")
 _LOWP = ("float16", "bfloat16")
 

@@ -60,7 +60,7 @@ class WeightVersions:
                 raise ScheduleError(
                     f"weight version {version} is needed but no longer (or not yet) kept; the "
                     f"stage is at version {self.current} and keeps {self.held}")
-            self._snapshots[version] = self._snapshot()
+            self._snapshots[version] = self.snapshot()
         self._refs[version] = self._refs.get(version, 0) + 1
         self.peak = max(self.peak, len(self._snapshots))
         return self._snapshots[version]
@@ -79,7 +79,7 @@ class WeightVersions:
         if version not in self._snapshots:
             if version != self.current:
                 return
-            self._snapshots[version] = self._snapshot()
+            self._snapshots[version] = self.snapshot()
             self.peak = max(self.peak, len(self._snapshots))
         self._kept.add(version)
 
@@ -108,7 +108,8 @@ class WeightVersions:
             self._snapshots.pop(version, None)
             self._refs.pop(version, None)
 
-    def _snapshot(self) -> dict[str, torch.Tensor]:
+    def snapshot(self) -> dict[str, torch.Tensor]:
+        """A new version: a detached clone of every distinct live parameter, by name."""
         clones: dict[int, torch.Tensor] = {}
         out: dict[str, torch.Tensor] = {}
         for name, p in self.master.items():
