@@ -24,6 +24,7 @@ import torch
 
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PdcompileError
+from pdcompile.local_machine import oversubscription_note
 from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
 from pdcompile.plan import Plan
 from pdcompile.timeline import Timeline
@@ -300,10 +301,9 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
     used = "distributed" if trainer is not None else "local"
     how = (f"{plan.workers} processes (torch.distributed, gloo on 127.0.0.1)"
            if used == "distributed" else "the local backend (one process, all ranks)")
-    cores = os.cpu_count() or 1
-    if used == "distributed" and plan.workers > cores:
-        log(f"NOTE: {plan.workers} worker processes share {cores} cores; the prediction assumes "
-            "a core per worker, so expect the measured time to be higher")
+    note = oversubscription_note(plan.workers) if used == "distributed" else None
+    if note is not None:
+        log(note)
     log(f"## 3. train {steps} minibatches on {how}")
     bar = TrainingProgress(steps, size.batch_size, bar=bars)
     data = functools.partial(demo_batches, steps, size.batch_size, size.image_size)

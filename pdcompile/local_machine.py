@@ -146,6 +146,18 @@ def _measure_cpu() -> tuple[float, float]:
         torch.set_num_threads(threads)
 
 
+def oversubscription_note(workers: int) -> str | None:
+    """A NOTE for predictions of `workers` processes on this machine when they outnumber its
+    cores (the simulator assumes a core per worker); None when they do not."""
+    cores = os.cpu_count() or 1
+    if workers <= cores:
+        return None
+    return (f"NOTE: {workers} worker processes would share this machine's {cores} cores; the "
+            "prediction assumes a core per worker, so a real run here will be slower "
+            "(benchmarks/results/simulator.md: 4 processes on 2 cores took 2.4-4x the "
+            "prediction)")
+
+
 def local_device(workers: int = 1) -> Device:
     """One process of this machine: one thread's FLOP/s, memory shared among `workers`."""
     cached = _read_cache()

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -30,6 +29,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.compare import Comparison, compare
 from pdcompile.errors import PdcompileError
 from pdcompile.ir import Schedule
+from pdcompile.local_machine import oversubscription_note
 from pdcompile.passes.lower import lower
 from pdcompile.passes.schedule import SCHEDULES, generate, latency_aware_warmup
 from pdcompile.plan import Plan
@@ -187,13 +187,9 @@ def run(args: argparse.Namespace) -> int:
     if plan.workers > cluster.workers:
         raise PdcompileError(f"the plan uses {plan.workers} workers but the cluster has "
                              f"{cluster.workers}")
-    cores = os.cpu_count() or 1
-    if cluster.name.startswith("local") and plan.workers > cores:
-        print(f"NOTE: {plan.workers} worker processes would share this machine's {cores} cores; "
-              "the simulation assumes a core per worker, so a real run here will be slower "
-              "(benchmarks/results/simulator.md: 4 processes on 2 cores took 2.4-4x the "
-              "prediction)",
-              file=sys.stderr)
+    note = oversubscription_note(plan.workers) if cluster.name.startswith("local") else None
+    if note is not None:
+        print(note, file=sys.stderr)
     schedule, result = simulate_plan(graph, plan, cluster, schedule=args.schedule,
                                      microbatches=args.microbatches if per is None else per,
                                      minibatches=args.minibatches, warmup=args.warmup)
