@@ -386,16 +386,22 @@ def test_timeline_checked_against_its_schedule() -> None:
         Timeline(events, "measured").check_schedule(schedule)
 
 
-def test_simulate_command_from_a_costgraph_file(tmp_path: Path,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
+def saved_chain(path: Path, blocks: int, *, nbytes: float) -> Path:
+    """A CostGraph file of a chain of `blocks` equal blocks (act and params `nbytes` each)."""
     from pdcompile.costgraph import save
 
     graph = new_cost_graph("chain")
-    for i in range(6):
-        add_block(graph, f"n{i}", fwd=0.01, bwd=0.02, act=1e6, params=1e6)
+    for i in range(blocks):
+        add_block(graph, f"n{i}", fwd=0.01, bwd=0.02, act=nbytes, params=nbytes)
         if i:
             graph.add_edge(f"n{i - 1}", f"n{i}")
-    save(graph, tmp_path / "g.json")
+    save(graph, path)
+    return path
+
+
+def test_simulate_command_from_a_costgraph_file(tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    saved_chain(tmp_path / "g.json", 6, nbytes=1e6)
     code = main(["simulate", "--costgraph", str(tmp_path / "g.json"), "--cluster", "3@1e10",
                  "--planner", "dp", "--schedule", "2bw", "--microbatches", "2", "--minibatches",
                  "8", "--json"])

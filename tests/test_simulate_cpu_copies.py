@@ -147,14 +147,9 @@ def test_simulate_command_notes_more_workers_than_cores(local_env: None, tmp_pat
                                                        monkeypatch: pytest.MonkeyPatch,
                                                        capsys: pytest.CaptureFixture[str]) -> None:
     from pdcompile.cli import main
-    from pdcompile.costgraph import add_block, new_cost_graph, save
+    from tests.test_simulate import saved_chain
 
-    graph = new_cost_graph("chain")
-    for i in range(4):
-        add_block(graph, f"n{i}", fwd=0.01, bwd=0.02, act=1e5, params=1e5)
-        if i:
-            graph.add_edge(f"n{i - 1}", f"n{i}")
-    save(graph, tmp_path / "g.json")
+    saved_chain(tmp_path / "g.json", 4, nbytes=1e5)
     command = ["simulate", "--costgraph", str(tmp_path / "g.json"), "--cluster", "local-2",
                "--planner", "dp", "--minibatches", "8", "--json"]
     monkeypatch.setattr("os.cpu_count", lambda: 2)
