@@ -54,12 +54,16 @@ class Level:
 
     `cpu_copies`: transfers over this level are copies made by the endpoints' CPUs, as between
     processes of one host over loopback, so the sending rank is busy for the transfer's duration
-    (a NIC or NVLink copies by itself and leaves the rank free)."""
+    (a NIC or NVLink copies by itself and leaves the rank free).
+
+    `cores`: the workers of one group of this level run on this many processors between them,
+    as the processes of one host share its cores; None: each worker has its own (a GPU)."""
 
     workers: int
     bandwidth: float
     latency: float = 0.0
     cpu_copies: bool = False
+    cores: int | None = None
 
 
 DEVICES: dict[str, Device] = {
@@ -109,6 +113,11 @@ class Cluster:
             if not isinstance(level.cpu_copies, bool):
                 raise ClusterError(f"level {i} has cpu_copies {level.cpu_copies!r}; write true "
                                    "or false")
+            if level.cores is not None and (not isinstance(level.cores, int)
+                                            or isinstance(level.cores, bool) or level.cores < 1):
+                raise ClusterError(f"level {i} has cores {level.cores!r}; write a positive "
+                                   "integer (the processors one group of the level shares), or "
+                                   "leave it out for a processor per worker")
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -141,6 +150,15 @@ class Cluster:
         """Whether the CPUs copy the data between two ranks (the sender is busy meanwhile)."""
         return self.levels[self.link_level(rank_a, rank_b)].cpu_copies
 
+    def shared_cores(self) -> tuple[int, int] | None:
+        """(workers per group, cores) of the innermost level whose groups have more workers than
+        processors (ranks `g*size .. g*size+size-1` share `cores`); None when every worker has
+        a processor of its own."""
+        for k, level in enumerate(self.levels):
+            if level.cores is not None and self.group_size(k) > level.cores:
+                return self.group_size(k), level.cores
+        return None
+
     def slowest_level_of(self, ranks: tuple[int, ...] | list[int]) -> int:
         """The outermost level that a group of ranks spans (its all-reduce's bottleneck)."""
         if len(ranks) <= 1:
@@ -155,6 +173,7 @@ class Cluster:
         """One line: "4x4 workers (10 GB/s, 1.25 GB/s) of v100 (16.0 GiB)"."""
         shape = "x".join(str(lv.workers) for lv in self.levels)
         links = ", ".join(format_bandwidth(lv.bandwidth) + (" CPU copies" if lv.cpu_copies else "")
+                          + (f", {lv.cores} cores" if lv.cores is not None else "")
                           for lv in self.levels)
         label = f"{self.name}: " if self.name else ""
         memory = format_bytes(self.device.memory)
@@ -234,7 +253,7 @@ class Cluster:
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
         """Read a JSON or YAML file: {name, device, levels: [{workers, bandwidth, latency,
-        cpu_copies}]} (latency and cpu_copies optional).
+        cpu_copies, cores}]} (latency, cpu_copies and cores optional).
 
         A file that is missing, not JSON/YAML (the message quotes the bad line and marks the
         column) or not a cluster gets one ClusterError that shows a valid file."""
@@ -276,7 +295,7 @@ class Cluster:
         for i, item in enumerate(levels_raw):
             if not isinstance(item, dict) or "workers" not in item or "bandwidth" not in item:
                 raise ClusterError(f"level {i} ({item!r}) needs 'workers' and 'bandwidth'")
-            unknown = set(item) - {"workers", "bandwidth", "latency", "cpu_copies"}
+            unknown = set(item) - {"workers", "bandwidth", "latency", "cpu_copies", "cores"}
             if unknown:
                 raise ClusterError(f"level {i} has unknown keys {sorted(unknown)}")
             workers = item["workers"]
@@ -287,7 +306,10 @@ class Cluster:
             cpu_copies = item.get("cpu_copies", False)
             if not isinstance(cpu_copies, bool):
                 raise ClusterError(f"level {i}: cpu_copies {cpu_copies!r} is not true or false")
-            levels.append(Level(workers, bandwidth, latency, cpu_copies))
+            cores = item.get("cores")
+            if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool)):
+                raise ClusterError(f"level {i}: cores {cores!r} is not an integer")
+            levels.append(Level(workers, bandwidth, latency, cpu_copies, cores))
         return cls(levels=tuple(levels), device=_device(data.get("device")),
                    name=str(data.get("name", "")))
 
@@ -366,12 +388,13 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
 
 
 def _local_cluster(workers: int) -> Cluster:
-    from pdcompile.local_machine import local_bandwidth, local_device
+    from pdcompile.local_machine import local_bandwidth, local_device, usable_cores
 
     if workers < 1:
         raise ClusterError(f"local cluster needs at least 1 worker (got {workers})")
     bandwidth, latency = local_bandwidth()
-    # processes of one host: gloo over loopback is a copy made by the sending process's CPU
-    level = Level(workers, bandwidth, latency, cpu_copies=True)
+    # processes of one host: gloo over loopback is a copy made by the sending process's CPU, and
+    # the processes take turns on the host's cores when they outnumber them
+    level = Level(workers, bandwidth, latency, cpu_copies=True, cores=usable_cores())
     return Cluster(levels=(level,), device=local_device(workers),
                    name=f"local-{workers}")

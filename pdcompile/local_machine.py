@@ -146,10 +146,18 @@ def _measure_cpu() -> tuple[float, float]:
         torch.set_num_threads(threads)
 
 
+def usable_cores() -> int:
+    """The processors this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def oversubscription_note(workers: int) -> str | None:
     """A NOTE for predictions of `workers` processes on this machine when they outnumber its
     cores (the simulator assumes a core per worker); None when they do not."""
-    cores = os.cpu_count() or 1
+    cores = usable_cores()
     if workers <= cores:
         return None
     return (f"NOTE: {workers} worker processes would share this machine's {cores} cores; the "

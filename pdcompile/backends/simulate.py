@@ -109,85 +109,26 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                             f"{cluster.workers} workers; choose a larger cluster")
     deps = dependency_lists(schedule)
     order = execution_order(schedule, deps)
+    work = ActionCosts(schedule, costs, cluster, stash=stash)
+    sharing = cluster.shared_cores()
+    if sharing is not None and _oversubscribed(schedule, *sharing):
+        from pdcompile.backends.processor_sharing import share_processors
 
-    step_time = costs.optimizer or tuple(3.0 * p / cluster.device.mem_bandwidth
-                                         for p in costs.params)
-    copy_time = (costs.stash or tuple(2.0 * p / cluster.device.mem_bandwidth
-                                      for p in costs.params)) \
-        if stash and schedule.name == "1f1b" else (0.0,) * costs.stages
-    # a rank snapshots its weights only if an update can come while a minibatch is in flight
-    copying = {rank: bool(schedule.options.get("vertical_sync")) or updates_in_flight(actions)
-               for rank, actions in schedule.actions.items()}
-    fresh = dict(copying)  # no snapshot of the current weights yet
-    allreduce = []
-    for stage, ranks in enumerate(schedule.stage_ranks):
-        r = len(ranks)
-        level = cluster.levels[cluster.slowest_level_of(ranks)]
-        allreduce.append(0.0 if r == 1 else
-                         2 * (r - 1) / r * costs.params[stage] / level.bandwidth
-                         + 2 * (r - 1) * level.latency)
+        begin, end = share_processors(schedule, deps, work, group_size=sharing[0],
+                                      cores=sharing[1])
+    else:
+        begin, end = _dedicated(schedule, deps, order, work)
 
-    free_at = {rank: 0.0 for rank in schedule.actions}
-    # end[rank][i]: when action i of rank finished; arrival[rank][i]: when a send's data arrived
-    end: dict[int, list[float]] = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
-    arrival: dict[int, list[float]] = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
-    link_free: dict[tuple[int, int], float] = {}
-    # link_speed[src, dst]: (bytes/s, latency, whether the sender's CPU makes the copy)
-    link_speed: dict[tuple[int, int], tuple[float, float, bool]] = {}
     events: list[Event] = []
     compute: list[tuple[Event, Action]] = []
-    actions = schedule.actions
-    recv = (Kind.RECV_F, Kind.RECV_B)
     for rank, index in order:
-        action = actions[rank][index]
-        kind = action.kind
-        start = free_at[rank]
-        waits = deps[rank][index]
-        if kind in recv:
-            ((sender, at),) = waits
-            finish = arrival[sender][at] if arrival[sender][at] > start else start
-        else:
-            for other, at in waits:
-                if end[other][at] > start:
-                    start = end[other][at]
-            stage = action.stage
-            if kind == Kind.F:
-                finish = start + costs.fwd[stage]
-                if fresh[rank]:
-                    finish += copy_time[stage]
-                    fresh[rank] = False
-            elif kind == Kind.B:
-                finish = start + costs.bwd[stage]
-            elif kind == Kind.W:
-                finish = start + 0.5 * costs.bwd[stage]
-            elif kind == Kind.ALLREDUCE:
-                finish = start + allreduce[stage]
-            elif kind == Kind.STEP:
-                finish = start + step_time[stage]
-                fresh[rank] = copying[rank]
-            else:  # SEND_F / SEND_B: the link carries it; with CPU copies the sender waits
-                assert action.peer is not None
-                dst = schedule.rank_of(action.peer, action.microbatch)
-                link = (rank, dst)
-                size = costs.edge_bytes(stage, action.peer)
-                begin = max(start, link_free.get(link, 0.0))
-                if link not in link_speed:
-                    link_speed[link] = (cluster.bandwidth_between(rank, dst),
-                                        cluster.latency_between(rank, dst),
-                                        cluster.cpu_copies_between(rank, dst))
-                bandwidth, latency, cpu_copies = link_speed[link]
-                busy = size / bandwidth if size else 0.0
-                link_free[link] = begin + busy
-                arrival[rank][index] = begin + busy + (latency if size else 0.0)
-                finish = begin + busy if cpu_copies and size else start
-        end[rank][index] = finish
-        free_at[rank] = finish
-        if kind.is_compute:
-            event = Event(rank, str(action), start, finish)
+        action = schedule.actions[rank][index]
+        if action.kind.is_compute:
+            event = Event(rank, str(action), begin[rank][index], end[rank][index])
             compute.append((event, action))
             events.append(event)
         elif timeline:
-            events.append(Event(rank, str(action), start, finish))
+            events.append(Event(rank, str(action), begin[rank][index], end[rank][index]))
 
     meta: dict[str, object] = {
         "schedule": schedule.name, "microbatches": schedule.microbatches,
@@ -195,7 +136,8 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     if schedule.name in ("1f1b-flush", "gpipe"):
         meta["minibatches"] = 1
     line = Timeline.with_compute(events, compute, "simulated", meta)
-    makespan = max(free_at.values(), default=0.0)  # the timeline may hold compute events only
+    # the timeline may hold compute events only
+    makespan = max((times[-1] for times in end.values() if times), default=0.0)
     flush = schedule.name in ("1f1b-flush", "gpipe")
     per_minibatch = makespan if flush else line.time_per_minibatch()
     bubble = line.bubble_fraction((0.0, makespan))
@@ -210,6 +152,115 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
         steady_bubble=bubble if flush else line.bubble_fraction((t0, t1)),
         memory=_memory(schedule, costs),
     )
+
+
+class ActionCosts:
+    """What each action costs its rank (the rules of the module docstring), for both timing
+    loops: the one that gives every rank a processor and the one that shares them."""
+
+    def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
+                 stash: bool) -> None:
+        self.schedule, self.costs, self.cluster = schedule, costs, cluster
+        self.step_time = costs.optimizer or tuple(3.0 * p / cluster.device.mem_bandwidth
+                                                  for p in costs.params)
+        self.copy_time = (costs.stash or tuple(2.0 * p / cluster.device.mem_bandwidth
+                                               for p in costs.params)) \
+            if stash and schedule.name == "1f1b" else (0.0,) * costs.stages
+        # a rank snapshots its weights only if an update can come while a minibatch is in flight
+        self.copying = {rank: bool(schedule.options.get("vertical_sync"))
+                        or updates_in_flight(actions)
+                        for rank, actions in schedule.actions.items()}
+        self.fresh = dict(self.copying)  # no snapshot of the current weights yet
+        self.allreduce: list[float] = []
+        for stage, ranks in enumerate(schedule.stage_ranks):
+            r = len(ranks)
+            level = cluster.levels[cluster.slowest_level_of(ranks)]
+            self.allreduce.append(0.0 if r == 1 else
+                                  2 * (r - 1) / r * costs.params[stage] / level.bandwidth
+                                  + 2 * (r - 1) * level.latency)
+        # per directed rank pair: (bytes/s, latency, whether the sender's CPU makes the copy)
+        self._links: dict[tuple[int, int], tuple[float, float, bool]] = {}
+
+    def compute(self, rank: int, action: Action) -> float:
+        """Seconds of the rank's processor for F, B, W or STEP; call once per action, in the
+        rank's order (a STEP makes the next F snapshot the weights)."""
+        stage, kind = action.stage, action.kind
+        if kind == Kind.F:
+            if self.fresh[rank]:
+                self.fresh[rank] = False
+                return self.costs.fwd[stage] + self.copy_time[stage]
+            return self.costs.fwd[stage]
+        if kind == Kind.B:
+            return self.costs.bwd[stage]
+        if kind == Kind.W:
+            return 0.5 * self.costs.bwd[stage]
+        if kind == Kind.STEP:
+            self.fresh[rank] = self.copying[rank]
+            return self.step_time[stage]
+        raise ValueError(f"{action} is not a computation")
+
+    def send(self, rank: int, action: Action) -> tuple[int, float, float, bool]:
+        """(receiving rank, seconds on the link, latency, whether the sender's CPU copies)."""
+        assert action.peer is not None
+        dst = self.schedule.rank_of(action.peer, action.microbatch)
+        link = (rank, dst)
+        if link not in self._links:
+            self._links[link] = (self.cluster.bandwidth_between(rank, dst),
+                                 self.cluster.latency_between(rank, dst),
+                                 self.cluster.cpu_copies_between(rank, dst))
+        bandwidth, latency, cpu_copies = self._links[link]
+        size = self.costs.edge_bytes(action.stage, action.peer)
+        if not size:
+            return dst, 0.0, 0.0, False
+        return dst, size / bandwidth, latency, cpu_copies
+
+
+Times = dict[int, list[float]]  # per rank, one entry per action
+
+
+def _oversubscribed(schedule: Schedule, group_size: int, cores: int) -> bool:
+    """Whether some group of `group_size` ranks has more of the schedule's ranks than cores."""
+    groups: dict[int, int] = {}
+    for rank in schedule.actions:
+        groups[rank // group_size] = groups.get(rank // group_size, 0) + 1
+    return max(groups.values(), default=0) > cores
+
+
+def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], ...]]],
+               order: list[tuple[int, int]], work: ActionCosts) -> tuple[Times, Times]:
+    """(start, end) of every action when every rank has a processor of its own: one pass in
+    dependency order, each action starting when its rank is free and its inputs are there."""
+    free_at = {rank: 0.0 for rank in schedule.actions}
+    begin: Times = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
+    end: Times = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
+    arrival: Times = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
+    link_free: dict[tuple[int, int], float] = {}
+    for rank, index in order:
+        action = schedule.actions[rank][index]
+        kind = action.kind
+        start = free_at[rank]
+        waits = deps[rank][index]
+        if kind in (Kind.RECV_F, Kind.RECV_B):
+            ((sender, at),) = waits
+            finish = arrival[sender][at] if arrival[sender][at] > start else start
+        else:
+            for other, at in waits:
+                if end[other][at] > start:
+                    start = end[other][at]
+            if kind.is_compute or kind == Kind.STEP:
+                finish = start + work.compute(rank, action)
+            elif kind == Kind.ALLREDUCE:
+                finish = start + work.allreduce[action.stage]
+            else:  # SEND_F / SEND_B: the link carries it; with CPU copies the sender waits
+                dst, busy, latency, cpu_copies = work.send(rank, action)
+                transfer = max(start, link_free.get((rank, dst), 0.0))
+                link_free[rank, dst] = transfer + busy
+                arrival[rank][index] = transfer + busy + latency
+                finish = transfer + busy if cpu_copies else start
+        begin[rank][index] = start
+        end[rank][index] = finish
+        free_at[rank] = finish
+    return begin, end
 
 
 def _memory(schedule: Schedule, costs: StageCosts) -> dict[int, MemoryUse]:

@@ -1,0 +1,146 @@
+"""Timing a schedule when ranks outnumber the processors they run on (processes of one host).
+
+The operating system shares a host's cores among the processes that want to run: with k of
+them computing on c cores, each advances at min(1, c / k) of its own speed (processor sharing,
+the fluid limit of time slicing). A rank wants a core while it computes (F, B, W, STEP, a weight
+snapshot) and, on links whose copies the CPU makes (`Level.cpu_copies`), while it sends; it
+gives its core up while it waits for data, for a dependency or for an all-reduce on the network.
+
+Unlike the loop that gives every rank a processor (`simulate._dedicated`), finish times depend on
+what the other ranks of the host do at the same moment, so this is an event loop in time order:
+at every event (an action finishing, data arriving) the rates of the computing ranks are
+recomputed. With at most c ranks computing per host it gives the same times as that loop.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from collections import deque
+from typing import TYPE_CHECKING
+
+from pdcompile.ir import Kind, Schedule
+
+if TYPE_CHECKING:
+    from pdcompile.backends.simulate import ActionCosts, Times
+
+Ref = tuple[int, int]  # (rank, action index)
+
+# work below this many seconds is done: rounding of `remaining -= dt * rate` must not leave an
+# action waiting for a femtosecond event
+_DONE = 1e-12
+
+
+def share_processors(schedule: Schedule, deps: dict[int, list[tuple[Ref, ...]]],
+                     work: ActionCosts, *, group_size: int, cores: int) -> tuple[Times, Times]:
+    """(start, end) of every action, ranks `g * group_size ...` sharing `cores` processors."""
+    actions = schedule.actions
+    host = {rank: rank // group_size for rank in actions}
+    begin: Times = {rank: [math.nan] * len(a) for rank, a in actions.items()}
+    end: Times = {rank: [math.nan] * len(a) for rank, a in actions.items()}
+    arrival: Times = {rank: [math.nan] * len(a) for rank, a in actions.items()}
+    cursor = {rank: 0 for rank in actions}  # the next action of each rank
+    # per host: the computing ranks and the seconds of work each has left at full speed
+    running: dict[int, dict[int, float]] = {h: {} for h in set(host.values())}
+    send_done: dict[int, tuple[int, float]] = {}  # rank copying a send -> (index, latency)
+    waiting: dict[Ref, list[int]] = {}  # an action not finished yet -> ranks blocked on it
+    hearing: dict[Ref, list[int]] = {}  # a send whose arrival is unknown -> its receiver
+    timers: list[tuple[float, int, int]] = []  # (when, rank, index): a timed wait ends
+    link_free: dict[tuple[int, int], float] = {}
+    ready = deque(sorted(actions))
+    now = 0.0
+
+    def finish(rank: int, index: int) -> None:
+        end[rank][index] = now
+        cursor[rank] = index + 1
+        ready.append(rank)
+        ready.extend(waiting.pop((rank, index), ()))
+
+    def arrive(rank: int, index: int, when: float) -> None:
+        arrival[rank][index] = when
+        for receiver in hearing.pop((rank, index), ()):
+            heapq.heappush(timers, (max(when, now), receiver, cursor[receiver]))
+
+    def start(rank: int) -> None:
+        index = cursor[rank]
+        if index >= len(actions[rank]) or not math.isnan(end[rank][index]):
+            return
+        if math.isnan(begin[rank][index]):
+            begin[rank][index] = now
+        action = actions[rank][index]
+        kind = action.kind
+        if kind in (Kind.RECV_F, Kind.RECV_B):  # no processor while it waits
+            ((sender, at),) = deps[rank][index]
+            if math.isnan(arrival[sender][at]):
+                hearing.setdefault((sender, at), []).append(rank)
+            else:
+                heapq.heappush(timers, (max(arrival[sender][at], now), rank, index))
+            return
+        for ref in deps[rank][index]:
+            if math.isnan(end[ref[0]][ref[1]]):
+                waiting.setdefault(ref, []).append(rank)
+                return
+        begin[rank][index] = now  # its inputs are all there
+        if kind.is_compute or kind == Kind.STEP:
+            compute(rank, index, work.compute(rank, action))
+        elif kind == Kind.ALLREDUCE:
+            heapq.heappush(timers, (now + work.allreduce[action.stage], rank, index))
+        else:  # SEND_F / SEND_B
+            dst, busy, latency, cpu_copies = work.send(rank, action)
+            if cpu_copies:  # the sender's CPU makes the copy: the link is ours alone
+                send_done[rank] = (index, latency)
+                compute(rank, index, busy)
+            else:
+                transfer = max(now, link_free.get((rank, dst), 0.0))
+                link_free[rank, dst] = transfer + busy
+                arrive(rank, index, transfer + busy + latency)
+                finish(rank, index)
+
+    def compute(rank: int, index: int, seconds: float) -> None:
+        if seconds > _DONE:
+            running[host[rank]][rank] = seconds
+        else:
+            done_computing(rank, index)
+
+    def done_computing(rank: int, index: int) -> None:
+        copied = send_done.pop(rank, None)
+        if copied is not None:
+            arrive(rank, index, now + copied[1])
+        finish(rank, index)
+
+    while True:
+        while ready:
+            start(ready.popleft())
+        step = math.inf  # seconds to the next computation's end
+        for ranks in running.values():
+            if ranks:
+                step = min(step, min(ranks.values()) / min(1.0, cores / len(ranks)))
+        timer = timers[0][0] if timers else math.inf
+        if step == timer == math.inf:
+            break
+        if now + step <= timer:
+            now += step
+        else:
+            step, now = timer - now, timer
+        # what a rounding of `now` may leave of an action that ends at this event
+        done_below = max(_DONE, 1e-13 * now)
+        for ranks in running.values():
+            if not ranks:
+                continue
+            rate = min(1.0, cores / len(ranks))
+            done = []
+            for rank in ranks:
+                ranks[rank] -= step * rate
+                if ranks[rank] <= done_below:
+                    done.append(rank)
+            for rank in done:
+                del ranks[rank]
+                done_computing(rank, cursor[rank])
+        while timers and timers[0][0] <= now:
+            _, rank, index = heapq.heappop(timers)
+            finish(rank, index)
+
+    unfinished = [(rank, cursor[rank]) for rank in actions if cursor[rank] < len(actions[rank])]
+    if unfinished:  # execution_order() refused deadlocks before this loop ran
+        raise AssertionError(f"processor sharing stopped with actions left: {unfinished}")
+    return begin, end
