@@ -63,12 +63,13 @@ def test_enough_cores_give_the_dedicated_times(seed: int, name: str) -> None:
     costs = random_costs(rng, stages)
     workers = max(r for ranks in shape for r in ranks) + 1
     on = Cluster(levels=(Level(workers, rng.uniform(1.0, 5.0), rng.uniform(0.0, 0.2),
-                               cpu_copies=bool(seed % 2), cores=workers),))
+                               cpu_copies=bool(seed % 2), cores=2 * workers),))
     deps = dependency_lists(schedule)
     alone = _dedicated(schedule, deps, execution_order(schedule, deps),
                        ActionCosts(schedule, costs, on, stash=True))
+    # a core for every rank and for the receiving side of every loopback copy in flight
     shared = share_processors(schedule, deps, ActionCosts(schedule, costs, on, stash=True),
-                              group_size=workers, cores=workers)
+                              group_size=workers, cores=2 * workers)
     for rank in schedule.actions:
         assert shared[0][rank] == pytest.approx(alone[0][rank], abs=1e-9)
         assert shared[1][rank] == pytest.approx(alone[1][rank], abs=1e-9)
@@ -123,6 +124,17 @@ def test_time_slicing_bounds_the_throughput() -> None:
     assert shared.time_per_minibatch == pytest.approx(4 * 3.0 / 2, rel=0.02)
 
 
+def test_a_loopback_transfer_copies_on_both_ends() -> None:
+    # one core, rank 0 sends 1 s of copying to an idle rank 1: the sender's copy and the
+    # receiver's run at once at half speed each, so the data arrives after 2 s, not 1 s
+    schedule = lowered("gpipe", [[0], [1]], 1)
+    costs = StageCosts((1.0, 1.0), (1.0, 1.0), edges={(0, 1): 10.0}, optimizer=(0.0, 0.0))
+    one = simulate(schedule, costs, Cluster(levels=(Level(2, 10.0, 0.0, True, cores=1),)))
+    two = simulate(schedule, costs, Cluster(levels=(Level(2, 10.0, 0.0, True),)))
+    assert two.makespan == pytest.approx(1 + 1 + 1 + 1 + 1 + 1)  # F, copy, F, B, copy, B
+    assert one.makespan == pytest.approx(1 + 2 + 1 + 1 + 2 + 1)
+
+
 def test_hosts_share_their_own_cores_only() -> None:
     # 2 hosts of 2 ranks, one core each: ranks 0-1 share one core, ranks 2-3 the other
     schedule = lowered("1f1b", [[0, 1, 2, 3]], 8)
@@ -170,5 +182,6 @@ def test_long_runs_end_despite_rounding() -> None:
     shared = simulate(schedule, costs, Cluster(levels=(Level(6, 0.1, 1.0, True, cores=4),)),
                       timeline=False)
     assert shared.makespan > 1e5
-    work = 6 * (3000.0 + 100.0) + 2 * 5 * 70.0
-    assert shared.time_per_minibatch == pytest.approx(work / 4, rel=0.05)
+    # per minibatch: each stage's F + B + step, and every transfer copied on both of its ends
+    work = 6 * (3000.0 + 100.0) + 2 * 2 * 5 * 70.0
+    assert shared.time_per_minibatch == pytest.approx(work / 4, rel=1e-6)

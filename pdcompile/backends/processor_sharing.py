@@ -5,6 +5,8 @@ them computing on c cores, each advances at min(1, c / k) of its own speed (proc
 the fluid limit of time slicing). A rank wants a core while it computes (F, B, W, STEP, a weight
 snapshot) and, on links whose copies the CPU makes (`Level.cpu_copies`), while it sends; it
 gives its core up while it waits for data, for a dependency or for an all-reduce on the network.
+A loopback transfer is two copies at once, the sender's into the kernel and the receiver's (a
+gloo thread) out of it, so while it lasts the receiving host has one more thing to run.
 
 Unlike the loop that gives every rank a processor (`simulate._dedicated`), finish times depend on
 what the other ranks of the host do at the same moment, so this is an event loop in time order:
@@ -15,6 +17,7 @@ recomputed. With at most c ranks computing per host it gives the same times as t
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 from collections import deque
 from typing import TYPE_CHECKING
@@ -40,9 +43,12 @@ def share_processors(schedule: Schedule, deps: dict[int, list[tuple[Ref, ...]]],
     end: Times = {rank: [math.nan] * len(a) for rank, a in actions.items()}
     arrival: Times = {rank: [math.nan] * len(a) for rank, a in actions.items()}
     cursor = {rank: 0 for rank in actions}  # the next action of each rank
-    # per host: the computing ranks and the seconds of work each has left at full speed
+    # per host: what computes (a rank; a negative key: the receiving side's copy of a loopback
+    # transfer) and the seconds of work it has left at full speed
     running: dict[int, dict[int, float]] = {h: {} for h in set(host.values())}
-    send_done: dict[int, tuple[int, float]] = {}  # rank copying a send -> (index, latency)
+    copying: dict[Ref, list[float]] = {}  # a send being copied -> [copies left, latency]
+    receiving: dict[int, Ref] = {}  # the receiving side's copy -> its send
+    copy_ids = itertools.count(1)
     waiting: dict[Ref, list[int]] = {}  # an action not finished yet -> ranks blocked on it
     hearing: dict[Ref, list[int]] = {}  # a send whose arrival is unknown -> its receiver
     timers: list[tuple[float, int, int]] = []  # (when, rank, index): a timed wait ends
@@ -87,9 +93,18 @@ def share_processors(schedule: Schedule, deps: dict[int, list[tuple[Ref, ...]]],
             heapq.heappush(timers, (now + work.allreduce[action.stage], rank, index))
         else:  # SEND_F / SEND_B
             dst, busy, latency, cpu_copies = work.send(rank, action)
-            if cpu_copies:  # the sender's CPU makes the copy: the link is ours alone
-                send_done[rank] = (index, latency)
-                compute(rank, index, busy)
+            if cpu_copies and busy > _DONE:
+                # the sender's CPU copies into the kernel while a thread of the receiver copies
+                # out of it: two copies at once, each on its host's cores; the data is there
+                # when both are done (the link is the sender's alone: no queue)
+                copying[rank, index] = [2, latency]
+                key = -next(copy_ids)
+                receiving[key] = (rank, index)
+                running[host[dst]][key] = busy
+                running[host[rank]][rank] = busy
+            elif cpu_copies:
+                arrive(rank, index, now + latency)
+                finish(rank, index)
             else:
                 transfer = max(now, link_free.get((rank, dst), 0.0))
                 link_free[rank, dst] = transfer + busy
@@ -103,10 +118,16 @@ def share_processors(schedule: Schedule, deps: dict[int, list[tuple[Ref, ...]]],
             done_computing(rank, index)
 
     def done_computing(rank: int, index: int) -> None:
-        copied = send_done.pop(rank, None)
-        if copied is not None:
-            arrive(rank, index, now + copied[1])
+        if (rank, index) in copying:
+            copied(rank, index)
         finish(rank, index)
+
+    def copied(rank: int, index: int) -> None:
+        left = copying[rank, index]
+        left[0] -= 1
+        if left[0] == 0:
+            del copying[rank, index]
+            arrive(rank, index, now + left[1])
 
     while True:
         while ready:
@@ -129,13 +150,16 @@ def share_processors(schedule: Schedule, deps: dict[int, list[tuple[Ref, ...]]],
                 continue
             rate = min(1.0, cores / len(ranks))
             done = []
-            for rank in ranks:
-                ranks[rank] -= step * rate
-                if ranks[rank] <= done_below:
-                    done.append(rank)
-            for rank in done:
-                del ranks[rank]
-                done_computing(rank, cursor[rank])
+            for key in ranks:
+                ranks[key] -= step * rate
+                if ranks[key] <= done_below:
+                    done.append(key)
+            for key in done:
+                del ranks[key]
+                if key < 0:
+                    copied(*receiving.pop(key))
+                else:
+                    done_computing(key, cursor[key])
         while timers and timers[0][0] <= now:
             _, rank, index = heapq.heappop(timers)
             finish(rank, index)
