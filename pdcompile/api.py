@@ -89,6 +89,7 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
     """The planner's Plan for the costed graph (copies of the model are measured, not it)."""
     import copy
 
+    from pdcompile.passes.cache_flush import caches_for
     from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.planner import plan as make_plan
@@ -98,10 +99,14 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
                                  "Cluster.preset('local-2') or 'local-2'), or plan=/stages=")
     if cost not in ("measured", "analytic"):
         raise PipelineInputError(f"cost must be 'measured' or 'analytic', got {cost!r}")
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
     measured = copy.deepcopy(gm)
     with torch.random.fork_rng():
         annotate_shapes(measured, inputs)
-        annotate_costs(measured, inputs, source=cost)
+        # profiled as the workers will find their caches (cold when they take turns on cores)
+        annotate_costs(measured, inputs, source=cost,
+                       caches=caches_for(cluster) if cost == "measured" else "warm")
     graph = to_cost_graph(measured, name=type(gm).__name__)
     return make_plan(graph, cluster, planner=planner, cost_model=cost_model, schedule=schedule,
                      microbatches=microbatches, time_limit=time_limit)

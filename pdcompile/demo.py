@@ -26,6 +26,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.errors import PdcompileError
 from pdcompile.local_machine import oversubscription_note
 from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
+from pdcompile.passes.cache_flush import caches_for
 from pdcompile.plan import Plan
 from pdcompile.timeline import Timeline
 from pdcompile.units import format_seconds
@@ -163,9 +164,10 @@ class TrainingProgress:
             self._bar.close()
 
 
-def profile(size: DemoSize, *, progress: bool = False, seed: int = 0
+def profile(size: DemoSize, *, progress: bool = False, seed: int = 0, caches: str = "warm"
             ) -> tuple[torch.nn.Module, tuple[torch.Tensor], nx.DiGraph]:
-    """The demo model, its example minibatch and its CostGraph measured on this CPU."""
+    """The demo model, its example minibatch and its CostGraph measured on this CPU (`caches`:
+    as `annotate_costs`)."""
     from pdcompile.models import democnn
     from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
@@ -177,7 +179,7 @@ def profile(size: DemoSize, *, progress: bool = False, seed: int = 0
     gm = trace(model)
     with torch.random.fork_rng():
         annotate_shapes(gm, inputs)
-        annotate_costs(gm, inputs, repeats=size.repeats, progress=progress)
+        annotate_costs(gm, inputs, repeats=size.repeats, progress=progress, caches=caches)
     return model, inputs, to_cost_graph(gm, name="DemoCNN")
 
 
@@ -266,7 +268,8 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
     log()
     log("## 1. profile on this CPU")
     started = time.perf_counter()
-    model, inputs, graph = profile(size, progress=bars)
+    cluster = Cluster.preset(f"local-{workers}")
+    model, inputs, graph = profile(size, progress=bars, caches=caches_for(cluster))
     fwd = sum(d["fwd"] for _, d in graph.nodes(data=True))
     bwd = sum(d["bwd"] for _, d in graph.nodes(data=True))
     log(f"{graph.number_of_nodes()} nodes, forward {format_seconds(fwd)} + backward "
@@ -275,7 +278,6 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
 
     log()
     log(f"## 2. plan for local-{workers}")
-    cluster = Cluster.preset(f"local-{workers}")
     plan = make_plan(graph, cluster, time_limit=5, straight=not replicas)
     target = democnn.make_target(inputs)
     optimizer = functools.partial(torch.optim.Adam, lr=lr)

@@ -156,14 +156,16 @@ def usable_cores() -> int:
 
 def oversubscription_note(workers: int) -> str | None:
     """A NOTE for predictions of `workers` processes on this machine when they outnumber its
-    cores (the simulator assumes a core per worker); None when they do not."""
+    cores (the simulator shares the cores among them, but not the way the operating system
+    does); None when they do not."""
     cores = usable_cores()
     if workers <= cores:
         return None
     return (f"NOTE: {workers} worker processes would share this machine's {cores} cores; the "
-            "prediction assumes a core per worker, so a real run here will be slower "
-            "(benchmarks/results/simulator.md: 4 processes on 2 cores took 2.4-4x the "
-            "prediction)")
+            "prediction shares the cores among them (costs profiled with cold caches, as the "
+            "workers take turns) but not in the operating system's time slices "
+            "(benchmarks/results/simulator.md: 4 processes on 2 cores, within 15% in steady "
+            "state, slower in their first ~100 minibatches)")
 
 
 def local_device(workers: int = 1) -> Device:

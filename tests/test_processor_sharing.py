@@ -185,3 +185,43 @@ def test_long_runs_end_despite_rounding() -> None:
     # per minibatch: each stage's F + B + step, and every transfer copied on both of its ends
     work = 6 * (3000.0 + 100.0) + 2 * 2 * 5 * 70.0
     assert shared.time_per_minibatch == pytest.approx(work / 4, rel=1e-6)
+
+
+# ------------------------------------------------------------------ profiles for shared cores
+def test_workers_taking_turns_profile_cold() -> None:
+    from pdcompile.passes.cache_flush import caches_for
+
+    assert caches_for(Cluster(levels=(Level(4, 1e9, cores=2),))) == "cold"
+    assert caches_for(Cluster(levels=(Level(4, 1e9, cores=4),))) == "warm"
+    assert caches_for(Cluster(levels=(Level(4, 1e9),))) == "warm"
+
+
+@pytest.mark.parametrize("cores, expected", [(2, "cold"), (4, "warm")])
+def test_simulate_command_profiles_in_the_workers_cache_state(
+        cores: int, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    import pdcompile.passes.cost as cost
+    from pdcompile.cli import main
+
+    monkeypatch.setenv("PDCOMPILE_LOCAL_BANDWIDTH", "2GB/s")
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
+    (tmp_path / "local.json").write_text(json.dumps({"flops": 5e10, "mem_bandwidth": 1e10}))
+    monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: cores)
+    seen: list[str] = []
+    annotate = cost.annotate_costs
+
+    def recording(*args: object, **kwargs: object) -> object:
+        seen.append(str(kwargs.get("caches", "warm")))
+        return annotate(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(cost, "annotate_costs", recording)
+    model_file = tmp_path / "mlp.py"
+    model_file.write_text(
+        "import torch\n"
+        "def factory():\n"
+        "    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(4)])\n"
+        "    return model, (torch.randn(8, 32),)\n")
+    assert main(["simulate", f"{model_file}:factory", "--cluster", "local-4", "--planner", "dp",
+                 "--minibatches", "8", "--json"]) == 0
+    assert seen == [expected]
+    assert json.loads(capsys.readouterr().out)["time_per_minibatch"] > 0

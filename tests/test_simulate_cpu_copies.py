@@ -152,10 +152,10 @@ def test_simulate_command_notes_more_workers_than_cores(local_env: None, tmp_pat
     saved_chain(tmp_path / "g.json", 4, nbytes=1e5)
     command = ["simulate", "--costgraph", str(tmp_path / "g.json"), "--cluster", "local-2",
                "--planner", "dp", "--minibatches", "8", "--json"]
-    monkeypatch.setattr("os.cpu_count", lambda: 2)
+    monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: 2)
     assert main(command) == 0
     assert "NOTE" not in capsys.readouterr().err
-    monkeypatch.setattr("os.cpu_count", lambda: 1)
+    monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: 1)
     assert main(command) == 0
     captured = capsys.readouterr()
     assert "2 worker processes would share this machine's 1 cores" in captured.err

@@ -22,6 +22,11 @@ Each rank runs its actions in order. An action starts when the rank is free and 
   the runtime (runtime/stash.py) clones them; a backward hands the stashed version's gradients to
   the live weights without a copy (runtime/stage_runtime.py moves the tensors), so it adds none.
 
+Ranks that outnumber their host's processors (`Level.cores`, set by `local-N` to this machine's
+cores) share them: `backends/processor_sharing.py` runs the same rules in an event loop where k
+ranks computing on c cores each advance at c / k of their speed, and a loopback transfer also
+keeps the receiving side's copy busy. Otherwise every rank has a processor of its own.
+
 Memory per worker (peak): weights + one gradient buffer + stashed weight versions (1f1b: one per
 minibatch in flight beyond the newest, PipeDream's weight stashing; 2bw: one extra version) +
 activations of the microbatches in flight. Optimizer state (momentum, Adam moments) is not counted.

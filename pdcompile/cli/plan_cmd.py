@@ -173,5 +173,8 @@ def _cost_graph(args: argparse.Namespace, cluster: Any) -> nx.DiGraph:
     if args.cost == "analytic":
         annotate_costs(gm, inputs, source="analytic", device=cluster.device)
     else:
-        annotate_costs(gm, inputs, progress=not args.json and sys.stderr.isatty())
+        from pdcompile.passes.cache_flush import caches_for
+
+        annotate_costs(gm, inputs, progress=not args.json and sys.stderr.isatty(),
+                       caches=caches_for(cluster))
     return to_cost_graph(gm, name=args.model)

@@ -137,8 +137,9 @@ def data_parallel_plan(graph: nx.DiGraph, cluster: Cluster) -> Plan:
                 planner="data-parallel")
 
 
-def load_cost_graph(args: argparse.Namespace) -> nx.DiGraph:
-    """The CostGraph from --profile, --costgraph or a model factory (traced and costed)."""
+def load_cost_graph(args: argparse.Namespace, cluster: Cluster) -> nx.DiGraph:
+    """The CostGraph from --profile, --costgraph or a model factory (traced and costed, in the
+    cache state the cluster's workers will meet: `cache_flush.caches_for`)."""
     sources = [x for x in (args.model, args.profile, args.costgraph) if x]
     if len(sources) != 1:
         raise PdcompileError("give exactly one of MODEL (file.py:factory), --profile graph.txt "
@@ -155,6 +156,7 @@ def load_cost_graph(args: argparse.Namespace) -> nx.DiGraph:
 
     model, inputs = load_factory(args.model)
     try:
+        from pdcompile.passes.cache_flush import caches_for
         from pdcompile.passes.cost import annotate_costs, to_cost_graph
         from pdcompile.passes.shapes import annotate_shapes
         from pdcompile.passes.trace import trace
@@ -168,7 +170,7 @@ def load_cost_graph(args: argparse.Namespace) -> nx.DiGraph:
     torch.set_num_threads(1)
     gm = trace(model)
     annotate_shapes(gm, inputs)
-    annotate_costs(gm, inputs)
+    annotate_costs(gm, inputs, caches=caches_for(cluster))
     return to_cost_graph(gm, name=args.model)
 
 
@@ -177,7 +179,7 @@ def run(args: argparse.Namespace) -> int:
     import pdcompile
 
     cluster = load_cluster(args.cluster)
-    graph = load_cost_graph(args)
+    graph = load_cost_graph(args, cluster)
     per = None if args.schedule == "1f1b" else (args.microbatches or DEFAULT_MICROBATCHES)
     if args.plan_file:
         plan = Plan.from_json(Path(args.plan_file).read_text())

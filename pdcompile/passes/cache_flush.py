@@ -17,13 +17,26 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from pdcompile.cluster import Cluster
 
 CACHES = ("warm", "cold")  # how the profilers may leave the caches before a timed run
 DEFAULT_BYTES = 64 * 2**20  # when the cache size cannot be read
 MAX_BYTES = 2**30  # a flush must stay cheap next to the run it precedes
 SYSFS_CACHES = Path("/sys/devices/system/cpu/cpu0/cache")
+
+
+def caches_for(cluster: Cluster) -> str:
+    """The cache state to profile in for a pipeline on `cluster`: "cold" where its workers
+    outnumber the processors they share, because the operating system then runs them in turns
+    and each turn evicts the data of the worker before it (on the development VM, 4 processes on
+    2 cores ran within 5% of cold-profile predictions, 14-25% slower than warm ones); "warm"
+    where every worker keeps a processor and its caches (benchmarks/results/simulator.md)."""
+    return "cold" if cluster.shared_cores() is not None else "warm"
 
 
 def last_level_cache_bytes(device: torch.device, *, sysfs: Path = SYSFS_CACHES) -> int:
