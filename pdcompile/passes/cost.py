@@ -79,10 +79,9 @@ def annotate_costs(
     and share its caches and memory bandwidth, so a layer can run slower than in a profile taken
     on an idle machine (5-10% on the development VM; benchmarks/results/simulator.md): on a host
     where each pipeline worker shares the machine with N-1 other busy workers, profile with
-    neighbours=N-1; with more workers than cores the neighbours also take turns with this
-    process on the cores, and the wall clock counts that time slicing as the workers will see
-    it (on the development VM, 4 processes on 2 cores: compute per minibatch 164 ms profiled,
-    163 ms in the run, for a small CNN). The model and inputs
+    neighbours=N-1, or with min(N, cores)-1 when the workers outnumber the cores: the simulator
+    shares the cores among them (`Level.cores`), and neighbours past the core count would count
+    the time slicing twice (their wall clock includes it). The model and inputs
     must pickle (each neighbour gets a copy). 0, the default, profiles on an idle machine.
 
     `caches` (measured costs only): "warm" (default) times each run of a node right after the
