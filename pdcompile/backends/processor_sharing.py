@@ -11,7 +11,8 @@ gloo thread) out of it, so while it lasts the receiving host has one more thing 
 Unlike the loop that gives every rank a processor (`simulate._dedicated`), finish times depend on
 what the other ranks of the host do at the same moment, so this is an event loop in time order:
 at every event (an action finishing, data arriving) the rates of the computing ranks are
-recomputed. With at most c ranks computing per host it gives the same times as that loop.
+recomputed. With never more than c things to run per host (ranks computing, receiving copies)
+it gives the same times as that loop.
 """
 
 from __future__ import annotations
@@ -133,9 +134,9 @@ def share_processors(schedule: Schedule, deps: dict[int, list[tuple[Ref, ...]]],
         while ready:
             start(ready.popleft())
         step = math.inf  # seconds to the next computation's end
-        for ranks in running.values():
-            if ranks:
-                step = min(step, min(ranks.values()) / min(1.0, cores / len(ranks)))
+        for jobs in running.values():
+            if jobs:
+                step = min(step, min(jobs.values()) / min(1.0, cores / len(jobs)))
         timer = timers[0][0] if timers else math.inf
         if step == timer == math.inf:
             break
@@ -145,17 +146,17 @@ def share_processors(schedule: Schedule, deps: dict[int, list[tuple[Ref, ...]]],
             step, now = timer - now, timer
         # what a rounding of `now` may leave of an action that ends at this event
         done_below = max(_DONE, 1e-13 * now)
-        for ranks in running.values():
-            if not ranks:
+        for jobs in running.values():
+            if not jobs:
                 continue
-            rate = min(1.0, cores / len(ranks))
+            rate = min(1.0, cores / len(jobs))
             done = []
-            for key in ranks:
-                ranks[key] -= step * rate
-                if ranks[key] <= done_below:
+            for key in jobs:
+                jobs[key] -= step * rate
+                if jobs[key] <= done_below:
                     done.append(key)
             for key in done:
-                del ranks[key]
+                del jobs[key]
                 if key < 0:
                     copied(*receiving.pop(key))
                 else:
