@@ -29,6 +29,10 @@ One function, `evaluate`, prices a plan for every planner and every report. Two 
   M microbatches. Flush schedules also pay the pipeline bubble, (M + S - 1) / M. Inputs (see
   `input_nodes`) stay on the first stage and cost no compute (a profile's `Input` forward time is
   data loading, overlapped by the input pipeline); what they feed to later stages is traffic.
+  Where the workers of a host outnumber its cores (`Level.cores`, as `local-N` on a small
+  machine), they take turns: a minibatch then takes at least the CPU work of the busiest host's
+  ranks (compute, sync, and every loopback copy on both of its ends) over its cores
+  (`shared_core_time`), whatever the slowest stage.
 """
 
 from __future__ import annotations
@@ -290,8 +294,27 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
         priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
                             compute=compute[i] / r, sync=sync, comm=comm[i], memory=mem,
                             time=max(work + copies[i], comm[i]), copies=copies[i]))
-    slowest = max(s.time for s in priced)
-    return tuple(priced), slowest * bubble(count, options)
+    slowest = max(s.time for s in priced) * bubble(count, options)
+    if options.cost_model == "native":
+        slowest = max(slowest, shared_core_time(priced, cluster))
+    return tuple(priced), slowest
+
+
+def shared_core_time(stages: Sequence[Stage], cluster: Cluster) -> float:
+    """Seconds per minibatch the busiest host needs when its workers outnumber its cores: the
+    CPU work of its ranks per minibatch (compute, sync, and the loopback copies each rank makes,
+    sending, and receives, the same bytes coming back: twice `copies`) over its cores; 0 when
+    every worker has a core of its own."""
+    sharing = cluster.shared_cores()
+    if sharing is None:
+        return 0.0
+    size, cores = sharing
+    hosts: dict[int, float] = {}
+    for stage in stages:
+        for rank in stage.ranks:
+            work = stage.compute + stage.sync + 2.0 * stage.copies
+            hosts[rank // size] = hosts.get(rank // size, 0.0) + work
+    return max(hosts.values(), default=0.0) / cores
 
 
 def data_parallel_time(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions) -> float:
@@ -311,4 +334,9 @@ def data_parallel_time(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOpt
         return time
     workers = cluster.workers
     lv = cluster.levels[cluster.slowest_level_of(list(range(workers)))]
-    return total / workers + sync_seconds(params, workers, lv.bandwidth, lv.latency, options)
+    per_rank = total / workers + sync_seconds(params, workers, lv.bandwidth, lv.latency, options)
+    sharing = cluster.shared_cores()
+    if sharing is not None:  # the ranks of a host take turns on its cores
+        size, cores = sharing
+        return per_rank * min(size, workers) / cores
+    return per_rank
