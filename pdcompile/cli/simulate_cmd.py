@@ -10,6 +10,9 @@ worker) and writes to --out: plan.json, schedule.txt, timeline.json, gantt.png, 
 trace.json (Chrome trace). With --measured TIMELINE.json (recorded by a real run of the same
 plan) it prints predicted against measured figures (`pdcompile.compare`: time per minibatch,
 bubble, per-stage forward, backward and receive waits) and draws the measured run too.
+A MODEL is profiled on this CPU, with cold caches where the cluster's workers outnumber their
+cores (`local-N` on a smaller machine: the workers take turns, and the simulator shares the
+cores among them).
 """
 
 from __future__ import annotations
