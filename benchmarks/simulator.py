@@ -334,7 +334,11 @@ def fidelity_synthetic(*, mode: str = "sleep", minibatches: int = 48,
             params=(params_bytes,) * stages,
             edges={(s, s + 1): edge_bytes for s in range(stages - 1)},
             optimizer=(0.0,) * stages)
-        predicted = simulate(schedule, costs, Cluster.preset(f"local-{world}"), timeline=False)
+        cluster = Cluster.preset(f"local-{world}")
+        if mode == "sleep":  # a sleeping stage leaves its core free, as an accelerator would
+            cluster = replace(cluster, levels=tuple(replace(lv, cores=None)
+                                                    for lv in cluster.levels))
+        predicted = simulate(schedule, costs, cluster, timeline=False)
         real = measured.time_per_minibatch()
         rows.append({"shape": label, "processes": world, "mode": mode,
                      "measured_ms": real * 1e3, "simulated_ms": predicted.time_per_minibatch * 1e3,
@@ -702,9 +706,10 @@ Every rank runs its lowered 1F1B actions from the schedule IR (`fidelity_synthet
 as stand-ins (sleep: the CPU stays free, as with an accelerator; matmul: real CPU work, 2
 processes only on this 2-core machine), transfers as real gloo sends of 4 MB between processes,
 replicas all-reducing 4 MB; 48 minibatches. The simulator gets the F and B times measured in the
-same run and the `local-N` cluster (loopback bandwidth measured), so the difference is the
-modelling of the schedule and the communication. Load average of the machine (shared with
-other jobs) {load[0]:.1f} before, {load[1]:.1f} after.
+same run and the `local-N` cluster (loopback bandwidth measured; for sleeping stages without
+its core count: they leave the cores free), so the difference is the modelling of the schedule
+and the communication. Load average of the machine {load[0]:.1f} before, {load[1]:.1f} after
+({time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}).
 
 | shape | processes | compute | measured ms per minibatch | simulated | error |
 |---|---|---|---|---|---|
