@@ -6,7 +6,6 @@ import json
 import random
 from pathlib import Path
 
-import networkx as nx
 import pytest
 
 from pdcompile.backends.processor_sharing import share_processors
@@ -229,23 +228,13 @@ def test_simulate_command_profiles_in_the_workers_cache_state(
 
 
 # ------------------------------------------------------------------ the planner's view
-def chain(blocks: int, nbytes: float) -> nx.DiGraph:
-    from pdcompile.costgraph import add_block, new_cost_graph
-
-    graph = new_cost_graph("chain")
-    for i in range(blocks):
-        add_block(graph, f"n{i}", fwd=0.01, bwd=0.02, act=nbytes, params=1e3)
-        if i:
-            graph.add_edge(f"n{i - 1}", f"n{i}")
-    return graph
-
-
 @pytest.mark.parametrize("nbytes", [0.0, 2e6])
 def test_planner_counts_the_cores_workers_take_turns_on(nbytes: float) -> None:
     import pdcompile
     from pdcompile.stage_costs import StageCosts
+    from tests.test_simulate import chain_graph
 
-    graph = chain(8, nbytes)
+    graph = chain_graph(8, nbytes=nbytes)
     own = Cluster(levels=(Level(4, 1e9, 1e-5, cpu_copies=True),))
     shared = Cluster(levels=(Level(4, 1e9, 1e-5, cpu_copies=True, cores=2),))
     alone = pdcompile.plan(graph, own, planner="dp", straight=True)

@@ -386,16 +386,22 @@ def test_timeline_checked_against_its_schedule() -> None:
         Timeline(events, "measured").check_schedule(schedule)
 
 
-def saved_chain(path: Path, blocks: int, *, nbytes: float) -> Path:
-    """A CostGraph file of a chain of `blocks` equal blocks (act and params `nbytes` each)."""
-    from pdcompile.costgraph import save
-
+def chain_graph(blocks: int, *, nbytes: float) -> nx.DiGraph:
+    """A CostGraph of a chain of `blocks` equal blocks (10 ms forward, 20 ms backward; act and
+    params `nbytes` each)."""
     graph = new_cost_graph("chain")
     for i in range(blocks):
         add_block(graph, f"n{i}", fwd=0.01, bwd=0.02, act=nbytes, params=nbytes)
         if i:
             graph.add_edge(f"n{i - 1}", f"n{i}")
-    save(graph, path)
+    return graph
+
+
+def saved_chain(path: Path, blocks: int, *, nbytes: float) -> Path:
+    """`chain_graph` saved as a CostGraph file."""
+    from pdcompile.costgraph import save
+
+    save(chain_graph(blocks, nbytes=nbytes), path)
     return path
 
 
