@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 from pathlib import Path
@@ -34,3 +35,11 @@ def profiles_dir() -> Path:
         pytest.fail(f"the PipeDream profiles are expected at {PROFILES} (../shared beside "
                     "the repo)")
     return PROFILES
+
+
+@pytest.fixture
+def local_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """`local` without a measurement: bandwidth from the override, CPU figures from a cache."""
+    monkeypatch.setenv("PDCOMPILE_LOCAL_BANDWIDTH", "2GB/s")
+    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
+    (tmp_path / "local.json").write_text(json.dumps({"flops": 5e10, "mem_bandwidth": 1e10}))

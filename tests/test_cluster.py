@@ -13,12 +13,11 @@ from pdcompile.errors import ClusterError
 GBPS = 1e9 / 8
 
 
-@pytest.fixture
-def local_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`local` without a measurement: bandwidth from the override, CPU figures from a cache."""
-    monkeypatch.setenv("PDCOMPILE_LOCAL_BANDWIDTH", "2GB/s")
-    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
-    (tmp_path / "local.json").write_text(json.dumps({"flops": 5e10, "mem_bandwidth": 1e10}))
+def reloaded(cluster: Cluster, folder: Path) -> Cluster:
+    """`cluster` written as a JSON cluster file and read back."""
+    file = folder / "cluster.json"
+    file.write_text(json.dumps(cluster.to_dict()))
+    return Cluster.load(file)
 
 
 @pytest.mark.parametrize("name", sorted(PRESET_HELP))
@@ -122,9 +121,7 @@ def test_files_round_trip(tmp_path: Path) -> None:
     cluster = Cluster.load(yaml_file)
     assert cluster.name == "lab" and cluster.workers == 8
     assert cluster.levels[0] == Level(4, 10e9, pytest.approx(10e-6))  # type: ignore[arg-type]
-    json_file = tmp_path / "c.json"
-    json_file.write_text(json.dumps(cluster.to_dict()))
-    assert Cluster.load(json_file) == cluster
+    assert reloaded(cluster, tmp_path) == cluster
     custom = tmp_path / "d.yaml"
     custom.write_text("levels: [{workers: 2, bandwidth: 1e9}]\n"
                       "device: {name: x, memory: 8GiB, flops: 10TFLOPS, mem_bandwidth: 1TB/s}\n")

@@ -17,6 +17,7 @@ from pdcompile.ir import Kind, Schedule
 from pdcompile.passes.lower import lower
 from pdcompile.passes.schedule import generate
 from pdcompile.stage_costs import StageCosts
+from tests.test_cluster import reloaded
 
 SHAPES = [[[0], [1]], [[0], [1], [2]], [[0], [1], [2], [3]], [[0, 1], [2]], [[0], [1, 2]],
           [[0, 1], [2, 3]], [[0, 1, 2, 3]]]
@@ -155,18 +156,15 @@ def test_cores_are_validated_and_kept_in_files(tmp_path: Path) -> None:
     assert "2 cores" in shared.describe()
     assert Cluster(levels=(Level(4, 1e9, cores=4),)).shared_cores() is None
     assert Cluster(levels=(Level(4, 1e9),)).shared_cores() is None
+    assert reloaded(shared, tmp_path) == shared
     file = tmp_path / "c.json"
-    file.write_text(json.dumps(shared.to_dict()))
-    assert Cluster.load(file) == shared
     file.write_text(json.dumps({"levels": [{"workers": 2, "bandwidth": 1e9, "cores": "two"}]}))
     with pytest.raises(ClusterError, match="cores 'two' is not an integer"):
         Cluster.load(file)
 
 
-def test_local_preset_knows_the_cores(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.setenv("PDCOMPILE_LOCAL_BANDWIDTH", "2GB/s")
-    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
-    (tmp_path / "local.json").write_text(json.dumps({"flops": 5e10, "mem_bandwidth": 1e10}))
+def test_local_preset_knows_the_cores(local_env: None,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: 2)
     assert Cluster.preset("local-4").levels[0].cores == 2
     assert Cluster.preset("local-4").shared_cores() == (4, 2)
@@ -198,14 +196,11 @@ def test_workers_taking_turns_profile_cold() -> None:
 
 @pytest.mark.parametrize("cores, expected", [(2, "cold"), (4, "warm")])
 def test_simulate_command_profiles_in_the_workers_cache_state(
-        cores: int, expected: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        cores: int, expected: str, local_env: None, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     import pdcompile.passes.cost as cost
     from pdcompile.cli import main
 
-    monkeypatch.setenv("PDCOMPILE_LOCAL_BANDWIDTH", "2GB/s")
-    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
-    (tmp_path / "local.json").write_text(json.dumps({"flops": 5e10, "mem_bandwidth": 1e10}))
     monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: cores)
     seen: list[str] = []
     annotate = cost.annotate_costs

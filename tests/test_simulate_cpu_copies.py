@@ -102,14 +102,6 @@ def test_only_the_level_with_cpu_copies_pays() -> None:
 
 
 # ------------------------------------------------------------------ the local preset, files
-@pytest.fixture
-def local_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """`local` without a measurement: bandwidth from the override, CPU figures from a cache."""
-    monkeypatch.setenv("PDCOMPILE_LOCAL_BANDWIDTH", "2GB/s")
-    monkeypatch.setenv("PDCOMPILE_CACHE", str(tmp_path))
-    (tmp_path / "local.json").write_text(json.dumps({"flops": 5e10, "mem_bandwidth": 1e10}))
-
-
 def test_local_preset_copies_by_cpu(local_env: None) -> None:
     local = Cluster.preset("local-2")
     assert [lv.cpu_copies for lv in local.levels] == [True]
@@ -120,10 +112,10 @@ def test_local_preset_copies_by_cpu(local_env: None) -> None:
 
 
 def test_saved_cluster_keeps_the_flag(local_env: None, tmp_path: Path) -> None:
+    from tests.test_cluster import reloaded
+
     local = Cluster.preset("local-2")
-    file = tmp_path / "local-2.json"
-    file.write_text(json.dumps(local.to_dict()))
-    assert Cluster.load(file) == local
+    assert reloaded(local, tmp_path) == local
     yaml_file = tmp_path / "c.yaml"
     yaml_file.write_text("levels:\n  - {workers: 2, bandwidth: 2GB/s, cpu_copies: true}\n"
                          "  - {workers: 2, bandwidth: 10Gbps}\n")
