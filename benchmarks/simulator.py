@@ -631,7 +631,8 @@ def fidelity_section(rows: list[dict[str, Any]], *, minibatches: int, load: tupl
 
 Produced by `{command}`
 ({stamp}; {minibatches} minibatches per run; load average {load[0]:.1f} before and
-{load[1]:.1f} after).
+{load[1]:.1f} after). Machine: {platform.machine()} VM, {cores} cores, torch {torch.__version__},
+one torch thread per process, gloo over 127.0.0.1.
 
 {conditions}
 
@@ -709,7 +710,8 @@ replicas all-reducing 4 MB; 48 minibatches. The simulator gets the F and B times
 same run and the `local-N` cluster (loopback bandwidth measured; for sleeping stages without
 its core count: they leave the cores free), so the difference is the modelling of the schedule
 and the communication. Load average of the machine {load[0]:.1f} before, {load[1]:.1f} after
-({time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}).
+({time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}; {platform.machine()} VM,
+{os.cpu_count()} cores, torch {torch.__version__}).
 
 | shape | processes | compute | measured ms per minibatch | simulated | error |
 |---|---|---|---|---|---|
