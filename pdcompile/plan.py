@@ -19,7 +19,9 @@ class Stage:
     Times are seconds per minibatch as seen by the pipeline (a stage with r replicas handles one
     minibatch in r of them, so `compute` is the stage's fwd+bwd divided by r); `copies` is the
     time the stage's own CPU spends copying what it sends over loopback links (`Level.cpu_copies`),
-    which it cannot overlap with compute; `memory` is bytes per worker.
+    which it cannot overlap with compute; `memory` is bytes per worker. `in_flight`: microbatches
+    (minibatches under '1f1b') each replica keeps in flight, i.e. its warm-up depth + 1, as the
+    planner chose it within the memory; 0: the schedule's default (PipeDream's NOAM).
     """
 
     nodes: tuple[str, ...]
@@ -31,8 +33,12 @@ class Stage:
     memory: float = 0.0
     time: float = 0.0
     copies: float = 0.0
+    in_flight: int = 0
 
     def __post_init__(self) -> None:
+        if not isinstance(self.in_flight, int) or self.in_flight < 0:
+            raise PlanError(f"a stage keeps a positive number of minibatches in flight, or 0 for "
+                            f"its schedule's default (got {self.in_flight!r})")
         if self.replicas < 1 or len(self.ranks) != self.replicas:
             raise PlanError(f"a stage with {self.replicas} replicas needs as many ranks, got "
                             f"{list(self.ranks)}")
@@ -40,7 +46,12 @@ class Stage:
 
 @dataclass(frozen=True)
 class Plan:
-    """Stages in pipeline order plus what the planner predicted and how it got there."""
+    """Stages in pipeline order plus what the planner predicted and how it got there.
+
+    `schedule` and `microbatches` are the schedule the plan was priced for (the planner may
+    choose them: `schedule="auto"`); `time_per_minibatch` is the predicted time per minibatch
+    under it, `dp_time` that of plain data parallelism on the same workers.
+    """
 
     stages: tuple[Stage, ...]
     time_per_minibatch: float
@@ -53,8 +64,13 @@ class Plan:
     solve_seconds: float = 0.0
     cluster: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    schedule: str = "1f1b"
+    microbatches: int = 1
 
     def __post_init__(self) -> None:
+        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+            raise PlanError(f"a plan's microbatches must be a positive integer (got "
+                            f"{self.microbatches!r})")
         if not self.stages:
             raise PlanError("a plan needs at least one stage")
         seen: dict[str, int] = {}
@@ -90,6 +106,13 @@ class Plan:
         if self.bound is None or self.time_per_minibatch <= 0:
             return None
         return max(0.0, (self.time_per_minibatch - self.bound) / self.time_per_minibatch)
+
+    def warmup(self) -> list[int] | None:
+        """Warm-up depth per stage (in flight - 1) when the planner chose them, else None (the
+        schedule's default)."""
+        if not any(s.in_flight for s in self.stages):
+            return None
+        return [max(0, s.in_flight - 1) for s in self.stages]
 
     def stage_of(self) -> dict[str, int]:
         """Map node name -> stage index."""

@@ -15,20 +15,46 @@ from typing import Any
 import networkx as nx
 
 from pdcompile.cluster import Cluster
+from pdcompile.cost.crossing import input_nodes
+from pdcompile.cost.memory import OPTIMIZER_STATE, max_in_flight
+from pdcompile.cost.pipeline_time import (
+    StageTerms,
+    fewest_in_flight,
+    runnable_in_flight,
+    stage_terms,
+)
 from pdcompile.costgraph import coarsen, edge_bytes, topological_order, validate
-from pdcompile.errors import CostGraphError, PlanError
+from pdcompile.errors import CostGraphError, PlanError, ScheduleError
+from pdcompile.passes.partition.costmodel import (
+    IN_FLIGHT_CAP,
+    ModelOptions,
+    data_parallel_options,
+    data_parallel_stage,
+    data_parallel_time,
+    default_in_flight,
+    evaluate,
+    priced_time,
+)
 from pdcompile.plan import Plan, Stage
+from pdcompile.plan_simulation import simulate_plan, steady_minibatches
+from pdcompile.schedule.kinds import KINDS, kind
+from pdcompile.stage_costs import StageCosts
 from pdcompile.units import format_bytes, parse_quantity
 
 PLANNERS = ("auto", "dp", "ilp")
 ILP_AUTO_NODES = 60  # "auto" runs CP-SAT after the DP on graphs this small (after coarsening)
 ILP_DEFAULT_LIMIT = 10.0  # seconds
+AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched schedules
+VARIANT_STAGES = (2, 3)  # the DP's short-pipeline variants (at most this many stages)
+SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
+SIMULATION_BUDGET = 60_000  # stage-microbatch visits per simulation, above it the closed form
 
 
 def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
          cost_model: str = "native", straight: bool = False, memory: float | str | None = None,
-         time_limit: float | None = None, schedule: str = "1f1b", microbatches: int = 1,
-         ) -> Plan:
+         time_limit: float | None = None, schedule: str = "1f1b",
+         microbatches: int | None = None, stages: int | None = None,
+         simulate: bool | None = None, optimizer_state: float = OPTIMIZER_STATE) -> Plan:
     """Partition `cost_graph` over `cluster` and return the Plan (see pdcompile.plan.Plan).
 
     planner: "dp" (PipeDream's dynamic program), "ilp" (DP, then the exact CP-SAT model warm-started
@@ -36,9 +62,15 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     (the original optimizer's model; it applies a memory constraint only when `memory` is given,
     as the original does with --use_memory_constraint). memory: bytes per worker (or "16GiB"),
     default the cluster device's memory. time_limit: seconds for CP-SAT (default 10).
-    """
-    from pdcompile.passes.partition.costmodel import ModelOptions, data_parallel_time, evaluate
 
+    schedule: one of schedule.kinds, or "auto" to choose among them (and their microbatches).
+    microbatches: per minibatch for the microbatched schedules (None: the planner chooses among
+    AUTO_MICROBATCHES; '1f1b' runs whole minibatches). stages: exactly that many straight stages
+    (one worker each, on the first `stages` ranks), balanced by cost. simulate: rank the best
+    candidates with the simulator and predict its steady state (None: where a simulation is
+    cheap, SIMULATION_BUDGET). optimizer_state: optimizer bytes per parameter byte (Adam 2,
+    SGD with momentum 1) for memory.
+    """
     started = time.perf_counter()
     if planner not in PLANNERS:
         raise PlanError(f"unknown planner {planner!r}; use one of {', '.join(PLANNERS)}")
@@ -48,54 +80,322 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         raise PlanError(f"cluster must be a pdcompile.Cluster or a cluster string, not "
                         f"{type(cluster).__name__}")
     validate(cost_graph)
-    options = ModelOptions(cost_model=cost_model, schedule=schedule, microbatches=microbatches)
     limit = _memory(memory, cluster, cost_model)
     if time_limit is not None and not time_limit > 0:
         raise PlanError(f"time_limit must be > 0 seconds (got {time_limit!r})")
-
+    choices = _schedule_choices(schedule, microbatches, cost_model, cost_graph)
+    if stages is not None:
+        if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:
+            raise PlanError(f"stages must be a positive integer (got {stages!r})")
+        if stages > cluster.workers:
+            raise PlanError(f"stages={stages} needs {stages} workers; the cluster has "
+                            f"{cluster.workers} ({cluster.describe()})")
+        straight = True
     if planner == "ilp" and (straight or cost_model != "native"):
         raise PlanError("the CP-SAT planner handles the native cost model without --straight; "
                         "use planner='dp' for cost_model='pipedream' or straight pipelines")
-    work, attach = _planning_graph(cost_graph, cost_model)
-    dp_stages, states_kind, mapping, dp_objective = _run_dp(work, cluster, options, limit,
-                                                            straight, cost_graph)
-    nodes_ranks = _expand(dp_stages, mapping, attach, cost_graph)
-    priced, predicted = evaluate(cost_graph, nodes_ranks, cluster, options=options, memory=limit)
-    extra: dict[str, Any] = {"states": states_kind, "memory_limit": limit}
-    everything = [(topological_order(cost_graph), tuple(range(cluster.workers)))]
-    dp_stages_priced, dp_predicted = evaluate(cost_graph, everything, cluster, options=options)
-    dp_fits = limit is None or dp_stages_priced[0].memory <= limit
-    extra["dp_fits"] = dp_fits  # whether plain data parallelism fits the memory limit
-    flat_objective = cost_model == "native" or len(cluster.levels) == 1
-    if flat_objective and not straight and len(priced) > 1:
-        # The DP over an approximate state set (coarsened, linearised) can miss plain data
-        # parallelism's price on the real graph; never return something worse than it.
-        if dp_predicted < predicted and dp_fits:
-            priced, predicted = dp_stages_priced, dp_predicted
-            extra["fallback"] = "data parallel (cheaper than the DP's plan on the full graph)"
+    if cost_model == "pipedream":
+        options = ModelOptions(cost_model=cost_model, schedule=choices[0][0],
+                               microbatches=choices[0][1], optimizer_state=optimizer_state)
+        result = _pipedream_plan(cost_graph, cluster, options, limit, straight)
+        return replace(result, solve_seconds=time.perf_counter() - started)
+
+    workers = stages or cluster.workers
+    candidates: list[_Candidate] = []
+    kinds_seen = []
+    for name, m in choices:
+        options = ModelOptions(schedule=name, microbatches=m, optimizer_state=optimizer_state)
+        try:
+            found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
+                                   fill=stages is not None)
+        except PlanError:
+            continue
+        kinds_seen.append(found.kind)
+        candidates += found.candidates
+    if planner != "dp" and not straight and candidates:
+        candidates += _ilp_candidate(cost_graph, cluster, planner, limit, time_limit,
+                                     min(candidates, key=lambda c: c.closed))
+    if not candidates:
+        options = ModelOptions(schedule=choices[0][0], microbatches=choices[0][1],
+                               optimizer_state=optimizer_state)
+        raise _no_fit(cost_graph, cluster, options, limit, straight)
+    chosen, simulated = _choose(cost_graph, cluster, candidates, simulate)
+    options = chosen.options
+    everything = [data_parallel_stage(cost_graph, cluster)]
+    dp_options = data_parallel_options(options, cluster)
+    dp_priced, dp_time = evaluate(cost_graph, everything, cluster, options=dp_options)
+    extra: dict[str, Any] = {
+        "states": kinds_seen[0] if kinds_seen else "", "memory_limit": limit,
+        "dp_fits": limit is None or dp_priced[0].memory <= limit,
+        "closed_form_time_per_minibatch": chosen.closed, "bound": chosen.bound,
+        "candidates": [c.describe() for c in sorted(candidates, key=lambda c: c.closed)[:8]],
+    }
+    if simulated is not None:
+        extra["simulated_time_per_minibatch"] = simulated
+    if chosen.ilp is not None:
+        extra |= chosen.ilp
+    result = Plan(stages=chosen.priced, time_per_minibatch=simulated or chosen.closed,
+                  dp_time=dp_time, workers=workers, cost_model=cost_model,
+                  planner=chosen.planner, status=chosen.status, bound=None,
+                  solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra,
+                  schedule=options.schedule, microbatches=options.per_minibatch)
+    return replace(result, solve_seconds=time.perf_counter() - started)
+
+
+@dataclass
+class _Candidate:
+    """A plan the planner considers: its stages priced in closed form (`closed`, seconds per
+    minibatch) under its schedule options, and what bounds it."""
+
+    stages: list[tuple[list[str], tuple[int, ...]]]
+    options: ModelOptions
+    priced: tuple[Stage, ...]
+    closed: float
+    bound: str
+    planner: str = "dp"
+    status: str = "OPTIMAL"
+    ilp: dict[str, Any] | None = None
+
+    def describe(self) -> str:
+        replicas = "-".join(str(s.replicas) for s in self.priced)
+        return (f"{self.options.schedule} x{self.options.per_minibatch} {replicas}: "
+                f"{self.closed * 1e3:.3f} ms ({self.bound})")
+
+    def as_plan(self, workers: int) -> Plan:
+        return Plan(stages=self.priced, time_per_minibatch=self.closed, dp_time=0.0,
+                    workers=workers, schedule=self.options.schedule,
+                    microbatches=self.options.per_minibatch)
+
+
+@dataclass
+class _Found:
+    kind: str
+    candidates: list[_Candidate]
+
+
+def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
+                      graph: nx.DiGraph) -> list[tuple[str, int]]:
+    """(schedule, microbatches) pairs to plan for."""
+    if schedule != "auto" and schedule not in KINDS:
+        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(KINDS)} or "
+                        "'auto'")
+    if microbatches is not None and (not isinstance(microbatches, int)
+                                     or isinstance(microbatches, bool) or microbatches < 1):
+        raise PlanError(f"microbatches must be a positive integer (got {microbatches!r})")
+    if schedule == "auto" and cost_model != "native":
+        raise PlanError("schedule='auto' needs the native cost model (the pipedream model knows "
+                        "PipeDream's 1F1B only)")
+    names = list(KINDS) if schedule == "auto" else [schedule]
+    batch = graph.graph.get("batch_size")
+    out = []
+    for name in names:
+        if not kind(name).microbatched:
+            out.append((name, 1))
+        elif microbatches is not None:
+            out.append((name, microbatches))
+        else:
+            out += [(name, m) for m in AUTO_MICROBATCHES if batch is None or m <= int(batch)]
+    return out or [(names[0], 1)]
+
+
+def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
+                   limit: float | None, straight: bool, workers: int, *, fill: bool) -> _Found:
+    """The DP's plans under `options`, each priced: the DP's optimum with in-flight counts as
+    deep as memory allows, the same with PipeDream's NOAM, short pipelines (VARIANT_STAGES) and
+    plain data parallelism. The closed form and the simulator then rank them (`_choose`)."""
+    prepared = _prepare(graph, "native", workers)
+    variants: list[tuple[ModelOptions, int | None]] = [(options, None)]
+    if not kind(options.schedule).flush:
+        variants.append((replace(options, flight="noam"), None))
+    if not straight:
+        variants += [(options, k) for k in VARIANT_STAGES if k < workers]
+    status = "OPTIMAL" if prepared.kind == "all downsets" else "HEURISTIC"
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    found: list[_Candidate | None] = []
+    for variant, most in variants:
+        try:
+            result = _solve(prepared, cluster, variant, limit, straight, workers=workers,
+                            fill=fill, max_stages=most)
+        except PlanError:
+            continue
+        key = tuple((s.before, s.after, *s.ranks) for s in result.stages)
+        if key in seen:
+            continue
+        seen.add(key)
+        states = prepared.states
+        stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
+        if stages and prepared.pinned:
+            stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
+        expanded = _expand(stages, prepared.mapping, {}, graph)
+        found.append(_priced(graph, cluster, expanded, options, limit, planner="dp",
+                             status=status))
+    if not found:
+        raise PlanError("no plan fits")
+    if not straight:
+        found.append(_priced(graph, cluster, [data_parallel_stage(graph, cluster)], options,
+                             limit, planner="dp", status=status))
+    return _Found(prepared.kind, [c for c in found if c is not None])
+
+
+def _priced(graph: nx.DiGraph, cluster: Cluster,
+            stages: list[tuple[list[str], tuple[int, ...]]], options: ModelOptions,
+            limit: float | None, **tags: Any) -> _Candidate | None:
+    """A candidate with its in-flight counts chosen (`choose_in_flight`) and priced; None if
+    it does not fit the memory."""
+    try:
+        flight = choose_in_flight(graph, stages, cluster, options=options, memory=limit)
+    except PlanError:
+        return None
+    priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight)
+    if limit is not None and any(s.memory > limit * (1 + 1e-9) for s in priced):
+        return None
+    bound = priced_time(graph, stages, cluster, options=options, in_flight=flight).bound
+    return _Candidate(stages, options, priced, closed, bound, **tags)
+
+
+def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+                     cluster: Cluster, *, options: ModelOptions,
+                     memory: float | None) -> list[int]:
+    """Microbatches each stage keeps in flight. Streaming schedules: PipeDream's NOAM, deeper
+    where the round trips need more to fill the pipeline's period
+    (`cost.pipeline_time.fewest_in_flight`), never more than the memory holds (so below NOAM
+    where it must: the plan still runs, its round trips exposed). Flush schedules: NOAM, at
+    most what fits. Raises PlanError when a stage cannot hold even one."""
+    row = kind(options.schedule)
+    defaults = [default_in_flight(len(r), sum(len(x) for _, x in stages[i:]), options)
+                for i, (_, r) in enumerate(stages)]
+    limits = _memory_limits(graph, stages, options, memory)
+    if any(n < 1 for n in limits) or (options.schedule == "gpipe"
+                                      and any(n < d for n, d in zip(limits, defaults,
+                                                                    strict=True))):
+        raise PlanError("a stage does not fit the memory")
+    if row.flush:
+        return [min(n, d) for n, d in zip(limits, defaults, strict=True)]
+    replicas = [len(r) for _, r in stages]
+    limits = runnable_in_flight(limits, replicas)
+    best = priced_time(graph, stages, cluster, options=options, in_flight=limits)
+    terms, edges, ranks = _terms(graph, stages, cluster, options, limits)
+    fewest = fewest_in_flight(terms, edges, ranks, cluster, schedule=options.schedule,
+                              microbatches=options.per_minibatch,
+                              period=best.time_per_minibatch, limits=limits)
+    return runnable_in_flight([min(n, max(f, d)) for n, f, d in zip(limits, fewest, defaults,
+                                                                     strict=True)], replicas)
+
+
+def _memory_limits(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+                   options: ModelOptions, memory: float | None) -> list[int]:
+    """The most microbatches each stage can keep in flight within `memory` (capped)."""
+    row = kind(options.schedule)
+    out = []
+    for nodes, _ in stages:
+        params = sum(float(graph.nodes[n]["params"]) for n in nodes)
+        keep = sum(float(graph.nodes[n].get("keep", graph.nodes[n]["act"]))
+                   for n in nodes) / options.per_minibatch
+        fits = IN_FLIGHT_CAP if memory is None else max_in_flight(
+            params, keep, versions_per_flight=row.stashed_versions == "in-flight",
+            fixed_versions=1 if row.stashed_versions == "in-flight"
+            else int(row.stashed_versions), optimizer_state=options.optimizer_state,
+            limit=memory)
+        out.append(min(IN_FLIGHT_CAP, fits))
+    return out
+
+
+def _terms(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+           cluster: Cluster, options: ModelOptions, flight: list[int],
+           ) -> tuple[list[StageTerms], dict[tuple[int, int], float], list[tuple[int, ...]]]:
+    """The closed form's inputs for a plan (as `costmodel.evaluate` builds them)."""
+    plan_ = Plan(stages=tuple(Stage(tuple(n), len(r), tuple(r)) for n, r in stages),
+                 time_per_minibatch=0.0, dp_time=0.0, workers=sum(len(r) for _, r in stages))
+    costs = StageCosts.from_plan(graph, plan_, microbatches=options.per_minibatch)
+    ranks = [tuple(r) for _, r in stages]
+    row = kind(options.schedule)
+    terms = stage_terms(fwd=costs.fwd, bwd=costs.bwd, params=costs.params,
+                        edges=dict(costs.edges), stage_ranks=ranks, cluster=cluster,
+                        schedule=options.schedule, in_flight=flight,
+                        copying=[row.copies_weights and n > 1 for n in flight])
+    return terms, dict(costs.edges), ranks
+
+
+def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
+            simulate: bool | None) -> tuple[_Candidate, float | None]:
+    """The best candidate: by the simulator's steady state among the best few by the closed
+    form where simulating is cheap (or asked for), else by the closed form."""
+    ranked = sorted(candidates, key=lambda c: c.closed)
+    if simulate is False:
+        return ranked[0], None
+    best: tuple[float, _Candidate] | None = None
+    for candidate in ranked[:SIMULATED_CANDIDATES]:
+        plan_ = candidate.as_plan(sum(s.replicas for s in candidate.priced))
+        visits = steady_minibatches(plan_) * len(plan_.stages) * plan_.microbatches
+        if simulate is None and visits > SIMULATION_BUDGET:
+            continue
+        try:
+            _, result = simulate_plan(graph, plan_, cluster, timeline=False)
+        except ScheduleError:  # the chosen depths cannot run: that candidate is out
+            continue
+        if best is None or result.time_per_minibatch < best[0]:
+            best = (result.time_per_minibatch, candidate)
+    if best is None:
+        return ranked[0], None
+    return best[1], best[0]
+
+
+def _ilp_candidate(graph: nx.DiGraph, cluster: Cluster, planner: str, limit: float | None,
+                   time_limit: float | None, hint: _Candidate) -> list[_Candidate]:
+    """CP-SAT's plan for the hint's options ("ilp", or "auto" on small graphs), priced."""
+    model_graph, model_mapping = graph, None
+    if graph.number_of_nodes() > ILP_AUTO_NODES:
+        model_graph, model_mapping = _coarse_with_pinned(graph, ILP_AUTO_NODES)
+    blocks = model_graph.number_of_nodes() - len(_pinned_inputs(graph))
+    if planner != "ilp" and blocks > ILP_AUTO_NODES:
+        return []
+    from pdcompile.passes.partition.ilp import improve
+
+    seed = hint.as_plan(sum(s.replicas for s in hint.priced))
+    solved = improve(graph, cluster, seed, options=hint.options, memory=limit,
+                     time_limit=time_limit or ILP_DEFAULT_LIMIT, model_graph=model_graph,
+                     mapping=model_mapping)
+    stages = [(list(s.nodes), tuple(s.ranks)) for s in solved.stages]
+    found = _priced(graph, cluster, stages, hint.options, limit, planner="ilp",
+                    status=solved.status,
+                    ilp={k: v for k, v in solved.extra.items() if k.startswith("ilp")}
+                    | {"ilp_bound": solved.bound})
+    return [found] if found is not None else []
+
+
+def _pipedream_plan(cost_graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
+                    limit: float | None, straight: bool) -> Plan:
+    """The original optimizer's plan and figures (cost_model="pipedream")."""
+    work, attach = _planning_graph(cost_graph, "pipedream")
+    prepared = _prepare(work, "pipedream", cluster.workers)
+    try:
+        result = _solve(prepared, cluster, options, limit, straight)
+    except PlanError:
+        raise _no_fit(cost_graph, cluster, options, limit, straight) from None
+    states = prepared.states
+    stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
+    nodes_ranks = _expand(stages, prepared.mapping, attach, cost_graph)
+    priced, predicted = evaluate(cost_graph, nodes_ranks, cluster, options=options)
+    extra: dict[str, Any] = {"states": prepared.kind, "memory_limit": limit}
+    everything = [data_parallel_stage(cost_graph, cluster)]
+    dp_priced, _ = evaluate(cost_graph, everything, cluster, options=options)
+    extra["dp_fits"] = limit is None or dp_priced[0].memory <= limit
     objective = predicted
-    if cost_model == "pipedream" and len(cluster.levels) > 1:
+    if len(cluster.levels) > 1:
         # The original's hierarchical objective is recursive (a level's stage time is the best
         # pipeline of the level below); it is what the original reports, so we report it too.
         extra["flattened_time"] = predicted
-        objective = dp_objective
-    result = Plan(stages=priced, time_per_minibatch=objective,
-                  dp_time=data_parallel_time(cost_graph, cluster, options=options),
-                  workers=cluster.workers, cost_model=cost_model, planner="dp",
-                  status="OPTIMAL" if states_kind == "all downsets" else "HEURISTIC",
-                  bound=None, solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra)
-    if planner != "dp" and cost_model == "native" and not straight:
-        model_graph, model_mapping = cost_graph, None
-        if cost_graph.number_of_nodes() > ILP_AUTO_NODES:
-            model_graph, model_mapping = _coarse_with_pinned(cost_graph, ILP_AUTO_NODES)
-        blocks = model_graph.number_of_nodes() - len(_pinned_inputs(cost_graph))
-        if planner == "ilp" or blocks <= ILP_AUTO_NODES:
-            from pdcompile.passes.partition.ilp import improve
-
-            result = improve(cost_graph, cluster, result, options=options, memory=limit,
-                             time_limit=time_limit or ILP_DEFAULT_LIMIT,
-                             model_graph=model_graph, mapping=model_mapping)
-    return replace(result, solve_seconds=time.perf_counter() - started)
+        objective = result.objective
+    elif not straight and len(priced) > 1:
+        dp_time = data_parallel_time(cost_graph, cluster, options=options)
+        if dp_time < predicted and extra["dp_fits"]:
+            priced, objective = dp_priced, dp_time
+            extra["fallback"] = "data parallel (cheaper than the DP's plan on the full graph)"
+    return Plan(stages=priced, time_per_minibatch=objective,
+                dp_time=data_parallel_time(cost_graph, cluster, options=options),
+                workers=cluster.workers, cost_model="pipedream", planner="dp",
+                status="OPTIMAL" if prepared.kind == "all downsets" else "HEURISTIC",
+                bound=None, solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra)
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -125,8 +425,6 @@ def _planning_graph(graph: nx.DiGraph, cost_model: str,
 
 
 def _pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
-    from pdcompile.passes.partition.costmodel import input_nodes
-
     pinned = set(input_nodes(graph))
     return tuple(n for n in topological_order(graph) if n in pinned)
 
@@ -203,28 +501,15 @@ def _coarse_with_pinned(work: nx.DiGraph, target: int, pinned: tuple[str, ...] |
 
 
 def _solve(prepared: _Prepared, cluster: Cluster, options: Any, limit: float | None,
-           straight: bool) -> Any:
+           straight: bool, *, workers: int | None = None, fill: bool = False,
+           max_stages: int | None = None) -> Any:
     from pdcompile.passes.partition.dp import native_dp, pipedream_dp, state_tables
 
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     if options.cost_model == "pipedream":
         return pipedream_dp(tables, cluster, memory=limit, straight=straight)
-    return native_dp(tables, cluster, options=options, memory=limit, straight=straight)
-
-
-def _run_dp(work: nx.DiGraph, cluster: Cluster, options: Any, limit: float | None,
-            straight: bool, original: nx.DiGraph,
-            ) -> tuple[Any, str, dict[str, list[str]], float]:
-    prepared = _prepare(work, options.cost_model, cluster.workers)
-    try:
-        result = _solve(prepared, cluster, options, limit, straight)
-    except PlanError:
-        raise _no_fit(original, prepared, cluster, options, limit, straight) from None
-    states = prepared.states
-    stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
-    if stages and prepared.pinned:
-        stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
-    return stages, prepared.kind, prepared.mapping, result.objective
+    return native_dp(tables, cluster, options=options, memory=limit, straight=straight,
+                     workers=workers, fill=fill, max_stages=max_stages)
 
 
 def _expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, list[str]],
@@ -241,13 +526,14 @@ def _expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, 
     return [([n for n in order if stage_of[n] == i], ranks) for i, (_, ranks) in enumerate(stages)]
 
 
-def _no_fit(graph: nx.DiGraph, prepared: _Prepared, cluster: Cluster, options: Any,
-            limit: float | None, straight: bool) -> PlanError:
+def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: float | None,
+            straight: bool) -> PlanError:
     """The error for a model that fits no plan: the memory or the workers that would fit."""
+    work, _ = _planning_graph(graph, options.cost_model)
 
     def fits(c: Cluster, mem: float) -> bool:
         try:
-            _solve(prepared, c, options, mem, straight)
+            _solve(_prepare(work, options.cost_model, c.workers), c, options, mem, straight)
             return True
         except PlanError:
             return False
@@ -289,4 +575,4 @@ def _bytes_up(value: float) -> str:
     return f"{math.ceil(value)} B"
 
 
-__all__ = ["plan", "Plan", "Stage"]
+__all__ = ["Plan", "Stage", "choose_in_flight", "plan"]

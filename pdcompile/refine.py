@@ -28,11 +28,11 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from pdcompile.cluster import Cluster
+from pdcompile.cost.crossing import stage_of_every_node
 from pdcompile.costgraph import topological_order
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.costmodel import ModelOptions, evaluate
 from pdcompile.plan import Plan, Stage
-from pdcompile.stage_costs import stage_of_every_node
 
 State = tuple[tuple[int, ...], tuple[int, ...]]  # (stage start indices into the order, replicas)
 
@@ -109,7 +109,7 @@ def _descend(search: _Search, state: State, best: float, label: str, *, limit: i
 def _linearise(plan: Plan, graph: nx.DiGraph) -> tuple[list[str], State]:
     """One topological order with every stage contiguous, and the plan as a State. Nodes the
     plan does not place join the stage of their first placed successor (stage 0 if none)."""
-    stage_of = stage_of_every_node(graph, plan)
+    stage_of = stage_of_every_node(graph, plan.stage_of())
     topo = topological_order(graph)
     position = {n: i for i, n in enumerate(topo)}
     order = sorted(topo, key=lambda n: (stage_of[n], position[n]))
@@ -193,7 +193,7 @@ class _Search:
     def score(self, state: State) -> float:
         if state in self.cache:
             return self.cache[state]
-        from pdcompile.cli.simulate_cmd import simulate_plan
+        from pdcompile.plan_simulation import simulate_plan
 
         self.evaluations += 1
         plan = self.plan_of(state)

@@ -2,12 +2,13 @@
 
 Per stage s: forward and backward seconds for one microbatch on one worker (`fwd[s]`, `bwd[s]`),
 parameter bytes (`params[s]`), bytes kept for the backward per microbatch in flight
-(`activations[s]`), optimizer-step seconds (`optimizer[s]`, None: the simulator estimates it from
-the device's memory bandwidth), seconds to copy the stage's weights once (`stash[s]`, None: the
-simulator estimates a read and a write of them at the device's memory bandwidth; asynchronous
-1F1B pays it for each new stashed weight version); per stage edge (src, dst): bytes sent
-per microbatch (`edges`; the gradient going back is the same size). Built from a CostGraph and
-a Plan (`from_plan`), or given directly (`uniform`, the constructor).
+(`activations[s]`), optimizer-step seconds (`optimizer[s]`, None: cost/updates.py estimates it
+from the device's memory bandwidth), seconds to copy the stage's weights once (`stash[s]`, None:
+estimated likewise; weight stashing pays it for each new version); per stage edge (src, dst):
+bytes sent per microbatch (`edges`; the gradient going back is the same size); optimizer state
+per parameter byte (`optimizer_state`, for memory). Built from a CostGraph and a Plan
+(`from_plan`, with cost/crossing.py's rule for what crosses), or given directly (`uniform`, the
+constructor).
 """
 
 from __future__ import annotations
@@ -19,7 +20,9 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from pdcompile.cluster import Cluster
-from pdcompile.costgraph import edge_bytes, topological_order
+from pdcompile.cost.crossing import crossing_bytes, input_nodes, stage_of_every_node
+from pdcompile.cost.links import slowest_link, transfer_seconds
+from pdcompile.cost.memory import OPTIMIZER_STATE
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan
 
@@ -38,6 +41,7 @@ class StageCosts:
     edges: dict[tuple[int, int], float] = field(default_factory=dict)
     optimizer: tuple[float, ...] | None = None
     stash: tuple[float, ...] | None = None
+    optimizer_state: float = OPTIMIZER_STATE
 
     def __post_init__(self) -> None:
         stages = len(self.fwd)
@@ -81,11 +85,8 @@ class StageCosts:
     def transfer_seconds(self, src: int, dst: int, stage_ranks: Sequence[Sequence[int]],
                          cluster: Cluster) -> float:
         """One microbatch over stage edge (src, dst) on the slowest link between their ranks."""
-        size = self.edge_bytes(src, dst)
-        if size == 0:
-            return 0.0
-        level = max(cluster.link_level(a, b) for a in stage_ranks[src] for b in stage_ranks[dst])
-        return size / cluster.levels[level].bandwidth + cluster.levels[level].latency
+        return transfer_seconds(self.edge_bytes(src, dst),
+                                slowest_link(cluster, stage_ranks[src], stage_ranks[dst]))
 
     def round_trips(self, stage_ranks: Sequence[Sequence[int]], cluster: Cluster) -> list[float]:
         """Seconds from a microbatch's forward at stage s to the end of its backward there,
@@ -110,11 +111,13 @@ class StageCosts:
     @classmethod
     def uniform(cls, stages: int, *, fwd: float, bwd: float, params: float = 0.0,
                 activations: float = 0.0, edge_bytes: float = 0.0,
-                optimizer: float | None = 0.0) -> StageCosts:
+                optimizer: float | None = 0.0,
+                optimizer_state: float = OPTIMIZER_STATE) -> StageCosts:
         """Every stage the same; a straight chain of edges carrying `edge_bytes` each."""
         return cls((fwd,) * stages, (bwd,) * stages, (params,) * stages, (activations,) * stages,
                    {(s, s + 1): edge_bytes for s in range(stages - 1)},
-                   None if optimizer is None else (optimizer,) * stages)
+                   None if optimizer is None else (optimizer,) * stages,
+                   optimizer_state=optimizer_state)
 
     @classmethod
     def from_lists(cls, fwd: Sequence[float], bwd: Sequence[float], **kwargs: object) -> StageCosts:
@@ -155,7 +158,7 @@ class StageCosts:
         """
         if microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {microbatches})")
-        stage_of = stage_of_every_node(graph, plan)
+        stage_of = stage_of_every_node(graph, plan.stage_of())
         stages = len(plan.stages)
         fwd, bwd, params, keep = ([0.0] * stages for _ in range(4))
         loading = set(input_nodes(graph))
@@ -166,50 +169,8 @@ class StageCosts:
             bwd[s] += float(data["bwd"])
             params[s] += float(data["params"])
             keep[s] += float(data.get("keep", data["act"]))
-        crossing: dict[tuple[str, int], tuple[int, float]] = {}
-        for u, v in graph.edges:
-            su, sv = stage_of[u], stage_of[v]
-            if su == sv:
-                continue
-            if su > sv:
-                raise PlanError(f"edge {u} -> {v} goes from stage {su} back to stage {sv}; stages "
-                                "must follow the graph's order")
-            size = edge_bytes(graph, u, v)
-            key = (u, sv)
-            crossing[key] = (su, max(size, crossing.get(key, (su, 0.0))[1]))
-        edges: dict[tuple[int, int], float] = {}
-        for (_, sv), (su, size) in crossing.items():
-            edges[su, sv] = edges.get((su, sv), 0.0) + size / microbatches
+        edges = {pair: size / microbatches
+                 for pair, size in crossing_bytes(graph, stage_of).items()}
         m = float(microbatches)
         return cls(tuple(f / m for f in fwd), tuple(b / m for b in bwd), tuple(params),
                    tuple(k / m for k in keep), edges, None)
-
-
-def input_nodes(graph: nx.DiGraph) -> tuple[str, ...]:
-    """The graph's inputs: sources without parameters or backward work (fx placeholders,
-    PipeDream's `Input` nodes), the same rule as the native cost model's
-    (passes.partition.costmodel.input_nodes, which backends may not import). Empty when every
-    node is such a source."""
-    found = tuple(n for n in graph.nodes
-                  if graph.in_degree(n) == 0 and graph.out_degree(n) > 0
-                  and not float(graph.nodes[n]["params"]) and not float(graph.nodes[n]["bwd"]))
-    return found if len(found) < graph.number_of_nodes() else ()
-
-
-def stage_of_every_node(graph: nx.DiGraph, plan: Plan) -> dict[str, int]:
-    """The stage of every node of `graph` under `plan`: nodes the plan does not place (e.g.
-    zero-cost inputs) join the stage of their first placed successor (stage 0 if none)."""
-    placed = plan.stage_of()
-    unknown = [n for n in placed if n not in graph]
-    if unknown:
-        raise PlanError(f"the plan places nodes that the CostGraph does not have: "
-                        f"{unknown[:5]}; plan and graph must come from the same model "
-                        "(expand a coarsened plan with Plan.expanded)")
-    stage_of: dict[str, int] = {}
-    for node in reversed(topological_order(graph)):
-        if node in placed:
-            stage_of[node] = placed[node]
-        else:
-            later = [stage_of[v] for v in graph.successors(node) if v in stage_of]
-            stage_of[node] = min(later) if later else 0
-    return stage_of

@@ -129,7 +129,12 @@ def test_weight_versions_per_schedule() -> None:
     two_bw = simulate(lower(generate("2bw", straight(2), 8, microbatches_per_minibatch=4)), costs,
                       FREE)
     assert two_bw.memory[0].stashed == 100.0
-    assert flush.memory[0].total == 200.0 + flush.memory[0].activations
+    # weights, gradients and Adam's two moments (the default optimizer state), no stash
+    assert flush.memory[0].optimizer == 200.0
+    assert flush.memory[0].total == 400.0 + flush.memory[0].activations
+    sgd = StageCosts.uniform(2, fwd=F, bwd=B, params=100.0, optimizer_state=0.0)
+    assert simulate(lower(generate("1f1b-flush", straight(2), 8)), sgd, FREE).memory[0].total \
+        == 200.0 + flush.memory[0].activations
 
 
 # ------------------------------------------------------------------ communication

@@ -27,9 +27,10 @@ cores) share them: `backends/processor_sharing.py` runs the same rules in an eve
 ranks computing on c cores each advance at c / k of their speed, and a loopback transfer also
 keeps the receiving side's copy busy. Otherwise every rank has a processor of its own.
 
-Memory per worker (peak): weights + one gradient buffer + stashed weight versions (1f1b: one per
-minibatch in flight beyond the newest, PipeDream's weight stashing; 2bw: one extra version) +
-activations of the microbatches in flight. Optimizer state (momentum, Adam moments) is not counted.
+Memory per worker (peak), by cost/memory.py's formula (the planner's): weights + gradients +
+optimizer state + stashed weight versions (1f1b: one per minibatch in flight beyond the newest,
+where the stage copies at all; 2bw: one extra version) + activations of the microbatches in
+flight (the largest number the rank's action order ever holds).
 """
 
 from __future__ import annotations
@@ -37,29 +38,17 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdcompile.cluster import Cluster
+from pdcompile.cost.links import link_busy_seconds, stage_allreduce_seconds
+from pdcompile.cost.memory import WorkerMemory, worker_memory
+from pdcompile.cost.updates import copy_seconds, step_seconds
 from pdcompile.deps import dependency_lists, execution_order, is_lowered
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
 from pdcompile.passes.schedule import updates_in_flight
+from pdcompile.schedule.kinds import kind, weight_versions
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
 from pdcompile.units import format_bytes, format_seconds
-
-
-@dataclass(frozen=True)
-class MemoryUse:
-    """Peak bytes on one worker, by what they hold."""
-
-    weights: float
-    gradients: float
-    stashed: float
-    activations: float
-    in_flight: int
-
-    @property
-    def total(self) -> float:
-        """All of it."""
-        return self.weights + self.gradients + self.stashed + self.activations
 
 
 @dataclass
@@ -73,7 +62,7 @@ class SimResult:
     throughput: float  # minibatches per second
     bubble: float  # over the whole run
     steady_bubble: float  # inside the steady-state window (flush schedules: the whole run)
-    memory: dict[int, MemoryUse] = field(default_factory=dict)
+    memory: dict[int, WorkerMemory] = field(default_factory=dict)
 
     @property
     def peak_memory(self) -> float:
@@ -87,13 +76,14 @@ class SimResult:
             f"{format_seconds(self.time_per_minibatch)} per minibatch "
             f"({self.throughput:.2f} minibatches/s), bubble {self.bubble:.1%} "
             f"(steady state {self.steady_bubble:.1%})",
-            f"{'rank':>5} {'in flight':>9} {'weights':>10} {'grads':>10} {'stashed':>10} "
-            f"{'activations':>11} {'total':>10}",
+            f"{'rank':>5} {'in flight':>9} {'weights':>10} {'grads':>10} {'optimizer':>10} "
+            f"{'stashed':>10} {'activations':>11} {'total':>10}",
         ]
         for rank, m in sorted(self.memory.items()):
             lines.append(f"{rank:>5} {m.in_flight:>9} {format_bytes(m.weights):>10} "
-                         f"{format_bytes(m.gradients):>10} {format_bytes(m.stashed):>10} "
-                         f"{format_bytes(m.activations):>11} {format_bytes(m.total):>10}")
+                         f"{format_bytes(m.gradients):>10} {format_bytes(m.optimizer):>10} "
+                         f"{format_bytes(m.stashed):>10} {format_bytes(m.activations):>11} "
+                         f"{format_bytes(m.total):>10}")
         return "\n".join(lines)
 
 
@@ -138,12 +128,12 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     meta: dict[str, object] = {
         "schedule": schedule.name, "microbatches": schedule.microbatches,
         "microbatches_per_minibatch": int(schedule.options.get("microbatches_per_minibatch", 1))}
-    if schedule.name in ("1f1b-flush", "gpipe"):
+    flush = kind(schedule.name).flush
+    if flush:
         meta["minibatches"] = 1
     line = Timeline.with_compute(events, compute, "simulated", meta)
     # the timeline may hold compute events only
     makespan = max((times[-1] for times in end.values() if times), default=0.0)
-    flush = schedule.name in ("1f1b-flush", "gpipe")
     per_minibatch = makespan if flush else line.time_per_minibatch()
     bubble = line.bubble_fraction((0.0, makespan))
     t0, t1, _ = line.steady_window()
@@ -155,7 +145,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
         throughput=1.0 / per_minibatch if per_minibatch > 0 else float("inf"),
         bubble=bubble,
         steady_bubble=bubble if flush else line.bubble_fraction((t0, t1)),
-        memory=_memory(schedule, costs),
+        memory=_memory(schedule, costs, work.copying),
     )
 
 
@@ -166,25 +156,18 @@ class ActionCosts:
     def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                  stash: bool) -> None:
         self.schedule, self.costs, self.cluster = schedule, costs, cluster
-        self.step_time = costs.optimizer or tuple(3.0 * p / cluster.device.mem_bandwidth
+        self.step_time = costs.optimizer or tuple(step_seconds(p, cluster.device)
                                                   for p in costs.params)
-        self.copy_time = (costs.stash or tuple(2.0 * p / cluster.device.mem_bandwidth
+        self.copy_time = (costs.stash or tuple(copy_seconds(p, cluster.device)
                                                for p in costs.params)) \
-            if stash and schedule.name == "1f1b" else (0.0,) * costs.stages
+            if stash and kind(schedule.name).copies_weights else (0.0,) * costs.stages
         # a rank snapshots its weights only if an update can come while a minibatch is in flight
         self.copying = {rank: bool(schedule.options.get("vertical_sync"))
                         or updates_in_flight(actions)
                         for rank, actions in schedule.actions.items()}
         self.fresh = dict(self.copying)  # no snapshot of the current weights yet
-        self.allreduce: list[float] = []
-        for stage, ranks in enumerate(schedule.stage_ranks):
-            r = len(ranks)
-            level = cluster.levels[cluster.slowest_level_of(ranks)]
-            self.allreduce.append(0.0 if r == 1 else
-                                  2 * (r - 1) / r * costs.params[stage] / level.bandwidth
-                                  + 2 * (r - 1) * level.latency)
-        # per directed rank pair: (bytes/s, latency, whether the sender's CPU makes the copy)
-        self._links: dict[tuple[int, int], tuple[float, float, bool]] = {}
+        self.allreduce = [stage_allreduce_seconds(costs.params[stage], ranks, cluster)
+                          for stage, ranks in enumerate(schedule.stage_ranks)]
 
     def compute(self, rank: int, action: Action) -> float:
         """Seconds of the rank's processor for F, B, W or STEP; call once per action, in the
@@ -208,16 +191,11 @@ class ActionCosts:
         """(receiving rank, seconds on the link, latency, whether the sender's CPU copies)."""
         assert action.peer is not None
         dst = self.schedule.rank_of(action.peer, action.microbatch)
-        link = (rank, dst)
-        if link not in self._links:
-            self._links[link] = (self.cluster.bandwidth_between(rank, dst),
-                                 self.cluster.latency_between(rank, dst),
-                                 self.cluster.cpu_copies_between(rank, dst))
-        bandwidth, latency, cpu_copies = self._links[link]
+        level = self.cluster.levels[self.cluster.link_level(rank, dst)]
         size = self.costs.edge_bytes(action.stage, action.peer)
         if not size:
             return dst, 0.0, 0.0, False
-        return dst, size / bandwidth, latency, cpu_copies
+        return dst, link_busy_seconds(size, level), level.latency, level.cpu_copies
 
 
 Times = dict[int, list[float]]  # per rank, one entry per action
@@ -268,9 +246,10 @@ def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], .
     return begin, end
 
 
-def _memory(schedule: Schedule, costs: StageCosts) -> dict[int, MemoryUse]:
+def _memory(schedule: Schedule, costs: StageCosts,
+            copying: dict[int, bool]) -> dict[int, WorkerMemory]:
     """Peak memory per rank from its action order (in flight: F done, B not yet)."""
-    out: dict[int, MemoryUse] = {}
+    out: dict[int, WorkerMemory] = {}
     for rank, actions in schedule.actions.items():
         stage = schedule.stage_of_rank(rank)
         live = peak = 0
@@ -280,13 +259,7 @@ def _memory(schedule: Schedule, costs: StageCosts) -> dict[int, MemoryUse]:
                 peak = max(peak, live)
             elif action.kind == Kind.B:
                 live -= 1
-        params = costs.params[stage]
-        if schedule.name == "1f1b":
-            extra_versions = max(0, peak - 1)
-        elif schedule.name == "2bw":
-            extra_versions = 1
-        else:
-            extra_versions = 0
-        out[rank] = MemoryUse(weights=params, gradients=params, stashed=extra_versions * params,
-                              activations=peak * costs.activations[stage], in_flight=peak)
+        versions = weight_versions(schedule.name, peak, copies=copying[rank])
+        out[rank] = worker_memory(costs.params[stage], costs.activations[stage], in_flight=peak,
+                                  versions=versions, optimizer_state=costs.optimizer_state)
     return out

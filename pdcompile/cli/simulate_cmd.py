@@ -19,30 +19,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 from typing import Any
 
 import networkx as nx
 
-from pdcompile.backends.simulate import SimResult, simulate
+from pdcompile.backends.simulate import SimResult
 from pdcompile.cli.common import add_cluster_option, load_cluster
 from pdcompile.cluster import Cluster
 from pdcompile.compare import Comparison, compare
 from pdcompile.errors import PdcompileError
 from pdcompile.ir import Schedule
 from pdcompile.local_machine import oversubscription_note
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import SCHEDULES, generate, latency_aware_warmup
 from pdcompile.plan import Plan
-from pdcompile.stage_costs import StageCosts
+from pdcompile.plan_simulation import simulate_plan
+from pdcompile.schedule.kinds import KINDS as SCHEDULES
 from pdcompile.timeline import Timeline
 from pdcompile.units import format_seconds
-from pdcompile.validate import validate
-
-DEFAULT_MINIBATCHES = 64
-DEFAULT_MICROBATCHES = 8
 
 
 def register(subparsers: Any) -> None:
@@ -57,16 +51,18 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--costgraph", help="a CostGraph JSON file instead of a model")
     parser.add_argument("--plan", dest="plan_file", help="use this plan.json instead of planning")
     add_cluster_option(parser, default="A")
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES)
+    parser.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
+                        help="the schedule, or 'auto': the planner chooses it and its "
+                        "microbatches")
     parser.add_argument("--microbatches", type=int, default=None,
-                        help="microbatches per minibatch (1f1b-flush, gpipe, 2bw; default "
-                        f"{DEFAULT_MICROBATCHES}; 1f1b: 1)")
-    parser.add_argument("--minibatches", type=int, default=DEFAULT_MINIBATCHES,
+                        help="microbatches per minibatch (1f1b-flush, gpipe, 2bw; default: the "
+                        "planner chooses, or 8 with --plan; 1f1b: 1)")
+    parser.add_argument("--minibatches", type=int, default=None,
                         help="minibatches streamed through 1f1b / 2bw (rounded up to a multiple of "
-                        f"the replica counts; default {DEFAULT_MINIBATCHES})")
-    parser.add_argument("--warmup", default="noam", choices=("noam", "latency"),
-                        help="warm-up depth: PipeDream's NOAM (default) or 'latency', deeper so "
-                        "that transfers are hidden too (more activations in flight)")
+                        "the replica counts; default: enough for the steady state)")
+    parser.add_argument("--warmup", default="plan", choices=("plan", "noam", "latency"),
+                        help="warm-up depth: the planner's choice (default; PipeDream's NOAM for "
+                        "a plan without one), NOAM, or 'latency' (deep enough to hide transfers)")
     parser.add_argument("--planner", default="auto", choices=("auto", "dp", "ilp"))
     parser.add_argument("--cost-model", default="native", choices=("native", "pipedream"))
     parser.add_argument("--measured", help="a timeline.json recorded by a real run, to compare")
@@ -77,69 +73,6 @@ def register(subparsers: Any) -> None:
 
 
 # --------------------------------------------------------------------------------- library
-def stream_length(plan: Plan, minibatches: int) -> int:
-    """`minibatches` rounded up to a multiple of every stage's replica count (1f1b needs it)."""
-    step = math.lcm(*(s.replicas for s in plan.stages))
-    return max(step, math.ceil(minibatches / step) * step)
-
-
-def build_schedule(plan: Plan, costs: StageCosts, *, schedule: str, microbatches: int,
-                   minibatches: int, warmup: str = "noam",
-                   cluster: Cluster | None = None) -> Schedule:
-    """The lowered, validated schedule of `plan` for `schedule` (see `simulate_plan`)."""
-    stage_ranks = [list(s.ranks) for s in plan.stages]
-    depths = None
-    if warmup == "latency" and schedule != "gpipe":
-        if cluster is None:
-            raise PdcompileError("warmup='latency' needs the cluster")
-        depths = latency_aware_warmup(stage_ranks, costs.round_trips(stage_ranks, cluster),
-                                      costs.period(stage_ranks, cluster))
-    elif warmup not in ("noam", "latency"):
-        raise PdcompileError(f"warmup must be 'noam' or 'latency', not {warmup!r}")
-    if schedule == "1f1b":
-        compute = generate("1f1b", stage_ranks, stream_length(plan, minibatches), warmup=depths)
-    elif schedule == "2bw":
-        step = math.lcm(*(s.replicas for s in plan.stages))
-        per = max(step, math.ceil(microbatches / step) * step)
-        compute = generate("2bw", stage_ranks, per * max(1, minibatches),
-                           microbatches_per_minibatch=per, warmup=depths)
-    else:
-        compute = generate(schedule, stage_ranks, microbatches, warmup=depths)
-    lowered = lower(compute, costs.stage_edges())
-    validate(lowered)
-    return lowered
-
-
-def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule: str = "1f1b",
-                  microbatches: int | None = None, minibatches: int = DEFAULT_MINIBATCHES,
-                  warmup: str = "noam", timeline: bool = True) -> tuple[Schedule, SimResult]:
-    """Simulate `plan` of `graph` on `cluster`.
-
-    1f1b: a stream of `minibatches` whole minibatches; 1f1b-flush / gpipe: one minibatch cut into
-    `microbatches`; 2bw: `minibatches` minibatches of `microbatches` each. `warmup`: "noam"
-    (PipeDream's depth) or "latency" (`passes.schedule.latency_aware_warmup`).
-    """
-    per = 1 if schedule == "1f1b" else (microbatches or DEFAULT_MICROBATCHES)
-    if schedule == "1f1b" and microbatches not in (None, 1):
-        raise PdcompileError("'1f1b' runs whole minibatches; use --schedule 2bw or 1f1b-flush "
-                             f"for {microbatches} microbatches per minibatch")
-    costs = StageCosts.from_plan(graph, plan, microbatches=per)
-    lowered = build_schedule(plan, costs, schedule=schedule, microbatches=per,
-                             minibatches=minibatches, warmup=warmup, cluster=cluster)
-    return lowered, simulate(lowered, costs, cluster, timeline=timeline)
-
-
-def data_parallel_plan(graph: nx.DiGraph, cluster: Cluster) -> Plan:
-    """Plain data parallelism as a Plan: every node in one stage replicated on every worker."""
-    from pdcompile.costgraph import topological_order
-    from pdcompile.plan import Stage
-
-    workers = cluster.workers
-    stage = Stage(tuple(topological_order(graph)), workers, tuple(range(workers)))
-    return Plan(stages=(stage,), time_per_minibatch=0.0, dp_time=0.0, workers=workers,
-                planner="data-parallel")
-
-
 def load_cost_graph(args: argparse.Namespace, cluster: Cluster) -> nx.DiGraph:
     """The CostGraph from --profile, --costgraph or a model factory (traced and costed, in the
     cache state the cluster's workers will meet: `cache_flush.caches_for`)."""
@@ -183,20 +116,23 @@ def run(args: argparse.Namespace) -> int:
 
     cluster = load_cluster(args.cluster)
     graph = load_cost_graph(args, cluster)
-    per = None if args.schedule == "1f1b" else (args.microbatches or DEFAULT_MICROBATCHES)
     if args.plan_file:
         plan = Plan.from_json(Path(args.plan_file).read_text())
+        if args.schedule == "auto":
+            raise PdcompileError("--schedule auto lets the planner choose; with --plan name the "
+                                 "schedule to simulate (or leave --schedule out for the plan's)")
     else:
         plan = pdcompile.plan(graph, cluster, planner=args.planner, cost_model=args.cost_model,
-                              schedule=args.schedule, microbatches=per or 1)
+                              schedule=args.schedule, microbatches=args.microbatches)
     if plan.workers > cluster.workers:
         raise PdcompileError(f"the plan uses {plan.workers} workers but the cluster has "
                              f"{cluster.workers}")
     note = oversubscription_note(plan.workers) if cluster.name.startswith("local") else None
     if note is not None:
         print(note, file=sys.stderr)
-    schedule, result = simulate_plan(graph, plan, cluster, schedule=args.schedule,
-                                     microbatches=args.microbatches if per is None else per,
+    name = plan.schedule if args.schedule == "auto" else args.schedule
+    schedule, result = simulate_plan(graph, plan, cluster, schedule=name,
+                                     microbatches=args.microbatches,
                                      minibatches=args.minibatches, warmup=args.warmup)
     measured = Timeline.load(args.measured) if args.measured else None
     comparison = compare(result.timeline, measured) if measured is not None else None

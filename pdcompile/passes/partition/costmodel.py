@@ -13,26 +13,24 @@ One function, `evaluate`, prices a plan for every planner and every report. Two 
   ``ceil(D / r) (act + P)`` with D the workers downstream of the stage (the original's stash
   estimate).
 
-* ``"native"``: our best honest model of this project's runtime. Gradient sync is a ring
-  all-reduce among the replicas, ``2 (r-1)/r P / B + 2 (r-1) latency``, done once per round of r
-  minibatches and not overlapped with compute (the ALLREDUCE action blocks its rank). Point-to-point
-  sends are asynchronous, so a stage's network time overlaps its compute: stage time =
-  ``max(compute + sync, comm)``, with ``comm`` = bytes the stage receives plus sends per minibatch
-  (every edge crossing its boundary, skip connections included, each at the bandwidth of the
-  cluster level between the two stages' ranks; links are full duplex, activations one way and
-  gradients the other) plus one latency per tensor, divided by r. On a level with `cpu_copies`
-  (loopback between processes of one host) the sender's CPU makes each copy, so a stage also
-  spends the bytes it sends (activations forward, gradients back) / bandwidth / r of its own
-  time: stage time = ``max(compute + sync + copies, comm)``. Memory per worker for 1F1B:
-  ``n (P + keep) + P (gradients) + optimizer_state * P`` with n = ceil((r + D) / r) minibatches in
-  flight (weight versions stashed = n); flush schedules keep one weight version and min(n, M) of
-  M microbatches. Flush schedules also pay the pipeline bubble, (M + S - 1) / M. Inputs (see
-  `input_nodes`) stay on the first stage and cost no compute (a profile's `Input` forward time is
-  data loading, overlapped by the input pipeline); what they feed to later stages is traffic.
-  Where the workers of a host outnumber its cores (`Level.cores`, as `local-N` on a small
-  machine), they take turns: a minibatch then takes at least the CPU work of the busiest host's
-  ranks (compute, sync, and every loopback copy on both of its ends) over its cores
-  (`shared_core_time`), whatever the slowest stage.
+* ``"native"``: this project's runtime as the simulator runs it, from the shared formulas of
+  `pdcompile.cost`: what crosses between stages (a tensor once per reading stage), ring
+  all-reduces, optimizer steps and weight-version copies, loopback copies, memory per worker
+  (weights, gradients, optimizer state, stashed versions, activations in flight), and the
+  schedule-aware time per minibatch of `cost.pipeline_time` (a streaming schedule's steady state
+  bounded by work, links and in-flight round trips; a flush schedule's fill, steady part, drain
+  and final update). Each stage keeps `in_flight` microbatches in flight: the planner's choice
+  (`Stage.in_flight`) or the schedule's default, PipeDream's NOAM. Where a host's workers
+  outnumber its cores (`Level.cores`, as `local-N` on a small machine), a minibatch takes at
+  least their CPU work over the cores (`shared_core_time`).
+
+  The dynamic program and CP-SAT need an objective that is a maximum over stages; `stage_values`
+  is that objective, from the same formulas: per stage the work, its links and (streaming) its
+  round trip over the most microbatches its memory allows in flight (or PipeDream's NOAM, the
+  planner's second variant: the DP cannot see how later stages' in-flight counts bound an
+  earlier one's), or (flush) the microbatches it adds to the fill and drain plus its final
+  all-reduce and step. The planners rank with it;
+  plans are then priced with `evaluate` (and, where it is cheap, simulated).
 """
 
 from __future__ import annotations
@@ -40,17 +38,23 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
+import numpy as np
 
 from pdcompile.cluster import Cluster
-from pdcompile.costgraph import edge_bytes
+from pdcompile.cost.crossing import crossing_bytes, input_nodes
+from pdcompile.cost.links import slowest_link, transfer_seconds
+from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
+from pdcompile.cost.pipeline_time import PipelineTime, pipeline_time, stage_terms
 from pdcompile.errors import PlanError
 from pdcompile.plan import Stage
+from pdcompile.schedule.kinds import KINDS, kind, weight_versions
 
 COST_MODELS = ("native", "pipedream")
-SCHEDULES = ("1f1b", "1f1b-flush", "gpipe", "2bw")
-OPTIMIZER_STATE = 2.0  # bytes of optimizer state per parameter byte (Adam: two moments)
+SCHEDULES = tuple(KINDS)
+IN_FLIGHT_CAP = 64  # the planning objective never assumes more microbatches in flight per replica
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,11 @@ class ModelOptions:
     schedule: str = "1f1b"
     microbatches: int = 1
     optimizer_state: float = OPTIMIZER_STATE
+    flight: str = "memory"  # the planning objective's in-flight count: "memory" or "noam"
 
     def __post_init__(self) -> None:
+        if self.flight not in ("memory", "noam"):
+            raise PlanError(f"flight must be 'memory' or 'noam', not {self.flight!r}")
         if self.cost_model not in COST_MODELS:
             raise PlanError(f"unknown cost model {self.cost_model!r}; use one of {COST_MODELS}")
         if self.schedule not in SCHEDULES:
@@ -70,112 +77,195 @@ class ModelOptions:
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {self.microbatches!r})")
 
+    @property
+    def per_minibatch(self) -> int:
+        """Microbatches a minibatch is cut into under this schedule (1 for '1f1b')."""
+        return self.microbatches if kind(self.schedule).microbatched else 1
 
-# ------------------------------------------------------------------------------ primitives
-def in_flight(replicas: int, downstream: int, options: ModelOptions) -> float:
-    """Minibatches (or microbatch fractions of one) whose activations a worker keeps at once."""
-    if options.cost_model == "pipedream":
-        return float(math.ceil(downstream / replicas))
-    depth = math.ceil((replicas + downstream) / replicas)
-    if options.schedule in ("1f1b", "2bw"):
-        return float(depth)
+
+# ------------------------------------------------------------------------------ in flight
+def noam(replicas: int, workers_from_here: int) -> int:
+    """PipeDream's NOAM: minibatches a replica keeps in flight, ceil(workers of this stage and
+    all later ones / replicas)."""
+    return math.ceil(workers_from_here / replicas)
+
+
+def default_in_flight(replicas: int, workers_from_here: int, options: ModelOptions) -> int:
+    """Microbatches a replica keeps in flight under the schedule's default warm-up: NOAM, at
+    most the microbatches it gets in a flush; all of them under GPipe."""
+    share = math.ceil(options.per_minibatch / replicas)
     if options.schedule == "gpipe":
-        return 1.0
-    return min(depth, options.microbatches) / options.microbatches
+        return share
+    if kind(options.schedule).flush:
+        return min(noam(replicas, workers_from_here), share)
+    return noam(replicas, workers_from_here)
 
 
-def weight_versions(replicas: int, downstream: int, options: ModelOptions) -> float:
-    """Copies of a stage's weights a worker holds (weight stashing)."""
-    if options.schedule == "1f1b":
-        return float(math.ceil((replicas + downstream) / replicas))
-    if options.schedule == "2bw":
-        return 2.0
-    return 1.0
+# ------------------------------------------------------------------------------ pipedream
+def pipedream_memory(params: float, act: float, replicas: int, downstream: int) -> float:
+    """The original optimizer's stash estimate of a stage's memory per worker."""
+    return math.ceil(downstream / replicas) * (act + params)
 
 
-def stage_memory(params: float, keep: float, replicas: int, downstream: int,
-                 options: ModelOptions) -> float:
-    """Bytes per worker of a stage with `params` weight bytes and `keep` activation bytes."""
-    flight = in_flight(replicas, downstream, options)
-    if options.cost_model == "pipedream":
-        return flight * (keep + params)
-    versions = weight_versions(replicas, downstream, options)
-    return versions * params + params * (1.0 + options.optimizer_state) + flight * keep
-
-
-def sync_seconds(params: float, replicas: int, bandwidth: float, latency: float,
-                 options: ModelOptions) -> float:
-    """Weight-sync time per minibatch of a stage replicated `replicas` ways."""
+def pipedream_sync(params: float, replicas: int, bandwidth: float) -> float:
+    """The original's all-reduce term per minibatch (added to compute)."""
     if replicas <= 1:
         return 0.0
     r = replicas
-    if options.cost_model == "pipedream":
-        return 4.0 * (r - 1) * params / (bandwidth * r) / r
-    ring = 2.0 * (r - 1) / r * params / bandwidth + 2.0 * (r - 1) * latency
-    return ring / r
+    return 4.0 * (r - 1) * params / (bandwidth * r) / r
 
 
-def bubble(stages: int, options: ModelOptions) -> float:
-    """Factor on the slowest stage for flush schedules (1 for asynchronous ones)."""
-    if options.cost_model == "native" and options.schedule in ("1f1b-flush", "gpipe"):
-        return (options.microbatches + stages - 1) / options.microbatches
-    return 1.0
-
-
+# ------------------------------------------------------------------------------ placement
 @dataclass(frozen=True)
 class Placement:
-    """Per-byte and fixed costs of a stage on ranks [start, start + replicas) of `workers`, as
-    the planners price it (native model): the all-reduce spans those ranks; what the stage
-    receives crosses the link from rank start - 1, what it sends the link to start + replicas."""
+    """Per-byte and fixed costs of a stage on ranks [start, start + replicas) of `workers`
+    (native model): the all-reduce spans those ranks; what the stage receives crosses the link
+    from rank start - 1, what it sends the link to start + replicas. Seconds per byte or per
+    message, not divided by anything."""
 
-    sync_per_byte: float
-    sync_fixed: float
+    replicas: int
+    noam: int
+    sync_per_byte: float  # ring all-reduce: 2 (r-1)/r / bandwidth
+    sync_fixed: float  # ring all-reduce: 2 (r-1) latency
     in_per_byte: float
     in_per_msg: float
     out_per_byte: float
     out_per_msg: float
-    in_flight: float
-    versions: float
-    copy_in_per_byte: float = 0.0   # CPU time per byte sent back over the input link (loopback)
+    copy_in_per_byte: float = 0.0  # CPU time per byte sent back over the input link (loopback)
     copy_out_per_byte: float = 0.0  # CPU time per byte sent forward over the output link
+    step_per_byte: float = 0.0  # optimizer step per parameter byte
+    copy_per_byte: float = 0.0  # a weight-version copy per parameter byte
 
 
-def placement(cluster: Cluster, start: int, replicas: int, workers: int,
-              options: ModelOptions) -> Placement:
-    """Coefficients of a stage at a rank position (see `Placement`); all already divided by the
-    replicas, so that stage time = max(T / r + P * sync_per_byte + sync_fixed + in bytes *
-    copy_in_per_byte + out bytes * copy_out_per_byte, in/out terms)."""
+def placement(cluster: Cluster, start: int, replicas: int, workers: int) -> Placement:
+    """Coefficients of a stage at a rank position (see `Placement`)."""
+    from pdcompile.cost.links import ring_allreduce_seconds
+    from pdcompile.cost.updates import copy_seconds, step_seconds
+
     r, end = replicas, start + replicas - 1
     sync_a = sync_b = in_a = in_l = out_a = out_l = copy_in = copy_out = 0.0
     if r > 1:
         lv = cluster.levels[cluster.link_level(start, end)]
-        sync_a = 2.0 * (r - 1) / r / lv.bandwidth / r
-        sync_b = 2.0 * (r - 1) * lv.latency / r
+        sync_b = ring_allreduce_seconds(0.0, r, lv)
+        sync_a = ring_allreduce_seconds(1.0, r, lv) - sync_b
     if start > 0:
         li = cluster.levels[cluster.link_level(start - 1, end)]
-        in_a, in_l = 1.0 / (li.bandwidth * r), li.latency / r
-        copy_in = in_a if li.cpu_copies and options.cost_model == "native" else 0.0
+        in_a, in_l = 1.0 / li.bandwidth, li.latency
+        copy_in = in_a if li.cpu_copies else 0.0
     if end + 1 < workers:
         lo = cluster.levels[cluster.link_level(start, end + 1)]
-        out_a, out_l = 1.0 / (lo.bandwidth * r), lo.latency / r
-        copy_out = out_a if lo.cpu_copies and options.cost_model == "native" else 0.0
-    downstream = workers - start - r
-    return Placement(sync_a, sync_b, in_a, in_l, out_a, out_l,
-                     in_flight(r, downstream, options), weight_versions(r, downstream, options),
-                     copy_in, copy_out)
+        out_a, out_l = 1.0 / lo.bandwidth, lo.latency
+        copy_out = out_a if lo.cpu_copies else 0.0
+    return Placement(r, noam(r, workers - start), sync_a, sync_b, in_a, in_l, out_a, out_l,
+                     copy_in, copy_out, step_seconds(1.0, cluster.device),
+                     copy_seconds(1.0, cluster.device))
 
 
-# ------------------------------------------------------------------------------ inputs
-def input_nodes(graph: nx.DiGraph) -> tuple[str, ...]:
-    """The graph's inputs under the native model: sources without parameters or backward work
-    (fx placeholders, PipeDream's `Input` nodes). They live on the first stage and cost no
-    compute there: a PipeDream profile's `Input` forward time is data loading, which the input
-    pipeline overlaps with training. What they feed to later stages is charged as traffic.
-    Empty when every node is such a source."""
-    found = tuple(n for n in graph.nodes
-                  if graph.in_degree(n) == 0 and graph.out_degree(n) > 0
-                  and not float(graph.nodes[n]["params"]) and not float(graph.nodes[n]["bwd"]))
-    return found if len(found) < graph.number_of_nodes() else ()
+# ------------------------------------------------------------------------------ objective
+def stage_values(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, rest: Any,
+                 coef: Any, options: ModelOptions, memory: float | None) -> np.ndarray:
+    """The planning objective of stages (seconds per minibatch; inf where it cannot run), on
+    numpy arrays that broadcast: `compute` fwd+bwd, `params`, `keep` bytes per minibatch of the
+    stage; `received` / `sent` bytes per minibatch over its input / output links; `rest` the
+    fwd+bwd of everything after it; `coef` a `Placement` whose fields may be arrays (one per
+    candidate position). See the module docstring; the DP and the brute-force tests share it."""
+    row = kind(options.schedule)
+    m = options.per_minibatch
+    r = np.asarray(coef.replicas, dtype=np.float64)
+    t, p, k = np.asarray(compute) / m, np.asarray(params), np.asarray(keep) / m
+    inb, outb, later = np.asarray(received) / m, np.asarray(sent) / m, np.asarray(rest) / m
+    allreduce = p * coef.sync_per_byte + coef.sync_fixed
+    step = p * coef.step_per_byte
+    cpu = inb * coef.copy_in_per_byte + outb * coef.copy_out_per_byte
+    out_wire = outb * coef.out_per_byte + np.where(outb > 0, coef.out_per_msg, 0.0)
+    limit = math.inf if memory is None else memory
+    base = p * (2.0 + options.optimizer_state)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        if row.stashed_versions == "in-flight":  # a version per minibatch in flight
+            fit = np.floor((limit - base + p) / (k + p))
+        else:
+            fit = np.floor((limit - base - (int(row.stashed_versions) - 1) * p) / k)
+        fit = np.where(np.isnan(fit), IN_FLIGHT_CAP, fit)
+    fit = np.minimum(fit, IN_FLIGHT_CAP)
+    if row.flush:
+        share = np.ceil(m / r)
+        needed = share if options.schedule == "gpipe" else 1.0
+        flight = np.minimum(np.minimum(fit, share), coef.noam)
+        if options.schedule == "gpipe":
+            flight = share
+        period = t + cpu
+        trip = period + later + 2.0 * out_wire
+        with np.errstate(divide="ignore", invalid="ignore"):
+            period = np.where(share > flight, np.maximum(period, trip / flight), period)
+        value = (share - 1.0) * period + allreduce + step
+        ok = (fit >= needed) & (r <= m)
+    else:
+        flight = np.maximum(fit, 1.0)
+        if options.flight == "noam":
+            flight = np.minimum(flight, coef.noam)
+        updates = 1.0 if row.update == "round" else float(m)
+        copy = np.where(flight > 1, p * coef.copy_per_byte, 0.0) if row.copies_weights else 0.0
+        own = t + cpu + (allreduce + step + copy) / updates
+        link = np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r
+        trip = own + later + 2.0 * out_wire
+        value = np.maximum(np.maximum(own / r, link), trip / (flight * r)) * m
+        ok = fit >= 1
+        if row.microbatched:
+            ok = ok & (np.mod(m, r) == 0)
+    return np.where(ok, value, math.inf)
+
+
+def planning_objective(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+                       cluster: Cluster, *, options: ModelOptions,
+                       memory: float | None = None) -> float:
+    """The DP's objective of a plan given as (nodes, ranks) per stage: the largest
+    `stage_values` (what tests compare the DP and brute force on). Nodes sent across count once
+    per source and stage boundary, as the DP's tables count them."""
+    stage_of = _checked_stage_of(graph, stages)
+    inputs = set(input_nodes(graph))
+    count, workers = len(stages), cluster.workers
+    compute = [0.0] * count
+    params = [0.0] * count
+    keep = [0.0] * count
+    for node, data in graph.nodes(data=True):
+        i = stage_of[node]
+        if node not in inputs:
+            compute[i] += float(data["fwd"]) + float(data["bwd"])
+        params[i] += float(data["params"])
+        keep[i] += float(data.get("keep", data["act"]))
+    weight = {u: max((float(graph.edges[u, v].get("bytes", graph.nodes[u]["act"]))
+                      for v in graph.successors(u)), default=0.0) for u in graph.nodes}
+    worst = 0.0
+    for i, (_, ranks) in enumerate(stages):
+        received = sum(weight[u] for u in graph.nodes
+                       if stage_of[u] < i and any(stage_of[v] == i for v in graph.successors(u)))
+        sent = sum(weight[u] for u in graph.nodes
+                   if stage_of[u] == i and any(stage_of[v] > i for v in graph.successors(u)))
+        if i == 0:
+            received = 0.0
+        rest = sum(compute[i + 1:])
+        coef = placement(cluster, ranks[0], len(ranks), workers)
+        value = stage_values(compute=compute[i], params=params[i], keep=keep[i],
+                             received=received, sent=sent, rest=rest, coef=coef,
+                             options=options, memory=memory)
+        worst = max(worst, float(value))
+    return worst
+
+
+def _checked_stage_of(graph: nx.DiGraph,
+                      stages: Sequence[tuple[Sequence[str], Sequence[int]]]) -> dict[str, int]:
+    stage_of: dict[str, int] = {}
+    for i, (nodes, _) in enumerate(stages):
+        for node in nodes:
+            stage_of[node] = i
+    missing = [n for n in graph.nodes if n not in stage_of]
+    if missing:
+        raise PlanError(f"plan leaves nodes unassigned: {missing[:5]}")
+    for u, v in graph.edges:
+        if stage_of[u] > stage_of[v]:
+            raise PlanError(f"edge {u} -> {v} goes from stage {stage_of[u]} back to stage "
+                            f"{stage_of[v]}; stages must be convex")
+    return stage_of
 
 
 # ------------------------------------------------------------------------------ pipedream graph
@@ -220,84 +310,121 @@ def augmented_frontier(graph: nx.DiGraph, downset: set[str]) -> set[str]:
 # ------------------------------------------------------------------------------ evaluate
 def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
              cluster: Cluster, *, options: ModelOptions, memory: float | None = None,
+             in_flight: Sequence[int] | None = None,
              ) -> tuple[tuple[Stage, ...], float]:
     """Price a plan given as (nodes, ranks) per stage in pipeline order.
 
-    Returns the priced stages and the predicted time per minibatch (the slowest stage, times the
-    bubble factor for flush schedules). Nodes of `graph` missing from every stage raise PlanError.
+    Returns the priced stages and the predicted time per minibatch. `in_flight`: microbatches
+    each stage keeps in flight per replica (default: the schedule's, see `default_in_flight`);
+    native model only. Nodes of `graph` missing from every stage raise PlanError. `memory` is
+    accepted for symmetry with the planners; pricing does not depend on it.
     """
-    stage_of: dict[str, int] = {}
-    for i, (nodes, _) in enumerate(stages):
-        for node in nodes:
-            stage_of[node] = i
-    missing = [n for n in graph.nodes if n not in stage_of]
-    if missing:
-        raise PlanError(f"plan leaves nodes unassigned: {missing[:5]}")
-    for u, v in graph.edges:
-        if stage_of[u] > stage_of[v]:
-            raise PlanError(f"edge {u} -> {v} goes from stage {stage_of[u]} back to stage "
-                            f"{stage_of[v]}; stages must be convex")
+    del memory
+    stage_of = _checked_stage_of(graph, stages)
     if options.cost_model == "pipedream":
-        view, _ = pipedream_view(graph)
-    else:
-        view = graph
+        return _evaluate_pipedream(graph, stages, stage_of, cluster)
+    return _evaluate_native(graph, stages, stage_of, cluster, options, in_flight)[:2]
+
+
+def priced_time(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+                cluster: Cluster, *, options: ModelOptions,
+                in_flight: Sequence[int] | None = None) -> PipelineTime:
+    """The native model's closed form of a plan with what bounds it (`cost.pipeline_time`)."""
+    stage_of = _checked_stage_of(graph, stages)
+    return _evaluate_native(graph, stages, stage_of, cluster, options, in_flight)[2]
+
+
+def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+                     stage_of: dict[str, int], cluster: Cluster, options: ModelOptions,
+                     in_flight: Sequence[int] | None,
+                     ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
     count = len(stages)
     ranks = [tuple(r) for _, r in stages]
-    inputs = set(input_nodes(view)) if options.cost_model == "native" else set()
+    inputs = set(input_nodes(graph))
     misplaced = [n for n in inputs if stage_of[n] != 0]
     if misplaced:
         raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
+    m = options.per_minibatch
+    fwd, bwd, params, keep = ([0.0] * count for _ in range(4))
+    for node, data in graph.nodes(data=True):
+        i = stage_of[node]
+        if node not in inputs:
+            fwd[i] += float(data["fwd"]) / m
+        bwd[i] += float(data["bwd"]) / m
+        params[i] += float(data["params"])
+        keep[i] += float(data.get("keep", data["act"])) / m
+    edges = {pair: size / m for pair, size in crossing_bytes(graph, stage_of).items()}
+    after = [sum(len(r) for r in ranks[i:]) for i in range(count)]
+    flight = [int(in_flight[i]) if in_flight is not None and in_flight[i] > 0
+              else default_in_flight(len(ranks[i]), after[i], options) for i in range(count)]
+    row = kind(options.schedule)
+    copying = [row.copies_weights and n > 1 for n in flight]
+    terms = stage_terms(fwd=fwd, bwd=bwd, params=params, edges=edges, stage_ranks=ranks,
+                        cluster=cluster, schedule=options.schedule, in_flight=flight,
+                        copying=copying)
+    timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
+                          microbatches=m)
+    updates = 1.0 if row.update == "round" else 1.0 / m  # updates per microbatch, per replica
+    priced = []
+    for i, term in enumerate(terms):
+        r = term.replicas
+        comm = sum(transfer_seconds(size, slowest_link(cluster, ranks[a], ranks[c]))
+                   for (a, c), size in edges.items() if i in (a, c))
+        versions = weight_versions(options.schedule, flight[i], copies=copying[i])
+        mem = worker_memory(params[i], keep[i], in_flight=flight[i], versions=versions,
+                            optimizer_state=options.optimizer_state).total
+        if row.flush:  # one all-reduce and step per minibatch
+            sync = term.allreduce
+            work = math.ceil(m / r) * (term.compute + term.cpu_copies) + term.allreduce \
+                + term.step
+        else:
+            sync = term.allreduce * updates * m / r
+            work = timed.work[i]
+        priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
+                            compute=term.compute * m / r, sync=sync, comm=comm * m / r,
+                            memory=mem, time=work, copies=term.cpu_copies * m / r,
+                            in_flight=flight[i]))
+    total = max(timed.time_per_minibatch, shared_core_time(priced, cluster))
+    return tuple(priced), total, timed
+
+
+def _evaluate_pipedream(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+                        stage_of: dict[str, int], cluster: Cluster,
+                        ) -> tuple[tuple[Stage, ...], float]:
+    """The original optimizer's pricing (module docstring)."""
+    view, _ = pipedream_view(graph)
+    count = len(stages)
+    ranks = [tuple(r) for _, r in stages]
     workers_after = [sum(len(ranks[j]) for j in range(i + 1, count)) for i in range(count)]
     compute = [0.0] * count
     params = [0.0] * count
-    keep = [0.0] * count
+    act = [0.0] * count
     for node, data in view.nodes(data=True):
         i = stage_of[node]
-        if node not in inputs:
-            compute[i] += float(data["fwd"]) + float(data["bwd"])
+        compute[i] += float(data["fwd"]) + float(data["bwd"])
         params[i] += float(data["params"])
-        keep[i] += float(data["act"] if options.cost_model == "pipedream"
-                         else data.get("keep", data["act"]))
+        act[i] += float(data["act"])
     comm = [0.0] * count
-    if options.cost_model == "pipedream":
-        prefix: set[str] = set()
-        for i in range(count - 1):
-            prefix |= {n for n in stages[i][0] if n in view}
-            cut = sum(float(view.nodes[n]["act"]) for n in augmented_frontier(view, prefix))
-            level = cluster.slowest_level_of(list(ranks[i]) + list(ranks[i + 1]))
-            bw = cluster.levels[level].bandwidth
-            if i > 0:  # the original never charges the first stage's output (its base case)
-                comm[i] = max(comm[i], 2.0 * cut / (bw * len(ranks[i])))
-            comm[i + 1] = max(comm[i + 1], 2.0 * cut / (bw * len(ranks[i + 1])))
-    copies = [0.0] * count
-    if options.cost_model != "pipedream":
-        for u, v in view.edges:
-            a, c = stage_of[u], stage_of[v]
-            if a == c:
-                continue
-            level = cluster.slowest_level_of(list(ranks[a]) + list(ranks[c]))
-            lv = cluster.levels[level]
-            seconds = edge_bytes(view, u, v) / lv.bandwidth + lv.latency
-            comm[a] += seconds / len(ranks[a])
-            comm[c] += seconds / len(ranks[c])
-            if lv.cpu_copies:  # a sends the activations, c their gradients, each by its CPU
-                copy = edge_bytes(view, u, v) / lv.bandwidth
-                copies[a] += copy / len(ranks[a])
-                copies[c] += copy / len(ranks[c])
+    prefix: set[str] = set()
+    for i in range(count - 1):
+        prefix |= {n for n in stages[i][0] if n in view}
+        cut = sum(float(view.nodes[n]["act"]) for n in augmented_frontier(view, prefix))
+        level = cluster.slowest_level_of(list(ranks[i]) + list(ranks[i + 1]))
+        bw = cluster.levels[level].bandwidth
+        if i > 0:  # the original never charges the first stage's output (its base case)
+            comm[i] = max(comm[i], 2.0 * cut / (bw * len(ranks[i])))
+        comm[i + 1] = max(comm[i + 1], 2.0 * cut / (bw * len(ranks[i + 1])))
     priced = []
     for i in range(count):
         r = len(ranks[i])
         lv = cluster.levels[cluster.slowest_level_of(ranks[i])]
-        sync = sync_seconds(params[i], r, lv.bandwidth, lv.latency, options)
+        sync = pipedream_sync(params[i], r, lv.bandwidth)
         work = compute[i] / r + sync
-        mem = stage_memory(params[i], keep[i], r, workers_after[i], options)
         priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
-                            compute=compute[i] / r, sync=sync, comm=comm[i], memory=mem,
-                            time=max(work + copies[i], comm[i]), copies=copies[i]))
-    slowest = max(s.time for s in priced) * bubble(count, options)
-    if options.cost_model == "native":
-        slowest = max(slowest, shared_core_time(priced, cluster))
-    return tuple(priced), slowest
+                            compute=compute[i] / r, sync=sync, comm=comm[i],
+                            memory=pipedream_memory(params[i], act[i], r, workers_after[i]),
+                            time=max(work, comm[i])))
+    return tuple(priced), max(s.time for s in priced)
 
 
 def shared_core_time(stages: Sequence[Stage], cluster: Cluster) -> float:
@@ -318,13 +445,13 @@ def shared_core_time(stages: Sequence[Stage], cluster: Cluster) -> float:
 
 
 def data_parallel_time(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions) -> float:
-    """Time per minibatch of plain data parallelism over every worker of the cluster."""
-    view = pipedream_view(graph)[0] if options.cost_model == "pipedream" else graph
-    inputs = set(input_nodes(view)) if options.cost_model == "native" else set()
-    total = sum(float(d["fwd"]) + float(d["bwd"]) for n, d in view.nodes(data=True)
-                if n not in inputs)
-    params = sum(float(d["params"]) for _, d in view.nodes(data=True))
+    """Time per minibatch of plain data parallelism over every worker of the cluster: under the
+    native model the one-stage plan priced like any other (a flush schedule then cuts the
+    minibatch into at least one microbatch per worker)."""
     if options.cost_model == "pipedream":
+        view = pipedream_view(graph)[0]
+        total = sum(float(d["fwd"]) + float(d["bwd"]) for _, d in view.nodes(data=True))
+        params = sum(float(d["params"]) for _, d in view.nodes(data=True))
         # The original's recursion: each level all-reduces, divided by the workers inside.
         time, inside = total, 1
         for level in cluster.levels:
@@ -332,11 +459,23 @@ def data_parallel_time(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOpt
             time = (time + 4.0 * (n - 1) * params / (level.bandwidth * n) / inside) / n
             inside = n
         return time
-    workers = cluster.workers
-    lv = cluster.levels[cluster.slowest_level_of(list(range(workers)))]
-    per_rank = total / workers + sync_seconds(params, workers, lv.bandwidth, lv.latency, options)
-    sharing = cluster.shared_cores()
-    if sharing is not None:  # the ranks of a host take turns on its cores
-        size, cores = sharing
-        return per_rank * min(size, workers) / cores
-    return per_rank
+    return evaluate(graph, [data_parallel_stage(graph, cluster)], cluster,
+                    options=data_parallel_options(options, cluster))[1]
+
+
+def data_parallel_stage(graph: nx.DiGraph, cluster: Cluster) -> tuple[list[str], tuple[int, ...]]:
+    """Plain data parallelism as (nodes, ranks): everything on every worker."""
+    from pdcompile.costgraph import topological_order
+
+    return topological_order(graph), tuple(range(cluster.workers))
+
+
+def data_parallel_options(options: ModelOptions, cluster: Cluster) -> ModelOptions:
+    """The options data parallelism is priced with: the same schedule, with at least one
+    microbatch per worker (round up to a multiple of the workers) where it cuts minibatches."""
+    from dataclasses import replace
+
+    if not kind(options.schedule).microbatched:
+        return options
+    n = cluster.workers
+    return replace(options, microbatches=math.ceil(options.microbatches / n) * n)

@@ -29,7 +29,12 @@ from pdcompile.cluster import Cluster
 from pdcompile.costgraph import edge_bytes
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.antichain import AntichainStates
-from pdcompile.passes.partition.costmodel import ModelOptions, placement
+from pdcompile.passes.partition.costmodel import (
+    ModelOptions,
+    Placement,
+    placement,
+    stage_values,
+)
 
 INF = float("inf")
 
@@ -54,18 +59,33 @@ class DPResult:
 # ------------------------------------------------------------------------------ state tables
 @dataclass(frozen=True)
 class StateTables:
-    """Per-state cumulative sums and per-pair boundary traffic (numpy arrays)."""
+    """Per-state cumulative sums and what crosses a state's boundary (numpy arrays)."""
 
     compute: np.ndarray  # [s] fwd+bwd seconds of the downset
     params: np.ndarray  # [s] parameter bytes of the downset
     keep: np.ndarray  # [s] activation bytes the backward keeps (native) / act (pipedream)
     act: np.ndarray  # [s] act bytes of the downset (pipedream's stash estimate)
     frontier: np.ndarray  # [s] PipeDream cut bytes: act of the augmented antichain
-    cut: np.ndarray  # [s] bytes on edges leaving the downset
-    cut_msgs: np.ndarray  # [s] edges leaving the downset
-    skip: np.ndarray  # [k, j] bytes on edges from downset k to outside downset j
-    skip_msgs: np.ndarray  # [k, j]
+    inside: np.ndarray  # [s, n] successors of node n inside the downset (member nodes only)
+    degree: np.ndarray  # [n] successors of node n
+    weight: np.ndarray  # [n] bytes node n sends to a stage that reads it (its largest edge)
+    leaving: np.ndarray  # [s] bytes of member nodes with a successor outside the downset
     valid: np.ndarray  # [k, j] bool: a stage may span (k, j]
+
+    def crossing(self, k: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Bytes received and sent per minibatch by the stages (k, j] for j in `js`: each node's
+        output once per boundary it crosses (cost/crossing.py's rule, with all later readers
+        taken as one stage)."""
+        member = self.inside[k] >= 0  # nodes of downset k (others are marked -1)
+        open_ = np.flatnonzero(member & (self.inside[k] < self.degree))  # read beyond k
+        if open_.size == 0:
+            none = np.zeros(js.size)
+            return none, self.leaving[js].copy()
+        counts = self.inside[np.ix_(js, open_)]  # [j, u]
+        w = self.weight[open_]
+        received = (counts > self.inside[k, open_]) @ w
+        still_open = (counts < self.degree[open_]) @ w  # from downset k beyond downset j
+        return received, self.leaving[js] - still_open
 
 
 def state_tables(graph: nx.DiGraph, states: AntichainStates,
@@ -83,27 +103,22 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
         member[i, :len(states.order)] = [(bits >> v) & 1 for v in range(len(states.order))]
     member[:, len(states.order):] = 1.0
     node = [graph.nodes[x] for x in order]
-    pinned_set = set(pinned)  # inputs: no compute (costmodel.input_nodes)
+    pinned_set = set(pinned)  # inputs: no compute (cost.crossing.input_nodes)
     comp = np.array([0.0 if x in pinned_set else float(d["fwd"]) + float(d["bwd"])
                      for x, d in zip(order, node, strict=True)])
     par = np.array([float(d["params"]) for d in node])
     act = np.array([float(d["act"]) for d in node])
     keep = np.array([float(d.get("keep", d["act"])) for d in node])
     index = {x: i for i, x in enumerate(order)}
-    edges = list(graph.edges)
-    src = np.array([index[u] for u, _ in edges], dtype=np.int64)
-    dst = np.array([index[v] for _, v in edges], dtype=np.int64)
-    w = np.array([edge_bytes(graph, u, v) for u, v in edges])
-    if edges:
-        out_src = member[:, src]  # [s, e] source inside
-        outside_dst = 1.0 - member[:, dst]  # [s, e] destination outside
-        cut = (out_src * outside_dst) @ w
-        cut_msgs = (out_src * outside_dst).sum(axis=1)
-        skip = (out_src * w) @ outside_dst.T
-        skip_msgs = out_src @ outside_dst.T
-    else:
-        cut = cut_msgs = np.zeros(s)
-        skip = skip_msgs = np.zeros((s, s))
+    adjacency = np.zeros((n, n))  # [u, v]: edge u -> v
+    weight = np.zeros(n)
+    for u, v in graph.edges:
+        adjacency[index[u], index[v]] = 1.0
+        weight[index[u]] = max(weight[index[u]], edge_bytes(graph, u, v))
+    degree = adjacency.sum(axis=1)
+    counts = member @ adjacency.T  # [s, n]: successors of n inside the downset
+    inside = np.where(member > 0, counts, -1.0)
+    leaving = ((member > 0) & (counts < degree)) @ weight
     frontier = np.array([sum(act[v] for v in states.frontier[i]) for i in range(s)])
     valid = np.zeros((s, s), dtype=bool)
     width = (s + 7) // 8
@@ -111,99 +126,101 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
         raw = np.frombuffer(states.reach[j].to_bytes(width, "little"), dtype=np.uint8)
         valid[:, j] = np.unpackbits(raw, bitorder="little")[:s].astype(bool)
     return StateTables(compute=member @ comp, params=member @ par, keep=member @ keep,
-                       act=member @ act, frontier=frontier, cut=cut, cut_msgs=cut_msgs,
-                       skip=skip, skip_msgs=skip_msgs, valid=valid)
+                       act=member @ act, frontier=frontier, inside=inside, degree=degree,
+                       weight=weight, leaving=leaving, valid=valid)
 
 
 # ------------------------------------------------------------------------------ native
 def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
-              memory: float | None, straight: bool = False) -> DPResult:
-    """Best plan under the native model using every worker (straight: one worker per stage,
-    as many stages as workers if the graph allows, fewer otherwise).
+              memory: float | None, straight: bool = False, workers: int | None = None,
+              fill: bool = False, max_stages: int | None = None) -> DPResult:
+    """Best plan under the native model's planning objective (costmodel.stage_values) on the
+    first `workers` ranks (default all), using every one of them (straight: one worker per
+    stage, as many stages as workers if the graph allows, fewer otherwise; with `fill` exactly
+    as many; `max_stages`: at most that many stages).
 
     Raises PlanError when no plan fits `memory` bytes per worker.
     """
-    n = cluster.workers
+    n = workers or cluster.workers
     s = len(tables.compute)
     last = s - 1
+    depth = n if max_stages is None else max(1, min(n, max_stages))
     # coefficients per pair q = (m workers for this stage and the rest, r replicas of it)
     pairs = [(m, r) for m in range(1, n + 1) for r in ((1,) if straight else range(1, m + 1))
              if r <= m]
     mq = np.array([m for m, _ in pairs])
     rq = np.array([r for _, r in pairs])
-    coef = [placement(cluster, n - m, r, n, options) for m, r in pairs]
-    sync_a = np.array([c.sync_per_byte for c in coef])
-    sync_b = np.array([c.sync_fixed for c in coef])
-    in_a = np.array([c.in_per_byte for c in coef])
-    in_l = np.array([c.in_per_msg for c in coef])
-    out_a = np.array([c.out_per_byte for c in coef])
-    out_l = np.array([c.out_per_msg for c in coef])
-    copy_in = np.array([c.copy_in_per_byte for c in coef])
-    copy_out = np.array([c.copy_out_per_byte for c in coef])
-    flight = np.array([c.in_flight for c in coef])
-    versions = np.array([c.versions for c in coef])
-    inv_r = 1.0 / rq
+    coef = _stacked([placement(cluster, n - m, r, n) for m, r in pairs])
     prev = mq - rq
     col = np.zeros((n + 1, n + 1), dtype=np.int64)  # (m, r) -> q
     col[mq, rq] = np.arange(len(pairs))
-    mem_limit = INF if memory is None else memory
-    opt = 1.0 + options.optimizer_state
+    total = float(tables.compute[last])
 
-    best = np.full((s, n + 1), INF)
-    best[last, 0] = 0.0
-    choice_j = np.full((s, n + 1), -1, dtype=np.int64)
-    choice_r = np.zeros((s, n + 1), dtype=np.int64)
+    # best[d, k, m]: the best pipeline of the rest after state k on m workers in at most d + 1
+    # stages (one layer when the stage count is free)
+    layers = depth if max_stages is not None else 1
+    best = np.full((layers, s, n + 1), INF)
+    best[:, last, 0] = 0.0
+    choice_j = np.full((layers, s, n + 1), -1, dtype=np.int64)
+    choice_r = np.zeros((layers, s, n + 1), dtype=np.int64)
     for k in range(last - 1, -1, -1):
         js = np.nonzero(tables.valid[k])[0]
         if js.size == 0:
             continue
-        if k == 0:  # the first stage also holds the pinned inputs and sends what they feed
-            t = tables.compute[js][:, None]
-            p = tables.params[js][:, None]
-            kp = tables.keep[js][:, None]
-            inb = inm = np.zeros((js.size, 1))
-            outb = tables.cut[js][:, None]
-            outm = tables.cut_msgs[js][:, None]
-        else:
-            t = (tables.compute[js] - tables.compute[k])[:, None]
-            p = (tables.params[js] - tables.params[k])[:, None]
-            kp = (tables.keep[js] - tables.keep[k])[:, None]
-            skip = tables.skip[k, js]
-            skip_m = tables.skip_msgs[k, js]
-            inb = (tables.cut[k] - skip)[:, None]
-            outb = (tables.cut[js] - skip)[:, None]
-            inm = (tables.cut_msgs[k] - skip_m)[:, None]
-            outm = (tables.cut_msgs[js] - skip_m)[:, None]
-        stage = np.maximum(t * inv_r + p * sync_a + sync_b + inb * copy_in + outb * copy_out,
-                           inb * in_a + inm * in_l + outb * out_a + outm * out_l)  # [j, q]
-        cand = np.maximum(stage, best[js][:, prev])  # with the best of what follows
-        cand[p * (versions + opt) + kp * flight > mem_limit] = INF
-        arg = np.argmin(cand, axis=0)  # [q] best successor state per (m, r)
-        v_q = cand[arg, np.arange(len(pairs))]
-        grid = np.full((n + 1, n + 1), INF)
-        grid[mq, rq] = v_q
-        r_best = np.argmin(grid, axis=1)  # [m]
-        val = grid[np.arange(n + 1), r_best]
-        better = val < best[k]
-        best[k] = np.where(better, val, best[k])
-        choice_j[k] = np.where(better, js[arg[col[np.arange(n + 1), r_best]]], choice_j[k])
-        choice_r[k] = np.where(better, r_best, choice_r[k])
-    if straight:
-        used = int(np.argmin(best[0]))
-        if not math.isfinite(best[0, used]):
+        received, sent = tables.crossing(k, js)
+        if k == 0:  # the first stage holds the pinned inputs: it receives nothing
+            received = np.zeros(js.size)
+        stage = stage_values(
+            compute=(tables.compute[js] - tables.compute[k])[:, None],
+            params=(tables.params[js] - tables.params[k])[:, None],
+            keep=(tables.keep[js] - tables.keep[k])[:, None],
+            received=received[:, None], sent=sent[:, None],
+            rest=(total - tables.compute[js])[:, None], coef=coef, options=options,
+            memory=memory)  # [j, q]
+        for d in range(layers):
+            if max_stages is None:
+                follow = best[0][js][:, prev]
+            elif d == 0:  # a single stage: nothing may follow
+                follow = np.where(js[:, None] == last, np.where(prev == 0, 0.0, INF), INF)
+            else:
+                follow = best[d - 1][js][:, prev]
+            cand = np.maximum(stage, follow)  # [j, q]
+            arg = np.argmin(cand, axis=0)  # [q] best successor state per (m, r)
+            v_q = cand[arg, np.arange(len(pairs))]
+            grid = np.full((n + 1, n + 1), INF)
+            grid[mq, rq] = v_q
+            r_best = np.argmin(grid, axis=1)  # [m]
+            val = grid[np.arange(n + 1), r_best]
+            better = val < best[d, k]
+            best[d, k] = np.where(better, val, best[d, k])
+            choice_j[d, k] = np.where(better, js[arg[col[np.arange(n + 1), r_best]]],
+                                      choice_j[d, k])
+            choice_r[d, k] = np.where(better, r_best, choice_r[d, k])
+    top = layers - 1
+    if straight and not fill:
+        used = int(np.argmin(best[top, 0]))
+        if not math.isfinite(best[top, 0, used]):
             used = n
     else:
         used = n
-    if not math.isfinite(best[0, used]):
+    if not math.isfinite(best[top, 0, used]):
         raise PlanError("no plan fits")  # the planner turns this into an actionable message
     stages = []
-    k, m = 0, used
+    k, m, d = 0, used, top
     while k != last:
-        j, r = int(choice_j[k, m]), int(choice_r[k, m])
+        j, r = int(choice_j[d, k, m]), int(choice_r[d, k, m])
         start = used - m
         stages.append(DPStage(before=k, after=j, ranks=tuple(range(start, start + r))))
         k, m = j, m - r
-    return DPResult(stages=tuple(stages), objective=float(best[0, used]))
+        d = d - 1 if max_stages is not None else d
+    return DPResult(stages=tuple(stages), objective=float(best[top, 0, used]))
+
+
+def _stacked(coefs: list[Placement]) -> Placement:
+    """One Placement whose fields are arrays over the candidate positions."""
+    fields = {f: np.array([getattr(c, f) for c in coefs], dtype=np.float64)
+              for f in Placement.__dataclass_fields__}
+    return Placement(**fields)  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------ pipedream

@@ -16,16 +16,24 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import networkx as nx
 
 from pdcompile.cluster import Cluster
+from pdcompile.cost.crossing import input_nodes
 from pdcompile.costgraph import edge_bytes, topological_order
 from pdcompile.errors import PlanError
-from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, input_nodes, placement
+from pdcompile.passes.partition.costmodel import (
+    ModelOptions,
+    Placement,
+    default_in_flight,
+    evaluate,
+    placement,
+)
 from pdcompile.plan import Plan
+from pdcompile.schedule.kinds import kind, weight_versions
 
 SCALE_UNITS = 1e9  # integer units for the largest possible stage time
 
@@ -93,16 +101,19 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             for v in nodes}
     par = {v: float(graph.nodes[v]["params"]) for v in nodes}
     keep = {v: float(graph.nodes[v].get("keep", graph.nodes[v]["act"])) for v in nodes}
-    coef = {(a, k): placement(cluster, a, k, workers, options)
-            for a in range(workers) for k in range(1, workers - a + 1)}
+    coef = {(a, k): placement(cluster, a, k, workers)
+            for a in range(workers) for k in range(1, workers - a + 1)
+            if _allowed(k, options)}
+    terms = {key: _linear_terms(c, workers - key[0], options) for key, c in coef.items()}
     # scale: the slowest conceivable stage maps to SCALE_UNITS
-    worst = sum(comp.values()) + max(c.sync_per_byte for c in coef.values()) * sum(par.values()) \
-        + max(c.sync_fixed for c in coef.values()) \
+    worst = sum(comp.values()) * max(x.per_compute for x in terms.values()) \
+        + max(x.per_param for x in terms.values()) * sum(par.values()) \
+        + max(x.fixed for x in terms.values()) \
         + sum(b for *_, b in edges) * 2 * max(max(c.in_per_byte, c.out_per_byte)
                                               for c in coef.values()) \
         + len(edges) * 2 * max(max(c.in_per_msg, c.out_per_msg) for c in coef.values()) \
         + sum(b for *_, b in edges) * 2 * max(max(c.copy_in_per_byte, c.copy_out_per_byte)
-                                              for c in coef.values())
+                                              for c in coef.values()) * options.microbatches
     scale = SCALE_UNITS / worst if worst > 0 else 1.0
 
     model = cp_model.CpModel()
@@ -162,26 +173,30 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             return {"status": "MODEL_TOO_BIG", "bound": None, "stages": None}
         for (a, k), c in coef.items():
             zz = z[s, a, k]
-            work = [(x[v, s], round(scale * (comp[v] / k + c.sync_per_byte * par[v])))
+            lin = terms[a, k]
+            work = [(x[v, s], round(scale * (comp[v] * lin.per_compute + par[v] * lin.per_param)))
                     for v in nodes]
             comm = []
             for i, (_, _, b) in enumerate(edges):
                 if (i, s) in e_in:
-                    comm.append((e_in[i, s], round(scale * (b * c.in_per_byte + c.in_per_msg))))
+                    comm.append((e_in[i, s], round(scale * (b * c.in_per_byte + c.in_per_msg)
+                                                   / k)))
                     if c.copy_in_per_byte:  # sent back by this stage's CPU (loopback)
-                        work.append((e_in[i, s], round(scale * b * c.copy_in_per_byte)))
+                        work.append((e_in[i, s], round(scale * b * c.copy_in_per_byte
+                                                       * lin.per_copy)))
                 if (i, s) in e_out:
                     comm.append((e_out[i, s],
-                                 round(scale * (b * c.out_per_byte + c.out_per_msg))))
+                                 round(scale * (b * c.out_per_byte + c.out_per_msg) / k)))
                     if c.copy_out_per_byte:
-                        work.append((e_out[i, s], round(scale * b * c.copy_out_per_byte)))
-            model.add(sum(w * var for var, w in work) + round(scale * c.sync_fixed) <= t
+                        work.append((e_out[i, s], round(scale * b * c.copy_out_per_byte
+                                                        * lin.per_copy)))
+            model.add(sum(w * var for var, w in work) + round(scale * lin.fixed) <= t
                       ).only_enforce_if(zz)
             if comm:
                 model.add(sum(w * var for var, w in comm) <= t).only_enforce_if(zz)
             if math.isfinite(mem_limit):
-                per_node = {v: par[v] * (c.versions + 1.0 + options.optimizer_state)
-                            + keep[v] * c.in_flight for v in nodes}
+                per_node = {v: par[v] * (lin.versions + 1.0 + options.optimizer_state)
+                            + keep[v] * lin.in_flight / options.per_minibatch for v in nodes}
                 if sum(per_node.values()) > mem_limit:
                     unit = mem_limit / 1e9  # memory in billionths of the limit
                     model.add(sum(math.ceil(per_node[v] / unit) * x[v, s] for v in nodes)
@@ -215,6 +230,46 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
         ranks = tuple(range(solver.value(start[s]), solver.value(start[s]) + solver.value(reps[s])))
         result.append((members, ranks))
     return {"status": status, "bound": max(0.0, bound - slack), "stages": result, "slack": slack}
+
+
+@dataclass(frozen=True)
+class _Linear:
+    """A stage's work per minibatch at one position, linear in its nodes' compute and params
+    (costmodel.stage_values without the round trip: CP-SAT plans with the schedule's default
+    in-flight count)."""
+
+    per_compute: float
+    per_param: float
+    per_copy: float  # on loopback bytes per minibatch
+    fixed: float
+    versions: int
+    in_flight: int
+
+
+def _allowed(replicas: int, options: ModelOptions) -> bool:
+    """Replica counts the schedule can feed (as stage_values)."""
+    row = kind(options.schedule)
+    if not row.microbatched:
+        return True
+    m = options.per_minibatch
+    return replicas <= m and (row.flush or m % replicas == 0)
+
+
+def _linear_terms(c: Placement, workers_from_here: int, options: ModelOptions) -> _Linear:
+    row = kind(options.schedule)
+    m = options.per_minibatch
+    k = c.replicas
+    flight = default_in_flight(k, workers_from_here, options)
+    copies = row.copies_weights and flight > 1
+    versions = weight_versions(options.schedule, flight, copies=copies)
+    if row.flush:  # the microbatches it adds to fill and drain, then its all-reduce and step
+        share = math.ceil(m / k)
+        return _Linear((share - 1) / m, c.sync_per_byte + c.step_per_byte, (share - 1) / m,
+                       c.sync_fixed, versions, flight)
+    updates = 1.0 if row.update == "round" else float(m)
+    copy = c.copy_per_byte if copies else 0.0
+    return _Linear(1.0 / k, (c.sync_per_byte + c.step_per_byte + copy) * m / updates / k,
+                   1.0 / k, c.sync_fixed * m / updates / k, versions, flight)
 
 
 def _coarse_hint(hint: Plan, mapping: dict[str, list[str]]) -> Plan:

@@ -1,0 +1,48 @@
+"""Time on the wires: a point-to-point transfer and a ring all-reduce on one cluster level.
+
+The one place these formulas are written; the planners, the stage tables and the simulator call
+them. A level has a bandwidth (bytes/s) and a latency (s) per message (cluster.Level).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from pdcompile.cluster import Cluster, Level
+
+
+def link_busy_seconds(nbytes: float, level: Level) -> float:
+    """Seconds a transfer of `nbytes` occupies its link (latency not included: the link can carry
+    the next message while this one's last byte is in flight)."""
+    return nbytes / level.bandwidth if nbytes > 0 else 0.0
+
+
+def transfer_seconds(nbytes: float, level: Level) -> float:
+    """Seconds from the start of a transfer of `nbytes` to its arrival: bytes / bandwidth +
+    latency; 0 for nothing."""
+    return nbytes / level.bandwidth + level.latency if nbytes > 0 else 0.0
+
+
+def ring_allreduce_seconds(nbytes: float, replicas: int, level: Level) -> float:
+    """A ring all-reduce of `nbytes` among `replicas` workers over `level` (its slowest link):
+    2 (r-1)/r bytes / bandwidth + 2 (r-1) latencies; 0 for one replica."""
+    if replicas <= 1:
+        return 0.0
+    r = replicas
+    return 2.0 * (r - 1) / r * nbytes / level.bandwidth + 2.0 * (r - 1) * level.latency
+
+
+def stage_allreduce_seconds(nbytes: float, ranks: Sequence[int], cluster: Cluster) -> float:
+    """The all-reduce of a stage replicated on `ranks`, over the slowest level they span."""
+    level = cluster.levels[cluster.slowest_level_of(list(ranks))]
+    return ring_allreduce_seconds(nbytes, len(ranks), level)
+
+
+def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
+    """The slowest level a link between a rank of `a` and a rank of `b` can cross: the level
+    their union spans (if every pair shared a group, all of them would)."""
+    return cluster.levels[cluster.slowest_level_of([*a, *b])]
+
+
+__all__ = ["link_busy_seconds", "ring_allreduce_seconds", "slowest_link",
+           "stage_allreduce_seconds", "transfer_seconds"]

@@ -1,0 +1,239 @@
+"""A plan's time per minibatch under a schedule, in closed form (what the planner predicts).
+
+The simulator (backends/simulate.py) runs the lowered schedule action by action; this module
+gives the same figure from the per-stage costs without running anything, so that the planner can
+price thousands of candidates. Both read one set of rules (cost/links.py for the wires,
+cost/memory.py for memory, schedule/kinds.py for what a schedule does); a test holds the two
+within 10% of each other on random plans, and benchmarks/RESULTS.md tabulates the shipped
+profiles.
+
+Per stage s (per microbatch; a whole minibatch for '1f1b'): t_s = forward + backward on one
+replica, A_s its replicas' ring all-reduce, U_s its optimizer step, C_s a weight-version copy
+(stashing stages only), X_s the CPU's share of its loopback sends. r_s replicas, N_s
+microbatches in flight per replica (warm-up depth + 1).
+
+* Streaming schedules ('1f1b', '2bw'): the steady state's time per minibatch is the largest of
+  - a stage's work per minibatch over its replicas: (t_s + X_s + (A_s + U_s + C_s) / updates)
+    / r_s, updates being once per own minibatch (1f1b) or once per minibatch (2bw);
+  - a link's occupancy: bytes / bandwidth over the lcm(r_a, r_c) rank pairs that share it;
+  - the round trip (Little's law): a replica keeps N_s microbatches in flight, each for the
+    round trip RT_s from its forward to its backward (its own work, every later stage's
+    compute, each transfer there and back; a later stage with fewer replicas takes the round's
+    r_s microbatches one after another), so RT_s / (N_s r_s) per microbatch.
+* Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
+  microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
+  transfers there and back), and the busiest stage adds its other microbatches,
+  (ceil(M / r_s) - 1) x its period (t_s, or RT_s / N_s when too few are in flight to hide
+  the round trip); then every stage all-reduces and steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pdcompile.cluster import Cluster
+from pdcompile.cost.links import (
+    link_busy_seconds,
+    slowest_link,
+    stage_allreduce_seconds,
+    transfer_seconds,
+)
+from pdcompile.cost.updates import copy_seconds, step_seconds
+from pdcompile.schedule.kinds import kind
+
+
+@dataclass(frozen=True)
+class StageTerms:
+    """Per-stage inputs of the closed form (seconds per microbatch unless said otherwise)."""
+
+    fwd: float  # forward of one microbatch on one replica
+    bwd: float  # backward of one microbatch on one replica
+    allreduce: float  # one all-reduce of the stage's gradients among its replicas
+    step: float  # one optimizer step
+    copy: float  # one copy of the weights (a new stashed version), 0 where none is made
+    cpu_copies: float  # the CPU's share of the stage's loopback sends per microbatch
+    replicas: int
+    in_flight: int  # microbatches in flight per replica
+
+    @property
+    def compute(self) -> float:
+        """Forward and backward of one microbatch."""
+        return self.fwd + self.bwd
+
+
+@dataclass(frozen=True)
+class PipelineTime:
+    """The predicted time per minibatch and what bounds it."""
+
+    time_per_minibatch: float
+    bound: str  # e.g. "stage 1 work", "round trip of stage 0", "link 0->1", "fill and drain"
+    work: tuple[float, ...]  # per stage, seconds per minibatch of work over its replicas
+    round_trip: tuple[float, ...]  # per stage, RT_s (seconds)
+
+
+def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[float],
+                edges: dict[tuple[int, int], float], stage_ranks: Sequence[Sequence[int]],
+                cluster: Cluster, schedule: str, in_flight: Sequence[int],
+                copying: Sequence[bool], step: Sequence[float] | None = None,
+                copy: Sequence[float] | None = None) -> list[StageTerms]:
+    """The closed form's inputs from per-stage costs (seconds per microbatch, bytes), the ranks
+    of each stage and the cluster. `step` / `copy`: measured optimizer-step and weight-copy
+    seconds per stage (default: cost/updates.py's estimates from the device's memory bandwidth);
+    `copying[s]`: whether stage s makes weight-version copies at all."""
+    row = kind(schedule)
+    out = []
+    for s, ranks in enumerate(stage_ranks):
+        cpu = 0.0
+        for (a, c), size in edges.items():
+            if s in (a, c):  # activations forward from a, their gradients back from c
+                level = slowest_link(cluster, stage_ranks[a], stage_ranks[c])
+                if level.cpu_copies:
+                    cpu += link_busy_seconds(size, level)
+        made = copying[s] and row.copies_weights
+        out.append(StageTerms(
+            fwd=fwd[s], bwd=bwd[s],
+            allreduce=stage_allreduce_seconds(params[s], ranks, cluster),
+            step=step[s] if step is not None else step_seconds(params[s], cluster.device),
+            copy=0.0 if not made else copy[s] if copy is not None
+            else copy_seconds(params[s], cluster.device),
+            cpu_copies=cpu, replicas=len(ranks), in_flight=max(1, int(in_flight[s]))))
+    return out
+
+
+def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
+                  stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
+                  microbatches: int) -> PipelineTime:
+    """Time per minibatch of a pipeline (see the module docstring). `edges`: bytes per
+    microbatch from stage a to stage c, (a, c) with a < c."""
+    row = kind(schedule)
+    m = microbatches if row.microbatched else 1
+    # seconds a transfer takes end to end, and the time it occupies its link
+    links = {e: slowest_link(cluster, stage_ranks[e[0]], stage_ranks[e[1]]) for e in edges}
+    transfer = {e: transfer_seconds(size, links[e]) for e, size in edges.items()}
+    busy = {e: link_busy_seconds(size, links[e]) for e, size in edges.items()}
+    updates = 1.0 if row.update == "round" else float(m)  # microbatches per update
+    own = [t.compute + t.cpu_copies if row.flush
+           else t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy) / updates
+           for t in terms]
+    circuits = _circuits(terms, own, transfer)
+    if row.flush:
+        return _flush(terms, transfer, busy, circuits, stage_ranks, m)
+    work = [own[s] / t.replicas for s, t in enumerate(terms)]
+    bounds = [(w, f"stage {s} work") for s, w in enumerate(work)]
+    bounds += [(seconds / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])), f"link {a}->{c}")
+               for (a, c), seconds in busy.items()]
+    bounds += [(period, f"round trip of stage {s}") for s, (period, _) in enumerate(circuits)]
+    period, bound = max(bounds, key=lambda b: b[0])
+    return PipelineTime(period * m, bound, tuple(w * m for w in work),
+                        tuple(rt for _, rt in circuits))
+
+
+def _circuit_lengths(terms: Sequence[StageTerms], own: Sequence[float],
+                     transfer: dict[tuple[int, int], float]) -> list[list[float]]:
+    """lengths[s][k - s]: seconds of the circuit from a forward of stage s through stage k and
+    back to the backward of s (`_circuits`): the work of s, every stage between (a later stage
+    with fewer replicas takes the round's r_s microbatches one after another) and each transfer
+    there and back."""
+    out = []
+    for s, head in enumerate(terms):
+        row, path = [own[s]], 0.0
+        for k in range(s + 1, len(terms)):
+            path += terms[k].compute * max(1.0, head.replicas / terms[k].replicas)
+            row.append(own[s] + path + 2.0 * sum(sec for (a, _), sec in transfer.items()
+                                                  if s <= a < k))
+        out.append(row)
+    return out
+
+
+def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
+              transfer: dict[tuple[int, int], float]) -> list[tuple[float, float]]:
+    """Per stage s: the largest time per microbatch that its in-flight limit imposes, and the
+    round trip RT_s from its forward to its backward with nothing queued.
+
+    A replica of s runs F(m) after B(m - N_s r_s) and, at a later stage k, F(m) is followed by
+    B(m - (N_k - 1) r_k). So F_s(m) -> ... -> F_k(m) -> B_k(m - (N_k - 1) r_k) -> ... -> B_s ->
+    F_s(m + N_s r_s - (N_k - 1) r_k) is a circuit of the schedule: its compute and transfers must
+    fit in N_s r_s - (N_k - 1) r_k microbatch periods. k = s gives the stage's own work; the
+    last stage (N = 1) gives the whole round trip over N_s r_s periods.
+    """
+    out = []
+    for s, lengths in enumerate(_circuit_lengths(terms, own, transfer)):
+        head = terms[s]
+        worst = lengths[0] / head.replicas
+        for k in range(s + 1, len(terms)):
+            tokens = head.in_flight * head.replicas - (terms[k].in_flight - 1) * terms[k].replicas
+            worst = max(worst, lengths[k - s] / tokens if tokens > 0 else math.inf)
+        out.append((worst, lengths[-1]))
+    return out
+
+
+def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
+                     stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
+                     microbatches: int, period: float, limits: Sequence[int]) -> list[int]:
+    """The fewest microbatches in flight per stage (each at most `limits[s]`, what its memory
+    holds) whose circuits (`_circuits`) fit in `period` per microbatch: so a streaming
+    pipeline reaches the throughput of its work and links, hiding its transfers, with no more
+    activations and weight versions than that needs. Back to front, since a stage's circuits
+    count the in-flight minibatches of the stages after it."""
+    row = kind(schedule)
+    m = microbatches if row.microbatched else 1
+    links = {e: slowest_link(cluster, stage_ranks[e[0]], stage_ranks[e[1]]) for e in edges}
+    transfer = {e: transfer_seconds(size, links[e]) for e, size in edges.items()}
+    updates = 1.0 if row.update == "round" else float(m)
+    own = [t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy) / updates for t in terms]
+    lengths = _circuit_lengths(terms, own, transfer)
+    count = len(terms)
+    chosen = [1] * count
+    per = period / m  # seconds per microbatch
+    for s in range(count - 1, -1, -1):
+        need = 1
+        for k in range(s + 1, count):
+            tokens = lengths[s][k - s] / per * (1.0 - 1e-9) if per > 0 else math.inf
+            need = max(need, math.ceil(((chosen[k] - 1) * terms[k].replicas + tokens)
+                                       / terms[s].replicas))
+        chosen[s] = max(1, min(limits[s], need))
+    return runnable_in_flight(chosen, [t.replicas for t in terms])
+
+
+def runnable_in_flight(in_flight: Sequence[int], replicas: Sequence[int]) -> list[int]:
+    """`in_flight` lowered where a later stage would hold more than the stages before it can
+    feed: stage k's warm-up runs N_k - 1 forwards before its first backward, so every earlier
+    stage s must keep (N_k - 1) r_k minibatches in flight and a round of its own beyond them,
+    N_s r_s >= (N_k - 1) r_k + r_s (else the schedule deadlocks: every circuit needs a token)."""
+    out = [max(1, int(n)) for n in in_flight]
+    for k in range(1, len(out)):
+        room = min((out[s] - 1) * replicas[s] for s in range(k))
+        out[k] = max(1, min(out[k], 1 + room // replicas[k]))
+    return out
+
+
+def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
+           busy: dict[tuple[int, int], float], circuits: Sequence[tuple[float, float]],
+           stage_ranks: Sequence[Sequence[int]], m: int) -> PipelineTime:
+    """One minibatch of `m` microbatches with a flush at the end (module docstring)."""
+    path = sum(t.compute + t.cpu_copies for t in terms) + 2.0 * sum(transfer.values())
+    extra = []
+    for s, t in enumerate(terms):
+        share = math.ceil(m / t.replicas)  # microbatches on the stage's busiest replica
+        period = t.compute + t.cpu_copies
+        if share > t.in_flight:  # too few in flight to cover the round trip: the circuits bind
+            period = max(period, circuits[s][0] * t.replicas)
+        extra.append(((share - 1) * period, f"stage {s} work"))
+    for (a, c), seconds in busy.items():
+        pairs = math.lcm(len(stage_ranks[a]), len(stage_ranks[c]))
+        extra.append(((math.ceil(m / pairs) - 1) * seconds, f"link {a}->{c}"))
+    added, bound = max(extra, key=lambda e: e[0])
+    # the last backward of stage s ends before stage 0's by the backwards of stages before it
+    back = tail = 0.0
+    for s, t in enumerate(terms):
+        tail = max(tail, t.allreduce + t.step - back)
+        back += t.bwd + max((sec for (a, _), sec in transfer.items() if a == s), default=0.0)
+    work = tuple(math.ceil(m / t.replicas) * t.compute for t in terms)
+    return PipelineTime(path + added + tail, bound if added > 0 else "fill and drain", work,
+                        tuple(rt for _, rt in circuits))
+
+
+__all__ = ["PipelineTime", "StageTerms", "fewest_in_flight", "pipeline_time",
+           "runnable_in_flight", "stage_terms"]

@@ -1,0 +1,93 @@
+"""Simulate a plan: its stage costs, its schedule (`schedule.build`) and the simulator, in one call.
+
+Used by the planner (to choose among its best candidates), `refine_plan`, `pdcompile simulate`,
+the demo and the benchmarks, so that all of them simulate a plan the same way: the plan's own
+schedule, microbatches and warm-up depths unless told otherwise, and for streaming schedules a
+stream long enough for the steady state (`steady_minibatches`).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import networkx as nx
+
+from pdcompile.backends.simulate import SimResult, simulate
+from pdcompile.cluster import Cluster
+from pdcompile.costgraph import topological_order
+from pdcompile.errors import PdcompileError
+from pdcompile.ir import Schedule
+from pdcompile.plan import Plan, Stage
+from pdcompile.schedule.build import build, stream_length
+from pdcompile.schedule.kinds import kind
+from pdcompile.stage_costs import StageCosts
+
+DEFAULT_MICROBATCHES = 8
+
+
+def steady_minibatches(plan: Plan, minimum: int = 64) -> int:
+    """A stream long enough to measure a streaming schedule's steady state: at least `minimum`
+    minibatches, 8 rounds of every replica count and 4 per stage (warm-up and drain are cut
+    off by the timeline's steady window, the middle half of the completions)."""
+    replicas = [s.replicas for s in plan.stages]
+    return stream_length(replicas, max(minimum, 8 * math.lcm(*replicas), 4 * len(replicas)))
+
+
+def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
+                  schedule: str | None = None, microbatches: int | None = None,
+                  minibatches: int | None = None, warmup: str | Sequence[int] = "plan",
+                  timeline: bool = True, costs: StageCosts | None = None,
+                  ) -> tuple[Schedule, SimResult]:
+    """Simulate `plan` of `graph` on `cluster`.
+
+    `schedule` / `microbatches`: default the plan's. Streaming schedules ('1f1b', '2bw') run
+    `minibatches` minibatches (default `steady_minibatches`); flush schedules one minibatch.
+    `warmup`: "plan" (the depths the planner chose, else NOAM), "noam", "latency"
+    (`passes.schedule.latency_aware_warmup`) or one depth per stage. `costs`: stage costs to use
+    instead of the CostGraph's (e.g. measured ones)."""
+    name = schedule or plan.schedule
+    row = kind(name)
+    per = (microbatches or (plan.microbatches if plan.schedule == name
+                            else DEFAULT_MICROBATCHES)) if row.microbatched else 1
+    if not row.microbatched and microbatches not in (None, 1):
+        raise PdcompileError(f"{name!r} runs whole minibatches; use schedule '2bw' or "
+                             f"'1f1b-flush' for {microbatches} microbatches per minibatch")
+    costs = costs or StageCosts.from_plan(graph, plan, microbatches=per)
+    stage_ranks = [list(s.ranks) for s in plan.stages]
+    depths = _warmup(warmup, plan, costs, cluster, name)
+    lowered = build(name, stage_ranks, microbatches=per,
+                    minibatches=minibatches or steady_minibatches(plan),
+                    stage_edges=costs.stage_edges(), warmup=depths)
+    return lowered, simulate(lowered, costs, cluster, timeline=timeline)
+
+
+def _warmup(warmup: str | Sequence[int], plan: Plan, costs: StageCosts, cluster: Cluster,
+            name: str) -> list[int] | None:
+    if not isinstance(warmup, str):
+        return [int(w) for w in warmup]
+    if warmup == "plan":
+        return plan.warmup() if plan.schedule == name else None
+    if warmup == "noam":
+        return None
+    if warmup == "latency":
+        if name == "gpipe":
+            return None
+        from pdcompile.passes.schedule import latency_aware_warmup
+
+        stage_ranks = [list(s.ranks) for s in plan.stages]
+        return latency_aware_warmup(stage_ranks, costs.round_trips(stage_ranks, cluster),
+                                    costs.period(stage_ranks, cluster))
+    raise PdcompileError(f"warmup must be 'plan', 'noam', 'latency' or one depth per stage, "
+                         f"not {warmup!r}")
+
+
+def data_parallel_plan(graph: nx.DiGraph, cluster: Cluster) -> Plan:
+    """Plain data parallelism as a Plan: every node in one stage replicated on every worker."""
+    workers = cluster.workers
+    stage = Stage(tuple(topological_order(graph)), workers, tuple(range(workers)))
+    return Plan(stages=(stage,), time_per_minibatch=0.0, dp_time=0.0, workers=workers,
+                planner="data-parallel")
+
+
+__all__ = ["data_parallel_plan", "simulate_plan", "steady_minibatches"]

@@ -1,0 +1,1 @@
+"""Schedules: what each schedule kind means (`kinds`); generators and lowering live in passes/."""

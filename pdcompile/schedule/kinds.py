@@ -1,0 +1,69 @@
+"""One table of what each schedule kind means, read instead of comparing schedule names.
+
+Every place that must know how a schedule behaves (the planner's cost model, the simulator, the
+runtime, the reports) asks `kind(name)` for these facts. A new schedule is a new row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcompile.errors import ScheduleError
+
+
+@dataclass(frozen=True)
+class ScheduleKind:
+    """The facts of one schedule that costs and reports depend on.
+
+    flush: one run trains one minibatch cut into `microbatches` and ends with every update
+        (time per minibatch = the run's makespan); otherwise minibatches stream through and the
+        time per minibatch is the steady state's.
+    microbatched: a minibatch is cut into microbatches (the CostGraph prices whole minibatches).
+    update: "round": every replica updates after each of its own minibatches (PipeDream's 1F1B,
+        replicas all-reducing once per round of r minibatches); "minibatch": one update per
+        minibatch, after all its microbatches.
+    stashed_versions: "in-flight": a weight version per minibatch in flight (weight stashing);
+        an integer: that many versions at all times.
+    copies_weights: a new weight version is a copy of the weights (1f1b stashing, 2bw).
+    """
+
+    name: str
+    flush: bool
+    microbatched: bool
+    update: str
+    stashed_versions: str | int
+    copies_weights: bool
+
+
+KINDS: dict[str, ScheduleKind] = {
+    "1f1b": ScheduleKind("1f1b", flush=False, microbatched=False, update="round",
+                         stashed_versions="in-flight", copies_weights=True),
+    "1f1b-flush": ScheduleKind("1f1b-flush", flush=True, microbatched=True, update="minibatch",
+                               stashed_versions=1, copies_weights=False),
+    "gpipe": ScheduleKind("gpipe", flush=True, microbatched=True, update="minibatch",
+                          stashed_versions=1, copies_weights=False),
+    "2bw": ScheduleKind("2bw", flush=False, microbatched=True, update="minibatch",
+                        stashed_versions=2, copies_weights=True),
+}
+
+
+def kind(name: str) -> ScheduleKind:
+    """The row of schedule `name`; a clear error naming the known ones."""
+    try:
+        return KINDS[name]
+    except KeyError:
+        raise ScheduleError(f"unknown schedule {name!r}; choose one of "
+                            f"{', '.join(KINDS)}") from None
+
+
+def weight_versions(name: str, in_flight: int, *, copies: bool = True) -> int:
+    """Weight versions a worker holds: one per minibatch in flight under weight stashing (only
+    where the stage copies at all: a stage whose updates never fall inside a minibatch's forward
+    and backward keeps the live version only), else the kind's fixed count."""
+    row = kind(name)
+    if row.stashed_versions == "in-flight":
+        return max(1, in_flight) if copies else 1
+    return int(row.stashed_versions)
+
+
+__all__ = ["KINDS", "ScheduleKind", "kind", "weight_versions"]
