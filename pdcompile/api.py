@@ -41,12 +41,16 @@ def compile(  # noqa: A001 - the public name of the one-liner
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
-    `plan`: a Plan to use as is; or, like `stages`, a stage count (an even straight cut, one
-    worker per stage) or a list of replica counts per stage (an even cut into that many stages);
-    otherwise the planner partitions the measured (or analytic) costs over `cluster`.
-    `microbatches`: microbatches per minibatch for '1f1b-flush', 'gpipe' and '2bw'; for '1f1b'
-    the length of the exported schedule. `stash=False` turns weight stashing off (comparison
-    only); `vertical_sync` makes every stage use stage 0's weight version ('1f1b').
+    `plan`: a Plan to use as is (priced on `cluster`'s costs when a cluster is given); `stages`:
+    a stage count K (K straight stages, one worker each, balanced by measured or analytic cost:
+    the planner's DP restricted to K stages, on `cluster` or local-K) or a list of replica
+    counts per stage (an even cut into that many stages); otherwise the planner partitions the
+    measured (or analytic) costs over `cluster`. `schedule`: one of '1f1b', '1f1b-flush',
+    'gpipe', '2bw', or 'auto' (the planner chooses it and its microbatches).
+    `microbatches`: microbatches per minibatch for '1f1b-flush', 'gpipe' and '2bw' (None with
+    the planner: it chooses); for '1f1b' the length of the exported schedule. `stash=False`
+    turns weight stashing off (comparison only); `vertical_sync` makes every stage use stage 0's
+    weight version ('1f1b').
     `example_target`: the target of the example minibatch (optional; exported with it, so that
     `pdcompile run` can train on the example when no data is given).
     `fuse`: rewrite the stages' Linear layers so that their backward adds the weight gradient
@@ -64,15 +68,29 @@ def compile(  # noqa: A001 - the public name of the one-liner
     gm = trace(model, leaf_modules=leaf_modules, num_positional=len(inputs))
     if isinstance(given, Plan):
         chosen = given
-    elif isinstance(given, int):
-        chosen = even_plan(gm, given)
-    elif given is not None:
+        if cluster is not None:  # priced like a planned one
+            chosen = _planned(gm, inputs, cluster, cost=cost, given=given, schedule=schedule,
+                              microbatches=microbatches)
+    elif isinstance(given, int) and not isinstance(given, bool):
+        if given < 1:
+            raise PipelineInputError(f"stages must be a positive integer ({given} < 1)")
+        # K straight stages balanced by cost: the planner's DP restricted to K stages
+        chosen = _planned(gm, inputs, cluster or Cluster.preset(f"local-{given}"), cost=cost,
+                          planner="dp", cost_model=cost_model, schedule=schedule,
+                          microbatches=microbatches, stages=given, time_limit=time_limit)
+    elif given is not None and not isinstance(given, bool):
         replicas = [int(r) for r in given]
         chosen = even_plan(gm, len(replicas), replicas=replicas)
     else:
+        if cluster is None:
+            raise PipelineInputError("compile() needs a cluster to plan for (e.g. "
+                                     "Cluster.preset('local-2') or 'local-2'), or plan=/stages=")
         chosen = _planned(gm, inputs, cluster, planner=planner, cost=cost,
                           cost_model=cost_model, schedule=schedule,
-                          microbatches=microbatches or 1, time_limit=time_limit)
+                          microbatches=microbatches, time_limit=time_limit)
+    if schedule == "auto":  # the planner's choice; '1f1b' keeps the default stream length
+        schedule = chosen.schedule
+        microbatches = chosen.microbatches if chosen.microbatches > 1 else None
     parts = split(gm, chosen, model=model)
     if fuse:
         for program in parts.stages:
@@ -83,20 +101,19 @@ def compile(  # noqa: A001 - the public name of the one-liner
                     example_inputs=inputs, example_target=example_target)
 
 
-def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str | None, *,
-             planner: str, cost: str, cost_model: str, schedule: str, microbatches: int,
-             time_limit: float | None) -> Plan:
-    """The planner's Plan for the costed graph (copies of the model are measured, not it)."""
+def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,
+             cost: str, given: Plan | None = None, schedule: str = "1f1b",
+             microbatches: int | None = None, **planning: Any) -> Plan:
+    """The planner's Plan for the costed graph (copies of the model are measured, not it), or
+    `given` priced on it."""
     import copy
 
     from pdcompile.passes.cache_flush import caches_for
     from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.planner import plan as make_plan
+    from pdcompile.planner import price_plan
 
-    if cluster is None:
-        raise PipelineInputError("compile() needs a cluster to plan for (e.g. "
-                                 "Cluster.preset('local-2') or 'local-2'), or plan=/stages=")
     if cost not in ("measured", "analytic"):
         raise PipelineInputError(f"cost must be 'measured' or 'analytic', got {cost!r}")
     if isinstance(cluster, str):
@@ -108,8 +125,11 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
         annotate_costs(measured, inputs, source=cost,
                        caches=caches_for(cluster) if cost == "measured" else "warm")
     graph = to_cost_graph(measured, name=type(gm).__name__)
-    return make_plan(graph, cluster, planner=planner, cost_model=cost_model, schedule=schedule,
-                     microbatches=microbatches, time_limit=time_limit)
+    if given is not None:
+        return price_plan(graph, given, cluster,
+                          schedule=None if schedule == "auto" else schedule,
+                          microbatches=microbatches)
+    return make_plan(graph, cluster, schedule=schedule, microbatches=microbatches, **planning)
 
 
 def load(path: str, *, loss_fn: Callable[..., torch.Tensor] | None = None,

@@ -247,6 +247,8 @@ class Pipeline:
             kwargs["microbatches_per_minibatch"] = per
         if self.vertical_sync:
             kwargs["vertical_sync"] = True
+        if self.plan.schedule == self.schedule_name and self.schedule_name != "gpipe":
+            kwargs["warmup"] = self.plan.warmup()  # the planner's in-flight counts
         compute = generate(self.schedule_name, self.stage_ranks, n, **kwargs)
         lowered = lower(compute, self.parts.edges)
         validate(lowered)

@@ -100,6 +100,14 @@ class Plan:
             return float("inf")
         return self.dp_time / self.time_per_minibatch
 
+    def versus_data_parallel(self) -> str:
+        """The speed-up over data parallelism as a reader should see it: none where plain data
+        parallelism does not fit the memory (there is nothing to compare with)."""
+        if self.extra.get("dp_fits") is False:
+            return (f"plain data parallelism does not fit the memory "
+                    f"(it would take {format_seconds(self.dp_time)} per minibatch)")
+        return f"{self.speedup_over_dp:.2f}x over data parallel ({format_seconds(self.dp_time)})"
+
     @property
     def gap(self) -> float | None:
         """Relative gap between the plan's time and the solver's lower bound (None if no bound)."""
@@ -183,13 +191,35 @@ class Plan:
         status = self.status + (f", gap {self.gap:.1%}" if self.gap is not None else "")
         lines.append("")
         lines.append(
-            f"config {self.config} on {self.workers} workers; predicted "
+            f"config {self.config} on {self.workers} workers, {self.schedule_text()}; predicted "
             f"{format_seconds(self.time_per_minibatch)} per minibatch, "
-            f"{self.speedup_over_dp:.2f}x over data parallel ({format_seconds(self.dp_time)}); "
-            f"planner {self.planner} ({status}, {self.solve_seconds:.2f} s), cost model "
-            f"{self.cost_model}"
+            f"{self.versus_data_parallel()}; planner {self.planner} ({status}, "
+            f"{self.solve_seconds:.2f} s), cost model {self.cost_model}"
         )
-        if self.extra.get("dp_fits") is False:
-            lines.append("note: plain data parallelism does not fit the device memory here; the "
-                         "speed-up compares with a baseline that could not run")
+        why = self.prediction_text()
+        if why:
+            lines.append(why)
         return "\n".join(lines)
+
+    def schedule_text(self) -> str:
+        """"1f1b" or "1f1b-flush x8 microbatches", with the planner's in-flight counts."""
+        text = self.schedule
+        if self.microbatches > 1:
+            text += f" x{self.microbatches} microbatches"
+        if any(s.in_flight for s in self.stages):
+            text += " (in flight per stage " + "/".join(str(s.in_flight) for s in self.stages) \
+                + ")"
+        return text
+
+    def prediction_text(self) -> str:
+        """Where the predicted time comes from, in one line ("" for a plan not priced)."""
+        closed = self.extra.get("closed_form_time_per_minibatch")
+        simulated = self.extra.get("simulated_time_per_minibatch")
+        if closed is None:
+            return ""
+        if simulated is not None:
+            return (f"prediction: the simulator's steady state of this plan; the closed form the "
+                    f"planner ranks with says {format_seconds(closed)} "
+                    f"(bound: {self.extra.get('bound', '?')})")
+        return (f"prediction: the planner's closed form (bound: {self.extra.get('bound', '?')}); "
+                "too large to simulate cheaply")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -45,9 +46,10 @@ PLANNERS = ("auto", "dp", "ilp")
 ILP_AUTO_NODES = 60  # "auto" runs CP-SAT after the DP on graphs this small (after coarsening)
 ILP_DEFAULT_LIMIT = 10.0  # seconds
 AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched schedules
-VARIANT_STAGES = (2, 3)  # the DP's short-pipeline variants (at most this many stages)
+VARIANT_STAGES = (2,)  # the DP's short-pipeline variants (at most this many stages)
+EXACT_WORKERS = 16  # above this, multi-level clusters get one server's pipeline on every server
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
-SIMULATION_BUDGET = 60_000  # stage-microbatch visits per simulation, above it the closed form
+SIMULATION_BUDGET = 200_000  # actions and all-reduce waits per simulation; above: closed form
 
 
 def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
@@ -103,26 +105,30 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     workers = stages or cluster.workers
     candidates: list[_Candidate] = []
     kinds_seen = []
+    symmetric = (stages is None and not straight and len(cluster.levels) > 1
+                 and workers > EXACT_WORKERS)
     for name, m in choices:
         options = ModelOptions(schedule=name, microbatches=m, optimizer_state=optimizer_state)
         try:
             found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
-                                   fill=stages is not None)
+                                   fill=stages is not None, symmetric=symmetric)
         except PlanError:
             continue
         kinds_seen.append(found.kind)
         candidates += found.candidates
+    ilp_found: list[_Candidate] = []
     if planner != "dp" and not straight and candidates:
-        candidates += _ilp_candidate(cost_graph, cluster, planner, limit, time_limit,
-                                     min(candidates, key=lambda c: c.closed))
+        ilp_found = _ilp_candidate(cost_graph, cluster, planner, limit, time_limit,
+                                   min(candidates, key=lambda c: c.closed))
+        candidates += ilp_found
     if not candidates:
         options = ModelOptions(schedule=choices[0][0], microbatches=choices[0][1],
                                optimizer_state=optimizer_state)
         raise _no_fit(cost_graph, cluster, options, limit, straight)
     chosen, simulated = _choose(cost_graph, cluster, candidates, simulate)
     options = chosen.options
-    everything = [data_parallel_stage(cost_graph, cluster)]
-    dp_options = data_parallel_options(options, cluster)
+    everything = [data_parallel_stage(cost_graph, cluster, workers)]
+    dp_options = data_parallel_options(options, cluster, workers)
     dp_priced, dp_time = evaluate(cost_graph, everything, cluster, options=dp_options)
     extra: dict[str, Any] = {
         "states": kinds_seen[0] if kinds_seen else "", "memory_limit": limit,
@@ -132,14 +138,67 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     }
     if simulated is not None:
         extra["simulated_time_per_minibatch"] = simulated
-    if chosen.ilp is not None:
-        extra |= chosen.ilp
+    extra["found_by"] = chosen.how
+    status, label = chosen.status, "dp"
+    if ilp_found:  # CP-SAT ran: the plan is the best of its plan and the DP's
+        extra |= ilp_found[0].ilp or {}
+        status, label = ilp_found[0].status, "ilp"
     result = Plan(stages=chosen.priced, time_per_minibatch=simulated or chosen.closed,
                   dp_time=dp_time, workers=workers, cost_model=cost_model,
-                  planner=chosen.planner, status=chosen.status, bound=None,
+                  planner=label, status=status, bound=None,
                   solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra,
                   schedule=options.schedule, microbatches=options.per_minibatch)
     return replace(result, solve_seconds=time.perf_counter() - started)
+
+
+def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
+               schedule: str | None = None, microbatches: int | None = None,
+               memory: float | str | None = None, simulate: bool | None = None,
+               optimizer_state: float = OPTIMIZER_STATE) -> Plan:
+    """A plan made by hand (or loaded), priced as the planner prices its own: stage costs and
+    memory from the one cost model, in-flight counts chosen within the memory where the plan
+    has none, the time per minibatch from the simulator where a simulation is cheap (else the
+    closed form), and data parallelism's time beside it. `schedule` / `microbatches` default
+    to the plan's."""
+    if isinstance(cluster, str):
+        cluster = Cluster.parse(cluster)
+    validate(cost_graph)
+    name = schedule or given.schedule
+    if name not in KINDS:
+        raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(KINDS)}")
+    per = (microbatches or given.microbatches) if kind(name).microbatched else 1
+    options = ModelOptions(schedule=name, microbatches=per, optimizer_state=optimizer_state)
+    limit = _memory(memory, cluster, "native")
+    placed = given.stage_of()
+    stage_of = {n: placed[n] for n in placed if n in cost_graph}
+    from pdcompile.cost.crossing import stage_of_every_node
+
+    every = stage_of_every_node(cost_graph, stage_of)
+    order = topological_order(cost_graph)
+    stages = [([n for n in order if every[n] == i], tuple(s.ranks))
+              for i, s in enumerate(given.stages)]
+    flight = [s.in_flight for s in given.stages] if all(s.in_flight for s in given.stages) \
+        else None
+    candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight)
+    if flight is None and candidate is not None and limit is not None:
+        fitted = _priced(cost_graph, cluster, stages, options, limit)
+        candidate = fitted or candidate  # over the memory either way: the default counts
+    assert candidate is not None  # priced without a memory limit: always
+    chosen, simulated = _choose(cost_graph, cluster, [candidate], simulate)
+    workers = max(r for s in given.stages for r in s.ranks) + 1
+    dp_options = data_parallel_options(options, cluster, workers)
+    dp_priced, dp_time = evaluate(cost_graph, [data_parallel_stage(cost_graph, cluster, workers)],
+                                  cluster, options=dp_options)
+    extra = dict(given.extra) | {
+        "memory_limit": limit, "dp_fits": limit is None or dp_priced[0].memory <= limit,
+        "closed_form_time_per_minibatch": chosen.closed, "bound": chosen.bound,
+        "fits": limit is None or all(s.memory <= limit * (1 + 1e-9) for s in chosen.priced)}
+    if simulated is not None:
+        extra["simulated_time_per_minibatch"] = simulated
+    return replace(given, stages=chosen.priced, time_per_minibatch=simulated or chosen.closed,
+                   dp_time=dp_time, workers=workers, cost_model="native",
+                   cluster=cluster.to_dict(), extra=extra, schedule=name, microbatches=per,
+                   planner=given.planner or "given")
 
 
 @dataclass
@@ -155,11 +214,12 @@ class _Candidate:
     planner: str = "dp"
     status: str = "OPTIMAL"
     ilp: dict[str, Any] | None = None
+    how: str = ""  # which search found it
 
     def describe(self) -> str:
         replicas = "-".join(str(s.replicas) for s in self.priced)
         return (f"{self.options.schedule} x{self.options.per_minibatch} {replicas}: "
-                f"{self.closed * 1e3:.3f} ms ({self.bound})")
+                f"{self.closed * 1e3:.3f} ms ({self.bound}; {self.how})")
 
     def as_plan(self, workers: int) -> Plan:
         return Plan(stages=self.priced, time_per_minibatch=self.closed, dp_time=0.0,
@@ -199,51 +259,114 @@ def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
 
 
 def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
-                   limit: float | None, straight: bool, workers: int, *, fill: bool) -> _Found:
-    """The DP's plans under `options`, each priced: the DP's optimum with in-flight counts as
-    deep as memory allows, the same with PipeDream's NOAM, short pipelines (VARIANT_STAGES) and
-    plain data parallelism. The closed form and the simulator then rank them (`_choose`)."""
-    prepared = _prepare(graph, "native", workers)
+                   limit: float | None, straight: bool, workers: int, *, fill: bool,
+                   symmetric: bool = False) -> _Found:
+    """The DP's plans under `options`, each priced: the optimum of the planning objective
+    (costmodel.stage_values) with in-flight counts as deep as memory allows, the same with
+    PipeDream's NOAM, short pipelines (at most VARIANT_STAGES stages), for streaming schedules
+    the fastest period the circuits allow (`dp.native_dp_bisect`, which also chooses the
+    in-flight counts), and plain data parallelism. The closed form and the simulator then rank
+    them (`_choose`): the DP's objective is a maximum over stages and cannot see everything
+    that couples them (how the in-flight counts of later stages bound an earlier one's round
+    trips, replicas of different counts all-reducing in lockstep).
+
+    `symmetric`: plan one server (the cluster's innermost group) and give every server the same
+    pipeline, each stage's replicas on all servers all-reducing together (the DP then spans
+    g workers instead of all of them: what makes clusters of hundreds of workers tractable)."""
+    from pdcompile.passes.partition.dp import (
+        native_dp,
+        native_dp_bisect,
+        stage_grid,
+        state_tables,
+    )
+
+    copies, search, span = 1, cluster, workers
+    if symmetric:
+        span = cluster.levels[0].workers
+        copies = workers // span
+        search = replace(cluster, levels=cluster.levels[:1], name=f"one server of {cluster.name}")
+    prepared = _prepare(graph, "native", span)
+    status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 else "HEURISTIC"
+    tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
+    grid = stage_grid(tables, search, options=options, memory=limit, straight=straight,
+                      workers=span, copies=copies, copy_link=cluster.levels[-1])
+    found: list[_Candidate] = []
+
+    def add(result: Any, flight: tuple[int, ...] | None = None, how: str = "") -> None:
+        states = prepared.states
+        stages = [(states.stage_nodes(s.before, s.after), _spread(s.ranks, copies, span))
+                  for s in result.stages]
+        if stages and prepared.pinned:
+            stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
+        expanded = _expand(stages, prepared.mapping, {}, graph)
+        if all(expanded != c.stages for c in found):
+            candidate = _priced(graph, cluster, expanded, options, limit, planner="dp",
+                                status=status, in_flight=flight, how=how)
+            if candidate is not None:
+                found.append(candidate)
+
     variants: list[tuple[ModelOptions, int | None]] = [(options, None)]
     if not kind(options.schedule).flush:
         variants.append((replace(options, flight="noam"), None))
     if not straight:
-        variants += [(options, k) for k in VARIANT_STAGES if k < workers]
-    status = "OPTIMAL" if prepared.kind == "all downsets" else "HEURISTIC"
-    seen: set[tuple[tuple[int, ...], ...]] = set()
-    found: list[_Candidate | None] = []
+        variants += [(options, k) for k in VARIANT_STAGES if k < span]
     for variant, most in variants:
         try:
-            result = _solve(prepared, cluster, variant, limit, straight, workers=workers,
-                            fill=fill, max_stages=most)
+            add(native_dp(grid, options=variant, straight=straight, fill=fill,
+                          max_stages=most), how=f"{variant.flight}/{most}")
         except PlanError:
-            continue
-        key = tuple((s.before, s.after, *s.ranks) for s in result.stages)
-        if key in seen:
-            continue
-        seen.add(key)
-        states = prepared.states
-        stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
-        if stages and prepared.pinned:
-            stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
-        expanded = _expand(stages, prepared.mapping, {}, graph)
-        found.append(_priced(graph, cluster, expanded, options, limit, planner="dp",
-                             status=status))
+            pass
+    if not straight:
+        whole = _priced(graph, cluster, [data_parallel_stage(graph, cluster)], options, limit,
+                        planner="dp", status=status, how="data parallel")
+        if whole is not None:
+            found.append(whole)
+    if not kind(options.schedule).flush:
+        # the grid prices one copy of the pipeline: its period is `copies` times the plan's
+        high = (min((c.closed for c in found), default=0.0) or _work_bound(graph, workers)) \
+            * copies
+        low = _work_bound(graph, workers) * copies
+        for _ in range(6):  # grow the upper end until some plan reaches it
+            bisected = native_dp_bisect(grid, options=options, low=low, high=high,
+                                        straight=straight, fill=fill)
+            if bisected is not None:
+                add(*bisected, how="bisect")
+                break
+            low, high = high, high * 4
     if not found:
         raise PlanError("no plan fits")
-    if not straight:
-        found.append(_priced(graph, cluster, [data_parallel_stage(graph, cluster)], options,
-                             limit, planner="dp", status=status))
-    return _Found(prepared.kind, [c for c in found if c is not None])
+    kind_of_states = prepared.kind + (f", one server's pipeline on each of {copies} servers"
+                                      if copies > 1 else "")
+    return _Found(kind_of_states, found)
+
+
+def _spread(ranks: tuple[int, ...], copies: int, span: int) -> tuple[int, ...]:
+    """A stage's ranks on one server, repeated on every server (`copies` of `span` workers):
+    replica i on server i mod copies, so that round robin keeps every minibatch's transfers
+    between the stages inside one server."""
+    if copies == 1:
+        return ranks
+    return tuple(server * span + ranks[i // copies] for i in range(len(ranks) * copies)
+                 for server in (i % copies,))
+
+
+def _work_bound(graph: nx.DiGraph, workers: int) -> float:
+    """A lower bound on any plan's time per minibatch: all compute shared by all workers."""
+    inputs = set(input_nodes(graph))
+    total = sum(float(d["fwd"]) + float(d["bwd"]) for n, d in graph.nodes(data=True)
+                if n not in inputs)
+    return total / workers
 
 
 def _priced(graph: nx.DiGraph, cluster: Cluster,
             stages: list[tuple[list[str], tuple[int, ...]]], options: ModelOptions,
-            limit: float | None, **tags: Any) -> _Candidate | None:
-    """A candidate with its in-flight counts chosen (`choose_in_flight`) and priced; None if
-    it does not fit the memory."""
+            limit: float | None, *, in_flight: Sequence[int] | None = None,
+            **tags: Any) -> _Candidate | None:
+    """A candidate priced with its in-flight counts (given, else `choose_in_flight`); None if it
+    does not fit the memory."""
     try:
-        flight = choose_in_flight(graph, stages, cluster, options=options, memory=limit)
+        flight = list(in_flight) if in_flight is not None else \
+            choose_in_flight(graph, stages, cluster, options=options, memory=limit)
     except PlanError:
         return None
     priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight)
@@ -324,10 +447,12 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     if simulate is False:
         return ranked[0], None
     best: tuple[float, _Candidate] | None = None
-    for candidate in ranked[:SIMULATED_CANDIDATES]:
+    # the DP's best few, and every CP-SAT plan (adding CP-SAT never loses the DP's choice)
+    chosen = [c for c in ranked if c.planner != "ilp"][:SIMULATED_CANDIDATES] \
+        + [c for c in ranked if c.planner == "ilp"]
+    for candidate in chosen:
         plan_ = candidate.as_plan(sum(s.replicas for s in candidate.priced))
-        visits = steady_minibatches(plan_) * len(plan_.stages) * plan_.microbatches
-        if simulate is None and visits > SIMULATION_BUDGET:
+        if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
             continue
         try:
             _, result = simulate_plan(graph, plan_, cluster, timeline=False)
@@ -338,6 +463,13 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     if best is None:
         return ranked[0], None
     return best[1], best[0]
+
+
+def _simulation_cost(plan_: Plan) -> int:
+    """About how many actions and dependencies simulating a plan visits: every stage's actions
+    for every microbatch, and each all-reduce waiting for all of its stage's replicas."""
+    stream = steady_minibatches(plan_) if not kind(plan_.schedule).flush else 1
+    return sum(stream * plan_.microbatches * (8 + s.replicas) for s in plan_.stages)
 
 
 def _ilp_candidate(graph: nx.DiGraph, cluster: Cluster, planner: str, limit: float | None,
@@ -430,7 +562,7 @@ def _pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
 
 
 COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below
-DP_BUDGET = 3e7  # (states^2 / 2) * (workers (workers + 1) / 2) elements: well under 1 s of numpy
+DP_BUDGET = 1e7  # (states^2 / 2) * (workers (workers + 1) / 2) elements per pass of the DP
 
 
 def _state_budget(workers: int) -> int:
@@ -500,16 +632,31 @@ def _coarse_with_pinned(work: nx.DiGraph, target: int, pinned: tuple[str, ...] |
     return full, mapping
 
 
+def planning_dp(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions,
+                memory: float | None, straight: bool = False,
+                ) -> tuple[float, list[tuple[list[str], tuple[int, ...]]]]:
+    """The native DP's optimum of its planning objective (costmodel.stage_values, in-flight
+    counts as deep as memory allows) and its stages: the search at the heart of `plan`, which
+    the tests hold against brute force. Raises PlanError when nothing fits."""
+    prepared = _prepare(graph, "native", cluster.workers)
+    result = _solve(prepared, cluster, options, memory, straight)
+    states = prepared.states
+    stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
+    if stages and prepared.pinned:
+        stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
+    return result.objective, _expand(stages, prepared.mapping, {}, graph)
+
+
 def _solve(prepared: _Prepared, cluster: Cluster, options: Any, limit: float | None,
-           straight: bool, *, workers: int | None = None, fill: bool = False,
-           max_stages: int | None = None) -> Any:
-    from pdcompile.passes.partition.dp import native_dp, pipedream_dp, state_tables
+           straight: bool) -> Any:
+    """The DP's best plan of the prepared states (pipedream: the original's recurrence)."""
+    from pdcompile.passes.partition.dp import native_dp, pipedream_dp, stage_grid, state_tables
 
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     if options.cost_model == "pipedream":
         return pipedream_dp(tables, cluster, memory=limit, straight=straight)
-    return native_dp(tables, cluster, options=options, memory=limit, straight=straight,
-                     workers=workers, fill=fill, max_stages=max_stages)
+    grid = stage_grid(tables, cluster, options=options, memory=limit, straight=straight)
+    return native_dp(grid, options=options, straight=straight)
 
 
 def _expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, list[str]],
@@ -575,4 +722,4 @@ def _bytes_up(value: float) -> str:
     return f"{math.ceil(value)} B"
 
 
-__all__ = ["Plan", "Stage", "choose_in_flight", "plan"]
+__all__ = ["Plan", "Stage", "choose_in_flight", "plan", "planning_dp", "price_plan"]

@@ -33,6 +33,7 @@ from pdcompile.costgraph import topological_order
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.costmodel import ModelOptions, evaluate
 from pdcompile.plan import Plan, Stage
+from pdcompile.planner import choose_in_flight
 
 State = tuple[tuple[int, ...], tuple[int, ...]]  # (stage start indices into the order, replicas)
 
@@ -54,12 +55,14 @@ class Refined:
 
 
 def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches: int = 64,
-                warmup: str = "noam", max_evaluations: int = 1000) -> Refined:
+                warmup: str = "plan", max_evaluations: int = 1000) -> Refined:
     """Local search from `plan` (of `graph` on `cluster`) under asynchronous 1F1B, scored by the
     simulator's steady-state time per minibatch (see the module docstring).
 
     `minibatches`: the stream simulated per candidate (raised to 4x the replica counts' least
-    common multiple, so every replica reaches steady state); `warmup`: "noam" or "latency"
+    common multiple, so every replica reaches steady state); `warmup`: "plan" (each
+    candidate's in-flight counts chosen within the memory, as the planner chooses them),
+    "noam" or "latency"
     (passes.schedule); `max_evaluations`: simulations at most, the input plan's included."""
     if plan.workers != cluster.workers:
         raise PlanError(f"the plan is for {plan.workers} workers but the cluster has "
@@ -178,17 +181,27 @@ class _Search:
         ends = starts[1:] + (len(self.order),)
         stages, rank = [], 0
         for a, b, r in zip(starts, ends, reps, strict=True):
-            stages.append(Stage(tuple(self.order[a:b]), r, tuple(range(rank, rank + r))))
+            stages.append((list(self.order[a:b]), tuple(range(rank, rank + r))))
             rank += r
-        if simulated is None:  # a candidate: the simulator needs nodes, replicas and ranks only
-            return replace(self.base, stages=tuple(stages))
         options = ModelOptions(cost_model=self.base.cost_model)
-        priced, predicted = evaluate(self.graph, [(s.nodes, s.ranks) for s in stages],
-                                     self.cluster, options=options)
+        flight: list[int] | None = None
+        if self.warmup == "plan" and options.cost_model == "native":
+            try:
+                flight = choose_in_flight(self.graph, stages, self.cluster, options=options,
+                                          memory=self.cluster.device.memory)
+            except PlanError:  # does not fit: simulated with the default and refused
+                flight = None
+        if simulated is None:  # a candidate: the simulator needs nodes, ranks, in-flight counts
+            return replace(self.base, stages=tuple(
+                Stage(tuple(n), len(r), r, in_flight=flight[i] if flight else 0)
+                for i, (n, r) in enumerate(stages)), schedule="1f1b", microbatches=1)
+        priced, predicted = evaluate(self.graph, stages, self.cluster, options=options,
+                                     in_flight=flight)
         extra = dict(self.base.extra) | {"simulated_time_per_minibatch": simulated,
                                          "simulated_before_refine": start}
         return replace(self.base, stages=priced, time_per_minibatch=predicted, extra=extra,
-                       planner=f"{self.base.planner}+simulation")
+                       planner=f"{self.base.planner}+simulation", schedule="1f1b",
+                       microbatches=1)
 
     def score(self, state: State) -> float:
         if state in self.cache:

@@ -159,15 +159,17 @@ def pipeline_summary(pipe: Any) -> str:
     status = plan.status + (f", gap {plan.gap:.1%}" if plan.gap is not None else "")
     if plan.time_per_minibatch <= 0:
         totals = (f"config {plan.config} on {plan.workers} workers; the plan was given "
-                  f"({plan.planner}), so nothing is predicted (let the planner plan for times)")
+                  f"({plan.planner}) without a cluster, so nothing is predicted (pass a cluster "
+                  "to compile() to price it)")
         return "\n".join([stage_table(stage_rows(pipe), predicted=False), "", totals,
                           *_schedule_lines(pipe)])
     lines = [stage_table(stage_rows(pipe)), "",
              f"config {plan.config} on {plan.workers} workers; predicted "
              f"{format_seconds(plan.time_per_minibatch)} per minibatch, "
-             f"{plan.speedup_over_dp:.2f}x over data parallel "
-             f"({format_seconds(plan.dp_time)}); planner {plan.planner} ({status}, "
+             f"{plan.versus_data_parallel()}; planner {plan.planner} ({status}, "
              f"{plan.solve_seconds:.2f} s), cost model {plan.cost_model}"]
+    if plan.prediction_text():
+        lines.append(plan.prediction_text())
     return "\n".join(lines + _schedule_lines(pipe))
 
 

@@ -1,6 +1,7 @@
 """Brute-force partitioner for tiny graphs: every chain of downsets x every replica split.
 
-Independent of the DP and CP-SAT code (it shares only the one cost model, costmodel.evaluate):
+Independent of the DP and CP-SAT code (it shares only the one cost model: the planning objective
+`costmodel.planning_objective` by default, or any pricing function with its signature):
 stages are the differences of a strictly growing chain of downsets of the graph (so every convex
 ordered partition is tried), inputs (costmodel.input_nodes) sit on the first stage as the cost
 model requires,
@@ -11,13 +12,15 @@ stages up to the workers).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+import math
+from collections.abc import Callable, Iterator
 
 import networkx as nx
 
 from pdcompile.cluster import Cluster
+from pdcompile.cost.crossing import input_nodes
 from pdcompile.costgraph import topological_order
-from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, input_nodes
+from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, planning_objective
 
 
 def _downsets(graph: nx.DiGraph, nodes: list[str]) -> list[frozenset[str]]:
@@ -49,8 +52,13 @@ def _compositions(total: int, parts: int) -> Iterator[tuple[int, ...]]:
 
 def brute_force(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions,
                 memory: float | None, straight: bool = False,
+                objective: Callable[..., float] | None = None,
                 ) -> tuple[float, list[tuple[list[str], tuple[int, ...]]]] | None:
-    """The best (time per minibatch, stages) over all plans, or None if no plan fits memory."""
+    """The best (objective, stages) over all plans, or None if no plan fits memory.
+
+    `objective(graph, stages, cluster, options=, memory=)`: default the planning objective
+    (inf where a stage does not fit); the pipedream model is priced with `evaluate` and its
+    memory checked per stage."""
     order = topological_order(graph)
     pinned = [v for v in order if v in set(input_nodes(graph))]
     core = [v for v in order if v not in pinned]
@@ -69,8 +77,16 @@ def brute_force(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions,
                 stages.append((nodes, tuple(range(start, start + r))))
                 start += r
             stages[0] = ([*pinned, *stages[0][0]], stages[0][1])
-            priced, time = evaluate(graph, stages, cluster, options=options)
-            if memory is not None and any(s.memory > memory * (1 + 1e-12) for s in priced):
+            if objective is not None:
+                time = objective(graph, stages, cluster, options=options, memory=memory)
+            elif options.cost_model == "pipedream":
+                priced, time = evaluate(graph, stages, cluster, options=options)
+                if memory is not None and any(s.memory > memory * (1 + 1e-12) for s in priced):
+                    continue
+            else:
+                time = planning_objective(graph, stages, cluster, options=options,
+                                          memory=memory)
+            if not math.isfinite(time):
                 continue
             if best is None or time < best[0] - 1e-15:
                 best = (time, stages)

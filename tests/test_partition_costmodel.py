@@ -11,6 +11,8 @@ from pdcompile import Cluster
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.costmodel import ModelOptions, data_parallel_time, evaluate
+from pdcompile.plan import Plan, Stage
+from pdcompile.plan_simulation import simulate_plan
 from pdcompile.planner import plan
 from pdcompile.profiles import load_pipedream
 
@@ -80,19 +82,25 @@ def test_native_terms_by_hand() -> None:
     stages, seconds = evaluate(graph, [(["a"], (0, 1)), (["b", "c"], (2,))], cluster,
                                options=options)
     s0, s1 = stages
+    mem_bw = cluster.device.mem_bandwidth
     assert s0.compute == pytest.approx(0.030 / 2)
     ring = 2 * (2 - 1) / 2 * 2e8 / 1e9 + 2 * (2 - 1) * 1e-5
-    assert s0.sync == pytest.approx(ring / 2)
-    # a sends its output to b (1e8) and over the skip connection to c (5e7): 2 tensors
-    sent = (1e8 + 5e7) / 1e9 + 2 * 1e-5
+    assert s0.sync == pytest.approx(ring / 2)  # one all-reduce per round of 2 minibatches
+    # a's output goes to b and, over the skip connection, to c: both in stage 1, so it crosses
+    # once (the larger of the two edges), one message
+    sent = 1e8 / 1e9 + 1e-5
     assert s0.comm == pytest.approx(sent / 2)
     assert s1.comm == pytest.approx(sent)
-    assert s0.time == pytest.approx(max(s0.compute + s0.sync, s0.comm))  # sends overlap compute
-    assert s1.time == pytest.approx(max(0.018, sent))
-    assert seconds == pytest.approx(max(s0.time, s1.time))
-    # memory: stage 0 has 2 replicas and 1 worker downstream -> ceil(3/2) = 2 in flight
-    assert s0.memory == pytest.approx(2 * 2e8 + 2e8 * 3 + 2 * 1e8)
-    assert s1.memory == pytest.approx(1 * 1e8 + 1e8 * 3 + 1 * (1e6 + 1e3))
+    # a replica's work per round: compute, all-reduce, optimizer step (3 P at memory
+    # bandwidth) and, with 2 minibatches in flight (NOAM ceil(3 / 2)), a weight-version copy
+    assert s0.in_flight == 2 and s1.in_flight == 1
+    own0 = 0.030 + ring + 3 * 2e8 / mem_bw + 2 * 2e8 / mem_bw
+    assert s0.time == pytest.approx(own0 / 2)
+    assert s1.time == pytest.approx(0.018 + 3 * 1e8 / mem_bw)  # the last stage copies nothing
+    assert seconds >= max(s0.time, s1.time)
+    # memory: weights, gradients, Adam's two moments, one stashed version, 2 activations
+    assert s0.memory == pytest.approx(2e8 + 2e8 + 2 * 2e8 + 2e8 + 2 * 1e8)
+    assert s1.memory == pytest.approx(1e8 + 1e8 + 2 * 1e8 + 1 * (1e6 + 1e3))
 
 
 def test_native_uses_the_slow_level_between_servers() -> None:
@@ -102,8 +110,8 @@ def test_native_uses_the_slow_level_between_servers() -> None:
     inside = evaluate(graph, nodes, Cluster.parse("2x2@1e10,1e8"), options=options)[0]
     across = evaluate(graph, [(["a"], (0,)), (["b", "c"], (2,))],
                       Cluster.parse("2x2@1e10,1e8"), options=options)[0]
-    assert inside[0].comm == pytest.approx((1e8 + 5e7) / 1e10)
-    assert across[0].comm == pytest.approx((1e8 + 5e7) / 1e8)
+    assert inside[0].comm == pytest.approx(1e8 / 1e10)
+    assert across[0].comm == pytest.approx(1e8 / 1e8)
 
 
 def test_flush_schedules_pay_the_bubble_and_keep_one_weight_version() -> None:
@@ -113,7 +121,22 @@ def test_flush_schedules_pay_the_bubble_and_keep_one_weight_version() -> None:
     async_stages, async_time = evaluate(graph, nodes, cluster, options=ModelOptions())
     flush_stages, flush_time = evaluate(graph, nodes, cluster,
                                         options=ModelOptions(schedule="1f1b-flush", microbatches=4))
-    assert flush_time == pytest.approx(async_time * (4 + 2 - 1) / 4)
+    # fill and drain: every stage's microbatch once with both transfers there and back; stage
+    # 0 keeps 2 microbatches in flight (NOAM) while a round trip through stage 1 takes longer
+    # than 2 of its forwards and backwards, so its other 3 microbatches each wait for half a
+    # round trip; then the last update
+    mem_bw = cluster.device.mem_bandwidth
+    transfer = 1e8 / 4 / 1e9
+    path = (0.030 + 0.018) / 4 + 2 * transfer
+    round_trip = 0.030 / 4 + 0.018 / 4 + 2 * transfer
+    expected = path + 3 * round_trip / 2 + 3 * 2e8 / mem_bw
+    assert flush_time == pytest.approx(expected)
+    plan_ = Plan(stages=(Stage(("a",), 1, (0,)), Stage(("b", "c"), 1, (1,))),
+                 time_per_minibatch=0.0, dp_time=0.0, workers=2, schedule="1f1b-flush",
+                 microbatches=4)
+    _, simulated = simulate_plan(graph, plan_, cluster, timeline=False)
+    assert flush_time == pytest.approx(simulated.time_per_minibatch, rel=0.1)
+    assert flush_time > async_time
     assert flush_stages[0].memory < async_stages[0].memory
 
 

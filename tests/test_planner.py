@@ -11,6 +11,7 @@ import pdcompile
 from pdcompile import Cluster, Plan
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import ClusterError, CostGraphError, PlanError
+from pdcompile.plan_simulation import simulate_plan
 from pdcompile.profiles import load_pipedream
 
 
@@ -34,7 +35,11 @@ def test_plan_fields_and_contiguous_ranks() -> None:
     assert "input" in result.stages[0].nodes  # inputs live on the first stage
     assert result.cluster == Cluster.parse("4@1e9").to_dict()
     assert result.planner == "dp" and result.status == "OPTIMAL" and result.cost_model == "native"
-    assert result.time_per_minibatch == max(s.time for s in result.stages)
+    # the prediction is the simulator's steady state of the plan (cheap here), the closed form's
+    # slowest stage a lower bound of it
+    _, simulated = simulate_plan(graph, result, Cluster.parse("4@1e9"), timeline=False)
+    assert result.time_per_minibatch == pytest.approx(simulated.time_per_minibatch)
+    assert result.extra["closed_form_time_per_minibatch"] >= max(s.time for s in result.stages)
     assert result.dp_time > 0 and result.speedup_over_dp >= 1.0 - 1e-12
     assert result.solve_seconds > 0
     for stage in result.stages:  # nodes in topological order
@@ -61,7 +66,7 @@ def test_memory_accepts_strings_and_is_respected() -> None:
 
 
 def test_model_that_cannot_fit_names_memory_and_workers() -> None:
-    graph = _chain(n=4, params=1e9)  # 4 GB of weights in 4 layers
+    graph = _chain(n=4, params=2e9)  # 8 GB of weights in 4 layers, 32 GB with Adam's state
     with pytest.raises(PlanError) as err:
         pdcompile.plan(graph, "2@1e9", planner="dp", memory="8GiB")
     text = str(err.value)
@@ -136,11 +141,16 @@ def test_straight_pipelines_use_one_worker_per_stage() -> None:
 
 def test_flush_schedule_is_priced_with_its_bubble() -> None:
     graph = _chain()
-    asynchronous = pdcompile.plan(graph, "3@1e9", planner="dp")
-    flush = pdcompile.plan(graph, "3@1e9", planner="dp", schedule="1f1b-flush", microbatches=4)
-    stages = len(flush.stages)
-    assert flush.time_per_minibatch == pytest.approx(
-        max(s.time for s in flush.stages) * (4 + stages - 1) / 4)
+    cluster = Cluster.parse("3@1e9")
+    asynchronous = pdcompile.plan(graph, cluster, planner="dp")
+    flush = pdcompile.plan(graph, cluster, planner="dp", schedule="1f1b-flush", microbatches=4)
+    assert flush.schedule == "1f1b-flush" and flush.microbatches == 4
+    _, simulated = simulate_plan(graph, flush, cluster, timeline=False)
+    assert flush.time_per_minibatch == pytest.approx(simulated.time_per_minibatch)
+    # the closed form (fill, steady part, drain) is within 10% of the simulator
+    assert flush.extra["closed_form_time_per_minibatch"] == pytest.approx(
+        simulated.time_per_minibatch, rel=0.1)
+    # one minibatch of 4 microbatches fills and drains the pipeline: slower than streaming
     assert flush.time_per_minibatch >= asynchronous.time_per_minibatch
 
 

@@ -236,14 +236,17 @@ def test_planner_counts_the_cores_workers_take_turns_on(nbytes: float) -> None:
     taking_turns = pdcompile.plan(graph, shared, planner="dp", straight=True)
     assert [s.nodes for s in alone.stages] == [s.nodes for s in taking_turns.stages]
     # 8 blocks of 30 ms on 4 stages: 60 ms each with a core each; on 2 cores all 240 ms of
-    # compute (and every copy, on both ends) shares them
+    # compute (and every copy, on both ends, and the optimizer steps) shares them
     copies = sum(s.copies for s in alone.stages)
-    assert alone.time_per_minibatch == pytest.approx(max(s.time for s in alone.stages))
-    assert taking_turns.time_per_minibatch == pytest.approx((0.24 + 2 * copies) / 2)
+    steps = sum(s.time - s.compute - s.copies for s in alone.stages)
+    closed = "closed_form_time_per_minibatch"
+    assert alone.extra[closed] == pytest.approx(max(s.time for s in alone.stages))
+    # (the plan the simulator picks may wait a little on a round trip besides)
+    assert taking_turns.extra[closed] == pytest.approx((0.24 + steps + 2 * copies) / 2,
+                                                       rel=1e-3)
     assert taking_turns.dp_time == pytest.approx(2 * alone.dp_time)
     # and the simulator, which shares the cores action by action, agrees within its bubbles
     schedule = lower(generate("1f1b", [[0], [1], [2], [3]], 64))
     simulated = simulate(schedule, StageCosts.from_plan(graph, taking_turns), shared,
                          timeline=False)
-    assert simulated.time_per_minibatch == pytest.approx(taking_turns.time_per_minibatch,
-                                                         rel=0.1)
+    assert simulated.time_per_minibatch == pytest.approx(taking_turns.extra[closed], rel=0.1)

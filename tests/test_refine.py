@@ -9,8 +9,8 @@ import pytest
 
 import pdcompile
 from pdcompile import Cluster
-from pdcompile.cli.simulate_cmd import data_parallel_plan, simulate_plan
 from pdcompile.errors import PlanError
+from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
 from pdcompile.profiles import load_pipedream
 
 
@@ -23,10 +23,10 @@ def _check_valid(plan: pdcompile.Plan, graph: nx.DiGraph, cluster: Cluster) -> N
     assert all(len(s.ranks) == s.replicas for s in plan.stages)
 
 
-def test_refine_improves_the_dp_plan_of_alexnet_on_cluster_a(profiles_dir: Path) -> None:
+def test_refine_improves_data_parallelism_of_alexnet_on_cluster_a(profiles_dir: Path) -> None:
     graph = load_pipedream(profiles_dir / "alexnet" / "graph.txt")
     cluster = Cluster.preset("A")
-    start = pdcompile.plan(graph, cluster, planner="dp")
+    start = data_parallel_plan(graph, cluster)
     refined = pdcompile.refine_plan(start, graph, cluster, max_evaluations=200)
     _check_valid(refined.plan, graph, cluster)
     assert refined.evaluations <= 200
@@ -34,8 +34,8 @@ def test_refine_improves_the_dp_plan_of_alexnet_on_cluster_a(profiles_dir: Path)
     _, after = simulate_plan(graph, refined.plan, cluster, minibatches=64, timeline=False)
     assert refined.start == pytest.approx(before.time_per_minibatch)
     assert refined.simulated == pytest.approx(after.time_per_minibatch)
-    # the DP's closed form picks data parallelism here; the schedule-aware search finds a
-    # pipeline that the simulator runs at least 1.5x faster
+    # AlexNet's fully connected layers make data parallelism all-reduce 240 MB over 10 Gbps;
+    # the search finds a pipeline that the simulator runs at least 1.5x faster
     assert refined.gain > 1.5 and refined.moves
     assert after.peak_memory <= cluster.device.memory
     assert refined.plan.planner.endswith("+simulation")
@@ -49,10 +49,9 @@ def test_refine_never_returns_a_slower_plan(profiles_dir: Path) -> None:
     refined = pdcompile.refine_plan(start, graph, cluster, max_evaluations=40)
     assert refined.simulated <= refined.start
     _check_valid(refined.plan, graph, cluster)
-    # data parallelism is a seed: the DP's 8-8 simulates slower than it here, the result not
+    # data parallelism is a seed: whatever the start, the result is never slower than it
     _, data_parallel = simulate_plan(graph, data_parallel_plan(graph, cluster), cluster,
                                      minibatches=64, timeline=False)
-    assert refined.start > data_parallel.time_per_minibatch
     assert refined.simulated <= data_parallel.time_per_minibatch * (1 + 1e-9)
     one = pdcompile.refine_plan(start, graph, cluster, max_evaluations=1)  # the input alone
     assert one.evaluations == 1 and one.simulated == one.start and len(one.moves) == 1

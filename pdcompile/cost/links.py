@@ -6,6 +6,7 @@ them. A level has a bandwidth (bytes/s) and a latency (s) per message (cluster.L
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from pdcompile.cluster import Cluster, Level
@@ -39,9 +40,12 @@ def stage_allreduce_seconds(nbytes: float, ranks: Sequence[int], cluster: Cluste
 
 
 def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
-    """The slowest level a link between a rank of `a` and a rank of `b` can cross: the level
-    their union spans (if every pair shared a group, all of them would)."""
-    return cluster.levels[cluster.slowest_level_of([*a, *b])]
+    """The slowest level that the transfers between two stages on ranks `a` and `b` cross:
+    minibatch m goes from a[m % len(a)] to b[m % len(b)] (round robin over replicas), so the
+    rank pairs used are those of m < lcm(len(a), len(b))."""
+    pairs = math.lcm(len(a), len(b))
+    return cluster.levels[max(cluster.link_level(a[m % len(a)], b[m % len(b)])
+                              for m in range(pairs))]
 
 
 __all__ = ["link_busy_seconds", "ring_allreduce_seconds", "slowest_link",

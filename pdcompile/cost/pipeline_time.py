@@ -119,7 +119,8 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
            for t in terms]
     circuits = _circuits(terms, own, transfer)
     if row.flush:
-        return _flush(terms, transfer, busy, circuits, stage_ranks, m)
+        return _flush(terms, transfer, busy, circuits, stage_ranks, m,
+                      gpipe=schedule == "gpipe")
     work = [own[s] / t.replicas for s, t in enumerate(terms)]
     bounds = [(w, f"stage {s} work") for s, w in enumerate(work)]
     bounds += [(seconds / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])), f"link {a}->{c}")
@@ -133,17 +134,20 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
 def _circuit_lengths(terms: Sequence[StageTerms], own: Sequence[float],
                      transfer: dict[tuple[int, int], float]) -> list[list[float]]:
     """lengths[s][k - s]: seconds of the circuit from a forward of stage s through stage k and
-    back to the backward of s (`_circuits`): the work of s, every stage between (a later stage
-    with fewer replicas takes the round's r_s microbatches one after another) and each transfer
-    there and back."""
+    back to the backward of s (`_circuits`): the work of s, then the longest path of stages and
+    transfers (there and back) from s to k in the stages' graph, where a later stage with fewer
+    replicas takes the round's r_s microbatches one after another; 0 where k is not reached."""
     out = []
+    count = len(terms)
     for s, head in enumerate(terms):
-        row, path = [own[s]], 0.0
-        for k in range(s + 1, len(terms)):
-            path += terms[k].compute * max(1.0, head.replicas / terms[k].replicas)
-            row.append(own[s] + path + 2.0 * sum(sec for (a, _), sec in transfer.items()
-                                                  if s <= a < k))
-        out.append(row)
+        reach = [-math.inf] * count  # longest path from s to k, without s's own work
+        reach[s] = 0.0
+        for k in range(s + 1, count):
+            best = max((reach[a] + 2.0 * sec for (a, c), sec in transfer.items()
+                        if c == k and a >= s and reach[a] > -math.inf), default=-math.inf)
+            if best > -math.inf:
+                reach[k] = best + terms[k].compute * max(1.0, head.replicas / terms[k].replicas)
+        out.append([own[s] + max(0.0, reach[k]) for k in range(s, count)])
     return out
 
 
@@ -211,9 +215,20 @@ def runnable_in_flight(in_flight: Sequence[int], replicas: Sequence[int]) -> lis
 
 def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
            busy: dict[tuple[int, int], float], circuits: Sequence[tuple[float, float]],
-           stage_ranks: Sequence[Sequence[int]], m: int) -> PipelineTime:
-    """One minibatch of `m` microbatches with a flush at the end (module docstring)."""
-    path = sum(t.compute + t.cpu_copies for t in terms) + 2.0 * sum(transfer.values())
+           stage_ranks: Sequence[Sequence[int]], m: int, *, gpipe: bool = False,
+           ) -> PipelineTime:
+    """One minibatch of `m` microbatches with a flush at the end (module docstring): the first
+    microbatch's forward and backward along the longest path of stages and transfers, the
+    busiest stage's other microbatches (GPipe: the busiest forward stage's, then the busiest
+    backward stage's), then the last all-reduces and steps."""
+    count = len(terms)
+    reach = [0.0] + [-math.inf] * (count - 1)  # longest path from stage 0, its work included
+    reach[0] = terms[0].compute + terms[0].cpu_copies
+    for k in range(1, count):
+        best = max((reach[a] + 2.0 * sec for (a, c), sec in transfer.items()
+                    if c == k and reach[a] > -math.inf), default=0.0)
+        reach[k] = best + terms[k].compute + terms[k].cpu_copies
+    path = max(reach)
     extra = []
     for s, t in enumerate(terms):
         share = math.ceil(m / t.replicas)  # microbatches on the stage's busiest replica
@@ -221,10 +236,15 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
         if share > t.in_flight:  # too few in flight to cover the round trip: the circuits bind
             period = max(period, circuits[s][0] * t.replicas)
         extra.append(((share - 1) * period, f"stage {s} work"))
-    for (a, c), seconds in busy.items():
-        pairs = math.lcm(len(stage_ranks[a]), len(stage_ranks[c]))
-        extra.append(((math.ceil(m / pairs) - 1) * seconds, f"link {a}->{c}"))
-    added, bound = max(extra, key=lambda e: e[0])
+    links = [((math.ceil(m / math.lcm(len(stage_ranks[a]), len(stage_ranks[c]))) - 1) * sec,
+              f"link {a}->{c}") for (a, c), sec in busy.items()]
+    if gpipe:  # all forwards, then all backwards: each phase has its own busiest stage or link
+        forward = max([((math.ceil(m / t.replicas) - 1) * t.fwd, f"stage {s}")
+                       for s, t in enumerate(terms)] + links)
+        backward = max([((math.ceil(m / t.replicas) - 1) * t.bwd, f"stage {s}")
+                        for s, t in enumerate(terms)] + links)
+        extra = [(forward[0] + backward[0], f"{forward[1]} forwards, {backward[1]} backwards")]
+    added, bound = max(extra + links, key=lambda e: e[0])
     # the last backward of stage s ends before stage 0's by the backwards of stages before it
     back = tail = 0.0
     for s, t in enumerate(terms):

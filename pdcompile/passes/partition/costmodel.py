@@ -43,7 +43,7 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from pdcompile.cluster import Cluster
+from pdcompile.cluster import Cluster, Level
 from pdcompile.cost.crossing import crossing_bytes, input_nodes
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
@@ -137,17 +137,22 @@ class Placement:
     copy_per_byte: float = 0.0  # a weight-version copy per parameter byte
 
 
-def placement(cluster: Cluster, start: int, replicas: int, workers: int) -> Placement:
-    """Coefficients of a stage at a rank position (see `Placement`)."""
+def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
+              copies: int = 1, copy_link: Level | None = None) -> Placement:
+    """Coefficients of a stage at a rank position (see `Placement`). `copies`: the pipeline is
+    one of that many identical copies (symmetric servers), so the stage's gradients are
+    all-reduced among replicas x copies workers over `copy_link`, the level between copies."""
     from pdcompile.cost.links import ring_allreduce_seconds
     from pdcompile.cost.updates import copy_seconds, step_seconds
 
     r, end = replicas, start + replicas - 1
     sync_a = sync_b = in_a = in_l = out_a = out_l = copy_in = copy_out = 0.0
-    if r > 1:
+    if r * copies > 1:
         lv = cluster.levels[cluster.link_level(start, end)]
-        sync_b = ring_allreduce_seconds(0.0, r, lv)
-        sync_a = ring_allreduce_seconds(1.0, r, lv) - sync_b
+        if copies > 1 and copy_link is not None:
+            lv = copy_link
+        sync_b = ring_allreduce_seconds(0.0, r * copies, lv)
+        sync_a = ring_allreduce_seconds(1.0, r * copies, lv) - sync_b
     if start > 0:
         li = cluster.levels[cluster.link_level(start - 1, end)]
         in_a, in_l = 1.0 / li.bandwidth, li.latency
@@ -162,22 +167,37 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int) -> Plac
 
 
 # ------------------------------------------------------------------------------ objective
-def stage_values(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, rest: Any,
-                 coef: Any, options: ModelOptions, memory: float | None) -> np.ndarray:
-    """The planning objective of stages (seconds per minibatch; inf where it cannot run), on
-    numpy arrays that broadcast: `compute` fwd+bwd, `params`, `keep` bytes per minibatch of the
-    stage; `received` / `sent` bytes per minibatch over its input / output links; `rest` the
-    fwd+bwd of everything after it; `coef` a `Placement` whose fields may be arrays (one per
-    candidate position). See the module docstring; the DP and the brute-force tests share it."""
+@dataclass(frozen=True)
+class StageParts:
+    """The pieces of a stage's objective, per microbatch (numpy arrays that broadcast): computed
+    once per candidate stage and position, then combined by `values_of` (the objective) and
+    `demand_of` (at a target period) as often as the planner needs."""
+
+    replicas: np.ndarray
+    compute: np.ndarray  # fwd+bwd of one microbatch on one replica
+    own: np.ndarray  # its work per microbatch with its share of updates (streaming)
+    link: np.ndarray  # its busiest link per microbatch, over its replicas
+    wire: np.ndarray  # one transfer of what it sends, end to end
+    fit: np.ndarray  # microbatches in flight its memory holds (capped; < 1: does not fit)
+    allreduce: np.ndarray
+    step: np.ndarray
+    cpu: np.ndarray
+    noam: np.ndarray
+    runs: np.ndarray  # the schedule can feed this many replicas
+
+
+def stage_parts(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, coef: Any,
+                options: ModelOptions, memory: float | None) -> StageParts:
+    """The pieces of stages' objectives (arguments as in `stage_values`)."""
     row = kind(options.schedule)
     m = options.per_minibatch
     r = np.asarray(coef.replicas, dtype=np.float64)
     t, p, k = np.asarray(compute) / m, np.asarray(params), np.asarray(keep) / m
-    inb, outb, later = np.asarray(received) / m, np.asarray(sent) / m, np.asarray(rest) / m
+    inb, outb = np.asarray(received) / m, np.asarray(sent) / m
     allreduce = p * coef.sync_per_byte + coef.sync_fixed
     step = p * coef.step_per_byte
     cpu = inb * coef.copy_in_per_byte + outb * coef.copy_out_per_byte
-    out_wire = outb * coef.out_per_byte + np.where(outb > 0, coef.out_per_msg, 0.0)
+    wire = outb * coef.out_per_byte + np.where(outb > 0, coef.out_per_msg, 0.0)
     limit = math.inf if memory is None else memory
     base = p * (2.0 + options.optimizer_state)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -187,32 +207,91 @@ def stage_values(*, compute: Any, params: Any, keep: Any, received: Any, sent: A
             fit = np.floor((limit - base - (int(row.stashed_versions) - 1) * p) / k)
         fit = np.where(np.isnan(fit), IN_FLIGHT_CAP, fit)
     fit = np.minimum(fit, IN_FLIGHT_CAP)
+    updates = 1.0 if row.update == "round" else float(m)
+    copy = p * coef.copy_per_byte if row.copies_weights else 0.0
+    own = t + cpu + (allreduce + step + copy) / updates
+    link = np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r
+    # a microbatched schedule cuts a minibatch into microbatches that the replicas share: no
+    # more replicas than microbatches, and 2bw needs a multiple of them
+    runs = r <= (m if row.microbatched else math.inf)
+    if row.microbatched and not row.flush:
+        runs = runs & (np.mod(m, r) == 0)
+    return StageParts(r, t, own, link, wire, fit, allreduce, step, cpu,
+                      np.asarray(coef.noam, dtype=np.float64), np.asarray(runs))
+
+
+def stage_values(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, rest: Any,
+                 coef: Any, options: ModelOptions, memory: float | None) -> np.ndarray:
+    """The planning objective of stages (seconds per minibatch; inf where it cannot run), on
+    numpy arrays that broadcast: `compute` fwd+bwd, `params`, `keep` bytes per minibatch of the
+    stage; `received` / `sent` bytes per minibatch over its input / output links; `rest` the
+    fwd+bwd of everything after it; `coef` a `Placement` whose fields may be arrays (one per
+    candidate position). See the module docstring; the DP and the brute-force tests share it."""
+    parts = stage_parts(compute=compute, params=params, keep=keep, received=received,
+                        sent=sent, coef=coef, options=options, memory=memory)
+    return values_of(parts, rest, options)
+
+
+def values_of(x: StageParts, rest: Any, options: ModelOptions) -> np.ndarray:
+    """`stage_values` from the stages' parts."""
+    row = kind(options.schedule)
+    m = options.per_minibatch
+    r, later = x.replicas, np.asarray(rest) / m
     if row.flush:
         share = np.ceil(m / r)
-        needed = share if options.schedule == "gpipe" else 1.0
-        flight = np.minimum(np.minimum(fit, share), coef.noam)
-        if options.schedule == "gpipe":
-            flight = share
-        period = t + cpu
-        trip = period + later + 2.0 * out_wire
+        flight = share if options.schedule == "gpipe" else \
+            np.minimum(np.minimum(x.fit, share), x.noam)
+        period = x.compute + x.cpu
+        trip = period + later + 2.0 * x.wire
         with np.errstate(divide="ignore", invalid="ignore"):
             period = np.where(share > flight, np.maximum(period, trip / flight), period)
-        value = (share - 1.0) * period + allreduce + step
-        ok = (fit >= needed) & (r <= m)
+        value = (share - 1.0) * period + x.allreduce + x.step
+        ok = x.fit >= (share if options.schedule == "gpipe" else 1.0)
     else:
-        flight = np.maximum(fit, 1.0)
+        flight = np.maximum(x.fit, 1.0)
         if options.flight == "noam":
-            flight = np.minimum(flight, coef.noam)
-        updates = 1.0 if row.update == "round" else float(m)
-        copy = np.where(flight > 1, p * coef.copy_per_byte, 0.0) if row.copies_weights else 0.0
-        own = t + cpu + (allreduce + step + copy) / updates
-        link = np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r
-        trip = own + later + 2.0 * out_wire
-        value = np.maximum(np.maximum(own / r, link), trip / (flight * r)) * m
-        ok = fit >= 1
-        if row.microbatched:
-            ok = ok & (np.mod(m, r) == 0)
-    return np.where(ok, value, math.inf)
+            flight = np.minimum(flight, x.noam)
+        trip = x.own + later + 2.0 * x.wire
+        value = np.maximum(np.maximum(x.own / r, x.link), trip / (flight * r)) * m
+        ok = x.fit >= 1
+    return np.where(ok & x.runs, value, math.inf)
+
+
+def stage_demand(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, coef: Any,
+                 options: ModelOptions, memory: float | None, period: float,
+                 demand: Any) -> tuple[np.ndarray, np.ndarray]:
+    """A streaming stage's place in a pipeline that must reach `period` seconds per minibatch
+    (arrays broadcast as in `stage_values`; `demand` is that of the pipeline after the stage,
+    -inf for none). Returns (its minibatches in flight per replica, N; the pipeline's demand
+    from here on), both inf where the stage cannot keep up or does not fit.
+
+    In flight counts as "tokens" T = N r across a stage's replicas. Every circuit of the
+    schedule (`cost.pipeline_time`) from this stage s through a later stage k must fit its work
+    L(s, k) into T_s - (T_k - r_k) microbatch periods, and L(s, k) = own_s + 2 wire_s + Q(s+1, k)
+    where Q sums the compute and wires of the stages after s. So
+    T_s >= (own_s + 2 wire_s) / p + E_{s+1}, with the demand E_s = max(T_s - r_s + t_s / p,
+    (t_s + 2 wire_s) / p + E_{s+1}) depending on the pipeline after s alone: the DP keeps, for
+    each state and worker count, the continuation of least demand."""
+    parts = stage_parts(compute=compute, params=params, keep=keep, received=received,
+                        sent=sent, coef=coef, options=options, memory=memory)
+    return demand_of(parts, options, period, demand)
+
+
+def demand_of(x: StageParts, options: ModelOptions, period: float,
+              demand: Any) -> tuple[np.ndarray, np.ndarray]:
+    """`stage_demand` from the stages' parts."""
+    per = period / options.per_minibatch
+    r = x.replicas
+    after = np.asarray(demand, dtype=np.float64)
+    with np.errstate(invalid="ignore"):
+        need = np.maximum((x.own + 2.0 * x.wire) / per + after, after + r)
+        flight = np.maximum(1.0, np.ceil(need / r - 1e-9))
+        ok = (x.own / r <= per * (1 + 1e-12)) & (x.link <= per * (1 + 1e-12)) \
+            & (flight <= x.fit) & x.runs
+        tokens = flight * r
+        here = np.maximum(tokens - r + x.compute / per,
+                          (x.compute + 2.0 * x.wire) / per + after)
+    return np.where(ok, flight, math.inf), np.where(ok, here, math.inf)
 
 
 def planning_objective(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
@@ -429,9 +508,9 @@ def _evaluate_pipedream(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str],
 
 def shared_core_time(stages: Sequence[Stage], cluster: Cluster) -> float:
     """Seconds per minibatch the busiest host needs when its workers outnumber its cores: the
-    CPU work of its ranks per minibatch (compute, sync, and the loopback copies each rank makes,
-    sending, and receives, the same bytes coming back: twice `copies`) over its cores; 0 when
-    every worker has a core of its own."""
+    CPU work of its ranks per minibatch (each stage's work per minibatch, `Stage.time`: compute,
+    sync, steps, weight copies and the loopback copies it sends; and the copies it receives, the
+    same bytes again, `Stage.copies`) over its cores; 0 when every worker has a core of its own."""
     sharing = cluster.shared_cores()
     if sharing is None:
         return 0.0
@@ -439,7 +518,7 @@ def shared_core_time(stages: Sequence[Stage], cluster: Cluster) -> float:
     hosts: dict[int, float] = {}
     for stage in stages:
         for rank in stage.ranks:
-            work = stage.compute + stage.sync + 2.0 * stage.copies
+            work = stage.time + stage.copies
             hosts[rank // size] = hosts.get(rank // size, 0.0) + work
     return max(hosts.values(), default=0.0) / cores
 
@@ -463,19 +542,22 @@ def data_parallel_time(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOpt
                     options=data_parallel_options(options, cluster))[1]
 
 
-def data_parallel_stage(graph: nx.DiGraph, cluster: Cluster) -> tuple[list[str], tuple[int, ...]]:
-    """Plain data parallelism as (nodes, ranks): everything on every worker."""
+def data_parallel_stage(graph: nx.DiGraph, cluster: Cluster,
+                        workers: int | None = None) -> tuple[list[str], tuple[int, ...]]:
+    """Plain data parallelism as (nodes, ranks): everything on every worker (or the first
+    `workers`)."""
     from pdcompile.costgraph import topological_order
 
-    return topological_order(graph), tuple(range(cluster.workers))
+    return topological_order(graph), tuple(range(workers or cluster.workers))
 
 
-def data_parallel_options(options: ModelOptions, cluster: Cluster) -> ModelOptions:
+def data_parallel_options(options: ModelOptions, cluster: Cluster,
+                          workers: int | None = None) -> ModelOptions:
     """The options data parallelism is priced with: the same schedule, with at least one
     microbatch per worker (round up to a multiple of the workers) where it cuts minibatches."""
     from dataclasses import replace
 
     if not kind(options.schedule).microbatched:
         return options
-    n = cluster.workers
+    n = workers or cluster.workers
     return replace(options, microbatches=math.ceil(options.microbatches / n) * n)

@@ -20,20 +20,23 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import networkx as nx
 import numpy as np
 
-from pdcompile.cluster import Cluster
+from pdcompile.cluster import Cluster, Level
 from pdcompile.costgraph import edge_bytes
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.antichain import AntichainStates
 from pdcompile.passes.partition.costmodel import (
     ModelOptions,
     Placement,
+    StageParts,
+    demand_of,
     placement,
-    stage_values,
+    stage_parts,
+    values_of,
 )
 
 INF = float("inf")
@@ -131,52 +134,91 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
 
 
 # ------------------------------------------------------------------------------ native
-def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
-              memory: float | None, straight: bool = False, workers: int | None = None,
-              fill: bool = False, max_stages: int | None = None) -> DPResult:
-    """Best plan under the native model's planning objective (costmodel.stage_values) on the
-    first `workers` ranks (default all), using every one of them (straight: one worker per
-    stage, as many stages as workers if the graph allows, fewer otherwise; with `fill` exactly
-    as many; `max_stages`: at most that many stages).
+@dataclass(frozen=True)
+class StageGrid:
+    """Every candidate stage (k, j] at every position (m workers for it and the rest, r of them
+    its replicas) with the pieces of its objective (costmodel.StageParts), built once and shared
+    by the native DPs: the planning objective's (`native_dp`, each of its variants) and the
+    bisection on the period (`native_dp_period`)."""
 
-    Raises PlanError when no plan fits `memory` bytes per worker.
-    """
+    workers: int
+    last: int
+    mq: np.ndarray  # [q] workers of the stage and all after it
+    rq: np.ndarray  # [q] replicas of the stage
+    col: np.ndarray  # [m, r] -> q
+    rows: dict[int, tuple[np.ndarray, StageParts, np.ndarray]]  # k -> (js, parts [j, q], rest)
+    values: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)  # flight -> k -> [j, q]
+
+    def stage_values(self, k: int, options: ModelOptions) -> np.ndarray:
+        """The planning objective of the stages starting at state k (cached per `flight`)."""
+        cache = self.values.setdefault(options.flight, {})
+        if k not in cache:
+            _, parts, rest = self.rows[k]
+            cache[k] = values_of(parts, rest, options)
+        return cache[k]
+
+
+def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
+               memory: float | None, straight: bool = False, workers: int | None = None,
+               copies: int = 1, copy_link: Level | None = None) -> StageGrid:
+    """The grid of `tables` on the first `workers` ranks (default all); straight: one replica
+    per stage; `copies` / `copy_link`: the pipeline is replicated (costmodel.placement)."""
     n = workers or cluster.workers
     s = len(tables.compute)
     last = s - 1
-    depth = n if max_stages is None else max(1, min(n, max_stages))
-    # coefficients per pair q = (m workers for this stage and the rest, r replicas of it)
     pairs = [(m, r) for m in range(1, n + 1) for r in ((1,) if straight else range(1, m + 1))
              if r <= m]
     mq = np.array([m for m, _ in pairs])
     rq = np.array([r for _, r in pairs])
-    coef = _stacked([placement(cluster, n - m, r, n) for m, r in pairs])
-    prev = mq - rq
-    col = np.zeros((n + 1, n + 1), dtype=np.int64)  # (m, r) -> q
+    coef = _stacked([placement(cluster, n - m, r, n, copies=copies, copy_link=copy_link)
+                     for m, r in pairs])
+    col = np.zeros((n + 1, n + 1), dtype=np.int64)
     col[mq, rq] = np.arange(len(pairs))
     total = float(tables.compute[last])
-
-    # best[d, k, m]: the best pipeline of the rest after state k on m workers in at most d + 1
-    # stages (one layer when the stage count is free)
-    layers = depth if max_stages is not None else 1
-    best = np.full((layers, s, n + 1), INF)
-    best[:, last, 0] = 0.0
-    choice_j = np.full((layers, s, n + 1), -1, dtype=np.int64)
-    choice_r = np.zeros((layers, s, n + 1), dtype=np.int64)
-    for k in range(last - 1, -1, -1):
+    rows = {}
+    for k in range(last):
         js = np.nonzero(tables.valid[k])[0]
         if js.size == 0:
             continue
         received, sent = tables.crossing(k, js)
-        if k == 0:  # the first stage holds the pinned inputs: it receives nothing
-            received = np.zeros(js.size)
-        stage = stage_values(
+        base = 0.0 if k == 0 else 1.0  # the first stage holds the pinned inputs
+        if k == 0:  # ... so it receives nothing and sends what they feed beyond it too
+            received, sent = np.zeros(js.size), tables.leaving[js].copy()
+        parts = stage_parts(
             compute=(tables.compute[js] - tables.compute[k])[:, None],
             params=(tables.params[js] - tables.params[k])[:, None],
-            keep=(tables.keep[js] - tables.keep[k])[:, None],
-            received=received[:, None], sent=sent[:, None],
-            rest=(total - tables.compute[js])[:, None], coef=coef, options=options,
-            memory=memory)  # [j, q]
+            keep=(tables.keep[js] - base * tables.keep[k])[:, None],
+            received=received[:, None], sent=sent[:, None], coef=coef, options=options,
+            memory=memory)
+        rows[k] = (js, parts, (total - tables.compute[js])[:, None])
+    return StageGrid(n, last, mq, rq, col, rows)
+
+
+def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
+              fill: bool = False, max_stages: int | None = None) -> DPResult:
+    """Best plan under the native model's planning objective (costmodel.stage_values) on the
+    grid's workers, using every one of them (straight: one worker per stage, as many stages as
+    workers if the graph allows, fewer otherwise; with `fill` exactly as many; `max_stages`: at
+    most that many stages). `options` may differ from the grid's in `flight` only.
+
+    Raises PlanError when no plan fits the memory.
+    """
+    n, last = grid.workers, grid.last
+    depth = n if max_stages is None else max(1, min(n, max_stages))
+    prev = grid.mq - grid.rq
+    q_all = np.arange(len(grid.mq))
+    # best[d, k, m]: the best pipeline of the rest after state k on m workers in at most d + 1
+    # stages (one layer when the stage count is free)
+    layers = depth if max_stages is not None else 1
+    best = np.full((layers, last + 1, n + 1), INF)
+    best[:, last, 0] = 0.0
+    choice_j = np.full((layers, last + 1, n + 1), -1, dtype=np.int64)
+    choice_r = np.zeros((layers, last + 1, n + 1), dtype=np.int64)
+    for k in range(last - 1, -1, -1):
+        if k not in grid.rows:
+            continue
+        js = grid.rows[k][0]
+        stage = grid.stage_values(k, options)  # [j, q]
         for d in range(layers):
             if max_stages is None:
                 follow = best[0][js][:, prev]
@@ -186,23 +228,21 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                 follow = best[d - 1][js][:, prev]
             cand = np.maximum(stage, follow)  # [j, q]
             arg = np.argmin(cand, axis=0)  # [q] best successor state per (m, r)
-            v_q = cand[arg, np.arange(len(pairs))]
-            grid = np.full((n + 1, n + 1), INF)
-            grid[mq, rq] = v_q
-            r_best = np.argmin(grid, axis=1)  # [m]
-            val = grid[np.arange(n + 1), r_best]
+            grid_v = np.full((n + 1, n + 1), INF)
+            grid_v[grid.mq, grid.rq] = cand[arg, q_all]
+            r_best = np.argmin(grid_v, axis=1)  # [m]
+            val = grid_v[np.arange(n + 1), r_best]
             better = val < best[d, k]
             best[d, k] = np.where(better, val, best[d, k])
-            choice_j[d, k] = np.where(better, js[arg[col[np.arange(n + 1), r_best]]],
+            choice_j[d, k] = np.where(better, js[arg[grid.col[np.arange(n + 1), r_best]]],
                                       choice_j[d, k])
             choice_r[d, k] = np.where(better, r_best, choice_r[d, k])
     top = layers - 1
+    used = n
     if straight and not fill:
         used = int(np.argmin(best[top, 0]))
         if not math.isfinite(best[top, 0, used]):
             used = n
-    else:
-        used = n
     if not math.isfinite(best[top, 0, used]):
         raise PlanError("no plan fits")  # the planner turns this into an actionable message
     stages = []
@@ -214,6 +254,77 @@ def native_dp(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
         k, m = j, m - r
         d = d - 1 if max_stages is not None else d
     return DPResult(stages=tuple(stages), objective=float(best[top, 0, used]))
+
+
+def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
+                     straight: bool = False, fill: bool = False,
+                     ) -> tuple[DPResult, tuple[int, ...]] | None:
+    """A streaming plan that reaches `period` seconds per minibatch under the closed form's
+    circuits (costmodel.stage_demand) on the grid's workers, all of them used (straight: one
+    worker per stage, any number of them unless `fill`), and each stage's in-flight count;
+    None if there is none. Among the continuations of each (state, workers) it keeps the one of
+    least demand, which is best for every stage before it."""
+    n, last = grid.workers, grid.last
+    prev = grid.mq - grid.rq
+    q_all = np.arange(len(grid.mq))
+    demand = np.full((last + 1, n + 1), INF)  # least demand of a pipeline of the rest after k
+    demand[last, 0] = -INF
+    flight = np.zeros((last + 1, n + 1))
+    choice_j = np.full((last + 1, n + 1), -1, dtype=np.int64)
+    choice_r = np.zeros((last + 1, n + 1), dtype=np.int64)
+    for k in range(last - 1, -1, -1):
+        if k not in grid.rows:
+            continue
+        js, parts, _ = grid.rows[k]
+        after = demand[js][:, prev]  # [j, q]
+        n_q, e_q = demand_of(parts, options, period, after)
+        arg = np.argmin(e_q, axis=0)
+        values = np.full((n + 1, n + 1), INF)
+        values[grid.mq, grid.rq] = e_q[arg, q_all]
+        r_best = np.argmin(values, axis=1)
+        val = values[np.arange(n + 1), r_best]
+        q_best = grid.col[np.arange(n + 1), r_best]
+        better = val < demand[k]
+        demand[k] = np.where(better, val, demand[k])
+        choice_j[k] = np.where(better, js[arg[q_best]], choice_j[k])
+        choice_r[k] = np.where(better, r_best, choice_r[k])
+        flight[k] = np.where(better, n_q[arg[q_best], q_best], flight[k])
+    used = n
+    if straight and not fill:
+        finite = np.nonzero(np.isfinite(demand[0, 1:]))[0]
+        if finite.size == 0:
+            return None
+        used = int(finite[0]) + 1  # the fewest workers (stages) that reach the period
+    if not math.isfinite(demand[0, used]):
+        return None
+    stages, counts = [], []
+    k, m = 0, used
+    while k != last:
+        j, r = int(choice_j[k, m]), int(choice_r[k, m])
+        stages.append(DPStage(before=k, after=j, ranks=tuple(range(used - m, used - m + r))))
+        counts.append(int(flight[k, m]))
+        k, m = j, m - r
+    return DPResult(stages=tuple(stages), objective=period), tuple(counts)
+
+
+def native_dp_bisect(grid: StageGrid, *, options: ModelOptions, low: float, high: float,
+                     straight: bool = False, fill: bool = False, tolerance: float = 0.03,
+                     ) -> tuple[DPResult, tuple[int, ...]] | None:
+    """The fastest period that `native_dp_period` reaches, by bisection between `low` and
+    `high` seconds per minibatch to a relative `tolerance`; None if not even `high`."""
+    found = native_dp_period(grid, options=options, period=high, straight=straight, fill=fill)
+    if found is None:
+        return None
+    low = max(low, high * 1e-6)
+    while high > low * (1 + tolerance):
+        mid = math.sqrt(low * high)
+        attempt = native_dp_period(grid, options=options, period=mid, straight=straight,
+                                   fill=fill)
+        if attempt is None:
+            low = mid
+        else:
+            high, found = mid, attempt
+    return found
 
 
 def _stacked(coefs: list[Placement]) -> Placement:

@@ -29,10 +29,9 @@ from pdcompile.passes.partition.costmodel import (
     ModelOptions,
     Placement,
     default_in_flight,
-    evaluate,
     placement,
 )
-from pdcompile.plan import Plan
+from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.kinds import kind, weight_versions
 
 SCALE_UNITS = 1e9  # integer units for the largest possible stage time
@@ -41,12 +40,14 @@ SCALE_UNITS = 1e9  # integer units for the largest possible stage time
 def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOptions,
             memory: float | None, time_limit: float, model_graph: nx.DiGraph | None = None,
             mapping: dict[str, list[str]] | None = None) -> Plan:
-    """Solve the CP-SAT model warm-started from `hint` (a plan of `graph`); return the better of
-    the two, with planner "ilp", the solver's status, its lower bound and the gap.
+    """Solve the CP-SAT model warm-started from `hint` (a plan of `graph`); return its plan (the
+    hint's stages where the solver found none in time), with planner "ilp", the solver's status
+    and its lower bound on the model's objective (`ilp_objective`). The planner then prices it
+    like its other candidates.
 
     `model_graph` (with `mapping` block -> nodes of `graph`) is a coarsened graph to solve
-    instead; its plan is expanded and priced on `graph`. The bound is then a bound for plans
-    that keep each block whole."""
+    instead; its plan is expanded to `graph`. The bound is then a bound for plans that keep
+    each block whole."""
     if options.cost_model != "native":
         raise PlanError("the CP-SAT planner prices plans with the native cost model; use "
                         "planner='dp' with cost_model='pipedream'")
@@ -57,30 +58,17 @@ def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOp
     if solution.get("stages") and mapping:
         solution["stages"] = [([m for block in nodes for m in mapping.get(block, [block])], ranks)
                               for nodes, ranks in solution["stages"]]
-    seconds = time.perf_counter() - started
-    extra = dict(hint.extra) | {"ilp_status": solution["status"], "ilp_seconds": seconds,
-                                "dp_time_per_minibatch": hint.time_per_minibatch}
-    bound = solution.get("bound")
+    extra = dict(hint.extra) | {"ilp_status": solution["status"],
+                                "ilp_seconds": time.perf_counter() - started}
     best = hint
     if solution.get("stages"):
-        priced, predicted = evaluate(graph, solution["stages"], cluster, options=options,
-                                     memory=memory)
-        if predicted < hint.time_per_minibatch * (1 - 1e-9):
-            best = replace(hint, stages=priced, time_per_minibatch=predicted)
+        stages = tuple(Stage(tuple(nodes), len(ranks), tuple(ranks))
+                       for nodes, ranks in solution["stages"])
+        best = replace(hint, stages=stages)
     status = solution["status"]
-    if status not in ("OPTIMAL", "FEASIBLE"):  # no solution in time: the DP's plan stands
+    if status not in ("OPTIMAL", "FEASIBLE"):  # no solution in time: the hint stands
         status = "FEASIBLE"
-    if bound is not None:
-        bound = min(bound, best.time_per_minibatch)
-        # the solver's optimum is exact for integer coefficients; priced exactly, it may sit up
-        # to the rounding slack above the optimum and the bound up to the slack below it
-        resolution = 2.0 * solution.get("slack", 0.0)
-        if status == "OPTIMAL" and \
-                best.time_per_minibatch > bound * (1 + 1e-6) + resolution + 1e-12:
-            # optimal for the planning terms, but the exact pricing (which on multi-level
-            # clusters charges neighbours' spans the planning terms do not see) disagrees
-            status = "FEASIBLE"
-    return replace(best, planner="ilp", status=status, bound=bound, extra=extra)
+    return replace(best, planner="ilp", status=status, bound=solution.get("bound"), extra=extra)
 
 
 def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory: float | None,
@@ -186,7 +174,7 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
                                                        * lin.per_copy)))
                 if (i, s) in e_out:
                     comm.append((e_out[i, s],
-                                 round(scale * (b * c.out_per_byte + c.out_per_msg) / k)))
+                                   round(scale * (b * c.out_per_byte + c.out_per_msg) / k)))
                     if c.copy_out_per_byte:
                         work.append((e_out[i, s], round(scale * b * c.copy_out_per_byte
                                                         * lin.per_copy)))
@@ -270,6 +258,40 @@ def _linear_terms(c: Placement, workers_from_here: int, options: ModelOptions) -
     copy = c.copy_per_byte if copies else 0.0
     return _Linear(1.0 / k, (c.sync_per_byte + c.step_per_byte + copy) * m / updates / k,
                    1.0 / k, c.sync_fixed * m / updates / k, versions, flight)
+
+
+def ilp_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+                  cluster: Cluster, *, options: ModelOptions, memory: float | None) -> float:
+    """The objective the CP-SAT model minimises, for a plan given as (nodes, ranks) per stage:
+    the slowest stage's work (`_linear_terms`) or its links (every edge crossing its boundary),
+    inf where a stage does not fit `memory` with the schedule's default in-flight count."""
+    stage_of = {v: i for i, (nodes, _) in enumerate(stages) for v in nodes}
+    pinned = set(input_nodes(graph))
+    workers = cluster.workers
+    worst = 0.0
+    for i, (nodes, ranks) in enumerate(stages):
+        k = len(ranks)
+        c = placement(cluster, ranks[0], k, workers)
+        lin = _linear_terms(c, workers - ranks[0], options)
+        work, comm, mem = lin.fixed, 0.0, 0.0
+        for v in nodes:
+            d = graph.nodes[v]
+            comp = 0.0 if v in pinned else float(d["fwd"]) + float(d["bwd"])
+            work += comp * lin.per_compute + float(d["params"]) * lin.per_param
+            mem += float(d["params"]) * (lin.versions + 1.0 + options.optimizer_state) \
+                + float(d.get("keep", d["act"])) * lin.in_flight / options.per_minibatch
+        for u, v in graph.edges:
+            b = edge_bytes(graph, u, v)
+            if stage_of[v] == i and stage_of[u] < i:
+                comm += (b * c.in_per_byte + c.in_per_msg) / k
+                work += b * c.copy_in_per_byte * lin.per_copy
+            if stage_of[u] == i and stage_of[v] > i:
+                comm += (b * c.out_per_byte + c.out_per_msg) / k
+                work += b * c.copy_out_per_byte * lin.per_copy
+        if memory is not None and mem > memory * (1 + 1e-12):
+            return math.inf
+        worst = max(worst, work, comm)
+    return worst
 
 
 def _coarse_hint(hint: Plan, mapping: dict[str, list[str]]) -> Plan:
