@@ -482,13 +482,32 @@ class Pipeline:
                 for program, module in zip(self.parts.stages, modules, strict=True):
                     args = [named[r.name] if r.stage is None else values[r.stage, r.name]
                             for r in program.inputs]
-                    for name, value in zip(program.outputs, module(*args), strict=True):
+                    try:
+                        outputs = module(*args)
+                    except Exception as err:
+                        raise self._stage_failure(program.index, module, args, err, inputs,
+                                                  m) from None
+                    for name, value in zip(program.outputs, outputs, strict=True):
                         values[program.index, name] = value
         finally:
             for mod, buffers in zip(modules, saved, strict=True):
                 for k, b in mod.named_buffers():
                     b.copy_(buffers[k])
         return values
+
+    @staticmethod
+    def _stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], err: Exception,
+                       inputs: Sequence[Any], m: int) -> PipelineInputError:
+        """The model's own error in a stage, with the stage, the node and the microbatch size."""
+        from pdcompile.model_errors import stage_failure
+
+        batch = [v.shape[0] for v in inputs if isinstance(v, torch.Tensor) and v.dim()]
+        if not batch and inputs and isinstance(inputs[0], dict):
+            batch = [v.shape[0] for v in inputs[0].values()
+                     if isinstance(v, torch.Tensor) and v.dim()]
+        minibatch = batch[0] if batch else None
+        return stage_failure(stage, module, args, err, microbatches=m, minibatch=minibatch,
+                             microbatch=-(-minibatch // m) if minibatch is not None else None)
 
     def _learn_kinds(self, inputs: Sequence[Any]) -> None:
         """Record which exchanged values are not tensors (they travel as 0-d tensors)."""
