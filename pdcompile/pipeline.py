@@ -219,6 +219,8 @@ class Pipeline:
         for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
             buffers = dict(module.named_buffers(remove_duplicate=False))
             for name, originals in program.buffer_names.items():
+                if name in program.transient_buffers:
+                    continue  # persistent=False: left out, as by torch.nn.Module.state_dict
                 for original in originals:
                     out.setdefault(original, buffers[name])
         return out
@@ -423,6 +425,12 @@ class Pipeline:
 
     def _named(self, inputs: Sequence[Any]) -> dict[str, Any]:
         names = self.parts.data_inputs
+        if len(inputs) == 1 and isinstance(inputs[0], dict):  # inputs given by name
+            given = inputs[0]
+            if set(given) != set(names):
+                raise PipelineInputError(f"the model takes the inputs {', '.join(names)}; got "
+                                         f"{', '.join(map(str, given)) or 'none'} by name")
+            return {name: given[name] for name in names}
         if len(inputs) != len(names):
             raise PipelineInputError(f"the model takes {len(names)} inputs ({', '.join(names)}), "
                                      f"got {len(inputs)}; pass them positionally as in "
