@@ -126,8 +126,9 @@ def bert(batch: int = 4, length: int = 16, layers: int = 4) -> Example:
     torch.manual_seed(0)
     config = BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=layers,
                         num_attention_heads=2, intermediate_size=64,
-                        max_position_embeddings=64, num_labels=3, hidden_dropout_prob=0.0,
+                        max_position_embeddings=64, hidden_dropout_prob=0.0,
                         attention_probs_dropout_prob=0.0)
+    config.num_labels = 3
     model = BertForSequenceClassification(config)
     ids = _tokens(batch, length, 100)
     mask = torch.ones(batch, length, dtype=torch.long)
