@@ -194,7 +194,12 @@ def manual_plan(gm: fx.GraphModule, assignment: Mapping[str, int] | Callable[[fx
 def even_plan(gm: fx.GraphModule, stages: int, *,
               replicas: Sequence[int] | None = None) -> Plan:
     """A straight cut of the graph's topological order into `stages` contiguous pieces of about
-    equal weight (parameters of the node's module plus one per node); inputs go to stage 0."""
+    equal weight (parameters of the node's module plus one per node); inputs go to stage 0.
+
+    A cut that falls inside a numbered block (a transformer layer such as `encoder.layer.3`)
+    moves to the nearest boundary between blocks, if one lies within a quarter of a stage's
+    weight, so that whole layers land on each side.
+    """
     if stages < 1:
         raise PlanError(f"stages must be a positive integer ({stages} < 1)")
     body = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr", "placeholder")]
@@ -215,7 +220,47 @@ def even_plan(gm: fx.GraphModule, stages: int, *,
             stage = min(max(stage, previous), previous + 1)
         stage_of[node.name] = stage
         done += weight
+    _snap_to_blocks(body, weights, stage_of, total / stages / 4)
     return _plan_from(stage_of, stages, replicas)
+
+
+def _block(node: fx.Node) -> str | None:
+    """The numbered block a node belongs to ("bert.encoder.layer.3"), from the module it was
+    traced in (fx and torch.export record `nn_module_stack`) or the module it calls."""
+    stack = node.meta.get("nn_module_stack")
+    path = str(list(stack.values())[-1][0]) if stack else \
+        str(node.target) if node.op == "call_module" else ""
+    parts = path.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit() and index:
+            return ".".join(parts[: index + 1])
+    return None
+
+
+def _snap_to_blocks(body: list[fx.Node], weights: list[float], stage_of: dict[str, int],
+                    reach: float) -> None:
+    """Move each cut of a straight plan to the nearest block boundary within `reach`."""
+    blocks = [_block(n) for n in body]
+    done = [0.0]
+    for weight in weights:
+        done.append(done[-1] + weight)
+    firsts = [i for i in range(1, len(body))
+              if stage_of[body[i].name] != stage_of[body[i - 1].name]]
+    for k, first in enumerate(firsts):
+        if blocks[first] is None or blocks[first] != blocks[first - 1]:
+            continue  # not inside a block
+        low = firsts[k - 1] + 1 if k else 1
+        high = firsts[k + 1] - 1 if k + 1 < len(firsts) else len(body) - 1
+        candidates = [j for j in range(low, high + 1) if blocks[j] != blocks[j - 1]
+                      and (blocks[j] is not None or blocks[j - 1] is not None)
+                      and abs(done[j] - done[first]) <= reach]
+        if not candidates:
+            continue
+        best = min(candidates, key=lambda j: abs(done[j] - done[first]))
+        stage = stage_of[body[first].name]
+        for j in range(min(best, first), max(best, first)):
+            stage_of[body[j].name] = stage if best < first else stage - 1
+        firsts[k] = best
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> float:
