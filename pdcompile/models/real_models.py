@@ -13,7 +13,7 @@ module-level function that exported pipelines can pickle by reference.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -22,15 +22,22 @@ from torch import nn
 Example = tuple[nn.Module, Any, torch.Tensor]
 
 
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits of a model's output: a tensor, a Hugging Face ModelOutput's, or the
+    "logits" item of the dict a graph from transformers' own fx tracer returns."""
+    if isinstance(output, Mapping):
+        return output["logits"]  # type: ignore[no-any-return]
+    return output.logits if hasattr(output, "logits") else output  # type: ignore[no-any-return]
+
+
 def classification_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the logits: a tensor, or a Hugging Face output's `.logits`."""
-    logits = output.logits if hasattr(output, "logits") else output
-    return nn.functional.cross_entropy(logits, target)
+    """Cross-entropy of the logits (`logits_of`)."""
+    return nn.functional.cross_entropy(logits_of(output), target)
 
 
 def next_token_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over every position of (batch, length, vocab) logits (or `.logits`)."""
-    logits = output.logits if hasattr(output, "logits") else output
+    """Cross-entropy over every position of (batch, length, vocab) logits (`logits_of`)."""
+    logits = logits_of(output)
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
