@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import functools
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -67,7 +68,7 @@ def _cut(model: nn.Module) -> pdcompile.Plan:
                        lambda n: 1 if n.name == "head" else 0)
 
 
-def test_a_registered_container_crosses_as_its_leaves() -> None:
+def test_a_registered_container_crosses_as_its_leaves(tmp_path: Path) -> None:
     model = Model()
     x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
     pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,),
@@ -90,6 +91,9 @@ def test_a_registered_container_crosses_as_its_leaves() -> None:
         assert loss == pytest.approx(total, abs=1e-6)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(pipe.state_dict()[name], value)
+    pipe.export(str(tmp_path / "pipe"))  # the stage code keeps its flatten / rebuild calls
+    loaded = pdcompile.load(str(tmp_path / "pipe"))
+    assert loaded.step(x, target=y) == pipe.step(x, target=y)
 
 
 class Labelled(nn.Module):
