@@ -171,7 +171,10 @@ def test_when_both_front_ends_fail_the_error_names_both() -> None:
     assert get_frontend(pipe.graph) == "fx"
 
 
-def test_unknown_front_end() -> None:
+def test_front_end_arguments_that_do_not_fit() -> None:
     with pytest.raises(PipelineInputError, match="unknown frontend 'jit'; choose one of auto"):
         pdcompile.compile(Gated(), example_inputs=(torch.randn(4, 4),), stages=2,
                           frontend="jit")
+    with pytest.raises(PipelineInputError, match="leaf_modules= applies to torch.fx tracing"):
+        pdcompile.compile(Sliced(), example_inputs=(torch.randn(2, 3, 4),), stages=2,
+                          frontend="export", leaf_modules=[nn.Linear])

@@ -7,8 +7,9 @@
 - a model that is already an `fx.GraphModule` (say from transformers' own fx tracer) is taken
   as it is ("given").
 
-`auto` tries fx and, where fx cannot trace the model, torch.export; when both fail the error
-names fx's culprit and fix and says why export failed too. The front end used is recorded on
+`auto` tries fx and, where fx cannot trace the model, torch.export (which records every
+operation: `leaf_modules` then no longer apply); when both fail the error names fx's culprit and
+fix and says why export failed too. The front end used is recorded on
 the graph (`meta.get_frontend`).
 """
 
@@ -56,6 +57,10 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
                                      "an fx.GraphModule (taken as it is); drop leaf_modules=")
         graph, used = model, "given"
     elif frontend == "export":
+        if leaves:
+            raise PipelineInputError("leaf_modules= applies to torch.fx tracing; torch.export "
+                                     "records every operation: drop leaf_modules= or use "
+                                     "frontend='fx'")
         graph, used = export_graph(model, args, kwargs), "export"
     else:
         try:
