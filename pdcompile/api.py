@@ -6,7 +6,7 @@ compile: trace -> shapes -> cost -> plan (or a given plan / stage count) -> spli
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -38,6 +38,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     time_limit: float | None = None,
     example_target: Any = None,
     fuse: bool = True,
+    frontend: str = "auto",
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
@@ -55,27 +56,44 @@ def compile(  # noqa: A001 - the public name of the one-liner
     `pdcompile run` can train on the example when no data is given).
     `fuse`: rewrite the stages' Linear layers so that their backward adds the weight gradient
     straight into `.grad` (passes/fuse.py; faster with microbatches; off: plain autograd).
+    `example_inputs` given as a dict binds the model's inputs by name (`step` then takes a dict
+    too). `frontend`: "fx" (symbolic tracing), "export" (torch.export) or "auto" (fx, and
+    torch.export where fx cannot trace); an `fx.GraphModule` is taken as it is
+    (passes/frontend.py).
     """
+    from pdcompile.passes.frontend import capture
     from pdcompile.passes.fuse import fuse_grad_accumulation
+    from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.split import even_plan, split
-    from pdcompile.passes.trace import trace
 
     if not isinstance(model, torch.nn.Module):
         raise PipelineInputError(f"compile() takes an nn.Module, got {type(model).__name__}")
-    inputs = tuple(example_inputs) if isinstance(example_inputs, tuple | list) \
-        else (example_inputs,)
+    named = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
+    inputs = (named,) if named is not None else tuple(example_inputs) \
+        if isinstance(example_inputs, tuple | list) else (example_inputs,)
     given = plan if plan is not None else stages
-    gm = trace(model, leaf_modules=leaf_modules, num_positional=len(inputs))
+    captured = capture(model, () if named is not None else inputs, named,
+                       leaf_modules=leaf_modules, frontend=frontend)
+    gm = captured.graph
+    buffers = {name: b.clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
+    try:  # on fake tensors: what every node outputs, and so what each stage would send
+        with torch.random.fork_rng():
+            annotate_shapes(gm, captured.inputs)
+    finally:  # the model's code may count batches on its real buffers (BatchNorm)
+        for name, b in gm.named_buffers():
+            if name in buffers:
+                b.copy_(buffers[name])
     if isinstance(given, Plan):
         chosen = given
         if cluster is not None:  # priced like a planned one
-            chosen = _planned(gm, inputs, cluster, cost=cost, given=given, schedule=schedule,
-                              microbatches=microbatches)
+            chosen = _planned(gm, captured.inputs, cluster, cost=cost, given=given,
+                              schedule=schedule, microbatches=microbatches)
     elif isinstance(given, int) and not isinstance(given, bool):
         if given < 1:
             raise PipelineInputError(f"stages must be a positive integer ({given} < 1)")
         # K straight stages balanced by cost: the planner's DP restricted to K stages
-        chosen = _planned(gm, inputs, cluster or Cluster.preset(f"local-{given}"), cost=cost,
+        chosen = _planned(gm, captured.inputs, cluster or Cluster.preset(f"local-{given}"),
+                          cost=cost,
                           planner="dp", cost_model=cost_model, schedule=schedule,
                           microbatches=microbatches, stages=given, time_limit=time_limit)
     elif given is not None and not isinstance(given, bool):
@@ -85,7 +103,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
         if cluster is None:
             raise PipelineInputError("compile() needs a cluster to plan for (e.g. "
                                      "Cluster.preset('local-2') or 'local-2'), or plan=/stages=")
-        chosen = _planned(gm, inputs, cluster, planner=planner, cost=cost,
+        chosen = _planned(gm, captured.inputs, cluster, planner=planner, cost=cost,
                           cost_model=cost_model, schedule=schedule,
                           microbatches=microbatches, time_limit=time_limit)
     if schedule == "auto":  # the planner's choice; '1f1b' keeps the default stream length

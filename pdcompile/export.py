@@ -38,6 +38,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import PipelineInputError
 from pdcompile.ir import Schedule
 from pdcompile.meta import set_stage
+from pdcompile.passes.crossing import load_spec
 from pdcompile.passes.fuse import linear_accumulate
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
@@ -205,6 +206,7 @@ def export_pipeline(pipe: Pipeline, path: str | Path) -> Path:
             "aliases": aliases,
             "pickled_modules": sorted(pickled),
             "kinds": dict(program.kinds),
+            "transient_buffers": list(program.transient_buffers),
         })
     n, per = pipe._schedule_length(), pipe.per_minibatch
     for old in out.glob("rank_*.py"):
@@ -337,7 +339,7 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     parts = SplitResult(
         stages=programs, data_inputs=tuple(meta["data_inputs"]),
         output_refs=tuple(ValueRef(n, s) for n, s in meta["output_refs"]),
-        output_spec=pytree.treespec_loads(meta["output_spec"]),
+        output_spec=load_spec(meta["output_spec"]),  # imports the modules of its types
         ties=tuple(TiedParameter(t["name"], tuple((int(s), str(n)) for s, n in t["members"]))
                    for t in meta["ties"]))
     graph = _load_graph(folder, meta.get("graph_stages", {}), len(programs))
@@ -380,8 +382,12 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
              and n not in dict(stage.named_buffers())}
     for n in plain:  # tensor constants read by get_attr
         setattr(stage, n, tensors.pop(n))
+    transient = meta.get("transient_buffers", [])
+    for n in transient:  # persistent=False buffers: not in state dicts, so set directly
+        if n in tensors:
+            _set_path(stage, n, tensors.pop(n))
     missing, unexpected = stage.load_state_dict(tensors, strict=False, assign=True)
-    missing = [m for m in missing if m not in meta["aliases"]]
+    missing = [m for m in missing if m not in meta["aliases"] and m not in transient]
     if missing or unexpected:
         raise PipelineInputError(f"stage_{index}.safetensors does not match stage_{index}.py "
                                  f"(missing {missing[:3]}, unexpected {unexpected[:3]})")
@@ -399,7 +405,7 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
         sends={int(k): tuple(v) for k, v in meta["sends"].items()},
         param_names={k: tuple(v) for k, v in meta["param_names"].items()},
         buffer_names={k: tuple(v) for k, v in meta["buffer_names"].items()},
-        kinds=dict(meta.get("kinds", {})))
+        kinds=dict(meta.get("kinds", {})), transient_buffers=tuple(transient))
 
 
 def _get_path(module: torch.nn.Module, target: str) -> Any:

@@ -1,8 +1,11 @@
 """Typed, namespaced `node.meta` entries written by the passes, and their accessors.
 
-Keys: "pd.shape" -> NodeShape (written by passes.shapes), "pd.cost" -> NodeCost (passes.cost),
-"pd.stage" -> int (the partitioner / api). Reading a key the writing pass has not set raises
-MetaMissingError saying which pass to run, never a bare KeyError.
+Keys: "pd.shape" -> NodeShape and "pd.tree" -> ValueTree (written by passes.shapes), "pd.cost"
+-> NodeCost (passes.cost), "pd.stage" -> int (the partitioner / api). Reading a key the writing
+pass has not set raises MetaMissingError saying which pass to run, never a bare KeyError. On the
+GraphModule itself (`gm.meta`): "pd.output_spec" -> the pytree spec of the model's output where
+the graph returns it flattened (passes.export_frontend); "pd.frontend" -> "fx", "export" or
+"given" (passes.frontend).
 """
 
 from __future__ import annotations
@@ -16,6 +19,9 @@ from pdcompile.errors import MetaMissingError
 SHAPE_KEY = "pd.shape"
 COST_KEY = "pd.cost"
 STAGE_KEY = "pd.stage"
+TREE_KEY = "pd.tree"
+OUTPUT_SPEC_KEY = "pd.output_spec"
+FRONTEND_KEY = "pd.frontend"
 
 _ITEM_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -79,6 +85,21 @@ class NodeShape(tuple[TensorShape, ...]):
 
 
 @dataclass(frozen=True)
+class ValueTree:
+    """The structure of a node's output: its pytree spec and the kind of every leaf ("tensor",
+    "int", "float", "bool", "size", "NoneType", or another type's name), so that the split pass
+    knows, before anything runs, what a stage would send."""
+
+    spec: Any
+    kinds: tuple[str, ...]
+
+    @property
+    def is_leaf(self) -> bool:
+        """True when the value is one leaf (a tensor, a number...), not a container."""
+        return bool(self.spec.is_leaf())
+
+
+@dataclass(frozen=True)
 class NodeCost:
     """What one node costs per minibatch: `fwd`/`bwd` seconds, `act` bytes of its output,
     `params` bytes of the parameters it owns (a parameter shared by several nodes is owned by
@@ -119,6 +140,18 @@ def has_shape(node: Any) -> bool:
     return SHAPE_KEY in node.meta
 
 
+def set_tree(node: Any, tree: ValueTree) -> None:
+    """Write node.meta["pd.tree"]."""
+    node.meta[TREE_KEY] = tree
+
+
+def get_tree(node: Any) -> ValueTree | None:
+    """node.meta["pd.tree"], or None where the shapes pass has not run (callers that can do
+    without it check later, when values exist)."""
+    value = node.meta.get(TREE_KEY)
+    return value if isinstance(value, ValueTree) else None
+
+
 def get_cost(node: Any) -> NodeCost:
     """node.meta["pd.cost"]; raises MetaMissingError if the cost pass has not run."""
     value = node.meta.get(COST_KEY)
@@ -155,3 +188,24 @@ def set_stage(node: Any, stage: int) -> None:
 def has_stage(node: Any) -> bool:
     """Whether a stage has been assigned to this node."""
     return STAGE_KEY in node.meta
+
+
+def set_output_spec(gm: Any, spec: Any) -> None:
+    """Record on a GraphModule that its flat output tuple stands for this pytree structure."""
+    gm.meta[OUTPUT_SPEC_KEY] = spec
+
+
+def get_output_spec(gm: Any) -> Any:
+    """The pytree spec recorded by `set_output_spec`, or None where the graph's output is the
+    model's own structure (the trace pass)."""
+    return getattr(gm, "meta", {}).get(OUTPUT_SPEC_KEY)
+
+
+def set_frontend(gm: Any, frontend: str) -> None:
+    """Record which front end made the GraphModule ("fx", "export", "given")."""
+    gm.meta[FRONTEND_KEY] = frontend
+
+
+def get_frontend(gm: Any) -> str:
+    """The front end recorded by `set_frontend`; "fx" for graphs from the trace pass alone."""
+    return str(getattr(gm, "meta", {}).get(FRONTEND_KEY, "fx"))

@@ -219,6 +219,8 @@ class Pipeline:
         for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
             buffers = dict(module.named_buffers(remove_duplicate=False))
             for name, originals in program.buffer_names.items():
+                if name in program.transient_buffers:
+                    continue  # persistent=False: left out, as by torch.nn.Module.state_dict
                 for original in originals:
                     out.setdefault(original, buffers[name])
         return out
@@ -425,6 +427,12 @@ class Pipeline:
 
     def _named(self, inputs: Sequence[Any]) -> dict[str, Any]:
         names = self.parts.data_inputs
+        if len(inputs) == 1 and isinstance(inputs[0], dict):  # inputs given by name
+            given = inputs[0]
+            if set(given) != set(names):
+                raise PipelineInputError(f"the model takes the inputs {', '.join(names)}; got "
+                                         f"{', '.join(map(str, given)) or 'none'} by name")
+            return {name: given[name] for name in names}
         if len(inputs) != len(names):
             raise PipelineInputError(f"the model takes {len(names)} inputs ({', '.join(names)}), "
                                      f"got {len(inputs)}; pass them positionally as in "
@@ -484,13 +492,32 @@ class Pipeline:
                 for program, module in zip(self.parts.stages, modules, strict=True):
                     args = [named[r.name] if r.stage is None else values[r.stage, r.name]
                             for r in program.inputs]
-                    for name, value in zip(program.outputs, module(*args), strict=True):
+                    try:
+                        outputs = module(*args)
+                    except Exception as err:
+                        raise self._stage_failure(program.index, module, args, err, inputs,
+                                                  m) from None
+                    for name, value in zip(program.outputs, outputs, strict=True):
                         values[program.index, name] = value
         finally:
             for mod, buffers in zip(modules, saved, strict=True):
                 for k, b in mod.named_buffers():
                     b.copy_(buffers[k])
         return values
+
+    @staticmethod
+    def _stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], err: Exception,
+                       inputs: Sequence[Any], m: int) -> PipelineInputError:
+        """The model's own error in a stage, with the stage, the node and the microbatch size."""
+        from pdcompile.model_errors import stage_failure
+
+        batch = [v.shape[0] for v in inputs if isinstance(v, torch.Tensor) and v.dim()]
+        if not batch and inputs and isinstance(inputs[0], dict):
+            batch = [v.shape[0] for v in inputs[0].values()
+                     if isinstance(v, torch.Tensor) and v.dim()]
+        minibatch = batch[0] if batch else None
+        return stage_failure(stage, module, args, err, microbatches=m, minibatch=minibatch,
+                             microbatch=-(-minibatch // m) if minibatch is not None else None)
 
     def _learn_kinds(self, inputs: Sequence[Any]) -> None:
         """Record which exchanged values are not tensors (they travel as 0-d tensors)."""

@@ -1,7 +1,8 @@
 """Shapes pass: shape and dtype of every node's output, propagated on fake tensors.
 
 The graph runs under torch's FakeTensorMode, so no real memory is used: a model built on the
-`meta` device (GPT-2 XL, say) is shaped without allocating its weights. Writes "pd.shape".
+`meta` device (GPT-2 XL, say) is shaped without allocating its weights. Writes "pd.shape" and
+"pd.tree" (the output's pytree structure and the kind of each leaf: what a stage would send).
 """
 
 from __future__ import annotations
@@ -11,16 +12,30 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves
 
 from pdcompile.errors import PipelineInputError
-from pdcompile.meta import NodeShape, TensorShape, dtype_name, set_shape
+from pdcompile.meta import NodeShape, TensorShape, ValueTree, dtype_name, set_shape, set_tree
 
 
 def shape_of(value: Any) -> NodeShape:
     """The NodeShape of a value: its tensor leaves in pytree order."""
     return NodeShape(TensorShape(tuple(int(s) for s in t.shape), dtype_name(t.dtype))
                      for t in tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def tree_of(value: Any) -> ValueTree:
+    """The ValueTree of a value: its pytree spec and the kind of each leaf."""
+    leaves, spec = tree_flatten(value)
+    return ValueTree(spec, tuple(_kind(leaf) for leaf in leaves))
+
+
+def _kind(leaf: Any) -> str:
+    if isinstance(leaf, torch.Tensor):
+        return "tensor"
+    if isinstance(leaf, torch.Size):
+        return "size"
+    return type(leaf).__name__
 
 
 def bind_inputs(gm: fx.GraphModule, example_inputs: Sequence[Any],
@@ -83,6 +98,7 @@ class _ShapeInterpreter(fx.Interpreter):
                                     "model expects")
             raise
         set_shape(n, shape_of(result))
+        set_tree(n, tree_of(result))
         return result
 
 

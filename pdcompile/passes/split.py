@@ -8,6 +8,13 @@ shares with other stages (tied embeddings: `ties`) and the original name of each
 buffer. Parameters that the traced graph reads with `get_attr` (e.g. a tied embedding used in
 `F.linear`) are moved into the stage that reads them, so that every stage owns its weights.
 Each stage module is a deep copy: stages do not share tensors with each other or with the model.
+Buffers the model registered with `persistent=False` stay out of the stages' state dicts too.
+
+Only tensors, numbers and sizes can travel between stages. Where the shapes pass has run, the
+split checks every value a stage would send before anything runs: a structured value (a
+Hugging Face ModelOutput, any container registered with torch's pytree) is sent as its leaves
+and rebuilt by the receiver (`passes/crossing.py`); a value that cannot travel at all is a
+PlanError naming it and the stages.
 """
 
 from __future__ import annotations
@@ -24,8 +31,13 @@ from torch.fx.passes.split_module import split_module
 from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PlanError
-from pdcompile.meta import has_stage, set_stage
+from pdcompile.meta import get_output_spec, get_tree, has_stage, set_stage
+from pdcompile.passes.crossing import flatten_value, rebuild_value, spec_text
 from pdcompile.plan import Plan, Stage
+
+# kinds of values (meta.ValueTree.kinds) that can travel between stages; None leaves of a
+# structure are not sent (the receiver puts None back)
+_CROSSING_KINDS = frozenset({"tensor", "int", "float", "bool", "size", "NoneType"})
 
 
 @dataclass(frozen=True)
@@ -50,7 +62,9 @@ class StageProgram:
     exchanged with another stage, in message order; `param_names[name]` and `buffer_names[name]`
     give the model's qualified names of each of the module's parameters and buffers; `kinds`
     names the exchanged values that are not tensors (e.g. the int of `x.size(1)`), which travel
-    as 0-d tensors (filled in by Pipeline from an example run).
+    as 0-d tensors (filled in by Pipeline from an example run); `transient_buffers` names the
+    module's buffers that the model registered with `persistent=False` (GPT-2's causal mask,
+    BERT's position ids): like PyTorch, state dicts leave them out.
     """
 
     index: int
@@ -62,6 +76,8 @@ class StageProgram:
     param_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     buffer_names: dict[str, tuple[str, ...]] = field(default_factory=dict)
     kinds: dict[str, str] = field(default_factory=dict)  # exchanged non-tensors: "int", "size"...
+    # buffers the model registered with persistent=False: not in state dicts, kept by exports
+    transient_buffers: tuple[str, ...] = ()
 
     @property
     def data_inputs(self) -> tuple[str, ...]:
@@ -123,8 +139,8 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
             stage_of[node.name] = min(users) if users else 0
     for node in nodes:  # a tuple's items are read where it is made: only tensors cross stages
-        if node.op == "call_function" and node.target is operator.getitem \
-                and isinstance(node.args[0], fx.Node):
+        if node.op == "call_function" and isinstance(node.args[0] if node.args else None,
+                                                     fx.Node) and _reads_item(node):
             stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])
     for node in nodes:
         for user in node.users:
@@ -142,6 +158,16 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.op == "output":
             set_stage(node, last)
     return stage_of
+
+
+def _reads_item(node: fx.Node) -> bool:
+    """`x[i]` of any value, or `x.field` of a structured value (a ModelOutput's field)."""
+    if node.target is operator.getitem:
+        return True
+    if node.target is getattr:
+        tree = get_tree(node.args[0])  # type: ignore[arg-type]
+        return tree is not None and not tree.is_leaf
+    return False
 
 
 def manual_plan(gm: fx.GraphModule, assignment: Mapping[str, int] | Callable[[fx.Node], int],
@@ -168,14 +194,20 @@ def manual_plan(gm: fx.GraphModule, assignment: Mapping[str, int] | Callable[[fx
 def even_plan(gm: fx.GraphModule, stages: int, *,
               replicas: Sequence[int] | None = None) -> Plan:
     """A straight cut of the graph's topological order into `stages` contiguous pieces of about
-    equal weight (parameters of the node's module plus one per node); inputs go to stage 0."""
+    equal weight (parameters of the node's module plus one per node); inputs go to stage 0.
+
+    A cut that falls inside a numbered block (a transformer layer such as `encoder.layer.3`)
+    moves to the nearest boundary between blocks, if one lies within a quarter of a stage's
+    weight, so that whole layers land on each side.
+    """
     if stages < 1:
         raise PlanError(f"stages must be a positive integer ({stages} < 1)")
     body = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr", "placeholder")]
     if len(body) < stages:
         raise PlanError(f"the model has {len(body)} operations, too few for {stages} stages; "
                         f"use at most {len(body)} stages")
-    weights = [1.0 + _node_params(gm, n) for n in body]
+    read = _attribute_params(gm, body)
+    weights = [1.0 + _node_params(gm, n) + read.get(n.name, 0.0) for n in body]
     total = sum(weights)
     stage_of = {n.name: 0 for n in gm.graph.nodes if n.op == "placeholder"}
     done = 0.0
@@ -188,13 +220,68 @@ def even_plan(gm: fx.GraphModule, stages: int, *,
             stage = min(max(stage, previous), previous + 1)
         stage_of[node.name] = stage
         done += weight
+    _snap_to_blocks(body, weights, stage_of, total / stages / 4)
     return _plan_from(stage_of, stages, replicas)
+
+
+def _block(node: fx.Node) -> str | None:
+    """The numbered block a node belongs to ("bert.encoder.layer.3"), from the module it was
+    traced in (fx and torch.export record `nn_module_stack`) or the module it calls."""
+    stack = node.meta.get("nn_module_stack")
+    path = str(list(stack.values())[-1][0]) if stack else \
+        str(node.target) if node.op == "call_module" else ""
+    parts = path.split(".")
+    for index, part in enumerate(parts):
+        if part.isdigit() and index:
+            return ".".join(parts[: index + 1])
+    return None
+
+
+def _snap_to_blocks(body: list[fx.Node], weights: list[float], stage_of: dict[str, int],
+                    reach: float) -> None:
+    """Move each cut of a straight plan to the nearest block boundary within `reach`."""
+    blocks = [_block(n) for n in body]
+    done = [0.0]
+    for weight in weights:
+        done.append(done[-1] + weight)
+    firsts = [i for i in range(1, len(body))
+              if stage_of[body[i].name] != stage_of[body[i - 1].name]]
+    for k, first in enumerate(firsts):
+        if blocks[first] is None or blocks[first] != blocks[first - 1]:
+            continue  # not inside a block
+        low = firsts[k - 1] + 1 if k else 1
+        high = firsts[k + 1] - 1 if k + 1 < len(firsts) else len(body) - 1
+        candidates = [j for j in range(low, high + 1) if blocks[j] != blocks[j - 1]
+                      and (blocks[j] is not None or blocks[j - 1] is not None)
+                      and abs(done[j] - done[first]) <= reach]
+        if not candidates:
+            continue
+        best = min(candidates, key=lambda j: abs(done[j] - done[first]))
+        stage = stage_of[body[first].name]
+        for j in range(min(best, first), max(best, first)):
+            stage_of[body[j].name] = stage if best < first else stage - 1
+        firsts[k] = best
 
 
 def _node_params(gm: fx.GraphModule, node: fx.Node) -> float:
     if node.op == "call_module":
         return float(sum(p.numel() for p in gm.get_submodule(str(node.target)).parameters()))
     return 0.0
+
+
+def _attribute_params(gm: fx.GraphModule, body: list[fx.Node]) -> dict[str, float]:
+    """Parameter counts of the parameters read with `get_attr` (graphs from torch.export),
+    each given to the first operation that uses it."""
+    order = {n.name: i for i, n in enumerate(body)}
+    out: dict[str, float] = {}
+    for node in gm.graph.nodes:
+        if node.op != "get_attr" or not _is_param(gm, str(node.target)):
+            continue
+        users = [u for u in node.users if u.name in order]
+        if users:
+            first = min(users, key=lambda u: order[u.name]).name
+            out[first] = out.get(first, 0.0) + gm.get_parameter(str(node.target)).numel()
+    return out
 
 
 def _plan_from(stage_of: dict[str, int], count: int, replicas: Sequence[int] | None) -> Plan:
@@ -227,6 +314,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
     if empty:
         raise PlanError(f"stages {empty} of the plan have no operation to run; use fewer stages "
                         f"(at most {len(used)}) or move operations into them")
+    _send_leaves(gm, stage_of, count - 1)
 
     def callback(node: fx.Node) -> int:
         return stage_of[node.name]
@@ -252,6 +340,9 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             getitem_of[node.name] = ValueRef(names[int(node.args[1])], index)  # type: ignore[arg-type]
     out_node = next(n for n in top.graph.nodes if n.op == "output")
     leaves, spec = pytree.tree_flatten(out_node.args[0])
+    recorded = get_output_spec(gm)  # the model's own output structure of a flattened output
+    if recorded is not None and recorded.num_leaves == len(leaves):
+        spec = recorded
     output_refs = tuple(_ref_of(leaf, getitem_of) for leaf in leaves)
     stages = [programs[s] for s in range(count)]
     last = count - 1
@@ -264,6 +355,71 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             _link(stages, ref, last)
     ties = _name_and_copy(stages, root)
     return SplitResult(stages, data_inputs, output_refs, spec, ties)
+
+
+def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> None:
+    """Check every value used by a later stage; send structured ones as their leaves.
+
+    Needs "pd.tree" (the shapes pass); values without it are checked when they are sent.
+    """
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+
+    def stage(user: fx.Node) -> int:
+        return last if user.op == "output" else stage_of[user.name]
+
+    changed = False
+    for node in list(graph.nodes):
+        if node.op in ("placeholder", "get_attr", "output"):
+            continue
+        home = stage_of[node.name]
+        later = sorted({stage(u) for u in node.users if stage(u) > home})
+        tree = get_tree(node)
+        if not later or tree is None:
+            continue
+        bad = [k for k in tree.kinds if k not in _CROSSING_KINDS]
+        if bad:
+            raise PlanError(
+                f"node {node.name!r} (stage {home}) is used by stage {later[0]}, but its value "
+                f"holds a {bad[0]}, and only tensors, numbers and sizes can cross stages; cut "
+                f"elsewhere (so that its users stay in stage {home}) or return tensors from it")
+        if tree.is_leaf:
+            continue
+        try:
+            text = spec_text(tree.spec)
+        except ValueError as err:
+            raise PlanError(f"node {node.name!r} (stage {home}) sends a structured value to "
+                            f"stage {later[0]}, but {err}; register its type with "
+                            "torch.utils._pytree.register_pytree_node(..., serialized_type_name="
+                            "...), or cut elsewhere") from None
+        with graph.inserting_after(node):
+            flat = graph.call_function(flatten_value, (node,))
+        flat.meta["is_wrapped"] = True  # generated code wraps it: re-tracing keeps the call
+        stage_of[flat.name] = home
+        leaves: list[Any] = []
+        previous = flat
+        for index, kind in enumerate(tree.kinds):
+            if kind == "NoneType":
+                leaves.append(None)
+                continue
+            with graph.inserting_after(previous):
+                previous = graph.call_function(operator.getitem, (flat, index))
+            stage_of[previous.name] = home
+            leaves.append(previous)
+        for target in later:
+            users = [u for u in node.users if u is not flat and stage(u) == target]
+            with graph.inserting_before(min(users, key=order.__getitem__)):
+                rebuilt = graph.call_function(rebuild_value, (list(leaves), text))
+            rebuilt.meta["is_wrapped"] = True
+            stage_of[rebuilt.name] = target
+            for user in users:
+                user.replace_input_with(node, rebuilt)
+        changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+        for node in graph.nodes:
+            set_stage(node, last if node.op == "output" else stage_of[node.name])
 
 
 def _ref_of(leaf: Any, getitem_of: dict[str, ValueRef]) -> ValueRef:
@@ -348,6 +504,7 @@ def _name_and_copy(stages: list[StageProgram], root: torch.nn.Module) -> tuple[T
     buffer_names: dict[int, list[str]] = {}
     for name, b in root.named_buffers(remove_duplicate=False):
         buffer_names.setdefault(id(b), []).append(name)
+    transient = _non_persistent(root)
     holders: dict[int, list[tuple[int, str]]] = {}
     for program in stages:
         for name, p in program.module.named_parameters(remove_duplicate=False):
@@ -355,6 +512,8 @@ def _name_and_copy(stages: list[StageProgram], root: torch.nn.Module) -> tuple[T
             holders.setdefault(id(p), []).append((program.index, name))
         for name, b in program.module.named_buffers(remove_duplicate=False):
             program.buffer_names[name] = tuple(buffer_names.get(id(b), [name]))
+            if set(program.buffer_names[name]) <= transient:
+                program.transient_buffers += (name,)
         program.module = copy.deepcopy(program.module)
     ties = []
     for members in holders.values():
@@ -362,6 +521,13 @@ def _name_and_copy(stages: list[StageProgram], root: torch.nn.Module) -> tuple[T
             first = stages[members[0][0]].param_names[members[0][1]][0]
             ties.append(TiedParameter(first, tuple(members)))
     return tuple(ties)
+
+
+def _non_persistent(root: torch.nn.Module) -> set[str]:
+    """Qualified names of the buffers registered with `persistent=False` (not in state dicts)."""
+    return {f"{prefix}.{attr}" if prefix else attr
+            for prefix, module in root.named_modules(remove_duplicate=False)
+            for attr in module._non_persistent_buffers_set}
 
 
 def stage_annotations_complete(gm: fx.GraphModule) -> bool:

@@ -1,9 +1,13 @@
 """Trace pass: a model to a torch.fx GraphModule, with a leaf-module policy and clear errors.
 
-Leaves (kept whole as one `call_module` node): torch.nn's own modules as fx does by default, plus
-recurrent layers and `nn.MultiheadAttention` (`DEFAULT_LEAVES`), plus whatever the user names by
-type or qualified name. A model fx cannot trace ends in one TraceError that names the module, the
-source line and the fix, not an fx traceback.
+Leaves (kept whole as one `call_module` node): torch.nn's own operators as fx does by default
+(Linear, Conv2d, BatchNorm2d, LSTM, MultiheadAttention, TransformerEncoderLayer...), plus
+whatever the user names by type or qualified name. torch.nn's containers are traced through:
+`nn.Sequential` (as fx does) and the layer stacks `nn.TransformerEncoder`,
+`nn.TransformerDecoder` and `nn.Transformer` (through the forwards of `layer_stacks.py`), so
+that a pipeline can cut between their layers. A GraphModule is taken as it is (e.g. one made by
+transformers' own fx tracer): it is already a graph. A model fx cannot trace ends in one
+TraceError that names the module, the source line and the fix, not an fx traceback.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import torch.fx as fx
 from torch import nn
 
 from pdcompile.errors import TraceError
+from pdcompile.passes.layer_stacks import traceable_forward
 
 DEFAULT_LEAVES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.MultiheadAttention)
 
@@ -40,10 +45,19 @@ class _PolicyTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_names:
             return True
+        if traceable_forward(m) is not None:
+            return False  # a layer stack of torch.nn: traced through its layers
         return bool(super().is_leaf_module(m, module_qualified_name))
 
     def call_module(self, m: nn.Module, forward: Any, args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> Any:
+        try:
+            qualname = self.path_of_module(m)
+        except NameError:
+            qualname = ""
+        stack_forward = traceable_forward(m)
+        if stack_forward is not None and not self.is_leaf_module(m, qualname):
+            forward = stack_forward
         try:
             return super().call_module(m, forward, args, kwargs)
         except Exception:
@@ -63,15 +77,18 @@ def trace(
     example_kwargs_names: Sequence[str] | None = None,
     num_positional: int | None = None,
 ) -> fx.GraphModule:
-    """Trace `model` symbolically into a GraphModule.
+    """Trace `model` symbolically into a GraphModule (a GraphModule is returned as it is).
 
     `leaf_modules`: module types or qualified names ("encoder.rnn") to keep as one node, added to
     `DEFAULT_LEAVES`. Inputs: forward parameters without a default are traced as placeholders;
     a parameter with a default is fixed to its default (so `if mask is not None` branches are
     resolved) unless it is named in `example_kwargs_names` or lies among the first
     `num_positional` parameters (pass `len(example_inputs)` when inputs fill defaulted slots).
+    `*args` and `**kwargs` parameters receive nothing (inputs are bound to named parameters).
     Parameters, buffers and tied parameters stay the model's own objects (shared, not copied).
     """
+    if isinstance(model, fx.GraphModule):
+        return model  # already a graph: tracing it again would trace its generated code
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() takes an nn.Module, got {type(model).__name__}; wrap a "
                          "function in an nn.Module whose forward calls it")
@@ -121,11 +138,16 @@ def _concrete_args(model: nn.Module, kwargs_names: Sequence[str] | None,
                          f"{type(model).__name__}.forward does not take (its parameters: "
                          f"{', '.join(p.name for p in params)})")
     concrete: dict[str, Any] = {}
+    variadic = [p for p in params if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if variadic and len(variadic) == len(params):
+        star = "**" if variadic[-1].kind == variadic[-1].VAR_KEYWORD else "*"
+        raise TraceError(f"{type(model).__name__}.forward takes only {star}{variadic[-1].name}; "
+                         "torch.fx needs named inputs: write forward(self, x, y, ...) with one "
+                         "parameter per input")
     for index, param in enumerate(params):
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD):
-            raise TraceError(f"{type(model).__name__}.forward takes *{param.name}; torch.fx "
-                             "needs named inputs: write forward(self, x, y, ...) with one "
-                             "parameter per input")
+            concrete[param.name] = () if param.kind == param.VAR_POSITIONAL else {}
+            continue
         if param.default is param.empty or param.name in wanted:
             continue
         if num_positional is not None and index < num_positional:
@@ -169,9 +191,11 @@ def _user_frame(tb: TracebackType | None) -> tuple[str, int] | None:
     """The innermost traceback frame outside torch and this file: the user's line."""
     found: tuple[str, int] | None = None
     while tb is not None:
-        filename = os.path.abspath(tb.tb_frame.f_code.co_filename)
-        if not filename.startswith(_TORCH_DIR) and filename != _THIS_FILE \
-                and not filename.startswith("<"):
+        raw = tb.tb_frame.f_code.co_filename
+        filename = os.path.abspath(raw)
+        # generated code (fx's "<eval_with_key>.3") has no file to point at
+        if not raw.startswith("<") and not filename.startswith(_TORCH_DIR) \
+                and filename != _THIS_FILE:
             found = (filename, tb.tb_lineno)
         tb = tb.tb_next
     return found
@@ -188,7 +212,7 @@ def _explain(model: nn.Module, tracer: _PolicyTracer, err: Exception) -> TraceEr
     if tracer.failed is not None and tracer.failed[0] not in ("", "?"):
         qualname, module = tracer.failed
         kind = type(module).__name__
-        fix = (f"mark it as a leaf so it runs as one opaque node: trace(model, "
+        fix = (f"mark it as a leaf so it runs as one opaque node: pdcompile.compile(..., "
                f"leaf_modules=[{qualname!r}]) (or leaf_modules=[{kind}] for every {kind}), "
                "or rewrite the data-dependent code with tensor operations (torch.where)")
         culprit = f"module {qualname!r} ({kind})"

@@ -1,0 +1,82 @@
+"""Front ends: which tool turns the model into the graph the passes work on.
+
+- `fx` (the trace pass): torch.fx symbolic tracing with pdcompile's leaf policy. Fast, keeps
+  modules as nodes (readable stage code), works on `meta` models.
+- `export` (passes/export_frontend.py): torch.export, for models whose Python fx cannot trace
+  (Hugging Face BERT and GPT-2, among others); aten operations, one node each.
+- a model that is already an `fx.GraphModule` (say from transformers' own fx tracer) is taken
+  as it is ("given").
+
+`auto` tries fx and, where fx cannot trace the model, torch.export (which records every
+operation: `leaf_modules` then no longer apply); when both fail the error names fx's culprit and
+fix and says why export failed too. The front end used is recorded on
+the graph (`meta.get_frontend`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch.fx as fx
+from torch import nn
+
+from pdcompile.errors import PipelineInputError, TraceError
+from pdcompile.meta import set_frontend
+
+FRONTENDS = ("auto", "fx", "export")
+
+
+@dataclass(frozen=True)
+class Captured:
+    """The graph of a model, the front end that made it, and the example inputs in the order
+    of the graph's placeholders."""
+
+    graph: fx.GraphModule
+    frontend: str
+    inputs: tuple[Any, ...]
+
+
+def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
+            *, leaf_modules: Iterable[type[nn.Module] | str] = (),
+            frontend: str = "auto") -> Captured:
+    """The graph of `model` called as `model(*args, **kwargs)` (see the module docstring)."""
+    from pdcompile.passes.export_frontend import export_graph
+    from pdcompile.passes.shapes import bind_inputs
+    from pdcompile.passes.trace import trace
+
+    if frontend not in FRONTENDS:
+        raise PipelineInputError(f"unknown frontend {frontend!r}; choose one of "
+                                 f"{', '.join(FRONTENDS)}")
+    kwargs = dict(kwargs or {})
+    leaves = list(leaf_modules)
+    if isinstance(model, fx.GraphModule):
+        if leaves:
+            raise PipelineInputError("leaf_modules= applies to tracing, but the model is already "
+                                     "an fx.GraphModule (taken as it is); drop leaf_modules=")
+        graph, used = model, "given"
+    elif frontend == "export":
+        if leaves:
+            raise PipelineInputError("leaf_modules= applies to torch.fx tracing; torch.export "
+                                     "records every operation: drop leaf_modules= or use "
+                                     "frontend='fx'")
+        graph, used = export_graph(model, args, kwargs), "export"
+    else:
+        try:
+            graph = trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
+                          num_positional=len(args))
+            used = "fx"
+        except TraceError as fx_error:
+            if frontend == "fx":
+                raise
+            try:
+                graph, used = export_graph(model, args, kwargs), "export"
+            except TraceError as export_error:
+                raise TraceError(f"{fx_error} (torch.export cannot capture it either: "
+                                 f"{export_error})") from None
+    set_frontend(graph, used)
+    return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
+
+
+__all__ = ["FRONTENDS", "Captured", "capture"]

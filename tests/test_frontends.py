@@ -1,0 +1,180 @@
+"""Front ends: a given GraphModule as it is, inputs bound by name (also through **kwargs), and
+torch.export for what torch.fx cannot trace; `auto` picks, errors name both when both fail."""
+
+from __future__ import annotations
+
+import copy
+import functools
+from typing import Any
+
+import pytest
+import torch
+import torch.fx as fx
+from torch import nn
+
+import pdcompile
+from pdcompile.errors import PipelineInputError, TraceError
+from pdcompile.meta import get_frontend
+
+SGD = functools.partial(torch.optim.SGD, lr=0.1)
+
+
+def reference_steps(model: nn.Module, inputs: Any, target: torch.Tensor,
+                    loss_fn: Any, micro: int, steps: int = 2) -> list[float]:
+    """Single-process gradient accumulation over the same microbatches (SGD, lr 0.1)."""
+    opt = SGD(model.parameters())
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for index, part in enumerate(target.chunk(micro)):
+            if isinstance(inputs, dict):
+                out = model(**{k: v.chunk(micro)[index] for k, v in inputs.items()})
+            else:
+                out = model(*(v.chunk(micro)[index] for v in inputs))
+            loss = loss_fn(out, part)
+            (loss / micro).backward()
+            total += loss.item() / micro
+        opt.step()
+        losses.append(total)
+    return losses
+
+
+def assert_trains_like(model: nn.Module, pipe: pdcompile.pipeline.Pipeline, inputs: Any,
+                       target: torch.Tensor, loss_fn: Any, micro: int = 2) -> None:
+    args = (inputs,) if isinstance(inputs, dict) else tuple(inputs)
+    losses = [pipe.step(*args, target=target) for _ in range(2)]
+    assert losses == pytest.approx(reference_steps(model, inputs, target, loss_fn, micro),
+                                   abs=1e-6)
+    state = pipe.state_dict()
+    assert set(state) == set(model.state_dict())
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(state[name], value)
+
+
+class Gate(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2 if x.sum() > 0 else -x  # data-dependent: fx cannot trace it
+
+
+class Gated(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 8)
+        self.gate = Gate()
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.gate(self.a(x)).relu())
+
+
+class KeepGate(fx.Tracer):
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        return isinstance(m, Gate) or super().is_leaf_module(m, module_qualified_name)
+
+
+def test_a_graph_module_is_taken_as_it_is() -> None:
+    model = Gated()
+    gm = fx.GraphModule(model, KeepGate().trace(model))  # like transformers' own fx tracer
+    x, y = torch.randn(4, 4), torch.randint(0, 3, (4,))
+    pipe = pdcompile.compile(gm, example_inputs=(x,), loss_fn=nn.functional.cross_entropy,
+                             optimizer=SGD, schedule="1f1b-flush", microbatches=2, stages=2)
+    assert pipe.graph is gm and get_frontend(pipe.graph) == "given"
+    assert_trains_like(copy.deepcopy(model), pipe, (x,), y, nn.functional.cross_entropy)
+    with pytest.raises(PipelineInputError, match="already an fx.GraphModule"):
+        pdcompile.compile(gm, example_inputs=(x,), stages=2, leaf_modules=[Gate])
+
+
+class KeywordModel(nn.Module):
+    """A Hugging Face-like signature: defaults and **kwargs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                output_hidden_states: bool = False, **kwargs: Any) -> torch.Tensor:
+        h = self.embed(input_ids)
+        if attention_mask is not None:
+            h = h * attention_mask.unsqueeze(-1)
+        return self.head(h.mean(dim=1))
+
+
+def test_inputs_by_name_bind_a_kwargs_signature() -> None:
+    model = KeywordModel()
+    ids = torch.randint(0, 20, (4, 5))
+    mask = torch.ones(4, 5)
+    mask[:, 3:] = 0
+    inputs = {"attention_mask": mask, "input_ids": ids}
+    y = torch.randint(0, 3, (4,))
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs,
+                             loss_fn=nn.functional.cross_entropy, optimizer=SGD,
+                             schedule="1f1b-flush", microbatches=2, stages=2)
+    assert get_frontend(pipe.graph) == "fx"
+    assert pipe.parts.data_inputs == ("input_ids", "attention_mask")  # the forward's order
+    assert_trains_like(model, pipe, inputs, y, nn.functional.cross_entropy)
+    with pytest.raises(PipelineInputError, match="takes the inputs input_ids, attention_mask"):
+        pipe.step({"input_ids": ids}, target=y)
+
+
+class OnlyKwargs(nn.Module):
+    def forward(self, **kwargs: torch.Tensor) -> torch.Tensor:
+        return kwargs["x"] * 2
+
+
+def test_a_forward_of_only_kwargs_is_named_as_written() -> None:
+    with pytest.raises(TraceError, match=r"takes only \*\*kwargs"):
+        pdcompile.compile(OnlyKwargs(), example_inputs=(torch.randn(2),), stages=1,
+                          frontend="fx")
+
+
+class Sliced(nn.Module):
+    """Slices a buffer by a size read from the input, as BERT does with token_type_ids."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("positions", torch.randn(16, 8), persistent=False)
+        self.embed = nn.Linear(4, 8)
+        self.mid = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.positions[: x.shape[1]]
+        return self.head(self.mid(h).tanh().mean(dim=1))
+
+
+def test_export_front_end_takes_what_fx_cannot_trace() -> None:
+    model = Sliced()
+    x, y = torch.randn(8, 6, 4), torch.randint(0, 3, (8,))
+    with pytest.raises(TraceError, match="slice indices must be integers"):
+        pdcompile.compile(model, example_inputs=(x,), stages=2, frontend="fx")
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,),
+                             loss_fn=nn.functional.cross_entropy, optimizer=SGD,
+                             schedule="1f1b-flush", microbatches=4, stages=2)
+    assert get_frontend(pipe.graph) == "export"
+    with torch.no_grad():  # the batch dimension stays free: any batch size runs
+        for batch in (8, 3):
+            torch.testing.assert_close(pipe(x[:batch]), model(x[:batch]))
+    assert_trains_like(model, pipe, (x,), y, nn.functional.cross_entropy, micro=4)
+
+
+def test_when_both_front_ends_fail_the_error_names_both() -> None:
+    with pytest.raises(TraceError) as info:
+        pdcompile.compile(Gated(), example_inputs=(torch.randn(4, 4),), stages=2)
+    message = str(info.value)
+    assert "module 'gate' (Gate)" in message and "leaf_modules=['gate']" in message
+    assert "torch.export cannot capture it either" in message
+    # the fix the message gives works
+    pipe = pdcompile.compile(Gated(), example_inputs=(torch.randn(4, 4),), stages=2,
+                             leaf_modules=["gate"])
+    assert get_frontend(pipe.graph) == "fx"
+
+
+def test_front_end_arguments_that_do_not_fit() -> None:
+    with pytest.raises(PipelineInputError, match="unknown frontend 'jit'; choose one of auto"):
+        pdcompile.compile(Gated(), example_inputs=(torch.randn(4, 4),), stages=2,
+                          frontend="jit")
+    with pytest.raises(PipelineInputError, match="leaf_modules= applies to torch.fx tracing"):
+        pdcompile.compile(Sliced(), example_inputs=(torch.randn(2, 3, 4),), stages=2,
+                          frontend="export", leaf_modules=[nn.Linear])
