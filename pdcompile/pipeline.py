@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from pdcompile.backends.local import run_local
 from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
@@ -359,6 +360,7 @@ class Pipeline:
             inputs, target = item
             items.append((tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,),
                           target))
+        self._keep_example_target(items)
         if self.schedule_name in FLUSH:
             out = []
             for item in items:
@@ -370,6 +372,19 @@ class Pipeline:
             return []
         run = self.prepare(items)
         return run.minibatch_losses(self._run(run.data, run.microbatches, run.per_minibatch))
+
+    def _keep_example_target(self, items: Sequence[tuple[tuple[Any, ...], Any]]) -> None:
+        """Without an `example_target` from compile(), keep the first target given with a
+        minibatch shaped like the example inputs: the export then holds a whole example
+        minibatch, which `pdcompile run` trains on when given no data."""
+        if self.example_target is not None or self.example_inputs is None:
+            return
+        want = _signature(self.example_inputs)
+        for inputs, target in items:
+            if target is not None and _signature(inputs) == want:
+                self.example_target = pytree.tree_map(
+                    lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, target)
+                return
 
     def prepare(self, batches: Sequence[tuple[Sequence[Any], Any]]) -> RunInput:
         """The data of one run of the schedule over these minibatches, cut into microbatches
@@ -436,8 +451,6 @@ class Pipeline:
 
     def __call__(self, *inputs: Any) -> Any:
         """The model's output, computed by the stage modules one after another (no schedule)."""
-        from torch.utils import _pytree as pytree
-
         named = self._named(inputs)
         values: dict[tuple[int, str], Any] = {}
         for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
@@ -562,6 +575,17 @@ def _lcm(values: list[int]) -> int:
     import math
 
     return math.lcm(*values) if values else 1
+
+
+def _signature(value: Any) -> Any:
+    """Shapes and dtypes of a (nested) value: equal for minibatches shaped alike."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, tuple | list):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _signature(v)) for k, v in value.items()))
+    return type(value).__name__
 
 
 def _chunks(value: Any, m: int, name: str) -> list[Any]:

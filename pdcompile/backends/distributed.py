@@ -530,7 +530,9 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
                     f"the checkpoints in {checkpoint_dir} were written by another pipeline "
                     f"({saved.get('pipeline')}, this one is {_identity(pipeline, stage)}); "
                     "name another checkpoint folder or delete this one")
-            restore_module_state(saved, state.module, state.optimizer)
+            restore_module_state(saved, state.module, state.optimizer,
+                                 origin=f"the checkpoint of rank {rank} at step {done} in "
+                                        f"{checkpoint_dir}")
             losses = [float(v) for v in saved["losses"]]
 
     reads = reads_data(pipeline, rank)

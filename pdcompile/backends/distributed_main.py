@@ -6,7 +6,8 @@
 Initialises the default process group from torchrun's environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), loads the export, trains it with `run_distributed` and prints the
 progress on the rank that computes the losses and the summary on rank 0. Without `--data`, the
-example minibatch saved at export time is trained again and again (`--steps` needed). With a
+example minibatch saved at export time is trained again and again (`--steps`, default
+DEFAULT_STEPS). With a
 checkpoint folder, a worker restarted by `torchrun --max-restarts` resumes from the newest
 checkpoint every rank saved.
 """
@@ -31,6 +32,8 @@ from pdcompile.errors import DistributedError, PdcompileError
 # test hook only: "RANK:MINIBATCH" makes that rank (one that reads data) kill itself (SIGKILL)
 # when it reads that minibatch in the first attempt of a torchrun run (restart count 0)
 DIE_ENV = "PDCOMPILE_TEST_DIE_AT"
+# minibatches trained on the exported example when neither --steps nor --data is given
+DEFAULT_STEPS = 20
 
 
 def parser() -> argparse.ArgumentParser:
@@ -157,7 +160,10 @@ def _main(args: argparse.Namespace) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     pipe = load_pipeline(args.export_dir)
     if args.data is None and args.steps is None:
-        raise PdcompileError("training on the repeated example minibatch needs --steps N")
+        args.steps = DEFAULT_STEPS
+        if rank == 0:
+            print(f"training on the exported example minibatch, {DEFAULT_STEPS} times (--steps "
+                  "N for another count)", flush=True)
     data: Iterable[Any] | None = None
     if reads_data(pipe, rank):  # stage 0 reads; the last stage gets its targets from it
         data = load_data(args.data)() if args.data else example_data(pipe, args.export_dir)

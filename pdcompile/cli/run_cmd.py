@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from pdcompile.backends.distributed_main import DEFAULT_STEPS
 from pdcompile.errors import DistributedError, PdcompileError
 from pdcompile.local_machine import free_port
 
@@ -44,7 +45,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="restart the workers this many times after a failure; with "
                              "--checkpoint-dir the run resumes from the last checkpoint")
     train = parser.add_argument_group("training (passed to the workers)")
-    train.add_argument("--steps", type=int, default=None, help="minibatches to train")
+    train.add_argument("--steps", type=int, default=None,
+                       help="minibatches to train (default: all of --data; without --data, "
+                            f"the exported example minibatch {DEFAULT_STEPS} times)")
     train.add_argument("--checkpoint-dir", default=None)
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                        help="checkpoint every K minibatches")
@@ -53,7 +56,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     train.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
                        help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
                             "same in every process (default: the exported example minibatch, "
-                            "repeated; needs --steps)")
+                            "repeated)")
     train.add_argument("--threads", type=int, default=None,
                        help="torch threads per worker process")
     train.add_argument("--timeline", default=None, metavar="FILE.json",
@@ -81,36 +84,44 @@ def _check_port_free(addr: str, port: int) -> None:
                                    "different --master-port, or none to pick a free one") from None
 
 
-def _check_default_data(export_dir: Path, steps: int | None) -> None:
-    """Without --data the workers train the exported example minibatch: say now, not from
-    inside torchrun, when the export cannot do that."""
-    try:
-        meta = json.loads((export_dir / "pipeline.json").read_text())
-    except (OSError, ValueError):
-        return  # not a full export: the workers will say what is missing
-    example = export_dir / "example.pt"
-    if not example.is_file():
+def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
+    """Refuse, in one line and before any worker starts, an export that is damaged or cannot
+    train as asked; the number of minibatches to pass the workers (None: all of --data)."""
+    from pdcompile.export import check_export
+
+    meta = check_export(export_dir)
+    lost = meta.get("not_saved", {})
+    if lost:
+        what = " and ".join(lost)
+        raise PdcompileError(
+            f"the {what} of {export_dir} could not be saved at export "
+            f"({'; '.join(lost.values())}), so the workers cannot rebuild it; compile with one "
+            "that has an import path (e.g. torch.nn.functional.cross_entropy, any torch.optim "
+            "optimizer) and export again")
+    if args.data is not None:
+        return args.steps
+    example = meta.get("example", {})
+    if not example.get("inputs"):
         raise PdcompileError(f"{export_dir} holds no example minibatch to train on; pass "
                              "--data FILE.py:FUNCTION (FUNCTION() returns an iterable of "
                              "(inputs, target))")
-    if steps is None:
-        raise PdcompileError("training on the repeated example minibatch needs --steps N (or "
-                             "pass --data FILE.py:FUNCTION)")
-    if "loss_fn" in meta.get("callables", []):
-        import torch
-
-        if torch.load(example, weights_only=False).get("target") is None:
-            raise PdcompileError(
-                f"{export_dir} holds the example inputs but no target for its loss function "
-                "(compile(..., example_target=y) saves one); pass --data FILE.py:FUNCTION")
+    if meta.get("loss_fn") is not None and not example.get("target"):
+        raise PdcompileError(
+            f"{export_dir} holds the example inputs but no target for its loss function: pass "
+            "compile(..., example_target=y), or call step/train once before export; or pass "
+            "--data FILE.py:FUNCTION")
+    if args.steps is None:
+        print(f"pdcompile run: training on the exported example minibatch, {DEFAULT_STEPS} "
+              "times (--steps N for another count, --data FILE.py:FUNCTION for real data)",
+              file=sys.stderr, flush=True)
+        return DEFAULT_STEPS
+    return args.steps
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for `args` (see `register`)."""
     export_dir = Path(args.export_dir)
-    if not export_dir.is_dir():
-        raise PdcompileError(f"export folder {str(export_dir)!r} does not exist; write one with "
-                             "`pdcompile export` or Pipeline.export(path)")
+    steps = _check_export(export_dir, args)
     nnodes = str(args.nnodes)
     single = nnodes == "1"
     workers = _plan_workers(export_dir)
@@ -124,8 +135,6 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     if single and workers is not None and nproc != workers:
         raise PdcompileError(f"the pipeline in {export_dir} was compiled for {workers} workers, "
                              f"not --nproc {nproc}; pass --nproc {workers}")
-    if args.data is None:
-        _check_default_data(export_dir, args.steps)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
            f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint or args.rdzv_backend:
@@ -151,8 +160,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         if args.node_rank is not None:
             cmd += [f"--node-rank={args.node_rank}"]
     cmd += ["-m", WORKER_MODULE, str(export_dir)]
-    if args.steps is not None:
-        cmd += ["--steps", str(args.steps)]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", str(args.checkpoint_dir)]
     if args.checkpoint_every is not None:
