@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from pdcompile.backends.launch import FaultMonitor, PeerFailure, Worker, backend_for, launch
+from pdcompile.backends.launch import (
+    DEFAULT_FAULT_TIMEOUT,
+    FaultMonitor,
+    PeerFailure,
+    Worker,
+    backend_for,
+    launch,
+)
 from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
 from pdcompile.ir import Action, Kind, Schedule
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
@@ -887,7 +894,8 @@ def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[A
 
 def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                     data: Callable[[], Iterable[Any]], *, steps: int | None = None,
-                    timeout: float = 600, fault_timeout: float = 10, record: bool = False,
+                    timeout: float = 600, fault_timeout: float = DEFAULT_FAULT_TIMEOUT,
+                    record: bool = False,
                     checkpoint_dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None,
                     progress: Callable[[int, float], None] | None = None) -> DistributedRun:

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from pdcompile.backends.launch import DEFAULT_FAULT_TIMEOUT
 from pdcompile.errors import DistributedError, PdcompileError
 
 # test hook only: "RANK:MINIBATCH" makes that rank (one that reads data) kill itself (SIGKILL)
@@ -45,7 +46,10 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--steps", type=int, default=None, help="minibatches in the whole run")
     out.add_argument("--checkpoint-dir", default=None)
     out.add_argument("--checkpoint-every", type=int, default=None, metavar="K")
-    out.add_argument("--fault-timeout", type=float, default=10.0, metavar="SECONDS")
+    out.add_argument("--fault-timeout", type=float, default=DEFAULT_FAULT_TIMEOUT,
+                     metavar="SECONDS",
+                     help="a worker that died, or stopped answering for this long, is named by "
+                          f"the others, which stop (default {DEFAULT_FAULT_TIMEOUT:g})")
     out.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
                      help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
                           "same in every process (default: the exported example minibatch, "
@@ -132,6 +136,10 @@ def _init_process_group(rank: int, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one worker; returns the exit status (errors print one line)."""
+    from pdcompile.backends.launch import end_with_launcher, launcher_from_env
+
+    # first of all: a worker whose launcher (torchrun, `pdcompile run`) is killed ends too
+    end_with_launcher(launcher_from_env(), what=f"rank {os.environ.get('RANK', '?')}")
     args = parser().parse_args(argv)
     try:
         return _main(args)

@@ -2,7 +2,10 @@
 
 The command builds a `torchrun` command line whose worker is
 `python -m pdcompile.backends.distributed EXPORT_DIR ...` (so the exported folder also runs
-under a plain `torchrun` with the same arguments) and runs it. Multi-node flags (`--nnodes`,
+under a plain `torchrun` with the same arguments; --dry-run prints it) and runs it, through a thin
+wrapper of torchrun's agent that reports failed workers as data: a failed run ends in one line
+naming the rank that failed first. Killing `pdcompile run` (SIGINT, SIGTERM, even SIGKILL) stops
+every worker within a second or two. Multi-node flags (`--nnodes`,
 `--node-rank`, `--master-addr`, `--master-port`, `--rdzv-*`, `--max-restarts`) pass through.
 """
 
@@ -10,10 +13,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 from pdcompile.backends.distributed_main import DEFAULT_STEPS
@@ -21,6 +28,7 @@ from pdcompile.errors import DistributedError, PdcompileError
 from pdcompile.local_machine import free_port
 
 WORKER_MODULE = "pdcompile.backends.distributed"
+AGENT_MODULE = "pdcompile.backends.torchrun_agent"  # torchrun, reporting failures as data
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -183,8 +191,82 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    completed = subprocess.run(cmd, check=False)
-    if completed.returncode != 0:
-        raise DistributedError(f"the distributed run failed (torchrun exit code "
-                               f"{completed.returncode}); the workers' errors are above")
+    agent = [*cmd[:cmd.index("torch.distributed.run")], AGENT_MODULE,
+             *cmd[cmd.index("torch.distributed.run") + 1:]]
+    nproc = int(next(a for a in cmd if a.startswith("--nproc-per-node=")).split("=")[1])
+    return supervise(agent, nproc=nproc)
+
+
+def supervise(cmd: list[str], *, nproc: int, grace: float = 3.0) -> int:
+    """Run the torchrun agent `cmd` and see that nothing it started outlives this process.
+
+    SIGINT, SIGTERM or SIGHUP here: the agent gets SIGTERM (it stops its workers) and, if it
+    has not ended `grace` seconds later, SIGKILL. SIGKILL here (nothing can run): the agent
+    gets SIGTERM from the kernel (parent-death signal, Linux) and every worker sees this pid
+    gone (`LAUNCHER_ENV`, backends/launch.end_with_launcher) and ends within a fraction of a
+    second. A failed run ends in one line naming the rank that failed first.
+    """
+    from pdcompile.backends.launch import LAUNCHER_ENV, parent_death_preexec
+    from pdcompile.backends.torchrun_agent import REPORT_ENV
+
+    with tempfile.TemporaryDirectory(prefix="pdcompile-run-") as tmp:
+        report = Path(tmp) / "failures.json"
+        env = {**os.environ, LAUNCHER_ENV: str(os.getpid()), REPORT_ENV: str(report)}
+        if nproc > 1:  # what torchrun would set, without its banner saying so
+            env.setdefault("OMP_NUM_THREADS", "1")
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=parent_death_preexec(signal.SIGTERM))
+        received: list[int] = []
+
+        def forward(signum: int, frame: object) -> None:
+            received.append(signum)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+        stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, forward) for sig in stopping}
+        try:
+            first: float | None = None
+            while True:
+                try:
+                    code = proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if received:
+                    first = first or time.monotonic()
+                    if time.monotonic() - first > grace:
+                        proc.kill()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if received:
+            name = signal.Signals(received[0]).name
+            print(f"pdcompile run: stopped by {name}; the workers were stopped",
+                  file=sys.stderr, flush=True)
+            return 128 + received[0]
+        if code != 0:
+            raise DistributedError(_failure_line(report, code))
     return 0
+
+
+def _failure_line(report: Path, code: int) -> str:
+    """One line naming the rank that failed first (from the agent's report)."""
+    try:
+        failures = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return (f"the distributed run failed (torchrun exit code {code}); the workers' errors "
+                "are above")
+    # the agent stops the survivors of a failure with SIGTERM: those are not causes
+    causes = [f for f in failures if f.get("signal") != "SIGTERM"] or failures
+    causes.sort(key=lambda f: (f.get("time") or 0, f["rank"]))
+    stopped = len(failures) - len(causes)
+
+    def how(f: dict[str, object]) -> str:
+        signal_name = f.get("signal")
+        return (f"rank {f['rank']} was killed by {signal_name}" if signal_name
+                else f"rank {f['rank']} exited with code {f['exitcode']}")
+
+    rest = "".join(f", then {how(f)}" for f in causes[1:])
+    others = f" ({stopped} other{'s' if stopped > 1 else ''} stopped)" if stopped else ""
+    return (f"the distributed run failed: {how(causes[0])} first{rest}{others}; the workers' "
+            "messages are above")
