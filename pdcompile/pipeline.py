@@ -27,6 +27,7 @@ from pdcompile.plan import Plan
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
+from pdcompile.suggest import did_you_mean
 from pdcompile.timeline import Recorder, Timeline
 from pdcompile.validate import validate
 
@@ -116,7 +117,8 @@ class Pipeline:
                  example_inputs: Sequence[Any] | None = None,
                  example_target: Any = None) -> None:
         if schedule not in SCHEDULES:
-            raise PipelineInputError(f"unknown schedule {schedule!r}; choose one of "
+            raise PipelineInputError(f"unknown schedule {schedule!r}"
+                                     f"{did_you_mean(schedule, SCHEDULES)}; choose one of "
                                      f"{', '.join(SCHEDULES)}")
         self.plan = plan
         self.graph = graph
@@ -343,6 +345,13 @@ class Pipeline:
 
     def step(self, *inputs: Any, target: Any = None) -> float:
         """One training step on one minibatch cut into `microbatches`; its mean loss."""
+        names = self.parts.data_inputs
+        if target is None and self.loss_fn is not None and len(inputs) == len(names) + 1:
+            given = ", ".join(names)
+            raise PipelineInputError(
+                f"the model takes {len(names)} input{'s' if len(names) != 1 else ''} ({given}) "
+                f"and step() got {len(inputs)}: is the last one the target? Pass it by name: "
+                f"pipe.step({given}, target=y)")
         return self.train([(inputs, target)])[0]
 
     def train(self, batches: Iterable[tuple[Any, Any]], *, steps: int | None = None
@@ -360,6 +369,13 @@ class Pipeline:
             inputs, target = item
             items.append((tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,),
                           target))
+        if self.loss_fn is not None:
+            for index, (_, target) in enumerate(items):
+                if target is None:
+                    raise PipelineInputError(
+                        f"minibatch {index} has no target, and the pipeline has a loss function "
+                        "(it computes loss_fn(output, target)): pass step(*inputs, target=y), "
+                        "or (inputs, target) pairs to train()")
         self._keep_example_target(items)
         if self.schedule_name in FLUSH:
             out = []

@@ -153,8 +153,15 @@ def test_default_data_is_the_example_a_default_number_of_times(
     assert main(["run", str(folder), "--dry-run", "--steps", "3"]) == 0
     captured = capsys.readouterr()
     assert "--steps 3" in captured.out and not captured.err
-    assert main(["run", str(folder), "--nproc", "2", "--dry-run", "--data", "d.py:f"]) == 0
-    assert "--data d.py:f" in capsys.readouterr().out
+    data = tmp_path / "d.py"
+    data.write_text("def batches():\n    return []\n")
+    assert main(["run", str(folder), "--nproc", "2", "--dry-run", "--data",
+                 f"{data}:batches"]) == 0
+    assert f"--data {data}:batches" in capsys.readouterr().out
+    assert main(["run", str(folder), "--dry-run", "--data", f"{data}:batchs"]) == 1
+    err = capsys.readouterr().err
+    assert "has no callable 'batchs' (did you mean 'batches'?)" in err
+    assert err.count("\n") == 1
     meta = json.loads((folder / "pipeline.json").read_text())
     meta["example"]["target"] = False
     (folder / "pipeline.json").write_text(json.dumps(meta))

@@ -16,15 +16,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
-import importlib.util
 import itertools
 import json
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 from pdcompile.backends.launch import DEFAULT_FAULT_TIMEOUT
@@ -62,28 +59,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load_data(spec: str) -> Callable[[], Iterable[Any]]:
-    """`path/to/file.py:function` or `package.module:function`, imported."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        raise PdcompileError(f"--data {spec!r} must be written as path/to/file.py:function")
-    if path.endswith(".py"):
-        file = Path(path)
-        if not file.is_file():
-            raise PdcompileError(f"--data file {path!r} does not exist")
-        module_name = f"pdcompile_data_{file.stem}"
-        spec_obj = importlib.util.spec_from_file_location(module_name, file)
-        if spec_obj is None or spec_obj.loader is None:
-            raise PdcompileError(f"cannot import {path!r} as a Python file")
-        module = importlib.util.module_from_spec(spec_obj)
-        sys.modules[module_name] = module
-        spec_obj.loader.exec_module(module)
-    else:
-        module = importlib.import_module(path)
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise PdcompileError(f"{path} has no callable {name!r}; define 'def {name}(): return "
-                             "an iterable of (inputs, target)'")
-    return function  # type: ignore[no-any-return]
+    """`path/to/file.py:function` or `package.module:function`, imported (one-line errors)."""
+    from pdcompile.user_code import find_callable, import_user_module, split_spec
+
+    path, name = split_spec(spec, what="--data", name="function", example="data.py:batches")
+    module = import_user_module(path, what="--data")
+    return find_callable(module, name, spec=spec,
+                         hint=f"define 'def {name}(): return an iterable of (inputs, target)'")
 
 
 def example_data(pipe: Any, export_dir: str) -> Iterable[Any]:

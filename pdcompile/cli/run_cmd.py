@@ -107,6 +107,9 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
             "that has an import path (e.g. torch.nn.functional.cross_entropy, any torch.optim "
             "optimizer) and export again")
     if args.data is not None:
+        from pdcompile.backends.distributed_main import load_data
+
+        load_data(args.data)  # a --data that cannot be imported: one line here, not N workers'
         return args.steps
     example = meta.get("example", {})
     if not example.get("inputs"):
