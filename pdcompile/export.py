@@ -414,6 +414,14 @@ def read_meta(folder: Path) -> dict[str, Any]:
         raise PipelineInputError(f"{folder}/pipeline.json is format {found!r}{older}, expected "
                                  f"{EXPORT_FORMAT!r}; export the pipeline again with this "
                                  "pdcompile")
+    shapes = {"stages": list, "optimizers": list, "data_inputs": list, "output_refs": list,
+              "ties": list, "output_spec": str, "schedule": str, "name": str}
+    wrong = [k for k, kind in shapes.items() if not isinstance(meta.get(k), kind)]
+    if wrong or len(meta["optimizers"]) != len(meta["stages"]) or not all(
+            isinstance(stage, dict) for stage in meta["stages"]):
+        raise DamagedFileError(f"{folder / 'pipeline.json'} is altered or incomplete "
+                               f"({', '.join(wrong) or 'stages'} missing or malformed); export "
+                               "the pipeline again")
     return meta
 
 

@@ -148,3 +148,19 @@ def test_a_missing_file_is_named(tmp_path: Path) -> None:
         pdcompile.load(str(out))
     with pytest.raises(PdcompileError, match=r"stage_0.safetensors is missing from the export"):
         check_export(out)
+
+
+def test_an_altered_pipeline_json_is_named(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    import json
+
+    pipe, _, _ = _pipeline()
+    out = tmp_path / "out"
+    pipe.export(str(out))
+    meta = json.loads((out / "pipeline.json").read_text())
+    del meta["stages"]
+    (out / "pipeline.json").write_text(json.dumps(meta))
+    with pytest.raises(PdcompileError, match=r"pipeline.json is altered or incomplete \(stages"):
+        pdcompile.load(str(out))
+    assert main(["run", str(out), "--dry-run"]) == 1
+    assert "pipeline.json is altered" in capsys.readouterr().err

@@ -60,7 +60,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                        help="checkpoint every K minibatches")
     train.add_argument("--fault-timeout", type=float, default=None, metavar="SECONDS",
-                       help="stop within this many seconds after another worker dies")
+                       help="a worker that dies, or stops answering for this long, is named "
+                            "by the others, which stop (default 8)")
     train.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
                        help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
                             "same in every process (default: the exported example minibatch, "
