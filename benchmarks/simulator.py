@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import pdcompile
-from pdcompile.cli.simulate_cmd import data_parallel_plan, simulate_plan
+from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
 from pdcompile.cluster import Cluster
 from pdcompile.profiles import load_pipedream
 

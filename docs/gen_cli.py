@@ -26,7 +26,8 @@ Conventions shared by all subcommands:
 - A cluster is a preset (`A`, `B`, `C`, `h100-node`, `h100-4node`, `local-N`), a short string such
   as `4x4@1e10,1.25e9:v100`, or a `.json`/`.yaml` file.
 - Exit status: 0 ok; 1 a user error, explained in one line on stderr
-  (`pdcompile plan: error: ...`); 2 bad usage (argparse); 130 interrupted.
+  (`pdcompile plan: error: ...`); 2 bad usage (argparse; one line too); 130 interrupted. A
+  mistyped command, choice, option, preset or model name gets a "did you mean".
 - `--json` (inspect, plan, simulate, export, demo) prints machine-readable output on stdout and
   keeps progress and notes on stderr.
 - Progress bars and spinners appear on stderr only when it is a terminal; colour likewise, and

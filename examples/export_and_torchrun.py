@@ -53,9 +53,9 @@ def main() -> None:
     steps = 8 if args.small else 32
 
     (x,), _ = next(batches())
-    # The loss and optimizer travel in the export by pickle, i.e. by reference: use callables
-    # the workers can import (torch's, functools.partial of them, functions of an importable
-    # module), not lambdas or functions defined in this __main__.
+    # The export records the loss function by import path (torch's, a functools.partial of
+    # one, a function of an importable module; not a lambda or a function of this __main__)
+    # and the optimizer by its class and hyper-parameters (a lambda making it is fine).
     pipe = pdcompile.compile(make_model(), example_inputs=(x,), stages=2,
                              loss_fn=nn.functional.cross_entropy,
                              optimizer=functools.partial(torch.optim.SGD, lr=0.1))

@@ -53,7 +53,10 @@ def compile(  # noqa: A001 - the public name of the one-liner
     turns weight stashing off (comparison only); `vertical_sync` makes every stage use stage 0's
     weight version ('1f1b').
     `example_target`: the target of the example minibatch (optional; exported with it, so that
-    `pdcompile run` can train on the example when no data is given).
+    `pdcompile run` can train on the example when no data is given). Without it, the first
+    target `step` / `train` receive with a minibatch shaped like `example_inputs` is kept.
+    `optimizer` and `loss_fn` may be anything callable (a lambda too); an export records the
+    optimizers they made by class and hyper-parameters, and the loss function by import path.
     `fuse`: rewrite the stages' Linear layers so that their backward adds the weight gradient
     straight into `.grad` (passes/fuse.py; faster with microbatches; off: plain autograd).
     `example_inputs` given as a dict binds the model's inputs by name (`step` then takes a dict

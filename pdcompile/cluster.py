@@ -82,7 +82,7 @@ PRESET_HELP: dict[str, str] = {
     "C": "PipeDream cluster C: 4 servers x 1 Titan X, 40 Gbps between",
     "h100-node": "one server of 8 x H100 with NVLink (450 GB/s)",
     "h100-4node": "4 servers x 8 H100, NVLink inside, 400 Gbps between",
-    "local": "this machine's processes (local-N for N workers, default 2), bandwidth measured",
+    "local-N": "N processes of this machine (local: 2), bandwidth measured",
 }
 
 
@@ -207,9 +207,12 @@ class Cluster:
                                  ("paper-b", "B"), ("paper-c", "C")):
             table[alias] = table[canonical]
         if key not in table:
+            from pdcompile.suggest import did_you_mean
+
             names = ", ".join(PRESET_HELP)
-            raise ClusterError(f"unknown cluster preset {name!r}; presets are: {names}; "
-                               f"or write a short form, {_EXAMPLE}")
+            known = [*table, *(f"local-{n}" for n in range(1, 9))]
+            raise ClusterError(f"unknown cluster preset {name!r}{did_you_mean(key, known)}; "
+                               f"presets are: {names}; or write a short form, {_EXAMPLE}")
         levels, device = table[key]
         cluster = cls(levels=levels, device=device, name=key.upper() if len(key) == 1 else key)
         return cluster if workers is None else cluster.with_workers(workers)

@@ -1,9 +1,15 @@
 """The demo: the whole path on this machine, end to end (what `pdcompile demo` runs).
 
-profile a bundled CNN on this CPU -> plan it for `local-N` -> export -> train it for a few dozen
+profile the demo model on this CPU -> plan it for `local-N` -> export -> train it for a few dozen
 minibatches on N real processes (torch.distributed, gloo) -> write the predicted (simulator) and
 measured timelines -> compare them -> plan the same costs for PipeDream's cluster A and report the
 predicted speed-up over data parallelism. Everything it prints is also written to `out/demo.md`.
+
+The model and its size are chosen in one place, `DemoSize`: a wide MLP (models/demomlp.py) on
+a few images per minibatch, whose weights are large against their compute. That is where
+pipelining pays on any cluster, a 2-core machine included: data parallelism all-reduces every
+weight after every minibatch, a pipeline sends only the activations at its cuts, so the planner
+(free to replicate) chooses a pipeline and predicts it faster than data parallelism.
 """
 
 from __future__ import annotations
@@ -29,24 +35,26 @@ from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
 from pdcompile.passes.cache_flush import caches_for
 from pdcompile.plan import Plan
 from pdcompile.timeline import Timeline
-from pdcompile.units import format_seconds
+from pdcompile.units import format_bytes, format_seconds
 
 
 @dataclass(frozen=True)
 class DemoSize:
-    """How big the demo runs: minibatches trained, images per minibatch, model width."""
+    """The demo's model and run, in one place (see the module docstring for why this model):
+    minibatches trained, images per minibatch and their side, the MLP's width and depth, and
+    repetitions of each measurement when profiling."""
 
     steps: int = 48
-    batch_size: int = 32
-    image_size: int = 32
-    width: int = 16
-    hidden: int = 512
+    batch_size: int = 8
+    image_size: int = 16
+    hidden: int = 1536
+    depth: int = 6
     repeats: int = 5
 
     @classmethod
     def quick(cls) -> DemoSize:
-        """A reduced setting for CI: fewer, smaller minibatches and a narrower model."""
-        return cls(steps=12, batch_size=16, image_size=16, width=8, hidden=128, repeats=2)
+        """A reduced setting for CI: fewer minibatches, a narrower model (still a pipeline)."""
+        return cls(steps=12, batch_size=4, image_size=8, hidden=1024, depth=4, repeats=2)
 
 
 @dataclass
@@ -101,9 +109,9 @@ def machine() -> str:
 def demo_batches(steps: int, batch_size: int, image_size: int,
                  seed: int = 0) -> Any:
     """The demo's data stream (module level, so worker processes can unpickle it)."""
-    from pdcompile.models import democnn
+    from pdcompile.models import demomlp
 
-    return democnn.batches(steps, batch_size=batch_size, image_size=image_size, seed=seed)
+    return demomlp.batches(steps, batch_size=batch_size, image_size=image_size, seed=seed)
 
 
 class _Log:
@@ -168,19 +176,19 @@ def profile(size: DemoSize, *, progress: bool = False, seed: int = 0, caches: st
             ) -> tuple[torch.nn.Module, tuple[torch.Tensor], nx.DiGraph]:
     """The demo model, its example minibatch and its CostGraph measured on this CPU (`caches`:
     as `annotate_costs`)."""
-    from pdcompile.models import democnn
+    from pdcompile.models import demomlp
     from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.trace import trace
 
     torch.manual_seed(seed)
-    model, inputs = democnn.factory(batch_size=size.batch_size, image_size=size.image_size,
-                                    width=size.width, hidden=size.hidden)
+    model, inputs = demomlp.factory(batch_size=size.batch_size, image_size=size.image_size,
+                                    hidden=size.hidden, depth=size.depth)
     gm = trace(model)
     with torch.random.fork_rng():
         annotate_shapes(gm, inputs)
         annotate_costs(gm, inputs, repeats=size.repeats, progress=progress, caches=caches)
-    return model, inputs, to_cost_graph(gm, name="DemoCNN")
+    return model, inputs, to_cost_graph(gm, name="DemoMLP")
 
 
 def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,
@@ -220,19 +228,19 @@ def _distributed_trainer() -> Callable[..., Any] | None:
 def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
              size: DemoSize | None = None, backend: str = "distributed",
              stream: TextIO | None = None, progress: bool | None = None,
-             timeout: float = 600, lr: float = 1e-3, replicas: bool = False,
+             timeout: float = 600, lr: float = 1e-4, straight: bool = False,
              command: str | None = None) -> DemoResult:
     """Run the demo (see the module docstring); prints as it goes to `stream` (stdout).
 
     `backend`: "distributed" (one process per worker, gloo) or "local" (one process; the
     reference semantics). `progress`: bars on stderr (default: when stderr is a terminal).
     `command`: the command line to name in the report.
-    `replicas`: let the planner replicate stages on local-N (it may then choose plain data
-    parallelism, which shows no pipeline); by default the local plan is a straight pipeline.
-    Cluster A is always planned without restriction.
+    `straight`: ask the planner for a straight pipeline (one worker per stage) on local-N;
+    by default it is free to replicate stages, data parallelism included. Cluster A is always
+    planned without restriction.
     """
     from pdcompile.api import compile as compile_pipeline
-    from pdcompile.models import democnn
+    from pdcompile.models import demomlp
     from pdcompile.planner import plan as make_plan
     from pdcompile.viz.chrome_trace import write_chrome_trace
     from pdcompile.viz.gantt import draw_gantt
@@ -263,8 +271,10 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
         log(f"load average before the run (1, 5, 15 min): {load}")
     except OSError:
         pass
-    log(f"model: DemoCNN (pdcompile.models.democnn), minibatch {size.batch_size} images "
-        f"{size.image_size}x{size.image_size}, {size.steps} minibatches, Adam lr {lr:g}")
+    log(f"model: DemoMLP (pdcompile.models.demomlp), {size.depth} layers {size.hidden} wide, "
+        f"minibatch {size.batch_size} images {size.image_size}x{size.image_size} (flattened), "
+        f"{size.steps} minibatches, Adam lr {lr:g}: weights large against their compute, "
+        "where a pipeline pays (DemoSize)")
     log()
     log("## 1. profile on this CPU")
     started = time.perf_counter()
@@ -272,21 +282,22 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
     model, inputs, graph = profile(size, progress=bars, caches=caches_for(cluster))
     fwd = sum(d["fwd"] for _, d in graph.nodes(data=True))
     bwd = sum(d["bwd"] for _, d in graph.nodes(data=True))
-    log(f"{graph.number_of_nodes()} nodes, forward {format_seconds(fwd)} + backward "
-        f"{format_seconds(bwd)} per minibatch, measured in "
+    weights = sum(float(d["params"]) for _, d in graph.nodes(data=True))
+    log(f"{graph.number_of_nodes()} nodes, {format_bytes(weights)} of weights, forward "
+        f"{format_seconds(fwd)} + backward {format_seconds(bwd)} per minibatch, measured in "
         f"{time.perf_counter() - started:.1f} s")
 
     log()
     log(f"## 2. plan for local-{workers}")
-    plan = make_plan(graph, cluster, time_limit=5, straight=not replicas)
-    target = democnn.make_target(inputs)
+    plan = make_plan(graph, cluster, time_limit=5, straight=straight)
+    target = demomlp.make_target(inputs)
     optimizer = functools.partial(torch.optim.Adam, lr=lr)
-    pipe = compile_pipeline(model, cluster, example_inputs=inputs, loss_fn=democnn.loss_fn,
+    pipe = compile_pipeline(model, cluster, example_inputs=inputs, loss_fn=demomlp.loss_fn,
                             optimizer=optimizer, plan=plan, example_target=target)
     log(f"cluster: {cluster.describe()}"
-        + ("" if replicas else "; a straight pipeline (one worker per stage; --replicas lets "
-           "the planner replicate stages)"))
+        + ("; a straight pipeline was asked (--straight)" if straight else ""))
     log(pipe.summary(), block=True)
+    log(why_this_plan(plan, graph, cluster))
     files += [draw_plan(pipe, folder / f"plan.{ext}", graph=graph) for ext in ("svg", "png")]
     (folder / "plan.json").write_text(plan.to_json())
     files.append(folder / "plan.json")
@@ -342,16 +353,22 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
         per = line.time_per_minibatch()
         pictures = [folder / f"{name}_gantt.png", folder / f"{name}_gantt.svg"]
         draw_gantt(line, pictures, stage_of_rank=stage_of, width=16.0,
-                   title=f"DemoCNN {plan.config} 1f1b on local-{workers}, {name}: "
+                   title=f"{pipe.name} {plan.config} 1f1b on local-{workers}, {name}: "
                    f"{format_seconds(per)} per minibatch")
         files += [folder / f"{name}_timeline.json", *pictures,
                   write_chrome_trace(line, folder / f"{name}_trace.json")]
     files.append(_side_by_side(predicted, measured, folder, stage_of,
-                               f"DemoCNN {plan.config} 1f1b on local-{workers}"))
+                               f"{pipe.name} {plan.config} 1f1b on local-{workers}"))
     predicted_per, measured_per = predicted.time_per_minibatch(), measured.time_per_minibatch()
     log(f"time per minibatch: predicted {format_seconds(predicted_per)}, measured "
         f"{format_seconds(measured_per)} (predicted / measured = "
         f"{predicted_per / measured_per if measured_per > 0 else float('inf'):.2f})")
+    log(f"two predictions, both from the profile, before the run: the planner's "
+        f"{format_seconds(plan.time_per_minibatch)} is the closed form it ranks plans by (the "
+        f"slowest stage's compute and communication, in steady state); the simulator's "
+        f"{format_seconds(predicted_per)} plays this run's schedule action by action, with the "
+        "optimizer steps and weight stashing timed on this machine and the workers sharing "
+        "its cores, which the closed form leaves out")
     try:
         from pdcompile.compare import compare
 
@@ -379,10 +396,48 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
     (folder / "demo.md").write_text("\n".join(log.lines) + "\n")
     result.files += [folder / "demo.json", folder / "demo.md"]
     log()
-    log(f"wrote {folder}/: gantt.png (predicted over measured), plan.svg/.png, plan.json, "
-        "pipeline/, predicted_/measured_ gantt.png, gantt.svg, trace.json (open in "
-        "ui.perfetto.dev), timeline.json, demo.md, demo.json")
+    log(f"wrote {folder}/: " + ", ".join(_listed(result.files, folder))
+        + " (gantt.png: predicted over measured; *_trace.json: open in ui.perfetto.dev)")
+    (folder / "demo.md").write_text("\n".join(log.lines) + "\n")
     return result
+
+
+def why_this_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster) -> str:
+    """One line: what the planner chose on `cluster` and why, in the terms of its cost model
+    (data parallelism's compute share and weight all-reduce against the plan's time)."""
+    from pdcompile.cost.links import ring_allreduce_seconds
+
+    compute = sum(float(d["fwd"]) + float(d["bwd"]) for _, d in graph.nodes(data=True))
+    weights = sum(float(d["params"]) for _, d in graph.nodes(data=True))
+    workers = cluster.workers
+    level = cluster.levels[cluster.slowest_level_of(list(range(workers)))]
+    # one ring all-reduce per round of `workers` minibatches, shared by them
+    sync = ring_allreduce_seconds(weights, workers, level) / workers
+    sharing = cluster.shared_cores()
+    turns = (f", its {min(sharing[0], workers)} workers taking turns on {sharing[1]} cores"
+             if sharing is not None and sharing[0] > sharing[1] else "")
+    dp = (f"data parallelism would compute {format_seconds(compute / workers)} per worker and "
+          f"all-reduce all {format_bytes(weights)} of weights once per round of {workers} "
+          f"minibatches ({format_seconds(sync)} per minibatch at "
+          f"{format_bytes(level.bandwidth)}/s){turns}")
+    if len(plan.stages) == 1:
+        return (f"why: the planner chose data parallelism ({plan.config}): {dp}, which beats "
+                "every pipeline it priced")
+    faster = "faster" if plan.speedup_over_dp >= 1 else "slower"
+    return (f"why {plan.config}: {dp}, {format_seconds(plan.dp_time)} in all with its "
+            f"optimizer steps; the pipeline sends only the activations at its cuts and each "
+            f"stage steps only its own weights: {format_seconds(plan.time_per_minibatch)}, "
+            f"{plan.speedup_over_dp:.2f}x {faster}")
+
+
+def _listed(files: list[Path], folder: Path) -> list[str]:
+    """The names of the files (and folders, with '/') that exist, relative to `folder`."""
+    names = []
+    for path in files:
+        if path.exists():
+            name = str(path.relative_to(folder)) if path.is_relative_to(folder) else str(path)
+            names.append(name + ("/" if path.is_dir() else ""))
+    return names
 
 
 def _side_by_side(predicted: Timeline, measured: Timeline, folder: Path,

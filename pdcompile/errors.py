@@ -44,3 +44,7 @@ class PipelineInputError(PdcompileError, ValueError):
 
 class DistributedError(PdcompileError, RuntimeError):
     """A distributed run that cannot go on (dead peer, port in use, unreachable master)."""
+
+
+class DamagedFileError(PdcompileError, ValueError):
+    """A file pdcompile wrote (export, checkpoint) that is truncated, altered or not its own."""

@@ -14,9 +14,10 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.utils import _pytree as pytree
 
 from pdcompile.backends.local import run_local
-from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
+from pdcompile.errors import PdcompileError, PipelineInputError, PlanError, ScheduleError
 from pdcompile.ir import Schedule
 from pdcompile.passes.codegen import RankFn, generate_rank, load_rank
 from pdcompile.passes.lower import lower
@@ -26,6 +27,7 @@ from pdcompile.plan import Plan
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
+from pdcompile.suggest import did_you_mean
 from pdcompile.timeline import Recorder, Timeline
 from pdcompile.validate import validate
 
@@ -85,12 +87,19 @@ class RunInput:
     data: MicrobatchData
     microbatches: int      # microbatches in the run (the schedule's count)
     per_minibatch: int     # microbatches per minibatch (one update each, per replica round)
+    # the microbatches of each minibatch, in order (a minibatch is one microbatch under '1f1b',
+    # except a last one cut into pieces to complete the replicas' round; see Pipeline.prepare)
+    groups: tuple[tuple[int, ...], ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            per = self.per_minibatch
+            self.groups = tuple(tuple(range(k * per, (k + 1) * per))
+                                for k in range(self.microbatches // per))
 
     def minibatch_losses(self, losses: dict[int, torch.Tensor]) -> list[float]:
         """Mean loss of each minibatch from the loss of each microbatch."""
-        per = self.per_minibatch
-        return [float(torch.stack([losses[k * per + i] for i in range(per)]).mean())
-                for k in range(self.microbatches // per)]
+        return [float(torch.stack([losses[i] for i in group]).mean()) for group in self.groups]
 
 
 class Pipeline:
@@ -115,7 +124,8 @@ class Pipeline:
                  example_inputs: Sequence[Any] | None = None,
                  example_target: Any = None) -> None:
         if schedule not in SCHEDULES:
-            raise PipelineInputError(f"unknown schedule {schedule!r}; choose one of "
+            raise PipelineInputError(f"unknown schedule {schedule!r}"
+                                     f"{did_you_mean(schedule, SCHEDULES)}; choose one of "
                                      f"{', '.join(SCHEDULES)}")
         self.plan = plan
         self.graph = graph
@@ -132,6 +142,7 @@ class Pipeline:
         self.last_timeline: Timeline | None = None
         self.last_runtimes: dict[int, StageRuntime] = {}
         self._sources: dict[tuple[int, int], dict[int, str]] = {}
+        self._checked_shapes: set[Any] = set()  # minibatch shapes check_minibatch accepted
         self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
         self._check()
         # one minibatch as compiled: backends check shapes against it, export saves it
@@ -345,7 +356,18 @@ class Pipeline:
         return losses
 
     def step(self, *inputs: Any, target: Any = None) -> float:
-        """One training step on one minibatch cut into `microbatches`; its mean loss."""
+        """One training step on one minibatch cut into `microbatches`; its mean loss.
+
+        Under '1f1b' with replicated stages the minibatch is cut into one piece per replica
+        of the round (see `prepare`), so that it trains as one data-parallel update.
+        """
+        names = self.parts.data_inputs
+        if target is None and self.loss_fn is not None and len(inputs) == len(names) + 1:
+            given = ", ".join(names)
+            raise PipelineInputError(
+                f"the model takes {len(names)} input{'s' if len(names) != 1 else ''} ({given}) "
+                f"and step() got {len(inputs)}: is the last one the target? Pass it by name: "
+                f"pipe.step({given}, target=y)")
         return self.train([(inputs, target)])[0]
 
     def train(self, batches: Iterable[tuple[Any, Any]], *, steps: int | None = None
@@ -354,7 +376,8 @@ class Pipeline:
 
         Asynchronous schedules overlap the minibatches in the pipeline (PipeDream); the pipeline
         fills at the start and drains at the end of the call. Flush schedules run one schedule
-        (one synchronous update) per minibatch.
+        (one synchronous update) per minibatch. Minibatches may differ in size (the short last
+        one of an epoch) or shape; see `prepare` for how they are cut.
         """
         items = []
         for index, item in enumerate(batches):
@@ -363,10 +386,18 @@ class Pipeline:
             inputs, target = item
             items.append((tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,),
                           target))
+        if self.loss_fn is not None:
+            for index, (_, target) in enumerate(items):
+                if target is None:
+                    raise PipelineInputError(
+                        f"minibatch {index} has no target, and the pipeline has a loss function "
+                        "(it computes loss_fn(output, target)): pass step(*inputs, target=y), "
+                        "or (inputs, target) pairs to train()")
+        self._keep_example_target(items)
         if self.schedule_name in FLUSH:
             out = []
-            for item in items:
-                run = self.prepare([item])
+            for index, item in enumerate(items):
+                run = self.prepare([item], first=index)
                 out.extend(run.minibatch_losses(self._run(run.data, run.microbatches,
                                                           run.per_minibatch)))
             return out
@@ -375,30 +406,132 @@ class Pipeline:
         run = self.prepare(items)
         return run.minibatch_losses(self._run(run.data, run.microbatches, run.per_minibatch))
 
-    def prepare(self, batches: Sequence[tuple[Sequence[Any], Any]]) -> RunInput:
+    def _keep_example_target(self, items: Sequence[tuple[tuple[Any, ...], Any]]) -> None:
+        """Without an `example_target` from compile(), keep the first target given with a
+        minibatch shaped like the example inputs: the export then holds a whole example
+        minibatch, which `pdcompile run` trains on when given no data."""
+        if self.example_target is not None or self.example_inputs is None:
+            return
+        want = _signature(self.example_inputs)
+        for inputs, target in items:
+            if target is not None and _signature(inputs) == want:
+                self.example_target = pytree.tree_map(
+                    lambda v: v.detach().clone() if isinstance(v, torch.Tensor) else v, target)
+                return
+
+    def prepare(self, batches: Sequence[tuple[Sequence[Any], Any]], *, first: int = 0
+                ) -> RunInput:
         """The data of one run of the schedule over these minibatches, cut into microbatches
-        and numbered as the schedule numbers them (backends run `rank_function` on it)."""
+        and numbered as the schedule numbers them (backends run `rank_function` on it).
+
+        Minibatches need not be shaped like the example (a short last batch of an epoch,
+        another sequence length): each new shape is checked once (`check_minibatch`), and a
+        minibatch whose size does not divide by the microbatch count is cut into microbatches
+        that differ by at most one sample (each counts equally in the minibatch's loss).
+        Under '1f1b' with replicated stages a run must complete the replicas' round (the least
+        common multiple L of the replica counts): when the count of minibatches is not a
+        multiple of L, the last minibatch is cut into as many pieces as complete it, which go
+        round-robin like minibatches (`step` on config "2": each replica takes half of the
+        minibatch, and they average their gradients into one update). `first`: the index of
+        the first minibatch, for messages.
+        """
         batches = [(tuple(x) if isinstance(x, tuple | list) else (x,), t) for x, t in batches]
         if self.schedule_name in FLUSH and len(batches) != 1:
             raise PipelineInputError(f"a {self.schedule_name!r} run covers one minibatch, got "
                                      f"{len(batches)}")
+        for index, (inputs, target) in enumerate(batches, first):
+            self.check_minibatch(index, inputs, target)
         if self.schedule_name == "1f1b":
             lcm = _lcm([s.replicas for s in self.plan.stages])
+            pieces = [1] * len(batches)
             if len(batches) % lcm:
-                raise PipelineInputError(
-                    f"'1f1b' with replicated stages ({self.plan.config}) trains a number of "
-                    f"minibatches that is a multiple of {lcm}; got {len(batches)} (pass "
-                    f"steps={len(batches) // lcm * lcm or lcm} or more batches)")
-            data = MicrobatchData([self._named(inputs) for inputs, _ in batches],
-                                  [t for _, t in batches])
-            return RunInput(data, len(batches), 1)
-        m = self.microbatches
+                pieces[-1] = lcm - len(batches) % lcm + 1
+            per = 1
+        else:
+            pieces = [self.microbatches] * len(batches)
+            per = self.microbatches
         inputs_all: list[dict[str, Any]] = []
         targets: list[Any] = []
-        for inputs, target in batches:
-            inputs_all.extend(self._cut(inputs, m))
-            targets.extend(_cut_target(target, m))
-        return RunInput(MicrobatchData(inputs_all, targets), len(batches) * m, m)
+        groups: list[tuple[int, ...]] = []
+        for index, ((inputs, target), count) in enumerate(zip(batches, pieces, strict=True),
+                                                          first):
+            start = len(inputs_all)
+            if count == 1:
+                inputs_all.append(self._named(inputs))
+                targets.append(target)
+            else:
+                why = ("microbatches" if self.schedule_name != "1f1b" else
+                       f"pieces that complete the round of the replicas ({self.plan.config})")
+                inputs_all.extend(self._cut(inputs, count, index=index, why=why))
+                targets.extend(_cut_target(target, count, index=index, why=why))
+            groups.append(tuple(range(start, len(inputs_all))))
+        return RunInput(MicrobatchData(inputs_all, targets), len(inputs_all), per, tuple(groups))
+
+    def check_minibatch(self, index: int, inputs: Sequence[Any], target: Any) -> None:
+        """Refuse, in one line, a minibatch the pipeline cannot train, before any rank starts.
+
+        One shaped like the example is fine. Another shape (a short last batch, another
+        sequence length) is checked once per shape: the stages and the loss run forward on its
+        first microbatch, without gradients or side effects; if they fail, the message names
+        the input that differs from the example and the model's complaint.
+        """
+        names = self.parts.data_inputs
+        if len(inputs) != len(names):
+            raise PipelineInputError(
+                f"minibatch {index} has {len(inputs)} inputs but the pipeline takes "
+                f"{len(names)} ({', '.join(names)}); pass them positionally as in "
+                "example_inputs")
+        key = _signature((tuple(inputs), target))
+        if key in self._checked_shapes:
+            return
+        example = self.example_inputs
+        same = example is not None and _signature(tuple(inputs)) == _signature(example) and (
+            target is None or self.example_target is None
+            or _signature(target) == _signature(self.example_target))
+        if not same:
+            if self.schedule_name != "1f1b":  # too few samples for the microbatches: say so
+                self._cut(tuple(inputs), self.microbatches, index=index, why="microbatches")
+            stage = "model"
+            try:
+                values = self._example_values(tuple(inputs))
+                stage = "loss function"
+                self._dry_loss(tuple(inputs), target, values)
+            except PdcompileError:
+                raise
+            except Exception as err:
+                detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+                cannot = "model cannot run on it" if stage == "model" else \
+                    "loss function cannot use it with the model's output"
+                raise PipelineInputError(
+                    f"minibatch {index}: {self._difference(tuple(inputs), target)}, and the "
+                    f"{cannot} ({type(err).__name__}: {detail})") from None
+        self._checked_shapes.add(key)
+
+    def _difference(self, inputs: tuple[Any, ...], target: Any) -> str:
+        """What differs from the example minibatch, in words."""
+        example = self.example_inputs or ()
+        for name, given, want in zip(self.parts.data_inputs, inputs, example, strict=False):
+            if _signature(given) != _signature(want):
+                return (f"input {name!r} is {_describe(given)} but the pipeline was compiled "
+                        f"for {_describe(want)}")
+        if self.example_target is not None:
+            return (f"the target is {_describe(target)} but the example's is "
+                    f"{_describe(self.example_target)}")
+        return f"the target is {_describe(target)}"
+
+    def _dry_loss(self, inputs: tuple[Any, ...], target: Any,
+                  values: dict[tuple[int, str], Any]) -> None:
+        """The loss of the first microbatch of a minibatch, from its stage outputs `values`
+        (no gradients, random state kept)."""
+        if self.loss_fn is None or target is None:
+            return
+        m = 1 if self.schedule_name == "1f1b" else self.microbatches
+        named = self._named(inputs)
+        leaves = [named[r.name] if r.stage is None else values[r.stage, r.name]
+                  for r in self.parts.output_refs]
+        output = pytree.tree_unflatten(leaves, self.parts.output_spec)
+        with torch.random.fork_rng(), torch.no_grad():
+            self.loss_fn(output, _cut_target(target, m, index=0, why="microbatches")[0])
 
     def rank_function(self, rank: int, microbatches: int, per_minibatch: int) -> RankFn:
         """The compiled generated loop of `rank` for a run of that shape."""
@@ -439,15 +572,15 @@ class Pipeline:
                                      "example_inputs")
         return dict(zip(names, inputs, strict=True))
 
-    def _cut(self, inputs: Sequence[Any], m: int) -> list[dict[str, Any]]:
+    def _cut(self, inputs: Sequence[Any], m: int, *, index: int, why: str
+             ) -> list[dict[str, Any]]:
         named = self._named(inputs)
-        chunks = {name: _chunks(value, m, name) for name, value in named.items()}
+        chunks = {name: _chunks(value, m, f"input {name!r}", index=index, why=why)
+                  for name, value in named.items()}
         return [{name: chunks[name][i] for name in named} for i in range(m)]
 
     def __call__(self, *inputs: Any) -> Any:
         """The model's output, computed by the stage modules one after another (no schedule)."""
-        from torch.utils import _pytree as pytree
-
         named = self._named(inputs)
         values: dict[tuple[int, str], Any] = {}
         for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
@@ -484,6 +617,13 @@ class Pipeline:
         named = {name: value[:-(-value.shape[0] // m)]
                  if isinstance(value, torch.Tensor) and value.dim() else value
                  for name, value in self._named(inputs).items()}
+        return self._microbatch_values(named, inputs, m)
+
+    def _microbatch_values(self, named: dict[str, Any], inputs: Sequence[Any] = (),
+                           m: int = 1) -> dict[tuple[int, str], Any]:
+        """Every stage output for one microbatch (model inputs by name), without side effects;
+        `inputs` and `m`: the minibatch it was cut from and into how many, for the message of
+        a stage that fails on it."""
         values: dict[tuple[int, str], Any] = {}
         modules = [p.module for p in self.parts.stages]
         saved = [{k: b.clone() for k, b in mod.named_buffers()} for mod in modules]
@@ -495,8 +635,8 @@ class Pipeline:
                     try:
                         outputs = module(*args)
                     except Exception as err:
-                        raise self._stage_failure(program.index, module, args, err, inputs,
-                                                  m) from None
+                        raise self._stage_failure(program.index, module, args, err,
+                                                  inputs or (named,), m) from None
                     for name, value in zip(program.outputs, outputs, strict=True):
                         values[program.index, name] = value
         finally:
@@ -534,9 +674,16 @@ class Pipeline:
 
     def edge_specs(self, inputs: Sequence[Any] | torch.Tensor) -> dict[Tag, list[TensorSpec]]:
         """Shapes and dtypes of every message of microbatch 0 for a minibatch like `inputs`."""
+        return self._specs_of(self._example_values(inputs))
+
+    def microbatch_specs(self, named: dict[str, Any]) -> dict[Tag, list[TensorSpec]]:
+        """Shapes and dtypes of every message of one microbatch (model inputs by name, as
+        `RunInput.data.inputs(m)` gives them), keyed by the tags of microbatch 0."""
+        return self._specs_of(self._microbatch_values(named))
+
+    def _specs_of(self, values: dict[tuple[int, str], Any]) -> dict[Tag, list[TensorSpec]]:
         from pdcompile.runtime.stage_runtime import _encode
 
-        values = self._example_values(inputs)
         out: dict[Tag, list[TensorSpec]] = {}
         for program in self.parts.stages:
             for dst, names in program.sends.items():
@@ -593,21 +740,42 @@ def _lcm(values: list[int]) -> int:
     return math.lcm(*values) if values else 1
 
 
-def _chunks(value: Any, m: int, name: str) -> list[Any]:
+def _signature(value: Any) -> Any:
+    """Shapes and dtypes of a (nested) value: equal for minibatches shaped alike."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, tuple | list):
+        return tuple(_signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, _signature(v)) for k, v in value.items()))
+    return type(value).__name__
+
+
+def _chunks(value: Any, m: int, name: str, *, index: int, why: str) -> list[Any]:
+    """`value` cut along its first dimension into `m` parts differing by at most one."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return [value] * m
-    if value.shape[0] % m:
-        raise PipelineInputError(f"input {name!r} has batch size {value.shape[0]}, which does not "
-                                 f"split into {m} equal microbatches; use a batch size that is a "
-                                 f"multiple of {m} or change microbatches=")
-    return list(torch.chunk(value, m))
+    if value.shape[0] < m:
+        raise PipelineInputError(f"minibatch {index}: {name} has batch size {value.shape[0]}, "
+                                 f"too small to cut into {m} {why}; give it at least {m} "
+                                 "samples, or compile with fewer microbatches")
+    return list(torch.tensor_split(value, m))
 
 
-def _cut_target(target: Any, m: int) -> list[Any]:
+def _cut_target(target: Any, m: int, *, index: int, why: str) -> list[Any]:
     if isinstance(target, tuple | list):
-        parts = [_chunks(t, m, "target") for t in target]
+        parts = [_chunks(t, m, "the target", index=index, why=why) for t in target]
         return [type(target)(p[i] for p in parts) for i in range(m)]
-    return _chunks(target, m, "target")
+    return _chunks(target, m, "the target", index=index, why=why)
+
+
+def _describe(value: Any) -> str:
+    """"(8, 12) float32" for a tensor, a tuple of those for a tuple, the type otherwise."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(_describe(v) for v in value) + ")"
+    return type(value).__name__
 
 
 __all__ = ["MicrobatchData", "Pipeline", "RankState", "RunInput", "default_optimizer"]

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torch import nn
 
-from pdcompile.errors import DistributedError
+from pdcompile.errors import DamagedFileError, DistributedError
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 
 
@@ -18,10 +18,10 @@ def test_save_is_atomic_and_keeps_the_newest(tmp_path: Path) -> None:
     for step in (2, 4, 6):
         ckpt.save(step, {"x": torch.tensor([step])})
     assert ckpt.steps() == [4, 6]
-    assert sorted(p.name for p in ckpt.rank_dir().iterdir()) == ["step_00000004.pt",
-                                                                 "step_00000006.pt"]
+    assert sorted(p.name for p in ckpt.rank_dir().iterdir()) == ["step_00000004.safetensors",
+                                                                 "step_00000006.safetensors"]
     # a crash in the middle of a save leaves only a temporary file, which is never read
-    (ckpt.rank_dir() / ".step_00000008.pt.123.tmp").write_bytes(b"torn")
+    (ckpt.rank_dir() / ".step_00000008.safetensors.123.tmp").write_bytes(b"torn")
     assert ckpt.steps() == [4, 6]
     assert int(ckpt.load(6)["x"]) == 6
 
@@ -58,3 +58,27 @@ def test_module_and_optimizer_state_round_trip(tmp_path: Path) -> None:
     torch.manual_seed(123)
     restore_module_state(state, other, None)
     torch.testing.assert_close(torch.randn(2), expected)
+
+
+def test_a_damaged_checkpoint_is_named_in_one_line(tmp_path: Path) -> None:
+    model = nn.Linear(3, 2)
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(4, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, rank=0, every=1)
+    path = ckpt.save(1, module_state(model, opt, losses=[0.5]))
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])  # truncated
+    with pytest.raises(DamagedFileError) as info:
+        ckpt.load(1)
+    message = str(info.value)
+    assert "\n" not in message and str(path) in message and "truncated" in message
+    # a checkpoint of another rank or step under this name
+    Checkpointer(tmp_path, rank=1, every=1).save(1, module_state(model, opt))
+    (tmp_path / "rank_1" / "step_00000001.safetensors").replace(path)
+    with pytest.raises(DamagedFileError, match=r"holds rank 1 step 1, not rank 0 step 1"):
+        ckpt.load(1)
+    # one of another model: named when restored
+    ckpt.save(2, module_state(nn.Linear(5, 2), None))
+    with pytest.raises(DamagedFileError, match=r"the checkpoint does not fit this stage"):
+        restore_module_state(ckpt.load(2), model, opt)

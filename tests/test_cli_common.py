@@ -144,7 +144,8 @@ def test_console_entry_exit_codes(tmp_path: Path) -> None:
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and not bad.stdout
     usage = subprocess.run([sys.executable, "-m", "pdcompile", "demo", "--workers", "0"],
                            capture_output=True, text=True, timeout=100, check=False)
-    assert usage.returncode == 2 and "usage:" in usage.stderr
+    assert usage.returncode == 2 and usage.stderr.count("\n") == 1
+    assert "pdcompile demo --help" in usage.stderr
 
 
 def test_cli_reference_lists_every_option() -> None:

@@ -21,7 +21,15 @@ def test_quick_demo_trains_and_writes_the_timelines(tmp_path: Path,
     text = printed.out
     # the plan (Pipeline.summary), the losses, predicted against measured, cluster A
     assert "## 2. plan for local-2" in text and "first" in text and "sends/mb" in text
+    # the planner, free to replicate, chooses a pipeline and says why (weights against compute)
     assert "config straight on 2 workers" in text
+    why = next(line for line in text.splitlines() if line.startswith("why straight: "))
+    assert "data parallelism would compute" in why and "all-reduce all" in why
+    assert float(why.split("x faster")[0].rsplit(" ", 1)[1]) > 1.0
+    assert "two predictions, both from the profile" in text
+    wrote = next(line for line in text.splitlines() if line.startswith(f"wrote {out}/: "))
+    named = wrote.split(": ", 1)[1].split(" (")[0].split(", ")
+    assert len(named) >= 15 and all((out / name).exists() for name in named), wrote
     assert "torch.distributed, gloo" in text
     assert "losses: " in text and "samples/s" in text
     assert "time per minibatch: predicted" in text and "measured" in text
@@ -55,7 +63,7 @@ def test_demo_local_backend_learns(tmp_path: Path) -> None:
 
     from pdcompile.demo import DemoSize, run_demo
 
-    size = DemoSize(steps=24, batch_size=16, image_size=16, width=8, hidden=128, repeats=1)
+    size = DemoSize(steps=24, batch_size=16, image_size=8, hidden=128, depth=3, repeats=1)
     result = run_demo(out=tmp_path, size=size, backend="local", stream=io.StringIO(),
                       progress=False, lr=3e-3)
     assert result.backend == "local" and len(result.losses) == 24

@@ -22,9 +22,13 @@ from pdcompile.timeline import Timeline
 
 
 def _export(tmp_path: Path, workers: int) -> Path:
+    """A small real export for `workers` workers (one stage each)."""
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(workers)])
+    pipe = pdcompile.compile(model, example_inputs=(torch.randn(4, 4),),
+                             example_target=torch.randn(4, 4), loss_fn=nn.functional.mse_loss,
+                             stages=[1] * workers, schedule="1f1b-flush", microbatches=2)
     folder = tmp_path / "exported"
-    folder.mkdir()
-    (folder / "plan.json").write_text(json.dumps({"workers": workers}))
+    pipe.export(str(folder))
     return folder
 
 
@@ -136,19 +140,34 @@ def test_dead_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path: Path
     want = pdcompile.load(str(folder)).train([((x,), y)] * 6)
     assert _losses(done.stdout) == pytest.approx(want, rel=1e-6)
     assert sorted(p.name for p in (ckpt / "rank_1").iterdir()) == [
-        "step_00000004.pt", "step_00000006.pt"]
+        "step_00000004.safetensors", "step_00000006.safetensors"]
 
 
-def test_default_data_needs_steps_and_an_example_target(
+def test_default_data_is_the_example_a_default_number_of_times(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder, _, _ = _exported(tmp_path)
-    assert main(["run", str(folder), "--nproc", "2", "--dry-run"]) == 1
-    assert "repeated example minibatch needs --steps N" in capsys.readouterr().err
-    assert main(["run", str(folder), "--nproc", "2", "--dry-run", "--data", "d.py:f"]) == 0
-    assert "--data d.py:f" in capsys.readouterr().out
-    torch.save({"inputs": (torch.randn(8, 12),), "target": None}, folder / "example.pt")
-    assert main(["run", str(folder), "--nproc", "2", "--steps", "2", "--dry-run"]) == 1
+    assert main(["run", str(folder), "--dry-run"]) == 0
+    captured = capsys.readouterr()
+    assert "training on the exported example minibatch, 20 times" in captured.err
+    assert "--nproc-per-node=2" in captured.out and f"{folder} --steps 20" in captured.out
+    assert main(["run", str(folder), "--dry-run", "--steps", "3"]) == 0
+    captured = capsys.readouterr()
+    assert "--steps 3" in captured.out and not captured.err
+    data = tmp_path / "d.py"
+    data.write_text("def batches():\n    return []\n")
+    assert main(["run", str(folder), "--nproc", "2", "--dry-run", "--data",
+                 f"{data}:batches"]) == 0
+    assert f"--data {data}:batches" in capsys.readouterr().out
+    assert main(["run", str(folder), "--dry-run", "--data", f"{data}:batchs"]) == 1
+    err = capsys.readouterr().err
+    assert "has no callable 'batchs' (did you mean 'batches'?)" in err
+    assert err.count("\n") == 1
+    meta = json.loads((folder / "pipeline.json").read_text())
+    meta["example"]["target"] = False
+    (folder / "pipeline.json").write_text(json.dumps(meta))
+    assert main(["run", str(folder), "--dry-run"]) == 1
     assert "no target for its loss function" in capsys.readouterr().err
-    (folder / "example.pt").unlink()
-    assert main(["run", str(folder), "--nproc", "2", "--steps", "2", "--dry-run"]) == 1
+    meta["example"]["inputs"] = False
+    (folder / "pipeline.json").write_text(json.dumps(meta))
+    assert main(["run", str(folder), "--dry-run"]) == 1
     assert "holds no example minibatch" in capsys.readouterr().err

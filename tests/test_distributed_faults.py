@@ -64,6 +64,7 @@ def _bad_input_worker(worker: Worker) -> dict[str, Any]:
     out: dict[str, Any] = {}
     pipe = _pipeline([1, 1])
     wrong_first = [(torch.randn(BATCH, WIDTH + 1), torch.randint(0, 3, (BATCH,)))] + _good(2)
+    # a short batch trains; one whose target has another batch size does not
     wrong_third = _good(2) + [(torch.randn(BATCH // 2, WIDTH), torch.randint(0, 3, (BATCH,)))]
     wrong_target = [(_good(1)[0][0], torch.randint(0, 3, (BATCH, 2)))]
     # past the first announcement of runs (distributed.ANNOUNCE_AHEAD): found by a later one
@@ -89,9 +90,11 @@ def test_wrong_shapes_are_refused_on_every_rank_without_hanging() -> None:
         assert out["first"].startswith("minibatch 0: input 'input_1' is (8, 13) float32 but the "
                                        "pipeline was compiled for (8, 12) float32")
         assert out["third"].startswith("minibatch 2: input 'input_1' is (4, 12) float32 but the "
-                                       "pipeline was compiled for (8, 12) float32")
-        assert out["target"].startswith("minibatch 0: the target is (8, 2) int64 but (8,) int64 "
-                                        "was expected")
+                                       "pipeline was compiled for (8, 12) float32, and the loss "
+                                       "function cannot use it with the model's output")
+        assert out["target"].startswith("minibatch 0: the target is (8, 2) int64 but the "
+                                        "example's is (8,) int64, and the loss function cannot "
+                                        "use it")
         assert out["sixth"].startswith("minibatch 5: input 'input_1' is (8, 14) float32 but the "
                                        "pipeline was compiled for (8, 12) float32")
         assert "compiled for 3 workers" in out["world"] and "process group has 2" in out["world"]

@@ -29,7 +29,14 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
-from pdcompile.backends.launch import FaultMonitor, PeerFailure, Worker, backend_for, launch
+from pdcompile.backends.launch import (
+    DEFAULT_FAULT_TIMEOUT,
+    FaultMonitor,
+    PeerFailure,
+    Worker,
+    backend_for,
+    launch,
+)
 from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
 from pdcompile.ir import Action, Kind, Schedule
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
@@ -355,41 +362,6 @@ def _signature(value: Any) -> Any:
     return type(value).__name__
 
 
-class _ShapeCheck:
-    """Refuses minibatches not shaped like the one the pipeline was compiled with, on every
-    rank before the run that would use them starts (so no rank is left waiting)."""
-
-    def __init__(self, names: Sequence[str], inputs: Sequence[Any] | None, target: Any,
-                 origin: str) -> None:
-        self.names = tuple(names)
-        self.inputs = None if inputs is None else tuple(inputs)
-        self.target = target
-        self.origin = origin
-
-    def __call__(self, index: int, inputs: tuple[Any, ...], target: Any) -> None:
-        if self.inputs is None:
-            self.inputs, self.origin = inputs, "the first minibatch"
-        if self.target is None:
-            self.target = target
-        if len(inputs) != len(self.inputs):
-            raise PipelineInputError(
-                f"minibatch {index} has {len(inputs)} inputs but the pipeline takes "
-                f"{len(self.inputs)} ({', '.join(self.names)}); pass them positionally as in "
-                "example_inputs")
-        for name, given, want in zip(self.names, inputs, self.inputs, strict=False):
-            if _signature(given) != _signature(want):
-                raise PipelineInputError(
-                    f"minibatch {index}: input {name!r} is {_describe(given)} but the pipeline "
-                    f"was compiled for {_describe(want)} ({self.origin}); every minibatch must "
-                    "have the compiled shape, batch size included (compile again with "
-                    "example_inputs of the new shape)")
-        if self.target is not None and _signature(target) != _signature(self.target):
-            raise PipelineInputError(
-                f"minibatch {index}: the target is {_describe(target)} but "
-                f"{_describe(self.target)} was expected (the target of {self.origin}); every "
-                "minibatch's target must have the same shape")
-
-
 def _minibatch(item: Any, index: int) -> tuple[tuple[Any, ...], Any]:
     try:
         inputs, target = item
@@ -530,7 +502,9 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
                     f"the checkpoints in {checkpoint_dir} were written by another pipeline "
                     f"({saved.get('pipeline')}, this one is {_identity(pipeline, stage)}); "
                     "name another checkpoint folder or delete this one")
-            restore_module_state(saved, state.module, state.optimizer)
+            restore_module_state(saved, state.module, state.optimizer,
+                                 origin=f"the checkpoint of rank {rank} at step {done} in "
+                                        f"{checkpoint_dir}")
             losses = [float(v) for v in saved["losses"]]
 
     reads = reads_data(pipeline, rank)
@@ -551,10 +525,24 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
                                          f"run resumes at minibatch {count} (checkpoint)")
         if resumed is not None and saved.get("rng") is not None:
             torch.set_rng_state(saved["rng"])  # as saved, whatever skipping the data drew
-    check = _ShapeCheck(pipeline.parts.data_inputs, getattr(pipeline, "example_inputs", None),
-                        getattr(pipeline, "example_target", None),
-                        "the example_inputs given to compile()")
     segment = 1 if flush else checkpoint_every
+    shapes: dict[Any, int] = {}  # a reader's: microbatch shape -> its table's number
+    tables: dict[int, dict[str, Any]] = {}  # every rank's: number -> message shapes, target
+
+    def shape_tables(run: Any) -> tuple[dict[int, dict[str, Any]], list[int]]:
+        """A reader's: the tables of the shapes first seen in `run`, and the table of each
+        microbatch (minibatches may differ in shape: a short last batch, another length)."""
+        new: dict[int, dict[str, Any]] = {}
+        table_of = []
+        for m in range(run.microbatches):
+            named, target = run.data.inputs(m), run.data.target(m)
+            key = _signature((tuple(named.values()), target))
+            if key not in shapes:
+                shapes[key] = len(shapes)
+                new[shapes[key]] = {"edges": pipeline.microbatch_specs(named),
+                                    "target": _target_layout(target) if routed else None}
+            table_of.append(shapes[key])
+        return new, table_of
 
     def take(index: int) -> list[tuple[tuple[Any, ...], Any]]:
         items: list[tuple[tuple[Any, ...], Any]] = []
@@ -563,14 +551,13 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
             item = next(stream, _END)
             if item is _END:
                 break
-            inputs, target = _minibatch(item, index + len(items))
-            check(index + len(items), inputs, target)
-            items.append((inputs, target))
+            items.append(_minibatch(item, index + len(items)))
         return items
 
     def read_run(index: int, first: bool) -> tuple[Any, dict[str, Any]]:
-        """A reader's next run: its data and its header (minibatch count and sizes, plus the
-        message shapes in the first); a refusal becomes the header's error."""
+        """A reader's next run: its data and its header (minibatch count and sizes, the
+        microbatches of each minibatch, the message shapes of each microbatch); a refusal
+        becomes the header's error."""
         header: dict[str, Any] = {"count": 0, "sizes": [], "error": None}
         run = None
         try:
@@ -580,10 +567,10 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
             header["count"] = len(items)
             header["sizes"] = [_batch_size(inputs) for inputs, _ in items]
             if items:
-                run = pipeline.prepare(items)
-                if first:
-                    header["edges"] = pipeline.edge_specs(items[0][0])
-                    header["target"] = _target_layout(run.data.target(0)) if routed else None
+                run = pipeline.prepare(items, first=index)
+                header["microbatches"] = run.microbatches
+                header["groups"] = [list(g) for g in run.groups]
+                header["tables"], header["table_of"] = shape_tables(run)
         except PdcompileError as err:
             header["error"] = str(err)
         return run, header
@@ -618,6 +605,7 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
         run, header = announced.popleft()
         if header["error"] is not None:
             raise PipelineInputError(header["error"])
+        tables.update(header.get("tables", {}))
         return run, header
 
     run, header = next_run(done, True)  # checked before any message of the pipeline is sent
@@ -625,36 +613,38 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     transport = DistributedTransport(stage_ranks=pipeline.stage_ranks,
                                      groups=pipeline.collective_groups(), monitor=monitor,
                                      device=device, prepost_depth=prepost_depth)
-    specs = _spec_function(header["edges"], pipeline.vertical_sync) if header["count"] \
-        else None
-    layout = header.get("target")
     recorder = Recorder(rank) if record else None
     renumbered = _Renumbered(recorder) if recorder is not None else None
     if renumbered is not None:
         renumbered.micro_base = done * pipeline.per_minibatch
-    receives: dict[tuple[int, int], list[Receive]] = {}
+    receives: dict[tuple[int, int, tuple[int, ...]], list[Receive]] = {}
     micro: dict[int, torch.Tensor] = {}   # microbatch losses of this rank, numbered globally
     per = pipeline.per_minibatch
     reported = [len(losses)]
+    group_of: dict[int, tuple[int, ...]] = {}  # minibatch -> its microbatches, numbered globally
+    micro_base = done * per  # the global number of the next run's first microbatch
+
+    def minibatch_loss(k: int, known: dict[int, torch.Tensor]) -> float:
+        return _mean([known[i] for i in group_of[k]])
 
     def report(known: dict[int, torch.Tensor]) -> None:
         while True:
             k = reported[0]
-            parts = [known.get(k * per + i) for i in range(per)]
+            parts = [known.get(i) for i in group_of.get(k, (-1,))]
             if any(p is None for p in parts):
                 return
             assert progress is not None
             progress(k, _mean(parts))  # type: ignore[arg-type]
             reported[0] = k + 1
 
-    def data_source(run: Any) -> Any:
+    def data_source(run: Any, layout_of: Callable[[int], TargetLayout | None]) -> Any:
         """What the stage runtime reads: the run's data, the targets sent to the last stage
         (readers of stage 0) or received from stage 0 (the last stage), or nothing."""
         if run is not None:
             return _SendsTargets(run.data, transport, plan, routed) if stage == 0 and routed \
                 else run.data
         if rank in routed:
-            return _ReceivesTargets(transport, plan, layout)
+            return _ReceivesTargets(transport, plan, layout_of)
         return _NoData(rank, stage)
 
     first = done
@@ -665,18 +655,24 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
         recorder.set_reference()
     start = time.perf_counter()
     while header["count"]:
-        count = header["count"]
-        n = count * per
-        key = (n, per)
+        count, n, table_of = header["count"], header["microbatches"], header["table_of"]
+        specs = _spec_function(tables, table_of, pipeline.vertical_sync)
+
+        def layout_of(m: int, table_of: list[int] = table_of) -> TargetLayout | None:
+            return tables[table_of[m]]["target"]  # type: ignore[no-any-return]
+
+        key = (n, per, tuple(table_of))
         if key not in receives:
-            assert specs is not None
             receives[key] = schedule_receives(pipeline.schedule(n, per), rank, specs)
-            if rank in routed and layout is not None:
-                receives[key] = _with_targets(receives[key], plan, layout)
+            if rank in routed:
+                receives[key] = _with_targets(receives[key], plan, layout_of)
         transport.expect(receives[key])
         rt = pipeline.runtime(rank, config=pipeline.run_config(per), transport=transport,
-                              data=data_source(run), specs=specs, recorder=renumbered)
-        base = done * per
+                              data=data_source(run, layout_of), specs=specs,
+                              recorder=renumbered)
+        base = micro_base
+        for j, group in enumerate(header["groups"]):
+            group_of[done + j] = tuple(base + i for i in group)
         seen = [0]
 
         def after(rt: Any = rt, base: int = base, seen: list[int] = seen,
@@ -697,14 +693,14 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
         if renumbered is not None:
             renumbered.next_run(n)
         done += count
+        micro_base += n
         samples += sum(header["sizes"])
         run, header = next_run(done, False)
         if ckpt is not None and (not header["count"] or (checkpoint_every is not None
                                                          and done % checkpoint_every == 0)):
             merged = _gather_losses(micro, monitor)
-            losses.extend(_mean([merged[k * per + i] for i in range(per)])
-                          for k in range(len(losses), done))
-            for k in [k for k in micro if k < done * per]:
+            losses.extend(minibatch_loss(k, merged) for k in range(len(losses), done))
+            for k in [k for k in micro if k < micro_base]:
                 del micro[k]
             if reporter:
                 report(merged)
@@ -715,8 +711,7 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     transport.flush()
     if len(losses) < done:
         merged = _gather_losses(micro, monitor)
-        losses.extend(_mean([merged[k * per + i] for i in range(per)])
-                      for k in range(len(losses), done))
+        losses.extend(minibatch_loss(k, merged) for k in range(len(losses), done))
         if reporter:
             report(merged)
     timeline = None
@@ -746,13 +741,15 @@ def reads_data(pipeline: Any, rank: int) -> bool:
     return last and any(ref.stage is None for ref in pipeline.parts.output_refs)
 
 
-def _spec_function(table: dict[Tag, list[TensorSpec]], vertical_sync: bool
-                   ) -> Callable[[Tag], list[TensorSpec]]:
-    """Tag -> message shapes, from microbatch 0's table (as Pipeline.spec_function)."""
+def _spec_function(tables: dict[int, dict[str, Any]], table_of: Sequence[int],
+                   vertical_sync: bool) -> Callable[[Tag], list[TensorSpec]]:
+    """Tag -> message shapes of one run: microbatch m's from table `table_of[m]` (as
+    Pipeline.spec_function; vertical sync adds the version number to activations)."""
     version = [TensorSpec((), torch.int64)] if vertical_sync else []
 
     def specs(tag: Tag) -> list[TensorSpec]:
-        found = table[Tag(tag.kind, tag.src_stage, tag.dst_stage, 0)]
+        edges = tables[table_of[tag.microbatch]]["edges"]
+        found: list[TensorSpec] = edges[Tag(tag.kind, tag.src_stage, tag.dst_stage, 0)]
         return found + version if tag.kind == "act" else found
 
     return specs
@@ -777,13 +774,15 @@ def _target_tag(plan: Any, microbatch: int) -> Tag:
     return Tag("target", 0, len(plan.stages) - 1, microbatch)
 
 
-def _with_targets(receives: list[Receive], plan: Any, layout: TargetLayout) -> list[Receive]:
+def _with_targets(receives: list[Receive], plan: Any,
+                  layout_of: Callable[[int], TargetLayout | None]) -> list[Receive]:
     """A last-stage rank's receives with each microbatch's target before its activations."""
     first = plan.stages[0].ranks
     out: list[Receive] = []
     seen: set[int] = set()
     for specs, src, tag in receives:
-        if tag.kind == "act" and tag.microbatch not in seen:
+        layout = layout_of(tag.microbatch)
+        if tag.kind == "act" and tag.microbatch not in seen and layout is not None:
             seen.add(tag.microbatch)
             out.append((layout[1], first[tag.microbatch % len(first)],
                         _target_tag(plan, tag.microbatch)))
@@ -820,11 +819,10 @@ class _ReceivesTargets:
     """The last stage's data when it reads none: targets arrive from stage 0."""
 
     def __init__(self, transport: DistributedTransport, plan: Any,
-                 layout: TargetLayout | None) -> None:
+                 layout_of: Callable[[int], TargetLayout | None]) -> None:
         self.transport = transport
         self.plan = plan
-        self.layout = layout
-        self.spec = None if layout is None else pytree.treespec_loads(layout[0])
+        self.layout_of = layout_of
         self.first = plan.stages[0].ranks
         self.got: dict[int, Any] = {}
 
@@ -833,14 +831,14 @@ class _ReceivesTargets:
                                f"{microbatch}, which only stage 0 reads")
 
     def target(self, microbatch: int) -> Any:
-        if self.layout is None:
+        layout = self.layout_of(microbatch)
+        if layout is None:
             return None
         if microbatch not in self.got:
             src = self.first[microbatch % len(self.first)]
-            leaves = self.transport.recv(self.layout[1], src,
+            leaves = self.transport.recv(layout[1], src,
                                          _target_tag(self.plan, microbatch)).wait()
-            assert self.spec is not None
-            self.got[microbatch] = pytree.tree_unflatten(leaves, self.spec)
+            self.got[microbatch] = pytree.tree_unflatten(leaves, pytree.treespec_loads(layout[0]))
         return self.got[microbatch]
 
 
@@ -885,7 +883,8 @@ def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[A
 
 def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                     data: Callable[[], Iterable[Any]], *, steps: int | None = None,
-                    timeout: float = 600, fault_timeout: float = 10, record: bool = False,
+                    timeout: float = 600, fault_timeout: float = DEFAULT_FAULT_TIMEOUT,
+                    record: bool = False,
                     checkpoint_dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None,
                     progress: Callable[[int, float], None] | None = None) -> DistributedRun:

@@ -6,7 +6,8 @@
 Initialises the default process group from torchrun's environment (RANK, WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT), loads the export, trains it with `run_distributed` and prints the
 progress on the rank that computes the losses and the summary on rank 0. Without `--data`, the
-example minibatch saved at export time is trained again and again (`--steps` needed). With a
+example minibatch saved at export time is trained again and again (`--steps`, default
+DEFAULT_STEPS). With a
 checkpoint folder, a worker restarted by `torchrun --max-restarts` resumes from the newest
 checkpoint every rank saved.
 """
@@ -15,22 +16,22 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib
-import importlib.util
 import itertools
 import json
 import os
 import signal
 import sys
 from collections.abc import Callable, Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
+from pdcompile.backends.launch import DEFAULT_FAULT_TIMEOUT
 from pdcompile.errors import DistributedError, PdcompileError
 
 # test hook only: "RANK:MINIBATCH" makes that rank (one that reads data) kill itself (SIGKILL)
 # when it reads that minibatch in the first attempt of a torchrun run (restart count 0)
 DIE_ENV = "PDCOMPILE_TEST_DIE_AT"
+# minibatches trained on the exported example when neither --steps nor --data is given
+DEFAULT_STEPS = 20
 
 
 def parser() -> argparse.ArgumentParser:
@@ -42,7 +43,10 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--steps", type=int, default=None, help="minibatches in the whole run")
     out.add_argument("--checkpoint-dir", default=None)
     out.add_argument("--checkpoint-every", type=int, default=None, metavar="K")
-    out.add_argument("--fault-timeout", type=float, default=10.0, metavar="SECONDS")
+    out.add_argument("--fault-timeout", type=float, default=DEFAULT_FAULT_TIMEOUT,
+                     metavar="SECONDS",
+                     help="a worker that died, or stopped answering for this long, is named by "
+                          f"the others, which stop (default {DEFAULT_FAULT_TIMEOUT:g})")
     out.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
                      help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
                           "same in every process (default: the exported example minibatch, "
@@ -55,28 +59,13 @@ def parser() -> argparse.ArgumentParser:
 
 
 def load_data(spec: str) -> Callable[[], Iterable[Any]]:
-    """`path/to/file.py:function` or `package.module:function`, imported."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        raise PdcompileError(f"--data {spec!r} must be written as path/to/file.py:function")
-    if path.endswith(".py"):
-        file = Path(path)
-        if not file.is_file():
-            raise PdcompileError(f"--data file {path!r} does not exist")
-        module_name = f"pdcompile_data_{file.stem}"
-        spec_obj = importlib.util.spec_from_file_location(module_name, file)
-        if spec_obj is None or spec_obj.loader is None:
-            raise PdcompileError(f"cannot import {path!r} as a Python file")
-        module = importlib.util.module_from_spec(spec_obj)
-        sys.modules[module_name] = module
-        spec_obj.loader.exec_module(module)
-    else:
-        module = importlib.import_module(path)
-    function = getattr(module, name, None)
-    if not callable(function):
-        raise PdcompileError(f"{path} has no callable {name!r}; define 'def {name}(): return "
-                             "an iterable of (inputs, target)'")
-    return function  # type: ignore[no-any-return]
+    """`path/to/file.py:function` or `package.module:function`, imported (one-line errors)."""
+    from pdcompile.user_code import find_callable, import_user_module, split_spec
+
+    path, name = split_spec(spec, what="--data", name="function", example="data.py:batches")
+    module = import_user_module(path, what="--data")
+    return find_callable(module, name, spec=spec,
+                         hint=f"define 'def {name}(): return an iterable of (inputs, target)'")
 
 
 def example_data(pipe: Any, export_dir: str) -> Iterable[Any]:
@@ -129,6 +118,10 @@ def _init_process_group(rank: int, world: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """Run one worker; returns the exit status (errors print one line)."""
+    from pdcompile.backends.launch import end_with_launcher, launcher_from_env
+
+    # first of all: a worker whose launcher (torchrun, `pdcompile run`) is killed ends too
+    end_with_launcher(launcher_from_env(), what=f"rank {os.environ.get('RANK', '?')}")
     args = parser().parse_args(argv)
     try:
         return _main(args)
@@ -157,7 +150,10 @@ def _main(args: argparse.Namespace) -> int:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     pipe = load_pipeline(args.export_dir)
     if args.data is None and args.steps is None:
-        raise PdcompileError("training on the repeated example minibatch needs --steps N")
+        args.steps = DEFAULT_STEPS
+        if rank == 0:
+            print(f"training on the exported example minibatch, {DEFAULT_STEPS} times (--steps "
+                  "N for another count)", flush=True)
     data: Iterable[Any] | None = None
     if reads_data(pipe, rank):  # stage 0 reads; the last stage gets its targets from it
         data = load_data(args.data)() if args.data else example_data(pipe, args.export_dir)

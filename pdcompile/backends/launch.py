@@ -15,7 +15,13 @@ Fault detection (`FaultMonitor`, one per worker, also used under torchrun) works
 - communication waits call `FaultMonitor.check()` before blocking and turn a transport error
   (gloo: "Connection closed by peer") into `PeerFailure` naming the dead rank from the record;
 - a worker blocked in a wait that no transport error will ever end (a peer that hangs rather than
-  dies) is stopped by its monitor thread: it reports the `PeerFailure` and exits the process.
+  dies) is stopped by its monitor thread: it reports the `PeerFailure` and exits the process;
+- a peer on this host whose heartbeat stopped (frozen: SIGSTOP, a debugger) is killed by the
+  worker that names it, so that the launcher waiting for it can end.
+
+No worker outlives its launcher (`end_with_launcher`): each asks the kernel for SIGKILL when its
+parent dies (Linux), and a thread ends it when the launcher's pid is gone (`LAUNCHER_ENV`, set by
+`pdcompile run` above torchrun; `launch` passes its own pid).
 """
 
 from __future__ import annotations
@@ -38,8 +44,11 @@ from typing import Any
 
 from pdcompile.errors import DistributedError
 
-DEFAULT_FAULT_TIMEOUT = 10.0
+DEFAULT_FAULT_TIMEOUT = 8.0
 _PREFIX = "pdcompile"
+# the pid of the process that launched the workers (`pdcompile run`); workers end without it
+LAUNCHER_ENV = "PDCOMPILE_LAUNCHER_PID"
+_PR_SET_PDEATHSIG = 1
 
 
 class PeerFailure(DistributedError):
@@ -247,7 +256,9 @@ class FaultMonitor:
             if last is None or beats != last[0]:
                 seen[peer] = (beats, now)
             elif now - last[1] > self.fault_timeout:
-                self.report(peer, f"no heartbeat for {now - last[1]:.1f} s")
+                record = self.report(peer, f"no heartbeat for {now - last[1]:.1f} s")
+                if record[0] == peer:
+                    self._kill_frozen(peer, host)
                 return
             pid_key = self._key("pid", peer)
             if beats and self.store.check([pid_key]):
@@ -256,6 +267,16 @@ class FaultMonitor:
                     if not self.store.check([self._key("done", peer)]):
                         self.report(peer, f"process {pid} is gone")
                         return
+
+    def _kill_frozen(self, peer: int, host: str) -> None:
+        """A peer on this host that stopped beating is frozen (or stuck in the kernel): kill
+        it, so that its launcher sees it end (it is already declared failed)."""
+        try:
+            peer_host, _, pid = self.store.get(self._key("pid", peer)).decode().rpartition(":")
+            if peer_host == host and int(pid) != os.getpid():
+                os.kill(int(pid), signal.SIGKILL)
+        except (OSError, ValueError, RuntimeError):
+            pass
 
     def _hard_stop(self) -> None:
         failure = self.error()
@@ -283,6 +304,80 @@ def _pid_alive(pid: int) -> bool:
             return stat.read().rpartition(")")[2].split()[0] != "Z"
     except OSError:
         return True
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side: no worker outlives its launcher
+
+
+def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:
+    """Ask the kernel to send `sig` to this process when its parent dies (Linux' prctl
+    PR_SET_PDEATHSIG; False where it is not available)."""
+    if os.uname().sysname != "Linux":
+        return False
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def parent_death_preexec(sig: int) -> Callable[[], None] | None:
+    """A `preexec_fn` for subprocess.Popen that gives the child `sig` when this process dies
+    (Linux; None elsewhere). libc is looked up here, not in the forked child."""
+    if os.uname().sysname != "Linux":
+        return None
+    try:
+        import ctypes
+
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+    def preexec() -> None:
+        prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+
+    return preexec
+
+
+def end_with_launcher(launcher_pid: int | None, *, what: str = "this worker",
+                      period: float = 0.2) -> None:
+    """End this process (exit status 1, one line on stderr) once the launcher is gone.
+
+    Two guards: the kernel's SIGKILL when the direct parent dies (Linux), and a daemon thread
+    that checks every `period` seconds that `launcher_pid` (the process the user started,
+    which may be the parent's parent, as `pdcompile run` is torchrun's) still exists. Either
+    way no worker keeps running, or holding a port or memory, after its launcher was killed.
+    """
+    parent = os.getppid()
+    set_parent_death_signal(signal.SIGKILL)
+    watched = [pid for pid in (launcher_pid, parent) if pid and pid > 1]
+    if os.getppid() != parent or not all(_pid_alive(pid) for pid in watched):
+        _gone(what, launcher_pid or parent)  # the launcher died before the guard was set
+
+    def watch() -> None:
+        while True:
+            time.sleep(period)
+            for pid in watched:
+                if not _pid_alive(pid):
+                    _gone(what, pid)
+
+    threading.Thread(target=watch, name="pdcompile-launcher-watch", daemon=True).start()
+
+
+def _gone(what: str, pid: int) -> None:
+    try:
+        os.write(2, f"pdcompile: {what} stops: its launcher (pid {pid}) is gone\n".encode())
+    finally:
+        os._exit(1)
+
+
+def launcher_from_env() -> int | None:
+    """The launcher's pid that `pdcompile run` passes its workers (None: not started by it)."""
+    text = os.environ.get(LAUNCHER_ENV, "")
+    return int(text) if text.isdigit() else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -331,7 +426,8 @@ def monitor_from_env(*, rank: int, world_size: int,
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
            master_port: int, backend: str, fault_timeout: float, results: Any,
-           args: tuple[Any, ...]) -> None:
+           args: tuple[Any, ...], launcher: int | None = None) -> None:
+    end_with_launcher(launcher, what=f"rank {rank}")
     import torch
     import torch.distributed as dist
 
@@ -434,7 +530,7 @@ def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
     results = ctx.Queue()
     procs = [ctx.Process(target=_child, name=f"pdcompile-rank-{rank}", daemon=True,
                          args=(fn, rank, nprocs, master_addr, port, backend, fault_timeout,
-                               results, args))
+                               results, args, os.getpid()))
              for rank in range(nprocs)]
     outcomes = [RankOutcome(rank) for rank in range(nprocs)]
     start = time.monotonic()

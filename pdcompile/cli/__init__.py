@@ -2,7 +2,8 @@
 
 Each subcommand lives in its own module here and exposes `register(subparsers)`, which adds its
 parser and sets `func(args) -> int`. Exit codes: 0 ok, 1 a user error (one line on stderr: a
-PdcompileError, or a file that cannot be read or written), 2 usage (argparse), 130 interrupted.
+PdcompileError, or a file that cannot be read or written), 2 usage (argparse; one line too, with
+a 'did you mean' for a mistyped command, choice or option), 130 interrupted.
 Colour (a red "error:") only when stderr is a terminal and NO_COLOR is not set.
 """
 
@@ -11,16 +12,40 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import sys
+from typing import NoReturn
 
 from pdcompile.errors import PdcompileError
+from pdcompile.suggest import did_you_mean
 
 SUBCOMMANDS = ("inspect", "plan", "simulate", "export", "run", "demo")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors in one line: the error, a 'did you mean' for a mistyped
+    choice, and where the options are listed (instead of the usage block)."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        choice = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if choice:
+            options = re.findall(r"'([^']*)'", choice.group(2))
+            message = message.replace(f" (choose from {choice.group(2)})",
+                                      f"{did_you_mean(choice.group(1), options)}; choose from "
+                                      f"{', '.join(options)}")
+        _error("", f"{message} (see '{self.prog} --help')", prog=self.prog)
+        sys.exit(2)
+
+    def unknown(self, extras: list[str]) -> NoReturn:
+        """Refuse arguments this (sub)command does not take, suggesting the closest option."""
+        options = [o for action in self._actions for o in action.option_strings]
+        hints = [f"{e}{did_you_mean(e.split('=')[0], options)}" for e in extras]
+        self.error(f"unrecognized arguments: {' '.join(hints)}")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand that is installed."""
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="pdcompile",
         description="Compile a PyTorch model into a PipeDream-style pipeline: trace, cost, "
         "partition into (replicated) stages, generate a 1F1B loop, run or simulate it.",
@@ -45,7 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the console script."""
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        command = getattr(args, "command", None)
+        sub = _subparser(parser, command) if command else None
+        (sub or parser).unknown(extras)  # type: ignore[attr-defined]
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
@@ -73,10 +102,19 @@ def colour_enabled(stream: object = None) -> bool:
     return bool(isatty and isatty()) and not os.environ.get("NO_COLOR")
 
 
-def _error(command: str, message: str) -> None:
+def _subparser(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser | None:
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            found = action.choices.get(command)
+            return found if isinstance(found, argparse.ArgumentParser) else None
+    return None
+
+
+def _error(command: str, message: str, *, prog: str | None = None) -> None:
     """One line on stderr: `pdcompile CMD: error: message` (the word in red on a terminal)."""
     word = "\033[31merror\033[0m" if colour_enabled() else "error"
-    print(f"pdcompile {command}: {word}: {message}", file=sys.stderr)
+    who = prog or (f"pdcompile {command}" if command else "pdcompile")
+    print(f"{who}: {word}: {message}", file=sys.stderr)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import itertools
 import sys
 import threading
@@ -36,29 +35,16 @@ def load_cluster(text: str) -> Cluster:
 
 
 def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
-    """Call `path/to/file.py:factory` (or `package.module:factory`); returns (model, inputs)."""
-    path, sep, name = spec.rpartition(":")
-    if not sep or not path or not name:
-        raise PdcompileError(f"model {spec!r} must be written as path/to/file.py:factory "
-                             "(e.g. pdcompile/models/vgg16.py:factory)")
-    if path.endswith(".py"):
-        file = Path(path)
-        if not file.is_file():
-            raise PdcompileError(f"model file {path!r} does not exist")
-        module_name = f"pdcompile_user_{file.stem}"
-        spec_obj = importlib.util.spec_from_file_location(module_name, file)
-        if spec_obj is None or spec_obj.loader is None:
-            raise PdcompileError(f"cannot import {path!r} as a Python file")
-        module = importlib.util.module_from_spec(spec_obj)
-        sys.modules[module_name] = module
-        spec_obj.loader.exec_module(module)
-    else:
-        module = importlib.import_module(path)
-    factory = getattr(module, name, None)
-    if not callable(factory):
-        raise PdcompileError(f"{path} has no callable {name!r}; define "
-                             f"'def {name}(): return model, example_inputs'")
-    result = factory()
+    """Call `path/to/file.py:factory` (or `package.module:factory`); returns (model, inputs).
+    Every failure (no such module or name, an error inside the factory) is one line."""
+    from pdcompile.user_code import call_user, find_callable, import_user_module, split_spec
+
+    path, name = split_spec(spec, what="model", name="factory",
+                            example="pdcompile/models/vgg16.py:factory")
+    module = import_user_module(path, what="model")
+    factory = find_callable(module, name, spec=spec,
+                            hint=f"define 'def {name}(): return model, example_inputs'")
+    result = call_user(factory, spec=spec)
     if not isinstance(result, tuple) or len(result) < 2:
         raise PdcompileError(f"{spec}() must return (model, example_inputs), got "
                              f"{type(result).__name__}")

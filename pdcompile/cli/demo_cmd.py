@@ -4,12 +4,13 @@
     pdcompile demo --workers 4 --out /tmp/demo
     pdcompile demo --quick --json           # the reduced setting CI runs; figures as JSON
 
-Profiles a small bundled CNN (pdcompile.models.democnn) on this CPU, plans it for local-N, prints
-the plan, trains it on N real processes (torch.distributed, gloo) with a progress line per few
-minibatches (a bar on a terminal), writes the predicted and measured timelines (Gantt PNG/SVG,
-Chrome trace, timeline JSON) and the drawn plan to --out, prints predicted against measured time
-per minibatch, then plans the same model for PipeDream's cluster A and prints the predicted
-speed-up over data parallelism. The report is also written to OUT/demo.md.
+Profiles a wide MLP (pdcompile.models.demomlp: weights large against their compute, where a
+pipeline beats data parallelism) on this CPU, plans it for local-N, prints the plan and why the
+planner chose it, trains it on N real processes (torch.distributed, gloo) with a progress line
+per few minibatches (a bar on a terminal), writes the predicted and measured timelines (Gantt
+PNG/SVG, Chrome trace, timeline JSON) and the drawn plan to --out, prints predicted against
+measured time per minibatch, then plans the same model for PipeDream's cluster A and prints the
+predicted speed-up over data parallelism. The report is also written to OUT/demo.md.
 Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
 """
 
@@ -43,11 +44,11 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--backend", default="distributed", choices=("distributed", "local"),
                         help="distributed: one process per worker over gloo (default); local: "
                         "all workers in this process (the reference semantics)")
-    parser.add_argument("--replicas", action="store_true",
-                        help="let the planner replicate stages on the local cluster (it may "
-                        "choose plain data parallelism); default: a straight pipeline")
-    parser.add_argument("--lr", type=float, default=1e-3,
-                        help="Adam learning rate (default 0.001), e.g. --lr 3e-4")
+    parser.add_argument("--straight", action="store_true",
+                        help="ask the planner for a straight pipeline (one worker per stage); "
+                        "default: it may replicate stages, data parallelism included")
+    parser.add_argument("--lr", type=float, default=1e-4,
+                        help="Adam learning rate (default 0.0001), e.g. --lr 3e-4")
     parser.add_argument("--timeout", type=float, default=600, metavar="S",
                         help="seconds before the training processes are stopped (default 600)")
     parser.add_argument("--json", action="store_true",
@@ -73,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
                         *(["--quick"] if args.quick else []),
                         *([f"--steps {args.steps}"] if args.steps is not None else []),
                         *([f"--backend {args.backend}"] if args.backend != "distributed" else []),
-                        *(["--replicas"] if args.replicas else [])])
+                        *(["--straight"] if args.straight else [])])
     result = run_demo(workers=args.workers, out=args.out, size=size, backend=args.backend,
                       stream=stream, timeout=args.timeout, lr=args.lr,
-                      replicas=args.replicas, command=command)
+                      straight=args.straight, command=command)
     if args.json:
         print(json.dumps(result.to_dict(), indent=1))
     return 0

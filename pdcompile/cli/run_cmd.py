@@ -2,7 +2,10 @@
 
 The command builds a `torchrun` command line whose worker is
 `python -m pdcompile.backends.distributed EXPORT_DIR ...` (so the exported folder also runs
-under a plain `torchrun` with the same arguments) and runs it. Multi-node flags (`--nnodes`,
+under a plain `torchrun` with the same arguments; --dry-run prints it) and runs it, through a thin
+wrapper of torchrun's agent that reports failed workers as data: a failed run ends in one line
+naming the rank that failed first. Killing `pdcompile run` (SIGINT, SIGTERM, even SIGKILL) stops
+every worker within a second or two. Multi-node flags (`--nnodes`,
 `--node-rank`, `--master-addr`, `--master-port`, `--rdzv-*`, `--max-restarts`) pass through.
 """
 
@@ -10,16 +13,22 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shlex
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
+from pdcompile.backends.distributed_main import DEFAULT_STEPS
 from pdcompile.errors import DistributedError, PdcompileError
 from pdcompile.local_machine import free_port
 
 WORKER_MODULE = "pdcompile.backends.distributed"
+AGENT_MODULE = "pdcompile.backends.torchrun_agent"  # torchrun, reporting failures as data
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -44,16 +53,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="restart the workers this many times after a failure; with "
                              "--checkpoint-dir the run resumes from the last checkpoint")
     train = parser.add_argument_group("training (passed to the workers)")
-    train.add_argument("--steps", type=int, default=None, help="minibatches to train")
+    train.add_argument("--steps", type=int, default=None,
+                       help="minibatches to train (default: all of --data; without --data, "
+                            f"the exported example minibatch {DEFAULT_STEPS} times)")
     train.add_argument("--checkpoint-dir", default=None)
     train.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
                        help="checkpoint every K minibatches")
     train.add_argument("--fault-timeout", type=float, default=None, metavar="SECONDS",
-                       help="stop within this many seconds after another worker dies")
+                       help="a worker that dies, or stops answering for this long, is named "
+                            "by the others, which stop (default 8)")
     train.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
                        help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
                             "same in every process (default: the exported example minibatch, "
-                            "repeated; needs --steps)")
+                            "repeated)")
     train.add_argument("--threads", type=int, default=None,
                        help="torch threads per worker process")
     train.add_argument("--timeline", default=None, metavar="FILE.json",
@@ -81,36 +93,47 @@ def _check_port_free(addr: str, port: int) -> None:
                                    "different --master-port, or none to pick a free one") from None
 
 
-def _check_default_data(export_dir: Path, steps: int | None) -> None:
-    """Without --data the workers train the exported example minibatch: say now, not from
-    inside torchrun, when the export cannot do that."""
-    try:
-        meta = json.loads((export_dir / "pipeline.json").read_text())
-    except (OSError, ValueError):
-        return  # not a full export: the workers will say what is missing
-    example = export_dir / "example.pt"
-    if not example.is_file():
+def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
+    """Refuse, in one line and before any worker starts, an export that is damaged or cannot
+    train as asked; the number of minibatches to pass the workers (None: all of --data)."""
+    from pdcompile.export import check_export
+
+    meta = check_export(export_dir)
+    lost = meta.get("not_saved", {})
+    if lost:
+        what = " and ".join(lost)
+        raise PdcompileError(
+            f"the {what} of {export_dir} could not be saved at export "
+            f"({'; '.join(lost.values())}), so the workers cannot rebuild it; compile with one "
+            "that has an import path (e.g. torch.nn.functional.cross_entropy, any torch.optim "
+            "optimizer) and export again")
+    if args.data is not None:
+        from pdcompile.backends.distributed_main import load_data
+
+        load_data(args.data)  # a --data that cannot be imported: one line here, not N workers'
+        return args.steps
+    example = meta.get("example", {})
+    if not example.get("inputs"):
         raise PdcompileError(f"{export_dir} holds no example minibatch to train on; pass "
                              "--data FILE.py:FUNCTION (FUNCTION() returns an iterable of "
                              "(inputs, target))")
-    if steps is None:
-        raise PdcompileError("training on the repeated example minibatch needs --steps N (or "
-                             "pass --data FILE.py:FUNCTION)")
-    if "loss_fn" in meta.get("callables", []):
-        import torch
-
-        if torch.load(example, weights_only=False).get("target") is None:
-            raise PdcompileError(
-                f"{export_dir} holds the example inputs but no target for its loss function "
-                "(compile(..., example_target=y) saves one); pass --data FILE.py:FUNCTION")
+    if meta.get("loss_fn") is not None and not example.get("target"):
+        raise PdcompileError(
+            f"{export_dir} holds the example inputs but no target for its loss function: pass "
+            "compile(..., example_target=y), or call step/train once before export; or pass "
+            "--data FILE.py:FUNCTION")
+    if args.steps is None:
+        print(f"pdcompile run: training on the exported example minibatch, {DEFAULT_STEPS} "
+              "times (--steps N for another count, --data FILE.py:FUNCTION for real data)",
+              file=sys.stderr, flush=True)
+        return DEFAULT_STEPS
+    return args.steps
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for `args` (see `register`)."""
     export_dir = Path(args.export_dir)
-    if not export_dir.is_dir():
-        raise PdcompileError(f"export folder {str(export_dir)!r} does not exist; write one with "
-                             "`pdcompile export` or Pipeline.export(path)")
+    steps = _check_export(export_dir, args)
     nnodes = str(args.nnodes)
     single = nnodes == "1"
     workers = _plan_workers(export_dir)
@@ -124,8 +147,6 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     if single and workers is not None and nproc != workers:
         raise PdcompileError(f"the pipeline in {export_dir} was compiled for {workers} workers, "
                              f"not --nproc {nproc}; pass --nproc {workers}")
-    if args.data is None:
-        _check_default_data(export_dir, args.steps)
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
            f"--nproc-per-node={nproc}", f"--max-restarts={args.max_restarts}"]
     if args.rdzv_endpoint or args.rdzv_backend:
@@ -151,8 +172,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         if args.node_rank is not None:
             cmd += [f"--node-rank={args.node_rank}"]
     cmd += ["-m", WORKER_MODULE, str(export_dir)]
-    if args.steps is not None:
-        cmd += ["--steps", str(args.steps)]
+    if steps is not None:
+        cmd += ["--steps", str(steps)]
     if args.checkpoint_dir:
         cmd += ["--checkpoint-dir", str(args.checkpoint_dir)]
     if args.checkpoint_every is not None:
@@ -174,8 +195,82 @@ def run(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(shlex.join(cmd))
         return 0
-    completed = subprocess.run(cmd, check=False)
-    if completed.returncode != 0:
-        raise DistributedError(f"the distributed run failed (torchrun exit code "
-                               f"{completed.returncode}); the workers' errors are above")
+    agent = [*cmd[:cmd.index("torch.distributed.run")], AGENT_MODULE,
+             *cmd[cmd.index("torch.distributed.run") + 1:]]
+    nproc = int(next(a for a in cmd if a.startswith("--nproc-per-node=")).split("=")[1])
+    return supervise(agent, nproc=nproc)
+
+
+def supervise(cmd: list[str], *, nproc: int, grace: float = 3.0) -> int:
+    """Run the torchrun agent `cmd` and see that nothing it started outlives this process.
+
+    SIGINT, SIGTERM or SIGHUP here: the agent gets SIGTERM (it stops its workers) and, if it
+    has not ended `grace` seconds later, SIGKILL. SIGKILL here (nothing can run): the agent
+    gets SIGTERM from the kernel (parent-death signal, Linux) and every worker sees this pid
+    gone (`LAUNCHER_ENV`, backends/launch.end_with_launcher) and ends within a fraction of a
+    second. A failed run ends in one line naming the rank that failed first.
+    """
+    from pdcompile.backends.launch import LAUNCHER_ENV, parent_death_preexec
+    from pdcompile.backends.torchrun_agent import REPORT_ENV
+
+    with tempfile.TemporaryDirectory(prefix="pdcompile-run-") as tmp:
+        report = Path(tmp) / "failures.json"
+        env = {**os.environ, LAUNCHER_ENV: str(os.getpid()), REPORT_ENV: str(report)}
+        if nproc > 1:  # what torchrun would set, without its banner saying so
+            env.setdefault("OMP_NUM_THREADS", "1")
+        proc = subprocess.Popen(cmd, env=env, preexec_fn=parent_death_preexec(signal.SIGTERM))
+        received: list[int] = []
+
+        def forward(signum: int, frame: object) -> None:
+            received.append(signum)
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+
+        stopping = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, forward) for sig in stopping}
+        try:
+            first: float | None = None
+            while True:
+                try:
+                    code = proc.wait(timeout=0.1)
+                    break
+                except subprocess.TimeoutExpired:
+                    pass
+                if received:
+                    first = first or time.monotonic()
+                    if time.monotonic() - first > grace:
+                        proc.kill()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        if received:
+            name = signal.Signals(received[0]).name
+            print(f"pdcompile run: stopped by {name}; the workers were stopped",
+                  file=sys.stderr, flush=True)
+            return 128 + received[0]
+        if code != 0:
+            raise DistributedError(_failure_line(report, code))
     return 0
+
+
+def _failure_line(report: Path, code: int) -> str:
+    """One line naming the rank that failed first (from the agent's report)."""
+    try:
+        failures = json.loads(report.read_text())
+    except (OSError, ValueError):
+        return (f"the distributed run failed (torchrun exit code {code}); the workers' errors "
+                "are above")
+    # the agent stops the survivors of a failure with SIGTERM: those are not causes
+    causes = [f for f in failures if f.get("signal") != "SIGTERM"] or failures
+    causes.sort(key=lambda f: (f.get("time") or 0, f["rank"]))
+    stopped = len(failures) - len(causes)
+
+    def how(f: dict[str, object]) -> str:
+        signal_name = f.get("signal")
+        return (f"rank {f['rank']} was killed by {signal_name}" if signal_name
+                else f"rank {f['rank']} exited with code {f['exitcode']}")
+
+    rest = "".join(f", then {how(f)}" for f in causes[1:])
+    others = f" ({stopped} other{'s' if stopped > 1 else ''} stopped)" if stopped else ""
+    return (f"the distributed run failed: {how(causes[0])} first{rest}{others}; the workers' "
+            "messages are above")

@@ -4,11 +4,12 @@ As in PipeDream, each stage checkpoints its own state independently (no global c
 weights, optimizer state, weight versions still needed (stash; empty at a drained point), the
 random-number state and the data position (minibatches done). A save writes a temporary file in
 the same folder, flushes it to disk and renames it into place, so a crash never leaves a torn
-checkpoint: a file either is complete or does not exist under its final name.
+checkpoint: a file either is complete or does not exist under its final name. The file is
+safetensors with the non-tensor fields as JSON (runtime/tensor_tree): loading one runs no code.
 
 Layout of the folder a user names:
 
-    rank_<r>/step_<k>.pt     the state of rank r after k minibatches (the newest `keep` kept)
+    rank_<r>/step_<k>.safetensors   the state of rank r after k minibatches (newest `keep` kept)
 
 A run resumes from the newest k that every rank has saved (`resume_step`): if a crash hit while
 some ranks had written step k and others not yet, all go back to the previous common step.
@@ -23,9 +24,10 @@ from typing import Any
 
 import torch
 
-from pdcompile.errors import DistributedError
+from pdcompile.errors import DamagedFileError, DistributedError
+from pdcompile.runtime.tensor_tree import load_tree, save_tree
 
-_STEP_RE = re.compile(r"^step_(\d+)\.pt$")
+_STEP_RE = re.compile(r"^step_(\d+)\.safetensors$")
 
 
 class Checkpointer:
@@ -61,17 +63,20 @@ class Checkpointer:
         """Write `state` (with `step` added) atomically; drop checkpoints older than `keep`."""
         folder = self.rank_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        final = folder / f"step_{step:08d}.pt"
-        tmp = folder / f".step_{step:08d}.pt.{os.getpid()}.tmp"
-        with open(tmp, "wb") as out:
-            torch.save({**state, "step": step, "rank": self.rank}, out)
-            out.flush()
+        final = self._path(step)
+        tmp = folder / f".{final.name}.{os.getpid()}.tmp"
+        save_tree(tmp, {**state, "step": step, "rank": self.rank},
+                  where=f"the checkpoint of rank {self.rank}")
+        with open(tmp, "rb+") as out:
             os.fsync(out.fileno())
         os.replace(tmp, final)
         _fsync_dir(folder)
         for old in self.steps()[:-self.keep]:
-            (folder / f"step_{old:08d}.pt").unlink(missing_ok=True)
+            self._path(old).unlink(missing_ok=True)
         return final
+
+    def _path(self, step: int) -> Path:
+        return self.rank_dir() / f"step_{step:08d}.safetensors"
 
     def resume_step(self, world_size: int) -> int | None:
         """The newest step saved by every one of `world_size` ranks (None: start afresh)."""
@@ -83,14 +88,21 @@ class Checkpointer:
 
     def load(self, step: int) -> dict[str, Any]:
         """This rank's state at `step`."""
-        path = self.rank_dir() / f"step_{step:08d}.pt"
+        path = self._path(step)
         if not path.is_file():
             raise DistributedError(f"no checkpoint of rank {self.rank} at step {step} in "
                                    f"{self.folder}; delete the folder to start afresh")
-        state: dict[str, Any] = torch.load(path, map_location="cpu", weights_only=False)
-        if state.get("rank") != self.rank or state.get("step") != step:
-            raise DistributedError(f"{path} holds rank {state.get('rank')} step "
-                                   f"{state.get('step')}, not rank {self.rank} step {step}")
+        try:
+            state = load_tree(path)
+        except DamagedFileError as err:
+            raise DamagedFileError(f"{err}; or delete {path} to resume from an older "
+                                   "checkpoint") from None
+        if not isinstance(state, dict) or state.get("rank") != self.rank \
+                or state.get("step") != step:
+            found = state if not isinstance(state, dict) else (
+                f"rank {state.get('rank')} step {state.get('step')}")
+            raise DamagedFileError(f"{path} holds {found}, not rank {self.rank} step {step}; "
+                                   "delete it to resume from an older checkpoint")
         return state
 
 
@@ -103,13 +115,20 @@ def module_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer | Non
 
 
 def restore_module_state(state: dict[str, Any], module: torch.nn.Module,
-                         optimizer: torch.optim.Optimizer | None) -> None:
-    """Inverse of `module_state` (in place)."""
-    module.load_state_dict(state["model"])
-    if optimizer is not None and state.get("optimizer") is not None:
-        optimizer.load_state_dict(state["optimizer"])
-    if state.get("rng") is not None:
-        torch.set_rng_state(state["rng"])
+                         optimizer: torch.optim.Optimizer | None, *, origin: str = "the checkpoint"
+                         ) -> None:
+    """Inverse of `module_state` (in place); `origin` names the file in errors."""
+    try:
+        module.load_state_dict(state["model"])
+        if optimizer is not None and state.get("optimizer") is not None:
+            optimizer.load_state_dict(state["optimizer"])
+        if state.get("rng") is not None:
+            torch.set_rng_state(state["rng"])
+    except (KeyError, ValueError, TypeError, RuntimeError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedFileError(f"{origin} does not fit this stage ({type(err).__name__}: "
+                               f"{detail}); delete it to resume from an older checkpoint") \
+            from None
 
 
 def _fsync_dir(folder: Path) -> None:

@@ -3,16 +3,19 @@
 Forward passes are blue and backward passes green, each bar numbered with its minibatch (or
 microbatch), alternating two shades so neighbouring numbers stay apart, as in the paper's
 figures 4 and 8; all-reduces are orange and optimizer steps grey. Idle time (waiting for a
-receive) is left blank: the bubbles. Written as PNG or SVG (by the file's extension).
+receive) is left blank: the bubbles. The legend says all of this, shades included. Written as
+PNG or SVG (by the file's extension).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
+from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import Patch
 
 from pdcompile.errors import PdcompileError
@@ -85,11 +88,20 @@ def draw_gantt(timeline: Timeline, paths: str | Path | Sequence[str | Path], *,
     ax.set_ylim(-0.6, len(ranks) - 0.4)
     ax.set_xlim(0, span)
     ax.set_xlabel("time (s)")
-    handles = [Patch(facecolor=COLOURS[k][1], edgecolor="black", label=name) for k, name in
-               ((Kind.F, "forward"), (Kind.B, "backward"), (Kind.ALLREDUCE, "all-reduce"),
-                (Kind.STEP, "optimizer step"))]
-    ax.legend(handles=handles, loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=4,
-              frameon=False)
+    # each compute kind in both its shades: light for even numbers, dark for odd ones
+    handles: list[Any] = [
+        (Patch(facecolor=COLOURS[k][0], edgecolor="black"),
+         Patch(facecolor=COLOURS[k][1], edgecolor="black")) for k in (Kind.F, Kind.B)]
+    labels = ["forward", "backward"]
+    handles += [Patch(facecolor=COLOURS[k][1], edgecolor="black") for k in
+                (Kind.ALLREDUCE, Kind.STEP)]
+    labels += ["all-reduce", "optimizer step"]
+    handles.append(Patch(facecolor="white", edgecolor="black"))
+    labels.append("idle (bubble)")
+    ax.legend(handles, labels, handler_map={tuple: HandlerTuple(ndivide=None, pad=0)},
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=5, frameon=False,
+              title="bar number: the minibatch; light and dark shades alternate between "
+                    "consecutive minibatches", title_fontsize=7)
     ax.set_title(title or f"{timeline.meta.get('schedule', 'pipeline')} ({timeline.source})",
                  loc="left")
     fig.tight_layout()

@@ -82,11 +82,39 @@ def costgraph_picture(graph: nx.DiGraph, plan: Any = None, *, collapse: int = CO
     per_stage: list[list[tuple[str, str]]] = [[] for _ in plan.stages]
     for node in order:
         label = str(graph.nodes[node].get("label", ""))
-        text = str(node) if not label or label == str(node) else f"{node}\n{label[:28]}"
+        text = str(node) if not label or label == str(node) \
+            else f"{node}\n{short_label(label, LABEL_CHARS)}"
         per_stage[min(stage_of[node], len(per_stage) - 1)].append((str(node), text))
     sizes = {str(u): edge_bytes(graph, u, v) for u, v in graph.edges}
     return _picture(per_stage, [(str(u), str(v)) for u, v in graph.edges], sizes, plan,
                     collapse=collapse, stage=stage)
+
+
+LABEL_CHARS = 50  # what fits on one line of a node's box at 6.5 points
+
+
+def short_label(text: str, limit: int) -> str:
+    """`text` in at most `limit` characters, cut after a whole top-level argument with "...",
+    never inside a token or a nested value: "Conv2d(3, 16, kernel_size=(3, 3), ...)"."""
+    text = " ".join(text.split())
+    if len(text) <= limit:
+        return text
+    depth, cuts = 0, []
+    for i, char in enumerate(text):
+        if char in "([{":
+            depth += 1
+            if depth == 1:
+                cuts.append(i + 1)  # right after the opening bracket: no argument kept
+        elif char in ")]}":
+            depth -= 1
+        elif char == "," and depth == 1:
+            cuts.append(i)
+    fitting = [c for c in cuts if c + len("...)" if text[c - 1] == "(" else ", ...)") <= limit]
+    if not fitting:
+        return text[:limit - 4].rstrip() + " ..."
+    cut = fitting[-1]
+    kept = text[:cut]
+    return f"{kept}...)" if kept.endswith("(") else f"{kept}, ...)"
 
 
 def _picture(per_stage: list[list[tuple[str, str]]], pairs: list[tuple[str, str]],
@@ -198,7 +226,8 @@ def _draw(picture: PlanPicture, target: Path, title: str) -> None:
     rows = max(len(c) for c in picture.columns)
     collapsed_h = 2.0
     height = max(rows * row_h, collapsed_h) + 1.2
-    width = len(picture.columns) * (col_w + gap) + 0.4
+    # wide enough for the title (about 0.075 inch per character at 9 points), so none is cut
+    width = max(len(picture.columns) * (col_w + gap) + 0.4, 0.075 * len(title) + 0.8)
     fig = Figure(figsize=(min(width, 60.0), min(height, 120.0)))
     FigureCanvasAgg(fig)
     ax = fig.add_axes((0.0, 0.0, 1.0, 1.0))

@@ -1,0 +1,140 @@
+"""A module's structure as JSON, rebuilt without pickle: for the submodules an export cannot
+write as Python source (user leaf modules, containers) and for loss modules.
+
+A record holds the module's class (by import path), its plain attributes (numbers, strings,
+tuples, dtypes, functions by import path, small tensors), the shapes of its parameters and
+buffers (their values travel in the stage's safetensors file, or inline with `values=True`)
+and its children's records. `rebuild_module` imports the class, makes an instance without
+calling its constructor (whose arguments are unknown), and puts those attributes back, which
+is what pickle does for a module, minus running whatever code a file names.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pdcompile.errors import PipelineInputError
+from pdcompile.runtime.tensor_tree import TreeEncodeError, decode, dtype_name, dtype_of, encode
+
+# attributes every nn.Module has (set by nn.Module.__init__): not recorded, except `training`
+_BASE = frozenset(torch.nn.Module().__dict__)
+
+
+def record_module(module: torch.nn.Module, *, values: bool = False,
+                  tensors: dict[str, torch.Tensor] | None = None, where: str = "module"
+                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The record of `module` and the tensors it refers to (none when `tensors` is None: then
+    tensors are written inline). `values`: also record parameter and buffer values.
+    Raises PipelineInputError naming the submodule and the attribute that has no such form."""
+    from pdcompile.callable_ref import NotReferable, import_path
+
+    sink = tensors
+    culprit = f"{where} ({type(module).__name__})"
+    try:
+        cls = import_path(type(module))
+    except NotReferable as err:
+        raise PipelineInputError(f"cannot export {culprit}: its class has no import path "
+                                 f"({err}); define it at module level in an importable "
+                                 "file") from None
+    for name in _BASE:
+        hooks = module.__dict__.get(name)
+        if "hook" in name and isinstance(hooks, dict) and hooks:
+            raise PipelineInputError(f"cannot export {culprit}: it has {name.strip('_')} "
+                                     "registered; remove them before export")
+    attributes: dict[str, Any] = {}
+    for name, value in module.__dict__.items():
+        if name in _BASE:
+            continue
+        attributes[name] = _attribute(value, sink, f"{where}.{name}", culprit)
+    non_persistent = sorted(module._non_persistent_buffers_set)
+    record: dict[str, Any] = {
+        "class": cls, "training": module.training, "attributes": attributes,
+        "parameters": {n: None if p is None else _spec(p, values, sink, p.requires_grad)
+                       for n, p in module._parameters.items()},
+        "buffers": {n: None if b is None else _spec(b, values, sink, None)
+                    for n, b in module._buffers.items()},
+        "non_persistent": non_persistent,
+        "children": {n: None if c is None else record_module(
+            c, values=values, tensors=sink, where=f"{where}.{n}")[0]
+            for n, c in module._modules.items()},
+    }
+    return record, sink if sink is not None else {}
+
+
+def _attribute(value: Any, sink: dict[str, torch.Tensor] | None, where: str,
+               culprit: str) -> dict[str, Any]:
+    from pdcompile.callable_ref import NotReferable, import_path
+
+    if isinstance(value, torch.Tensor) and value.device.type == "meta":
+        return {"empty": {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}}
+    if callable(value) and not isinstance(value, torch.Tensor | torch.nn.Module):
+        try:
+            return {"function": import_path(value)}
+        except NotReferable as err:
+            raise PipelineInputError(f"cannot export {culprit}: attribute {where} is a function "
+                                     f"without an import path ({err})") from None
+    try:
+        return {"value": encode(value, sink, where=where)}
+    except TreeEncodeError as err:
+        raise PipelineInputError(f"cannot export {culprit}: {err}; keep such attributes out of "
+                                 "leaf modules, or let torch.fx trace through the module") \
+            from None
+
+
+def _spec(t: torch.Tensor, values: bool, sink: dict[str, torch.Tensor] | None,
+          requires_grad: bool | None) -> dict[str, Any]:
+    spec: dict[str, Any] = {"shape": list(t.shape), "dtype": dtype_name(t.dtype)}
+    if requires_grad is not None:
+        spec["requires_grad"] = requires_grad
+    if values and t.device.type != "meta":
+        spec["data"] = encode(t.detach(), sink)
+    return spec
+
+
+def rebuild_module(record: dict[str, Any], tensors: dict[str, torch.Tensor] | None = None, *,
+                   device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The module a record describes (parameters and buffers left empty unless the record
+    holds their values). Raises PipelineInputError if the class cannot be imported."""
+    from pdcompile.callable_ref import find
+
+    try:
+        cls = find(record["class"])
+    except (ImportError, AttributeError) as err:
+        raise PipelineInputError(f"cannot rebuild a {record['class']!r} module: {err}; install "
+                                 "the package that defines it") from None
+    if not (isinstance(cls, type) and issubclass(cls, torch.nn.Module)):
+        raise PipelineInputError(f"{record['class']!r} is not a torch.nn.Module class")
+    module = cls.__new__(cls)
+    torch.nn.Module.__init__(module)
+    module.training = bool(record["training"])
+    for name, attr in record["attributes"].items():
+        if "function" in attr:
+            value = find(attr["function"])
+        elif "empty" in attr:
+            spec = attr["empty"]
+            value = torch.empty(spec["shape"], dtype=dtype_of(spec["dtype"]), device="meta")
+        else:
+            value = decode(attr["value"], tensors)
+        module.__dict__[name] = value
+    for name, spec in record["parameters"].items():
+        module._parameters[name] = None if spec is None else torch.nn.Parameter(
+            _tensor(spec, tensors, device), requires_grad=bool(spec["requires_grad"]))
+    for name, spec in record["buffers"].items():
+        module._buffers[name] = None if spec is None else _tensor(spec, tensors, device)
+    module._non_persistent_buffers_set = set(record["non_persistent"])
+    for name, child in record["children"].items():
+        module._modules[name] = None if child is None else rebuild_module(child, tensors,
+                                                                          device=device)
+    return module
+
+
+def _tensor(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
+            device: str | torch.device) -> torch.Tensor:
+    if "data" in spec:
+        return torch.as_tensor(decode(spec["data"], tensors)).clone()
+    return torch.empty(spec["shape"], dtype=dtype_of(spec["dtype"]), device=device)
+
+
+__all__ = ["record_module", "rebuild_module"]

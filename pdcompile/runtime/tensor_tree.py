@@ -1,0 +1,154 @@
+"""Nested values of tensors and plain data, stored without pickle (exports and checkpoints).
+
+A tree is made of dicts, lists, tuples, tensors, torch dtypes and JSON scalars (None, bool,
+int, float, str). `save_tree` writes its tensors to one safetensors file and the rest of the
+tree, as JSON, into that file's metadata; `load_tree` reads it back. Reading runs no code from
+the file (safetensors and JSON, no pickle), so a file from elsewhere can at worst hold wrong
+numbers; a truncated or altered file raises `DamagedFileError` naming it.
+
+`encode` / `decode` are the JSON half on its own: with a `tensors` dict the tensors go there
+(keyed by the strings the JSON holds); without, they are written inline as lists of numbers
+(for the few small tensors of a JSON file, e.g. a loss function's class weights).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from pdcompile.errors import DamagedFileError
+
+_KEY = "pdcompile.tree"  # the metadata entry holding the JSON skeleton
+_SCALARS = (type(None), bool, int, float, str)
+
+
+class TreeEncodeError(TypeError):
+    """A value in a tree that has no pickle-free form (the message says where it sits)."""
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """`torch.float32` -> "float32"."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_of(name: str) -> torch.dtype:
+    """"float32" -> `torch.float32` (a name that is not a dtype raises ValueError)."""
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{name!r} is not a torch dtype")
+    return value
+
+
+def encode(value: Any, tensors: dict[str, torch.Tensor] | None = None, *, where: str = "value"
+           ) -> Any:
+    """JSON-able form of `value` (see module docstring); `where` names it in errors."""
+    if isinstance(value, _SCALARS):
+        return value
+    if isinstance(value, torch.Tensor):
+        if tensors is None:
+            return {"$tensor_data": {"dtype": dtype_name(value.dtype),
+                                     "shape": list(value.shape),
+                                     "values": value.detach().cpu().reshape(-1).tolist()}}
+        key = str(len(tensors))
+        tensors[key] = value
+        return {"$tensor": key}
+    if isinstance(value, torch.dtype):
+        return {"$dtype": dtype_name(value)}
+    if isinstance(value, torch.device):
+        return {"$device": str(value)}
+    if isinstance(value, tuple):  # torch.Size included
+        return {"$tuple": [encode(v, tensors, where=f"{where}[{i}]")
+                           for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, tensors, where=f"{where}[{i}]") for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if all(isinstance(k, str) and not k.startswith("$") for k in value):
+            return {k: encode(v, tensors, where=f"{where}[{k!r}]") for k, v in value.items()}
+        return {"$dict": [[encode(k, tensors, where=f"{where} key"),
+                           encode(v, tensors, where=f"{where}[{k!r}]")]
+                          for k, v in value.items()]}
+    if isinstance(value, set | frozenset):
+        return {"$set": [encode(v, tensors, where=where) for v in sorted(value, key=repr)]}
+    raise TreeEncodeError(f"{where} is a {type(value).__name__}, which cannot be stored without "
+                          "pickle (allowed: tensors, numbers, strings, None, lists, tuples, dicts)")
+
+
+def decode(data: Any, tensors: dict[str, torch.Tensor] | None = None) -> Any:
+    """Inverse of `encode` (raises KeyError / ValueError / TypeError on a malformed tree)."""
+    if isinstance(data, _SCALARS):
+        return data
+    if isinstance(data, list):
+        return [decode(v, tensors) for v in data]
+    if not isinstance(data, dict):
+        raise TypeError(f"unexpected {type(data).__name__} in a stored tree")
+    if len(data) == 1:
+        (tag, body), = data.items()
+        if tag == "$tensor":
+            if tensors is None:
+                raise ValueError("a tensor reference outside a tensor file")
+            return tensors[body]
+        if tag == "$tensor_data":
+            flat = torch.tensor(body["values"], dtype=dtype_of(body["dtype"]))
+            return flat.reshape(body["shape"])
+        if tag == "$dtype":
+            return dtype_of(body)
+        if tag == "$device":
+            return torch.device(body)
+        if tag == "$tuple":
+            return tuple(decode(v, tensors) for v in body)
+        if tag == "$dict":
+            return {decode(k, tensors): decode(v, tensors) for k, v in body}
+        if tag == "$set":
+            return {decode(v, tensors) for v in body}
+    return {k: decode(v, tensors) for k, v in data.items()}
+
+
+def save_tree(path: str | os.PathLike[str], value: Any, *, where: str = "value") -> Path:
+    """Write `value` to the safetensors file `path` (tensors as data, the rest as JSON)."""
+    tensors: dict[str, torch.Tensor] = {}
+    skeleton = encode(value, tensors, where=where)
+    stored: dict[str, torch.Tensor] = {}
+    storages: set[tuple[str, int]] = set()
+    for key, tensor in tensors.items():
+        t = tensor.detach()
+        if t.layout != torch.strided:
+            raise TreeEncodeError(f"{where} holds a {t.layout} tensor; only dense tensors can "
+                                  "be stored")
+        t = t.cpu().contiguous()
+        storage = (str(t.device), t.untyped_storage().data_ptr())
+        if storage in storages and t.numel():  # safetensors refuses tensors sharing memory
+            t = t.clone()
+        storages.add(storage)
+        stored[key] = t
+    out = Path(path)
+    save_file(stored, str(out), metadata={_KEY: json.dumps(skeleton)})
+    return out
+
+
+def load_tree(path: str | os.PathLike[str]) -> Any:
+    """The value `save_tree` wrote to `path`; `DamagedFileError` (naming the file) when the
+    file is truncated, altered or not such a file. Missing files raise FileNotFoundError."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(2, "No such file", str(file))
+    try:
+        with safe_open(str(file), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            if _KEY not in metadata:
+                raise ValueError("it holds no pdcompile data")
+            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
+        return decode(json.loads(metadata[_KEY]), tensors)
+    except (SafetensorError, ValueError, KeyError, TypeError, OSError, RuntimeError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedFileError(f"{file} is truncated, altered or not a file pdcompile wrote "
+                               f"({detail}); write it again") from None
+
+
+__all__ = ["TreeEncodeError", "decode", "dtype_name", "dtype_of", "encode", "load_tree",
+           "save_tree"]
