@@ -7,6 +7,11 @@ speed-up over data parallelism on the same cluster and model, and CP-SAT's gain 
 
     python benchmarks/planner.py                  # all rows, writes benchmarks/results/planner.md
     python benchmarks/planner.py --models vgg16 --ilp-limit 5 --out -
+
+`--section fidelity | paper | scale` regenerates one of the schedule-aware planner's sections
+instead (benchmarks/planner_fidelity.py: planner against simulator on every profile x clusters
+A, B, C x 1f1b / 1f1b-flush; VGG-16 against the paper's 15-1; planner time at scale), leaving the
+other sections of the file as they are.
 """
 
 from __future__ import annotations
@@ -125,12 +130,17 @@ def main() -> int:
     parser.add_argument("--ilp-limit", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3, help="DP timings: best of this many")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.md"))
+    parser.add_argument("--section", choices=("table", "fidelity", "paper", "scale"),
+                        default="table", help="which section to (re)generate")
     args = parser.parse_args()
     import torch
 
     torch.set_num_threads(1)
     import pdcompile
     from pdcompile.profiles import load_pipedream
+
+    if args.section != "table":
+        return _section(args.section, args.models, Path(args.out))
 
     models = args.models or sorted(p.name for p in PROFILES.iterdir()
                                    if (p / "graph.txt").is_file())
@@ -164,6 +174,24 @@ def main() -> int:
     if args.out != "-":
         Path(args.out).write_text(text)
         print(f"wrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def _section(name: str, models: list[str] | None, out: Path) -> int:
+    """Regenerate one schedule-aware section of `out` (benchmarks/planner_fidelity.py)."""
+    import planner_fidelity as fidelity
+    from simulator import replace_sections
+
+    if name == "fidelity":
+        text = fidelity.fidelity_section(fidelity.fidelity_rows(models))
+    elif name == "paper":
+        text = fidelity.paper_section()
+    else:
+        text = fidelity.scale_section()
+    print(text)
+    title = text.splitlines()[0]
+    out.write_text(replace_sections(out.read_text() if out.exists() else "", {title: text}))
+    print(f"wrote {out}", file=sys.stderr)
     return 0
 
 

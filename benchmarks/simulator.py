@@ -33,8 +33,8 @@ from typing import Any
 import torch
 
 import pdcompile
-from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
 from pdcompile.cluster import Cluster
+from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
 from pdcompile.profiles import load_pipedream
 
 ROOT = Path(__file__).resolve().parents[1]

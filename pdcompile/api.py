@@ -16,6 +16,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.errors import PipelineInputError
 from pdcompile.pipeline import OptimizerFactory, Pipeline
 from pdcompile.plan import Plan
+from pdcompile.schedule.kinds import KINDS, unknown
 
 
 def compile(  # noqa: A001 - the public name of the one-liner
@@ -71,6 +72,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
 
     if not isinstance(model, torch.nn.Module):
         raise PipelineInputError(f"compile() takes an nn.Module, got {type(model).__name__}")
+    if schedule != "auto" and schedule not in KINDS:  # before any tracing or profiling
+        raise PipelineInputError(unknown(schedule, auto=True))
     named = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
     inputs = (named,) if named is not None else tuple(example_inputs) \
         if isinstance(example_inputs, tuple | list) else (example_inputs,)
@@ -146,11 +149,39 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
         annotate_costs(measured, inputs, source=cost,
                        caches=caches_for(cluster) if cost == "measured" else "warm")
     graph = to_cost_graph(measured, name=type(gm).__name__)
+    if planning.get("stages"):  # K stages of whole layers where the model has enough of them
+        return _planned_in_blocks(measured, graph, cluster, schedule=schedule,
+                                  microbatches=microbatches, **planning)
     if given is not None:
         return price_plan(graph, given, cluster,
                           schedule=None if schedule == "auto" else schedule,
                           microbatches=microbatches)
     return make_plan(graph, cluster, schedule=schedule, microbatches=microbatches, **planning)
+
+
+def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster, **planning: Any,
+                       ) -> Plan:
+    """`stages=K`: the planner's K stages on the graph with each numbered layer block (a
+    transformer layer, `encoder.layer.3`) fused into one node, so that every cut falls between
+    layers, when the model has at least K blocks and they are convex; else on the graph."""
+    from pdcompile.costgraph import grouped
+    from pdcompile.errors import CostGraphError
+    from pdcompile.passes.split import layer_block
+    from pdcompile.planner import plan as make_plan
+
+    blocks: dict[str, list[str]] = {}
+    for node in gm.graph.nodes:
+        name = layer_block(node) if node.name in graph else None
+        if name is not None:
+            blocks.setdefault(name, []).append(node.name)
+    if len(blocks) >= planning["stages"]:
+        try:
+            coarse, mapping = grouped(graph, list(blocks.values()))
+        except CostGraphError:  # a block that is not convex: plan the nodes themselves
+            pass
+        else:
+            return make_plan(coarse, cluster, **planning).expanded(mapping)
+    return make_plan(graph, cluster, **planning)
 
 
 def load(path: str, *, loss_fn: Callable[..., torch.Tensor] | None = None,

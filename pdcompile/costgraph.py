@@ -237,6 +237,21 @@ def coarsen(graph: nx.DiGraph, *, target: int = 300, branches: bool = False,
     return _block_graph(graph, members, position)
 
 
+def grouped(graph: nx.DiGraph, groups: list[list[str]],
+            ) -> tuple[nx.DiGraph, dict[str, list[str]]]:
+    """`graph` with each group of nodes fused into one block (named after its first member in
+    topological order), the other nodes as they are, and the map block -> members; raises
+    CostGraphError when a group is not convex (a path between two of its members leaves it)."""
+    order = topological_order(graph)
+    position = {node: i for i, node in enumerate(order)}
+    grouped_nodes = {n for group in groups for n in group}
+    members = {min(group, key=position.__getitem__): list(group) for group in groups if group}
+    members |= {n: [n] for n in graph.nodes if n not in grouped_nodes}
+    coarse, mapping = _block_graph(graph, members, position)
+    validate(coarse)
+    return coarse, mapping
+
+
 def _block_graph(graph: nx.DiGraph, groups: dict[str, list[str]], position: dict[str, int],
                  ) -> tuple[nx.DiGraph, dict[str, list[str]]]:
     """The CostGraph of `graph` with each group of nodes fused into one block (see `coarsen`)."""

@@ -194,27 +194,22 @@ def profile(size: DemoSize, *, progress: bool = False, seed: int = 0, caches: st
 def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,
             optimizer_steps: tuple[float, ...] | None = None,
             weight_copies: tuple[float, ...] | None = None) -> Timeline:
-    """The simulator's timeline of `minibatches` streamed through `plan` on `cluster` (1F1B).
+    """The simulator's timeline of `minibatches` streamed through `plan` on `cluster` (the
+    plan's schedule and in-flight counts, as the pipeline runs them).
 
     `optimizer_steps`, `weight_copies`: seconds of each stage's optimizer step and weight
-    snapshot (optimizer_cost); None: the simulator's memory-bandwidth defaults."""
+    snapshot (optimizer_cost); None: the cost model's memory-bandwidth estimates."""
     from dataclasses import replace
 
-    from pdcompile.backends.simulate import simulate
-    from pdcompile.passes.lower import lower
-    from pdcompile.passes.schedule import generate
+    from pdcompile.plan_simulation import simulate_plan
     from pdcompile.stage_costs import StageCosts
-    from pdcompile.validate import validate
 
-    costs = StageCosts.from_plan(graph, plan)
+    costs = StageCosts.from_plan(graph, plan, microbatches=plan.microbatches)
     if optimizer_steps is not None:
         costs = replace(costs, optimizer=optimizer_steps)
     if weight_copies is not None:
         costs = replace(costs, stash=weight_copies)
-    stage_ranks = [list(s.ranks) for s in plan.stages]
-    lowered = lower(generate("1f1b", stage_ranks, minibatches), costs.stage_edges())
-    validate(lowered)
-    return simulate(lowered, costs, cluster).timeline
+    return simulate_plan(graph, plan, cluster, minibatches=minibatches, costs=costs)[1].timeline
 
 
 def _distributed_trainer() -> Callable[..., Any] | None:
@@ -364,11 +359,10 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
         f"{format_seconds(measured_per)} (predicted / measured = "
         f"{predicted_per / measured_per if measured_per > 0 else float('inf'):.2f})")
     log(f"two predictions, both from the profile, before the run: the planner's "
-        f"{format_seconds(plan.time_per_minibatch)} is the closed form it ranks plans by (the "
-        f"slowest stage's compute and communication, in steady state); the simulator's "
-        f"{format_seconds(predicted_per)} plays this run's schedule action by action, with the "
-        "optimizer steps and weight stashing timed on this machine and the workers sharing "
-        "its cores, which the closed form leaves out")
+        f"{format_seconds(plan.time_per_minibatch)} simulates the plan in steady state with "
+        f"optimizer steps and weight copies estimated from memory bandwidth; this "
+        f"{format_seconds(predicted_per)} simulates this run ({steps} minibatches, warm-up and "
+        "drain included) with the steps and copies timed on this machine")
     try:
         from pdcompile.compare import compare
 

@@ -8,7 +8,7 @@ pipeline to the torch.distributed backend.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -476,7 +476,8 @@ class Pipeline:
         the input that differs from the example and the model's complaint.
         """
         names = self.parts.data_inputs
-        if len(inputs) != len(names):
+        by_name = len(inputs) == 1 and isinstance(inputs[0], Mapping)  # `_named` checks them
+        if not by_name and len(inputs) != len(names):
             raise PipelineInputError(
                 f"minibatch {index} has {len(inputs)} inputs but the pipeline takes "
                 f"{len(names)} ({', '.join(names)}); pass them positionally as in "
@@ -493,7 +494,7 @@ class Pipeline:
                 self._cut(tuple(inputs), self.microbatches, index=index, why="microbatches")
             stage = "model"
             try:
-                values = self._example_values(tuple(inputs))
+                values = self._example_values(tuple(inputs), explain=False)
                 stage = "loss function"
                 self._dry_loss(tuple(inputs), target, values)
             except PdcompileError:
@@ -608,7 +609,8 @@ class Pipeline:
         self.record = record
         return self
 
-    def _example_values(self, inputs: Sequence[Any] | torch.Tensor) -> dict[tuple[int, str], Any]:
+    def _example_values(self, inputs: Sequence[Any] | torch.Tensor, *,
+                        explain: bool = True) -> dict[tuple[int, str], Any]:
         """Every stage output for microbatch 0 of a minibatch like `inputs`, without side
         effects (no gradients, random state and buffers such as BatchNorm statistics restored).
         """
@@ -617,13 +619,13 @@ class Pipeline:
         named = {name: value[:-(-value.shape[0] // m)]
                  if isinstance(value, torch.Tensor) and value.dim() else value
                  for name, value in self._named(inputs).items()}
-        return self._microbatch_values(named, inputs, m)
+        return self._microbatch_values(named, inputs, m, explain=explain)
 
     def _microbatch_values(self, named: dict[str, Any], inputs: Sequence[Any] = (),
-                           m: int = 1) -> dict[tuple[int, str], Any]:
+                           m: int = 1, *, explain: bool = True) -> dict[tuple[int, str], Any]:
         """Every stage output for one microbatch (model inputs by name), without side effects;
         `inputs` and `m`: the minibatch it was cut from and into how many, for the message of
-        a stage that fails on it."""
+        a stage that fails on it (`explain=False`: the model's own error as it is)."""
         values: dict[tuple[int, str], Any] = {}
         modules = [p.module for p in self.parts.stages]
         saved = [{k: b.clone() for k, b in mod.named_buffers()} for mod in modules]
@@ -635,6 +637,8 @@ class Pipeline:
                     try:
                         outputs = module(*args)
                     except Exception as err:
+                        if not explain:
+                            raise
                         raise self._stage_failure(program.index, module, args, err,
                                                   inputs or (named,), m) from None
                     for name, value in zip(program.outputs, outputs, strict=True):

@@ -19,10 +19,8 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.memory import OPTIMIZER_STATE, max_in_flight
 from pdcompile.cost.pipeline_time import (
-    StageTerms,
     fewest_in_flight,
     runnable_in_flight,
-    stage_terms,
 )
 from pdcompile.costgraph import coarsen, edge_bytes, topological_order, validate
 from pdcompile.errors import CostGraphError, PlanError, ScheduleError
@@ -34,12 +32,12 @@ from pdcompile.passes.partition.costmodel import (
     data_parallel_time,
     default_in_flight,
     evaluate,
+    plan_terms,
     priced_time,
 )
 from pdcompile.plan import Plan, Stage
 from pdcompile.plan_simulation import simulate_plan, steady_minibatches
-from pdcompile.schedule.kinds import KINDS, kind
-from pdcompile.stage_costs import StageCosts
+from pdcompile.schedule.kinds import KINDS, kind, unknown
 from pdcompile.units import format_bytes, parse_quantity
 
 PLANNERS = ("auto", "dp", "ilp")
@@ -56,7 +54,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
          cost_model: str = "native", straight: bool = False, memory: float | str | None = None,
          time_limit: float | None = None, schedule: str = "1f1b",
          microbatches: int | None = None, stages: int | None = None,
-         simulate: bool | None = None, optimizer_state: float = OPTIMIZER_STATE) -> Plan:
+         simulate: bool | None = None, optimizer_state: float = OPTIMIZER_STATE,
+         symmetric: bool | None = None) -> Plan:
     """Partition `cost_graph` over `cluster` and return the Plan (see pdcompile.plan.Plan).
 
     planner: "dp" (PipeDream's dynamic program), "ilp" (DP, then the exact CP-SAT model warm-started
@@ -71,7 +70,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     (one worker each, on the first `stages` ranks), balanced by cost. simulate: rank the best
     candidates with the simulator and predict its steady state (None: where a simulation is
     cheap, SIMULATION_BUDGET). optimizer_state: optimizer bytes per parameter byte (Adam 2,
-    SGD with momentum 1) for memory.
+    SGD with momentum 1) for memory. symmetric: plan one server's pipeline and give every server
+    the same (None: on multi-level clusters of more than EXACT_WORKERS workers).
     """
     started = time.perf_counter()
     if planner not in PLANNERS:
@@ -105,8 +105,12 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     workers = stages or cluster.workers
     candidates: list[_Candidate] = []
     kinds_seen = []
-    symmetric = (stages is None and not straight and len(cluster.levels) > 1
-                 and workers > EXACT_WORKERS)
+    if symmetric is None:
+        symmetric = (stages is None and not straight and len(cluster.levels) > 1
+                     and workers > EXACT_WORKERS)
+    elif symmetric and (stages is not None or straight or len(cluster.levels) < 2):
+        raise PlanError("symmetric=True plans one server's pipeline for every server: it needs "
+                        "a cluster of several servers and neither stages= nor straight")
     for name, m in choices:
         options = ModelOptions(schedule=name, microbatches=m, optimizer_state=optimizer_state)
         try:
@@ -165,7 +169,7 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     validate(cost_graph)
     name = schedule or given.schedule
     if name not in KINDS:
-        raise PlanError(f"unknown schedule {name!r}; use one of {', '.join(KINDS)}")
+        raise PlanError(unknown(name))
     per = (microbatches or given.microbatches) if kind(name).microbatched else 1
     options = ModelOptions(schedule=name, microbatches=per, optimizer_state=optimizer_state)
     limit = _memory(memory, cluster, "native")
@@ -237,8 +241,7 @@ def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
                       graph: nx.DiGraph) -> list[tuple[str, int]]:
     """(schedule, microbatches) pairs to plan for."""
     if schedule != "auto" and schedule not in KINDS:
-        raise PlanError(f"unknown schedule {schedule!r}; use one of {', '.join(KINDS)} or "
-                        "'auto'")
+        raise PlanError(unknown(schedule, auto=True))
     if microbatches is not None and (not isinstance(microbatches, int)
                                      or isinstance(microbatches, bool) or microbatches < 1):
         raise PlanError(f"microbatches must be a positive integer (got {microbatches!r})")
@@ -397,9 +400,9 @@ def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
     replicas = [len(r) for _, r in stages]
     limits = runnable_in_flight(limits, replicas)
     best = priced_time(graph, stages, cluster, options=options, in_flight=limits)
-    terms, edges, ranks = _terms(graph, stages, cluster, options, limits)
-    fewest = fewest_in_flight(terms, edges, ranks, cluster, schedule=options.schedule,
-                              microbatches=options.per_minibatch,
+    built = plan_terms(graph, stages, cluster, options=options, in_flight=limits)
+    fewest = fewest_in_flight(built.terms, dict(built.costs.edges), built.ranks, cluster,
+                              schedule=options.schedule, microbatches=options.per_minibatch,
                               period=best.time_per_minibatch, limits=limits)
     return runnable_in_flight([min(n, max(f, d)) for n, f, d in zip(limits, fewest, defaults,
                                                                      strict=True)], replicas)
@@ -421,22 +424,6 @@ def _memory_limits(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, .
             limit=memory)
         out.append(min(IN_FLIGHT_CAP, fits))
     return out
-
-
-def _terms(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
-           cluster: Cluster, options: ModelOptions, flight: list[int],
-           ) -> tuple[list[StageTerms], dict[tuple[int, int], float], list[tuple[int, ...]]]:
-    """The closed form's inputs for a plan (as `costmodel.evaluate` builds them)."""
-    plan_ = Plan(stages=tuple(Stage(tuple(n), len(r), tuple(r)) for n, r in stages),
-                 time_per_minibatch=0.0, dp_time=0.0, workers=sum(len(r) for _, r in stages))
-    costs = StageCosts.from_plan(graph, plan_, microbatches=options.per_minibatch)
-    ranks = [tuple(r) for _, r in stages]
-    row = kind(options.schedule)
-    terms = stage_terms(fwd=costs.fwd, bwd=costs.bwd, params=costs.params,
-                        edges=dict(costs.edges), stage_ranks=ranks, cluster=cluster,
-                        schedule=options.schedule, in_flight=flight,
-                        copying=[row.copies_weights and n > 1 for n in flight])
-    return terms, dict(costs.edges), ranks
 
 
 def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],

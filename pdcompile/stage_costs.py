@@ -156,10 +156,15 @@ class StageCosts:
         several nodes of a later stage crosses once; an edge from a later stage to an earlier one
         is an error in the plan.
         """
+        return cls.from_assignment(graph, stage_of_every_node(graph, plan.stage_of()),
+                                   len(plan.stages), microbatches=microbatches)
+
+    @classmethod
+    def from_assignment(cls, graph: nx.DiGraph, stage_of: dict[str, int], stages: int, *,
+                        microbatches: int = 1) -> StageCosts:
+        """`from_plan` for every node's stage given directly (`stage_of` covers every node)."""
         if microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {microbatches})")
-        stage_of = stage_of_every_node(graph, plan.stage_of())
-        stages = len(plan.stages)
         fwd, bwd, params, keep = ([0.0] * stages for _ in range(4))
         loading = set(input_nodes(graph))
         for node, data in graph.nodes(data=True):

@@ -63,12 +63,15 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--time-limit", type=float, default=None, metavar="S",
                         help="seconds for CP-SAT (default 10), e.g. --time-limit 30")
     parser.add_argument("--schedule", default="1f1b",
-                        choices=("1f1b", "1f1b-flush", "gpipe", "2bw"),
+                        choices=("1f1b", "1f1b-flush", "gpipe", "2bw", "auto"),
                         help="the schedule the plan is priced for (memory, bubble; default "
-                        "1f1b), e.g. --schedule gpipe")
-    parser.add_argument("--microbatches", type=int, default=1, metavar="N",
-                        help="microbatches per minibatch for the flush schedules, e.g. "
-                        "--microbatches 8")
+                        "1f1b), or auto: the planner chooses it and its microbatches, e.g. "
+                        "--schedule auto")
+    parser.add_argument("--microbatches", type=int, default=None, metavar="N",
+                        help="microbatches per minibatch for the flush schedules and 2bw "
+                        "(default: the planner chooses), e.g. --microbatches 8")
+    parser.add_argument("--stages", type=int, default=None, metavar="K",
+                        help="exactly K straight stages balanced by cost, e.g. --stages 4")
     parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),
                         help="for a MODEL: measured on this machine (default) or analytic on "
                         "the cluster's device (FLOPs and bytes), e.g. --cost analytic")
@@ -116,7 +119,8 @@ def run(args: argparse.Namespace) -> int:
     with Spinner(f"planning {graph.number_of_nodes()} nodes on {cluster.workers} workers"):
         result = plan(graph, cluster, planner=args.planner, cost_model=args.cost_model,
                       straight=args.straight, memory=args.memory, time_limit=args.time_limit,
-                      schedule=args.schedule, microbatches=args.microbatches)
+                      schedule=args.schedule, microbatches=args.microbatches,
+                      stages=args.stages)
     refined = None
     if args.refine is not None:
         from pdcompile.refine import refine_plan

@@ -224,7 +224,7 @@ def even_plan(gm: fx.GraphModule, stages: int, *,
     return _plan_from(stage_of, stages, replicas)
 
 
-def _block(node: fx.Node) -> str | None:
+def layer_block(node: fx.Node) -> str | None:
     """The numbered block a node belongs to ("bert.encoder.layer.3"), from the module it was
     traced in (fx and torch.export record `nn_module_stack`) or the module it calls."""
     stack = node.meta.get("nn_module_stack")
@@ -240,7 +240,7 @@ def _block(node: fx.Node) -> str | None:
 def _snap_to_blocks(body: list[fx.Node], weights: list[float], stage_of: dict[str, int],
                     reach: float) -> None:
     """Move each cut of a straight plan to the nearest block boundary within `reach`."""
-    blocks = [_block(n) for n in body]
+    blocks = [layer_block(n) for n in body]
     done = [0.0]
     for weight in weights:
         done.append(done[-1] + weight)

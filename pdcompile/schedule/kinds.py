@@ -52,8 +52,16 @@ def kind(name: str) -> ScheduleKind:
     try:
         return KINDS[name]
     except KeyError:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of "
-                            f"{', '.join(KINDS)}") from None
+        raise ScheduleError(unknown(name)) from None
+
+
+def unknown(name: str, *, auto: bool = False) -> str:
+    """The message for a schedule name that is not one: the closest one and all of them."""
+    from pdcompile.suggest import did_you_mean
+
+    names = [*KINDS, "auto"] if auto else list(KINDS)
+    return f"unknown schedule {name!r}{did_you_mean(str(name), names)}; choose one of " \
+        + ", ".join(names)
 
 
 def weight_versions(name: str, in_flight: int, *, copies: bool = True) -> int:
@@ -66,4 +74,4 @@ def weight_versions(name: str, in_flight: int, *, copies: bool = True) -> int:
     return int(row.stashed_versions)
 
 
-__all__ = ["KINDS", "ScheduleKind", "kind", "weight_versions"]
+__all__ = ["KINDS", "ScheduleKind", "kind", "unknown", "weight_versions"]

@@ -44,13 +44,14 @@ import networkx as nx
 import numpy as np
 
 from pdcompile.cluster import Cluster, Level
-from pdcompile.cost.crossing import crossing_bytes, input_nodes
+from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
-from pdcompile.cost.pipeline_time import PipelineTime, pipeline_time, stage_terms
+from pdcompile.cost.pipeline_time import PipelineTime, StageTerms, pipeline_time, stage_terms
 from pdcompile.errors import PlanError
 from pdcompile.plan import Stage
-from pdcompile.schedule.kinds import KINDS, kind, weight_versions
+from pdcompile.schedule.kinds import KINDS, kind, unknown, weight_versions
+from pdcompile.stage_costs import StageCosts
 
 COST_MODELS = ("native", "pipedream")
 SCHEDULES = tuple(KINDS)
@@ -73,7 +74,7 @@ class ModelOptions:
         if self.cost_model not in COST_MODELS:
             raise PlanError(f"unknown cost model {self.cost_model!r}; use one of {COST_MODELS}")
         if self.schedule not in SCHEDULES:
-            raise PlanError(f"unknown schedule {self.schedule!r}; use one of {SCHEDULES}")
+            raise PlanError(unknown(self.schedule))
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {self.microbatches!r})")
 
@@ -399,48 +400,62 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
     accepted for symmetry with the planners; pricing does not depend on it.
     """
     del memory
-    stage_of = _checked_stage_of(graph, stages)
     if options.cost_model == "pipedream":
-        return _evaluate_pipedream(graph, stages, stage_of, cluster)
-    return _evaluate_native(graph, stages, stage_of, cluster, options, in_flight)[:2]
+        return _evaluate_pipedream(graph, stages, _checked_stage_of(graph, stages), cluster)
+    return _evaluate_native(graph, stages, cluster, options, in_flight)[:2]
 
 
 def priced_time(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
                 cluster: Cluster, *, options: ModelOptions,
                 in_flight: Sequence[int] | None = None) -> PipelineTime:
     """The native model's closed form of a plan with what bounds it (`cost.pipeline_time`)."""
+    return _evaluate_native(graph, stages, cluster, options, in_flight)[2]
+
+
+@dataclass(frozen=True)
+class PlanTerms:
+    """A plan's inputs to the closed form (cost.pipeline_time), built one way for every caller:
+    per-stage costs per microbatch, the bytes crossing between stages, ranks, in-flight counts."""
+
+    costs: StageCosts
+    terms: list[StageTerms]
+    ranks: list[tuple[int, ...]]
+    in_flight: list[int]
+
+
+def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+               cluster: Cluster, *, options: ModelOptions,
+               in_flight: Sequence[int] | None = None) -> PlanTerms:
+    """The closed form's inputs for a plan given as (nodes, ranks) per stage (`in_flight`:
+    microbatches in flight per replica; 0 or None: the schedule's default)."""
     stage_of = _checked_stage_of(graph, stages)
-    return _evaluate_native(graph, stages, stage_of, cluster, options, in_flight)[2]
-
-
-def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
-                     stage_of: dict[str, int], cluster: Cluster, options: ModelOptions,
-                     in_flight: Sequence[int] | None,
-                     ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
     count = len(stages)
     ranks = [tuple(r) for _, r in stages]
-    inputs = set(input_nodes(graph))
-    misplaced = [n for n in inputs if stage_of[n] != 0]
+    misplaced = [n for n in input_nodes(graph) if stage_of[n] != 0]
     if misplaced:
         raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
-    m = options.per_minibatch
-    fwd, bwd, params, keep = ([0.0] * count for _ in range(4))
-    for node, data in graph.nodes(data=True):
-        i = stage_of[node]
-        if node not in inputs:
-            fwd[i] += float(data["fwd"]) / m
-        bwd[i] += float(data["bwd"]) / m
-        params[i] += float(data["params"])
-        keep[i] += float(data.get("keep", data["act"])) / m
-    edges = {pair: size / m for pair, size in crossing_bytes(graph, stage_of).items()}
+    costs = StageCosts.from_assignment(graph, stage_of, count,
+                                       microbatches=options.per_minibatch)
     after = [sum(len(r) for r in ranks[i:]) for i in range(count)]
     flight = [int(in_flight[i]) if in_flight is not None and in_flight[i] > 0
               else default_in_flight(len(ranks[i]), after[i], options) for i in range(count)]
     row = kind(options.schedule)
+    terms = stage_terms(fwd=costs.fwd, bwd=costs.bwd, params=costs.params,
+                        edges=dict(costs.edges), stage_ranks=ranks, cluster=cluster,
+                        schedule=options.schedule, in_flight=flight,
+                        copying=[row.copies_weights and n > 1 for n in flight])
+    return PlanTerms(costs, terms, ranks, flight)
+
+
+def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+                     cluster: Cluster, options: ModelOptions, in_flight: Sequence[int] | None,
+                     ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
+    built = plan_terms(graph, stages, cluster, options=options, in_flight=in_flight)
+    terms, ranks, flight = built.terms, built.ranks, built.in_flight
+    edges, params, keep = dict(built.costs.edges), built.costs.params, built.costs.activations
+    m = options.per_minibatch
+    row = kind(options.schedule)
     copying = [row.copies_weights and n > 1 for n in flight]
-    terms = stage_terms(fwd=fwd, bwd=bwd, params=params, edges=edges, stage_ranks=ranks,
-                        cluster=cluster, schedule=options.schedule, in_flight=flight,
-                        copying=copying)
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
                           microbatches=m)
     updates = 1.0 if row.update == "round" else 1.0 / m  # updates per microbatch, per replica
