@@ -12,7 +12,6 @@ with n minibatches in flight and v weight versions (schedule.kinds.weight_versio
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 OPTIMIZER_STATE = 2.0  # optimizer state bytes per parameter byte by default (Adam: two moments)
@@ -57,9 +56,9 @@ def max_in_flight(params: float, keep: float, *, versions_per_flight: bool, fixe
         spare = limit - base - max(0, fixed_versions - 1) * params
     if spare < per:
         return 0
-    if per <= 0 or math.isinf(spare):
+    if per <= 0:
         return 1 << 20  # no limit
-    return int(spare // per)
+    return int(min(spare // per, 1 << 20))
 
 
 __all__ = ["OPTIMIZER_STATE", "WorkerMemory", "max_in_flight", "worker_memory"]
