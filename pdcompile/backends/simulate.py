@@ -3,7 +3,11 @@
 Each rank runs its actions in order. An action starts when the rank is free and its dependencies
 (`pdcompile.deps.dependencies`, the same function validation uses) are met:
 
-- F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds (W: half of `bwd[s]`);
+- F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds; where the schedule splits the backward
+  ("zb-h1", "interleaved-zb"), B (input gradients) takes `(1 - wgrad_share) * bwd[s]` and W
+  (weight gradients) the rest, `wgrad_share` (default 1/2: a Linear layer's dX and dW are each a
+  matrix product the size of its forward); a stage that recomputes its activations
+  (`options["recompute"]`) runs its forward again in its backward: B takes `fwd[s]` more;
 - SEND_*: non-blocking, takes no time on the rank over a network; the transfer starts when the
   link from the sending rank to the receiving rank is free (one transfer at a time per directed
   rank pair, in send order) and takes latency + bytes / bandwidth of the cluster level the link
@@ -29,7 +33,10 @@ keeps the receiving side's copy busy. Otherwise every rank has a processor of it
 
 Memory per worker (peak): weights + one gradient buffer + stashed weight versions (1f1b: one per
 minibatch in flight beyond the newest, PipeDream's weight stashing; 2bw: one extra version) +
-activations of the microbatches in flight. Optimizer state (momentum, Adam moments) is not counted.
+activations of the microbatches in flight (from F to B, or to W where the backward is split;
+a stage that recomputes keeps only its inputs, the bytes of its incoming edges, plus one
+microbatch's activations while it recomputes them). A rank holding several chunks adds up its
+chunks. Optimizer state (momentum, Adam moments) is not counted.
 """
 
 from __future__ import annotations
@@ -40,7 +47,7 @@ from pdcompile.cluster import Cluster
 from pdcompile.deps import dependency_lists, execution_order, is_lowered
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
-from pdcompile.passes.schedule import updates_in_flight
+from pdcompile.passes.schedule import FLUSH_SCHEDULES, SPLIT_BACKWARD_SCHEDULES, updates_in_flight
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
 from pdcompile.units import format_bytes, format_seconds
@@ -98,10 +105,12 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-             timeline: bool = True, stash: bool = True) -> SimResult:
+             timeline: bool = True, stash: bool = True, wgrad_share: float = 0.5) -> SimResult:
     """Run the lowered `schedule` against `costs` on `cluster` (see module docstring).
 
-    `stash=False`: the pipeline runs without weight stashing (no snapshot copies)."""
+    `stash=False`: the pipeline runs without weight stashing (no snapshot copies).
+    `wgrad_share`: the part of a backward that computes weight gradients (W, where the schedule
+    splits the backward)."""
     if not is_lowered(schedule):
         raise ScheduleError(f"simulate() needs a lowered schedule; call "
                             f"passes.lower.lower(schedule) first (schedule {schedule.name!r})")
@@ -114,7 +123,10 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                             f"{cluster.workers} workers; choose a larger cluster")
     deps = dependency_lists(schedule)
     order = execution_order(schedule, deps)
-    work = ActionCosts(schedule, costs, cluster, stash=stash)
+    if not 0.0 <= wgrad_share <= 1.0:
+        raise ScheduleError(f"wgrad_share is the part of a backward spent on weight gradients, "
+                            f"between 0 and 1 (got {wgrad_share})")
+    work = ActionCosts(schedule, costs, cluster, stash=stash, wgrad_share=wgrad_share)
     sharing = cluster.shared_cores()
     if sharing is not None and _oversubscribed(schedule, *sharing):
         from pdcompile.backends.processor_sharing import share_processors
@@ -138,12 +150,12 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     meta: dict[str, object] = {
         "schedule": schedule.name, "microbatches": schedule.microbatches,
         "microbatches_per_minibatch": int(schedule.options.get("microbatches_per_minibatch", 1))}
-    if schedule.name in ("1f1b-flush", "gpipe"):
+    flush = schedule.name in FLUSH_SCHEDULES
+    if flush:
         meta["minibatches"] = 1
     line = Timeline.with_compute(events, compute, "simulated", meta)
     # the timeline may hold compute events only
     makespan = max((times[-1] for times in end.values() if times), default=0.0)
-    flush = schedule.name in ("1f1b-flush", "gpipe")
     per_minibatch = makespan if flush else line.time_per_minibatch()
     bubble = line.bubble_fraction((0.0, makespan))
     t0, t1, _ = line.steady_window()
@@ -164,8 +176,15 @@ class ActionCosts:
     loops: the one that gives every rank a processor and the one that shares them."""
 
     def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-                 stash: bool) -> None:
+                 stash: bool, wgrad_share: float = 0.5) -> None:
         self.schedule, self.costs, self.cluster = schedule, costs, cluster
+        # B and W seconds per stage: the backward split where the schedule splits it, the
+        # forward again in B where the stage recomputes its activations
+        share = wgrad_share if schedule.name in SPLIT_BACKWARD_SCHEDULES else 0.0
+        again = recomputing(schedule)
+        self.backward = tuple((1.0 - share) * costs.bwd[s] + (costs.fwd[s] if s in again else 0.0)
+                              for s in range(costs.stages))
+        self.weight = tuple(share * b for b in costs.bwd)
         self.step_time = costs.optimizer or tuple(3.0 * p / cluster.device.mem_bandwidth
                                                   for p in costs.params)
         self.copy_time = (costs.stash or tuple(2.0 * p / cluster.device.mem_bandwidth
@@ -196,9 +215,9 @@ class ActionCosts:
                 return self.costs.fwd[stage] + self.copy_time[stage]
             return self.costs.fwd[stage]
         if kind == Kind.B:
-            return self.costs.bwd[stage]
+            return self.backward[stage]
         if kind == Kind.W:
-            return 0.5 * self.costs.bwd[stage]
+            return self.weight[stage]
         if kind == Kind.STEP:
             self.fresh[rank] = self.copying[rank]
             return self.step_time[stage]
@@ -268,19 +287,39 @@ def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], .
     return begin, end
 
 
+def recomputing(schedule: Schedule) -> frozenset[int]:
+    """The stages that drop their activations after the forward and recompute them in the
+    backward (`options["recompute"]`, set by `passes.schedule.generate(recompute=...)`)."""
+    return frozenset(int(s) for s in schedule.options.get("recompute", ()))
+
+
 def _memory(schedule: Schedule, costs: StageCosts) -> dict[int, MemoryUse]:
-    """Peak memory per rank from its action order (in flight: F done, B not yet)."""
+    """Peak memory per rank from its action order (in flight: F done, B not yet; W not yet
+    where the backward is split)."""
+    split = schedule.name in SPLIT_BACKWARD_SCHEDULES
+    release = Kind.W if split else Kind.B
+    again = recomputing(schedule)
+    kept = [costs.activations[s] if s not in again else
+            sum(costs.edge_bytes(a, b) for a, b in costs.stage_edges() if b == s)
+            for s in range(costs.stages)]
     out: dict[int, MemoryUse] = {}
     for rank, actions in schedule.actions.items():
-        stage = schedule.stage_of_rank(rank)
+        stages = schedule.stages_of_rank(rank)
         live = peak = 0
+        held = held_peak = 0.0
         for action in actions:
+            stage = action.stage
             if action.kind == Kind.F:
                 live += 1
                 peak = max(peak, live)
-            elif action.kind == Kind.B:
+                held += kept[stage]
+                held_peak = max(held_peak, held)
+            elif action.kind == Kind.B and stage in again:  # the activations, rebuilt
+                held_peak = max(held_peak, held + costs.activations[stage])
+            if action.kind == release:
                 live -= 1
-        params = costs.params[stage]
+                held -= kept[stage]
+        params = sum(costs.params[s] for s in stages)
         if schedule.name == "1f1b":
             extra_versions = max(0, peak - 1)
         elif schedule.name == "2bw":
@@ -288,5 +327,5 @@ def _memory(schedule: Schedule, costs: StageCosts) -> dict[int, MemoryUse]:
         else:
             extra_versions = 0
         out[rank] = MemoryUse(weights=params, gradients=params, stashed=extra_versions * params,
-                              activations=peak * costs.activations[stage], in_flight=peak)
+                              activations=held_peak, in_flight=peak)
     return out
