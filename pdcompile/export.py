@@ -192,8 +192,8 @@ def export_pipeline(pipe: Pipeline, path: str | Path) -> Path:
             modules_file.unlink()
         tensors, aliases = _tensor_state(module)
         save_file(tensors, str(out / f"stage_{i}.safetensors"))
-        rank = pipe.plan.stages[i].ranks[0]
-        torch.save(pipe.ranks[rank].optimizer.state_dict(), out / f"optimizer_{i}.pt")
+        state = pipe.state(pipe.plan.stages[i].ranks[0], i)
+        torch.save(state.optimizer.state_dict(), out / f"optimizer_{i}.pt")
         stages_meta.append({
             "inputs": [[r.name, r.stage] for r in program.inputs],
             "outputs": list(program.outputs),
@@ -201,7 +201,7 @@ def export_pipeline(pipe: Pipeline, path: str | Path) -> Path:
             "sends": {str(k): list(v) for k, v in program.sends.items()},
             "param_names": {k: list(v) for k, v in program.param_names.items()},
             "buffer_names": {k: list(v) for k, v in program.buffer_names.items()},
-            "param_order": list(pipe.ranks[rank].param_order),
+            "param_order": list(state.param_order),
             "aliases": aliases,
             "pickled_modules": sorted(pickled),
             "kinds": dict(program.kinds),
@@ -344,12 +344,13 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=optimizer,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"])
-    for rank, state in list(pipe.ranks.items()):
+    for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
-        pipe.ranks[rank] = pipe._rank_state(rank, state.stage, state.module,
-                                            param_order=stage_meta["param_order"])
+        fresh = pipe._rank_state(state.rank, state.stage, state.module,
+                                 param_order=stage_meta["param_order"])
+        pipe.replace_state(fresh)
         saved = torch.load(folder / f"optimizer_{state.stage}.pt", weights_only=False)
-        pipe.ranks[rank].optimizer.load_state_dict(saved)
+        fresh.optimizer.load_state_dict(saved)
     if (folder / "example.pt").exists():
         example = torch.load(folder / "example.pt", weights_only=False)
         pipe.example_inputs, pipe.example_target = tuple(example["inputs"]), example["target"]

@@ -19,7 +19,9 @@ class Stage:
     Times are seconds per minibatch as seen by the pipeline (a stage with r replicas handles one
     minibatch in r of them, so `compute` is the stage's fwd+bwd divided by r); `copies` is the
     time the stage's own CPU spends copying what it sends over loopback links (`Level.cpu_copies`),
-    which it cannot overlap with compute; `memory` is bytes per worker.
+    which it cannot overlap with compute; `memory` is bytes per worker. `recompute`: the stage
+    drops its activations after each forward and recomputes them in the backward (less memory,
+    one more forward per microbatch; see pdcompile.recompute).
     """
 
     nodes: tuple[str, ...]
@@ -31,6 +33,7 @@ class Stage:
     memory: float = 0.0
     time: float = 0.0
     copies: float = 0.0
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if self.replicas < 1 or len(self.ranks) != self.replicas:
@@ -64,8 +67,13 @@ class Plan:
                     raise PlanError(f"node {node!r} is in stages {seen[node]} and {index}")
                 seen[node] = index
         ranks = [r for stage in self.stages for r in stage.ranks]
-        if len(set(ranks)) != len(ranks):
-            raise PlanError(f"a rank serves two stages: {ranks}")
+        shared = sorted({r for r in ranks if ranks.count(r) > 1})
+        replicated = [i for i, s in enumerate(self.stages)
+                      if s.replicas > 1 and set(s.ranks) & set(shared)]
+        if replicated:  # several chunks per rank (interleaved) only for unreplicated stages
+            raise PlanError(f"a rank serves two stages: {ranks}; a rank may hold several "
+                            f"stages (chunks of an interleaved pipeline) only when none of "
+                            f"them is replicated (stages {replicated} are)")
 
     # ----------------------------------------------------------------------------- views
     @property

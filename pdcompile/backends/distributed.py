@@ -32,6 +32,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.backends.launch import FaultMonitor, PeerFailure, Worker, backend_for, launch
 from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
 from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.passes.schedule import FLUSH_SCHEDULES
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.timeline import Recorder, Timeline
@@ -252,13 +253,12 @@ def expect_schedule(transport: DistributedTransport, schedule: Schedule, rank: i
 def schedule_receives(schedule: Schedule, rank: int,
                       specs: Callable[[Tag], Sequence[TensorSpec]]) -> list[Receive]:
     """Every receive of `rank` in a lowered schedule, in program order: (specs, source, tag)."""
-    stage = schedule.stage_of_rank(rank)
     receives = []
     for action in schedule.actions.get(rank, ()):
         if action.kind not in (Kind.RECV_F, Kind.RECV_B) or action.peer is None:
             continue
         kind = "act" if action.kind is Kind.RECV_F else "grad"
-        tag = Tag(kind, action.peer, stage, action.microbatch)
+        tag = Tag(kind, action.peer, action.stage, action.microbatch)
         receives.append((specs(tag), schedule.rank_of(action.peer, action.microbatch), tag))
     return receives
 
@@ -505,8 +505,14 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
                 f"'1f1b' with replicated stages ({plan.config}) trains in multiples of {lcm} "
                 f"minibatches; use a checkpoint interval that is a multiple of {lcm} "
                 f"(not {checkpoint_every})")
-    state = pipeline.ranks[rank]
-    stage = state.stage
+    stages = pipeline.stages_of(rank)
+    stage = stages[0]  # the rank's first chunk where it holds several (interleaved)
+    state = pipeline.state(rank, stage)
+    if len(stages) > 1 and checkpoint_dir is not None:
+        raise PipelineInputError(f"rank {rank} holds stages {list(stages)} (an interleaved "
+                                 "pipeline), whose checkpoints are not supported yet; train "
+                                 "without checkpoint_dir or with a schedule of one stage per "
+                                 "rank")
     reporter = plan.stages[-1].ranks[0] == rank and progress is not None
 
     # -- resume point: the newest step every rank has saved (agreed over the group) ----------
@@ -739,10 +745,11 @@ def reads_data(pipeline: Any, rank: int) -> bool:
     """Whether `rank` reads the minibatches: stage 0 (the model's inputs), and any stage that
     uses a model input directly. Other ranks may pass `batches=None` to run_distributed; the
     last stage then gets its targets from stage 0 over the wire."""
-    stage = pipeline.ranks[rank].stage
-    if stage == 0 or any(ref.stage is None for ref in pipeline.parts.stages[stage].inputs):
+    stages = pipeline.stages_of(rank)  # several where the rank holds chunks (interleaved)
+    if 0 in stages or any(ref.stage is None for stage in stages
+                          for ref in pipeline.parts.stages[stage].inputs):
         return True
-    last = stage == len(pipeline.plan.stages) - 1
+    last = len(pipeline.plan.stages) - 1 in stages
     return last and any(ref.stage is None for ref in pipeline.parts.output_refs)
 
 
@@ -860,7 +867,7 @@ class _NoData:
 
 
 _END = object()
-_FLUSH = ("1f1b-flush", "gpipe")
+_FLUSH = FLUSH_SCHEDULES
 
 
 def _identity(pipeline: Any, stage: int) -> dict[str, Any]:

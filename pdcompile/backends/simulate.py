@@ -35,7 +35,8 @@ Memory per worker (peak): weights + one gradient buffer + stashed weight version
 minibatch in flight beyond the newest, PipeDream's weight stashing; 2bw: one extra version) +
 activations of the microbatches in flight (from F to B, or to W where the backward is split;
 a stage that recomputes keeps only its inputs, the bytes of its incoming edges, plus one
-microbatch's activations while it recomputes them). A rank holding several chunks adds up its
+microbatch's activations while it recomputes them, and, where the backward is split, from its B
+to its W). A rank holding several chunks adds up its
 chunks. Optimizer state (momentum, Adam moments) is not counted.
 """
 
@@ -316,9 +317,13 @@ def _memory(schedule: Schedule, costs: StageCosts) -> dict[int, MemoryUse]:
                 held_peak = max(held_peak, held)
             elif action.kind == Kind.B and stage in again:  # the activations, rebuilt
                 held_peak = max(held_peak, held + costs.activations[stage])
+                if split:  # and what W needs of them stays until W (counted whole)
+                    held += costs.activations[stage]
             if action.kind == release:
                 live -= 1
                 held -= kept[stage]
+                if split and stage in again:
+                    held -= costs.activations[stage]
         params = sum(costs.params[s] for s in stages)
         if schedule.name == "1f1b":
             extra_versions = max(0, peak - 1)

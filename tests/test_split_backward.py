@@ -1,0 +1,121 @@
+"""The B/W split of zero-bubble schedules and the chunked ranks of interleaved ones, at runtime.
+
+B computes the input gradients (and the gradients of weights outside Linear layers) and defers
+each Linear layer's dW = gy^T x to W; interleaved ranks hold one runtime per chunk. The results
+equal ordinary training (tests/test_schedules_transparency.py); here: that the work really moves
+to W, that the recorded run follows the schedule, and the errors a user can meet.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import pdcompile
+from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
+from pdcompile.ir import Kind
+from pdcompile.passes.fuse import (
+    accumulating_grads,
+    deferring_weight_grads,
+    run_weight_grads,
+    split_weight_gradients,
+)
+from pdcompile.passes.interleave import interleave, interleaved_plan
+from pdcompile.passes.split import even_plan
+from pdcompile.passes.trace import trace
+from pdcompile.runtime.chunks import ChunkRuntimes
+
+
+def _mlp() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(6, 8), nn.LayerNorm(8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
+                         nn.Linear(8, 3))
+
+
+def test_b_defers_the_linear_weight_gradients_to_w() -> None:
+    model = _mlp()
+    reference = _mlp()
+    gm = trace(model)
+    assert split_weight_gradients(gm) == 3
+    assert split_weight_gradients(gm) == 3  # idempotent
+    x = torch.randn(5, 6, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    queue: list = []
+    with accumulating_grads(), deferring_weight_grads(queue):
+        out = gm(x)
+    out.square().sum().backward()
+    reference(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)  # B: the input gradient, at once
+    linears = [name for name, m in reference.named_modules() if isinstance(m, nn.Linear)]
+    for name in linears:
+        assert gm.get_submodule(name).weight.grad is None, name  # deferred
+    assert gm.get_submodule("1").weight.grad is not None  # LayerNorm: computed in B
+    assert len(queue) == 3
+    run_weight_grads(queue)  # W
+    assert not queue
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(gm.get_parameter(name).grad, param.grad, msg=name)
+
+
+def test_outside_the_deferring_context_nothing_waits() -> None:
+    gm = trace(_mlp())
+    split_weight_gradients(gm)
+    with accumulating_grads():
+        gm(torch.randn(2, 6)).sum().backward()
+    assert all(p.grad is not None for p in gm.parameters())
+
+
+def _pipeline(schedule: str, plan: pdcompile.Plan) -> pdcompile.pipeline.Pipeline:
+    model = _mlp()
+    return pdcompile.compile(model, example_inputs=(torch.randn(8, 6),),
+                             loss_fn=nn.functional.cross_entropy, schedule=schedule,
+                             microbatches=4, plan=plan, fuse=False)
+
+
+def test_a_recorded_zero_bubble_run_follows_the_schedule() -> None:
+    pipe = _pipeline("zb-h1", even_plan(trace(_mlp()), 3)).timed()
+    pipe.step(torch.randn(8, 6), target=torch.randint(0, 3, (8,)))
+    assert pipe.last_timeline is not None
+    pipe.last_timeline.check_schedule(pipe.schedule())
+    weights = [a for _, a in pipe.last_timeline.compute_events() if a.kind == Kind.W]
+    assert len(weights) == 3 * 4
+    # fuse=False still splits: a zero-bubble schedule needs the rewritten Linear calls
+    assert "linear_accumulate" in pipe.stage_modules[0].code
+
+
+def test_an_interleaved_rank_runs_one_runtime_per_chunk() -> None:
+    pipe = _pipeline("interleaved-1f1b", interleaved_plan(trace(_mlp()), 2, 2)).timed()
+    assert pipe.stages_of(0) == (0, 2) and pipe.plan.workers == 2
+    pipe.step(torch.randn(8, 6), target=torch.randint(0, 3, (8,)))
+    runtimes = pipe.last_runtimes
+    assert set(runtimes) == {0, 1}
+    assert isinstance(runtimes[1], ChunkRuntimes) and sorted(runtimes[1].chunks) == [1, 3]
+    assert sorted(runtimes[1].losses) == [0, 1, 2, 3]
+    assert pipe.last_timeline is not None
+    pipe.last_timeline.check_schedule(pipe.schedule())
+    with pytest.raises(ScheduleError, match="rank 1 holds stages \\[1, 3\\], not stage 2"):
+        runtimes[1].chunk(2)
+    assert len(pipe.optimizers) == 4
+    with pytest.raises(PipelineInputError, match="rank 0 runs stages \\[0, 2\\], not stage 1"):
+        pipe.state(0, 1)
+
+
+def test_placements_and_schedules_that_do_not_go_together() -> None:
+    gm = trace(_mlp())
+    with pytest.raises(PipelineInputError, match="run it with one of the interleaved schedules"):
+        _pipeline("1f1b-flush", interleaved_plan(gm, 2, 2))
+    with pytest.raises(PipelineInputError, match="needs a plan with several chunks per rank"):
+        _pipeline("interleaved-1f1b", even_plan(gm, 2))
+    with pytest.raises(PipelineInputError, match="run every stage on one worker"):
+        _pipeline("zb-h1", even_plan(gm, 2, replicas=[2, 1]))
+    with pytest.raises(PlanError, match="v >= 2 chunks on each of p >= 2 ranks"):
+        interleave(even_plan(gm, 3), 2)
+    with pytest.raises(PlanError, match="stages \\[0\\] of the plan are replicated"):
+        interleave(even_plan(gm, 4, replicas=[2, 1, 1, 1]), 2)
+    with pytest.raises(PlanError, match="only when none of them is replicated"):
+        plan = interleave(even_plan(gm, 4), 2)
+        replace(plan, stages=(replace(plan.stages[0], replicas=2, ranks=(0, 1)),
+                              *plan.stages[1:]))
