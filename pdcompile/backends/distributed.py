@@ -173,6 +173,13 @@ class DistributedTransport(Transport):
         pending = self._preposted.pop((src_rank, tag), None)
         if pending is None:
             pending = self._post_recv(specs, src_rank, tag)
+            # taken before its turn: it must not be posted again when its turn comes (a stray
+            # receive would take the same tag's message of a later run)
+            queue = self._expected.get(src_rank)
+            for index, (_specs, expected) in enumerate(queue or ()):
+                if expected == tag:
+                    del queue[index]  # type: ignore[union-attr]
+                    break
         self._refill(src_rank)
         return pending
 
@@ -785,16 +792,20 @@ def _target_tag(plan: Any, microbatch: int) -> Tag:
 
 
 def _with_targets(receives: list[Receive], plan: Any, layout: TargetLayout) -> list[Receive]:
-    """A last-stage rank's receives with each microbatch's target before its activations."""
+    """A last-stage rank's receives with each microbatch's target where the last stage takes
+    it: right after the microbatch's first activations into the last stage (its forward reads
+    the target). Program order matters: the transport posts receives in this order, a fixed
+    number ahead (a rank holding several chunks receives other chunks' activations between)."""
     first = plan.stages[0].ranks
+    last = len(plan.stages) - 1
     out: list[Receive] = []
     seen: set[int] = set()
     for specs, src, tag in receives:
-        if tag.kind == "act" and tag.microbatch not in seen:
+        out.append((specs, src, tag))
+        if tag.kind == "act" and tag.dst_stage == last and tag.microbatch not in seen:
             seen.add(tag.microbatch)
             out.append((layout[1], first[tag.microbatch % len(first)],
                         _target_tag(plan, tag.microbatch)))
-        out.append((specs, src, tag))
     return out
 
 
