@@ -11,6 +11,14 @@ minibatch 256; the two-stage split is 4 blocks | 4 blocks + head. One thread per
     (d) ours-1f1b  our asynchronous 1F1B (PipeDream): whole minibatches stream through, no flush
     (e) ours-flush our 1F1B-flush (PipeDream-Flush), 8 microbatches of 32
     (e') ours-flush-plain  the same without fused weight-gradient accumulation (passes/fuse.py)
+    (f) pp-interleaved  torch.distributed.pipelining ScheduleInterleaved1F1B: 4 chunks of 2 blocks
+        (the last with the head), chunks 0 and 2 on rank 0, 1 and 3 on rank 1; 8 microbatches
+    (f) ours-interleaved  our interleaved-1f1b on the same chunks and microbatching
+    (g) pp-zb      torch.distributed.pipelining ScheduleInterleavedZeroBubble with one stage per
+        rank (its ZB1P order, which is ZB-H1; the 4 | 4 + head split), 8 microbatches of 32
+    (g) ours-zb    our zb-h1 (B/W split: Linear weight gradients deferred to W), same split
+    (g') pp-izb / ours-izb  interleaved zero bubble (ScheduleInterleavedZeroBubble with 2 chunks
+        per rank / our interleaved-zb) on the chunks of (f)
 
 Each configuration runs `--rounds` rounds of `--steps` minibatches, each after a warm-up; the
 rounds of all configurations are interleaved (so that a load from elsewhere on the machine hits
@@ -54,6 +62,20 @@ def split_model(model: nn.Sequential) -> tuple[nn.Sequential, nn.Sequential]:
     """4 blocks | 4 blocks + head."""
     cut = 2 * BLOCKS // 2
     return model[:cut], model[cut:]
+
+
+CHUNKS = 4  # interleaved: 4 chunks of 2 blocks (the last with the head) on 2 ranks
+
+
+def chunk_of(index: int) -> int:
+    """The interleaved chunk of layer `index` of the Sequential (2 blocks, 4 layers, each)."""
+    return min(index // (2 * BLOCKS // CHUNKS), CHUNKS - 1)
+
+
+def chunk_model(model: nn.Sequential) -> list[nn.Sequential]:
+    """The 4 chunks of `chunk_of`, in pipeline order."""
+    return [nn.Sequential(*[m for i, m in enumerate(model) if chunk_of(i) == c])
+            for c in range(CHUNKS)]
 
 
 def make_data(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -129,13 +151,35 @@ def _ddp_worker(worker: Worker, rounds: int, steps: int, warmup: int) -> list[fl
 
 def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
                warmup: int) -> list[float]:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
-    part = split_model(build_model())[worker.rank]
-    stage = PipelineStage(part, worker.rank, 2, torch.device("cpu"))
-    cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
-    schedule = cls(stage, MICRO, loss_fn=nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(part.parameters(), lr=LR)
+    model = build_model()
+    if schedule_name in ("interleaved", "izb"):  # chunks c and c + 2 on rank c
+        indices = [worker.rank, worker.rank + 2]
+        parts = chunk_model(model)
+        chunks = [parts[i] for i in indices]
+        stages = [PipelineStage(c, i, CHUNKS, torch.device("cpu"))
+                  for c, i in zip(chunks, indices, strict=True)]
+        cls = ScheduleInterleaved1F1B if schedule_name == "interleaved" \
+            else ScheduleInterleavedZeroBubble
+        schedule = cls(stages, MICRO, loss_fn=nn.CrossEntropyLoss())
+        params = [p for c in chunks for p in c.parameters()]
+    else:
+        part = split_model(model)[worker.rank]
+        stage = PipelineStage(part, worker.rank, 2, torch.device("cpu"))
+        if schedule_name == "zb":  # ZB1P with one stage per rank: ZB-H1
+            schedule = ScheduleInterleavedZeroBubble([stage], MICRO, loss_fn=nn.CrossEntropyLoss())
+        else:
+            cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
+            schedule = cls(stage, MICRO, loss_fn=nn.CrossEntropyLoss())
+        params = list(part.parameters())
+    opt = torch.optim.SGD(params, lr=LR)
     data = make_data(steps + warmup)
 
     def step(i: int) -> None:
@@ -162,13 +206,18 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     weight-gradient accumulation (passes/fuse.py), to show what it contributes."""
     import pdcompile
     from pdcompile.backends.distributed import run_distributed
+    from pdcompile.passes.interleave import interleave
     from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
 
     model = build_model()
     gm = trace(model)
-    plan = manual_plan(gm, lambda node: int(  # 4 blocks | 4 blocks + head
-        node.op == "call_module" and int(str(node.target)) >= BLOCKS))
+    if schedule_name.startswith("interleaved"):  # the chunks of chunk_of, chunk c on rank c % 2
+        plan = interleave(manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
+                                      if node.op == "call_module" else 0), 2)
+    else:
+        plan = manual_plan(gm, lambda node: int(  # 4 blocks | 4 blocks + head
+            node.op == "call_module" and int(str(node.target)) >= BLOCKS))
     data = make_data(max(steps, warmup, 4))
     flush = schedule_name != "1f1b"
     pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
@@ -212,7 +261,21 @@ CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
         _ours_worker, "1f1b-flush", r, s, w)),
     "ours-flush-plain": ("(e') ours, 1F1B-flush, 8x32, plain autograd accumulation",
                          lambda r, s, w: _dist(_ours_worker, "1f1b-flush", r, s, w, False)),
+    "pp-interleaved": ("(f) pipelining ScheduleInterleaved1F1B, 2x2 chunks, 8x32",
+                       lambda r, s, w: _dist(_pp_worker, "interleaved", r, s, w)),
+    "ours-interleaved": ("(f) ours, interleaved-1f1b, 2x2 chunks, 8x32", lambda r, s, w: _dist(
+        _ours_worker, "interleaved-1f1b", r, s, w)),
+    "pp-zb": ("(g) pipelining ScheduleInterleavedZeroBubble (1 stage/rank: ZB-H1), 8x32",
+              lambda r, s, w: _dist(_pp_worker, "zb", r, s, w)),
+    "ours-zb": ("(g) ours, zb-h1, 8x32", lambda r, s, w: _dist(_ours_worker, "zb-h1", r, s, w)),
+    "pp-izb": ("(g') pipelining ScheduleInterleavedZeroBubble, 2x2 chunks, 8x32",
+               lambda r, s, w: _dist(_pp_worker, "izb", r, s, w)),
+    "ours-izb": ("(g') ours, interleaved-zb, 2x2 chunks, 8x32", lambda r, s, w: _dist(
+        _ours_worker, "interleaved-zb", r, s, w)),
 }
+# pairs measured against each other (ours / torch's), printed under the table
+PAIRS = [("ours-flush", "pp-1f1b"), ("ours-interleaved", "pp-interleaved"),
+         ("ours-zb", "pp-zb"), ("ours-izb", "pp-izb")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +312,11 @@ def main(argv: list[str] | None = None) -> int:
     for _name, label, rate, _rates in rows:
         ratio = f"{rate / base:.2f}x" if base else "-"
         lines.append(f"| {label} | {rate:.1f} | {ratio} |")
+    rate_of = {row[0]: row[2] for row in rows}
+    pairs = [(a, b) for a, b in PAIRS if a in rate_of and b in rate_of and rate_of[b] > 0]
+    if pairs:
+        lines += ["", "| ours / torch, same schedule and microbatching | ratio |", "|---|---:|"]
+        lines += [f"| {a} / {b} | {rate_of[a] / rate_of[b]:.2f}x |" for a, b in pairs]
     text = "\n".join(lines)
     print(text)
     if args.md:
