@@ -25,6 +25,16 @@ rounds of all configurations are interleaved (so that a load from elsewhere on t
 them alike), and the table shows the median samples/s and the ratio to (a).
 
     python benchmarks/runtime.py [--rounds 6] [--steps 8] [--only single,ddp,...] [--md FILE]
+
+`--bubbles` measures instead the bubble of real runs (1f1b-flush, zb-h1, interleaved-1f1b,
+interleaved-zb; `run_distributed(record=True)`, --steps minibatches, the first --warmup left
+out): per minibatch, each rank's idle time is the minibatch's span (first compute start to last
+compute end, both ranks) minus the rank's F, B and W time; the closed form (passes/bubble.py)
+gets the run's own measured f, b, w per microbatch and rank (chunks together, averaged over the
+ranks) with free transfers, so it is what the schedule's shape predicts from the measured
+compute, and the difference is what transfers, steps and imbalance add.
+
+    python benchmarks/runtime.py --bubbles [--steps 10] [--warmup 2] [--md FILE]
 """
 
 from __future__ import annotations
@@ -160,24 +170,28 @@ def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     )
 
     model = build_model()
+    loss_fn = nn.CrossEntropyLoss()
+    schedule: Any
     if schedule_name in ("interleaved", "izb"):  # chunks c and c + 2 on rank c
         indices = [worker.rank, worker.rank + 2]
         parts = chunk_model(model)
         chunks = [parts[i] for i in indices]
-        stages = [PipelineStage(c, i, CHUNKS, torch.device("cpu"))
-                  for c, i in zip(chunks, indices, strict=True)]
-        cls = ScheduleInterleaved1F1B if schedule_name == "interleaved" \
-            else ScheduleInterleavedZeroBubble
-        schedule = cls(stages, MICRO, loss_fn=nn.CrossEntropyLoss())
+        stages: list[Any] = [PipelineStage(c, i, CHUNKS, torch.device("cpu"))
+                             for c, i in zip(chunks, indices, strict=True)]
+        if schedule_name == "interleaved":
+            schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=loss_fn)
+        else:
+            schedule = ScheduleInterleavedZeroBubble(stages, MICRO, loss_fn=loss_fn)
         params = [p for c in chunks for p in c.parameters()]
     else:
         part = split_model(model)[worker.rank]
-        stage = PipelineStage(part, worker.rank, 2, torch.device("cpu"))
+        stage: Any = PipelineStage(part, worker.rank, 2, torch.device("cpu"))
         if schedule_name == "zb":  # ZB1P with one stage per rank: ZB-H1
-            schedule = ScheduleInterleavedZeroBubble([stage], MICRO, loss_fn=nn.CrossEntropyLoss())
+            schedule = ScheduleInterleavedZeroBubble([stage], MICRO, loss_fn=loss_fn)
+        elif schedule_name == "1f1b":
+            schedule = Schedule1F1B(stage, MICRO, loss_fn=loss_fn)
         else:
-            cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
-            schedule = cls(stage, MICRO, loss_fn=nn.CrossEntropyLoss())
+            schedule = ScheduleGPipe(stage, MICRO, loss_fn=loss_fn)
         params = list(part.parameters())
     opt = torch.optim.SGD(params, lr=LR)
     data = make_data(steps + warmup)
@@ -237,6 +251,66 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     return times
 
 
+# -- bubbles of real runs (--bubbles) ----
+
+
+BUBBLE_SCHEDULES = [("1f1b-flush", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)]
+
+
+def _bubble_worker(worker: Worker, schedule: str, chunks: int, steps: int) -> Any:
+    import pdcompile
+    from pdcompile.backends.distributed import run_distributed
+    from pdcompile.passes.interleave import interleave
+    from pdcompile.passes.split import manual_plan
+    from pdcompile.passes.trace import trace
+
+    model = build_model()
+    gm = trace(model)
+    if chunks > 1:
+        plan = interleave(manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
+                                      if node.op == "call_module" else 0), 2)
+    else:
+        plan = manual_plan(gm, lambda node: int(
+            node.op == "call_module" and int(str(node.target)) >= BLOCKS))
+    data = make_data(steps)
+    pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
+                             loss_fn=torch.nn.functional.cross_entropy,
+                             optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+                             schedule=schedule, microbatches=MICRO, plan=plan)
+    run = run_distributed(pipe, data, monitor=worker.monitor, record=True)
+    return None if run.timeline is None else run.timeline.to_dict()
+
+
+def measure_bubble(schedule: str, chunks: int, steps: int, skip: int) -> dict[str, float]:
+    """Measured idle per rank and minibatch, and the closed form from the measured times."""
+    from pdcompile.ir import Kind
+    from pdcompile.passes.bubble import flush_time
+    from pdcompile.timeline import Timeline
+
+    timeline = Timeline.from_dict(launch(_bubble_worker, 2, args=(schedule, chunks, steps),
+                                         timeout=900, fault_timeout=60)[0])
+    runs: dict[int, list[Any]] = {}
+    for event, action in timeline.compute_events():
+        runs.setdefault(action.microbatch // MICRO, []).append((event, action))
+    idle, spans = [], []
+    seconds: dict[Kind, list[float]] = {Kind.F: [], Kind.B: [], Kind.W: []}
+    for k in sorted(runs)[skip:]:
+        events = runs[k]
+        span = max(e.end for e, _ in events) - min(e.start for e, _ in events)
+        spans.append(span)
+        for rank in (0, 1):
+            idle.append(span - sum(e.duration for e, _ in events if e.rank == rank))
+        for kind, values in seconds.items():  # per microbatch and rank, chunks together
+            total = sum(e.duration for e, a in events if a.kind == kind)
+            values.append(total / (2 * MICRO))
+    f, b, w = (statistics.mean(seconds[k]) for k in (Kind.F, Kind.B, Kind.W))
+    closed = flush_time(schedule, ranks=2, microbatches=MICRO, chunks=chunks, fwd=f, bwd=b + w,
+                        wgrad=w)
+    span = statistics.median(spans)
+    return {"f": f, "b": b, "w": w, "idle": statistics.median(idle), "span": span,
+            "closed_idle": closed.idle, "closed_span": closed.makespan}
+
+
 # -- driver ----
 
 
@@ -287,11 +361,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated subset of: "
                         + ", ".join(CONFIGS))
     parser.add_argument("--md", default="", help="also write the table to this Markdown file")
+    parser.add_argument("--bubbles", action="store_true", help="instead: the measured bubble of "
+                        "1f1b-flush, zb-h1, interleaved-1f1b and interleaved-zb against the "
+                        "closed forms (passes/bubble.py), --steps minibatches each, the first "
+                        "--warmup left out")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     # every configuration runs with the allocator pdcompile's workers use: this process for (a),
     # the launched workers of the others (backends/launch.py); PDCOMPILE_ALLOCATOR=system for none
     tune_allocator()
+    if args.bubbles:
+        return bubbles(args.steps, args.warmup, args.md)
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
     # passes interleave the configurations, so that load from elsewhere hits them all alike
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -321,6 +401,29 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.md:
         with open(args.md, "w") as out:
+            out.write(text + "\n")
+    return 0
+
+
+def bubbles(steps: int, skip: int, md: str) -> int:
+    """The --bubbles table: measured idle time per minibatch against the closed forms."""
+    lines = [f"machine: {platform.node()} ({platform.machine()}), torch {torch.__version__}, 2 "
+             f"processes, {MICRO} microbatches of {MINIBATCH // MICRO}, medians over "
+             f"minibatches {skip + 1}..{steps}", "",
+             "| schedule | f / b / w per microbatch and rank (ms) | measured idle per rank "
+             "(ms) | closed-form idle (ms) | measured span (ms) | closed-form span (ms) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for schedule, chunks in BUBBLE_SCHEDULES:
+        got = measure_bubble(schedule, chunks, steps, skip)
+        lines.append(f"| {schedule} | {got['f'] * 1e3:.1f} / {got['b'] * 1e3:.1f} / "
+                     f"{got['w'] * 1e3:.1f} | {got['idle'] * 1e3:.1f} | "
+                     f"{got['closed_idle'] * 1e3:.1f} | {got['span'] * 1e3:.1f} | "
+                     f"{got['closed_span'] * 1e3:.1f} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if md:
+        with open(md, "w") as out:
             out.write(text + "\n")
     return 0
 

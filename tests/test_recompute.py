@@ -132,3 +132,16 @@ def test_the_simulator_charges_what_recompute_costs_says(name: str) -> None:
     assert durations["B", "again"] == pytest.approx([b + 1.0 for b in durations["B", "plain"]])
     assert durations["F", "again"] == durations["F", "plain"]
     assert recomputing.makespan > plain.makespan
+
+
+def test_pdcompile_simulate_reads_the_flag_of_the_plan() -> None:
+    from pdcompile.cli.simulate_cmd import build_schedule
+
+    plan = even_plan(trace(_model()), 2)
+    flagged = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], recompute=True)))
+    costs = StageCosts.uniform(2, fwd=1.0, bwd=2.0)
+    for name in ("1f1b-flush", "zb-h1"):
+        assert "recompute" not in build_schedule(plan, costs, schedule=name, microbatches=4,
+                                                 minibatches=1).options
+        lowered = build_schedule(flagged, costs, schedule=name, microbatches=4, minibatches=1)
+        assert lowered.options["recompute"] == [1]

@@ -96,15 +96,18 @@ def build_schedule(plan: Plan, costs: StageCosts, *, schedule: str, microbatches
                                       costs.period(stage_ranks, cluster))
     elif warmup not in ("noam", "latency"):
         raise PdcompileError(f"warmup must be 'noam' or 'latency', not {warmup!r}")
+    recompute = [i for i, s in enumerate(plan.stages) if s.recompute]  # Stage.recompute
     if schedule == "1f1b":
-        compute = generate("1f1b", stage_ranks, stream_length(plan, minibatches), warmup=depths)
+        compute = generate("1f1b", stage_ranks, stream_length(plan, minibatches), warmup=depths,
+                           recompute=recompute)
     elif schedule == "2bw":
         step = math.lcm(*(s.replicas for s in plan.stages))
         per = max(step, math.ceil(microbatches / step) * step)
         compute = generate("2bw", stage_ranks, per * max(1, minibatches),
-                           microbatches_per_minibatch=per, warmup=depths)
+                           microbatches_per_minibatch=per, warmup=depths, recompute=recompute)
     else:
-        compute = generate(schedule, stage_ranks, microbatches, warmup=depths)
+        compute = generate(schedule, stage_ranks, microbatches, warmup=depths,
+                           recompute=recompute)
     lowered = lower(compute, costs.stage_edges())
     validate(lowered)
     return lowered
