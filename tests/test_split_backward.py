@@ -23,7 +23,7 @@ from pdcompile.passes.fuse import (
     run_weight_grads,
     split_weight_gradients,
 )
-from pdcompile.passes.interleave import interleave, interleaved_plan
+from pdcompile.passes.interleave import balanced_chunks, interleave, interleaved_plan
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
 from pdcompile.runtime.chunks import ChunkRuntimes
@@ -119,3 +119,22 @@ def test_placements_and_schedules_that_do_not_go_together() -> None:
         plan = interleave(even_plan(gm, 4), 2)
         replace(plan, stages=(replace(plan.stages[0], replicas=2, ranks=(0, 1)),
                               *plan.stages[1:]))
+
+
+def test_balanced_chunks_of_a_cost_graph() -> None:
+    from pdcompile.costgraph import add_block, new_cost_graph
+
+    graph = new_cost_graph("chain")
+    costs = [1.0, 1.0, 4.0, 1.0, 1.0, 1.0, 3.0, 1.0, 1.0, 2.0]
+    for i, c in enumerate(costs):
+        add_block(graph, f"n{i}", fwd=c / 3, bwd=2 * c / 3, act=1.0, params=1.0)
+        if i:
+            graph.add_edge(f"n{i - 1}", f"n{i}")
+    plan = balanced_chunks(graph, 2, 2)
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (0,), (1,)] and plan.workers == 2
+    pieces = [[int(n[1:]) for n in s.nodes] for s in plan.stages]
+    assert sum(pieces, []) == list(range(10))
+    work = [sum(costs[i] for i in piece) for piece in pieces]
+    assert max(work) <= 6.0, pieces  # the best cut of 16 into 4 contiguous pieces has 6.0
+    one_each = balanced_chunks(graph, 5, 2)
+    assert [len(s.nodes) for s in one_each.stages] == [1] * 10

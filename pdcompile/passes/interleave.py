@@ -4,17 +4,20 @@ Interleaved schedules (Narayanan et al., SC 2021) give every rank v non-adjacent
 model, chunk c on rank c mod p, so that a microbatch crosses all ranks v times and the pipeline
 fills and drains in 1/v of the time. Any straight plan of p v stages can be placed that way;
 `interleaved_plan` cuts a traced graph into p v chunks of about equal weight for it
-(passes.split.even_plan; the planner's cost-balanced cut replaces it where costs are known).
+(passes.split.even_plan), `balanced_chunks` a CostGraph into p v chunks of about equal compute
+(the planner's cost-balanced K-stage cut can replace both).
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+import networkx as nx
 import torch.fx as fx
 
+from pdcompile.costgraph import topological_order
 from pdcompile.errors import PlanError
-from pdcompile.plan import Plan
+from pdcompile.plan import Plan, Stage
 
 
 def interleave(plan: Plan, ranks: int) -> Plan:
@@ -43,4 +46,31 @@ def interleaved_plan(gm: fx.GraphModule, ranks: int, chunks: int) -> Plan:
     return interleave(even_plan(gm, ranks * chunks), ranks)
 
 
-__all__ = ["interleave", "interleaved_plan"]
+def balanced_chunks(graph: nx.DiGraph, ranks: int, chunks: int) -> Plan:
+    """`ranks` x `chunks` contiguous pieces of the CostGraph's topological order, each closing
+    once its fwd + bwd reaches its share of the total (every piece keeps at least one node),
+    interleaved over `ranks`."""
+    order = topological_order(graph)
+    stages = ranks * chunks
+    if len(order) < stages:
+        raise PlanError(f"the graph has {len(order)} nodes, too few for {stages} chunks")
+    work = [float(graph.nodes[n]["fwd"]) + float(graph.nodes[n]["bwd"]) for n in order]
+    total = sum(work) or 1.0
+    pieces: list[list[str]] = [[]]
+    done = 0.0
+    for index, (node, cost) in enumerate(zip(order, work, strict=True)):
+        left = len(order) - index  # nodes still to place, this one included
+        closed = len(pieces) - 1
+        if pieces[-1] and closed < stages - 1 and (
+                done + cost / 2 > total * (closed + 1) / stages or left <= stages - 1 - closed):
+            pieces.append([])
+        pieces[-1].append(node)
+        done += cost
+    plan = Plan(stages=tuple(Stage(nodes=tuple(p), replicas=1, ranks=(i,))
+                             for i, p in enumerate(pieces)),
+                time_per_minibatch=0.0, dp_time=0.0, workers=stages, planner="balanced",
+                status="GIVEN")
+    return interleave(plan, ranks)
+
+
+__all__ = ["balanced_chunks", "interleave", "interleaved_plan"]
