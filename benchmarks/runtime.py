@@ -34,7 +34,11 @@ gets the run's own measured f, b, w per microbatch and rank (chunks together, av
 ranks) with free transfers, so it is what the schedule's shape predicts from the measured
 compute, and the difference is what transfers, steps and imbalance add.
 
-    python benchmarks/runtime.py --bubbles [--steps 10] [--warmup 2] [--md FILE]
+    python benchmarks/runtime.py --bubbles mlp|sleep [--sleep-ms 10] [--steps 10] [--warmup 2]
+
+On this shared 2-core machine the MLP's compute is slowed by whatever else runs; `sleep`
+replaces every stage by one that sleeps f = b = w (a sleep leaves the cores to others), so that
+the schedule's own shape shows, with the runtime's transfers and overheads.
 """
 
 from __future__ import annotations
@@ -257,37 +261,93 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
 BUBBLE_SCHEDULES = [("1f1b-flush", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)]
 
 
-def _bubble_worker(worker: Worker, schedule: str, chunks: int, steps: int) -> Any:
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps f, whose backward sleeps b (input gradients) and then w
+    (weight gradients) or, under a B/W split, leaves the w to W (passes/fuse.weight_grad_queue).
+    Sleeping leaves the cores to others: the schedule's shape shows whatever else runs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, f: float, b: float, w: float) -> torch.Tensor:
+        from pdcompile.passes.fuse import weight_grad_queue
+
+        time.sleep(f)
+        ctx.times, ctx.queue = (b, w), weight_grad_queue()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        b, w = ctx.times
+        time.sleep(b)
+        if ctx.queue is not None and not torch.is_grad_enabled():
+            ctx.queue.append(lambda: time.sleep(w))
+        else:
+            time.sleep(w)
+        return grad, None, None, None
+
+
+class Sleeper(nn.Module):
+    """A small Linear (so that the stage has weights) and a sleep of f / b / w seconds."""
+
+    def __init__(self, f: float, b: float, w: float) -> None:
+        super().__init__()
+        self.linear, self.times = nn.Linear(8, 8), (f, b, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.linear(x), *self.times)  # type: ignore[no-untyped-call]
+
+
+def _bubble_worker(worker: Worker, schedule: str, chunks: int, steps: int,
+                   sleep: float) -> Any:
     import pdcompile
     from pdcompile.backends.distributed import run_distributed
     from pdcompile.passes.interleave import interleave
     from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
 
-    model = build_model()
-    gm = trace(model)
-    if chunks > 1:
-        plan = interleave(manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
-                                      if node.op == "call_module" else 0), 2)
+    leaves: list[type[nn.Module]] = []
+    if sleep > 0:  # 2 x chunks sleeping stages, f = b = w = sleep per rank (chunks together)
+        torch.manual_seed(0)
+        share = sleep / chunks
+        model: nn.Module = nn.Sequential(*[Sleeper(share, share, share)
+                                           for _ in range(2 * chunks)])
+        gen = torch.Generator().manual_seed(1)
+        data = [(torch.randn(MICRO, 8, generator=gen),
+                 torch.randint(0, 8, (MICRO,), generator=gen))] * steps
+        leaves = [Sleeper]
+        gm = trace(model, leaf_modules=leaves)
+        plan = manual_plan(gm, lambda node: int(str(node.target))
+                           if node.op == "call_module" else 0)
     else:
-        plan = manual_plan(gm, lambda node: int(
-            node.op == "call_module" and int(str(node.target)) >= BLOCKS))
-    data = make_data(steps)
+        model = build_model()
+        data = make_data(steps)
+        gm = trace(model)
+        if chunks > 1:
+            plan = manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
+                               if node.op == "call_module" else 0)
+        else:
+            plan = manual_plan(gm, lambda node: int(
+                node.op == "call_module" and int(str(node.target)) >= BLOCKS))
+    if chunks > 1:
+        plan = interleave(plan, 2)
     pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
                              loss_fn=torch.nn.functional.cross_entropy,
                              optimizer=lambda params: torch.optim.SGD(params, lr=LR),
-                             schedule=schedule, microbatches=MICRO, plan=plan)
+                             schedule=schedule, microbatches=MICRO, plan=plan,
+                             leaf_modules=leaves)
     run = run_distributed(pipe, data, monitor=worker.monitor, record=True)
     return None if run.timeline is None else run.timeline.to_dict()
 
 
-def measure_bubble(schedule: str, chunks: int, steps: int, skip: int) -> dict[str, float]:
-    """Measured idle per rank and minibatch, and the closed form from the measured times."""
+def measure_bubble(schedule: str, chunks: int, steps: int, skip: int,
+                   sleep: float = 0.0) -> dict[str, float]:
+    """Measured idle per rank and minibatch, and the closed form from the measured times
+    (`sleep` > 0: stages that sleep f = b = w = `sleep` seconds per rank and microbatch)."""
     from pdcompile.ir import Kind
     from pdcompile.passes.bubble import flush_time
     from pdcompile.timeline import Timeline
 
-    timeline = Timeline.from_dict(launch(_bubble_worker, 2, args=(schedule, chunks, steps),
+    timeline = Timeline.from_dict(launch(_bubble_worker, 2,
+                                         args=(schedule, chunks, steps, sleep),
                                          timeout=900, fault_timeout=60)[0])
     runs: dict[int, list[Any]] = {}
     for event, action in timeline.compute_events():
@@ -361,17 +421,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated subset of: "
                         + ", ".join(CONFIGS))
     parser.add_argument("--md", default="", help="also write the table to this Markdown file")
-    parser.add_argument("--bubbles", action="store_true", help="instead: the measured bubble of "
-                        "1f1b-flush, zb-h1, interleaved-1f1b and interleaved-zb against the "
-                        "closed forms (passes/bubble.py), --steps minibatches each, the first "
-                        "--warmup left out")
+    parser.add_argument("--bubbles", choices=("mlp", "sleep"), default="",
+                        help="instead: the measured bubble of 1f1b-flush, zb-h1, "
+                        "interleaved-1f1b and interleaved-zb against the closed forms "
+                        "(passes/bubble.py), --steps minibatches each, the first --warmup left "
+                        "out; on the MLP, or on stages that sleep --sleep-ms (f = b = w)")
+    parser.add_argument("--sleep-ms", type=float, default=10.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     # every configuration runs with the allocator pdcompile's workers use: this process for (a),
     # the launched workers of the others (backends/launch.py); PDCOMPILE_ALLOCATOR=system for none
     tune_allocator()
     if args.bubbles:
-        return bubbles(args.steps, args.warmup, args.md)
+        sleep = args.sleep_ms / 1e3 if args.bubbles == "sleep" else 0.0
+        return bubbles(args.steps, args.warmup, args.md, sleep)
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
     # passes interleave the configurations, so that load from elsewhere hits them all alike
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -405,16 +468,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def bubbles(steps: int, skip: int, md: str) -> int:
+def bubbles(steps: int, skip: int, md: str, sleep: float = 0.0) -> int:
     """The --bubbles table: measured idle time per minibatch against the closed forms."""
+    model = (f"stages sleeping f = b = w = {sleep * 1e3:g} ms per rank and microbatch" if sleep
+             else f"the MLP, {MICRO} microbatches of {MINIBATCH // MICRO}")
     lines = [f"machine: {platform.node()} ({platform.machine()}), torch {torch.__version__}, 2 "
-             f"processes, {MICRO} microbatches of {MINIBATCH // MICRO}, medians over "
-             f"minibatches {skip + 1}..{steps}", "",
+             f"processes, {model}, {MICRO} microbatches, medians over minibatches "
+             f"{skip + 1}..{steps}", "",
              "| schedule | f / b / w per microbatch and rank (ms) | measured idle per rank "
              "(ms) | closed-form idle (ms) | measured span (ms) | closed-form span (ms) |",
              "|---|---|---:|---:|---:|---:|"]
     for schedule, chunks in BUBBLE_SCHEDULES:
-        got = measure_bubble(schedule, chunks, steps, skip)
+        got = measure_bubble(schedule, chunks, steps, skip, sleep)
         lines.append(f"| {schedule} | {got['f'] * 1e3:.1f} / {got['b'] * 1e3:.1f} / "
                      f"{got['w'] * 1e3:.1f} | {got['idle'] * 1e3:.1f} | "
                      f"{got['closed_idle'] * 1e3:.1f} | {got['span'] * 1e3:.1f} | "

@@ -9,6 +9,7 @@ to W, that the recorded run follows the schedule, and the errors a user can meet
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from pdcompile.passes.fuse import (
     deferring_weight_grads,
     run_weight_grads,
     split_weight_gradients,
+    weight_grad_queue,
 )
 from pdcompile.passes.interleave import balanced_chunks, interleave, interleaved_plan
 from pdcompile.passes.split import even_plan
@@ -58,6 +60,43 @@ def test_b_defers_the_linear_weight_gradients_to_w() -> None:
     assert not queue
     for name, param in reference.named_parameters():
         torch.testing.assert_close(gm.get_parameter(name).grad, param.grad, msg=name)
+
+
+class _Scale(torch.autograd.Function):
+    """y = x * s for a parameter s whose gradient joins the B/W split through the queue."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, s)
+        ctx.queue = weight_grad_queue()
+        return x * s
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        x, s = ctx.saved_tensors
+        if ctx.queue is None:
+            return grad * s, (grad * x).sum().reshape(s.shape)
+
+        def weight() -> None:  # a saved leaf unpacks as the leaf itself
+            update = (grad * x).sum().reshape(s.shape)
+            s.grad = update if s.grad is None else s.grad + update
+
+        ctx.queue.append(weight)
+        return grad * s, None
+
+
+def test_a_custom_function_joins_the_split_through_the_queue() -> None:
+    s = torch.tensor([3.0], requires_grad=True)
+    x = torch.randn(4, requires_grad=True)
+    queue: list = []
+    with deferring_weight_grads(queue):
+        y = _Scale.apply(x, s)
+    y.sum().backward()
+    torch.testing.assert_close(x.grad, torch.full((4,), 3.0))
+    assert s.grad is None and len(queue) == 1
+    run_weight_grads(queue)
+    torch.testing.assert_close(s.grad, x.detach().sum().reshape(1))
+    assert weight_grad_queue() is None  # outside the context
 
 
 def test_outside_the_deferring_context_nothing_waits() -> None:

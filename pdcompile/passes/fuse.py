@@ -29,7 +29,8 @@ it can wait. Forwards run inside `deferring_weight_grads(queue)` give their Line
 queue: their backward (B) computes gx at once and appends the dW and db work to the queue as a
 closure, which the pipeline's W action (`run_weight_grads`) runs later, while the rank would
 otherwise wait. It keeps x and gy alive until then. Weights of other layers (convolutions,
-norms, embeddings) get their gradients in B.
+norms, embeddings) get their gradients in B, unless their autograd function queues the work
+itself (`weight_grad_queue`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,13 @@ def deferring_weight_grads(queue: WeightGrads) -> Iterator[None]:
         yield
     finally:
         _DEFERRING.reset(token)
+
+
+def weight_grad_queue() -> WeightGrads | None:
+    """Where a forward running now defers its weight-gradient work (None: it computes it in B).
+    A custom autograd function joins the B/W split by reading it in its forward and appending
+    its weight-gradient work to it in its backward, as the Linear calls do."""
+    return _DEFERRING.get()
 
 
 def run_weight_grads(queue: WeightGrads) -> None:
@@ -199,4 +207,5 @@ def split_weight_gradients(gm: fx.GraphModule) -> int:
 
 
 __all__ = ["WeightGrads", "deferring_weight_grads", "fuse_grad_accumulation",
-           "linear_accumulate", "run_weight_grads", "split_weight_gradients"]
+           "linear_accumulate", "run_weight_grads", "split_weight_gradients",
+           "weight_grad_queue"]
