@@ -637,7 +637,10 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     device = _module_device(state.module)
     transport = DistributedTransport(stage_ranks=pipeline.stage_ranks,
                                      groups=pipeline.collective_groups(), monitor=monitor,
-                                     device=device, prepost_depth=prepost_depth)
+                                     device=device,
+                                     # each chunk of an interleaved rank receives as far ahead
+                                     # as a rank holding one stage
+                                     prepost_depth=prepost_depth * len(stages))
     specs = _spec_function(header["edges"], pipeline.vertical_sync) if header["count"] \
         else None
     layout = header.get("target")
