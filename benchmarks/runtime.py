@@ -11,12 +11,34 @@ minibatch 256; the two-stage split is 4 blocks | 4 blocks + head. One thread per
     (d) ours-1f1b  our asynchronous 1F1B (PipeDream): whole minibatches stream through, no flush
     (e) ours-flush our 1F1B-flush (PipeDream-Flush), 8 microbatches of 32
     (e') ours-flush-plain  the same without fused weight-gradient accumulation (passes/fuse.py)
+    (f) pp-interleaved  torch.distributed.pipelining ScheduleInterleaved1F1B: 4 chunks of 2 blocks
+        (the last with the head), chunks 0 and 2 on rank 0, 1 and 3 on rank 1; 8 microbatches
+    (f) ours-interleaved  our interleaved-1f1b on the same chunks and microbatching
+    (g) pp-zb      torch.distributed.pipelining ScheduleInterleavedZeroBubble with one stage per
+        rank (its ZB1P order, which is ZB-H1; the 4 | 4 + head split), 8 microbatches of 32
+    (g) ours-zb    our zb-h1 (B/W split: Linear weight gradients deferred to W), same split
+    (g') pp-izb / ours-izb  interleaved zero bubble (ScheduleInterleavedZeroBubble with 2 chunks
+        per rank / our interleaved-zb) on the chunks of (f)
 
 Each configuration runs `--rounds` rounds of `--steps` minibatches, each after a warm-up; the
 rounds of all configurations are interleaved (so that a load from elsewhere on the machine hits
 them alike), and the table shows the median samples/s and the ratio to (a).
 
     python benchmarks/runtime.py [--rounds 6] [--steps 8] [--only single,ddp,...] [--md FILE]
+
+`--bubbles` measures instead the bubble of real runs (1f1b-flush, zb-h1, interleaved-1f1b,
+interleaved-zb; `run_distributed(record=True)`, --steps minibatches, the first --warmup left
+out): per minibatch, each rank's idle time is the minibatch's span (first compute start to last
+compute end, both ranks) minus the rank's F, B and W time; the closed form (passes/bubble.py)
+gets the run's own measured f, b, w per microbatch and rank (chunks together, averaged over the
+ranks) with free transfers, so it is what the schedule's shape predicts from the measured
+compute, and the difference is what transfers, steps and imbalance add.
+
+    python benchmarks/runtime.py --bubbles mlp|sleep [--sleep-ms 10] [--steps 10] [--warmup 2]
+
+On this shared 2-core machine the MLP's compute is slowed by whatever else runs; `sleep`
+replaces every stage by one that sleeps f = b = w (a sleep leaves the cores to others), so that
+the schedule's own shape shows, with the runtime's transfers and overheads.
 """
 
 from __future__ import annotations
@@ -54,6 +76,20 @@ def split_model(model: nn.Sequential) -> tuple[nn.Sequential, nn.Sequential]:
     """4 blocks | 4 blocks + head."""
     cut = 2 * BLOCKS // 2
     return model[:cut], model[cut:]
+
+
+CHUNKS = 4  # interleaved: 4 chunks of 2 blocks (the last with the head) on 2 ranks
+
+
+def chunk_of(index: int) -> int:
+    """The interleaved chunk of layer `index` of the Sequential (2 blocks, 4 layers, each)."""
+    return min(index // (2 * BLOCKS // CHUNKS), CHUNKS - 1)
+
+
+def chunk_model(model: nn.Sequential) -> list[nn.Sequential]:
+    """The 4 chunks of `chunk_of`, in pipeline order."""
+    return [nn.Sequential(*[m for i, m in enumerate(model) if chunk_of(i) == c])
+            for c in range(CHUNKS)]
 
 
 def make_data(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -129,13 +165,39 @@ def _ddp_worker(worker: Worker, rounds: int, steps: int, warmup: int) -> list[fl
 
 def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
                warmup: int) -> list[float]:
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+        ScheduleInterleavedZeroBubble,
+    )
 
-    part = split_model(build_model())[worker.rank]
-    stage = PipelineStage(part, worker.rank, 2, torch.device("cpu"))
-    cls = Schedule1F1B if schedule_name == "1f1b" else ScheduleGPipe
-    schedule = cls(stage, MICRO, loss_fn=nn.CrossEntropyLoss())
-    opt = torch.optim.SGD(part.parameters(), lr=LR)
+    model = build_model()
+    loss_fn = nn.CrossEntropyLoss()
+    schedule: Any
+    if schedule_name in ("interleaved", "izb"):  # chunks c and c + 2 on rank c
+        indices = [worker.rank, worker.rank + 2]
+        parts = chunk_model(model)
+        chunks = [parts[i] for i in indices]
+        stages: list[Any] = [PipelineStage(c, i, CHUNKS, torch.device("cpu"))
+                             for c, i in zip(chunks, indices, strict=True)]
+        if schedule_name == "interleaved":
+            schedule = ScheduleInterleaved1F1B(stages, MICRO, loss_fn=loss_fn)
+        else:
+            schedule = ScheduleInterleavedZeroBubble(stages, MICRO, loss_fn=loss_fn)
+        params = [p for c in chunks for p in c.parameters()]
+    else:
+        part = split_model(model)[worker.rank]
+        stage: Any = PipelineStage(part, worker.rank, 2, torch.device("cpu"))
+        if schedule_name == "zb":  # ZB1P with one stage per rank: ZB-H1
+            schedule = ScheduleInterleavedZeroBubble([stage], MICRO, loss_fn=loss_fn)
+        elif schedule_name == "1f1b":
+            schedule = Schedule1F1B(stage, MICRO, loss_fn=loss_fn)
+        else:
+            schedule = ScheduleGPipe(stage, MICRO, loss_fn=loss_fn)
+        params = list(part.parameters())
+    opt = torch.optim.SGD(params, lr=LR)
     data = make_data(steps + warmup)
 
     def step(i: int) -> None:
@@ -162,13 +224,18 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     weight-gradient accumulation (passes/fuse.py), to show what it contributes."""
     import pdcompile
     from pdcompile.backends.distributed import run_distributed
+    from pdcompile.passes.interleave import interleave
     from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
 
     model = build_model()
     gm = trace(model)
-    plan = manual_plan(gm, lambda node: int(  # 4 blocks | 4 blocks + head
-        node.op == "call_module" and int(str(node.target)) >= BLOCKS))
+    if schedule_name.startswith("interleaved"):  # the chunks of chunk_of, chunk c on rank c % 2
+        plan = interleave(manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
+                                      if node.op == "call_module" else 0), 2)
+    else:
+        plan = manual_plan(gm, lambda node: int(  # 4 blocks | 4 blocks + head
+            node.op == "call_module" and int(str(node.target)) >= BLOCKS))
     data = make_data(max(steps, warmup, 4))
     flush = schedule_name != "1f1b"
     pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
@@ -186,6 +253,122 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
         dist.all_reduce(mine, op=dist.ReduceOp.MAX)
         times.append(float(mine))
     return times
+
+
+# -- bubbles of real runs (--bubbles) ----
+
+
+BUBBLE_SCHEDULES = [("1f1b-flush", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)]
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward sleeps f, whose backward sleeps b (input gradients) and then w
+    (weight gradients) or, under a B/W split, leaves the w to W (passes/fuse.weight_grad_queue).
+    Sleeping leaves the cores to others: the schedule's shape shows whatever else runs."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, f: float, b: float, w: float) -> torch.Tensor:
+        from pdcompile.passes.fuse import weight_grad_queue
+
+        time.sleep(f)
+        ctx.times, ctx.queue = (b, w), weight_grad_queue()
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        b, w = ctx.times
+        time.sleep(b)
+        if ctx.queue is not None and not torch.is_grad_enabled():
+            ctx.queue.append(lambda: time.sleep(w))
+        else:
+            time.sleep(w)
+        return grad, None, None, None
+
+
+class Sleeper(nn.Module):
+    """A small Linear (so that the stage has weights) and a sleep of f / b / w seconds."""
+
+    def __init__(self, f: float, b: float, w: float) -> None:
+        super().__init__()
+        self.linear, self.times = nn.Linear(8, 8), (f, b, w)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(self.linear(x), *self.times)  # type: ignore[no-untyped-call]
+
+
+def _bubble_worker(worker: Worker, schedule: str, chunks: int, steps: int,
+                   sleep: float) -> Any:
+    import pdcompile
+    from pdcompile.backends.distributed import run_distributed
+    from pdcompile.passes.interleave import interleave
+    from pdcompile.passes.split import manual_plan
+    from pdcompile.passes.trace import trace
+
+    leaves: list[type[nn.Module]] = []
+    if sleep > 0:  # 2 x chunks sleeping stages, f = b = w = sleep per rank (chunks together)
+        torch.manual_seed(0)
+        share = sleep / chunks
+        model: nn.Module = nn.Sequential(*[Sleeper(share, share, share)
+                                           for _ in range(2 * chunks)])
+        gen = torch.Generator().manual_seed(1)
+        data = [(torch.randn(MICRO, 8, generator=gen),
+                 torch.randint(0, 8, (MICRO,), generator=gen))] * steps
+        leaves = [Sleeper]
+        gm = trace(model, leaf_modules=leaves)
+        plan = manual_plan(gm, lambda node: int(str(node.target))
+                           if node.op == "call_module" else 0)
+    else:
+        model = build_model()
+        data = make_data(steps)
+        gm = trace(model)
+        if chunks > 1:
+            plan = manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
+                               if node.op == "call_module" else 0)
+        else:
+            plan = manual_plan(gm, lambda node: int(
+                node.op == "call_module" and int(str(node.target)) >= BLOCKS))
+    if chunks > 1:
+        plan = interleave(plan, 2)
+    pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
+                             loss_fn=torch.nn.functional.cross_entropy,
+                             optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+                             schedule=schedule, microbatches=MICRO, plan=plan,
+                             leaf_modules=leaves)
+    run = run_distributed(pipe, data, monitor=worker.monitor, record=True)
+    return None if run.timeline is None else run.timeline.to_dict()
+
+
+def measure_bubble(schedule: str, chunks: int, steps: int, skip: int,
+                   sleep: float = 0.0) -> dict[str, float]:
+    """Measured idle per rank and minibatch, and the closed form from the measured times
+    (`sleep` > 0: stages that sleep f = b = w = `sleep` seconds per rank and microbatch)."""
+    from pdcompile.ir import Kind
+    from pdcompile.passes.bubble import flush_time
+    from pdcompile.timeline import Timeline
+
+    timeline = Timeline.from_dict(launch(_bubble_worker, 2,
+                                         args=(schedule, chunks, steps, sleep),
+                                         timeout=900, fault_timeout=60)[0])
+    runs: dict[int, list[Any]] = {}
+    for event, action in timeline.compute_events():
+        runs.setdefault(action.microbatch // MICRO, []).append((event, action))
+    idle, spans = [], []
+    seconds: dict[Kind, list[float]] = {Kind.F: [], Kind.B: [], Kind.W: []}
+    for k in sorted(runs)[skip:]:
+        events = runs[k]
+        span = max(e.end for e, _ in events) - min(e.start for e, _ in events)
+        spans.append(span)
+        for rank in (0, 1):
+            idle.append(span - sum(e.duration for e, _ in events if e.rank == rank))
+        for kind, values in seconds.items():  # per microbatch and rank, chunks together
+            total = sum(e.duration for e, a in events if a.kind == kind)
+            values.append(total / (2 * MICRO))
+    f, b, w = (statistics.mean(seconds[k]) for k in (Kind.F, Kind.B, Kind.W))
+    closed = flush_time(schedule, ranks=2, microbatches=MICRO, chunks=chunks, fwd=f, bwd=b + w,
+                        wgrad=w)
+    span = statistics.median(spans)
+    return {"f": f, "b": b, "w": w, "idle": statistics.median(idle), "span": span,
+            "closed_idle": closed.idle, "closed_span": closed.makespan}
 
 
 # -- driver ----
@@ -212,7 +395,21 @@ CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
         _ours_worker, "1f1b-flush", r, s, w)),
     "ours-flush-plain": ("(e') ours, 1F1B-flush, 8x32, plain autograd accumulation",
                          lambda r, s, w: _dist(_ours_worker, "1f1b-flush", r, s, w, False)),
+    "pp-interleaved": ("(f) pipelining ScheduleInterleaved1F1B, 2x2 chunks, 8x32",
+                       lambda r, s, w: _dist(_pp_worker, "interleaved", r, s, w)),
+    "ours-interleaved": ("(f) ours, interleaved-1f1b, 2x2 chunks, 8x32", lambda r, s, w: _dist(
+        _ours_worker, "interleaved-1f1b", r, s, w)),
+    "pp-zb": ("(g) pipelining ScheduleInterleavedZeroBubble (1 stage/rank: ZB-H1), 8x32",
+              lambda r, s, w: _dist(_pp_worker, "zb", r, s, w)),
+    "ours-zb": ("(g) ours, zb-h1, 8x32", lambda r, s, w: _dist(_ours_worker, "zb-h1", r, s, w)),
+    "pp-izb": ("(g') pipelining ScheduleInterleavedZeroBubble, 2x2 chunks, 8x32",
+               lambda r, s, w: _dist(_pp_worker, "izb", r, s, w)),
+    "ours-izb": ("(g') ours, interleaved-zb, 2x2 chunks, 8x32", lambda r, s, w: _dist(
+        _ours_worker, "interleaved-zb", r, s, w)),
 }
+# pairs measured against each other (ours / torch's), printed under the table
+PAIRS = [("ours-flush", "pp-1f1b"), ("ours-interleaved", "pp-interleaved"),
+         ("ours-zb", "pp-zb"), ("ours-izb", "pp-izb")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -224,11 +421,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="", help="comma-separated subset of: "
                         + ", ".join(CONFIGS))
     parser.add_argument("--md", default="", help="also write the table to this Markdown file")
+    parser.add_argument("--bubbles", choices=("mlp", "sleep"), default="",
+                        help="instead: the measured bubble of 1f1b-flush, zb-h1, "
+                        "interleaved-1f1b and interleaved-zb against the closed forms "
+                        "(passes/bubble.py), --steps minibatches each, the first --warmup left "
+                        "out; on the MLP, or on stages that sleep --sleep-ms (f = b = w)")
+    parser.add_argument("--sleep-ms", type=float, default=10.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     # every configuration runs with the allocator pdcompile's workers use: this process for (a),
     # the launched workers of the others (backends/launch.py); PDCOMPILE_ALLOCATOR=system for none
     tune_allocator()
+    if args.bubbles:
+        sleep = args.sleep_ms / 1e3 if args.bubbles == "sleep" else 0.0
+        return bubbles(args.steps, args.warmup, args.md, sleep)
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
     # passes interleave the configurations, so that load from elsewhere hits them all alike
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -249,10 +455,40 @@ def main(argv: list[str] | None = None) -> int:
     for _name, label, rate, _rates in rows:
         ratio = f"{rate / base:.2f}x" if base else "-"
         lines.append(f"| {label} | {rate:.1f} | {ratio} |")
+    rate_of = {row[0]: row[2] for row in rows}
+    pairs = [(a, b) for a, b in PAIRS if a in rate_of and b in rate_of and rate_of[b] > 0]
+    if pairs:
+        lines += ["", "| ours / torch, same schedule and microbatching | ratio |", "|---|---:|"]
+        lines += [f"| {a} / {b} | {rate_of[a] / rate_of[b]:.2f}x |" for a, b in pairs]
     text = "\n".join(lines)
     print(text)
     if args.md:
         with open(args.md, "w") as out:
+            out.write(text + "\n")
+    return 0
+
+
+def bubbles(steps: int, skip: int, md: str, sleep: float = 0.0) -> int:
+    """The --bubbles table: measured idle time per minibatch against the closed forms."""
+    model = (f"stages sleeping f = b = w = {sleep * 1e3:g} ms per rank and microbatch" if sleep
+             else f"the MLP, {MICRO} microbatches of {MINIBATCH // MICRO}")
+    lines = [f"machine: {platform.node()} ({platform.machine()}), torch {torch.__version__}, 2 "
+             f"processes, {model}, {MICRO} microbatches, medians over minibatches "
+             f"{skip + 1}..{steps}", "",
+             "| schedule | f / b / w per microbatch and rank (ms) | measured idle per rank "
+             "(ms) | closed-form idle (ms) | measured span (ms) | closed-form span (ms) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for schedule, chunks in BUBBLE_SCHEDULES:
+        got = measure_bubble(schedule, chunks, steps, skip, sleep)
+        lines.append(f"| {schedule} | {got['f'] * 1e3:.1f} / {got['b'] * 1e3:.1f} / "
+                     f"{got['w'] * 1e3:.1f} | {got['idle'] * 1e3:.1f} | "
+                     f"{got['closed_idle'] * 1e3:.1f} | {got['span'] * 1e3:.1f} | "
+                     f"{got['closed_span'] * 1e3:.1f} |")
+        print(lines[-1], file=sys.stderr, flush=True)
+    text = "\n".join(lines)
+    print(text)
+    if md:
+        with open(md, "w") as out:
             out.write(text + "\n")
     return 0
 

@@ -264,7 +264,7 @@ def _save_stage(pipe: Pipeline, program: StageProgram, module: fx.GraphModule, o
         modules_file.unlink(missing_ok=True)
     state, aliases = _tensor_state(module)
     save_file(state, str(out / f"stage_{i}.safetensors"))
-    rank = pipe.ranks[pipe.plan.stages[i].ranks[0]]
+    rank = pipe.state(pipe.plan.stages[i].ranks[0], i)
     save_tree(out / f"optimizer_{i}.safetensors", rank.optimizer.state_dict(),
               where=f"the optimizer state of stage {i}")
     return {
@@ -292,8 +292,8 @@ def _callables(pipe: Pipeline) -> dict[str, Any]:
             out["loss_fn"] = reference(pipe.loss_fn)
         except NotReferable as err:
             out["not_saved"]["loss_fn"] = str(err)
-    for stage in pipe.plan.stages:
-        rank = pipe.ranks[stage.ranks[0]]
+    for index, stage in enumerate(pipe.plan.stages):
+        rank = pipe.state(stage.ranks[0], index)
         if isinstance(rank.optimizer, NoParameters):
             out["optimizers"].append(None)
             continue
@@ -375,19 +375,18 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"])
-    for rank, state in list(pipe.ranks.items()):
+    for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]
         if optimizer is not None or recipe is None:
-            pipe.ranks[rank] = pipe._rank_state(rank, state.stage, state.module,
-                                                param_order=stage_meta["param_order"])
+            fresh = pipe._rank_state(state.rank, state.stage, state.module,
+                                     param_order=stage_meta["param_order"])
         else:
             named = dict(state.module.named_parameters())
             order = tuple(stage_meta["param_order"])
-            pipe.ranks[rank] = RankState(rank, state.stage, state.module, recipe.build(named),
-                                         order)
-        _load_optimizer_state(pipe.ranks[rank].optimizer,
-                              folder / f"optimizer_{state.stage}.safetensors")
+            fresh = RankState(state.rank, state.stage, state.module, recipe.build(named), order)
+        pipe.replace_state(fresh)
+        _load_optimizer_state(fresh.optimizer, folder / f"optimizer_{state.stage}.safetensors")
     example_file = folder / "example.safetensors"
     if example_file.exists():
         example = _read(example_file, load_tree)

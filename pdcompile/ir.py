@@ -28,7 +28,8 @@ class Kind(enum.Enum):
 
     F = "F"                  # forward of one microbatch through the stage
     B = "B"                  # backward (input and weight gradients) of one microbatch
-    W = "W"                  # weight-gradient-only backward (zero-bubble schedules)
+    W = "W"                  # weight-gradient part of a split backward (zero-bubble schedules,
+    #                          where B computes the input gradients only)
     SEND_F = "SEND_F"        # send activations to `peer` stage
     RECV_F = "RECV_F"        # receive activations from `peer` stage
     SEND_B = "SEND_B"        # send input gradients back to `peer` stage
@@ -96,7 +97,8 @@ class Schedule:
     """For every rank, its actions in order, plus the shape of the pipeline they run on.
 
     `stage_ranks[s]` lists the ranks that run stage s (its replicas). Microbatch m of stage s runs
-    on replica `m % replicas` (round robin, 1F1B-RR).
+    on replica `m % replicas` (round robin, 1F1B-RR). In an interleaved pipeline a rank holds
+    several stages (chunks): stage c on rank c mod p, each unreplicated.
     """
 
     name: str
@@ -113,14 +115,19 @@ class Schedule:
     @property
     def ranks(self) -> list[int]:
         """All ranks, sorted."""
-        return sorted(r for ranks in self.stage_ranks for r in ranks)
+        return sorted({r for ranks in self.stage_ranks for r in ranks})
 
     def stage_of_rank(self, rank: int) -> int:
-        """The stage a rank runs."""
-        for stage, ranks in enumerate(self.stage_ranks):
-            if rank in ranks:
-                return stage
-        raise ScheduleError(f"rank {rank} runs no stage of this schedule")
+        """The stage a rank runs (the first one where it holds several chunks: see
+        `stages_of_rank`)."""
+        return self.stages_of_rank(rank)[0]
+
+    def stages_of_rank(self, rank: int) -> tuple[int, ...]:
+        """The stages a rank runs, ascending: one, or its chunks in an interleaved pipeline."""
+        found = tuple(stage for stage, ranks in enumerate(self.stage_ranks) if rank in ranks)
+        if not found:
+            raise ScheduleError(f"rank {rank} runs no stage of this schedule")
+        return found
 
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The rank (replica) of `stage` that handles `microbatch` (round robin)."""

@@ -21,9 +21,17 @@ from pdcompile.errors import PdcompileError, PipelineInputError, PlanError, Sche
 from pdcompile.ir import Schedule
 from pdcompile.passes.codegen import RankFn, generate_rank, load_rank
 from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import SCHEDULES, generate
+from pdcompile.passes.schedule import (
+    FLUSH_SCHEDULES,
+    INTERLEAVED_SCHEDULES,
+    SCHEDULES,
+    SPLIT_BACKWARD_SCHEDULES,
+    generate,
+    interleaved_shape,
+)
 from pdcompile.passes.split import SplitResult, StageProgram
 from pdcompile.plan import Plan
+from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
@@ -32,7 +40,7 @@ from pdcompile.timeline import Recorder, Timeline
 from pdcompile.validate import validate
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-FLUSH = ("1f1b-flush", "gpipe")
+FLUSH = FLUSH_SCHEDULES
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -140,7 +148,7 @@ class Pipeline:
         self.name = name
         self.record = False
         self.last_timeline: Timeline | None = None
-        self.last_runtimes: dict[int, StageRuntime] = {}
+        self.last_runtimes: dict[int, StageRuntime | ChunkRuntimes] = {}
         self._sources: dict[tuple[int, int], dict[int, str]] = {}
         self._checked_shapes: set[Any] = set()  # minibatch shapes check_minibatch accepted
         self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
@@ -151,11 +159,23 @@ class Pipeline:
         self.example_target: Any = example_target
         if example_inputs is not None:
             self._learn_kinds(example_inputs)
+        if schedule in SPLIT_BACKWARD_SCHEDULES:  # B/W split: Linear weight gradients can wait
+            from pdcompile.passes.fuse import split_weight_gradients
+
+            for program in parts.stages:
+                split_weight_gradients(program.module)
+        # the state of every rank holding one stage, and of every chunk of a rank holding several
+        # (interleaved schedules): `state(rank, stage)` reads either
         self.ranks: dict[int, RankState] = {}
+        self.chunk_states: dict[tuple[int, int], RankState] = {}
         for stage, program in enumerate(parts.stages):
             for replica, rank in enumerate(plan.stages[stage].ranks):
                 module = program.module if replica == 0 else _copy(program.module)
-                self.ranks[rank] = self._rank_state(rank, stage, module)
+                state = self._rank_state(rank, stage, module)
+                if len(self.stages_of(rank)) > 1:
+                    self.chunk_states[rank, stage] = state
+                else:
+                    self.ranks[rank] = state
 
     # ------------------------------------------------------------------ construction
     def _rank_state(self, rank: int, stage: int, module: fx.GraphModule,
@@ -170,11 +190,68 @@ class Pipeline:
                                      f"lr=0.1); it returned {type(optimizer).__name__}")
         return RankState(rank, stage, module, optimizer, order)
 
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages `rank` runs: one, or its chunks in an interleaved pipeline."""
+        return tuple(i for i, s in enumerate(self.plan.stages) if rank in s.ranks)
+
+    def state(self, rank: int, stage: int) -> RankState:
+        """What `rank` keeps for `stage` (its module copy and optimizer)."""
+        if (rank, stage) in self.chunk_states:
+            return self.chunk_states[rank, stage]
+        state = self.ranks.get(rank)
+        if state is None or state.stage != stage:
+            raise PipelineInputError(f"rank {rank} runs stages {list(self.stages_of(rank))}, "
+                                     f"not stage {stage}")
+        return state
+
+    def replace_state(self, state: RankState) -> None:
+        """Put `state` in place of the one of its rank and stage (e.g. a loaded optimizer)."""
+        if (state.rank, state.stage) in self.chunk_states:
+            self.chunk_states[state.rank, state.stage] = state
+        else:
+            self.state(state.rank, state.stage)  # checks that the rank runs that stage
+            self.ranks[state.rank] = state
+
+    def states(self) -> list[RankState]:
+        """Every rank's state (each chunk's on ranks holding several), by rank then stage."""
+        return sorted([*self.ranks.values(), *self.chunk_states.values()],
+                      key=lambda st: (st.rank, st.stage))
+
+    @property
+    def all_ranks(self) -> list[int]:
+        """Every rank of the pipeline, sorted."""
+        return sorted({r for s in self.plan.stages for r in s.ranks})
+
     def _check(self) -> None:
         replicas = [s.replicas for s in self.plan.stages]
         if len(self.parts.stages) != len(replicas):
             raise PlanError(f"plan has {len(replicas)} stages but the split has "
                             f"{len(self.parts.stages)}")
+        shared = [r for r in self.all_ranks if len(self.stages_of(r)) > 1]
+        if shared and self.schedule_name not in INTERLEAVED_SCHEDULES:
+            raise PipelineInputError(
+                f"ranks {shared} hold several stages (an interleaved placement); run it with "
+                f"one of the interleaved schedules {', '.join(INTERLEAVED_SCHEDULES)}, not "
+                f"{self.schedule_name!r}")
+        if self.schedule_name in INTERLEAVED_SCHEDULES or \
+                self.schedule_name in SPLIT_BACKWARD_SCHEDULES:
+            try:
+                _, chunks = interleaved_shape(self.stage_ranks)
+            except ScheduleError as err:
+                raise PipelineInputError(f"schedule {self.schedule_name!r} cannot run plan "
+                                         f"{self.plan.config}: {err}") from None
+            if self.schedule_name in INTERLEAVED_SCHEDULES and chunks < 2:
+                raise PipelineInputError(
+                    f"schedule {self.schedule_name!r} needs a plan with several chunks per rank "
+                    f"(stage c on rank c mod p); make one with "
+                    f"pdcompile.passes.interleave.interleave(plan, ranks) or interleaved_plan("
+                    f"graph, ranks, chunks)")
+        for tie in self.parts.ties:
+            owners = [r for s in tie.stages for r in self.plan.stages[s].ranks]
+            if len(set(owners)) < len(owners):
+                raise PlanError(f"parameter {tie.name!r} is shared by stages {tie.stages}, two "
+                                "of which are chunks of one rank; tie them on different ranks "
+                                "(another number of chunks) or untie them")
         if self.vertical_sync and (self.schedule_name != "1f1b" or len(set(replicas)) > 1):
             raise PipelineInputError("vertical_sync needs schedule '1f1b' and the same number of "
                                      f"replicas in every stage (got {self.schedule_name!r}, "
@@ -197,16 +274,16 @@ class Pipeline:
     @property
     def stage_modules(self) -> list[fx.GraphModule]:
         """The module of every stage (replica 0's live copy)."""
-        return [self.ranks[s.ranks[0]].module for s in self.plan.stages]
+        return [self.state(s.ranks[0], i).module for i, s in enumerate(self.plan.stages)]
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
         """Every rank's optimizer, in rank order (attach LR schedulers to each)."""
-        return [self.ranks[r].optimizer for r in sorted(self.ranks)]
+        return [state.optimizer for state in self.states()]
 
     def stage_optimizers(self, stage: int) -> list[torch.optim.Optimizer]:
         """The optimizers of a stage's replicas."""
-        return [self.ranks[r].optimizer for r in self.plan.stages[stage].ranks]
+        return [self.state(r, stage).optimizer for r in self.plan.stages[stage].ranks]
 
     @property
     def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
@@ -262,7 +339,9 @@ class Pipeline:
             kwargs["vertical_sync"] = True
         if self.plan.schedule == self.schedule_name and self.schedule_name != "gpipe":
             kwargs["warmup"] = self.plan.warmup()  # the planner's in-flight counts
-        compute = generate(self.schedule_name, self.stage_ranks, n, **kwargs)
+        recompute = [i for i, s in enumerate(self.plan.stages) if s.recompute]
+        compute = generate(self.schedule_name, self.stage_ranks, n, recompute=recompute,
+                           **kwargs)
         lowered = lower(compute, self.parts.edges)
         validate(lowered)
         return lowered
@@ -303,20 +382,28 @@ class Pipeline:
     # ------------------------------------------------------------------ running
     def runtime(self, rank: int, *, config: RunConfig, transport: Any, data: Any,
                 specs: Callable[[Tag], list[TensorSpec]] | None = None,
-                recorder: Any = None) -> StageRuntime:
-        """The runtime of one rank for one run (backends call this)."""
-        state = self.ranks[rank]
-        return StageRuntime(
-            rank=rank, io=self.parts.stages[state.stage], module=state.module,
-            optimizer=state.optimizer, config=config, transport=transport, data=data,
-            loss_fn=self.loss_fn, output_refs=self.parts.output_refs,
-            output_spec=self.parts.output_spec, ties=self.tie_groups(state.stage),
-            specs=specs, recorder=recorder)
+                recorder: Any = None) -> StageRuntime | ChunkRuntimes:
+        """The runtime of one rank for one run (backends call this); a rank holding several
+        chunks gets one per chunk, sharing its transport and data (runtime/chunks.py)."""
+        def one(stage: int) -> StageRuntime:
+            state = self.state(rank, stage)
+            return StageRuntime(
+                rank=rank, io=self.parts.stages[stage], module=state.module,
+                optimizer=state.optimizer, config=config, transport=transport, data=data,
+                loss_fn=self.loss_fn, output_refs=self.parts.output_refs,
+                output_spec=self.parts.output_spec, ties=self.tie_groups(stage),
+                specs=specs, recorder=recorder)
+
+        stages = self.stages_of(rank)
+        if len(stages) == 1:
+            return one(stages[0])
+        return ChunkRuntimes(rank, {stage: one(stage) for stage in stages})
 
     def run_config(self, per_minibatch: int) -> RunConfig:
         """The runtime configuration of a run."""
+        recompute = frozenset(i for i, s in enumerate(self.plan.stages) if s.recompute)
         return RunConfig(self.schedule_name, self.stage_ranks, per_minibatch, self.stash,
-                         self.vertical_sync)
+                         self.vertical_sync, recompute)
 
     def tie_groups(self, stage: int) -> list[TieGroup]:
         """Tied parameters of `stage`, grouped by the set of stages sharing them."""
@@ -335,9 +422,9 @@ class Pipeline:
         """All ranks' generated loops over `n` microbatches on the local backend; the losses."""
         config = self.run_config(per)
         boxes = Mailboxes()
-        recorders = {r: Recorder(r) for r in self.ranks} if self.record else {}
+        recorders = {r: Recorder(r) for r in self.all_ranks} if self.record else {}
         runtimes = {r: self.runtime(r, config=config, transport=LocalTransport(r, boxes),
-                                    data=data, recorder=recorders.get(r)) for r in self.ranks}
+                                    data=data, recorder=recorders.get(r)) for r in self.all_ranks}
         run_local(self._rank_functions(n, per), runtimes)
         for rt in runtimes.values():
             rt.finish()

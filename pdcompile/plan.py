@@ -22,6 +22,8 @@ class Stage:
     which it cannot overlap with compute; `memory` is bytes per worker. `in_flight`: microbatches
     (minibatches under '1f1b') each replica keeps in flight, i.e. its warm-up depth + 1, as the
     planner chose it within the memory; 0: the schedule's default (PipeDream's NOAM).
+    `recompute`: the stage drops its activations after each forward and recomputes them in the
+    backward (less memory, one more forward per microbatch; see pdcompile.recompute).
     """
 
     nodes: tuple[str, ...]
@@ -34,6 +36,7 @@ class Stage:
     time: float = 0.0
     copies: float = 0.0
     in_flight: int = 0
+    recompute: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.in_flight, int) or self.in_flight < 0:
@@ -80,8 +83,13 @@ class Plan:
                     raise PlanError(f"node {node!r} is in stages {seen[node]} and {index}")
                 seen[node] = index
         ranks = [r for stage in self.stages for r in stage.ranks]
-        if len(set(ranks)) != len(ranks):
-            raise PlanError(f"a rank serves two stages: {ranks}")
+        shared = sorted({r for r in ranks if ranks.count(r) > 1})
+        replicated = [i for i, s in enumerate(self.stages)
+                      if s.replicas > 1 and set(s.ranks) & set(shared)]
+        if replicated:  # several chunks per rank (interleaved) only for unreplicated stages
+            raise PlanError(f"a rank serves two stages: {ranks}; a rank may hold several "
+                            f"stages (chunks of an interleaved pipeline) only when none of "
+                            f"them is replicated (stages {replicated} are)")
 
     # ----------------------------------------------------------------------------- views
     @property

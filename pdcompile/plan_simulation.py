@@ -58,7 +58,8 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
     depths = _warmup(warmup, plan, costs, cluster, name)
     lowered = build(name, stage_ranks, microbatches=per,
                     minibatches=minibatches or steady_minibatches(plan),
-                    stage_edges=costs.stage_edges(), warmup=depths)
+                    stage_edges=costs.stage_edges(), warmup=depths,
+                    recompute=[i for i, s in enumerate(plan.stages) if s.recompute])
     return lowered, simulate(lowered, costs, cluster, timeline=timeline)
 
 

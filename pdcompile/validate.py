@@ -1,14 +1,17 @@
 """validate(schedule): reject a schedule that misses or duplicates work or cannot make progress.
 
 Checks, in order, each failure raising ScheduleError with the rank x step grid, the culprit marked:
-1. every action on a rank belongs to that rank's stage;
+1. every action on a rank belongs to a stage of that rank (one, or its chunks when interleaved);
 2. every microbatch has exactly one F and one B on the right replica of every stage, F first;
+   schedules that split the backward ("zb-h1", "interleaved-zb") also exactly one W, after the
+   B; the others none;
 3. (lowered schedules) every send has exactly one matching receive and the other way round; for
    every stage edge the four transfers of each microbatch are where lowering puts them; weight
    updates on each rank are numbered 0, 1, 2, ... (none twice);
 4. no deadlock: the ranks are run against `pdcompile.deps.dependencies` until all finish;
 5. (lowered schedules) each rank has exactly the weight updates lowering gives it, none missing,
-   duplicated or extra: "1f1b-flush"/"gpipe" one STEP 0 as the rank's last action; "2bw" one
+   duplicated or extra (per stage of the rank; a rank holding several chunks updates each):
+   flush schedules one STEP 0 after the stage's last compute on the rank; "2bw" one
    STEP k per minibatch k the rank takes part in, after its last backward of k; "1f1b" STEP k
    after the backward of microbatch m with k = m // replicas; a STEP comes before the rank's
    next F/B. On a replicated stage ALLREDUCE k comes right before each STEP k; a stage without
@@ -24,6 +27,7 @@ from pdcompile.deps import dependencies, execution_order, is_lowered, stage_edge
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
 from pdcompile.passes.lower import last_backward_of_minibatch
+from pdcompile.passes.schedule import FLUSH_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 
 
 def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> ScheduleError:
@@ -58,10 +62,12 @@ def validate(schedule: Schedule) -> None:
 
 def _check_stages(schedule: Schedule) -> None:
     for rank, actions in schedule.actions.items():
-        stage = schedule.stage_of_rank(rank)
+        stages = schedule.stages_of_rank(rank)
         for index, action in enumerate(actions):
-            if action.stage != stage:
-                raise _fail(schedule, f"rank {rank} runs stage {stage} but step {index} is "
+            if action.stage not in stages:
+                held = f"stage {stages[0]}" if len(stages) == 1 else \
+                    f"stages {', '.join(map(str, stages))}"
+                raise _fail(schedule, f"rank {rank} runs {held} but step {index} is "
                             f"{action} (stage {action.stage})", {rank: index})
             if not 0 <= action.microbatch or (action.kind.is_compute
                                              and action.microbatch >= schedule.microbatches):
@@ -70,16 +76,23 @@ def _check_stages(schedule: Schedule) -> None:
 
 
 def _check_work(schedule: Schedule) -> None:
+    split = schedule.name in SPLIT_BACKWARD_SCHEDULES
+    kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
     positions: dict[tuple[int, Kind, int], list[tuple[int, int]]] = {}
     for rank, actions in schedule.actions.items():
         for index, action in enumerate(actions):
-            if action.kind in (Kind.F, Kind.B):
+            if action.kind == Kind.W and not split:
+                raise _fail(schedule, f"rank {rank} step {index}: {action} is a weight-gradient "
+                            f"action, but schedule {schedule.name!r} does not split the "
+                            f"backward (only {', '.join(SPLIT_BACKWARD_SCHEDULES)} do)",
+                            {rank: index})
+            if action.kind in kinds:
                 positions.setdefault((action.stage, action.kind, action.microbatch), []).append(
                     (rank, index))
     for stage in range(schedule.stages):
         for m in range(schedule.microbatches):
             rank = schedule.rank_of(stage, m)
-            for kind in (Kind.F, Kind.B):
+            for kind in kinds:
                 where = positions.get((stage, kind, m), [])
                 name = f"{stage}{kind.value}{m}"
                 if not where:
@@ -98,6 +111,12 @@ def _check_work(schedule: Schedule) -> None:
             if b_at < f_at:
                 raise _fail(schedule, f"{stage}B{m} comes before {stage}F{m} on rank {rank}",
                             {rank: b_at})
+            if split:
+                (_, w_at), = positions[stage, Kind.W, m]
+                if w_at < b_at:
+                    raise _fail(schedule, f"{stage}W{m} comes before {stage}B{m} on rank {rank}; "
+                                "the weight gradients need the backward's output gradients",
+                                {rank: w_at})
 
 
 def _check_transfers(schedule: Schedule) -> None:
@@ -156,9 +175,10 @@ def _check_transfers(schedule: Schedule) -> None:
 
 def _check_updates(schedule: Schedule) -> None:
     for rank, actions in schedule.actions.items():
-        expected = 0
+        expecting: dict[int, int] = {}  # per stage of the rank: the next update's number
         for index, a in enumerate(actions):
             if a.kind == Kind.STEP:
+                expected = expecting.get(a.stage, 0)
                 if 0 <= a.microbatch < expected:
                     raise _fail(schedule, f"rank {rank}: weight update {a} runs twice; each "
                                 f"update runs once per rank (the next should be number "
@@ -166,18 +186,21 @@ def _check_updates(schedule: Schedule) -> None:
                 if a.microbatch != expected:
                     raise _fail(schedule, f"rank {rank}: weight update {a} should be number "
                                 f"{expected} (updates count 0, 1, 2, ...)", {rank: index})
-                expected += 1
+                expecting[a.stage] = expected + 1
 
 
-def _update_anchors(schedule: Schedule, rank: int) -> list[tuple[int, int | None]] | None:
-    """The weight updates lowering gives `rank`, in order: (update index k, the index of the
-    backward it follows; None: the rank's end). None when the schedule's name is not known."""
+def _update_anchors(schedule: Schedule, rank: int,
+                    stage: int) -> list[tuple[int, int | None]] | None:
+    """The weight updates lowering gives `stage` on `rank`, in order: (update index k, the
+    index of the backward it follows; None: the rank's end). None when the schedule's name is
+    not known."""
     actions = schedule.actions.get(rank, ())
-    backwards = [(i, a.microbatch) for i, a in enumerate(actions) if a.kind == Kind.B]
-    if schedule.name in ("1f1b-flush", "gpipe"):
+    backwards = [(i, a.microbatch) for i, a in enumerate(actions)
+                 if a.kind == Kind.B and a.stage == stage]
+    if schedule.name in FLUSH_SCHEDULES:
         return [(0, None)]
     if schedule.name == "1f1b":
-        replicas = len(schedule.stage_ranks[schedule.stage_of_rank(rank)])
+        replicas = len(schedule.stage_ranks[stage])
         return [(m // replicas, i) for i, m in backwards]
     if schedule.name == "2bw":
         per_minibatch = int(schedule.options.get("microbatches_per_minibatch", 1))
@@ -186,52 +209,68 @@ def _update_anchors(schedule: Schedule, rank: int) -> list[tuple[int, int | None
     return None
 
 
+def _update_rule(schedule: Schedule, replicas: int) -> str:
+    if schedule.name in FLUSH_SCHEDULES:
+        return "one STEP 0 at the end"
+    return {"1f1b": f"STEP m // {replicas} after each backward B m",
+            "2bw": "one STEP k after the last backward of each minibatch k"}[schedule.name]
+
+
 def _check_expected_updates(schedule: Schedule) -> None:
     for rank in schedule.ranks:
         actions = schedule.actions.get(rank, ())
-        stage = schedule.stage_of_rank(rank)
-        replicas = schedule.stage_ranks[stage]
-        steps = [(i, a) for i, a in enumerate(actions) if a.kind == Kind.STEP]
-        anchors = _update_anchors(schedule, rank)
-        if anchors is not None:
-            rule = {"1f1b-flush": "one STEP 0 at the end", "gpipe": "one STEP 0 at the end",
-                    "1f1b": f"STEP m // {len(replicas)} after each backward B m",
-                    "2bw": "one STEP k after the last backward of each minibatch k"}[schedule.name]
-            if len(steps) > len(anchors):
-                at, step = steps[len(anchors)]
-                raise _fail(schedule, f"rank {rank}: extra weight update {step} (schedule "
-                            f"{schedule.name!r}: {rule}, {len(anchors)} on this rank)",
-                            {rank: at})
-            for n, (k, after) in enumerate(anchors):
-                want = Action(stage, Kind.STEP, k)
-                if n >= len(steps):
-                    where = len(actions) - 1 if after is None else after
-                    place = (f"after {actions[where]}" if where >= 0
-                             else "on this rank, which has no actions")
-                    raise _fail(schedule, f"rank {rank}: weight update {want} is missing {place} "
-                                f"(schedule {schedule.name!r}: {rule}; the rank has "
-                                f"{len(steps)} of {len(anchors)})", {rank: max(where, 0)})
-                at, step = steps[n]
-                if step != want:
-                    raise _fail(schedule, f"rank {rank}: weight update {step} should be {want} "
-                                f"({rule})", {rank: at})
-                if after is None:
-                    if at != len(actions) - 1:
-                        raise _fail(schedule, f"rank {rank}: {step} must be the rank's last "
-                                    f"action ({rule})", {rank: at})
-                else:
-                    between = [a for a in actions[after + 1:at] if a.kind.is_compute]
-                    if at < after or between:
-                        raise _fail(schedule, f"rank {rank}: {step} must follow "
-                                    f"{actions[after]} before any other compute ({rule})",
-                                    {rank: at})
-        _check_allreduces(schedule, rank, steps)
+        all_steps = [(i, a) for i, a in enumerate(actions) if a.kind == Kind.STEP]
+        for stage in schedule.stages_of_rank(rank):
+            steps = [(i, a) for i, a in all_steps if a.stage == stage]
+            _check_stage_updates(schedule, rank, stage, steps)
+            _check_allreduces(schedule, rank, stage, steps)
 
 
-def _check_allreduces(schedule: Schedule, rank: int, steps: list[tuple[int, Action]]) -> None:
+def _check_stage_updates(schedule: Schedule, rank: int, stage: int,
+                         steps: list[tuple[int, Action]]) -> None:
     actions = schedule.actions.get(rank, ())
-    replicas = schedule.stage_ranks[schedule.stage_of_rank(rank)]
-    reduces = [(i, a) for i, a in enumerate(actions) if a.kind == Kind.ALLREDUCE]
+    anchors = _update_anchors(schedule, rank, stage)
+    if anchors is None:
+        return
+    rule = _update_rule(schedule, len(schedule.stage_ranks[stage]))
+    if len(steps) > len(anchors):
+        at, step = steps[len(anchors)]
+        raise _fail(schedule, f"rank {rank}: extra weight update {step} (schedule "
+                    f"{schedule.name!r}: {rule}, {len(anchors)} on this rank)", {rank: at})
+    last_compute = max((i for i, a in enumerate(actions) if a.kind.is_compute), default=-1)
+    for n, (k, after) in enumerate(anchors):
+        want = Action(stage, Kind.STEP, k)
+        if n >= len(steps):
+            where = len(actions) - 1 if after is None else after
+            place = (f"after {actions[where]}" if where >= 0
+                     else "on this rank, which has no actions")
+            raise _fail(schedule, f"rank {rank}: weight update {want} is missing {place} "
+                        f"(schedule {schedule.name!r}: {rule}; the rank has "
+                        f"{len(steps)} of {len(anchors)})", {rank: max(where, 0)})
+        at, step = steps[n]
+        if step != want:
+            raise _fail(schedule, f"rank {rank}: weight update {step} should be {want} "
+                        f"({rule})", {rank: at})
+        if after is None:
+            trailing = [a for a in actions[at + 1:] if a.kind not in (Kind.STEP, Kind.ALLREDUCE)]
+            if at < last_compute or trailing:
+                raise _fail(schedule, f"rank {rank}: {step} must be the rank's last action (or "
+                            f"among its last updates, one per stage it holds; {rule})",
+                            {rank: at})
+        else:
+            between = [a for a in actions[after + 1:at] if a.kind.is_compute]
+            if at < after or between:
+                raise _fail(schedule, f"rank {rank}: {step} must follow "
+                            f"{actions[after]} before any other compute ({rule})",
+                            {rank: at})
+
+
+def _check_allreduces(schedule: Schedule, rank: int, stage: int,
+                      steps: list[tuple[int, Action]]) -> None:
+    actions = schedule.actions.get(rank, ())
+    replicas = schedule.stage_ranks[stage]
+    reduces = [(i, a) for i, a in enumerate(actions)
+               if a.kind == Kind.ALLREDUCE and a.stage == stage]
     if len(replicas) == 1:
         if reduces:
             at, a = reduces[0]

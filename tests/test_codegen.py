@@ -29,6 +29,9 @@ CASES = {
                                                                             (1, 2)]),
     "gpipe_2stages_4mb": ("gpipe", [[0], [1]], 4, {}, None),
     "2bw_2stages_2x4mb": ("2bw", [[0], [1]], 8, {"microbatches_per_minibatch": 4}, None),
+    "interleaved-1f1b_2ranks_2chunks_4mb": ("interleaved-1f1b", [[0], [1], [0], [1]], 4, {},
+                                            None),
+    "zb-h1_3stages_6mb": ("zb-h1", [[0], [1], [2]], 6, {}, None),
 }
 
 
@@ -52,9 +55,12 @@ def test_golden_generated_code(name: str) -> None:
 class Replay:
     """A runtime that only records what the generated code asks it to do."""
 
-    def __init__(self, stage: int) -> None:
+    def __init__(self, stage: int, done: list[Action] | None = None) -> None:
         self.stage = stage
-        self.done: list[Action] = []
+        self.done: list[Action] = [] if done is None else done
+
+    def chunk(self, stage: int) -> Replay:
+        return Replay(stage, self.done)
 
     def _op(self, kind: Kind, n: int, peer: int | None = None) -> Generator[None, None, None]:
         self.done.append(Action(self.stage, kind, n, peer))
@@ -65,6 +71,9 @@ class Replay:
 
     def backward(self, n: int) -> Generator[None, None, None]:
         return self._op(Kind.B, n)
+
+    def backward_weight(self, n: int) -> Generator[None, None, None]:
+        return self._op(Kind.W, n)
 
     def send_f(self, n: int, peer: int) -> Generator[None, None, None]:
         return self._op(Kind.SEND_F, n, peer)
@@ -92,6 +101,9 @@ class Replay:
     ("1f1b-flush", [[0], [1], [2]], 16, {}),
     ("gpipe", [[0, 1], [2]], 8, {}),
     ("2bw", [[0], [1], [2]], 24, {"microbatches_per_minibatch": 4}),
+    ("interleaved-1f1b", [[0], [1], [2], [0], [1], [2]], 12, {}),
+    ("interleaved-zb", [[0], [1], [0], [1], [0], [1]], 8, {}),
+    ("zb-h1", [[0], [1], [2], [3]], 16, {}),
 ])
 def test_running_the_code_replays_the_schedule(schedule: str, ranks: list[list[int]], n: int,
                                                options: dict[str, Any]) -> None:
@@ -113,6 +125,18 @@ def test_periodic_parts_become_loops() -> None:
         assert "for i in range(" in source
     first = generate_rank(plan, 0)
     assert "# warm-up" in first and "# steady state" in first and "# drain" in first
+
+
+def test_a_rank_with_several_chunks_names_the_chunk_of_every_call() -> None:
+    plan = lower(generate_schedule("interleaved-1f1b", [[0], [1], [0], [1]], 4))
+    source = generate_rank(plan, 1)
+    assert "rank 1 runs stages 1, 3 (chunks of an interleaved pipeline)" in source
+    calls = [line.strip() for line in source.splitlines() if "yield from" in line]
+    assert calls[:3] == ["yield from rt.chunk(1).recv_f(0, 0)", "yield from rt.chunk(1).forward(0)",
+                         "yield from rt.chunk(1).send_f(0, 2)"]
+    assert calls[-2:] == ["yield from rt.chunk(1).step(0)", "yield from rt.chunk(3).step(0)"]
+    single = generate_rank(lower(generate_schedule("zb-h1", [[0], [1]], 4)), 0)
+    assert "rt.chunk(" not in single and "yield from rt.backward_weight(" in single
 
 
 def test_codegen_needs_a_lowered_schedule() -> None:

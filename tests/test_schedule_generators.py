@@ -94,6 +94,10 @@ CASES = [
     ("gpipe", [[0], [1, 2]], 4, None),
     ("2bw", straight(3), 8, 4),
     ("2bw", [[0], [1, 2]], 8, 2),
+    ("interleaved-1f1b", [[0], [1], [0], [1]], 4, None),
+    ("interleaved-1f1b", [[0], [1], [2], [0], [1], [2]], 6, None),
+    ("zb-h1", straight(3), 6, None),
+    ("interleaved-zb", [[0], [1], [0], [1]], 4, None),
 ]
 
 
@@ -171,3 +175,81 @@ def test_bad_arguments(kwargs: dict[str, object], match: str) -> None:
     with pytest.raises(ScheduleError, match=match):
         generate(args.pop("name"), args.pop("stage_ranks"), args.pop("microbatches"),  # type: ignore[arg-type]
                  **args)  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------ interleaved and zero bubble
+def interleaved(ranks: int, chunks: int) -> list[list[int]]:
+    return [[c % ranks] for c in range(ranks * chunks)]
+
+
+def test_interleaved_1f1b_like_megatron_figure_4() -> None:
+    # 2 ranks, 2 chunks each (rank 0: stages 0 and 2): forwards in rounds of p microbatches per
+    # chunk, warm-up (v-1) p + 2 (p-1-r), backwards from the last chunk down
+    schedule = generate("interleaved-1f1b", interleaved(2, 2), 4)
+    assert order(schedule, 0) == "0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3"
+    assert order(schedule, 1) == "1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3"
+    assert schedule.options == {"microbatches_per_minibatch": 4}
+
+
+def test_zb_h1_delays_the_weight_gradients_of_later_stages() -> None:
+    # ZB-H1 (Qi et al., figure 3): 1F1B's warm-up, B in place of the backward, rank r delays
+    # its first r W's into the drain
+    schedule = generate("zb-h1", straight(3), 4)
+    assert order(schedule, 0) == "0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3"
+    assert order(schedule, 1) == "1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3"
+    assert order(schedule, 2) == "2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3"
+
+
+def test_interleaved_zb_warms_up_by_one_forward_per_hop() -> None:
+    schedule = generate("interleaved-zb", interleaved(2, 2), 4)
+    assert order(schedule, 0) == ("0F0 0F1 2F0 2F1 2B0 2W0 0F2 2B1 2W1 0F3 0B0 0W0 2F2 0B1 "
+                                  "0W1 2F3 2B2 2W2 2B3 2W3 0B2 0W2 0B3 0W3")
+    assert order(schedule, 1) == ("1F0 1F1 3F0 3B0 3F1 3B1 3W0 1F2 1B0 3W1 1F3 1B1 1W0 3F2 "
+                                  "3B2 1W1 3F3 3B3 3W2 1B2 3W3 1B3 1W2 1W3")
+
+
+@pytest.mark.parametrize("m", [1, 2, 4, 5, 8, 16])
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_zb_h1_keeps_1f1b_in_flight_bound(p: int, m: int) -> None:
+    # activations live from F to W: at most p microbatches on every rank, as 1F1B
+    schedule = generate("zb-h1", straight(p), m)
+    for rank in range(p):
+        live = peak = 0
+        for action in schedule.actions[rank]:
+            live += {Kind.F: 1, Kind.W: -1}.get(action.kind, 0)
+            peak = max(peak, live)
+        assert peak == min(p, m)
+
+
+@pytest.mark.parametrize(("name", "p", "v", "m"), [
+    ("interleaved-1f1b", 2, 2, 4), ("interleaved-1f1b", 3, 2, 6), ("interleaved-1f1b", 4, 3, 8),
+    ("interleaved-1f1b", 4, 2, 2), ("interleaved-1f1b", 2, 3, 1), ("interleaved-zb", 2, 2, 8),
+    ("interleaved-zb", 3, 3, 3), ("interleaved-zb", 4, 2, 3), ("zb-h1", 5, 1, 3),
+    ("zb-h1", 2, 1, 7)])
+def test_new_schedules_are_valid_when_lowered(name: str, p: int, v: int, m: int) -> None:
+    compute = generate(name, interleaved(p, v), m)
+    validate(compute)
+    validate(lower(compute))
+
+
+@pytest.mark.parametrize(("name", "ranks", "m", "match"), [
+    ("interleaved-1f1b", [[0], [1], [1], [0]], 4, r"chunk c goes to the rank of chunk c mod p"),
+    ("interleaved-1f1b", [[0], [1]], 4, "at least 2 chunks per rank"),
+    ("interleaved-1f1b", [[0], [0]], 4, "at least 2 ranks"),
+    ("interleaved-1f1b", [[0, 1], [2], [0, 1], [2]], 4, "run every stage on one worker"),
+    ("interleaved-1f1b", [[0], [1], [2], [0], [1], [2]], 7, "use a multiple of 3"),
+    ("zb-h1", [[0], [1], [0], [1]], 4, "use 'interleaved-zb'"),
+    ("zb-h1", [[0, 1], [2]], 4, "one worker"),
+    ("1f1b-flush", [[0], [1], [0], [1]], 4, "a worker runs one stage"),
+])
+def test_placements_that_do_not_fit_the_schedule(name: str, ranks: list[list[int]], m: int,
+                                                 match: str) -> None:
+    with pytest.raises(ScheduleError, match=match):
+        generate(name, ranks, m)
+
+
+def test_recompute_travels_in_the_options() -> None:
+    schedule = lower(generate("zb-h1", straight(3), 4, recompute=[2, 0]))
+    assert schedule.options["recompute"] == [0, 2]
+    with pytest.raises(ScheduleError, match=r"stages 0..2"):
+        generate("1f1b-flush", straight(3), 4, recompute=[3])

@@ -266,3 +266,29 @@ def test_1f1b_vertical_sync_and_long_2bw_still_valid() -> None:
         ranks = ranks_of(replicas)
         validate(lower(generate("1f1b", ranks, 12, vertical_sync=True)))
         validate(lower(generate("2bw", ranks, 24, microbatches_per_minibatch=12)))
+
+
+# ------------------------------------------------------------------ split backward, chunks
+def test_weight_gradient_before_its_backward() -> None:
+    text = "rank 0: 0F0 0W0 0B0\nrank 1: 1F0 1B0 1W0"
+    assert_rejected(make(text, "zb-h1", 1), "0W0 comes before 0B0", "0W0")
+
+
+def test_weight_gradient_missing_or_out_of_place() -> None:
+    assert_rejected(make("rank 0: 0F0 0B0\nrank 1: 1F0 1B0 1W0", "zb-h1", 1), "0W0 is missing",
+                    "~")
+    assert_rejected(make("rank 0: 0F0 0B0 0W0\nrank 1: 1F0 1B0"), "does not split the backward",
+                    "0W0")
+
+
+def test_chunk_on_the_wrong_rank() -> None:
+    text = "rank 0: 0F0 2F0 2B0 0B0 1B0\nrank 1: 1F0 3F0 3B0"
+    message = assert_rejected(make(text, "interleaved-1f1b", 1, "0;1;0;1"),
+                              "rank 0 runs stages 0, 2 but step 4 is 1B0", "1B0")
+    assert "rank 1 |" in message
+
+
+def test_each_chunk_of_a_rank_updates_once() -> None:
+    lowered = lower(generate("interleaved-1f1b", [[0], [1], [0], [1]], 2))
+    text = lowered.to_text().replace(" 0STEP0 2STEP0", " 0STEP0")
+    assert_rejected(Schedule.from_text(text), "weight update 2STEP0 is missing", "0STEP0")

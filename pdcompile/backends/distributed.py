@@ -39,6 +39,7 @@ from pdcompile.backends.launch import (
 )
 from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
 from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.passes.schedule import FLUSH_SCHEDULES
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.timeline import Recorder, Timeline
@@ -179,6 +180,13 @@ class DistributedTransport(Transport):
         pending = self._preposted.pop((src_rank, tag), None)
         if pending is None:
             pending = self._post_recv(specs, src_rank, tag)
+            # taken before its turn: it must not be posted again when its turn comes (a stray
+            # receive would take the same tag's message of a later run)
+            queue = self._expected.get(src_rank)
+            for index, (_specs, expected) in enumerate(queue or ()):
+                if expected == tag:
+                    del queue[index]  # type: ignore[union-attr]
+                    break
         self._refill(src_rank)
         return pending
 
@@ -259,13 +267,12 @@ def expect_schedule(transport: DistributedTransport, schedule: Schedule, rank: i
 def schedule_receives(schedule: Schedule, rank: int,
                       specs: Callable[[Tag], Sequence[TensorSpec]]) -> list[Receive]:
     """Every receive of `rank` in a lowered schedule, in program order: (specs, source, tag)."""
-    stage = schedule.stage_of_rank(rank)
     receives = []
     for action in schedule.actions.get(rank, ()):
         if action.kind not in (Kind.RECV_F, Kind.RECV_B) or action.peer is None:
             continue
         kind = "act" if action.kind is Kind.RECV_F else "grad"
-        tag = Tag(kind, action.peer, stage, action.microbatch)
+        tag = Tag(kind, action.peer, action.stage, action.microbatch)
         receives.append((specs(tag), schedule.rank_of(action.peer, action.microbatch), tag))
     return receives
 
@@ -477,8 +484,14 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
                 f"'1f1b' with replicated stages ({plan.config}) trains in multiples of {lcm} "
                 f"minibatches; use a checkpoint interval that is a multiple of {lcm} "
                 f"(not {checkpoint_every})")
-    state = pipeline.ranks[rank]
-    stage = state.stage
+    stages = pipeline.stages_of(rank)
+    stage = stages[0]  # the rank's first chunk where it holds several (interleaved)
+    state = pipeline.state(rank, stage)
+    if len(stages) > 1 and checkpoint_dir is not None:
+        raise PipelineInputError(f"rank {rank} holds stages {list(stages)} (an interleaved "
+                                 "pipeline), whose checkpoints are not supported yet; train "
+                                 "without checkpoint_dir or with a schedule of one stage per "
+                                 "rank")
     reporter = plan.stages[-1].ranks[0] == rank and progress is not None
 
     # -- resume point: the newest step every rank has saved (agreed over the group) ----------
@@ -612,7 +625,10 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     device = _module_device(state.module)
     transport = DistributedTransport(stage_ranks=pipeline.stage_ranks,
                                      groups=pipeline.collective_groups(), monitor=monitor,
-                                     device=device, prepost_depth=prepost_depth)
+                                     device=device,
+                                     # each chunk of an interleaved rank receives as far ahead
+                                     # as a rank holding one stage
+                                     prepost_depth=prepost_depth * len(stages))
     recorder = Recorder(rank) if record else None
     renumbered = _Renumbered(recorder) if recorder is not None else None
     if renumbered is not None:
@@ -734,10 +750,11 @@ def reads_data(pipeline: Any, rank: int) -> bool:
     """Whether `rank` reads the minibatches: stage 0 (the model's inputs), and any stage that
     uses a model input directly. Other ranks may pass `batches=None` to run_distributed; the
     last stage then gets its targets from stage 0 over the wire."""
-    stage = pipeline.ranks[rank].stage
-    if stage == 0 or any(ref.stage is None for ref in pipeline.parts.stages[stage].inputs):
+    stages = pipeline.stages_of(rank)  # several where the rank holds chunks (interleaved)
+    if 0 in stages or any(ref.stage is None for stage in stages
+                          for ref in pipeline.parts.stages[stage].inputs):
         return True
-    last = stage == len(pipeline.plan.stages) - 1
+    last = len(pipeline.plan.stages) - 1 in stages
     return last and any(ref.stage is None for ref in pipeline.parts.output_refs)
 
 
@@ -776,17 +793,23 @@ def _target_tag(plan: Any, microbatch: int) -> Tag:
 
 def _with_targets(receives: list[Receive], plan: Any,
                   layout_of: Callable[[int], TargetLayout | None]) -> list[Receive]:
-    """A last-stage rank's receives with each microbatch's target before its activations."""
+    """A last-stage rank's receives with each microbatch's target where the last stage takes
+    it: right after the microbatch's first activations into the last stage (its forward reads
+    the target). Program order matters: the transport posts receives in this order, a fixed
+    number ahead (a rank holding several chunks receives other chunks' activations between).
+    `layout_of(m)`: the target's layout for microbatch m's run (None: it has no target)."""
     first = plan.stages[0].ranks
+    last = len(plan.stages) - 1
     out: list[Receive] = []
     seen: set[int] = set()
     for specs, src, tag in receives:
+        out.append((specs, src, tag))
         layout = layout_of(tag.microbatch)
-        if tag.kind == "act" and tag.microbatch not in seen and layout is not None:
+        if tag.kind == "act" and tag.dst_stage == last and tag.microbatch not in seen \
+                and layout is not None:
             seen.add(tag.microbatch)
             out.append((layout[1], first[tag.microbatch % len(first)],
                         _target_tag(plan, tag.microbatch)))
-        out.append((specs, src, tag))
     return out
 
 
@@ -858,7 +881,7 @@ class _NoData:
 
 
 _END = object()
-_FLUSH = ("1f1b-flush", "gpipe")
+_FLUSH = FLUSH_SCHEDULES
 
 
 def _identity(pipeline: Any, stage: int) -> dict[str, Any]:

@@ -3,7 +3,11 @@
 Each rank runs its actions in order. An action starts when the rank is free and its dependencies
 (`pdcompile.deps.dependencies`, the same function validation uses) are met:
 
-- F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds (W: half of `bwd[s]`);
+- F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds; where the schedule splits the backward
+  ("zb-h1", "interleaved-zb"), B (input gradients) takes `(1 - wgrad_share) * bwd[s]` and W
+  (weight gradients) the rest, `wgrad_share` (default 1/2: a Linear layer's dX and dW are each a
+  matrix product the size of its forward); a stage that recomputes its activations
+  (`options["recompute"]`) runs its forward again in its backward: B takes `fwd[s]` more;
 - SEND_*: non-blocking, takes no time on the rank over a network; the transfer starts when the
   link from the sending rank to the receiving rank is free (one transfer at a time per directed
   rank pair, in send order) and takes latency + bytes / bandwidth of the cluster level the link
@@ -30,7 +34,10 @@ keeps the receiving side's copy busy. Otherwise every rank has a processor of it
 Memory per worker (peak), by cost/memory.py's formula (the planner's): weights + gradients +
 optimizer state + stashed weight versions (1f1b: one per minibatch in flight beyond the newest,
 where the stage copies at all; 2bw: one extra version) + activations of the microbatches in
-flight (the largest number the rank's action order ever holds).
+flight (from F to B, or to W where the backward is split; a stage that recomputes keeps only
+its inputs, the bytes of its incoming edges, plus one microbatch's activations while it
+recomputes them, and, where the backward is split, from its B to its W). A rank holding several
+chunks adds up its chunks.
 """
 
 from __future__ import annotations
@@ -88,10 +95,12 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-             timeline: bool = True, stash: bool = True) -> SimResult:
+             timeline: bool = True, stash: bool = True, wgrad_share: float = 0.5) -> SimResult:
     """Run the lowered `schedule` against `costs` on `cluster` (see module docstring).
 
-    `stash=False`: the pipeline runs without weight stashing (no snapshot copies)."""
+    `stash=False`: the pipeline runs without weight stashing (no snapshot copies).
+    `wgrad_share`: the part of a backward that computes weight gradients (W, where the schedule
+    splits the backward)."""
     if not is_lowered(schedule):
         raise ScheduleError(f"simulate() needs a lowered schedule; call "
                             f"passes.lower.lower(schedule) first (schedule {schedule.name!r})")
@@ -104,7 +113,10 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                             f"{cluster.workers} workers; choose a larger cluster")
     deps = dependency_lists(schedule)
     order = execution_order(schedule, deps)
-    work = ActionCosts(schedule, costs, cluster, stash=stash)
+    if not 0.0 <= wgrad_share <= 1.0:
+        raise ScheduleError(f"wgrad_share is the part of a backward spent on weight gradients, "
+                            f"between 0 and 1 (got {wgrad_share})")
+    work = ActionCosts(schedule, costs, cluster, stash=stash, wgrad_share=wgrad_share)
     sharing = cluster.shared_cores()
     if sharing is not None and _oversubscribed(schedule, *sharing):
         from pdcompile.backends.processor_sharing import share_processors
@@ -154,8 +166,15 @@ class ActionCosts:
     loops: the one that gives every rank a processor and the one that shares them."""
 
     def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-                 stash: bool) -> None:
+                 stash: bool, wgrad_share: float = 0.5) -> None:
         self.schedule, self.costs, self.cluster = schedule, costs, cluster
+        # B and W seconds per stage: the backward split where the schedule splits it, the
+        # forward again in B where the stage recomputes its activations
+        share = wgrad_share if kind(schedule.name).split_backward else 0.0
+        again = recomputing(schedule)
+        self.backward = tuple((1.0 - share) * costs.bwd[s] + (costs.fwd[s] if s in again else 0.0)
+                              for s in range(costs.stages))
+        self.weight = tuple(share * b for b in costs.bwd)
         self.step_time = costs.optimizer or tuple(step_seconds(p, cluster.device)
                                                   for p in costs.params)
         self.copy_time = (costs.stash or tuple(copy_seconds(p, cluster.device)
@@ -179,9 +198,9 @@ class ActionCosts:
                 return self.costs.fwd[stage] + self.copy_time[stage]
             return self.costs.fwd[stage]
         if kind == Kind.B:
-            return self.costs.bwd[stage]
+            return self.backward[stage]
         if kind == Kind.W:
-            return 0.5 * self.costs.bwd[stage]
+            return self.weight[stage]
         if kind == Kind.STEP:
             self.fresh[rank] = self.copying[rank]
             return self.step_time[stage]
@@ -246,20 +265,45 @@ def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], .
     return begin, end
 
 
+def recomputing(schedule: Schedule) -> frozenset[int]:
+    """The stages that drop their activations after the forward and recompute them in the
+    backward (`options["recompute"]`, set by `passes.schedule.generate(recompute=...)`)."""
+    return frozenset(int(s) for s in schedule.options.get("recompute", ()))
+
+
 def _memory(schedule: Schedule, costs: StageCosts,
             copying: dict[int, bool]) -> dict[int, WorkerMemory]:
-    """Peak memory per rank from its action order (in flight: F done, B not yet)."""
+    """Peak memory per rank from its action order (in flight: F done, B not yet; W not yet
+    where the backward is split)."""
+    split = kind(schedule.name).split_backward
+    release = Kind.W if split else Kind.B
+    again = recomputing(schedule)
+    kept = [costs.activations[s] if s not in again else
+            sum(costs.edge_bytes(a, b) for a, b in costs.stage_edges() if b == s)
+            for s in range(costs.stages)]
     out: dict[int, WorkerMemory] = {}
     for rank, actions in schedule.actions.items():
-        stage = schedule.stage_of_rank(rank)
+        stages = schedule.stages_of_rank(rank)
         live = peak = 0
+        held = held_peak = 0.0
         for action in actions:
+            stage = action.stage
             if action.kind == Kind.F:
                 live += 1
                 peak = max(peak, live)
-            elif action.kind == Kind.B:
+                held += kept[stage]
+                held_peak = max(held_peak, held)
+            elif action.kind == Kind.B and stage in again:  # the activations, rebuilt
+                held_peak = max(held_peak, held + costs.activations[stage])
+                if split:  # and what W needs of them stays until W (counted whole)
+                    held += costs.activations[stage]
+            if action.kind == release:
                 live -= 1
+                held -= kept[stage]
+                if split and stage in again:
+                    held -= costs.activations[stage]
+        params = sum(costs.params[s] for s in stages)
         versions = weight_versions(schedule.name, peak, copies=copying[rank])
-        out[rank] = worker_memory(costs.params[stage], costs.activations[stage], in_flight=peak,
+        out[rank] = worker_memory(params, activations=held_peak, in_flight=peak,
                                   versions=versions, optimizer_state=costs.optimizer_state)
     return out

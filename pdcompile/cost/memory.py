@@ -34,11 +34,12 @@ class WorkerMemory:
         return self.weights + self.gradients + self.optimizer + self.stashed + self.activations
 
 
-def worker_memory(params: float, keep: float, *, in_flight: int, versions: int,
+def worker_memory(params: float, *, activations: float, in_flight: int, versions: int,
                   optimizer_state: float = OPTIMIZER_STATE) -> WorkerMemory:
-    """The memory of one worker (see the module docstring); `keep` per minibatch in flight."""
+    """The memory of one worker (see the module docstring): `activations`, the most bytes of
+    activations it holds at once (n K for n minibatches in flight of K each)."""
     return WorkerMemory(weights=params, gradients=params, optimizer=optimizer_state * params,
-                        stashed=max(0, versions - 1) * params, activations=in_flight * keep,
+                        stashed=max(0, versions - 1) * params, activations=activations,
                         in_flight=in_flight)
 
 

@@ -21,12 +21,22 @@ runtime's): there the graph is always consumed by `backward()`, which accumulate
 Elsewhere (a user calling a stage module, `torch.autograd.grad`, double backward) and under
 autocast the rewritten module is plain `F.linear`. Parameters the graph also reads directly keep
 the ordinary path.
+
+The same rewrite splits the backward for zero-bubble schedules (Qi et al., "Zero Bubble
+Pipeline Parallelism", ICLR 2024; `split_weight_gradients`): in the backward graph a Linear's
+weight gradient dW = gy^T x feeds nothing (the input gradient gx = gy W does not need it), so
+it can wait. Forwards run inside `deferring_weight_grads(queue)` give their Linear calls that
+queue: their backward (B) computes gx at once and appends the dW and db work to the queue as a
+closure, which the pipeline's W action (`run_weight_grads`) runs later, while the rank would
+otherwise wait. It keeps x and gy alive until then. Weights of other layers (convolutions,
+norms, embeddings) get their gradients in B, unless their autograd function queues the work
+itself (`weight_grad_queue`).
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from typing import Any
@@ -36,6 +46,9 @@ import torch.nn.functional as F  # noqa: N812 - the usual name
 from torch import fx
 
 _ACCUMULATING: ContextVar[bool] = ContextVar("pdcompile_accumulating_grads", default=False)
+WeightGrads = list[Callable[[], None]]  # deferred weight-gradient work of one microbatch
+_DEFERRING: ContextVar[WeightGrads | None] = ContextVar("pdcompile_deferring_weight_grads",
+                                                        default=None)
 
 
 @contextmanager
@@ -48,6 +61,31 @@ def accumulating_grads() -> Iterator[None]:
         _ACCUMULATING.reset(token)
 
 
+@contextmanager
+def deferring_weight_grads(queue: WeightGrads) -> Iterator[None]:
+    """Forwards run here (inside `accumulating_grads()`) defer their Linear layers' weight
+    gradients to `queue` when their backward runs (module docstring)."""
+    token = _DEFERRING.set(queue)
+    try:
+        yield
+    finally:
+        _DEFERRING.reset(token)
+
+
+def weight_grad_queue() -> WeightGrads | None:
+    """Where a forward running now defers its weight-gradient work (None: it computes it in B).
+    A custom autograd function joins the B/W split by reading it in its forward and appending
+    its weight-gradient work to it in its backward, as the Linear calls do."""
+    return _DEFERRING.get()
+
+
+def run_weight_grads(queue: WeightGrads) -> None:
+    """The deferred weight-gradient work of one microbatch (W): accumulate it into `.grad`."""
+    with torch.no_grad():
+        while queue:
+            queue.pop(0)()
+
+
 class _LinearAccumulate(torch.autograd.Function):
     """y = x W^T + b whose backward accumulates dW and db straight into the leaves' `.grad`."""
 
@@ -56,6 +94,7 @@ class _LinearAccumulate(torch.autograd.Function):
                 bias: torch.Tensor | None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.leaves = (weight, bias)
+        ctx.deferred = _DEFERRING.get()
         return F.linear(x, weight, bias)
 
     @staticmethod
@@ -66,6 +105,14 @@ class _LinearAccumulate(torch.autograd.Function):
         gx = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
         gw = gb = None
         in_place = not torch.is_grad_enabled()  # create_graph needs grads as graph outputs
+        queue = ctx.deferred
+        if in_place and queue is not None and _accumulates(leaf_weight) and (
+                bias is None or not ctx.needs_input_grad[2] or _accumulates(bias)):
+            x2 = x.reshape(-1, x.shape[-1])
+            queue.append(lambda: _accumulate_weight_grads(
+                gy, x2, leaf_weight if ctx.needs_input_grad[1] else None,
+                bias if bias is not None and ctx.needs_input_grad[2] else None))
+            return gx, None, None
         if ctx.needs_input_grad[1]:
             x2 = x.reshape(-1, x.shape[-1])
             if in_place and _accumulates(leaf_weight):
@@ -85,6 +132,21 @@ class _LinearAccumulate(torch.autograd.Function):
             else:
                 gb = summed
         return gx, gw, gb
+
+
+def _accumulate_weight_grads(gy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor | None,
+                             bias: torch.Tensor | None) -> None:
+    """dW = gy^T x and db = sum(gy), added into the leaves' `.grad` (a deferred W)."""
+    if weight is not None:
+        if weight.grad is None:
+            weight.grad = gy.t().mm(x2)
+        else:
+            weight.grad.addmm_(gy.t(), x2)
+    if bias is not None:
+        if bias.grad is None:
+            bias.grad = gy.sum(0)
+        else:
+            bias.grad.add_(gy.sum(0))
 
 
 def _accumulates(leaf: torch.Tensor) -> bool:
@@ -135,4 +197,15 @@ def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
     return fused
 
 
-__all__ = ["fuse_grad_accumulation", "linear_accumulate"]
+def split_weight_gradients(gm: fx.GraphModule) -> int:
+    """The B/W split pass: every Linear call of `gm` that owns its parameters becomes one whose
+    weight gradient can wait for W (`deferring_weight_grads`); idempotent after
+    `fuse_grad_accumulation`, which makes the same calls. Returns how many calls can defer."""
+    fuse_grad_accumulation(gm)
+    return sum(1 for node in gm.graph.nodes
+               if node.op == "call_function" and node.target is linear_accumulate)
+
+
+__all__ = ["WeightGrads", "deferring_weight_grads", "fuse_grad_accumulation",
+           "linear_accumulate", "run_weight_grads", "split_weight_gradients",
+           "weight_grad_queue"]

@@ -12,10 +12,12 @@ stage; an edge (src, dst) with src < dst may jump stages, a skip connection):
 
 So on a straight chain: `SEND_F m -> s+1` after `F m`, `RECV_F m <- s-1` before it, `SEND_B m ->
 s-1` after `B m`, `RECV_B m <- s+1` before it. Sends are non-blocking; a receive blocks at its
-position. Weight updates (STEP k, preceded by ALLREDUCE k on replicated stages) come after:
+position. A W (weight gradients) has no transfers: nobody waits for it. Weight updates (STEP k,
+preceded by ALLREDUCE k on replicated stages) come after:
 
 - "1f1b": every backward (k = m // replicas: one update per round of backwards across replicas);
-- "1f1b-flush", "gpipe": the last action (k = 0);
+- flush schedules ("1f1b-flush", "gpipe", "interleaved-1f1b", "zb-h1", "interleaved-zb"): the
+  end of the rank's list (k = 0), one per stage the rank holds (chunks: in stage order);
 - "2bw": the backward of the replica's last microbatch of each minibatch (k = minibatch index).
 """
 
@@ -27,6 +29,7 @@ from collections.abc import Iterable, Sequence
 from pdcompile.deps import dependency_lists
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.passes.schedule import FLUSH_SCHEDULES
 
 _RECV = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
 _SEND = {Kind.F: Kind.SEND_F, Kind.B: Kind.SEND_B}
@@ -72,22 +75,21 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
     # waited_by[rank, index]: the stages whose actions wait for that action
     waited_by: dict[tuple[int, int], list[int]] = defaultdict(list)
     for rank, per_rank in waits.items():
-        stage = compute.stage_of_rank(rank)
-        for refs in per_rank:
+        for index, refs in enumerate(per_rank):
             for ref in refs:
-                waited_by[ref].append(stage)
+                waited_by[ref].append(compute.actions[rank][index].stage)
     per_minibatch = int(schedule.options.get("microbatches_per_minibatch", 1))
 
     actions: dict[int, tuple[Action, ...]] = {}
     for rank in schedule.ranks:
-        stage = schedule.stage_of_rank(rank)
-        replicas = len(schedule.stage_ranks[stage])
         own = schedule.actions.get(rank, ())
         last_of_minibatch = (last_backward_of_minibatch(own, per_minibatch)
                              if schedule.name == "2bw" else {})
         out: list[Action] = []
         for index, action in enumerate(own):
             m = action.microbatch
+            stage = action.stage
+            replicas = len(schedule.stage_ranks[stage])
             if action.kind in _RECV:
                 peers = sorted(compute.actions[r][i].stage for r, i in waits[rank][index])
                 out.extend(Action(stage, _RECV[action.kind], m, p) for p in peers)
@@ -100,8 +102,9 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
                     out.extend(_update(stage, m // replicas, replicas))
                 elif m in last_of_minibatch:
                     out.extend(_update(stage, last_of_minibatch[m], replicas))
-        if schedule.name in ("1f1b-flush", "gpipe"):
-            out.extend(_update(stage, 0, replicas))
+        if schedule.name in FLUSH_SCHEDULES:
+            for stage in schedule.stages_of_rank(rank):
+                out.extend(_update(stage, 0, len(schedule.stage_ranks[stage])))
         actions[rank] = tuple(out)
     options = dict(schedule.options)
     options["lowered"] = True

@@ -25,6 +25,34 @@ on slow links a stage then waits for gradients with nothing to do).
 
 GPipe runs all forwards, then all backwards in reverse microbatch order (the last microbatch's
 backward first, as autograd would), like figure 2(c) of the GPipe paper.
+
+Interleaved 1F1B (Narayanan et al., "Efficient Large-Scale Language Model Training on GPU
+Clusters Using Megatron-LM", SC 2021, section 2.2.2): p ranks hold v non-adjacent chunks each,
+stage (chunk) c on rank c mod p. Forwards go in rounds of p microbatches per chunk (chunk 0 of
+microbatches 0..p-1, then chunk 1 of the same, ...), backwards the same way from the last chunk
+down; rank r runs (v-1) p + 2 (p-1-r) forwards before its first backward, then alternates. Each
+chunk is 1/v of a stage, so the fill and drain shrink v times: bubble (p-1)/(v m) of the ideal
+time (`passes/bubble.py`). Two ranks, two chunks each, 4 microbatches (rank 0 holds stages 0
+and 2, rank 1 stages 1 and 3)::
+
+    rank 0:  0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
+    rank 1:  1F0 1F1 3F0 3B0 3F1 3B1 1F2 1B0 1F3 1B1 3F2 3B2 3F3 3B3 1B2 1B3
+
+Zero bubble (Qi et al., "Zero Bubble Pipeline Parallelism", ICLR 2024): the backward is split
+into B (input gradients, which the previous stage waits for) and W (weight gradients, which
+nobody waits for). ZB-H1 keeps 1F1B's warm-up (p-1-r forwards on rank r) and in-flight bound,
+runs B where 1F1B runs the whole backward, and delays rank r's first r W's so that they fill the
+drain: bubble (p-1)(f+b-w) per rank instead of 1F1B's (p-1)(f+b+w). A straight pipeline of 3
+stages, 4 microbatches::
+
+    stage 0:  0F0 0F1 0F2 0B0 0W0 0F3 0B1 0W1 0B2 0W2 0B3 0W3
+    stage 1:  1F0 1F1 1B0 1F2 1B1 1W0 1F3 1B2 1W1 1B3 1W2 1W3
+    stage 2:  2F0 2B0 2F1 2B1 2F2 2B2 2W0 2F3 2B3 2W1 2W2 2W3
+
+`interleaved-zb` is the same split on an interleaved placement (ZB's ZB1P order over chunks, as
+torch.distributed.pipelining's ScheduleInterleavedZeroBubble: warm-up (v-1) p + (p-1-r)).
+All three are flush schedules: one minibatch of `microbatches` microbatches, one update at the
+end, the result of ordinary training with gradient accumulation.
 """
 
 from __future__ import annotations
@@ -35,12 +63,20 @@ from collections.abc import Sequence
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
 
-SCHEDULES = ("1f1b", "1f1b-flush", "gpipe", "2bw")
+SCHEDULES = ("1f1b", "1f1b-flush", "gpipe", "2bw", "interleaved-1f1b", "zb-h1", "interleaved-zb")
 ASYNC_SCHEDULES = ("1f1b", "2bw")
+# one minibatch per run, gradients accumulated over its microbatches, one update at the end
+FLUSH_SCHEDULES = ("1f1b-flush", "gpipe", "interleaved-1f1b", "zb-h1", "interleaved-zb")
+# ranks hold several chunks (stage c on rank c mod p)
+INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
+# the backward is split into B (input gradients) and W (weight gradients)
+SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "interleaved-zb")
 
 
-def normalise_stage_ranks(stage_ranks: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
-    """`stage_ranks` as a tuple of tuples, checked: every stage has a rank, no rank twice."""
+def normalise_stage_ranks(stage_ranks: Sequence[Sequence[int]], *,
+                          chunks: bool = False) -> tuple[tuple[int, ...], ...]:
+    """`stage_ranks` as a tuple of tuples, checked: every stage has a rank, no rank twice (with
+    `chunks`, a rank may hold several stages: see `interleaved_shape`)."""
     shape = tuple(tuple(int(r) for r in ranks) for ranks in stage_ranks)
     if not shape:
         raise ScheduleError("a schedule needs at least one stage; pass stage_ranks like "
@@ -51,11 +87,38 @@ def normalise_stage_ranks(stage_ranks: Sequence[Sequence[int]]) -> tuple[tuple[i
             raise ScheduleError(f"stage {stage} has no ranks; every stage needs at least one "
                                 "worker, e.g. stage_ranks=[[0, 1], [2]]")
         for rank in ranks:
-            if rank in seen:
+            if rank in seen and not chunks:
                 raise ScheduleError(f"rank {rank} appears in two stages of "
-                                    f"{list(map(list, shape))}; a worker runs one stage")
+                                    f"{list(map(list, shape))}; a worker runs one stage (only "
+                                    f"the interleaved schedules {INTERLEAVED_SCHEDULES} place "
+                                    "several chunks on one worker)")
             seen.add(rank)
     return shape
+
+
+def interleaved_shape(stage_ranks: Sequence[Sequence[int]]) -> tuple[int, int]:
+    """(p, v): ranks and chunks per rank of an interleaved placement, checked.
+
+    K = p v stages, each on one rank; stages 0..p-1 on p distinct ranks, and stage c on the rank
+    of stage c mod p (`passes.interleave.interleave` makes such a plan from a straight one).
+    """
+    shape = normalise_stage_ranks(stage_ranks, chunks=True)
+    replicated = [s for s, ranks in enumerate(shape) if len(ranks) != 1]
+    if replicated:
+        raise ScheduleError(f"stages {replicated} have several replicas "
+                            f"({[list(shape[s]) for s in replicated]}); interleaved and "
+                            "zero-bubble schedules run every stage on one worker")
+    owners = [ranks[0] for ranks in shape]
+    p = len(set(owners))
+    if len(shape) % p or len(set(owners[:p])) != p or any(
+            owners[c] != owners[c % p] for c in range(len(shape))):
+        wanted = [[owners[c % p]] for c in range(len(shape))] if len(set(owners[:p])) == p \
+            else [[c % p] for c in range(p * max(1, len(shape) // p))]
+        raise ScheduleError(f"stage ranks {[list(r) for r in shape]} are not an interleaved "
+                            f"placement of {len(shape)} stages on {p} ranks; chunk c goes to the "
+                            f"rank of chunk c mod p, e.g. {wanted} (passes.interleave.interleave "
+                            "turns a straight plan into one)")
+    return p, len(shape) // p
 
 
 def in_flight_limit(stage_ranks: Sequence[Sequence[int]], stage: int) -> int:
@@ -148,6 +211,65 @@ def _gpipe_order(microbatches: Sequence[int]) -> list[tuple[Kind, int]]:
     return [(Kind.F, m) for m in microbatches] + [(Kind.B, m) for m in reversed(microbatches)]
 
 
+def rounds_of(microbatches: int, ranks: int) -> int:
+    """Microbatches per round of an interleaved order: p, or all of them when there are fewer
+    (`microbatches` must be a multiple of it; see `chunk_order`)."""
+    rounds = max(1, microbatches // ranks)
+    if microbatches % rounds:
+        raise ScheduleError(f"interleaved and zero-bubble orders take the microbatches in rounds "
+                            f"of {ranks} (the ranks): {microbatches} microbatches make "
+                            f"{rounds} rounds of unequal size; use a multiple of {ranks} "
+                            f"(e.g. {rounds * ranks}) or fewer than {ranks}")
+    return microbatches // rounds
+
+
+def chunk_order(rank: int, ranks: int, chunks: int, microbatches: int, *,
+                split: bool) -> list[tuple[Kind, int, int]]:
+    """The compute order of position `rank` (0..p-1) as (kind, local chunk, microbatch).
+
+    Forward number k runs local chunk (k // R) mod v and backward number k local chunk
+    v-1 - (k // R) mod v, each on that chunk's next microbatch (R microbatches per round,
+    `rounds_of`; with one chunk the rounds do not matter). Warm-up: (v-1) R forwards, plus
+    2 (p-1-rank) (interleaved 1F1B) or p-1-rank (`split`: zero bubble); then one forward one
+    backward; then the remaining backwards. With
+    `split` each backward is B, and the W's follow in B order, one after every B once the rank
+    has run `rank` B's (the first W's wait for the drain, where they fill the bubble).
+    """
+    per_round = rounds_of(microbatches, ranks) if chunks > 1 else microbatches
+    total = chunks * microbatches
+    depth = (chunks - 1) * per_round + (1 if split else 2) * (ranks - 1 - rank)
+    warmup = min(depth, total)
+    next_f, next_b = [0] * chunks, [0] * chunks
+    order: list[tuple[Kind, int, int]] = []
+    done_b: list[tuple[int, int]] = []  # (chunk, microbatch) of every B so far, for the W's
+    weights = 0
+
+    def forward(k: int) -> None:
+        chunk = (k // per_round) % chunks
+        order.append((Kind.F, chunk, next_f[chunk]))
+        next_f[chunk] += 1
+
+    def backward(k: int) -> None:
+        nonlocal weights
+        chunk = chunks - 1 - (k // per_round) % chunks
+        order.append((Kind.B, chunk, next_b[chunk]))
+        done_b.append((chunk, next_b[chunk]))
+        next_b[chunk] += 1
+        if split and k >= rank:
+            order.append((Kind.W, *done_b[weights]))
+            weights += 1
+
+    for k in range(warmup):
+        forward(k)
+    for k in range(total - warmup):
+        forward(warmup + k)
+        backward(k)
+    for k in range(total - warmup, total):
+        backward(k)
+    order.extend((Kind.W, *done_b[i]) for i in range(weights, len(done_b) if split else 0))
+    return order
+
+
 def generate(
     name: str,
     stage_ranks: Sequence[Sequence[int]],
@@ -156,6 +278,7 @@ def generate(
     vertical_sync: bool = False,
     microbatches_per_minibatch: int | None = None,
     warmup: Sequence[int] | None = None,
+    recompute: Sequence[int] = (),
 ) -> Schedule:
     """The compute-only schedule `name` for a pipeline whose stage s runs on `stage_ranks[s]`.
 
@@ -168,12 +291,38 @@ def generate(
     `vertical_sync` is carried in `options` for the runtime (1f1b only). `warmup[s]` replaces
     the warm-up depth of stage s (forwards before the first backward, per replica; default
     NOAM_s - 1; not for gpipe).
+    - "interleaved-1f1b", "zb-h1", "interleaved-zb": one minibatch of `microbatches`
+      microbatches (module docstring); interleaved ones on a placement of chunks
+      (`interleaved_shape`).
+    `recompute` lists the stages that drop their activations after the forward and recompute
+    them in the backward (carried in `options["recompute"]` for the runtime and the simulator).
     """
-    shape = normalise_stage_ranks(stage_ranks)
+    schedule = _generate(name, stage_ranks, microbatches, vertical_sync=vertical_sync,
+                         microbatches_per_minibatch=microbatches_per_minibatch, warmup=warmup)
+    if not recompute:
+        return schedule
+    stages = sorted({int(s) for s in recompute})
+    if stages[0] < 0 or stages[-1] >= schedule.stages:
+        raise ScheduleError(f"recompute names stages {stages}, but the pipeline has stages "
+                            f"0..{schedule.stages - 1}")
+    return Schedule(schedule.name, schedule.microbatches, schedule.stage_ranks,
+                    schedule.actions, {**schedule.options, "recompute": stages})
+
+
+def _generate(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
+              vertical_sync: bool, microbatches_per_minibatch: int | None,
+              warmup: Sequence[int] | None) -> Schedule:
     if name not in SCHEDULES:
         raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ScheduleError(f"microbatches must be a positive integer (got {microbatches!r})")
+    if name in INTERLEAVED_SCHEDULES or name in SPLIT_BACKWARD_SCHEDULES:
+        if warmup is not None:
+            raise ScheduleError(f"warmup= applies to the 1F1B schedules, not {name!r}, whose "
+                                "order fixes its own warm-up")
+        return _chunked(name, stage_ranks, microbatches, vertical_sync=vertical_sync,
+                        microbatches_per_minibatch=microbatches_per_minibatch)
+    shape = normalise_stage_ranks(stage_ranks)
     if vertical_sync and name != "1f1b":
         raise ScheduleError(f"vertical_sync applies to the asynchronous '1f1b' schedule, "
                             f"not {name!r}")
@@ -201,6 +350,37 @@ def generate(
     if warmup is not None:
         options["warmup"] = depths
     return Schedule(name, microbatches, shape, actions, options)
+
+
+def _chunked(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
+             vertical_sync: bool, microbatches_per_minibatch: int | None) -> Schedule:
+    """interleaved-1f1b, zb-h1, interleaved-zb (`chunk_order` on every rank)."""
+    p, v = interleaved_shape(stage_ranks)
+    shape = normalise_stage_ranks(stage_ranks, chunks=True)
+    if vertical_sync:
+        raise ScheduleError(f"vertical_sync applies to the asynchronous '1f1b' schedule, "
+                            f"not {name!r}")
+    if microbatches_per_minibatch not in (None, microbatches):
+        raise ScheduleError(f"{name!r} runs one minibatch of `microbatches` microbatches; "
+                            f"drop microbatches_per_minibatch={microbatches_per_minibatch}")
+    if name in INTERLEAVED_SCHEDULES and v < 2:
+        raise ScheduleError(f"{name!r} needs at least 2 chunks per rank; {len(shape)} stages on "
+                            f"{p} ranks is one each: use 'zb-h1' or '1f1b-flush', or cut "
+                            f"{2 * p} stages and interleave them (passes.interleave)")
+    if name == "zb-h1" and v != 1:
+        raise ScheduleError(f"'zb-h1' runs one stage per rank; for {v} chunks per rank use "
+                            "'interleaved-zb'")
+    if name in INTERLEAVED_SCHEDULES and p < 2:
+        raise ScheduleError(f"{name!r} needs at least 2 ranks to interleave chunks over (got "
+                            f"{p}); one rank runs its stages one after another ('1f1b-flush')")
+    actions: dict[int, tuple[Action, ...]] = {}
+    for position in range(p):
+        rank = shape[position][0]
+        order = chunk_order(position, p, v, microbatches,
+                            split=name in SPLIT_BACKWARD_SCHEDULES)
+        actions[rank] = tuple(Action(chunk * p + position, kind, m) for kind, chunk, m in order)
+    return Schedule(name, microbatches, shape, actions,
+                    {"microbatches_per_minibatch": microbatches})
 
 
 def _per_minibatch(name: str, shape: tuple[tuple[int, ...], ...], microbatches: int,

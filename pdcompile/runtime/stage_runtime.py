@@ -19,6 +19,16 @@ Narayanan et al., ICML 2021; GPipe, Huang et al., NeurIPS 2019):
 - "2bw": minibatch t (microbatches tM .. tM+M-1) runs forward and backward with version
   max(t-1, 0) and its summed gradient updates the latest weights:
   W(t+1) = W(t) - lr * grad(W(t-1)). At most two versions are in use.
+- "interleaved-1f1b", "zb-h1", "interleaved-zb": flush schedules like "1f1b-flush". A rank with
+  several chunks has one runtime per chunk (runtime/chunks.py). Where the backward is split,
+  `backward` (B) computes the input gradients and the gradients of weights whose work cannot
+  wait, and defers the Linear layers' weight gradients to `backward_weight` (W; passes/fuse.py),
+  which also releases the microbatch's stash.
+
+A stage in `RunConfig.recompute` runs its forward without keeping activations (no autograd
+graph; only its inputs and the random state stay in the stash) and runs it again, with the same
+weights and random state, at the start of its backward; buffers the second run changes
+(BatchNorm statistics) are put back, so the result equals the stage's without recomputation.
 
 Parameters tied across stages (tied embeddings) have their gradients summed over the stages that
 hold them inside `step` (an all-reduce among those ranks), so the copies stay equal.
@@ -40,6 +50,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -49,8 +60,8 @@ from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PipelineInputError, ScheduleError
 from pdcompile.ir import Action, Kind
-from pdcompile.passes.fuse import accumulating_grads
-from pdcompile.passes.schedule import copies_weights
+from pdcompile.passes.fuse import accumulating_grads, deferring_weight_grads, run_weight_grads
+from pdcompile.passes.schedule import SPLIT_BACKWARD_SCHEDULES, copies_weights
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 
@@ -100,6 +111,12 @@ class RunConfig:
     microbatches_per_minibatch: int = 1
     stash: bool = True
     vertical_sync: bool = False
+    recompute: frozenset[int] = frozenset()
+
+    @property
+    def split_backward(self) -> bool:
+        """Whether backwards are split into B (input gradients) and W (weight gradients)."""
+        return self.schedule in SPLIT_BACKWARD_SCHEDULES
 
     @property
     def loss_scale(self) -> float:
@@ -143,6 +160,7 @@ class StageRuntime:
         self.recorder = recorder
         self.replicas = len(config.stage_ranks[self.stage])
         self.is_last = self.stage == len(config.stage_ranks) - 1
+        self.recomputes = self.stage in config.recompute
         self.params: dict[str, torch.Tensor] = dict(
             module.named_parameters(remove_duplicate=False))
         self.versions = WeightVersions(self.params, copy=copies_weights(
@@ -259,9 +277,12 @@ class StageRuntime:
         return [data[ref.name] if ref.stage is None else by_name[ref.stage, ref.name]
                 for ref in self.io.inputs]
 
-    def _run(self, entry: StashEntry, microbatch: int) -> None:
-        """The stage module (and, on the last stage, the loss) on the stashed inputs."""
-        with torch.enable_grad(), accumulating_grads():
+    def _run(self, entry: StashEntry, microbatch: int, *, graph: bool = True) -> None:
+        """The stage module (and, on the last stage, the loss) on the stashed inputs; with
+        `graph=False` no autograd graph is kept (a recomputing stage's first forward)."""
+        with torch.enable_grad() if graph else torch.no_grad(), accumulating_grads(), \
+                deferring_weight_grads(entry.weight_grads) if self.config.split_backward \
+                else nullcontext():
             if self.versions.is_master(entry.params):
                 outputs = self.module(*entry.inputs)
             else:
@@ -309,8 +330,12 @@ class StageRuntime:
         received = self._received.pop(microbatch, {})
         params = self.versions.acquire(version) if self.config.stash else self.params
         entry = StashEntry(version, params, self._arguments(microbatch, received), received)
-        if self.config.stash:
+        if self.recomputes:
+            entry.rng = _random_state()
+        if self.config.stash and not self.recomputes:
             self._run(entry, microbatch)
+        elif self.recomputes:
+            self._run(entry, microbatch, graph=False)
         else:
             with torch.no_grad():
                 self._run(entry, microbatch)
@@ -341,6 +366,8 @@ class StageRuntime:
                         t.grad = None
             entry.params = self.params
             self._run(entry, microbatch)
+        elif self.recomputes:  # the activations again, as the forward made them
+            self._recompute(entry, microbatch)
         if self._fresh:
             for p in self.params.values():
                 p.grad = None
@@ -365,12 +392,44 @@ class StageRuntime:
                         for t in tensors if _carries_grad(t)]
         if out:
             self._grads_out[microbatch] = out
+        if self.config.split_backward:  # W finishes the microbatch; free what it does not need
+            entry.inputs, entry.received, entry.values, entry.loss = [], {}, {}, None
+        else:
+            self._release(entry, microbatch)
+        self._record(Kind.B, microbatch, None, start)
+        yield from ()
+
+    def backward_weight(self, microbatch: int) -> Op:
+        """The weight gradients `backward` deferred (W of a split backward), into the live
+        weights' `.grad`; then the microbatch leaves the stash."""
+        start = time.time()
+        entry = self.stash.get(microbatch)
+        run_weight_grads(entry.weight_grads)
+        self._release(entry, microbatch)
+        self._record(Kind.W, microbatch, None, start)
+        yield from ()
+
+    def _release(self, entry: StashEntry, microbatch: int) -> None:
+        """The microbatch's gradients are all computed: hand them to the live weights, drop
+        its stash and its hold on its weight version."""
         self._collect(entry.params)
         self.stash.pop(microbatch)
         if self.config.stash:
             self.versions.release(entry.version)
-        self._record(Kind.B, microbatch, None, start)
-        yield from ()
+
+    def _recompute(self, entry: StashEntry, microbatch: int) -> None:
+        """Run the forward of `microbatch` again with its weights and random state, keeping
+        the activations this time; buffers (BatchNorm statistics) keep their values."""
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        entry.inputs = self._arguments(microbatch, entry.received)  # fresh: in-place ops
+        now = _random_state()
+        _set_random_state(entry.rng)
+        try:
+            self._run(entry, microbatch)
+        finally:
+            _set_random_state(now)
+        for buffer, saved in buffers:  # untracked: the new graph saved the running statistics
+            buffer.data.copy_(saved)
 
     def _collect(self, params: dict[str, torch.Tensor]) -> None:
         """Move gradients from a stashed version's leaves into the live parameters' `.grad`."""
@@ -490,6 +549,19 @@ class StageRuntime:
             raise ScheduleError(f"rank {self.rank}: microbatches {sorted(self.stash.entries)} "
                                 "were forwarded but never backpropagated")
         self.versions.clear()
+
+
+def _random_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """This process's CPU and CUDA random states (a recomputed forward draws the same)."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def _set_random_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
 
 
 def _carries_grad(value: Any) -> bool:

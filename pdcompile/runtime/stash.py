@@ -129,6 +129,8 @@ class StashEntry:
     received: dict[int, list[torch.Tensor]] = field(default_factory=dict)  # src -> leaves
     values: dict[str, Any] = field(default_factory=dict)     # stage outputs by name
     loss: torch.Tensor | None = None                         # last stage only
+    weight_grads: list[Any] = field(default_factory=list)    # deferred W work (split backward)
+    rng: Any = None                    # random state at the forward (recomputed activations)
 
 
 class StashBuffer:

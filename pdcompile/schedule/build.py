@@ -25,14 +25,15 @@ def stream_length(replicas: Sequence[int], minibatches: int) -> int:
 
 def build(name: str, stage_ranks: Sequence[Sequence[int]], *, microbatches: int,
           minibatches: int = 1, stage_edges: Sequence[tuple[int, int]] | None = None,
-          warmup: Sequence[int] | None = None, vertical_sync: bool = False) -> Schedule:
+          warmup: Sequence[int] | None = None, vertical_sync: bool = False,
+          recompute: Sequence[int] = ()) -> Schedule:
     """The lowered and validated schedule `name` for stages on `stage_ranks`.
 
     '1f1b': a stream of `minibatches` minibatches (rounded up, `stream_length`); '2bw': a stream
     of `minibatches` minibatches of `microbatches` microbatches; '1f1b-flush', 'gpipe': one
     minibatch of `microbatches`. `warmup`: forwards before the first backward per stage (default
     PipeDream's NOAM - 1); `stage_edges`: (src, dst) stage pairs that exchange tensors (default:
-    the chain)."""
+    the chain); `recompute`: the stages that recompute their activations in the backward."""
     from pdcompile.passes.lower import lower
     from pdcompile.passes.schedule import generate
     from pdcompile.validate import validate
@@ -47,6 +48,8 @@ def build(name: str, stage_ranks: Sequence[Sequence[int]], *, microbatches: int,
         extra["vertical_sync"] = True
     if warmup is not None and name != "gpipe":
         extra["warmup"] = list(warmup)
+    if recompute:
+        extra["recompute"] = list(recompute)
     if row.flush:
         compute = generate(name, stage_ranks, microbatches, **extra)  # type: ignore[arg-type]
     elif row.microbatched:  # 2bw: minibatches of `microbatches` each

@@ -25,6 +25,8 @@ class ScheduleKind:
     stashed_versions: "in-flight": a weight version per minibatch in flight (weight stashing);
         an integer: that many versions at all times.
     copies_weights: a new weight version is a copy of the weights (1f1b stashing, 2bw).
+    split_backward: the backward runs as B (input gradients) and W (weight gradients), W later.
+    interleaved: a rank holds several non-adjacent stages (chunks), chunk c on rank c mod p.
     """
 
     name: str
@@ -33,6 +35,8 @@ class ScheduleKind:
     update: str
     stashed_versions: str | int
     copies_weights: bool
+    split_backward: bool = False
+    interleaved: bool = False
 
 
 KINDS: dict[str, ScheduleKind] = {
@@ -44,6 +48,14 @@ KINDS: dict[str, ScheduleKind] = {
                           stashed_versions=1, copies_weights=False),
     "2bw": ScheduleKind("2bw", flush=False, microbatched=True, update="minibatch",
                         stashed_versions=2, copies_weights=True),
+    "interleaved-1f1b": ScheduleKind("interleaved-1f1b", flush=True, microbatched=True,
+                                     update="minibatch", stashed_versions=1,
+                                     copies_weights=False, interleaved=True),
+    "zb-h1": ScheduleKind("zb-h1", flush=True, microbatched=True, update="minibatch",
+                          stashed_versions=1, copies_weights=False, split_backward=True),
+    "interleaved-zb": ScheduleKind("interleaved-zb", flush=True, microbatched=True,
+                                   update="minibatch", stashed_versions=1, copies_weights=False,
+                                   split_backward=True, interleaved=True),
 }
 
 

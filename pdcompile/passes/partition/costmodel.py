@@ -465,8 +465,8 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
         comm = sum(transfer_seconds(size, slowest_link(cluster, ranks[a], ranks[c]))
                    for (a, c), size in edges.items() if i in (a, c))
         versions = weight_versions(options.schedule, flight[i], copies=copying[i])
-        mem = worker_memory(params[i], keep[i], in_flight=flight[i], versions=versions,
-                            optimizer_state=options.optimizer_state).total
+        mem = worker_memory(params[i], activations=keep[i] * flight[i], in_flight=flight[i],
+                            versions=versions, optimizer_state=options.optimizer_state).total
         if row.flush:  # one all-reduce and step per minibatch
             sync = term.allreduce
             work = math.ceil(m / r) * (term.compute + term.cpu_copies) + term.allreduce \

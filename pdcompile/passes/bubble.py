@@ -1,0 +1,81 @@
+"""Closed forms: the time per minibatch and the bubble of every flush schedule, uniform stages.
+
+p ranks, m microbatches per minibatch, v chunks per rank; per microbatch one rank spends `fwd`
+seconds in forwards and `bwd` in backwards (all its chunks together; a chunk is 1/v of it), of
+which `wgrad` compute weight gradients (the W of a split backward). Transfers are free; each
+rank ends with `step` seconds of optimizer steps. Then (tests/test_bubble.py checks that the
+simulator gives exactly these on a grid of p, m, v and times):
+
+- "gpipe", "1f1b-flush" (any m):           (m + p - 1) (fwd + bwd)
+- "interleaved-1f1b" (m a multiple of p):  (m + (p - 1) / v) (fwd + bwd)
+  (Narayanan et al., SC 2021: bubble (p - 1) / (v m) of the ideal time m (fwd + bwd));
+- "zb-h1" (m >= p, w <= f and w <= b):     m (f + b + w) + (p - 1) (f + b - w)
+  with f = fwd, b = bwd - wgrad (input gradients), w = wgrad (Qi et al., ICLR 2024, ZB-H1:
+  1F1B's bubble (p - 1)(f + b + w) shrinks to (p - 1)(f + b - w); f = b = w: to a third);
+- "interleaved-zb" (m a multiple of p, w <= f and w <= b): m (f + b + w) + (p - 1)(f + b - w)/v.
+
+plus `step`. Outside those conditions the forms are estimates (fewer microbatches than ranks
+leave rounds half empty; a W longer than F or B no longer fits the bubbles it is meant to fill).
+The planner weighs schedules with them; recomputing a stage's activations adds its forward to
+its backward (`recompute.recompute_costs`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdcompile.errors import ScheduleError
+
+FORMULAS = ("gpipe", "1f1b-flush", "interleaved-1f1b", "zb-h1", "interleaved-zb")
+
+
+@dataclass(frozen=True)
+class FlushTime:
+    """One minibatch of a flush schedule: its makespan and each rank's idle time in it."""
+
+    makespan: float
+    idle: float
+
+    @property
+    def busy(self) -> float:
+        """Seconds each rank computes (and steps)."""
+        return self.makespan - self.idle
+
+    @property
+    def bubble_fraction(self) -> float:
+        """Idle share of the makespan (what the simulator's `bubble` reports)."""
+        return self.idle / self.makespan if self.makespan > 0 else 0.0
+
+    @property
+    def bubble_ratio(self) -> float:
+        """Idle time over busy time, the papers' measure ((p - 1) / (v m) interleaved)."""
+        return self.idle / self.busy if self.busy > 0 else 0.0
+
+
+def flush_time(schedule: str, *, ranks: int, microbatches: int, fwd: float, bwd: float,
+               chunks: int = 1, wgrad: float = 0.0, step: float = 0.0) -> FlushTime:
+    """The closed form of `schedule` (module docstring) for one minibatch."""
+    if schedule not in FORMULAS:
+        raise ScheduleError(f"no closed form for schedule {schedule!r}; there is one for "
+                            f"{', '.join(FORMULAS)}")
+    if ranks < 1 or microbatches < 1 or chunks < 1:
+        raise ScheduleError(f"ranks, microbatches and chunks must be positive integers (got "
+                            f"{ranks}, {microbatches}, {chunks})")
+    if min(fwd, bwd, wgrad, step) < 0 or wgrad > bwd:
+        raise ScheduleError(f"times must be >= 0 with wgrad <= bwd (got fwd {fwd}, bwd {bwd}, "
+                            f"wgrad {wgrad}, step {step})")
+    p, m, v = ranks, microbatches, chunks
+    if schedule in ("gpipe", "1f1b-flush", "zb-h1") and v != 1:
+        raise ScheduleError(f"{schedule!r} runs one stage per rank (chunks=1, got {v})")
+    busy = m * (fwd + bwd) + step
+    if schedule in ("gpipe", "1f1b-flush"):
+        idle = (p - 1) * (fwd + bwd)
+    elif schedule == "interleaved-1f1b":
+        idle = (p - 1) * (fwd + bwd) / v
+    else:  # zero bubble: B is the input-gradient part, W fills the drain
+        f, b, w = fwd, bwd - wgrad, wgrad
+        idle = (p - 1) * (f + b - w) / v
+    return FlushTime(busy + idle, idle)
+
+
+__all__ = ["FORMULAS", "FlushTime", "flush_time"]

@@ -1,0 +1,64 @@
+"""The runtime of a rank that holds several chunks of an interleaved pipeline.
+
+An interleaved schedule places stage c on rank c mod p, so one rank runs several stages, each
+with its own module, optimizer, weight versions and stash. Each gets its own `StageRuntime`; the
+rank's generated loop names the chunk of every call (`yield from rt.chunk(2).forward(3)`,
+passes/codegen.py), and backends see one object per rank, as for any other rank: `completed`
+(progress, for the local driver), `losses` and `finish()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pdcompile.errors import ScheduleError
+
+
+class ChunkRuntimes:
+    """One rank's stage runtimes, by stage (all share the rank's transport and data)."""
+
+    def __init__(self, rank: int, chunks: Mapping[int, Any]) -> None:
+        if len(chunks) < 2:
+            raise ScheduleError(f"rank {rank}: ChunkRuntimes holds several chunks (got stages "
+                                f"{sorted(chunks)}); a rank with one stage uses its "
+                                "StageRuntime directly")
+        self.rank = rank
+        self.chunks = dict(sorted(chunks.items()))
+
+    def chunk(self, stage: int) -> Any:
+        """The runtime of the rank's chunk `stage`."""
+        try:
+            return self.chunks[stage]
+        except KeyError:
+            raise ScheduleError(f"rank {self.rank} holds stages {sorted(self.chunks)}, not stage "
+                                f"{stage}; the generated code and the placement disagree "
+                                "(regenerate the rank code from this plan)") from None
+
+    @property
+    def stage(self) -> int:
+        """The rank's first chunk (the one that reads data on rank 0)."""
+        return next(iter(self.chunks))
+
+    @property
+    def completed(self) -> int:
+        """Actions finished by all chunks (the local driver watches it for progress)."""
+        return sum(rt.completed for rt in self.chunks.values())
+
+    @property
+    def losses(self) -> dict[int, torch.Tensor]:
+        """Microbatch losses (the chunk holding the last stage computes them)."""
+        out: dict[int, torch.Tensor] = {}
+        for rt in self.chunks.values():
+            out.update(rt.losses)
+        return out
+
+    def finish(self) -> None:
+        """End of the run, for every chunk."""
+        for rt in self.chunks.values():
+            rt.finish()
+
+
+__all__ = ["ChunkRuntimes"]

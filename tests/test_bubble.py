@@ -1,0 +1,104 @@
+"""The simulator's time per minibatch and bubble equal the closed forms of passes/bubble.py.
+
+Every schedule runs on p ranks with free transfers and free optimizer steps, on uniform stages:
+one rank spends `fwd` and `bwd` per microbatch (its v chunks together), `wgrad` of the backward
+computing weight gradients. The formulas tested (module docstring of passes/bubble.py):
+
+    gpipe, 1f1b-flush:   (m + p - 1)(f + b)
+    interleaved-1f1b:    m (f + b) + (p - 1)(f + b) / v      bubble ratio (p - 1) / (v m)
+    zb-h1:               m (f + b + w) + (p - 1)(f + b - w)  with b the input-gradient part
+    interleaved-zb:      m (f + b + w) + (p - 1)(f + b - w) / v
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pdcompile.backends.simulate import simulate
+from pdcompile.cluster import Cluster
+from pdcompile.errors import ScheduleError
+from pdcompile.passes.bubble import flush_time
+from pdcompile.passes.lower import lower
+from pdcompile.passes.schedule import generate
+from pdcompile.stage_costs import StageCosts
+
+TIMES = [(1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5), (1.0, 3.0, 1.0), (3.0, 4.0, 2.0),
+         (1.5, 2.5, 0.25)]  # (fwd, bwd, wgrad) per microbatch and rank, wgrad <= fwd, bwd - wgrad
+
+
+def simulated(name: str, p: int, v: int, m: int, fwd: float, bwd: float, wgrad: float,
+              step: float = 0.0) -> tuple[float, float]:
+    """(makespan, bubble fraction) the simulator gives."""
+    stages = p * v
+    schedule = lower(generate(name, [[c % p] for c in range(stages)], m))
+    costs = StageCosts.uniform(stages, fwd=fwd / v, bwd=bwd / v, optimizer=step / v)
+    result = simulate(schedule, costs, Cluster.flat(p, 1e30), wgrad_share=wgrad / bwd)
+    return result.makespan, result.bubble
+
+
+@pytest.mark.parametrize(("p", "m"), itertools.product([2, 3, 4, 5], [1, 2, 3, 4, 7, 8, 16]))
+@pytest.mark.parametrize("name", ["gpipe", "1f1b-flush"])
+def test_gpipe_and_1f1b_flush(name: str, p: int, m: int) -> None:
+    for fwd, bwd, wgrad in TIMES:
+        makespan, bubble = simulated(name, p, 1, m, fwd, bwd, wgrad)
+        closed = flush_time(name, ranks=p, microbatches=m, fwd=fwd, bwd=bwd)
+        assert makespan == pytest.approx((m + p - 1) * (fwd + bwd), rel=1e-12)
+        assert makespan == pytest.approx(closed.makespan, rel=1e-12)
+        assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(p, v, m) for p, v, m in itertools.product(
+    [2, 3, 4], [2, 3, 4], [2, 3, 4, 6, 8, 9, 12, 16]) if m % p == 0])
+def test_interleaved_1f1b_bubble_is_p_minus_1_over_v_m(p: int, v: int, m: int) -> None:
+    for fwd, bwd, wgrad in TIMES:
+        makespan, bubble = simulated("interleaved-1f1b", p, v, m, fwd, bwd, wgrad)
+        closed = flush_time("interleaved-1f1b", ranks=p, microbatches=m, chunks=v, fwd=fwd,
+                            bwd=bwd)
+        assert makespan == pytest.approx(closed.makespan, rel=1e-12)
+        assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
+        assert closed.bubble_ratio == pytest.approx((p - 1) / (v * m), rel=1e-12)
+        idle = makespan - m * (fwd + bwd)  # per rank, measured against the ideal time
+        assert idle / (m * (fwd + bwd)) == pytest.approx((p - 1) / (v * m), rel=1e-9)
+
+
+@pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in itertools.product(
+    [2, 3, 4, 5, 6], [2, 3, 4, 5, 6, 8, 12, 16]) if m >= p])
+def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w(p: int, m: int) -> None:
+    for fwd, bwd, wgrad in TIMES:
+        f, b, w = fwd, bwd - wgrad, wgrad
+        makespan, bubble = simulated("zb-h1", p, 1, m, fwd, bwd, wgrad)
+        assert makespan == pytest.approx(m * (f + b + w) + (p - 1) * (f + b - w), rel=1e-12)
+        closed = flush_time("zb-h1", ranks=p, microbatches=m, fwd=fwd, bwd=bwd, wgrad=wgrad)
+        assert makespan == pytest.approx(closed.makespan, rel=1e-12)
+        assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
+        # 1F1B-flush on the same work idles (p - 1)(f + b + w): zero bubble saves 2 (p - 1) w
+        flush, _ = simulated("1f1b-flush", p, 1, m, fwd, bwd, wgrad)
+        assert flush - makespan == pytest.approx(2 * (p - 1) * w, rel=1e-9)
+
+
+@pytest.mark.parametrize(("p", "v", "m"), [(p, v, m) for p, v, m in itertools.product(
+    [2, 3, 4], [2, 3], [2, 3, 4, 6, 8, 12]) if m % p == 0])
+def test_interleaved_zb(p: int, v: int, m: int) -> None:
+    for fwd, bwd, wgrad in TIMES:
+        makespan, bubble = simulated("interleaved-zb", p, v, m, fwd, bwd, wgrad)
+        closed = flush_time("interleaved-zb", ranks=p, microbatches=m, chunks=v, fwd=fwd,
+                            bwd=bwd, wgrad=wgrad)
+        assert makespan == pytest.approx(closed.makespan, rel=1e-12)
+        assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
+
+
+def test_optimizer_steps_add_to_the_makespan() -> None:
+    makespan, _ = simulated("zb-h1", 3, 1, 6, 1.0, 2.0, 1.0, step=0.5)
+    assert makespan == pytest.approx(flush_time("zb-h1", ranks=3, microbatches=6, fwd=1.0,
+                                                bwd=2.0, wgrad=1.0, step=0.5).makespan)
+
+
+def test_closed_forms_refuse_what_they_do_not_describe() -> None:
+    with pytest.raises(ScheduleError, match="no closed form for schedule '1f1b'"):
+        flush_time("1f1b", ranks=2, microbatches=4, fwd=1, bwd=1)
+    with pytest.raises(ScheduleError, match="chunks=1"):
+        flush_time("zb-h1", ranks=2, microbatches=4, chunks=2, fwd=1, bwd=1)
+    with pytest.raises(ScheduleError, match="wgrad <= bwd"):
+        flush_time("zb-h1", ranks=2, microbatches=4, fwd=1, bwd=1, wgrad=2)
