@@ -35,6 +35,7 @@ from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
+from pdcompile.schedule.kinds import kind
 from pdcompile.suggest import did_you_mean
 from pdcompile.timeline import Recorder, Timeline
 from pdcompile.validate import validate
@@ -337,7 +338,7 @@ class Pipeline:
             kwargs["microbatches_per_minibatch"] = per
         if self.vertical_sync:
             kwargs["vertical_sync"] = True
-        if self.plan.schedule == self.schedule_name and self.schedule_name != "gpipe":
+        if self.plan.schedule == self.schedule_name and kind(self.schedule_name).chosen_warmup:
             kwargs["warmup"] = self.plan.warmup()  # the planner's in-flight counts
         recompute = [i for i, s in enumerate(self.plan.stages) if s.recompute]
         compute = generate(self.schedule_name, self.stage_ranks, n, recompute=recompute,

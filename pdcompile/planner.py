@@ -18,10 +18,7 @@ import networkx as nx
 from pdcompile.cluster import Cluster
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.memory import OPTIMIZER_STATE, max_in_flight
-from pdcompile.cost.pipeline_time import (
-    fewest_in_flight,
-    runnable_in_flight,
-)
+from pdcompile.cost.pipeline_time import fewest_in_flight, runnable_in_flight, work_period
 from pdcompile.costgraph import coarsen, edge_bytes, topological_order, validate
 from pdcompile.errors import CostGraphError, PlanError, ScheduleError
 from pdcompile.passes.partition.costmodel import (
@@ -42,8 +39,12 @@ from pdcompile.units import format_bytes, parse_quantity
 
 PLANNERS = ("auto", "dp", "ilp")
 ILP_AUTO_NODES = 60  # "auto" runs CP-SAT after the DP on graphs this small (after coarsening)
-ILP_DEFAULT_LIMIT = 10.0  # seconds
+ILP_DEFAULT_LIMIT = 10.0  # seconds, for planner="ilp"
+ILP_AUTO_LIMIT = 2.0  # seconds, for planner="auto" on small graphs (CP-SAT mostly certifies)
 AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched schedules
+# what schedule="auto" tries: GPipe and interleaved 1F1B are left out, as the same plans run
+# at least as fast with 1F1B-flush (GPipe's bubble, less memory) and interleaved zero bubble
+AUTO_SCHEDULES = ("1f1b", "1f1b-flush", "2bw", "zb-h1", "interleaved-zb")
 VARIANT_STAGES = (2,)  # the DP's short-pipeline variants (at most this many stages)
 EXACT_WORKERS = 16  # above this, multi-level clusters get one server's pipeline on every server
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
@@ -113,15 +114,26 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                         "a cluster of several servers and neither stages= nor straight")
     for name, m in choices:
         options = ModelOptions(schedule=name, microbatches=m, optimizer_state=optimizer_state)
+        row = kind(name)
         try:
-            found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
-                                   fill=stages is not None, symmetric=symmetric)
+            if row.interleaved:
+                if symmetric or stages is not None:
+                    continue  # interleaving is planned on one level of unreplicated chunks
+                found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
+            else:  # zero-bubble schedules run every stage on one worker
+                found = _dp_candidates(cost_graph, cluster, options, limit,
+                                       straight or row.split_backward, workers,
+                                       fill=stages is not None,
+                                       symmetric=symmetric and not row.split_backward)
         except PlanError:
             continue
         kinds_seen.append(found.kind)
         candidates += found.candidates
     ilp_found: list[_Candidate] = []
-    if planner != "dp" and not straight and candidates:
+    best_row = kind(min(candidates, key=lambda c: c.closed).options.schedule) if candidates \
+        else None
+    if planner != "dp" and not straight and best_row is not None \
+            and not (best_row.split_backward or best_row.interleaved):
         ilp_found = _ilp_candidate(cost_graph, cluster, planner, limit, time_limit,
                                    min(candidates, key=lambda c: c.closed))
         candidates += ilp_found
@@ -183,9 +195,11 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
               for i, s in enumerate(given.stages)]
     flight = [s.in_flight for s in given.stages] if all(s.in_flight for s in given.stages) \
         else None
-    candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight)
+    again = [s.recompute for s in given.stages]
+    candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight,
+                        recompute=again)
     if flight is None and candidate is not None and limit is not None:
-        fitted = _priced(cost_graph, cluster, stages, options, limit)
+        fitted = _priced(cost_graph, cluster, stages, options, limit, recompute=again)
         candidate = fitted or candidate  # over the memory either way: the default counts
     assert candidate is not None  # priced without a memory limit: always
     chosen, simulated = _choose(cost_graph, cluster, [candidate], simulate)
@@ -248,7 +262,7 @@ def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
     if schedule == "auto" and cost_model != "native":
         raise PlanError("schedule='auto' needs the native cost model (the pipedream model knows "
                         "PipeDream's 1F1B only)")
-    names = list(KINDS) if schedule == "auto" else [schedule]
+    names = list(AUTO_SCHEDULES) if schedule == "auto" else [schedule]
     batch = graph.graph.get("batch_size")
     out = []
     for name in names:
@@ -291,8 +305,6 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     prepared = _prepare(graph, "native", span)
     status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
-    grid = stage_grid(tables, search, options=options, memory=limit, straight=straight,
-                      workers=span, copies=copies, copy_link=cluster.levels[-1])
     found: list[_Candidate] = []
 
     def add(result: Any, flight: tuple[int, ...] | None = None, how: str = "") -> None:
@@ -308,39 +320,80 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             if candidate is not None:
                 found.append(candidate)
 
-    variants: list[tuple[ModelOptions, int | None]] = [(options, None)]
-    if not kind(options.schedule).flush:
-        variants.append((replace(options, flight="noam"), None))
-    if not straight:
-        variants += [(options, k) for k in VARIANT_STAGES if k < span]
-    for variant, most in variants:
-        try:
-            add(native_dp(grid, options=variant, straight=straight, fill=fill,
-                          max_stages=most), how=f"{variant.flight}/{most}")
-        except PlanError:
-            pass
+    def search_grid(recompute: bool) -> None:
+        grid = stage_grid(tables, search, options=options, memory=limit, straight=straight,
+                          workers=span, copies=copies, copy_link=cluster.levels[-1],
+                          recompute=recompute)
+        tag = "recompute " if recompute else ""
+        variants: list[tuple[ModelOptions, int | None]] = [(options, None)]
+        if not kind(options.schedule).flush:
+            variants.append((replace(options, flight="noam"), None))
+        if not straight:
+            variants += [(options, k) for k in VARIANT_STAGES if k < span]
+        for variant, most in variants:
+            try:
+                add(native_dp(grid, options=variant, straight=straight, fill=fill,
+                              max_stages=most), how=f"{tag}{variant.flight}/{most}")
+            except PlanError:
+                pass
+        if not kind(options.schedule).flush:
+            # the grid prices one copy of the pipeline: its period is `copies` times the plan's
+            high = (min((c.closed for c in found), default=0.0)
+                    or _work_bound(graph, workers)) * copies
+            low = _work_bound(graph, workers) * copies
+            for _ in range(6):  # grow the upper end until some plan reaches it
+                bisected = native_dp_bisect(grid, options=options, low=low, high=high,
+                                            straight=straight, fill=fill)
+                if bisected is not None:
+                    # the DP's in-flight counts assume no recomputation; choose both anew
+                    add(bisected[0], None if recompute else bisected[1], how=f"{tag}bisect")
+                    break
+                low, high = high, high * 4
+
+    search_grid(recompute=False)
     if not straight:
         whole = _priced(graph, cluster, [data_parallel_stage(graph, cluster)], options, limit,
                         planner="dp", status=status, how="data parallel")
         if whole is not None:
             found.append(whole)
-    if not kind(options.schedule).flush:
-        # the grid prices one copy of the pipeline: its period is `copies` times the plan's
-        high = (min((c.closed for c in found), default=0.0) or _work_bound(graph, workers)) \
-            * copies
-        low = _work_bound(graph, workers) * copies
-        for _ in range(6):  # grow the upper end until some plan reaches it
-            bisected = native_dp_bisect(grid, options=options, low=low, high=high,
-                                        straight=straight, fill=fill)
-            if bisected is not None:
-                add(*bisected, how="bisect")
-                break
-            low, high = high, high * 4
+    capped = any(s.in_flight < default_in_flight(s.replicas, sum(
+        x.replicas for x in c.priced[i:]), options) for c in found for i, s in enumerate(c.priced))
+    if capped and not kind(options.schedule).flush:
+        # the memory keeps a stage below PipeDream's in-flight count: recomputing activations
+        # would let it hold more, and the cuts may then fall elsewhere
+        search_grid(recompute=True)
     if not found:
         raise PlanError("no plan fits")
     kind_of_states = prepared.kind + (f", one server's pipeline on each of {copies} servers"
                                       if copies > 1 else "")
     return _Found(kind_of_states, found)
+
+
+def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
+                            limit: float | None, workers: int, chunks: int = 2) -> _Found:
+    """Interleaved plans: the DP's straight cuts into workers x `chunks` stages balanced by
+    cost (on the cluster's innermost link), chunk c then placed on rank c mod workers
+    (passes/interleave.py) and priced on the cluster."""
+    from pdcompile.passes.interleave import interleave
+
+    count = workers * chunks
+    if workers < 2 or count > graph.number_of_nodes():
+        raise PlanError(f"{count} chunks of {graph.number_of_nodes()} nodes on {workers} "
+                        "workers cannot be interleaved")
+    flat = cluster.with_workers(count)
+    found = _dp_candidates(graph, flat, options, limit, True, count, fill=True)
+    out = []
+    for candidate in found.candidates:
+        straight_plan = candidate.as_plan(count)
+        placed = interleave(straight_plan, workers)
+        stages = [(list(s.nodes), tuple(s.ranks)) for s in placed.stages]
+        priced = _priced(graph, cluster, stages, options, limit, planner="dp",
+                         status="HEURISTIC", how=f"interleaved x{chunks}: {candidate.how}")
+        if priced is not None:
+            out.append(priced)
+    if not out:
+        raise PlanError("no interleaved plan fits")
+    return _Found(f"{found.kind}, {chunks} chunks per worker", out)
 
 
 def _spread(ranks: tuple[int, ...], copies: int, span: int) -> tuple[int, ...]:
@@ -364,33 +417,84 @@ def _work_bound(graph: nx.DiGraph, workers: int) -> float:
 def _priced(graph: nx.DiGraph, cluster: Cluster,
             stages: list[tuple[list[str], tuple[int, ...]]], options: ModelOptions,
             limit: float | None, *, in_flight: Sequence[int] | None = None,
-            **tags: Any) -> _Candidate | None:
-    """A candidate priced with its in-flight counts (given, else `choose_in_flight`); None if it
-    does not fit the memory."""
+            recompute: Sequence[bool] | None = None, **tags: Any) -> _Candidate | None:
+    """A candidate priced with its in-flight counts (given, else `choose_in_flight`) and its
+    stages' recomputation (given, else `choose_recompute`); None if it does not fit."""
     try:
+        again = list(recompute) if recompute is not None else \
+            choose_recompute(graph, stages, cluster, options=options, memory=limit)
         flight = list(in_flight) if in_flight is not None else \
-            choose_in_flight(graph, stages, cluster, options=options, memory=limit)
+            choose_in_flight(graph, stages, cluster, options=options, memory=limit,
+                             recompute=again)
     except PlanError:
         return None
-    priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight)
-    if limit is not None and any(s.memory > limit * (1 + 1e-9) for s in priced):
+    priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight,
+                              recompute=again)
+    held: dict[int, float] = {}  # per worker: a rank holding several chunks holds them all
+    for stage in priced:
+        for rank in stage.ranks:
+            held[rank] = held.get(rank, 0.0) + stage.memory
+    if limit is not None and max(held.values()) > limit * (1 + 1e-9):
         return None
-    bound = priced_time(graph, stages, cluster, options=options, in_flight=flight).bound
+    row = kind(options.schedule)
+    ranks = len(held)
+    if (row.interleaved or row.split_backward) and options.per_minibatch >= ranks \
+            and options.per_minibatch % ranks:
+        return None  # these orders take microbatches in rounds of one per rank
+    bound = priced_time(graph, stages, cluster, options=options, in_flight=flight,
+                        recompute=again).bound
     return _Candidate(stages, options, priced, closed, bound, **tags)
 
 
-def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
                      cluster: Cluster, *, options: ModelOptions,
-                     memory: float | None) -> list[int]:
+                     memory: float | None) -> list[bool]:
+    """Which stages recompute their activations (pdcompile.recompute): those that cannot keep
+    even one microbatch's activations otherwise, then, one at a time, any whose recomputation
+    makes the plan faster in closed form (it frees memory for more microbatches in flight,
+    for one more forward each). Raises PlanError when a stage fits neither way."""
+    again = [False] * len(stages)
+    plain = _memory_limits(graph, stages, options, memory, again, cluster)
+    again = [n < 1 for n in plain]
+    if any(again) and min(_memory_limits(graph, stages, options, memory, again, cluster)) < 1:
+        raise PlanError("a stage does not fit the memory, even recomputing its activations")
+    if memory is None or kind(options.schedule).flush:
+        return again
+
+    def closed(flags: list[bool]) -> float:
+        try:
+            flight = choose_in_flight(graph, stages, cluster, options=options, memory=memory,
+                                      recompute=flags)
+        except PlanError:  # recomputing a stage can hold more: its inputs and one microbatch
+            return math.inf
+        return evaluate(graph, stages, cluster, options=options, in_flight=flight,
+                        recompute=flags)[1]
+
+    best = closed(again)
+    for s in range(len(stages)):
+        if again[s]:
+            continue
+        trial = again[:s] + [True] + again[s + 1:]
+        value = closed(trial)
+        if value < best * (1 - 0.01):
+            again, best = trial, value
+    return again
+
+
+def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+                     cluster: Cluster, *, options: ModelOptions, memory: float | None,
+                     recompute: Sequence[bool] | None = None) -> list[int]:
     """Microbatches each stage keeps in flight. Streaming schedules: PipeDream's NOAM, deeper
     where the round trips need more to fill the pipeline's period
     (`cost.pipeline_time.fewest_in_flight`), never more than the memory holds (so below NOAM
     where it must: the plan still runs, its round trips exposed). Flush schedules: NOAM, at
-    most what fits. Raises PlanError when a stage cannot hold even one."""
+    most what fits. `recompute`: the stages that recompute their activations. Raises PlanError
+    when a stage cannot hold even one."""
     row = kind(options.schedule)
+    again = list(recompute) if recompute is not None else [False] * len(stages)
     defaults = [default_in_flight(len(r), sum(len(x) for _, x in stages[i:]), options)
                 for i, (_, r) in enumerate(stages)]
-    limits = _memory_limits(graph, stages, options, memory)
+    limits = _memory_limits(graph, stages, options, memory, again, cluster)
     if any(n < 1 for n in limits) or (options.schedule == "gpipe"
                                       and any(n < d for n, d in zip(limits, defaults,
                                                                     strict=True))):
@@ -399,29 +503,38 @@ def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
         return [min(n, d) for n, d in zip(limits, defaults, strict=True)]
     replicas = [len(r) for _, r in stages]
     limits = runnable_in_flight(limits, replicas)
-    best = priced_time(graph, stages, cluster, options=options, in_flight=limits)
-    built = plan_terms(graph, stages, cluster, options=options, in_flight=limits)
-    fewest = fewest_in_flight(built.terms, dict(built.costs.edges), built.ranks, cluster,
+    built = plan_terms(graph, stages, cluster, options=options, in_flight=limits,
+                       recompute=again)
+    edges = dict(built.costs.edges)
+    target = work_period(built.terms, edges, built.ranks, cluster, schedule=options.schedule,
+                         microbatches=options.per_minibatch)
+    fewest = fewest_in_flight(built.terms, edges, built.ranks, cluster,
                               schedule=options.schedule, microbatches=options.per_minibatch,
-                              period=best.time_per_minibatch, limits=limits)
+                              period=target, limits=limits)
     return runnable_in_flight([min(n, max(f, d)) for n, f, d in zip(limits, fewest, defaults,
                                                                      strict=True)], replicas)
 
 
 def _memory_limits(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
-                   options: ModelOptions, memory: float | None) -> list[int]:
-    """The most microbatches each stage can keep in flight within `memory` (capped)."""
+                   options: ModelOptions, memory: float | None, recompute: Sequence[bool],
+                   cluster: Cluster) -> list[int]:
+    """The most microbatches each stage can keep in flight within `memory` (capped): with
+    weight stashing each one adds a weight version; a recomputing stage keeps only what it
+    received per microbatch, plus one microbatch's activations."""
     row = kind(options.schedule)
+    built = plan_terms(graph, stages, cluster, options=options, recompute=recompute)
     out = []
-    for nodes, _ in stages:
-        params = sum(float(graph.nodes[n]["params"]) for n in nodes)
-        keep = sum(float(graph.nodes[n].get("keep", graph.nodes[n]["act"]))
-                   for n in nodes) / options.per_minibatch
-        fits = IN_FLIGHT_CAP if memory is None else max_in_flight(
-            params, keep, versions_per_flight=row.stashed_versions == "in-flight",
+    for s in range(len(stages)):
+        if memory is None:
+            out.append(IN_FLIGHT_CAP)
+            continue
+        keep = built.costs.activations[s]
+        per, fixed = (built.inputs(s), keep) if recompute[s] else (keep, 0.0)
+        fits = max_in_flight(
+            built.costs.params[s], per, versions_per_flight=row.stashed_versions == "in-flight",
             fixed_versions=1 if row.stashed_versions == "in-flight"
             else int(row.stashed_versions), optimizer_state=options.optimizer_state,
-            limit=memory)
+            limit=memory - fixed)
         out.append(min(IN_FLIGHT_CAP, fits))
     return out
 
@@ -472,8 +585,9 @@ def _ilp_candidate(graph: nx.DiGraph, cluster: Cluster, planner: str, limit: flo
 
     seed = hint.as_plan(sum(s.replicas for s in hint.priced))
     solved = improve(graph, cluster, seed, options=hint.options, memory=limit,
-                     time_limit=time_limit or ILP_DEFAULT_LIMIT, model_graph=model_graph,
-                     mapping=model_mapping)
+                     time_limit=time_limit or (ILP_DEFAULT_LIMIT if planner == "ilp"
+                                               else ILP_AUTO_LIMIT),
+                     model_graph=model_graph, mapping=model_mapping)
     stages = [(list(s.nodes), tuple(s.ranks)) for s in solved.stages]
     found = _priced(graph, cluster, stages, hint.options, limit, planner="ilp",
                     status=solved.status,
@@ -709,4 +823,5 @@ def _bytes_up(value: float) -> str:
     return f"{math.ceil(value)} B"
 
 
-__all__ = ["Plan", "Stage", "choose_in_flight", "plan", "planning_dp", "price_plan"]
+__all__ = ["Plan", "Stage", "choose_in_flight", "choose_recompute", "plan", "planning_dp",
+           "price_plan"]

@@ -52,7 +52,7 @@ from pdcompile.deps import dependency_lists, execution_order, is_lowered
 from pdcompile.errors import ScheduleError
 from pdcompile.ir import Action, Kind, Schedule
 from pdcompile.passes.schedule import updates_in_flight
-from pdcompile.schedule.kinds import kind, weight_versions
+from pdcompile.schedule.kinds import WGRAD_SHARE, kind, weight_versions
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
 from pdcompile.units import format_bytes, format_seconds
@@ -95,7 +95,8 @@ class SimResult:
 
 
 def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-             timeline: bool = True, stash: bool = True, wgrad_share: float = 0.5) -> SimResult:
+             timeline: bool = True, stash: bool = True,
+             wgrad_share: float = WGRAD_SHARE) -> SimResult:
     """Run the lowered `schedule` against `costs` on `cluster` (see module docstring).
 
     `stash=False`: the pipeline runs without weight stashing (no snapshot copies).
@@ -166,7 +167,7 @@ class ActionCosts:
     loops: the one that gives every rank a processor and the one that shares them."""
 
     def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-                 stash: bool, wgrad_share: float = 0.5) -> None:
+                 stash: bool, wgrad_share: float = WGRAD_SHARE) -> None:
         self.schedule, self.costs, self.cluster = schedule, costs, cluster
         # B and W seconds per stage: the backward split where the schedule splits it, the
         # forward again in B where the stage recomputes its activations

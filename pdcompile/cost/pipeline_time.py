@@ -41,7 +41,7 @@ from pdcompile.cost.links import (
     transfer_seconds,
 )
 from pdcompile.cost.updates import copy_seconds, step_seconds
-from pdcompile.schedule.kinds import kind
+from pdcompile.schedule.kinds import WGRAD_SHARE, kind
 
 
 @dataclass(frozen=True)
@@ -119,8 +119,12 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
            for t in terms]
     circuits = _circuits(terms, own, transfer)
     if row.flush:
-        return _flush(terms, transfer, busy, circuits, stage_ranks, m,
-                      gpipe=schedule == "gpipe")
+        timed = _flush(terms, transfer, busy, circuits, stage_ranks, m,
+                       gpipe=schedule == "gpipe")
+        if row.interleaved or row.split_backward:
+            timed = _chunked(timed, terms, transfer, stage_ranks, m, interleaved=row.interleaved,
+                             wgrad=WGRAD_SHARE if row.split_backward else 0.0)
+        return timed
     work = [own[s] / t.replicas for s, t in enumerate(terms)]
     bounds = [(w, f"stage {s} work") for s, w in enumerate(work)]
     bounds += [(seconds / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])), f"link {a}->{c}")
@@ -171,6 +175,22 @@ def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
             worst = max(worst, lengths[k - s] / tokens if tokens > 0 else math.inf)
         out.append((worst, lengths[-1]))
     return out
+
+
+def work_period(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
+                stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
+                microbatches: int) -> float:
+    """A streaming pipeline's time per minibatch with enough in flight to hide every round
+    trip: the largest of its stages' work and its links' occupancy (`pipeline_time` without
+    the circuits)."""
+    row = kind(schedule)
+    m = microbatches if row.microbatched else 1
+    updates = 1.0 if row.update == "round" else float(m)
+    work = [(t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy) / updates) / t.replicas
+            for t in terms]
+    links = [link_busy_seconds(size, slowest_link(cluster, stage_ranks[a], stage_ranks[c]))
+             / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])) for (a, c), size in edges.items()]
+    return max(work + links) * m
 
 
 def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
@@ -255,5 +275,28 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
                         tuple(rt for _, rt in circuits))
 
 
+def _chunked(flush: PipelineTime, terms: Sequence[StageTerms],
+             transfer: dict[tuple[int, int], float], stage_ranks: Sequence[Sequence[int]],
+             m: int, *, interleaved: bool, wgrad: float) -> PipelineTime:
+    """Interleaved and zero-bubble schedules (passes/bubble.py's closed forms, for stages that
+    differ): a rank holding several chunks works through all of them per microbatch, m times,
+    while the pipeline fills and drains in chunk-sized steps, p - 1 of them; a split backward
+    fills each of those steps' bubble with weight gradients, W = `wgrad` x the backward, so a
+    step shrinks by 2 W (passes/bubble.py: (p - 1)(f + b + w) becomes (p - 1)(f + b - w))."""
+    ranks = sorted({r for group in stage_ranks for r in group})
+    per_rank = {r: sum(t.compute + t.cpu_copies for t, group in zip(terms, stage_ranks,
+                                                                     strict=True) if r in group)
+                for r in ranks}
+    step = max(t.compute + t.cpu_copies - 2.0 * wgrad * t.bwd for t in terms)
+    tail = max(t.allreduce + t.step for t in terms)
+    if interleaved:
+        wires = 2.0 * max(transfer.values(), default=0.0) * (len(ranks) - 1)
+        total = m * max(per_rank.values()) + (len(ranks) - 1) * step + wires + tail
+    else:  # one stage per rank: 1F1B-flush's fill and drain, each step W shorter twice
+        total = flush.time_per_minibatch - 2.0 * wgrad * max(t.bwd for t in terms) \
+            * (len(ranks) - 1)
+    return PipelineTime(total, flush.bound, flush.work, flush.round_trip)
+
+
 __all__ = ["PipelineTime", "StageTerms", "fewest_in_flight", "pipeline_time",
-           "runnable_in_flight", "stage_terms"]
+           "runnable_in_flight", "stage_terms", "work_period"]

@@ -46,7 +46,7 @@ def build(name: str, stage_ranks: Sequence[Sequence[int]], *, microbatches: int,
     extra: dict[str, object] = {}
     if vertical_sync:
         extra["vertical_sync"] = True
-    if warmup is not None and name != "gpipe":
+    if warmup is not None and row.chosen_warmup:
         extra["warmup"] = list(warmup)
     if recompute:
         extra["recompute"] = list(recompute)

@@ -10,6 +10,10 @@ from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
 
+# the share of a backward that computes weight gradients, where a schedule splits it into B and W
+# (a Linear layer's dX and dW are each a matrix product the size of its forward)
+WGRAD_SHARE = 0.5
+
 
 @dataclass(frozen=True)
 class ScheduleKind:
@@ -27,6 +31,8 @@ class ScheduleKind:
     copies_weights: a new weight version is a copy of the weights (1f1b stashing, 2bw).
     split_backward: the backward runs as B (input gradients) and W (weight gradients), W later.
     interleaved: a rank holds several non-adjacent stages (chunks), chunk c on rank c mod p.
+    chosen_warmup: a 1F1B order whose warm-up depth (microbatches in flight) may be chosen per
+        stage; the other orders fix their own.
     """
 
     name: str
@@ -37,6 +43,7 @@ class ScheduleKind:
     copies_weights: bool
     split_backward: bool = False
     interleaved: bool = False
+    chosen_warmup: bool = True
 
 
 KINDS: dict[str, ScheduleKind] = {
@@ -45,17 +52,20 @@ KINDS: dict[str, ScheduleKind] = {
     "1f1b-flush": ScheduleKind("1f1b-flush", flush=True, microbatched=True, update="minibatch",
                                stashed_versions=1, copies_weights=False),
     "gpipe": ScheduleKind("gpipe", flush=True, microbatched=True, update="minibatch",
-                          stashed_versions=1, copies_weights=False),
+                          stashed_versions=1, copies_weights=False, chosen_warmup=False),
     "2bw": ScheduleKind("2bw", flush=False, microbatched=True, update="minibatch",
                         stashed_versions=2, copies_weights=True),
     "interleaved-1f1b": ScheduleKind("interleaved-1f1b", flush=True, microbatched=True,
                                      update="minibatch", stashed_versions=1,
-                                     copies_weights=False, interleaved=True),
+                                     copies_weights=False, interleaved=True,
+                                     chosen_warmup=False),
     "zb-h1": ScheduleKind("zb-h1", flush=True, microbatched=True, update="minibatch",
-                          stashed_versions=1, copies_weights=False, split_backward=True),
+                          stashed_versions=1, copies_weights=False, split_backward=True,
+                          chosen_warmup=False),
     "interleaved-zb": ScheduleKind("interleaved-zb", flush=True, microbatched=True,
                                    update="minibatch", stashed_versions=1, copies_weights=False,
-                                   split_backward=True, interleaved=True),
+                                   split_backward=True, interleaved=True,
+                                   chosen_warmup=False),
 }
 
 
@@ -86,4 +96,4 @@ def weight_versions(name: str, in_flight: int, *, copies: bool = True) -> int:
     return int(row.stashed_versions)
 
 
-__all__ = ["KINDS", "ScheduleKind", "kind", "unknown", "weight_versions"]
+__all__ = ["KINDS", "WGRAD_SHARE", "ScheduleKind", "kind", "unknown", "weight_versions"]

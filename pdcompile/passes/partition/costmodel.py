@@ -50,6 +50,7 @@ from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
 from pdcompile.cost.pipeline_time import PipelineTime, StageTerms, pipeline_time, stage_terms
 from pdcompile.errors import PlanError
 from pdcompile.plan import Stage
+from pdcompile.recompute import recompute_costs
 from pdcompile.schedule.kinds import KINDS, kind, unknown, weight_versions
 from pdcompile.stage_costs import StageCosts
 
@@ -188,18 +189,25 @@ class StageParts:
 
 
 def stage_parts(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, coef: Any,
-                options: ModelOptions, memory: float | None) -> StageParts:
-    """The pieces of stages' objectives (arguments as in `stage_values`)."""
+                options: ModelOptions, memory: float | None,
+                recompute: Any = None) -> StageParts:
+    """The pieces of stages' objectives (arguments as in `stage_values`). `recompute`: the
+    stages' forward seconds per minibatch, for the stages recomputing their activations
+    (pdcompile.recompute): one more forward each, and in flight only what they received, plus
+    one microbatch's activations while its backward runs."""
     row = kind(options.schedule)
     m = options.per_minibatch
     r = np.asarray(coef.replicas, dtype=np.float64)
     t, p, k = np.asarray(compute) / m, np.asarray(params), np.asarray(keep) / m
     inb, outb = np.asarray(received) / m, np.asarray(sent) / m
+    fixed: Any = 0.0  # activation bytes held whatever the number in flight
+    if recompute is not None:
+        t, fixed, k = t + np.asarray(recompute) / m, k, inb
     allreduce = p * coef.sync_per_byte + coef.sync_fixed
     step = p * coef.step_per_byte
     cpu = inb * coef.copy_in_per_byte + outb * coef.copy_out_per_byte
     wire = outb * coef.out_per_byte + np.where(outb > 0, coef.out_per_msg, 0.0)
-    limit = math.inf if memory is None else memory
+    limit = (math.inf if memory is None else memory) - fixed
     base = p * (2.0 + options.optimizer_state)
     with np.errstate(divide="ignore", invalid="ignore"):
         if row.stashed_versions == "in-flight":  # a version per minibatch in flight
@@ -390,7 +398,7 @@ def augmented_frontier(graph: nx.DiGraph, downset: set[str]) -> set[str]:
 # ------------------------------------------------------------------------------ evaluate
 def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
              cluster: Cluster, *, options: ModelOptions, memory: float | None = None,
-             in_flight: Sequence[int] | None = None,
+             in_flight: Sequence[int] | None = None, recompute: Sequence[bool] | None = None,
              ) -> tuple[tuple[Stage, ...], float]:
     """Price a plan given as (nodes, ranks) per stage in pipeline order.
 
@@ -402,14 +410,15 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
     del memory
     if options.cost_model == "pipedream":
         return _evaluate_pipedream(graph, stages, _checked_stage_of(graph, stages), cluster)
-    return _evaluate_native(graph, stages, cluster, options, in_flight)[:2]
+    return _evaluate_native(graph, stages, cluster, options, in_flight, recompute)[:2]
 
 
 def priced_time(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
                 cluster: Cluster, *, options: ModelOptions,
-                in_flight: Sequence[int] | None = None) -> PipelineTime:
+                in_flight: Sequence[int] | None = None,
+                recompute: Sequence[bool] | None = None) -> PipelineTime:
     """The native model's closed form of a plan with what bounds it (`cost.pipeline_time`)."""
-    return _evaluate_native(graph, stages, cluster, options, in_flight)[2]
+    return _evaluate_native(graph, stages, cluster, options, in_flight, recompute)[2]
 
 
 @dataclass(frozen=True)
@@ -421,13 +430,29 @@ class PlanTerms:
     terms: list[StageTerms]
     ranks: list[tuple[int, ...]]
     in_flight: list[int]
+    recompute: list[bool]
+
+    def inputs(self, stage: int) -> float:
+        """Bytes per microbatch the stage receives (what it keeps when it recomputes)."""
+        return sum(size for (_, c), size in self.costs.edges.items() if c == stage)
+
+    def activations(self, stage: int, in_flight: int) -> float:
+        """The most activation bytes a worker of the stage holds with `in_flight`
+        microbatches in flight (pdcompile.recompute for a recomputing stage)."""
+        costs = self.costs
+        footprint = recompute_costs(fwd=costs.fwd[stage], bwd=costs.bwd[stage],
+                                    activations=costs.activations[stage],
+                                    inputs=self.inputs(stage), in_flight=max(1, in_flight))
+        return footprint[self.recompute[stage]].activations
 
 
 def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
                cluster: Cluster, *, options: ModelOptions,
-               in_flight: Sequence[int] | None = None) -> PlanTerms:
+               in_flight: Sequence[int] | None = None,
+               recompute: Sequence[bool] | None = None) -> PlanTerms:
     """The closed form's inputs for a plan given as (nodes, ranks) per stage (`in_flight`:
-    microbatches in flight per replica; 0 or None: the schedule's default)."""
+    microbatches in flight per replica; 0 or None: the schedule's default; `recompute`: the
+    stages that recompute their activations, which run their forward again in the backward)."""
     stage_of = _checked_stage_of(graph, stages)
     count = len(stages)
     ranks = [tuple(r) for _, r in stages]
@@ -440,19 +465,24 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
     flight = [int(in_flight[i]) if in_flight is not None and in_flight[i] > 0
               else default_in_flight(len(ranks[i]), after[i], options) for i in range(count)]
     row = kind(options.schedule)
-    terms = stage_terms(fwd=costs.fwd, bwd=costs.bwd, params=costs.params,
+    again = [bool(x) for x in recompute] if recompute is not None else [False] * count
+    backward = [b + (f if a else 0.0) for f, b, a in zip(costs.fwd, costs.bwd, again,
+                                                         strict=True)]
+    terms = stage_terms(fwd=costs.fwd, bwd=backward, params=costs.params,
                         edges=dict(costs.edges), stage_ranks=ranks, cluster=cluster,
                         schedule=options.schedule, in_flight=flight,
                         copying=[row.copies_weights and n > 1 for n in flight])
-    return PlanTerms(costs, terms, ranks, flight)
+    return PlanTerms(costs, terms, ranks, flight, again)
 
 
 def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
                      cluster: Cluster, options: ModelOptions, in_flight: Sequence[int] | None,
+                     recompute: Sequence[bool] | None = None,
                      ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
-    built = plan_terms(graph, stages, cluster, options=options, in_flight=in_flight)
+    built = plan_terms(graph, stages, cluster, options=options, in_flight=in_flight,
+                       recompute=recompute)
     terms, ranks, flight = built.terms, built.ranks, built.in_flight
-    edges, params, keep = dict(built.costs.edges), built.costs.params, built.costs.activations
+    edges, params = dict(built.costs.edges), built.costs.params
     m = options.per_minibatch
     row = kind(options.schedule)
     copying = [row.copies_weights and n > 1 for n in flight]
@@ -465,8 +495,9 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
         comm = sum(transfer_seconds(size, slowest_link(cluster, ranks[a], ranks[c]))
                    for (a, c), size in edges.items() if i in (a, c))
         versions = weight_versions(options.schedule, flight[i], copies=copying[i])
-        mem = worker_memory(params[i], activations=keep[i] * flight[i], in_flight=flight[i],
-                            versions=versions, optimizer_state=options.optimizer_state).total
+        mem = worker_memory(params[i], activations=built.activations(i, flight[i]),
+                            in_flight=flight[i], versions=versions,
+                            optimizer_state=options.optimizer_state).total
         if row.flush:  # one all-reduce and step per minibatch
             sync = term.allreduce
             work = math.ceil(m / r) * (term.compute + term.cpu_copies) + term.allreduce \
@@ -477,7 +508,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
         priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
                             compute=term.compute * m / r, sync=sync, comm=comm * m / r,
                             memory=mem, time=work, copies=term.cpu_copies * m / r,
-                            in_flight=flight[i]))
+                            in_flight=flight[i], recompute=built.recompute[i]))
     total = max(timed.time_per_minibatch, shared_core_time(priced, cluster))
     return tuple(priced), total, timed
 

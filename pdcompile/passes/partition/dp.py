@@ -65,6 +65,7 @@ class StateTables:
     """Per-state cumulative sums and what crosses a state's boundary (numpy arrays)."""
 
     compute: np.ndarray  # [s] fwd+bwd seconds of the downset
+    forward: np.ndarray  # [s] fwd seconds of the downset
     params: np.ndarray  # [s] parameter bytes of the downset
     keep: np.ndarray  # [s] activation bytes the backward keeps (native) / act (pipedream)
     act: np.ndarray  # [s] act bytes of the downset (pipedream's stash estimate)
@@ -109,6 +110,8 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
     pinned_set = set(pinned)  # inputs: no compute (cost.crossing.input_nodes)
     comp = np.array([0.0 if x in pinned_set else float(d["fwd"]) + float(d["bwd"])
                      for x, d in zip(order, node, strict=True)])
+    fwd = np.array([0.0 if x in pinned_set else float(d["fwd"])
+                    for x, d in zip(order, node, strict=True)])
     par = np.array([float(d["params"]) for d in node])
     act = np.array([float(d["act"]) for d in node])
     keep = np.array([float(d.get("keep", d["act"])) for d in node])
@@ -128,9 +131,9 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
     for j in range(s):
         raw = np.frombuffer(states.reach[j].to_bytes(width, "little"), dtype=np.uint8)
         valid[:, j] = np.unpackbits(raw, bitorder="little")[:s].astype(bool)
-    return StateTables(compute=member @ comp, params=member @ par, keep=member @ keep,
-                       act=member @ act, frontier=frontier, inside=inside, degree=degree,
-                       weight=weight, leaving=leaving, valid=valid)
+    return StateTables(compute=member @ comp, forward=member @ fwd, params=member @ par,
+                       keep=member @ keep, act=member @ act, frontier=frontier, inside=inside,
+                       degree=degree, weight=weight, leaving=leaving, valid=valid)
 
 
 # ------------------------------------------------------------------------------ native
@@ -147,22 +150,40 @@ class StageGrid:
     rq: np.ndarray  # [q] replicas of the stage
     col: np.ndarray  # [m, r] -> q
     rows: dict[int, tuple[np.ndarray, StageParts, np.ndarray]]  # k -> (js, parts [j, q], rest)
+    # k -> the parts of the same stages recomputing their activations (where that is planned)
+    recomputing: dict[int, StageParts] = field(default_factory=dict)
     values: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)  # flight -> k -> [j, q]
 
     def stage_values(self, k: int, options: ModelOptions) -> np.ndarray:
-        """The planning objective of the stages starting at state k (cached per `flight`)."""
+        """The planning objective of the stages starting at state k (cached per `flight`): the
+        better of keeping and recomputing activations where recomputation is planned."""
         cache = self.values.setdefault(options.flight, {})
         if k not in cache:
             _, parts, rest = self.rows[k]
             cache[k] = values_of(parts, rest, options)
+            if k in self.recomputing:
+                cache[k] = np.minimum(cache[k], values_of(self.recomputing[k], rest, options))
         return cache[k]
+
+    def stage_demand(self, k: int, options: ModelOptions, period: float,
+                     after: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(in flight, demand) of the stages starting at state k (costmodel.demand_of), the
+        better of keeping and recomputing activations where recomputation is planned."""
+        flight, demand = demand_of(self.rows[k][1], options, period, after)
+        if k in self.recomputing:
+            other_flight, other = demand_of(self.recomputing[k], options, period, after)
+            better = other < demand
+            flight, demand = np.where(better, other_flight, flight), np.minimum(demand, other)
+        return flight, demand
 
 
 def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                memory: float | None, straight: bool = False, workers: int | None = None,
-               copies: int = 1, copy_link: Level | None = None) -> StageGrid:
+               copies: int = 1, copy_link: Level | None = None,
+               recompute: bool = False) -> StageGrid:
     """The grid of `tables` on the first `workers` ranks (default all); straight: one replica
-    per stage; `copies` / `copy_link`: the pipeline is replicated (costmodel.placement)."""
+    per stage; `copies` / `copy_link`: the pipeline is replicated (costmodel.placement);
+    `recompute`: every stage may also recompute its activations (pdcompile.recompute)."""
     n = workers or cluster.workers
     s = len(tables.compute)
     last = s - 1
@@ -176,6 +197,7 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
     col[mq, rq] = np.arange(len(pairs))
     total = float(tables.compute[last])
     rows = {}
+    recomputing = {}
     for k in range(last):
         js = np.nonzero(tables.valid[k])[0]
         if js.size == 0:
@@ -184,14 +206,17 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
         base = 0.0 if k == 0 else 1.0  # the first stage holds the pinned inputs
         if k == 0:  # ... so it receives nothing and sends what they feed beyond it too
             received, sent = np.zeros(js.size), tables.leaving[js].copy()
-        parts = stage_parts(
-            compute=(tables.compute[js] - tables.compute[k])[:, None],
-            params=(tables.params[js] - tables.params[k])[:, None],
-            keep=(tables.keep[js] - base * tables.keep[k])[:, None],
-            received=received[:, None], sent=sent[:, None], coef=coef, options=options,
-            memory=memory)
+        figures = {"compute": (tables.compute[js] - tables.compute[k])[:, None],
+                   "params": (tables.params[js] - tables.params[k])[:, None],
+                   "keep": (tables.keep[js] - base * tables.keep[k])[:, None],
+                   "received": received[:, None], "sent": sent[:, None]}
+        parts = stage_parts(**figures, coef=coef, options=options, memory=memory)
         rows[k] = (js, parts, (total - tables.compute[js])[:, None])
-    return StageGrid(n, last, mq, rq, col, rows)
+        if recompute:
+            recomputing[k] = stage_parts(
+                **figures, coef=coef, options=options, memory=memory,
+                recompute=(tables.forward[js] - tables.forward[k])[:, None])
+    return StageGrid(n, last, mq, rq, col, rows, recomputing)
 
 
 def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
@@ -275,9 +300,9 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
     for k in range(last - 1, -1, -1):
         if k not in grid.rows:
             continue
-        js, parts, _ = grid.rows[k]
+        js = grid.rows[k][0]
         after = demand[js][:, prev]  # [j, q]
-        n_q, e_q = demand_of(parts, options, period, after)
+        n_q, e_q = grid.stage_demand(k, options, period, after)
         arg = np.argmin(e_q, axis=0)
         values = np.full((n + 1, n + 1), INF)
         values[grid.mq, grid.rq] = e_q[arg, q_all]
