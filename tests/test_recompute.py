@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import networkx as nx
 import pytest
 import torch
 from torch import nn
@@ -12,6 +13,7 @@ from torch import nn
 import pdcompile
 from pdcompile.backends.simulate import simulate
 from pdcompile.cluster import Cluster
+from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
 from pdcompile.passes.lower import lower
 from pdcompile.passes.schedule import generate
@@ -134,14 +136,33 @@ def test_the_simulator_charges_what_recompute_costs_says(name: str) -> None:
     assert recomputing.makespan > plain.makespan
 
 
-def test_pdcompile_simulate_reads_the_flag_of_the_plan() -> None:
-    from pdcompile.cli.simulate_cmd import build_schedule
+def test_the_simulated_schedule_reads_the_flag_of_the_plan() -> None:
+    from pdcompile.plan_simulation import simulate_plan
 
     plan = even_plan(trace(_model()), 2)
     flagged = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], recompute=True)))
     costs = StageCosts.uniform(2, fwd=1.0, bwd=2.0)
+    graph = _cost_graph_of(plan)
+    cluster = Cluster.parse("2@1e9")
     for name in ("1f1b-flush", "zb-h1"):
-        assert "recompute" not in build_schedule(plan, costs, schedule=name, microbatches=4,
-                                                 minibatches=1).options
-        lowered = build_schedule(flagged, costs, schedule=name, microbatches=4, minibatches=1)
+        lowered, _ = simulate_plan(graph, plan, cluster, schedule=name, microbatches=4,
+                                   costs=costs)
+        assert "recompute" not in lowered.options
+        lowered, recomputing = simulate_plan(graph, flagged, cluster, schedule=name,
+                                             microbatches=4, costs=costs)
         assert lowered.options["recompute"] == [1]
+        # the recomputing stage runs its forward again in its backward
+        assert recomputing.makespan > simulate_plan(graph, plan, cluster, schedule=name,
+                                                    microbatches=4, costs=costs)[1].makespan
+
+
+def _cost_graph_of(plan: Plan) -> nx.DiGraph:
+    """A CostGraph with the plan's nodes in a chain (simulate_plan maps the plan onto it)."""
+    graph = new_cost_graph("chain")
+    names = [n for s in plan.stages for n in s.nodes]
+    for i, name in enumerate(names):
+        add_block(graph, name, fwd=0.0 if i == 0 else 1e-3, bwd=0.0 if i == 0 else 2e-3,
+                  act=1e3, params=1e3 * (i > 0))
+        if i:
+            graph.add_edge(names[i - 1], name)
+    return graph
