@@ -29,7 +29,7 @@ them alike), and the table shows the median samples/s and the ratio to (a).
 `--bubbles` measures instead the bubble of real runs (1f1b-flush, zb-h1, interleaved-1f1b,
 interleaved-zb; `run_distributed(record=True)`, --steps minibatches, the first --warmup left
 out): per minibatch, each rank's idle time is the minibatch's span (first compute start to last
-compute end, both ranks) minus the rank's F, B and W time; the closed form (passes/bubble.py)
+compute end, both ranks) minus the rank's F, B and W time; the closed form (cost/bubble.py)
 gets the run's own measured f, b, w per microbatch and rank (chunks together, averaged over the
 ranks) with free transfers, so it is what the schedule's shape predicts from the measured
 compute, and the difference is what transfers, steps and imbalance add.
@@ -342,8 +342,8 @@ def measure_bubble(schedule: str, chunks: int, steps: int, skip: int,
                    sleep: float = 0.0) -> dict[str, float]:
     """Measured idle per rank and minibatch, and the closed form from the measured times
     (`sleep` > 0: stages that sleep f = b = w = `sleep` seconds per rank and microbatch)."""
-    from pdcompile.ir import Kind
-    from pdcompile.passes.bubble import flush_time
+    from pdcompile.cost.bubble import flush_time
+    from pdcompile.schedule.ir import Kind
     from pdcompile.timeline import Timeline
 
     timeline = Timeline.from_dict(launch(_bubble_worker, 2,
@@ -424,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bubbles", choices=("mlp", "sleep"), default="",
                         help="instead: the measured bubble of 1f1b-flush, zb-h1, "
                         "interleaved-1f1b and interleaved-zb against the closed forms "
-                        "(passes/bubble.py), --steps minibatches each, the first --warmup left "
+                        "(cost/bubble.py), --steps minibatches each, the first --warmup left "
                         "out; on the MLP, or on stages that sleep --sleep-ms (f = b = w)")
     parser.add_argument("--sleep-ms", type=float, default=10.0)
     args = parser.parse_args(argv)

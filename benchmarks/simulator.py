@@ -5,8 +5,8 @@ clusters A (4 x 4 V100, PCIe, 10 Gbps) and B (2 x 8 V100, NVLink, 25 Gbps) with 
 then simulate the chosen plan under asynchronous 1F1B and plain data parallelism (one stage on
 all 16 workers) with the same simulator, and print the predicted speed-up of the plan over data
 parallelism: the planner's own estimate, the simulator's (PipeDream's NOAM warm-up, and the
-latency-aware warm-up of passes.schedule), next to the figures of the paper's Table 1 where it has
-them (those are measured epoch-time speed-ups from the paper, not computed here).
+latency-aware warm-up of schedule.generators), next to the figures of the paper's Table 1 where
+it has them (those are measured epoch-time speed-ups from the paper, not computed here).
 
 Part 2: real runs against the simulator. `fidelity` compiles small compute-bound models (costs
 measured by the cost pass), trains them on 2 and 4 local processes with the distributed backend,
@@ -188,8 +188,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def scaling() -> list[tuple[str, int, int, float, float]]:
     """Simulator speed: (shape, workers, minibatches, seconds to generate+lower, to simulate)."""
     from pdcompile.backends.simulate import simulate
-    from pdcompile.passes.lower import lower
-    from pdcompile.passes.schedule import generate
+    from pdcompile.schedule.generators import generate
+    from pdcompile.schedule.lower import lower
     from pdcompile.stage_costs import StageCosts
 
     cluster = Cluster.preset("h100-4node").with_workers(64)
@@ -224,7 +224,7 @@ def _synthetic_worker(rank: int, world: int, port: int, schedule_text: str,
 
     import torch.distributed as dist
 
-    from pdcompile.ir import Kind, Schedule
+    from pdcompile.schedule.ir import Kind, Schedule
     from pdcompile.timeline import Recorder, Timeline
 
     torch.set_num_threads(1)
@@ -288,8 +288,8 @@ def fidelity_synthetic(*, mode: str = "sleep", minibatches: int = 48,
 
     from pdcompile.backends.simulate import simulate
     from pdcompile.local_machine import free_port
-    from pdcompile.passes.lower import lower
-    from pdcompile.passes.schedule import generate
+    from pdcompile.schedule.generators import generate
+    from pdcompile.schedule.lower import lower
     from pdcompile.stage_costs import StageCosts
     from pdcompile.timeline import Timeline
 
@@ -830,7 +830,7 @@ PipeDream profile ("pipedream": the original optimizer's cost model; "native": o
 all 16 workers, ring all-reduce each round) over that of the chosen plan, both in steady state
 of a stream of minibatches under asynchronous 1F1B(-RR) on the same simulator. NOAM:
 PipeDream's warm-up depth; latency-aware: the deeper depth that also covers transfer time
-(passes.schedule.latency_aware_warmup). **The "paper" columns are the paper's own figures**
+(schedule.generators.latency_aware_warmup). **The "paper" columns are the paper's own figures**
 (Table 1 of the PipeDream SOSP'19 paper: speed-ups measured on real clusters, epoch time unless
 marked TTA, time to accuracy), only where a source was found ("source" column, listed below);
 "not available": the table has the row, but no source gave the figure; "-": the paper has no

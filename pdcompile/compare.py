@@ -16,7 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcompile.ir import Kind
+from pdcompile.schedule.ir import Kind
 from pdcompile.timeline import Timeline, TimelineError
 
 _SCHEDULE_KEYS = ("schedule", "microbatches_per_minibatch")

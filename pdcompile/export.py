@@ -45,7 +45,6 @@ from torch.utils import _pytree as pytree
 
 from pdcompile.callable_ref import NotReferable, reference, resolve
 from pdcompile.errors import DamagedFileError, PipelineInputError
-from pdcompile.ir import Schedule
 from pdcompile.meta import set_stage
 from pdcompile.module_record import rebuild_module, record_module
 from pdcompile.optimizer_recipe import OptimizerRecipe
@@ -55,6 +54,7 @@ from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, Val
 from pdcompile.pipeline import NoParameters, OptimizerFactory, Pipeline, RankState
 from pdcompile.plan import Plan
 from pdcompile.runtime.tensor_tree import load_tree, save_tree
+from pdcompile.schedule.ir import Schedule
 
 EXPORT_FORMAT = "pdcompile.export/2"
 # files of the first format (pickles), removed when a folder is exported again

@@ -18,10 +18,14 @@ from torch.utils import _pytree as pytree
 
 from pdcompile.backends.local import run_local
 from pdcompile.errors import PdcompileError, PipelineInputError, PlanError, ScheduleError
-from pdcompile.ir import Schedule
 from pdcompile.passes.codegen import RankFn, generate_rank, load_rank
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import (
+from pdcompile.passes.split import SplitResult, StageProgram
+from pdcompile.plan import Plan
+from pdcompile.runtime.chunks import ChunkRuntimes
+from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
+from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
+from pdcompile.runtime.transport import Tag, TensorSpec
+from pdcompile.schedule.generators import (
     FLUSH_SCHEDULES,
     INTERLEAVED_SCHEDULES,
     SCHEDULES,
@@ -29,16 +33,12 @@ from pdcompile.passes.schedule import (
     generate,
     interleaved_shape,
 )
-from pdcompile.passes.split import SplitResult, StageProgram
-from pdcompile.plan import Plan
-from pdcompile.runtime.chunks import ChunkRuntimes
-from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
-from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
-from pdcompile.runtime.transport import Tag, TensorSpec
+from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import kind
+from pdcompile.schedule.lower import lower
+from pdcompile.schedule.validate import validate
 from pdcompile.suggest import did_you_mean
 from pdcompile.timeline import Recorder, Timeline
-from pdcompile.validate import validate
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 FLUSH = FLUSH_SCHEDULES

@@ -17,9 +17,9 @@ from pdcompile.backends.simulate import SimResult, simulate
 from pdcompile.cluster import Cluster
 from pdcompile.costgraph import topological_order
 from pdcompile.errors import PdcompileError
-from pdcompile.ir import Schedule
 from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.build import build, stream_length
+from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import kind
 from pdcompile.stage_costs import StageCosts
 
@@ -44,7 +44,7 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
     `schedule` / `microbatches`: default the plan's. Streaming schedules ('1f1b', '2bw') run
     `minibatches` minibatches (default `steady_minibatches`); flush schedules one minibatch.
     `warmup`: "plan" (the depths the planner chose, else NOAM), "noam", "latency"
-    (`passes.schedule.latency_aware_warmup`) or one depth per stage. `costs`: stage costs to use
+    (`schedule.generators.latency_aware_warmup`) or one depth per stage. `costs`: stage costs to use
     instead of the CostGraph's (e.g. measured ones)."""
     name = schedule or plan.schedule
     row = kind(name)
@@ -74,7 +74,7 @@ def _warmup(warmup: str | Sequence[int], plan: Plan, costs: StageCosts, cluster:
     if warmup == "latency":
         if name == "gpipe":
             return None
-        from pdcompile.passes.schedule import latency_aware_warmup
+        from pdcompile.schedule.generators import latency_aware_warmup
 
         stage_ranks = [list(s.ranks) for s in plan.stages]
         return latency_aware_warmup(stage_ranks, costs.round_trips(stage_ranks, cluster),

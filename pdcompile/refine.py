@@ -63,7 +63,7 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
     common multiple, so every replica reaches steady state); `warmup`: "plan" (each
     candidate's in-flight counts chosen within the memory, as the planner chooses them),
     "noam" or "latency"
-    (passes.schedule); `max_evaluations`: simulations at most, the input plan's included."""
+    (schedule.generators); `max_evaluations`: simulations at most, the input plan's included."""
     if plan.workers != cluster.workers:
         raise PlanError(f"the plan is for {plan.workers} workers but the cluster has "
                         f"{cluster.workers}; plan for this cluster first")

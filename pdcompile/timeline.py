@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import PdcompileError
-from pdcompile.ir import Action, Kind, Schedule, parse_action
+from pdcompile.schedule.ir import Action, Kind, Schedule, parse_action
 
 TIMELINE_FORMAT = "pdcompile.timeline/1"
 COMPUTE_KINDS = (Kind.F, Kind.B, Kind.W)

@@ -1,8 +1,8 @@
-"""The simulator's time per minibatch and bubble equal the closed forms of passes/bubble.py.
+"""The simulator's time per minibatch and bubble equal the closed forms of cost/bubble.py.
 
 Every schedule runs on p ranks with free transfers and free optimizer steps, on uniform stages:
 one rank spends `fwd` and `bwd` per microbatch (its v chunks together), `wgrad` of the backward
-computing weight gradients. The formulas tested (module docstring of passes/bubble.py):
+computing weight gradients. The formulas tested (module docstring of cost/bubble.py):
 
     gpipe, 1f1b-flush:   (m + p - 1)(f + b)
     interleaved-1f1b:    m (f + b) + (p - 1)(f + b) / v      bubble ratio (p - 1) / (v m)
@@ -18,10 +18,10 @@ import pytest
 
 from pdcompile.backends.simulate import simulate
 from pdcompile.cluster import Cluster
+from pdcompile.cost.bubble import flush_time
 from pdcompile.errors import ScheduleError
-from pdcompile.passes.bubble import flush_time
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts
 
 TIMES = [(1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5), (1.0, 3.0, 1.0), (3.0, 4.0, 2.0),

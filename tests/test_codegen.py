@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind, Schedule
 from pdcompile.passes.codegen import generate, generate_rank, load_rank
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate as generate_schedule
+from pdcompile.schedule.generators import generate as generate_schedule
+from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.lower import lower
 
 GOLDEN = Path(__file__).parent / "golden" / "codegen"
 

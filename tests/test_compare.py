@@ -11,8 +11,8 @@ import pdcompile
 from pdcompile.backends.simulate import simulate
 from pdcompile.cluster import Cluster
 from pdcompile.compare import compare, stage_figures
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Recorder, Timeline, TimelineError
 

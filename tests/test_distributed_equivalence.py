@@ -63,12 +63,12 @@ def _worker(worker: Worker, schedule: str, cuts: tuple[int, ...], replicas: tupl
             ) -> tuple[list[float], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     from pdcompile.backends.distributed import DistributedTransport, drive, expect_schedule
     from pdcompile.passes.codegen import generate_rank, load_rank
-    from pdcompile.passes.lower import lower
-    from pdcompile.passes.schedule import generate
     from pdcompile.passes.split import manual_plan, split
     from pdcompile.passes.trace import trace
     from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime
     from pdcompile.runtime.transport import Tag, TensorSpec
+    from pdcompile.schedule.generators import generate
+    from pdcompile.schedule.lower import lower
 
     model = _model(bn)
     gm = trace(model)

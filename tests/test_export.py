@@ -13,9 +13,9 @@ import torch.nn as nn
 import pdcompile
 from pdcompile.cli import main
 from pdcompile.errors import PipelineInputError
-from pdcompile.ir import Schedule
 from pdcompile.models import gpt2, resnet50
 from pdcompile.plan import Plan
+from pdcompile.schedule.ir import Schedule
 
 
 def gpt() -> tuple[nn.Module, tuple[torch.Tensor, ...], torch.Tensor]:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind, Schedule, parse_action
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.ir import Action, Kind, Schedule, parse_action
+from pdcompile.schedule.lower import lower
 
 
 @pytest.mark.parametrize("text", ["1F3", "0B12", "0SEND_F3->1", "1RECV_F3<-0", "1SEND_B3->0",

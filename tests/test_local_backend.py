@@ -14,9 +14,9 @@ import torch.nn as nn
 import pdcompile
 from pdcompile.backends.local import run_local
 from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
-from pdcompile.ir import parse_action
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.transport import Tag
+from pdcompile.schedule.ir import parse_action
 
 mse = nn.functional.mse_loss
 

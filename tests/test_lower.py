@@ -6,12 +6,12 @@ from dataclasses import replace
 
 import pytest
 
-from pdcompile.deps import dependencies, dependency_lists, execution_order
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind
-from pdcompile.passes.lower import chain_edges, lower
-from pdcompile.passes.schedule import generate
-from pdcompile.validate import validate
+from pdcompile.schedule.deps import dependencies, dependency_lists, execution_order
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.ir import Action, Kind
+from pdcompile.schedule.lower import chain_edges, lower
+from pdcompile.schedule.validate import validate
 
 
 def texts(actions: tuple[Action, ...]) -> list[str]:

@@ -11,11 +11,11 @@ import pytest
 from pdcompile.backends.processor_sharing import share_processors
 from pdcompile.backends.simulate import ActionCosts, _dedicated, simulate
 from pdcompile.cluster import Cluster, Level
-from pdcompile.deps import dependency_lists, execution_order
 from pdcompile.errors import ClusterError
-from pdcompile.ir import Kind, Schedule
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate
+from pdcompile.schedule.deps import dependency_lists, execution_order
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.ir import Kind, Schedule
+from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts
 from tests.test_cluster import reloaded
 

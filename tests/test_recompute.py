@@ -15,13 +15,13 @@ from pdcompile.backends.simulate import simulate
 from pdcompile.cluster import Cluster
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
 from pdcompile.plan import Plan
 from pdcompile.recompute import recompute_costs
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts
 
 FREE = Cluster.flat(8, 1e30)

@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Kind, Schedule
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate, in_flight_limit, warmup_depth
-from pdcompile.validate import validate
+from pdcompile.schedule.generators import generate, in_flight_limit, warmup_depth
+from pdcompile.schedule.ir import Kind, Schedule
+from pdcompile.schedule.lower import lower
+from pdcompile.schedule.validate import validate
 
 GOLDEN = Path(__file__).parent / "golden" / "schedules"
 

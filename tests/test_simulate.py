@@ -14,19 +14,19 @@ from pdcompile.cli import main
 from pdcompile.cluster import Cluster, Level
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError, ScheduleError
-from pdcompile.ir import Kind, Schedule
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import (
+from pdcompile.plan import Plan, Stage
+from pdcompile.schedule.generators import (
     copies_weights,
     generate,
     latency_aware_warmup,
     updates_in_flight,
     warmup_depth,
 )
-from pdcompile.plan import Plan, Stage
+from pdcompile.schedule.ir import Kind, Schedule
+from pdcompile.schedule.lower import lower
+from pdcompile.schedule.validate import validate
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Recorder, Timeline, TimelineError
-from pdcompile.validate import validate
 
 FREE = Cluster.flat(64, 1e30)  # free communication: infinite-ish bandwidth, no latency
 F, B = 1.0, 2.0

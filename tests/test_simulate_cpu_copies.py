@@ -10,8 +10,8 @@ import pytest
 from pdcompile.backends.simulate import SimResult, simulate
 from pdcompile.cluster import Cluster, Level
 from pdcompile.errors import ClusterError
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts
 
 F, B = 1.0, 1.0

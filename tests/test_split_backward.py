@@ -17,7 +17,6 @@ from torch import nn
 
 import pdcompile
 from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
-from pdcompile.ir import Kind
 from pdcompile.passes.fuse import (
     accumulating_grads,
     deferring_weight_grads,
@@ -29,6 +28,7 @@ from pdcompile.passes.interleave import balanced_chunks, interleave, interleaved
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
 from pdcompile.runtime.chunks import ChunkRuntimes
+from pdcompile.schedule.ir import Kind
 
 
 def _mlp() -> nn.Sequential:

@@ -7,10 +7,10 @@ import itertools
 import pytest
 
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Schedule, parse_action
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate
-from pdcompile.validate import validate
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.ir import Schedule, parse_action
+from pdcompile.schedule.lower import lower
+from pdcompile.schedule.validate import validate
 
 SHAPES = [[1], [1, 1], [2, 1], [1, 2], [1, 1, 1], [3, 1, 2], [1, 1, 1, 1], [2, 2, 2, 1]]
 

@@ -10,9 +10,9 @@ import pytest
 from pdcompile.backends.simulate import simulate
 from pdcompile.cluster import Cluster
 from pdcompile.errors import PdcompileError
-from pdcompile.ir import Kind
-from pdcompile.passes.lower import lower
-from pdcompile.passes.schedule import generate
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.ir import Kind
+from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
 from pdcompile.viz.chrome_trace import to_chrome_trace, write_chrome_trace

@@ -38,10 +38,10 @@ from pdcompile.backends.launch import (
     launch,
 )
 from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
-from pdcompile.ir import Action, Kind, Schedule
-from pdcompile.passes.schedule import FLUSH_SCHEDULES
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
+from pdcompile.schedule.generators import FLUSH_SCHEDULES
+from pdcompile.schedule.ir import Action, Kind, Schedule
 from pdcompile.timeline import Recorder, Timeline
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}

@@ -23,7 +23,7 @@ import math
 from collections import deque
 from typing import TYPE_CHECKING
 
-from pdcompile.ir import Kind, Schedule
+from pdcompile.schedule.ir import Kind, Schedule
 
 if TYPE_CHECKING:
     from pdcompile.backends.simulate import ActionCosts, Times

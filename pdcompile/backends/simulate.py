@@ -1,7 +1,7 @@
 """Discrete-event simulation of a lowered schedule on a cluster model (no tensors, costs only).
 
 Each rank runs its actions in order. An action starts when the rank is free and its dependencies
-(`pdcompile.deps.dependencies`, the same function validation uses) are met:
+(`pdcompile.schedule.deps.dependencies`, the same function validation uses) are met:
 
 - F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds; where the schedule splits the backward
   ("zb-h1", "interleaved-zb"), B (input gradients) takes `(1 - wgrad_share) * bwd[s]` and W
@@ -19,7 +19,7 @@ Each rank runs its actions in order. An action starts when the rank is free and 
 - STEP: `StageCosts.optimizer[s]` seconds, by default reading weights and gradients and writing
   weights once at the device's memory bandwidth (3 P / mem_bandwidth);
 - weight stashing (asynchronous '1f1b', `stash=True`): on a rank where an update can come while
-  a minibatch is in flight (`passes.schedule.updates_in_flight`; not the last stage, which runs
+  a minibatch is in flight (`schedule.generators.updates_in_flight`; not the last stage, which runs
   each backward right after its forward), the first forward after an optimizer step
   snapshots the stage's weights (a new version), adding `StageCosts.stash[s]` seconds, by default
   a read and a write of the weights at the device's memory bandwidth (2 P / mem_bandwidth), as
@@ -48,10 +48,10 @@ from pdcompile.cluster import Cluster
 from pdcompile.cost.links import link_busy_seconds, stage_allreduce_seconds
 from pdcompile.cost.memory import WorkerMemory, worker_memory
 from pdcompile.cost.updates import copy_seconds, step_seconds
-from pdcompile.deps import dependency_lists, execution_order, is_lowered
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind, Schedule
-from pdcompile.passes.schedule import updates_in_flight
+from pdcompile.schedule.deps import dependency_lists, execution_order, is_lowered
+from pdcompile.schedule.generators import updates_in_flight
+from pdcompile.schedule.ir import Action, Kind, Schedule
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind, weight_versions
 from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
@@ -104,7 +104,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     splits the backward)."""
     if not is_lowered(schedule):
         raise ScheduleError(f"simulate() needs a lowered schedule; call "
-                            f"passes.lower.lower(schedule) first (schedule {schedule.name!r})")
+                            f"schedule.lower.lower(schedule) first (schedule {schedule.name!r})")
     if costs.stages != schedule.stages:
         raise ScheduleError(f"the schedule has {schedule.stages} stages but the stage costs have "
                             f"{costs.stages}; build both from the same plan")
@@ -268,7 +268,7 @@ def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], .
 
 def recomputing(schedule: Schedule) -> frozenset[int]:
     """The stages that drop their activations after the forward and recompute them in the
-    backward (`options["recompute"]`, set by `passes.schedule.generate(recompute=...)`)."""
+    backward (`options["recompute"]`, set by `schedule.generators.generate(recompute=...)`)."""
     return frozenset(int(s) for s in schedule.options.get("recompute", ()))
 
 

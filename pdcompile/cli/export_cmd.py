@@ -25,8 +25,8 @@ import torch
 
 from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_factory
 from pdcompile.errors import PdcompileError
-from pdcompile.passes.schedule import SCHEDULES
 from pdcompile.plan import Plan
+from pdcompile.schedule.generators import SCHEDULES
 
 
 def register(subparsers: Any) -> None:

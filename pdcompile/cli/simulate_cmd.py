@@ -30,10 +30,10 @@ from pdcompile.cli.common import add_cluster_option, load_cluster
 from pdcompile.cluster import Cluster
 from pdcompile.compare import Comparison, compare
 from pdcompile.errors import PdcompileError
-from pdcompile.ir import Schedule
 from pdcompile.local_machine import oversubscription_note
 from pdcompile.plan import Plan
 from pdcompile.plan_simulation import simulate_plan
+from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import KINDS as SCHEDULES
 from pdcompile.timeline import Timeline
 from pdcompile.units import format_seconds

@@ -278,11 +278,11 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
 def _chunked(flush: PipelineTime, terms: Sequence[StageTerms],
              transfer: dict[tuple[int, int], float], stage_ranks: Sequence[Sequence[int]],
              m: int, *, interleaved: bool, wgrad: float) -> PipelineTime:
-    """Interleaved and zero-bubble schedules (passes/bubble.py's closed forms, for stages that
+    """Interleaved and zero-bubble schedules (cost/bubble.py's closed forms, for stages that
     differ): a rank holding several chunks works through all of them per microbatch, m times,
     while the pipeline fills and drains in chunk-sized steps, p - 1 of them; a split backward
     fills each of those steps' bubble with weight gradients, W = `wgrad` x the backward, so a
-    step shrinks by 2 W (passes/bubble.py: (p - 1)(f + b + w) becomes (p - 1)(f + b - w))."""
+    step shrinks by 2 W (cost/bubble.py: (p - 1)(f + b + w) becomes (p - 1)(f + b - w))."""
     ranks = sorted({r for group in stage_ranks for r in group})
     per_rank = {r: sum(t.compute + t.cpu_copies for t, group in zip(terms, stage_ranks,
                                                                      strict=True) if r in group)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.schedule.ir import Action, Kind, Schedule
 
 RankFn = Callable[[Any], Generator[Any, None, None]]
 
@@ -107,7 +107,7 @@ def _phase(block: tuple[Action, ...]) -> str:
 def generate_rank(schedule: Schedule, rank: int) -> str:
     """The source of `run_rank(rt)` for `rank` of a lowered schedule."""
     if not schedule.options.get("lowered"):
-        raise ScheduleError("codegen takes a lowered schedule (passes.lower.lower(schedule, "
+        raise ScheduleError("codegen takes a lowered schedule (schedule.lower.lower(schedule, "
                             "edges)); this one has no communication or updates yet")
     actions = schedule.actions.get(rank, ())
     stages = schedule.stages_of_rank(rank)

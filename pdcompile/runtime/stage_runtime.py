@@ -59,11 +59,11 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PipelineInputError, ScheduleError
-from pdcompile.ir import Action, Kind
 from pdcompile.passes.fuse import accumulating_grads, deferring_weight_grads, run_weight_grads
-from pdcompile.passes.schedule import SPLIT_BACKWARD_SCHEDULES, copies_weights
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
+from pdcompile.schedule.generators import SPLIT_BACKWARD_SCHEDULES, copies_weights
+from pdcompile.schedule.ir import Action, Kind
 
 Op = Generator[Pending, None, None]
 

@@ -12,8 +12,11 @@ import math
 from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Schedule
+from pdcompile.schedule.generators import generate
+from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import kind
+from pdcompile.schedule.lower import lower
+from pdcompile.schedule.validate import validate
 
 
 def stream_length(replicas: Sequence[int], minibatches: int) -> int:
@@ -34,10 +37,6 @@ def build(name: str, stage_ranks: Sequence[Sequence[int]], *, microbatches: int,
     minibatch of `microbatches`. `warmup`: forwards before the first backward per stage (default
     PipeDream's NOAM - 1); `stage_edges`: (src, dst) stage pairs that exchange tensors (default:
     the chain); `recompute`: the stages that recompute their activations in the backward."""
-    from pdcompile.passes.lower import lower
-    from pdcompile.passes.schedule import generate
-    from pdcompile.validate import validate
-
     row = kind(name)
     if microbatches < 1 or minibatches < 1:
         raise ScheduleError(f"a run needs at least one minibatch of at least one microbatch "

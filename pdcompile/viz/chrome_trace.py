@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pdcompile.ir import parse_action
+from pdcompile.schedule.ir import parse_action
 from pdcompile.timeline import Timeline
 
 

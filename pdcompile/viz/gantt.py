@@ -19,7 +19,7 @@ from matplotlib.legend_handler import HandlerTuple
 from matplotlib.patches import Patch
 
 from pdcompile.errors import PdcompileError
-from pdcompile.ir import Kind, parse_action
+from pdcompile.schedule.ir import Kind, parse_action
 from pdcompile.timeline import Timeline
 
 # (light, dark) shade per drawn kind; minibatches alternate between the two

@@ -8,8 +8,8 @@ schedules it is the microbatch's index inside the minibatch; for 2bw it is the g
 index (minibatch k holds microbatches k*M .. k*M+M-1). For ALLREDUCE and STEP the number is the
 index of the weight update (0, 1, 2, ... on every replica of the stage): "2STEP3" makes stage 2's
 weight version 4; the k-th ALLREDUCE of every replica of a stage is one collective.
-The compute-only schedule comes from a generator (passes/schedule), the communication is added
-by lowering; the generated code, the simulator and the backends all read the same `Schedule`.
+The compute-only schedule comes from a generator (schedule/generators), the communication is
+added by lowering; the generated code, the simulator and the backends all read the same `Schedule`.
 """
 
 from __future__ import annotations

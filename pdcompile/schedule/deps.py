@@ -11,7 +11,7 @@ action before it on its rank has finished (program order) and when everything in
   `ALLREDUCE k`, so all replicas start it together.
 - compute-only schedules (no communication yet): `F m` of stage s waits for `F m` of every
   producer stage, `B m` for `B m` of every consumer stage (edges from `options["stage_edges"]`,
-  else the straight chain). Lowering (`pdcompile.passes.lower.lower`) reads these lists to
+  else the straight chain). Lowering (`pdcompile.schedule.lower.lower`) reads these lists to
   place the communication: a receive before an action for each action it waits on, a send after
   an action to each stage waiting on it. So lowering, validation and simulation share one rule.
 
@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections import defaultdict, deque
 
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.schedule.ir import Action, Kind, Schedule
 
 Ref = tuple[int, int]  # (rank, index in that rank's action list)
 

@@ -8,7 +8,7 @@ Checks, in order, each failure raising ScheduleError with the rank x step grid, 
 3. (lowered schedules) every send has exactly one matching receive and the other way round; for
    every stage edge the four transfers of each microbatch are where lowering puts them; weight
    updates on each rank are numbered 0, 1, 2, ... (none twice);
-4. no deadlock: the ranks are run against `pdcompile.deps.dependencies` until all finish;
+4. no deadlock: the ranks are run against `pdcompile.schedule.deps.dependencies` until all finish;
 5. (lowered schedules) each rank has exactly the weight updates lowering gives it, none missing,
    duplicated or extra (per stage of the rank; a rank holding several chunks updates each):
    flush schedules one STEP 0 after the stage's last compute on the rank; "2bw" one
@@ -23,11 +23,11 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pdcompile.deps import dependencies, execution_order, is_lowered, stage_edges
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind, Schedule
-from pdcompile.passes.lower import last_backward_of_minibatch
-from pdcompile.passes.schedule import FLUSH_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from pdcompile.schedule.deps import dependencies, execution_order, is_lowered, stage_edges
+from pdcompile.schedule.generators import FLUSH_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
+from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.lower import last_backward_of_minibatch
 
 
 def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> ScheduleError:

@@ -1,9 +1,10 @@
 """Lowering: add sends, receives, replica all-reduces and optimizer steps to a compute schedule.
 
-Where transfers go is read from the one dependency function, `pdcompile.deps.dependency_lists`,
-applied to the compute-only schedule with `options["stage_edges"]` set to the checked edges
-(`F m` of a stage waits for `F m` of every producer stage, `B m` for `B m` of every consumer
-stage; an edge (src, dst) with src < dst may jump stages, a skip connection):
+Where transfers go is read from the one dependency function,
+`pdcompile.schedule.deps.dependency_lists`, applied to the compute-only schedule with
+`options["stage_edges"]` set to the checked edges (`F m` of a stage waits for `F m` of every
+producer stage, `B m` for `B m` of every consumer stage; an edge (src, dst) with src < dst may jump
+stages, a skip connection):
 
 - before an `F m`/`B m`: a `RECV_F m <- p`/`RECV_B m <- p` for each action it waits on (p: that
   action's stage), in stage order;
@@ -26,10 +27,10 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
-from pdcompile.deps import dependency_lists
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind, Schedule
-from pdcompile.passes.schedule import FLUSH_SCHEDULES
+from pdcompile.schedule.deps import dependency_lists
+from pdcompile.schedule.generators import FLUSH_SCHEDULES
+from pdcompile.schedule.ir import Action, Kind, Schedule
 
 _RECV = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
 _SEND = {Kind.F: Kind.SEND_F, Kind.B: Kind.SEND_B}
@@ -60,7 +61,7 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
     """
     if schedule.options.get("lowered"):
         raise ScheduleError(f"schedule {schedule.name!r} is already lowered; lower the "
-                            "compute-only schedule from passes.schedule.generate")
+                            "compute-only schedule from schedule.generators.generate")
     for rank, own in schedule.actions.items():
         for action in own:
             if not action.kind.is_compute:

@@ -3,7 +3,7 @@
 Implements the orders of PipeDream's 1F1B with round-robin replicas (Narayanan et al., "PipeDream:
 Generalized Pipeline Parallelism for DNN Training", SOSP 2019, section 3.3), PipeDream-Flush and
 PipeDream-2BW (Narayanan et al., "Memory-Efficient Pipeline-Parallel DNN Training", ICML 2021) and
-GPipe (Huang et al., NeurIPS 2019). Only the order is decided here; `passes/lower.py` adds the
+GPipe (Huang et al., NeurIPS 2019). Only the order is decided here; `schedule/lower.py` adds the
 communication, replica all-reduces and optimizer steps.
 
 Warm-up depth. Stage s with r_s replicas and W_s workers in stages s..S-1 keeps
@@ -32,7 +32,7 @@ stage (chunk) c on rank c mod p. Forwards go in rounds of p microbatches per chu
 microbatches 0..p-1, then chunk 1 of the same, ...), backwards the same way from the last chunk
 down; rank r runs (v-1) p + 2 (p-1-r) forwards before its first backward, then alternates. Each
 chunk is 1/v of a stage, so the fill and drain shrink v times: bubble (p-1)/(v m) of the ideal
-time (`passes/bubble.py`). Two ranks, two chunks each, 4 microbatches (rank 0 holds stages 0
+time (`cost/bubble.py`). Two ranks, two chunks each, 4 microbatches (rank 0 holds stages 0
 and 2, rank 1 stages 1 and 3)::
 
     rank 0:  0F0 0F1 2F0 2F1 0F2 2B0 0F3 2B1 2F2 0B0 2F3 0B1 2B2 2B3 0B2 0B3
@@ -61,7 +61,7 @@ import math
 from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.ir import Action, Kind, Schedule
+from pdcompile.schedule.ir import Action, Kind, Schedule
 
 SCHEDULES = ("1f1b", "1f1b-flush", "gpipe", "2bw", "interleaved-1f1b", "zb-h1", "interleaved-zb")
 ASYNC_SCHEDULES = ("1f1b", "2bw")
