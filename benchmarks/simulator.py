@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import pdcompile
-from pdcompile.cluster import Cluster
+from pdcompile.machine.cluster import Cluster
 from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
 from pdcompile.profiles import load_pipedream
 
@@ -287,7 +287,7 @@ def fidelity_synthetic(*, mode: str = "sleep", minibatches: int = 48,
     import torch.multiprocessing as mp
 
     from pdcompile.backends.simulate import simulate
-    from pdcompile.local_machine import free_port
+    from pdcompile.machine.local import free_port
     from pdcompile.schedule.generators import generate
     from pdcompile.schedule.lower import lower
     from pdcompile.stage_costs import StageCosts

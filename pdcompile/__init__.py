@@ -9,8 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from pdcompile import costgraph, profiles
-from pdcompile.cluster import Cluster, Device, Level
 from pdcompile.errors import PdcompileError
+from pdcompile.machine.cluster import Cluster, Level
+from pdcompile.machine.device import Device
 from pdcompile.plan import Plan, Stage
 
 __all__ = [

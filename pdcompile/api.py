@@ -12,8 +12,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from pdcompile.cluster import Cluster
 from pdcompile.errors import PipelineInputError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.pipeline import OptimizerFactory, Pipeline
 from pdcompile.plan import Plan
 from pdcompile.schedule.kinds import KINDS, unknown

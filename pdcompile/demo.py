@@ -28,9 +28,9 @@ from typing import Any, TextIO
 import networkx as nx
 import torch
 
-from pdcompile.cluster import Cluster
 from pdcompile.errors import PdcompileError
-from pdcompile.local_machine import oversubscription_note
+from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.local import oversubscription_note
 from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
 from pdcompile.passes.cache_flush import caches_for
 from pdcompile.plan import Plan

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 import networkx as nx
 
 from pdcompile.backends.simulate import SimResult, simulate
-from pdcompile.cluster import Cluster
 from pdcompile.costgraph import topological_order
 from pdcompile.errors import PdcompileError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.build import build, stream_length
 from pdcompile.schedule.ir import Schedule

@@ -15,12 +15,12 @@ from typing import Any
 
 import networkx as nx
 
-from pdcompile.cluster import Cluster
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.memory import OPTIMIZER_STATE, max_in_flight
 from pdcompile.cost.pipeline_time import fewest_in_flight, runnable_in_flight, work_period
 from pdcompile.costgraph import coarsen, edge_bytes, topological_order, validate
 from pdcompile.errors import CostGraphError, PlanError, ScheduleError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.partition.costmodel import (
     IN_FLIGHT_CAP,
     ModelOptions,

@@ -27,10 +27,10 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from pdcompile.cluster import Cluster
 from pdcompile.cost.crossing import stage_of_every_node
 from pdcompile.costgraph import topological_order
 from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.partition.costmodel import ModelOptions, evaluate
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner import choose_in_flight

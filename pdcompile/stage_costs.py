@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 
 import networkx as nx
 
-from pdcompile.cluster import Cluster
 from pdcompile.cost.crossing import crossing_bytes, input_nodes, stage_of_every_node
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
 from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan
 
 if TYPE_CHECKING:

@@ -17,9 +17,9 @@ from collections.abc import Callable, Iterator
 
 import networkx as nx
 
-from pdcompile.cluster import Cluster
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.costgraph import topological_order
+from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, planning_objective
 
 

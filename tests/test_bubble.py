@@ -17,9 +17,9 @@ import itertools
 import pytest
 
 from pdcompile.backends.simulate import simulate
-from pdcompile.cluster import Cluster
 from pdcompile.cost.bubble import flush_time
 from pdcompile.errors import ScheduleError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts

@@ -13,8 +13,8 @@ from torch import nn
 
 import pdcompile
 from pdcompile.cli import main
-from pdcompile.cluster import Cluster
 from pdcompile.errors import ClusterError, PdcompileError, PipelineInputError
+from pdcompile.machine.cluster import Cluster
 
 
 def _one_line(err: str, command: str) -> None:

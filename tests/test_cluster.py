@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdcompile.cluster import DEVICES, PRESET_HELP, Cluster, Device, Level
 from pdcompile.errors import ClusterError
+from pdcompile.machine.cluster import PRESET_HELP, Cluster, Level
+from pdcompile.machine.device import DEVICES, Device
 
 GBPS = 1e9 / 8
 

@@ -9,8 +9,8 @@ import torch
 
 import pdcompile
 from pdcompile.backends.simulate import simulate
-from pdcompile.cluster import Cluster
 from pdcompile.compare import compare, stage_figures
+from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts

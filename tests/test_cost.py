@@ -14,8 +14,9 @@ import torch
 from torch import nn
 
 from pdcompile import costgraph
-from pdcompile.cluster import DEVICES, Cluster, Device
 from pdcompile.errors import PdcompileError
+from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.device import DEVICES, Device
 from pdcompile.meta import get_cost, get_shape
 from pdcompile.models import gpt2
 from pdcompile.passes.cost import (

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcompile import local_machine
-from pdcompile.cluster import Cluster
+from pdcompile.machine import local as local_machine
+from pdcompile.machine.cluster import Cluster
 
 
 @pytest.fixture

@@ -10,8 +10,8 @@ import pytest
 
 from pdcompile.backends.processor_sharing import share_processors
 from pdcompile.backends.simulate import ActionCosts, _dedicated, simulate
-from pdcompile.cluster import Cluster, Level
 from pdcompile.errors import ClusterError
+from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.schedule.deps import dependency_lists, execution_order
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.ir import Kind, Schedule
@@ -165,7 +165,7 @@ def test_cores_are_validated_and_kept_in_files(tmp_path: Path) -> None:
 
 def test_local_preset_knows_the_cores(local_env: None,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: 2)
+    monkeypatch.setattr("pdcompile.machine.local.usable_cores", lambda: 2)
     assert Cluster.preset("local-4").levels[0].cores == 2
     assert Cluster.preset("local-4").shared_cores() == (4, 2)
     assert Cluster.preset("local-2").shared_cores() is None
@@ -201,7 +201,7 @@ def test_simulate_command_profiles_in_the_workers_cache_state(
     import pdcompile.passes.cost as cost
     from pdcompile.cli import main
 
-    monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: cores)
+    monkeypatch.setattr("pdcompile.machine.local.usable_cores", lambda: cores)
     seen: list[str] = []
     annotate = cost.annotate_costs
 

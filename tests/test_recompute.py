@@ -12,9 +12,9 @@ from torch import nn
 
 import pdcompile
 from pdcompile.backends.simulate import simulate
-from pdcompile.cluster import Cluster
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
 from pdcompile.plan import Plan

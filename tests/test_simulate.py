@@ -11,9 +11,9 @@ import pytest
 
 from pdcompile.backends.simulate import simulate
 from pdcompile.cli import main
-from pdcompile.cluster import Cluster, Level
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError, ScheduleError
+from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.generators import (
     copies_weights,

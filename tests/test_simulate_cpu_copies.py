@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pdcompile.backends.simulate import SimResult, simulate
-from pdcompile.cluster import Cluster, Level
 from pdcompile.errors import ClusterError
+from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.lower import lower
 from pdcompile.stage_costs import StageCosts
@@ -144,10 +144,10 @@ def test_simulate_command_notes_more_workers_than_cores(local_env: None, tmp_pat
     saved_chain(tmp_path / "g.json", 4, nbytes=1e5)
     command = ["simulate", "--costgraph", str(tmp_path / "g.json"), "--cluster", "local-2",
                "--planner", "dp", "--minibatches", "8", "--json"]
-    monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: 2)
+    monkeypatch.setattr("pdcompile.machine.local.usable_cores", lambda: 2)
     assert main(command) == 0
     assert "NOTE" not in capsys.readouterr().err
-    monkeypatch.setattr("pdcompile.local_machine.usable_cores", lambda: 1)
+    monkeypatch.setattr("pdcompile.machine.local.usable_cores", lambda: 1)
     assert main(command) == 0
     captured = capsys.readouterr()
     assert "2 worker processes would share this machine's 1 cores" in captured.err

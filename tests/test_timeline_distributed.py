@@ -12,8 +12,8 @@ import torch
 import pdcompile
 from pdcompile.backends.distributed import train_processes
 from pdcompile.backends.simulate import simulate
-from pdcompile.cluster import Cluster
 from pdcompile.compare import compare
+from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.ir import Kind
 from pdcompile.stage_costs import StageCosts
 from pdcompile.viz.chrome_trace import to_chrome_trace

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from pdcompile.backends.simulate import simulate
-from pdcompile.cluster import Cluster
 from pdcompile.errors import PdcompileError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.ir import Kind
 from pdcompile.schedule.lower import lower

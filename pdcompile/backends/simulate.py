@@ -44,11 +44,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdcompile.cluster import Cluster
 from pdcompile.cost.links import link_busy_seconds, stage_allreduce_seconds
 from pdcompile.cost.memory import WorkerMemory, worker_memory
 from pdcompile.cost.updates import copy_seconds, step_seconds
 from pdcompile.errors import ScheduleError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.deps import dependency_lists, execution_order, is_lowered
 from pdcompile.schedule.generators import updates_in_flight
 from pdcompile.schedule.ir import Action, Kind, Schedule

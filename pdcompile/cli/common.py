@@ -10,8 +10,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdcompile.cluster import PRESET_HELP, Cluster
 from pdcompile.errors import PdcompileError
+from pdcompile.machine.cluster import PRESET_HELP, Cluster
 
 CLUSTER_HELP = (
     "cluster: a preset (" + ", ".join(PRESET_HELP) + "), a short form such as "

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from pdcompile.backends.distributed_main import DEFAULT_STEPS
 from pdcompile.errors import DistributedError, PdcompileError
-from pdcompile.local_machine import free_port
+from pdcompile.machine.local import free_port
 
 WORKER_MODULE = "pdcompile.backends.distributed"
 AGENT_MODULE = "pdcompile.backends.torchrun_agent"  # torchrun, reporting failures as data

@@ -27,10 +27,10 @@ import networkx as nx
 
 from pdcompile.backends.simulate import SimResult
 from pdcompile.cli.common import add_cluster_option, load_cluster
-from pdcompile.cluster import Cluster
 from pdcompile.compare import Comparison, compare
 from pdcompile.errors import PdcompileError
-from pdcompile.local_machine import oversubscription_note
+from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.local import oversubscription_note
 from pdcompile.plan import Plan
 from pdcompile.plan_simulation import simulate_plan
 from pdcompile.schedule.ir import Schedule

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from pdcompile.cluster import Cluster, Level
+from pdcompile.machine.cluster import Cluster, Level
 
 
 def link_busy_seconds(nbytes: float, level: Level) -> float:

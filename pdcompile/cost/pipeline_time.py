@@ -33,7 +33,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdcompile.cluster import Cluster
 from pdcompile.cost.links import (
     link_busy_seconds,
     slowest_link,
@@ -41,6 +40,7 @@ from pdcompile.cost.links import (
     transfer_seconds,
 )
 from pdcompile.cost.updates import copy_seconds, step_seconds
+from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind
 
 

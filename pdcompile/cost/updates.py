@@ -7,7 +7,7 @@ bandwidth); a copy of the weights for weight stashing reads and writes them once
 
 from __future__ import annotations
 
-from pdcompile.cluster import Device
+from pdcompile.machine.device import Device
 
 
 def step_seconds(params: float, device: Device) -> float:

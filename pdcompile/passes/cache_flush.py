@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pdcompile.cluster import Cluster
+    from pdcompile.machine.cluster import Cluster
 
 CACHES = ("warm", "cold")  # how the profilers may leave the caches before a timed run
 DEFAULT_BYTES = 64 * 2**20  # when the cache size cannot be read

@@ -32,9 +32,10 @@ from torch.fx.node import map_arg
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from pdcompile.cluster import DEVICES, Cluster, Device
 from pdcompile.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PdcompileError
+from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.device import DEVICES, Device
 from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
 from pdcompile.passes.cache_flush import CACHES, CacheFlush
 from pdcompile.passes.neighbours import TrainStep, busy_neighbours, check_count

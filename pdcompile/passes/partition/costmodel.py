@@ -43,12 +43,12 @@ from typing import Any
 import networkx as nx
 import numpy as np
 
-from pdcompile.cluster import Cluster, Level
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
 from pdcompile.cost.pipeline_time import PipelineTime, StageTerms, pipeline_time, stage_terms
 from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.plan import Stage
 from pdcompile.recompute import recompute_costs
 from pdcompile.schedule.kinds import KINDS, kind, unknown, weight_versions

@@ -25,9 +25,9 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from pdcompile.cluster import Cluster, Level
 from pdcompile.costgraph import edge_bytes
 from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.passes.partition.antichain import AntichainStates
 from pdcompile.passes.partition.costmodel import (
     ModelOptions,

@@ -21,10 +21,10 @@ from typing import Any
 
 import networkx as nx
 
-from pdcompile.cluster import Cluster
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.costgraph import edge_bytes, topological_order
 from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.partition.costmodel import (
     ModelOptions,
     Placement,

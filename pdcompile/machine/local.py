@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdcompile.cluster import Device
+from pdcompile.machine.device import Device
 
 
 def _cache_file() -> Path:

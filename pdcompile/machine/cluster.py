@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import ClusterError
+from pdcompile.machine.device import DEVICES, Device
 from pdcompile.units import format_bandwidth, format_bytes, parse_quantity
 
 _EXAMPLE = 'e.g. "4x4@1e10,1.25e9:v100" (2 levels, innermost first) or "16@10Gbps" or "A"'
@@ -29,23 +30,6 @@ _FILE_EXAMPLE_YAML = ("levels:\n  - {workers: 4, bandwidth: 10GB/s, latency: 10u
                       "  - {workers: 4, bandwidth: 10Gbps}\ndevice: v100")
 _FILE_EXAMPLE_JSON = ('{"levels": [{"workers": 4, "bandwidth": "10GB/s", "latency": "10us"},\n'
                       '            {"workers": 4, "bandwidth": "10Gbps"}],\n "device": "v100"}')
-
-
-@dataclass(frozen=True)
-class Device:
-    """What one worker can do: memory (bytes), peak FLOP/s (fp32 and low precision), bytes/s."""
-
-    name: str
-    memory: float
-    flops: float
-    mem_bandwidth: float
-    flops_lowp: float | None = None
-
-    def peak_flops(self, low_precision: bool = False) -> float:
-        """FLOP/s for fp32, or for fp16/bf16 where the device has faster units for those."""
-        if low_precision and self.flops_lowp:
-            return self.flops_lowp
-        return self.flops
 
 
 @dataclass(frozen=True)
@@ -65,14 +49,6 @@ class Level:
     cpu_copies: bool = False
     cores: int | None = None
 
-
-DEVICES: dict[str, Device] = {
-    "v100": Device("v100", 16 * 2.0**30, 15.7e12, 900e9, 125e12),
-    "titanx": Device("titanx", 12 * 2.0**30, 11.0e12, 480e9, None),
-    "a100": Device("a100", 80e9, 19.5e12, 2.0e12, 312e12),
-    "h100": Device("h100", 80e9, 67e12, 3.35e12, 989e12),
-    "cpu": Device("cpu", 16 * 2.0**30, 50e9, 10e9, None),
-}
 
 _PCIE, _NVLINK_V100, _NVLINK_H100 = 1e10, 1.5e11, 4.5e11
 
@@ -381,7 +357,7 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
             raise ClusterError(f"device {device!r}: {err}") from None
     key = device.strip().lower()
     if key in ("cpu-local", "local"):
-        from pdcompile.local_machine import local_device
+        from pdcompile.machine.local import local_device
 
         return local_device()
     if key not in DEVICES:
@@ -391,7 +367,7 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
 
 
 def _local_cluster(workers: int) -> Cluster:
-    from pdcompile.local_machine import local_bandwidth, local_device, usable_cores
+    from pdcompile.machine.local import local_bandwidth, local_device, usable_cores
 
     if workers < 1:
         raise ClusterError(f"local cluster needs at least 1 worker (got {workers})")
