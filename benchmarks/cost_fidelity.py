@@ -30,7 +30,7 @@ import json, resource, time, torch
 torch.set_num_threads(1)
 start = time.perf_counter()
 from pdcompile.models import gpt2
-from pdcompile.passes.cost import annotate_costs, total_cost, to_cost_graph
+from pdcompile.cost.node_costs import annotate_costs, total_cost, to_cost_graph
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.trace import trace
 model, inputs = gpt2.factory(size="xl", batch_size=1, device="meta")
@@ -48,7 +48,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "nodes": len(gm.graph.
 def _row(name: str, clock: str, warmup: int, repeats: int) -> dict[str, float | str]:
     import torch
 
-    from pdcompile.passes.cost import annotate_costs, measure_model, total_cost
+    from pdcompile.cost.node_costs import annotate_costs, measure_model, total_cost
     from pdcompile.passes.trace import trace
 
     torch.manual_seed(0)
@@ -72,8 +72,8 @@ PAPER = (("vgg16", 128), ("resnet50", 128), ("alexnet", 256))
 
 def _paper_rows() -> list[str]:
     """Our models at the papers' sizes, analytic on v100 (meta), against PipeDream's profiles."""
-    from pdcompile import costgraph
-    from pdcompile.passes.cost import annotate_costs, total_cost
+    from pdcompile.cost import costgraph
+    from pdcompile.cost.node_costs import annotate_costs, total_cost
     from pdcompile.passes.trace import trace
     from pdcompile.profiles import load_pipedream
 

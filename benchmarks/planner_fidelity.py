@@ -175,7 +175,7 @@ def result_in_flight(result: Any, plan: Any) -> list[int]:
 def chain(nodes: int, seed: int = 0) -> Any:
     """A chain of `nodes` random blocks (0.1-1 ms forward, twice as much backward at most,
     0.1-10 MB activations, up to 4 MB of weights): a stand-in for a deep model's fx graph."""
-    from pdcompile.costgraph import add_block, new_cost_graph
+    from pdcompile.cost.costgraph import add_block, new_cost_graph
 
     rng = random.Random(seed)
     graph = new_cost_graph(f"chain of {nodes}", 32)
@@ -190,15 +190,15 @@ def chain(nodes: int, seed: int = 0) -> Any:
 def gpt2_xl_graph() -> Any:
     """GPT-2 XL (48 blocks, 1,024 tokens, 8 sequences) on `meta`, analytic H100 costs; the
     CostGraph is cached in benchmarks/results/.cache (tracing takes ~15 s)."""
-    from pdcompile.costgraph import load, save
+    from pdcompile.cost.costgraph import load, save
 
     cache = ROOT / "benchmarks" / "results" / ".cache" / "gpt2-xl-h100.json"
     if cache.exists():
         return load(cache)
     import torch
 
+    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
     from pdcompile.models import gpt2
-    from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.trace import trace
 

@@ -141,7 +141,7 @@ def paper_plan(graph: Any, config: str, cluster: Cluster) -> Any:
     (data parallelism) and "15-1" cut before the first fully connected layer (the source says
     the convolutional layers are replicated and the fully connected ones are not; the exact cut
     is our reading). None for other configurations."""
-    from pdcompile.costgraph import topological_order
+    from pdcompile.cost.costgraph import topological_order
     from pdcompile.plan import Plan, Stage
 
     if config == str(cluster.workers):
@@ -188,9 +188,9 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def scaling() -> list[tuple[str, int, int, float, float]]:
     """Simulator speed: (shape, workers, minibatches, seconds to generate+lower, to simulate)."""
     from pdcompile.backends.simulate import simulate
+    from pdcompile.cost.stage_costs import StageCosts
     from pdcompile.schedule.generators import generate
     from pdcompile.schedule.lower import lower
-    from pdcompile.stage_costs import StageCosts
 
     cluster = Cluster.preset("h100-4node").with_workers(64)
     out = []
@@ -287,10 +287,10 @@ def fidelity_synthetic(*, mode: str = "sleep", minibatches: int = 48,
     import torch.multiprocessing as mp
 
     from pdcompile.backends.simulate import simulate
+    from pdcompile.cost.stage_costs import StageCosts
     from pdcompile.machine.local import free_port
     from pdcompile.schedule.generators import generate
     from pdcompile.schedule.lower import lower
-    from pdcompile.stage_costs import StageCosts
     from pdcompile.timeline import Timeline
 
     rows = []
@@ -401,9 +401,9 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
     - "cost pass": with the stage costs summed from the cost pass (`StageCosts.from_plan`) in
       the cache state the user's path profiles in for this cluster (`cache_flush.caches_for`:
       warm while every worker has a core, cold when n processes take turns on fewer cores),
-      optimizer steps and weight snapshots timed on clones (`optimizer_cost`): the prediction a
-      user gets before running anything; on `local-n` with n above the core count the
-      simulator shares the cores among the workers (`Level.cores`, processor sharing);
+      optimizer steps and weight snapshots timed on clones (`cost.optimizer_timing`): the prediction
+      a user gets before running anything; on `local-n` with n above the core count the simulator
+      shares the cores among the workers (`Level.cores`, processor sharing);
     - "cost pass, busy neighbours": the same, from a second cost pass that times every node
       while min(n, cores) - 1 helper processes run the model's forward and backward
       (`annotate_costs(neighbours=...)`), as the other workers of the pipeline will on the
@@ -432,13 +432,14 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
 
     from pdcompile.backends.distributed import train_processes
     from pdcompile.backends.simulate import simulate
-    from pdcompile.compare import compare, stage_figures
-    from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
-    from pdcompile.passes.cache_flush import caches_for
-    from pdcompile.passes.cost import annotate_costs, to_cost_graph
+    from pdcompile.compare import compare
+    from pdcompile.cost.cache_flush import caches_for
+    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
+    from pdcompile.cost.optimizer_timing import time_optimizer_steps, time_weight_copies
+    from pdcompile.cost.stage_costs import StageCosts
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.trace import trace
-    from pdcompile.stage_costs import StageCosts
+    from pdcompile.timeline import stage_figures
 
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
@@ -555,7 +556,7 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
 def _stages_alone(modules: list[Any], example: torch.Tensor) -> list[float]:
     """Forward + backward seconds of each whole stage module run alone in this process (one
     thread), fed the previous stage's output: what the stage costs without the pipeline."""
-    from pdcompile.passes.cost import measure_model
+    from pdcompile.cost.node_costs import measure_model
 
     out, value = [], example
     for module in modules:
@@ -663,7 +664,7 @@ the schedule, the transfers and the overheads between actions; "the other cache 
 cost pass in the state the first column did not use (cold: the last-level cache evicted before
 every timed run, `annotate_costs(caches="cold")`): warm and cold bracket the run. On top of the cost
 pass the simulator adds what the runtime does around the stage modules, timed in this process
-on clones of each stage's parameters (`pdcompile.optimizer_cost`, as `pdcompile demo`
+on clones of each stage's parameters (`pdcompile.cost.optimizer_timing`, as `pdcompile demo`
 predicts): the optimizer step, and under asynchronous 1F1B the weight-stash snapshot on stages
 that keep more than one minibatch in flight (one clone of the weights per new version; the last
 stage uses its live weights; a backward hands the stashed gradients over without a copy).

@@ -22,8 +22,8 @@ import time
 import torch
 
 import pdcompile
+from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
 from pdcompile.models import gpt2
-from pdcompile.passes.cost import annotate_costs, to_cost_graph
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.trace import trace
 

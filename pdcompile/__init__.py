@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdcompile import costgraph, profiles
+from pdcompile import profiles
+from pdcompile.cost import costgraph
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.machine.device import Device

@@ -132,8 +132,8 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
     `given` priced on it."""
     import copy
 
-    from pdcompile.passes.cache_flush import caches_for
-    from pdcompile.passes.cost import annotate_costs, to_cost_graph
+    from pdcompile.cost.cache_flush import caches_for
+    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.planner import plan as make_plan
     from pdcompile.planner import price_plan
@@ -164,7 +164,7 @@ def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster, **plann
     """`stages=K`: the planner's K stages on the graph with each numbered layer block (a
     transformer layer, `encoder.layer.3`) fused into one node, so that every cut falls between
     layers, when the model has at least K blocks and they are convex; else on the graph."""
-    from pdcompile.costgraph import grouped
+    from pdcompile.cost.costgraph import grouped
     from pdcompile.errors import CostGraphError
     from pdcompile.passes.split import layer_block
     from pdcompile.planner import plan as make_plan

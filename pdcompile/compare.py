@@ -16,8 +16,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdcompile.schedule.ir import Kind
-from pdcompile.timeline import Timeline, TimelineError
+from pdcompile.timeline import Timeline, TimelineError, stage_figures
 
 _SCHEDULE_KEYS = ("schedule", "microbatches_per_minibatch")
 
@@ -104,81 +103,6 @@ class Comparison:
         return self.table()
 
 
-def stage_figures(timeline: Timeline) -> dict[int, dict[str, float]]:
-    """Per stage, from the events that start in the steady window (means over the stage's
-    workers and its microbatches there; a stage none of whose forwards, backwards or steps
-    starts there, as in short runs, gets the mean of all of that kind):
-
-    - "fwd", "bwd": seconds per forward / backward of one microbatch;
-    - "step": seconds per optimizer step; "send": seconds per microbatch spent posting sends;
-    - "wait": seconds per microbatch spent waiting in receives;
-    - "busy": share of the steady window spent computing (F, B, W);
-    - "unrecorded": share of the steady window inside no event at all (the generated loop's
-      own work between actions: zero in a simulation).
-    """
-    stage_of = timeline.stage_of_ranks()
-    t0, t1, _ = timeline.steady_window()
-    total: dict[int, dict[str, float]] = {}
-    count: dict[int, dict[str, int]] = {}
-    inside: dict[int, dict[str, float]] = {}
-    names = {Kind.F: "fwd", Kind.B: "bwd", Kind.STEP: "step"}
-    # means over the actions that start in the steady window (warm-up outliers such as the
-    # first call's allocations and connection set-up stay out), unless none does; a stage
-    # whose actions of one kind all start outside it (short runs) gets the mean of all of them
-    use_all = not any(t0 <= e.start < t1 for e in timeline.events)
-    every: dict[int, dict[str, float]] = {}
-    every_count: dict[int, dict[str, int]] = {}
-    for event in timeline.events:
-        stage = stage_of.get(event.rank)
-        if stage is None:
-            continue
-        text = event.action
-        if "RECV" in text:
-            key = "wait"
-        elif "SEND" in text:
-            key = "send"
-        else:
-            kind = event.parsed().kind
-            key = names.get(kind, "compute" if kind.is_compute else "other")
-        every.setdefault(stage, {}).setdefault(key, 0.0)
-        every[stage][key] += event.duration
-        every_count.setdefault(stage, {}).setdefault(key, 0)
-        every_count[stage][key] += 1
-        if use_all or t0 <= event.start < t1:
-            total.setdefault(stage, {}).setdefault(key, 0.0)
-            total[stage][key] += event.duration
-            count.setdefault(stage, {}).setdefault(key, 0)
-            count[stage][key] += 1
-        if t1 > t0:
-            part = max(0.0, min(event.end, t1) - max(event.start, t0))
-            where = "busy" if key in ("fwd", "bwd", "compute") else "recorded"
-            inside.setdefault(stage, {}).setdefault(where, 0.0)
-            inside[stage][where] += part
-    workers: dict[int, int] = {}
-    for stage in stage_of.values():
-        workers[stage] = workers.get(stage, 0) + 1
-    out: dict[int, dict[str, float]] = {}
-    for stage in sorted(every):
-        got, n = dict(total.get(stage, {})), dict(count.get(stage, {}))
-        forwards = max(1, n.get("fwd", 0))  # sends and waits: per forward in the window
-        for key in ("fwd", "bwd", "step"):
-            if not n.get(key) and every_count[stage].get(key):
-                got[key], n[key] = every[stage][key], every_count[stage][key]
-        span = workers[stage] * (t1 - t0)
-        busy = inside.get(stage, {}).get("busy", 0.0)
-        recorded = busy + inside.get(stage, {}).get("recorded", 0.0)
-        out[stage] = {
-            "fwd": got.get("fwd", 0.0) / max(1, n.get("fwd", 0)),
-            "bwd": got.get("bwd", 0.0) / max(1, n.get("bwd", 0)),
-            "step": got.get("step", 0.0) / max(1, n.get("step", 0)),
-            "send": got.get("send", 0.0) / forwards,
-            "wait": got.get("wait", 0.0) / forwards,
-            "busy": busy / span if span > 0 else 0.0,
-            "unrecorded": max(0.0, 1.0 - recorded / span) if span > 0 else 0.0,
-        }
-    return out
-
-
 def compare(predicted: Timeline, measured: Timeline) -> Comparison:
     """Set the figures of `measured` beside those of `predicted` (see module docstring).
 
@@ -232,4 +156,4 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.2f} ms"
 
 
-__all__ = ["Comparison", "Figure", "compare", "stage_figures"]
+__all__ = ["Comparison", "Figure", "compare"]

@@ -28,11 +28,11 @@ from typing import Any, TextIO
 import networkx as nx
 import torch
 
+from pdcompile.cost.cache_flush import caches_for
+from pdcompile.cost.optimizer_timing import time_optimizer_steps, time_weight_copies
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.local import oversubscription_note
-from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
-from pdcompile.passes.cache_flush import caches_for
 from pdcompile.plan import Plan
 from pdcompile.timeline import Timeline
 from pdcompile.units import format_bytes, format_seconds
@@ -176,8 +176,8 @@ def profile(size: DemoSize, *, progress: bool = False, seed: int = 0, caches: st
             ) -> tuple[torch.nn.Module, tuple[torch.Tensor], nx.DiGraph]:
     """The demo model, its example minibatch and its CostGraph measured on this CPU (`caches`:
     as `annotate_costs`)."""
+    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
     from pdcompile.models import demomlp
-    from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.trace import trace
 
@@ -198,11 +198,11 @@ def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,
     plan's schedule and in-flight counts, as the pipeline runs them).
 
     `optimizer_steps`, `weight_copies`: seconds of each stage's optimizer step and weight
-    snapshot (optimizer_cost); None: the cost model's memory-bandwidth estimates."""
+    snapshot (cost/optimizer_timing.py); None: the cost model's memory-bandwidth estimates."""
     from dataclasses import replace
 
+    from pdcompile.cost.stage_costs import StageCosts
     from pdcompile.plan_simulation import simulate_plan
-    from pdcompile.stage_costs import StageCosts
 
     costs = StageCosts.from_plan(graph, plan, microbatches=plan.microbatches)
     if optimizer_steps is not None:

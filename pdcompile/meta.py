@@ -1,7 +1,7 @@
 """Typed, namespaced `node.meta` entries written by the passes, and their accessors.
 
 Keys: "pd.shape" -> NodeShape and "pd.tree" -> ValueTree (written by passes.shapes), "pd.cost"
--> NodeCost (passes.cost), "pd.stage" -> int (the partitioner / api). Reading a key the writing
+-> NodeCost (cost.node_costs), "pd.stage" -> int (the partitioner / api). Reading a key the writing
 pass has not set raises MetaMissingError saying which pass to run, never a bare KeyError. On the
 GraphModule itself (`gm.meta`): "pd.output_spec" -> the pytree spec of the model's output where
 the graph returns it flattened (passes.export_frontend); "pd.frontend" -> "fx", "export" or
@@ -157,7 +157,7 @@ def get_cost(node: Any) -> NodeCost:
     value = node.meta.get(COST_KEY)
     if value is None:
         raise MetaMissingError(f"node {_node_name(node)!r} has no cost; run "
-                               "pdcompile.passes.cost.annotate_costs(gm, example_inputs) first")
+                               "pdcompile.cost.node_costs.annotate_costs(gm, example_inputs) first")
     return value  # type: ignore[no-any-return]
 
 

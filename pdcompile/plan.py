@@ -23,7 +23,7 @@ class Stage:
     (minibatches under '1f1b') each replica keeps in flight, i.e. its warm-up depth + 1, as the
     planner chose it within the memory; 0: the schedule's default (PipeDream's NOAM).
     `recompute`: the stage drops its activations after each forward and recomputes them in the
-    backward (less memory, one more forward per microbatch; see pdcompile.recompute).
+    backward (less memory, one more forward per microbatch; see pdcompile.cost.recompute).
     """
 
     nodes: tuple[str, ...]

@@ -14,14 +14,14 @@ from collections.abc import Sequence
 import networkx as nx
 
 from pdcompile.backends.simulate import SimResult, simulate
-from pdcompile.costgraph import topological_order
+from pdcompile.cost.costgraph import topological_order
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.build import build, stream_length
 from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import kind
-from pdcompile.stage_costs import StageCosts
 
 DEFAULT_MICROBATCHES = 8
 

@@ -15,10 +15,10 @@ from typing import Any
 
 import networkx as nx
 
+from pdcompile.cost.costgraph import coarsen, edge_bytes, topological_order, validate
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.memory import OPTIMIZER_STATE, max_in_flight
 from pdcompile.cost.pipeline_time import fewest_in_flight, runnable_in_flight, work_period
-from pdcompile.costgraph import coarsen, edge_bytes, topological_order, validate
 from pdcompile.errors import CostGraphError, PlanError, ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.partition.costmodel import (
@@ -449,7 +449,7 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
 def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
                      cluster: Cluster, *, options: ModelOptions,
                      memory: float | None) -> list[bool]:
-    """Which stages recompute their activations (pdcompile.recompute): those that cannot keep
+    """Which stages recompute their activations (pdcompile.cost.recompute): those that cannot keep
     even one microbatch's activations otherwise, then, one at a time, any whose recomputation
     makes the plan faster in closed form (it frees memory for more microbatches in flight,
     for one more forward each). Raises PlanError when a stage fits neither way."""

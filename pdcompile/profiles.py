@@ -16,7 +16,7 @@ from pathlib import Path
 
 import networkx as nx
 
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import ProfileError
 
 _FIELDS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")

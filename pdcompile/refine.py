@@ -27,8 +27,8 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
+from pdcompile.cost.costgraph import topological_order
 from pdcompile.cost.crossing import stage_of_every_node
-from pdcompile.costgraph import topological_order
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.partition.costmodel import ModelOptions, evaluate

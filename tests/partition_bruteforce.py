@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator
 
 import networkx as nx
 
+from pdcompile.cost.costgraph import topological_order
 from pdcompile.cost.crossing import input_nodes
-from pdcompile.costgraph import topological_order
 from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, planning_objective
 

@@ -18,11 +18,11 @@ import pytest
 
 from pdcompile.backends.simulate import simulate
 from pdcompile.cost.bubble import flush_time
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.lower import lower
-from pdcompile.stage_costs import StageCosts
 
 TIMES = [(1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5), (1.0, 3.0, 1.0), (3.0, 4.0, 2.0),
          (1.5, 2.5, 0.25)]  # (fwd, bwd, wgrad) per microbatch and rank, wgrad <= fwd, bwd - wgrad

@@ -9,15 +9,15 @@ import pytest
 import torch
 from torch import nn
 
-from pdcompile.errors import PdcompileError
-from pdcompile.meta import get_cost
-from pdcompile.passes import cost as cost_pass
-from pdcompile.passes.cache_flush import (
+from pdcompile.cost import node_costs as cost_pass
+from pdcompile.cost.cache_flush import (
     DEFAULT_BYTES,
     MAX_BYTES,
     CacheFlush,
     last_level_cache_bytes,
 )
+from pdcompile.errors import PdcompileError
+from pdcompile.meta import get_cost
 from pdcompile.passes.trace import trace
 
 

@@ -13,26 +13,26 @@ import pytest
 import torch
 from torch import nn
 
-from pdcompile import costgraph
-from pdcompile.errors import PdcompileError
-from pdcompile.machine.cluster import Cluster
-from pdcompile.machine.device import DEVICES, Device
-from pdcompile.meta import get_cost, get_shape
-from pdcompile.models import gpt2
-from pdcompile.passes.cost import (
+from pdcompile.cost import costgraph
+from pdcompile.cost.node_costs import (
     annotate_costs,
     measure_model,
     param_owners,
     to_cost_graph,
     total_cost,
 )
-from pdcompile.passes.timers import (
+from pdcompile.cost.timers import (
     CpuTimeTimer,
     CudaEventTimer,
     WallClockTimer,
     measure,
     select_timer,
 )
+from pdcompile.errors import PdcompileError
+from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.device import DEVICES, Device
+from pdcompile.meta import get_cost, get_shape
+from pdcompile.models import gpt2
 from pdcompile.passes.trace import trace
 
 
@@ -237,7 +237,7 @@ def test_gpt2_xl_on_meta_costs_without_memory(tmp_path: Any) -> None:
         "torch.set_num_threads(1)\n"
         "from pdcompile.models import gpt2\n"
         "from pdcompile.passes.trace import trace\n"
-        "from pdcompile.passes.cost import annotate_costs, total_cost, to_cost_graph\n"
+        "from pdcompile.cost.node_costs import annotate_costs, total_cost, to_cost_graph\n"
         "model, inputs = gpt2.factory(size='xl', batch_size=1, device='meta')\n"
         "gm = annotate_costs(trace(model), inputs, source='analytic', device='h100')\n"
         "t = total_cost(gm)\n"

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from pdcompile.cost.neighbours import TrainStep, busy_neighbours
+from pdcompile.cost.node_costs import annotate_costs
 from pdcompile.errors import PdcompileError
 from pdcompile.meta import get_cost
-from pdcompile.passes.cost import annotate_costs
-from pdcompile.passes.neighbours import TrainStep, busy_neighbours
 from pdcompile.passes.trace import trace
 
 

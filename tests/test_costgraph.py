@@ -9,8 +9,15 @@ from pathlib import Path
 import networkx as nx
 import pytest
 
-from pdcompile import costgraph
-from pdcompile.costgraph import add_block, coarsen, edge_bytes, new_cost_graph, totals, validate
+from pdcompile.cost import costgraph
+from pdcompile.cost.costgraph import (
+    add_block,
+    coarsen,
+    edge_bytes,
+    new_cost_graph,
+    totals,
+    validate,
+)
 from pdcompile.errors import CostGraphError
 
 
@@ -240,8 +247,8 @@ def test_coarsen_random_dags(seed: int) -> None:
 def test_coarsen_a_traced_model() -> None:
     import torch
 
+    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
     from pdcompile.models import resnet50
-    from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.trace import trace
 
     torch.manual_seed(0)
@@ -258,8 +265,8 @@ def test_coarsen_gpt2_xl_to_a_few_hundred_blocks() -> None:
     of them compute-free with several inputs or outputs (split, getitem, size, view)."""
     import time
 
+    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
     from pdcompile.models import gpt2
-    from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.trace import trace
 
     model, inputs = gpt2.factory(size="xl", batch_size=1, device="meta")

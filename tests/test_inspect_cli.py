@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from pdcompile import costgraph
 from pdcompile.cli import inspect_cmd, main
+from pdcompile.cost import costgraph
 from pdcompile.profiles import load_pipedream
 
 MODEL_FILE = '''

@@ -9,9 +9,9 @@ from types import ModuleType
 import pytest
 import torch
 
+from pdcompile.cost.node_costs import annotate_costs, to_cost_graph, total_cost
 from pdcompile.meta import get_cost, get_shape
 from pdcompile.models import MODELS
-from pdcompile.passes.cost import annotate_costs, to_cost_graph, total_cost
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.trace import trace
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import pdcompile
-from pdcompile.optimizer_cost import time_optimizer_steps, time_weight_copies
+from pdcompile.cost.optimizer_timing import time_optimizer_steps, time_weight_copies
 
 
 def _pipe(optimizer: object) -> pdcompile.Pipeline:
@@ -67,7 +67,7 @@ def test_weight_copies_refuse_meta_parameters_and_bad_repeats() -> None:
 
 def test_steps_are_timed_after_evicting_the_caches_by_default(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    import pdcompile.optimizer_cost as optimizer_cost
+    import pdcompile.cost.optimizer_timing as optimizer_cost
 
     flushes: list[int] = []
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from pdcompile import Cluster
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.costmodel import ModelOptions, data_parallel_time, evaluate
 from pdcompile.plan import Plan, Stage

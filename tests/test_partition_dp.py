@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcompile import Cluster
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.antichain import antichain_states, prefix_states
 from pdcompile.passes.partition.costmodel import ModelOptions, planning_objective

@@ -81,7 +81,7 @@ def _assert_by_class_same(graph: nx.DiGraph, workers: int, bandwidth: float) -> 
 def degenerate_dags(draw: st.DrawFn) -> nx.DiGraph:
     """small_dags with a few nodes that cost nothing (no time, bytes or params), hung off and
     into the others: states that differ by them share their costs (cost classes)."""
-    from pdcompile.costgraph import add_block
+    from pdcompile.cost.costgraph import add_block
 
     graph = draw(small_dags(max_nodes=5))
     real = list(graph.nodes)
@@ -125,7 +125,7 @@ def test_level_by_class_equals_plain_on_vgg16(profiles_dir: Path) -> None:
 def test_every_split_fallback_matches_plain() -> None:
     """`_pd_cells` (cells whose best class has unequal values) is the plain minimum over splits."""
     graph = nx.DiGraph()
-    from pdcompile.costgraph import add_block
+    from pdcompile.cost.costgraph import add_block
 
     for i, (f, p) in enumerate([(1e-3, 1e6), (2e-3, 0.0), (1e-3, 5e6), (3e-3, 1e5), (2e-3, 2e6)]):
         add_block(graph, f"n{i}", fwd=f, bwd=2 * f, act=1e6 * (i + 1), params=p)

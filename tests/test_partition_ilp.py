@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcompile import Cluster
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
 from pdcompile.passes.partition.costmodel import ModelOptions
 from pdcompile.passes.partition.ilp import ilp_objective, solve

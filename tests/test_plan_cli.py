@@ -35,7 +35,7 @@ def test_plan_json_round_trips(profiles_dir: Path, capsys: pytest.CaptureFixture
 
 def test_plan_costgraph_file_with_memory(tmp_path: Path, capsys: pytest.CaptureFixture[str]
                                         ) -> None:
-    from pdcompile.costgraph import add_block, new_cost_graph, save
+    from pdcompile.cost.costgraph import add_block, new_cost_graph, save
 
     graph = new_cost_graph("tiny")
     for i in range(4):

@@ -9,7 +9,7 @@ import pytest
 
 import pdcompile
 from pdcompile import Cluster, Plan
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import ClusterError, CostGraphError, PlanError
 from pdcompile.plan_simulation import simulate_plan
 from pdcompile.profiles import load_pipedream

@@ -8,7 +8,7 @@ import pytest
 
 import pdcompile
 from pdcompile import Cluster
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan, Stage
 from pdcompile.plan_simulation import simulate_plan

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 
 import pdcompile
 from pdcompile import Cluster
+from pdcompile.cost.costgraph import add_block, new_cost_graph, topological_order
 from pdcompile.cost.crossing import crossing_bytes, stage_of_every_node
-from pdcompile.costgraph import add_block, new_cost_graph, topological_order
-from pdcompile.passes.cost import annotate_costs, to_cost_graph
+from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.plan import Plan, Stage
 from pdcompile.plan_simulation import simulate_plan
 from pdcompile.planner import price_plan
-from pdcompile.stage_costs import StageCosts
 from pdcompile.stage_table import stage_rows
 
 

@@ -10,13 +10,13 @@ import pytest
 
 from pdcompile.backends.processor_sharing import share_processors
 from pdcompile.backends.simulate import ActionCosts, _dedicated, simulate
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import ClusterError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.schedule.deps import dependency_lists, execution_order
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.ir import Kind, Schedule
 from pdcompile.schedule.lower import lower
-from pdcompile.stage_costs import StageCosts
 from tests.test_cluster import reloaded
 
 SHAPES = [[[0], [1]], [[0], [1], [2]], [[0], [1], [2], [3]], [[0, 1], [2]], [[0], [1, 2]],
@@ -187,7 +187,7 @@ def test_long_runs_end_despite_rounding() -> None:
 
 # ------------------------------------------------------------------ profiles for shared cores
 def test_workers_taking_turns_profile_cold() -> None:
-    from pdcompile.passes.cache_flush import caches_for
+    from pdcompile.cost.cache_flush import caches_for
 
     assert caches_for(Cluster(levels=(Level(4, 1e9, cores=2),))) == "cold"
     assert caches_for(Cluster(levels=(Level(4, 1e9, cores=4),))) == "warm"
@@ -198,7 +198,7 @@ def test_workers_taking_turns_profile_cold() -> None:
 def test_simulate_command_profiles_in_the_workers_cache_state(
         cores: int, expected: str, local_env: None, tmp_path: Path,
         monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
-    import pdcompile.passes.cost as cost
+    import pdcompile.cost.node_costs as cost
     from pdcompile.cli import main
 
     monkeypatch.setattr("pdcompile.machine.local.usable_cores", lambda: cores)
@@ -226,7 +226,7 @@ def test_simulate_command_profiles_in_the_workers_cache_state(
 @pytest.mark.parametrize("nbytes", [0.0, 2e6])
 def test_planner_counts_the_cores_workers_take_turns_on(nbytes: float) -> None:
     import pdcompile
-    from pdcompile.stage_costs import StageCosts
+    from pdcompile.cost.stage_costs import StageCosts
     from tests.test_simulate import chain_graph
 
     graph = chain_graph(8, nbytes=nbytes)

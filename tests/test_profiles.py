@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pdcompile import costgraph
+from pdcompile.cost import costgraph
 from pdcompile.errors import ProfileError
 from pdcompile.profiles import load_pipedream
 

@@ -1,5 +1,5 @@
 """Activation recomputation per stage: the plan flag, the runtime, the simulator's costs, and the
-torch-free figures the planner weighs (pdcompile.recompute)."""
+torch-free figures the planner weighs (pdcompile.cost.recompute)."""
 
 from __future__ import annotations
 
@@ -12,17 +12,17 @@ from torch import nn
 
 import pdcompile
 from pdcompile.backends.simulate import simulate
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+from pdcompile.cost.recompute import recompute_costs
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
 from pdcompile.plan import Plan
-from pdcompile.recompute import recompute_costs
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.lower import lower
-from pdcompile.stage_costs import StageCosts
 
 FREE = Cluster.flat(8, 1e30)
 

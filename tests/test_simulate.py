@@ -11,7 +11,8 @@ import pytest
 
 from pdcompile.backends.simulate import simulate
 from pdcompile.cli import main
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PlanError, ScheduleError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.plan import Plan, Stage
@@ -25,7 +26,6 @@ from pdcompile.schedule.generators import (
 from pdcompile.schedule.ir import Kind, Schedule
 from pdcompile.schedule.lower import lower
 from pdcompile.schedule.validate import validate
-from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Recorder, Timeline, TimelineError
 
 FREE = Cluster.flat(64, 1e30)  # free communication: infinite-ish bandwidth, no latency
@@ -404,7 +404,7 @@ def chain_graph(blocks: int, *, nbytes: float) -> nx.DiGraph:
 
 def saved_chain(path: Path, blocks: int, *, nbytes: float) -> Path:
     """`chain_graph` saved as a CostGraph file."""
-    from pdcompile.costgraph import save
+    from pdcompile.cost.costgraph import save
 
     save(chain_graph(blocks, nbytes=nbytes), path)
     return path

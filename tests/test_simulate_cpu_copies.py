@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 
 from pdcompile.backends.simulate import SimResult, simulate
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import ClusterError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.lower import lower
-from pdcompile.stage_costs import StageCosts
 
 F, B = 1.0, 1.0
 SIZE, BANDWIDTH = 5.0, 10.0

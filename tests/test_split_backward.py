@@ -161,7 +161,7 @@ def test_placements_and_schedules_that_do_not_go_together() -> None:
 
 
 def test_balanced_chunks_of_a_cost_graph() -> None:
-    from pdcompile.costgraph import add_block, new_cost_graph
+    from pdcompile.cost.costgraph import add_block, new_cost_graph
 
     graph = new_cost_graph("chain")
     costs = [1.0, 1.0, 4.0, 1.0, 1.0, 1.0, 3.0, 1.0, 1.0, 2.0]

@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 import pdcompile
-from pdcompile.compare import stage_figures
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PlanError
-from pdcompile.stage_costs import StageCosts
+from pdcompile.timeline import stage_figures
 
 
 def test_measured_compute_replaces_forward_backward_and_step() -> None:

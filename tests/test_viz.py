@@ -8,12 +8,12 @@ from pathlib import Path
 import pytest
 
 from pdcompile.backends.simulate import simulate
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.ir import Kind
 from pdcompile.schedule.lower import lower
-from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
 from pdcompile.viz.chrome_trace import to_chrome_trace, write_chrome_trace
 from pdcompile.viz.gantt import draw_gantt

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from pdcompile.cost.links import link_busy_seconds, stage_allreduce_seconds
 from pdcompile.cost.memory import WorkerMemory, worker_memory
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.cost.updates import copy_seconds, step_seconds
 from pdcompile.errors import ScheduleError
 from pdcompile.machine.cluster import Cluster
@@ -53,7 +54,6 @@ from pdcompile.schedule.deps import dependency_lists, execution_order, is_lowere
 from pdcompile.schedule.generators import updates_in_flight
 from pdcompile.schedule.ir import Action, Kind, Schedule
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind, weight_versions
-from pdcompile.stage_costs import StageCosts
 from pdcompile.timeline import Event, Timeline
 from pdcompile.units import format_bytes, format_seconds
 

@@ -26,8 +26,8 @@ from typing import Any
 
 import networkx as nx
 
-from pdcompile import costgraph
 from pdcompile.cli.common import add_cluster_option, load_cluster, load_factory
+from pdcompile.cost import costgraph
 from pdcompile.errors import PdcompileError
 from pdcompile.units import format_bytes, format_seconds
 
@@ -94,8 +94,8 @@ def cost_graph_of_model(spec: str, *, cost: str = "measured", cluster: str = "A"
     """Trace, shape and cost the model a factory spec names; node `shape` attributes added."""
     import torch
 
+    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
     from pdcompile.meta import get_shape
-    from pdcompile.passes.cost import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.trace import trace
 

@@ -161,13 +161,13 @@ def _cost_graph(args: argparse.Namespace, cluster: Any) -> nx.DiGraph:
 
         return load_pipedream(args.profile)
     if args.costgraph:
-        from pdcompile.costgraph import load
+        from pdcompile.cost.costgraph import load
 
         return load(args.costgraph)
     import torch
 
     torch.set_num_threads(1)
-    from pdcompile.passes.cost import annotate_costs, to_cost_graph
+    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.trace import trace
 
@@ -177,7 +177,7 @@ def _cost_graph(args: argparse.Namespace, cluster: Any) -> nx.DiGraph:
     if args.cost == "analytic":
         annotate_costs(gm, inputs, source="analytic", device=cluster.device)
     else:
-        from pdcompile.passes.cache_flush import caches_for
+        from pdcompile.cost.cache_flush import caches_for
 
         annotate_costs(gm, inputs, progress=not args.json and sys.stderr.isatty(),
                        caches=caches_for(cluster))

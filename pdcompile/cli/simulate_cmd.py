@@ -85,15 +85,15 @@ def load_cost_graph(args: argparse.Namespace, cluster: Cluster) -> nx.DiGraph:
 
         return load_pipedream(args.profile)
     if args.costgraph:
-        from pdcompile.costgraph import load
+        from pdcompile.cost.costgraph import load
 
         return load(args.costgraph)
     from pdcompile.cli.common import load_factory
 
     model, inputs = load_factory(args.model)
     try:
-        from pdcompile.passes.cache_flush import caches_for
-        from pdcompile.passes.cost import annotate_costs, to_cost_graph
+        from pdcompile.cost.cache_flush import caches_for
+        from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
         from pdcompile.passes.shapes import annotate_shapes
         from pdcompile.passes.trace import trace
     except ModuleNotFoundError as err:

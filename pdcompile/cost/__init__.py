@@ -1,7 +1,14 @@
-"""Cost formulas shared by the planners, the stage tables and the simulator (torch-free).
+"""Cost: what the planner reads, the formulas that price a plan, and the pass that measures.
 
-`links`: transfer and ring all-reduce times on a cluster level; `crossing`: what crosses between
-stages (a tensor once per destination stage) and where every node sits; `memory`: bytes per
-worker; `pipeline_time`: a plan's time per minibatch under a schedule, in closed form.
-Nothing here imports torch, so a plan is priced from a CostGraph alone.
+Torch-free, imported by the planner without torch: `costgraph` (the planner's only input),
+`links` (transfer and ring all-reduce times on a cluster level), `crossing` (what crosses
+between stages and where every node sits), `memory` (bytes per worker), `updates` (optimizer
+steps and weight copies when not measured), `recompute` (a stage's time and memory when it
+recomputes its activations), `stage_costs` (per-stage figures the simulator runs on),
+`pipeline_time` (a plan's time per minibatch under a schedule, in closed form) and `bubble` (the
+flush schedules' closed forms for uniform stages).
+
+With torch, the cost pass: `node_costs` (a measured or analytic cost on every node of a traced
+model, and its CostGraph), `timers`, `cache_flush`, `neighbours` (busy helper processes while
+timing) and `optimizer_timing` (optimizer steps and weight snapshots timed on clones).
 """

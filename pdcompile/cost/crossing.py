@@ -13,7 +13,7 @@ from collections.abc import Mapping
 
 import networkx as nx
 
-from pdcompile.costgraph import edge_bytes, topological_order
+from pdcompile.cost.costgraph import edge_bytes, topological_order
 from pdcompile.errors import PlanError
 
 

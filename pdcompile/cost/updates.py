@@ -1,6 +1,6 @@
 """Time of the memory-bound work around an update: an optimizer step and a weight-version copy.
 
-Defaults when nothing was measured (optimizer_cost.py times the real ones on this machine): a
+Defaults when nothing was measured (cost/optimizer_timing.py times the real ones on this machine): a
 step reads weights and gradients and writes the weights once (3 P bytes at the device's memory
 bandwidth); a copy of the weights for weight stashing reads and writes them once (2 P).
 """

@@ -15,7 +15,7 @@ from dataclasses import replace
 import networkx as nx
 import torch.fx as fx
 
-from pdcompile.costgraph import topological_order
+from pdcompile.cost.costgraph import topological_order
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan, Stage
 

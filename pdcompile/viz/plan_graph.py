@@ -64,7 +64,7 @@ def costgraph_picture(graph: nx.DiGraph, plan: Any = None, *, collapse: int = CO
     """The same picture for a CostGraph (a profile, or a model's costs) and the Plan made from
     it; without a plan, the whole graph is one stage. Nodes the plan does not place (inputs)
     join the stage of their first placed successor."""
-    from pdcompile.costgraph import edge_bytes, topological_order
+    from pdcompile.cost.costgraph import edge_bytes, topological_order
     from pdcompile.plan import Plan, Stage
 
     order = topological_order(graph)

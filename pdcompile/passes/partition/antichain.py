@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import networkx as nx
 
-from pdcompile.costgraph import topological_order, validate
+from pdcompile.cost.costgraph import topological_order, validate
 from pdcompile.errors import CostGraphError
 
 

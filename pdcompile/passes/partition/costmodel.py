@@ -47,12 +47,12 @@ from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
 from pdcompile.cost.pipeline_time import PipelineTime, StageTerms, pipeline_time, stage_terms
+from pdcompile.cost.recompute import recompute_costs
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.plan import Stage
-from pdcompile.recompute import recompute_costs
 from pdcompile.schedule.kinds import KINDS, kind, unknown, weight_versions
-from pdcompile.stage_costs import StageCosts
 
 COST_MODELS = ("native", "pipedream")
 SCHEDULES = tuple(KINDS)
@@ -193,7 +193,7 @@ def stage_parts(*, compute: Any, params: Any, keep: Any, received: Any, sent: An
                 recompute: Any = None) -> StageParts:
     """The pieces of stages' objectives (arguments as in `stage_values`). `recompute`: the
     stages' forward seconds per minibatch, for the stages recomputing their activations
-    (pdcompile.recompute): one more forward each, and in flight only what they received, plus
+    (pdcompile.cost.recompute): one more forward each, and in flight only what they received, plus
     one microbatch's activations while its backward runs."""
     row = kind(options.schedule)
     m = options.per_minibatch
@@ -438,7 +438,7 @@ class PlanTerms:
 
     def activations(self, stage: int, in_flight: int) -> float:
         """The most activation bytes a worker of the stage holds with `in_flight`
-        microbatches in flight (pdcompile.recompute for a recomputing stage)."""
+        microbatches in flight (pdcompile.cost.recompute for a recomputing stage)."""
         costs = self.costs
         footprint = recompute_costs(fwd=costs.fwd[stage], bwd=costs.bwd[stage],
                                     activations=costs.activations[stage],
@@ -592,7 +592,7 @@ def data_parallel_stage(graph: nx.DiGraph, cluster: Cluster,
                         workers: int | None = None) -> tuple[list[str], tuple[int, ...]]:
     """Plain data parallelism as (nodes, ranks): everything on every worker (or the first
     `workers`)."""
-    from pdcompile.costgraph import topological_order
+    from pdcompile.cost.costgraph import topological_order
 
     return topological_order(graph), tuple(range(workers or cluster.workers))
 

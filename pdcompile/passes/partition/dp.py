@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import networkx as nx
 import numpy as np
 
-from pdcompile.costgraph import edge_bytes
+from pdcompile.cost.costgraph import edge_bytes
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.passes.partition.antichain import AntichainStates
@@ -183,7 +183,7 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                recompute: bool = False) -> StageGrid:
     """The grid of `tables` on the first `workers` ranks (default all); straight: one replica
     per stage; `copies` / `copy_link`: the pipeline is replicated (costmodel.placement);
-    `recompute`: every stage may also recompute its activations (pdcompile.recompute)."""
+    `recompute`: every stage may also recompute its activations (pdcompile.cost.recompute)."""
     n = workers or cluster.workers
     s = len(tables.compute)
     last = s - 1

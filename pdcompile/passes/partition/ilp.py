@@ -21,8 +21,8 @@ from typing import Any
 
 import networkx as nx
 
+from pdcompile.cost.costgraph import edge_bytes, topological_order
 from pdcompile.cost.crossing import input_nodes
-from pdcompile.costgraph import edge_bytes, topological_order
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.passes.partition.costmodel import (

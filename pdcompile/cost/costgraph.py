@@ -20,7 +20,7 @@ import networkx as nx
 
 from pdcompile.errors import CostGraphError
 
-FORMAT = "pdcompile.costgraph/1"
+FORMAT = "pdcompile.cost.costgraph/1"
 COST_KEYS = ("fwd", "bwd", "act", "params")
 
 

@@ -32,15 +32,15 @@ from torch.fx.node import map_arg
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from pdcompile.costgraph import add_block, new_cost_graph
+from pdcompile.cost.cache_flush import CACHES, CacheFlush
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+from pdcompile.cost.neighbours import TrainStep, busy_neighbours, check_count
+from pdcompile.cost.timers import Timer, measure, select_timer
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.device import DEVICES, Device
 from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
-from pdcompile.passes.cache_flush import CACHES, CacheFlush
-from pdcompile.passes.neighbours import TrainStep, busy_neighbours, check_count
 from pdcompile.passes.shapes import annotate_shapes, bind_inputs
-from pdcompile.passes.timers import Timer, measure, select_timer
 from pdcompile.runtime.allocator import tune_allocator
 
 SOURCES = ("measured", "analytic")
@@ -76,7 +76,7 @@ def annotate_costs(
 
     `neighbours` (measured costs only): time every node while that many helper processes, one
     torch thread each, run this model's forward and backward on the same inputs in a loop
-    (`pdcompile.passes.neighbours`). Workers of a pipeline on one host compute at the same time
+    (`pdcompile.cost.neighbours`). Workers of a pipeline on one host compute at the same time
     and share its caches and memory bandwidth, so a layer can run slower than in a profile taken
     on an idle machine (5-10% on the development VM; benchmarks/results/simulator.md): on a host
     where each pipeline worker shares the machine with N-1 other busy workers, profile with
@@ -87,7 +87,7 @@ def annotate_costs(
 
     `caches` (measured costs only): "warm" (default) times each run of a node right after the
     previous one, with its weights and inputs in the caches; "cold" evicts the last-level cache
-    before every timed run (`passes/cache_flush.py`: as a pipeline meets a node, after the rest
+    before every timed run (`cost/cache_flush.py`: as a pipeline meets a node, after the rest
     of the model and the other workers have used the caches; slower to profile, each flush
     writes a buffer the size of that cache). Warm profiles are optimistic for memory-bound
     nodes, cold ones pessimistic.

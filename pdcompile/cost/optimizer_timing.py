@@ -18,26 +18,34 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
-from pdcompile.passes.cache_flush import CACHES, CacheFlush
+from pdcompile.cost.cache_flush import CACHES, CacheFlush
 from pdcompile.runtime.stash import WeightVersions
 
-if TYPE_CHECKING:
-    from pdcompile.pipeline import Pipeline
+
+class Stages(Protocol):
+    """What the timers read of a pipeline (`pdcompile.pipeline.Pipeline` has both)."""
+
+    @property
+    def stage_modules(self) -> Sequence[torch.nn.Module]: ...
+
+    @property
+    def optimizer_factory(self) -> Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]:
+        ...
 
 
-def time_optimizer_steps(pipe: Pipeline, *, repeats: int = 5,
+def time_optimizer_steps(pipe: Stages, *, repeats: int = 5,
                          caches: str = "cold") -> tuple[float, ...]:
     """Median seconds of one optimizer step of each stage, on clones of its parameters.
 
     The first step of each stage (lazy state allocation) is not counted. Stages without
     parameters take 0 s. Parameters on the `meta` device cannot be stepped: use the
     simulator's default there. `caches="cold"` (default) evicts the last-level cache before
-    every timed step (passes/cache_flush.py): a training step touches the optimizer's state once,
+    every timed step (cost/cache_flush.py): a training step touches the optimizer's state once,
     and a whole forward and backward pass through the caches between two steps, so back-to-back
     steps on warm caches are optimistic (Adam on 2.2 M parameters on the development VM: 5.0 ms
     warm, 7.9 ms cold, 9.6 ms in a 2-process pipeline). "warm" times them back to back."""
@@ -49,7 +57,7 @@ def time_optimizer_steps(pipe: Pipeline, *, repeats: int = 5,
                  for module in pipe.stage_modules)
 
 
-def time_weight_copies(pipe: Pipeline, *, repeats: int = 5) -> tuple[float, ...]:
+def time_weight_copies(pipe: Stages, *, repeats: int = 5) -> tuple[float, ...]:
     """Median seconds to snapshot each stage's parameters once, as weight stashing does
     (runtime/stash.WeightVersions: a detached clone of every distinct parameter). The first
     snapshot of each stage is not counted; stages without parameters take 0 s."""
@@ -79,7 +87,7 @@ def _time_copies(params: dict[str, torch.Tensor], repeats: int) -> float:
     return statistics.median(seconds)
 
 
-def _time_steps(pipe: Pipeline, params: Sequence[torch.Tensor], repeats: int, *,
+def _time_steps(pipe: Stages, params: Sequence[torch.Tensor], repeats: int, *,
                 cold: bool) -> float:
     trainable = [p for p in params if p.requires_grad]
     if not trainable:

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import networkx as nx
 
@@ -25,9 +24,7 @@ from pdcompile.cost.memory import OPTIMIZER_STATE
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan
-
-if TYPE_CHECKING:
-    from pdcompile.timeline import Timeline
+from pdcompile.timeline import Timeline, stage_figures
 
 
 @dataclass(frozen=True)
@@ -126,14 +123,12 @@ class StageCosts:
 
     def with_measured_compute(self, timeline: Timeline) -> StageCosts:
         """These costs with each stage's forward, backward and optimizer step replaced by the
-        means a recorded run measured (`compare.stage_figures`: its steady window).
+        means a recorded run measured (`timeline.stage_figures`: its steady window).
 
         Why: the cost pass times each node alone; a run of the compiled pipeline (even a short
         local one, `Pipeline.timed()` then `train`) times whole stages through the runtime's
         own path (weight stashing included), which is what the workers will run. The measured
         forward and backward already contain the stash copies, so `stash` becomes 0."""
-        from pdcompile.compare import stage_figures
-
         seen = stage_figures(timeline)
         missing = [s for s in range(self.stages) if s not in seen]
         if missing:
