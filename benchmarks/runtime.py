@@ -263,12 +263,13 @@ BUBBLE_SCHEDULES = [("1f1b-flush", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("
 
 class _Sleep(torch.autograd.Function):
     """Identity whose forward sleeps f, whose backward sleeps b (input gradients) and then w
-    (weight gradients) or, under a B/W split, leaves the w to W (passes/fuse.weight_grad_queue).
-    Sleeping leaves the cores to others: the schedule's shape shows whatever else runs."""
+    (weight gradients) or, under a B/W split, leaves the w to W
+    (runtime/linear_grads.weight_grad_queue). Sleeping leaves the cores to others: the schedule's
+    shape shows whatever else runs."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, f: float, b: float, w: float) -> torch.Tensor:
-        from pdcompile.passes.fuse import weight_grad_queue
+        from pdcompile.runtime.linear_grads import weight_grad_queue
 
         time.sleep(f)
         ctx.times, ctx.queue = (b, w), weight_grad_queue()

@@ -49,10 +49,10 @@ from pdcompile.meta import set_stage
 from pdcompile.module_record import rebuild_module, record_module
 from pdcompile.optimizer_recipe import OptimizerRecipe
 from pdcompile.passes.crossing import load_spec
-from pdcompile.passes.fuse import linear_accumulate
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import NoParameters, OptimizerFactory, Pipeline, RankState
 from pdcompile.plan import Plan
+from pdcompile.runtime.linear_grads import linear_accumulate
 from pdcompile.runtime.tensor_tree import load_tree, save_tree
 from pdcompile.schedule.ir import Schedule
 

@@ -741,7 +741,7 @@ class Pipeline:
     def _stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], err: Exception,
                        inputs: Sequence[Any], m: int) -> PipelineInputError:
         """The model's own error in a stage, with the stage, the node and the microbatch size."""
-        from pdcompile.model_errors import stage_failure
+        from pdcompile.runtime.model_errors import stage_failure
 
         batch = [v.shape[0] for v in inputs if isinstance(v, torch.Tensor) and v.dim()]
         if not batch and inputs and isinstance(inputs[0], dict):

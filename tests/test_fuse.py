@@ -9,8 +9,9 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-from pdcompile.passes.fuse import accumulating_grads, fuse_grad_accumulation, linear_accumulate
+from pdcompile.passes.fuse import fuse_grad_accumulation
 from pdcompile.passes.trace import trace
+from pdcompile.runtime.linear_grads import accumulating_grads, linear_accumulate
 
 
 def _grads(module: nn.Module) -> dict[str, torch.Tensor]:

@@ -17,17 +17,17 @@ from torch import nn
 
 import pdcompile
 from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
-from pdcompile.passes.fuse import (
-    accumulating_grads,
-    deferring_weight_grads,
-    run_weight_grads,
-    split_weight_gradients,
-    weight_grad_queue,
-)
+from pdcompile.passes.fuse import split_weight_gradients
 from pdcompile.passes.interleave import balanced_chunks, interleave, interleaved_plan
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
 from pdcompile.runtime.chunks import ChunkRuntimes
+from pdcompile.runtime.linear_grads import (
+    accumulating_grads,
+    deferring_weight_grads,
+    run_weight_grads,
+    weight_grad_queue,
+)
 from pdcompile.schedule.ir import Kind
 
 

@@ -1,1 +1,3 @@
-"""What generated per-rank loops call at run time: transports, stash buffers, handlers."""
+"""What generated per-rank loops call at run time: the stage runtime and its transports, weight
+stashes, checkpoints, the fused Linear's autograd function and one-line errors for failures of
+the model's own code."""

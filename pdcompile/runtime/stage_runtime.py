@@ -22,7 +22,7 @@ Narayanan et al., ICML 2021; GPipe, Huang et al., NeurIPS 2019):
 - "interleaved-1f1b", "zb-h1", "interleaved-zb": flush schedules like "1f1b-flush". A rank with
   several chunks has one runtime per chunk (runtime/chunks.py). Where the backward is split,
   `backward` (B) computes the input gradients and the gradients of weights whose work cannot
-  wait, and defers the Linear layers' weight gradients to `backward_weight` (W; passes/fuse.py),
+  wait, and defers the Linear layers' weight gradients to `backward_weight` (W; linear_grads.py),
   which also releases the microbatch's stash.
 
 A stage in `RunConfig.recompute` runs its forward without keeping activations (no autograd
@@ -59,7 +59,11 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PipelineInputError, ScheduleError
-from pdcompile.passes.fuse import accumulating_grads, deferring_weight_grads, run_weight_grads
+from pdcompile.runtime.linear_grads import (
+    accumulating_grads,
+    deferring_weight_grads,
+    run_weight_grads,
+)
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.generators import SPLIT_BACKWARD_SCHEDULES, copies_weights
