@@ -40,7 +40,7 @@ def machine() -> str:
 def fidelity_rows(profiles: list[str] | None = None) -> list[dict[str, Any]]:
     """One row per (profile, cluster, schedule): predicted, simulated, closed form."""
     import pdcompile
-    from pdcompile.plan_simulation import simulate_plan, steady_minibatches
+    from pdcompile.planner.simulation import simulate_plan, steady_minibatches
     from pdcompile.profiles import load_pipedream
 
     names = profiles or sorted(p.name for p in PROFILES.iterdir() if (p / "graph.txt").is_file())
@@ -120,8 +120,8 @@ def paper_section() -> str:
     from simulator import paper_plan
 
     import pdcompile
-    from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
     from pdcompile.planner import price_plan
+    from pdcompile.planner.simulation import data_parallel_plan, simulate_plan
     from pdcompile.profiles import load_pipedream
 
     graph = load_pipedream(PROFILES / "vgg16")

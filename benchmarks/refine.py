@@ -29,7 +29,7 @@ RESULTS = ROOT / "benchmarks" / "results" / "refine.md"
 def row(name: str, cluster_name: str, budget: int, minibatches: int) -> dict[str, Any]:
     import pdcompile
     from pdcompile import Cluster
-    from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
+    from pdcompile.planner.simulation import data_parallel_plan, simulate_plan
     from pdcompile.profiles import load_pipedream
 
     graph = load_pipedream(PROFILES / name)

@@ -224,9 +224,9 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     weight-gradient accumulation (passes/fuse.py), to show what it contributes."""
     import pdcompile
     from pdcompile.backends.distributed import run_distributed
-    from pdcompile.passes.interleave import interleave
     from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
+    from pdcompile.planner.interleave import interleave
 
     model = build_model()
     gm = trace(model)
@@ -301,9 +301,9 @@ def _bubble_worker(worker: Worker, schedule: str, chunks: int, steps: int,
                    sleep: float) -> Any:
     import pdcompile
     from pdcompile.backends.distributed import run_distributed
-    from pdcompile.passes.interleave import interleave
     from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
+    from pdcompile.planner.interleave import interleave
 
     leaves: list[type[nn.Module]] = []
     if sleep > 0:  # 2 x chunks sleeping stages, f = b = w = sleep per rank (chunks together)

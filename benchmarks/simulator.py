@@ -34,7 +34,7 @@ import torch
 
 import pdcompile
 from pdcompile.machine.cluster import Cluster
-from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
+from pdcompile.planner.simulation import data_parallel_plan, simulate_plan
 from pdcompile.profiles import load_pipedream
 
 ROOT = Path(__file__).resolve().parents[1]

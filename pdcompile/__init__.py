@@ -31,14 +31,10 @@ def plan(*args: Any, **kwargs: Any) -> Plan:
 
 
 def __getattr__(name: str) -> Any:
-    """Lazy entry points: `plan` (partitioner), `refine_plan` (simulation-scored local search),
-    `compile` and `load` (torch side)."""
-    if name == "plan":
-        from pdcompile.planner import plan
-
-        return plan
+    """Lazy entry points: `refine_plan` (simulation-scored local search), `compile` and `load`
+    (torch side)."""
     if name == "refine_plan":
-        from pdcompile.refine import refine_plan
+        from pdcompile.planner import refine_plan
 
         return refine_plan
     if name in ("compile", "load"):

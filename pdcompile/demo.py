@@ -202,7 +202,7 @@ def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,
     from dataclasses import replace
 
     from pdcompile.cost.stage_costs import StageCosts
-    from pdcompile.plan_simulation import simulate_plan
+    from pdcompile.planner.simulation import simulate_plan
 
     costs = StageCosts.from_plan(graph, plan, microbatches=plan.microbatches)
     if optimizer_steps is not None:

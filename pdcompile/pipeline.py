@@ -245,7 +245,7 @@ class Pipeline:
                 raise PipelineInputError(
                     f"schedule {self.schedule_name!r} needs a plan with several chunks per rank "
                     f"(stage c on rank c mod p); make one with "
-                    f"pdcompile.passes.interleave.interleave(plan, ranks) or interleaved_plan("
+                    f"pdcompile.planner.interleave.interleave(plan, ranks) or interleaved_plan("
                     f"graph, ranks, chunks)")
         for tie in self.parts.ties:
             owners = [r for s in tie.stages for r in self.plan.stages[s].ranks]

@@ -20,7 +20,7 @@ import networkx as nx
 from pdcompile.cost.costgraph import topological_order
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.machine.cluster import Cluster
-from pdcompile.passes.partition.costmodel import ModelOptions, evaluate, planning_objective
+from pdcompile.planner.costmodel import ModelOptions, evaluate, planning_objective
 
 
 def _downsets(graph: nx.DiGraph, nodes: list[str]) -> list[frozenset[str]]:

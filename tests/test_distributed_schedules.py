@@ -51,9 +51,9 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _pipeline(case: Case) -> Any:
-    from pdcompile.passes.interleave import interleave
     from pdcompile.passes.split import even_plan
     from pdcompile.passes.trace import trace
+    from pdcompile.planner.interleave import interleave
 
     model = _model()
     plan = even_plan(trace(model), case.ranks * case.chunks)

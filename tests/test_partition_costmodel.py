@@ -10,10 +10,10 @@ import pytest
 from pdcompile import Cluster
 from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
-from pdcompile.passes.partition.costmodel import ModelOptions, data_parallel_time, evaluate
 from pdcompile.plan import Plan, Stage
-from pdcompile.plan_simulation import simulate_plan
 from pdcompile.planner import plan
+from pdcompile.planner.costmodel import ModelOptions, data_parallel_time, evaluate
+from pdcompile.planner.simulation import simulate_plan
 from pdcompile.profiles import load_pipedream
 
 # (profile, cluster, straight, config or stage count, time per minibatch, speed-up over DP),

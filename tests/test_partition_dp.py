@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from pdcompile import Cluster
 from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
-from pdcompile.passes.partition.antichain import antichain_states, prefix_states
-from pdcompile.passes.partition.costmodel import ModelOptions, planning_objective
-from pdcompile.planner import plan, planning_dp
+from pdcompile.planner import plan
+from pdcompile.planner.antichain import antichain_states, prefix_states
+from pdcompile.planner.costmodel import ModelOptions, planning_objective
+from pdcompile.planner.dp_search import planning_dp
 from tests.partition_bruteforce import brute_force
 
 NATIVE = ModelOptions(cost_model="native")
@@ -152,7 +153,7 @@ def test_antichain_states_match_pipedream_counts_on_a_diamond() -> None:
 def test_pipedream_state_counts_of_shipped_profiles(profiles_dir: object) -> None:
     from pathlib import Path
 
-    from pdcompile.passes.partition.costmodel import pipedream_view
+    from pdcompile.planner.costmodel import pipedream_view
     from pdcompile.profiles import load_pipedream
 
     # The README's counts: VGG-16 40, AlexNet 22, ResNet-50 240, GNMT 99 (plus our empty state)

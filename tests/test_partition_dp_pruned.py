@@ -10,8 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pdcompile.passes.partition import dp
-from pdcompile.passes.partition.antichain import antichain_states
+from pdcompile.planner import dp
+from pdcompile.planner.antichain import antichain_states
 from tests.test_partition_dp import small_dags
 
 
@@ -43,7 +43,7 @@ def test_pruned_level_equals_plain_on_random_dags(graph: nx.DiGraph, workers: in
 
 @pytest.mark.parametrize("model", ["vgg16", "alexnet", "resnet50"])
 def test_pruned_level_equals_plain_on_shipped_profiles(profiles_dir: Path, model: str) -> None:
-    from pdcompile.passes.partition.costmodel import pipedream_view
+    from pdcompile.planner.costmodel import pipedream_view
     from pdcompile.profiles import load_pipedream
 
     graph = pipedream_view(load_pipedream(profiles_dir / model / "graph.txt"))[0]
@@ -107,7 +107,7 @@ def test_level_by_class_equals_plain_on_random_dags(graph: nx.DiGraph, workers: 
 @pytest.mark.parametrize("workers", [2, 3, 4])
 def test_level_by_class_equals_plain_on_gnmt(profiles_dir: Path, workers: int) -> None:
     """gnmt: 100 states in 33 cost classes (`hidden` and its `__getitem__`s cost nothing)."""
-    from pdcompile.passes.partition.costmodel import pipedream_view
+    from pdcompile.planner.costmodel import pipedream_view
     from pdcompile.profiles import load_pipedream
 
     graph = pipedream_view(load_pipedream(profiles_dir / "gnmt" / "graph.txt"))[0]
@@ -115,7 +115,7 @@ def test_level_by_class_equals_plain_on_gnmt(profiles_dir: Path, workers: int) -
 
 
 def test_level_by_class_equals_plain_on_vgg16(profiles_dir: Path) -> None:
-    from pdcompile.passes.partition.costmodel import pipedream_view
+    from pdcompile.planner.costmodel import pipedream_view
     from pdcompile.profiles import load_pipedream
 
     graph = pipedream_view(load_pipedream(profiles_dir / "vgg16" / "graph.txt"))[0]

@@ -12,9 +12,9 @@ from hypothesis import strategies as st
 from pdcompile import Cluster
 from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
-from pdcompile.passes.partition.costmodel import ModelOptions
-from pdcompile.passes.partition.ilp import ilp_objective, solve
 from pdcompile.planner import plan
+from pdcompile.planner.costmodel import ModelOptions
+from pdcompile.planner.ilp import ilp_objective, solve
 from tests.partition_bruteforce import brute_force
 from tests.test_partition_dp import clusters, small_dags
 

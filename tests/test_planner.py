@@ -11,7 +11,7 @@ import pdcompile
 from pdcompile import Cluster, Plan
 from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import ClusterError, CostGraphError, PlanError
-from pdcompile.plan_simulation import simulate_plan
+from pdcompile.planner.simulation import simulate_plan
 from pdcompile.profiles import load_pipedream
 
 

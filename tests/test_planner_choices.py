@@ -11,8 +11,8 @@ from pdcompile import Cluster
 from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan, Stage
-from pdcompile.plan_simulation import simulate_plan
 from pdcompile.planner import AUTO_SCHEDULES, price_plan
+from pdcompile.planner.simulation import simulate_plan
 
 
 def _chain(n: int = 8, *, fwd: float = 0.01, act: float = 1e6, params: float = 1e6,

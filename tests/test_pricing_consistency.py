@@ -23,8 +23,8 @@ from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.plan import Plan, Stage
-from pdcompile.plan_simulation import simulate_plan
 from pdcompile.planner import price_plan
+from pdcompile.planner.simulation import simulate_plan
 from pdcompile.stage_table import stage_rows
 
 

@@ -137,7 +137,7 @@ def test_the_simulator_charges_what_recompute_costs_says(name: str) -> None:
 
 
 def test_the_simulated_schedule_reads_the_flag_of_the_plan() -> None:
-    from pdcompile.plan_simulation import simulate_plan
+    from pdcompile.planner.simulation import simulate_plan
 
     plan = even_plan(trace(_model()), 2)
     flagged = replace(plan, stages=(plan.stages[0], replace(plan.stages[1], recompute=True)))

@@ -10,7 +10,7 @@ import pytest
 import pdcompile
 from pdcompile import Cluster
 from pdcompile.errors import PlanError
-from pdcompile.plan_simulation import data_parallel_plan, simulate_plan
+from pdcompile.planner.simulation import data_parallel_plan, simulate_plan
 from pdcompile.profiles import load_pipedream
 
 

@@ -18,9 +18,9 @@ from torch import nn
 import pdcompile
 from pdcompile.errors import PipelineInputError, PlanError, ScheduleError
 from pdcompile.passes.fuse import split_weight_gradients
-from pdcompile.passes.interleave import balanced_chunks, interleave, interleaved_plan
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
+from pdcompile.planner.interleave import balanced_chunks, interleave, interleaved_plan
 from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.linear_grads import (
     accumulating_grads,

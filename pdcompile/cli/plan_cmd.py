@@ -123,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
                       stages=args.stages)
     refined = None
     if args.refine is not None:
-        from pdcompile.refine import refine_plan
+        from pdcompile.planner.refine import refine_plan
 
         if args.refine < 1:
             raise PdcompileError(f"--refine {args.refine}: give the number of simulations, "

@@ -32,7 +32,7 @@ from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.local import oversubscription_note
 from pdcompile.plan import Plan
-from pdcompile.plan_simulation import simulate_plan
+from pdcompile.planner.simulation import simulate_plan
 from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import KINDS as SCHEDULES
 from pdcompile.timeline import Timeline

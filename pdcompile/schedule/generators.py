@@ -100,7 +100,7 @@ def interleaved_shape(stage_ranks: Sequence[Sequence[int]]) -> tuple[int, int]:
     """(p, v): ranks and chunks per rank of an interleaved placement, checked.
 
     K = p v stages, each on one rank; stages 0..p-1 on p distinct ranks, and stage c on the rank
-    of stage c mod p (`passes.interleave.interleave` makes such a plan from a straight one).
+    of stage c mod p (`planner.interleave.interleave` makes such a plan from a straight one).
     """
     shape = normalise_stage_ranks(stage_ranks, chunks=True)
     replicated = [s for s, ranks in enumerate(shape) if len(ranks) != 1]
@@ -116,7 +116,7 @@ def interleaved_shape(stage_ranks: Sequence[Sequence[int]]) -> tuple[int, int]:
             else [[c % p] for c in range(p * max(1, len(shape) // p))]
         raise ScheduleError(f"stage ranks {[list(r) for r in shape]} are not an interleaved "
                             f"placement of {len(shape)} stages on {p} ranks; chunk c goes to the "
-                            f"rank of chunk c mod p, e.g. {wanted} (passes.interleave.interleave "
+                            f"rank of chunk c mod p, e.g. {wanted} (planner.interleave.interleave "
                             "turns a straight plan into one)")
     return p, len(shape) // p
 
@@ -366,7 +366,7 @@ def _chunked(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int,
     if name in INTERLEAVED_SCHEDULES and v < 2:
         raise ScheduleError(f"{name!r} needs at least 2 chunks per rank; {len(shape)} stages on "
                             f"{p} ranks is one each: use 'zb-h1' or '1f1b-flush', or cut "
-                            f"{2 * p} stages and interleave them (passes.interleave)")
+                            f"{2 * p} stages and interleave them (planner.interleave)")
     if name == "zb-h1" and v != 1:
         raise ScheduleError(f"'zb-h1' runs one stage per rank; for {v} chunks per rank use "
                             "'interleaved-zb'")

@@ -28,8 +28,8 @@ import numpy as np
 from pdcompile.cost.costgraph import edge_bytes
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
-from pdcompile.passes.partition.antichain import AntichainStates
-from pdcompile.passes.partition.costmodel import (
+from pdcompile.planner.antichain import AntichainStates
+from pdcompile.planner.costmodel import (
     ModelOptions,
     Placement,
     StageParts,

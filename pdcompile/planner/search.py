@@ -1,10 +1,12 @@
-"""`pdcompile.plan`: choose stages, replicas and ranks for a CostGraph on a Cluster.
+"""`plan` and `price_plan`: choose stages, replicas and ranks for a CostGraph on a Cluster.
 
-The entry point of the partitioner (passes/partition): validates the input, picks the antichain
-states (coarsening big graphs first), runs PipeDream's dynamic program, optionally improves or
-verifies it with the exact CP-SAT model, and prices the result with the one cost model.
+`plan` validates the input and, for every schedule (and microbatch count) it tries, gathers
+candidates: the DP's plans over antichain states (dp_search.py, dp.py), interleaved placements
+of its straight cuts (interleave.py) and, on small graphs, the exact CP-SAT model's (ilp.py). Each
+is priced with the one cost model (costmodel.py), its in-flight counts and recomputation chosen
+within the memory (in_flight.py); the best few by the closed form are simulated (simulation.py)
+and the fastest in simulation is the plan. `price_plan` prices a plan made by hand the same way.
 """
-
 from __future__ import annotations
 
 import math
@@ -15,25 +17,31 @@ from typing import Any
 
 import networkx as nx
 
-from pdcompile.cost.costgraph import coarsen, edge_bytes, topological_order, validate
+from pdcompile.cost.costgraph import topological_order, validate
 from pdcompile.cost.crossing import input_nodes
-from pdcompile.cost.memory import OPTIMIZER_STATE, max_in_flight
-from pdcompile.cost.pipeline_time import fewest_in_flight, runnable_in_flight, work_period
-from pdcompile.errors import CostGraphError, PlanError, ScheduleError
+from pdcompile.cost.memory import OPTIMIZER_STATE
+from pdcompile.errors import PlanError, ScheduleError
 from pdcompile.machine.cluster import Cluster
-from pdcompile.passes.partition.costmodel import (
-    IN_FLIGHT_CAP,
+from pdcompile.plan import Plan, Stage
+from pdcompile.planner.costmodel import (
     ModelOptions,
     data_parallel_options,
     data_parallel_stage,
     data_parallel_time,
     default_in_flight,
     evaluate,
-    plan_terms,
     priced_time,
 )
-from pdcompile.plan import Plan, Stage
-from pdcompile.plan_simulation import simulate_plan, steady_minibatches
+from pdcompile.planner.dp_search import (
+    coarse_with_pinned,
+    expand,
+    pinned_inputs,
+    planning_graph,
+    prepare,
+    solve,
+)
+from pdcompile.planner.in_flight import choose_in_flight, choose_recompute
+from pdcompile.planner.simulation import simulate_plan, steady_minibatches
 from pdcompile.schedule.kinds import KINDS, kind, unknown
 from pdcompile.units import format_bytes, parse_quantity
 
@@ -290,7 +298,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     `symmetric`: plan one server (the cluster's innermost group) and give every server the same
     pipeline, each stage's replicas on all servers all-reducing together (the DP then spans
     g workers instead of all of them: what makes clusters of hundreds of workers tractable)."""
-    from pdcompile.passes.partition.dp import (
+    from pdcompile.planner.dp import (
         native_dp,
         native_dp_bisect,
         stage_grid,
@@ -302,7 +310,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         span = cluster.levels[0].workers
         copies = workers // span
         search = replace(cluster, levels=cluster.levels[:1], name=f"one server of {cluster.name}")
-    prepared = _prepare(graph, "native", span)
+    prepared = prepare(graph, "native", span)
     status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     found: list[_Candidate] = []
@@ -313,7 +321,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                   for s in result.stages]
         if stages and prepared.pinned:
             stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
-        expanded = _expand(stages, prepared.mapping, {}, graph)
+        expanded = expand(stages, prepared.mapping, {}, graph)
         if all(expanded != c.stages for c in found):
             candidate = _priced(graph, cluster, expanded, options, limit, planner="dp",
                                 status=status, in_flight=flight, how=how)
@@ -373,8 +381,8 @@ def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelO
                             limit: float | None, workers: int, chunks: int = 2) -> _Found:
     """Interleaved plans: the DP's straight cuts into workers x `chunks` stages balanced by
     cost (on the cluster's innermost link), chunk c then placed on rank c mod workers
-    (passes/interleave.py) and priced on the cluster."""
-    from pdcompile.passes.interleave import interleave
+    (planner/interleave.py) and priced on the cluster."""
+    from pdcompile.planner.interleave import interleave
 
     count = workers * chunks
     if workers < 2 or count > graph.number_of_nodes():
@@ -446,99 +454,6 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
     return _Candidate(stages, options, priced, closed, bound, **tags)
 
 
-def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
-                     cluster: Cluster, *, options: ModelOptions,
-                     memory: float | None) -> list[bool]:
-    """Which stages recompute their activations (pdcompile.cost.recompute): those that cannot keep
-    even one microbatch's activations otherwise, then, one at a time, any whose recomputation
-    makes the plan faster in closed form (it frees memory for more microbatches in flight,
-    for one more forward each). Raises PlanError when a stage fits neither way."""
-    again = [False] * len(stages)
-    plain = _memory_limits(graph, stages, options, memory, again, cluster)
-    again = [n < 1 for n in plain]
-    if any(again) and min(_memory_limits(graph, stages, options, memory, again, cluster)) < 1:
-        raise PlanError("a stage does not fit the memory, even recomputing its activations")
-    if memory is None or kind(options.schedule).flush:
-        return again
-
-    def closed(flags: list[bool]) -> float:
-        try:
-            flight = choose_in_flight(graph, stages, cluster, options=options, memory=memory,
-                                      recompute=flags)
-        except PlanError:  # recomputing a stage can hold more: its inputs and one microbatch
-            return math.inf
-        return evaluate(graph, stages, cluster, options=options, in_flight=flight,
-                        recompute=flags)[1]
-
-    best = closed(again)
-    for s in range(len(stages)):
-        if again[s]:
-            continue
-        trial = again[:s] + [True] + again[s + 1:]
-        value = closed(trial)
-        if value < best * (1 - 0.01):
-            again, best = trial, value
-    return again
-
-
-def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
-                     cluster: Cluster, *, options: ModelOptions, memory: float | None,
-                     recompute: Sequence[bool] | None = None) -> list[int]:
-    """Microbatches each stage keeps in flight. Streaming schedules: PipeDream's NOAM, deeper
-    where the round trips need more to fill the pipeline's period
-    (`cost.pipeline_time.fewest_in_flight`), never more than the memory holds (so below NOAM
-    where it must: the plan still runs, its round trips exposed). Flush schedules: NOAM, at
-    most what fits. `recompute`: the stages that recompute their activations. Raises PlanError
-    when a stage cannot hold even one."""
-    row = kind(options.schedule)
-    again = list(recompute) if recompute is not None else [False] * len(stages)
-    defaults = [default_in_flight(len(r), sum(len(x) for _, x in stages[i:]), options)
-                for i, (_, r) in enumerate(stages)]
-    limits = _memory_limits(graph, stages, options, memory, again, cluster)
-    if any(n < 1 for n in limits) or (options.schedule == "gpipe"
-                                      and any(n < d for n, d in zip(limits, defaults,
-                                                                    strict=True))):
-        raise PlanError("a stage does not fit the memory")
-    if row.flush:
-        return [min(n, d) for n, d in zip(limits, defaults, strict=True)]
-    replicas = [len(r) for _, r in stages]
-    limits = runnable_in_flight(limits, replicas)
-    built = plan_terms(graph, stages, cluster, options=options, in_flight=limits,
-                       recompute=again)
-    edges = dict(built.costs.edges)
-    target = work_period(built.terms, edges, built.ranks, cluster, schedule=options.schedule,
-                         microbatches=options.per_minibatch)
-    fewest = fewest_in_flight(built.terms, edges, built.ranks, cluster,
-                              schedule=options.schedule, microbatches=options.per_minibatch,
-                              period=target, limits=limits)
-    return runnable_in_flight([min(n, max(f, d)) for n, f, d in zip(limits, fewest, defaults,
-                                                                     strict=True)], replicas)
-
-
-def _memory_limits(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
-                   options: ModelOptions, memory: float | None, recompute: Sequence[bool],
-                   cluster: Cluster) -> list[int]:
-    """The most microbatches each stage can keep in flight within `memory` (capped): with
-    weight stashing each one adds a weight version; a recomputing stage keeps only what it
-    received per microbatch, plus one microbatch's activations."""
-    row = kind(options.schedule)
-    built = plan_terms(graph, stages, cluster, options=options, recompute=recompute)
-    out = []
-    for s in range(len(stages)):
-        if memory is None:
-            out.append(IN_FLIGHT_CAP)
-            continue
-        keep = built.costs.activations[s]
-        per, fixed = (built.inputs(s), keep) if recompute[s] else (keep, 0.0)
-        fits = max_in_flight(
-            built.costs.params[s], per, versions_per_flight=row.stashed_versions == "in-flight",
-            fixed_versions=1 if row.stashed_versions == "in-flight"
-            else int(row.stashed_versions), optimizer_state=options.optimizer_state,
-            limit=memory - fixed)
-        out.append(min(IN_FLIGHT_CAP, fits))
-    return out
-
-
 def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             simulate: bool | None) -> tuple[_Candidate, float | None]:
     """The best candidate: by the simulator's steady state among the best few by the closed
@@ -577,11 +492,11 @@ def _ilp_candidate(graph: nx.DiGraph, cluster: Cluster, planner: str, limit: flo
     """CP-SAT's plan for the hint's options ("ilp", or "auto" on small graphs), priced."""
     model_graph, model_mapping = graph, None
     if graph.number_of_nodes() > ILP_AUTO_NODES:
-        model_graph, model_mapping = _coarse_with_pinned(graph, ILP_AUTO_NODES)
-    blocks = model_graph.number_of_nodes() - len(_pinned_inputs(graph))
+        model_graph, model_mapping = coarse_with_pinned(graph, ILP_AUTO_NODES)
+    blocks = model_graph.number_of_nodes() - len(pinned_inputs(graph))
     if planner != "ilp" and blocks > ILP_AUTO_NODES:
         return []
-    from pdcompile.passes.partition.ilp import improve
+    from pdcompile.planner.ilp import improve
 
     seed = hint.as_plan(sum(s.replicas for s in hint.priced))
     solved = improve(graph, cluster, seed, options=hint.options, memory=limit,
@@ -599,15 +514,15 @@ def _ilp_candidate(graph: nx.DiGraph, cluster: Cluster, planner: str, limit: flo
 def _pipedream_plan(cost_graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                     limit: float | None, straight: bool) -> Plan:
     """The original optimizer's plan and figures (cost_model="pipedream")."""
-    work, attach = _planning_graph(cost_graph, "pipedream")
-    prepared = _prepare(work, "pipedream", cluster.workers)
+    work, attach = planning_graph(cost_graph, "pipedream")
+    prepared = prepare(work, "pipedream", cluster.workers)
     try:
-        result = _solve(prepared, cluster, options, limit, straight)
+        result = solve(prepared, cluster, options, limit, straight)
     except PlanError:
         raise _no_fit(cost_graph, cluster, options, limit, straight) from None
     states = prepared.states
     stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
-    nodes_ranks = _expand(stages, prepared.mapping, attach, cost_graph)
+    nodes_ranks = expand(stages, prepared.mapping, attach, cost_graph)
     priced, predicted = evaluate(cost_graph, nodes_ranks, cluster, options=options)
     extra: dict[str, Any] = {"states": prepared.kind, "memory_limit": limit}
     everything = [data_parallel_stage(cost_graph, cluster)]
@@ -645,143 +560,14 @@ def _memory(memory: float | str | None, cluster: Cluster, cost_model: str) -> fl
     return value
 
 
-def _planning_graph(graph: nx.DiGraph, cost_model: str,
-                    ) -> tuple[nx.DiGraph, dict[str, str | None]]:
-    """The graph the DP sees and the nodes left out of it (-> the node whose stage they join,
-    None for the first stage). Native: inputs (costmodel.input_nodes) are pinned to the first
-    stage; their traffic to later stages is still charged (dp.state_tables `pinned`)."""
-    if cost_model == "pipedream":
-        from pdcompile.passes.partition.costmodel import pipedream_view
-
-        return pipedream_view(graph)
-    return graph, {}
-
-
-def _pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
-    pinned = set(input_nodes(graph))
-    return tuple(n for n in topological_order(graph) if n in pinned)
-
-
-COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below
-DP_BUDGET = 1e7  # (states^2 / 2) * (workers (workers + 1) / 2) elements per pass of the DP
-
-
-def _state_budget(workers: int) -> int:
-    return max(200, min(1500, int((4 * DP_BUDGET / (workers * (workers + 1))) ** 0.5)))
-
-
-@dataclass
-class _Prepared:
-    """What the DP runs on: states over `core`, tables over `graph` (= core + pinned)."""
-
-    states: Any
-    kind: str
-    mapping: dict[str, list[str]]
-    graph: nx.DiGraph
-    pinned: tuple[str, ...]
-
-
-def _prepare(work: nx.DiGraph, cost_model: str, workers: int) -> _Prepared:
-    """Antichain states of `work` within the DP's budget, trying in turn: every downset (native
-    only: exact), PipeDream's antichains, the same on a coarsened graph, and finally the prefixes
-    of a topological order of the coarsened graph."""
-    from pdcompile.passes.partition.antichain import antichain_states, prefix_states
-
-    budget = _state_budget(workers) if cost_model == "native" else 6000
-    pinned = _pinned_inputs(work) if cost_model == "native" else ()
-    core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
-    identity = {node: [node] for node in core.nodes}
-    if cost_model == "native":
-        try:
-            states = antichain_states(core, complete=True, max_states=budget)
-            return _Prepared(states, "all downsets", identity, work, pinned)
-        except CostGraphError:
-            pass
-    try:
-        states = antichain_states(core, max_states=budget)
-        return _Prepared(states, "pipedream antichains", identity, work, pinned)
-    except CostGraphError:
-        pass
-    full, mapping = _coarse_with_pinned(work, COARSE_NODES, pinned)
-    coarse = full.subgraph([b for b in full.nodes if b not in set(pinned)]).copy()
-    try:
-        states = antichain_states(coarse, max_states=budget)
-        kind = f"pipedream antichains of {coarse.number_of_nodes()} coarse blocks"
-    except CostGraphError:
-        states = prefix_states(coarse)
-        kind = f"prefixes of a topological order of {coarse.number_of_nodes()} coarse blocks"
-    return _Prepared(states, kind, mapping, full, pinned)
-
-
-def _coarse_with_pinned(work: nx.DiGraph, target: int, pinned: tuple[str, ...] | None = None,
-                        ) -> tuple[nx.DiGraph, dict[str, list[str]]]:
-    """`work` with its chains fused down to about `target` blocks, inputs kept apart (so that they
-    stay pinned to the first stage); mapping block -> original nodes (inputs map to themselves)."""
-    if pinned is None:
-        pinned = _pinned_inputs(work)
-    core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
-    coarse, mapping = coarsen(core, target=target)
-    full = coarse.copy()
-    block_of = {m: b for b, members in mapping.items() for m in members}
-    for z in pinned:
-        full.add_node(z, **work.nodes[z])
-        mapping[z] = [z]
-        for v in work.successors(z):
-            b = block_of[v]
-            extra = full.edges[z, b]["bytes"] if full.has_edge(z, b) else 0.0
-            full.add_edge(z, b, bytes=extra + edge_bytes(work, z, v))
-    return full, mapping
-
-
-def planning_dp(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions,
-                memory: float | None, straight: bool = False,
-                ) -> tuple[float, list[tuple[list[str], tuple[int, ...]]]]:
-    """The native DP's optimum of its planning objective (costmodel.stage_values, in-flight
-    counts as deep as memory allows) and its stages: the search at the heart of `plan`, which
-    the tests hold against brute force. Raises PlanError when nothing fits."""
-    prepared = _prepare(graph, "native", cluster.workers)
-    result = _solve(prepared, cluster, options, memory, straight)
-    states = prepared.states
-    stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
-    if stages and prepared.pinned:
-        stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
-    return result.objective, _expand(stages, prepared.mapping, {}, graph)
-
-
-def _solve(prepared: _Prepared, cluster: Cluster, options: Any, limit: float | None,
-           straight: bool) -> Any:
-    """The DP's best plan of the prepared states (pipedream: the original's recurrence)."""
-    from pdcompile.passes.partition.dp import native_dp, pipedream_dp, stage_grid, state_tables
-
-    tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
-    if options.cost_model == "pipedream":
-        return pipedream_dp(tables, cluster, memory=limit, straight=straight)
-    grid = stage_grid(tables, cluster, options=options, memory=limit, straight=straight)
-    return native_dp(grid, options=options, straight=straight)
-
-
-def _expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, list[str]],
-            attach: dict[str, str | None], graph: nx.DiGraph,
-            ) -> list[tuple[list[str], tuple[int, ...]]]:
-    stage_of = {}
-    for i, (nodes, _) in enumerate(stages):
-        for block in nodes:
-            for node in mapping.get(block, [block]):
-                stage_of[node] = i
-    for node, target in attach.items():
-        stage_of[node] = 0 if target is None else stage_of[target]
-    order = topological_order(graph)
-    return [([n for n in order if stage_of[n] == i], ranks) for i, (_, ranks) in enumerate(stages)]
-
-
 def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: float | None,
             straight: bool) -> PlanError:
     """The error for a model that fits no plan: the memory or the workers that would fit."""
-    work, _ = _planning_graph(graph, options.cost_model)
+    work, _ = planning_graph(graph, options.cost_model)
 
     def fits(c: Cluster, mem: float) -> bool:
         try:
-            _solve(_prepare(work, options.cost_model, c.workers), c, options, mem, straight)
+            solve(prepare(work, options.cost_model, c.workers), c, options, mem, straight)
             return True
         except PlanError:
             return False
@@ -823,5 +609,4 @@ def _bytes_up(value: float) -> str:
     return f"{math.ceil(value)} B"
 
 
-__all__ = ["Plan", "Stage", "choose_in_flight", "choose_recompute", "plan", "planning_dp",
-           "price_plan"]
+__all__ = ["AUTO_SCHEDULES", "PLANNERS", "plan", "price_plan"]

@@ -31,9 +31,9 @@ from pdcompile.cost.costgraph import topological_order
 from pdcompile.cost.crossing import stage_of_every_node
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
-from pdcompile.passes.partition.costmodel import ModelOptions, evaluate
 from pdcompile.plan import Plan, Stage
-from pdcompile.planner import choose_in_flight
+from pdcompile.planner.costmodel import ModelOptions, evaluate
+from pdcompile.planner.in_flight import choose_in_flight
 
 State = tuple[tuple[int, ...], tuple[int, ...]]  # (stage start indices into the order, replicas)
 
@@ -206,7 +206,7 @@ class _Search:
     def score(self, state: State) -> float:
         if state in self.cache:
             return self.cache[state]
-        from pdcompile.plan_simulation import simulate_plan
+        from pdcompile.planner.simulation import simulate_plan
 
         self.evaluations += 1
         plan = self.plan_of(state)

@@ -25,13 +25,13 @@ from pdcompile.cost.costgraph import edge_bytes, topological_order
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
-from pdcompile.passes.partition.costmodel import (
+from pdcompile.plan import Plan, Stage
+from pdcompile.planner.costmodel import (
     ModelOptions,
     Placement,
     default_in_flight,
     placement,
 )
-from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.kinds import kind, weight_versions
 
 SCALE_UNITS = 1e9  # integer units for the largest possible stage time

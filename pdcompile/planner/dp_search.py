@@ -1,0 +1,154 @@
+"""The DP's search over a CostGraph: antichain states within a budget, the DP run on them, and
+the stages it chooses mapped back to the graph's nodes.
+
+`prepare` tries in turn every downset (native cost model only: exact), PipeDream's antichains,
+the same on a coarsened graph, and the prefixes of a topological order of the coarsened graph;
+inputs are pinned to the first stage (their traffic to later stages is still charged).
+`planning_dp` is the native DP's optimum of its planning objective, the search at the heart of
+`pdcompile.plan`, which the tests hold against brute force.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import networkx as nx
+
+from pdcompile.cost.costgraph import coarsen, edge_bytes, topological_order
+from pdcompile.cost.crossing import input_nodes
+from pdcompile.errors import CostGraphError
+from pdcompile.machine.cluster import Cluster
+from pdcompile.planner.costmodel import ModelOptions
+
+COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below
+DP_BUDGET = 1e7  # (states^2 / 2) * (workers (workers + 1) / 2) elements per pass of the DP
+
+
+def _state_budget(workers: int) -> int:
+    return max(200, min(1500, int((4 * DP_BUDGET / (workers * (workers + 1))) ** 0.5)))
+
+
+@dataclass
+class Prepared:
+    """What the DP runs on: states over `core`, tables over `graph` (= core + pinned)."""
+
+    states: Any
+    kind: str
+    mapping: dict[str, list[str]]
+    graph: nx.DiGraph
+    pinned: tuple[str, ...]
+
+
+def prepare(work: nx.DiGraph, cost_model: str, workers: int) -> Prepared:
+    """Antichain states of `work` within the DP's budget, trying in turn: every downset (native
+    only: exact), PipeDream's antichains, the same on a coarsened graph, and finally the prefixes
+    of a topological order of the coarsened graph."""
+    from pdcompile.planner.antichain import antichain_states, prefix_states
+
+    budget = _state_budget(workers) if cost_model == "native" else 6000
+    pinned = pinned_inputs(work) if cost_model == "native" else ()
+    core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
+    identity = {node: [node] for node in core.nodes}
+    if cost_model == "native":
+        try:
+            states = antichain_states(core, complete=True, max_states=budget)
+            return Prepared(states, "all downsets", identity, work, pinned)
+        except CostGraphError:
+            pass
+    try:
+        states = antichain_states(core, max_states=budget)
+        return Prepared(states, "pipedream antichains", identity, work, pinned)
+    except CostGraphError:
+        pass
+    full, mapping = coarse_with_pinned(work, COARSE_NODES, pinned)
+    coarse = full.subgraph([b for b in full.nodes if b not in set(pinned)]).copy()
+    try:
+        states = antichain_states(coarse, max_states=budget)
+        kind = f"pipedream antichains of {coarse.number_of_nodes()} coarse blocks"
+    except CostGraphError:
+        states = prefix_states(coarse)
+        kind = f"prefixes of a topological order of {coarse.number_of_nodes()} coarse blocks"
+    return Prepared(states, kind, mapping, full, pinned)
+
+
+def coarse_with_pinned(work: nx.DiGraph, target: int, pinned: tuple[str, ...] | None = None,
+                        ) -> tuple[nx.DiGraph, dict[str, list[str]]]:
+    """`work` with its chains fused down to about `target` blocks, inputs kept apart (so that they
+    stay pinned to the first stage); mapping block -> original nodes (inputs map to themselves)."""
+    if pinned is None:
+        pinned = pinned_inputs(work)
+    core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
+    coarse, mapping = coarsen(core, target=target)
+    full = coarse.copy()
+    block_of = {m: b for b, members in mapping.items() for m in members}
+    for z in pinned:
+        full.add_node(z, **work.nodes[z])
+        mapping[z] = [z]
+        for v in work.successors(z):
+            b = block_of[v]
+            extra = full.edges[z, b]["bytes"] if full.has_edge(z, b) else 0.0
+            full.add_edge(z, b, bytes=extra + edge_bytes(work, z, v))
+    return full, mapping
+
+
+def planning_dp(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions,
+                memory: float | None, straight: bool = False,
+                ) -> tuple[float, list[tuple[list[str], tuple[int, ...]]]]:
+    """The native DP's optimum of its planning objective (costmodel.stage_values, in-flight
+    counts as deep as memory allows) and its stages: the search at the heart of `plan`, which
+    the tests hold against brute force. Raises PlanError when nothing fits."""
+    prepared = prepare(graph, "native", cluster.workers)
+    result = solve(prepared, cluster, options, memory, straight)
+    states = prepared.states
+    stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
+    if stages and prepared.pinned:
+        stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
+    return result.objective, expand(stages, prepared.mapping, {}, graph)
+
+
+def solve(prepared: Prepared, cluster: Cluster, options: Any, limit: float | None,
+           straight: bool) -> Any:
+    """The DP's best plan of the prepared states (pipedream: the original's recurrence)."""
+    from pdcompile.planner.dp import native_dp, pipedream_dp, stage_grid, state_tables
+
+    tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
+    if options.cost_model == "pipedream":
+        return pipedream_dp(tables, cluster, memory=limit, straight=straight)
+    grid = stage_grid(tables, cluster, options=options, memory=limit, straight=straight)
+    return native_dp(grid, options=options, straight=straight)
+
+
+def expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, list[str]],
+            attach: dict[str, str | None], graph: nx.DiGraph,
+            ) -> list[tuple[list[str], tuple[int, ...]]]:
+    stage_of = {}
+    for i, (nodes, _) in enumerate(stages):
+        for block in nodes:
+            for node in mapping.get(block, [block]):
+                stage_of[node] = i
+    for node, target in attach.items():
+        stage_of[node] = 0 if target is None else stage_of[target]
+    order = topological_order(graph)
+    return [([n for n in order if stage_of[n] == i], ranks) for i, (_, ranks) in enumerate(stages)]
+
+
+def planning_graph(graph: nx.DiGraph, cost_model: str,
+                    ) -> tuple[nx.DiGraph, dict[str, str | None]]:
+    """The graph the DP sees and the nodes left out of it (-> the node whose stage they join,
+    None for the first stage). Native: inputs (costmodel.input_nodes) are pinned to the first
+    stage; their traffic to later stages is still charged (dp.state_tables `pinned`)."""
+    if cost_model == "pipedream":
+        from pdcompile.planner.costmodel import pipedream_view
+
+        return pipedream_view(graph)
+    return graph, {}
+
+
+def pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
+    pinned = set(input_nodes(graph))
+    return tuple(n for n in topological_order(graph) if n in pinned)
+
+
+__all__ = ["COARSE_NODES", "DP_BUDGET", "Prepared", "coarse_with_pinned", "expand", "pinned_inputs",
+           "planning_dp", "planning_graph", "prepare", "solve"]

@@ -1,0 +1,119 @@
+"""How many microbatches each stage keeps in flight, and which stages recompute their
+activations, within the memory: what makes a cut of the graph into stages a plan that runs.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import networkx as nx
+
+from pdcompile.cost.memory import max_in_flight
+from pdcompile.cost.pipeline_time import fewest_in_flight, runnable_in_flight, work_period
+from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster
+from pdcompile.planner.costmodel import (
+    IN_FLIGHT_CAP,
+    ModelOptions,
+    default_in_flight,
+    evaluate,
+    plan_terms,
+)
+from pdcompile.schedule.kinds import kind
+
+
+def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+                     cluster: Cluster, *, options: ModelOptions,
+                     memory: float | None) -> list[bool]:
+    """Which stages recompute their activations (pdcompile.cost.recompute): those that cannot keep
+    even one microbatch's activations otherwise, then, one at a time, any whose recomputation
+    makes the plan faster in closed form (it frees memory for more microbatches in flight,
+    for one more forward each). Raises PlanError when a stage fits neither way."""
+    again = [False] * len(stages)
+    plain = _memory_limits(graph, stages, options, memory, again, cluster)
+    again = [n < 1 for n in plain]
+    if any(again) and min(_memory_limits(graph, stages, options, memory, again, cluster)) < 1:
+        raise PlanError("a stage does not fit the memory, even recomputing its activations")
+    if memory is None or kind(options.schedule).flush:
+        return again
+
+    def closed(flags: list[bool]) -> float:
+        try:
+            flight = choose_in_flight(graph, stages, cluster, options=options, memory=memory,
+                                      recompute=flags)
+        except PlanError:  # recomputing a stage can hold more: its inputs and one microbatch
+            return math.inf
+        return evaluate(graph, stages, cluster, options=options, in_flight=flight,
+                        recompute=flags)[1]
+
+    best = closed(again)
+    for s in range(len(stages)):
+        if again[s]:
+            continue
+        trial = again[:s] + [True] + again[s + 1:]
+        value = closed(trial)
+        if value < best * (1 - 0.01):
+            again, best = trial, value
+    return again
+
+
+def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+                     cluster: Cluster, *, options: ModelOptions, memory: float | None,
+                     recompute: Sequence[bool] | None = None) -> list[int]:
+    """Microbatches each stage keeps in flight. Streaming schedules: PipeDream's NOAM, deeper
+    where the round trips need more to fill the pipeline's period
+    (`cost.pipeline_time.fewest_in_flight`), never more than the memory holds (so below NOAM
+    where it must: the plan still runs, its round trips exposed). Flush schedules: NOAM, at
+    most what fits. `recompute`: the stages that recompute their activations. Raises PlanError
+    when a stage cannot hold even one."""
+    row = kind(options.schedule)
+    again = list(recompute) if recompute is not None else [False] * len(stages)
+    defaults = [default_in_flight(len(r), sum(len(x) for _, x in stages[i:]), options)
+                for i, (_, r) in enumerate(stages)]
+    limits = _memory_limits(graph, stages, options, memory, again, cluster)
+    if any(n < 1 for n in limits) or (options.schedule == "gpipe"
+                                      and any(n < d for n, d in zip(limits, defaults,
+                                                                    strict=True))):
+        raise PlanError("a stage does not fit the memory")
+    if row.flush:
+        return [min(n, d) for n, d in zip(limits, defaults, strict=True)]
+    replicas = [len(r) for _, r in stages]
+    limits = runnable_in_flight(limits, replicas)
+    built = plan_terms(graph, stages, cluster, options=options, in_flight=limits,
+                       recompute=again)
+    edges = dict(built.costs.edges)
+    target = work_period(built.terms, edges, built.ranks, cluster, schedule=options.schedule,
+                         microbatches=options.per_minibatch)
+    fewest = fewest_in_flight(built.terms, edges, built.ranks, cluster,
+                              schedule=options.schedule, microbatches=options.per_minibatch,
+                              period=target, limits=limits)
+    return runnable_in_flight([min(n, max(f, d)) for n, f, d in zip(limits, fewest, defaults,
+                                                                     strict=True)], replicas)
+
+
+def _memory_limits(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+                   options: ModelOptions, memory: float | None, recompute: Sequence[bool],
+                   cluster: Cluster) -> list[int]:
+    """The most microbatches each stage can keep in flight within `memory` (capped): with
+    weight stashing each one adds a weight version; a recomputing stage keeps only what it
+    received per microbatch, plus one microbatch's activations."""
+    row = kind(options.schedule)
+    built = plan_terms(graph, stages, cluster, options=options, recompute=recompute)
+    out = []
+    for s in range(len(stages)):
+        if memory is None:
+            out.append(IN_FLIGHT_CAP)
+            continue
+        keep = built.costs.activations[s]
+        per, fixed = (built.inputs(s), keep) if recompute[s] else (keep, 0.0)
+        fits = max_in_flight(
+            built.costs.params[s], per, versions_per_flight=row.stashed_versions == "in-flight",
+            fixed_versions=1 if row.stashed_versions == "in-flight"
+            else int(row.stashed_versions), optimizer_state=options.optimizer_state,
+            limit=memory - fixed)
+        out.append(min(IN_FLIGHT_CAP, fits))
+    return out
+
+
+__all__ = ["choose_in_flight", "choose_recompute"]
