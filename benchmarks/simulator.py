@@ -11,7 +11,7 @@ it has them (those are measured epoch-time speed-ups from the paper, not compute
 Part 2: real runs against the simulator. `fidelity` compiles small compute-bound models (costs
 measured by the cost pass), trains them on 2 and 4 local processes with the distributed backend,
 records what ran, simulates the same schedule with the same costs and compares
-(`pdcompile.compare`). `fidelity_synthetic` runs the lowered schedule IR on real processes with
+(`pdcompile.viz.compare`). `fidelity_synthetic` runs the lowered schedule IR on real processes with
 synthetic stages and gloo transfers.
 
     python benchmarks/simulator.py [--planner dp] [--cost-model native] [--write]
@@ -432,7 +432,6 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
 
     from pdcompile.backends.distributed import train_processes
     from pdcompile.backends.simulate import simulate
-    from pdcompile.compare import compare
     from pdcompile.cost.cache_flush import caches_for
     from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
     from pdcompile.cost.optimizer_timing import time_optimizer_steps, time_weight_copies
@@ -440,6 +439,7 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.trace import trace
     from pdcompile.timeline import stage_figures
+    from pdcompile.viz.compare import compare
 
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
@@ -692,7 +692,7 @@ in the run already lasted longer for sharing its core, and the simulator shares 
 
 {fidelity_table(rows)}
 
-Per run, `pdcompile.compare` of the cost-pass prediction and the measured timeline (per stage:
+Per run, `pdcompile.viz.compare` of the cost-pass prediction and the measured timeline (per stage:
 mean forward, backward, optimizer step, time spent posting sends and waiting in receives per
 microbatch; share of the steady window computing and outside any action):
 

@@ -364,7 +364,7 @@ def run_demo(*, workers: int = 2, out: str | Path = "pdcompile-demo",
         f"{format_seconds(predicted_per)} simulates this run ({steps} minibatches, warm-up and "
         "drain included) with the steps and copies timed on this machine")
     try:
-        from pdcompile.compare import compare
+        from pdcompile.viz.compare import compare
 
         log(compare(predicted, measured).table(), block=True)
     except PdcompileError as err:  # the comparison is a bonus; the figures above stand

@@ -317,7 +317,7 @@ class Pipeline:
     def summary(self) -> str:
         """Per stage: replicas, first/last node, nodes, parameters, compute, bytes sent,
         communication, memory; then predicted totals, schedule, tied parameters."""
-        from pdcompile.stage_table import pipeline_summary
+        from pdcompile.viz.stage_table import pipeline_summary
 
         return pipeline_summary(self)
 

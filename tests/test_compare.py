@@ -9,12 +9,12 @@ import torch
 
 import pdcompile
 from pdcompile.backends.simulate import simulate
-from pdcompile.compare import compare
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.lower import lower
 from pdcompile.timeline import Event, Recorder, Timeline, TimelineError, stage_figures
+from pdcompile.viz.compare import compare
 
 FREE = Cluster.flat(8, 1e30)
 

@@ -25,7 +25,7 @@ from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner import price_plan
 from pdcompile.planner.simulation import simulate_plan
-from pdcompile.stage_table import stage_rows
+from pdcompile.viz.stage_table import stage_rows
 
 
 @st.composite

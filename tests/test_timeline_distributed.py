@@ -12,11 +12,11 @@ import torch
 import pdcompile
 from pdcompile.backends.distributed import train_processes
 from pdcompile.backends.simulate import simulate
-from pdcompile.compare import compare
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.ir import Kind
 from pdcompile.viz.chrome_trace import to_chrome_trace
+from pdcompile.viz.compare import compare
 from pdcompile.viz.gantt import draw_gantt
 
 pytestmark = pytest.mark.timeout(240)

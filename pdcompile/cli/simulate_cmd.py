@@ -8,7 +8,7 @@
 Prints the plan and the simulated figures (time per minibatch, throughput, bubble, memory per
 worker) and writes to --out: plan.json, schedule.txt, timeline.json, gantt.png, gantt.svg,
 trace.json (Chrome trace). With --measured TIMELINE.json (recorded by a real run of the same
-plan) it prints predicted against measured figures (`pdcompile.compare`: time per minibatch,
+plan) it prints predicted against measured figures (`pdcompile.viz.compare`: time per minibatch,
 bubble, per-stage forward, backward and receive waits) and draws the measured run too.
 A MODEL is profiled on this CPU, with cold caches where the cluster's workers outnumber their
 cores (`local-N` on a smaller machine: the workers take turns, and the simulator shares the
@@ -27,7 +27,6 @@ import networkx as nx
 
 from pdcompile.backends.simulate import SimResult
 from pdcompile.cli.common import add_cluster_option, load_cluster
-from pdcompile.compare import Comparison, compare
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.local import oversubscription_note
@@ -37,6 +36,7 @@ from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import KINDS as SCHEDULES
 from pdcompile.timeline import Timeline
 from pdcompile.units import format_seconds
+from pdcompile.viz.compare import Comparison, compare
 
 
 def register(subparsers: Any) -> None:

@@ -20,8 +20,8 @@ from typing import Any
 import networkx as nx
 
 from pdcompile.errors import PdcompileError
-from pdcompile.stage_table import node_bytes, stage_nodes
 from pdcompile.units import format_bytes
+from pdcompile.viz.stage_table import node_bytes, stage_nodes
 
 PALETTE = ("#8fb8e8", "#9fd89f", "#f5b971", "#d7b8e8", "#f2a0a0", "#a8dcd9", "#e8d88f",
            "#c9c9c9", "#b8c8f0", "#f0c0d8")
