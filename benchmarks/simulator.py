@@ -430,7 +430,6 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
     import functools
     import tempfile
 
-    from pdcompile.backends.distributed import train_processes
     from pdcompile.backends.simulate import simulate
     from pdcompile.cost.cache_flush import caches_for
     from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
@@ -440,6 +439,7 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
     from pdcompile.passes.trace import trace
     from pdcompile.timeline import stage_figures
     from pdcompile.viz.compare import compare
+    from pdcompile.worker import train_processes
 
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1

@@ -8,7 +8,7 @@ rank loops, the plan, the loss and optimizer); `pdcompile run DIR --nproc 2 --da
 starts torchrun, whose workers load it and train on the minibatches `FN()` yields. The same
 folder runs under a plain torchrun:
 
-    torchrun --nproc-per-node 2 -m pdcompile.backends.distributed DIR --data FILE:FN
+    torchrun --nproc-per-node 2 -m pdcompile.worker DIR --data FILE:FN
 """
 
 from __future__ import annotations

@@ -214,7 +214,7 @@ def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,
 
 def _distributed_trainer() -> Callable[..., Any] | None:
     try:
-        from pdcompile.backends.distributed import train_processes
+        from pdcompile.worker import train_processes
     except ImportError:
         return None
     return train_processes

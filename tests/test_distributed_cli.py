@@ -40,7 +40,7 @@ def test_dry_run_builds_torchrun_command(tmp_path: Path,
     out = capsys.readouterr().out
     assert "-m torch.distributed.run --nnodes=1 --nproc-per-node=3 --max-restarts=1" in out
     assert "--master-addr=127.0.0.1 --master-port=" in out
-    assert f"-m pdcompile.backends.distributed {folder} --steps 5 --checkpoint-dir" in out
+    assert f"-m pdcompile.worker {folder} --steps 5 --checkpoint-dir" in out
     assert "--checkpoint-every 2" in out
 
 

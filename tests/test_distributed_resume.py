@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 import pdcompile
-from pdcompile.backends.distributed import train_processes
 from pdcompile.runtime.checkpoint import Checkpointer
+from pdcompile.worker import train_processes
 
 pytestmark = pytest.mark.timeout(240)
 

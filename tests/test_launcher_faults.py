@@ -192,7 +192,7 @@ def test_a_frozen_worker_is_named_and_the_launcher_ends(exported: Path) -> None:
 TRAINER = """\
 import functools, itertools, sys
 
-from pdcompile.backends.distributed import train_processes
+from pdcompile.worker import train_processes
 from pdcompile.runtime.tensor_tree import load_tree
 
 

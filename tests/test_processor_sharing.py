@@ -8,8 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from pdcompile.backends.action_costs import ActionCosts
 from pdcompile.backends.processor_sharing import share_processors
-from pdcompile.backends.simulate import ActionCosts, _dedicated, simulate
+from pdcompile.backends.simulate import _dedicated, simulate
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import ClusterError
 from pdcompile.machine.cluster import Cluster, Level

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 import pdcompile
-from pdcompile.backends.distributed import train_processes
 from pdcompile.backends.simulate import simulate
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.machine.cluster import Cluster
@@ -18,6 +17,7 @@ from pdcompile.schedule.ir import Kind
 from pdcompile.viz.chrome_trace import to_chrome_trace
 from pdcompile.viz.compare import compare
 from pdcompile.viz.gantt import draw_gantt
+from pdcompile.worker import train_processes
 
 pytestmark = pytest.mark.timeout(240)
 STEPS = 6

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 import time
 import zlib
 from collections import deque
@@ -30,12 +29,9 @@ import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
 from pdcompile.backends.launch import (
-    DEFAULT_FAULT_TIMEOUT,
     FaultMonitor,
     PeerFailure,
-    Worker,
     backend_for,
-    launch,
 )
 from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
@@ -890,82 +886,7 @@ def _identity(pipeline: Any, stage: int) -> dict[str, Any]:
             "stage": stage, "microbatches": pipeline.microbatches}
 
 
-# ----------------------------------------------------------------------------------------------
-# Launching from Python: one process per worker on this machine
-
-
-def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[Any]],
-                  options: dict[str, Any], channel: Any) -> DistributedRun:
-    from pdcompile.export import load_pipeline  # the worker loads what the user exported
-
-    pipe = load_pipeline(export_dir)
-    progress = None if channel is None else (lambda step, loss: channel.put((step, loss)))
-    batches = data() if reads_data(pipe, worker.rank) else None  # only the readers load it
-    return run_distributed(pipe, batches, monitor=worker.monitor, progress=progress, **options)
-
-
-def train_processes(export_dir: str | os.PathLike[str], nproc: int,
-                    data: Callable[[], Iterable[Any]], *, steps: int | None = None,
-                    timeout: float = 600, fault_timeout: float = DEFAULT_FAULT_TIMEOUT,
-                    record: bool = False,
-                    checkpoint_dir: str | os.PathLike[str] | None = None,
-                    checkpoint_every: int | None = None,
-                    progress: Callable[[int, float], None] | None = None) -> DistributedRun:
-    """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result.
-
-    Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
-    `data` must be picklable (a module-level function or a functools.partial of one) and give
-    the same stream in every process that reads data (stage 0; the others do not call it).
-    `progress(step, loss)` is called here, in this process.
-    Raises `LaunchError` naming the rank that failed first; no process outlives the call.
-    """
-    import multiprocessing
-
-    options = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
-               "checkpoint_every": checkpoint_every}
-    channel = multiprocessing.get_context("spawn").Queue() if progress is not None else None
-    stop = threading.Event()
-    relay: threading.Thread | None = None
-    if channel is not None and progress is not None:
-        relay = threading.Thread(target=_relay, args=(channel, progress, stop),
-                                 name="pdcompile-progress", daemon=True)
-        relay.start()
-    try:
-        values = launch(_train_worker, nproc, args=(str(export_dir), data, options, channel),
-                        timeout=timeout, fault_timeout=fault_timeout)
-    finally:
-        stop.set()
-        if relay is not None:
-            relay.join(timeout=5)
-    result: DistributedRun = values[0]
-    return result
-
-
-def _relay(channel: Any, progress: Callable[[int, float], None], stop: threading.Event) -> None:
-    """Call `progress` in the parent for what the reporting worker sent, until told to stop."""
-    import queue
-
-    while True:
-        try:
-            step, loss = channel.get(timeout=0.05)
-        except queue.Empty:
-            if stop.is_set():
-                return
-            continue
-        except (EOFError, OSError):
-            return
-        progress(step, loss)
-
-
 __all__ = ["DistributedRun", "DistributedTransport", "DistPending", "PeerFailure",
            "backend_for", "drive", "expect_schedule", "reads_data", "run_distributed",
-           "schedule_receives",
-           "train_processes", "wire_tag"]
+           "schedule_receives", "wire_tag"]
 
-
-if __name__ == "__main__":  # `python -m pdcompile.backends.distributed EXPORT_DIR ...` (torchrun)
-    import sys
-
-    from pdcompile.backends.distributed_main import main
-
-    sys.exit(main())

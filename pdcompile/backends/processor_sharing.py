@@ -21,12 +21,9 @@ import heapq
 import itertools
 import math
 from collections import deque
-from typing import TYPE_CHECKING
 
+from pdcompile.backends.action_costs import ActionCosts, Times
 from pdcompile.schedule.ir import Kind, Schedule
-
-if TYPE_CHECKING:
-    from pdcompile.backends.simulate import ActionCosts, Times
 
 Ref = tuple[int, int]  # (rank, action index)
 

@@ -44,14 +44,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdcompile.cost.links import link_busy_seconds, stage_allreduce_seconds
+from pdcompile.backends.action_costs import ActionCosts, Times, recomputing
+from pdcompile.backends.processor_sharing import share_processors
 from pdcompile.cost.memory import WorkerMemory, worker_memory
 from pdcompile.cost.stage_costs import StageCosts
-from pdcompile.cost.updates import copy_seconds, step_seconds
 from pdcompile.errors import ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.deps import dependency_lists, execution_order, is_lowered
-from pdcompile.schedule.generators import updates_in_flight
 from pdcompile.schedule.ir import Action, Kind, Schedule
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind, weight_versions
 from pdcompile.timeline import Event, Timeline
@@ -120,8 +119,6 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     work = ActionCosts(schedule, costs, cluster, stash=stash, wgrad_share=wgrad_share)
     sharing = cluster.shared_cores()
     if sharing is not None and _oversubscribed(schedule, *sharing):
-        from pdcompile.backends.processor_sharing import share_processors
-
         begin, end = share_processors(schedule, deps, work, group_size=sharing[0],
                                       cores=sharing[1])
     else:
@@ -162,63 +159,6 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     )
 
 
-class ActionCosts:
-    """What each action costs its rank (the rules of the module docstring), for both timing
-    loops: the one that gives every rank a processor and the one that shares them."""
-
-    def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-                 stash: bool, wgrad_share: float = WGRAD_SHARE) -> None:
-        self.schedule, self.costs, self.cluster = schedule, costs, cluster
-        # B and W seconds per stage: the backward split where the schedule splits it, the
-        # forward again in B where the stage recomputes its activations
-        share = wgrad_share if kind(schedule.name).split_backward else 0.0
-        again = recomputing(schedule)
-        self.backward = tuple((1.0 - share) * costs.bwd[s] + (costs.fwd[s] if s in again else 0.0)
-                              for s in range(costs.stages))
-        self.weight = tuple(share * b for b in costs.bwd)
-        self.step_time = costs.optimizer or tuple(step_seconds(p, cluster.device)
-                                                  for p in costs.params)
-        self.copy_time = (costs.stash or tuple(copy_seconds(p, cluster.device)
-                                               for p in costs.params)) \
-            if stash and kind(schedule.name).copies_weights else (0.0,) * costs.stages
-        # a rank snapshots its weights only if an update can come while a minibatch is in flight
-        self.copying = {rank: bool(schedule.options.get("vertical_sync"))
-                        or updates_in_flight(actions)
-                        for rank, actions in schedule.actions.items()}
-        self.fresh = dict(self.copying)  # no snapshot of the current weights yet
-        self.allreduce = [stage_allreduce_seconds(costs.params[stage], ranks, cluster)
-                          for stage, ranks in enumerate(schedule.stage_ranks)]
-
-    def compute(self, rank: int, action: Action) -> float:
-        """Seconds of the rank's processor for F, B, W or STEP; call once per action, in the
-        rank's order (a STEP makes the next F snapshot the weights)."""
-        stage, kind = action.stage, action.kind
-        if kind == Kind.F:
-            if self.fresh[rank]:
-                self.fresh[rank] = False
-                return self.costs.fwd[stage] + self.copy_time[stage]
-            return self.costs.fwd[stage]
-        if kind == Kind.B:
-            return self.backward[stage]
-        if kind == Kind.W:
-            return self.weight[stage]
-        if kind == Kind.STEP:
-            self.fresh[rank] = self.copying[rank]
-            return self.step_time[stage]
-        raise ValueError(f"{action} is not a computation")
-
-    def send(self, rank: int, action: Action) -> tuple[int, float, float, bool]:
-        """(receiving rank, seconds on the link, latency, whether the sender's CPU copies)."""
-        assert action.peer is not None
-        dst = self.schedule.rank_of(action.peer, action.microbatch)
-        level = self.cluster.levels[self.cluster.link_level(rank, dst)]
-        size = self.costs.edge_bytes(action.stage, action.peer)
-        if not size:
-            return dst, 0.0, 0.0, False
-        return dst, link_busy_seconds(size, level), level.latency, level.cpu_copies
-
-
-Times = dict[int, list[float]]  # per rank, one entry per action
 
 
 def _oversubscribed(schedule: Schedule, group_size: int, cores: int) -> bool:
@@ -264,12 +204,6 @@ def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], .
         end[rank][index] = finish
         free_at[rank] = finish
     return begin, end
-
-
-def recomputing(schedule: Schedule) -> frozenset[int]:
-    """The stages that drop their activations after the forward and recompute them in the
-    backward (`options["recompute"]`, set by `schedule.generators.generate(recompute=...)`)."""
-    return frozenset(int(s) for s in schedule.options.get("recompute", ()))
 
 
 def _memory(schedule: Schedule, costs: StageCosts,

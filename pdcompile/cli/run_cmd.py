@@ -1,7 +1,7 @@
 """`pdcompile run EXPORT_DIR --nproc N`: train an exported pipeline across processes (torchrun).
 
 The command builds a `torchrun` command line whose worker is
-`python -m pdcompile.backends.distributed EXPORT_DIR ...` (so the exported folder also runs
+`python -m pdcompile.worker EXPORT_DIR ...` (so the exported folder also runs
 under a plain `torchrun` with the same arguments; --dry-run prints it) and runs it, through a thin
 wrapper of torchrun's agent that reports failed workers as data: a failed run ends in one line
 naming the rank that failed first. Killing `pdcompile run` (SIGINT, SIGTERM, even SIGKILL) stops
@@ -23,11 +23,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from pdcompile.backends.distributed_main import DEFAULT_STEPS
 from pdcompile.errors import DistributedError, PdcompileError
 from pdcompile.machine.local import free_port
+from pdcompile.worker import DEFAULT_STEPS
 
-WORKER_MODULE = "pdcompile.backends.distributed"
+WORKER_MODULE = "pdcompile.worker"
 AGENT_MODULE = "pdcompile.backends.torchrun_agent"  # torchrun, reporting failures as data
 
 
@@ -108,7 +108,7 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
             "that has an import path (e.g. torch.nn.functional.cross_entropy, any torch.optim "
             "optimizer) and export again")
     if args.data is not None:
-        from pdcompile.backends.distributed_main import load_data
+        from pdcompile.worker import load_data
 
         load_data(args.data)  # a --data that cannot be imported: one line here, not N workers'
         return args.steps

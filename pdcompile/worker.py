@@ -1,17 +1,16 @@
-"""The worker of `pdcompile run` / torchrun: one rank of an exported pipeline, trained.
+"""A worker of an exported pipeline: it loads the export and trains its rank on torch.distributed.
 
-    torchrun --nproc-per-node=N -m pdcompile.backends.distributed EXPORT_DIR [--steps S]
+    torchrun --nproc-per-node=N -m pdcompile.worker EXPORT_DIR [--steps S]
         [--checkpoint-dir D --checkpoint-every K] [--fault-timeout T] [--data FILE.py:FUNCTION]
 
-Initialises the default process group from torchrun's environment (RANK, WORLD_SIZE,
-MASTER_ADDR, MASTER_PORT), loads the export, trains it with `run_distributed` and prints the
-progress on the rank that computes the losses and the summary on rank 0. Without `--data`, the
-example minibatch saved at export time is trained again and again (`--steps`, default
-DEFAULT_STEPS). With a
-checkpoint folder, a worker restarted by `torchrun --max-restarts` resumes from the newest
-checkpoint every rank saved.
+`main` is one worker, as `pdcompile run` and torchrun start it: it initialises the default
+process group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), loads
+the export, trains it with `run_distributed` and prints the progress on the rank that computes
+the losses and the summary on rank 0. Without `--data`, the example minibatch saved at export
+time is trained again and again (`--steps`, default DEFAULT_STEPS). With a checkpoint folder, a
+worker restarted by `torchrun --max-restarts` resumes from the newest checkpoint every rank
+saved. `train_processes` starts N workers on this machine from Python instead.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -21,11 +20,16 @@ import json
 import os
 import signal
 import sys
+import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdcompile.backends.launch import DEFAULT_FAULT_TIMEOUT
 from pdcompile.errors import DistributedError, PdcompileError
+
+if TYPE_CHECKING:
+    from pdcompile.backends.distributed import DistributedRun
+    from pdcompile.backends.launch import Worker
 
 # test hook only: "RANK:MINIBATCH" makes that rank (one that reads data) kill itself (SIGKILL)
 # when it reads that minibatch in the first attempt of a torchrun run (restart count 0)
@@ -36,7 +40,7 @@ DEFAULT_STEPS = 20
 
 def parser() -> argparse.ArgumentParser:
     """The worker's command line."""
-    out = argparse.ArgumentParser(prog="python -m pdcompile.backends.distributed",
+    out = argparse.ArgumentParser(prog="python -m pdcompile.worker",
                                   description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     out.add_argument("export_dir", metavar="EXPORT_DIR")
@@ -189,6 +193,76 @@ def _main(args: argparse.Namespace) -> int:
         if dist.is_initialized():
             dist.destroy_process_group()
     return 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Launching from Python: one process per worker on this machine
+
+
+def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[Any]],
+                  options: dict[str, Any], channel: Any) -> DistributedRun:
+    from pdcompile.backends.distributed import reads_data, run_distributed
+    from pdcompile.export import load_pipeline  # the worker loads what the user exported
+
+    pipe = load_pipeline(export_dir)
+    progress = None if channel is None else (lambda step, loss: channel.put((step, loss)))
+    batches = data() if reads_data(pipe, worker.rank) else None  # only the readers load it
+    return run_distributed(pipe, batches, monitor=worker.monitor, progress=progress, **options)
+
+
+def train_processes(export_dir: str | os.PathLike[str], nproc: int,
+                    data: Callable[[], Iterable[Any]], *, steps: int | None = None,
+                    timeout: float = 600, fault_timeout: float = DEFAULT_FAULT_TIMEOUT,
+                    record: bool = False,
+                    checkpoint_dir: str | os.PathLike[str] | None = None,
+                    checkpoint_every: int | None = None,
+                    progress: Callable[[int, float], None] | None = None) -> DistributedRun:
+    """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result.
+
+    Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
+    `data` must be picklable (a module-level function or a functools.partial of one) and give
+    the same stream in every process that reads data (stage 0; the others do not call it).
+    `progress(step, loss)` is called here, in this process.
+    Raises `LaunchError` naming the rank that failed first; no process outlives the call.
+    """
+    import multiprocessing
+
+    from pdcompile.backends.launch import launch
+
+    options = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
+               "checkpoint_every": checkpoint_every}
+    channel = multiprocessing.get_context("spawn").Queue() if progress is not None else None
+    stop = threading.Event()
+    relay: threading.Thread | None = None
+    if channel is not None and progress is not None:
+        relay = threading.Thread(target=_relay, args=(channel, progress, stop),
+                                 name="pdcompile-progress", daemon=True)
+        relay.start()
+    try:
+        values = launch(_train_worker, nproc, args=(str(export_dir), data, options, channel),
+                        timeout=timeout, fault_timeout=fault_timeout)
+    finally:
+        stop.set()
+        if relay is not None:
+            relay.join(timeout=5)
+    result: DistributedRun = values[0]
+    return result
+
+
+def _relay(channel: Any, progress: Callable[[int, float], None], stop: threading.Event) -> None:
+    """Call `progress` in the parent for what the reporting worker sent, until told to stop."""
+    import queue
+
+    while True:
+        try:
+            step, loss = channel.get(timeout=0.05)
+        except queue.Empty:
+            if stop.is_set():
+                return
+            continue
+        except (EOFError, OSError):
+            return
+        progress(step, loss)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,85 @@
+"""What each action of a lowered schedule costs its rank in the simulator, by the rules of
+backends/simulate.py's docstring: F, B and W from the stage costs (B with the forward again on a
+stage that recomputes), STEP and the first forward after it (a weight snapshot, where the rank
+stashes), sends on the link their ranks share, all-reduces on the slowest level their replicas
+span. Both timing loops read it: the one that gives every rank a processor (simulate.py) and the
+one that shares them (processor_sharing.py).
+"""
+
+from __future__ import annotations
+
+from pdcompile.cost.links import link_busy_seconds, stage_allreduce_seconds
+from pdcompile.cost.stage_costs import StageCosts
+from pdcompile.cost.updates import copy_seconds, step_seconds
+from pdcompile.machine.cluster import Cluster
+from pdcompile.schedule.generators import updates_in_flight
+from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.kinds import WGRAD_SHARE, kind
+
+
+class ActionCosts:
+    """What each action costs its rank (the rules of the module docstring), for both timing
+    loops: the one that gives every rank a processor and the one that shares them."""
+
+    def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
+                 stash: bool, wgrad_share: float = WGRAD_SHARE) -> None:
+        self.schedule, self.costs, self.cluster = schedule, costs, cluster
+        # B and W seconds per stage: the backward split where the schedule splits it, the
+        # forward again in B where the stage recomputes its activations
+        share = wgrad_share if kind(schedule.name).split_backward else 0.0
+        again = recomputing(schedule)
+        self.backward = tuple((1.0 - share) * costs.bwd[s] + (costs.fwd[s] if s in again else 0.0)
+                              for s in range(costs.stages))
+        self.weight = tuple(share * b for b in costs.bwd)
+        self.step_time = costs.optimizer or tuple(step_seconds(p, cluster.device)
+                                                  for p in costs.params)
+        self.copy_time = (costs.stash or tuple(copy_seconds(p, cluster.device)
+                                               for p in costs.params)) \
+            if stash and kind(schedule.name).copies_weights else (0.0,) * costs.stages
+        # a rank snapshots its weights only if an update can come while a minibatch is in flight
+        self.copying = {rank: bool(schedule.options.get("vertical_sync"))
+                        or updates_in_flight(actions)
+                        for rank, actions in schedule.actions.items()}
+        self.fresh = dict(self.copying)  # no snapshot of the current weights yet
+        self.allreduce = [stage_allreduce_seconds(costs.params[stage], ranks, cluster)
+                          for stage, ranks in enumerate(schedule.stage_ranks)]
+
+    def compute(self, rank: int, action: Action) -> float:
+        """Seconds of the rank's processor for F, B, W or STEP; call once per action, in the
+        rank's order (a STEP makes the next F snapshot the weights)."""
+        stage, kind = action.stage, action.kind
+        if kind == Kind.F:
+            if self.fresh[rank]:
+                self.fresh[rank] = False
+                return self.costs.fwd[stage] + self.copy_time[stage]
+            return self.costs.fwd[stage]
+        if kind == Kind.B:
+            return self.backward[stage]
+        if kind == Kind.W:
+            return self.weight[stage]
+        if kind == Kind.STEP:
+            self.fresh[rank] = self.copying[rank]
+            return self.step_time[stage]
+        raise ValueError(f"{action} is not a computation")
+
+    def send(self, rank: int, action: Action) -> tuple[int, float, float, bool]:
+        """(receiving rank, seconds on the link, latency, whether the sender's CPU copies)."""
+        assert action.peer is not None
+        dst = self.schedule.rank_of(action.peer, action.microbatch)
+        level = self.cluster.levels[self.cluster.link_level(rank, dst)]
+        size = self.costs.edge_bytes(action.stage, action.peer)
+        if not size:
+            return dst, 0.0, 0.0, False
+        return dst, link_busy_seconds(size, level), level.latency, level.cpu_copies
+
+
+Times = dict[int, list[float]]  # per rank, one entry per action
+
+
+def recomputing(schedule: Schedule) -> frozenset[int]:
+    """The stages that drop their activations after the forward and recompute them in the
+    backward (`options["recompute"]`, set by `schedule.generators.generate(recompute=...)`)."""
+    return frozenset(int(s) for s in schedule.options.get("recompute", ()))
+
+
+__all__ = ["ActionCosts", "Times", "recomputing"]
