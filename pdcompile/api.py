@@ -186,8 +186,8 @@ def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster, **plann
 
 def load(path: str, *, loss_fn: Callable[..., torch.Tensor] | None = None,
          optimizer: OptimizerFactory | None = None) -> Pipeline:
-    """Read a pipeline written by `Pipeline.export` (see pdcompile.export.load_pipeline)."""
-    from pdcompile.export import load_pipeline
+    """Read a pipeline written by `Pipeline.export` (see pdcompile.export.read.load_pipeline)."""
+    from pdcompile.export.read import load_pipeline
 
     return load_pipeline(path, loss_fn=loss_fn, optimizer=optimizer)
 

@@ -23,6 +23,7 @@ from pdcompile.passes.split import SplitResult, StageProgram
 from pdcompile.plan import Plan
 from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
+from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
 from pdcompile.schedule.generators import (
@@ -47,27 +48,6 @@ FLUSH = FLUSH_SCHEDULES
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """SGD with learning rate 0.01 (the default of `compile`)."""
     return torch.optim.SGD(params, lr=0.01)
-
-
-class NoParameters(torch.optim.Optimizer):
-    """The optimizer of a stage without parameters (pooling, activations): steps do nothing."""
-
-    def __init__(self) -> None:
-        super().__init__([torch.zeros(0, requires_grad=True)], {"lr": 0.0})
-
-    def step(self, closure: Any = None) -> None:  # type: ignore[override]
-        """Nothing to update."""
-
-
-@dataclass
-class RankState:
-    """What one worker keeps between runs: its stage module copy and its optimizer."""
-
-    rank: int
-    stage: int
-    module: fx.GraphModule
-    optimizer: torch.optim.Optimizer
-    param_order: tuple[str, ...]
 
 
 class MicrobatchData:
@@ -331,7 +311,7 @@ class Pipeline:
     def schedule(self, microbatches: int | None = None,
                  per_minibatch: int | None = None) -> Schedule:
         """The lowered schedule of a run of `microbatches` (default: the compile-time count)."""
-        n = microbatches or self._schedule_length()
+        n = microbatches or self.schedule_length()
         per = per_minibatch if per_minibatch is not None else self.per_minibatch
         kwargs: dict[str, Any] = {}
         if self.schedule_name == "2bw":
@@ -352,7 +332,9 @@ class Pipeline:
         """Microbatches per minibatch (1 for '1f1b', where each microbatch is a minibatch)."""
         return 1 if self.schedule_name == "1f1b" else self.microbatches
 
-    def _schedule_length(self) -> int:
+    def schedule_length(self) -> int:
+        """Microbatches in a run of the compile-time shape (2bw: enough minibatches to fill the
+        pipeline)."""
         if self.schedule_name == "2bw":
             return self.microbatches * max(2, len(self.plan.stages))
         return self.microbatches
@@ -360,7 +342,7 @@ class Pipeline:
     def rank_sources(self, microbatches: int | None = None,
                      per_minibatch: int | None = None) -> dict[int, str]:
         """Generated `run_rank` source of every rank for a run of that shape."""
-        n = microbatches or self._schedule_length()
+        n = microbatches or self.schedule_length()
         per = per_minibatch if per_minibatch is not None else self.per_minibatch
         key = (n, per)
         if key not in self._sources:
@@ -790,7 +772,7 @@ class Pipeline:
     # ------------------------------------------------------------------ elsewhere
     def export(self, path: str) -> None:
         """Write everything needed to run or reload this pipeline (see pdcompile.export)."""
-        from pdcompile.export import export_pipeline
+        from pdcompile.export.write import export_pipeline
 
         export_pipeline(self, path)
 

@@ -140,7 +140,7 @@ def _main(args: argparse.Namespace) -> int:
 
     from pdcompile.backends.distributed import reads_data, run_distributed
     from pdcompile.backends.launch import PeerFailure, monitor_from_env
-    from pdcompile.export import load_pipeline
+    from pdcompile.export.read import load_pipeline
     from pdcompile.runtime.allocator import tune_allocator
 
     tune_allocator()  # freed memory stays for reuse (runtime/allocator.py)
@@ -202,7 +202,7 @@ def _main(args: argparse.Namespace) -> int:
 def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[Any]],
                   options: dict[str, Any], channel: Any) -> DistributedRun:
     from pdcompile.backends.distributed import reads_data, run_distributed
-    from pdcompile.export import load_pipeline  # the worker loads what the user exported
+    from pdcompile.export.read import load_pipeline  # the worker loads what the user exported
 
     pipe = load_pipeline(export_dir)
     progress = None if channel is None else (lambda step, loss: channel.put((step, loss)))

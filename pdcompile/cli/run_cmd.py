@@ -96,7 +96,7 @@ def _check_port_free(addr: str, port: int) -> None:
 def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
     """Refuse, in one line and before any worker starts, an export that is damaged or cannot
     train as asked; the number of minibatches to pass the workers (None: all of --data)."""
-    from pdcompile.export import check_export
+    from pdcompile.export.files import check_export
 
     meta = check_export(export_dir)
     lost = meta.get("not_saved", {})

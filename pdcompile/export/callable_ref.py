@@ -16,51 +16,15 @@ one, or one defined in a script run as `__main__` has no import path: `reference
 from __future__ import annotations
 
 import functools
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from pdcompile.errors import PipelineInputError
+from pdcompile.export.import_paths import NotReferable, find, import_path
+from pdcompile.export.module_record import rebuild_module, record_module
 from pdcompile.runtime.tensor_tree import TreeEncodeError, decode, encode
-
-
-class NotReferable(ValueError):
-    """A callable with no import path (the message says why and what to do)."""
-
-
-def import_path(obj: Any) -> str:
-    """"package.module:Qual.name" of a function or class that can be imported back as is."""
-    module = getattr(obj, "__module__", None)
-    qualname = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
-    what = getattr(obj, "__name__", None) or type(obj).__name__
-    if not module or not qualname:
-        raise NotReferable(f"{what!r} has no module and name to import it by")
-    if qualname.rpartition(".")[2] == "<lambda>":
-        raise NotReferable("it is a lambda")
-    if "<locals>" in qualname:
-        raise NotReferable(f"{qualname.replace('.<locals>', '')} is defined inside a function")
-    if module == "__main__":
-        raise NotReferable(f"{qualname} is defined in the script run as __main__, which "
-                           "another process cannot import")
-    path = f"{module}:{qualname}"
-    try:
-        found = find(path)
-    except (ImportError, AttributeError):
-        raise NotReferable(f"{path} cannot be imported back") from None
-    if found is not obj and getattr(found, "__func__", found) is not obj:
-        raise NotReferable(f"{path} names another object")
-    return path
-
-
-def find(path: str) -> Any:
-    """The object at "package.module:Qual.name" (ImportError / AttributeError if none)."""
-    module_name, _, qualname = path.partition(":")
-    value: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def reference(fn: Any) -> dict[str, Any]:
@@ -73,8 +37,6 @@ def reference(fn: Any) -> dict[str, Any]:
             raise NotReferable(f"a functools.partial argument cannot be written as data "
                                f"({err})") from None
     if isinstance(fn, torch.nn.Module):
-        from pdcompile.module_record import record_module
-
         try:
             record, _ = record_module(fn, values=True)
         except PipelineInputError as err:
@@ -90,8 +52,6 @@ def resolve(ref: dict[str, Any], *, what: str) -> Callable[..., Any]:
             return functools.partial(resolve(ref["partial"], what=what), *decode(ref["args"]),
                                      **decode(ref["keywords"]))
         if "module" in ref:
-            from pdcompile.module_record import rebuild_module
-
             return rebuild_module(ref["module"])
         found = find(ref["function"])
     except (ImportError, AttributeError) as err:

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from pdcompile.errors import PipelineInputError
+from pdcompile.export.import_paths import NotReferable, find, import_path
 from pdcompile.runtime.tensor_tree import TreeEncodeError, decode, dtype_name, dtype_of, encode
 
 # attributes every nn.Module has (set by nn.Module.__init__): not recorded, except `training`
@@ -28,8 +29,6 @@ def record_module(module: torch.nn.Module, *, values: bool = False,
     """The record of `module` and the tensors it refers to (none when `tensors` is None: then
     tensors are written inline). `values`: also record parameter and buffer values.
     Raises PipelineInputError naming the submodule and the attribute that has no such form."""
-    from pdcompile.callable_ref import NotReferable, import_path
-
     sink = tensors
     culprit = f"{where} ({type(module).__name__})"
     try:
@@ -65,8 +64,6 @@ def record_module(module: torch.nn.Module, *, values: bool = False,
 
 def _attribute(value: Any, sink: dict[str, torch.Tensor] | None, where: str,
                culprit: str) -> dict[str, Any]:
-    from pdcompile.callable_ref import NotReferable, import_path
-
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         return {"empty": {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}}
     if callable(value) and not isinstance(value, torch.Tensor | torch.nn.Module):
@@ -97,8 +94,6 @@ def rebuild_module(record: dict[str, Any], tensors: dict[str, torch.Tensor] | No
                    device: str | torch.device = "cpu") -> torch.nn.Module:
     """The module a record describes (parameters and buffers left empty unless the record
     holds their values). Raises PipelineInputError if the class cannot be imported."""
-    from pdcompile.callable_ref import find
-
     try:
         cls = find(record["class"])
     except (ImportError, AttributeError) as err:

@@ -16,8 +16,8 @@ from typing import Any
 
 import torch
 
-from pdcompile.callable_ref import NotReferable, find, import_path
 from pdcompile.errors import PipelineInputError
+from pdcompile.export.import_paths import NotReferable, find, import_path
 from pdcompile.runtime.tensor_tree import TreeEncodeError, decode, encode
 
 

@@ -1,0 +1,127 @@
+"""The files of an export folder: its format tag, pipeline.json read and checked, and a check of
+the whole folder without loading it (headers and syntax only), so that a launcher can refuse a
+damaged one in one line before starting workers; any file that cannot be read is named.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError
+
+from pdcompile.errors import DamagedFileError, PipelineInputError
+
+EXPORT_FORMAT = "pdcompile.export/2"
+# files of the first format (pickles), removed when a folder is exported again
+OLD_FILES = ("callables.pkl", "example.pt", "graph_modules.pt")
+# what to pass instead of a loss function or optimizer an export could not record
+UNSAVED_FIX = {
+    "loss_fn": "Use a function with an import path (e.g. torch.nn.functional.cross_entropy, a "
+               "function in an importable module, a functools.partial of one, or a torch.nn "
+               "loss module).",
+    "optimizer": "Use an optimizer class with an import path (any torch.optim optimizer, made "
+                 "by a lambda or a partial, is fine)."}
+
+
+def read_meta(folder: Path) -> dict[str, Any]:
+    """pipeline.json of an export, checked for its format (clear errors otherwise)."""
+    try:
+        meta = json.loads((folder / "pipeline.json").read_text())
+    except FileNotFoundError:
+        raise PipelineInputError(f"{folder} has no pipeline.json; is it a folder written by "
+                                 "Pipeline.export or `pdcompile export`?") from None
+    except ValueError as err:
+        raise DamagedFileError(f"{folder / 'pipeline.json'} is not valid JSON ({err}); export "
+                               "the pipeline again") from None
+    if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
+        found = meta.get("format") if isinstance(meta, dict) else None
+        older = " (an older pdcompile's, which held pickles)" \
+            if found == "pdcompile.export/1" else ""
+        raise PipelineInputError(f"{folder}/pipeline.json is format {found!r}{older}, expected "
+                                 f"{EXPORT_FORMAT!r}; export the pipeline again with this "
+                                 "pdcompile")
+    shapes = {"stages": list, "optimizers": list, "data_inputs": list, "output_refs": list,
+              "ties": list, "output_spec": str, "schedule": str, "name": str}
+    wrong = [k for k, kind in shapes.items() if not isinstance(meta.get(k), kind)]
+    if wrong or len(meta["optimizers"]) != len(meta["stages"]) or not all(
+            isinstance(stage, dict) for stage in meta["stages"]):
+        raise DamagedFileError(f"{folder / 'pipeline.json'} is altered or incomplete "
+                               f"({', '.join(wrong) or 'stages'} missing or malformed); export "
+                               "the pipeline again")
+    return meta
+
+
+def check_export(path: str | Path) -> dict[str, Any]:
+    """Check an export folder without loading it (cheap: headers and syntax only), so that a
+    launcher can refuse a damaged one in one line before starting workers; its pipeline.json.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        raise PipelineInputError(f"export folder {str(folder)!r} does not exist; write one with "
+                                 "`pdcompile export` or Pipeline.export(path)")
+    meta = read_meta(folder)
+    tensor_files = [folder / "plan.json"]
+    for i, stage in enumerate(meta["stages"]):
+        tensor_files += [folder / f"stage_{i}.safetensors", folder / f"optimizer_{i}.safetensors"]
+        if stage.get("recorded_modules"):
+            tensor_files.append(folder / f"stage_{i}_modules.safetensors")
+    if meta.get("example", {}).get("inputs"):
+        tensor_files.append(folder / "example.safetensors")
+    for file in tensor_files:
+        if not file.is_file():
+            raise DamagedFileError(f"{file} is missing from the export; export the pipeline "
+                                   "again")
+        if file.suffix == ".json":
+            read_file(file, lambda p: json.loads(p.read_text()))
+        else:
+            read_file(file, _header)
+    sources = [folder / f"stage_{i}.py" for i in range(len(meta["stages"]))]
+    for file in [*sources, *sorted(folder.glob("rank_*.py"))]:
+        python_source(file)
+    return meta
+
+
+def python_source(file: Path) -> str:
+    """The text of an exported Python file, checked to compile (one line naming it if not)."""
+    try:
+        text = file.read_text()
+        compile(text, str(file), "exec")
+    except FileNotFoundError:
+        raise DamagedFileError(f"{file} is missing from the export; export the pipeline "
+                               "again") from None
+    except (SyntaxError, ValueError) as err:
+        line = getattr(err, "lineno", None)
+        raise DamagedFileError(f"{file} is not valid Python ({type(err).__name__}"
+                               f"{f', line {line}' if line else ''}); export the pipeline "
+                               "again") from None
+    return text
+
+
+def _header(path: Path) -> None:
+    """Open a safetensors file's header (its size and layout are checked against the file)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as handle:
+        handle.keys()
+
+
+def read_file(path: Path, reader: Callable[[Path], Any]) -> Any:
+    """`reader(path)`, with any failure to make sense of the file as one line naming it."""
+    try:
+        return reader(path)
+    except DamagedFileError:
+        raise
+    except FileNotFoundError:
+        raise DamagedFileError(f"{path} is missing from the export; export the pipeline "
+                               "again") from None
+    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedFileError(f"{path} is truncated, altered or not a file pdcompile wrote "
+                               f"({detail}); export the pipeline again") from None
+
+
+__all__ = ["EXPORT_FORMAT", "OLD_FILES", "UNSAVED_FIX", "check_export", "python_source",
+           "read_file", "read_meta"]

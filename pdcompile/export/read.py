@@ -1,0 +1,227 @@
+"""Reading an export: `load_pipeline` (what `pdcompile.load` calls) rebuilds the Pipeline from
+its folder, with the same weights, optimizer state and generated code; the stage and rank files
+are imported as code (see the package docstring), everything else is read as data.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+import types
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.fx as fx
+from safetensors.torch import load_file
+
+from pdcompile.errors import DamagedFileError, PipelineInputError
+from pdcompile.export.callable_ref import resolve
+from pdcompile.export.files import UNSAVED_FIX, python_source, read_file, read_meta
+from pdcompile.export.module_record import rebuild_module
+from pdcompile.export.optimizer_recipe import OptimizerRecipe
+from pdcompile.meta import set_stage
+from pdcompile.passes.crossing import load_spec
+from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
+from pdcompile.pipeline import OptimizerFactory, Pipeline
+from pdcompile.plan import Plan
+from pdcompile.runtime.linear_grads import linear_accumulate
+from pdcompile.runtime.rank_state import NoParameters, RankState
+from pdcompile.runtime.tensor_tree import load_tree
+from pdcompile.schedule.ir import Schedule
+
+
+def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | None = None,
+                  optimizer: OptimizerFactory | None = None) -> Pipeline:
+    """A Pipeline from an exported folder: same weights, optimizer state and generated code.
+    `loss_fn` / `optimizer`: use these instead of the recorded ones (or where none could be
+    recorded)."""
+    folder = Path(path)
+    meta = read_meta(folder)
+    plan = read_file(folder / "plan.json", lambda p: Plan.from_json(p.read_text()))
+    lost = [k for k in meta.get("not_saved", {}) if {"loss_fn": loss_fn,
+                                                     "optimizer": optimizer}.get(k) is None]
+    if lost:
+        why = "; ".join(f"{k}: {meta['not_saved'][k]}" for k in lost)
+        raise PipelineInputError(
+            f"the {' and '.join(lost)} of {folder} could not be saved at export ({why}); pass "
+            f"it again: pdcompile.load(path, {', '.join(k + '=...' for k in lost)}). "
+            + " ".join(UNSAVED_FIX[k] for k in lost))
+    if loss_fn is None and meta.get("loss_fn") is not None:
+        loss_fn = resolve(meta["loss_fn"], what="loss function")
+    recipes = [None if r is None else OptimizerRecipe.from_dict(r) for r in meta["optimizers"]]
+    factory = optimizer or next((r for r in recipes if r is not None), None)
+    programs = [_load_stage(folder, i, s) for i, s in enumerate(meta["stages"])]
+    parts = SplitResult(
+        stages=programs, data_inputs=tuple(meta["data_inputs"]),
+        output_refs=tuple(ValueRef(n, s) for n, s in meta["output_refs"]),
+        output_spec=load_spec(meta["output_spec"]),  # imports the modules of its types
+        ties=tuple(TiedParameter(t["name"], tuple((int(s), str(n)) for s, n in t["members"]))
+                   for t in meta["ties"]))
+    graph = _load_graph(folder, meta.get("graph_stages", {}), len(programs))
+    pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
+                    microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
+                    stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"])
+    for state in pipe.states():
+        stage_meta = meta["stages"][state.stage]
+        recipe = recipes[state.stage]
+        if optimizer is not None or recipe is None:
+            fresh = pipe._rank_state(state.rank, state.stage, state.module,
+                                     param_order=stage_meta["param_order"])
+        else:
+            named = dict(state.module.named_parameters())
+            order = tuple(stage_meta["param_order"])
+            fresh = RankState(state.rank, state.stage, state.module, recipe.build(named), order)
+        pipe.replace_state(fresh)
+        _load_optimizer_state(fresh.optimizer, folder / f"optimizer_{state.stage}.safetensors")
+    example_file = folder / "example.safetensors"
+    if example_file.exists():
+        example = read_file(example_file, load_tree)
+        pipe.example_inputs, pipe.example_target = tuple(example["inputs"]), example["target"]
+    sources = {int(p.stem.split("_")[1]): python_source(p) for p in folder.glob("rank_*.py")}
+    schedule = read_file(folder / "schedule.txt", lambda p: Schedule.from_text(p.read_text()))
+    if sources and schedule.ranks == sorted(sources):
+        pipe.use_sources(sources, meta["schedule_length"], meta["per_minibatch"])
+    return pipe
+
+
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path) -> None:
+    """Load a stage's optimizer state; a file that does not fit the optimizer is named."""
+    state = read_file(path, load_tree)
+    if isinstance(optimizer, NoParameters):
+        return
+    try:
+        optimizer.load_state_dict(state)
+    except (ValueError, KeyError, TypeError, RuntimeError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedFileError(f"{path} does not fit the stage's {type(optimizer).__name__} "
+                               f"optimizer ({detail}); export the pipeline again, or pass the "
+                               "optimizer it was saved with") from None
+
+
+class _LeafTracer(fx.Tracer):
+    """Traces a loaded stage class: its direct children stay calls, as in the exported code."""
+
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return "." not in module_qualified_name
+
+
+def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
+    source = _import(folder / f"stage_{index}.py", f"stage{index}")
+    extra = {}
+    if meta["recorded_modules"]:
+        extra = _read_records(folder / f"stage_{index}_modules.safetensors")
+    stage = getattr(source, f"Stage{index}")(extra)
+    # fresh (aligned) storage: kernels may pick another path for unaligned mmap-ed tensors
+    stored = read_file(folder / f"stage_{index}.safetensors", lambda p: load_file(str(p)))
+    tensors = {k: v.clone() for k, v in stored.items()}
+    plain = {n for n in tensors if n not in dict(stage.named_parameters())
+             and n not in dict(stage.named_buffers())}
+    for n in plain:  # tensor constants read by get_attr
+        setattr(stage, n, tensors.pop(n))
+    transient = meta.get("transient_buffers", [])
+    for n in transient:  # persistent=False buffers: not in state dicts, so set directly
+        if n in tensors:
+            _set_path(stage, n, tensors.pop(n))
+    missing, unexpected = stage.load_state_dict(tensors, strict=False, assign=True)
+    missing = [m for m in missing if m not in meta["aliases"] and m not in transient]
+    if missing or unexpected:
+        raise DamagedFileError(f"{folder / f'stage_{index}.safetensors'} does not match "
+                               f"stage_{index}.py (missing {missing[:3]}, unexpected "
+                               f"{unexpected[:3]}); export the pipeline again")
+    for alias, primary in meta["aliases"].items():
+        _set_path(stage, alias, _get_path(stage, primary))
+    # the fused Linear calls (passes/fuse.py) stay calls: traced through, they would bake in
+    # the plain path
+    graph = _LeafTracer(autowrap_functions=(linear_accumulate,)).trace(stage)
+    module = fx.GraphModule(stage, graph, class_name=f"Stage{index}")
+    return StageProgram(
+        index=index, module=module,
+        inputs=tuple(ValueRef(n, s) for n, s in meta["inputs"]),
+        outputs=tuple(meta["outputs"]),
+        receives={int(k): tuple(v) for k, v in meta["receives"].items()},
+        sends={int(k): tuple(v) for k, v in meta["sends"].items()},
+        param_names={k: tuple(v) for k, v in meta["param_names"].items()},
+        buffer_names={k: tuple(v) for k, v in meta["buffer_names"].items()},
+        kinds=dict(meta.get("kinds", {})), transient_buffers=tuple(transient))
+
+
+def _get_path(module: torch.nn.Module, target: str) -> Any:
+    value: Any = module
+    for part in target.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _set_path(module: torch.nn.Module, target: str, value: Any) -> None:
+    owner, _, attr = target.rpartition(".")
+    parent = _get_path(module, owner) if owner else module
+    setattr(parent, attr, value)
+
+
+class _AllLeaves(fx.Tracer):
+    def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
+        return True
+
+
+def _load_graph(folder: Path, stages: dict[str, int], count: int) -> fx.GraphModule | None:
+    """The exported graph (weights on the meta device), every node with its "pd.stage"."""
+    if not stages or not (folder / "graph.py").exists():
+        return None
+    try:
+        root = _import(folder / "graph.py", "graph").Graph(
+            _read_records(folder / "graph_modules.safetensors", device="meta"))
+        graph = fx.GraphModule(root, _AllLeaves().trace(root), class_name="Graph")
+    except Exception:
+        return None
+    for node in graph.graph.nodes:
+        if node.op == "output":
+            set_stage(node, count - 1)
+        elif node.name in stages:
+            set_stage(node, stages[node.name])
+        else:
+            inputs = [int(n.meta.get("pd.stage", 0)) for n in node.all_input_nodes]
+            set_stage(node, max(inputs, default=0))
+    return graph
+
+
+def _read_records(path: Path, *, device: str = "cpu") -> dict[str, torch.nn.Module]:
+    """The submodules recorded beside a stage (or the graph), rebuilt (module_record)."""
+    stored = read_file(path, load_tree)
+    try:
+        return {name: rebuild_module(record, stored["tensors"], device=device)
+                for name, record in stored["records"].items()}
+    except (KeyError, TypeError, ValueError) as err:
+        raise DamagedFileError(f"{path} is altered or not a file pdcompile wrote "
+                               f"({type(err).__name__}: {err}); export the pipeline again") \
+            from None
+
+
+def _import(path: Path, tag: str) -> types.ModuleType:
+    """Import an exported Python file (code: see the module docstring)."""
+    name = f"pdcompile_export_{abs(hash(str(path.resolve())))}_{tag}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise PipelineInputError(f"cannot import {path}: no such Python file; export the "
+                                 "pipeline again")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except ImportError as err:
+        del sys.modules[name]
+        raise PipelineInputError(f"{path} imports {err.name or err}, which cannot be imported "
+                                 "here; install it (the machine that exported had it)") from None
+    except Exception as err:
+        del sys.modules[name]
+        line = getattr(err, "lineno", None)
+        where = f", line {line}" if line else ""
+        raise DamagedFileError(f"{path} cannot be imported ({type(err).__name__}{where}: "
+                               f"{str(err).splitlines()[0] if str(err) else ''}); export the "
+                               "pipeline again") from None
+    return module
+
+
+__all__ = ["load_pipeline"]
