@@ -38,8 +38,8 @@ from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import kind
 from pdcompile.schedule.lower import lower
 from pdcompile.schedule.validate import validate
-from pdcompile.suggest import did_you_mean
 from pdcompile.timeline import Recorder, Timeline
+from pdcompile.util.suggest import did_you_mean
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 FLUSH = FLUSH_SCHEDULES

@@ -64,7 +64,7 @@ def parser() -> argparse.ArgumentParser:
 
 def load_data(spec: str) -> Callable[[], Iterable[Any]]:
     """`path/to/file.py:function` or `package.module:function`, imported (one-line errors)."""
-    from pdcompile.user_code import find_callable, import_user_module, split_spec
+    from pdcompile.util.user_code import find_callable, import_user_module, split_spec
 
     path, name = split_spec(spec, what="--data", name="function", example="data.py:batches")
     module = import_user_module(path, what="--data")

@@ -17,7 +17,7 @@ import sys
 from typing import NoReturn
 
 from pdcompile.errors import PdcompileError
-from pdcompile.suggest import did_you_mean
+from pdcompile.util.suggest import did_you_mean
 
 SUBCOMMANDS = ("inspect", "plan", "simulate", "export", "run", "demo")
 

@@ -37,7 +37,7 @@ def load_cluster(text: str) -> Cluster:
 def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     """Call `path/to/file.py:factory` (or `package.module:factory`); returns (model, inputs).
     Every failure (no such module or name, an error inside the factory) is one line."""
-    from pdcompile.user_code import call_user, find_callable, import_user_module, split_spec
+    from pdcompile.util.user_code import call_user, find_callable, import_user_module, split_spec
 
     path, name = split_spec(spec, what="model", name="factory",
                             example="pdcompile/models/vgg16.py:factory")

@@ -183,7 +183,7 @@ class Cluster:
                                  ("paper-b", "B"), ("paper-c", "C")):
             table[alias] = table[canonical]
         if key not in table:
-            from pdcompile.suggest import did_you_mean
+            from pdcompile.util.suggest import did_you_mean
 
             names = ", ".join(PRESET_HELP)
             known = [*table, *(f"local-{n}" for n in range(1, 9))]

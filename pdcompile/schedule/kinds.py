@@ -79,7 +79,7 @@ def kind(name: str) -> ScheduleKind:
 
 def unknown(name: str, *, auto: bool = False) -> str:
     """The message for a schedule name that is not one: the closest one and all of them."""
-    from pdcompile.suggest import did_you_mean
+    from pdcompile.util.suggest import did_you_mean
 
     names = [*KINDS, "auto"] if auto else list(KINDS)
     return f"unknown schedule {name!r}{did_you_mean(str(name), names)}; choose one of " \

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import PdcompileError
-from pdcompile.suggest import closest, did_you_mean
+from pdcompile.util.suggest import closest, did_you_mean
 
 
 def split_spec(spec: str, *, what: str, name: str, example: str) -> tuple[str, str]:
