@@ -7,8 +7,8 @@ pattern that names it or a package above it. A module may import its own layer a
 below, never one above; `APART` lists rooms of one layer that must not import each other. Every
 import counts: at module level, inside functions, and under `if TYPE_CHECKING:` (a name in an
 annotation is still a dependency). Importing `a.b.c` counts as importing the module `a.b.c`
-only, not the packages above it, so a room's `__init__.py` holds its docstring and at most
-imports from its own room.
+only, not the packages above it (tests/test_layering.py checks that a room's `__init__.py`
+imports nothing outside its room).
 
     python tests/layering.py      # check pdcompile, print the table and any violation
 """
@@ -57,7 +57,7 @@ LAYERS: tuple[Layer, ...] = (
           "plan(), price_plan(), refine_plan() and their parts; tables and pictures of plans, "
           "pipelines and timelines"),
     Layer("pipeline", ("pdcompile.pipeline", "pdcompile.export"),
-          "the Pipeline object; writing an export"),
+          "the Pipeline object; an export's format, checks and writer"),
     Layer("api", ("pdcompile", "pdcompile.api", "pdcompile.export.read", "pdcompile.worker",
                   "pdcompile.demo"),
           "compile(), load(), the package's entry points, the worker processes, the demo"),

@@ -3,9 +3,12 @@ checker itself catches an upward import and a cycle in a small package made for 
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
-from tests.layering import Layer, imports, layer_of, layer_table, violations
+from tests.layering import LAYERS, Layer, imports, layer_of, layer_table, modules, violations
+
+ROOT = Path(__file__).resolve().parents[1]
 
 FAKE_LAYERS = (Layer("low", ("fake.low",), "below"), Layer("high", ("fake.high",), "above"))
 
@@ -70,3 +73,34 @@ def test_the_table_renders_highest_first() -> None:
     table = layer_table(FAKE_LAYERS).splitlines()
     assert table[2] == "| high | `fake.high` | above |"
     assert table[3] == "| low | `fake.low` | below |"
+
+
+def test_pdcompile_imports_only_downward_and_has_no_cycles() -> None:
+    found = violations(ROOT, "pdcompile")
+    assert not found, "\n".join(found)
+
+
+def test_the_architecture_page_shows_the_layer_table() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text()
+    start = page.index("<!-- layer table")
+    start = page.index("\n", start) + 1
+    end = page.index("<!-- end of layer table -->")
+    assert page[start:end] == layer_table(LAYERS), \
+        "docs/architecture.md's layer table differs from tests/layering.py: paste " \
+        "`python tests/layering.py`'s table there"
+
+
+def test_every_room_says_what_it_is_and_its_init_imports_only_its_own_room() -> None:
+    found = modules(ROOT, "pdcompile")
+    rooms = [m for m, path in found.items() if path.name == "__init__.py" and "." in m]
+    assert {"pdcompile.schedule", "pdcompile.cost", "pdcompile.machine", "pdcompile.planner",
+            "pdcompile.viz", "pdcompile.export", "pdcompile.runtime", "pdcompile.util",
+            } <= set(rooms)
+    for room in rooms:
+        tree = ast.parse(found[room].read_text())
+        assert ast.get_docstring(tree), f"{found[room]} needs a docstring saying what the room is"
+    outside = [f"{i.file.relative_to(ROOT)}:{i.line} imports {i.target}"
+               for i in imports(ROOT, "pdcompile")
+               if i.source in rooms and i.source != "pdcompile.cli"
+               and not i.target.startswith(i.source + ".")]
+    assert not outside, outside
