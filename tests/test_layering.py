@@ -4,7 +4,11 @@ checker itself catches an upward import and a cycle in a small package made for 
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from tests.layering import LAYERS, Layer, imports, layer_of, layer_table, modules, violations
 
@@ -104,3 +108,16 @@ def test_every_room_says_what_it_is_and_its_init_imports_only_its_own_room() -> 
                if i.source in rooms and i.source != "pdcompile.cli"
                and not i.target.startswith(i.source + ".")]
     assert not outside, outside
+
+
+@pytest.mark.slow
+def test_planning_a_profile_imports_no_torch(profiles_dir: Path) -> None:
+    """The CostGraph, the cost formulas, the planner and the simulator are torch-free: planning
+    a PipeDream profile in a fresh interpreter loads no torch."""
+    code = ("import sys, pdcompile\nfrom pdcompile.profiles import load_pipedream\n"
+            "plan = pdcompile.plan(load_pipedream(sys.argv[1]), 'A')\n"
+            "print(plan.config, 'torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(profiles_dir / "alexnet" / "graph.txt")],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "False", done.stdout
