@@ -33,7 +33,7 @@ from pdcompile.passes.partition.costmodel import (
     priced_time,
 )
 from pdcompile.plan import Plan, Stage
-from pdcompile.plan_simulation import simulate_plan, steady_minibatches
+from pdcompile.plan_simulation import simulate_steady, steady_minibatches
 from pdcompile.schedule.kinds import KINDS, kind, unknown
 from pdcompile.units import format_bytes, parse_quantity
 
@@ -48,6 +48,7 @@ AUTO_SCHEDULES = ("1f1b", "1f1b-flush", "2bw", "zb-h1", "interleaved-zb")
 VARIANT_STAGES = (2,)  # the DP's short-pipeline variants (at most this many stages)
 EXACT_WORKERS = 16  # above this, multi-level clusters get one server's pipeline on every server
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
+SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
 SIMULATION_BUDGET = 200_000  # actions and all-reduce waits per simulation; above: closed form
 
 
@@ -547,15 +548,17 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     if simulate is False:
         return ranked[0], None
     best: tuple[float, _Candidate] | None = None
-    # the DP's best few, and every CP-SAT plan (adding CP-SAT never loses the DP's choice)
-    chosen = [c for c in ranked if c.planner != "ilp"][:SIMULATED_CANDIDATES] \
+    # the DP's best few within SIMULATED_WITHIN of the best closed form, and every CP-SAT plan
+    # (adding CP-SAT never loses the DP's choice)
+    near = [c for c in ranked if c.closed <= ranked[0].closed * SIMULATED_WITHIN]
+    chosen = [c for c in near if c.planner != "ilp"][:SIMULATED_CANDIDATES] \
         + [c for c in ranked if c.planner == "ilp"]
     for candidate in chosen:
         plan_ = candidate.as_plan(sum(s.replicas for s in candidate.priced))
         if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
             continue
         try:
-            _, result = simulate_plan(graph, plan_, cluster, timeline=False)
+            _, result = simulate_steady(graph, plan_, cluster)
         except ScheduleError:  # the chosen depths cannot run: that candidate is out
             continue
         if best is None or result.time_per_minibatch < best[0]:
@@ -567,8 +570,9 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
 
 def _simulation_cost(plan_: Plan) -> int:
     """About how many actions and dependencies simulating a plan visits: every stage's actions
-    for every microbatch, and each all-reduce waiting for all of its stage's replicas."""
-    stream = steady_minibatches(plan_) if not kind(plan_.schedule).flush else 1
+    for every microbatch, and each all-reduce waiting for all of its stage's replicas (a
+    streaming schedule's first two runs, `simulate_steady`)."""
+    stream = 3 * steady_minibatches(plan_) if not kind(plan_.schedule).flush else 1
     return sum(stream * plan_.microbatches * (8 + s.replicas) for s in plan_.stages)
 
 
