@@ -420,7 +420,15 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
             limit: float | None, *, in_flight: Sequence[int] | None = None,
             recompute: Sequence[bool] | None = None, **tags: Any) -> _Candidate | None:
     """A candidate priced with its in-flight counts (given, else `choose_in_flight`) and its
-    stages' recomputation (given, else `choose_recompute`); None if it does not fit."""
+    stages' recomputation (given, else `choose_recompute`); None if it does not fit, or if the
+    schedule cannot feed its replicas (a microbatched schedule gives each replica of a stage
+    its share of a minibatch's microbatches: no more replicas than microbatches, and 2bw a
+    whole number each)."""
+    row = kind(options.schedule)
+    m = options.per_minibatch
+    for _, ranks in stages:
+        if row.microbatched and (len(ranks) > m or (not row.flush and m % len(ranks))):
+            return None
     try:
         again = list(recompute) if recompute is not None else \
             choose_recompute(graph, stages, cluster, options=options, memory=limit)
@@ -553,6 +561,13 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     near = [c for c in ranked if c.closed <= ranked[0].closed * SIMULATED_WITHIN]
     chosen = [c for c in near if c.planner != "ilp"][:SIMULATED_CANDIDATES] \
         + [c for c in ranked if c.planner == "ilp"]
+    # and the best of every schedule and microbatch count (schedule="auto"): the closed form
+    # ranks plans of one schedule better than plans of different ones
+    for option in {(c.options.schedule, c.options.per_minibatch) for c in ranked}:
+        leader = next(c for c in ranked
+                      if (c.options.schedule, c.options.per_minibatch) == option)
+        if leader not in chosen:
+            chosen.append(leader)
     for candidate in chosen:
         plan_ = candidate.as_plan(sum(s.replicas for s in candidate.priced))
         if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:

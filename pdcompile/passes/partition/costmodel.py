@@ -47,7 +47,13 @@ from pdcompile.cluster import Cluster, Level
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
-from pdcompile.cost.pipeline_time import PipelineTime, StageTerms, pipeline_time, stage_terms
+from pdcompile.cost.pipeline_time import (
+    PipelineTime,
+    StageTerms,
+    pipeline_time,
+    stage_terms,
+    update_share,
+)
 from pdcompile.errors import PlanError
 from pdcompile.plan import Stage
 from pdcompile.recompute import recompute_costs
@@ -216,9 +222,8 @@ def stage_parts(*, compute: Any, params: Any, keep: Any, received: Any, sent: An
             fit = np.floor((limit - base - (int(row.stashed_versions) - 1) * p) / k)
         fit = np.where(np.isnan(fit), IN_FLIGHT_CAP, fit)
     fit = np.minimum(fit, IN_FLIGHT_CAP)
-    updates = 1.0 if row.update == "round" else float(m)
     copy = p * coef.copy_per_byte if row.copies_weights else 0.0
-    own = t + cpu + (allreduce + step + copy) / updates
+    own = t + cpu + (allreduce + step + copy) * update_share(options.schedule, m, r)
     link = np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r
     # a microbatched schedule cuts a minibatch into microbatches that the replicas share: no
     # more replicas than microbatches, and 2bw needs a multiple of them
@@ -488,7 +493,6 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
     copying = [row.copies_weights and n > 1 for n in flight]
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
                           microbatches=m)
-    updates = 1.0 if row.update == "round" else 1.0 / m  # updates per microbatch, per replica
     priced = []
     for i, term in enumerate(terms):
         r = term.replicas
@@ -503,7 +507,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
             work = math.ceil(m / r) * (term.compute + term.cpu_copies) + term.allreduce \
                 + term.step
         else:
-            sync = term.allreduce * updates * m / r
+            sync = term.allreduce * update_share(options.schedule, m, r) * m / r
             work = timed.work[i]
         priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
                             compute=term.compute * m / r, sync=sync, comm=comm * m / r,
