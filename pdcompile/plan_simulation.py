@@ -65,7 +65,7 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
 
 
 def simulate_steady(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
-                    tolerance: float = 0.02, longest: int = 8) -> tuple[Schedule, SimResult]:
+                    tolerance: float = 0.02, longest: int = 4) -> tuple[Schedule, SimResult]:
     """`simulate_plan` of a streaming schedule on streams of doubling length until the time per
     minibatch moves by less than `tolerance` (at most `longest` times `steady_minibatches`):
     where replicas of different counts meet, a backlog can build over dozens of rounds before

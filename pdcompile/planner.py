@@ -39,6 +39,7 @@ from pdcompile.units import format_bytes, parse_quantity
 
 PLANNERS = ("auto", "dp", "ilp")
 ILP_AUTO_NODES = 60  # "auto" runs CP-SAT after the DP on graphs this small (after coarsening)
+# ... and clusters of at most EXACT_WORKERS workers (its model grows with workers squared)
 ILP_DEFAULT_LIMIT = 10.0  # seconds, for planner="ilp"
 ILP_AUTO_LIMIT = 2.0  # seconds, for planner="auto" on small graphs (CP-SAT mostly certifies)
 AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched schedules
@@ -47,9 +48,10 @@ AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched sched
 AUTO_SCHEDULES = ("1f1b", "1f1b-flush", "2bw", "zb-h1", "interleaved-zb")
 VARIANT_STAGES = (2,)  # the DP's short-pipeline variants (at most this many stages)
 EXACT_WORKERS = 16  # above this, multi-level clusters get one server's pipeline on every server
+ACROSS_SERVERS = 32  # ... or, up to this many servers, stages of whole servers
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
 SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
-SIMULATION_BUDGET = 200_000  # actions and all-reduce waits per simulation; above: closed form
+SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; above: closed form
 
 
 def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
@@ -121,11 +123,21 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                 if symmetric or stages is not None:
                     continue  # interleaving is planned on one level of unreplicated chunks
                 found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
+            elif symmetric and not row.split_backward:  # both ways to use servers alike
+                found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
+                                       fill=False, layout="per server")
+                # whole servers per stage too, where a DP over the servers stays small
+                if cluster.levels[-1].workers <= ACROSS_SERVERS:
+                    try:
+                        across = _dp_candidates(cost_graph, cluster, options, limit, straight,
+                                                workers, fill=False, layout="across servers")
+                        found.candidates += across.candidates
+                    except PlanError:
+                        pass
             else:  # zero-bubble schedules run every stage on one worker
                 found = _dp_candidates(cost_graph, cluster, options, limit,
                                        straight or row.split_backward, workers,
-                                       fill=stages is not None,
-                                       symmetric=symmetric and not row.split_backward)
+                                       fill=stages is not None)
         except PlanError:
             continue
         kinds_seen.append(found.kind)
@@ -134,7 +146,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     best_row = kind(min(candidates, key=lambda c: c.closed).options.schedule) if candidates \
         else None
     if planner != "dp" and not straight and best_row is not None \
-            and not (best_row.split_backward or best_row.interleaved):
+            and not (best_row.split_backward or best_row.interleaved) \
+            and (planner == "ilp" or (not symmetric and workers <= EXACT_WORKERS)):
         ilp_found = _ilp_candidate(cost_graph, cluster, planner, limit, time_limit,
                                    min(candidates, key=lambda c: c.closed))
         candidates += ilp_found
@@ -278,7 +291,7 @@ def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
 
 def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                    limit: float | None, straight: bool, workers: int, *, fill: bool,
-                   symmetric: bool = False) -> _Found:
+                   layout: str = "flat") -> _Found:
     """The DP's plans under `options`, each priced: the optimum of the planning objective
     (costmodel.stage_values) with in-flight counts as deep as memory allows, the same with
     PipeDream's NOAM, short pipelines (at most VARIANT_STAGES stages), for streaming schedules
@@ -288,9 +301,12 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     that couples them (how the in-flight counts of later stages bound an earlier one's round
     trips, replicas of different counts all-reducing in lockstep).
 
-    `symmetric`: plan one server (the cluster's innermost group) and give every server the same
-    pipeline, each stage's replicas on all servers all-reducing together (the DP then spans
-    g workers instead of all of them: what makes clusters of hundreds of workers tractable)."""
+    `layout` (what makes clusters of hundreds of workers tractable: the DP spans a few units
+    instead of every worker): "flat", every worker on its own; "per server", the DP plans one
+    server (the cluster's innermost group) and every server gets the same pipeline, each
+    stage's replicas on all servers all-reducing together; "across servers", the DP plans
+    whole servers (the outermost level's members) and a stage on k servers runs on all their
+    workers, replicated within each server."""
     from pdcompile.passes.partition.dp import (
         native_dp,
         native_dp_bisect,
@@ -298,11 +314,16 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         state_tables,
     )
 
-    copies, search, span = 1, cluster, workers
-    if symmetric:
+    copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
+    if layout == "per server":
         span = cluster.levels[0].workers
         copies = workers // span
         search = replace(cluster, levels=cluster.levels[:1], name=f"one server of {cluster.name}")
+    elif layout == "across servers":
+        span = cluster.levels[-1].workers
+        copies = workers // span
+        search = replace(cluster, levels=cluster.levels[-1:], name=f"servers of {cluster.name}")
+        link = cluster.levels[-2]
     prepared = _prepare(graph, "native", span)
     status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
@@ -310,8 +331,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
 
     def add(result: Any, flight: tuple[int, ...] | None = None, how: str = "") -> None:
         states = prepared.states
-        stages = [(states.stage_nodes(s.before, s.after), _spread(s.ranks, copies, span))
-                  for s in result.stages]
+        stages = [(states.stage_nodes(s.before, s.after),
+                   _spread(s.ranks, copies, span, layout)) for s in result.stages]
         if stages and prepared.pinned:
             stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
         expanded = _expand(stages, prepared.mapping, {}, graph)
@@ -323,7 +344,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
 
     def search_grid(recompute: bool) -> None:
         grid = stage_grid(tables, search, options=options, memory=limit, straight=straight,
-                          workers=span, copies=copies, copy_link=cluster.levels[-1],
+                          workers=span, copies=copies, copy_link=link,
                           recompute=recompute)
         tag = "recompute " if recompute else ""
         variants: list[tuple[ModelOptions, int | None]] = [(options, None)]
@@ -337,7 +358,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                               max_stages=most), how=f"{tag}{variant.flight}/{most}")
             except PlanError:
                 pass
-        if not kind(options.schedule).flush:
+        if not kind(options.schedule).flush and layout == "flat":
             # the grid prices one copy of the pipeline: its period is `copies` times the plan's
             high = (min((c.closed for c in found), default=0.0)
                     or _work_bound(graph, workers)) * copies
@@ -359,14 +380,16 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             found.append(whole)
     capped = any(s.in_flight < default_in_flight(s.replicas, sum(
         x.replicas for x in c.priced[i:]), options) for c in found for i, s in enumerate(c.priced))
-    if capped and not kind(options.schedule).flush:
+    if capped and not kind(options.schedule).flush and layout == "flat":
         # the memory keeps a stage below PipeDream's in-flight count: recomputing activations
         # would let it hold more, and the cuts may then fall elsewhere
         search_grid(recompute=True)
     if not found:
         raise PlanError("no plan fits")
-    kind_of_states = prepared.kind + (f", one server's pipeline on each of {copies} servers"
-                                      if copies > 1 else "")
+    kind_of_states = prepared.kind + (
+        f", one server's pipeline on each of {copies} servers" if layout == "per server"
+        else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
+        else "")
     return _Found(kind_of_states, found)
 
 
@@ -397,12 +420,16 @@ def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelO
     return _Found(f"{found.kind}, {chunks} chunks per worker", out)
 
 
-def _spread(ranks: tuple[int, ...], copies: int, span: int) -> tuple[int, ...]:
-    """A stage's ranks on one server, repeated on every server (`copies` of `span` workers):
-    replica i on server i mod copies, so that round robin keeps every minibatch's transfers
+def _spread(ranks: tuple[int, ...], copies: int, span: int, layout: str) -> tuple[int, ...]:
+    """A stage's ranks in the DP's units as ranks of the cluster. "across servers": every
+    worker of its servers (`copies` each). "per server": its ranks on one server, repeated on
+    every server (`copies` of `span` workers), replica i on server i mod copies, so that round
+    robin keeps every minibatch's transfers
     between the stages inside one server."""
     if copies == 1:
         return ranks
+    if layout == "across servers":
+        return tuple(unit * copies + i for unit in ranks for i in range(copies))
     return tuple(server * span + ranks[i // copies] for i in range(len(ranks) * copies)
                  for server in (i % copies,))
 
@@ -445,10 +472,8 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
             held[rank] = held.get(rank, 0.0) + stage.memory
     if limit is not None and max(held.values()) > limit * (1 + 1e-9):
         return None
-    row = kind(options.schedule)
-    ranks = len(held)
-    if (row.interleaved or row.split_backward) and options.per_minibatch >= ranks \
-            and options.per_minibatch % ranks:
+    workers = len(held)
+    if (row.interleaved or row.split_backward) and m >= workers and m % workers:
         return None  # these orders take microbatches in rounds of one per rank
     bound = priced_time(graph, stages, cluster, options=options, in_flight=flight,
                         recompute=again).bound

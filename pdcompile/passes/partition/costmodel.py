@@ -148,8 +148,9 @@ class Placement:
 def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
               copies: int = 1, copy_link: Level | None = None) -> Placement:
     """Coefficients of a stage at a rank position (see `Placement`). `copies`: the pipeline is
-    one of that many identical copies (symmetric servers), so the stage's gradients are
-    all-reduced among replicas x copies workers over `copy_link`, the level between copies."""
+    one of that many identical copies, so the stage's gradients are all-reduced among
+    replicas x copies workers over `copy_link` (the level between copies) and, with several
+    replicas, the level they span, whichever is slower."""
     from pdcompile.cost.links import ring_allreduce_seconds
     from pdcompile.cost.updates import copy_seconds, step_seconds
 
@@ -157,8 +158,8 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
     sync_a = sync_b = in_a = in_l = out_a = out_l = copy_in = copy_out = 0.0
     if r * copies > 1:
         lv = cluster.levels[cluster.link_level(start, end)]
-        if copies > 1 and copy_link is not None:
-            lv = copy_link
+        if copies > 1 and copy_link is not None:  # the ring spans both: its slower link
+            lv = copy_link if r == 1 or copy_link.bandwidth < lv.bandwidth else lv
         sync_b = ring_allreduce_seconds(0.0, r * copies, lv)
         sync_a = ring_allreduce_seconds(1.0, r * copies, lv) - sync_b
     if start > 0:
@@ -461,11 +462,12 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
     stage_of = _checked_stage_of(graph, stages)
     count = len(stages)
     ranks = [tuple(r) for _, r in stages]
-    misplaced = [n for n in input_nodes(graph) if stage_of[n] != 0]
+    inputs = input_nodes(graph)
+    misplaced = [n for n in inputs if stage_of[n] != 0]
     if misplaced:
         raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
     costs = StageCosts.from_assignment(graph, stage_of, count,
-                                       microbatches=options.per_minibatch)
+                                       microbatches=options.per_minibatch, inputs=inputs)
     after = [sum(len(r) for r in ranks[i:]) for i in range(count)]
     flight = [int(in_flight[i]) if in_flight is not None and in_flight[i] > 0
               else default_in_flight(len(ranks[i]), after[i], options) for i in range(count)]
