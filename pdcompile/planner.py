@@ -49,6 +49,7 @@ AUTO_SCHEDULES = ("1f1b", "1f1b-flush", "2bw", "zb-h1", "interleaved-zb")
 VARIANT_STAGES = (2,)  # the DP's short-pipeline variants (at most this many stages)
 EXACT_WORKERS = 16  # above this, multi-level clusters get one server's pipeline on every server
 ACROSS_SERVERS = 32  # ... or, up to this many servers, stages of whole servers
+STRAIGHT_WORKERS = 64  # ... or, up to this many workers, a straight pipeline over all of them
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
 SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
 SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; above: closed form
@@ -126,6 +127,14 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
             elif symmetric and not row.split_backward:  # both ways to use servers alike
                 found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
                                        fill=False, layout="per server")
+                # a straight pipeline over every worker (its DP has one replica count)
+                if workers <= STRAIGHT_WORKERS:
+                    try:
+                        line = _dp_candidates(cost_graph, cluster, options, limit, True,
+                                              workers, fill=False)
+                        found.candidates += line.candidates
+                    except PlanError:
+                        pass
                 # whole servers per stage too, where a DP over the servers stays small
                 if cluster.levels[-1].workers <= ACROSS_SERVERS:
                     try:
@@ -315,6 +324,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     )
 
     copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
+    # the period's bisection and the recomputation search, where the DP is small enough
+    thorough = layout == "flat" and workers <= EXACT_WORKERS
     if layout == "per server":
         span = cluster.levels[0].workers
         copies = workers // span
@@ -358,7 +369,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                               max_stages=most), how=f"{tag}{variant.flight}/{most}")
             except PlanError:
                 pass
-        if not kind(options.schedule).flush and layout == "flat":
+        if not kind(options.schedule).flush and thorough:
             # the grid prices one copy of the pipeline: its period is `copies` times the plan's
             high = (min((c.closed for c in found), default=0.0)
                     or _work_bound(graph, workers)) * copies
@@ -380,7 +391,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             found.append(whole)
     capped = any(s.in_flight < default_in_flight(s.replicas, sum(
         x.replicas for x in c.priced[i:]), options) for c in found for i, s in enumerate(c.priced))
-    if capped and not kind(options.schedule).flush and layout == "flat":
+    if capped and not kind(options.schedule).flush and thorough:
         # the memory keeps a stage below PipeDream's in-flight count: recomputing activations
         # would let it hold more, and the cuts may then fall elsewhere
         search_grid(recompute=True)
