@@ -13,8 +13,9 @@ replica, A_s its replicas' ring all-reduce, U_s its optimizer step, C_s a weight
 microbatches in flight per replica (warm-up depth + 1).
 
 * Streaming schedules ('1f1b', '2bw'): the steady state's time per minibatch is the largest of
-  - a stage's work per minibatch over its replicas: (t_s + X_s + (A_s + U_s + C_s) / updates)
-    / r_s, updates being once per own minibatch (1f1b) or once per minibatch (2bw);
+  - a stage's work per minibatch over its replicas: 1f1b, where each replica updates after its
+    own minibatch, (t_s + X_s + A_s + U_s + C_s) / r_s; 2bw, where every replica updates once
+    per minibatch of m microbatches, m (t_s + X_s) / r_s + A_s + U_s + C_s (`update_share`);
   - a link's occupancy: bytes / bandwidth over the lcm(r_a, r_c) rank pairs that share it;
   - the round trip (Little's law): a replica keeps N_s microbatches in flight, each for the
     round trip RT_s from its forward to its backward (its own work, every later stage's
@@ -32,6 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pdcompile.cost.links import (
     link_busy_seconds,
@@ -71,6 +73,17 @@ class PipelineTime:
     bound: str  # e.g. "stage 1 work", "round trip of stage 0", "link 0->1", "fill and drain"
     work: tuple[float, ...]  # per stage, seconds per minibatch of work over its replicas
     round_trip: tuple[float, ...]  # per stage, RT_s (seconds)
+
+
+def update_share(schedule: str, microbatches: int, replicas: Any) -> Any:
+    """The part of one update (all-reduce, step, weight copy) each microbatch a replica runs
+    carries: all of it where every replica updates after each of its own minibatches (1f1b),
+    replicas / microbatches where every replica updates once per minibatch (the replica runs
+    microbatches / replicas of them). `replicas` may be a numpy array (the planner's grid)."""
+    row = kind(schedule)
+    if row.update == "round" or not row.microbatched:
+        return 1.0
+    return replicas / microbatches
 
 
 def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[float],
@@ -113,10 +126,9 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
     links = {e: slowest_link(cluster, stage_ranks[e[0]], stage_ranks[e[1]]) for e in edges}
     transfer = {e: transfer_seconds(size, links[e]) for e, size in edges.items()}
     busy = {e: link_busy_seconds(size, links[e]) for e, size in edges.items()}
-    updates = 1.0 if row.update == "round" else float(m)  # microbatches per update
     own = [t.compute + t.cpu_copies if row.flush
-           else t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy) / updates
-           for t in terms]
+           else t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
+           * update_share(schedule, m, t.replicas) for t in terms]
     circuits = _circuits(terms, own, transfer)
     if row.flush:
         timed = _flush(terms, transfer, busy, circuits, stage_ranks, m,
@@ -185,9 +197,8 @@ def work_period(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float]
     the circuits)."""
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
-    updates = 1.0 if row.update == "round" else float(m)
-    work = [(t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy) / updates) / t.replicas
-            for t in terms]
+    work = [(t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
+             * update_share(schedule, m, t.replicas)) / t.replicas for t in terms]
     links = [link_busy_seconds(size, slowest_link(cluster, stage_ranks[a], stage_ranks[c]))
              / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])) for (a, c), size in edges.items()]
     return max(work + links) * m
@@ -205,8 +216,8 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
     m = microbatches if row.microbatched else 1
     links = {e: slowest_link(cluster, stage_ranks[e[0]], stage_ranks[e[1]]) for e in edges}
     transfer = {e: transfer_seconds(size, links[e]) for e, size in edges.items()}
-    updates = 1.0 if row.update == "round" else float(m)
-    own = [t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy) / updates for t in terms]
+    own = [t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
+           * update_share(schedule, m, t.replicas) for t in terms]
     lengths = _circuit_lengths(terms, own, transfer)
     count = len(terms)
     chosen = [1] * count
@@ -299,4 +310,5 @@ def _chunked(flush: PipelineTime, terms: Sequence[StageTerms],
 
 
 __all__ = ["PipelineTime", "StageTerms", "fewest_in_flight", "pipeline_time",
-           "runnable_in_flight", "stage_terms", "work_period"]
+           "runnable_in_flight", "stage_terms", "update_share",
+           "work_period"]

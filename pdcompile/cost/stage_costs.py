@@ -13,7 +13,7 @@ constructor).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import networkx as nx
@@ -156,12 +156,14 @@ class StageCosts:
 
     @classmethod
     def from_assignment(cls, graph: nx.DiGraph, stage_of: dict[str, int], stages: int, *,
-                        microbatches: int = 1) -> StageCosts:
-        """`from_plan` for every node's stage given directly (`stage_of` covers every node)."""
+                        microbatches: int = 1,
+                        inputs: Collection[str] | None = None) -> StageCosts:
+        """`from_plan` for every node's stage given directly (`stage_of` covers every node;
+        `inputs`: the graph's `input_nodes`, when the caller has them already)."""
         if microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {microbatches})")
         fwd, bwd, params, keep = ([0.0] * stages for _ in range(4))
-        loading = set(input_nodes(graph))
+        loading = set(input_nodes(graph) if inputs is None else inputs)
         for node, data in graph.nodes(data=True):
             s = stage_of[node]
             if node not in loading:

@@ -46,7 +46,13 @@ import numpy as np
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
-from pdcompile.cost.pipeline_time import PipelineTime, StageTerms, pipeline_time, stage_terms
+from pdcompile.cost.pipeline_time import (
+    PipelineTime,
+    StageTerms,
+    pipeline_time,
+    stage_terms,
+    update_share,
+)
 from pdcompile.cost.recompute import recompute_costs
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PlanError
@@ -142,8 +148,9 @@ class Placement:
 def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
               copies: int = 1, copy_link: Level | None = None) -> Placement:
     """Coefficients of a stage at a rank position (see `Placement`). `copies`: the pipeline is
-    one of that many identical copies (symmetric servers), so the stage's gradients are
-    all-reduced among replicas x copies workers over `copy_link`, the level between copies."""
+    one of that many identical copies, so the stage's gradients are all-reduced among
+    replicas x copies workers over `copy_link` (the level between copies) and, with several
+    replicas, the level they span, whichever is slower."""
     from pdcompile.cost.links import ring_allreduce_seconds
     from pdcompile.cost.updates import copy_seconds, step_seconds
 
@@ -151,8 +158,8 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
     sync_a = sync_b = in_a = in_l = out_a = out_l = copy_in = copy_out = 0.0
     if r * copies > 1:
         lv = cluster.levels[cluster.link_level(start, end)]
-        if copies > 1 and copy_link is not None:
-            lv = copy_link
+        if copies > 1 and copy_link is not None:  # the ring spans both: its slower link
+            lv = copy_link if r == 1 or copy_link.bandwidth < lv.bandwidth else lv
         sync_b = ring_allreduce_seconds(0.0, r * copies, lv)
         sync_a = ring_allreduce_seconds(1.0, r * copies, lv) - sync_b
     if start > 0:
@@ -216,9 +223,8 @@ def stage_parts(*, compute: Any, params: Any, keep: Any, received: Any, sent: An
             fit = np.floor((limit - base - (int(row.stashed_versions) - 1) * p) / k)
         fit = np.where(np.isnan(fit), IN_FLIGHT_CAP, fit)
     fit = np.minimum(fit, IN_FLIGHT_CAP)
-    updates = 1.0 if row.update == "round" else float(m)
     copy = p * coef.copy_per_byte if row.copies_weights else 0.0
-    own = t + cpu + (allreduce + step + copy) / updates
+    own = t + cpu + (allreduce + step + copy) * update_share(options.schedule, m, r)
     link = np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r
     # a microbatched schedule cuts a minibatch into microbatches that the replicas share: no
     # more replicas than microbatches, and 2bw needs a multiple of them
@@ -456,11 +462,12 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
     stage_of = _checked_stage_of(graph, stages)
     count = len(stages)
     ranks = [tuple(r) for _, r in stages]
-    misplaced = [n for n in input_nodes(graph) if stage_of[n] != 0]
+    inputs = input_nodes(graph)
+    misplaced = [n for n in inputs if stage_of[n] != 0]
     if misplaced:
         raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
     costs = StageCosts.from_assignment(graph, stage_of, count,
-                                       microbatches=options.per_minibatch)
+                                       microbatches=options.per_minibatch, inputs=inputs)
     after = [sum(len(r) for r in ranks[i:]) for i in range(count)]
     flight = [int(in_flight[i]) if in_flight is not None and in_flight[i] > 0
               else default_in_flight(len(ranks[i]), after[i], options) for i in range(count)]
@@ -488,7 +495,6 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
     copying = [row.copies_weights and n > 1 for n in flight]
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
                           microbatches=m)
-    updates = 1.0 if row.update == "round" else 1.0 / m  # updates per microbatch, per replica
     priced = []
     for i, term in enumerate(terms):
         r = term.replicas
@@ -503,7 +509,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
             work = math.ceil(m / r) * (term.compute + term.cpu_copies) + term.allreduce \
                 + term.step
         else:
-            sync = term.allreduce * updates * m / r
+            sync = term.allreduce * update_share(options.schedule, m, r) * m / r
             work = timed.work[i]
         priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
                             compute=term.compute * m / r, sync=sync, comm=comm * m / r,

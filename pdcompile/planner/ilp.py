@@ -23,6 +23,7 @@ import networkx as nx
 
 from pdcompile.cost.costgraph import edge_bytes, topological_order
 from pdcompile.cost.crossing import input_nodes
+from pdcompile.cost.pipeline_time import update_share
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
@@ -254,10 +255,10 @@ def _linear_terms(c: Placement, workers_from_here: int, options: ModelOptions) -
         share = math.ceil(m / k)
         return _Linear((share - 1) / m, c.sync_per_byte + c.step_per_byte, (share - 1) / m,
                        c.sync_fixed, versions, flight)
-    updates = 1.0 if row.update == "round" else float(m)
     copy = c.copy_per_byte if copies else 0.0
-    return _Linear(1.0 / k, (c.sync_per_byte + c.step_per_byte + copy) * m / updates / k,
-                   1.0 / k, c.sync_fixed * m / updates / k, versions, flight)
+    per = update_share(options.schedule, m, k) * m / k  # updates per minibatch per replica
+    return _Linear(1.0 / k, (c.sync_per_byte + c.step_per_byte + copy) * per,
+                   1.0 / k, c.sync_fixed * per, versions, flight)
 
 
 def ilp_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],

@@ -41,12 +41,13 @@ from pdcompile.planner.dp_search import (
     solve,
 )
 from pdcompile.planner.in_flight import choose_in_flight, choose_recompute
-from pdcompile.planner.simulation import simulate_plan, steady_minibatches
+from pdcompile.planner.simulation import simulate_steady, steady_minibatches
 from pdcompile.schedule.kinds import KINDS, kind, unknown
 from pdcompile.units import format_bytes, parse_quantity
 
 PLANNERS = ("auto", "dp", "ilp")
 ILP_AUTO_NODES = 60  # "auto" runs CP-SAT after the DP on graphs this small (after coarsening)
+# ... and clusters of at most EXACT_WORKERS workers (its model grows with workers squared)
 ILP_DEFAULT_LIMIT = 10.0  # seconds, for planner="ilp"
 ILP_AUTO_LIMIT = 2.0  # seconds, for planner="auto" on small graphs (CP-SAT mostly certifies)
 AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched schedules
@@ -55,8 +56,11 @@ AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched sched
 AUTO_SCHEDULES = ("1f1b", "1f1b-flush", "2bw", "zb-h1", "interleaved-zb")
 VARIANT_STAGES = (2,)  # the DP's short-pipeline variants (at most this many stages)
 EXACT_WORKERS = 16  # above this, multi-level clusters get one server's pipeline on every server
+ACROSS_SERVERS = 32  # ... or, up to this many servers, stages of whole servers
+STRAIGHT_WORKERS = 64  # ... or, up to this many workers, a straight pipeline over all of them
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
-SIMULATION_BUDGET = 200_000  # actions and all-reduce waits per simulation; above: closed form
+SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
+SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; above: closed form
 
 
 def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
@@ -128,11 +132,29 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                 if symmetric or stages is not None:
                     continue  # interleaving is planned on one level of unreplicated chunks
                 found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
+            elif symmetric and not row.split_backward:  # both ways to use servers alike
+                found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
+                                       fill=False, layout="per server")
+                # a straight pipeline over every worker (its DP has one replica count)
+                if workers <= STRAIGHT_WORKERS:
+                    try:
+                        line = _dp_candidates(cost_graph, cluster, options, limit, True,
+                                              workers, fill=False)
+                        found.candidates += line.candidates
+                    except PlanError:
+                        pass
+                # whole servers per stage too, where a DP over the servers stays small
+                if cluster.levels[-1].workers <= ACROSS_SERVERS:
+                    try:
+                        across = _dp_candidates(cost_graph, cluster, options, limit, straight,
+                                                workers, fill=False, layout="across servers")
+                        found.candidates += across.candidates
+                    except PlanError:
+                        pass
             else:  # zero-bubble schedules run every stage on one worker
                 found = _dp_candidates(cost_graph, cluster, options, limit,
                                        straight or row.split_backward, workers,
-                                       fill=stages is not None,
-                                       symmetric=symmetric and not row.split_backward)
+                                       fill=stages is not None)
         except PlanError:
             continue
         kinds_seen.append(found.kind)
@@ -141,7 +163,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     best_row = kind(min(candidates, key=lambda c: c.closed).options.schedule) if candidates \
         else None
     if planner != "dp" and not straight and best_row is not None \
-            and not (best_row.split_backward or best_row.interleaved):
+            and not (best_row.split_backward or best_row.interleaved) \
+            and (planner == "ilp" or (not symmetric and workers <= EXACT_WORKERS)):
         ilp_found = _ilp_candidate(cost_graph, cluster, planner, limit, time_limit,
                                    min(candidates, key=lambda c: c.closed))
         candidates += ilp_found
@@ -285,7 +308,7 @@ def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
 
 def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                    limit: float | None, straight: bool, workers: int, *, fill: bool,
-                   symmetric: bool = False) -> _Found:
+                   layout: str = "flat") -> _Found:
     """The DP's plans under `options`, each priced: the optimum of the planning objective
     (costmodel.stage_values) with in-flight counts as deep as memory allows, the same with
     PipeDream's NOAM, short pipelines (at most VARIANT_STAGES stages), for streaming schedules
@@ -295,9 +318,12 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     that couples them (how the in-flight counts of later stages bound an earlier one's round
     trips, replicas of different counts all-reducing in lockstep).
 
-    `symmetric`: plan one server (the cluster's innermost group) and give every server the same
-    pipeline, each stage's replicas on all servers all-reducing together (the DP then spans
-    g workers instead of all of them: what makes clusters of hundreds of workers tractable)."""
+    `layout` (what makes clusters of hundreds of workers tractable: the DP spans a few units
+    instead of every worker): "flat", every worker on its own; "per server", the DP plans one
+    server (the cluster's innermost group) and every server gets the same pipeline, each
+    stage's replicas on all servers all-reducing together; "across servers", the DP plans
+    whole servers (the outermost level's members) and a stage on k servers runs on all their
+    workers, replicated within each server."""
     from pdcompile.planner.dp import (
         native_dp,
         native_dp_bisect,
@@ -305,11 +331,18 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         state_tables,
     )
 
-    copies, search, span = 1, cluster, workers
-    if symmetric:
+    copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
+    # the period's bisection and the recomputation search, where the DP is small enough
+    thorough = layout == "flat" and workers <= EXACT_WORKERS
+    if layout == "per server":
         span = cluster.levels[0].workers
         copies = workers // span
         search = replace(cluster, levels=cluster.levels[:1], name=f"one server of {cluster.name}")
+    elif layout == "across servers":
+        span = cluster.levels[-1].workers
+        copies = workers // span
+        search = replace(cluster, levels=cluster.levels[-1:], name=f"servers of {cluster.name}")
+        link = cluster.levels[-2]
     prepared = prepare(graph, "native", span)
     status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
@@ -317,8 +350,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
 
     def add(result: Any, flight: tuple[int, ...] | None = None, how: str = "") -> None:
         states = prepared.states
-        stages = [(states.stage_nodes(s.before, s.after), _spread(s.ranks, copies, span))
-                  for s in result.stages]
+        stages = [(states.stage_nodes(s.before, s.after),
+                   _spread(s.ranks, copies, span, layout)) for s in result.stages]
         if stages and prepared.pinned:
             stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
         expanded = expand(stages, prepared.mapping, {}, graph)
@@ -330,7 +363,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
 
     def search_grid(recompute: bool) -> None:
         grid = stage_grid(tables, search, options=options, memory=limit, straight=straight,
-                          workers=span, copies=copies, copy_link=cluster.levels[-1],
+                          workers=span, copies=copies, copy_link=link,
                           recompute=recompute)
         tag = "recompute " if recompute else ""
         variants: list[tuple[ModelOptions, int | None]] = [(options, None)]
@@ -344,7 +377,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                               max_stages=most), how=f"{tag}{variant.flight}/{most}")
             except PlanError:
                 pass
-        if not kind(options.schedule).flush:
+        if not kind(options.schedule).flush and thorough:
             # the grid prices one copy of the pipeline: its period is `copies` times the plan's
             high = (min((c.closed for c in found), default=0.0)
                     or _work_bound(graph, workers)) * copies
@@ -366,14 +399,16 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             found.append(whole)
     capped = any(s.in_flight < default_in_flight(s.replicas, sum(
         x.replicas for x in c.priced[i:]), options) for c in found for i, s in enumerate(c.priced))
-    if capped and not kind(options.schedule).flush:
+    if capped and not kind(options.schedule).flush and thorough:
         # the memory keeps a stage below PipeDream's in-flight count: recomputing activations
         # would let it hold more, and the cuts may then fall elsewhere
         search_grid(recompute=True)
     if not found:
         raise PlanError("no plan fits")
-    kind_of_states = prepared.kind + (f", one server's pipeline on each of {copies} servers"
-                                      if copies > 1 else "")
+    kind_of_states = prepared.kind + (
+        f", one server's pipeline on each of {copies} servers" if layout == "per server"
+        else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
+        else "")
     return _Found(kind_of_states, found)
 
 
@@ -404,12 +439,16 @@ def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelO
     return _Found(f"{found.kind}, {chunks} chunks per worker", out)
 
 
-def _spread(ranks: tuple[int, ...], copies: int, span: int) -> tuple[int, ...]:
-    """A stage's ranks on one server, repeated on every server (`copies` of `span` workers):
-    replica i on server i mod copies, so that round robin keeps every minibatch's transfers
+def _spread(ranks: tuple[int, ...], copies: int, span: int, layout: str) -> tuple[int, ...]:
+    """A stage's ranks in the DP's units as ranks of the cluster. "across servers": every
+    worker of its servers (`copies` each). "per server": its ranks on one server, repeated on
+    every server (`copies` of `span` workers), replica i on server i mod copies, so that round
+    robin keeps every minibatch's transfers
     between the stages inside one server."""
     if copies == 1:
         return ranks
+    if layout == "across servers":
+        return tuple(unit * copies + i for unit in ranks for i in range(copies))
     return tuple(server * span + ranks[i // copies] for i in range(len(ranks) * copies)
                  for server in (i % copies,))
 
@@ -427,7 +466,15 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
             limit: float | None, *, in_flight: Sequence[int] | None = None,
             recompute: Sequence[bool] | None = None, **tags: Any) -> _Candidate | None:
     """A candidate priced with its in-flight counts (given, else `choose_in_flight`) and its
-    stages' recomputation (given, else `choose_recompute`); None if it does not fit."""
+    stages' recomputation (given, else `choose_recompute`); None if it does not fit, or if the
+    schedule cannot feed its replicas (a microbatched schedule gives each replica of a stage
+    its share of a minibatch's microbatches: no more replicas than microbatches, and 2bw a
+    whole number each)."""
+    row = kind(options.schedule)
+    m = options.per_minibatch
+    for _, ranks in stages:
+        if row.microbatched and (len(ranks) > m or (not row.flush and m % len(ranks))):
+            return None
     try:
         again = list(recompute) if recompute is not None else \
             choose_recompute(graph, stages, cluster, options=options, memory=limit)
@@ -444,10 +491,8 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
             held[rank] = held.get(rank, 0.0) + stage.memory
     if limit is not None and max(held.values()) > limit * (1 + 1e-9):
         return None
-    row = kind(options.schedule)
-    ranks = len(held)
-    if (row.interleaved or row.split_backward) and options.per_minibatch >= ranks \
-            and options.per_minibatch % ranks:
+    workers = len(held)
+    if (row.interleaved or row.split_backward) and m >= workers and m % workers:
         return None  # these orders take microbatches in rounds of one per rank
     bound = priced_time(graph, stages, cluster, options=options, in_flight=flight,
                         recompute=again).bound
@@ -462,15 +507,24 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     if simulate is False:
         return ranked[0], None
     best: tuple[float, _Candidate] | None = None
-    # the DP's best few, and every CP-SAT plan (adding CP-SAT never loses the DP's choice)
-    chosen = [c for c in ranked if c.planner != "ilp"][:SIMULATED_CANDIDATES] \
+    # the DP's best few within SIMULATED_WITHIN of the best closed form, and every CP-SAT plan
+    # (adding CP-SAT never loses the DP's choice)
+    near = [c for c in ranked if c.closed <= ranked[0].closed * SIMULATED_WITHIN]
+    chosen = [c for c in near if c.planner != "ilp"][:SIMULATED_CANDIDATES] \
         + [c for c in ranked if c.planner == "ilp"]
+    # and the best of every schedule and microbatch count (schedule="auto"): the closed form
+    # ranks plans of one schedule better than plans of different ones
+    for option in {(c.options.schedule, c.options.per_minibatch) for c in ranked}:
+        leader = next(c for c in ranked
+                      if (c.options.schedule, c.options.per_minibatch) == option)
+        if leader not in chosen:
+            chosen.append(leader)
     for candidate in chosen:
         plan_ = candidate.as_plan(sum(s.replicas for s in candidate.priced))
         if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
             continue
         try:
-            _, result = simulate_plan(graph, plan_, cluster, timeline=False)
+            _, result = simulate_steady(graph, plan_, cluster)
         except ScheduleError:  # the chosen depths cannot run: that candidate is out
             continue
         if best is None or result.time_per_minibatch < best[0]:
@@ -482,8 +536,9 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
 
 def _simulation_cost(plan_: Plan) -> int:
     """About how many actions and dependencies simulating a plan visits: every stage's actions
-    for every microbatch, and each all-reduce waiting for all of its stage's replicas."""
-    stream = steady_minibatches(plan_) if not kind(plan_.schedule).flush else 1
+    for every microbatch, and each all-reduce waiting for all of its stage's replicas (a
+    streaming schedule's first two runs, `simulate_steady`)."""
+    stream = 3 * steady_minibatches(plan_) if not kind(plan_.schedule).flush else 1
     return sum(stream * plan_.microbatches * (8 + s.replicas) for s in plan_.stages)
 
 

@@ -29,7 +29,8 @@ DEFAULT_MICROBATCHES = 8
 def steady_minibatches(plan: Plan, minimum: int = 64) -> int:
     """A stream long enough to measure a streaming schedule's steady state: at least `minimum`
     minibatches, 8 rounds of every replica count and 4 per stage (warm-up and drain are cut
-    off by the timeline's steady window, the middle half of the completions)."""
+    off by the timeline's steady window, the middle half of the completions; where that is not
+    yet the steady state, `simulate_steady` runs longer streams)."""
     replicas = [s.replicas for s in plan.stages]
     return stream_length(replicas, max(minimum, 8 * math.lcm(*replicas), 4 * len(replicas)))
 
@@ -63,6 +64,28 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
     return lowered, simulate(lowered, costs, cluster, timeline=timeline)
 
 
+def simulate_steady(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
+                    tolerance: float = 0.02, longest: int = 4) -> tuple[Schedule, SimResult]:
+    """`simulate_plan` of a streaming schedule on streams of doubling length until the time per
+    minibatch moves by less than `tolerance` (at most `longest` times `steady_minibatches`):
+    where replicas of different counts meet, a backlog can build over dozens of rounds before
+    the steady state shows. A flush schedule is simulated once."""
+    if kind(plan.schedule).flush:
+        return simulate_plan(graph, plan, cluster, timeline=False)
+    length = steady_minibatches(plan)
+    schedule, result = simulate_plan(graph, plan, cluster, minibatches=length, timeline=False)
+    factor = 1
+    while factor < longest:
+        factor *= 2
+        longer = simulate_plan(graph, plan, cluster, minibatches=length * factor,
+                               timeline=False)
+        moved = abs(longer[1].time_per_minibatch / result.time_per_minibatch - 1.0)
+        schedule, result = longer
+        if moved < tolerance:
+            break
+    return schedule, result
+
+
 def _warmup(warmup: str | Sequence[int], plan: Plan, costs: StageCosts, cluster: Cluster,
             name: str) -> list[int] | None:
     if not isinstance(warmup, str):
@@ -91,4 +114,4 @@ def data_parallel_plan(graph: nx.DiGraph, cluster: Cluster) -> Plan:
                 planner="data-parallel")
 
 
-__all__ = ["data_parallel_plan", "simulate_plan", "steady_minibatches"]
+__all__ = ["data_parallel_plan", "simulate_plan", "simulate_steady", "steady_minibatches"]
