@@ -19,8 +19,10 @@ microbatches in flight per replica (warm-up depth + 1).
   - a link's occupancy: bytes / bandwidth over the lcm(r_a, r_c) rank pairs that share it;
   - the round trip (Little's law): a replica keeps N_s microbatches in flight, each for the
     round trip RT_s from its forward to its backward (its own work, every later stage's
-    compute, each transfer there and back; a later stage with fewer replicas takes the round's
-    r_s microbatches one after another), so RT_s / (N_s r_s) per microbatch.
+    compute, each transfer there and back on the rank pair that microbatch uses: pairs on one
+    server are faster than pairs across servers, so the circuits follow the microbatches they
+    chain and the slowest chain binds; replicas that all-reduce every round wait for the
+    round's slowest), so RT_s / (N_s r_s) per microbatch.
 * Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
   microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
   transfers there and back), and the busiest stage adds its other microbatches,
@@ -123,13 +125,15 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
     # seconds a transfer takes end to end, and the time it occupies its link
-    links = {e: slowest_link(cluster, stage_ranks[e[0]], stage_ranks[e[1]]) for e in edges}
-    transfer = {e: transfer_seconds(size, links[e]) for e, size in edges.items()}
-    busy = {e: link_busy_seconds(size, links[e]) for e, size in edges.items()}
+    pairs = _pair_transfers(edges, stage_ranks, cluster)
+    transfer = {e: sum(sec) / len(sec) for e, sec in pairs.items()}
+    busy = {e: link_busy_seconds(size, slowest_link(cluster, stage_ranks[e[0]],
+                                                    stage_ranks[e[1]]))
+            for e, size in edges.items()}
     own = [t.compute + t.cpu_copies if row.flush
            else t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
            * update_share(schedule, m, t.replicas) for t in terms]
-    circuits = _circuits(terms, own, transfer)
+    circuits = _circuits(terms, own, pairs, lockstep=row.update == "round" and not row.flush)
     if row.flush:
         timed = _flush(terms, transfer, busy, circuits, stage_ranks, m,
                        gpipe=schedule == "gpipe")
@@ -147,45 +151,96 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
                         tuple(rt for _, rt in circuits))
 
 
-def _circuit_lengths(terms: Sequence[StageTerms], own: Sequence[float],
-                     transfer: dict[tuple[int, int], float]) -> list[list[float]]:
-    """lengths[s][k - s]: seconds of the circuit from a forward of stage s through stage k and
-    back to the backward of s (`_circuits`): the work of s, then the longest path of stages and
-    transfers (there and back) from s to k in the stages' graph, where a later stage with fewer
-    replicas takes the round's r_s microbatches one after another; 0 where k is not reached."""
-    out = []
-    count = len(terms)
-    for s, head in enumerate(terms):
-        reach = [-math.inf] * count  # longest path from s to k, without s's own work
-        reach[s] = 0.0
-        for k in range(s + 1, count):
-            best = max((reach[a] + 2.0 * sec for (a, c), sec in transfer.items()
-                        if c == k and a >= s and reach[a] > -math.inf), default=-math.inf)
-            if best > -math.inf:
-                reach[k] = best + terms[k].compute * max(1.0, head.replicas / terms[k].replicas)
-        out.append([own[s] + max(0.0, reach[k]) for k in range(s, count)])
+Transfers = dict[tuple[int, int], list[float]]  # per stage edge, seconds per microbatch residue
+
+PAIRS_CAP = 720  # microbatch residues a circuit is followed over; beyond, its slowest residue
+
+
+def _pair_transfers(edges: dict[tuple[int, int], float], stage_ranks: Sequence[Sequence[int]],
+                    cluster: Cluster) -> Transfers:
+    """Per stage edge (a, c), the transfer's seconds for microbatch m, m < lcm(r_a, r_c): the
+    round robin sends m from a[m % r_a] to c[m % r_c], and pairs on one server are faster than
+    pairs across servers."""
+    out: Transfers = {}
+    for (a, c), size in edges.items():
+        src, dst = stage_ranks[a], stage_ranks[c]
+        out[a, c] = [transfer_seconds(size, cluster.levels[cluster.link_level(
+            src[m % len(src)], dst[m % len(dst)])]) for m in range(math.lcm(len(src), len(dst)))]
     return out
 
 
+def _circuit_profiles(terms: Sequence[StageTerms], own: Sequence[float],
+                      transfer: Transfers) -> list[list[list[float]]]:
+    """profiles[s][k - s][m]: seconds of the circuit from a forward of stage s through stage k
+    and back to the backward of s (`_circuits`) for microbatch residue m: the work of s, then
+    the longest path of stages and transfers (there and back, each on the rank pair microbatch
+    m uses) from s to k; [own work] where k is not reached."""
+    count = len(terms)
+    incoming: list[list[tuple[int, list[float]]]] = [[] for _ in range(count)]
+    for (a, c), seconds in transfer.items():
+        incoming[c].append((a, seconds))
+    out = []
+    for s in range(count):
+        period = 1
+        for (a, _), seconds in transfer.items():
+            if a >= s:
+                period = math.lcm(period, len(seconds))
+        slowest = period > PAIRS_CAP  # too many residues to follow: the slowest pair each
+        rows: list[list[float]] = [[] for _ in range(s, count)]
+        for m in range(1 if slowest else period):
+            reach = [-math.inf] * count  # longest path from s, without s's own work
+            reach[s] = 0.0
+            for k in range(s + 1, count):
+                best = max((reach[a] + 2.0 * (max(sec) if slowest else sec[m % len(sec)])
+                            for a, sec in incoming[k] if a >= s and reach[a] > -math.inf),
+                           default=-math.inf)
+                if best > -math.inf:
+                    reach[k] = best + terms[k].compute
+            for k in range(s, count):
+                rows[k - s].append(own[s] + max(0.0, reach[k]))
+        out.append(rows)
+    return out
+
+
+def _orbit_length(lengths: Sequence[float], tokens: int) -> float:
+    """The circuit's seconds averaged along the microbatches it chains: microbatch m leads to
+    m + tokens, so residues fall in gcd(tokens, len) classes; the slowest class binds."""
+    classes = math.gcd(tokens, len(lengths))
+    return max(sum(lengths[c::classes]) / (len(lengths) // classes) for c in range(classes))
+
+
+def _lockstep(lengths: list[float], replicas: int) -> list[float]:
+    """Circuit lengths where a stage's replicas all-reduce after every round of `replicas`
+    microbatches: the round waits for its slowest replica, so each residue of a round takes the
+    round's longest circuit."""
+    if replicas == 1 or len(lengths) % replicas:
+        return lengths
+    return [max(lengths[m - m % replicas:m - m % replicas + replicas]) for m in range(len(lengths))]
+
+
 def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
-              transfer: dict[tuple[int, int], float]) -> list[tuple[float, float]]:
+              transfer: Transfers, *, lockstep: bool) -> list[tuple[float, float]]:
     """Per stage s: the largest time per microbatch that its in-flight limit imposes, and the
-    round trip RT_s from its forward to its backward with nothing queued.
+    round trip RT_s from its forward to its backward with nothing queued (averaged over rank
+    pairs).
 
     A replica of s runs F(m) after B(m - N_s r_s) and, at a later stage k, F(m) is followed by
     B(m - (N_k - 1) r_k). So F_s(m) -> ... -> F_k(m) -> B_k(m - (N_k - 1) r_k) -> ... -> B_s ->
     F_s(m + N_s r_s - (N_k - 1) r_k) is a circuit of the schedule: its compute and transfers must
-    fit in N_s r_s - (N_k - 1) r_k microbatch periods. k = s gives the stage's own work; the
-    last stage (N = 1) gives the whole round trip over N_s r_s periods.
+    fit in N_s r_s - (N_k - 1) r_k microbatch periods. k = s gives the stage's own work over its
+    replicas; the last stage (N = 1) gives the whole round trip over N_s r_s periods.
+    `lockstep`: replicas all-reduce after every round (`_lockstep`).
     """
     out = []
-    for s, lengths in enumerate(_circuit_lengths(terms, own, transfer)):
+    for s, profile in enumerate(_circuit_profiles(terms, own, transfer)):
         head = terms[s]
-        worst = lengths[0] / head.replicas
+        worst = profile[0][0] / head.replicas
         for k in range(s + 1, len(terms)):
             tokens = head.in_flight * head.replicas - (terms[k].in_flight - 1) * terms[k].replicas
-            worst = max(worst, lengths[k - s] / tokens if tokens > 0 else math.inf)
-        out.append((worst, lengths[-1]))
+            lengths = _lockstep(profile[k - s], head.replicas) if lockstep else profile[k - s]
+            worst = max(worst, _orbit_length(lengths, tokens) / tokens if tokens > 0
+                        else math.inf)
+        out.append((worst, sum(profile[-1]) / len(profile[-1])))
     return out
 
 
@@ -214,20 +269,27 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
     count the in-flight minibatches of the stages after it."""
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
-    links = {e: slowest_link(cluster, stage_ranks[e[0]], stage_ranks[e[1]]) for e in edges}
-    transfer = {e: transfer_seconds(size, links[e]) for e, size in edges.items()}
     own = [t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
            * update_share(schedule, m, t.replicas) for t in terms]
-    lengths = _circuit_lengths(terms, own, transfer)
+    profiles = _circuit_profiles(terms, own, _pair_transfers(edges, stage_ranks, cluster))
+    lockstep = row.update == "round" and not row.flush
     count = len(terms)
     chosen = [1] * count
-    per = period / m  # seconds per microbatch
+    per = period / m * (1.0 + 1e-9)  # seconds per microbatch
     for s in range(count - 1, -1, -1):
+        r = terms[s].replicas
         need = 1
         for k in range(s + 1, count):
-            tokens = lengths[s][k - s] / per * (1.0 - 1e-9) if per > 0 else math.inf
-            need = max(need, math.ceil(((chosen[k] - 1) * terms[k].replicas + tokens)
-                                       / terms[s].replicas))
+            held = (chosen[k] - 1) * terms[k].replicas
+            lengths = _lockstep(profiles[s][k - s], r) if lockstep else profiles[s][k - s]
+            # the mean circuit gives a first guess; the circuit's slowest orbit may need more
+            guess = sum(lengths) / len(lengths) / per if per > 0 else math.inf
+            n = max(need, math.ceil((held + guess * (1.0 - 1e-9)) / r) if guess < math.inf
+                    else limits[s])
+            while n < limits[s] and (n * r - held <= 0 or _orbit_length(
+                    lengths, n * r - held) / (n * r - held) > per):
+                n += 1
+            need = max(need, n)
         chosen[s] = max(1, min(limits[s], need))
     return runnable_in_flight(chosen, [t.replicas for t in terms])
 
