@@ -59,14 +59,14 @@ def test_help_explains_every_option(name: str, capsys: pytest.CaptureFixture[str
 
 
 def test_no_command_is_usage(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main([]) == 2
+    assert main([]) == 1
     assert "COMMAND" in capsys.readouterr().out
 
 
 def test_unknown_option_is_usage(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(["plan", "--no-such-option"])
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 1
     assert "unrecognized arguments" in capsys.readouterr().err
 
 
@@ -137,14 +137,14 @@ def test_export_json_and_bad_inputs(model_file: Path, tmp_path: Path,
 
 @pytest.mark.timeout(120)
 def test_console_entry_exit_codes(tmp_path: Path) -> None:
-    """The real process: exit status 1 and one line for a user error, 2 for usage."""
+    """The real process: exit status 1 and one line for a user error, a usage error too."""
     bad = subprocess.run([sys.executable, "-m", "pdcompile", "plan", "--profile",
                           str(tmp_path / "none"), "--cluster", "A"],
                          capture_output=True, text=True, timeout=100, check=False)
     assert bad.returncode == 1 and bad.stderr.count("\n") == 1 and not bad.stdout
     usage = subprocess.run([sys.executable, "-m", "pdcompile", "demo", "--workers", "0"],
                            capture_output=True, text=True, timeout=100, check=False)
-    assert usage.returncode == 2 and usage.stderr.count("\n") == 1
+    assert usage.returncode == 1 and usage.stderr.count("\n") == 1
     assert "pdcompile demo --help" in usage.stderr
 
 

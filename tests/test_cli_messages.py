@@ -74,7 +74,7 @@ def test_usage_errors_are_one_line_with_did_you_mean(argv: list[str], expect: st
                                                       capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exit_info:
         main(argv)
-    assert exit_info.value.code == 2
+    assert exit_info.value.code == 1
     err = capsys.readouterr().err
     assert expect in err and err.count("\n") == 1 and "--help" in err, err
 

@@ -2,8 +2,8 @@
 
 Each subcommand lives in its own module here and exposes `register(subparsers)`, which adds its
 parser and sets `func(args) -> int`. Exit codes: 0 ok, 1 a user error (one line on stderr: a
-PdcompileError, or a file that cannot be read or written), 2 usage (argparse; one line too, with
-a 'did you mean' for a mistyped command, choice or option), 130 interrupted.
+PdcompileError, a file that cannot be read or written, or a usage error from argparse, with a
+'did you mean' for a mistyped command, choice or option), 130 interrupted.
 Colour (a red "error:") only when stderr is a terminal and NO_COLOR is not set.
 """
 
@@ -34,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
                                       f"{did_you_mean(choice.group(1), options)}; choose from "
                                       f"{', '.join(options)}")
         _error("", f"{message} (see '{self.prog} --help')", prog=self.prog)
-        sys.exit(2)
+        sys.exit(1)
 
     def unknown(self, extras: list[str]) -> NoReturn:
         """Refuse arguments this (sub)command does not take, suggesting the closest option."""
@@ -50,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Compile a PyTorch model into a PipeDream-style pipeline: trace, cost, "
         "partition into (replicated) stages, generate a 1F1B loop, run or simulate it.",
         epilog="Run 'pdcompile COMMAND --help' for the options of one command. Start with "
-        "'pdcompile demo' (a few minutes on 2 cores). Exit status: 0 ok, 1 user error, 2 usage.",
+        "'pdcompile demo' (a few minutes on 2 cores). Exit status: 0 ok, 1 user error.",
     )
     from pdcompile import __version__
 
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         (sub or parser).unknown(extras)  # type: ignore[attr-defined]
     if not getattr(args, "func", None):
         parser.print_help()
-        return 2
+        return 1
     try:
         return int(args.func(args) or 0)
     except PdcompileError as err:
