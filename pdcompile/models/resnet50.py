@@ -6,10 +6,10 @@ The residual additions make the graph branch, which the partitioner must handle.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
+
+from pdcompile.models.classification import loss_fn, make_target
 
 
 class Bottleneck(nn.Module):
@@ -80,12 +80,4 @@ def factory(*, batch_size: int = 4, image_size: int = 64, width: int = 4, num_cl
     return model, (x,)
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over classes."""
-    return nn.functional.cross_entropy(output, target)
-
-
-def make_target(example_inputs: tuple[Any, ...], *, num_classes: int = 10) -> torch.Tensor:
-    """Random class labels, one per image."""
-    x = example_inputs[0]
-    return torch.randint(0, num_classes, (x.shape[0],), device=x.device)
+__all__ = ["Bottleneck", "ResNet50", "factory", "loss_fn", "make_target"]

@@ -6,10 +6,10 @@ small images that trains on a CPU in well under a second per step.
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch import nn
+
+from pdcompile.models.classification import loss_fn, make_target
 
 CONFIG = (64, 64, "M", 128, 128, "M", 256, 256, 256, "M", 512, 512, 512, "M", 512, 512, 512, "M")
 
@@ -57,12 +57,4 @@ def factory(*, batch_size: int = 8, image_size: int = 32, width: int = 8, num_cl
     return model, (x,)
 
 
-def loss_fn(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy over classes."""
-    return nn.functional.cross_entropy(output, target)
-
-
-def make_target(example_inputs: tuple[Any, ...], *, num_classes: int = 10) -> torch.Tensor:
-    """Random class labels, one per image."""
-    x = example_inputs[0]
-    return torch.randint(0, num_classes, (x.shape[0],), device=x.device)
+__all__ = ["VGG16", "factory", "loss_fn", "make_target"]
