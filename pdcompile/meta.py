@@ -121,13 +121,18 @@ def _node_name(node: Any) -> str:
     return str(getattr(node, "name", node))
 
 
+def _written(node: Any, key: str, what: str, writer: str) -> Any:
+    """node.meta[key]; raises MetaMissingError naming the pass `writer` that writes it."""
+    value = node.meta.get(key)
+    if value is None:
+        raise MetaMissingError(f"node {_node_name(node)!r} has no {what}; run {writer} first")
+    return value
+
+
 def get_shape(node: Any) -> NodeShape:
     """node.meta["pd.shape"]; raises MetaMissingError if the shapes pass has not run."""
-    value = node.meta.get(SHAPE_KEY)
-    if value is None:
-        raise MetaMissingError(f"node {_node_name(node)!r} has no shape; run "
-                               "pdcompile.passes.shapes.annotate_shapes(gm, example_inputs) first")
-    return value  # type: ignore[no-any-return]
+    return _written(node, SHAPE_KEY, "shape",  # type: ignore[no-any-return]
+                    "pdcompile.passes.shapes.annotate_shapes(gm, example_inputs)")
 
 
 def set_shape(node: Any, shape: NodeShape) -> None:
@@ -154,11 +159,8 @@ def get_tree(node: Any) -> ValueTree | None:
 
 def get_cost(node: Any) -> NodeCost:
     """node.meta["pd.cost"]; raises MetaMissingError if the cost pass has not run."""
-    value = node.meta.get(COST_KEY)
-    if value is None:
-        raise MetaMissingError(f"node {_node_name(node)!r} has no cost; run "
-                               "pdcompile.cost.node_costs.annotate_costs(gm, example_inputs) first")
-    return value  # type: ignore[no-any-return]
+    return _written(node, COST_KEY, "cost",  # type: ignore[no-any-return]
+                    "pdcompile.cost.node_costs.annotate_costs(gm, example_inputs)")
 
 
 def set_cost(node: Any, cost: NodeCost) -> None:
