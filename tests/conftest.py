@@ -10,13 +10,14 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.helpers.paths import PROFILES
+
 # CI replays the same property-test examples every run (a red CI is then a regression, not a
 # draw); local runs explore fresh examples.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
 
-PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "pipedream"
 
 
 @pytest.fixture(autouse=True)
