@@ -17,7 +17,7 @@ from torch.fx import Node
 
 from pdcompile.backends.launch import Worker, launch
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 WIDTH, MB, MICRO, STEPS, LR = 16, 8, 4, 2, 0.1
 

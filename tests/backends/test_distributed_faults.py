@@ -15,7 +15,7 @@ import pdcompile
 from pdcompile.backends.launch import LaunchError, PeerFailure, Worker, launch
 from pdcompile.errors import DistributedError, PipelineInputError
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 WIDTH, BATCH = 12, 8
 

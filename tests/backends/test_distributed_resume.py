@@ -15,7 +15,7 @@ import pdcompile
 from pdcompile.runtime.checkpoint import Checkpointer
 from pdcompile.worker import train_processes
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 WIDTH, BATCH = 12, 8
 

@@ -75,6 +75,7 @@ def _generator_program(worker: Worker) -> float:
     return float(drive(run_rank(), transport))
 
 
+@pytest.mark.slow
 def test_ring_send_recv_with_preposted_receives() -> None:
     values = launch(_ring, 3, timeout=60)
     for rank, got in enumerate(values):
@@ -82,6 +83,7 @@ def test_ring_send_recv_with_preposted_receives() -> None:
         assert got == [prev * 10 + m + float((torch.arange(4) + prev).sum()) for m in range(3)]
 
 
+@pytest.mark.slow
 def test_all_reduce_over_replica_group_and_generator_driver() -> None:
     assert launch(_replica_allreduce, 3, timeout=60) == [[], [9.0, 120.0], [9.0, 120.0]]
     assert launch(_generator_program, 2, timeout=60) == [15.0, 5.0]
@@ -117,6 +119,7 @@ def _hangs(worker: Worker) -> None:
     transport.recv([TensorSpec((1,), torch.float32)], 1, Tag("act", 1, 0, 0)).wait()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("program", [_killed_mid_run, _raises])
 def test_dead_worker_stops_the_others_naming_it(program: object) -> None:
     bound = 3.0
@@ -135,6 +138,7 @@ def test_dead_worker_stops_the_others_naming_it(program: object) -> None:
         assert outcome.finished_at is not None and outcome.finished_at - died_at < bound + 1.0
 
 
+@pytest.mark.slow
 def test_hung_worker_is_detected_by_heartbeat() -> None:
     bound = 2.0
     start = time.time()
@@ -150,6 +154,7 @@ def _sleeps(worker: Worker) -> None:
     time.sleep(600)
 
 
+@pytest.mark.slow
 def test_whole_run_timeout_kills_every_process() -> None:
     start = time.monotonic()
     with pytest.raises(LaunchError, match="did not finish within 4 s") as info:

@@ -20,7 +20,7 @@ import pdcompile
 from pdcompile.backends.launch import Worker, launch
 from pdcompile.timeline import Timeline
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 WIDTH, BATCH = 12, 8
 

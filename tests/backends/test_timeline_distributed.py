@@ -19,7 +19,7 @@ from pdcompile.viz.compare import compare
 from pdcompile.viz.gantt import draw_gantt
 from pdcompile.worker import train_processes
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 STEPS = 6
 
 

@@ -136,6 +136,7 @@ def test_export_json_and_bad_inputs(model_file: Path, tmp_path: Path,
     assert "does not exist" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_console_entry_exit_codes(tmp_path: Path) -> None:
     """The real process: exit status 1 and one line for a user error, 2 for usage."""

@@ -11,6 +11,7 @@ from pdcompile.cli import main
 from pdcompile.timeline import Timeline
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_quick_demo_trains_and_writes_the_timelines(tmp_path: Path,
                                                     capsys: pytest.CaptureFixture[str]) -> None:

@@ -84,6 +84,7 @@ def _exported(tmp_path: Path, schedule: str = "1f1b-flush") -> tuple[Path, Any, 
     return folder, x, y
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_pdcompile_run_trains_the_export_on_torchrun(tmp_path: Path) -> None:
     folder, x, y = _exported(tmp_path)
@@ -99,6 +100,7 @@ def test_pdcompile_run_trains_the_export_on_torchrun(tmp_path: Path) -> None:
         assert f"step {step}/3 loss {loss:.6f}" in done.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dead_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     folder, x, y = _exported(tmp_path)

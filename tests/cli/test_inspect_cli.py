@@ -179,6 +179,7 @@ def test_untraceable_model_names_module_and_fix(model_file: Path,
     assert code == 0
 
 
+@pytest.mark.slow
 def test_console_script_runs_a_bundled_model() -> None:
     done = subprocess.run([sys.executable, "-m", "pdcompile", "inspect",
                            "pdcompile.models.alexnet:factory", "--cost", "analytic", "--top",

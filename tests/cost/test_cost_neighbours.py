@@ -39,6 +39,7 @@ def tiny() -> tuple[nn.Module, torch.Tensor]:
     return nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), torch.randn(4, 8)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_neighbours_run_inside_and_are_gone_after(tmp_path: Path) -> None:
     marks = tmp_path / "ran"
@@ -51,6 +52,7 @@ def test_neighbours_run_inside_and_are_gone_after(tmp_path: Path) -> None:
     assert all(p.exitcode is not None for p in neighbours.processes)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_neighbours_stop_after_an_exception(tmp_path: Path) -> None:
     seen = []
@@ -62,6 +64,7 @@ def test_neighbours_stop_after_an_exception(tmp_path: Path) -> None:
     assert seen and not seen[0].is_alive() and seen[0].exitcode is not None
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_train_step_runs_forward_and_backward_in_a_neighbour() -> None:
     model, x = tiny()
@@ -108,6 +111,7 @@ def test_unpicklable_model_is_refused_with_the_fix() -> None:
     assert multiprocessing.active_children() == before
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_a_failing_workload_is_reported() -> None:
     with pytest.raises(PdcompileError, match="always fails"):
@@ -116,6 +120,7 @@ def test_a_failing_workload_is_reported() -> None:
     assert not multiprocessing.active_children()
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(60)
 def test_annotate_costs_with_one_neighbour_costs_every_node() -> None:
     model, x = tiny()

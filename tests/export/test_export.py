@@ -212,6 +212,7 @@ def test_loss_modules_travel_with_their_settings(tmp_path: Path) -> None:
     assert pipe.step(x, target=y) == loaded.step(x, target=y)
 
 
+@pytest.mark.slow
 def test_a_function_of_a_script_run_as_main_is_named_at_export(tmp_path: Path) -> None:
     """A loss defined in a script run as __main__ cannot be imported by another process: the
     export says so (a warning) and the load asks for it, instead of failing later."""

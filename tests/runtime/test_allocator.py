@@ -42,6 +42,7 @@ def _faults(env: dict[str, str]) -> tuple[bool, int]:
     return out[0] == "True", int(out[1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not GLIBC, reason="mallopt settings exist on glibc only")
 def test_tuned_loop_reuses_memory_instead_of_faulting_pages_in() -> None:
     applied, tuned = _faults({ENV: ""})
