@@ -237,6 +237,7 @@ def test_stage_without_parameters() -> None:
     torch.testing.assert_close(torch.tensor(pipe.train(batches)), torch.tensor(expected))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("plan", [3, [2, 1, 2]], ids=["3-stages", "replicated-ends"])
 def test_1f1b_keeps_tied_embeddings_equal(plan: Any) -> None:
     """GPT-2's token embedding is tied to its output head across stages 0 and 2; under async

@@ -112,6 +112,7 @@ def test_costgraph_picture_of_a_profile(profiles_dir: Path) -> None:
     assert any(label.endswith("MiB") for _, _, label in picture.edges)
 
 
+@pytest.mark.slow
 def test_plan_cli_draw_and_stage(profiles_dir: Path, tmp_path: Path,
                                  capsys: pytest.CaptureFixture[str]) -> None:
     svg = tmp_path / "vgg.svg"

@@ -107,6 +107,7 @@ def test_model_specs_in_all_help_texts_exist() -> None:
     assert not missing, f"help texts name models that do not exist: {missing}"
 
 
+@pytest.mark.slow
 def test_inspect_examples_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                               capsys: pytest.CaptureFixture[str]) -> None:
     """The inspect examples (a few seconds in all) run as written, in the repository layout."""

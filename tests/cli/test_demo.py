@@ -58,6 +58,7 @@ def test_quick_demo_trains_and_writes_the_timelines(tmp_path: Path,
     assert "## 5. the same model on PipeDream's cluster A" in (out / "demo.md").read_text()
 
 
+@pytest.mark.slow
 def test_demo_local_backend_learns(tmp_path: Path) -> None:
     """The local backend path (no processes): the loss of the synthetic task falls."""
     import io

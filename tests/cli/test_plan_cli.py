@@ -107,6 +107,7 @@ def test_plan_model_factory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert sum(s.replicas for s in result.stages) == 2
 
 
+@pytest.mark.slow
 def test_plan_refine_prints_the_simulated_gain(profiles_dir: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["plan", "--profile", str(profiles_dir / "alexnet"), "--cluster", "A",

@@ -61,6 +61,7 @@ def test_round_trip_flush_with_adam_and_tied_weights(tmp_path: Path) -> None:
     assert_same_state(pipe, loaded)
 
 
+@pytest.mark.slow
 def test_round_trip_async_1f1b_with_batchnorm(tmp_path: Path) -> None:
     model, inputs = resnet50.factory(batch_size=4, image_size=32, width=16, blocks=(1, 1, 1, 1))
     target = resnet50.make_target(inputs)
@@ -185,6 +186,7 @@ def test_export_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
                  str(out)]) == 1
 
 
+@pytest.mark.slow
 def test_outputs_match_the_model_after_load(tmp_path: Path) -> None:
     model, inputs, _ = gpt()
     pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, plan=3,

@@ -62,10 +62,13 @@ LAYOUTS: dict[str, dict[str, int | list[int]]] = {
     "4": {name: 4 for name in MODELS},
     "replicated": {"vgg16": [2, 1], "resnet50": [1, 2], "gnmt": [2, 1, 1], "gpt2": [1, 2, 1]},
 }
+# whole models on 3 and 4 stages: slow lane; on 2 stages and replicated: fast lane too
+LAYOUT_PARAMS = [pytest.param(name, marks=[pytest.mark.slow] * (name in ("3", "4")))
+                 for name in LAYOUTS]
 
 
 @pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("layout", LAYOUT_PARAMS)
 @pytest.mark.parametrize("model", list(MODELS))
 def test_example_models(model: str, layout: str, schedule: str) -> None:
     plan = LAYOUTS[layout][model]

@@ -28,6 +28,7 @@ def _chain(n: int = 8, *, fwd: float = 0.01, act: float = 1e6, params: float = 1
     return graph
 
 
+@pytest.mark.slow
 def test_auto_takes_the_fastest_schedule_in_simulation() -> None:
     graph = _chain()
     cluster = Cluster.parse("4@1e9")

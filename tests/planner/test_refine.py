@@ -23,6 +23,7 @@ def _check_valid(plan: pdcompile.Plan, graph: nx.DiGraph, cluster: Cluster) -> N
     assert all(len(s.ranks) == s.replicas for s in plan.stages)
 
 
+@pytest.mark.slow
 def test_refine_improves_data_parallelism_of_alexnet_on_cluster_a(profiles_dir: Path) -> None:
     graph = load_pipedream(profiles_dir / "alexnet" / "graph.txt")
     cluster = Cluster.preset("A")
