@@ -1,7 +1,7 @@
 """Generated rank loops: golden sources, loop compression, and that running them replays the
 schedule exactly (the generated code is the execution path).
 
-Golden files live in tests/golden/codegen/; regenerate with PDCOMPILE_REGEN_GOLDEN=1 after a
+Golden files live in tests/passes/golden/; regenerate with PDCOMPILE_REGEN_GOLDEN=1 after a
 deliberate change and review the diff.
 """
 

@@ -1,6 +1,6 @@
 """Schedule generators read like the figures of the PipeDream, PipeDream-Flush/2BW and GPipe papers.
 
-Golden files (compute order and lowered schedule) live in tests/golden/schedules; regenerate them
+Golden files (compute order and lowered schedule) live in tests/schedule/golden; regenerate them
 with PDCOMPILE_REGEN_GOLDEN=1 after a deliberate change and review the diff.
 """
 
