@@ -180,7 +180,7 @@ def main() -> None:
             "no-op (measured at the start) is subtracted per node. A wall-clock row far from 1 "
             "while the CPU-time row of the same model is close means other jobs took the "
             "cores during that measurement (the whole-model time inflates most, as one sample "
-            "spans several scheduler slices). tests/test_cost.py asserts the 35% bound in CPU "
+            "spans several scheduler slices). tests/cost/test_cost.py asserts the 35% bound in CPU "
             "time for vgg16, gpt2, resnet50 and gnmt (smaller sizes), the GPT-2 XL peak RSS "
             "below 1 GB, and that paper-size VGG-16 and ResNet-50 have exactly the parameter "
             "bytes (and activation bytes within 0.5%) of PipeDream's profiles. The analytic "

@@ -33,7 +33,7 @@ NOTES = """
 * **pipedream DP**: `pdcompile.plan(..., planner="dp", cost_model="pipedream")`, the original
   optimizer's cost model and recurrence. It reproduces every figure quoted in
   `../shared/profiles/pipedream/README.md` (times per minibatch, configurations, speed-ups over
-  data parallelism; asserted in tests/test_partition_costmodel.py): vgg16 4 -> 3-1 0.2055 s,
+  data parallelism; asserted in tests/planner/test_partition_costmodel.py): vgg16 4 -> 3-1 0.2055 s,
   vgg16 16 -> 13-2-1 0.0565 s, alexnet 4 -> 3-1 0.0342 s, resnet50 4 -> 2 stages 0.1629 s,
   resnet50 16 -> 7-6-3 0.0478 s, densenet121 8 -> 5-2-1 0.0471 s, gnmt 4 straight 0.0259 s,
   gnmt_large 4 straight 0.1371 s, vgg16 4x4 0.0671 s, resnet101 8x2 7 stages 0.0439 s.
@@ -56,16 +56,16 @@ NOTES = """
 * Target "DP under 1 s on every row": met by both DPs. The original's two-level recurrence solves
   the inner pipeline of every segment (every start state), cubic in the number of states; ours
   keeps that recurrence and its tie-breaking exactly (same tables, asserted against the plain
-  level in tests/test_partition_dp_pruned.py) but skips work that cannot change them. Where states
-  have distinct costs (densenet121, resnet101, resnext101) splits are pruned with exact bounds (a
-  split whose compute alone over its workers exceeds the best known time cannot win): under 1 M
-  candidates instead of ~100 M. gnmt_large's 1496 states fall into 65 classes with identical costs
-  (9 nodes with zero time and bytes, `hidden` and its 8 `__getitem__`, can join any state), so
-  there the inner level runs per cost class: a split enters only through the best inner time up to
-  it and the last stage's time, which depends on the classes alone, so each (start, end) takes the
-  best class that has a state between them (bitset test), exact when that class's values from the
-  start are all equal (checked; otherwise that cell is evaluated over all its splits), and the
-  tie-broken split (first r, first k) is recovered only along the walk back. Measured with
+  level in tests/planner/test_partition_dp_pruned.py) but skips work that cannot change them. Where
+  states have distinct costs (densenet121, resnet101, resnext101) splits are pruned with exact
+  bounds (a split whose compute alone over its workers exceeds the best known time cannot win):
+  under 1 M candidates instead of ~100 M. gnmt_large's 1496 states fall into 65 classes with
+  identical costs (9 nodes with zero time and bytes, `hidden` and its 8 `__getitem__`, can join any
+  state), so there the inner level runs per cost class: a split enters only through the best inner
+  time up to it and the last stage's time, which depends on the classes alone, so each (start, end)
+  takes the best class that has a state between them (bitset test), exact when that class's values
+  from the start are all equal (checked; otherwise that cell is evaluated over all its splits), and
+  the tie-broken split (first r, first k) is recovered only along the walk back. Measured with
   `plan(..., "4x4@1e10,1.25e9", planner="dp", cost_model="pipedream")`, one call per process,
   niced while other jobs ran: gnmt_large 7.2 s -> 0.52-0.77 s (same 14 stages, 42.06 ms),
   densenet121 0.31-0.34 s (24.61 ms); every row of the table 0.64 s at most in one sweep, all with

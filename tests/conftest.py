@@ -1,4 +1,5 @@
-"""Shared fixtures: every test starts from the same seeds, with one thread."""
+"""Shared fixtures: every test starts from the same seeds, with one thread; outside the slow lane
+no test starts a process."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from tests.helpers.paths import PROFILES
+from tests.helpers.spawn_guard import forbid_processes
+
 # CI replays the same property-test examples every run (a red CI is then a regression, not a
 # draw); local runs explore fresh examples.
 settings.register_profile("ci", derandomize=True, print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
-
-PROFILES = Path(__file__).resolve().parents[1].parent / "shared" / "profiles" / "pipedream"
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +28,14 @@ def _seed() -> None:
     random.seed(0)
     torch.manual_seed(0)
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def _fast_lane_starts_no_process(request: pytest.FixtureRequest,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """`pytest -m "not slow"` stays fast: a test that starts processes must be marked slow."""
+    if request.node.get_closest_marker("slow") is None:
+        forbid_processes(monkeypatch)
 
 
 @pytest.fixture

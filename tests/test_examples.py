@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
+
 EXAMPLES = ROOT / "examples"
 
 
@@ -27,6 +28,7 @@ def test_every_example_is_tested() -> None:
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_train_local() -> None:
     out = _run("train_local.py", "--small")
@@ -34,6 +36,7 @@ def test_train_local() -> None:
     assert "trained 8 minibatches" in out and "pipeline output shape: (32, 4)" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_plan_vgg16_cluster_a(profiles_dir: Path) -> None:
     out = _run("plan_vgg16_cluster_a.py", "--small", "--profile", str(profiles_dir / "vgg16"))
@@ -45,6 +48,7 @@ def test_plan_vgg16_cluster_a(profiles_dir: Path) -> None:
     assert len(speedups) == 2 and all(s > 1.0 for s in speedups)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_export_and_torchrun() -> None:
     out = _run("export_and_torchrun.py", "--small", timeout=280)
@@ -52,6 +56,7 @@ def test_export_and_torchrun() -> None:
     assert "trained 8 minibatches" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_gpt2_on_meta_for_h100() -> None:
     out = _run("gpt2_xl_h100.py", "--layers", "2", "--batch-size", "2")
@@ -59,6 +64,7 @@ def test_gpt2_on_meta_for_h100() -> None:
     assert "over data parallelism" in out
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_custom_leaf() -> None:
     out = _run("custom_leaf.py", "--small")

@@ -1,5 +1,6 @@
-"""Layers (tests/layering.py): every import of pdcompile points down, no import cycles, and the
-checker itself catches an upward import and a cycle in a small package made for the purpose."""
+"""Layers (tests/helpers/layering.py): every import of pdcompile points down, no import cycles,
+and the checker itself catches an upward import and a cycle in a small package made for the
+purpose."""
 
 from __future__ import annotations
 
@@ -10,9 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.layering import LAYERS, Layer, imports, layer_of, layer_table, modules, violations
-
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.layering import (
+    LAYERS,
+    Layer,
+    imports,
+    layer_of,
+    layer_table,
+    modules,
+    violations,
+)
+from tests.helpers.paths import ROOT
 
 FAKE_LAYERS = (Layer("low", ("fake.low",), "below"), Layer("high", ("fake.high",), "above"))
 
@@ -50,7 +58,7 @@ def test_downward_imports_pass_and_a_module_without_a_layer_is_named(tmp_path: P
     assert [(i.source, i.target, i.line) for i in imports(root, "fake")] == [
         ("fake.high", "fake.low", 2), ("fake.high", "fake.low", 3)]
     assert violations(root, "fake", layers, apart=()) == [
-        "fake.stray (fake/stray.py) has no layer: add it to LAYERS in tests/layering.py"]
+        "fake.stray (fake/stray.py) has no layer: add it to LAYERS in tests/helpers/layering.py"]
 
 
 def test_type_checking_imports_and_rooms_kept_apart_count(tmp_path: Path) -> None:
@@ -90,8 +98,8 @@ def test_the_architecture_page_shows_the_layer_table() -> None:
     start = page.index("\n", start) + 1
     end = page.index("<!-- end of layer table -->")
     assert page[start:end] == layer_table(LAYERS), \
-        "docs/architecture.md's layer table differs from tests/layering.py: paste " \
-        "`python tests/layering.py`'s table there"
+        "docs/architecture.md's layer table differs from tests/helpers/layering.py: paste " \
+        "`python tests/helpers/layering.py`'s table there"
 
 
 def test_every_room_says_what_it_is_and_its_init_imports_only_its_own_room() -> None:

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import os
 import re
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import run_bounded
 
 
 def readme_block() -> str:
@@ -23,20 +22,6 @@ def readme_block() -> str:
     return match.group(1)
 
 
-def _run(args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess[str]:
-    """A command in its own session (killed with its children if it overruns)."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.Popen(args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"{args} did not finish within {timeout} s:\n{out}")
-    return subprocess.CompletedProcess(args, proc.returncode, out, None)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_readme_one_liner_then_pdcompile_run(tmp_path: Path) -> None:
@@ -44,11 +29,13 @@ def test_readme_one_liner_then_pdcompile_run(tmp_path: Path) -> None:
     command = re.search(r"#\s*then:\s*(pdcompile run .+)$", code, re.M)
     assert command, "the one-liner's last line names the `pdcompile run` command to try"
     (tmp_path / "one_liner.py").write_text(code)
-    done = _run([sys.executable, "one_liner.py"], tmp_path, timeout=300)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = run_bounded([sys.executable, "one_liner.py"], cwd=tmp_path, env=env, timeout=300)
     assert done.returncode == 0, done.stdout
     words = command.group(1).split()
     assert words[:2] == ["pdcompile", "run"]
-    ran = _run([sys.executable, "-m", "pdcompile", *words[1:]], tmp_path, timeout=240)
+    ran = run_bounded([sys.executable, "-m", "pdcompile", *words[1:]], cwd=tmp_path, env=env,
+                      timeout=240)
     assert ran.returncode == 0, ran.stdout
     assert "training on the exported example minibatch, 20 times" in ran.stdout
     assert "step 20/20 loss" in ran.stdout

@@ -1,0 +1,1 @@
+"""Tests of pdcompile.backends: local, distributed (processes), simulated."""

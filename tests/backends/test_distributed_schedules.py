@@ -1,0 +1,125 @@
+"""run_distributed runs the interleaved and zero-bubble schedules and recomputing stages with the
+local backend's losses and weights (and so those of plain gradient accumulation,
+tests/pipeline/test_schedules_transparency.py).
+
+Interleaved pipelines put 2 chunks on each of 2 processes (each process one generated loop
+calling `rt.chunk(s)`); zero-bubble ones defer weight gradients to W on 2 and 3 processes; one
+case recomputes every stage. gloo over 127.0.0.1, one thread per process, bounded by timeouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pdcompile
+from pdcompile.backends.launch import Worker, launch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+WIDTH, BATCH, MICRO = 12, 8, 4
+
+
+@dataclass(frozen=True)
+class Case:
+    """A schedule on `ranks` processes holding `chunks` stages each; `steps` minibatches."""
+
+    schedule: str
+    ranks: int
+    chunks: int = 1
+    steps: int = 2
+    recompute: bool = False
+    record: bool = False
+
+
+def _model() -> nn.Sequential:
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(4):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Dropout(0.1), nn.Linear(WIDTH, 3))
+
+
+def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    return [(torch.randn(BATCH, WIDTH, generator=gen),
+             torch.randint(0, 3, (BATCH,), generator=gen)) for _ in range(steps)]
+
+
+def _pipeline(case: Case) -> Any:
+    from pdcompile.passes.split import even_plan
+    from pdcompile.passes.trace import trace
+    from pdcompile.planner.interleave import interleave
+
+    model = _model()
+    plan = even_plan(trace(model), case.ranks * case.chunks)
+    if case.recompute:
+        plan = replace(plan, stages=tuple(replace(s, recompute=True) for s in plan.stages))
+    if case.chunks > 1:
+        plan = interleave(plan, case.ranks)
+    example = _batches(1)[0]
+    return pdcompile.compile(model, example_inputs=(example[0],), example_target=example[1],
+                             loss_fn=nn.functional.cross_entropy,
+                             optimizer=lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+                             schedule=case.schedule, microbatches=MICRO, plan=plan)
+
+
+def _weights(pipe: Any, rank: int) -> dict[str, torch.Tensor]:
+    out = {}
+    for stage in pipe.stages_of(rank):
+        state, program = pipe.state(rank, stage), pipe.parts.stages[stage]
+        out.update({original: p.detach().clone()
+                    for name, p in state.module.named_parameters()
+                    for original in program.param_names.get(name, (name,))})
+    return out
+
+
+def _train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
+    from pdcompile.backends.distributed import reads_data, run_distributed
+
+    out = []
+    for case in cases:
+        torch.manual_seed(7)  # the dropout masks: every process and the local run alike
+        pipe = _pipeline(case)
+        batches = iter(_batches(case.steps)) if reads_data(pipe, worker.rank) else None
+        run = run_distributed(pipe, batches, monitor=worker.monitor, record=case.record)
+        out.append({"losses": run.losses, "weights": _weights(pipe, worker.rank),
+                    "timeline": run.timeline})
+    return out
+
+
+def _check(cases: list[Case], nproc: int) -> list[list[dict[str, Any]]]:
+    results = launch(_train, nproc, args=(cases,), timeout=240)
+    for index, case in enumerate(cases):
+        torch.manual_seed(7)
+        pipe = _pipeline(case)
+        want = pipe.train(_batches(case.steps))
+        for rank in range(nproc):
+            torch.testing.assert_close(torch.tensor(results[rank][index]["losses"]),
+                                       torch.tensor(want), msg=lambda m, c=case: f"{c}: {m}")
+        weights: dict[str, torch.Tensor] = {}
+        for rank in range(nproc):
+            weights.update(results[rank][index]["weights"])
+        state = pipe.named_parameters()
+        assert sorted(weights) == sorted(state), case
+        for name, value in state.items():
+            torch.testing.assert_close(weights[name], value.detach(),
+                                       msg=lambda m, c=case, n=name: f"{c} {n}: {m}")
+    return results
+
+
+def test_two_processes_interleaved_and_zero_bubble() -> None:
+    cases = [Case("interleaved-1f1b", 2, chunks=2, steps=1, record=True), Case("zb-h1", 2),
+             Case("interleaved-zb", 2, chunks=2), Case("zb-h1", 2, recompute=True),
+             Case("interleaved-1f1b", 2, chunks=3, recompute=True)]
+    results = _check(cases, 2)
+    timeline = results[0][0]["timeline"]  # rank 0 merges every rank's measured timeline
+    timeline.check_schedule(_pipeline(cases[0]).schedule(MICRO, MICRO))
+
+
+def test_three_processes_zero_bubble() -> None:
+    _check([Case("zb-h1", 3, steps=3), Case("interleaved-zb", 3, chunks=2)], 3)

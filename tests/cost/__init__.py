@@ -1,0 +1,1 @@
+"""Tests of pdcompile.cost: the CostGraph, the cost pass, the cost formulas, PipeDream profiles."""

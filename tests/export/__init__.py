@@ -1,0 +1,1 @@
+"""Tests of pdcompile.export: the files of an export, load, round trips."""

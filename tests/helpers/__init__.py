@@ -1,0 +1,1 @@
+"""Builders the tests share; no test module imports another (tests/test_tests.py)."""

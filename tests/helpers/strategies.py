@@ -1,0 +1,51 @@
+"""Hypothesis strategies for the planner's tests: tiny random DAGs and flat clusters."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import networkx as nx
+from hypothesis import strategies as st
+
+from pdcompile import Cluster
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+
+
+@st.composite
+def small_dags(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
+    """Random DAGs (edges only from lower to higher index), sometimes with an input node."""
+    n = draw(st.integers(1, max_nodes) | st.integers(3, max_nodes))
+    graph = new_cost_graph("random")
+    with_input = draw(st.booleans()) and n >= 2
+    for i in range(n):
+        if with_input and i == 0:
+            # an input; its forward time (data loading in PipeDream profiles) is not compute
+            add_block(graph, "n0", fwd=draw(st.sampled_from([0.0, 5e-3])), bwd=0.0,
+                      act=draw(st.floats(0, 5e7)), params=0.0)
+            continue
+        add_block(graph, f"n{i}", fwd=draw(st.floats(1e-4, 1e-2)), bwd=draw(st.floats(1e-4, 2e-2)),
+                  act=draw(st.floats(0, 5e7)), params=draw(st.floats(0, 1e6) | st.floats(0, 1e8)))
+    for j in range(1, n):
+        parents = draw(st.lists(st.integers(0, j - 1), max_size=2, unique=True))
+        if not parents and draw(st.booleans()):
+            parents = [j - 1]
+        for i in parents:
+            if draw(st.booleans()):
+                graph.add_edge(f"n{i}", f"n{j}", bytes=draw(st.floats(0, 5e7)))
+            else:
+                graph.add_edge(f"n{i}", f"n{j}")
+    return graph
+
+
+def _cluster(workers: int, bandwidth: str, latency: str, cpu_copies: bool) -> Cluster:
+    """A flat cluster; with `cpu_copies` its link is loopback, where senders copy by CPU."""
+    cluster = Cluster.parse(f"{workers}@{bandwidth}~{latency}")
+    return replace(cluster, levels=tuple(replace(lv, cpu_copies=cpu_copies)
+                                         for lv in cluster.levels))
+
+
+clusters = st.builds(
+    _cluster,
+    st.sampled_from([1, 2, 3, 3, 4, 4]), st.sampled_from(["1e8", "1e9", "1e10"]),
+    st.sampled_from(["0", "20us"]), st.booleans(),
+)

@@ -1,0 +1,1 @@
+"""Tests of pdcompile.machine: the cluster and device model, the local machine measured."""

@@ -1,0 +1,1 @@
+"""Tests of pdcompile.models: the bundled models and the real-model families."""

@@ -1,0 +1,1 @@
+"""Tests of pdcompile.passes: front ends, trace, shapes, split, crossing, fuse, codegen."""

@@ -1,0 +1,1 @@
+"""Tests of the compiled Pipeline as a whole: training equals gradient accumulation."""

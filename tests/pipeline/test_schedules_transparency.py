@@ -1,0 +1,67 @@
+"""Transparency of the interleaved and zero-bubble schedules and of activation recomputation.
+
+They are flush schedules: on every example model (tests/helpers/transparency.py's grid: VGG-16,
+ResNet-50, GNMT-like, GPT-2-style, small sizes) their losses, gradients, updated weights and
+buffers equal single-process training with gradient accumulation over the same microbatches, for
+several steps; interleaved pipelines put 2 or 3 chunks on each of 2 or 3 ranks, zero-bubble ones
+defer the Linear layers' weight gradients to W, and recomputing stages run their forwards twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+from torch import nn
+
+import pdcompile
+from pdcompile.passes.split import even_plan
+from pdcompile.passes.trace import trace
+from pdcompile.planner.interleave import interleaved_plan
+from tests.helpers.transparency import MODELS, check, skip_plan, skipnet, tied_bn, tied_plan
+
+
+def chunks(ranks: int, per_rank: int) -> Callable[[nn.Module], pdcompile.Plan]:
+    return lambda model: interleaved_plan(trace(model), ranks, per_rank)
+
+
+def straight(stages: int, *, recompute: bool = False) -> Callable[[nn.Module], pdcompile.Plan]:
+    def plan(model: nn.Module) -> pdcompile.Plan:
+        made = even_plan(trace(model), stages)
+        return replace(made, stages=tuple(replace(s, recompute=recompute)
+                                          for s in made.stages))
+    return plan
+
+
+LAYOUTS: dict[str, tuple[str, Callable[[nn.Module], pdcompile.Plan]]] = {
+    "interleaved-1f1b-2x2": ("interleaved-1f1b", chunks(2, 2)),
+    "interleaved-1f1b-3x2": ("interleaved-1f1b", chunks(3, 2)),
+    "interleaved-1f1b-2x3": ("interleaved-1f1b", chunks(2, 3)),
+    "zb-h1-2": ("zb-h1", straight(2)),
+    "zb-h1-4": ("zb-h1", straight(4)),
+    "interleaved-zb-2x2": ("interleaved-zb", chunks(2, 2)),
+    "1f1b-flush-3-recompute": ("1f1b-flush", straight(3, recompute=True)),
+    "zb-h1-3-recompute": ("zb-h1", straight(3, recompute=True)),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("model", list(MODELS))
+def test_example_models(model: str, layout: str) -> None:
+    schedule, plan = LAYOUTS[layout]
+    pipe = check(MODELS[model](), schedule=schedule, micro=4, plan=plan)
+    assert pipe.schedule(4).name == schedule
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved-1f1b"])
+def test_skip_connection_and_tied_embedding(schedule: str) -> None:
+    if schedule == "zb-h1":
+        check(skipnet(), schedule=schedule, micro=4,
+              plan=lambda m: replace(skip_plan(m), stages=tuple(
+                  replace(s, replicas=1, ranks=(i,)) for i, s in enumerate(skip_plan(m).stages)),
+                  workers=4))
+        check(tied_bn(), schedule=schedule, micro=2, plan=tied_plan)
+    else:  # 4 chunks on 2 ranks: the tie spans stages 0 and 3, on ranks 0 and 1
+        pipe = check(tied_bn(), schedule=schedule, micro=2, plan=chunks(2, 2))
+        assert pipe.parts.ties and pipe.parts.ties[0].stages == (0, 3)

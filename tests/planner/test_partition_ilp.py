@@ -1,0 +1,98 @@
+"""The CP-SAT model: agrees with brute force and the DP on tiny graphs, never worse than the DP."""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdcompile import Cluster
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+from pdcompile.errors import PlanError
+from pdcompile.planner import plan
+from pdcompile.planner.costmodel import ModelOptions
+from pdcompile.planner.ilp import ilp_objective, solve
+from tests.helpers.brute_force import brute_force
+from tests.helpers.strategies import clusters, small_dags
+
+NATIVE = ModelOptions(cost_model="native")
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=small_dags(max_nodes=5), cluster=clusters,
+       memory_fraction=st.sampled_from([None, 0.5, 2.0]))
+def test_ilp_matches_brute_force_and_dp(graph: nx.DiGraph, cluster: Cluster,
+                                        memory_fraction: float | None) -> None:
+    memory = 1e30
+    if memory_fraction is not None:
+        total = sum(d["params"] * 4 + d["act"] * 4 for _, d in graph.nodes(data=True))
+        memory = max(1.0, total * memory_fraction)
+    expected = brute_force(graph, cluster, options=NATIVE, memory=memory,
+                           objective=ilp_objective)
+    solution = solve(graph, cluster, options=NATIVE, memory=memory, time_limit=20)
+    if expected is None:
+        assert solution["status"] == "INFEASIBLE" and solution["stages"] is None
+        return
+    # CP-SAT is exact for its objective (up to its integer rounding)
+    assert solution["status"] == "OPTIMAL"
+    found = ilp_objective(graph, solution["stages"], cluster, options=NATIVE, memory=memory)
+    assert found == pytest.approx(expected[0], rel=1e-6, abs=2 * solution["slack"])
+    assert solution["bound"] <= found * (1 + 1e-9) + 1e-15
+    assert sum(len(r) for _, r in solution["stages"]) == cluster.workers
+    # and the planner with it never returns a plan slower than without it
+    dp = plan(graph, cluster, planner="dp", memory=memory)
+    ilp = plan(graph, cluster, planner="ilp", memory=memory, time_limit=20)
+    assert ilp.planner == "ilp" and ilp.status == "OPTIMAL"
+    assert ilp.time_per_minibatch <= dp.time_per_minibatch * (1 + 1e-9)
+    assert all(s.memory <= memory * (1 + 1e-9) for s in ilp.stages)
+
+
+def _wide_graph() -> nx.DiGraph:
+    """Two parallel branches with a skip connection: a DAG the DP linearises."""
+    graph = new_cost_graph("wide")
+    add_block(graph, "x", fwd=0.0, bwd=0.0, act=4e6, params=0.0)
+    costs = {"a": 3e-3, "b1": 5e-3, "b2": 4e-3, "c1": 2e-3, "c2": 6e-3, "d": 3e-3}
+    for name, t in costs.items():
+        add_block(graph, name, fwd=t, bwd=2 * t, act=8e6, params=4e6)
+    graph.add_edges_from([("x", "a"), ("a", "b1"), ("b1", "b2"), ("a", "c1"), ("c1", "c2"),
+                          ("b2", "d"), ("c2", "d"), ("x", "d")])
+    return graph
+
+
+def test_ilp_never_worse_than_its_hint_on_a_hierarchical_cluster() -> None:
+    graph = _wide_graph()
+    cluster = Cluster.parse("2x2@1e10,1e8")
+    dp = plan(graph, cluster, planner="dp")
+    ilp = plan(graph, cluster, planner="ilp", time_limit=10)
+    assert ilp.time_per_minibatch <= dp.time_per_minibatch * (1 + 1e-9)
+    assert ilp.extra["ilp_status"] in ("OPTIMAL", "FEASIBLE")
+    assert ilp.status in ("OPTIMAL", "FEASIBLE")
+
+
+def test_ilp_reports_bound_and_gap_under_a_tight_time_limit() -> None:
+    graph = new_cost_graph("chain")
+    for i in range(30):
+        add_block(graph, f"l{i}", fwd=1e-3 * (1 + i % 7), bwd=2e-3 * (1 + i % 5),
+                  act=1e6 * (1 + i % 3), params=1e6 * (i % 4))
+        if i:
+            graph.add_edge(f"l{i - 1}", f"l{i}")
+    cluster = Cluster.parse("8@1e9")
+    dp = plan(graph, cluster, planner="dp")
+    ilp = plan(graph, cluster, planner="ilp", time_limit=0.5)
+    assert ilp.status in ("OPTIMAL", "FEASIBLE")
+    assert ilp.time_per_minibatch <= dp.time_per_minibatch * (1 + 1e-9)
+    # the solver's bound is a bound on its own objective, recorded beside the plan
+    solution = solve(graph, cluster, options=NATIVE, memory=None, time_limit=0.5)
+    assert solution["bound"] is not None and not math.isnan(solution["bound"])
+    if solution["stages"]:
+        found = ilp_objective(graph, solution["stages"], cluster, options=NATIVE, memory=None)
+        assert solution["bound"] <= found * (1 + 1e-9)
+    assert "ilp_bound" in ilp.extra
+
+
+def test_ilp_refuses_the_pipedream_model() -> None:
+    with pytest.raises(PlanError, match="native"):
+        plan(_wide_graph(), "2@1e9", planner="ilp", cost_model="pipedream")

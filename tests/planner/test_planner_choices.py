@@ -1,0 +1,132 @@
+"""What the planner chooses besides stages and replicas: the schedule and its microbatches, the
+warm-up depths, recomputation, interleaving, K balanced stages, and how given plans are priced."""
+
+from __future__ import annotations
+
+import networkx as nx
+import pytest
+
+import pdcompile
+from pdcompile import Cluster
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+from pdcompile.errors import PlanError
+from pdcompile.plan import Plan, Stage
+from pdcompile.planner import AUTO_SCHEDULES, price_plan
+from pdcompile.planner.simulation import simulate_plan
+
+
+def _chain(n: int = 8, *, fwd: float = 0.01, act: float = 1e6, params: float = 1e6,
+           uneven: bool = False) -> nx.DiGraph:
+    graph = new_cost_graph("chain", 32)
+    add_block(graph, "input", fwd=0.0, bwd=0.0, act=act, params=0.0)
+    previous = "input"
+    for i in range(n):
+        scale = (1 + 3 * (i == n - 1)) if uneven else 1
+        add_block(graph, f"l{i}", fwd=fwd * scale, bwd=2 * fwd * scale, act=act, params=params)
+        graph.add_edge(previous, f"l{i}")
+        previous = f"l{i}"
+    return graph
+
+
+@pytest.mark.slow
+def test_auto_takes_the_fastest_schedule_in_simulation() -> None:
+    graph = _chain()
+    cluster = Cluster.parse("4@1e9")
+    auto = pdcompile.plan(graph, cluster, schedule="auto", planner="dp")
+    assert auto.schedule in AUTO_SCHEDULES
+    # no single schedule the planner tries does better than what "auto" returns
+    for name in AUTO_SCHEDULES:
+        try:
+            alone = pdcompile.plan(graph, cluster, schedule=name, planner="dp")
+        except PlanError:
+            continue
+        assert auto.time_per_minibatch <= alone.time_per_minibatch * (1 + 1e-9), name
+    _, simulated = simulate_plan(graph, auto, cluster, timeline=False)
+    assert auto.time_per_minibatch == pytest.approx(simulated.time_per_minibatch)
+
+
+def test_flush_schedules_choose_their_microbatches() -> None:
+    plan = pdcompile.plan(_chain(), "4@1e9", schedule="1f1b-flush", planner="dp")
+    assert plan.schedule == "1f1b-flush" and plan.microbatches in (8, 32)
+    given = pdcompile.plan(_chain(), "4@1e9", schedule="1f1b-flush", microbatches=4,
+                           planner="dp")
+    assert given.microbatches == 4
+
+
+def test_warmup_depth_is_chosen_within_the_memory() -> None:
+    # slow links: PipeDream's NOAM leaves the transfers exposed; with room the planner keeps
+    # more minibatches in flight, and without room fewer than NOAM rather than no plan
+    # (a transfer takes as long as a layer's forward and backward, 30 ms)
+    graph = _chain(4, act=3e6, params=1e5)
+    cluster = Cluster.parse("4@1e8")
+    roomy = pdcompile.plan(graph, cluster, stages=4, memory="64GiB")
+    assert roomy.stages[0].in_flight > 4  # NOAM of the first of 4 stages
+    _, noam = simulate_plan(graph, roomy, cluster, warmup="noam", timeline=False)
+    assert roomy.time_per_minibatch < 0.8 * noam.time_per_minibatch
+    held = roomy.stages[0].memory
+    tight = pdcompile.plan(graph, cluster, stages=4, memory=held / 3)
+    assert tight.stages[0].in_flight < roomy.stages[0].in_flight
+    assert all(s.memory <= held / 3 * (1 + 1e-9) for s in tight.stages)
+    assert tight.time_per_minibatch >= roomy.time_per_minibatch
+
+
+def test_a_stage_recomputes_where_the_memory_caps_its_minibatches_in_flight() -> None:
+    # big activations, small weights, slow links: PipeDream's warm-up does not fit, and one
+    # minibatch in flight leaves the transfers exposed; recomputing keeps only the inputs
+    graph = _chain(4, act=3e9, params=1e6)
+    cluster = Cluster.parse("4@3e10")
+    limit = 12e9
+    plan = pdcompile.plan(graph, cluster, stages=4, memory=limit)
+    assert any(s.recompute for s in plan.stages)
+    assert all(s.memory <= limit * (1 + 1e-9) for s in plan.stages)
+    _, simulated = simulate_plan(graph, plan, cluster, timeline=False)
+    assert simulated.peak_memory <= limit * (1 + 1e-9)
+    # the same stages keeping their activations instead: slower within the same memory
+    keeping = Plan(stages=tuple(Stage(s.nodes, s.replicas, s.ranks) for s in plan.stages),
+                   time_per_minibatch=0.0, dp_time=0.0, workers=4)
+    without = price_plan(graph, keeping, cluster, memory=limit)
+    assert plan.time_per_minibatch < without.time_per_minibatch
+
+
+def test_interleaved_plans_put_chunks_on_ranks_round_robin() -> None:
+    graph = _chain(8)
+    cluster = Cluster.parse("2@1e10")
+    plan = pdcompile.plan(graph, cluster, schedule="interleaved-1f1b", microbatches=4,
+                          planner="dp")
+    assert len(plan.stages) == 4
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (0,), (1,)]
+    _, simulated = simulate_plan(graph, plan, cluster, timeline=False)
+    assert plan.time_per_minibatch == pytest.approx(simulated.time_per_minibatch)
+
+
+def test_stages_k_balances_cost_not_parameters() -> None:
+    # the last layer costs four times the others: four balanced stages give it a stage alone
+    graph = _chain(8, uneven=True)
+    plan = pdcompile.plan(graph, "4@1e10", stages=4)
+    assert len(plan.stages) == 4 and all(s.replicas == 1 for s in plan.stages)
+    assert plan.stages[-1].nodes == ("l7",)
+    with pytest.raises(PlanError, match="needs 5 workers"):
+        pdcompile.plan(graph, "4@1e10", stages=5)
+
+
+def test_a_given_plan_is_priced_like_a_planned_one() -> None:
+    graph = _chain()
+    cluster = Cluster.parse("2@1e9")
+    given = Plan(stages=(Stage(("input", "l0", "l1", "l2", "l3"), 1, (0,)),
+                         Stage(("l4", "l5", "l6", "l7"), 1, (1,))),
+                 time_per_minibatch=0.0, dp_time=0.0, workers=2, planner="given")
+    priced = price_plan(graph, given, cluster)
+    assert priced.time_per_minibatch > 0 and priced.dp_time > 0
+    assert "inf" not in priced.summary() and "0 ns per minibatch" not in priced.summary()
+    _, simulated = simulate_plan(graph, priced, cluster, timeline=False)
+    assert priced.time_per_minibatch == pytest.approx(simulated.time_per_minibatch)
+    assert [s.nodes for s in priced.stages] == [s.nodes for s in given.stages]
+
+
+def test_summary_says_when_data_parallelism_does_not_fit() -> None:
+    graph = _chain(4, act=3e9, params=1e6)
+    plan = pdcompile.plan(graph, "4@1e10", planner="dp", memory=8e9)
+    assert plan.extra["dp_fits"] is False
+    text = plan.summary()
+    assert "plain data parallelism does not fit the memory" in text
+    assert "over data parallel" not in text

@@ -1,0 +1,1 @@
+"""Tests of pdcompile.schedule: the IR, generators, lowering, validation."""

@@ -1,0 +1,1 @@
+"""Tests of pdcompile.viz: tables, pictures, Gantt charts, predicted against measured."""
