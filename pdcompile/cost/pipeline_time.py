@@ -19,7 +19,8 @@ microbatches in flight per replica (warm-up depth + 1).
   - a link's occupancy: bytes / bandwidth over the lcm(r_a, r_c) rank pairs that share it;
   - the round trip (Little's law): a replica keeps N_s microbatches in flight, each for the
     round trip RT_s from its forward to its backward (its own work, every later stage's
-    compute, each transfer there and back on the rank pair that microbatch uses: pairs on one
+    compute (a later stage with fewer replicas takes the round's r_s microbatches one after
+    another), each transfer there and back on the rank pair that microbatch uses: pairs on one
     server are faster than pairs across servers, so the circuits follow the microbatches they
     chain and the slowest chain binds; replicas that all-reduce every round wait for the
     round's slowest), so RT_s / (N_s r_s) per microbatch.
@@ -174,7 +175,8 @@ def _circuit_profiles(terms: Sequence[StageTerms], own: Sequence[float],
     """profiles[s][k - s][m]: seconds of the circuit from a forward of stage s through stage k
     and back to the backward of s (`_circuits`) for microbatch residue m: the work of s, then
     the longest path of stages and transfers (there and back, each on the rank pair microbatch
-    m uses) from s to k; [own work] where k is not reached."""
+    m uses) from s to k, where a later stage with fewer replicas takes the round's r_s
+    microbatches one after another; [own work] where k is not reached."""
     count = len(terms)
     incoming: list[list[tuple[int, list[float]]]] = [[] for _ in range(count)]
     for (a, c), seconds in transfer.items():
@@ -194,8 +196,9 @@ def _circuit_profiles(terms: Sequence[StageTerms], own: Sequence[float],
                 best = max((reach[a] + 2.0 * (max(sec) if slowest else sec[m % len(sec)])
                             for a, sec in incoming[k] if a >= s and reach[a] > -math.inf),
                            default=-math.inf)
-                if best > -math.inf:
-                    reach[k] = best + terms[k].compute
+                if best > -math.inf:  # a later stage with fewer replicas queues the round
+                    reach[k] = best + terms[k].compute * max(1.0, terms[s].replicas
+                                                             / terms[k].replicas)
             for k in range(s, count):
                 rows[k - s].append(own[s] + max(0.0, reach[k]))
         out.append(rows)
