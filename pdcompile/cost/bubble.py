@@ -3,7 +3,7 @@
 p ranks, m microbatches per minibatch, v chunks per rank; per microbatch one rank spends `fwd`
 seconds in forwards and `bwd` in backwards (all its chunks together; a chunk is 1/v of it), of
 which `wgrad` compute weight gradients (the W of a split backward). Transfers are free; each
-rank ends with `step` seconds of optimizer steps. Then (tests/test_bubble.py checks that the
+rank ends with `step` seconds of optimizer steps. Then (tests/cost/test_bubble.py checks that the
 simulator gives exactly these on a grid of p, m, v and times):
 
 - "gpipe", "1f1b-flush" (any m):           (m + p - 1) (fwd + bwd)

@@ -1,7 +1,7 @@
 """Real models from torchvision, timm, Hugging Face transformers and torch.nn, in small sizes.
 
-The README's "Real models" table and tests/test_real_models.py compile each of these. They are
-the libraries' own model classes, built with small widths, depths or images so that a CPU
+The README's "Real models" table and tests/models/test_real_models.py compile each of these. They
+are the libraries' own model classes, built with small widths, depths or images so that a CPU
 trains them in seconds (each factory's docstring says what was made smaller); the libraries are
 the optional extra `pip install -e .[models]`. Dropout is off, so that a pipeline and one
 process compute the same thing (they draw dropout masks in different orders).
