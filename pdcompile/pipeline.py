@@ -3,7 +3,8 @@
 `pdcompile.compile` builds one; `pdcompile.load` reads an exported one back. Every rank (one
 replica of one stage) owns its copy of the stage module and its optimizer. `step` and `train`
 run the generated code of all ranks on the local backend; `run_distributed` hands the same
-pipeline to the torch.distributed backend.
+pipeline to the torch.distributed backend. A backend is handed `program()` (a RunProgram,
+backends/program.py), never the Pipeline itself.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from pdcompile.runtime.message_specs import message_table, spec_function
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
+from pdcompile.runtime.value_shapes import describe as _describe
+from pdcompile.runtime.value_shapes import signature as _signature
 from pdcompile.schedule.generators import (
     FLUSH_SCHEDULES,
     INTERLEAVED_SCHEDULES,
@@ -53,15 +56,17 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
 class Pipeline:
     """A compiled pipeline (see DESIGN.md, public contract).
 
-    A backend runs one rank of one run like this (the local backend does it for all ranks)::
+    A backend gets `pipe.program()` (a RunProgram) and runs one rank of one run like this
+    (backends/local.run_program does it for all ranks)::
 
-        run = pipe.prepare(batches)                 # data + shape of the run
-        rt = pipe.runtime(rank, config=pipe.run_config(run.per_minibatch), transport=t,
-                          data=run.data, specs=pipe.spec_function(batches[0][0]))
-        program = pipe.rank_function(rank, run.microbatches, run.per_minibatch)(rt)
+        program = pipe.program()
+        run = program.prepare(batches)              # data + shape of the run
+        rt = program.runtime(rank, config=program.run_config(run.per_minibatch), transport=t,
+                             data=run.data, specs=pipe.spec_function(batches[0][0]))
+        loop = program.rank_functions(run.microbatches, run.per_minibatch)[rank](rt)
         ...drive the generator...; rt.finish(); losses: rt.losses on the last stage
 
-    The transport needs a collective group for each of `pipe.collective_groups()`.
+    The transport needs a collective group for each of `program.collective_groups()`.
     """
 
     def __init__(self, *, graph: fx.GraphModule | None, plan: Plan, parts: SplitResult,
@@ -733,17 +738,6 @@ def _lcm(values: list[int]) -> int:
     return math.lcm(*values) if values else 1
 
 
-def _signature(value: Any) -> Any:
-    """Shapes and dtypes of a (nested) value: equal for minibatches shaped alike."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, tuple | list):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _signature(v)) for k, v in value.items()))
-    return type(value).__name__
-
-
 def _chunks(value: Any, m: int, name: str, *, index: int, why: str) -> list[Any]:
     """`value` cut along its first dimension into `m` parts differing by at most one."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -760,15 +754,6 @@ def _cut_target(target: Any, m: int, *, index: int, why: str) -> list[Any]:
         parts = [_chunks(t, m, "the target", index=index, why=why) for t in target]
         return [type(target)(p[i] for p in parts) for i in range(m)]
     return _chunks(target, m, "the target", index=index, why=why)
-
-
-def _describe(value: Any) -> str:
-    """"(8, 12) float32" for a tensor, a tuple of those for a tuple, the type otherwise."""
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
-    if isinstance(value, tuple | list):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__
 
 
 __all__ = ["MicrobatchData", "Pipeline", "RankState", "RunInput", "default_optimizer"]

@@ -4,6 +4,8 @@ The reference semantics of a pipeline. Ranks take turns in rank order; each runs
 generated `run_rank(rt)` yields (it waits for a message or a collective), then the next rank runs.
 Messages go through in-memory mailboxes (runtime/local_transport.py). A round in which no rank
 finishes an action is a deadlock and raises ScheduleError naming what each rank waits for.
+`run_program` is the driver `Pipeline.step` and `Pipeline.train` call: one run of a RunProgram
+(backends/program.py), every rank's runtime over in-memory mailboxes.
 """
 
 from __future__ import annotations
