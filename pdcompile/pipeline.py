@@ -708,7 +708,7 @@ class Pipeline:
         if runner is None:
             raise PipelineInputError("the distributed backend has no run_distributed yet; "
                                      "export the pipeline and use `pdcompile run`")
-        return runner(self, *args, **kwargs)
+        return runner(self.program(), *args, **kwargs)
 
 
 class _Schedulers:
