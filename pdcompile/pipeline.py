@@ -3,29 +3,32 @@
 `pdcompile.compile` builds one; `pdcompile.load` reads an exported one back. Every rank (one
 replica of one stage) owns its copy of the stage module and its optimizer. `step` and `train`
 run the generated code of all ranks on the local backend; `run_distributed` hands the same
-pipeline to the torch.distributed backend.
+pipeline to the torch.distributed backend. A backend is handed `program()` (a RunProgram,
+backends/program.py), never the Pipeline itself.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from pdcompile.backends.local import run_local
+from pdcompile.backends.local import run_program
+from pdcompile.backends.program import MicrobatchData, RunInput, RunProgram, stages_of
 from pdcompile.errors import PdcompileError, PipelineInputError, PlanError, ScheduleError
 from pdcompile.passes.codegen import RankFn, generate_rank, load_rank
 from pdcompile.passes.split import SplitResult, StageProgram
 from pdcompile.plan import Plan
 from pdcompile.runtime.chunks import ChunkRuntimes
-from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
+from pdcompile.runtime.message_specs import message_table, spec_function
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
+from pdcompile.runtime.value_shapes import describe as _describe
+from pdcompile.runtime.value_shapes import signature as _signature
 from pdcompile.schedule.generators import (
     FLUSH_SCHEDULES,
     INTERLEAVED_SCHEDULES,
@@ -38,7 +41,7 @@ from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import kind
 from pdcompile.schedule.lower import lower
 from pdcompile.schedule.validate import validate
-from pdcompile.timeline import Recorder, Timeline
+from pdcompile.timeline import Timeline
 from pdcompile.util.suggest import did_you_mean
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -50,59 +53,20 @@ def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer
     return torch.optim.SGD(params, lr=0.01)
 
 
-class MicrobatchData:
-    """Inputs (by model input name) and targets of the microbatches of one run."""
-
-    def __init__(self, inputs: list[dict[str, Any]], targets: list[Any]) -> None:
-        self._inputs = inputs
-        self._targets = targets
-
-    def inputs(self, microbatch: int) -> dict[str, Any]:
-        """Model inputs of a microbatch, by placeholder name."""
-        return self._inputs[microbatch]
-
-    def target(self, microbatch: int) -> Any:
-        """The target of a microbatch."""
-        return self._targets[microbatch]
-
-    def __len__(self) -> int:
-        return len(self._inputs)
-
-
-@dataclass
-class RunInput:
-    """One run of the schedule: its data and shape."""
-
-    data: MicrobatchData
-    microbatches: int      # microbatches in the run (the schedule's count)
-    per_minibatch: int     # microbatches per minibatch (one update each, per replica round)
-    # the microbatches of each minibatch, in order (a minibatch is one microbatch under '1f1b',
-    # except a last one cut into pieces to complete the replicas' round; see Pipeline.prepare)
-    groups: tuple[tuple[int, ...], ...] = ()
-
-    def __post_init__(self) -> None:
-        if not self.groups:
-            per = self.per_minibatch
-            self.groups = tuple(tuple(range(k * per, (k + 1) * per))
-                                for k in range(self.microbatches // per))
-
-    def minibatch_losses(self, losses: dict[int, torch.Tensor]) -> list[float]:
-        """Mean loss of each minibatch from the loss of each microbatch."""
-        return [float(torch.stack([losses[i] for i in group]).mean()) for group in self.groups]
-
-
 class Pipeline:
     """A compiled pipeline (see DESIGN.md, public contract).
 
-    A backend runs one rank of one run like this (the local backend does it for all ranks)::
+    A backend gets `pipe.program()` (a RunProgram) and runs one rank of one run like this
+    (backends/local.run_program does it for all ranks)::
 
-        run = pipe.prepare(batches)                 # data + shape of the run
-        rt = pipe.runtime(rank, config=pipe.run_config(run.per_minibatch), transport=t,
-                          data=run.data, specs=pipe.spec_function(batches[0][0]))
-        program = pipe.rank_function(rank, run.microbatches, run.per_minibatch)(rt)
+        program = pipe.program()
+        run = program.prepare(batches)              # data + shape of the run
+        rt = program.runtime(rank, config=program.run_config(run.per_minibatch), transport=t,
+                             data=run.data, specs=pipe.spec_function(batches[0][0]))
+        loop = program.rank_functions(run.microbatches, run.per_minibatch)[rank](rt)
         ...drive the generator...; rt.finish(); losses: rt.losses on the last stage
 
-    The transport needs a collective group for each of `pipe.collective_groups()`.
+    The transport needs a collective group for each of `program.collective_groups()`.
     """
 
     def __init__(self, *, graph: fx.GraphModule | None, plan: Plan, parts: SplitResult,
@@ -173,7 +137,7 @@ class Pipeline:
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` runs: one, or its chunks in an interleaved pipeline."""
-        return tuple(i for i, s in enumerate(self.plan.stages) if rank in s.ranks)
+        return stages_of(self.stage_ranks, rank)
 
     def state(self, rank: int, stage: int) -> RankState:
         """What `rank` keeps for `stage` (its module copy and optimizer)."""
@@ -363,30 +327,30 @@ class Pipeline:
         return self._functions[key]
 
     # ------------------------------------------------------------------ running
+    def program(self) -> RunProgram:
+        """What a backend runs (backends/program.py): the schedule and generated rank loops of
+        every run shape, the stages' inputs and outputs, every rank's module and optimizer as
+        they are now, the tie groups, the message shapes and the run configuration."""
+        states = {(state.rank, state.stage): state for state in self.states()}
+        return RunProgram(
+            plan=self.plan, schedule_name=self.schedule_name, microbatches=self.microbatches,
+            per_minibatch=self.per_minibatch, stash=self.stash, vertical_sync=self.vertical_sync,
+            stages=tuple(self.parts.stages), output_refs=tuple(self.parts.output_refs),
+            output_spec=self.parts.output_spec, loss_fn=self.loss_fn, states=states,
+            ties=tuple(tuple(self.tie_groups(stage)) for stage in range(len(self.plan.stages))),
+            schedule=self.schedule, rank_functions=self._rank_functions, prepare=self.prepare,
+            microbatch_specs=self.microbatch_specs)
+
     def runtime(self, rank: int, *, config: RunConfig, transport: Any, data: Any,
                 specs: Callable[[Tag], list[TensorSpec]] | None = None,
                 recorder: Any = None) -> StageRuntime | ChunkRuntimes:
-        """The runtime of one rank for one run (backends call this); a rank holding several
-        chunks gets one per chunk, sharing its transport and data (runtime/chunks.py)."""
-        def one(stage: int) -> StageRuntime:
-            state = self.state(rank, stage)
-            return StageRuntime(
-                rank=rank, io=self.parts.stages[stage], module=state.module,
-                optimizer=state.optimizer, config=config, transport=transport, data=data,
-                loss_fn=self.loss_fn, output_refs=self.parts.output_refs,
-                output_spec=self.parts.output_spec, ties=self.tie_groups(stage),
-                specs=specs, recorder=recorder)
-
-        stages = self.stages_of(rank)
-        if len(stages) == 1:
-            return one(stages[0])
-        return ChunkRuntimes(rank, {stage: one(stage) for stage in stages})
+        """The runtime of one rank for one run (see RunProgram.runtime)."""
+        return self.program().runtime(rank, config=config, transport=transport, data=data,
+                                      specs=specs, recorder=recorder)
 
     def run_config(self, per_minibatch: int) -> RunConfig:
         """The runtime configuration of a run."""
-        recompute = frozenset(i for i, s in enumerate(self.plan.stages) if s.recompute)
-        return RunConfig(self.schedule_name, self.stage_ranks, per_minibatch, self.stash,
-                         self.vertical_sync, recompute)
+        return self.program().run_config(per_minibatch)
 
     def tie_groups(self, stage: int) -> list[TieGroup]:
         """Tied parameters of `stage`, grouped by the set of stages sharing them."""
@@ -403,27 +367,11 @@ class Pipeline:
 
     def _run(self, data: MicrobatchData, n: int, per: int) -> dict[int, torch.Tensor]:
         """All ranks' generated loops over `n` microbatches on the local backend; the losses."""
-        config = self.run_config(per)
-        boxes = Mailboxes()
-        recorders = {r: Recorder(r) for r in self.all_ranks} if self.record else {}
-        runtimes = {r: self.runtime(r, config=config, transport=LocalTransport(r, boxes),
-                                    data=data, recorder=recorders.get(r)) for r in self.all_ranks}
-        run_local(self._rank_functions(n, per), runtimes)
-        for rt in runtimes.values():
-            rt.finish()
-        left = boxes.pending()
-        if left:
-            raise ScheduleError(f"the schedule sent messages nobody received: {left[:4]}")
-        self.last_runtimes = runtimes
-        if recorders:
-            self.last_timeline = Timeline.merge([rec.timeline() for rec in recorders.values()],
-                                                source="measured")
-            self.last_timeline.meta.update(schedule=self.schedule_name,
-                                           microbatches_per_minibatch=per, backend="local")
-        losses: dict[int, torch.Tensor] = {}
-        for stage_rank in self.plan.stages[-1].ranks:
-            losses.update(runtimes[stage_rank].losses)
-        return losses
+        run = run_program(self.program(), data, n, per, record=self.record)
+        self.last_runtimes = run.runtimes
+        if run.timeline is not None:
+            self.last_timeline = run.timeline
+        return run.losses
 
     def step(self, *inputs: Any, target: Any = None) -> float:
         """One training step on one minibatch cut into `microbatches`; its mean loss.
@@ -609,25 +557,15 @@ class Pipeline:
         return self._rank_functions(microbatches, per_minibatch)[rank]
 
     def collective_groups(self) -> list[tuple[int, ...]]:
-        """Rank groups that all-reduce together: replicas of a stage, and the ranks of stages
-        sharing tied parameters (a distributed transport needs a process group for each)."""
-        groups = {tuple(s.ranks) for s in self.plan.stages if s.replicas > 1}
-        for stage in range(len(self.plan.stages)):
-            groups.update(g.ranks for g in self.tie_groups(stage))
-        return sorted(groups)
+        """Rank groups that all-reduce together (see RunProgram.collective_groups)."""
+        return self.program().collective_groups()
 
     def spec_function(self, inputs: Sequence[Any] | torch.Tensor
                       ) -> Callable[[Tag], list[TensorSpec]]:
         """Tag -> shapes and dtypes of the message, for microbatches shaped like those of a
-        minibatch like `inputs` (vertical sync adds the version number to activations)."""
+        minibatch like `inputs` (runtime/message_specs.py)."""
         table = self.edge_specs(inputs)
-        version = [TensorSpec((), torch.int64)] if self.vertical_sync else []
-
-        def specs(tag: Tag) -> list[TensorSpec]:
-            found = table[Tag(tag.kind, tag.src_stage, tag.dst_stage, 0)]
-            return found + version if tag.kind == "act" else found
-
-        return specs
+        return spec_function(lambda _microbatch: table, self.vertical_sync)
 
     def _named(self, inputs: Sequence[Any]) -> dict[str, Any]:
         names = self.parts.data_inputs
@@ -748,26 +686,12 @@ class Pipeline:
 
     def edge_specs(self, inputs: Sequence[Any] | torch.Tensor) -> dict[Tag, list[TensorSpec]]:
         """Shapes and dtypes of every message of microbatch 0 for a minibatch like `inputs`."""
-        return self._specs_of(self._example_values(inputs))
+        return message_table(self.parts.stages, self._example_values(inputs))
 
     def microbatch_specs(self, named: dict[str, Any]) -> dict[Tag, list[TensorSpec]]:
         """Shapes and dtypes of every message of one microbatch (model inputs by name, as
         `RunInput.data.inputs(m)` gives them), keyed by the tags of microbatch 0."""
-        return self._specs_of(self._microbatch_values(named))
-
-    def _specs_of(self, values: dict[tuple[int, str], Any]) -> dict[Tag, list[TensorSpec]]:
-        from pdcompile.runtime.stage_runtime import _encode
-
-        out: dict[Tag, list[TensorSpec]] = {}
-        for program in self.parts.stages:
-            for dst, names in program.sends.items():
-                acts = [_encode(values[program.index, n], n) for n in names]
-                out[Tag("act", program.index, dst, 0)] = [
-                    TensorSpec(tuple(t.shape), t.dtype) for t in acts]
-                out[Tag("grad", dst, program.index, 0)] = [
-                    TensorSpec(tuple(t.shape), t.dtype) for t, n in zip(acts, names, strict=True)
-                    if t.is_floating_point() and n not in program.kinds]
-        return out
+        return message_table(self.parts.stages, self._microbatch_values(named))
 
     # ------------------------------------------------------------------ elsewhere
     def export(self, path: str) -> None:
@@ -784,7 +708,7 @@ class Pipeline:
         if runner is None:
             raise PipelineInputError("the distributed backend has no run_distributed yet; "
                                      "export the pipeline and use `pdcompile run`")
-        return runner(self, *args, **kwargs)
+        return runner(self.program(), *args, **kwargs)
 
 
 class _Schedulers:
@@ -814,17 +738,6 @@ def _lcm(values: list[int]) -> int:
     return math.lcm(*values) if values else 1
 
 
-def _signature(value: Any) -> Any:
-    """Shapes and dtypes of a (nested) value: equal for minibatches shaped alike."""
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, tuple | list):
-        return tuple(_signature(v) for v in value)
-    if isinstance(value, dict):
-        return tuple(sorted((k, _signature(v)) for k, v in value.items()))
-    return type(value).__name__
-
-
 def _chunks(value: Any, m: int, name: str, *, index: int, why: str) -> list[Any]:
     """`value` cut along its first dimension into `m` parts differing by at most one."""
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -841,15 +754,6 @@ def _cut_target(target: Any, m: int, *, index: int, why: str) -> list[Any]:
         parts = [_chunks(t, m, "the target", index=index, why=why) for t in target]
         return [type(target)(p[i] for p in parts) for i in range(m)]
     return _chunks(target, m, "the target", index=index, why=why)
-
-
-def _describe(value: Any) -> str:
-    """"(8, 12) float32" for a tensor, a tuple of those for a tuple, the type otherwise."""
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
-    if isinstance(value, tuple | list):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__
 
 
 __all__ = ["MicrobatchData", "Pipeline", "RankState", "RunInput", "default_optimizer"]

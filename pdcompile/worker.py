@@ -153,13 +153,14 @@ def _main(args: argparse.Namespace) -> int:
                                "or `pdcompile run EXPORT_DIR --nproc N`")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     pipe = load_pipeline(args.export_dir)
+    program = pipe.program()  # what the backend runs
     if args.data is None and args.steps is None:
         args.steps = DEFAULT_STEPS
         if rank == 0:
             print(f"training on the exported example minibatch, {DEFAULT_STEPS} times (--steps "
                   "N for another count)", flush=True)
     data: Iterable[Any] | None = None
-    if reads_data(pipe, rank):  # stage 0 reads; the last stage gets its targets from it
+    if reads_data(program, rank):  # stage 0 reads; the last stage gets its targets from it
         data = load_data(args.data)() if args.data else example_data(pipe, args.export_dir)
     _init_process_group(rank, world)
     monitor = monitor_from_env(rank=rank, world_size=world, fault_timeout=args.fault_timeout)
@@ -169,7 +170,7 @@ def _main(args: argparse.Namespace) -> int:
             total = f"/{args.steps}" if args.steps else ""
             print(f"step {step + 1}{total} loss {loss:.6f}", flush=True)
 
-        run = run_distributed(pipe, None if data is None else _die_hook(data, rank),
+        run = run_distributed(program, None if data is None else _die_hook(data, rank),
                               steps=args.steps,
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, monitor=monitor,
@@ -204,10 +205,10 @@ def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[A
     from pdcompile.backends.distributed import reads_data, run_distributed
     from pdcompile.export.read import load_pipeline  # the worker loads what the user exported
 
-    pipe = load_pipeline(export_dir)
+    program = load_pipeline(export_dir).program()
     progress = None if channel is None else (lambda step, loss: channel.put((step, loss)))
-    batches = data() if reads_data(pipe, worker.rank) else None  # only the readers load it
-    return run_distributed(pipe, batches, monitor=worker.monitor, progress=progress, **options)
+    batches = data() if reads_data(program, worker.rank) else None  # only the readers load it
+    return run_distributed(program, batches, monitor=worker.monitor, progress=progress, **options)
 
 
 def train_processes(export_dir: str | os.PathLike[str], nproc: int,

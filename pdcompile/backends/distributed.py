@@ -10,6 +10,10 @@ gloo's point-to-point works cannot be polled (`is_completed()` stays False until
 `Pending.ready()` is only True once waited; when the generator yields, the driver blocks on the
 operation the rank last found not ready (or the one it yielded), which is exactly the wait the
 schedule asks for.
+
+`run_distributed` trains one rank of a RunProgram (backends/program.py): it checks the group
+and options, finds the resume point (distributed_checkpoint.py), learns each run from the first
+reader's announcements (distributed_announce.py) and runs them in its run loop (`_run_loop`).
 """
 
 from __future__ import annotations
@@ -19,8 +23,7 @@ import os
 import time
 import zlib
 from collections import deque
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -28,13 +31,23 @@ import torch
 import torch.distributed as dist
 from torch.utils import _pytree as pytree
 
+from pdcompile.backends.distributed_announce import (
+    ANNOUNCE_AHEAD,
+    Announcements,
+    Header,
+    TargetLayout,
+)
+from pdcompile.backends.distributed_checkpoint import Resume, resume_point, save_checkpoint
+from pdcompile.backends.distributed_guard import guarded
 from pdcompile.backends.launch import (
     FaultMonitor,
     PeerFailure,
     backend_for,
 )
-from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
-from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
+from pdcompile.backends.program import ProgramSource, RunInput, RunProgram, as_program
+from pdcompile.errors import DistributedError, PipelineInputError
+from pdcompile.runtime.message_specs import MessageTable, spec_function
+from pdcompile.runtime.rank_state import RankState
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.generators import FLUSH_SCHEDULES
 from pdcompile.schedule.ir import Action, Kind, Schedule
@@ -42,9 +55,6 @@ from pdcompile.timeline import Recorder, Timeline
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}
 _MAX_OPEN_SENDS = 64
-# runs (minibatches, under flush schedules) the first reader reads ahead and announces in one
-# broadcast: fewer collectives between minibatches, at the price of that many prepared in memory
-ANNOUNCE_AHEAD = 4
 
 
 def wire_tag(tag: Tag, index: int) -> int:
@@ -349,68 +359,17 @@ class _Renumbered:
         self.recorder.add(replace(action, microbatch=number), start, end)
 
 
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
-    if isinstance(value, tuple | list):
-        return "(" + ", ".join(_describe(v) for v in value) + ")"
-    return type(value).__name__
-
-
-def _signature(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return ("tensor", tuple(value.shape), value.dtype)
-    if isinstance(value, tuple | list):
-        return tuple(_signature(v) for v in value)
-    return type(value).__name__
-
-
-def _minibatch(item: Any, index: int) -> tuple[tuple[Any, ...], Any]:
-    try:
-        inputs, target = item
-    except (TypeError, ValueError):
-        raise PipelineInputError(
-            f"minibatch {index} is a {type(item).__name__}, not a pair (inputs, target); "
-            "yield (x, y) or ((x1, x2), y) from the data") from None
-    return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
-
-
-def _batch_size(inputs: tuple[Any, ...]) -> int:
-    for value in inputs:
-        if isinstance(value, torch.Tensor) and value.dim():
-            return int(value.shape[0])
-    return 1
-
-
 def _module_device(module: torch.nn.Module) -> torch.device:
     for tensor in [*module.parameters(), *module.buffers()]:
         return tensor.device
     return torch.device("cpu")
 
 
-@contextmanager
-def _guarded(monitor: FaultMonitor | None, what: str) -> Iterator[None]:
-    """Run a collective of the whole group so that a dead peer is named, not a gloo error."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if monitor is None:
-        try:
-            yield
-        except RuntimeError as err:
-            raise DistributedError(f"rank {rank}: {what} failed: "
-                                   f"{str(err).splitlines()[0] if str(err) else err!r}") from None
-        return
-    with monitor.blocking():
-        try:
-            yield
-        except RuntimeError as err:
-            raise monitor.explain((rank + 1) % world, err, what=what) from None
-
-
 def _gather_losses(local: dict[int, torch.Tensor],
                    monitor: FaultMonitor | None) -> dict[int, torch.Tensor]:
     """Every rank's microbatch losses, merged (an all-gather: every rank calls it)."""
     parts: list[Any] = [None] * dist.get_world_size()
-    with _guarded(monitor, "the gathering of the losses"):
+    with guarded(monitor, "the gathering of the losses"):
         dist.all_gather_object(parts, {k: v.detach().cpu() for k, v in local.items()})
     merged: dict[int, torch.Tensor] = {}
     for part in parts:
@@ -423,41 +382,121 @@ def _mean(values: list[torch.Tensor]) -> float:
     return float(torch.stack(values).mean())
 
 
-def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int | None = None,
+class _Losses:
+    """A rank's losses: its microbatches', numbered globally (`micro`), and every minibatch's
+    once all ranks' are gathered (`losses`, resumed ones included); `progress` (the reporting
+    rank's) hears of each minibatch as soon as its loss is known here."""
+
+    def __init__(self, losses: list[float],
+                 progress: Callable[[int, float], None] | None) -> None:
+        self.losses = losses
+        self.progress = progress
+        self.micro: dict[int, torch.Tensor] = {}
+        self.group_of: dict[int, tuple[int, ...]] = {}  # minibatch -> its microbatches
+        self.reported = len(losses)
+
+    def add_run(self, first: int, base: int, groups: Iterable[Iterable[int]]) -> None:
+        """A run's minibatches from `first` on, whose microbatches are numbered from `base`."""
+        for j, group in enumerate(groups):
+            self.group_of[first + j] = tuple(base + i for i in group)
+
+    def report(self, known: dict[int, torch.Tensor]) -> None:
+        """Report every next minibatch whose microbatches' losses are all `known`."""
+        if self.progress is None:
+            return
+        while True:
+            parts = [known.get(i) for i in self.group_of.get(self.reported, (-1,))]
+            if any(p is None for p in parts):
+                return
+            self.progress(self.reported, _mean([p for p in parts if p is not None]))
+            self.reported += 1
+
+    def settle(self, done: int, monitor: FaultMonitor | None, *,
+               forget_before: int | None = None) -> None:
+        """The losses of the minibatches up to `done` from every rank's (every rank calls it);
+        `forget_before`: drop this rank's microbatch losses numbered below it."""
+        merged = _gather_losses(self.micro, monitor)
+        self.losses.extend(_mean([merged[i] for i in self.group_of[k]])
+                           for k in range(len(self.losses), done))
+        if forget_before is not None:
+            for k in [k for k in self.micro if k < forget_before]:
+                del self.micro[k]
+        self.report(merged)
+
+
+def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] | None, *,
+                    steps: int | None = None,
                     checkpoint_dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None, monitor: FaultMonitor | None = None,
                     record: bool = False, progress: Callable[[int, float], None] | None = None,
                     prepost_depth: int = 2, keep_checkpoints: int = 2) -> DistributedRun:
-    """Train `pipeline` on this process's rank of an initialised default process group.
+    """Train a pipeline (its `RunProgram`, or a Pipeline) on this process's rank of an
+    initialised default process group.
 
     Every rank calls it. `batches` (an iterable of `(inputs, target)` minibatches) is read only
     by the ranks that `reads_data` names (stage 0, and a stage using a model input directly),
     which must all get the same stream; other ranks may pass None. Stage 0 announces each
     run's minibatches to the others (under flush schedules ANNOUNCE_AHEAD runs per broadcast, so
-    it reads that many minibatches ahead), and sends each microbatch's target to the last stage
-    with its forward. Each rank runs its generated rank loop (`pipeline.rank_function`) over a
-    `DistributedTransport`: flush schedules one run per minibatch, asynchronous '1f1b' / '2bw'
-    one stream, exactly as `Pipeline.train` does on the local backend (same losses, weights).
+    it reads that many minibatches ahead; backends/distributed_announce.py), and sends each
+    microbatch's target to the last stage with its forward. Each rank runs its generated rank
+    loop (`program.rank_functions`) over a `DistributedTransport`: flush schedules one run per
+    minibatch, asynchronous '1f1b' / '2bw' one stream, exactly as `Pipeline.train` does on the
+    local backend (same losses, weights).
 
     `steps`: minibatches in the whole run (resumed ones included; default: the whole stream).
     An asynchronous stream is one run of the schedule, read whole before it starts; bound the
     memory this takes with `checkpoint_every` (a run per K minibatches).
     `checkpoint_dir` / `checkpoint_every` K: every K minibatches (and at the end) each rank
     saves its weights, optimizer, RNG state and the data position; a later call with the same
-    folder resumes from the newest step all ranks saved. An asynchronous stream is cut into
-    runs of K minibatches for that (the pipeline drains at each checkpoint, so no stash state
-    is in flight; the losses then equal `Pipeline.train` called once per K minibatches).
+    folder resumes from the newest step all ranks saved (backends/distributed_checkpoint.py).
+    An asynchronous stream is cut into runs of K minibatches for that (the pipeline drains at
+    each checkpoint, so no stash state is in flight; the losses then equal `Pipeline.train`
+    called once per K minibatches).
     `progress(step, loss)` is called on the first rank of the last stage after each minibatch
     whose loss it knows (`step` indexes `losses`); with a replicated last stage the other
     replicas' minibatches are reported at checkpoints and at the end.
     `monitor`: the fault monitor (launch / torchrun), so that a dead peer is named.
     """
+    program = as_program(source)
+    rank = _check_run(program, steps=steps, checkpoint_dir=checkpoint_dir,
+                      checkpoint_every=checkpoint_every)
+    stages = program.stages_of(rank)
+    state = program.state(rank, stages[0])  # the rank's first chunk where it holds several
+    resume = resume_point(program, state, checkpoint_dir, every=checkpoint_every,
+                          keep=keep_checkpoints, monitor=monitor)
+    flush = program.schedule_name in _FLUSH
+    last = len(program.plan.stages) - 1
+    routed = {r for r in program.plan.stages[last].ranks if not program.reads_data(r)}
+    # flush schedules run one minibatch at a time: the reader announces several runs in one
+    # broadcast, which otherwise sits on the critical path between two minibatches
+    announcements = Announcements(program, rank, batches, steps=steps,
+                                  segment=1 if flush else checkpoint_every,
+                                  ahead=ANNOUNCE_AHEAD if flush else 1, routed=routed,
+                                  resume=resume, monitor=monitor)
+    run, header = announcements.next(resume.done, first=True)  # before any message is sent
+    transport = DistributedTransport(stage_ranks=program.stage_ranks,
+                                     groups=program.collective_groups(), monitor=monitor,
+                                     device=_module_device(state.module),
+                                     # each chunk of an interleaved rank receives as far ahead
+                                     # as a rank holding one stage
+                                     prepost_depth=prepost_depth * len(stages))
+    reporter = program.plan.stages[-1].ranks[0] == rank and progress is not None
+    losses = _Losses(resume.losses, progress if reporter else None)
+    return _run_loop(program, state, transport, announcements, (run, header), resume, losses,
+                     routed=routed, record=record, monitor=monitor,
+                     checkpoint_every=checkpoint_every)
+
+
+def _check_run(program: RunProgram, *, steps: int | None,
+               checkpoint_dir: str | os.PathLike[str] | None,
+               checkpoint_every: int | None) -> int:
+    """This process's rank, once the process group and the options are known to fit."""
     if not dist.is_initialized():
         raise DistributedError("run_distributed needs an initialised process group; call "
                                "torch.distributed.init_process_group first (torchrun does it "
                                "from its environment), or use train_processes / `pdcompile run`")
     rank, world = dist.get_rank(), dist.get_world_size()
-    plan = pipeline.plan
+    plan = program.plan
     if world != plan.workers:
         raise DistributedError(
             f"the pipeline was compiled for {plan.workers} workers (configuration {plan.config}) "
@@ -471,183 +510,40 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
                                  f"({checkpoint_every} < 1)")
     if checkpoint_every is not None and checkpoint_dir is None:
         raise PipelineInputError("checkpoint_every needs checkpoint_dir (the folder to save to)")
-    name = pipeline.schedule_name
-    flush = name in _FLUSH
-    if name == "1f1b" and checkpoint_every is not None:
+    if program.schedule_name == "1f1b" and checkpoint_every is not None:
         lcm = math.lcm(*[s.replicas for s in plan.stages])
         if checkpoint_every % lcm:
             raise PipelineInputError(
                 f"'1f1b' with replicated stages ({plan.config}) trains in multiples of {lcm} "
                 f"minibatches; use a checkpoint interval that is a multiple of {lcm} "
                 f"(not {checkpoint_every})")
-    stages = pipeline.stages_of(rank)
-    stage = stages[0]  # the rank's first chunk where it holds several (interleaved)
-    state = pipeline.state(rank, stage)
+    stages = program.stages_of(rank)
     if len(stages) > 1 and checkpoint_dir is not None:
         raise PipelineInputError(f"rank {rank} holds stages {list(stages)} (an interleaved "
                                  "pipeline), whose checkpoints are not supported yet; train "
                                  "without checkpoint_dir or with a schedule of one stage per "
                                  "rank")
-    reporter = plan.stages[-1].ranks[0] == rank and progress is not None
+    return rank
 
-    # -- resume point: the newest step every rank has saved (agreed over the group) ----------
-    ckpt: Checkpointer | None = None
-    done = 0
-    losses: list[float] = []
-    resumed: int | None = None
-    saved: dict[str, Any] = {}
-    if checkpoint_dir is not None:
-        ckpt = Checkpointer(checkpoint_dir, rank=rank, every=checkpoint_every or 1,
-                            keep=keep_checkpoints)
-        everyone: list[Any] = [None] * world
-        with _guarded(monitor, "the agreement on the checkpoint to resume from"):
-            dist.all_gather_object(everyone, ckpt.steps())
-        common = set.intersection(*(set(steps_of) for steps_of in everyone))
-        if common:
-            resumed = done = max(common)
-            saved = ckpt.load(done)
-            if saved.get("pipeline") != _identity(pipeline, stage):
-                raise DistributedError(
-                    f"the checkpoints in {checkpoint_dir} were written by another pipeline "
-                    f"({saved.get('pipeline')}, this one is {_identity(pipeline, stage)}); "
-                    "name another checkpoint folder or delete this one")
-            restore_module_state(saved, state.module, state.optimizer,
-                                 origin=f"the checkpoint of rank {rank} at step {done} in "
-                                        f"{checkpoint_dir}")
-            losses = [float(v) for v in saved["losses"]]
 
-    reads = reads_data(pipeline, rank)
-    source = plan.stages[0].ranks[0]  # the reader that tells the others what comes
-    last = len(plan.stages) - 1
-    routed = {r for r in plan.stages[last].ranks if not reads_data(pipeline, r)}
-    stream = iter(batches if reads and batches is not None else ())
-
-    def skip(count: int) -> None:
-        """A reader's data, moved to the resume point (errors reach every rank, see next_run)."""
-        if reads and batches is None:
-            raise PipelineInputError(f"rank {rank} runs stage {stage}, which reads the model's "
-                                     "inputs: pass it the minibatches (batches=None only on "
-                                     "ranks that do not read data, see reads_data)")
-        for skipped in range(count if reads else 0):
-            if next(stream, _END) is _END:
-                raise PipelineInputError(f"the data ends after {skipped} minibatches but the "
-                                         f"run resumes at minibatch {count} (checkpoint)")
-        if resumed is not None and saved.get("rng") is not None:
-            torch.set_rng_state(saved["rng"])  # as saved, whatever skipping the data drew
-    segment = 1 if flush else checkpoint_every
-    shapes: dict[Any, int] = {}  # a reader's: microbatch shape -> its table's number
-    tables: dict[int, dict[str, Any]] = {}  # every rank's: number -> message shapes, target
-
-    def shape_tables(run: Any) -> tuple[dict[int, dict[str, Any]], list[int]]:
-        """A reader's: the tables of the shapes first seen in `run`, and the table of each
-        microbatch (minibatches may differ in shape: a short last batch, another length)."""
-        new: dict[int, dict[str, Any]] = {}
-        table_of = []
-        for m in range(run.microbatches):
-            named, target = run.data.inputs(m), run.data.target(m)
-            key = _signature((tuple(named.values()), target))
-            if key not in shapes:
-                shapes[key] = len(shapes)
-                new[shapes[key]] = {"edges": pipeline.microbatch_specs(named),
-                                    "target": _target_layout(target) if routed else None}
-            table_of.append(shapes[key])
-        return new, table_of
-
-    def take(index: int) -> list[tuple[tuple[Any, ...], Any]]:
-        items: list[tuple[tuple[Any, ...], Any]] = []
-        while (segment is None or len(items) < segment) and (
-                steps is None or index + len(items) < steps):
-            item = next(stream, _END)
-            if item is _END:
-                break
-            items.append(_minibatch(item, index + len(items)))
-        return items
-
-    def read_run(index: int, first: bool) -> tuple[Any, dict[str, Any]]:
-        """A reader's next run: its data and its header (minibatch count and sizes, the
-        microbatches of each minibatch, the message shapes of each microbatch); a refusal
-        becomes the header's error."""
-        header: dict[str, Any] = {"count": 0, "sizes": [], "error": None}
-        run = None
-        try:
-            if first:
-                skip(index)
-            items = take(index)
-            header["count"] = len(items)
-            header["sizes"] = [_batch_size(inputs) for inputs, _ in items]
-            if items:
-                run = pipeline.prepare(items, first=index)
-                header["microbatches"] = run.microbatches
-                header["groups"] = [list(g) for g in run.groups]
-                header["tables"], header["table_of"] = shape_tables(run)
-        except PdcompileError as err:
-            header["error"] = str(err)
-        return run, header
-
-    # flush schedules run one minibatch at a time: the reader announces several runs in one
-    # broadcast, which otherwise sits on the critical path between two minibatches
-    ahead = ANNOUNCE_AHEAD if flush else 1
-    announced: deque[tuple[Any, dict[str, Any]]] = deque()
-
-    def next_run(index: int, first: bool) -> tuple[Any, dict[str, Any]]:
-        """The next run's data (readers) and its header. Headers come from the first reader,
-        up to `ahead` runs per broadcast; a reader's refusal reaches every rank at the same
-        point, before the run it concerns, so that none is left waiting."""
-        if not announced:
-            runs: list[tuple[Any, dict[str, Any]]] = []
-            at = index
-            while reads and len(runs) < ahead:
-                run, header = read_run(at, first and not runs)
-                runs.append((run, header))
-                if header["error"] is not None or not header["count"]:
-                    break
-                at += header["count"]
-            headers = [header for _, header in runs]
-            if world > 1:
-                box = [headers]
-                with _guarded(monitor, "the announcement of the next minibatches"):
-                    dist.broadcast_object_list(box, src=source)
-                headers = box[0]
-            own = [run for run, _ in runs]
-            announced.extend((own[i] if i < len(own) else None, header)
-                             for i, header in enumerate(headers))
-        run, header = announced.popleft()
-        if header["error"] is not None:
-            raise PipelineInputError(header["error"])
-        tables.update(header.get("tables", {}))
-        return run, header
-
-    run, header = next_run(done, True)  # checked before any message of the pipeline is sent
-    device = _module_device(state.module)
-    transport = DistributedTransport(stage_ranks=pipeline.stage_ranks,
-                                     groups=pipeline.collective_groups(), monitor=monitor,
-                                     device=device,
-                                     # each chunk of an interleaved rank receives as far ahead
-                                     # as a rank holding one stage
-                                     prepost_depth=prepost_depth * len(stages))
+def _run_loop(program: RunProgram, state: RankState, transport: DistributedTransport,
+              announcements: Announcements, announced: tuple[RunInput | None, Header],
+              resume: Resume, losses: _Losses, *, routed: set[int], record: bool,
+              monitor: FaultMonitor | None, checkpoint_every: int | None) -> DistributedRun:
+    """The training of one rank: every announced run through its generated loop, a checkpoint
+    where one is due, then the losses (and timelines) gathered from every rank."""
+    rank, stage = state.rank, state.stage
+    plan = program.plan
+    per = program.per_minibatch
+    tables = announcements.tables
+    run, header = announced
     recorder = Recorder(rank) if record else None
     renumbered = _Renumbered(recorder) if recorder is not None else None
     if renumbered is not None:
-        renumbered.micro_base = done * pipeline.per_minibatch
+        renumbered.micro_base = resume.done * per
     receives: dict[tuple[int, int, tuple[int, ...]], list[Receive]] = {}
-    micro: dict[int, torch.Tensor] = {}   # microbatch losses of this rank, numbered globally
-    per = pipeline.per_minibatch
-    reported = [len(losses)]
-    group_of: dict[int, tuple[int, ...]] = {}  # minibatch -> its microbatches, numbered globally
+    done = first = resume.done
     micro_base = done * per  # the global number of the next run's first microbatch
-
-    def minibatch_loss(k: int, known: dict[int, torch.Tensor]) -> float:
-        return _mean([known[i] for i in group_of[k]])
-
-    def report(known: dict[int, torch.Tensor]) -> None:
-        while True:
-            k = reported[0]
-            parts = [known.get(i) for i in group_of.get(k, (-1,))]
-            if any(p is None for p in parts):
-                return
-            assert progress is not None
-            progress(k, _mean(parts))  # type: ignore[arg-type]
-            reported[0] = k + 1
 
     def data_source(run: Any, layout_of: Callable[[int], TargetLayout | None]) -> Any:
         """What the stage runtime reads: the run's data, the targets sent to the last stage
@@ -659,128 +555,92 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
             return _ReceivesTargets(transport, plan, layout_of)
         return _NoData(rank, stage)
 
-    first = done
     samples = 0
-    with _guarded(monitor, "the barrier before training"):  # all ranks start the clock together
+    with guarded(monitor, "the barrier before training"):  # all ranks start the clock together
         dist.barrier()
     if recorder is not None:  # the common origin Timeline.merge aligns the ranks' clocks on
         recorder.set_reference()
     start = time.perf_counter()
     while header["count"]:
         count, n, table_of = header["count"], header["microbatches"], header["table_of"]
-        specs = _spec_function(tables, table_of, pipeline.vertical_sync)
+
+        def edges_of(m: int, table_of: list[int] = table_of) -> MessageTable:
+            return tables[table_of[m]]["edges"]  # type: ignore[no-any-return]
 
         def layout_of(m: int, table_of: list[int] = table_of) -> TargetLayout | None:
             return tables[table_of[m]]["target"]  # type: ignore[no-any-return]
 
+        specs = spec_function(edges_of, program.vertical_sync)
+
         key = (n, per, tuple(table_of))
         if key not in receives:
-            receives[key] = schedule_receives(pipeline.schedule(n, per), rank, specs)
+            receives[key] = schedule_receives(program.schedule(n, per), rank, specs)
             if rank in routed:
                 receives[key] = _with_targets(receives[key], plan, layout_of)
         transport.expect(receives[key])
-        rt = pipeline.runtime(rank, config=pipeline.run_config(per), transport=transport,
-                              data=data_source(run, layout_of), specs=specs,
-                              recorder=renumbered)
+        rt = program.runtime(rank, config=program.run_config(per), transport=transport,
+                             data=data_source(run, layout_of), specs=specs,
+                             recorder=renumbered)
         base = micro_base
-        for j, group in enumerate(header["groups"]):
-            group_of[done + j] = tuple(base + i for i in group)
+        losses.add_run(done, base, header["groups"])
         seen = [0]
 
-        def after(rt: Any = rt, base: int = base, seen: list[int] = seen,
-                  micro: dict[int, torch.Tensor] = micro) -> None:
+        def after(rt: Any = rt, base: int = base, seen: list[int] = seen) -> None:
             if len(rt.losses) != seen[0]:
                 seen[0] = len(rt.losses)
                 for m, loss in rt.losses.items():
-                    micro.setdefault(base + m, loss)
-                report(micro)
+                    losses.micro.setdefault(base + m, loss)
+                losses.report(losses.micro)
 
-        drive(pipeline.rank_function(rank, n, per)(rt), transport,
-              after=after if reporter else None)
+        drive(program.rank_functions(n, per)[rank](rt), transport,
+              after=after if losses.progress is not None else None)
         rt.finish()
         for m, loss in rt.losses.items():
-            micro[base + m] = loss
-        if reporter:
-            report(micro)
+            losses.micro[base + m] = loss
+        losses.report(losses.micro)
         if renumbered is not None:
             renumbered.next_run(n)
         done += count
         micro_base += n
         samples += sum(header["sizes"])
-        run, header = next_run(done, False)
-        if ckpt is not None and (not header["count"] or (checkpoint_every is not None
-                                                         and done % checkpoint_every == 0)):
-            merged = _gather_losses(micro, monitor)
-            losses.extend(minibatch_loss(k, merged) for k in range(len(losses), done))
-            for k in [k for k in micro if k < micro_base]:
-                del micro[k]
-            if reporter:
-                report(merged)
-            ckpt.save(done, module_state(state.module, state.optimizer, losses=list(losses),
-                                         data_position=done,
-                                         pipeline=_identity(pipeline, stage)))
+        run, header = announcements.next(done)
+        if resume.checkpointer is not None and (not header["count"] or (
+                checkpoint_every is not None and done % checkpoint_every == 0)):
+            losses.settle(done, monitor, forget_before=micro_base)
+            save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
     seconds = time.perf_counter() - start
     transport.flush()
-    if len(losses) < done:
-        merged = _gather_losses(micro, monitor)
-        losses.extend(minibatch_loss(k, merged) for k in range(len(losses), done))
-        if reporter:
-            report(merged)
+    if len(losses.losses) < done:
+        losses.settle(done, monitor)
     timeline = None
     if recorder is not None:
-        meta = {"schedule": name, "microbatches_per_minibatch": per, "backend": "distributed",
-                "minibatches": done - first}
-        timeline = recorder.timeline(**meta)
-        parts: list[Any] = [None] * world if rank == 0 else []
-        with _guarded(monitor, "the gathering of the timelines"):
-            dist.gather_object(timeline.to_dict(), parts if rank == 0 else None, dst=0)
-        if rank == 0:
-            timeline = Timeline.merge([Timeline.from_dict(p) for p in parts], source="measured")
-            timeline.meta.update(meta)
-    return DistributedRun(losses=losses, rank=rank, stage=stage, seconds=seconds,
-                          samples=samples, timeline=timeline, resumed_from=resumed,
+        timeline = _gathered_timeline(recorder, monitor, {
+            "schedule": program.schedule_name, "microbatches_per_minibatch": per,
+            "backend": "distributed", "minibatches": done - first})
+    return DistributedRun(losses=losses.losses, rank=rank, stage=stage, seconds=seconds,
+                          samples=samples, timeline=timeline, resumed_from=resume.resumed,
                           steps=done - first)
 
 
-def reads_data(pipeline: Any, rank: int) -> bool:
+def _gathered_timeline(recorder: Recorder, monitor: FaultMonitor | None,
+                       meta: dict[str, Any]) -> Timeline:
+    """This rank's measured timeline; on rank 0, every rank's merged (every rank calls it)."""
+    rank = dist.get_rank()
+    timeline = recorder.timeline(**meta)
+    parts: list[Any] = [None] * dist.get_world_size() if rank == 0 else []
+    with guarded(monitor, "the gathering of the timelines"):
+        dist.gather_object(timeline.to_dict(), parts if rank == 0 else None, dst=0)
+    if rank == 0:
+        timeline = Timeline.merge([Timeline.from_dict(p) for p in parts], source="measured")
+        timeline.meta.update(meta)
+    return timeline
+
+
+def reads_data(source: RunProgram | ProgramSource, rank: int) -> bool:
     """Whether `rank` reads the minibatches: stage 0 (the model's inputs), and any stage that
     uses a model input directly. Other ranks may pass `batches=None` to run_distributed; the
     last stage then gets its targets from stage 0 over the wire."""
-    stages = pipeline.stages_of(rank)  # several where the rank holds chunks (interleaved)
-    if 0 in stages or any(ref.stage is None for stage in stages
-                          for ref in pipeline.parts.stages[stage].inputs):
-        return True
-    last = len(pipeline.plan.stages) - 1 in stages
-    return last and any(ref.stage is None for ref in pipeline.parts.output_refs)
-
-
-def _spec_function(tables: dict[int, dict[str, Any]], table_of: Sequence[int],
-                   vertical_sync: bool) -> Callable[[Tag], list[TensorSpec]]:
-    """Tag -> message shapes of one run: microbatch m's from table `table_of[m]` (as
-    Pipeline.spec_function; vertical sync adds the version number to activations)."""
-    version = [TensorSpec((), torch.int64)] if vertical_sync else []
-
-    def specs(tag: Tag) -> list[TensorSpec]:
-        edges = tables[table_of[tag.microbatch]]["edges"]
-        found: list[TensorSpec] = edges[Tag(tag.kind, tag.src_stage, tag.dst_stage, 0)]
-        return found + version if tag.kind == "act" else found
-
-    return specs
-
-
-TargetLayout = tuple[str, list[TensorSpec]]
-
-
-def _target_layout(target: Any) -> TargetLayout | None:
-    """How a microbatch's target travels: its tree structure and its tensors' shapes."""
-    if target is None:
-        return None
-    leaves, spec = pytree.tree_flatten(target)
-    if not all(isinstance(t, torch.Tensor) for t in leaves):
-        raise PipelineInputError(
-            f"the target ({_describe(target)}) must be a tensor or a tuple of tensors to travel "
-            "from stage 0 to the last stage; convert it with torch.as_tensor")
-    return pytree.treespec_dumps(spec), [TensorSpec(tuple(t.shape), t.dtype) for t in leaves]
+    return as_program(source).reads_data(rank)
 
 
 def _target_tag(plan: Any, microbatch: int) -> Tag:
@@ -876,17 +736,10 @@ class _NoData:
                                f"for the target of microbatch {microbatch}")
 
 
-_END = object()
 _FLUSH = FLUSH_SCHEDULES
 
 
-def _identity(pipeline: Any, stage: int) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed by a pipeline's rank."""
-    return {"config": pipeline.plan.config, "schedule": pipeline.schedule_name,
-            "stage": stage, "microbatches": pipeline.microbatches}
-
-
-__all__ = ["DistributedRun", "DistributedTransport", "DistPending", "PeerFailure",
+__all__ = ["ANNOUNCE_AHEAD", "DistributedRun", "DistributedTransport", "DistPending", "PeerFailure",
            "backend_for", "drive", "expect_schedule", "reads_data", "run_distributed",
            "schedule_receives", "wire_tag"]
 

@@ -4,16 +4,24 @@ The reference semantics of a pipeline. Ranks take turns in rank order; each runs
 generated `run_rank(rt)` yields (it waits for a message or a collective), then the next rank runs.
 Messages go through in-memory mailboxes (runtime/local_transport.py). A round in which no rank
 finishes an action is a deadlock and raises ScheduleError naming what each rank waits for.
+`run_program` is the driver `Pipeline.step` and `Pipeline.train` call: one run of a RunProgram
+(backends/program.py), every rank's runtime over in-memory mailboxes.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
+from collections.abc import Generator, Mapping
+from dataclasses import dataclass
 from typing import Any
 
-from pdcompile.errors import ScheduleError
+import torch
 
-RankFn = Callable[[Any], Generator[Any, None, None]]
+from pdcompile.backends.program import MicrobatchData, RankFn, RunProgram
+from pdcompile.errors import ScheduleError
+from pdcompile.runtime.chunks import ChunkRuntimes
+from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
+from pdcompile.runtime.stage_runtime import StageRuntime
+from pdcompile.timeline import Recorder, Timeline
 
 
 def run_local(functions: Mapping[int, RankFn], runtimes: Mapping[int, Any]) -> None:
@@ -43,4 +51,45 @@ def run_local(functions: Mapping[int, RankFn], runtimes: Mapping[int, Any]) -> N
             raise ScheduleError(f"the pipeline cannot make progress (deadlock): {stuck}")
 
 
-__all__ = ["run_local"]
+@dataclass
+class LocalRun:
+    """What one run on the local backend leaves: the last stage's microbatch losses, every
+    rank's runtime (for inspection), and the measured timeline when recorded."""
+
+    losses: dict[int, torch.Tensor]
+    runtimes: dict[int, StageRuntime | ChunkRuntimes]
+    timeline: Timeline | None = None
+
+
+def run_program(program: RunProgram, data: MicrobatchData, microbatches: int,
+                per_minibatch: int, *, record: bool = False) -> LocalRun:
+    """All ranks' generated loops over a run of `microbatches` on the local backend.
+
+    Each rank gets its runtime over the in-memory mailboxes; a message sent but never received
+    is a schedule error. `record`: time every action into a merged, measured timeline.
+    """
+    config = program.run_config(per_minibatch)
+    boxes = Mailboxes()
+    ranks = program.all_ranks
+    recorders = {r: Recorder(r) for r in ranks} if record else {}
+    runtimes = {r: program.runtime(r, config=config, transport=LocalTransport(r, boxes),
+                                   data=data, recorder=recorders.get(r)) for r in ranks}
+    run_local(program.rank_functions(microbatches, per_minibatch), runtimes)
+    for rt in runtimes.values():
+        rt.finish()
+    left = boxes.pending()
+    if left:
+        raise ScheduleError(f"the schedule sent messages nobody received: {left[:4]}")
+    timeline = None
+    if recorders:
+        timeline = Timeline.merge([rec.timeline() for rec in recorders.values()],
+                                  source="measured")
+        timeline.meta.update(schedule=program.schedule_name,
+                             microbatches_per_minibatch=per_minibatch, backend="local")
+    losses: dict[int, torch.Tensor] = {}
+    for stage_rank in program.plan.stages[-1].ranks:
+        losses.update(runtimes[stage_rank].losses)
+    return LocalRun(losses, runtimes, timeline)
+
+
+__all__ = ["LocalRun", "RankFn", "run_local", "run_program"]

@@ -1,0 +1,78 @@
+"""Checkpoints of a distributed run: where it resumes, and what each rank saves.
+
+Every rank saves its weights, optimizer, RNG state, the losses so far and the data position
+(runtime/checkpoint.py). A run resumes from the newest step that every rank saved, agreed over
+the group, and only when the checkpoint was written by the same pipeline and stage.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pdcompile.backends.distributed_guard import guarded
+from pdcompile.backends.launch import FaultMonitor
+from pdcompile.backends.program import RunProgram
+from pdcompile.errors import DistributedError
+from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
+from pdcompile.runtime.rank_state import RankState
+
+
+@dataclass
+class Resume:
+    """Where a rank's run starts: `done` minibatches trained before (0 from scratch), their
+    `losses`, the RNG state saved with them, and the checkpointer to save to (None: none)."""
+
+    checkpointer: Checkpointer | None = None
+    done: int = 0
+    losses: list[float] = field(default_factory=list)
+    resumed: int | None = None  # the checkpoint step resumed from
+    rng: torch.Tensor | None = None
+
+
+def identity(program: RunProgram, stage: int) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by a pipeline's rank."""
+    return {"config": program.plan.config, "schedule": program.schedule_name,
+            "stage": stage, "microbatches": program.microbatches}
+
+
+def resume_point(program: RunProgram, state: RankState,
+                 checkpoint_dir: str | os.PathLike[str] | None, *, every: int | None,
+                 keep: int, monitor: FaultMonitor | None) -> Resume:
+    """The newest step every rank has saved in `checkpoint_dir` (agreed over the group: every
+    rank calls it), with this rank's weights and optimizer restored into `state`."""
+    if checkpoint_dir is None:
+        return Resume()
+    rank = state.rank
+    ckpt = Checkpointer(checkpoint_dir, rank=rank, every=every or 1, keep=keep)
+    everyone: list[Any] = [None] * dist.get_world_size()
+    with guarded(monitor, "the agreement on the checkpoint to resume from"):
+        dist.all_gather_object(everyone, ckpt.steps())
+    common = set.intersection(*(set(steps_of) for steps_of in everyone))
+    if not common:
+        return Resume(ckpt)
+    done = max(common)
+    saved = ckpt.load(done)
+    if saved.get("pipeline") != identity(program, state.stage):
+        raise DistributedError(
+            f"the checkpoints in {checkpoint_dir} were written by another pipeline "
+            f"({saved.get('pipeline')}, this one is {identity(program, state.stage)}); "
+            "name another checkpoint folder or delete this one")
+    restore_module_state(saved, state.module, state.optimizer,
+                         origin=f"the checkpoint of rank {rank} at step {done} in "
+                                f"{checkpoint_dir}")
+    return Resume(ckpt, done, [float(v) for v in saved["losses"]], done, saved.get("rng"))
+
+
+def save_checkpoint(ckpt: Checkpointer, program: RunProgram, state: RankState, done: int,
+                    losses: list[float]) -> None:
+    """This rank's checkpoint after `done` minibatches (every rank saves at the same step)."""
+    ckpt.save(done, module_state(state.module, state.optimizer, losses=list(losses),
+                                 data_position=done, pipeline=identity(program, state.stage)))
+
+
+__all__ = ["Resume", "identity", "resume_point", "save_checkpoint"]

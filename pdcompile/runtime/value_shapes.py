@@ -1,0 +1,34 @@
+"""The shape of a (nested) value, as a key and in words: how minibatches are told apart.
+
+`signature` is equal for values shaped alike (a cache key: a minibatch shape checked once, a
+message table per microbatch shape); `describe` says a shape in an error message.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def signature(value: Any) -> Any:
+    """Shapes and dtypes of a (nested) value: equal for minibatches shaped alike."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, tuple | list):
+        return tuple(signature(v) for v in value)
+    if isinstance(value, dict):
+        return tuple(sorted((k, signature(v)) for k, v in value.items()))
+    return type(value).__name__
+
+
+def describe(value: Any) -> str:
+    """"(8, 12) float32" for a tensor, a tuple of those for a tuple, the type otherwise."""
+    if isinstance(value, torch.Tensor):
+        return f"{tuple(value.shape)} {str(value.dtype).replace('torch.', '')}"
+    if isinstance(value, tuple | list):
+        return "(" + ", ".join(describe(v) for v in value) + ")"
+    return type(value).__name__
+
+
+__all__ = ["describe", "signature"]
