@@ -20,7 +20,7 @@ import networkx as nx
 
 from pdcompile.errors import CostGraphError
 
-FORMAT = "pdcompile.cost.costgraph/1"
+FORMAT = "pdcompile.costgraph/1"  # the file format's name, kept when the module moved
 COST_KEYS = ("fwd", "bwd", "act", "params")
 
 

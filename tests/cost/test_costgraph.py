@@ -282,3 +282,16 @@ def test_coarsen_gpt2_xl_to_a_few_hundred_blocks() -> None:
         _check_coarse(graph, coarse, mapping)
         assert all(d["fwd"] + d["bwd"] > 0 for _, d in coarse.nodes(data=True))
         assert coarse.graph == graph.graph
+
+
+def test_a_file_written_before_the_cost_room_loads() -> None:
+    """The file format keeps its name ('pdcompile.costgraph/1') though the module moved into
+    pdcompile/cost/: files users saved earlier still load."""
+    from pdcompile.cost.costgraph import from_dict
+
+    data = {"format": "pdcompile.costgraph/1", "name": "saved", "batch_size": 4,
+            "nodes": [{"id": "x", "fwd": 0.0, "bwd": 0.0, "act": 8.0, "params": 0.0},
+                      {"id": "a", "fwd": 1e-3, "bwd": 2e-3, "act": 16.0, "params": 64.0}],
+            "edges": [["x", "a", {}]]}
+    graph = from_dict(data)
+    assert list(graph.edges) == [("x", "a")] and graph.nodes["a"]["params"] == 64.0
