@@ -14,7 +14,7 @@ from safetensors import SafetensorError
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
 
-EXPORT_FORMAT = "pdcompile.export/2"
+EXPORT_FORMAT = "pdcompile.export/3"  # 3: generated code names the modules in their rooms
 # files of the first format (pickles), removed when a folder is exported again
 OLD_FILES = ("callables.pkl", "example.pt", "graph_modules.pt")
 # what to pass instead of a loss function or optimizer an export could not record
@@ -38,8 +38,9 @@ def read_meta(folder: Path) -> dict[str, Any]:
                                "the pipeline again") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
-        older = " (an older pdcompile's, which held pickles)" \
-            if found == "pdcompile.export/1" else ""
+        older = {"pdcompile.export/1": " (an older pdcompile's, which held pickles)",
+                 "pdcompile.export/2": " (an older pdcompile's, whose generated code imports "
+                                       "modules that have moved since)"}.get(str(found), "")
         raise PipelineInputError(f"{folder}/pipeline.json is format {found!r}{older}, expected "
                                  f"{EXPORT_FORMAT!r}; export the pipeline again with this "
                                  "pdcompile")

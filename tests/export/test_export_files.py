@@ -164,3 +164,17 @@ def test_an_altered_pipeline_json_is_named(tmp_path: Path,
         pdcompile.load(str(out))
     assert main(["run", str(out), "--dry-run"]) == 1
     assert "pipeline.json is altered" in capsys.readouterr().err
+
+
+def test_an_export_of_an_older_format_is_named_and_refused(tmp_path: Path) -> None:
+    """An export written before the modules moved into their rooms names them in its generated
+    code: refused in one line that says so and asks for a new export (not an ImportError)."""
+    import json
+
+    from pdcompile.errors import PipelineInputError
+    from pdcompile.export.files import read_meta
+
+    (tmp_path / "pipeline.json").write_text(json.dumps({"format": "pdcompile.export/2"}))
+    with pytest.raises(PipelineInputError, match="modules that have moved since.*export the "
+                       "pipeline again"):
+        read_meta(tmp_path)
