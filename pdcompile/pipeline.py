@@ -26,23 +26,19 @@ from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
-from pdcompile.schedule.generators import (
-    FLUSH_SCHEDULES,
-    INTERLEAVED_SCHEDULES,
-    SCHEDULES,
-    SPLIT_BACKWARD_SCHEDULES,
-    generate,
-    interleaved_shape,
-)
+from pdcompile.schedule.build import build
+from pdcompile.schedule.generators import interleaved_shape
 from pdcompile.schedule.ir import Schedule
-from pdcompile.schedule.kinds import kind
-from pdcompile.schedule.lower import lower
-from pdcompile.schedule.validate import validate
+from pdcompile.schedule.kinds import KINDS, kind
+from pdcompile.schedule.kinds import names as schedule_names
 from pdcompile.timeline import Recorder, Timeline
 from pdcompile.util.suggest import did_you_mean
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-FLUSH = FLUSH_SCHEDULES
+SCHEDULES = tuple(KINDS)
+FLUSH = schedule_names("flush")
+INTERLEAVED_SCHEDULES = schedule_names("interleaved")
+SPLIT_BACKWARD_SCHEDULES = schedule_names("split_backward")
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -311,31 +307,25 @@ class Pipeline:
     def schedule(self, microbatches: int | None = None,
                  per_minibatch: int | None = None) -> Schedule:
         """The lowered schedule of a run of `microbatches` (default: the compile-time count)."""
-        n = microbatches or self.schedule_length()
-        per = per_minibatch if per_minibatch is not None else self.per_minibatch
-        kwargs: dict[str, Any] = {}
-        if self.schedule_name == "2bw":
-            kwargs["microbatches_per_minibatch"] = per
-        if self.vertical_sync:
-            kwargs["vertical_sync"] = True
-        if self.plan.schedule == self.schedule_name and kind(self.schedule_name).chosen_warmup:
-            kwargs["warmup"] = self.plan.warmup()  # the planner's in-flight counts
-        recompute = [i for i, s in enumerate(self.plan.stages) if s.recompute]
-        compute = generate(self.schedule_name, self.stage_ranks, n, recompute=recompute,
-                           **kwargs)
-        lowered = lower(compute, self.parts.edges)
-        validate(lowered)
-        return lowered
+        return build(self.schedule_name, self.stage_ranks,
+                     microbatches or self.schedule_length(),
+                     per_minibatch=per_minibatch if per_minibatch is not None
+                     else self.per_minibatch,
+                     stage_edges=self.parts.edges, vertical_sync=self.vertical_sync,
+                     # the planner's in-flight counts, where it planned this schedule
+                     warmup=self.plan.warmup() if self.plan.schedule == self.schedule_name
+                     else None,
+                     recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute])
 
     @property
     def per_minibatch(self) -> int:
         """Microbatches per minibatch (1 for '1f1b', where each microbatch is a minibatch)."""
-        return 1 if self.schedule_name == "1f1b" else self.microbatches
+        return kind(self.schedule_name).per_minibatch(self.microbatches)
 
     def schedule_length(self) -> int:
         """Microbatches in a run of the compile-time shape (2bw: enough minibatches to fill the
         pipeline)."""
-        if self.schedule_name == "2bw":
+        if kind(self.schedule_name).microbatched_stream:
             return self.microbatches * max(2, len(self.plan.stages))
         return self.microbatches
 

@@ -36,8 +36,8 @@ from pdcompile.backends.launch import (
 from pdcompile.errors import DistributedError, PdcompileError, PipelineInputError
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
-from pdcompile.schedule.generators import FLUSH_SCHEDULES
 from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.kinds import kind as schedule_kind
 from pdcompile.timeline import Recorder, Timeline
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}
@@ -472,8 +472,9 @@ def run_distributed(pipeline: Any, batches: Iterable[Any] | None, *, steps: int 
     if checkpoint_every is not None and checkpoint_dir is None:
         raise PipelineInputError("checkpoint_every needs checkpoint_dir (the folder to save to)")
     name = pipeline.schedule_name
-    flush = name in _FLUSH
-    if name == "1f1b" and checkpoint_every is not None:
+    flush = schedule_kind(name).flush
+    # whole minibatches handed round-robin to the replicas: a run covers whole rounds
+    if not schedule_kind(name).microbatched and checkpoint_every is not None:
         lcm = math.lcm(*[s.replicas for s in plan.stages])
         if checkpoint_every % lcm:
             raise PipelineInputError(
@@ -877,7 +878,6 @@ class _NoData:
 
 
 _END = object()
-_FLUSH = FLUSH_SCHEDULES
 
 
 def _identity(pipeline: Any, stage: int) -> dict[str, Any]:

@@ -31,6 +31,7 @@ import networkx as nx
 from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_factory
 from pdcompile.errors import PdcompileError
 from pdcompile.planner import PLANNERS
+from pdcompile.schedule.kinds import KINDS
 
 
 def register(subparsers: Any) -> None:
@@ -63,7 +64,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--time-limit", type=float, default=None, metavar="S",
                         help="seconds for CP-SAT (default 10), e.g. --time-limit 30")
     parser.add_argument("--schedule", default="1f1b",
-                        choices=("1f1b", "1f1b-flush", "gpipe", "2bw", "auto"),
+                        choices=(*[n for n, k in KINDS.items() if not k.chunked], "auto"),
                         help="the schedule the plan is priced for (memory, bubble; default "
                         "1f1b), or auto: the planner chooses it and its microbatches, e.g. "
                         "--schedule auto")
