@@ -168,18 +168,10 @@ def _cost_graph(args: argparse.Namespace, cluster: Any) -> nx.DiGraph:
     import torch
 
     torch.set_num_threads(1)
-    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
-    from pdcompile.passes.shapes import annotate_shapes
-    from pdcompile.passes.trace import trace
+    from pdcompile.cost.costed_graph import costed_graph
 
     model, inputs = load_factory(args.model)
-    gm = trace(model)
-    annotate_shapes(gm, inputs)
-    if args.cost == "analytic":
-        annotate_costs(gm, inputs, source="analytic", device=cluster.device)
-    else:
-        from pdcompile.cost.cache_flush import caches_for
-
-        annotate_costs(gm, inputs, progress=not args.json and sys.stderr.isatty(),
-                       caches=caches_for(cluster))
-    return to_cost_graph(gm, name=args.model)
+    return costed_graph(model, inputs, cluster, cost=args.cost, name=args.model,
+                        device=cluster.device if args.cost == "analytic" else None,
+                        progress=args.cost != "analytic" and not args.json
+                        and sys.stderr.isatty())
