@@ -3,7 +3,8 @@
 `compile()`, the `inspect`, `plan`, `simulate` and `export` commands and the demo all profile a
 model this way, so they agree on what a node costs: every node timed (or costed analytically)
 on a copy, with the caches as the cluster's workers will find them (`cache_flush.caches_for`:
-cold where they take turns on too few cores), the random state left as it was.
+cold where they take turns on too few cores), the random state left as it was. The cost pass
+is looked up when called, so a test may wrap `node_costs.annotate_costs`.
 """
 
 from __future__ import annotations
@@ -16,8 +17,8 @@ import networkx as nx
 import torch
 import torch.fx as fx
 
+from pdcompile.cost import node_costs
 from pdcompile.cost.cache_flush import caches_for
-from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
 from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.device import Device
 from pdcompile.passes.shapes import annotate_shapes
@@ -50,9 +51,9 @@ def costed(model: torch.nn.Module, inputs: Sequence[Any], cluster: Cluster | Non
         caches = caches_for(cluster) if cluster is not None else "warm"
     with torch.random.fork_rng():
         annotate_shapes(gm, tuple(inputs))
-        annotate_costs(gm, tuple(inputs), source=cost, device=device, warmup=warmup,
+        node_costs.annotate_costs(gm, tuple(inputs), source=cost, device=device, warmup=warmup,
                        repeats=repeats, clock=clock, progress=progress, caches=caches)
-    return Costed(gm, to_cost_graph(gm, name=name or type(model).__name__))
+    return Costed(gm, node_costs.to_cost_graph(gm, name=name or type(model).__name__))
 
 
 def costed_graph(model: torch.nn.Module, inputs: Sequence[Any], cluster: Cluster | None = None,
