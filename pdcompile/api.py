@@ -130,11 +130,7 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
              microbatches: int | None = None, **planning: Any) -> Plan:
     """The planner's Plan for the costed graph (copies of the model are measured, not it), or
     `given` priced on it."""
-    import copy
-
-    from pdcompile.cost.cache_flush import caches_for
-    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
-    from pdcompile.passes.shapes import annotate_shapes
+    from pdcompile.cost.costed_graph import costed
     from pdcompile.planner import plan as make_plan
     from pdcompile.planner import price_plan
 
@@ -142,13 +138,8 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
         raise PipelineInputError(f"cost must be 'measured' or 'analytic', got {cost!r}")
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
-    measured = copy.deepcopy(gm)
-    with torch.random.fork_rng():
-        annotate_shapes(measured, inputs)
-        # profiled as the workers will find their caches (cold when they take turns on cores)
-        annotate_costs(measured, inputs, source=cost,
-                       caches=caches_for(cluster) if cost == "measured" else "warm")
-    graph = to_cost_graph(measured, name=type(gm).__name__)
+    # profiled as the workers will find their caches (cold when they take turns on cores)
+    measured, graph = costed(gm, inputs, cluster, cost=cost)
     if planning.get("stages"):  # K stages of whole layers where the model has enough of them
         return _planned_in_blocks(measured, graph, cluster, schedule=schedule,
                                   microbatches=microbatches, **planning)

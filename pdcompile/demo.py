@@ -176,19 +176,14 @@ def profile(size: DemoSize, *, progress: bool = False, seed: int = 0, caches: st
             ) -> tuple[torch.nn.Module, tuple[torch.Tensor], nx.DiGraph]:
     """The demo model, its example minibatch and its CostGraph measured on this CPU (`caches`:
     as `annotate_costs`)."""
-    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
+    from pdcompile.cost.costed_graph import costed_graph
     from pdcompile.models import demomlp
-    from pdcompile.passes.shapes import annotate_shapes
-    from pdcompile.passes.trace import trace
 
     torch.manual_seed(seed)
     model, inputs = demomlp.factory(batch_size=size.batch_size, image_size=size.image_size,
                                     hidden=size.hidden, depth=size.depth)
-    gm = trace(model)
-    with torch.random.fork_rng():
-        annotate_shapes(gm, inputs)
-        annotate_costs(gm, inputs, repeats=size.repeats, progress=progress, caches=caches)
-    return model, inputs, to_cost_graph(gm, name="DemoMLP")
+    return model, inputs, costed_graph(model, inputs, name="DemoMLP", repeats=size.repeats,
+                                       progress=progress, caches=caches)
 
 
 def predict(graph: nx.DiGraph, plan: Plan, cluster: Cluster, minibatches: int,

@@ -29,23 +29,16 @@ from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec
 from pdcompile.runtime.value_shapes import describe as _describe
 from pdcompile.runtime.value_shapes import signature as _signature
-from pdcompile.schedule.generators import (
-    FLUSH_SCHEDULES,
-    INTERLEAVED_SCHEDULES,
-    SCHEDULES,
-    SPLIT_BACKWARD_SCHEDULES,
-    generate,
-    interleaved_shape,
-)
+from pdcompile.schedule.build import build
+from pdcompile.schedule.generators import interleaved_shape
 from pdcompile.schedule.ir import Schedule
-from pdcompile.schedule.kinds import kind
-from pdcompile.schedule.lower import lower
-from pdcompile.schedule.validate import validate
+from pdcompile.schedule.kinds import KINDS, kind
+from pdcompile.schedule.kinds import names as schedule_names
 from pdcompile.timeline import Timeline
 from pdcompile.util.suggest import did_you_mean
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
-FLUSH = FLUSH_SCHEDULES
+SCHEDULES = tuple(KINDS)
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -104,7 +97,7 @@ class Pipeline:
         self.example_target: Any = example_target
         if example_inputs is not None:
             self._learn_kinds(example_inputs)
-        if schedule in SPLIT_BACKWARD_SCHEDULES:  # B/W split: Linear weight gradients can wait
+        if kind(schedule).split_backward:  # B/W split: Linear weight gradients can wait
             from pdcompile.passes.fuse import split_weight_gradients
 
             for program in parts.stages:
@@ -173,19 +166,18 @@ class Pipeline:
             raise PlanError(f"plan has {len(replicas)} stages but the split has "
                             f"{len(self.parts.stages)}")
         shared = [r for r in self.all_ranks if len(self.stages_of(r)) > 1]
-        if shared and self.schedule_name not in INTERLEAVED_SCHEDULES:
+        if shared and not kind(self.schedule_name).interleaved:
             raise PipelineInputError(
                 f"ranks {shared} hold several stages (an interleaved placement); run it with "
-                f"one of the interleaved schedules {', '.join(INTERLEAVED_SCHEDULES)}, not "
+                f"one of the interleaved schedules {', '.join(schedule_names('interleaved'))}, not "
                 f"{self.schedule_name!r}")
-        if self.schedule_name in INTERLEAVED_SCHEDULES or \
-                self.schedule_name in SPLIT_BACKWARD_SCHEDULES:
+        if kind(self.schedule_name).interleaved or kind(self.schedule_name).split_backward:
             try:
                 _, chunks = interleaved_shape(self.stage_ranks)
             except ScheduleError as err:
                 raise PipelineInputError(f"schedule {self.schedule_name!r} cannot run plan "
                                          f"{self.plan.config}: {err}") from None
-            if self.schedule_name in INTERLEAVED_SCHEDULES and chunks < 2:
+            if kind(self.schedule_name).interleaved and chunks < 2:
                 raise PipelineInputError(
                     f"schedule {self.schedule_name!r} needs a plan with several chunks per rank "
                     f"(stage c on rank c mod p); make one with "
@@ -197,11 +189,12 @@ class Pipeline:
                 raise PlanError(f"parameter {tie.name!r} is shared by stages {tie.stages}, two "
                                 "of which are chunks of one rank; tie them on different ranks "
                                 "(another number of chunks) or untie them")
-        if self.vertical_sync and (self.schedule_name != "1f1b" or len(set(replicas)) > 1):
+        if self.vertical_sync and (not kind(self.schedule_name).vertical_sync
+                                   or len(set(replicas)) > 1):
             raise PipelineInputError("vertical_sync needs schedule '1f1b' and the same number of "
                                      f"replicas in every stage (got {self.schedule_name!r}, "
                                      f"replicas {replicas})")
-        if self.schedule_name == "1f1b":
+        if not kind(self.schedule_name).microbatched:
             for tie in self.parts.ties:
                 counts = {replicas[s] for s in tie.stages}
                 if len(counts) > 1:
@@ -275,31 +268,25 @@ class Pipeline:
     def schedule(self, microbatches: int | None = None,
                  per_minibatch: int | None = None) -> Schedule:
         """The lowered schedule of a run of `microbatches` (default: the compile-time count)."""
-        n = microbatches or self.schedule_length()
-        per = per_minibatch if per_minibatch is not None else self.per_minibatch
-        kwargs: dict[str, Any] = {}
-        if self.schedule_name == "2bw":
-            kwargs["microbatches_per_minibatch"] = per
-        if self.vertical_sync:
-            kwargs["vertical_sync"] = True
-        if self.plan.schedule == self.schedule_name and kind(self.schedule_name).chosen_warmup:
-            kwargs["warmup"] = self.plan.warmup()  # the planner's in-flight counts
-        recompute = [i for i, s in enumerate(self.plan.stages) if s.recompute]
-        compute = generate(self.schedule_name, self.stage_ranks, n, recompute=recompute,
-                           **kwargs)
-        lowered = lower(compute, self.parts.edges)
-        validate(lowered)
-        return lowered
+        return build(self.schedule_name, self.stage_ranks,
+                     microbatches or self.schedule_length(),
+                     per_minibatch=per_minibatch if per_minibatch is not None
+                     else self.per_minibatch,
+                     stage_edges=self.parts.edges, vertical_sync=self.vertical_sync,
+                     # the planner's in-flight counts, where it planned this schedule
+                     warmup=self.plan.warmup() if self.plan.schedule == self.schedule_name
+                     else None,
+                     recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute])
 
     @property
     def per_minibatch(self) -> int:
         """Microbatches per minibatch (1 for '1f1b', where each microbatch is a minibatch)."""
-        return 1 if self.schedule_name == "1f1b" else self.microbatches
+        return kind(self.schedule_name).per_minibatch(self.microbatches)
 
     def schedule_length(self) -> int:
         """Microbatches in a run of the compile-time shape (2bw: enough minibatches to fill the
         pipeline)."""
-        if self.schedule_name == "2bw":
+        if kind(self.schedule_name).microbatched_stream:
             return self.microbatches * max(2, len(self.plan.stages))
         return self.microbatches
 
@@ -412,7 +399,7 @@ class Pipeline:
                         "(it computes loss_fn(output, target)): pass step(*inputs, target=y), "
                         "or (inputs, target) pairs to train()")
         self._keep_example_target(items)
-        if self.schedule_name in FLUSH:
+        if kind(self.schedule_name).flush:
             out = []
             for index, item in enumerate(items):
                 run = self.prepare([item], first=index)
@@ -454,12 +441,12 @@ class Pipeline:
         the first minibatch, for messages.
         """
         batches = [(tuple(x) if isinstance(x, tuple | list) else (x,), t) for x, t in batches]
-        if self.schedule_name in FLUSH and len(batches) != 1:
+        if kind(self.schedule_name).flush and len(batches) != 1:
             raise PipelineInputError(f"a {self.schedule_name!r} run covers one minibatch, got "
                                      f"{len(batches)}")
         for index, (inputs, target) in enumerate(batches, first):
             self.check_minibatch(index, inputs, target)
-        if self.schedule_name == "1f1b":
+        if not kind(self.schedule_name).microbatched:
             lcm = _lcm([s.replicas for s in self.plan.stages])
             pieces = [1] * len(batches)
             if len(batches) % lcm:
@@ -478,7 +465,7 @@ class Pipeline:
                 inputs_all.append(self._named(inputs))
                 targets.append(target)
             else:
-                why = ("microbatches" if self.schedule_name != "1f1b" else
+                why = ("microbatches" if kind(self.schedule_name).microbatched else
                        f"pieces that complete the round of the replicas ({self.plan.config})")
                 inputs_all.extend(self._cut(inputs, count, index=index, why=why))
                 targets.extend(_cut_target(target, count, index=index, why=why))
@@ -508,7 +495,7 @@ class Pipeline:
             target is None or self.example_target is None
             or _signature(target) == _signature(self.example_target))
         if not same:
-            if self.schedule_name != "1f1b":  # too few samples for the microbatches: say so
+            if kind(self.schedule_name).microbatched:  # too few samples to cut: say so
                 self._cut(tuple(inputs), self.microbatches, index=index, why="microbatches")
             stage = "model"
             try:
@@ -544,7 +531,7 @@ class Pipeline:
         (no gradients, random state kept)."""
         if self.loss_fn is None or target is None:
             return
-        m = 1 if self.schedule_name == "1f1b" else self.microbatches
+        m = kind(self.schedule_name).per_minibatch(self.microbatches)
         named = self._named(inputs)
         leaves = [named[r.name] if r.stage is None else values[r.stage, r.name]
                   for r in self.parts.output_refs]
@@ -623,7 +610,7 @@ class Pipeline:
         effects (no gradients, random state and buffers such as BatchNorm statistics restored).
         """
         inputs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
-        m = 1 if self.schedule_name == "1f1b" else self.microbatches
+        m = kind(self.schedule_name).per_minibatch(self.microbatches)
         named = {name: value[:-(-value.shape[0] // m)]
                  if isinstance(value, torch.Tensor) and value.dim() else value
                  for name, value in self._named(inputs).items()}
@@ -727,7 +714,7 @@ def _copy(module: fx.GraphModule) -> fx.GraphModule:
 
 
 def _default_microbatches(schedule: str, plan: Plan) -> int:
-    if schedule == "1f1b":
+    if not kind(schedule).microbatched:
         return max(2 * plan.workers, _lcm([s.replicas for s in plan.stages]))
     return max(1, len(plan.stages))
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from pdcompile.errors import PdcompileError
 from pdcompile.schedule.ir import Action, Kind, Schedule, parse_action
+from pdcompile.schedule.kinds import KINDS
 
 TIMELINE_FORMAT = "pdcompile.timeline/1"
 COMPUTE_KINDS = (Kind.F, Kind.B, Kind.W)
@@ -179,7 +180,8 @@ class Timeline:
     def time_per_minibatch(self) -> float:
         """Seconds per minibatch: steady state when streaming, else makespan / minibatches."""
         per_minibatch = int(self.meta.get("microbatches_per_minibatch", 1))
-        if self.meta.get("schedule") in ("1f1b", "2bw"):
+        row = KINDS.get(str(self.meta.get("schedule")))
+        if row is not None and row.asynchronous:
             t0, t1, n = self.steady_window()
             return (t1 - t0) / n * per_minibatch
         return self.makespan / max(1, int(self.meta.get("minibatches", 1)))

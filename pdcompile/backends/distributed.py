@@ -49,8 +49,8 @@ from pdcompile.errors import DistributedError, PipelineInputError
 from pdcompile.runtime.message_specs import MessageTable, spec_function
 from pdcompile.runtime.rank_state import RankState
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
-from pdcompile.schedule.generators import FLUSH_SCHEDULES
 from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.kinds import kind as schedule_kind
 from pdcompile.timeline import Recorder, Timeline
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}
@@ -464,7 +464,7 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     state = program.state(rank, stages[0])  # the rank's first chunk where it holds several
     resume = resume_point(program, state, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)
-    flush = program.schedule_name in _FLUSH
+    flush = schedule_kind(program.schedule_name).flush
     last = len(program.plan.stages) - 1
     routed = {r for r in program.plan.stages[last].ranks if not program.reads_data(r)}
     # flush schedules run one minibatch at a time: the reader announces several runs in one
@@ -510,7 +510,8 @@ def _check_run(program: RunProgram, *, steps: int | None,
                                  f"({checkpoint_every} < 1)")
     if checkpoint_every is not None and checkpoint_dir is None:
         raise PipelineInputError("checkpoint_every needs checkpoint_dir (the folder to save to)")
-    if program.schedule_name == "1f1b" and checkpoint_every is not None:
+    # whole minibatches handed round-robin to the replicas: a run covers whole rounds
+    if not schedule_kind(program.schedule_name).microbatched and checkpoint_every is not None:
         lcm = math.lcm(*[s.replicas for s in plan.stages])
         if checkpoint_every % lcm:
             raise PipelineInputError(
@@ -734,9 +735,6 @@ class _NoData:
     def target(self, microbatch: int) -> Any:
         raise DistributedError(f"rank {self.rank} (stage {self.stage}) reads no data, but asked "
                                f"for the target of microbatch {microbatch}")
-
-
-_FLUSH = FLUSH_SCHEDULES
 
 
 __all__ = ["ANNOUNCE_AHEAD", "DistributedRun", "DistributedTransport", "DistPending", "PeerFailure",

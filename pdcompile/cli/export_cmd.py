@@ -26,7 +26,7 @@ import torch
 from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_factory
 from pdcompile.errors import PdcompileError
 from pdcompile.plan import Plan
-from pdcompile.schedule.generators import SCHEDULES
+from pdcompile.schedule.kinds import KINDS
 
 
 def register(subparsers: Any) -> None:
@@ -37,7 +37,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("model", help="path/to/file.py:factory or package.module:factory "
                         "returning (model, example inputs), e.g. pdcompile.models.vgg16:factory")
     add_cluster_option(parser)
-    parser.add_argument("--schedule", default="1f1b", choices=SCHEDULES,
+    parser.add_argument("--schedule", default="1f1b", choices=tuple(KINDS),
                         help="the pipeline schedule (default 1f1b), e.g. --schedule gpipe")
     parser.add_argument("--microbatches", type=int, default=None, metavar="N",
                         help="microbatches per minibatch (1f1b-flush, gpipe, 2bw); for 1f1b the "

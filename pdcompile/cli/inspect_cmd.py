@@ -94,19 +94,15 @@ def cost_graph_of_model(spec: str, *, cost: str = "measured", cluster: str = "A"
     """Trace, shape and cost the model a factory spec names; node `shape` attributes added."""
     import torch
 
-    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
+    from pdcompile.cost.costed_graph import costed
     from pdcompile.meta import get_shape
-    from pdcompile.passes.shapes import annotate_shapes
-    from pdcompile.passes.trace import trace
 
     torch.set_num_threads(1)
     model, inputs = load_factory(spec)
-    gm = trace(model, leaf_modules=leaves)
-    annotate_shapes(gm, inputs)
     device = load_cluster(cluster).device if cost == "analytic" else None
-    annotate_costs(gm, inputs, source=cost, device=device, warmup=warmup, repeats=repeats,
-                   clock=clock, progress=progress, caches=caches if cost == "measured" else "warm")
-    graph = to_cost_graph(gm, name=spec)
+    gm, graph = costed(model, inputs, cost=cost, name=spec, leaf_modules=leaves, device=device,
+                       caches=caches, warmup=warmup, repeats=repeats, clock=clock,
+                       progress=progress)
     for node in gm.graph.nodes:
         if node.name in graph:
             graph.nodes[node.name]["shape"] = str(get_shape(node))

@@ -31,6 +31,7 @@ import networkx as nx
 from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_factory
 from pdcompile.errors import PdcompileError
 from pdcompile.planner import PLANNERS
+from pdcompile.schedule.kinds import KINDS
 
 
 def register(subparsers: Any) -> None:
@@ -63,7 +64,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--time-limit", type=float, default=None, metavar="S",
                         help="seconds for CP-SAT (default 10), e.g. --time-limit 30")
     parser.add_argument("--schedule", default="1f1b",
-                        choices=("1f1b", "1f1b-flush", "gpipe", "2bw", "auto"),
+                        choices=(*[n for n, k in KINDS.items() if not k.chunked], "auto"),
                         help="the schedule the plan is priced for (memory, bubble; default "
                         "1f1b), or auto: the planner chooses it and its microbatches, e.g. "
                         "--schedule auto")
@@ -167,18 +168,10 @@ def _cost_graph(args: argparse.Namespace, cluster: Any) -> nx.DiGraph:
     import torch
 
     torch.set_num_threads(1)
-    from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
-    from pdcompile.passes.shapes import annotate_shapes
-    from pdcompile.passes.trace import trace
+    from pdcompile.cost.costed_graph import costed_graph
 
     model, inputs = load_factory(args.model)
-    gm = trace(model)
-    annotate_shapes(gm, inputs)
-    if args.cost == "analytic":
-        annotate_costs(gm, inputs, source="analytic", device=cluster.device)
-    else:
-        from pdcompile.cost.cache_flush import caches_for
-
-        annotate_costs(gm, inputs, progress=not args.json and sys.stderr.isatty(),
-                       caches=caches_for(cluster))
-    return to_cost_graph(gm, name=args.model)
+    return costed_graph(model, inputs, cluster, cost=args.cost, name=args.model,
+                        device=cluster.device if args.cost == "analytic" else None,
+                        progress=args.cost != "analytic" and not args.json
+                        and sys.stderr.isatty())

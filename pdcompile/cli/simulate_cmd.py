@@ -33,7 +33,7 @@ from pdcompile.machine.local import oversubscription_note
 from pdcompile.plan import Plan
 from pdcompile.planner.simulation import simulate_plan
 from pdcompile.schedule.ir import Schedule
-from pdcompile.schedule.kinds import KINDS as SCHEDULES
+from pdcompile.schedule.kinds import KINDS
 from pdcompile.timeline import Timeline
 from pdcompile.units import format_seconds
 from pdcompile.viz.compare import Comparison, compare
@@ -51,7 +51,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--costgraph", help="a CostGraph JSON file instead of a model")
     parser.add_argument("--plan", dest="plan_file", help="use this plan.json instead of planning")
     add_cluster_option(parser, default="A")
-    parser.add_argument("--schedule", default="1f1b", choices=(*SCHEDULES, "auto"),
+    parser.add_argument("--schedule", default="1f1b", choices=(*KINDS, "auto"),
                         help="the schedule, or 'auto': the planner chooses it and its "
                         "microbatches")
     parser.add_argument("--microbatches", type=int, default=None,
@@ -92,10 +92,7 @@ def load_cost_graph(args: argparse.Namespace, cluster: Cluster) -> nx.DiGraph:
 
     model, inputs = load_factory(args.model)
     try:
-        from pdcompile.cost.cache_flush import caches_for
-        from pdcompile.cost.node_costs import annotate_costs, to_cost_graph
-        from pdcompile.passes.shapes import annotate_shapes
-        from pdcompile.passes.trace import trace
+        from pdcompile.cost.costed_graph import costed_graph
     except ModuleNotFoundError as err:
         raise PdcompileError(f"tracing a model needs {err.name}, which this installation lacks; "
                              "use --profile or --costgraph") from None
@@ -104,10 +101,7 @@ def load_cost_graph(args: argparse.Namespace, cluster: Cluster) -> nx.DiGraph:
     # one thread, as the workers run and as `inspect`, `plan` and `export` measure: more
     # threads than free cores make small operators' timings meaningless
     torch.set_num_threads(1)
-    gm = trace(model)
-    annotate_shapes(gm, inputs)
-    annotate_costs(gm, inputs, caches=caches_for(cluster))
-    return to_cost_graph(gm, name=args.model)
+    return costed_graph(model, inputs, cluster, name=args.model)
 
 
 def run(args: argparse.Namespace) -> int:

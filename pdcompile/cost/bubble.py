@@ -25,8 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
+from pdcompile.schedule.kinds import KINDS, names
 
-FORMULAS = ("gpipe", "1f1b-flush", "interleaved-1f1b", "zb-h1", "interleaved-zb")
+FORMULAS = names("flush")  # every flush schedule has one
 
 
 @dataclass(frozen=True)
@@ -65,12 +66,11 @@ def flush_time(schedule: str, *, ranks: int, microbatches: int, fwd: float, bwd:
         raise ScheduleError(f"times must be >= 0 with wgrad <= bwd (got fwd {fwd}, bwd {bwd}, "
                             f"wgrad {wgrad}, step {step})")
     p, m, v = ranks, microbatches, chunks
-    if schedule in ("gpipe", "1f1b-flush", "zb-h1") and v != 1:
+    row = KINDS[schedule]
+    if not row.interleaved and v != 1:
         raise ScheduleError(f"{schedule!r} runs one stage per rank (chunks=1, got {v})")
     busy = m * (fwd + bwd) + step
-    if schedule in ("gpipe", "1f1b-flush"):
-        idle = (p - 1) * (fwd + bwd)
-    elif schedule == "interleaved-1f1b":
+    if not row.split_backward:  # (interleaved: v chunks shrink each fill and drain step)
         idle = (p - 1) * (fwd + bwd) / v
     else:  # zero bubble: B is the input-gradient part, W fills the drain
         f, b, w = fwd, bwd - wgrad, wgrad

@@ -137,7 +137,7 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
     circuits = _circuits(terms, own, pairs, lockstep=row.update == "round" and not row.flush)
     if row.flush:
         timed = _flush(terms, transfer, busy, circuits, stage_ranks, m,
-                       gpipe=schedule == "gpipe")
+                       gpipe=row.forwards_first)
         if row.interleaved or row.split_backward:
             timed = _chunked(timed, terms, transfer, stage_ranks, m, interleaved=row.interleaved,
                              wgrad=WGRAD_SHARE if row.split_backward else 0.0)

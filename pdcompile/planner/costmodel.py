@@ -61,7 +61,6 @@ from pdcompile.plan import Stage
 from pdcompile.schedule.kinds import KINDS, kind, unknown, weight_versions
 
 COST_MODELS = ("native", "pipedream")
-SCHEDULES = tuple(KINDS)
 IN_FLIGHT_CAP = 64  # the planning objective never assumes more microbatches in flight per replica
 
 
@@ -80,7 +79,7 @@ class ModelOptions:
             raise PlanError(f"flight must be 'memory' or 'noam', not {self.flight!r}")
         if self.cost_model not in COST_MODELS:
             raise PlanError(f"unknown cost model {self.cost_model!r}; use one of {COST_MODELS}")
-        if self.schedule not in SCHEDULES:
+        if self.schedule not in KINDS:
             raise PlanError(unknown(self.schedule))
         if not isinstance(self.microbatches, int) or self.microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {self.microbatches!r})")
@@ -102,7 +101,7 @@ def default_in_flight(replicas: int, workers_from_here: int, options: ModelOptio
     """Microbatches a replica keeps in flight under the schedule's default warm-up: NOAM, at
     most the microbatches it gets in a flush; all of them under GPipe."""
     share = math.ceil(options.per_minibatch / replicas)
-    if options.schedule == "gpipe":
+    if kind(options.schedule).forwards_first:
         return share
     if kind(options.schedule).flush:
         return min(noam(replicas, workers_from_here), share)
@@ -254,14 +253,14 @@ def values_of(x: StageParts, rest: Any, options: ModelOptions) -> np.ndarray:
     r, later = x.replicas, np.asarray(rest) / m
     if row.flush:
         share = np.ceil(m / r)
-        flight = share if options.schedule == "gpipe" else \
+        flight = share if row.forwards_first else \
             np.minimum(np.minimum(x.fit, share), x.noam)
         period = x.compute + x.cpu
         trip = period + later + 2.0 * x.wire
         with np.errstate(divide="ignore", invalid="ignore"):
             period = np.where(share > flight, np.maximum(period, trip / flight), period)
         value = (share - 1.0) * period + x.allreduce + x.step
-        ok = x.fit >= (share if options.schedule == "gpipe" else 1.0)
+        ok = x.fit >= (share if row.forwards_first else 1.0)
     else:
         flight = np.maximum(x.fit, 1.0)
         if options.flight == "noam":

@@ -72,7 +72,7 @@ def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
     defaults = [default_in_flight(len(r), sum(len(x) for _, x in stages[i:]), options)
                 for i, (_, r) in enumerate(stages)]
     limits = _memory_limits(graph, stages, options, memory, again, cluster)
-    if any(n < 1 for n in limits) or (options.schedule == "gpipe"
+    if any(n < 1 for n in limits) or (row.forwards_first
                                       and any(n < d for n, d in zip(limits, defaults,
                                                                     strict=True))):
         raise PlanError("a stage does not fit the memory")

@@ -57,8 +57,9 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
     costs = costs or StageCosts.from_plan(graph, plan, microbatches=per)
     stage_ranks = [list(s.ranks) for s in plan.stages]
     depths = _warmup(warmup, plan, costs, cluster, name)
-    lowered = build(name, stage_ranks, microbatches=per,
-                    minibatches=minibatches or steady_minibatches(plan),
+    run = row.run_length([s.replicas for s in plan.stages], microbatches=per,
+                         minibatches=minibatches or steady_minibatches(plan))
+    lowered = build(name, stage_ranks, run, per_minibatch=per,
                     stage_edges=costs.stage_edges(), warmup=depths,
                     recompute=[i for i, s in enumerate(plan.stages) if s.recompute])
     return lowered, simulate(lowered, costs, cluster, timeline=timeline)
@@ -95,7 +96,7 @@ def _warmup(warmup: str | Sequence[int], plan: Plan, costs: StageCosts, cluster:
     if warmup == "noam":
         return None
     if warmup == "latency":
-        if name == "gpipe":
+        if not kind(name).chosen_warmup:
             return None
         from pdcompile.schedule.generators import latency_aware_warmup
 

@@ -66,8 +66,9 @@ from pdcompile.runtime.linear_grads import (
 )
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
-from pdcompile.schedule.generators import SPLIT_BACKWARD_SCHEDULES, copies_weights
+from pdcompile.schedule.generators import copies_weights
 from pdcompile.schedule.ir import Action, Kind
+from pdcompile.schedule.kinds import ScheduleKind, kind
 
 Op = Generator[Pending, None, None]
 
@@ -118,14 +119,19 @@ class RunConfig:
     recompute: frozenset[int] = frozenset()
 
     @property
+    def kind(self) -> ScheduleKind:
+        """What the schedule means (`schedule.kinds`)."""
+        return kind(self.schedule)
+
+    @property
     def split_backward(self) -> bool:
         """Whether backwards are split into B (input gradients) and W (weight gradients)."""
-        return self.schedule in SPLIT_BACKWARD_SCHEDULES
+        return self.kind.split_backward
 
     @property
     def loss_scale(self) -> float:
         """Flush schedules and 2bw average the loss over a minibatch's microbatches."""
-        return 1.0 if self.schedule == "1f1b" else 1.0 / self.microbatches_per_minibatch
+        return self.kind.loss_scale(self.microbatches_per_minibatch)
 
 
 @dataclass(frozen=True)
@@ -264,7 +270,7 @@ class StageRuntime:
     def _version_for(self, microbatch: int) -> int:
         """The weight version this stage's forward of `microbatch` uses."""
         config = self.config
-        if config.schedule == "2bw":
+        if config.kind.double_buffered:
             return max(microbatch // config.microbatches_per_minibatch - 1, 0)
         if config.vertical_sync and self.stage > 0:
             return self._sync_version[microbatch]
@@ -346,7 +352,7 @@ class StageRuntime:
         if entry.loss is not None:
             self.losses[microbatch] = entry.loss.detach()
         self.stash.put(microbatch, entry)
-        if self.config.schedule == "2bw":
+        if self.config.kind.double_buffered:
             self._count_forward(microbatch)
         self._record(Kind.F, microbatch, None, start)
         yield from ()
@@ -466,7 +472,7 @@ class StageRuntime:
         ranks = self.config.stage_ranks[self.stage]
         if grads:
             yield from self._wait(self.transport.all_reduce(grads, ranks))
-            if self.config.schedule == "1f1b":
+            if self.config.kind.averages_replicas:
                 for g in grads:
                     g.div_(len(ranks))
         self._record(Kind.ALLREDUCE, index, None, start)
@@ -540,7 +546,7 @@ class StageRuntime:
     def _keep_for_later(self) -> None:
         """Before an update: hold the current version if a later forward will still use it."""
         current = self.versions.current
-        if self.config.schedule == "2bw":
+        if self.config.kind.double_buffered:
             per = self.config.microbatches_per_minibatch // self.replicas
             if self._forwards_done.get(current + 1, 0) < per:
                 self.versions.keep(current)

@@ -1,63 +1,46 @@
 """`build`: the one way to make a lowered, validated schedule for a plan's stages.
 
 The pipeline (its generated loops), the simulator, the planner's candidates, the command line and
-the demo all call this, so they agree on a run's length and shape: for streaming schedules a
-run of `minibatches` minibatches (rounded up so every replica gets whole rounds), for flush
-schedules one minibatch of `microbatches`.
+the demo all call this, so a schedule is generated, lowered and validated one way, with the
+same options: warm-up depths where the kind lets them be chosen, vertical sync, recomputation,
+the stages' edges. How many microbatches a run has is the kind's rule
+(`ScheduleKind.run_length`, with `stream_length` rounding a stream of whole minibatches to
+whole rounds of the replicas).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.ir import Schedule
-from pdcompile.schedule.kinds import kind
+from pdcompile.schedule.kinds import kind, stream_length
 from pdcompile.schedule.lower import lower
 from pdcompile.schedule.validate import validate
 
 
-def stream_length(replicas: Sequence[int], minibatches: int) -> int:
-    """`minibatches` rounded up to a multiple of every replica count (each replica of a stage
-    takes one minibatch per round)."""
-    step = math.lcm(*replicas)
-    return max(step, math.ceil(minibatches / step) * step)
-
-
-def build(name: str, stage_ranks: Sequence[Sequence[int]], *, microbatches: int,
-          minibatches: int = 1, stage_edges: Sequence[tuple[int, int]] | None = None,
+def build(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
+          per_minibatch: int = 1, stage_edges: Sequence[tuple[int, int]] | None = None,
           warmup: Sequence[int] | None = None, vertical_sync: bool = False,
           recompute: Sequence[int] = ()) -> Schedule:
     """The lowered and validated schedule `name` for stages on `stage_ranks`.
 
-    '1f1b': a stream of `minibatches` minibatches (rounded up, `stream_length`); '2bw': a stream
-    of `minibatches` minibatches of `microbatches` microbatches; '1f1b-flush', 'gpipe': one
-    minibatch of `microbatches`. `warmup`: forwards before the first backward per stage (default
-    PipeDream's NOAM - 1); `stage_edges`: (src, dst) stage pairs that exchange tensors (default:
-    the chain); `recompute`: the stages that recompute their activations in the backward."""
+    `microbatches`: the run's microbatches as the generator counts them (`ScheduleKind.
+    run_length`: '1f1b' a stream of that many minibatches, '2bw' a stream of minibatches of
+    `per_minibatch` microbatches, flush schedules one minibatch). `warmup`: forwards before the
+    first backward per stage (default PipeDream's NOAM - 1; ignored by kinds that fix their
+    own); `stage_edges`: (src, dst) stage pairs that exchange tensors (default: the chain);
+    `recompute`: the stages that recompute their activations in the backward."""
     row = kind(name)
-    if microbatches < 1 or minibatches < 1:
+    if microbatches < 1 or per_minibatch < 1:
         raise ScheduleError(f"a run needs at least one minibatch of at least one microbatch "
-                            f"(got minibatches={minibatches}, microbatches={microbatches})")
-    replicas = [len(r) for r in stage_ranks]
-    extra: dict[str, object] = {}
-    if vertical_sync:
-        extra["vertical_sync"] = True
-    if warmup is not None and row.chosen_warmup:
-        extra["warmup"] = list(warmup)
-    if recompute:
-        extra["recompute"] = list(recompute)
-    if row.flush:
-        compute = generate(name, stage_ranks, microbatches, **extra)  # type: ignore[arg-type]
-    elif row.microbatched:  # 2bw: minibatches of `microbatches` each
-        compute = generate(name, stage_ranks, microbatches * minibatches,
-                           microbatches_per_minibatch=microbatches,
-                           **extra)  # type: ignore[arg-type]
-    else:
-        compute = generate(name, stage_ranks, stream_length(replicas, minibatches),
-                           **extra)  # type: ignore[arg-type]
+                            f"(got microbatches={microbatches}, per_minibatch={per_minibatch})")
+    per = per_minibatch if row.microbatched_stream else None  # the others fix their own
+    compute = generate(name, stage_ranks, microbatches, microbatches_per_minibatch=per,
+                       vertical_sync=vertical_sync,
+                       warmup=list(warmup) if warmup is not None and row.chosen_warmup else None,
+                       recompute=list(recompute))
     lowered = lower(compute, stage_edges)
     validate(lowered)
     return lowered

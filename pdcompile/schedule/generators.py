@@ -62,15 +62,7 @@ from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
 from pdcompile.schedule.ir import Action, Kind, Schedule
-
-SCHEDULES = ("1f1b", "1f1b-flush", "gpipe", "2bw", "interleaved-1f1b", "zb-h1", "interleaved-zb")
-ASYNC_SCHEDULES = ("1f1b", "2bw")
-# one minibatch per run, gradients accumulated over its microbatches, one update at the end
-FLUSH_SCHEDULES = ("1f1b-flush", "gpipe", "interleaved-1f1b", "zb-h1", "interleaved-zb")
-# ranks hold several chunks (stage c on rank c mod p)
-INTERLEAVED_SCHEDULES = ("interleaved-1f1b", "interleaved-zb")
-# the backward is split into B (input gradients) and W (weight gradients)
-SPLIT_BACKWARD_SCHEDULES = ("zb-h1", "interleaved-zb")
+from pdcompile.schedule.kinds import kind, names
 
 
 def normalise_stage_ranks(stage_ranks: Sequence[Sequence[int]], *,
@@ -90,7 +82,7 @@ def normalise_stage_ranks(stage_ranks: Sequence[Sequence[int]], *,
             if rank in seen and not chunks:
                 raise ScheduleError(f"rank {rank} appears in two stages of "
                                     f"{list(map(list, shape))}; a worker runs one stage (only "
-                                    f"the interleaved schedules {INTERLEAVED_SCHEDULES} place "
+                                    f"the interleaved schedules {names('interleaved')} place "
                                     "several chunks on one worker)")
             seen.add(rank)
     return shape
@@ -139,10 +131,11 @@ def copies_weights(schedule: str, stage_ranks: Sequence[Sequence[int]], stage: i
     version its minibatch needs and no copy is made. `updates_in_flight` states the same rule
     on a schedule's actions (the simulator uses it; the two agree on generated schedules).
     """
-    if schedule == "2bw":
-        return True
-    if schedule != "1f1b":
+    row = kind(schedule)
+    if not row.copies_weights:
         return False
+    if row.stashed_versions != "in-flight":  # a fixed count of versions, each a copy
+        return True
     return vertical_sync or in_flight_limit(stage_ranks, stage) > 1
 
 
@@ -312,24 +305,23 @@ def generate(
 def _generate(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
               vertical_sync: bool, microbatches_per_minibatch: int | None,
               warmup: Sequence[int] | None) -> Schedule:
-    if name not in SCHEDULES:
-        raise ScheduleError(f"unknown schedule {name!r}; choose one of {', '.join(SCHEDULES)}")
+    row = kind(name)
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ScheduleError(f"microbatches must be a positive integer (got {microbatches!r})")
-    if name in INTERLEAVED_SCHEDULES or name in SPLIT_BACKWARD_SCHEDULES:
+    if row.chunked:
         if warmup is not None:
             raise ScheduleError(f"warmup= applies to the 1F1B schedules, not {name!r}, whose "
                                 "order fixes its own warm-up")
         return _chunked(name, stage_ranks, microbatches, vertical_sync=vertical_sync,
                         microbatches_per_minibatch=microbatches_per_minibatch)
     shape = normalise_stage_ranks(stage_ranks)
-    if vertical_sync and name != "1f1b":
+    if vertical_sync and not row.vertical_sync:
         raise ScheduleError(f"vertical_sync applies to the asynchronous '1f1b' schedule, "
                             f"not {name!r}")
     per_minibatch = _per_minibatch(name, shape, microbatches, microbatches_per_minibatch)
     depths = [warmup_depth(shape, s) for s in range(len(shape))]
     if warmup is not None:
-        if name == "gpipe" or len(warmup) != len(shape) or any(int(w) < 0 for w in warmup):
+        if not row.chosen_warmup or len(warmup) != len(shape) or any(int(w) < 0 for w in warmup):
             raise ScheduleError(f"warmup must give one depth >= 0 per stage ({len(shape)}) for a "
                                 f"1F1B-ordered schedule; got {list(warmup)} for {name!r}")
         depths = [int(w) for w in warmup]
@@ -339,13 +331,13 @@ def _generate(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int
         replicas = len(ranks)
         for replica, rank in enumerate(ranks):
             own = list(range(replica, microbatches, replicas))
-            if name == "gpipe":
+            if row.forwards_first:
                 order = _gpipe_order(own)
             else:
                 order = one_f_one_b(own, depths[stage])
             actions[rank] = tuple(Action(stage, kind, m) for kind, m in order)
     options: dict[str, object] = {"microbatches_per_minibatch": per_minibatch}
-    if name == "1f1b":
+    if row.vertical_sync:
         options["vertical_sync"] = vertical_sync
     if warmup is not None:
         options["warmup"] = depths
@@ -355,6 +347,7 @@ def _generate(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int
 def _chunked(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
              vertical_sync: bool, microbatches_per_minibatch: int | None) -> Schedule:
     """interleaved-1f1b, zb-h1, interleaved-zb (`chunk_order` on every rank)."""
+    row = kind(name)
     p, v = interleaved_shape(stage_ranks)
     shape = normalise_stage_ranks(stage_ranks, chunks=True)
     if vertical_sync:
@@ -363,21 +356,21 @@ def _chunked(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int,
     if microbatches_per_minibatch not in (None, microbatches):
         raise ScheduleError(f"{name!r} runs one minibatch of `microbatches` microbatches; "
                             f"drop microbatches_per_minibatch={microbatches_per_minibatch}")
-    if name in INTERLEAVED_SCHEDULES and v < 2:
+    if row.interleaved and v < 2:
         raise ScheduleError(f"{name!r} needs at least 2 chunks per rank; {len(shape)} stages on "
                             f"{p} ranks is one each: use 'zb-h1' or '1f1b-flush', or cut "
                             f"{2 * p} stages and interleave them (planner.interleave)")
-    if name == "zb-h1" and v != 1:
-        raise ScheduleError(f"'zb-h1' runs one stage per rank; for {v} chunks per rank use "
+    if not row.interleaved and v != 1:
+        raise ScheduleError(f"{name!r} runs one stage per rank; for {v} chunks per rank use "
                             "'interleaved-zb'")
-    if name in INTERLEAVED_SCHEDULES and p < 2:
+    if row.interleaved and p < 2:
         raise ScheduleError(f"{name!r} needs at least 2 ranks to interleave chunks over (got "
                             f"{p}); one rank runs its stages one after another ('1f1b-flush')")
     actions: dict[int, tuple[Action, ...]] = {}
     for position in range(p):
         rank = shape[position][0]
         order = chunk_order(position, p, v, microbatches,
-                            split=name in SPLIT_BACKWARD_SCHEDULES)
+                            split=row.split_backward)
         actions[rank] = tuple(Action(chunk * p + position, kind, m) for kind, chunk, m in order)
     return Schedule(name, microbatches, shape, actions,
                     {"microbatches_per_minibatch": microbatches})
@@ -387,7 +380,8 @@ def _per_minibatch(name: str, shape: tuple[tuple[int, ...], ...], microbatches: 
                    given: int | None) -> int:
     """Microbatches per minibatch (the unit of one weight update), checked against replicas."""
     replicas = [len(r) for r in shape]
-    if name == "1f1b":
+    row = kind(name)
+    if not row.microbatched:
         if given not in (None, 1):
             raise ScheduleError("'1f1b' updates after every minibatch; for several microbatches "
                                 "per minibatch use schedule '2bw' or '1f1b-flush'")
@@ -399,7 +393,7 @@ def _per_minibatch(name: str, shape: tuple[tuple[int, ...], ...], microbatches: 
                 f"'1f1b' with replicas {replicas} needs a number of minibatches that is a multiple "
                 f"of every replica count ({need}); got {microbatches}, use {fixed}")
         return 1
-    if name in ("1f1b-flush", "gpipe"):
+    if row.flush:
         if given not in (None, microbatches):
             raise ScheduleError(f"{name!r} runs one minibatch of `microbatches` microbatches; "
                                 f"drop microbatches_per_minibatch={given}")

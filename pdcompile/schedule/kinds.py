@@ -1,11 +1,14 @@
 """One table of what each schedule kind means, read instead of comparing schedule names.
 
-Every place that must know how a schedule behaves (the planner's cost model, the simulator, the
-runtime, the reports) asks `kind(name)` for these facts. A new schedule is a new row.
+Every place that must know how a schedule behaves (the generators, lowering and validation, the
+planner's cost model, the simulator, the runtime, the reports) asks `kind(name)` for these
+facts; the table's keys are the one list of schedule names. A new schedule is a new row.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdcompile.errors import ScheduleError
@@ -33,6 +36,9 @@ class ScheduleKind:
     interleaved: a rank holds several non-adjacent stages (chunks), chunk c on rank c mod p.
     chosen_warmup: a 1F1B order whose warm-up depth (microbatches in flight) may be chosen per
         stage; the other orders fix their own.
+    forwards_first: every forward of a minibatch before its first backward (GPipe), so all its
+        microbatches' activations are held at once.
+    vertical_sync: may run with vertical sync (every stage uses stage 0's weight version).
     """
 
     name: str
@@ -44,15 +50,74 @@ class ScheduleKind:
     split_backward: bool = False
     interleaved: bool = False
     chosen_warmup: bool = True
+    forwards_first: bool = False
+    vertical_sync: bool = False
+
+    @property
+    def asynchronous(self) -> bool:
+        """Minibatches stream through without a flush, updates landing between them."""
+        return not self.flush
+
+    @property
+    def chunked(self) -> bool:
+        """Ordered by chunk (interleaved or B/W split) rather than per stage by 1F1B or GPipe."""
+        return self.interleaved or self.split_backward
+
+    @property
+    def double_buffered(self) -> bool:
+        """Two weight versions by design (2BW): minibatch t runs on the weights of update t-1."""
+        return self.stashed_versions == 2
+
+    @property
+    def updates_at(self) -> str:
+        """Where lowering puts a stage's updates: "end" (one at the end of the run), "backward"
+        (after every backward, numbered by round) or "minibatch" (after the last backward of
+        each minibatch)."""
+        if self.flush:
+            return "end"
+        return "backward" if self.update == "round" else "minibatch"
+
+    @property
+    def averages_replicas(self) -> bool:
+        """Replicas' gradients are averaged, not summed: each replica's minibatch is a whole one
+        whose loss is not scaled (updates after every round), where the others scale each
+        microbatch's loss by 1/M and sum."""
+        return self.update == "round"
+
+    def per_minibatch(self, microbatches: int) -> int:
+        """Microbatches per minibatch (the unit of one update): 1 where a minibatch is not cut."""
+        return microbatches if self.microbatched else 1
+
+    def loss_scale(self, per_minibatch: int) -> float:
+        """The factor on each microbatch's loss: the mean over a minibatch's microbatches."""
+        return 1.0 / per_minibatch if self.microbatched else 1.0
+
+    @property
+    def microbatched_stream(self) -> bool:
+        """A stream of minibatches each cut into microbatches (2BW)."""
+        return self.microbatched and not self.flush
+
+    def run_length(self, replicas: Sequence[int], *, microbatches: int,
+                   minibatches: int) -> int:
+        """Microbatches a run of `minibatches` generates (the stream length rule): a flush
+        schedule, one minibatch of `microbatches`; a microbatched stream (2BW), `minibatches` of
+        `microbatches` each; a stream of whole minibatches (1F1B), `minibatches` rounded up to
+        whole rounds of every replica count (`stream_length`)."""
+        if self.flush:
+            return microbatches
+        if self.microbatched:
+            return microbatches * minibatches
+        return stream_length(replicas, minibatches)
 
 
 KINDS: dict[str, ScheduleKind] = {
     "1f1b": ScheduleKind("1f1b", flush=False, microbatched=False, update="round",
-                         stashed_versions="in-flight", copies_weights=True),
+                         stashed_versions="in-flight", copies_weights=True, vertical_sync=True),
     "1f1b-flush": ScheduleKind("1f1b-flush", flush=True, microbatched=True, update="minibatch",
                                stashed_versions=1, copies_weights=False),
     "gpipe": ScheduleKind("gpipe", flush=True, microbatched=True, update="minibatch",
-                          stashed_versions=1, copies_weights=False, chosen_warmup=False),
+                          stashed_versions=1, copies_weights=False, chosen_warmup=False,
+                          forwards_first=True),
     "2bw": ScheduleKind("2bw", flush=False, microbatched=True, update="minibatch",
                         stashed_versions=2, copies_weights=True),
     "interleaved-1f1b": ScheduleKind("interleaved-1f1b", flush=True, microbatched=True,
@@ -67,6 +132,18 @@ KINDS: dict[str, ScheduleKind] = {
                                    split_backward=True, interleaved=True,
                                    chosen_warmup=False),
 }
+
+
+def stream_length(replicas: Sequence[int], minibatches: int) -> int:
+    """`minibatches` rounded up to a multiple of every replica count (each replica of a stage
+    takes one minibatch per round)."""
+    step = math.lcm(*replicas)
+    return max(step, math.ceil(minibatches / step) * step)
+
+
+def names(where: str) -> tuple[str, ...]:
+    """The schedules whose row has the flag `where` set (e.g. "interleaved"), for messages."""
+    return tuple(name for name, row in KINDS.items() if getattr(row, where))
 
 
 def kind(name: str) -> ScheduleKind:
@@ -96,4 +173,5 @@ def weight_versions(name: str, in_flight: int, *, copies: bool = True) -> int:
     return int(row.stashed_versions)
 
 
-__all__ = ["KINDS", "WGRAD_SHARE", "ScheduleKind", "kind", "unknown", "weight_versions"]
+__all__ = ["KINDS", "WGRAD_SHARE", "ScheduleKind", "kind", "names", "stream_length", "unknown",
+           "weight_versions"]

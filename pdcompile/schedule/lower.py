@@ -29,8 +29,8 @@ from collections.abc import Iterable, Sequence
 
 from pdcompile.errors import ScheduleError
 from pdcompile.schedule.deps import dependency_lists
-from pdcompile.schedule.generators import FLUSH_SCHEDULES
 from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.kinds import KINDS
 
 _RECV = {Kind.F: Kind.RECV_F, Kind.B: Kind.RECV_B}
 _SEND = {Kind.F: Kind.SEND_F, Kind.B: Kind.SEND_B}
@@ -80,12 +80,13 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
             for ref in refs:
                 waited_by[ref].append(compute.actions[rank][index].stage)
     per_minibatch = int(schedule.options.get("microbatches_per_minibatch", 1))
+    updates_at = updates_of(schedule)
 
     actions: dict[int, tuple[Action, ...]] = {}
     for rank in schedule.ranks:
         own = schedule.actions.get(rank, ())
         last_of_minibatch = (last_backward_of_minibatch(own, per_minibatch)
-                             if schedule.name == "2bw" else {})
+                             if updates_at == "minibatch" else {})
         out: list[Action] = []
         for index, action in enumerate(own):
             m = action.microbatch
@@ -99,11 +100,11 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
                 out.extend(Action(stage, _SEND[action.kind], m, p)
                            for p in sorted(waited_by.get((rank, index), ())))
             if action.kind == Kind.B:
-                if schedule.name == "1f1b":
+                if updates_at == "backward":
                     out.extend(_update(stage, m // replicas, replicas))
                 elif m in last_of_minibatch:
                     out.extend(_update(stage, last_of_minibatch[m], replicas))
-        if schedule.name in FLUSH_SCHEDULES:
+        if updates_at == "end":
             for stage in schedule.stages_of_rank(rank):
                 out.extend(_update(stage, 0, len(schedule.stage_ranks[stage])))
         actions[rank] = tuple(out)
@@ -117,6 +118,13 @@ def _update(stage: int, index: int, replicas: int) -> list[Action]:
     """ALLREDUCE (replicated stages only) then STEP, both numbered by the update index."""
     step = [Action(stage, Kind.STEP, index)]
     return ([Action(stage, Kind.ALLREDUCE, index)] if replicas > 1 else []) + step
+
+
+def updates_of(schedule: Schedule) -> str | None:
+    """Where the updates of `schedule` go (`ScheduleKind.updates_at`); None for a schedule of
+    a name the table does not know (written by hand: it gets no updates)."""
+    row = KINDS.get(schedule.name)
+    return row.updates_at if row is not None else None
 
 
 def last_backward_of_minibatch(own: Sequence[Action], per_minibatch: int) -> dict[int, int]:

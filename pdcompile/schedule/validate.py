@@ -25,9 +25,9 @@ from collections import Counter
 
 from pdcompile.errors import ScheduleError
 from pdcompile.schedule.deps import dependencies, execution_order, is_lowered, stage_edges
-from pdcompile.schedule.generators import FLUSH_SCHEDULES, SPLIT_BACKWARD_SCHEDULES
 from pdcompile.schedule.ir import Action, Kind, Schedule
-from pdcompile.schedule.lower import last_backward_of_minibatch
+from pdcompile.schedule.kinds import KINDS, names
+from pdcompile.schedule.lower import last_backward_of_minibatch, updates_of
 
 
 def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> ScheduleError:
@@ -76,7 +76,8 @@ def _check_stages(schedule: Schedule) -> None:
 
 
 def _check_work(schedule: Schedule) -> None:
-    split = schedule.name in SPLIT_BACKWARD_SCHEDULES
+    row = KINDS.get(schedule.name)
+    split = row is not None and row.split_backward
     kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.B)
     positions: dict[tuple[int, Kind, int], list[tuple[int, int]]] = {}
     for rank, actions in schedule.actions.items():
@@ -84,7 +85,7 @@ def _check_work(schedule: Schedule) -> None:
             if action.kind == Kind.W and not split:
                 raise _fail(schedule, f"rank {rank} step {index}: {action} is a weight-gradient "
                             f"action, but schedule {schedule.name!r} does not split the "
-                            f"backward (only {', '.join(SPLIT_BACKWARD_SCHEDULES)} do)",
+                            f"backward (only {', '.join(names('split_backward'))} do)",
                             {rank: index})
             if action.kind in kinds:
                 positions.setdefault((action.stage, action.kind, action.microbatch), []).append(
@@ -197,12 +198,13 @@ def _update_anchors(schedule: Schedule, rank: int,
     actions = schedule.actions.get(rank, ())
     backwards = [(i, a.microbatch) for i, a in enumerate(actions)
                  if a.kind == Kind.B and a.stage == stage]
-    if schedule.name in FLUSH_SCHEDULES:
+    updates_at = updates_of(schedule)
+    if updates_at == "end":
         return [(0, None)]
-    if schedule.name == "1f1b":
+    if updates_at == "backward":
         replicas = len(schedule.stage_ranks[stage])
         return [(m // replicas, i) for i, m in backwards]
-    if schedule.name == "2bw":
+    if updates_at == "minibatch":
         per_minibatch = int(schedule.options.get("microbatches_per_minibatch", 1))
         last = last_backward_of_minibatch(actions, per_minibatch)  # as lowering places them
         return sorted((last[m], i) for i, m in backwards if m in last)
@@ -210,10 +212,10 @@ def _update_anchors(schedule: Schedule, rank: int,
 
 
 def _update_rule(schedule: Schedule, replicas: int) -> str:
-    if schedule.name in FLUSH_SCHEDULES:
-        return "one STEP 0 at the end"
-    return {"1f1b": f"STEP m // {replicas} after each backward B m",
-            "2bw": "one STEP k after the last backward of each minibatch k"}[schedule.name]
+    return {"end": "one STEP 0 at the end",
+            "backward": f"STEP m // {replicas} after each backward B m",
+            "minibatch": "one STEP k after the last backward of each minibatch k",
+            }[str(updates_of(schedule))]
 
 
 def _check_expected_updates(schedule: Schedule) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 import networkx as nx
 import torch.fx as fx
 
+from pdcompile.schedule.kinds import kind
 from pdcompile.units import format_bytes, format_seconds
 
 
@@ -176,7 +177,7 @@ def pipeline_summary(pipe: Any) -> str:
 def _schedule_lines(pipe: Any) -> list[str]:
     lines = []
     shape = (f"minibatches stream through, {pipe.microbatches} in the exported loop"
-             if pipe.schedule_name == "1f1b" else
+             if not kind(pipe.schedule_name).microbatched else
              f"{pipe.microbatches} microbatches per minibatch")
     lines.append(f"schedule {pipe.schedule_name}, {shape}"
                  + (", vertical sync" if pipe.vertical_sync else "")

@@ -50,7 +50,8 @@ LAYERS: tuple[Layer, ...] = (
     Layer("passes, backends", ("pdcompile.passes", "pdcompile.backends",
                                "pdcompile.cost.node_costs", "pdcompile.cost.timers",
                                "pdcompile.cost.cache_flush", "pdcompile.cost.neighbours",
-                               "pdcompile.cost.optimizer_timing"),
+                               "pdcompile.cost.optimizer_timing",
+                               "pdcompile.cost.costed_graph"),
           "trace, shapes, split, fuse, codegen and the cost pass (measured, analytic); local, "
           "distributed and simulated backends"),
     Layer("planner, viz", ("pdcompile.planner", "pdcompile.viz"),

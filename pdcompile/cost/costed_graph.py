@@ -1,0 +1,65 @@
+"""`costed_graph`: a model traced, shaped and costed into the planner's CostGraph, in one call.
+
+`compile()`, the `inspect`, `plan`, `simulate` and `export` commands and the demo all profile a
+model this way, so they agree on what a node costs: every node timed (or costed analytically)
+on a copy, with the caches as the cluster's workers will find them (`cache_flush.caches_for`:
+cold where they take turns on too few cores), the random state left as it was. The cost pass
+is looked up when called, so a test may wrap `node_costs.annotate_costs`.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import networkx as nx
+import torch
+import torch.fx as fx
+
+from pdcompile.cost import node_costs
+from pdcompile.cost.cache_flush import caches_for
+from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.device import Device
+from pdcompile.passes.shapes import annotate_shapes
+from pdcompile.passes.trace import trace
+
+
+class Costed(NamedTuple):
+    """The costed GraphModule (a copy: every node has "pd.shape" and "pd.cost") and its
+    CostGraph."""
+
+    module: fx.GraphModule
+    graph: nx.DiGraph
+
+
+def costed(model: torch.nn.Module, inputs: Sequence[Any], cluster: Cluster | None = None, *,
+           cost: str = "measured", name: str | None = None,
+           leaf_modules: Sequence[str] = (), device: Device | Cluster | str | None = None,
+           caches: str | None = None, warmup: int = 2, repeats: int = 5, clock: str = "wall",
+           progress: bool = False) -> Costed:
+    """Trace `model` (a GraphModule is copied instead, e.g. one `compile()` captured), run the
+    shapes pass on `inputs` and cost every node: `cost` "measured" on this machine, with
+    `caches` (default: as `cluster`'s workers meet them, warm without a cluster) or "analytic"
+    on `device` (`annotate_costs`' default without one). `name`: the CostGraph's (default the
+    model's class name)."""
+    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else \
+        trace(model, leaf_modules=leaf_modules)
+    if cost != "measured":
+        caches = "warm"
+    elif caches is None:
+        caches = caches_for(cluster) if cluster is not None else "warm"
+    with torch.random.fork_rng():
+        annotate_shapes(gm, tuple(inputs))
+        node_costs.annotate_costs(gm, tuple(inputs), source=cost, device=device, warmup=warmup,
+                       repeats=repeats, clock=clock, progress=progress, caches=caches)
+    return Costed(gm, node_costs.to_cost_graph(gm, name=name or type(model).__name__))
+
+
+def costed_graph(model: torch.nn.Module, inputs: Sequence[Any], cluster: Cluster | None = None,
+                 **options: Any) -> nx.DiGraph:
+    """The CostGraph of `model` on `inputs` (`costed`, whose keyword options it takes)."""
+    return costed(model, inputs, cluster, **options).graph
+
+
+__all__ = ["Costed", "costed", "costed_graph"]
