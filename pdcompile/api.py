@@ -129,7 +129,8 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
              cost: str, given: Plan | None = None, schedule: str = "1f1b",
              microbatches: int | None = None, **planning: Any) -> Plan:
     """The planner's Plan for the costed graph (copies of the model are measured, not it), or
-    `given` priced on it."""
+    `given` priced on it; a plan already priced on this cluster for this schedule (one the
+    planner made) is kept as it is, so a second measurement cannot change its figures."""
     from pdcompile.cost.costed_graph import costed
     from pdcompile.planner import plan as make_plan
     from pdcompile.planner import price_plan
@@ -138,6 +139,10 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
         raise PipelineInputError(f"cost must be 'measured' or 'analytic', got {cost!r}")
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
+    if given is not None and given.time_per_minibatch > 0 and \
+            given.cluster == cluster.to_dict() and schedule in ("auto", given.schedule) and \
+            microbatches in (None, given.microbatches):
+        return given
     # profiled as the workers will find their caches (cold when they take turns on cores)
     measured, graph = costed(gm, inputs, cluster, cost=cost)
     if planning.get("stages"):  # K stages of whole layers where the model has enough of them

@@ -130,3 +130,22 @@ def test_summary_says_when_data_parallelism_does_not_fit() -> None:
     text = plan.summary()
     assert "plain data parallelism does not fit the memory" in text
     assert "over data parallel" not in text
+
+
+def test_compile_keeps_a_plan_priced_on_its_cluster() -> None:
+    """A plan the planner priced for this cluster and schedule is compiled as it is (a second
+    measurement of the model cannot change its figures); one priced elsewhere is priced again."""
+    import dataclasses
+
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    x = torch.randn(8, 16)
+    first = pdcompile.compile(model, "2@1e9", example_inputs=(x,), cost="analytic", plan=2).plan
+    marked = dataclasses.replace(first, time_per_minibatch=first.time_per_minibatch * 7)
+    kept = pdcompile.compile(model, "2@1e9", example_inputs=(x,), cost="analytic", plan=marked)
+    assert kept.plan.time_per_minibatch == marked.time_per_minibatch
+    elsewhere = pdcompile.compile(model, "2@1e7", example_inputs=(x,), cost="analytic",
+                                  plan=marked)
+    assert elsewhere.plan.time_per_minibatch != marked.time_per_minibatch
+    assert elsewhere.plan.cluster == Cluster.parse("2@1e7").to_dict()
