@@ -96,3 +96,27 @@ def test_ilp_reports_bound_and_gap_under_a_tight_time_limit() -> None:
 def test_ilp_refuses_the_pipedream_model() -> None:
     with pytest.raises(PlanError, match="native"):
         plan(_wide_graph(), "2@1e9", planner="ilp", cost_model="pipedream")
+
+
+def test_ilp_finds_the_optimum_under_a_tight_memory_limit() -> None:
+    """A graph hypothesis found: with the memory constraints in billionths of the limit, CP-SAT's
+    presolve returned OPTIMAL for a plan at 0.306 s where brute force finds 0.230 s (the node
+    without edges alone in a first, replicated stage)."""
+    graph = new_cost_graph("tight")
+    nodes = {"n0": (0.0015361407328122298, 0.013373106751807534, 23025794.71413289,
+                    66036685.09613972),
+             "n1": (0.001501901739169854, 0.015176527277120346, 0.0, 34713857.411958806),
+             "n2": (0.006817483621204861, 0.0022791811949564905, 21747880.814815775, 0.0),
+             "n3": (0.0024961347444058756, 0.017635436806624452, 47864559.811483786, 0.0),
+             "n4": (0.004768094845584442, 0.018404337498227383, 39260002.0, 0.0)}
+    for name, (fwd, bwd, act, params) in nodes.items():
+        add_block(graph, name, fwd=fwd, bwd=bwd, act=act, params=params)
+    graph.add_edges_from([("n0", "n1"), ("n0", "n4"), ("n1", "n2")])
+    cluster, memory = Cluster.parse("4@1e8"), 465297559.697062
+    expected = brute_force(graph, cluster, options=NATIVE, memory=memory,
+                           objective=ilp_objective)
+    assert expected is not None
+    solution = solve(graph, cluster, options=NATIVE, memory=memory, time_limit=20)
+    assert solution["status"] == "OPTIMAL"
+    found = ilp_objective(graph, solution["stages"], cluster, options=NATIVE, memory=memory)
+    assert found == pytest.approx(expected[0], rel=1e-6, abs=2 * solution["slack"])
