@@ -31,6 +31,7 @@ from pdcompile.runtime.linear_grads import linear_accumulate
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
+from pdcompile.util.attr_path import get_path, set_path
 
 
 def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -124,7 +125,7 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
     transient = meta.get("transient_buffers", [])
     for n in transient:  # persistent=False buffers: not in state dicts, so set directly
         if n in tensors:
-            _set_path(stage, n, tensors.pop(n))
+            set_path(stage, n, tensors.pop(n))
     missing, unexpected = stage.load_state_dict(tensors, strict=False, assign=True)
     missing = [m for m in missing if m not in meta["aliases"] and m not in transient]
     if missing or unexpected:
@@ -132,7 +133,7 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
                                f"stage_{index}.py (missing {missing[:3]}, unexpected "
                                f"{unexpected[:3]}); export the pipeline again")
     for alias, primary in meta["aliases"].items():
-        _set_path(stage, alias, _get_path(stage, primary))
+        set_path(stage, alias, get_path(stage, primary))
     # the fused Linear calls (passes/fuse.py) stay calls: traced through, they would bake in
     # the plain path
     graph = _LeafTracer(autowrap_functions=(linear_accumulate,)).trace(stage)
@@ -146,19 +147,6 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
         param_names={k: tuple(v) for k, v in meta["param_names"].items()},
         buffer_names={k: tuple(v) for k, v in meta["buffer_names"].items()},
         kinds=dict(meta.get("kinds", {})), transient_buffers=tuple(transient))
-
-
-def _get_path(module: torch.nn.Module, target: str) -> Any:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _set_path(module: torch.nn.Module, target: str, value: Any) -> None:
-    owner, _, attr = target.rpartition(".")
-    parent = _get_path(module, owner) if owner else module
-    setattr(parent, attr, value)
 
 
 class _AllLeaves(fx.Tracer):
