@@ -7,8 +7,9 @@ import itertools
 import sys
 import threading
 import time
+import types
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import PRESET_HELP, Cluster
@@ -34,9 +35,24 @@ def load_cluster(text: str) -> Cluster:
     return Cluster.parse(text)
 
 
+class Factory(NamedTuple):
+    """What a model factory spec gave: the module that defines the factory (where `loss_fn`
+    and `make_target` may sit beside it), the model and its example inputs."""
+
+    module: types.ModuleType
+    model: Any
+    inputs: tuple[Any, ...]
+
+
 def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     """Call `path/to/file.py:factory` (or `package.module:factory`); returns (model, inputs).
     Every failure (no such module or name, an error inside the factory) is one line."""
+    found = call_factory(spec)
+    return found.model, found.inputs
+
+
+def call_factory(spec: str) -> Factory:
+    """`load_factory`, with the factory's module too."""
     from pdcompile.util.user_code import call_user, find_callable, import_user_module, split_spec
 
     path, name = split_spec(spec, what="model", name="factory",
@@ -51,7 +67,7 @@ def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     model, inputs = result[0], result[1]
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
-    return model, inputs
+    return Factory(module, model, inputs)
 
 
 class Spinner:

@@ -5,9 +5,6 @@ are imported as code (see the package docstring), everything else is read as dat
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -32,6 +29,7 @@ from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
 from pdcompile.util.attr_path import get_path, set_path
+from pdcompile.util.module_file import exec_module_file
 
 
 def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -190,25 +188,20 @@ def _read_records(path: Path, *, device: str = "cpu") -> dict[str, torch.nn.Modu
 def _import(path: Path, tag: str) -> types.ModuleType:
     """Import an exported Python file (code: see the module docstring)."""
     name = f"pdcompile_export_{abs(hash(str(path.resolve())))}_{tag}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None or not path.is_file():
-        raise PipelineInputError(f"cannot import {path}: no such Python file; export the "
-                                 "pipeline again")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        module = exec_module_file(path, name) if path.is_file() else None
     except ImportError as err:
-        del sys.modules[name]
         raise PipelineInputError(f"{path} imports {err.name or err}, which cannot be imported "
                                  "here; install it (the machine that exported had it)") from None
     except Exception as err:
-        del sys.modules[name]
         line = getattr(err, "lineno", None)
         where = f", line {line}" if line else ""
         raise DamagedFileError(f"{path} cannot be imported ({type(err).__name__}{where}: "
                                f"{str(err).splitlines()[0] if str(err) else ''}); export the "
                                "pipeline again") from None
+    if module is None:
+        raise PipelineInputError(f"cannot import {path}: no such Python file; export the "
+                                 "pipeline again")
     return module
 
 
