@@ -19,11 +19,12 @@ from torch.utils import _pytree as pytree
 from pdcompile.backends.local import run_program
 from pdcompile.backends.program import MicrobatchData, RunInput, RunProgram, stages_of
 from pdcompile.errors import PdcompileError, PipelineInputError, PlanError, ScheduleError
-from pdcompile.passes.codegen import RankFn, generate_rank, load_rank
+from pdcompile.passes.codegen import generate_rank, load_rank
 from pdcompile.passes.split import SplitResult, StageProgram
 from pdcompile.plan import Plan
 from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.message_specs import message_table, spec_function
+from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.transport import Tag, TensorSpec

@@ -16,10 +16,11 @@ from typing import Any
 
 import torch
 
-from pdcompile.backends.program import MicrobatchData, RankFn, RunProgram
+from pdcompile.backends.program import MicrobatchData, RunProgram
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
+from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.stage_runtime import StageRuntime
 from pdcompile.timeline import Recorder, Timeline
 
@@ -92,4 +93,4 @@ def run_program(program: RunProgram, data: MicrobatchData, microbatches: int,
     return LocalRun(losses, runtimes, timeline)
 
 
-__all__ = ["LocalRun", "RankFn", "run_local", "run_program"]
+__all__ = ["LocalRun", "run_local", "run_program"]

@@ -9,7 +9,7 @@ the messages, and the run configuration; `prepare` cuts minibatches into a run's
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -18,6 +18,7 @@ import torch
 from pdcompile.errors import PipelineInputError
 from pdcompile.plan import Plan
 from pdcompile.runtime.chunks import ChunkRuntimes
+from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import RankState
 from pdcompile.runtime.stage_runtime import (
     RunConfig,
@@ -29,9 +30,6 @@ from pdcompile.runtime.stage_runtime import (
 )
 from pdcompile.runtime.transport import Tag, TensorSpec
 from pdcompile.schedule.ir import Schedule
-
-# a rank's generated loop: `run_rank(rt)`, a generator that yields whenever the rank waits
-RankFn = Callable[[Any], Generator[Any, None, None]]
 
 
 class MicrobatchData:
@@ -192,5 +190,5 @@ def as_program(source: RunProgram | ProgramSource) -> RunProgram:
     return source if isinstance(source, RunProgram) else source.program()
 
 
-__all__ = ["MicrobatchData", "Prepare", "ProgramSource", "RankFn", "RunInput", "RunProgram",
+__all__ = ["MicrobatchData", "Prepare", "ProgramSource", "RunInput", "RunProgram",
            "as_program", "stages_of"]

@@ -7,11 +7,15 @@ import itertools
 import sys
 import threading
 import time
+import types
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import PRESET_HELP, Cluster
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 CLUSTER_HELP = (
     "cluster: a preset (" + ", ".join(PRESET_HELP) + "), a short form such as "
@@ -34,9 +38,24 @@ def load_cluster(text: str) -> Cluster:
     return Cluster.parse(text)
 
 
+class Factory(NamedTuple):
+    """What a model factory spec gave: the module that defines the factory (where `loss_fn`
+    and `make_target` may sit beside it), the model and its example inputs."""
+
+    module: types.ModuleType
+    model: Any
+    inputs: tuple[Any, ...]
+
+
 def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     """Call `path/to/file.py:factory` (or `package.module:factory`); returns (model, inputs).
     Every failure (no such module or name, an error inside the factory) is one line."""
+    found = call_factory(spec)
+    return found.model, found.inputs
+
+
+def call_factory(spec: str) -> Factory:
+    """`load_factory`, with the factory's module too."""
     from pdcompile.util.user_code import call_user, find_callable, import_user_module, split_spec
 
     path, name = split_spec(spec, what="model", name="factory",
@@ -51,7 +70,40 @@ def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     model, inputs = result[0], result[1]
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
-    return model, inputs
+    return Factory(module, model, inputs)
+
+
+def load_cost_graph(args: argparse.Namespace, cluster: Cluster, *, cost: str = "measured",
+                    progress: bool = False) -> nx.DiGraph:
+    """The CostGraph from exactly one of MODEL (`args.model`: traced and costed, `cost`
+    "measured" on this machine in the cache state the cluster's workers will meet, or
+    "analytic" on the cluster's device), --profile (a PipeDream graph.txt) or --costgraph (a
+    CostGraph JSON file): the choice `plan` and `simulate` make."""
+    sources = [x for x in (args.model, args.profile, args.costgraph) if x]
+    if len(sources) != 1:
+        raise PdcompileError("give exactly one of MODEL (file.py:factory), --profile graph.txt "
+                             "or --costgraph graph.json")
+    if args.profile:
+        from pdcompile.profiles import load_pipedream
+
+        return load_pipedream(args.profile)
+    if args.costgraph:
+        from pdcompile.cost.costgraph import load
+
+        return load(args.costgraph)
+    try:
+        from pdcompile.cost.costed_graph import costed_graph
+    except ModuleNotFoundError as err:
+        raise PdcompileError(f"tracing a model needs {err.name}, which this installation lacks; "
+                             "use --profile or --costgraph") from None
+    import torch
+
+    # one thread, as the workers run and as `inspect` and `export` measure: more threads than
+    # free cores make small operators' timings meaningless
+    torch.set_num_threads(1)
+    model, inputs = load_factory(args.model)
+    return costed_graph(model, inputs, cluster, cost=cost, name=args.model,
+                        device=cluster.device if cost == "analytic" else None, progress=progress)
 
 
 class Spinner:

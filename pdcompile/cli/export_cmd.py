@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import argparse
 import functools
-import importlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_factory
+from pdcompile.cli.common import Spinner, add_cluster_option, call_factory, load_cluster
 from pdcompile.errors import PdcompileError
 from pdcompile.plan import Plan
 from pdcompile.schedule.kinds import KINDS
@@ -72,20 +70,12 @@ def register(subparsers: Any) -> None:
     parser.set_defaults(func=run)
 
 
-def _factory_module(spec: str) -> Any:
-    path = spec.rpartition(":")[0]
-    if path.endswith(".py"):
-        return sys.modules.get(f"pdcompile_user_{Path(path).stem}")
-    return importlib.import_module(path)
-
-
 def run(args: argparse.Namespace) -> int:
     """Compile and export; prints the summary and where the files went."""
     from pdcompile.api import compile as compile_pipeline
 
     torch.set_num_threads(1)
-    model, inputs = load_factory(args.model)
-    module = _factory_module(args.model)
+    module, model, inputs = call_factory(args.model)
     loss_fn = getattr(module, "loss_fn", None)
     # a factory module's make_target gives the export an example target, so that the exported
     # folder trains on synthetic data without --data (as the bundled models do)

@@ -26,9 +26,7 @@ import argparse
 import sys
 from typing import Any
 
-import networkx as nx
-
-from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_factory
+from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_cost_graph
 from pdcompile.errors import PdcompileError
 from pdcompile.planner import PLANNERS
 from pdcompile.schedule.kinds import KINDS
@@ -111,12 +109,10 @@ def run(args: argparse.Namespace) -> int:
     """Plan and print."""
     from pdcompile.planner import plan
 
-    sources = [x for x in (args.model, args.profile, args.costgraph) if x]
-    if len(sources) != 1:
-        raise PdcompileError("give exactly one of MODEL (file.py:factory), --profile graph.txt "
-                             "or --costgraph graph.json")
     cluster = load_cluster(args.cluster)
-    graph = _cost_graph(args, cluster)
+    graph = load_cost_graph(args, cluster, cost=args.cost,
+                            progress=args.cost != "analytic" and not args.json
+                            and sys.stderr.isatty())
     with Spinner(f"planning {graph.number_of_nodes()} nodes on {cluster.workers} workers"):
         result = plan(graph, cluster, planner=args.planner, cost_model=args.cost_model,
                       straight=args.straight, memory=args.memory, time_limit=args.time_limit,
@@ -155,23 +151,3 @@ def run(args: argparse.Namespace) -> int:
         raise PdcompileError("--stage K chooses the stage --draw expands; add --draw plan.svg")
     return 0
 
-
-def _cost_graph(args: argparse.Namespace, cluster: Any) -> nx.DiGraph:
-    if args.profile:
-        from pdcompile.profiles import load_pipedream
-
-        return load_pipedream(args.profile)
-    if args.costgraph:
-        from pdcompile.cost.costgraph import load
-
-        return load(args.costgraph)
-    import torch
-
-    torch.set_num_threads(1)
-    from pdcompile.cost.costed_graph import costed_graph
-
-    model, inputs = load_factory(args.model)
-    return costed_graph(model, inputs, cluster, cost=args.cost, name=args.model,
-                        device=cluster.device if args.cost == "analytic" else None,
-                        progress=args.cost != "analytic" and not args.json
-                        and sys.stderr.isatty())

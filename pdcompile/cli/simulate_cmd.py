@@ -23,12 +23,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import networkx as nx
-
 from pdcompile.backends.simulate import SimResult
-from pdcompile.cli.common import add_cluster_option, load_cluster
+from pdcompile.cli.common import add_cluster_option, load_cluster, load_cost_graph
 from pdcompile.errors import PdcompileError
-from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.local import oversubscription_note
 from pdcompile.plan import Plan
 from pdcompile.planner.simulation import simulate_plan
@@ -70,38 +67,6 @@ def register(subparsers: Any) -> None:
                         "gantt.png/.svg and trace.json")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     parser.set_defaults(func=run)
-
-
-# --------------------------------------------------------------------------------- library
-def load_cost_graph(args: argparse.Namespace, cluster: Cluster) -> nx.DiGraph:
-    """The CostGraph from --profile, --costgraph or a model factory (traced and costed, in the
-    cache state the cluster's workers will meet: `cache_flush.caches_for`)."""
-    sources = [x for x in (args.model, args.profile, args.costgraph) if x]
-    if len(sources) != 1:
-        raise PdcompileError("give exactly one of MODEL (file.py:factory), --profile graph.txt "
-                             "or --costgraph graph.json")
-    if args.profile:
-        from pdcompile.profiles import load_pipedream
-
-        return load_pipedream(args.profile)
-    if args.costgraph:
-        from pdcompile.cost.costgraph import load
-
-        return load(args.costgraph)
-    from pdcompile.cli.common import load_factory
-
-    model, inputs = load_factory(args.model)
-    try:
-        from pdcompile.cost.costed_graph import costed_graph
-    except ModuleNotFoundError as err:
-        raise PdcompileError(f"tracing a model needs {err.name}, which this installation lacks; "
-                             "use --profile or --costgraph") from None
-    import torch
-
-    # one thread, as the workers run and as `inspect`, `plan` and `export` measure: more
-    # threads than free cores make small operators' timings meaningless
-    torch.set_num_threads(1)
-    return costed_graph(model, inputs, cluster, name=args.model)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -42,6 +42,7 @@ from pdcompile.machine.device import DEVICES, Device
 from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
 from pdcompile.passes.shapes import annotate_shapes, bind_inputs
 from pdcompile.runtime.allocator import tune_allocator
+from pdcompile.util.attr_path import get_path
 
 SOURCES = ("measured", "analytic")
 _COMPUTE_OPS = ("call_module", "call_function", "call_method")
@@ -184,7 +185,7 @@ def param_owners(gm: fx.GraphModule) -> dict[str, int]:
         if node.op == "call_module":
             params = list(gm.get_submodule(str(node.target)).parameters())
         elif node.op == "get_attr":
-            value = _get_attr(gm, str(node.target))
+            value = get_path(gm, str(node.target))
             if isinstance(value, nn.Parameter):
                 params = [value]
         total = 0
@@ -226,13 +227,6 @@ def measure_model(model: nn.Module, example_inputs: Sequence[Any], *, warmup: in
 
 
 # --------------------------------------------------------------------------------- helpers
-def _get_attr(gm: nn.Module, target: str) -> Any:
-    value: Any = gm
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
 def _device_model(device: Device | Cluster | str | None) -> Device:
     if device is None:
         return DEVICES["v100"]
@@ -547,7 +541,7 @@ def _analytic(gm: fx.GraphModule, values: list[Any], device: Device, *,
                 target = str(node.target)
                 value = state.get(target)
                 if value is None:
-                    raw = _get_attr(gm, target)
+                    raw = get_path(gm, target)
                     value = mode.from_tensor(raw) if isinstance(raw, torch.Tensor) else raw
                 env[node.name] = value
                 continue

@@ -9,6 +9,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from pdcompile.util.attr_path import get_path
+
 
 class NotReferable(ValueError):
     """A callable with no import path (the message says why and what to do)."""
@@ -41,10 +43,7 @@ def import_path(obj: Any) -> str:
 def find(path: str) -> Any:
     """The object at "package.module:Qual.name" (ImportError / AttributeError if none)."""
     module_name, _, qualname = path.partition(":")
-    value: Any = importlib.import_module(module_name)
-    for part in qualname.split("."):
-        value = getattr(value, part)
-    return value
+    return get_path(importlib.import_module(module_name), qualname)
 
 
 __all__ = ["NotReferable", "find", "import_path"]

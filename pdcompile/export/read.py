@@ -5,9 +5,6 @@ are imported as code (see the package docstring), everything else is read as dat
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
-import sys
 import types
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +28,8 @@ from pdcompile.runtime.linear_grads import linear_accumulate
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
+from pdcompile.util.attr_path import get_path, set_path
+from pdcompile.util.module_file import exec_module_file
 
 
 def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -124,7 +123,7 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
     transient = meta.get("transient_buffers", [])
     for n in transient:  # persistent=False buffers: not in state dicts, so set directly
         if n in tensors:
-            _set_path(stage, n, tensors.pop(n))
+            set_path(stage, n, tensors.pop(n))
     missing, unexpected = stage.load_state_dict(tensors, strict=False, assign=True)
     missing = [m for m in missing if m not in meta["aliases"] and m not in transient]
     if missing or unexpected:
@@ -132,7 +131,7 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
                                f"stage_{index}.py (missing {missing[:3]}, unexpected "
                                f"{unexpected[:3]}); export the pipeline again")
     for alias, primary in meta["aliases"].items():
-        _set_path(stage, alias, _get_path(stage, primary))
+        set_path(stage, alias, get_path(stage, primary))
     # the fused Linear calls (passes/fuse.py) stay calls: traced through, they would bake in
     # the plain path
     graph = _LeafTracer(autowrap_functions=(linear_accumulate,)).trace(stage)
@@ -146,19 +145,6 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
         param_names={k: tuple(v) for k, v in meta["param_names"].items()},
         buffer_names={k: tuple(v) for k, v in meta["buffer_names"].items()},
         kinds=dict(meta.get("kinds", {})), transient_buffers=tuple(transient))
-
-
-def _get_path(module: torch.nn.Module, target: str) -> Any:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
-
-
-def _set_path(module: torch.nn.Module, target: str, value: Any) -> None:
-    owner, _, attr = target.rpartition(".")
-    parent = _get_path(module, owner) if owner else module
-    setattr(parent, attr, value)
 
 
 class _AllLeaves(fx.Tracer):
@@ -202,25 +188,20 @@ def _read_records(path: Path, *, device: str = "cpu") -> dict[str, torch.nn.Modu
 def _import(path: Path, tag: str) -> types.ModuleType:
     """Import an exported Python file (code: see the module docstring)."""
     name = f"pdcompile_export_{abs(hash(str(path.resolve())))}_{tag}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None or not path.is_file():
-        raise PipelineInputError(f"cannot import {path}: no such Python file; export the "
-                                 "pipeline again")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        module = exec_module_file(path, name) if path.is_file() else None
     except ImportError as err:
-        del sys.modules[name]
         raise PipelineInputError(f"{path} imports {err.name or err}, which cannot be imported "
                                  "here; install it (the machine that exported had it)") from None
     except Exception as err:
-        del sys.modules[name]
         line = getattr(err, "lineno", None)
         where = f", line {line}" if line else ""
         raise DamagedFileError(f"{path} cannot be imported ({type(err).__name__}{where}: "
                                f"{str(err).splitlines()[0] if str(err) else ''}); export the "
                                "pipeline again") from None
+    if module is None:
+        raise PipelineInputError(f"cannot import {path}: no such Python file; export the "
+                                 "pipeline again")
     return module
 
 

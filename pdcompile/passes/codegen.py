@@ -14,14 +14,12 @@ executed as is: it is the execution path of every backend, not a picture of it.
 from __future__ import annotations
 
 import linecache
-from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 
 from pdcompile.errors import ScheduleError
+from pdcompile.runtime.rank_function import RankFn
 from pdcompile.schedule.ir import Action, Kind, Schedule
-
-RankFn = Callable[[Any], Generator[Any, None, None]]
 
 _CALLS = {
     Kind.F: "forward({n})",
@@ -160,4 +158,4 @@ def load_rank(source: str, *, name: str = "rank") -> RankFn:
     return function  # type: ignore[no-any-return]
 
 
-__all__ = ["RankFn", "generate", "generate_rank", "load_rank"]
+__all__ = ["generate", "generate_rank", "load_rank"]

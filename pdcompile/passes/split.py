@@ -34,6 +34,7 @@ from pdcompile.errors import PlanError
 from pdcompile.meta import get_output_spec, get_tree, has_stage, set_stage
 from pdcompile.passes.crossing import flatten_value, rebuild_value, spec_text
 from pdcompile.plan import Plan, Stage
+from pdcompile.util.attr_path import get_path
 
 # kinds of values (meta.ValueTree.kinds) that can travel between stages; None leaves of a
 # structure are not sent (the receiver puts None back)
@@ -465,7 +466,7 @@ def _stage_inputs(sub: fx.GraphModule, call: fx.Node, getitem_of: dict[str, Valu
 def _own_attribute(sub: fx.GraphModule, placeholder: fx.Node, gm: fx.GraphModule,
                    target: str) -> None:
     """Replace a placeholder fed by `gm.<target>` with the stage's own attribute."""
-    value = gm.get_parameter(target) if _is_param(gm, target) else _get_path(gm, target)
+    value = gm.get_parameter(target) if _is_param(gm, target) else get_path(gm, target)
     name = target.replace(".", "_")
     while hasattr(sub, name):
         name += "_"
@@ -487,13 +488,6 @@ def _is_param(gm: fx.GraphModule, target: str) -> bool:
     except AttributeError:
         return False
     return True
-
-
-def _get_path(module: torch.nn.Module, target: str) -> Any:
-    value: Any = module
-    for part in target.split("."):
-        value = getattr(value, part)
-    return value
 
 
 def _name_and_copy(stages: list[StageProgram], root: torch.nn.Module) -> tuple[TiedParameter, ...]:

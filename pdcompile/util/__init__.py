@@ -1,2 +1,3 @@
-"""Small helpers for messages: "did you mean" suggestions (suggest) and a user's own code
-imported by path, `file.py:function`, with one-line errors (user_code)."""
+"""Small helpers: "did you mean" suggestions (suggest), a user's own code imported by path,
+`file.py:function`, with one-line errors (user_code), a Python file run as a module
+(module_file), and dotted attribute paths (attr_path)."""

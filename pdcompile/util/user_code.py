@@ -4,9 +4,7 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import pkgutil
-import sys
 import traceback
 import types
 from collections.abc import Callable
@@ -14,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import PdcompileError
+from pdcompile.util.module_file import exec_module_file
 from pdcompile.util.suggest import closest, did_you_mean
 
 
@@ -54,22 +53,16 @@ def _import_file(file: Path, *, what: str) -> types.ModuleType:
         names = [p.name for p in folder.glob("*.py")] if folder.is_dir() else []
         raise PdcompileError(f"{what} file {str(file)!r} does not exist"
                              f"{did_you_mean(file.name, names)}")
-    module_name = f"pdcompile_user_{file.stem}"
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise PdcompileError(f"cannot import {str(file)!r} as a Python file")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module
     try:
-        spec.loader.exec_module(module)
+        module = exec_module_file(file, f"pdcompile_user_{file.stem}")
     except SyntaxError as err:
-        del sys.modules[module_name]
         raise PdcompileError(f"{what} file {str(file)!r} has a syntax error at line {err.lineno}: "
                              f"{err.msg}") from None
     except Exception as err:
-        del sys.modules[module_name]
         raise PdcompileError(f"importing {what} file {str(file)!r} raised {_describe(err)}") \
             from None
+    if module is None:
+        raise PdcompileError(f"cannot import {str(file)!r} as a Python file")
     return module
 
 
