@@ -30,8 +30,9 @@ def small_dags(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
         if not parents and draw(st.booleans()):
             parents = [j - 1]
         for i in parents:
-            if draw(st.booleans()):
-                graph.add_edge(f"n{i}", f"n{j}", bytes=draw(st.floats(0, 5e7)))
+            if draw(st.booleans()):  # whole bytes: a tensor is never 6.5e-156 bytes (that
+                # drew a message one side charged two latencies for and the other did not)
+                graph.add_edge(f"n{i}", f"n{j}", bytes=float(draw(st.integers(0, 50_000_000))))
             else:
                 graph.add_edge(f"n{i}", f"n{j}")
     return graph
