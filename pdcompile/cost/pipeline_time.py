@@ -27,7 +27,8 @@ microbatches in flight per replica (warm-up depth + 1).
 * Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
   microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
   transfers there and back), and the busiest stage adds its other microbatches,
-  (ceil(M / r_s) - 1) x its period (t_s, or RT_s / N_s when too few are in flight to hide
+  (ceil(M / r_s) - 1) x its period (t_s, or RT_s / N_s, without the queueing of a round at
+  a stage with fewer replicas, when too few are in flight to hide
   the round trip); then every stage all-reduces and steps.
 """
 
@@ -134,7 +135,8 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
     own = [t.compute + t.cpu_copies if row.flush
            else t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
            * update_share(schedule, m, t.replicas) for t in terms]
-    circuits = _circuits(terms, own, pairs, lockstep=row.update == "round" and not row.flush)
+    circuits = _circuits(terms, own, pairs, lockstep=row.update == "round" and not row.flush,
+                         queueing=not row.flush)
     if row.flush:
         timed = _flush(terms, transfer, busy, circuits, stage_ranks, m,
                        gpipe=row.forwards_first)
@@ -171,12 +173,14 @@ def _pair_transfers(edges: dict[tuple[int, int], float], stage_ranks: Sequence[S
 
 
 def _circuit_profiles(terms: Sequence[StageTerms], own: Sequence[float],
-                      transfer: Transfers) -> list[list[list[float]]]:
+                      transfer: Transfers, *, queueing: bool) -> list[list[list[float]]]:
     """profiles[s][k - s][m]: seconds of the circuit from a forward of stage s through stage k
     and back to the backward of s (`_circuits`) for microbatch residue m: the work of s, then
     the longest path of stages and transfers (there and back, each on the rank pair microbatch
-    m uses) from s to k, where a later stage with fewer replicas takes the round's r_s
-    microbatches one after another; [own work] where k is not reached."""
+    m uses) from s to k; with `queueing` (streaming schedules), a later stage with fewer
+    replicas takes the round's r_s microbatches one after another (a flush schedule's circuits
+    bind only while the pipeline fills, and there the charge overestimates: 19% on a random
+    plan); [own work] where k is not reached."""
     count = len(terms)
     incoming: list[list[tuple[int, list[float]]]] = [[] for _ in range(count)]
     for (a, c), seconds in transfer.items():
@@ -197,8 +201,8 @@ def _circuit_profiles(terms: Sequence[StageTerms], own: Sequence[float],
                             for a, sec in incoming[k] if a >= s and reach[a] > -math.inf),
                            default=-math.inf)
                 if best > -math.inf:  # a later stage with fewer replicas queues the round
-                    reach[k] = best + terms[k].compute * max(1.0, terms[s].replicas
-                                                             / terms[k].replicas)
+                    queued = terms[s].replicas / terms[k].replicas if queueing else 1.0
+                    reach[k] = best + terms[k].compute * max(1.0, queued)
             for k in range(s, count):
                 rows[k - s].append(own[s] + max(0.0, reach[k]))
         out.append(rows)
@@ -222,7 +226,8 @@ def _lockstep(lengths: list[float], replicas: int) -> list[float]:
 
 
 def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
-              transfer: Transfers, *, lockstep: bool) -> list[tuple[float, float]]:
+              transfer: Transfers, *, lockstep: bool, queueing: bool,
+              ) -> list[tuple[float, float]]:
     """Per stage s: the largest time per microbatch that its in-flight limit imposes, and the
     round trip RT_s from its forward to its backward with nothing queued (averaged over rank
     pairs).
@@ -232,10 +237,11 @@ def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
     F_s(m + N_s r_s - (N_k - 1) r_k) is a circuit of the schedule: its compute and transfers must
     fit in N_s r_s - (N_k - 1) r_k microbatch periods. k = s gives the stage's own work over its
     replicas; the last stage (N = 1) gives the whole round trip over N_s r_s periods.
-    `lockstep`: replicas all-reduce after every round (`_lockstep`).
+    `lockstep`: replicas all-reduce after every round (`_lockstep`); `queueing`: see
+    `_circuit_profiles`.
     """
     out = []
-    for s, profile in enumerate(_circuit_profiles(terms, own, transfer)):
+    for s, profile in enumerate(_circuit_profiles(terms, own, transfer, queueing=queueing)):
         head = terms[s]
         worst = profile[0][0] / head.replicas
         for k in range(s + 1, len(terms)):
@@ -274,7 +280,8 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
     m = microbatches if row.microbatched else 1
     own = [t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
            * update_share(schedule, m, t.replicas) for t in terms]
-    profiles = _circuit_profiles(terms, own, _pair_transfers(edges, stage_ranks, cluster))
+    profiles = _circuit_profiles(terms, own, _pair_transfers(edges, stage_ranks, cluster),
+                                 queueing=not row.flush)
     lockstep = row.update == "round" and not row.flush
     count = len(terms)
     chosen = [1] * count
