@@ -39,17 +39,22 @@ class WallClockTimer(Timer):
 
 
 class CpuTimeTimer(Timer):
-    """CPU seconds this process spent in the call (time.process_time: user + system, all its
-    threads). Unlike the wall clock it does not count time other processes took the core away,
-    so it stays steady on a busy machine; with one torch thread it equals the compute time."""
+    """CPU seconds the call took. Unlike the wall clock it does not count time other processes
+    took the core away, so it stays steady on a busy machine. With one torch thread torch
+    computes (forward and, on a CPU, backward) on the calling thread, so that thread's CPU time
+    (time.thread_time) is the compute, and other threads of the process (a progress bar's
+    refresh, a communication library's) do not inflate it; with more torch threads, the whole
+    process's (time.process_time). `clock` fixes one."""
 
-    def __init__(self, *, clock: Callable[[], float] = time.process_time) -> None:
+    def __init__(self, *, clock: Callable[[], float] | None = None) -> None:
         self._clock = clock
 
     def time(self, fn: Callable[[], Any]) -> float:
-        start = self._clock()
+        clock = self._clock or (time.thread_time if torch.get_num_threads() == 1
+                                else time.process_time)
+        start = clock()
         fn()
-        return self._clock() - start
+        return clock() - start
 
 
 class CudaEventTimer(Timer):

@@ -364,3 +364,27 @@ def test_progress_bar_counts_the_nodes(capsys: pytest.CaptureFixture[str]) -> No
     assert "node" in err and "/" in err  # tqdm's "k/n" counter
     annotate_costs(trace(model), (torch.randn(4, 8),), progress=False, warmup=1, repeats=1)
     assert "measuring nodes" not in capsys.readouterr().err
+
+
+def test_cpu_clock_counts_the_calling_thread_only() -> None:
+    """With one torch thread the CPU clock times the calling thread: another thread of the
+    process burning CPU meanwhile (a progress bar's refresh, a communication library) does not
+    inflate a measurement (with process-wide CPU time the sleep below read as ~0.1 s)."""
+    import threading
+
+    stop = threading.Event()
+
+    def burn() -> None:
+        while not stop.is_set():
+            sum(range(1000))
+
+    other = threading.Thread(target=burn, daemon=True)
+    other.start()
+    try:
+        torch.set_num_threads(1)
+        seconds = CpuTimeTimer().time(lambda: time.sleep(0.1))
+        whole = CpuTimeTimer(clock=time.process_time).time(lambda: time.sleep(0.1))
+    finally:
+        stop.set()
+        other.join(timeout=5)
+    assert seconds < 0.02 and whole > 0.05
