@@ -62,7 +62,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--repeats", type=int, default=5,
                         help="measured: timed runs per node (default 5), e.g. --repeats 20")
     parser.add_argument("--clock", default="wall", choices=("wall", "cpu"),
-                        help="measured on a CPU: wall clock (default) or process CPU time, "
+                        help="measured on a CPU: wall clock (default) or CPU time, "
                         "steadier on a busy machine")
     parser.add_argument("--caches", default="warm", choices=("warm", "cold"),
                         help="measured: time each run with the node's data in the caches "
