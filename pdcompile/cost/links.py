@@ -39,14 +39,20 @@ def stage_allreduce_seconds(nbytes: float, ranks: Sequence[int], cluster: Cluste
     return ring_allreduce_seconds(nbytes, len(ranks), level)
 
 
+def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Level]:
+    """The level each transfer between two stages on ranks `a` and `b` crosses, per microbatch
+    residue: microbatch m goes from a[m % len(a)] to b[m % len(b)] (round robin over replicas),
+    so the rank pairs used are those of m < lcm(len(a), len(b))."""
+    return [cluster.levels[cluster.link_level(a[m % len(a)], b[m % len(b)])]
+            for m in range(math.lcm(len(a), len(b)))]
+
+
 def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
-    """The slowest level that the transfers between two stages on ranks `a` and `b` cross:
-    minibatch m goes from a[m % len(a)] to b[m % len(b)] (round robin over replicas), so the
-    rank pairs used are those of m < lcm(len(a), len(b))."""
-    pairs = math.lcm(len(a), len(b))
-    return cluster.levels[max(cluster.link_level(a[m % len(a)], b[m % len(b)])
-                              for m in range(pairs))]
+    """The slowest level that the transfers between two stages on ranks `a` and `b` cross
+    (`pair_levels`)."""
+    levels = pair_levels(cluster, a, b)
+    return cluster.levels[max(cluster.levels.index(level) for level in levels)]
 
 
-__all__ = ["link_busy_seconds", "ring_allreduce_seconds", "slowest_link",
+__all__ = ["link_busy_seconds", "pair_levels", "ring_allreduce_seconds", "slowest_link",
            "stage_allreduce_seconds", "transfer_seconds"]

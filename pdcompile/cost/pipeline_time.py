@@ -41,6 +41,7 @@ from typing import Any
 
 from pdcompile.cost.links import (
     link_busy_seconds,
+    pair_levels,
     slowest_link,
     stage_allreduce_seconds,
     transfer_seconds,
@@ -90,6 +91,20 @@ def update_share(schedule: str, microbatches: int, replicas: Any) -> Any:
     return replicas / microbatches
 
 
+def _streaming_work(terms: Sequence[StageTerms], schedule: str, m: int) -> list[float]:
+    """Per stage, one replica's seconds per microbatch in a streaming schedule: compute, the
+    CPU's share of its sends and its share of an update (`update_share`)."""
+    return [t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
+            * update_share(schedule, m, t.replicas) for t in terms]
+
+
+def _circuit_rules(schedule: str) -> tuple[bool, bool]:
+    """(lockstep, queueing) for `_circuits`: replicas that all-reduce after every round wait for
+    its slowest; a later stage with fewer replicas queues the round (streaming schedules)."""
+    row = kind(schedule)
+    return row.update == "round" and not row.flush, not row.flush
+
+
 def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[float],
                 edges: dict[tuple[int, int], float], stage_ranks: Sequence[Sequence[int]],
                 cluster: Cluster, schedule: str, in_flight: Sequence[int],
@@ -132,11 +147,10 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
     busy = {e: link_busy_seconds(size, slowest_link(cluster, stage_ranks[e[0]],
                                                     stage_ranks[e[1]]))
             for e, size in edges.items()}
-    own = [t.compute + t.cpu_copies if row.flush
-           else t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
-           * update_share(schedule, m, t.replicas) for t in terms]
-    circuits = _circuits(terms, own, pairs, lockstep=row.update == "round" and not row.flush,
-                         queueing=not row.flush)
+    own = [t.compute + t.cpu_copies for t in terms] if row.flush \
+        else _streaming_work(terms, schedule, m)
+    lockstep, queueing = _circuit_rules(schedule)
+    circuits = _circuits(terms, own, pairs, lockstep=lockstep, queueing=queueing)
     if row.flush:
         timed = _flush(terms, transfer, busy, circuits, stage_ranks, m,
                        gpipe=row.forwards_first)
@@ -164,12 +178,9 @@ def _pair_transfers(edges: dict[tuple[int, int], float], stage_ranks: Sequence[S
     """Per stage edge (a, c), the transfer's seconds for microbatch m, m < lcm(r_a, r_c): the
     round robin sends m from a[m % r_a] to c[m % r_c], and pairs on one server are faster than
     pairs across servers."""
-    out: Transfers = {}
-    for (a, c), size in edges.items():
-        src, dst = stage_ranks[a], stage_ranks[c]
-        out[a, c] = [transfer_seconds(size, cluster.levels[cluster.link_level(
-            src[m % len(src)], dst[m % len(dst)])]) for m in range(math.lcm(len(src), len(dst)))]
-    return out
+    return {(a, c): [transfer_seconds(size, level)
+                     for level in pair_levels(cluster, stage_ranks[a], stage_ranks[c])]
+            for (a, c), size in edges.items()}
 
 
 def _circuit_profiles(terms: Sequence[StageTerms], own: Sequence[float],
@@ -261,8 +272,8 @@ def work_period(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float]
     the circuits)."""
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
-    work = [(t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
-             * update_share(schedule, m, t.replicas)) / t.replicas for t in terms]
+    work = [own / t.replicas for own, t in zip(_streaming_work(terms, schedule, m), terms,
+                                               strict=True)]
     links = [link_busy_seconds(size, slowest_link(cluster, stage_ranks[a], stage_ranks[c]))
              / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])) for (a, c), size in edges.items()]
     return max(work + links) * m
@@ -278,11 +289,9 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
     count the in-flight minibatches of the stages after it."""
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
-    own = [t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
-           * update_share(schedule, m, t.replicas) for t in terms]
-    profiles = _circuit_profiles(terms, own, _pair_transfers(edges, stage_ranks, cluster),
-                                 queueing=not row.flush)
-    lockstep = row.update == "round" and not row.flush
+    lockstep, queueing = _circuit_rules(schedule)
+    profiles = _circuit_profiles(terms, _streaming_work(terms, schedule, m),
+                                 _pair_transfers(edges, stage_ranks, cluster), queueing=queueing)
     count = len(terms)
     chosen = [1] * count
     per = period / m * (1.0 + 1e-9)  # seconds per microbatch
