@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT.parent / "shared" / "profiles" / "pipedream"
+from pdcompile.profiles import SHIPPED as PROFILES  # noqa: E402
 CLUSTERS = ("4@1e9", "8@1e9", "16@1e9", "4x4@1e10,1.25e9")
 
 
@@ -32,7 +32,7 @@ NOTES = """
 
 * **pipedream DP**: `pdcompile.plan(..., planner="dp", cost_model="pipedream")`, the original
   optimizer's cost model and recurrence. It reproduces every figure quoted in
-  `../shared/profiles/pipedream/README.md` (times per minibatch, configurations, speed-ups over
+  `pdcompile/data/pipedream/README.md` (times per minibatch, configurations, speed-ups over
   data parallelism; asserted in tests/planner/test_partition_costmodel.py): vgg16 4 -> 3-1 0.2055 s,
   vgg16 16 -> 13-2-1 0.0565 s, alexnet 4 -> 3-1 0.0342 s, resnet50 4 -> 2 stages 0.1629 s,
   resnet50 16 -> 7-6-3 0.0478 s, densenet121 8 -> 5-2-1 0.0471 s, gnmt 4 straight 0.0259 s,

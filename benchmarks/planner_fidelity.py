@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT.parent / "shared" / "profiles" / "pipedream"
+from pdcompile.profiles import SHIPPED as PROFILES  # noqa: E402
 H100_SERVERS = "8x{servers}@450GB/s,400Gbps~3us,5us:h100"
 
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT.parent / "shared" / "profiles" / "pipedream"
+from pdcompile.profiles import SHIPPED as PROFILES  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "refine.md"
 
 

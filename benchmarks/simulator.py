@@ -38,7 +38,7 @@ from pdcompile.planner.simulation import data_parallel_plan, simulate_plan
 from pdcompile.profiles import load_pipedream
 
 ROOT = Path(__file__).resolve().parents[1]
-PROFILES = ROOT.parent / "shared" / "profiles" / "pipedream"
+from pdcompile.profiles import SHIPPED as PROFILES  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "simulator.md"
 
 # Table 1 of Narayanan et al., SOSP 2019 ("PipeDream: Generalized Pipeline Parallelism for DNN

@@ -13,17 +13,15 @@ one's predicted speed-up over plain data parallelism on the same 16 workers. To 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 import pdcompile
 
-# ../shared/profiles/pipedream beside the repository (where this project keeps them)
-DEFAULT = Path(__file__).resolve().parents[2] / "shared" / "profiles" / "pipedream" / "vgg16"
+DEFAULT = "vgg16"  # a profile shipped with the package (pdcompile.profiles.shipped_profiles())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--profile", default=str(DEFAULT), help="graph.txt or its folder")
+    parser.add_argument("--profile", default=DEFAULT, help="graph.txt, its folder or a shipped profile's name")
     parser.add_argument("--planner", default="dp", choices=("dp", "ilp", "auto"))
     parser.add_argument("--small", action="store_true", help="accepted for the tests (the "
                         "example is already fast)")

@@ -7,6 +7,9 @@ activation_size=A, parameter_size=P
     \tnodeU -- nodeV
 
 F and B are milliseconds per minibatch, A and P bytes; A may be a list `[a; b; c]` (summed).
+
+PipeDream's own profiles of 14 models ship inside the package (`pdcompile/data/pipedream`, MIT
+licensed, provenance in its README.md): `load_pipedream("vgg16")` finds one by name.
 """
 
 from __future__ import annotations
@@ -37,11 +40,36 @@ def _number(text: str, where: str, field: str) -> float:
     return value
 
 
+SHIPPED = Path(__file__).resolve().parent / "data" / "pipedream"
+"""PipeDream's profiles as the package ships them: SHIPPED / name / "graph.txt"."""
+
+
+def shipped_profiles() -> list[str]:
+    """Names of the PipeDream profiles that ship with the package (vgg16, resnet50, ...)."""
+    return sorted(p.name for p in SHIPPED.iterdir() if (p / "graph.txt").is_file())
+
+
+def profile_path(name_or_path: str | Path) -> Path:
+    """The graph.txt a `--profile` argument means: a file, a folder holding graph.txt, or the
+    name of a shipped profile; anything else raises ProfileError listing the shipped names."""
+    path = Path(name_or_path)
+    if path.is_dir():
+        path = path / "graph.txt"
+    if path.exists():
+        return path
+    if isinstance(name_or_path, str) and "/" not in name_or_path and "\\" not in name_or_path:
+        shipped = SHIPPED / name_or_path / "graph.txt"
+        if shipped.is_file():
+            return shipped
+    names = ", ".join(shipped_profiles())
+    raise ProfileError(f"cannot read profile {name_or_path!s}: no such file; give a PipeDream "
+                       f"graph.txt, a folder holding one, or a shipped profile's name ({names})")
+
+
 def load_pipedream(path: str | Path) -> nx.DiGraph:
-    """Read a PipeDream `graph.txt`; a malformed line raises ProfileError with file:line."""
-    file = Path(path)
-    if file.is_dir():
-        file = file / "graph.txt"
+    """Read a PipeDream `graph.txt` (a path, or a shipped profile's name such as "vgg16"); a
+    malformed line raises ProfileError with file:line."""
+    file = profile_path(path)
     try:
         lines = file.read_text().splitlines()
     except OSError as err:

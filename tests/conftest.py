@@ -40,10 +40,10 @@ def _fast_lane_starts_no_process(request: pytest.FixtureRequest,
 
 @pytest.fixture
 def profiles_dir() -> Path:
-    """The shipped PipeDream profiles (../shared/profiles/pipedream)."""
+    """The PipeDream profiles the package ships (pdcompile/data/pipedream)."""
     if not PROFILES.is_dir():
-        pytest.fail(f"the PipeDream profiles are expected at {PROFILES} (../shared beside "
-                    "the repo)")
+        pytest.fail(f"the PipeDream profiles are expected at {PROFILES}: the package lost its "
+                    "data files (see [tool.setuptools.package-data] in pyproject.toml)")
     return PROFILES
 
 

@@ -3,7 +3,7 @@
     pdcompile inspect pdcompile.models.vgg16:factory
     pdcompile inspect pdcompile/models/resnet50.py:factory --cost analytic --cluster h100-node \\
         --draw g.svg
-    pdcompile inspect --profile ../shared/profiles/pipedream/resnet50/graph.txt --coarsen 40
+    pdcompile inspect --profile resnet50 --coarsen 40
 
     pdcompile inspect pdcompile.models.democnn:factory --draw graph.png --json > graph.json
 
@@ -46,7 +46,7 @@ def register(subparsers: Any) -> None:
                         "package.module:factory returning (model, example inputs), e.g. "
                         "pdcompile.models.vgg16:factory")
     parser.add_argument("--profile", metavar="PATH", help="a PipeDream graph.txt (or its "
-                        "folder) instead, e.g. --profile ../shared/profiles/pipedream/vgg16")
+                        "folder) instead, e.g. --profile vgg16")
     parser.add_argument("--costgraph", metavar="PATH",
                         help="a CostGraph JSON file instead (from --save), e.g. --costgraph g.json")
     parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),

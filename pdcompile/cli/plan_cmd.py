@@ -1,13 +1,13 @@
 """`pdcompile plan`: partition a model or a profile over a cluster and print the plan.
 
-    pdcompile plan --profile ../shared/profiles/pipedream/vgg16/graph.txt \\
+    pdcompile plan --profile vgg16 \\
         --cluster 4x4@1e10,1.25e9 --cost-model pipedream
     pdcompile plan pdcompile/models/vgg16.py:factory --cluster A --planner ilp --time-limit 30
     pdcompile plan --costgraph graph.json --cluster 16 --memory 16GiB --json > plan.json
     pdcompile plan pdcompile.models.democnn:factory --cluster local-2 --draw plan.svg
-    pdcompile plan --profile ../shared/profiles/pipedream/vgg16 --cluster A --draw vgg.png \\
+    pdcompile plan --profile vgg16 --cluster A --draw vgg.png \\
         --stage 1
-    pdcompile plan --profile ../shared/profiles/pipedream/alexnet --cluster A --refine 300
+    pdcompile plan --profile alexnet --cluster A --refine 300
 
 Prints the plan's summary (stages, replicas, ranks, predicted compute, sync, communication,
 memory, time per minibatch, speed-up over data parallelism, planner status); --json prints
@@ -42,7 +42,7 @@ def register(subparsers: Any) -> None:
                         "(model, example inputs), e.g. pdcompile.models.vgg16:factory")
     parser.add_argument("--profile", metavar="PATH",
                         help="a PipeDream graph.txt (or its folder) instead of a model, e.g. "
-                        "--profile ../shared/profiles/pipedream/vgg16")
+                        "--profile vgg16")
     parser.add_argument("--costgraph", metavar="PATH",
                         help="a CostGraph JSON file instead of a model (written by "
                         "`pdcompile inspect --save`), e.g. --costgraph graph.json")

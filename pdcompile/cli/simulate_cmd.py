@@ -1,6 +1,6 @@
 """`pdcompile simulate`: plan a model or profile on a cluster, simulate the schedule, draw it.
 
-    pdcompile simulate --profile ../shared/profiles/pipedream/vgg16/graph.txt --cluster A \\
+    pdcompile simulate --profile vgg16 --cluster A \\
         --schedule 1f1b --out sim/
     pdcompile simulate pdcompile/models/vgg16.py:factory --cluster B --schedule 1f1b-flush \\
         --microbatches 8

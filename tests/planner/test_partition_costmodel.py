@@ -17,7 +17,7 @@ from pdcompile.planner.simulation import simulate_plan
 from pdcompile.profiles import load_pipedream
 
 # (profile, cluster, straight, config or stage count, time per minibatch, speed-up over DP),
-# from ../shared/profiles/pipedream/README.md
+# from pdcompile/data/pipedream/README.md
 ORIGINAL = [
     ("vgg16", "4", False, "3-1", 0.2055, 2.84),
     ("vgg16", "16", False, "13-2-1", 0.0565, 3.04),
