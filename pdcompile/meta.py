@@ -5,7 +5,8 @@ Keys: "pd.shape" -> NodeShape and "pd.tree" -> ValueTree (written by passes.shap
 pass has not set raises MetaMissingError saying which pass to run, never a bare KeyError. On the
 GraphModule itself (`gm.meta`): "pd.output_spec" -> the pytree spec of the model's output where
 the graph returns it flattened (passes.export_frontend); "pd.frontend" -> "fx", "export" or
-"given" (passes.frontend).
+"given" (passes.frontend); "pd.input_shapes" -> the input shapes the graph runs on, where the
+front end knows them (passes.input_shapes.InputShapes, from passes.export_frontend).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ STAGE_KEY = "pd.stage"
 TREE_KEY = "pd.tree"
 OUTPUT_SPEC_KEY = "pd.output_spec"
 FRONTEND_KEY = "pd.frontend"
+INPUT_SHAPES_KEY = "pd.input_shapes"
 
 _ITEM_BYTES = {
     "float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
@@ -211,3 +213,14 @@ def set_frontend(gm: Any, frontend: str) -> None:
 def get_frontend(gm: Any) -> str:
     """The front end recorded by `set_frontend`; "fx" for graphs from the trace pass alone."""
     return str(getattr(gm, "meta", {}).get(FRONTEND_KEY, "fx"))
+
+
+def set_input_shapes(gm: Any, shapes: Any) -> None:
+    """Record on a GraphModule the input shapes it runs on (passes.input_shapes.InputShapes)."""
+    gm.meta[INPUT_SHAPES_KEY] = shapes
+
+
+def get_input_shapes(gm: Any) -> Any:
+    """The input shapes recorded by `set_input_shapes`, or None where the front end does not
+    know them (fx traces run on any shape the model's code accepts)."""
+    return getattr(gm, "meta", {}).get(INPUT_SHAPES_KEY)

@@ -19,7 +19,9 @@ from torch.utils import _pytree as pytree
 from pdcompile.backends.local import run_program
 from pdcompile.backends.program import MicrobatchData, RunInput, RunProgram, stages_of
 from pdcompile.errors import PdcompileError, PipelineInputError, PlanError, ScheduleError
+from pdcompile.meta import get_input_shapes
 from pdcompile.passes.codegen import generate_rank, load_rank
+from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram
 from pdcompile.plan import Plan
 from pdcompile.runtime.chunks import ChunkRuntimes
@@ -96,6 +98,9 @@ class Pipeline:
         self.example_inputs: tuple[Any, ...] | None = (
             None if example_inputs is None else tuple(example_inputs))
         self.example_target: Any = example_target
+        # the input shapes the stages run on, where the front end knows them (torch.export)
+        self.input_shapes: InputShapes | None = (
+            None if graph is None else get_input_shapes(graph))
         if example_inputs is not None:
             self._learn_kinds(example_inputs)
         if kind(schedule).split_backward:  # B/W split: Linear weight gradients can wait
@@ -498,6 +503,13 @@ class Pipeline:
         if not same:
             if kind(self.schedule_name).microbatched:  # too few samples to cut: say so
                 self._cut(tuple(inputs), self.microbatches, index=index, why="microbatches")
+            if self.input_shapes is not None:  # a graph that runs on these shapes only
+                m = kind(self.schedule_name).per_minibatch(self.microbatches)
+                named = self._named(tuple(inputs))
+                refusal = self.input_shapes.refusal(named, _first_microbatch(named, m),
+                                                    microbatches=m)
+                if refusal is not None:
+                    raise PipelineInputError(f"minibatch {index}: {refusal}")
             stage = "model"
             try:
                 values = self._example_values(tuple(inputs), explain=False)
@@ -516,9 +528,10 @@ class Pipeline:
 
     def _difference(self, inputs: tuple[Any, ...], target: Any) -> str:
         """What differs from the example minibatch, in words."""
-        example = self.example_inputs or ()
-        for name, given, want in zip(self.parts.data_inputs, inputs, example, strict=False):
-            if _signature(given) != _signature(want):
+        examples = self._named(self.example_inputs) if self.example_inputs else {}
+        for name, given in self._named(inputs).items():
+            want = examples.get(name)
+            if name in examples and _signature(given) != _signature(want):
                 return (f"input {name!r} is {_describe(given)} but the pipeline was compiled "
                         f"for {_describe(want)}")
         if self.example_target is not None:
@@ -612,9 +625,7 @@ class Pipeline:
         """
         inputs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
         m = kind(self.schedule_name).per_minibatch(self.microbatches)
-        named = {name: value[:-(-value.shape[0] // m)]
-                 if isinstance(value, torch.Tensor) and value.dim() else value
-                 for name, value in self._named(inputs).items()}
+        named = _first_microbatch(self._named(inputs), m)
         return self._microbatch_values(named, inputs, m, explain=explain)
 
     def _microbatch_values(self, named: dict[str, Any], inputs: Sequence[Any] = (),
@@ -706,6 +717,13 @@ class _Schedulers:
     def step(self) -> None:
         for scheduler in self.schedulers:
             scheduler.step()
+
+
+def _first_microbatch(named: dict[str, Any], m: int) -> dict[str, Any]:
+    """The first (largest) of the `m` microbatches of inputs by name."""
+    return {name: value[:-(-value.shape[0] // m)]
+            if isinstance(value, torch.Tensor) and value.dim() else value
+            for name, value in named.items()}
 
 
 def _copy(module: fx.GraphModule) -> fx.GraphModule:

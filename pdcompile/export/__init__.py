@@ -14,7 +14,8 @@ record what would otherwise be pickled (by `import_paths`).
     plan.json               the Plan; schedule.txt: the lowered schedule
     pipeline.json           everything else `load` needs (stage inputs/outputs, ties, names), the
                             loss function by import path and each stage's optimizer as its class,
-                            defaults and param groups (optimizer_recipe)
+                            defaults and param groups (optimizer_recipe), and the input shapes
+                            a graph from torch.export runs on (passes/input_shapes.py)
     graph.py, graph_modules.safetensors  the traced model's code (structure only; best effort)
     example.safetensors     the example minibatch (inputs, target): `pdcompile run`'s default data
     launch.sh, README.md    how to run it on several processes (`pdcompile run`)

@@ -21,6 +21,7 @@ from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.meta import set_stage
 from pdcompile.passes.crossing import load_spec
+from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
 from pdcompile.plan import Plan
@@ -79,6 +80,12 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     if example_file.exists():
         example = read_file(example_file, load_tree)
         pipe.example_inputs, pipe.example_target = tuple(example["inputs"]), example["target"]
+    if meta.get("input_shapes") is not None:  # the shapes a graph from torch.export runs on
+        try:
+            pipe.input_shapes = InputShapes.from_json(meta["input_shapes"])
+        except (KeyError, TypeError, ValueError, AttributeError, IndexError):
+            raise DamagedFileError(f"{folder / 'pipeline.json'} is altered (input_shapes "
+                                   "malformed); export the pipeline again") from None
     sources = {int(p.stem.split("_")[1]): python_source(p) for p in folder.glob("rank_*.py")}
     schedule = read_file(folder / "schedule.txt", lambda p: Schedule.from_text(p.read_text()))
     if sources and schedule.ranks == sorted(sources):

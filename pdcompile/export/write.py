@@ -24,6 +24,7 @@ from pdcompile.export.import_paths import NotReferable
 from pdcompile.export.module_record import record_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.export.source import module_source, tensor_state
+from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram
 from pdcompile.plan import Plan
 from pdcompile.runtime.rank_state import NoParameters, RankState
@@ -60,6 +61,8 @@ class Exportable(Protocol):
     def example_target(self) -> Any: ...
     @property
     def loss_fn(self) -> Callable[..., torch.Tensor] | None: ...
+    @property
+    def input_shapes(self) -> InputShapes | None: ...
 
     def schedule_length(self) -> int: ...
     def schedule(self, microbatches: int | None = None,
@@ -104,6 +107,7 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
         "stages": stages_meta, "graph_stages": graph_stages,
         "example": {"inputs": pipe.example_inputs is not None,
                     "target": pipe.example_target is not None},
+        "input_shapes": None if pipe.input_shapes is None else pipe.input_shapes.to_json(),
         **_callables(pipe),
     }
     (out / "pipeline.json").write_text(json.dumps(meta, indent=1))

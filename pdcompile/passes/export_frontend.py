@@ -7,14 +7,18 @@ captures such models whole. This pass turns its ExportedProgram into a plain Gra
 the trace pass's: one placeholder per model input (named after the forward's parameters),
 parameters and buffers under the model's own names (the model's own tensors, shared), read by
 `get_attr`; the output flattened, with the model's output structure (a Hugging Face ModelOutput,
-say) kept as a pytree spec beside the graph (`meta.set_output_spec`). Dimension 0 of every
-tensor input is exported as dynamic, so that the graph runs on microbatches of any size.
+say) kept as a pytree spec beside the graph (`meta.set_output_spec`). Every dimension of every
+tensor input is exported as free (`Dim.AUTO`), so that the graph runs on microbatches of any
+size and sequences of any length, except where the model's code fixes or bounds a size: the
+shapes it runs on are kept beside the graph (`meta.set_input_shapes`, passes/input_shapes.py),
+so that a minibatch of a shape it cannot run on is refused in words. A model that torch.export
+cannot capture with every size free is captured with only dimension 0 (the batch) free.
 """
 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,7 +26,8 @@ import torch.fx as fx
 from torch import nn
 
 from pdcompile.errors import TraceError
-from pdcompile.meta import set_output_spec
+from pdcompile.meta import set_input_shapes, set_output_spec
+from pdcompile.passes.input_shapes import InputShapes
 
 # operations that only check what export assumed (dtypes, devices, shape guards)
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
@@ -39,22 +44,12 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
     except TypeError as err:
         raise TraceError(f"the example inputs do not fit {type(model).__name__}.forward: "
                          f"{err}") from None
-    # dimension 0 (the batch) of every tensor input may change: microbatches are smaller
-    shapes = {name: {0: torch.export.Dim.AUTO}
-              if isinstance(value, torch.Tensor) and value.dim() else None
-              for name, value in bound.items()}
-    try:
-        program = torch.export.export(model, tuple(args), kwargs, dynamic_shapes=shapes,
-                                      strict=False)
-    except Exception as err:
-        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
-        raise TraceError(f"torch.export cannot capture {type(model).__name__}: "
-                         f"{type(err).__name__}: {reason}") from None
+    program = _export(model, tuple(args), kwargs, bound)
     unlifted = program.module()
     graph = unlifted.graph
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
-            graph.erase_node(node)  # re-checks the input shapes export saw: none to check
+            graph.erase_node(node)  # re-checks the input shapes: the pipeline does (input_shapes)
         elif node.op == "call_function" and str(node.target).startswith(_CHECKS) \
                 and not node.users:
             graph.erase_node(node)
@@ -72,7 +67,35 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
     gm.train(model.training)
     if out_spec is not None:
         set_output_spec(gm, out_spec)
+    inputs = [n.name for n in graph.nodes if n.op == "placeholder"]
+    if len(inputs) == len(program.graph_signature.user_inputs):
+        set_input_shapes(gm, InputShapes.of_program(
+            program, dict(zip(program.graph_signature.user_inputs, inputs, strict=True))))
     return gm
+
+
+def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+            bound: Mapping[str, Any]) -> torch.export.ExportedProgram:
+    """torch.export of the model with every dimension of every tensor input free where the
+    model allows (other sequence lengths, other batch sizes); where export fails so, with only
+    dimension 0 free (microbatches are smaller than the example), the error of that attempt."""
+    def free(dims: Callable[[torch.Tensor], Iterable[int]]) -> dict[str, Any]:
+        return {name: {d: torch.export.Dim.AUTO for d in dims(value)}
+                if isinstance(value, torch.Tensor) and value.dim() else None
+                for name, value in bound.items()}
+
+    try:
+        return torch.export.export(model, args, kwargs, strict=False,
+                                   dynamic_shapes=free(lambda v: range(v.dim())))
+    except Exception:
+        pass  # some sizes cannot be free: try the batch alone, and report that attempt
+    try:
+        return torch.export.export(model, args, kwargs, strict=False,
+                                   dynamic_shapes=free(lambda v: (0,)))
+    except Exception as err:
+        reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise TraceError(f"torch.export cannot capture {type(model).__name__}: "
+                         f"{type(err).__name__}: {reason}") from None
 
 
 def _share_model_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
