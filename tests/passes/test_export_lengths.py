@@ -18,6 +18,7 @@ import pdcompile
 from pdcompile.errors import PipelineInputError
 from pdcompile.meta import get_frontend
 from pdcompile.passes.input_shapes import InputShapes
+from pdcompile.schedule.kinds import kind
 from tests.helpers import lengths
 from tests.helpers.lengths import POSITIONS, SGD, VOCAB, TinyLM, plain_step, tokens
 
@@ -182,3 +183,130 @@ def test_an_export_and_load_keeps_training_at_new_lengths(tmp_path: Path) -> Non
     assert loaded.train(data) == pytest.approx(pipe.train(data), rel=1e-6)
     too_long, target = tokens(4, POSITIONS + 1, 0)
     assert _refusal(loaded, too_long, target=target) == _refusal(pipe, too_long, target=target)
+
+
+# ---------------------------------------------------------------------------- slow: processes
+# (batch size, length) of each minibatch of the distributed runs: none is the example's (4, 8)
+SHAPES = [(4, 5), (6, 13), (3, 20), (4, 8), (5, 1)]
+SCHEDULES = [("1f1b-flush", 2), ("gpipe", 3), ("1f1b", None)]
+
+
+def _held(pipe: pdcompile.pipeline.Pipeline, stage: int) -> set[str]:
+    """The model's names of the parameters and buffers that `stage` holds."""
+    program = pipe.parts.stages[stage]
+    return {name for names in [*program.param_names.values(), *program.buffer_names.values()]
+            for name in names}
+
+
+def _distributed(worker: Any) -> list[Any]:
+    from pdcompile.backends.distributed import reads_data, run_distributed
+
+    torch.set_num_threads(1)
+    out: list[Any] = []
+    for schedule, micro in SCHEDULES:
+        pipe = lengths.tiny_pipeline(schedule=schedule, micro=micro)
+        data = lengths.stream(SHAPES) if reads_data(pipe, worker.rank) else None
+        run = run_distributed(pipe, data, monitor=worker.monitor)
+        state = pipe.state_dict()
+        out.append((run.losses, run.samples,
+                    {k: state[k].clone() for k in _held(pipe, worker.rank)}))
+    pipe = lengths.tiny_pipeline()
+    bad = [*lengths.stream(SHAPES[:1]), tokens(4, POSITIONS + 1, 9)]
+    try:
+        run_distributed(pipe, bad if reads_data(pipe, worker.rank) else None,
+                        monitor=worker.monitor)
+    except PipelineInputError as err:
+        out.append(str(err))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_the_distributed_backend_trains_other_lengths_like_one_process(local_env: None) -> None:
+    """Two gloo processes, one stage each: every minibatch of another length and batch size
+    than the example's; the messages between the stages carry each microbatch's shapes."""
+    from pdcompile.backends.launch import launch
+
+    results = launch(_distributed, 2, timeout=360)
+    data = lengths.stream(SHAPES)
+    for rank, out in enumerate(results):
+        for (schedule, micro), (losses, samples, state) in zip(SCHEDULES, out[:-1], strict=True):
+            local = lengths.tiny_pipeline(schedule=schedule, micro=micro)
+            if kind(schedule).flush:  # equal to plain training, minibatch by minibatch
+                model, optimizer = _plain_copy(local)
+                plain = [plain_step(model, optimizer, {"ids": ids}, y,
+                                    lengths.next_token_loss, micro or 1) for ids, y in data]
+                assert losses == pytest.approx(plain, rel=1e-5), schedule
+            want = local.train(data)
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want),
+                                       msg=lambda m, s=schedule: f"{s}: {m}")
+            assert samples == sum(batch for batch, _ in SHAPES)
+            local_state = local.state_dict()
+            assert state and set(state) == _held(local, rank)
+            for name, value in state.items():
+                torch.testing.assert_close(value, local_state[name], atol=1e-6, rtol=1e-5)
+        local_error = None
+        try:
+            lengths.tiny_pipeline().train([*data[:1], tokens(4, POSITIONS + 1, 9)])
+        except PipelineInputError as err:
+            local_error = str(err)
+        assert local_error is not None and "dimension 1 must be 1 to 32" in local_error
+        assert out[-1] == local_error  # the same refusal, on every rank
+
+
+DATA_FILE = '''
+import torch
+
+
+def batches():
+    """GPT-2 minibatches of other lengths and batch sizes than the example's (4, 8)."""
+    out = []
+    for seed, (batch, length) in enumerate({shapes}):
+        gen = torch.Generator().manual_seed(seed)
+        ids = torch.randint(0, 100, (batch, length), generator=gen)
+        out.append(({{"input_ids": ids}}, torch.roll(ids, -1, dims=1)))
+    return out
+'''
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_hugging_face_gpt2_exported_at_one_length_runs_at_others(tmp_path: Path,
+                                                                 local_env: None) -> None:
+    """A tiny GPT-2 (transformers' own class, through torch.export) compiled at length 8:
+    trains at other lengths and batch sizes equal to plain training, and so does its export,
+    loaded here and run by `pdcompile run --nproc 2` on data of those shapes."""
+    pytest.importorskip("transformers")
+    from pdcompile.models.real_models import gpt2, next_token_loss
+    from pdcompile.util.module_file import exec_module_file
+    from tests.helpers.processes import printed_losses, run_cli
+
+    model, inputs, target = gpt2(batch=4, length=8, layers=2)
+    options: dict[str, Any] = dict(example_inputs=inputs, example_target=target,
+                                   loss_fn=next_token_loss, optimizer=SGD, cost="analytic",
+                                   schedule="1f1b-flush", microbatches=2, stages=[1, 1])
+    pipe = pdcompile.compile(model, **options)
+    assert get_frontend(pipe.graph) == "export"
+    folder = tmp_path / "gpt2"
+    pipe.export(str(folder))
+    data_file = tmp_path / "gpt2_data.py"
+    data_file.write_text(DATA_FILE.format(shapes=[(4, 5), (6, 13), (2, 30), (4, 8)]))
+    module = exec_module_file(data_file, "gpt2_data")
+    assert module is not None
+    data = module.batches()
+
+    plain, _, _ = gpt2(batch=4, length=8, layers=2)
+    plain.load_state_dict(pipe.state_dict())
+    optimizer = SGD(plain.parameters())
+    want = [plain_step(plain, optimizer, named, y, next_token_loss, 2) for named, y in data]
+    assert pipe.train(data) == pytest.approx(want, rel=1e-5)
+    params = pipe.named_parameters()
+    for name, param in plain.named_parameters():  # the last step's gradients
+        torch.testing.assert_close(params[name].grad, param.grad, atol=1e-6, rtol=1e-4)
+
+    loaded = pdcompile.load(str(folder))
+    assert loaded.train(data) == pytest.approx(want, rel=1e-5)
+    done = run_cli([str(folder), "--nproc", "2", "--data", f"{data_file}:batches",
+                    "--threads", "1"], timeout=500)
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert printed_losses(done.stdout) == pytest.approx(want, rel=1e-5)
