@@ -16,6 +16,8 @@ import torch
 from torch import nn
 
 import pdcompile
+from pdcompile.passes.export_frontend import export_graph
+from pdcompile.passes.split import manual_plan
 
 VOCAB = 20
 POSITIONS = 32  # the longest sequence TinyLM takes
@@ -65,14 +67,24 @@ def stream(shapes: list[tuple[int, int]]) -> list[tuple[torch.Tensor, torch.Tens
 
 
 def tiny_pipeline(*, schedule: str = "1f1b-flush", micro: int | None = 2,
-                  stages: list[int] | None = None, **options: Any) -> pdcompile.pipeline.Pipeline:
-    """TinyLM (seed 0) compiled at batch 4 and length 8."""
+                  stages: list[int] | None = None, sizes_cross: bool = False
+                  ) -> pdcompile.pipeline.Pipeline:
+    """TinyLM (seed 0) compiled at batch 4 and length 8: an even cut into `stages`, or
+    (`sizes_cross`) two stages cut after the first Linear, so that the batch size and the
+    length read from the input travel from stage 0 to stage 1 as numbers."""
     torch.manual_seed(0)
     ids, target = tokens(4, 8, 100)
-    return pdcompile.compile(TinyLM(), example_inputs=(ids,), example_target=target,
+    model = TinyLM()
+    plan = None
+    if sizes_cross:
+        graph = export_graph(model, (ids,))
+        nodes = [n for n in graph.graph.nodes if n.op not in ("output", "get_attr")]
+        cut = next(i for i, n in enumerate(nodes) if "linear" in str(n.target))
+        plan = manual_plan(graph, {n.name: int(i > cut) for i, n in enumerate(nodes)})
+    return pdcompile.compile(model, example_inputs=(ids,), example_target=target,
                              loss_fn=next_token_loss, optimizer=SGD, schedule=schedule,
-                             microbatches=micro, stages=stages or [1, 1], cost="analytic",
-                             **options)
+                             microbatches=micro, plan=plan,
+                             stages=None if plan else stages or [1, 1], cost="analytic")
 
 
 def plain_step(model: nn.Module, optimizer: torch.optim.Optimizer, inputs: dict[str, Any],

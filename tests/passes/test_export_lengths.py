@@ -188,7 +188,8 @@ def test_an_export_and_load_keeps_training_at_new_lengths(tmp_path: Path) -> Non
 # ---------------------------------------------------------------------------- slow: processes
 # (batch size, length) of each minibatch of the distributed runs: none is the example's (4, 8)
 SHAPES = [(4, 5), (6, 13), (3, 20), (4, 8), (5, 1)]
-SCHEDULES = [("1f1b-flush", 2), ("gpipe", 3), ("1f1b", None)]
+# (schedule, microbatches, whether the batch size and the length cross the cut as numbers)
+SCHEDULES = [("1f1b-flush", 2, False), ("gpipe", 3, True), ("1f1b", None, False)]
 
 
 def _held(pipe: pdcompile.pipeline.Pipeline, stage: int) -> set[str]:
@@ -203,8 +204,9 @@ def _distributed(worker: Any) -> list[Any]:
 
     torch.set_num_threads(1)
     out: list[Any] = []
-    for schedule, micro in SCHEDULES:
-        pipe = lengths.tiny_pipeline(schedule=schedule, micro=micro)
+    for schedule, micro, sizes_cross in SCHEDULES:
+        pipe = lengths.tiny_pipeline(schedule=schedule, micro=micro, sizes_cross=sizes_cross)
+        assert bool(pipe.parts.stages[0].kinds) == sizes_cross  # ints among the messages
         data = lengths.stream(SHAPES) if reads_data(pipe, worker.rank) else None
         run = run_distributed(pipe, data, monitor=worker.monitor)
         state = pipe.state_dict()
@@ -230,8 +232,9 @@ def test_the_distributed_backend_trains_other_lengths_like_one_process(local_env
     results = launch(_distributed, 2, timeout=360)
     data = lengths.stream(SHAPES)
     for rank, out in enumerate(results):
-        for (schedule, micro), (losses, samples, state) in zip(SCHEDULES, out[:-1], strict=True):
-            local = lengths.tiny_pipeline(schedule=schedule, micro=micro)
+        for (schedule, micro, sizes_cross), (losses, samples, state) in zip(
+                SCHEDULES, out[:-1], strict=True):
+            local = lengths.tiny_pipeline(schedule=schedule, micro=micro, sizes_cross=sizes_cross)
             if kind(schedule).flush:  # equal to plain training, minibatch by minibatch
                 model, optimizer = _plain_copy(local)
                 plain = [plain_step(model, optimizer, {"ids": ids}, y,
