@@ -313,3 +313,39 @@ def test_hugging_face_gpt2_exported_at_one_length_runs_at_others(tmp_path: Path,
                     "--threads", "1"], timeout=500)
     assert done.returncode == 0, done.stdout[-3000:]
     assert printed_losses(done.stdout) == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_hugging_face_bert_trains_at_other_lengths_within_its_positions() -> None:
+    """BERT's two inputs share their length, which its 64 positions bound: other lengths and
+    batch sizes train equal to plain training; a longer or mismatched input is refused."""
+    pytest.importorskip("transformers")
+    from pdcompile.models.real_models import bert, classification_loss
+
+    model, inputs, target = bert(batch=4, length=8, layers=2)
+    pipe = pdcompile.compile(model, example_inputs=inputs, loss_fn=classification_loss,
+                             optimizer=SGD, cost="analytic", schedule="1f1b-flush",
+                             microbatches=2, stages=[1, 1])
+    assert get_frontend(pipe.graph) == "export"
+    plain, _, _ = bert(batch=4, length=8, layers=2)
+    plain.load_state_dict(pipe.state_dict())
+    optimizer = SGD(plain.parameters())
+    for batch, length in [(4, 5), (6, 13), (3, 64)]:
+        named = bert(batch=batch, length=length, layers=2)[1]
+        y = torch.randint(0, 3, (batch,))
+        loss = pipe.step(named, target=y)
+        want = plain_step(plain, optimizer, named, y, classification_loss, 2)
+        assert loss == pytest.approx(want, rel=1e-5), (batch, length)
+    mask = torch.ones(4, 65, dtype=torch.long)
+    assert _refusal(pipe, {"input_ids": torch.zeros(4, 65, dtype=torch.long),
+                           "attention_mask": mask}, target=torch.zeros(4, dtype=torch.long)) == (
+        "minibatch 0: input 'input_ids' is (4, 65) int64 but the model, as torch.export "
+        "captured it, runs on (any, n2=1..64) int64: dimension 1 must be 1 to 64 (the model's "
+        "limit)")
+    message = _refusal(pipe, {"input_ids": torch.zeros(4, 8, dtype=torch.long),
+                              "attention_mask": mask[:, :9]},
+                       target=torch.zeros(4, dtype=torch.long))
+    assert message.endswith("input 'attention_mask' is (4, 9) int64 but the model, as "
+                            "torch.export captured it, runs on (any, n2=1..64) int64: dimension "
+                            "1 must equal the size n2 of input 'input_ids', which is 8")
