@@ -18,7 +18,7 @@ if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
     # compiled ops do not load and `import torchvision` fails (torchvision::nms). torchvision
     # 0.16.2 imports without its compiled ops (they stay unloaded; its models do not use them).
     echo "install.sh: torchvision does not import beside $TORCH_PIN; using torchvision 0.16.2" \
-         "(models only, no compiled ops)" >&2
+         "(models only, no compiled ops; pip will say it asks for torch 2.1.2: expected)" >&2
     # --no-deps: its metadata pins torch 2.1.2, which must not replace the installed torch; its
     # other dependencies (numpy, requests, pillow), read from that metadata, are installed next
     "$PY" -m pip install --quiet --no-deps --force-reinstall "torchvision==0.16.2"
