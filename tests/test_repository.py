@@ -7,8 +7,9 @@ import pytest
 
 from tests.helpers.paths import ROOT
 
-OUTSIDE = ("../shared", "/work/")
-"""Paths that exist on the team's machines only."""
+OUTSIDE = ("../shared", '/ "shared"', "/work/")
+"""Paths that exist on the team's machines only (a sibling folder named as text or joined as a
+Path, the team's own folders)."""
 
 SKIPPED = {".git", "__pycache__", ".pytest_cache", ".hypothesis", ".mypy_cache", ".ruff_cache",
            "build", "dist"}
