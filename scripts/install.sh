@@ -38,4 +38,8 @@ PYEOF
         "$PY" -m pip install --quiet -c <(echo "$TORCH_PIN") "${TORCHVISION_DEPS[@]}"
     fi
 fi
+# pyenv's shims learn of new console scripts (`pdcompile`, `torchrun`) only when rehashed
+if command -v pyenv >/dev/null 2>&1; then
+    pyenv rehash || true
+fi
 "$PY" scripts/check_install.py

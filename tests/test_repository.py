@@ -3,6 +3,8 @@ examples, benchmarks, tests) names a folder beside it or this team's machines.""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from tests.helpers.paths import ROOT
@@ -40,3 +42,15 @@ def test_the_scan_reads_the_repository() -> None:
     assert not [f for f in files if f.endswith(".png")]
     if not files:
         pytest.fail("no text file found under the repository")
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    """.ci/run runs the command the README gives for the tests, word for word."""
+    ci = re.search(r"^TEST_COMMAND='(.+)'", (ROOT / ".ci" / "run").read_text(), re.M)
+    assert ci, ".ci/run names its TEST_COMMAND"
+    readme = (ROOT / "README.md").read_text()
+    two = readme[readme.index("## Two commands"):]
+    block = re.search(r"```bash\n(.*?)```", two, re.S)
+    assert block, "the README's \"Two commands\" section has a bash block"
+    lines = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
+    assert ci.group(1) in lines, (ci.group(1), lines)
