@@ -27,11 +27,12 @@ def _rank(rank: int, store: Any, sizes: list[int], timeout: datetime.timedelta,
     import torch
     import torch.distributed as dist
 
+    gloo: Any = dist.ProcessGroupGloo  # its type stubs lack _Options, send, recv, barrier
     try:
-        options = dist.ProcessGroupGloo._Options()
+        options = gloo._Options()
         options._timeout = timeout
-        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-        group = dist.ProcessGroupGloo(store, rank, 2, options)
+        options._devices = [gloo.create_device(hostname="127.0.0.1")]
+        group = gloo(store, rank, 2, options)
         peer = 1 - rank
         timings = []
         for numel in sizes:
