@@ -11,7 +11,7 @@ if ! "$PY" -c "import torch" >/dev/null 2>&1; then
     "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 # the installed torch is a constraint: nothing the extras pull may replace it
-TORCH_PIN="torch==$("$PY" -c 'import torch; print(torch.__version__.split("+")[0])')"
+TORCH_PIN="torch==$("$PY" -W ignore -c 'import torch; print(torch.__version__.split("+")[0])')"
 "$PY" -m pip install --quiet -c <(echo "$TORCH_PIN") -e ".[test,models]"
 if ! "$PY" -c "import torchvision" >/dev/null 2>&1; then
     # The registry's torchvision wheels link against CUDA torch: beside a CPU torch their
