@@ -48,3 +48,7 @@ class DistributedError(PdcompileError, RuntimeError):
 
 class DamagedFileError(PdcompileError, ValueError):
     """A file pdcompile wrote (export, checkpoint) that is truncated, altered or not its own."""
+
+
+class MeasurementError(PdcompileError, RuntimeError):
+    """Measuring this machine (loopback, CPU) failed or did not finish in its time."""

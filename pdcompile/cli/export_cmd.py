@@ -7,7 +7,9 @@
 Writes what `Pipeline.export` writes (stage sources and weights, rank loops, plan, schedule,
 launch command) and prints the pipeline's summary (--json: the plan and the folder as JSON).
 The loss function is the `loss_fn` defined beside the factory, if there is one (otherwise the
-model must return its loss). Run the folder with `pdcompile run DIR --nproc N` or torchrun.
+model must return its loss); a factory's .py file is copied into the export (user_code/), so
+that `pdcompile run` imports its loss_fn from there. Run the folder with `pdcompile run DIR
+--nproc N` or torchrun.
 Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
 """
 

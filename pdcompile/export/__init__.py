@@ -3,7 +3,8 @@
 `write.export_pipeline` (behind `Pipeline.export`) writes the folder, `read.load_pipeline`
 (behind `pdcompile.load`) reads it back; `files` checks a folder without loading it, `source`
 writes a stage module as Python, and `callable_ref`, `module_record` and `optimizer_recipe`
-record what would otherwise be pickled (by `import_paths`).
+record what would otherwise be pickled (by `import_paths`); `user_modules` keeps a copy of a
+user's model file whose code they name.
 
     stage_<i>.py            the stage module's Python source (class Stage<i>, torch.fx code)
     stage_<i>.safetensors   its parameters and buffers
@@ -18,6 +19,9 @@ record what would otherwise be pickled (by `import_paths`).
                             a graph from torch.export runs on (passes/input_shapes.py)
     graph.py, graph_modules.safetensors  the traced model's code (structure only; best effort)
     example.safetensors     the example minibatch (inputs, target): `pdcompile run`'s default data
+    user_code/<module>.py   only for `pdcompile export FILE.py:factory`: a copy of FILE.py, whose
+                            loss_fn (or functions the stage code imports) pipeline.json names;
+                            its SHA-256 is in pipeline.json and `load` imports this copy
     launch.sh, README.md    how to run it on several processes (`pdcompile run`)
 
 Nothing is unpickled at load: tensors come from safetensors files and the rest from JSON, so a

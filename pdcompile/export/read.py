@@ -19,6 +19,7 @@ from pdcompile.export.callable_ref import resolve
 from pdcompile.export.files import UNSAVED_FIX, python_source, read_file, read_meta
 from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
+from pdcompile.export.user_modules import load_user_modules
 from pdcompile.meta import set_stage
 from pdcompile.passes.crossing import load_spec
 from pdcompile.passes.input_shapes import InputShapes
@@ -49,6 +50,7 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
             f"the {' and '.join(lost)} of {folder} could not be saved at export ({why}); pass "
             f"it again: pdcompile.load(path, {', '.join(k + '=...' for k in lost)}). "
             + " ".join(UNSAVED_FIX[k] for k in lost))
+    load_user_modules(meta.get("user_modules", {}), folder)  # before what names them
     if loss_fn is None and meta.get("loss_fn") is not None:
         loss_fn = resolve(meta["loss_fn"], what="loss function")
     recipes = [None if r is None else OptimizerRecipe.from_dict(r) for r in meta["optimizers"]]

@@ -24,6 +24,7 @@ from pdcompile.export.import_paths import NotReferable
 from pdcompile.export.module_record import record_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.export.source import module_source, tensor_state
+from pdcompile.export.user_modules import save_user_modules
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram
 from pdcompile.plan import Plan
@@ -79,7 +80,8 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
     out.mkdir(parents=True, exist_ok=True)
     for old in [*(out / name for name in OLD_FILES), *out.glob("*.pt")]:
         old.unlink(missing_ok=True)
-    stages_meta = [_save_stage(pipe, program, module, out)
+    records: list[dict[str, Any]] = []  # the stages' module records, which name classes
+    stages_meta = [_save_stage(pipe, program, module, out, records)
                    for program, module in zip(pipe.parts.stages, pipe.stage_modules, strict=True)]
     n, per = pipe.schedule_length(), pipe.per_minibatch
     for old in out.glob("rank_*.py"):
@@ -110,6 +112,8 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
         "input_shapes": None if pipe.input_shapes is None else pipe.input_shapes.to_json(),
         **_callables(pipe),
     }
+    code = [p.read_text() for p in (*out.glob("stage_*.py"), *out.glob("graph.py"))]
+    meta["user_modules"] = save_user_modules([meta, records, code], out)
     (out / "pipeline.json").write_text(json.dumps(meta, indent=1))
     workers = pipe.plan.workers
     command = f"pdcompile run {shlex.quote(str(out))}"
@@ -131,9 +135,10 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
     return out
 
 
-def _save_stage(pipe: Exportable, program: StageProgram, module: fx.GraphModule, out: Path
-                ) -> dict[str, Any]:
-    """Write one stage's source, weights, submodule records and optimizer state; its meta."""
+def _save_stage(pipe: Exportable, program: StageProgram, module: fx.GraphModule, out: Path,
+                records_out: list[dict[str, Any]]) -> dict[str, Any]:
+    """Write one stage's source, weights, submodule records (also appended to `records_out`)
+    and optimizer state; its meta."""
     i = program.index
     source, recorded = module_source(
         module, f"Stage{i}", doc=f"Stage {i} of {len(pipe.parts.stages)} of a pdcompile "
@@ -146,6 +151,7 @@ def _save_stage(pipe: Exportable, program: StageProgram, module: fx.GraphModule,
         records = {name: record_module(child, tensors=tensors, where=f"stage {i} submodule "
                                        f"{name!r}")[0] for name, child in recorded.items()}
         save_tree(modules_file, {"records": records, "tensors": tensors})
+        records_out.append(records)
     else:
         modules_file.unlink(missing_ok=True)
     state, aliases = tensor_state(module)

@@ -1,7 +1,8 @@
 """This machine as a cluster: loopback bandwidth and CPU speed, measured once and cached.
 
 The figures are cached in `$PDCOMPILE_CACHE` (default `~/.cache/pdcompile/local.json`) so that
-the measurement (a few seconds: two gloo processes and a matmul) runs once per machine.
+the measurement (under a second: gloo between two threads, machine/loopback.py, and a matmul)
+runs once per machine; it starts no process.
 `PDCOMPILE_LOCAL_BANDWIDTH` (bytes/s) overrides the measured bandwidth.
 """
 
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.machine.device import Device
+from pdcompile.machine.loopback import measure_loopback
 
 
 def _cache_file() -> Path:
@@ -47,63 +49,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
-
-
-def _pingpong(rank: int, port: int, sizes: list[int], result: Any) -> None:
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=__import__("datetime").timedelta(seconds=30))
-    try:
-        timings = []
-        for numel in sizes:
-            buf = torch.zeros(numel)
-            best = float("inf")
-            for _ in range(5):
-                dist.barrier()
-                start = time.perf_counter()
-                if rank == 0:
-                    dist.send(buf, 1)
-                    dist.recv(buf, 1)
-                else:
-                    dist.recv(buf, 0)
-                    dist.send(buf, 0)
-                best = min(best, (time.perf_counter() - start) / 2)
-            timings.append(best)
-        if rank == 0:
-            result.put(timings)
-    finally:
-        dist.destroy_process_group()
-
-
-def measure_loopback(*, numel: int = 4 * 2**20) -> tuple[float, float]:
-    """(bytes/s, seconds of latency) of a gloo send between two processes on this machine:
-    4 bytes for the latency, `numel` float32s (default 16 MiB) for the bandwidth."""
-    import torch.multiprocessing as mp
-
-    if numel < 2:
-        raise ValueError(f"numel must be at least 2 floats (got {numel})")
-    sizes = [1, numel]
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_pingpong, args=(r, port, sizes, queue)) for r in range(2)]
-    for proc in procs:
-        proc.start()
-    try:
-        small, large = queue.get(timeout=120)
-    finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()
-    latency = small
-    # the latency is subtracted, but never for more than half of the large send's time: with
-    # small sizes the two timings are close and their noisy difference gave absurd bandwidths
-    bandwidth = 4 * sizes[1] / max(large - latency, large / 2, 1e-9)
-    return bandwidth, latency
 
 
 def local_bandwidth() -> tuple[float, float]:

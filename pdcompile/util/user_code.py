@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import sys
 import traceback
 import types
 from collections.abc import Callable
@@ -14,6 +15,20 @@ from typing import Any
 from pdcompile.errors import PdcompileError
 from pdcompile.util.module_file import exec_module_file
 from pdcompile.util.suggest import closest, did_you_mean
+
+USER_MODULE_PREFIX = "pdcompile_user_"
+"""The name a user's .py file is imported under is this prefix and the file's stem; no other
+process can import such a module by name (an export keeps a copy of the file instead)."""
+
+
+def user_module_file(module_name: str) -> Path | None:
+    """The file a module imported from a path (`import_user_module("net.py", ...)`) was run
+    from; None for any other module."""
+    module = sys.modules.get(module_name)
+    file = getattr(module, "__file__", None)
+    if not module_name.startswith(USER_MODULE_PREFIX) or not file:
+        return None
+    return Path(file)
 
 
 def split_spec(spec: str, *, what: str, name: str, example: str) -> tuple[str, str]:
@@ -54,7 +69,7 @@ def _import_file(file: Path, *, what: str) -> types.ModuleType:
         raise PdcompileError(f"{what} file {str(file)!r} does not exist"
                              f"{did_you_mean(file.name, names)}")
     try:
-        module = exec_module_file(file, f"pdcompile_user_{file.stem}")
+        module = exec_module_file(file, f"{USER_MODULE_PREFIX}{file.stem}")
     except SyntaxError as err:
         raise PdcompileError(f"{what} file {str(file)!r} has a syntax error at line {err.lineno}: "
                              f"{err.msg}") from None
@@ -121,4 +136,5 @@ def _similar_module(name: str) -> str:
     return f" (did you mean {full!r}?)"
 
 
-__all__ = ["call_user", "find_callable", "import_user_module", "split_spec"]
+__all__ = ["USER_MODULE_PREFIX", "call_user", "find_callable", "import_user_module", "split_spec",
+           "user_module_file"]

@@ -1,0 +1,90 @@
+"""Gloo over loopback measured between two threads of this process.
+
+Two processes would be the obvious measurement, but a spawned child re-imports the caller's
+main module: a user's `python3 train.py` that names `local-2` would run its own script again in
+the children (and wait on them until a timeout). So both ranks live here, each a
+`ProcessGroupGloo` built directly over an in-process store (no `init_process_group`, no global
+state) in its own thread; gloo still moves every byte through a TCP socket on 127.0.0.1, so the
+bandwidth is the one worker processes see (tests/machine/test_loopback.py compares the two).
+"""
+
+from __future__ import annotations
+
+import datetime
+import threading
+import time
+from typing import Any
+
+from pdcompile.errors import MeasurementError
+
+REPEATS = 5
+OVERRIDE = "set PDCOMPILE_LOCAL_BANDWIDTH (e.g. PDCOMPILE_LOCAL_BANDWIDTH=2GB/s) to skip it"
+
+
+def _rank(rank: int, store: Any, sizes: list[int], timeout: datetime.timedelta,
+          out: dict[int, list[float] | BaseException]) -> None:
+    """Rank `rank`: the best half round trip of each size, into `out[rank]` (or its error)."""
+    import torch
+    import torch.distributed as dist
+
+    gloo: Any = dist.ProcessGroupGloo  # its type stubs lack _Options, send, recv, barrier
+    try:
+        options = gloo._Options()
+        options._timeout = timeout
+        options._devices = [gloo.create_device(hostname="127.0.0.1")]
+        group = gloo(store, rank, 2, options)
+        peer = 1 - rank
+        timings = []
+        for numel in sizes:
+            buf = torch.zeros(numel)
+            best = float("inf")
+            for _ in range(REPEATS):
+                group.barrier().wait(timeout)
+                start = time.perf_counter()
+                if rank == 0:
+                    group.send([buf], peer, 0).wait(timeout)
+                    group.recv([buf], peer, 0).wait(timeout)
+                else:
+                    group.recv([buf], peer, 0).wait(timeout)
+                    group.send([buf], peer, 0).wait(timeout)
+                best = min(best, (time.perf_counter() - start) / 2)
+            timings.append(best)
+        out[rank] = timings
+    except BaseException as err:  # handed to the measuring thread, which names it
+        out[rank] = err
+
+
+def measure_loopback(*, numel: int = 4 * 2**20, timeout_s: float = 60.0) -> tuple[float, float]:
+    """(bytes/s, seconds of latency) of a gloo send over 127.0.0.1 between two ranks of this
+    process: 4 bytes for the latency, `numel` float32s (default 16 MiB) for the bandwidth.
+    Raises MeasurementError, naming what it waited for and the override, when it fails or
+    takes longer than `timeout_s`."""
+    import torch.distributed as dist
+
+    if numel < 2:
+        raise ValueError(f"numel must be at least 2 floats (got {numel})")
+    sizes = [1, numel]
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.HashStore()
+    store.set_timeout(timeout)
+    out: dict[int, list[float] | BaseException] = {}
+    threads = [threading.Thread(target=_rank, args=(r, store, sizes, timeout, out),
+                                name=f"pdcompile-loopback-{r}", daemon=True) for r in range(2)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(deadline - time.monotonic(), 0))
+    what = f"measuring this machine's loopback (two gloo ranks on 127.0.0.1, {4 * numel} bytes)"
+    if any(thread.is_alive() for thread in threads):
+        raise MeasurementError(f"{what} did not finish in {timeout_s:g} s; {OVERRIDE}")
+    errors = [result for result in out.values() if isinstance(result, BaseException)]
+    if errors:
+        first = str(errors[0]).strip().splitlines()
+        raise MeasurementError(f"{what} failed ({type(errors[0]).__name__}: "
+                               f"{first[0] if first else ''}); {OVERRIDE}") from errors[0]
+    small, large = out[0]  # type: ignore[misc]
+    # the latency is subtracted, but never for more than half of the large send's time: with
+    # small sizes the two timings are close and their noisy difference gave absurd bandwidths
+    bandwidth = 4 * numel / max(large - small, large / 2, 1e-9)
+    return bandwidth, small
