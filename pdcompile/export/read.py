@@ -31,7 +31,6 @@ from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
 from pdcompile.util.attr_path import get_path, set_path
-from pdcompile.util.manifest import Manifest
 from pdcompile.util.module_file import exec_module_source
 
 

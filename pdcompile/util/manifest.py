@@ -118,12 +118,12 @@ def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = 
     else:
         size = len(data)
     if size != entry.size:
-        raise DamagedFileError(f"{path} has {size} bytes where the manifest says {entry.size} "
-                               f"(truncated or altered); {fix}")
+        raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it says "
+                               f"{entry.size}: truncated or altered); {fix}")
     found = hashlib.sha256(data).hexdigest() if data is not None else digest(path)
     if found != entry.sha256:
-        raise DamagedFileError(f"{path} does not match its SHA-256 in the manifest (altered or "
-                               f"damaged on disk); {fix}")
+        raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: altered "
+                               f"or damaged on disk); {fix}")
 
 
 def verify(manifest: Manifest, *, fix: str) -> None:
