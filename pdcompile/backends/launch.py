@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import secrets
 import signal
 import socket
 import threading
@@ -42,12 +43,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcompile.backends.listen import open_store
 from pdcompile.errors import DistributedError
 
 DEFAULT_FAULT_TIMEOUT = 8.0
 _PREFIX = "pdcompile"
 # the pid of the process that launched the workers (`pdcompile run`); workers end without it
 LAUNCHER_ENV = "PDCOMPILE_LAUNCHER_PID"
+# the run's secret key prefix (`run_token`), passed by the launcher to its workers
+TOKEN_ENV = "PDCOMPILE_RUN_TOKEN"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -73,22 +77,17 @@ def backend_for(device: Any) -> str:
     return "nccl" if kind == "cuda" else "gloo"
 
 
-def open_master_store(addr: str, port: int, *, timeout: float = 60.0) -> Any:
-    """Host the rendezvous TCPStore on `addr:port` (0 picks a free port)."""
-    import torch.distributed as dist
+def open_master_store(addr: str, port: int, *, timeout: float = 60.0) -> tuple[Any, Any]:
+    """Host the rendezvous TCPStore on `addr:port` only (0 picks a free port; backends/listen):
+    the store and its listening socket (keep both while the run lasts)."""
+    return open_store(addr, port, timeout=timeout)
 
-    try:
-        return dist.TCPStore(addr, port, None, True, timeout=datetime.timedelta(seconds=timeout),
-                             wait_for_workers=False)
-    except Exception as err:  # DistNetworkError, RuntimeError
-        text = str(err)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
-            raise DistributedError(
-                f"master port {port} on {addr} is already in use (another run or program holds "
-                "it); pass a different --master-port, or none to pick a free port") from None
-        raise DistributedError(f"cannot listen on {addr}:{port} for the rendezvous: "
-                               f"{text.splitlines()[0]}; check --master-addr is an address of "
-                               "this machine") from None
+
+def run_token() -> str:
+    """The secret part of a run's key names (`TOKEN_ENV`), new for each run: the store has no
+    authentication, so a program that did not start the run cannot guess where to write a
+    fault record that would stop it."""
+    return secrets.token_hex(16)
 
 
 def connect_store(addr: str, port: int, *, timeout: float = 60.0) -> Any:
@@ -160,18 +159,29 @@ class FaultMonitor:
         record = json.dumps({"rank": dead_rank, "reason": reason})
         try:
             current = self.store.compare_set(self._key("fault"), "", record)
-            data = json.loads(current.decode() if isinstance(current, bytes) else current)
-            self._fault = (int(data["rank"]), str(data["reason"]))
         except Exception:
-            self._fault = self._fault or (dead_rank, reason)
+            current = None
+        self._fault = self._parse(current) or self._fault or (dead_rank, reason)
         return self._fault
 
     def _read_fault(self) -> tuple[int, str] | None:
         key = self._key("fault")
         if not self.store.check([key]):
             return None
-        data = json.loads(self.store.get(key).decode())
-        return int(data["rank"]), str(data["reason"])
+        return self._parse(self.store.get(key))
+
+    def _parse(self, value: Any) -> tuple[int, str] | None:
+        """A fault record, or None for anything that is not one of this run's (malformed,
+        or naming a rank the run does not have): such a record is ignored, never trusted."""
+        try:
+            data = json.loads(value.decode() if isinstance(value, bytes) else value)
+            rank, reason = data["rank"], data["reason"]
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+            return None
+        if type(rank) is not int or not 0 <= rank < self.world_size or \
+                not isinstance(reason, str):
+            return None
+        return rank, reason[:2000]
 
     def error(self) -> PeerFailure | None:
         """The failure this worker must stop for, if any is known."""
@@ -203,11 +213,14 @@ class FaultMonitor:
             if self._fault is not None:
                 break
             time.sleep(self.period / 2)
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
         if self._fault is None or self._fault[0] == self.rank:
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
             self.report(peer, f"lost the connection during {what}: {first}")
         failure = self.error()
-        assert failure is not None
+        if failure is None:  # the record in force names this rank: the loss is the news
+            failure = PeerFailure(f"rank {self.rank} stops: lost the connection to rank {peer} "
+                                  f"during {what} ({first})", dead_rank=peer,
+                                  reason=f"lost the connection during {what}: {first}")
         return failure
 
     @contextmanager
@@ -420,13 +433,15 @@ def monitor_from_env(*, rank: int, world_size: int,
     store = connect_store(addr, int(port), timeout=30.0)
     namespace = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    token = os.environ.get(TOKEN_ENV, "")
+    namespace = f"{run_id}-{namespace}" if run_id else namespace
     return FaultMonitor(store, rank, world_size, fault_timeout,
-                        f"{run_id}-{namespace}" if run_id else namespace).start()
+                        f"{token}/{namespace}" if token else namespace).start()
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
            master_port: int, backend: str, fault_timeout: float, results: Any,
-           args: tuple[Any, ...], launcher: int | None = None) -> None:
+           args: tuple[Any, ...], launcher: int | None = None, namespace: str = "0") -> None:
     end_with_launcher(launcher, what=f"rank {rank}")
     import torch
     import torch.distributed as dist
@@ -445,7 +460,8 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
     try:
         worker = init_worker(rank=rank, world_size=world_size, master_addr=master_addr,
                              master_port=master_port, backend=backend,
-                             fault_timeout=fault_timeout, on_hard_stop=hard_stop)
+                             fault_timeout=fault_timeout, on_hard_stop=hard_stop,
+                             namespace=namespace)
         value = fn(worker, *args)
         worker.monitor.stop(done=True)
         # plain pickle: tensors travel by value, not as shared-memory handles that die with us
@@ -524,13 +540,14 @@ def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
     """
     if nprocs < 1:
         raise DistributedError(f"nprocs must be a positive integer ({nprocs} < 1)")
-    store = open_master_store(master_addr, master_port)
+    store, listener = open_master_store(master_addr, master_port)
     port = int(store.port)
+    namespace = run_token()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_child, name=f"pdcompile-rank-{rank}", daemon=True,
                          args=(fn, rank, nprocs, master_addr, port, backend, fault_timeout,
-                               results, args, os.getpid()))
+                               results, args, os.getpid(), namespace))
              for rank in range(nprocs)]
     outcomes = [RankOutcome(rank) for rank in range(nprocs)]
     start = time.monotonic()
@@ -586,10 +603,11 @@ def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
                 outcomes[rank].error = DistributedError(f"rank {rank} {_describe_exit(code)}")
                 if dead_rank is None:
                     dead_rank, died_at = rank, time.time()
-                    _record_fault(store, rank, _describe_exit(code))
+                    _record_fault(store, namespace, rank, _describe_exit(code))
     finally:
         _reap(procs)
         results.close()
+        listener.close()
         for proc, outcome in zip(procs, outcomes, strict=True):
             outcome.exitcode = proc.exitcode
     failed = [o for o in outcomes if o.error is not None]
@@ -599,10 +617,10 @@ def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
     return [o.value for o in outcomes]
 
 
-def _record_fault(store: Any, rank: int, reason: str) -> None:
+def _record_fault(store: Any, namespace: str, rank: int, reason: str) -> None:
     record = json.dumps({"rank": rank, "reason": reason})
     try:
-        store.compare_set(f"{_PREFIX}/0/fault", "", record)
+        store.compare_set(f"{_PREFIX}/{namespace}/fault", "", record)
     except Exception:
         pass
 

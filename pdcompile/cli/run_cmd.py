@@ -210,12 +210,14 @@ def supervise(cmd: list[str], *, nproc: int, grace: float = 3.0) -> int:
     gone (`LAUNCHER_ENV`, backends/launch.end_with_launcher) and ends within a fraction of a
     second. A failed run ends in one line naming the rank that failed first.
     """
-    from pdcompile.backends.launch import LAUNCHER_ENV, parent_death_preexec
+    from pdcompile.backends.launch import LAUNCHER_ENV, TOKEN_ENV, parent_death_preexec, run_token
     from pdcompile.backends.torchrun_agent import REPORT_ENV
 
     with tempfile.TemporaryDirectory(prefix="pdcompile-run-") as tmp:
         report = Path(tmp) / "failures.json"
         env = {**os.environ, LAUNCHER_ENV: str(os.getpid()), REPORT_ENV: str(report)}
+        if "--nnodes=1" in cmd and not env.get(TOKEN_ENV):  # several nodes share the user's
+            env[TOKEN_ENV] = run_token()
         if nproc > 1:  # what torchrun would set, without its banner saying so
             env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen(cmd, env=env, preexec_fn=parent_death_preexec(signal.SIGTERM))
@@ -260,6 +262,8 @@ def _failure_line(report: Path, code: int) -> str:
     except (OSError, ValueError):
         return (f"the distributed run failed (torchrun exit code {code}); the workers' errors "
                 "are above")
+    if isinstance(failures, dict) and "error" in failures:  # the agent could not start
+        return str(failures["error"])
     # the agent stops the survivors of a failure with SIGTERM: those are not causes
     causes = [f for f in failures if f.get("signal") != "SIGTERM"] or failures
     causes.sort(key=lambda f: (f.get("time") or 0, f["rank"]))

@@ -118,7 +118,8 @@ def test_dead_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path: Path
     want = pdcompile.load(str(folder)).train([((x,), y)] * 6)
     assert printed_losses(done.stdout) == pytest.approx(want, rel=1e-6)
     assert sorted(p.name for p in (ckpt / "rank_1").iterdir()) == [
-        "step_00000004.safetensors", "step_00000006.safetensors"]
+        "step_00000004.manifest.json", "step_00000004.safetensors",
+        "step_00000006.manifest.json", "step_00000006.safetensors"]
 
 
 def test_default_data_is_the_example_a_default_number_of_times(
