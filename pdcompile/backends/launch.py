@@ -52,6 +52,8 @@ _PREFIX = "pdcompile"
 LAUNCHER_ENV = "PDCOMPILE_LAUNCHER_PID"
 # the run's secret key prefix (`run_token`), passed by the launcher to its workers
 TOKEN_ENV = "PDCOMPILE_RUN_TOKEN"
+# a file where the first cause of a failure is written (set by `pdcompile run` for its last line)
+CAUSE_ENV = "PDCOMPILE_FAULT_CAUSE"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -118,9 +120,13 @@ class FaultMonitor:
     world_size: int
     fault_timeout: float = DEFAULT_FAULT_TIMEOUT
     namespace: str = "0"
-    on_hard_stop: Callable[[PeerFailure], None] | None = None
+    on_hard_stop: Callable[[DistributedError], None] | None = None
     _fault: tuple[int, str] | None = field(default=None, init=False)
     _blocked_since: float | None = field(default=None, init=False)
+    # the main thread's progress (backends/watchdog.py): a count it bumps, and what it does
+    _ticks: int = field(default=0, init=False)
+    _doing: str | Callable[[], str] = field(default="", init=False)
+    _waiting: str = field(default="", init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
 
@@ -162,6 +168,8 @@ class FaultMonitor:
         except Exception:
             current = None
         self._fault = self._parse(current) or self._fault or (dead_rank, reason)
+        if self._fault == (dead_rank, reason):
+            write_cause(dead_rank, reason)
         return self._fault
 
     def _read_fault(self) -> tuple[int, str] | None:
@@ -224,14 +232,29 @@ class FaultMonitor:
         return failure
 
     @contextmanager
-    def blocking(self) -> Iterator[None]:
-        """Mark a blocking wait, so that the monitor can stop a worker stuck in it."""
+    def blocking(self, what: str = "") -> Iterator[None]:
+        """Mark a blocking wait (on other ranks, `what`), so that the monitor can stop a worker
+        stuck in it; time spent waiting for others is not this rank's lack of progress."""
         self.check()
         self._blocked_since = time.monotonic()
+        self._waiting = what
         try:
             yield
         finally:
             self._blocked_since = None
+            self._ticks += 1
+
+    def progress(self, doing: str | Callable[[], str] | None = None) -> None:
+        """Mark progress of this rank's main thread (and, if given, what it does next): a rank
+        that is neither waiting for others nor progressing for `fault_timeout` seconds names
+        itself and stops (blocked in the data function, the model, or a hang)."""
+        self._ticks += 1
+        if doing is not None:
+            self._doing = doing
+
+    def activity(self) -> str | Callable[[], str]:
+        """What `progress` was last told this rank does."""
+        return self._doing
 
     # -- the thread -----------------------------------------------------------------------------
 
@@ -240,12 +263,23 @@ class FaultMonitor:
         fault_seen_at: float | None = None
         store_lost_at: float | None = None
         host = socket.gethostname()
+        ticks = (self._ticks, time.monotonic())
         while not self._stop.wait(self.period):
             now = time.monotonic()
+            if self._ticks != ticks[0] or self._blocked_since is not None:
+                ticks = (self._ticks, now)
+            blocked = self._blocked_since
+            waited = now - blocked if blocked is not None else 0.0
             try:
                 self.store.add(self._key("hb", self.rank), 1)
+                self.store.set(self._key("wait", self.rank),
+                               f"{waited:.1f}|{self._waiting}" if blocked is not None else "")
                 if self._fault is None:
                     self._fault = self._read_fault()
+                if self._fault is None and self._ticks and now - ticks[1] > self.fault_timeout:
+                    self._stuck(now - ticks[1])
+                if self._fault is None and waited > self.fault_timeout:
+                    self._deadlock(waited)
                 if self._fault is None:
                     self._look_at_peers(seen, now, host)
                 store_lost_at = None
@@ -253,12 +287,34 @@ class FaultMonitor:
                 store_lost_at = store_lost_at or now
                 if now - store_lost_at > self.fault_timeout and self._fault is None:
                     self._fault = (0, "the rendezvous store (master) stopped answering")
-            if self._fault is not None and self._fault[0] != self.rank:
+            if self._fault is not None:
                 fault_seen_at = fault_seen_at or now
                 blocked = self._blocked_since
                 stuck = blocked is not None and now - max(blocked, fault_seen_at)
                 if stuck and stuck > self.fault_timeout / 2:
                     self._hard_stop()
+
+    def _stuck(self, seconds: float) -> None:
+        """This rank's main thread made no progress for `seconds` while not waiting for any
+        other rank: name it (it is the cause) and end the process, whose main thread is stuck."""
+        try:
+            what = self._doing() if callable(self._doing) else self._doing
+        except Exception:  # read from another thread: best effort
+            what = ""
+        doing = f" while {what}" if what else ""
+        reason = f"made no progress for {seconds:.1f} s{doing} (--fault-timeout " \
+                 f"{self.fault_timeout:g})"
+        record = self.report(self.rank, reason)
+        if record[0] != self.rank:
+            return  # another cause was recorded first: the usual stop follows
+        failure = DistributedError(f"rank {self.rank} {reason}; it was stopped")
+        if self.on_hard_stop is not None:
+            try:
+                self.on_hard_stop(failure)
+            except Exception:
+                pass
+        os.write(2, f"pdcompile: {failure}\n".encode())
+        os._exit(1)
 
     def _look_at_peers(self, seen: dict[int, tuple[int, float]], now: float, host: str) -> None:
         for peer in range(self.world_size):
@@ -269,8 +325,12 @@ class FaultMonitor:
             if last is None or beats != last[0]:
                 seen[peer] = (beats, now)
             elif now - last[1] > self.fault_timeout:
-                record = self.report(peer, f"no heartbeat for {now - last[1]:.1f} s")
-                if record[0] == peer:
+                silent = now - last[1]
+                same_host = self._host_of(peer) == host
+                reason = f"stopped responding for {silent:.1f} s" + (
+                    " and was killed" if same_host else "")
+                record = self.report(peer, reason)
+                if record[0] == peer and same_host:
                     self._kill_frozen(peer, host)
                 return
             pid_key = self._key("pid", peer)
@@ -280,6 +340,12 @@ class FaultMonitor:
                     if not self.store.check([self._key("done", peer)]):
                         self.report(peer, f"process {pid} is gone")
                         return
+
+    def _host_of(self, peer: int) -> str | None:
+        try:
+            return str(self.store.get(self._key("pid", peer)).decode().rpartition(":")[0])
+        except Exception:
+            return None
 
     def _kill_frozen(self, peer: int, host: str) -> None:
         """A peer on this host that stopped beating is frozen (or stuck in the kernel): kill
@@ -291,8 +357,35 @@ class FaultMonitor:
         except (OSError, ValueError, RuntimeError):
             pass
 
+    def _deadlock(self, waited: float) -> None:
+        """Every live rank has waited for another for most of `fault_timeout`: none can make
+        progress (generated loops that disagree, a missed collective). Name the lowest one."""
+        waits: dict[int, str] = {}
+        for peer in range(self.world_size):
+            if peer != self.rank and self.store.check([self._key("done", peer)]):
+                continue
+            if peer == self.rank:
+                waits[peer] = self._waiting
+                continue
+            text = self.store.get(self._key("wait", peer)).decode() \
+                if self.store.check([self._key("wait", peer)]) else ""
+            seconds, _, what = text.partition("|")
+            try:
+                if not text or float(seconds) < self.fault_timeout / 2:
+                    return  # that rank is working (or was, a moment ago)
+            except ValueError:
+                return
+            waits[peer] = what
+        first = min(waits)
+        detail = "; ".join(f"rank {r} waits for {w or 'a collective'}" for r, w in
+                           sorted(waits.items()))
+        self.report(first, f"made no progress for {waited:.1f} s: every rank is waiting for "
+                           f"another ({detail})")
+
     def _hard_stop(self) -> None:
         failure = self.error()
+        if failure is None and self._fault is not None:  # the record names this rank
+            failure = DistributedError(f"rank {self.rank} {self._fault[1]}; it was stopped")
         if failure is None:
             return
         if self.on_hard_stop is not None:
@@ -303,6 +396,28 @@ class FaultMonitor:
         else:
             print(f"pdcompile: {failure}", flush=True)
         os._exit(1)
+
+
+def write_cause(rank: int, reason: str) -> None:
+    """Leave the first cause of a failure where the launcher reads it (`CAUSE_ENV`), once."""
+    path = os.environ.get(CAUSE_ENV)
+    if not path or os.path.exists(path):
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as out:
+            out.write(json.dumps({"rank": rank, "reason": reason}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def describe_cause(rank: int, reason: str) -> str:
+    """'rank 1 stopped responding for 8.0 s and was killed', from a fault record."""
+    if reason.startswith(f"rank {rank} "):
+        return reason
+    words = ("made ", "stopped ", "lost ", "no ", "process ", "exited ", "was ", "killed ")
+    return f"rank {rank} {reason}" if reason.startswith(words) else f"rank {rank} failed: {reason}"
 
 
 def _pid_alive(pid: int) -> bool:

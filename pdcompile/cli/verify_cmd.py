@@ -56,11 +56,11 @@ def run(args: argparse.Namespace) -> int:
 
 def _verify_export(folder: Path, *, trust: bool) -> int:
     from pdcompile.export.files import check_export, checked_source
-    from pdcompile.export.integrity import code_files, code_text, verified_export
+    from pdcompile.export.integrity import code_files, code_text, export_manifest
     from pdcompile.export.trust import check_imports, named_modules
 
-    meta = check_export(folder)
-    manifest = verified_export(folder)
+    meta = check_export(folder)  # every file against the manifest, headers, syntax
+    manifest = export_manifest(folder)
     code = {name: checked_source(code_text(manifest, name), folder / name)
             for name in code_files(manifest, "")}
     check_imports(folder, meta, code, trust=trust)

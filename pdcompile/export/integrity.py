@@ -63,6 +63,11 @@ def verified_export(path: str | Path) -> Manifest:
     return manifest
 
 
+def export_manifest(path: str | Path) -> Manifest:
+    """The export's manifest, read (its files not checked: `verified_export` does that)."""
+    return read_manifest(Path(path) / MANIFEST_NAME, kind=MANIFEST_KIND, fix=FIX)
+
+
 def code_text(manifest: Manifest, name: str) -> str:
     """The text of a generated Python file of the export, read once and checked against the
     manifest (the loader compiles this text, never the file again)."""
@@ -79,5 +84,5 @@ def code_files(manifest: Manifest, prefix: str) -> list[str]:
     return sorted(n for n in manifest.files if n.startswith(prefix) and _CODE.match(n))
 
 
-__all__ = ["FIX", "MANIFEST_NAME", "clear_export", "code_files", "code_text", "seal_export",
-           "verified_export"]
+__all__ = ["FIX", "MANIFEST_NAME", "clear_export", "code_files", "code_text", "export_manifest",
+           "seal_export", "verified_export"]

@@ -1,0 +1,105 @@
+"""Watchdogs that name the cause (`pdcompile run`): a rank stuck in the data function is named
+within the fault timeout, a model's error ends in one line naming rank, stage and microbatch
+(its traceback once, above), a non-finite loss stops the run naming step, rank and stage."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pdcompile
+from tests.helpers.paths import ROOT
+from tests.helpers.processes import run_bounded
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+class Fragile(nn.Module):
+    """Raises on an input with a huge value, as a model's own check would."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.abs().max()) > 1e6:
+            raise ValueError("boom: an input beyond 1e6")
+        return x
+
+
+def _export(folder: Path) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(Fragile(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4))
+    pipe = pdcompile.compile(model, example_inputs=(torch.randn(8, 16),),
+                             example_target=torch.randint(0, 4, (8,)),
+                             loss_fn=nn.functional.cross_entropy, stages=[1, 1],
+                             schedule="1f1b-flush", microbatches=2, leaf_modules=[Fragile])
+    pipe.export(str(folder))
+    return folder
+
+
+DATA = '''
+import time
+from pathlib import Path
+
+import torch
+
+
+def batches():
+    x, y = torch.randn(8, 16), torch.randint(0, 4, (8,))
+    for index in range(1000):
+        if index == {at}:
+            {action}
+        yield (x,), y
+'''
+
+
+def _run(tmp_path: Path, action: str, *extra: str, at: int = 6) -> tuple[str, int, float]:
+    folder = _export(tmp_path / "exported")
+    (tmp_path / "data_fn.py").write_text(DATA.format(at=at, action=action))
+    start = time.monotonic()
+    done = run_bounded([sys.executable, "-m", "pdcompile", "run", str(folder), "--nproc", "2",
+                        "--threads", "1", "--data", f"{tmp_path / 'data_fn.py'}:batches",
+                        "--steps", "40", *extra], timeout=150,
+                       env={**os.environ, "PYTHONPATH": str(ROOT)}, name="pdcompile run")
+    return done.stdout, done.returncode, time.monotonic() - start
+
+
+def test_a_data_function_that_blocks_is_named_within_the_fault_timeout(tmp_path: Path) -> None:
+    marker = tmp_path / "blocked_at"
+    out, code, _ = _run(tmp_path, f"Path({str(marker)!r}).write_text(str(time.time())); "
+                                  "time.sleep(600)", "--fault-timeout", "2")
+    ended = time.time()
+    assert code == 1, out
+    blocked_for = ended - float(marker.read_text())
+    print(f"a blocked data function ended the run {blocked_for:.1f} s after it blocked")
+    assert blocked_for < 2 + 8, out  # the timeout, then the processes' ends
+    assert "rank 0 made no progress for" in out and "reading minibatch 6 from the data " \
+        "function" in out, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("pdcompile run: error: the distributed run failed: rank 0 made no "
+                           "progress"), out
+    assert "Traceback" not in out
+
+
+def test_a_model_error_ends_in_one_line_naming_where(tmp_path: Path) -> None:
+    out, code, _ = _run(tmp_path, "x = x.clone(); x[0, 0] = 1e9")
+    assert code == 1, out
+    assert out.count("Traceback (most recent call last)") == 1, out  # the model's, once
+    assert "ValueError: boom: an input beyond 1e6" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("pdcompile run: error: the distributed run failed: rank 0 (stage 0) "
+                           "in the forward of microbatch 12 raised ValueError: boom"), out
+
+
+def test_a_non_finite_loss_stops_the_run_naming_step_rank_and_stage(tmp_path: Path) -> None:
+    out, code, _ = _run(tmp_path, "x = x.clone(); x[0, 0] = float('nan')", at=5)
+    assert code == 1, out
+    assert "Traceback" not in out, out
+    last = out.strip().splitlines()[-1]
+    assert "step 5: the loss is nan on rank 1 (stage 1" in last, out
+    kept = _run(tmp_path / "again", "x = x.clone(); x[0, 0] = float('nan')",
+                "--allow-nonfinite", at=5)
+    assert kept[1] == 0, kept[0]
