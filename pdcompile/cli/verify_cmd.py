@@ -4,10 +4,10 @@
     pdcompile verify ckpt/               # a checkpoint folder: every rank's steps
 
 An export: every file's size and SHA-256 against its manifest, the safetensors headers, the
-syntax of its Python files (compiled, not run), and the modules it would import on load (torch,
-pdcompile and the modules recorded at export; others are refused unless --trust). A checkpoint
-folder (`--checkpoint-dir` of `pdcompile run`): each rank's checkpoints against their
-manifests, and the step a resume would start from. Nothing is imported from the folder and no
+syntax of its Python files (compiled, not run), and the modules it would import on load (those
+of torch, of pdcompile and the ones recorded at export; others are refused unless --trust). A
+checkpoint folder (`--checkpoint-dir` of `pdcompile run`): each rank's checkpoints against
+their manifests, and the step a resume would start from. Nothing is imported from the folder and no
 code of it runs. Exit status: 0 everything verifies, 1 something does not (one line naming the
 file, or one line per damaged checkpoint and a summary).
 """

@@ -14,6 +14,7 @@ from torch import nn
 
 import pdcompile
 from pdcompile.cli import main
+from pdcompile.export.integrity import seal_export
 from pdcompile.timeline import Timeline
 from tests.helpers.processes import printed_losses, run_cli
 
@@ -144,9 +145,11 @@ def test_default_data_is_the_example_a_default_number_of_times(
     meta = json.loads((folder / "pipeline.json").read_text())
     meta["example"]["target"] = False
     (folder / "pipeline.json").write_text(json.dumps(meta))
+    seal_export(folder)  # an export written so (its manifest matches)
     assert main(["run", str(folder), "--dry-run"]) == 1
     assert "no target for its loss function" in capsys.readouterr().err
     meta["example"]["inputs"] = False
     (folder / "pipeline.json").write_text(json.dumps(meta))
+    seal_export(folder)
     assert main(["run", str(folder), "--dry-run"]) == 1
     assert "holds no example minibatch" in capsys.readouterr().err
