@@ -469,14 +469,14 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     program = as_program(source)
     rank = _check_run(program, steps=steps, checkpoint_dir=checkpoint_dir,
                       checkpoint_every=checkpoint_every)
-    if monitor is not None:  # from here on, a rank that stops progressing is named
-        monitor.progress("starting")
-        if batches is not None:
-            batches = watched_batches(batches, monitor)
     stages = program.stages_of(rank)
     state = program.state(rank, stages[0])  # the rank's first chunk where it holds several
     resume = resume_point(program, state, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)
+    if monitor is not None:  # from here on, a rank that stops progressing is named
+        monitor.progress("starting")
+        if batches is not None:
+            batches = watched_batches(batches, monitor)
     flush = schedule_kind(program.schedule_name).flush
     last = len(program.plan.stages) - 1
     routed = {r for r in program.plan.stages[last].ranks if not program.reads_data(r)}
@@ -631,8 +631,14 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
         if resume.checkpointer is not None and (not header["count"] or (
                 checkpoint_every is not None and done % checkpoint_every == 0)):
             losses.settle(done, monitor, forget_before=micro_base)
-            save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
+            if monitor is not None:
+                with monitor.busy(f"saving the checkpoint after minibatch {done}"):
+                    save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
+            else:
+                save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
     seconds = time.perf_counter() - start
+    if monitor is not None:
+        monitor.disarm()  # trained: gathering and what the caller does next are not watched
     transport.flush()
     if len(losses.losses) < done:
         losses.settle(done, monitor)

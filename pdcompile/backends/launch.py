@@ -127,6 +127,7 @@ class FaultMonitor:
     _ticks: int = field(default=0, init=False)
     _doing: str | Callable[[], str] = field(default="", init=False)
     _waiting: str = field(default="", init=False)
+    _busy: bool = field(default=False, init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
 
@@ -242,7 +243,27 @@ class FaultMonitor:
             yield
         finally:
             self._blocked_since = None
-            self._ticks += 1
+            if self._ticks:  # progress, once the watchdog is armed
+                self._ticks += 1
+
+    @contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """Mark work of this rank that takes long without a tick (saving a checkpoint): not a
+        lack of progress, and not a wait for others either."""
+        before = self._doing
+        self._busy = True
+        self._doing = what
+        try:
+            yield
+        finally:
+            self._busy = False
+            self._doing = before
+            if self._ticks:
+                self._ticks += 1
+
+    def disarm(self) -> None:
+        """Stop watching this rank's progress (its training ended; `progress` arms again)."""
+        self._ticks = 0
 
     def progress(self, doing: str | Callable[[], str] | None = None) -> None:
         """Mark progress of this rank's main thread (and, if given, what it does next): a rank
@@ -266,7 +287,7 @@ class FaultMonitor:
         ticks = (self._ticks, time.monotonic())
         while not self._stop.wait(self.period):
             now = time.monotonic()
-            if self._ticks != ticks[0] or self._blocked_since is not None:
+            if self._ticks != ticks[0] or self._blocked_since is not None or self._busy:
                 ticks = (self._ticks, now)
             blocked = self._blocked_since
             waited = now - blocked if blocked is not None else 0.0
