@@ -404,7 +404,7 @@ class FaultMonitor:
                            f"another ({detail})")
 
     def _hard_stop(self) -> None:
-        failure = self.error()
+        failure: DistributedError | None = self.error()
         if failure is None and self._fault is not None:  # the record names this rank
             failure = DistributedError(f"rank {self.rank} {self._fault[1]}; it was stopped")
         if failure is None:
@@ -546,7 +546,7 @@ class Worker:
 def init_worker(*, rank: int, world_size: int, master_addr: str, master_port: int,
                 backend: str = "gloo", fault_timeout: float = DEFAULT_FAULT_TIMEOUT,
                 connect_timeout: float = 60.0, namespace: str = "0",
-                on_hard_stop: Callable[[PeerFailure], None] | None = None) -> Worker:
+                on_hard_stop: Callable[[DistributedError], None] | None = None) -> Worker:
     """Join the rendezvous, initialise the default process group, start the fault monitor."""
     import torch.distributed as dist
 
@@ -587,7 +587,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
     torch.set_num_threads(1)
     tune_allocator()
 
-    def hard_stop(failure: PeerFailure) -> None:
+    def hard_stop(failure: DistributedError) -> None:
         results.put((rank, "error", failure, time.time()))
         results.close()
         results.join_thread()
