@@ -33,7 +33,8 @@ def clear_export(folder: Path) -> None:
     survives beside a smaller pipeline."""
     (folder / MANIFEST_NAME).unlink(missing_ok=True)
     for path in folder.iterdir():
-        if _WRITTEN.match(path.name) and path.is_file():
+        stale = path.name.startswith(f".{MANIFEST_NAME}.") and path.name.endswith(".tmp")
+        if (_WRITTEN.match(path.name) or stale) and path.is_file():
             path.unlink()
 
 

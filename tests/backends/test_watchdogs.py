@@ -122,3 +122,35 @@ def test_a_non_finite_loss_stops_the_run_naming_step_rank_and_stage(tmp_path: Pa
     kept = _run(tmp_path / "again", "x = x.clone(); x[0, 0] = float('nan')",
                 "--allow-nonfinite", at=5)
     assert kept[1] == 0, kept[0]
+
+
+def test_ranks_that_wait_for_each_other_are_named_within_the_fault_timeout(
+        tmp_path: Path) -> None:
+    """Generated loops that disagree (rank 1's second send of gradients removed, the export
+    resealed as if written so): every rank ends up waiting for the other. The issue's probe of an
+    edited loop hung 136 s and ended in an AssertionError; now the deadlock is named, with what
+    each rank waits for, within the fault timeout."""
+    from pdcompile.export.integrity import seal_export
+
+    folder = _export(tmp_path / "exported")
+    rank_file = folder / "rank_1.py"
+    lines = rank_file.read_text().splitlines()
+    sends = [i for i, line in enumerate(lines) if "rt.send_b(" in line]
+    del lines[sends[-1]]
+    rank_file.write_text("\n".join(lines) + "\n")
+    seal_export(folder)
+    (tmp_path / "data_fn.py").write_text(DATA.format(at=10 ** 6, action="pass"))
+    start = time.time()
+    done = subprocess.run([sys.executable, "-m", "pdcompile", "run", str(folder), "--nproc", "2",
+                           "--threads", "1", "--data", f"{tmp_path / 'data_fn.py'}:batches",
+                           "--steps", "40", "--fault-timeout", "3"],
+                          env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=150)
+    took = time.time() - start
+    out = done.stdout
+    print(f"a deadlock ended the run {took:.1f} s after it started")
+    assert done.returncode == 1, out
+    assert "every rank is waiting for another (rank 0 waits for receive of" in out, out
+    assert "rank 1 waits for" in out, out
+    assert "Traceback" not in out, out
+    assert took < 60, out
