@@ -14,13 +14,10 @@ from __future__ import annotations
 
 import datetime
 import errno
-import ipaddress
 import socket
 from typing import Any
 
 from pdcompile.errors import DistributedError
-
-LOOPBACK = "127.0.0.1"
 
 
 def listen_socket(addr: str, port: int) -> socket.socket:
@@ -69,14 +66,4 @@ def open_store(addr: str, port: int, *, timeout: float = 60.0, multi_tenant: boo
     return store, sock
 
 
-def is_loopback(addr: str) -> bool:
-    """Whether `addr` (a literal address or "localhost") names this machine's loopback."""
-    if addr == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(addr).is_loopback
-    except ValueError:
-        return False
-
-
-__all__ = ["LOOPBACK", "is_loopback", "listen_socket", "open_store"]
+__all__ = ["listen_socket", "open_store"]
