@@ -181,11 +181,13 @@ def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster, **plann
 
 
 def load(path: str, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-         optimizer: OptimizerFactory | None = None) -> Pipeline:
-    """Read a pipeline written by `Pipeline.export` (see pdcompile.export.read.load_pipeline)."""
+         optimizer: OptimizerFactory | None = None, trust: bool = False) -> Pipeline:
+    """Read a pipeline written by `Pipeline.export` (see pdcompile.export.read.load_pipeline).
+    An export is code that runs here: every file is checked against its manifest first, and
+    `trust=True` lets it import modules outside torch, pdcompile and those it recorded."""
     from pdcompile.export.read import load_pipeline
 
-    return load_pipeline(path, loss_fn=loss_fn, optimizer=optimizer)
+    return load_pipeline(path, loss_fn=loss_fn, optimizer=optimizer, trust=trust)
 
 
 __all__ = ["compile", "load"]

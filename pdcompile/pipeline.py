@@ -358,16 +358,19 @@ class Pipeline:
             out.append(TieGroup(ranks, tuple(name for _, name in sorted(members))))
         return out
 
-    def _run(self, data: MicrobatchData, n: int, per: int) -> dict[int, torch.Tensor]:
+    def _run(self, data: MicrobatchData, n: int, per: int, *, first_step: int = 0,
+             allow_nonfinite: bool = False) -> dict[int, torch.Tensor]:
         """All ranks' generated loops over `n` microbatches on the local backend; the losses."""
-        run = run_program(self.program(), data, n, per, record=self.record)
+        run = run_program(self.program(), data, n, per, record=self.record,
+                          first_step=first_step, allow_nonfinite=allow_nonfinite)
         self.last_runtimes = run.runtimes
         if run.timeline is not None:
             self.last_timeline = run.timeline
         return run.losses
 
-    def step(self, *inputs: Any, target: Any = None) -> float:
+    def step(self, *inputs: Any, target: Any = None, allow_nonfinite: bool = False) -> float:
         """One training step on one minibatch cut into `microbatches`; its mean loss.
+        A NaN or infinite loss raises `NonFiniteLoss` unless `allow_nonfinite`.
 
         Under '1f1b' with replicated stages the minibatch is cut into one piece per replica
         of the round (see `prepare`), so that it trains as one data-parallel update.
@@ -379,11 +382,14 @@ class Pipeline:
                 f"the model takes {len(names)} input{'s' if len(names) != 1 else ''} ({given}) "
                 f"and step() got {len(inputs)}: is the last one the target? Pass it by name: "
                 f"pipe.step({given}, target=y)")
-        return self.train([(inputs, target)])[0]
+        return self.train([(inputs, target)], allow_nonfinite=allow_nonfinite)[0]
 
-    def train(self, batches: Iterable[tuple[Any, Any]], *, steps: int | None = None
-              ) -> list[float]:
+    def train(self, batches: Iterable[tuple[Any, Any]], *, steps: int | None = None,
+              allow_nonfinite: bool = False) -> list[float]:
         """Train on a stream of `(inputs, target)` minibatches; one loss per minibatch.
+
+        A NaN or infinite loss stops the run at once with `NonFiniteLoss` (pdcompile.errors
+        family) naming its step, rank and stage; `allow_nonfinite=True` keeps going.
 
         Asynchronous schedules overlap the minibatches in the pipeline (PipeDream); the pipeline
         fills at the start and drains at the end of the call. Flush schedules run one schedule
@@ -409,13 +415,15 @@ class Pipeline:
             out = []
             for index, item in enumerate(items):
                 run = self.prepare([item], first=index)
-                out.extend(run.minibatch_losses(self._run(run.data, run.microbatches,
-                                                          run.per_minibatch)))
+                out.extend(run.minibatch_losses(self._run(
+                    run.data, run.microbatches, run.per_minibatch, first_step=index,
+                    allow_nonfinite=allow_nonfinite)))
             return out
         if not items:
             return []
         run = self.prepare(items)
-        return run.minibatch_losses(self._run(run.data, run.microbatches, run.per_minibatch))
+        return run.minibatch_losses(self._run(run.data, run.microbatches, run.per_minibatch,
+                                              allow_nonfinite=allow_nonfinite))
 
     def _keep_example_target(self, items: Sequence[tuple[tuple[Any, ...], Any]]) -> None:
         """Without an `example_target` from compile(), keep the first target given with a

@@ -59,6 +59,12 @@ def parser() -> argparse.ArgumentParser:
                      help="torch threads per process (default: torch's, OMP_NUM_THREADS)")
     out.add_argument("--timeline", default=None, metavar="FILE.json",
                      help="record a measured timeline of every rank; rank 0 writes it here")
+    out.add_argument("--allow-nonfinite", action="store_true",
+                     help="keep training after a NaN or infinite loss (default: stop, naming "
+                          "its step, rank and stage)")
+    out.add_argument("--trust", action="store_true",
+                     help="let the export import modules other than torch, pdcompile and those "
+                          "it recorded (it is code: only for exports you trust)")
     return out
 
 
@@ -130,6 +136,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return _main(args)
     except PdcompileError as err:
+        if err.__cause__ is not None and type(err).__name__ == "ModelError":
+            import traceback  # the model's own traceback, once, above the one line
+
+            traceback.print_exception(err.__cause__)
         print(f"pdcompile: error: {err}", file=sys.stderr, flush=True)
         return 1
 
@@ -152,7 +162,7 @@ def _main(args: argparse.Namespace) -> int:
         raise DistributedError(f"{', '.join(missing)} not set: start the workers with torchrun "
                                "or `pdcompile run EXPORT_DIR --nproc N`")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    pipe = load_pipeline(args.export_dir)
+    pipe = load_pipeline(args.export_dir, trust=args.trust)
     program = pipe.program()  # what the backend runs
     if args.data is None and args.steps is None:
         args.steps = DEFAULT_STEPS
@@ -174,7 +184,8 @@ def _main(args: argparse.Namespace) -> int:
                               steps=args.steps,
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, monitor=monitor,
-                              record=args.timeline is not None, progress=progress)
+                              record=args.timeline is not None, progress=progress,
+                              allow_nonfinite=args.allow_nonfinite)
         if rank == 0:
             if run.resumed_from is not None:
                 print(f"resumed from the checkpoint after minibatch {run.resumed_from}")
@@ -186,7 +197,8 @@ def _main(args: argparse.Namespace) -> int:
         failed = False
     except BaseException as err:
         if monitor is not None and not isinstance(err, PeerFailure):
-            monitor.report(rank, f"{type(err).__name__}: {err}")
+            own = isinstance(err, PdcompileError)  # pdcompile's messages say what happened
+            monitor.report(rank, str(err) if own else f"{type(err).__name__}: {err}")
         raise
     finally:
         if monitor is not None:
@@ -205,7 +217,7 @@ def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[A
     from pdcompile.backends.distributed import reads_data, run_distributed
     from pdcompile.export.read import load_pipeline  # the worker loads what the user exported
 
-    program = load_pipeline(export_dir).program()
+    program = load_pipeline(export_dir, trust=options.pop("trust", False)).program()
     progress = None if channel is None else (lambda step, loss: channel.put((step, loss)))
     batches = data() if reads_data(program, worker.rank) else None  # only the readers load it
     return run_distributed(program, batches, monitor=worker.monitor, progress=progress, **options)
@@ -217,13 +229,15 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                     record: bool = False,
                     checkpoint_dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None,
-                    progress: Callable[[int, float], None] | None = None) -> DistributedRun:
+                    progress: Callable[[int, float], None] | None = None,
+                    allow_nonfinite: bool = False, trust: bool = False) -> DistributedRun:
     """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result.
 
     Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
     `data` must be picklable (a module-level function or a functools.partial of one) and give
     the same stream in every process that reads data (stage 0; the others do not call it).
-    `progress(step, loss)` is called here, in this process.
+    `progress(step, loss)` is called here, in this process. A NaN or infinite loss stops the
+    run unless `allow_nonfinite`; `trust`: as `pdcompile.load(..., trust=True)`.
     Raises `LaunchError` naming the rank that failed first; no process outlives the call.
     """
     import multiprocessing
@@ -231,7 +245,8 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
     from pdcompile.backends.launch import launch
 
     options = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
-               "checkpoint_every": checkpoint_every}
+               "checkpoint_every": checkpoint_every, "allow_nonfinite": allow_nonfinite,
+               "trust": trust}
     channel = multiprocessing.get_context("spawn").Queue() if progress is not None else None
     stop = threading.Event()
     relay: threading.Thread | None = None

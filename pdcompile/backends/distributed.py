@@ -45,7 +45,9 @@ from pdcompile.backends.launch import (
     backend_for,
 )
 from pdcompile.backends.program import ProgramSource, RunInput, RunProgram, as_program
+from pdcompile.backends.watchdog import model_activity, model_failure, watched_batches
 from pdcompile.errors import DistributedError, PipelineInputError
+from pdcompile.runtime.finite_loss import LossGuard, guard_runtime
 from pdcompile.runtime.message_specs import MessageTable, spec_function
 from pdcompile.runtime.rank_state import RankState
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
@@ -149,7 +151,7 @@ class DistributedTransport(Transport):
                 raise DistributedError(f"rank {self.rank}: {what} with rank {peer} failed: "
                                        f"{str(err).splitlines()[0]}") from None
             return
-        with self.monitor.blocking():
+        with self.monitor.blocking(what):
             try:
                 for work in works:
                     work.wait()
@@ -291,9 +293,12 @@ def drive(program: Generator[Any, Any, Any], transport: DistributedTransport, *,
     last operation the rank found not ready. `after()` is called whenever the rank is about to
     wait (e.g. to report losses as they become known). Returns the generator's return value.
     """
+    monitor = transport.monitor
     try:
         value = next(program)
         while True:
+            if monitor is not None:
+                monitor.progress()  # the watchdog's tick (backends/watchdog.py)
             if after is not None:
                 after()
             target = value if isinstance(value, Pending) else transport.awaited
@@ -429,7 +434,8 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
                     checkpoint_dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None, monitor: FaultMonitor | None = None,
                     record: bool = False, progress: Callable[[int, float], None] | None = None,
-                    prepost_depth: int = 2, keep_checkpoints: int = 2) -> DistributedRun:
+                    prepost_depth: int = 2, keep_checkpoints: int = 2,
+                    allow_nonfinite: bool = False) -> DistributedRun:
     """Train a pipeline (its `RunProgram`, or a Pipeline) on this process's rank of an
     initialised default process group.
 
@@ -455,7 +461,10 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     `progress(step, loss)` is called on the first rank of the last stage after each minibatch
     whose loss it knows (`step` indexes `losses`); with a replicated last stage the other
     replicas' minibatches are reported at checkpoints and at the end.
-    `monitor`: the fault monitor (launch / torchrun), so that a dead peer is named.
+    `monitor`: the fault monitor (launch / torchrun), so that a dead peer, or a rank that
+    makes no progress (backends/watchdog.py), is named.
+    A NaN or infinite loss stops the run naming its step, rank and stage, unless
+    `allow_nonfinite` (runtime/finite_loss.py).
     """
     program = as_program(source)
     rank = _check_run(program, steps=steps, checkpoint_dir=checkpoint_dir,
@@ -464,6 +473,10 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     state = program.state(rank, stages[0])  # the rank's first chunk where it holds several
     resume = resume_point(program, state, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)
+    if monitor is not None:  # from here on, a rank that stops progressing is named
+        monitor.progress("starting")
+        if batches is not None:
+            batches = watched_batches(batches, monitor)
     flush = schedule_kind(program.schedule_name).flush
     last = len(program.plan.stages) - 1
     routed = {r for r in program.plan.stages[last].ranks if not program.reads_data(r)}
@@ -484,7 +497,7 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     losses = _Losses(resume.losses, progress if reporter else None)
     return _run_loop(program, state, transport, announcements, (run, header), resume, losses,
                      routed=routed, record=record, monitor=monitor,
-                     checkpoint_every=checkpoint_every)
+                     checkpoint_every=checkpoint_every, allow_nonfinite=allow_nonfinite)
 
 
 def _check_run(program: RunProgram, *, steps: int | None,
@@ -530,7 +543,8 @@ def _check_run(program: RunProgram, *, steps: int | None,
 def _run_loop(program: RunProgram, state: RankState, transport: DistributedTransport,
               announcements: Announcements, announced: tuple[RunInput | None, Header],
               resume: Resume, losses: _Losses, *, routed: set[int], record: bool,
-              monitor: FaultMonitor | None, checkpoint_every: int | None) -> DistributedRun:
+              monitor: FaultMonitor | None, checkpoint_every: int | None,
+              allow_nonfinite: bool = False) -> DistributedRun:
     """The training of one rank: every announced run through its generated loop, a checkpoint
     where one is due, then the losses (and timelines) gathered from every rank."""
     rank, stage = state.rank, state.stage
@@ -583,6 +597,7 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
                              data=data_source(run, layout_of), specs=specs,
                              recorder=renumbered)
         base = micro_base
+        guard_runtime(rt, None if allow_nonfinite else LossGuard(done, per))
         losses.add_run(done, base, header["groups"])
         seen = [0]
 
@@ -593,8 +608,16 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
                     losses.micro.setdefault(base + m, loss)
                 losses.report(losses.micro)
 
-        drive(program.rank_functions(n, per)[rank](rt), transport,
-              after=after if losses.progress is not None else None)
+        if monitor is not None:
+            monitor.progress(model_activity(rt, rank, base=base))
+        try:
+            drive(program.rank_functions(n, per)[rank](rt), transport,
+                  after=after if losses.progress is not None else None)
+        except Exception as err:  # the model's own error: one line naming where
+            failure = model_failure(err, rt, rank, base=base)
+            if failure is err:
+                raise
+            raise failure from err
         rt.finish()
         for m, loss in rt.losses.items():
             losses.micro[base + m] = loss
@@ -608,8 +631,14 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
         if resume.checkpointer is not None and (not header["count"] or (
                 checkpoint_every is not None and done % checkpoint_every == 0)):
             losses.settle(done, monitor, forget_before=micro_base)
-            save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
+            if monitor is not None:
+                with monitor.busy(f"saving the checkpoint after minibatch {done}"):
+                    save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
+            else:
+                save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
     seconds = time.perf_counter() - start
+    if monitor is not None:
+        monitor.disarm()  # trained: gathering and what the caller does next are not watched
     transport.flush()
     if len(losses.losses) < done:
         losses.settle(done, monitor)

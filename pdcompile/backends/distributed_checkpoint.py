@@ -1,13 +1,16 @@
 """Checkpoints of a distributed run: where it resumes, and what each rank saves.
 
 Every rank saves its weights, optimizer, RNG state, the losses so far and the data position
-(runtime/checkpoint.py). A run resumes from the newest step that every rank saved, agreed over
-the group, and only when the checkpoint was written by the same pipeline and stage.
+(runtime/checkpoint.py). A run resumes from the newest step that every rank saved and that
+verifies against its manifest on every rank, agreed over the group (a damaged newer one is
+skipped, and rank 0 says so), and only when the checkpoint was written by the same pipeline and
+stage.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,10 +52,16 @@ def resume_point(program: RunProgram, state: RankState,
         return Resume()
     rank = state.rank
     ckpt = Checkpointer(checkpoint_dir, rank=rank, every=every or 1, keep=keep)
+    ckpt.remove_stale()  # temporary files of a writer that was killed
+    good, damaged = ckpt.verified_steps()
     everyone: list[Any] = [None] * dist.get_world_size()
     with guarded(monitor, "the agreement on the checkpoint to resume from"):
-        dist.all_gather_object(everyone, ckpt.steps())
-    common = set.intersection(*(set(steps_of) for steps_of in everyone))
+        dist.all_gather_object(everyone, (good, [(d.step, d.reason) for d in damaged]))
+    common = set.intersection(*(set(steps_of) for steps_of, _ in everyone))
+    bad = sorted((step, reason) for _, notes in everyone for step, reason in notes)
+    fallback = fallback_note(checkpoint_dir, max(common, default=None), bad)
+    if fallback and rank == 0:
+        print(f"pdcompile: {fallback}", file=sys.stderr, flush=True)
     if not common:
         return Resume(ckpt)
     done = max(common)
@@ -68,6 +77,20 @@ def resume_point(program: RunProgram, state: RankState,
     return Resume(ckpt, done, [float(v) for v in saved["losses"]], done, saved.get("rng"))
 
 
+def fallback_note(folder: str | os.PathLike[str], chosen: int | None,
+                  damaged: list[tuple[int, str]]) -> str | None:
+    """The line that says a newer checkpoint was skipped because it does not verify (None when
+    none newer than `chosen` was)."""
+    newer = [(step, reason) for step, reason in damaged if chosen is None or step > chosen]
+    if not newer:
+        return None
+    step, reason = max(newer)
+    then = (f"resuming from step {chosen}, the newest checkpoint that verifies" if chosen
+            is not None else "no other checkpoint verifies, so training starts from the "
+            "beginning")
+    return f"the checkpoint at step {step} in {folder} is damaged ({reason}); {then}"
+
+
 def save_checkpoint(ckpt: Checkpointer, program: RunProgram, state: RankState, done: int,
                     losses: list[float]) -> None:
     """This rank's checkpoint after `done` minibatches (every rank saves at the same step)."""
@@ -75,4 +98,4 @@ def save_checkpoint(ckpt: Checkpointer, program: RunProgram, state: RankState, d
                                  data_position=done, pipeline=identity(program, state.stage)))
 
 
-__all__ = ["Resume", "identity", "resume_point", "save_checkpoint"]
+__all__ = ["Resume", "fallback_note", "identity", "resume_point", "save_checkpoint"]

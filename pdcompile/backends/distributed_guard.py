@@ -28,7 +28,7 @@ def guarded(monitor: FaultMonitor | None, what: str) -> Iterator[None]:
             raise DistributedError(f"rank {rank}: {what} failed: "
                                    f"{str(err).splitlines()[0] if str(err) else err!r}") from None
         return
-    with monitor.blocking():
+    with monitor.blocking(what):
         try:
             yield
         except RuntimeError as err:

@@ -32,6 +32,7 @@ import multiprocessing
 import os
 import pickle
 import queue as queue_mod
+import secrets
 import signal
 import socket
 import threading
@@ -42,12 +43,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
+from pdcompile.backends.listen import open_store
 from pdcompile.errors import DistributedError
 
 DEFAULT_FAULT_TIMEOUT = 8.0
 _PREFIX = "pdcompile"
 # the pid of the process that launched the workers (`pdcompile run`); workers end without it
 LAUNCHER_ENV = "PDCOMPILE_LAUNCHER_PID"
+# the run's secret key prefix (`run_token`), passed by the launcher to its workers
+TOKEN_ENV = "PDCOMPILE_RUN_TOKEN"
+# a file where the first cause of a failure is written (set by `pdcompile run` for its last line)
+CAUSE_ENV = "PDCOMPILE_FAULT_CAUSE"
 _PR_SET_PDEATHSIG = 1
 
 
@@ -73,22 +79,17 @@ def backend_for(device: Any) -> str:
     return "nccl" if kind == "cuda" else "gloo"
 
 
-def open_master_store(addr: str, port: int, *, timeout: float = 60.0) -> Any:
-    """Host the rendezvous TCPStore on `addr:port` (0 picks a free port)."""
-    import torch.distributed as dist
+def open_master_store(addr: str, port: int, *, timeout: float = 60.0) -> tuple[Any, Any]:
+    """Host the rendezvous TCPStore on `addr:port` only (0 picks a free port; backends/listen):
+    the store and its listening socket (keep both while the run lasts)."""
+    return open_store(addr, port, timeout=timeout)
 
-    try:
-        return dist.TCPStore(addr, port, None, True, timeout=datetime.timedelta(seconds=timeout),
-                             wait_for_workers=False)
-    except Exception as err:  # DistNetworkError, RuntimeError
-        text = str(err)
-        if "EADDRINUSE" in text or "address already in use" in text.lower():
-            raise DistributedError(
-                f"master port {port} on {addr} is already in use (another run or program holds "
-                "it); pass a different --master-port, or none to pick a free port") from None
-        raise DistributedError(f"cannot listen on {addr}:{port} for the rendezvous: "
-                               f"{text.splitlines()[0]}; check --master-addr is an address of "
-                               "this machine") from None
+
+def run_token() -> str:
+    """The secret part of a run's key names (`TOKEN_ENV`), new for each run: the store has no
+    authentication, so a program that did not start the run cannot guess where to write a
+    fault record that would stop it."""
+    return secrets.token_hex(16)
 
 
 def connect_store(addr: str, port: int, *, timeout: float = 60.0) -> Any:
@@ -119,9 +120,14 @@ class FaultMonitor:
     world_size: int
     fault_timeout: float = DEFAULT_FAULT_TIMEOUT
     namespace: str = "0"
-    on_hard_stop: Callable[[PeerFailure], None] | None = None
+    on_hard_stop: Callable[[DistributedError], None] | None = None
     _fault: tuple[int, str] | None = field(default=None, init=False)
     _blocked_since: float | None = field(default=None, init=False)
+    # the main thread's progress (backends/watchdog.py): a count it bumps, and what it does
+    _ticks: int = field(default=0, init=False)
+    _doing: str | Callable[[], str] = field(default="", init=False)
+    _waiting: str = field(default="", init=False)
+    _busy: bool = field(default=False, init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
 
@@ -160,18 +166,31 @@ class FaultMonitor:
         record = json.dumps({"rank": dead_rank, "reason": reason})
         try:
             current = self.store.compare_set(self._key("fault"), "", record)
-            data = json.loads(current.decode() if isinstance(current, bytes) else current)
-            self._fault = (int(data["rank"]), str(data["reason"]))
         except Exception:
-            self._fault = self._fault or (dead_rank, reason)
+            current = None
+        self._fault = self._parse(current) or self._fault or (dead_rank, reason)
+        if self._fault == (dead_rank, reason):
+            write_cause(dead_rank, reason)
         return self._fault
 
     def _read_fault(self) -> tuple[int, str] | None:
         key = self._key("fault")
         if not self.store.check([key]):
             return None
-        data = json.loads(self.store.get(key).decode())
-        return int(data["rank"]), str(data["reason"])
+        return self._parse(self.store.get(key))
+
+    def _parse(self, value: Any) -> tuple[int, str] | None:
+        """A fault record, or None for anything that is not one of this run's (malformed,
+        or naming a rank the run does not have): such a record is ignored, never trusted."""
+        try:
+            data = json.loads(value.decode() if isinstance(value, bytes) else value)
+            rank, reason = data["rank"], data["reason"]
+        except (ValueError, TypeError, KeyError, AttributeError, UnicodeDecodeError):
+            return None
+        if type(rank) is not int or not 0 <= rank < self.world_size or \
+                not isinstance(reason, str):
+            return None
+        return rank, reason[:2000]
 
     def error(self) -> PeerFailure | None:
         """The failure this worker must stop for, if any is known."""
@@ -203,22 +222,60 @@ class FaultMonitor:
             if self._fault is not None:
                 break
             time.sleep(self.period / 2)
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
         if self._fault is None or self._fault[0] == self.rank:
-            first = str(err).splitlines()[0] if str(err) else type(err).__name__
             self.report(peer, f"lost the connection during {what}: {first}")
         failure = self.error()
-        assert failure is not None
+        if failure is None:  # the record in force names this rank: the loss is the news
+            failure = PeerFailure(f"rank {self.rank} stops: lost the connection to rank {peer} "
+                                  f"during {what} ({first})", dead_rank=peer,
+                                  reason=f"lost the connection during {what}: {first}")
         return failure
 
     @contextmanager
-    def blocking(self) -> Iterator[None]:
-        """Mark a blocking wait, so that the monitor can stop a worker stuck in it."""
+    def blocking(self, what: str = "") -> Iterator[None]:
+        """Mark a blocking wait (on other ranks, `what`), so that the monitor can stop a worker
+        stuck in it; time spent waiting for others is not this rank's lack of progress."""
         self.check()
         self._blocked_since = time.monotonic()
+        self._waiting = what
         try:
             yield
         finally:
             self._blocked_since = None
+            if self._ticks:  # progress, once the watchdog is armed
+                self._ticks += 1
+
+    @contextmanager
+    def busy(self, what: str) -> Iterator[None]:
+        """Mark work of this rank that takes long without a tick (saving a checkpoint): not a
+        lack of progress, and not a wait for others either."""
+        before = self._doing
+        self._busy = True
+        self._doing = what
+        try:
+            yield
+        finally:
+            self._busy = False
+            self._doing = before
+            if self._ticks:
+                self._ticks += 1
+
+    def disarm(self) -> None:
+        """Stop watching this rank's progress (its training ended; `progress` arms again)."""
+        self._ticks = 0
+
+    def progress(self, doing: str | Callable[[], str] | None = None) -> None:
+        """Mark progress of this rank's main thread (and, if given, what it does next): a rank
+        that is neither waiting for others nor progressing for `fault_timeout` seconds names
+        itself and stops (blocked in the data function, the model, or a hang)."""
+        self._ticks += 1
+        if doing is not None:
+            self._doing = doing
+
+    def activity(self) -> str | Callable[[], str]:
+        """What `progress` was last told this rank does."""
+        return self._doing
 
     # -- the thread -----------------------------------------------------------------------------
 
@@ -227,12 +284,23 @@ class FaultMonitor:
         fault_seen_at: float | None = None
         store_lost_at: float | None = None
         host = socket.gethostname()
+        ticks = (self._ticks, time.monotonic())
         while not self._stop.wait(self.period):
             now = time.monotonic()
+            if self._ticks != ticks[0] or self._blocked_since is not None or self._busy:
+                ticks = (self._ticks, now)
+            blocked = self._blocked_since
+            waited = now - blocked if blocked is not None else 0.0
             try:
                 self.store.add(self._key("hb", self.rank), 1)
+                self.store.set(self._key("wait", self.rank),
+                               f"{waited:.1f}|{self._waiting}" if blocked is not None else "")
                 if self._fault is None:
                     self._fault = self._read_fault()
+                if self._fault is None and self._ticks and now - ticks[1] > self.fault_timeout:
+                    self._stuck(now - ticks[1])
+                if self._fault is None and waited > self.fault_timeout:
+                    self._deadlock(waited)
                 if self._fault is None:
                     self._look_at_peers(seen, now, host)
                 store_lost_at = None
@@ -240,12 +308,34 @@ class FaultMonitor:
                 store_lost_at = store_lost_at or now
                 if now - store_lost_at > self.fault_timeout and self._fault is None:
                     self._fault = (0, "the rendezvous store (master) stopped answering")
-            if self._fault is not None and self._fault[0] != self.rank:
+            if self._fault is not None:
                 fault_seen_at = fault_seen_at or now
                 blocked = self._blocked_since
                 stuck = blocked is not None and now - max(blocked, fault_seen_at)
                 if stuck and stuck > self.fault_timeout / 2:
                     self._hard_stop()
+
+    def _stuck(self, seconds: float) -> None:
+        """This rank's main thread made no progress for `seconds` while not waiting for any
+        other rank: name it (it is the cause) and end the process, whose main thread is stuck."""
+        try:
+            what = self._doing() if callable(self._doing) else self._doing
+        except Exception:  # read from another thread: best effort
+            what = ""
+        doing = f" while {what}" if what else ""
+        reason = f"made no progress for {seconds:.1f} s{doing} (--fault-timeout " \
+                 f"{self.fault_timeout:g})"
+        record = self.report(self.rank, reason)
+        if record[0] != self.rank:
+            return  # another cause was recorded first: the usual stop follows
+        failure = DistributedError(f"rank {self.rank} {reason}; it was stopped")
+        if self.on_hard_stop is not None:
+            try:
+                self.on_hard_stop(failure)
+            except Exception:
+                pass
+        os.write(2, f"pdcompile: {failure}\n".encode())
+        os._exit(1)
 
     def _look_at_peers(self, seen: dict[int, tuple[int, float]], now: float, host: str) -> None:
         for peer in range(self.world_size):
@@ -256,8 +346,12 @@ class FaultMonitor:
             if last is None or beats != last[0]:
                 seen[peer] = (beats, now)
             elif now - last[1] > self.fault_timeout:
-                record = self.report(peer, f"no heartbeat for {now - last[1]:.1f} s")
-                if record[0] == peer:
+                silent = now - last[1]
+                same_host = self._host_of(peer) == host
+                reason = f"stopped responding for {silent:.1f} s" + (
+                    " and was killed" if same_host else "")
+                record = self.report(peer, reason)
+                if record[0] == peer and same_host:
                     self._kill_frozen(peer, host)
                 return
             pid_key = self._key("pid", peer)
@@ -267,6 +361,12 @@ class FaultMonitor:
                     if not self.store.check([self._key("done", peer)]):
                         self.report(peer, f"process {pid} is gone")
                         return
+
+    def _host_of(self, peer: int) -> str | None:
+        try:
+            return str(self.store.get(self._key("pid", peer)).decode().rpartition(":")[0])
+        except Exception:
+            return None
 
     def _kill_frozen(self, peer: int, host: str) -> None:
         """A peer on this host that stopped beating is frozen (or stuck in the kernel): kill
@@ -278,8 +378,35 @@ class FaultMonitor:
         except (OSError, ValueError, RuntimeError):
             pass
 
+    def _deadlock(self, waited: float) -> None:
+        """Every live rank has waited for another for most of `fault_timeout`: none can make
+        progress (generated loops that disagree, a missed collective). Name the lowest one."""
+        waits: dict[int, str] = {}
+        for peer in range(self.world_size):
+            if peer != self.rank and self.store.check([self._key("done", peer)]):
+                continue
+            if peer == self.rank:
+                waits[peer] = self._waiting
+                continue
+            text = self.store.get(self._key("wait", peer)).decode() \
+                if self.store.check([self._key("wait", peer)]) else ""
+            seconds, _, what = text.partition("|")
+            try:
+                if not text or float(seconds) < self.fault_timeout / 2:
+                    return  # that rank is working (or was, a moment ago)
+            except ValueError:
+                return
+            waits[peer] = what
+        first = min(waits)
+        detail = "; ".join(f"rank {r} waits for {w or 'a collective'}" for r, w in
+                           sorted(waits.items()))
+        self.report(first, f"made no progress for {waited:.1f} s: every rank is waiting for "
+                           f"another ({detail})")
+
     def _hard_stop(self) -> None:
-        failure = self.error()
+        failure: DistributedError | None = self.error()
+        if failure is None and self._fault is not None:  # the record names this rank
+            failure = DistributedError(f"rank {self.rank} {self._fault[1]}; it was stopped")
         if failure is None:
             return
         if self.on_hard_stop is not None:
@@ -290,6 +417,28 @@ class FaultMonitor:
         else:
             print(f"pdcompile: {failure}", flush=True)
         os._exit(1)
+
+
+def write_cause(rank: int, reason: str) -> None:
+    """Leave the first cause of a failure where the launcher reads it (`CAUSE_ENV`), once."""
+    path = os.environ.get(CAUSE_ENV)
+    if not path or os.path.exists(path):
+        return
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as out:
+            out.write(json.dumps({"rank": rank, "reason": reason}))
+        os.replace(tmp, path)
+    except OSError:
+        pass
+
+
+def describe_cause(rank: int, reason: str) -> str:
+    """'rank 1 stopped responding for 8.0 s and was killed', from a fault record."""
+    if reason.startswith(f"rank {rank} "):
+        return reason
+    words = ("made ", "stopped ", "lost ", "no ", "process ", "exited ", "was ", "killed ")
+    return f"rank {rank} {reason}" if reason.startswith(words) else f"rank {rank} failed: {reason}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -397,7 +546,7 @@ class Worker:
 def init_worker(*, rank: int, world_size: int, master_addr: str, master_port: int,
                 backend: str = "gloo", fault_timeout: float = DEFAULT_FAULT_TIMEOUT,
                 connect_timeout: float = 60.0, namespace: str = "0",
-                on_hard_stop: Callable[[PeerFailure], None] | None = None) -> Worker:
+                on_hard_stop: Callable[[DistributedError], None] | None = None) -> Worker:
     """Join the rendezvous, initialise the default process group, start the fault monitor."""
     import torch.distributed as dist
 
@@ -420,13 +569,15 @@ def monitor_from_env(*, rank: int, world_size: int,
     store = connect_store(addr, int(port), timeout=30.0)
     namespace = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     run_id = os.environ.get("TORCHELASTIC_RUN_ID", "")
+    token = os.environ.get(TOKEN_ENV, "")
+    namespace = f"{run_id}-{namespace}" if run_id else namespace
     return FaultMonitor(store, rank, world_size, fault_timeout,
-                        f"{run_id}-{namespace}" if run_id else namespace).start()
+                        f"{token}/{namespace}" if token else namespace).start()
 
 
 def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
            master_port: int, backend: str, fault_timeout: float, results: Any,
-           args: tuple[Any, ...], launcher: int | None = None) -> None:
+           args: tuple[Any, ...], launcher: int | None = None, namespace: str = "0") -> None:
     end_with_launcher(launcher, what=f"rank {rank}")
     import torch
     import torch.distributed as dist
@@ -436,7 +587,7 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
     torch.set_num_threads(1)
     tune_allocator()
 
-    def hard_stop(failure: PeerFailure) -> None:
+    def hard_stop(failure: DistributedError) -> None:
         results.put((rank, "error", failure, time.time()))
         results.close()
         results.join_thread()
@@ -445,7 +596,8 @@ def _child(fn: Callable[..., Any], rank: int, world_size: int, master_addr: str,
     try:
         worker = init_worker(rank=rank, world_size=world_size, master_addr=master_addr,
                              master_port=master_port, backend=backend,
-                             fault_timeout=fault_timeout, on_hard_stop=hard_stop)
+                             fault_timeout=fault_timeout, on_hard_stop=hard_stop,
+                             namespace=namespace)
         value = fn(worker, *args)
         worker.monitor.stop(done=True)
         # plain pickle: tensors travel by value, not as shared-memory handles that die with us
@@ -524,13 +676,14 @@ def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
     """
     if nprocs < 1:
         raise DistributedError(f"nprocs must be a positive integer ({nprocs} < 1)")
-    store = open_master_store(master_addr, master_port)
+    store, listener = open_master_store(master_addr, master_port)
     port = int(store.port)
+    namespace = run_token()
     ctx = multiprocessing.get_context("spawn")
     results = ctx.Queue()
     procs = [ctx.Process(target=_child, name=f"pdcompile-rank-{rank}", daemon=True,
                          args=(fn, rank, nprocs, master_addr, port, backend, fault_timeout,
-                               results, args, os.getpid()))
+                               results, args, os.getpid(), namespace))
              for rank in range(nprocs)]
     outcomes = [RankOutcome(rank) for rank in range(nprocs)]
     start = time.monotonic()
@@ -586,10 +739,11 @@ def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
                 outcomes[rank].error = DistributedError(f"rank {rank} {_describe_exit(code)}")
                 if dead_rank is None:
                     dead_rank, died_at = rank, time.time()
-                    _record_fault(store, rank, _describe_exit(code))
+                    _record_fault(store, namespace, rank, _describe_exit(code))
     finally:
         _reap(procs)
         results.close()
+        listener.close()
         for proc, outcome in zip(procs, outcomes, strict=True):
             outcome.exitcode = proc.exitcode
     failed = [o for o in outcomes if o.error is not None]
@@ -599,10 +753,10 @@ def launch(fn: Callable[..., Any], nprocs: int, *, args: tuple[Any, ...] = (),
     return [o.value for o in outcomes]
 
 
-def _record_fault(store: Any, rank: int, reason: str) -> None:
+def _record_fault(store: Any, namespace: str, rank: int, reason: str) -> None:
     record = json.dumps({"rank": rank, "reason": reason})
     try:
-        store.compare_set(f"{_PREFIX}/0/fault", "", record)
+        store.compare_set(f"{_PREFIX}/{namespace}/fault", "", record)
     except Exception:
         pass
 

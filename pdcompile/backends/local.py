@@ -19,6 +19,7 @@ import torch
 from pdcompile.backends.program import MicrobatchData, RunProgram
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.chunks import ChunkRuntimes
+from pdcompile.runtime.finite_loss import LossGuard, guard_runtime
 from pdcompile.runtime.local_transport import LocalTransport, Mailboxes
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.stage_runtime import StageRuntime
@@ -63,11 +64,14 @@ class LocalRun:
 
 
 def run_program(program: RunProgram, data: MicrobatchData, microbatches: int,
-                per_minibatch: int, *, record: bool = False) -> LocalRun:
+                per_minibatch: int, *, record: bool = False, first_step: int = 0,
+                allow_nonfinite: bool = False) -> LocalRun:
     """All ranks' generated loops over a run of `microbatches` on the local backend.
 
     Each rank gets its runtime over the in-memory mailboxes; a message sent but never received
     is a schedule error. `record`: time every action into a merged, measured timeline.
+    A NaN or infinite loss stops the run naming its step (the run's first minibatch is
+    `first_step`), rank and stage, unless `allow_nonfinite` (runtime/finite_loss.py).
     """
     config = program.run_config(per_minibatch)
     boxes = Mailboxes()
@@ -75,6 +79,9 @@ def run_program(program: RunProgram, data: MicrobatchData, microbatches: int,
     recorders = {r: Recorder(r) for r in ranks} if record else {}
     runtimes = {r: program.runtime(r, config=config, transport=LocalTransport(r, boxes),
                                    data=data, recorder=recorders.get(r)) for r in ranks}
+    guard = None if allow_nonfinite else LossGuard(first_step, per_minibatch)
+    for rt in runtimes.values():
+        guard_runtime(rt, guard)
     run_local(program.rank_functions(microbatches, per_minibatch), runtimes)
     for rt in runtimes.values():
         rt.finish()

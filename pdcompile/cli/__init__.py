@@ -1,4 +1,4 @@
-"""The `pdcompile` command line: inspect, plan, simulate, export, run, demo.
+"""The `pdcompile` command line: inspect, plan, simulate, export, run, verify, demo.
 
 Each subcommand lives in its own module here and exposes `register(subparsers)`, which adds its
 parser and sets `func(args) -> int`. Exit codes: 0 ok, 1 a user error (one line on stderr: a
@@ -19,7 +19,7 @@ from typing import NoReturn
 from pdcompile.errors import PdcompileError
 from pdcompile.util.suggest import did_you_mean
 
-SUBCOMMANDS = ("inspect", "plan", "simulate", "export", "run", "demo")
+SUBCOMMANDS = ("inspect", "plan", "simulate", "export", "run", "verify", "demo")
 
 
 class _Parser(argparse.ArgumentParser):

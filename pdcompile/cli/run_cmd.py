@@ -70,6 +70,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="torch threads per worker process")
     train.add_argument("--timeline", default=None, metavar="FILE.json",
                        help="record a measured timeline of every rank; rank 0 writes it here")
+    train.add_argument("--allow-nonfinite", action="store_true",
+                       help="keep training after a NaN or infinite loss (default: stop, naming "
+                            "its step, rank and stage)")
+    train.add_argument("--trust", action="store_true",
+                       help="let the export import modules other than torch, pdcompile and "
+                            "those it recorded (an export is code: only for exports you trust)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the torchrun command instead of running it")
     parser.set_defaults(func=run)
@@ -99,6 +105,7 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
     from pdcompile.export.files import check_export
 
     meta = check_export(export_dir)
+    _check_trust(export_dir, meta, trust=args.trust)
     lost = meta.get("not_saved", {})
     if lost:
         what = " and ".join(lost)
@@ -128,6 +135,18 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
               file=sys.stderr, flush=True)
         return DEFAULT_STEPS
     return args.steps
+
+
+def _check_trust(export_dir: Path, meta: dict[str, object], *, trust: bool) -> None:
+    """Refuse, before any worker starts, an export naming modules outside its boundary."""
+    from pdcompile.export.files import checked_source
+    from pdcompile.export.integrity import code_files, code_text, export_manifest
+    from pdcompile.export.trust import check_imports
+
+    manifest = export_manifest(export_dir)  # check_export verified every file just before
+    code = {name: checked_source(code_text(manifest, name), export_dir / name)
+            for name in code_files(manifest, "")}
+    check_imports(export_dir, meta, code, trust=trust)
 
 
 def torchrun_command(args: argparse.Namespace) -> list[str]:
@@ -186,6 +205,10 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--threads", str(args.threads)]
     if args.timeline:
         cmd += ["--timeline", str(args.timeline)]
+    if args.allow_nonfinite:
+        cmd += ["--allow-nonfinite"]
+    if args.trust:
+        cmd += ["--trust"]
     return cmd
 
 
@@ -210,12 +233,21 @@ def supervise(cmd: list[str], *, nproc: int, grace: float = 3.0) -> int:
     gone (`LAUNCHER_ENV`, backends/launch.end_with_launcher) and ends within a fraction of a
     second. A failed run ends in one line naming the rank that failed first.
     """
-    from pdcompile.backends.launch import LAUNCHER_ENV, parent_death_preexec
+    from pdcompile.backends.launch import (
+        CAUSE_ENV,
+        LAUNCHER_ENV,
+        TOKEN_ENV,
+        parent_death_preexec,
+        run_token,
+    )
     from pdcompile.backends.torchrun_agent import REPORT_ENV
 
     with tempfile.TemporaryDirectory(prefix="pdcompile-run-") as tmp:
         report = Path(tmp) / "failures.json"
-        env = {**os.environ, LAUNCHER_ENV: str(os.getpid()), REPORT_ENV: str(report)}
+        env = {**os.environ, LAUNCHER_ENV: str(os.getpid()), REPORT_ENV: str(report),
+               CAUSE_ENV: str(Path(tmp) / "cause.json")}
+        if "--nnodes=1" in cmd and not env.get(TOKEN_ENV):  # several nodes share the user's
+            env[TOKEN_ENV] = run_token()
         if nproc > 1:  # what torchrun would set, without its banner saying so
             env.setdefault("OMP_NUM_THREADS", "1")
         proc = subprocess.Popen(cmd, env=env, preexec_fn=parent_death_preexec(signal.SIGTERM))
@@ -253,6 +285,17 @@ def supervise(cmd: list[str], *, nproc: int, grace: float = 3.0) -> int:
     return 0
 
 
+def _recorded_cause(path: Path) -> str | None:
+    """The first cause the workers recorded (backends/launch.write_cause), as words."""
+    from pdcompile.backends.launch import describe_cause
+
+    try:
+        data = json.loads(path.read_text())
+        return describe_cause(int(data["rank"]), str(data["reason"]))
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _failure_line(report: Path, code: int) -> str:
     """One line naming the rank that failed first (from the agent's report)."""
     try:
@@ -260,6 +303,11 @@ def _failure_line(report: Path, code: int) -> str:
     except (OSError, ValueError):
         return (f"the distributed run failed (torchrun exit code {code}); the workers' errors "
                 "are above")
+    if isinstance(failures, dict) and "error" in failures:  # the agent could not start
+        return str(failures["error"])
+    cause = _recorded_cause(report.with_name("cause.json"))
+    if cause is not None:  # the workers' own record of the first cause beats exit statuses
+        return f"the distributed run failed: {cause}; the workers' messages are above"
     # the agent stops the survivors of a failure with SIGTERM: those are not causes
     causes = [f for f in failures if f.get("signal") != "SIGTERM"] or failures
     causes.sort(key=lambda f: (f.get("time") or 0, f["rank"]))

@@ -13,6 +13,7 @@ from typing import Any
 from safetensors import SafetensorError
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
+from pdcompile.export.integrity import verified_export
 
 EXPORT_FORMAT = "pdcompile.export/3"  # 3: generated code names the modules in their rooms
 # files of the first format (pickles), removed when a folder is exported again
@@ -61,9 +62,11 @@ def check_export(path: str | Path) -> dict[str, Any]:
     """
     folder = Path(path)
     if not folder.is_dir():
-        raise PipelineInputError(f"export folder {str(folder)!r} does not exist; write one with "
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise PipelineInputError(f"export folder {str(folder)!r} {what}; write one with "
                                  "`pdcompile export` or Pipeline.export(path)")
     meta = read_meta(folder)
+    verified_export(folder)  # every file against the manifest (sizes and SHA-256)
     tensor_files = [folder / "plan.json"]
     for i, stage in enumerate(meta["stages"]):
         tensor_files += [folder / f"stage_{i}.safetensors", folder / f"optimizer_{i}.safetensors"]
@@ -89,10 +92,16 @@ def python_source(file: Path) -> str:
     """The text of an exported Python file, checked to compile (one line naming it if not)."""
     try:
         text = file.read_text()
-        compile(text, str(file), "exec")
     except FileNotFoundError:
         raise DamagedFileError(f"{file} is missing from the export; export the pipeline "
                                "again") from None
+    return checked_source(text, file)
+
+
+def checked_source(text: str, file: Path) -> str:
+    """`text` (of the exported file `file`), checked to compile (one line naming it if not)."""
+    try:
+        compile(text, str(file), "exec")
     except (SyntaxError, ValueError) as err:
         line = getattr(err, "lineno", None)
         raise DamagedFileError(f"{file} is not valid Python ({type(err).__name__}"
@@ -124,5 +133,6 @@ def read_file(path: Path, reader: Callable[[Path], Any]) -> Any:
                                f"({detail}); export the pipeline again") from None
 
 
-__all__ = ["EXPORT_FORMAT", "OLD_FILES", "UNSAVED_FIX", "check_export", "python_source",
+__all__ = ["EXPORT_FORMAT", "OLD_FILES", "UNSAVED_FIX", "check_export", "checked_source",
+           "python_source",
            "read_file", "read_meta"]

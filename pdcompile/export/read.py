@@ -16,9 +16,11 @@ from safetensors.torch import load_file
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export.callable_ref import resolve
-from pdcompile.export.files import UNSAVED_FIX, python_source, read_file, read_meta
+from pdcompile.export.files import UNSAVED_FIX, checked_source, read_file, read_meta
+from pdcompile.export.integrity import code_files, code_text, verified_export
 from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
+from pdcompile.export.trust import check_imports
 from pdcompile.export.user_modules import load_user_modules
 from pdcompile.meta import set_stage
 from pdcompile.passes.crossing import load_spec
@@ -31,16 +33,24 @@ from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
 from pdcompile.util.attr_path import get_path, set_path
-from pdcompile.util.module_file import exec_module_file
+from pdcompile.util.module_file import exec_module_source
 
 
 def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | None = None,
-                  optimizer: OptimizerFactory | None = None) -> Pipeline:
+                  optimizer: OptimizerFactory | None = None, trust: bool = False) -> Pipeline:
     """A Pipeline from an exported folder: same weights, optimizer state and generated code.
     `loss_fn` / `optimizer`: use these instead of the recorded ones (or where none could be
-    recorded)."""
+    recorded). Every file is first checked against the export's manifest, and the modules it
+    names against its trust boundary (export/trust.py; `trust=True` lifts that check)."""
     folder = Path(path)
-    meta = read_meta(folder)
+    if folder.exists() and not folder.is_dir():
+        raise PipelineInputError(f"{str(folder)!r} is a file, not an export folder; name a "
+                                 "folder written by `pdcompile export` or Pipeline.export(path)")
+    meta = read_meta(folder)  # JSON only: its format is named before anything else
+    manifest = verified_export(folder)
+    code = {name: checked_source(code_text(manifest, name), folder / name)
+            for name in code_files(manifest, "")}
+    check_imports(folder, meta, code, trust=trust)
     plan = read_file(folder / "plan.json", lambda p: Plan.from_json(p.read_text()))
     lost = [k for k in meta.get("not_saved", {}) if {"loss_fn": loss_fn,
                                                      "optimizer": optimizer}.get(k) is None]
@@ -55,14 +65,14 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
         loss_fn = resolve(meta["loss_fn"], what="loss function")
     recipes = [None if r is None else OptimizerRecipe.from_dict(r) for r in meta["optimizers"]]
     factory = optimizer or next((r for r in recipes if r is not None), None)
-    programs = [_load_stage(folder, i, s) for i, s in enumerate(meta["stages"])]
+    programs = [_load_stage(folder, i, s, code) for i, s in enumerate(meta["stages"])]
     parts = SplitResult(
         stages=programs, data_inputs=tuple(meta["data_inputs"]),
         output_refs=tuple(ValueRef(n, s) for n, s in meta["output_refs"]),
         output_spec=load_spec(meta["output_spec"]),  # imports the modules of its types
         ties=tuple(TiedParameter(t["name"], tuple((int(s), str(n)) for s, n in t["members"]))
                    for t in meta["ties"]))
-    graph = _load_graph(folder, meta.get("graph_stages", {}), len(programs))
+    graph = _load_graph(folder, meta.get("graph_stages", {}), len(programs), code)
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"])
@@ -88,7 +98,8 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             raise DamagedFileError(f"{folder / 'pipeline.json'} is altered (input_shapes "
                                    "malformed); export the pipeline again") from None
-    sources = {int(p.stem.split("_")[1]): python_source(p) for p in folder.glob("rank_*.py")}
+    sources = {int(name[len("rank_"):-len(".py")]): code[name]
+               for name in code_files(manifest, "rank_")}
     schedule = read_file(folder / "schedule.txt", lambda p: Schedule.from_text(p.read_text()))
     if sources and schedule.ranks == sorted(sources):
         pipe.use_sources(sources, meta["schedule_length"], meta["per_minibatch"])
@@ -116,8 +127,9 @@ class _LeafTracer(fx.Tracer):
         return "." not in module_qualified_name
 
 
-def _load_stage(folder: Path, index: int, meta: dict[str, Any]) -> StageProgram:
-    source = _import(folder / f"stage_{index}.py", f"stage{index}")
+def _load_stage(folder: Path, index: int, meta: dict[str, Any],
+                code: dict[str, str]) -> StageProgram:
+    source = _import(folder / f"stage_{index}.py", code, f"stage{index}")
     extra = {}
     if meta["recorded_modules"]:
         extra = _read_records(folder / f"stage_{index}_modules.safetensors")
@@ -161,13 +173,14 @@ class _AllLeaves(fx.Tracer):
         return True
 
 
-def _load_graph(folder: Path, stages: dict[str, int], count: int) -> fx.GraphModule | None:
+def _load_graph(folder: Path, stages: dict[str, int], count: int,
+                code: dict[str, str]) -> fx.GraphModule | None:
     """The exported graph (weights on the meta device), every node with its "pd.stage"."""
-    if not stages or not (folder / "graph.py").exists():
+    if not stages or "graph.py" not in code:
         return None
-    try:
-        root = _import(folder / "graph.py", "graph").Graph(
-            _read_records(folder / "graph_modules.safetensors", device="meta"))
+    source = _import(folder / "graph.py", code, "graph")  # its errors are the export's
+    try:  # the graph is informational: one that cannot be rebuilt or traced is left out
+        root = source.Graph(_read_records(folder / "graph_modules.safetensors", device="meta"))
         graph = fx.GraphModule(root, _AllLeaves().trace(root), class_name="Graph")
     except Exception:
         return None
@@ -194,11 +207,12 @@ def _read_records(path: Path, *, device: str = "cpu") -> dict[str, torch.nn.Modu
             from None
 
 
-def _import(path: Path, tag: str) -> types.ModuleType:
-    """Import an exported Python file (code: see the module docstring)."""
+def _import(path: Path, code: dict[str, str], tag: str) -> types.ModuleType:
+    """Run an exported Python file, from its text as checked against the manifest (`code`)."""
     name = f"pdcompile_export_{abs(hash(str(path.resolve())))}_{tag}"
+    text = code.get(path.name)
     try:
-        module = exec_module_file(path, name) if path.is_file() else None
+        module = None if text is None else exec_module_source(text, path, name)
     except ImportError as err:
         raise PipelineInputError(f"{path} imports {err.name or err}, which cannot be imported "
                                  "here; install it (the machine that exported had it)") from None
@@ -209,8 +223,7 @@ def _import(path: Path, tag: str) -> types.ModuleType:
                                f"{str(err).splitlines()[0] if str(err) else ''}); export the "
                                "pipeline again") from None
     if module is None:
-        raise PipelineInputError(f"cannot import {path}: no such Python file; export the "
-                                 "pipeline again")
+        raise DamagedFileError(f"{path} is missing from the export; export the pipeline again")
     return module
 
 

@@ -21,9 +21,11 @@ from torch.utils import _pytree as pytree
 from pdcompile.export.callable_ref import reference
 from pdcompile.export.files import EXPORT_FORMAT, OLD_FILES, UNSAVED_FIX
 from pdcompile.export.import_paths import NotReferable
+from pdcompile.export.integrity import clear_export, seal_export
 from pdcompile.export.module_record import record_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.export.source import module_source, tensor_state
+from pdcompile.export.trust import export_modules
 from pdcompile.export.user_modules import save_user_modules
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram
@@ -75,9 +77,11 @@ class Exportable(Protocol):
 
 
 def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
-    """Write `pipe` to the folder `path` (created; files in it are replaced)."""
+    """Write `pipe` to the folder `path` (created; files in it are replaced), its manifest
+    (MANIFEST.json, export/integrity.py) last."""
     out = Path(path)
     out.mkdir(parents=True, exist_ok=True)
+    clear_export(out)
     for old in [*(out / name for name in OLD_FILES), *out.glob("*.pt")]:
         old.unlink(missing_ok=True)
     records: list[dict[str, Any]] = []  # the stages' module records, which name classes
@@ -112,8 +116,10 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
         "input_shapes": None if pipe.input_shapes is None else pipe.input_shapes.to_json(),
         **_callables(pipe),
     }
-    code = [p.read_text() for p in (*out.glob("stage_*.py"), *out.glob("graph.py"))]
-    meta["user_modules"] = save_user_modules([meta, records, code], out)
+    code = {p.name: p.read_text() for p in [*out.glob("stage_*.py"), *out.glob("rank_*.py"),
+                                           *out.glob("graph.py")]}
+    meta["user_modules"] = save_user_modules([meta, records, list(code.values())], out)
+    meta["modules"] = export_modules(out, meta, code)  # the user's modules load may import
     (out / "pipeline.json").write_text(json.dumps(meta, indent=1))
     workers = pipe.plan.workers
     command = f"pdcompile run {shlex.quote(str(out))}"
@@ -129,9 +135,12 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
         f"FILE.py:FUNCTION` for real data, `--steps N`):\n\n    {command}\n\nor `./launch.sh`. "
         f"Reload it in Python with `pdcompile.load({str(out)!r})`.\n\n"
         "The `.py` files here are code that `pdcompile run` and `pdcompile.load` run (the stage "
-        "modules and the generated loop of each rank); the other files are data (safetensors "
-        "and JSON, no pickle).\n\n"
+        "modules and the generated loop of each rank), and loading imports the modules that "
+        "pipeline.json names: load only exports you trust. The other files are data "
+        "(safetensors and JSON, no pickle). MANIFEST.json holds the size and SHA-256 of every "
+        "file; `pdcompile verify` checks them without running anything.\n\n"
         f"```\n{pipe.summary()}\n```\n")
+    seal_export(out)  # last: a folder whose writer was stopped has no (matching) manifest
     return out
 
 

@@ -3,22 +3,28 @@
 As in PipeDream, each stage checkpoints its own state independently (no global coordination):
 weights, optimizer state, weight versions still needed (stash; empty at a drained point), the
 random-number state and the data position (minibatches done). A save writes a temporary file in
-the same folder, flushes it to disk and renames it into place, so a crash never leaves a torn
-checkpoint: a file either is complete or does not exist under its final name. The file is
-safetensors with the non-tensor fields as JSON (runtime/tensor_tree): loading one runs no code.
+the same folder, flushes it to disk and renames it into place, then writes the checkpoint's
+manifest (its size and SHA-256, util/manifest.py) the same way, last: a checkpoint counts only
+once its manifest exists, and is used only if its file still matches it (a flipped bit on disk
+is refused, not trained on). The file is safetensors with the non-tensor fields as JSON
+(runtime/tensor_tree): loading one runs no code. Temporary files left by a writer that was
+killed are removed by the next save or resume of that rank.
 
 Layout of the folder a user names:
 
-    rank_<r>/step_<k>.safetensors   the state of rank r after k minibatches (newest `keep` kept)
+    rank_<r>/step_<k>.safetensors     the state of rank r after k minibatches (newest `keep` kept)
+    rank_<r>/step_<k>.manifest.json   its manifest, written last
 
-A run resumes from the newest k that every rank has saved (`resume_step`): if a crash hit while
-some ranks had written step k and others not yet, all go back to the previous common step.
+A run resumes from the newest k that every rank has saved and that verifies (`resume_step`): if
+a crash hit while some ranks had written step k and others not yet, or one rank's step k is
+damaged, all go back to the previous common step.
 """
 
 from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +32,24 @@ import torch
 
 from pdcompile.errors import DamagedFileError, DistributedError
 from pdcompile.runtime.tensor_tree import load_tree, save_tree
+from pdcompile.util.manifest import (
+    check_entry,
+    fsync_dir,
+    read_manifest,
+    write_manifest,
+)
 
 _STEP_RE = re.compile(r"^step_(\d+)\.safetensors$")
+_TMP_RE = re.compile(r"^\..+\.(\d+)\.tmp$")  # .step_<k>.safetensors.<pid>.tmp and manifests'
+MANIFEST_KIND = "checkpoint"
+
+
+@dataclass(frozen=True)
+class Damaged:
+    """A checkpoint that exists but does not verify: which step, and why (one line)."""
+
+    step: int
+    reason: str
 
 
 class Checkpointer:
@@ -52,37 +74,81 @@ class Checkpointer:
         return step > 0 and step % self.every == 0
 
     def steps(self, rank: int | None = None) -> list[int]:
-        """The steps with a complete checkpoint of `rank`, ascending."""
+        """The steps with a complete checkpoint of `rank` (file and manifest), ascending."""
         folder = self.rank_dir(rank)
         if not folder.is_dir():
             return []
         found = (_STEP_RE.match(p.name) for p in folder.iterdir())
-        return sorted(int(m.group(1)) for m in found if m)
+        return sorted(int(m.group(1)) for m in found
+                      if m and (folder / _manifest_name(int(m.group(1)))).is_file())
+
+    def verified_steps(self, rank: int | None = None) -> tuple[list[int], list[Damaged]]:
+        """The complete steps of `rank` whose file matches its manifest, ascending, and those
+        that do not, with the reason."""
+        good, bad = [], []
+        for step in self.steps(rank):
+            try:
+                self.verify(step, rank)
+                good.append(step)
+            except DamagedFileError as err:
+                bad.append(Damaged(step, str(err)))
+        return good, bad
+
+    def verify(self, step: int, rank: int | None = None) -> None:
+        """Refuse, in one line naming the file, a checkpoint that does not match its manifest."""
+        folder = self.rank_dir(rank)
+        fix = "delete it to resume from an older checkpoint"
+        manifest = read_manifest(folder / _manifest_name(step), kind=MANIFEST_KIND, fix=fix)
+        name = _step_name(step)
+        entry = manifest.files.get(name)
+        if entry is None or len(manifest.files) != 1:
+            raise DamagedFileError(f"{manifest.path} does not describe {name}; {fix}")
+        check_entry(folder / name, entry, fix=fix)
+
+    def remove_stale(self) -> list[Path]:
+        """Delete this rank's temporary files whose writer is gone (killed mid-save)."""
+        folder = self.rank_dir()
+        if not folder.is_dir():
+            return []
+        removed = []
+        for path in folder.iterdir():
+            match = _TMP_RE.match(path.name)
+            if match and (int(match.group(1)) == os.getpid()
+                          or not _pid_alive(int(match.group(1)))):
+                path.unlink(missing_ok=True)
+                removed.append(path)
+        return removed
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Write `state` (with `step` added) atomically; drop checkpoints older than `keep`."""
         folder = self.rank_dir()
         folder.mkdir(parents=True, exist_ok=True)
+        self.remove_stale()
         final = self._path(step)
+        (folder / _manifest_name(step)).unlink(missing_ok=True)  # rewritten below, last
         tmp = folder / f".{final.name}.{os.getpid()}.tmp"
         save_tree(tmp, {**state, "step": step, "rank": self.rank},
                   where=f"the checkpoint of rank {self.rank}")
         with open(tmp, "rb+") as out:
             os.fsync(out.fileno())
         os.replace(tmp, final)
-        _fsync_dir(folder)
+        fsync_dir(folder)
+        write_manifest(folder, [final.name], kind=MANIFEST_KIND,
+                       manifest_name=_manifest_name(step))
         for old in self.steps()[:-self.keep]:
+            (folder / _manifest_name(old)).unlink(missing_ok=True)  # first: then not complete
             self._path(old).unlink(missing_ok=True)
         return final
 
     def _path(self, step: int) -> Path:
-        return self.rank_dir() / f"step_{step:08d}.safetensors"
+        return self.rank_dir() / _step_name(step)
 
     def resume_step(self, world_size: int) -> int | None:
-        """The newest step saved by every one of `world_size` ranks (None: start afresh)."""
+        """The newest step saved by every one of `world_size` ranks that verifies on each
+        (None: start afresh)."""
         common: set[int] | None = None
         for rank in range(world_size):
-            steps = set(self.steps(rank))
+            steps = set(self.verified_steps(rank)[0])
             common = steps if common is None else common & steps
         return max(common) if common else None
 
@@ -92,6 +158,7 @@ class Checkpointer:
         if not path.is_file():
             raise DistributedError(f"no checkpoint of rank {self.rank} at step {step} in "
                                    f"{self.folder}; delete the folder to start afresh")
+        self.verify(step)
         try:
             state = load_tree(path)
         except DamagedFileError as err:
@@ -131,14 +198,19 @@ def restore_module_state(state: dict[str, Any], module: torch.nn.Module,
             from None
 
 
-def _fsync_dir(folder: Path) -> None:
+def _step_name(step: int) -> str:
+    return f"step_{step:08d}.safetensors"
+
+
+def _manifest_name(step: int) -> str:
+    return f"step_{step:08d}.manifest.json"
+
+
+def _pid_alive(pid: int) -> bool:
     try:
-        fd = os.open(folder, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OverflowError):
+        return True
+    return True

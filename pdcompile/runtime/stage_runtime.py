@@ -59,6 +59,7 @@ from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PipelineInputError, ScheduleError
+from pdcompile.runtime.finite_loss import LossGuard
 from pdcompile.runtime.linear_grads import (
     accumulating_grads,
     deferring_weight_grads,
@@ -177,6 +178,11 @@ class StageRuntime:
             config.schedule, config.stage_ranks, self.stage, vertical_sync=config.vertical_sync))
         self.stash = StashBuffer()
         self.losses: dict[int, torch.Tensor] = {}
+        # what runs now: (kind, stage, microbatch, start), for a watchdog or a model's error
+        self.current: tuple[str, int, int, float] | None = None
+        # a NaN or infinite loss stops the run (runtime/finite_loss.py; None: keep going)
+        self.loss_guard: LossGuard | None = LossGuard(
+            per_minibatch=config.microbatches_per_minibatch)
         self.completed = 0  # actions finished (the local driver watches it for progress)
         self._received: dict[int, dict[int, list[torch.Tensor]]] = {}
         self._grads_in: dict[int, dict[int, list[torch.Tensor]]] = {}
@@ -329,6 +335,7 @@ class StageRuntime:
     def forward(self, microbatch: int) -> Op:
         """Forward of `microbatch` through the stage with its weight version; stash it."""
         start = time.time()
+        self.current = ("forward", self.stage, microbatch, start)
         version = self._version_for(microbatch)
         if version > self.versions.current:
             raise ScheduleError(
@@ -350,6 +357,9 @@ class StageRuntime:
             with torch.no_grad():
                 self._run(entry, microbatch)
         if entry.loss is not None:
+            if self.loss_guard is not None:
+                self.loss_guard.check(entry.loss, rank=self.rank, stage=self.stage,
+                                      microbatch=microbatch)
             self.losses[microbatch] = entry.loss.detach()
         self.stash.put(microbatch, entry)
         if self.config.kind.double_buffered:
@@ -368,6 +378,7 @@ class StageRuntime:
     def backward(self, microbatch: int) -> Op:
         """Backward of `microbatch` with its stashed version; gradients go to the live weights."""
         start = time.time()
+        self.current = ("backward", self.stage, microbatch, start)
         entry = self.stash.get(microbatch)
         if not self.config.stash:  # no stashing: recompute with the latest weights
             for tensors in entry.received.values():

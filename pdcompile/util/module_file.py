@@ -27,4 +27,20 @@ def exec_module_file(path: Path, name: str) -> types.ModuleType | None:
     return module
 
 
-__all__ = ["exec_module_file"]
+def exec_module_source(source: str, path: Path, name: str) -> types.ModuleType:
+    """The module `name` made by running `source` (the text of `path`, already read and checked
+    by the caller: the file is not read again, and no bytecode cache is read or written). In
+    `sys.modules` as `exec_module_file` leaves it; removed again if the code raises."""
+    code = compile(source, str(path), "exec")
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    sys.modules[name] = module
+    try:
+        exec(code, module.__dict__)
+    except Exception:
+        del sys.modules[name]
+        raise
+    return module
+
+
+__all__ = ["exec_module_file", "exec_module_source"]

@@ -63,3 +63,35 @@ def test_resumed_run_equals_uninterrupted(tmp_path: Path, schedule: str) -> None
         assert saved["data_position"] == 6 and saved["losses"] == second.losses
         for key, value in local.stage_modules[rank].state_dict().items():
             torch.testing.assert_close(saved["model"][key], value)
+
+
+def test_a_damaged_newest_checkpoint_falls_back_and_says_so(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Sixteen changed bits in the weights of rank 1's newest checkpoint (the issue's probe:
+    the resume trained on them and reached losses of 1e35): the resume names the file, goes
+    back to the previous checkpoint that verifies, and ends with the uninterrupted losses;
+    a temporary file left by a writer that was killed is removed."""
+    export = _export(tmp_path / "pipe", "1f1b-flush")
+    data = functools.partial(batches, 6)
+    want = pdcompile.load(str(export)).train(batches(6))
+    ckpt = tmp_path / "ckpt"
+    train_processes(export, 2, data, steps=4, timeout=120, fault_timeout=5,
+                    checkpoint_dir=ckpt, checkpoint_every=2)
+    newest = ckpt / "rank_1" / "step_00000004.safetensors"
+    raw = bytearray(newest.read_bytes())
+    for bit in range(16):  # inside the tensors, at the end of the file
+        raw[-1 - 7 * bit] ^= 1 << (bit % 8)
+    newest.write_bytes(bytes(raw))
+    pid_max = int(Path("/proc/sys/kernel/pid_max").read_text())
+    stale = ckpt / "rank_1" / f".step_00000006.safetensors.{pid_max + 1}.tmp"
+    stale.write_bytes(b"\0" * 4096)
+    capfd.readouterr()
+    second = train_processes(export, 2, data, steps=6, timeout=120, fault_timeout=5,
+                             checkpoint_dir=ckpt, checkpoint_every=2)
+    err = capfd.readouterr().err
+    assert second.resumed_from == 2 and second.steps == 4, err
+    assert f"the checkpoint at step 4 in {ckpt} is damaged ({newest} does not match its " \
+           "manifest" in err and "resuming from step 2, the newest checkpoint that verifies" \
+           in err, err
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(want))
+    assert not stale.exists()

@@ -14,6 +14,7 @@ from torch import nn
 
 import pdcompile
 from pdcompile.cli import main
+from pdcompile.export.integrity import seal_export
 from pdcompile.timeline import Timeline
 from tests.helpers.processes import printed_losses, run_cli
 
@@ -118,7 +119,8 @@ def test_dead_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path: Path
     want = pdcompile.load(str(folder)).train([((x,), y)] * 6)
     assert printed_losses(done.stdout) == pytest.approx(want, rel=1e-6)
     assert sorted(p.name for p in (ckpt / "rank_1").iterdir()) == [
-        "step_00000004.safetensors", "step_00000006.safetensors"]
+        "step_00000004.manifest.json", "step_00000004.safetensors",
+        "step_00000006.manifest.json", "step_00000006.safetensors"]
 
 
 def test_default_data_is_the_example_a_default_number_of_times(
@@ -143,9 +145,11 @@ def test_default_data_is_the_example_a_default_number_of_times(
     meta = json.loads((folder / "pipeline.json").read_text())
     meta["example"]["target"] = False
     (folder / "pipeline.json").write_text(json.dumps(meta))
+    seal_export(folder)  # an export written so (its manifest matches)
     assert main(["run", str(folder), "--dry-run"]) == 1
     assert "no target for its loss function" in capsys.readouterr().err
     meta["example"]["inputs"] = False
     (folder / "pipeline.json").write_text(json.dumps(meta))
+    seal_export(folder)
     assert main(["run", str(folder), "--dry-run"]) == 1
     assert "holds no example minibatch" in capsys.readouterr().err

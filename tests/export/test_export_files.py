@@ -18,6 +18,7 @@ import pdcompile
 from pdcompile.cli import main
 from pdcompile.errors import PdcompileError
 from pdcompile.export.files import check_export
+from pdcompile.export.integrity import seal_export
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 
 
@@ -103,6 +104,7 @@ def _break_json(path: Path) -> None:
     path.write_text(path.read_text()[:-20])
 
 
+@pytest.mark.parametrize("resealed", [False, True], ids=["manifest", "resealed"])
 @pytest.mark.parametrize(("name", "damage"), [
     ("stage_1.safetensors", _truncate),
     ("optimizer_0.safetensors", _truncate),
@@ -114,11 +116,16 @@ def _break_json(path: Path) -> None:
     ("plan.json", _break_json),
 ])
 def test_a_damaged_file_is_named_in_one_line(tmp_path: Path, name: str, damage: Any,
+                                             resealed: bool,
                                              capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused by the manifest; and with a manifest rewritten to match (a folder altered on
+    purpose), by the reader's own checks, still in one line naming the file."""
     pipe, _, _ = _pipeline()
     out = tmp_path / "out"
     pipe.export(str(out))
     damage(out / name)
+    if resealed:
+        seal_export(out)
     with pytest.raises(PdcompileError) as info:
         pdcompile.load(str(out))
     message = str(info.value)
@@ -134,6 +141,10 @@ def test_an_altered_optimizer_state_is_named(tmp_path: Path) -> None:
     out = tmp_path / "out"
     pipe.export(str(out))
     shutil.copyfile(out / "optimizer_0.safetensors", out / "optimizer_1.safetensors")
+    with pytest.raises(PdcompileError, match=r"optimizer_1.safetensors does not match its "
+                                             r"manifest"):
+        pdcompile.load(str(out))
+    seal_export(out)  # altered on purpose, manifest and all: the reader's own check names it
     with pytest.raises(PdcompileError, match=r"optimizer_1.safetensors does not fit the "
                                              r"stage's Adam optimizer"):
         pdcompile.load(str(out))
@@ -160,6 +171,7 @@ def test_an_altered_pipeline_json_is_named(tmp_path: Path,
     meta = json.loads((out / "pipeline.json").read_text())
     del meta["stages"]
     (out / "pipeline.json").write_text(json.dumps(meta))
+    seal_export(out)
     with pytest.raises(PdcompileError, match=r"pipeline.json is altered or incomplete \(stages"):
         pdcompile.load(str(out))
     assert main(["run", str(out), "--dry-run"]) == 1

@@ -1,0 +1,172 @@
+"""Manifests: the SHA-256 and size of every file of an export or a checkpoint, written last.
+
+A folder pdcompile writes (an export, one rank's checkpoint) ends with a manifest, a small JSON
+file naming each of its files with its size and SHA-256. It is written after everything else
+and atomically (a temporary file, fsync, rename), so that a folder whose writer was killed has
+no manifest, or the previous one, which no longer matches. Readers verify the files against it
+before they use them and refuse a mismatch in one line naming the file. A manifest detects
+damage (a flipped bit, a truncated or edited file); it is not a signature: whoever can write
+the folder can write a matching manifest too.
+
+    {"format": "pdcompile.manifest/1", "kind": "export",
+     "files": {"stage_0.safetensors": {"size": 1234, "sha256": "9f86..."}, ...}}
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdcompile.errors import DamagedFileError
+
+MANIFEST_FORMAT = "pdcompile.manifest/1"
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class FileEntry:
+    """One file of a manifest: its size in bytes and its SHA-256 (hex)."""
+
+    size: int
+    sha256: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A manifest read back: what it covers (`kind`) and its files by name (relative)."""
+
+    path: Path
+    kind: str
+    files: dict[str, FileEntry]
+
+    @property
+    def total_bytes(self) -> int:
+        """The size of every file it lists together."""
+        return sum(entry.size for entry in self.files.values())
+
+
+def digest(path: Path) -> str:
+    """The SHA-256 of a file (read in chunks: a 1 GB file takes 1 MB of memory)."""
+    sha = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(_CHUNK):
+            sha.update(chunk)
+    return sha.hexdigest()
+
+
+def write_manifest(folder: Path, names: Iterable[str], *, kind: str,
+                   manifest_name: str) -> Path:
+    """Hash `names` (files in `folder`) and write their manifest atomically, last."""
+    files = {}
+    for name in sorted(set(names)):
+        path = folder / name
+        files[name] = {"size": path.stat().st_size, "sha256": digest(path)}
+    text = json.dumps({"format": MANIFEST_FORMAT, "kind": kind, "files": files}, indent=1)
+    final = folder / manifest_name
+    tmp = folder / f".{manifest_name}.{os.getpid()}.tmp"
+    with open(tmp, "w") as out:
+        out.write(text)
+        out.flush()
+        os.fsync(out.fileno())
+    os.replace(tmp, final)
+    fsync_dir(folder)
+    return final
+
+
+def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
+    """A manifest file read and checked for its format; one line naming it otherwise."""
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise DamagedFileError(f"{path} is missing (the writer was stopped before it finished, "
+                               f"or the folder predates manifests); {fix}") from None
+    except (ValueError, UnicodeDecodeError) as err:
+        raise DamagedFileError(f"{path} is not valid JSON ({err}); {fix}") from None
+    try:
+        if data["format"] != MANIFEST_FORMAT:
+            raise DamagedFileError(f"{path} is format {data['format']!r}, expected "
+                                   f"{MANIFEST_FORMAT!r}; {fix}")
+        files = {str(name): FileEntry(int(entry["size"]), str(entry["sha256"]))
+                 for name, entry in data["files"].items()}
+        found = str(data["kind"])
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise DamagedFileError(f"{path} is altered or incomplete ({type(err).__name__}: {err}); "
+                               f"{fix}") from None
+    if found != kind:
+        raise DamagedFileError(f"{path} is the manifest of a {found}, not of a {kind}; {fix}")
+    for name in files:
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise DamagedFileError(f"{path} names {name!r}, outside its folder; {fix}")
+    return Manifest(path, found, files)
+
+
+def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = None,
+                kind: str = "folder") -> None:
+    """Refuse `path` (or `data`, its bytes already read) unless it has the entry's size and
+    SHA-256; the message names the file and what differs."""
+    if data is None:
+        try:
+            size = path.stat().st_size
+        except FileNotFoundError:
+            raise DamagedFileError(f"{path} is missing from the {kind} (its manifest lists "
+                                   f"it); {fix}") from None
+    else:
+        size = len(data)
+    if size != entry.size:
+        raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it says "
+                               f"{entry.size}: truncated or altered); {fix}")
+    found = hashlib.sha256(data).hexdigest() if data is not None else digest(path)
+    if found != entry.sha256:
+        raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: altered "
+                               f"or damaged on disk); {fix}")
+
+
+def verify(manifest: Manifest, *, fix: str) -> None:
+    """Check every file the manifest lists (size, then SHA-256); the first mismatch raises."""
+    folder = manifest.path.parent
+    for name, entry in sorted(manifest.files.items()):
+        check_entry(folder / name, entry, fix=fix, kind=manifest.kind)
+
+
+def read_verified(manifest: Manifest, name: str, *, fix: str) -> bytes:
+    """The bytes of one listed file, read once and checked: what is used is what was checked."""
+    entry = manifest.files.get(name)
+    path = manifest.path.parent / name
+    if entry is None:
+        raise DamagedFileError(f"{path} is not listed in {manifest.path.name}, so it is not part "
+                               f"of what was written; {fix}")
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise DamagedFileError(f"{path} is missing from the {manifest.kind} (its manifest "
+                               f"lists it); {fix}") from None
+    check_entry(path, entry, fix=fix, data=data, kind=manifest.kind)
+    return data
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename in `folder` durable (best effort: not every file system allows it)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def entries(manifest: Manifest) -> dict[str, Any]:
+    """The manifest's files as plain data (name -> size, sha256), for reports."""
+    return {name: {"size": e.size, "sha256": e.sha256} for name, e in manifest.files.items()}
+
+
+__all__ = ["MANIFEST_FORMAT", "FileEntry", "Manifest", "check_entry", "digest", "entries",
+           "fsync_dir", "read_manifest", "read_verified", "verify", "write_manifest"]
