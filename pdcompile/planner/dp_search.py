@@ -22,11 +22,22 @@ from pdcompile.machine.cluster import Cluster
 from pdcompile.planner.costmodel import ModelOptions
 
 COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below
-DP_BUDGET = 1e7  # (states^2 / 2) * (workers (workers + 1) / 2) elements per pass of the DP
+DP_BUDGET = 1e7  # (states^2 / 2) * (workers, replicas) pairs: elements per pass of the DP
+FEWEST_STATES = 16  # the budget never goes below this many states
 
 
-def _state_budget(workers: int) -> int:
-    return max(200, min(1500, int((4 * DP_BUDGET / (workers * (workers + 1))) ** 0.5)))
+def state_budget(workers: int, *, straight: bool = False) -> int:
+    """How many antichain states the native DP may run on over `workers`: a pass of the DP
+    touches about states^2 / 2 stages at each of its (workers, replicas) pairs (dp.dp_pairs),
+    which DP_BUDGET bounds; at least 200 states up to UNIT_LIMIT units (then the pairs are at
+    most 528), and at most 1500."""
+    from pdcompile.planner.dp import UNIT_LIMIT, dp_pairs
+
+    pairs = dp_pairs(workers, straight=straight)
+    if straight and workers <= UNIT_LIMIT:  # the same states as the replicated DP's
+        pairs = workers * (workers + 1) // 2
+    floor = 200 if pairs <= UNIT_LIMIT * (UNIT_LIMIT + 1) // 2 else FEWEST_STATES
+    return max(floor, min(1500, int((2 * DP_BUDGET / pairs) ** 0.5)))
 
 
 @dataclass
@@ -40,13 +51,15 @@ class Prepared:
     pinned: tuple[str, ...]
 
 
-def prepare(work: nx.DiGraph, cost_model: str, workers: int) -> Prepared:
-    """Antichain states of `work` within the DP's budget, trying in turn: every downset (native
-    only: exact), PipeDream's antichains, the same on a coarsened graph, and finally the prefixes
-    of a topological order of the coarsened graph."""
+def prepare(work: nx.DiGraph, cost_model: str, workers: int, *,
+            straight: bool = False) -> Prepared:
+    """Antichain states of `work` within the DP's budget (`state_budget`), trying in turn:
+    every downset (native only: exact), PipeDream's antichains, the same on a coarsened graph,
+    and finally the prefixes of a topological order of the coarsened graph (at most the budget
+    of them, cut where they spread its compute evenly)."""
     from pdcompile.planner.antichain import antichain_states, prefix_states
 
-    budget = _state_budget(workers) if cost_model == "native" else 6000
+    budget = state_budget(workers, straight=straight) if cost_model == "native" else 6000
     pinned = pinned_inputs(work) if cost_model == "native" else ()
     core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
     identity = {node: [node] for node in core.nodes}
@@ -61,14 +74,17 @@ def prepare(work: nx.DiGraph, cost_model: str, workers: int) -> Prepared:
         return Prepared(states, "pipedream antichains", identity, work, pinned)
     except CostGraphError:
         pass
-    full, mapping = coarse_with_pinned(work, COARSE_NODES, pinned)
+    full, mapping = coarse_with_pinned(work, min(COARSE_NODES, budget - 1), pinned)
     coarse = full.subgraph([b for b in full.nodes if b not in set(pinned)]).copy()
+    blocks = coarse.number_of_nodes()
     try:
         states = antichain_states(coarse, max_states=budget)
-        kind = f"pipedream antichains of {coarse.number_of_nodes()} coarse blocks"
+        kind = f"pipedream antichains of {blocks} coarse blocks"
     except CostGraphError:
-        states = prefix_states(coarse)
-        kind = f"prefixes of a topological order of {coarse.number_of_nodes()} coarse blocks"
+        states = prefix_states(coarse, most=budget)
+        kind = f"prefixes of a topological order of {blocks} coarse blocks"
+        if len(states) - 1 < blocks:
+            kind += f", cut at {len(states) - 2} places"
     return Prepared(states, kind, mapping, full, pinned)
 
 
@@ -150,5 +166,5 @@ def pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
     return tuple(n for n in topological_order(graph) if n in pinned)
 
 
-__all__ = ["COARSE_NODES", "DP_BUDGET", "Prepared", "coarse_with_pinned", "expand", "pinned_inputs",
-           "planning_dp", "planning_graph", "prepare", "solve"]
+__all__ = ["COARSE_NODES", "DP_BUDGET", "FEWEST_STATES", "Prepared", "coarse_with_pinned", "expand",
+           "pinned_inputs", "planning_dp", "planning_graph", "prepare", "solve", "state_budget"]

@@ -325,6 +325,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     whole servers (the outermost level's members) and a stage on k servers runs on all their
     workers, replicated within each server."""
     from pdcompile.planner.dp import (
+        UNIT_LIMIT,
         native_dp,
         native_dp_bisect,
         stage_grid,
@@ -343,8 +344,13 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         copies = workers // span
         search = replace(cluster, levels=cluster.levels[-1:], name=f"servers of {cluster.name}")
         link = cluster.levels[-2]
-    prepared = prepare(graph, "native", span)
-    status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 else "HEURISTIC"
+    prepared = prepare(graph, "native", span, straight=straight)
+    if fill and len(prepared.states) - 1 < span:
+        raise PlanError(f"{span} stages need {span + 1} states; the DP has "
+                        f"{len(prepared.states)} ({prepared.kind})")
+    grouped = not straight and span > UNIT_LIMIT  # the DP places units of several workers
+    status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 and not grouped \
+        else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     found: list[_Candidate] = []
 
@@ -403,12 +409,20 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         # the memory keeps a stage below PipeDream's in-flight count: recomputing activations
         # would let it hold more, and the cuts may then fall elsewhere
         search_grid(recompute=True)
+    if grouped and layout == "flat" and not found:
+        # nothing fits on units: pipelines of more stages than units, one worker each
+        try:
+            found += _dp_candidates(graph, cluster, options, limit, True, workers,
+                                    fill=False).candidates
+        except PlanError:
+            pass
     if not found:
         raise PlanError("no plan fits")
     kind_of_states = prepared.kind + (
         f", one server's pipeline on each of {copies} servers" if layout == "per server"
         else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
-        else "")
+        else "") + (f", {UNIT_LIMIT} units of about {span // UNIT_LIMIT} workers" if grouped
+                    else "")
     return _Found(kind_of_states, found)
 
 
