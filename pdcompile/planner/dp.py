@@ -146,8 +146,13 @@ def unit_bounds(workers: int, *, straight: bool = False) -> np.ndarray:
     """The first rank of each unit a DP over `workers` spans, and `workers` last: one worker
     per unit up to UNIT_LIMIT (and in a straight pipeline, one replica per stage), else
     UNIT_LIMIT units of near-equal size, so that the (workers, replicas) pairs of the grid stay
-    within UNIT_LIMIT (UNIT_LIMIT + 1) / 2 however big the cluster."""
-    units = workers if straight or workers <= UNIT_LIMIT else UNIT_LIMIT
+    within UNIT_LIMIT (UNIT_LIMIT + 1) / 2 however big the cluster: equal units where some
+    count from UNIT_LIMIT / 2 up divides the workers (stages then have replica counts with
+    small common multiples, which keeps the pricing of their transfers short)."""
+    if straight or workers <= UNIT_LIMIT:
+        return np.arange(workers + 1)
+    units = next((u for u in range(UNIT_LIMIT, UNIT_LIMIT // 2 - 1, -1) if workers % u == 0),
+                 UNIT_LIMIT)
     return (np.arange(units + 1) * workers) // units
 
 

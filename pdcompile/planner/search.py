@@ -330,11 +330,11 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     whole servers (the outermost level's members) and a stage on k servers runs on all their
     workers, replicated within each server."""
     from pdcompile.planner.dp import (
-        UNIT_LIMIT,
         native_dp,
         native_dp_bisect,
         stage_grid,
         state_tables,
+        unit_bounds,
     )
 
     copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
@@ -353,7 +353,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     if fill and len(prepared.states) - 1 < span:
         raise PlanError(f"{span} stages need {span + 1} states; the DP has "
                         f"{len(prepared.states)} ({prepared.kind})")
-    grouped = not straight and span > UNIT_LIMIT  # the DP places units of several workers
+    units = len(unit_bounds(span, straight=straight)) - 1
+    grouped = units < span  # the DP places units of several workers
     status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 and not grouped \
         else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
@@ -426,8 +427,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     kind_of_states = prepared.kind + (
         f", one server's pipeline on each of {copies} servers" if layout == "per server"
         else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
-        else "") + (f", {UNIT_LIMIT} units of about {span // UNIT_LIMIT} workers" if grouped
-                    else "")
+        else "") + (f", {units} units of about {span // units} workers" if grouped else "")
     return _Found(kind_of_states, found)
 
 
