@@ -207,17 +207,19 @@ RANDOM_CASES = (
 
 
 def measure_random(nodes: int, skips: int, cluster: str) -> dict[str, Any]:
-    """One `pdcompile.plan` call on `chain(nodes, skips=skips)`: seconds, peak resident
+    """One `pdcompile.plan` call on `chain(nodes, skips=skips)`: wall and CPU seconds (the
+    process's: on a shared machine the wall time counts other jobs too), peak resident
     memory of the process (ru_maxrss, graph and imports included), the plan."""
     import resource
 
     import pdcompile
 
     graph = chain(nodes, skips=skips)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     plan = pdcompile.plan(graph, cluster)
-    seconds = time.perf_counter() - started
-    return {"seconds": seconds, "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seconds": seconds, "cpu": cpu, "peak": peak,
             "config": plan.config, "ms": plan.time_per_minibatch * 1e3,
             "states": plan.extra.get("states", ""),
             "by": "simulator" if "simulated_time_per_minibatch" in plan.extra else "closed form"}
@@ -240,7 +242,8 @@ def random_rows() -> list[tuple[int, int, str, str, dict[str, Any]]]:
                               capture_output=True, timeout=600, check=True)
         result = json.loads(done.stdout.strip().splitlines()[-1])
         rows.append((nodes, skips, cluster, target, result))
-        print(f"  {nodes} nodes, {skips} skips on {cluster}: {result['seconds']:.2f} s, "
+        print(f"  {nodes} nodes, {skips} skips on {cluster}: {result['seconds']:.2f} s "
+              f"({result['cpu']:.2f} s CPU), "
               f"{result['peak'] / 2**20:.0f} MiB", flush=True)
     return rows
 
@@ -313,14 +316,15 @@ def scale_section(*, exact_limit: int = 32) -> str:
               "and the graph included). Flat clusters wider than 32 workers are planned in "
               f"units of neighbouring workers (planner/dp.py `unit_bounds`). Load average {load} "
               "before the rows (the VM's 2 cores are shared).", "",
-              "| graph | nodes | cluster | workers | plan s | peak MiB | target | config | "
+              "| graph | nodes | cluster | workers | plan s | CPU s | peak MiB | target | config | "
               "predicted ms | by | states |",
-              "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for nodes, skips, cluster_text, target, r in random_rows():
         config = r["config"] if len(r["config"]) <= 30 else r["config"][:28] + ".."
         workers = pdcompile.Cluster.parse(cluster_text).workers
         lines.append(f"| random chain, {skips} skips | {nodes:,} | `{cluster_text}` | {workers} | "
-                     f"{r['seconds']:.2f} | {r['peak'] / 2**20:.0f} | {target} | {config} | "
+                     f"{r['seconds']:.2f} | {r['cpu']:.2f} | {r['peak'] / 2**20:.0f} | {target} | "
+                     f"{config} | "
                      f"{r['ms']:.3f} | {r['by']} | {r['states']} |")
     lines += ["", "Gap to the exact DP (one DP over all workers, no symmetric servers), where it "
               f"finishes (up to {exact_limit} workers), closed form against closed form:", "",
