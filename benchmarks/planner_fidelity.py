@@ -173,19 +173,79 @@ def result_in_flight(result: Any, plan: Any) -> list[int]:
 
 
 # ------------------------------------------------------------------ scale
-def chain(nodes: int, seed: int = 0) -> Any:
+def chain(nodes: int, seed: int = 0, skips: int = 0) -> Any:
     """A chain of `nodes` random blocks (0.1-1 ms forward, twice as much backward at most,
-    0.1-10 MB activations, up to 4 MB of weights): a stand-in for a deep model's fx graph."""
+    0.1-10 MB activations, up to 4 MB of weights): a stand-in for a deep model's fx graph;
+    `skips` random short skip edges (each over 2 to 8 blocks) make it branch."""
     from pdcompile.cost.costgraph import add_block, new_cost_graph
 
     rng = random.Random(seed)
-    graph = new_cost_graph(f"chain of {nodes}", 32)
+    graph = new_cost_graph(f"chain of {nodes}" + (f" with {skips} skips" if skips else ""), 32)
     for i in range(nodes):
         add_block(graph, f"n{i}", fwd=rng.uniform(1e-4, 1e-3), bwd=rng.uniform(2e-4, 2e-3),
                   act=rng.uniform(1e5, 1e7), params=rng.uniform(0, 4e6))
         if i:
             graph.add_edge(f"n{i - 1}", f"n{i}")
+    for _ in range(skips):
+        start = rng.randrange(nodes - 2)
+        graph.add_edge(f"n{start}", f"n{min(nodes - 1, start + rng.randint(2, 8))}")
     return graph
+
+
+# random-cost graphs at scale: (nodes, skips, cluster, target); each planned in a process of
+# its own, so that its peak resident memory is its own
+RANDOM_CASES = (
+    (5000, 300, H100_SERVERS.format(servers=128), "< 10 s, < 4 GB"),
+    (5000, 300, "1024@450GB/s~3us:h100", "< 10 s, < 4 GB"),
+    (5000, 300, H100_SERVERS.format(servers=16), "< 5 s"),
+    (5000, 300, "128@450GB/s~3us:h100", "< 5 s"),
+    (5000, 0, "128@450GB/s~3us:h100", "< 5 s"),
+    (5000, 300, H100_SERVERS.format(servers=32), ""),
+    (2000, 200, "1024@450GB/s~3us:h100", ""),
+    (1000, 100, "128@450GB/s~3us:h100", ""),
+)
+
+
+def measure_random(nodes: int, skips: int, cluster: str) -> dict[str, Any]:
+    """One `pdcompile.plan` call on `chain(nodes, skips=skips)`: wall and CPU seconds (the
+    process's: on a shared machine the wall time counts other jobs too), peak resident
+    memory of the process (ru_maxrss, graph and imports included), the plan."""
+    import resource
+
+    import pdcompile
+
+    graph = chain(nodes, skips=skips)
+    started, cpu = time.perf_counter(), time.process_time()
+    plan = pdcompile.plan(graph, cluster)
+    seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"seconds": seconds, "cpu": cpu, "peak": peak,
+            "config": plan.config, "ms": plan.time_per_minibatch * 1e3,
+            "states": plan.extra.get("states", ""),
+            "by": "simulator" if "simulated_time_per_minibatch" in plan.extra else "closed form"}
+
+
+def random_rows() -> list[tuple[int, int, str, str, dict[str, Any]]]:
+    """`measure_random` for every RANDOM_CASES row, each in a fresh process."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    rows = []
+    for nodes, skips, cluster, target in RANDOM_CASES:
+        code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import planner_fidelity as f; "
+                f"print(json.dumps(f.measure_random({nodes}, {skips}, {cluster!r})))")
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                              capture_output=True, timeout=600, check=True)
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        rows.append((nodes, skips, cluster, target, result))
+        print(f"  {nodes} nodes, {skips} skips on {cluster}: {result['seconds']:.2f} s "
+              f"({result['cpu']:.2f} s CPU), "
+              f"{result['peak'] / 2**20:.0f} MiB", flush=True)
+    return rows
 
 
 def gpt2_xl_graph() -> Any:
@@ -249,6 +309,23 @@ def scale_section(*, exact_limit: int = 32) -> str:
         config = plan.config if len(plan.config) <= 30 else plan.config[:28] + ".."
         lines.append(f"| {label} | {nodes:,} | {workers} | {seconds:.2f} | {target} | "
                      f"{config} | {plan.time_per_minibatch * 1e3:.3f} | {by} |")
+    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+    lines += ["", "Random-cost graphs (`chain(nodes, skips=...)`: random per-node costs, short "
+              "skip edges over 2-8 blocks), each planned in a process of its own: wall time of the "
+              "`pdcompile.plan` call and the process's peak resident memory (ru_maxrss: imports "
+              "and the graph included). Flat clusters wider than 32 workers are planned in "
+              f"units of neighbouring workers (planner/dp.py `unit_bounds`). Load average {load} "
+              "before the rows (the VM's 2 cores are shared).", "",
+              "| graph | nodes | cluster | workers | plan s | CPU s | peak MiB | target | config | "
+              "predicted ms | by | states |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for nodes, skips, cluster_text, target, r in random_rows():
+        config = r["config"] if len(r["config"]) <= 30 else r["config"][:28] + ".."
+        workers = pdcompile.Cluster.parse(cluster_text).workers
+        lines.append(f"| random chain, {skips} skips | {nodes:,} | `{cluster_text}` | {workers} | "
+                     f"{r['seconds']:.2f} | {r['cpu']:.2f} | {r['peak'] / 2**20:.0f} | {target} | "
+                     f"{config} | "
+                     f"{r['ms']:.3f} | {r['by']} | {r['states']} |")
     lines += ["", "Gap to the exact DP (one DP over all workers, no symmetric servers), where it "
               f"finishes (up to {exact_limit} workers), closed form against closed form:", "",
               "| graph | workers | symmetric s | config | ms | exact s | config | ms | gap |",

@@ -43,6 +43,8 @@ def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Le
     """The level each transfer between two stages on ranks `a` and `b` crosses, per microbatch
     residue: microbatch m goes from a[m % len(a)] to b[m % len(b)] (round robin over replicas),
     so the rank pairs used are those of m < lcm(len(a), len(b))."""
+    if len(cluster.levels) == 1 and max(*a, *b) < cluster.workers:  # one level: every pair
+        return [cluster.levels[0]] * math.lcm(len(a), len(b))
     return [cluster.levels[cluster.link_level(a[m % len(a)], b[m % len(b)])]
             for m in range(math.lcm(len(a), len(b)))]
 

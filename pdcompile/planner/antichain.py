@@ -224,17 +224,31 @@ def _strict_subsets(downsets: list[int], n: int) -> tuple[int, ...]:
     return tuple(int.from_bytes(row.tobytes(), "little") for row in packed)
 
 
-def prefix_states(graph: nx.DiGraph) -> AntichainStates:
-    """The prefixes of one topological order as states: a linearisation that always has
-    len(graph) + 1 states (stages are then runs of consecutive nodes in that order). A fallback
-    for graphs too branched for `antichain_states`; it may miss the best plan."""
+def prefix_states(graph: nx.DiGraph, *, most: int | None = None) -> AntichainStates:
+    """The prefixes of one topological order as states: a linearisation that has len(graph) + 1
+    states (stages are then runs of consecutive nodes in that order). A fallback for graphs too
+    branched for `antichain_states`; it may miss the best plan. With `most`, at most that many
+    states: the empty one, everything, and the prefixes that cut the order where they spread
+    its compute most evenly (every node weighing at least 1% of an average node, so that
+    graphs without compute are cut evenly by count)."""
     validate(graph)
     order = tuple(topological_order(graph))
     index = {node: i for i, node in enumerate(order)}
     n = len(order)
-    downsets = [(1 << i) - 1 for i in range(n + 1)]
+    cuts = list(range(n + 1))
+    if most is not None and n + 1 > most:
+        import numpy as np
+
+        work = np.array([float(graph.nodes[x]["fwd"]) + float(graph.nodes[x]["bwd"])
+                         for x in order])
+        work = work + max(float(work.sum()), 1.0) / (100.0 * n)
+        ends = np.cumsum(work)  # ends[i - 1]: the work of the prefix of i nodes
+        targets = ends[-1] * np.arange(1, max(most, 2) - 1) / (max(most, 2) - 1)
+        inner = np.unique(np.clip(np.searchsorted(ends, targets) + 1, 1, n - 1))
+        cuts = [0, *(int(i) for i in inner if 0 < i < n), n]
+    downsets = [(1 << i) - 1 for i in cuts]
     last_use = [max((index[v] for v in graph.successors(u)), default=-1) for u in order]
-    frontier = [tuple(u for u in range(i) if last_use[u] >= i) for i in range(n + 1)]
-    reach = [(1 << i) - 1 for i in range(n + 1)]
+    frontier = [tuple(u for u in range(i) if last_use[u] >= i) for i in cuts]
+    reach = [(1 << s) - 1 for s in range(len(cuts))]
     return AntichainStates(order=order, downsets=tuple(downsets), frontier=tuple(frontier),
                            reach=tuple(reach))

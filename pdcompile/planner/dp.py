@@ -137,67 +137,162 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
 
 
 # ------------------------------------------------------------------------------ native
+UNIT_LIMIT = 32  # a DP spans at most this many units of workers (a straight one: every worker)
+PARTS_BYTES = 512 << 20  # the grid keeps stage parts of rows up to this size, ...
+VALUES_BYTES = 256 << 20  # ... and planning objectives up to this; others are recomputed
+
+
+def unit_bounds(workers: int, *, straight: bool = False) -> np.ndarray:
+    """The first rank of each unit a DP over `workers` spans, and `workers` last: one worker
+    per unit up to UNIT_LIMIT (and in a straight pipeline, one replica per stage), else
+    UNIT_LIMIT units of near-equal size, so that the (workers, replicas) pairs of the grid stay
+    within UNIT_LIMIT (UNIT_LIMIT + 1) / 2 however big the cluster: equal units where some
+    count from UNIT_LIMIT / 2 up divides the workers (stages then have replica counts with
+    small common multiples, which keeps the pricing of their transfers short)."""
+    if straight or workers <= UNIT_LIMIT:
+        return np.arange(workers + 1)
+    units = next((u for u in range(UNIT_LIMIT, UNIT_LIMIT // 2 - 1, -1) if workers % u == 0),
+                 UNIT_LIMIT)
+    return (np.arange(units + 1) * workers) // units
+
+
+def dp_pairs(workers: int, *, straight: bool = False) -> int:
+    """The (workers, replicas) pairs of a grid over `workers` (`stage_grid`): its width, which
+    with the number of states sets the work of a pass of the DP."""
+    units = len(unit_bounds(workers, straight=straight)) - 1
+    return units if straight else units * (units + 1) // 2
+
+
+@dataclass(frozen=True)
+class _Row:
+    """The stages starting at one state: their end states and figures ([j, 1] each)."""
+
+    js: np.ndarray
+    figures: dict[str, np.ndarray]
+    rest: np.ndarray  # [j, 1] fwd+bwd of everything after each end state
+
+
+@dataclass
+class _Kept:
+    """Arrays kept up to a byte budget, first come first kept: a DP sweeps its rows again and
+    again in the same order, where evicting the oldest would keep nothing that is used next."""
+
+    budget: int
+    used: int = 0
+    items: dict[tuple[object, ...], object] = field(default_factory=dict)
+
+    def keep(self, key: tuple[object, ...], value: object, size: int) -> None:
+        if self.used + size <= self.budget:
+            self.items[key] = value
+            self.used += size
+
+
 @dataclass(frozen=True)
 class StageGrid:
-    """Every candidate stage (k, j] at every position (m workers for it and the rest, r of them
-    its replicas) with the pieces of its objective (costmodel.StageParts), built once and shared
-    by the native DPs: the planning objective's (`native_dp`, each of its variants) and the
-    bisection on the period (`native_dp_period`)."""
+    """Every candidate stage (k, j] at every position (m units for it and the rest, r of them
+    its replicas) with the pieces of its objective (costmodel.StageParts), shared by the native
+    DPs: the planning objective's (`native_dp`, each of its variants) and the bisection on the
+    period (`native_dp_period`). A row (one start state k: [j, q] arrays) is built when a DP
+    asks for it and kept while the grid's byte budgets allow (PARTS_BYTES, VALUES_BYTES), so
+    the memory stays bounded whatever the number of states and workers. A unit is one worker,
+    or on clusters wider than UNIT_LIMIT a group of neighbouring workers (`bounds`)."""
 
-    workers: int
+    workers: int  # units the DP spans
     last: int
-    mq: np.ndarray  # [q] workers of the stage and all after it
-    rq: np.ndarray  # [q] replicas of the stage
-    col: np.ndarray  # [m, r] -> q
-    rows: dict[int, tuple[np.ndarray, StageParts, np.ndarray]]  # k -> (js, parts [j, q], rest)
-    # k -> the parts of the same stages recomputing their activations (where that is planned)
-    recomputing: dict[int, StageParts] = field(default_factory=dict)
-    values: dict[str, dict[int, np.ndarray]] = field(default_factory=dict)  # flight -> k -> [j, q]
+    mq: np.ndarray  # [q] units of the stage and all after it, ascending, then ...
+    rq: np.ndarray  # [q] ... units of the stage (its replicas), ascending
+    bounds: np.ndarray  # [units + 1] first rank of each unit; the ranks spanned last
+    rows: dict[int, _Row]  # k -> the stages starting at state k
+    coef: Placement  # [q] the cost coefficients of each position
+    options: ModelOptions
+    memory: float | None
+    recompute: bool  # the stages may also recompute their activations (where planned)
+    parts_kept: _Kept = field(default_factory=lambda: _Kept(PARTS_BYTES))
+    values_kept: _Kept = field(default_factory=lambda: _Kept(VALUES_BYTES))
+
+    def ranks(self, first_unit: int, units: int) -> tuple[int, ...]:
+        """The ranks of `units` units from `first_unit` on."""
+        return tuple(range(int(self.bounds[first_unit]), int(self.bounds[first_unit + units])))
+
+    def parts(self, k: int, recompute: bool = False) -> StageParts:
+        """The pieces of the objective of the stages starting at state k ([j, q] arrays), those
+        recomputing their activations if `recompute`."""
+        key = (k, recompute)
+        if key in self.parts_kept.items:
+            return self.parts_kept.items[key]  # type: ignore[return-value]
+        row = self.rows[k]
+        again = None
+        if recompute:
+            again = row.figures["forward"]
+        figures = {name: v for name, v in row.figures.items() if name != "forward"}
+        parts = stage_parts(**figures, coef=self.coef, options=self.options,
+                            memory=self.memory, recompute=again)
+        self.parts_kept.keep(key, parts, sum(np.asarray(getattr(parts, f)).nbytes
+                                             for f in StageParts.__dataclass_fields__))
+        return parts
 
     def stage_values(self, k: int, options: ModelOptions) -> np.ndarray:
-        """The planning objective of the stages starting at state k (cached per `flight`): the
-        better of keeping and recomputing activations where recomputation is planned."""
-        cache = self.values.setdefault(options.flight, {})
-        if k not in cache:
-            _, parts, rest = self.rows[k]
-            cache[k] = values_of(parts, rest, options)
-            if k in self.recomputing:
-                cache[k] = np.minimum(cache[k], values_of(self.recomputing[k], rest, options))
-        return cache[k]
+        """The planning objective of the stages starting at state k (kept per `flight`): the
+        better of keeping and recomputing activations where recomputation is planned.
+        `options` may differ from the grid's in `flight` only."""
+        key = (options.flight, k)
+        if key in self.values_kept.items:
+            return self.values_kept.items[key]  # type: ignore[return-value]
+        rest = self.rows[k].rest
+        values = values_of(self.parts(k), rest, options)
+        if self.recompute:
+            values = np.minimum(values, values_of(self.parts(k, True), rest, options))
+        self.values_kept.keep(key, values, values.nbytes)
+        return values
 
     def stage_demand(self, k: int, options: ModelOptions, period: float,
                      after: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(in flight, demand) of the stages starting at state k (costmodel.demand_of), the
         better of keeping and recomputing activations where recomputation is planned."""
-        flight, demand = demand_of(self.rows[k][1], options, period, after)
-        if k in self.recomputing:
-            other_flight, other = demand_of(self.recomputing[k], options, period, after)
+        flight, demand = demand_of(self.parts(k), options, period, after)
+        if self.recompute:
+            other_flight, other = demand_of(self.parts(k, True), options, period, after)
             better = other < demand
             flight, demand = np.where(better, other_flight, flight), np.minimum(demand, other)
         return flight, demand
+
+    def best_per_units(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Per unit count m (0..workers): the smallest of `values` ([q]) over the replica
+        counts r, and the position q of the first r reaching it (m = 0: INF at position 0)."""
+        n = self.workers
+        if len(self.mq) == n:  # one replica count per m (straight): nothing to choose
+            out_v, out_q = np.full(n + 1, INF), np.zeros(n + 1, dtype=np.int64)
+            out_v[self.mq], out_q[self.mq] = values, np.arange(n)
+            return out_v, out_q
+        grid_v = np.full((n + 1, n + 1), INF)  # [m, r]: at most UNIT_LIMIT + 1 squared
+        grid_v[self.mq, self.rq] = values
+        r_best = np.argmin(grid_v, axis=1)  # [m] the first r of the smallest
+        col = np.zeros((n + 1, n + 1), dtype=np.int64)
+        col[self.mq, self.rq] = np.arange(len(self.mq))
+        return grid_v[np.arange(n + 1), r_best], col[np.arange(n + 1), r_best]
 
 
 def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                memory: float | None, straight: bool = False, workers: int | None = None,
                copies: int = 1, copy_link: Level | None = None,
                recompute: bool = False) -> StageGrid:
-    """The grid of `tables` on the first `workers` ranks (default all); straight: one replica
-    per stage; `copies` / `copy_link`: the pipeline is replicated (costmodel.placement);
-    `recompute`: every stage may also recompute its activations (pdcompile.cost.recompute)."""
+    """The grid of `tables` on the first `workers` ranks (default all), in units of workers
+    (`unit_bounds`); straight: one replica per stage; `copies` / `copy_link`: the pipeline is
+    replicated (costmodel.placement); `recompute`: every stage may also recompute its
+    activations (pdcompile.cost.recompute)."""
     n = workers or cluster.workers
+    bounds = unit_bounds(n, straight=straight)
+    units = len(bounds) - 1
     s = len(tables.compute)
     last = s - 1
-    pairs = [(m, r) for m in range(1, n + 1) for r in ((1,) if straight else range(1, m + 1))
-             if r <= m]
+    pairs = [(m, r) for m in range(1, units + 1) for r in ((1,) if straight else range(1, m + 1))]
     mq = np.array([m for m, _ in pairs])
     rq = np.array([r for _, r in pairs])
-    coef = _stacked([placement(cluster, n - m, r, n, copies=copies, copy_link=copy_link)
-                     for m, r in pairs])
-    col = np.zeros((n + 1, n + 1), dtype=np.int64)
-    col[mq, rq] = np.arange(len(pairs))
+    coef = _stacked([placement(cluster, int(bounds[units - m]),
+                               int(bounds[units - m + r] - bounds[units - m]), n,
+                               copies=copies, copy_link=copy_link) for m, r in pairs])
     total = float(tables.compute[last])
     rows = {}
-    recomputing = {}
     for k in range(last):
         js = np.nonzero(tables.valid[k])[0]
         if js.size == 0:
@@ -210,13 +305,10 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                    "params": (tables.params[js] - tables.params[k])[:, None],
                    "keep": (tables.keep[js] - base * tables.keep[k])[:, None],
                    "received": received[:, None], "sent": sent[:, None]}
-        parts = stage_parts(**figures, coef=coef, options=options, memory=memory)
-        rows[k] = (js, parts, (total - tables.compute[js])[:, None])
         if recompute:
-            recomputing[k] = stage_parts(
-                **figures, coef=coef, options=options, memory=memory,
-                recompute=(tables.forward[js] - tables.forward[k])[:, None])
-    return StageGrid(n, last, mq, rq, col, rows, recomputing)
+            figures["forward"] = (tables.forward[js] - tables.forward[k])[:, None]
+        rows[k] = _Row(js, figures, (total - tables.compute[js])[:, None])
+    return StageGrid(units, last, mq, rq, bounds, rows, coef, options, memory, recompute)
 
 
 def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
@@ -232,7 +324,7 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
     depth = n if max_stages is None else max(1, min(n, max_stages))
     prev = grid.mq - grid.rq
     q_all = np.arange(len(grid.mq))
-    # best[d, k, m]: the best pipeline of the rest after state k on m workers in at most d + 1
+    # best[d, k, m]: the best pipeline of the rest after state k on m units in at most d + 1
     # stages (one layer when the stage count is free)
     layers = depth if max_stages is not None else 1
     best = np.full((layers, last + 1, n + 1), INF)
@@ -242,7 +334,7 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
     for k in range(last - 1, -1, -1):
         if k not in grid.rows:
             continue
-        js = grid.rows[k][0]
+        js = grid.rows[k].js
         stage = grid.stage_values(k, options)  # [j, q]
         for d in range(layers):
             if max_stages is None:
@@ -253,15 +345,11 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
                 follow = best[d - 1][js][:, prev]
             cand = np.maximum(stage, follow)  # [j, q]
             arg = np.argmin(cand, axis=0)  # [q] best successor state per (m, r)
-            grid_v = np.full((n + 1, n + 1), INF)
-            grid_v[grid.mq, grid.rq] = cand[arg, q_all]
-            r_best = np.argmin(grid_v, axis=1)  # [m]
-            val = grid_v[np.arange(n + 1), r_best]
+            val, q_best = grid.best_per_units(cand[arg, q_all])  # [m]
             better = val < best[d, k]
             best[d, k] = np.where(better, val, best[d, k])
-            choice_j[d, k] = np.where(better, js[arg[grid.col[np.arange(n + 1), r_best]]],
-                                      choice_j[d, k])
-            choice_r[d, k] = np.where(better, r_best, choice_r[d, k])
+            choice_j[d, k] = np.where(better, js[arg[q_best]], choice_j[d, k])
+            choice_r[d, k] = np.where(better, grid.rq[q_best], choice_r[d, k])
     top = layers - 1
     used = n
     if straight and not fill:
@@ -274,8 +362,7 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
     k, m, d = 0, used, top
     while k != last:
         j, r = int(choice_j[d, k, m]), int(choice_r[d, k, m])
-        start = used - m
-        stages.append(DPStage(before=k, after=j, ranks=tuple(range(start, start + r))))
+        stages.append(DPStage(before=k, after=j, ranks=grid.ranks(used - m, r)))
         k, m = j, m - r
         d = d - 1 if max_stages is not None else d
     return DPResult(stages=tuple(stages), objective=float(best[top, 0, used]))
@@ -300,19 +387,15 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
     for k in range(last - 1, -1, -1):
         if k not in grid.rows:
             continue
-        js = grid.rows[k][0]
+        js = grid.rows[k].js
         after = demand[js][:, prev]  # [j, q]
         n_q, e_q = grid.stage_demand(k, options, period, after)
         arg = np.argmin(e_q, axis=0)
-        values = np.full((n + 1, n + 1), INF)
-        values[grid.mq, grid.rq] = e_q[arg, q_all]
-        r_best = np.argmin(values, axis=1)
-        val = values[np.arange(n + 1), r_best]
-        q_best = grid.col[np.arange(n + 1), r_best]
+        val, q_best = grid.best_per_units(e_q[arg, q_all])
         better = val < demand[k]
         demand[k] = np.where(better, val, demand[k])
         choice_j[k] = np.where(better, js[arg[q_best]], choice_j[k])
-        choice_r[k] = np.where(better, r_best, choice_r[k])
+        choice_r[k] = np.where(better, grid.rq[q_best], choice_r[k])
         flight[k] = np.where(better, n_q[arg[q_best], q_best], flight[k])
     used = n
     if straight and not fill:
@@ -326,7 +409,7 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
     k, m = 0, used
     while k != last:
         j, r = int(choice_j[k, m]), int(choice_r[k, m])
-        stages.append(DPStage(before=k, after=j, ranks=tuple(range(used - m, used - m + r))))
+        stages.append(DPStage(before=k, after=j, ranks=grid.ranks(used - m, r)))
         counts.append(int(flight[k, m]))
         k, m = j, m - r
     return DPResult(stages=tuple(stages), objective=period), tuple(counts)

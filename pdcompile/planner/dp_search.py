@@ -22,11 +22,23 @@ from pdcompile.machine.cluster import Cluster
 from pdcompile.planner.costmodel import ModelOptions
 
 COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below
-DP_BUDGET = 1e7  # (states^2 / 2) * (workers (workers + 1) / 2) elements per pass of the DP
+DP_BUDGET = 1e7  # (states^2 / 2) * (workers, replicas) pairs: elements per pass of the DP
+FEWEST_STATES = 16  # the budget never goes below this many states
+MOST_STAGES = 512  # a straight pipeline of exactly this many stages at most (plan's `stages`)
 
 
-def _state_budget(workers: int) -> int:
-    return max(200, min(1500, int((4 * DP_BUDGET / (workers * (workers + 1))) ** 0.5)))
+def state_budget(workers: int, *, straight: bool = False) -> int:
+    """How many antichain states the native DP may run on over `workers`: a pass of the DP
+    touches about states^2 / 2 stages at each of its (workers, replicas) pairs (dp.dp_pairs),
+    which DP_BUDGET bounds; at least 200 states up to UNIT_LIMIT units (then the pairs are at
+    most 528), and at most 1500."""
+    from pdcompile.planner.dp import UNIT_LIMIT, dp_pairs
+
+    pairs = dp_pairs(workers, straight=straight)
+    if straight and workers <= UNIT_LIMIT:  # the same states as the replicated DP's
+        pairs = workers * (workers + 1) // 2
+    floor = 200 if pairs <= UNIT_LIMIT * (UNIT_LIMIT + 1) // 2 else FEWEST_STATES
+    return max(floor, min(1500, int((2 * DP_BUDGET / pairs) ** 0.5)))
 
 
 @dataclass
@@ -38,38 +50,49 @@ class Prepared:
     mapping: dict[str, list[str]]
     graph: nx.DiGraph
     pinned: tuple[str, ...]
+    order: tuple[str, ...] = ()  # the prepared graph's nodes in topological order (`expand`)
 
 
-def prepare(work: nx.DiGraph, cost_model: str, workers: int) -> Prepared:
-    """Antichain states of `work` within the DP's budget, trying in turn: every downset (native
-    only: exact), PipeDream's antichains, the same on a coarsened graph, and finally the prefixes
-    of a topological order of the coarsened graph."""
+def prepare(work: nx.DiGraph, cost_model: str, workers: int, *, straight: bool = False,
+            least: int = 0) -> Prepared:
+    """Antichain states of `work` within the DP's budget (`state_budget`, raised to `least`
+    where a pipeline of exactly least - 1 stages is asked for), trying in turn: every downset
+    (native only: exact), PipeDream's antichains, the same on a coarsened graph, and finally
+    the prefixes of a topological order of the coarsened graph (at most the budget of them,
+    cut where they spread its compute evenly)."""
     from pdcompile.planner.antichain import antichain_states, prefix_states
 
-    budget = _state_budget(workers) if cost_model == "native" else 6000
-    pinned = pinned_inputs(work) if cost_model == "native" else ()
+    budget = state_budget(workers, straight=straight) if cost_model == "native" else 6000
+    budget = max(budget, least)
+    order = tuple(topological_order(work))
+    pinned = pinned_inputs(work, order) if cost_model == "native" else ()
     core = work.subgraph([n for n in work.nodes if n not in set(pinned)]).copy()
     identity = {node: [node] for node in core.nodes}
-    if cost_model == "native":
+    # a graph of n nodes has at least n + 1 downsets (the prefixes of a topological order)
+    if cost_model == "native" and core.number_of_nodes() < budget:
         try:
             states = antichain_states(core, complete=True, max_states=budget)
-            return Prepared(states, "all downsets", identity, work, pinned)
+            return Prepared(states, "all downsets", identity, work, pinned, order)
         except CostGraphError:
             pass
     try:
         states = antichain_states(core, max_states=budget)
-        return Prepared(states, "pipedream antichains", identity, work, pinned)
+        return Prepared(states, "pipedream antichains", identity, work, pinned, order)
     except CostGraphError:
         pass
-    full, mapping = coarse_with_pinned(work, COARSE_NODES, pinned)
+    target = max(min(COARSE_NODES, budget - 1), least - 1)
+    full, mapping = coarse_with_pinned(work, target, pinned)
     coarse = full.subgraph([b for b in full.nodes if b not in set(pinned)]).copy()
+    blocks = coarse.number_of_nodes()
     try:
         states = antichain_states(coarse, max_states=budget)
-        kind = f"pipedream antichains of {coarse.number_of_nodes()} coarse blocks"
+        kind = f"pipedream antichains of {blocks} coarse blocks"
     except CostGraphError:
-        states = prefix_states(coarse)
-        kind = f"prefixes of a topological order of {coarse.number_of_nodes()} coarse blocks"
-    return Prepared(states, kind, mapping, full, pinned)
+        states = prefix_states(coarse, most=budget)
+        kind = f"prefixes of a topological order of {blocks} coarse blocks"
+        if len(states) - 1 < blocks:
+            kind += f", cut at {len(states) - 2} places"
+    return Prepared(states, kind, mapping, full, pinned, order)
 
 
 def coarse_with_pinned(work: nx.DiGraph, target: int, pinned: tuple[str, ...] | None = None,
@@ -120,8 +143,10 @@ def solve(prepared: Prepared, cluster: Cluster, options: Any, limit: float | Non
 
 
 def expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, list[str]],
-            attach: dict[str, str | None], graph: nx.DiGraph,
+            attach: dict[str, str | None], graph: nx.DiGraph, *, order: tuple[str, ...] = (),
             ) -> list[tuple[list[str], tuple[int, ...]]]:
+    """The stages' nodes of `graph` (blocks through `mapping`, left-out nodes through
+    `attach`), each stage's in topological order (`order` if given: `Prepared.order`)."""
     stage_of = {}
     for i, (nodes, _) in enumerate(stages):
         for block in nodes:
@@ -129,8 +154,11 @@ def expand(stages: list[tuple[list[str], tuple[int, ...]]], mapping: dict[str, l
                 stage_of[node] = i
     for node, target in attach.items():
         stage_of[node] = 0 if target is None else stage_of[target]
-    order = topological_order(graph)
-    return [([n for n in order if stage_of[n] == i], ranks) for i, (_, ranks) in enumerate(stages)]
+    order = order or tuple(topological_order(graph))
+    by_stage: list[list[str]] = [[] for _ in stages]
+    for n in order:
+        by_stage[stage_of[n]].append(n)
+    return [(nodes, ranks) for nodes, (_, ranks) in zip(by_stage, stages, strict=True)]
 
 
 def planning_graph(graph: nx.DiGraph, cost_model: str,
@@ -145,10 +173,11 @@ def planning_graph(graph: nx.DiGraph, cost_model: str,
     return graph, {}
 
 
-def pinned_inputs(graph: nx.DiGraph) -> tuple[str, ...]:
+def pinned_inputs(graph: nx.DiGraph, order: tuple[str, ...] = ()) -> tuple[str, ...]:
     pinned = set(input_nodes(graph))
-    return tuple(n for n in topological_order(graph) if n in pinned)
+    return tuple(n for n in order or topological_order(graph) if n in pinned)
 
 
-__all__ = ["COARSE_NODES", "DP_BUDGET", "Prepared", "coarse_with_pinned", "expand", "pinned_inputs",
-           "planning_dp", "planning_graph", "prepare", "solve"]
+__all__ = ["COARSE_NODES", "DP_BUDGET", "FEWEST_STATES", "MOST_STAGES", "Prepared",
+           "coarse_with_pinned", "expand", "pinned_inputs", "planning_dp", "planning_graph",
+           "prepare", "solve", "state_budget"]

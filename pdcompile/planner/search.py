@@ -33,6 +33,7 @@ from pdcompile.planner.costmodel import (
     priced_time,
 )
 from pdcompile.planner.dp_search import (
+    MOST_STAGES,
     coarse_with_pinned,
     expand,
     pinned_inputs,
@@ -105,6 +106,10 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         if stages > cluster.workers:
             raise PlanError(f"stages={stages} needs {stages} workers; the cluster has "
                             f"{cluster.workers} ({cluster.describe()})")
+        if stages > MOST_STAGES:
+            raise PlanError(f"stages={stages}: the planner balances at most {MOST_STAGES} "
+                            "straight stages (its DP grows with the cube of their number); "
+                            f"pass stages={MOST_STAGES} or fewer, or none to let it choose")
         straight = True
     if planner == "ilp" and (straight or cost_model != "native"):
         raise PlanError("the CP-SAT planner handles the native cost model without --straight; "
@@ -329,6 +334,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         native_dp_bisect,
         stage_grid,
         state_tables,
+        unit_bounds,
     )
 
     copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
@@ -343,8 +349,14 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         copies = workers // span
         search = replace(cluster, levels=cluster.levels[-1:], name=f"servers of {cluster.name}")
         link = cluster.levels[-2]
-    prepared = prepare(graph, "native", span)
-    status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 else "HEURISTIC"
+    prepared = prepare(graph, "native", span, straight=straight, least=span + 1 if fill else 0)
+    if fill and len(prepared.states) - 1 < span:
+        raise PlanError(f"{span} stages need {span + 1} states; the DP has "
+                        f"{len(prepared.states)} ({prepared.kind})")
+    units = len(unit_bounds(span, straight=straight)) - 1
+    grouped = units < span  # the DP places units of several workers
+    status = "OPTIMAL" if prepared.kind == "all downsets" and copies == 1 and not grouped \
+        else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     found: list[_Candidate] = []
 
@@ -354,7 +366,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                    _spread(s.ranks, copies, span, layout)) for s in result.stages]
         if stages and prepared.pinned:
             stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
-        expanded = expand(stages, prepared.mapping, {}, graph)
+        expanded = expand(stages, prepared.mapping, {}, graph, order=prepared.order)
         if all(expanded != c.stages for c in found):
             candidate = _priced(graph, cluster, expanded, options, limit, planner="dp",
                                 status=status, in_flight=flight, how=how)
@@ -403,12 +415,19 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         # the memory keeps a stage below PipeDream's in-flight count: recomputing activations
         # would let it hold more, and the cuts may then fall elsewhere
         search_grid(recompute=True)
+    if grouped and layout == "flat" and not found:
+        # nothing fits on units: pipelines of more stages than units, one worker each
+        try:
+            found += _dp_candidates(graph, cluster, options, limit, True, workers,
+                                    fill=False).candidates
+        except PlanError:
+            pass
     if not found:
         raise PlanError("no plan fits")
     kind_of_states = prepared.kind + (
         f", one server's pipeline on each of {copies} servers" if layout == "per server"
         else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
-        else "")
+        else "") + (f", {units} units of about {span // units} workers" if grouped else "")
     return _Found(kind_of_states, found)
 
 
@@ -420,7 +439,7 @@ def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelO
     from pdcompile.planner.interleave import interleave
 
     count = workers * chunks
-    if workers < 2 or count > graph.number_of_nodes():
+    if workers < 2 or count > min(graph.number_of_nodes(), MOST_STAGES):
         raise PlanError(f"{count} chunks of {graph.number_of_nodes()} nodes on {workers} "
                         "workers cannot be interleaved")
     flat = cluster.with_workers(count)

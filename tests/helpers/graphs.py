@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import networkx as nx
@@ -24,3 +25,20 @@ def saved_chain(path: Path, blocks: int, *, nbytes: float) -> Path:
     """`chain_graph` saved as a CostGraph file."""
     save(chain_graph(blocks, nbytes=nbytes), path)
     return path
+
+
+def random_chain(nodes: int, *, skips: int = 0, reach: int = 8, seed: int = 0) -> nx.DiGraph:
+    """A chain of `nodes` blocks with random costs (0.1-1 ms forward, 0.2-2 ms backward,
+    0.1-10 MB activations, up to 4 MB of weights) and `skips` random short skip edges (each
+    over 2 to `reach` nodes): a graph at scale that is not a uniform stack of layers."""
+    rng = random.Random(seed)
+    graph = new_cost_graph(f"random chain of {nodes}", 32)
+    for i in range(nodes):
+        add_block(graph, f"n{i}", fwd=rng.uniform(1e-4, 1e-3), bwd=rng.uniform(2e-4, 2e-3),
+                  act=rng.uniform(1e5, 1e7), params=rng.uniform(0, 4e6))
+        if i:
+            graph.add_edge(f"n{i - 1}", f"n{i}")
+    for _ in range(skips if nodes > 2 else 0):
+        start = rng.randrange(nodes - 2)
+        graph.add_edge(f"n{start}", f"n{min(nodes - 1, start + rng.randint(2, reach))}")
+    return graph
