@@ -24,6 +24,7 @@ from pdcompile.backends.distributed_guard import guarded
 from pdcompile.backends.launch import FaultMonitor
 from pdcompile.backends.program import RunInput, RunProgram
 from pdcompile.errors import PdcompileError, PipelineInputError
+from pdcompile.runtime.stream_window import take_window, window_limit, window_rounds
 from pdcompile.runtime.transport import TensorSpec
 from pdcompile.runtime.value_shapes import describe, signature
 
@@ -41,8 +42,10 @@ class Announcements:
     """The runs of one rank's training, in order: `next(index)` gives the next run's data (on
     readers) and its header (on every rank), and keeps its message tables in `tables`.
 
-    `segment`: minibatches per run (None: the whole stream in one run); `ahead`: runs per
-    broadcast; `routed`: the last stage's ranks that get their targets from stage 0.
+    `segment`: runs end on multiples of it (1: a run per minibatch, flush schedules; the
+    checkpoint interval; None: windows only, runtime/stream_window.py); `ahead`: runs per
+    broadcast; `routed`: the last stage's ranks that get their targets from stage 0. A reader
+    reads the stream as the runs need it, a window at a time: nothing before a run is kept.
     """
 
     def __init__(self, program: RunProgram, rank: int, batches: Iterable[Any] | None, *,
@@ -60,6 +63,8 @@ class Announcements:
         self.shapes: dict[Any, int] = {}  # a reader's: microbatch shape -> its table's number
         self.tables: dict[int, dict[str, Any]] = {}  # every rank's: number -> shapes, target
         self._announced: deque[tuple[RunInput | None, Header]] = deque()
+        self.multiple, self.least = window_rounds(
+            program.schedule_name, [s.replicas for s in program.plan.stages])
 
     def next(self, index: int, first: bool = False) -> tuple[RunInput | None, Header]:
         """The next run's data (readers; None elsewhere) and its header, from minibatch
@@ -125,14 +130,10 @@ class Announcements:
             torch.set_rng_state(self.resume.rng)  # as saved, whatever skipping the data drew
 
     def _take(self, index: int) -> list[tuple[tuple[Any, ...], Any]]:
-        items: list[tuple[tuple[Any, ...], Any]] = []
-        while (self.segment is None or len(items) < self.segment) and (
-                self.steps is None or index + len(items) < self.steps):
-            item = next(self.stream, _END)
-            if item is _END:
-                break
-            items.append(_minibatch(item, index + len(items)))
-        return items
+        limit = window_limit(index, steps=self.steps, segment=self.segment,
+                             multiple=self.multiple)
+        return take_window(self.stream, limit, convert=_minibatch, first=index,
+                           multiple=self.multiple, least=self.least)
 
     def _shape_tables(self, run: RunInput) -> tuple[dict[int, dict[str, Any]], list[int]]:
         """A reader's: the tables of the shapes first seen in `run`, and the table of each
