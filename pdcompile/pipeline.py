@@ -43,6 +43,10 @@ OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SCHEDULES = tuple(KINDS)
 
 
+# the seed of a pipeline's runs unless one is given (Pipeline.seed, exported)
+DEFAULT_SEED = 0
+
+
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
     """SGD with learning rate 0.01 (the default of `compile`)."""
     return torch.optim.SGD(params, lr=0.01)
@@ -87,6 +91,9 @@ class Pipeline:
         self.vertical_sync = vertical_sync
         self.name = name
         self.record = False
+        # the random seed `pdcompile run` sets in every worker unless told another (--seed);
+        # recorded in an export, so that two runs of it are bit-equal
+        self.seed = DEFAULT_SEED
         self.last_timeline: Timeline | None = None
         self.last_runtimes: dict[int, StageRuntime | ChunkRuntimes] = {}
         self._sources: dict[tuple[int, int], dict[int, str]] = {}
@@ -385,8 +392,9 @@ class Pipeline:
         schedules overlap the minibatches in the pipeline (PipeDream); the pipeline fills at the
         start and drains at the end of each run of at most one window of minibatches
         (runtime/stream_window.py: WINDOW, or fewer when they hold WINDOW_BYTES), so memory stays
-        bounded. Flush schedules run one schedule (one synchronous update) per minibatch. Minibatches may differ in size (the short last
-        one of an epoch) or shape; see `prepare` for how they are cut.
+        bounded. Flush schedules run one schedule (one synchronous update) per minibatch.
+        Minibatches may differ in size (the short last one of an epoch) or shape; see `prepare`
+        for how they are cut.
         """
         out: list[float] = []
         stream = iter(batches)
@@ -395,7 +403,7 @@ class Pipeline:
                                         [s.replicas for s in self.plan.stages])
         while steps is None or len(out) < steps:
             limit = window_limit(len(out), steps=steps, segment=segment, multiple=multiple)
-            items = take_window(stream, limit, convert=self._train_item, first=len(out),
+            items = take_window(stream, limit, convert=self.as_minibatch, first=len(out),
                                 multiple=multiple, least=least)
             if not items:
                 break
@@ -405,7 +413,7 @@ class Pipeline:
                                                       run.per_minibatch)))
         return out
 
-    def _train_item(self, item: Any, index: int) -> tuple[tuple[Any, ...], Any]:
+    def as_minibatch(self, item: Any, index: int) -> tuple[tuple[Any, ...], Any]:
         """One minibatch of `train` as (inputs, target), refused in one line where it is not."""
         try:
             inputs, target = item

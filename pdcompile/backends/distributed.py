@@ -472,6 +472,11 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     state = program.state(rank, stages[0])  # the rank's first chunk where it holds several
     resume = resume_point(program, state, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)
+    if steps is not None and resume.done > steps:  # every rank agreed on resume.done
+        raise PipelineInputError(
+            f"the checkpoints in {checkpoint_dir} already hold {resume.done} minibatches, and "
+            f"steps={steps} asks for fewer; ask for {resume.done} or more to train on, or name "
+            "another checkpoint folder to start afresh")
     flush = schedule_kind(program.schedule_name).flush
     last = len(program.plan.stages) - 1
     routed = {r for r in program.plan.stages[last].ranks if not program.reads_data(r)}
@@ -480,7 +485,8 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     announcements = Announcements(program, rank, batches, steps=steps,
                                   segment=1 if flush else checkpoint_every,
                                   ahead=ANNOUNCE_AHEAD if flush else 1, routed=routed,
-                                  resume=resume, monitor=monitor)
+                                  resume=resume, monitor=monitor,
+                                  checkpoint_every=checkpoint_every)
     run, header = announcements.next(resume.done, first=True)  # before any message is sent
     transport = DistributedTransport(stage_ranks=program.stage_ranks,
                                      groups=program.collective_groups(), monitor=monitor,
@@ -620,7 +626,8 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
         if resume.checkpointer is not None and (not header["count"] or (
                 checkpoint_every is not None and done % checkpoint_every == 0)):
             losses.settle(done, monitor, forget_before=micro_base)
-            save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
+            save_checkpoint(resume.checkpointer, program, state, done, losses.losses,
+                            data_state=announcements.data_state(done))
         elif header["count"] and done - len(losses.losses) >= WINDOW:
             losses.settle(done, monitor, forget_before=micro_base)  # keep a window, no more
     seconds = time.perf_counter() - start

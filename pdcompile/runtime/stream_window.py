@@ -14,12 +14,13 @@ fill and drain per window (about (stages - 1) / WINDOW of the time).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 from torch.utils import _pytree as pytree
 
+from pdcompile.errors import PipelineInputError
 from pdcompile.schedule.kinds import kind
 
 # minibatches in one run of an asynchronous stream (at most)
@@ -33,16 +34,39 @@ _END = object()
 
 
 def window_limit(index: int, *, steps: int | None, segment: int | None, multiple: int = 1,
-                 window: int = WINDOW) -> int:
+                 window: int | None = None) -> int:
     """The most minibatches the run starting at minibatch `index` may take: a window (rounded
     down to whole rounds of `multiple`), not past `steps`, and ending on a multiple of `segment`
     (the checkpoint interval: runs end where checkpoints are due)."""
+    window = WINDOW if window is None else window
     limit = max(multiple, window // multiple * multiple)
     if segment is not None:
         limit = min(limit, segment - index % segment)
     if steps is not None:
         limit = min(limit, steps - index)
     return max(0, limit)
+
+
+def resumed_stream(batches: Iterable[Any], done: int, *, state: Any = None) -> Iterator[Any]:
+    """The minibatches of `batches` from minibatch `done` on (a resumed run), reading none of
+    those before where the data can say where it was: `state` given to its
+    `load_state_dict` (saved from its `state_dict()` with the checkpoint, as a stateful data
+    loader offers), or a sequence indexed from `done`; otherwise the first `done` are read and
+    dropped."""
+    if done and state is not None and callable(getattr(batches, "load_state_dict", None)):
+        batches.load_state_dict(state)  # type: ignore[attr-defined]
+        return iter(batches)
+    if done and isinstance(batches, Sequence):
+        if len(batches) < done:
+            raise PipelineInputError(f"the data holds {len(batches)} minibatches but the run "
+                                     f"resumes at minibatch {done} (checkpoint)")
+        return (batches[i] for i in range(done, len(batches)))
+    stream = iter(batches)
+    for skipped in range(done):
+        if next(stream, _END) is _END:
+            raise PipelineInputError(f"the data ends after {skipped} minibatches but the run "
+                                     f"resumes at minibatch {done} (checkpoint)")
+    return stream
 
 
 def window_rounds(schedule: str, replicas: Sequence[int]) -> tuple[int, int]:
@@ -79,5 +103,5 @@ def take_window(stream: Iterator[Any], limit: int, *, convert: Callable[[Any, in
     return items
 
 
-__all__ = ["WINDOW", "WINDOW_BYTES", "data_bytes", "take_window", "window_limit",
+__all__ = ["WINDOW", "WINDOW_BYTES", "data_bytes", "resumed_stream", "take_window", "window_limit",
            "window_rounds"]

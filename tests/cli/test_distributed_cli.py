@@ -132,10 +132,16 @@ def test_default_data_is_the_example_a_default_number_of_times(
     captured = capsys.readouterr()
     assert "--steps 3" in captured.out and not captured.err
     data = tmp_path / "d.py"
-    data.write_text("def batches():\n    return []\n")
+    data.write_text("from pdcompile.runtime.tensor_tree import load_tree\n"
+                    "def batches():\n"
+                    f"    saved = load_tree({str(folder / 'example.safetensors')!r})\n"
+                    "    return [(tuple(saved['inputs']), saved['target'])]\n"
+                    "def nothing():\n    return []\n")
     assert main(["run", str(folder), "--nproc", "2", "--dry-run", "--data",
                  f"{data}:batches"]) == 0
     assert f"--data {data}:batches" in capsys.readouterr().out
+    assert main(["run", str(folder), "--dry-run", "--data", f"{data}:nothing"]) == 1
+    assert capsys.readouterr().err.count("gives no minibatches") == 1
     assert main(["run", str(folder), "--dry-run", "--data", f"{data}:batchs"]) == 1
     err = capsys.readouterr().err
     assert "has no callable 'batchs' (did you mean 'batches'?)" in err
