@@ -29,6 +29,7 @@ from pdcompile.runtime.message_specs import message_table, spec_function
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
+from pdcompile.runtime.stream_window import take_window, window_limit, window_rounds
 from pdcompile.runtime.transport import Tag, TensorSpec
 from pdcompile.runtime.value_shapes import describe as _describe
 from pdcompile.runtime.value_shapes import signature as _signature
@@ -42,6 +43,10 @@ from pdcompile.util.suggest import did_you_mean
 
 OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
 SCHEDULES = tuple(KINDS)
+
+
+# the seed of a pipeline's runs unless one is given (Pipeline.seed, exported)
+DEFAULT_SEED = 0
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -88,6 +93,9 @@ class Pipeline:
         self.vertical_sync = vertical_sync
         self.name = name
         self.record = False
+        # the random seed `pdcompile run` sets in every worker unless told another (--seed);
+        # recorded in an export, so that two runs of it are bit-equal
+        self.seed = DEFAULT_SEED
         self.last_timeline: Timeline | None = None
         self.last_runtimes: dict[int, StageRuntime | ChunkRuntimes] = {}
         self._sources: dict[tuple[int, int], dict[int, str]] = {}
@@ -391,39 +399,47 @@ class Pipeline:
         A NaN or infinite loss stops the run at once with `NonFiniteLoss` (pdcompile.errors
         family) naming its step, rank and stage; `allow_nonfinite=True` keeps going.
 
-        Asynchronous schedules overlap the minibatches in the pipeline (PipeDream); the pipeline
-        fills at the start and drains at the end of the call. Flush schedules run one schedule
-        (one synchronous update) per minibatch. Minibatches may differ in size (the short last
-        one of an epoch) or shape; see `prepare` for how they are cut.
+        The stream is read as it is needed (an endless one trains until `steps`). Asynchronous
+        schedules overlap the minibatches in the pipeline (PipeDream); the pipeline fills at the
+        start and drains at the end of each run of at most one window of minibatches
+        (runtime/stream_window.py: WINDOW, or fewer when they hold WINDOW_BYTES), so memory stays
+        bounded. Flush schedules run one schedule (one synchronous update) per minibatch.
+        Minibatches may differ in size (the short last one of an epoch) or shape; see `prepare`
+        for how they are cut.
         """
-        items = []
-        for index, item in enumerate(batches):
-            if steps is not None and index >= steps:
+        out: list[float] = []
+        stream = iter(batches)
+        segment = 1 if kind(self.schedule_name).flush else None
+        multiple, least = window_rounds(self.schedule_name,
+                                        [s.replicas for s in self.plan.stages])
+        while steps is None or len(out) < steps:
+            limit = window_limit(len(out), steps=steps, segment=segment, multiple=multiple)
+            items = take_window(stream, limit, convert=self.as_minibatch, first=len(out),
+                                multiple=multiple, least=least)
+            if not items:
                 break
+            first = len(out)
+            run = self.prepare(items, first=first)
+            self._keep_example_target(items)  # once checked by prepare
+            out.extend(run.minibatch_losses(self._run(
+                run.data, run.microbatches, run.per_minibatch, first_step=first,
+                allow_nonfinite=allow_nonfinite)))
+        return out
+
+    def as_minibatch(self, item: Any, index: int) -> tuple[tuple[Any, ...], Any]:
+        """One minibatch of `train` as (inputs, target), refused in one line where it is not."""
+        try:
             inputs, target = item
-            items.append((tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,),
-                          target))
-        if self.loss_fn is not None:
-            for index, (_, target) in enumerate(items):
-                if target is None:
-                    raise PipelineInputError(
-                        f"minibatch {index} has no target, and the pipeline has a loss function "
-                        "(it computes loss_fn(output, target)): pass step(*inputs, target=y), "
-                        "or (inputs, target) pairs to train()")
-        self._keep_example_target(items)
-        if kind(self.schedule_name).flush:
-            out = []
-            for index, item in enumerate(items):
-                run = self.prepare([item], first=index)
-                out.extend(run.minibatch_losses(self._run(
-                    run.data, run.microbatches, run.per_minibatch, first_step=index,
-                    allow_nonfinite=allow_nonfinite)))
-            return out
-        if not items:
-            return []
-        run = self.prepare(items)
-        return run.minibatch_losses(self._run(run.data, run.microbatches, run.per_minibatch,
-                                              allow_nonfinite=allow_nonfinite))
+        except (TypeError, ValueError):
+            raise PipelineInputError(
+                f"minibatch {index} is a {type(item).__name__}, not a pair (inputs, target); "
+                "yield (x, y) or ((x1, x2), y)") from None
+        if target is None and self.loss_fn is not None:
+            raise PipelineInputError(
+                f"minibatch {index} has no target, and the pipeline has a loss function "
+                "(it computes loss_fn(output, target)): pass step(*inputs, target=y), "
+                "or (inputs, target) pairs to train()")
+        return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
 
     def _keep_example_target(self, items: Sequence[tuple[tuple[Any, ...], Any]]) -> None:
         """Without an `example_target` from compile(), keep the first target given with a
@@ -505,9 +521,10 @@ class Pipeline:
         if key in self._checked_shapes:
             return
         example = self.example_inputs
+        # a target never checked (no example target to compare with) is checked like a new shape
         same = example is not None and _signature(tuple(inputs)) == _signature(example) and (
-            target is None or self.example_target is None
-            or _signature(target) == _signature(self.example_target))
+            target is None or self.loss_fn is None or (self.example_target is not None
+            and _signature(target) == _signature(self.example_target)))
         if not same:
             if kind(self.schedule_name).microbatched:  # too few samples to cut: say so
                 self._cut(tuple(inputs), self.microbatches, index=index, why="microbatches")

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
-import json
 import os
 import signal
 import sys
@@ -25,6 +24,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pdcompile.backends.launch import DEFAULT_FAULT_TIMEOUT
+from pdcompile.backends.run_report import LOSSES_FILE, RunReport, default_run_dir, summary
 from pdcompile.errors import DistributedError, PdcompileError
 
 if TYPE_CHECKING:
@@ -65,7 +65,26 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--trust", action="store_true",
                      help="let the export import modules other than torch, pdcompile and those "
                           "it recorded (it is code: only for exports you trust)")
+    out.add_argument("--seed", type=int, default=None,
+                     help="seed of every process's random numbers, set before --data is called "
+                          "(default: the seed recorded in the export)")
+    out.add_argument("--run-dir", default=None, metavar="DIR",
+                     help=f"where the losses go ({LOSSES_FILE}; default: EXPORT_DIR/runs/<date>)")
     return out
+
+
+def seed_process(seed: int) -> None:
+    """Seed every random-number generator a run draws from (torch, Python's, NumPy's), so that
+    two runs with the same seed and data are bit-equal."""
+    import random
+
+    import torch
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed % 2**32)
 
 
 def load_data(spec: str) -> Callable[[], Iterable[Any]]:
@@ -92,13 +111,17 @@ def example_data(pipe: Any, export_dir: str) -> Iterable[Any]:
     return itertools.repeat((inputs, target))
 
 
-def _die_hook(stream: Iterable[Any], rank: int) -> Iterator[Any]:
+def _die_hook(stream: Iterable[Any], rank: int) -> Iterable[Any]:
+    """`stream` itself (its `state_dict`, its indexing kept), or, under the test hook, a
+    generator over it that kills this process at the minibatch named."""
     spec = os.environ.get(DIE_ENV, "")
     first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
     if not spec or not first_attempt or int(spec.split(":")[0]) != rank:
-        yield from stream
-        return
-    at = int(spec.split(":")[1])
+        return stream
+    return _dying(stream, rank, int(spec.split(":")[1]))
+
+
+def _dying(stream: Iterable[Any], rank: int, at: int) -> Iterator[Any]:
     for index, item in enumerate(stream):
         if index == at:
             print(f"rank {rank}: killing myself at minibatch {at} ({DIE_ENV})", flush=True)
@@ -169,31 +192,36 @@ def _main(args: argparse.Namespace) -> int:
         if rank == 0:
             print(f"training on the exported example minibatch, {DEFAULT_STEPS} times (--steps "
                   "N for another count)", flush=True)
+    seed_process(args.seed if args.seed is not None else pipe.seed)
     data: Iterable[Any] | None = None
     if reads_data(program, rank):  # stage 0 reads; the last stage gets its targets from it
         data = load_data(args.data)() if args.data else example_data(pipe, args.export_dir)
     _init_process_group(rank, world)
     monitor = monitor_from_env(rank=rank, world_size=world, fault_timeout=args.fault_timeout)
     failed = True
+    reporter = program.plan.stages[-1].ranks[0] == rank  # the first to know the losses
+    report = None
+    if reporter:
+        report = RunReport(args.run_dir or default_run_dir(args.export_dir), total=args.steps)
     try:
-        def progress(step: int, loss: float) -> None:
-            total = f"/{args.steps}" if args.steps else ""
-            print(f"step {step + 1}{total} loss {loss:.6f}", flush=True)
-
         run = run_distributed(program, None if data is None else _die_hook(data, rank),
                               steps=args.steps,
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, monitor=monitor,
-                              record=args.timeline is not None, progress=progress,
+                              record=args.timeline is not None, progress=report,
                               allow_nonfinite=args.allow_nonfinite)
         if rank == 0:
             if run.resumed_from is not None:
-                print(f"resumed from the checkpoint after minibatch {run.resumed_from}")
-            print(f"trained {run.steps} minibatches in {run.seconds:.3f} s "
-                  f"({run.samples_per_second:.1f} samples/s)")
-            print("losses " + json.dumps(run.losses), flush=True)
+                print(f"resumed from the checkpoint after minibatch {run.resumed_from}",
+                      flush=True)
             if args.timeline and run.timeline is not None:
                 run.timeline.save(args.timeline)
+        if report is not None:
+            report.close(run.losses)
+            print(summary(run.losses, trained=run.steps, seconds=run.seconds,
+                          samples=run.samples), flush=True)
+            print(f"losses: {report.path}", flush=True)
+            report = None
         failed = False
     except BaseException as err:
         if monitor is not None and not isinstance(err, PeerFailure):
@@ -201,6 +229,8 @@ def _main(args: argparse.Namespace) -> int:
             monitor.report(rank, str(err) if own else f"{type(err).__name__}: {err}")
         raise
     finally:
+        if report is not None:
+            report.close()
         if monitor is not None:
             monitor.stop(done=not failed)
         if dist.is_initialized():
@@ -213,11 +243,13 @@ def _main(args: argparse.Namespace) -> int:
 
 
 def _train_worker(worker: Worker, export_dir: str, data: Callable[[], Iterable[Any]],
-                  options: dict[str, Any], channel: Any) -> DistributedRun:
+                  options: dict[str, Any], channel: Any, seed: int | None) -> DistributedRun:
     from pdcompile.backends.distributed import reads_data, run_distributed
     from pdcompile.export.read import load_pipeline  # the worker loads what the user exported
 
-    program = load_pipeline(export_dir, trust=options.pop("trust", False)).program()
+    pipe = load_pipeline(export_dir, trust=options.pop("trust", False))
+    seed_process(pipe.seed if seed is None else seed)
+    program = pipe.program()
     progress = None if channel is None else (lambda step, loss: channel.put((step, loss)))
     batches = data() if reads_data(program, worker.rank) else None  # only the readers load it
     return run_distributed(program, batches, monitor=worker.monitor, progress=progress, **options)
@@ -230,14 +262,16 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                     checkpoint_dir: str | os.PathLike[str] | None = None,
                     checkpoint_every: int | None = None,
                     progress: Callable[[int, float], None] | None = None,
-                    allow_nonfinite: bool = False, trust: bool = False) -> DistributedRun:
+                    allow_nonfinite: bool = False, trust: bool = False,
+                    seed: int | None = None) -> DistributedRun:
     """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result.
 
     Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
     `data` must be picklable (a module-level function or a functools.partial of one) and give
     the same stream in every process that reads data (stage 0; the others do not call it).
     `progress(step, loss)` is called here, in this process. A NaN or infinite loss stops the
-    run unless `allow_nonfinite`; `trust`: as `pdcompile.load(..., trust=True)`.
+    run unless `allow_nonfinite`; `trust`: as `pdcompile.load(..., trust=True)`. `seed`: every
+    worker's random seed, set before `data()` is called (default: the export's, `Pipeline.seed`).
     Raises `LaunchError` naming the rank that failed first; no process outlives the call.
     """
     import multiprocessing
@@ -255,7 +289,7 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                                  name="pdcompile-progress", daemon=True)
         relay.start()
     try:
-        values = launch(_train_worker, nproc, args=(str(export_dir), data, options, channel),
+        values = launch(_train_worker, nproc, args=(str(export_dir), data, options, channel, seed),
                         timeout=timeout, fault_timeout=fault_timeout)
     finally:
         stop.set()

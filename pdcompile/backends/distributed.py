@@ -18,6 +18,7 @@ reader's announcements (distributed_announce.py) and runs them in its run loop (
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
@@ -50,6 +51,7 @@ from pdcompile.errors import DistributedError, PipelineInputError
 from pdcompile.runtime.finite_loss import LossGuard, guard_runtime
 from pdcompile.runtime.message_specs import MessageTable, spec_function
 from pdcompile.runtime.rank_state import RankState
+from pdcompile.runtime.stream_window import WINDOW
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.ir import Action, Kind, Schedule
 from pdcompile.schedule.kinds import kind as schedule_kind
@@ -57,6 +59,8 @@ from pdcompile.timeline import Recorder, Timeline
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}
 _MAX_OPEN_SENDS = 64
+# the receive lists of this many run shapes are kept (runs of one stream share one or two)
+_RUN_SHAPES_KEPT = 4
 
 
 def wire_tag(tag: Tag, index: int) -> int:
@@ -423,10 +427,12 @@ class _Losses:
         merged = _gather_losses(self.micro, monitor)
         self.losses.extend(_mean([merged[i] for i in self.group_of[k]])
                            for k in range(len(self.losses), done))
+        self.report(merged)
         if forget_before is not None:
             for k in [k for k in self.micro if k < forget_before]:
                 del self.micro[k]
-        self.report(merged)
+            for k in [k for k in self.group_of if k < done]:
+                del self.group_of[k]
 
 
 def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] | None, *,
@@ -450,8 +456,10 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     local backend (same losses, weights).
 
     `steps`: minibatches in the whole run (resumed ones included; default: the whole stream).
-    An asynchronous stream is one run of the schedule, read whole before it starts; bound the
-    memory this takes with `checkpoint_every` (a run per K minibatches).
+    The stream is read as the runs need it: an asynchronous stream is trained as runs of at most
+    one window of minibatches (runtime/stream_window.py, as `Pipeline.train` cuts it), so a
+    worker holds one window whatever the stream's length; an endless stream without `steps`
+    trains until stopped.
     `checkpoint_dir` / `checkpoint_every` K: every K minibatches (and at the end) each rank
     saves its weights, optimizer, RNG state and the data position; a later call with the same
     folder resumes from the newest step all ranks saved (backends/distributed_checkpoint.py).
@@ -473,6 +481,11 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     state = program.state(rank, stages[0])  # the rank's first chunk where it holds several
     resume = resume_point(program, state, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)
+    if steps is not None and resume.done > steps:  # every rank agreed on resume.done
+        raise PipelineInputError(
+            f"the checkpoints in {checkpoint_dir} already hold {resume.done} minibatches, and "
+            f"steps={steps} asks for fewer; ask for {resume.done} or more to train on, or name "
+            "another checkpoint folder to start afresh")
     if monitor is not None:  # from here on, a rank that stops progressing is named
         monitor.progress("starting")
         if batches is not None:
@@ -485,7 +498,8 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     announcements = Announcements(program, rank, batches, steps=steps,
                                   segment=1 if flush else checkpoint_every,
                                   ahead=ANNOUNCE_AHEAD if flush else 1, routed=routed,
-                                  resume=resume, monitor=monitor)
+                                  resume=resume, monitor=monitor,
+                                  checkpoint_every=checkpoint_every)
     run, header = announcements.next(resume.done, first=True)  # before any message is sent
     transport = DistributedTransport(stage_ranks=program.stage_ranks,
                                      groups=program.collective_groups(), monitor=monitor,
@@ -589,6 +603,8 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
 
         key = (n, per, tuple(table_of))
         if key not in receives:
+            if len(receives) >= _RUN_SHAPES_KEPT:  # shapes that vary from run to run
+                del receives[next(iter(receives))]
             receives[key] = schedule_receives(program.schedule(n, per), rank, specs)
             if rank in routed:
                 receives[key] = _with_targets(receives[key], plan, layout_of)
@@ -602,9 +618,11 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
         seen = [0]
 
         def after(rt: Any = rt, base: int = base, seen: list[int] = seen) -> None:
-            if len(rt.losses) != seen[0]:
-                seen[0] = len(rt.losses)
-                for m, loss in rt.losses.items():
+            known = rt.losses
+            if len(known) != seen[0]:  # only the new ones: the newest are the dict's last
+                new = itertools.islice(reversed(known.items()), len(known) - seen[0])
+                seen[0] = len(known)
+                for m, loss in new:
                     losses.micro.setdefault(base + m, loss)
                 losses.report(losses.micro)
 
@@ -633,9 +651,13 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
             losses.settle(done, monitor, forget_before=micro_base)
             if monitor is not None:
                 with monitor.busy(f"saving the checkpoint after minibatch {done}"):
-                    save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
+                    save_checkpoint(resume.checkpointer, program, state, done, losses.losses,
+                                    data_state=announcements.data_state(done))
             else:
-                save_checkpoint(resume.checkpointer, program, state, done, losses.losses)
+                save_checkpoint(resume.checkpointer, program, state, done, losses.losses,
+                                data_state=announcements.data_state(done))
+        elif header["count"] and done - len(losses.losses) >= WINDOW:
+            losses.settle(done, monitor, forget_before=micro_base)  # keep a window, no more
     seconds = time.perf_counter() - start
     if monitor is not None:
         monitor.disarm()  # trained: gathering and what the caller does next are not watched

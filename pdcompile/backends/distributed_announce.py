@@ -12,7 +12,7 @@ the same point, before the run it concerns, and none is left waiting.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -24,6 +24,12 @@ from pdcompile.backends.distributed_guard import guarded
 from pdcompile.backends.launch import FaultMonitor
 from pdcompile.backends.program import RunInput, RunProgram
 from pdcompile.errors import PdcompileError, PipelineInputError
+from pdcompile.runtime.stream_window import (
+    resumed_stream,
+    take_window,
+    window_limit,
+    window_rounds,
+)
 from pdcompile.runtime.transport import TensorSpec
 from pdcompile.runtime.value_shapes import describe, signature
 
@@ -34,32 +40,38 @@ ANNOUNCE_AHEAD = 4
 TargetLayout = tuple[str, list[TensorSpec]]
 Header = dict[str, Any]
 
-_END = object()
-
 
 class Announcements:
     """The runs of one rank's training, in order: `next(index)` gives the next run's data (on
     readers) and its header (on every rank), and keeps its message tables in `tables`.
 
-    `segment`: minibatches per run (None: the whole stream in one run); `ahead`: runs per
-    broadcast; `routed`: the last stage's ranks that get their targets from stage 0.
+    `segment`: runs end on multiples of it (1: a run per minibatch, flush schedules; the
+    checkpoint interval; None: windows only, runtime/stream_window.py); `ahead`: runs per
+    broadcast; `routed`: the last stage's ranks that get their targets from stage 0. A reader
+    reads the stream as the runs need it, a window at a time: nothing before a run is kept.
     """
 
     def __init__(self, program: RunProgram, rank: int, batches: Iterable[Any] | None, *,
                  steps: int | None, segment: int | None, ahead: int, routed: set[int],
-                 resume: Resume, monitor: FaultMonitor | None) -> None:
+                 resume: Resume, monitor: FaultMonitor | None,
+                 checkpoint_every: int | None = None) -> None:
         self.program = program
         self.rank = rank
         self.stage = program.stages_of(rank)[0]
         self.reads = program.reads_data(rank)
         self.given = batches is not None
-        self.stream = iter(batches if self.reads and batches is not None else ())
+        self.batches = batches if self.reads else None
+        self.stream: Iterator[Any] = iter(())  # the reader's, from the resume point (_skip)
+        self.every = checkpoint_every
+        self.data_states: dict[int, Any] = {}  # a reader's: checkpoint step -> data.state_dict()
         self.steps, self.segment, self.ahead = steps, segment, ahead
         self.routed, self.resume, self.monitor = routed, resume, monitor
         self.source = program.plan.stages[0].ranks[0]  # the reader that tells the others
         self.shapes: dict[Any, int] = {}  # a reader's: microbatch shape -> its table's number
         self.tables: dict[int, dict[str, Any]] = {}  # every rank's: number -> shapes, target
         self._announced: deque[tuple[RunInput | None, Header]] = deque()
+        self.multiple, self.least = window_rounds(
+            program.schedule_name, [s.replicas for s in program.plan.stages])
 
     def next(self, index: int, first: bool = False) -> tuple[RunInput | None, Header]:
         """The next run's data (readers; None elsewhere) and its header, from minibatch
@@ -99,6 +111,13 @@ class Announcements:
             if first:
                 self._skip(index)
             items = self._take(index)
+            if first and not items and index == 0 and self.steps != 0:
+                raise PipelineInputError("the data gives no minibatches: it must yield "
+                                         "(inputs, target) pairs, at least one")
+            end = index + len(items)
+            if self.every and items and end % self.every == 0 \
+                    and callable(getattr(self.batches, "state_dict", None)):
+                self.data_states[end] = self.batches.state_dict()  # type: ignore[union-attr]
             header["count"] = len(items)
             header["sizes"] = [_batch_size(inputs) for inputs, _ in items]
             if items:
@@ -117,22 +136,23 @@ class Announcements:
                                      "the model's inputs: pass it the minibatches "
                                      "(batches=None only on ranks that do not read data, see "
                                      "reads_data)")
-        for skipped in range(count if self.reads else 0):
-            if next(self.stream, _END) is _END:
-                raise PipelineInputError(f"the data ends after {skipped} minibatches but the "
-                                         f"run resumes at minibatch {count} (checkpoint)")
+        if self.reads and self.batches is not None:
+            self.stream = resumed_stream(self.batches, count, state=self.resume.data_state)
         if self.resume.rng is not None:
             torch.set_rng_state(self.resume.rng)  # as saved, whatever skipping the data drew
 
+    def data_state(self, done: int) -> Any:
+        """A reader's data position after `done` minibatches, where the data has a
+        `state_dict()` (None otherwise); forgets the older ones."""
+        for step in [k for k in self.data_states if k < done]:
+            del self.data_states[step]
+        return self.data_states.pop(done, None)
+
     def _take(self, index: int) -> list[tuple[tuple[Any, ...], Any]]:
-        items: list[tuple[tuple[Any, ...], Any]] = []
-        while (self.segment is None or len(items) < self.segment) and (
-                self.steps is None or index + len(items) < self.steps):
-            item = next(self.stream, _END)
-            if item is _END:
-                break
-            items.append(_minibatch(item, index + len(items)))
-        return items
+        limit = window_limit(index, steps=self.steps, segment=self.segment,
+                             multiple=self.multiple)
+        return take_window(self.stream, limit, convert=_minibatch, first=index,
+                           multiple=self.multiple, least=self.least)
 
     def _shape_tables(self, run: RunInput) -> tuple[dict[int, dict[str, Any]], list[int]]:
         """A reader's: the tables of the shapes first seen in `run`, and the table of each

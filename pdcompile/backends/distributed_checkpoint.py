@@ -35,6 +35,7 @@ class Resume:
     losses: list[float] = field(default_factory=list)
     resumed: int | None = None  # the checkpoint step resumed from
     rng: torch.Tensor | None = None
+    data_state: Any = None  # a reader's data.state_dict() at `done` (where the data has one)
 
 
 def identity(program: RunProgram, stage: int) -> dict[str, Any]:
@@ -74,7 +75,8 @@ def resume_point(program: RunProgram, state: RankState,
     restore_module_state(saved, state.module, state.optimizer,
                          origin=f"the checkpoint of rank {rank} at step {done} in "
                                 f"{checkpoint_dir}")
-    return Resume(ckpt, done, [float(v) for v in saved["losses"]], done, saved.get("rng"))
+    return Resume(ckpt, done, [float(v) for v in saved["losses"]], done, saved.get("rng"),
+                  saved.get("data_state"))
 
 
 def fallback_note(folder: str | os.PathLike[str], chosen: int | None,
@@ -92,10 +94,13 @@ def fallback_note(folder: str | os.PathLike[str], chosen: int | None,
 
 
 def save_checkpoint(ckpt: Checkpointer, program: RunProgram, state: RankState, done: int,
-                    losses: list[float]) -> None:
-    """This rank's checkpoint after `done` minibatches (every rank saves at the same step)."""
+                    losses: list[float], *, data_state: Any = None) -> None:
+    """This rank's checkpoint after `done` minibatches (every rank saves at the same step);
+    `data_state`: a reader's data position (its data's `state_dict()`), where it has one."""
+    extra = {} if data_state is None else {"data_state": data_state}
     ckpt.save(done, module_state(state.module, state.optimizer, losses=list(losses),
-                                 data_position=done, pipeline=identity(program, state.stage)))
+                                 data_position=done, pipeline=identity(program, state.stage),
+                                 **extra))
 
 
 __all__ = ["Resume", "fallback_note", "identity", "resume_point", "save_checkpoint"]

@@ -23,6 +23,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from pdcompile.backends.run_report import default_run_dir
 from pdcompile.errors import DistributedError, PdcompileError
 from pdcompile.machine.local import free_port
 from pdcompile.worker import DEFAULT_STEPS
@@ -76,6 +77,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     train.add_argument("--trust", action="store_true",
                        help="let the export import modules other than torch, pdcompile and "
                             "those it recorded (an export is code: only for exports you trust)")
+    train.add_argument("--seed", type=int, default=None,
+                       help="seed of every worker's random numbers, set before --data is "
+                            "called (default: the seed recorded in the export): two runs "
+                            "with the same seed are bit-equal")
+    train.add_argument("--run-dir", default=None, metavar="DIR",
+                       help="where the run writes every loss (losses.csv; default: "
+                            "--checkpoint-dir, else EXPORT_DIR/runs/<date>)")
     parser.add_argument("--dry-run", action="store_true",
                         help="print the torchrun command instead of running it")
     parser.set_defaults(func=run)
@@ -102,10 +110,13 @@ def _check_port_free(addr: str, port: int) -> None:
 def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
     """Refuse, in one line and before any worker starts, an export that is damaged or cannot
     train as asked; the number of minibatches to pass the workers (None: all of --data)."""
+    from pdcompile.cli.run_checks import check_data, check_options, check_resume
     from pdcompile.export.files import check_export
 
+    check_options(args)
     meta = check_export(export_dir)
     _check_trust(export_dir, meta, trust=args.trust)
+    check_resume(export_dir, args.checkpoint_dir, args.steps, _plan_workers(export_dir))
     lost = meta.get("not_saved", {})
     if lost:
         what = " and ".join(lost)
@@ -115,9 +126,7 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
             "that has an import path (e.g. torch.nn.functional.cross_entropy, any torch.optim "
             "optimizer) and export again")
     if args.data is not None:
-        from pdcompile.worker import load_data
-
-        load_data(args.data)  # a --data that cannot be imported: one line here, not N workers'
+        check_data(export_dir, args.data)  # one line here, not every worker's after seconds
         return args.steps
     example = meta.get("example", {})
     if not example.get("inputs"):
@@ -209,6 +218,10 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--allow-nonfinite"]
     if args.trust:
         cmd += ["--trust"]
+    if args.seed is not None:
+        cmd += ["--seed", str(args.seed)]
+    run_dir = args.run_dir or args.checkpoint_dir or default_run_dir(export_dir)
+    cmd += ["--run-dir", str(run_dir)]
     return cmd
 
 

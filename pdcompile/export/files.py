@@ -34,6 +34,9 @@ def read_meta(folder: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise PipelineInputError(f"{folder} has no pipeline.json; is it a folder written by "
                                  "Pipeline.export or `pdcompile export`?") from None
+    except NotADirectoryError:
+        raise PipelineInputError(f"{folder} is a file, not an export folder; name the folder "
+                                 "written by Pipeline.export or `pdcompile export`") from None
     except ValueError as err:
         raise DamagedFileError(f"{folder / 'pipeline.json'} is not valid JSON ({err}); export "
                                "the pipeline again") from None
@@ -61,6 +64,9 @@ def check_export(path: str | Path) -> dict[str, Any]:
     launcher can refuse a damaged one in one line before starting workers; its pipeline.json.
     """
     folder = Path(path)
+    if folder.exists() and not folder.is_dir():
+        raise PipelineInputError(f"{folder} is a file, not an export folder; name the folder "
+                                 "written by Pipeline.export or `pdcompile export`")
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
         raise PipelineInputError(f"export folder {str(folder)!r} {what}; write one with "

@@ -88,6 +88,8 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
             fresh = RankState(state.rank, state.stage, state.module, recipe.build(named), order)
         pipe.replace_state(fresh)
         _load_optimizer_state(fresh.optimizer, folder / f"optimizer_{state.stage}.safetensors")
+    if isinstance(meta.get("seed"), int):
+        pipe.seed = meta["seed"]
     example_file = folder / "example.safetensors"
     if example_file.exists():
         example = read_file(example_file, load_tree)

@@ -63,6 +63,8 @@ class Exportable(Protocol):
     @property
     def example_target(self) -> Any: ...
     @property
+    def seed(self) -> int: ...
+    @property
     def loss_fn(self) -> Callable[..., torch.Tensor] | None: ...
     @property
     def input_shapes(self) -> InputShapes | None: ...
@@ -104,7 +106,7 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
     meta = {
         "format": EXPORT_FORMAT, "name": pipe.name, "schedule": pipe.schedule_name,
         "microbatches": pipe.microbatches, "schedule_length": n, "per_minibatch": per,
-        "stash": pipe.stash, "vertical_sync": pipe.vertical_sync,
+        "stash": pipe.stash, "vertical_sync": pipe.vertical_sync, "seed": pipe.seed,
         "data_inputs": list(pipe.parts.data_inputs),
         "output_refs": [[r.name, r.stage] for r in pipe.parts.output_refs],
         "output_spec": pytree.treespec_dumps(pipe.parts.output_spec),

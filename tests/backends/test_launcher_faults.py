@@ -136,7 +136,7 @@ def running(exported: Path) -> Iterator[tuple[Run, list[int]]]:
     run = Run([str(exported), "--steps", "1000000", "--threads", "1"], exported.parent)
     pids: list[int] = []
     try:
-        run.wait_for("step 3/1000000", timeout=120)
+        run.wait_for("step 1/1000000", timeout=120)  # training
         pids = descendants(run.proc.pid)  # torchrun's agent and the two workers
         yield run, pids
     finally:

@@ -97,8 +97,15 @@ def test_pdcompile_run_trains_the_export_on_torchrun(tmp_path: Path) -> None:
     assert timeline.meta["minibatches"] == 3
     want = pdcompile.load(str(folder)).train([((x,), y)] * 3)
     assert printed_losses(done.stdout) == pytest.approx(want, rel=1e-6)
-    for step, loss in enumerate(want, 1):  # progress, printed as the losses become known
-        assert f"step {step}/3 loss {loss:.6f}" in done.stdout
+    # progress off a terminal: the first and the last step (and a line every 10 s between)
+    assert f"step 1/3 loss {want[0]:.6f}" in done.stdout
+    assert f"step 3/3 loss {want[2]:.6f}" in done.stdout
+    summary = next(line for line in done.stdout.splitlines() if line.startswith("trained 3 "))
+    lowest = min(range(3), key=lambda i: want[i])
+    assert f"first {want[0]:.6g}, last {want[2]:.6g}, lowest {want[lowest]:.6g} " \
+           f"(step {lowest + 1})" in summary, summary
+    assert "losses [" not in done.stdout  # no more every loss on one line
+    assert (folder / "runs").is_dir()  # the default run folder
 
 
 @pytest.mark.slow
@@ -134,10 +141,16 @@ def test_default_data_is_the_example_a_default_number_of_times(
     captured = capsys.readouterr()
     assert "--steps 3" in captured.out and not captured.err
     data = tmp_path / "d.py"
-    data.write_text("def batches():\n    return []\n")
+    data.write_text("from pdcompile.runtime.tensor_tree import load_tree\n"
+                    "def batches():\n"
+                    f"    saved = load_tree({str(folder / 'example.safetensors')!r})\n"
+                    "    return [(tuple(saved['inputs']), saved['target'])]\n"
+                    "def nothing():\n    return []\n")
     assert main(["run", str(folder), "--nproc", "2", "--dry-run", "--data",
                  f"{data}:batches"]) == 0
     assert f"--data {data}:batches" in capsys.readouterr().out
+    assert main(["run", str(folder), "--dry-run", "--data", f"{data}:nothing"]) == 1
+    assert capsys.readouterr().err.count("gives no minibatches") == 1
     assert main(["run", str(folder), "--dry-run", "--data", f"{data}:batchs"]) == 1
     err = capsys.readouterr().err
     assert "has no callable 'batchs' (did you mean 'batches'?)" in err

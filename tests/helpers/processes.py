@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -36,7 +35,12 @@ def run_cli(args: list[str], env: dict[str, str] | None = None,
 
 
 def printed_losses(output: str) -> list[float]:
-    """The losses `pdcompile run` prints on its one `losses [...]` line."""
-    lines = [line for line in output.splitlines() if line.startswith("losses [")]
+    """The losses of a `pdcompile run`: its loss file (`step,loss` lines), which the summary's
+    one `losses: PATH` line names."""
+    lines = [line for line in output.splitlines() if line.startswith("losses: ")]
     assert len(lines) == 1, output
-    return [float(v) for v in json.loads(lines[0][len("losses "):])]
+    rows = Path(lines[0][len("losses: "):]).read_text().splitlines()
+    assert rows[0] == "step,loss", rows[:2]
+    steps = [int(row.split(",")[0]) for row in rows[1:]]
+    assert steps == list(range(1, len(steps) + 1)), steps  # every step, in order
+    return [float(row.split(",")[1]) for row in rows[1:]]

@@ -1,0 +1,119 @@
+"""What a training run shows and keeps: its progress, a summary, and every loss in a file.
+
+The rank that learns the losses first (the last stage's first rank) reports. On a terminal the
+progress is a tqdm bar on stderr; otherwise (a log, a pipe) one line `step S/T loss L` at the
+first step, about every `every_s` seconds and at the last step, so that a long run does not
+print a line per minibatch. Every loss goes to `losses.csv` (`step,loss`, step counted from 1)
+in the run folder as it becomes known, and the whole file is written again at the end from the
+run's losses (resumed ones included); the summary names the first, last and lowest loss and the
+throughput.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import IO, Any
+
+LOSSES_FILE = "losses.csv"
+_HEADER = "step,loss\n"
+
+
+def default_run_dir(export_dir: str | os.PathLike[str]) -> Path:
+    """A new run folder of an export: EXPORT_DIR/runs/<UTC date and time>-<pid>."""
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return Path(export_dir) / "runs" / f"{stamp}-{os.getpid()}"
+
+
+class RunReport:
+    """The reporting rank's `progress(step, loss)`: the bar or lines, and the loss file."""
+
+    def __init__(self, run_dir: str | os.PathLike[str] | None, *, total: int | None,
+                 out: IO[str] | None = None, bar: bool | None = None,
+                 every_s: float = 10.0) -> None:
+        self.path = None if run_dir is None else Path(run_dir) / LOSSES_FILE
+        self.total = total
+        self.out = out or sys.stdout
+        self.every_s = every_s
+        self._bar: Any = None
+        use_bar = sys.stderr.isatty() if bar is None else bar
+        if use_bar:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, unit="step", dynamic_ncols=True, file=sys.stderr)
+        self._file: IO[str] | None = None
+        self._flushed = self._printed = time.monotonic()
+        self._last: tuple[int, float] | None = None
+
+    def __call__(self, step: int, loss: float) -> None:
+        if self.path is not None and self._file is None:
+            self._file = self._open(first=step)
+        if self._file is not None:
+            self._file.write(f"{step + 1},{loss!r}\n")
+        now = time.monotonic()
+        if self._file is not None and now - self._flushed > 1.0:
+            self._file.flush()
+            self._flushed = now
+        self._last = (step, loss)
+        if self._bar is not None:
+            if self._bar.n == 0 and step:
+                self._bar.n = self._bar.last_print_n = step  # a resumed run
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4g}", refresh=False)
+        elif step == 0 or now - self._printed >= self.every_s or (
+                self.total is not None and step + 1 == self.total):
+            self._line(step, loss)
+            self._printed = now
+
+    def _line(self, step: int, loss: float) -> None:
+        total = f"/{self.total}" if self.total else ""
+        print(f"step {step + 1}{total} loss {loss:.6f}", file=self.out, flush=True)
+
+    def _open(self, *, first: int) -> IO[str]:
+        """The loss file, keeping the lines of the steps before `first` (a resumed run)."""
+        assert self.path is not None
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = []
+        if first and self.path.is_file():
+            for line in self.path.read_text().splitlines()[1:]:
+                head = line.split(",", 1)[0]
+                if head.isdigit() and int(head) <= first:
+                    kept.append(line + "\n")
+        out = open(self.path, "w")  # noqa: SIM115 (closed by close())
+        out.write(_HEADER + "".join(kept))
+        return out
+
+    def close(self, losses: Sequence[float] | None = None) -> None:
+        """End the bar; write every loss of the run (`losses`: the whole run's) to the file."""
+        if self._bar is not None:
+            self._bar.close()
+        elif self._last is not None and self.total is None:
+            self._line(*self._last)
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+        if self.path is not None and losses is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.path.with_suffix(".csv.tmp")
+            tmp.write_text(_HEADER + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(losses)))
+            os.replace(tmp, self.path)
+
+
+def summary(losses: Sequence[float], *, trained: int, seconds: float, samples: int) -> str:
+    """One line: minibatches trained, throughput, and the first, last and lowest loss."""
+    rate = (f"{trained / seconds:.1f} steps/s, {samples / seconds:.1f} samples/s"
+            if seconds > 0 else "no time measured")
+    line = f"trained {trained} minibatches in {seconds:.3f} s ({rate})"
+    finite = [(v, i) for i, v in enumerate(losses) if math.isfinite(v)]
+    if losses:
+        low, at = min(finite) if finite else (float("nan"), 0)
+        line += (f"; loss first {losses[0]:.6g}, last {losses[-1]:.6g}, lowest {low:.6g} "
+                 f"(step {at + 1})")
+    return line
+
+
+__all__ = ["LOSSES_FILE", "RunReport", "default_run_dir", "summary"]
