@@ -33,6 +33,12 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import PlanError
 from pdcompile.meta import get_output_spec, get_tree, has_stage, set_stage
 from pdcompile.passes.crossing import flatten_value, rebuild_value, spec_text
+from pdcompile.passes.inplace import (
+    copy_mutated_inputs,
+    make_mutations_explicit,
+    mutated_input,
+    snapshot_before_mutations,
+)
 from pdcompile.plan import Plan, Stage
 from pdcompile.util.attr_path import get_path
 
@@ -143,6 +149,7 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.op == "call_function" and isinstance(node.args[0] if node.args else None,
                                                      fx.Node) and _reads_item(node):
             stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])
+    _constants_follow_users(nodes, stage_of, len(plan.stages) - 1)
     for node in nodes:
         for user in node.users:
             if user.op == "output" or node.op == "get_attr":
@@ -159,6 +166,91 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.op == "output":
             set_stage(node, last)
     return stage_of
+
+
+def _input_less(node: fx.Node) -> bool:
+    """An operation that reads no other node (`torch.arange(6)`, `torch.zeros(2, 3)`)."""
+    return node.op in ("call_function", "call_method", "call_module") and \
+        not node.all_input_nodes
+
+
+def _constants_follow_users(nodes: list[fx.Node], stage_of: dict[str, int], last: int) -> None:
+    """Move each input-less operation to the first stage that uses it (`_copy_constants` gives
+    later users their own copy), unless it is all its stage would run: a stage keeps one
+    operation and sends the value instead."""
+    busy = {stage_of[n.name] for n in nodes
+            if n.op not in ("placeholder", "get_attr") and not _input_less(n)}
+    for node in nodes:
+        if not _input_less(node) or stage_of[node.name] not in busy:
+            continue
+        users = [last if u.op == "output" else stage_of[u.name] for u in node.users]
+        if users:
+            stage_of[node.name] = min(users)
+
+
+def _copy_constants(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> None:
+    """Each later stage that uses an input-less operation computes its own copy of it, rather
+    than receiving it, where the copy equals it (no random draw, no in-place change)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        if not _input_less(node) or node.op != "call_function" or not _repeatable(node, gm):
+            continue
+        home = stage_of[node.name]
+        by_stage: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            target = last if user.op == "output" else stage_of[user.name]
+            by_stage.setdefault(target, []).append(user)
+        if home not in by_stage:
+            continue  # kept in a stage of its own (_constants_follow_users): sent as it is
+        del by_stage[home]
+        for target, users in sorted(by_stage.items()):
+            if any(u.op == "output" for u in users):
+                continue  # the model's output: the last stage returns the value it receives
+            with graph.inserting_before(min(users, key=order.__getitem__)):
+                copy = graph.node_copy(node)
+            stage_of[copy.name] = target
+            for user in users:
+                user.replace_input_with(node, copy)
+    graph.lint()
+    gm.recompile()
+
+
+# operations that draw random numbers or leave memory unset: two copies would differ
+_UNREPEATABLE = ("rand", "normal", "bernoulli", "poisson", "multinomial", "dropout", "empty",
+                 "uniform", "exponential", "geometric", "cauchy", "log_normal")
+
+
+def _repeatable(node: fx.Node, gm: fx.GraphModule) -> bool:
+    name = str(getattr(node.target, "__name__", node.target)).lower()
+    if any(word in name for word in _UNREPEATABLE):
+        return False
+    return all(mutated_input(user, gm) is not node for user in node.users)
+
+
+def _order_by_stage(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """Reorder the graph stage by stage (graph order inside a stage).
+
+    split_module emits the stages in the order their first nodes appear and reads each stage's
+    inputs from those emitted before it: where a later stage's node came first (a topological
+    order that interleaves stages, e.g. GNMT's encoder layer in stage 2 traced before its
+    decoder embedding in stage 1), it looked up a value no stage had produced yet (KeyError).
+    Every edge goes from a stage to the same or a later one, so this order is topological too.
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    front = [n for n in nodes if n.op in ("placeholder", "get_attr")]
+    body = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
+    index = {n: i for i, n in enumerate(body)}
+    body.sort(key=lambda n: (stage_of[n.name], index[n]))
+    if [n for n in nodes if n.op not in ("output",)] == front + body:
+        return
+    anchor = next(n for n in nodes if n.op == "output")
+    for node in reversed(front + body):
+        anchor.prepend(node)
+        anchor = node
+    graph.lint()
+    gm.recompile()
 
 
 def _reads_item(node: fx.Node) -> bool:
@@ -307,15 +399,23 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
     find parameters shared between stages.
     """
     root = model if model is not None else gm
+    make_mutations_explicit(gm)
     stage_of = assign_stages(gm, plan)
     count = len(plan.stages)
+    last = count - 1
     used = {stage_of[n.name] for n in gm.graph.nodes
             if n.op not in ("placeholder", "get_attr", "output")}
     empty = [s for s in range(count) if s not in used]
     if empty:
         raise PlanError(f"stages {empty} of the plan have no operation to run; use fewer stages "
                         f"(at most {len(used)}) or move operations into them")
-    _send_leaves(gm, stage_of, count - 1)
+    _copy_constants(gm, stage_of, last)
+    snapshot_before_mutations(
+        gm, stage_of, lambda user: last if user.op == "output" else stage_of[user.name])
+    _send_leaves(gm, stage_of, last)
+    _order_by_stage(gm, stage_of)
+    for node in gm.graph.nodes:
+        set_stage(node, last if node.op == "output" else stage_of[node.name])
 
     def callback(node: fx.Node) -> int:
         return stage_of[node.name]
@@ -331,6 +431,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             sub = top.get_submodule(str(node.target))
             assert isinstance(sub, fx.GraphModule)
             inputs = _stage_inputs(sub, node, getitem_of, gm)
+            copy_mutated_inputs(sub)
             out_node = next(n for n in sub.graph.nodes if n.op == "output")
             names = tuple(a.name for a in out_node.args[0])  # type: ignore[union-attr]
             outputs_of[node.name] = (index, names)
@@ -346,7 +447,6 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
         spec = recorded
     output_refs = tuple(_ref_of(leaf, getitem_of) for leaf in leaves)
     stages = [programs[s] for s in range(count)]
-    last = count - 1
     for program in stages:
         for ref in program.inputs:
             if not ref.is_data:

@@ -1,0 +1,166 @@
+"""In-place operations made explicit in the graph, so that cutting it keeps their meaning.
+
+An fx graph records `x.add_(1)` as a node whose result later code ignores: the code after it
+reads the node of `x`, and nothing in the graph says that it must run after the mutation. A
+planner that sees only data edges could then put a later reader of `x` in an earlier stage than
+the mutation, and a stage that sends `x` would send the mutated value to a reader that ran
+before it. `make_mutations_explicit` rewires every reader of `x` that comes after an in-place
+node to read the in-place node's result (the same tensor), so the order becomes a data edge the
+cost graph and the planner see; `operator.setitem` (`x[i] = v`, which returns None) becomes
+`set_item`, which returns `x`. The split pass (passes/split.py) then only has to keep a value a
+stage sends unchanged by the stage's later mutations (`snapshot_before_mutations`) and to
+mutate a copy of a received value (`copy_mutated_inputs`): a received activation is a leaf
+that autograd forbids mutating in place, and on the local backend it shares its storage with
+the sender's.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from pdcompile.meta import get_tree
+
+# Python's augmented assignments: in place on tensors, a new object on numbers
+_AUGMENTED = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                        operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
+                        operator.ior, operator.ixor, operator.ilshift, operator.irshift,
+                        operator.imatmul})
+
+
+def set_item(target: Any, index: Any, value: Any) -> Any:
+    """`target[index] = value`, returning `target` (so that later readers depend on it)."""
+    target[index] = value
+    return target
+
+
+def mutated_input(node: fx.Node, root: torch.nn.Module | None = None) -> fx.Node | None:
+    """The node whose value `node` changes in place (its first argument), or None.
+
+    In place: methods named `name_` (`x.add_(y)`), functions named so (`torch.relu_`), calls with
+    `inplace=True` (`F.relu(x, inplace=True)`, `nn.ReLU(inplace=True)` given `root`), augmented
+    assignments on tensors (`x += y`), `x[i] = v` and aten overloads whose schema writes their
+    first argument (`aten.add_.Tensor`).
+    """
+    first = node.args[0] if node.args else None
+    if not isinstance(first, fx.Node):
+        return None
+    if node.op == "call_method":
+        return first if _trailing_underscore(str(node.target)) else None
+    if node.op == "call_module":
+        module = _submodule(root, str(node.target))
+        return first if module is not None and getattr(module, "inplace", False) is True else None
+    if node.op != "call_function":
+        return None
+    target = node.target
+    if target in _AUGMENTED:
+        return first if _is_tensor(first) else None
+    if target in (operator.setitem, set_item):
+        return first
+    if node.kwargs.get("inplace") is True:
+        return first
+    if isinstance(target, torch._ops.OpOverload):
+        arguments = target._schema.arguments
+        writes = bool(arguments) and arguments[0].alias_info is not None \
+            and arguments[0].alias_info.is_write
+        return first if writes else None
+    name = getattr(target, "__name__", "")
+    return first if _trailing_underscore(name) else None
+
+
+def _trailing_underscore(name: str) -> bool:
+    return name.endswith("_") and not name.startswith("_")
+
+
+def _submodule(root: torch.nn.Module | None, target: str) -> torch.nn.Module | None:
+    if root is None:
+        return None
+    try:
+        return root.get_submodule(target)
+    except AttributeError:
+        return None
+
+
+def _is_tensor(node: fx.Node) -> bool:
+    """Whether the node's value is a tensor (True where the shapes pass has not said)."""
+    tree = get_tree(node)
+    if tree is not None:
+        return tree.is_leaf and tree.kinds == ("tensor",)
+    value = node.meta.get("val", node.meta.get("example_value"))
+    return value is None or isinstance(value, torch.Tensor)
+
+
+def make_mutations_explicit(gm: fx.GraphModule) -> bool:
+    """Rewire each reader of a value that comes after an in-place change of it to read the
+    in-place node; `x[i] = v` becomes `set_item`. Returns whether the graph changed (idempotent:
+    a second call changes nothing)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    changed = False
+    for node in list(graph.nodes):
+        mutated = mutated_input(node, gm)
+        if mutated is None:
+            continue
+        if node.target is operator.setitem:
+            node.target = set_item
+            node.meta["is_wrapped"] = True  # generated code calls it; re-tracing keeps the call
+            changed = True
+        for user in list(mutated.users):
+            if user is not node and order[user] > order[node]:
+                user.replace_input_with(mutated, node)
+                changed = True
+    if changed:
+        graph.lint()
+        gm.recompile()
+    return changed
+
+
+def snapshot_before_mutations(gm: fx.GraphModule, stage_of: dict[str, int],
+                              stage: Callable[[fx.Node], int]) -> None:
+    """A value read by a later stage before a mutation in its own stage is sent as a copy taken
+    before the mutation (the stage sends its values when its forward ends)."""
+    graph = gm.graph
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in list(graph.nodes):
+        mutated = mutated_input(node, gm)
+        if mutated is None or mutated.op in ("placeholder", "get_attr"):
+            continue
+        home = stage_of[node.name]
+        if stage_of.get(mutated.name) != home:
+            continue  # a received value: the stage mutates its own copy (copy_mutated_inputs)
+        early = [u for u in mutated.users if order[u] < order[node] and stage(u) > home]
+        if not early:
+            continue
+        with graph.inserting_before(node):
+            copy = graph.call_function(torch.clone, (mutated,))
+        stage_of[copy.name] = home
+        for user in early:
+            user.replace_input_with(mutated, copy)
+        order = {n: i for i, n in enumerate(graph.nodes)}
+    graph.lint()
+    gm.recompile()
+
+
+def copy_mutated_inputs(sub: fx.GraphModule) -> None:
+    """A stage module mutates copies of the values it receives, never the received tensors."""
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    changed = False
+    for node in list(sub.graph.nodes):
+        mutated = mutated_input(node, sub)
+        if mutated is None or mutated.op != "placeholder":
+            continue
+        with sub.graph.inserting_after(placeholders[-1]):
+            copy = sub.graph.call_function(torch.clone, (mutated,))
+        mutated.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
+        changed = True
+    if changed:
+        sub.graph.lint()
+        sub.recompile()
+
+
+__all__ = ["copy_mutated_inputs", "make_mutations_explicit", "mutated_input",
+           "snapshot_before_mutations", "set_item"]
