@@ -119,28 +119,75 @@ def make_mutations_explicit(gm: fx.GraphModule) -> bool:
     return changed
 
 
+# operations whose result may share memory with their first argument (an in-place change of
+# one shows in the other): views, `contiguous`, items of `split`
+_VIEWS = frozenset({
+    "view", "view_as", "reshape", "reshape_as", "transpose", "permute", "t", "narrow", "select",
+    "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten", "split", "chunk",
+    "unbind", "split_with_sizes", "tensor_split", "movedim", "moveaxis", "swapaxes", "swapdims",
+    "diagonal", "unfold", "as_strided", "detach", "contiguous", "getitem", "T", "mT", "H",
+    "real", "imag", "view_as_real", "view_as_complex", "alias", "slice", "_unsafe_view"})
+
+
+def _may_alias(node: fx.Node, root: torch.nn.Module) -> bool:
+    """Whether `node`'s value may share memory with its first argument."""
+    if mutated_input(node, root) is not None:
+        return True  # an in-place operation returns the tensor it changed
+    if node.op == "call_module":
+        return isinstance(_submodule(root, str(node.target)), torch.nn.Identity)
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return any(r.alias_info is not None for r in target._schema.returns)
+    name = str(target) if node.op == "call_method" else getattr(target, "__name__", "")
+    return name in _VIEWS
+
+
+def alias_classes(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:
+    """For every node, the nodes whose values may share its memory (views of one another)."""
+    parent: dict[fx.Node, fx.Node] = {}
+
+    def find(node: fx.Node) -> fx.Node:
+        while parent.get(node, node) is not node:
+            node = parent[node]
+        return node
+
+    for node in gm.graph.nodes:
+        first = node.args[0] if node.args else None
+        if isinstance(first, fx.Node) and _may_alias(node, gm):
+            parent[find(node)] = find(first)
+    groups: dict[fx.Node, set[fx.Node]] = {}
+    for node in gm.graph.nodes:
+        groups.setdefault(find(node), set()).add(node)
+    return {node: frozenset(groups[find(node)]) for node in gm.graph.nodes}
+
+
 def snapshot_before_mutations(gm: fx.GraphModule, stage_of: dict[str, int],
                               stage: Callable[[fx.Node], int]) -> None:
-    """A value read by a later stage before a mutation in its own stage is sent as a copy taken
-    before the mutation (the stage sends its values when its forward ends)."""
+    """A value read by a later stage before a mutation in its own stage (of it or of a view
+    sharing its memory) is sent as a copy taken before the mutation: a stage sends its values
+    when its forward ends."""
     graph = gm.graph
+    mutators = [n for n in graph.nodes if mutated_input(n, gm) is not None]
+    if not mutators:
+        return
     order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in list(graph.nodes):
-        mutated = mutated_input(node, gm)
-        if mutated is None or mutated.op in ("placeholder", "get_attr"):
-            continue
+    aliases = alias_classes(gm)
+    for node in mutators:
         home = stage_of[node.name]
-        if stage_of.get(mutated.name) != home:
-            continue  # a received value: the stage mutates its own copy (copy_mutated_inputs)
-        early = [u for u in mutated.users if order[u] < order[node] and stage(u) > home]
-        if not early:
-            continue
-        with graph.inserting_before(node):
-            copy = graph.call_function(torch.clone, (mutated,))
-        stage_of[copy.name] = home
-        for user in early:
-            user.replace_input_with(mutated, copy)
-        order = {n: i for i, n in enumerate(graph.nodes)}
+        for value in sorted(aliases[mutated_input(node, gm)], key=order.__getitem__):  # type: ignore[index]
+            if value.op in ("placeholder", "get_attr") or stage_of.get(value.name) != home \
+                    or order[value] >= order[node]:
+                continue  # received values are copied first (copy_mutated_inputs)
+            early = [u for u in value.users if order.get(u, -1) < order[node]
+                     and u.op != "output" and stage(u) > home]
+            if not early:
+                continue
+            with graph.inserting_after(value):
+                copy = graph.call_function(torch.clone, (value,))
+            stage_of[copy.name] = home
+            for user in early:
+                user.replace_input_with(value, copy)
+            order = {n: i for i, n in enumerate(graph.nodes)}
     graph.lint()
     gm.recompile()
 
@@ -162,5 +209,5 @@ def copy_mutated_inputs(sub: fx.GraphModule) -> None:
         sub.recompile()
 
 
-__all__ = ["copy_mutated_inputs", "make_mutations_explicit", "mutated_input",
+__all__ = ["alias_classes", "copy_mutated_inputs", "make_mutations_explicit", "mutated_input",
            "snapshot_before_mutations", "set_item"]

@@ -145,11 +145,18 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.name not in stage_of:
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
             stage_of[node.name] = min(users) if users else 0
-    for node in nodes:  # a tuple's items are read where it is made: only tensors cross stages
-        if node.op == "call_function" and isinstance(node.args[0] if node.args else None,
-                                                     fx.Node) and _reads_item(node):
-            stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])
-    _constants_follow_users(nodes, stage_of, len(plan.stages) - 1)
+    # a tuple's items are read where it is made, and input-less operations (arange, zeros) run
+    # where they are used, unless that leaves their stage with nothing to run: then the tuple
+    # crosses as its leaves (_send_leaves) and the constant is sent
+    items = [n for n in nodes if n.op == "call_function" and n.args
+             and isinstance(n.args[0], fx.Node) and _reads_item(n)]
+    movable = {n.name for n in items} | {n.name for n in nodes if _input_less(n)}
+    busy = {stage_of[n.name] for n in nodes
+            if n.op not in ("placeholder", "get_attr") and n.name not in movable}
+    for node in items:
+        if stage_of[node.name] in busy:
+            stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])  # type: ignore[union-attr]
+    _constants_follow_users(nodes, stage_of, len(plan.stages) - 1, busy)
     for node in nodes:
         for user in node.users:
             if user.op == "output" or node.op == "get_attr":
@@ -174,12 +181,10 @@ def _input_less(node: fx.Node) -> bool:
         not node.all_input_nodes
 
 
-def _constants_follow_users(nodes: list[fx.Node], stage_of: dict[str, int], last: int) -> None:
-    """Move each input-less operation to the first stage that uses it (`_copy_constants` gives
-    later users their own copy), unless it is all its stage would run: a stage keeps one
-    operation and sends the value instead."""
-    busy = {stage_of[n.name] for n in nodes
-            if n.op not in ("placeholder", "get_attr") and not _input_less(n)}
+def _constants_follow_users(nodes: list[fx.Node], stage_of: dict[str, int], last: int,
+                            busy: set[int]) -> None:
+    """Move each input-less operation of a `busy` stage (one with other operations to run) to
+    the first stage that uses it (`_copy_constants` gives later users their own copy)."""
     for node in nodes:
         if not _input_less(node) or stage_of[node.name] not in busy:
             continue
@@ -606,7 +611,8 @@ def _name_and_copy(stages: list[StageProgram], root: torch.nn.Module) -> tuple[T
             holders.setdefault(id(p), []).append((program.index, name))
         for name, b in program.module.named_buffers(remove_duplicate=False):
             program.buffer_names[name] = tuple(buffer_names.get(id(b), [name]))
-            if set(program.buffer_names[name]) <= transient:
+            # a tensor constant fx made of `torch.ones(4)` in forward is no buffer of the model
+            if set(program.buffer_names[name]) <= transient or id(b) not in buffer_names:
                 program.transient_buffers += (name,)
         program.module = copy.deepcopy(program.module)
     ties = []
