@@ -150,13 +150,14 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     # crosses as its leaves (_send_leaves) and the constant is sent
     items = [n for n in nodes if n.op == "call_function" and n.args
              and isinstance(n.args[0], fx.Node) and _reads_item(n)]
-    movable = {n.name for n in items} | {n.name for n in nodes if _input_less(n)}
+    constants = _constants(nodes, gm)
+    movable = {n.name for n in items} | constants
     busy = {stage_of[n.name] for n in nodes
             if n.op not in ("placeholder", "get_attr") and n.name not in movable}
     for node in items:
         if stage_of[node.name] in busy:
             stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])  # type: ignore[union-attr]
-    _constants_follow_users(nodes, stage_of, len(plan.stages) - 1, busy)
+    _constants_follow_users(nodes, stage_of, len(plan.stages) - 1, constants, busy)
     for node in nodes:
         for user in node.users:
             if user.op == "output" or node.op == "get_attr":
@@ -175,48 +176,55 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     return stage_of
 
 
-def _input_less(node: fx.Node) -> bool:
-    """An operation that reads no other node (`torch.arange(6)`, `torch.zeros(2, 3)`)."""
-    return node.op in ("call_function", "call_method", "call_module") and \
-        not node.all_input_nodes
+def _constants(nodes: list[fx.Node], gm: fx.GraphModule) -> set[str]:
+    """Operations computed from no input at all: `torch.arange(6)`, `torch.zeros(2, 3)` (input-
+    less under torch.export) and what is computed from them alone (`arange(6).unsqueeze(0)`)."""
+    found: set[str] = set()
+    for node in nodes:
+        if node.op in ("call_function", "call_method") \
+                and all(p.name in found for p in node.all_input_nodes) \
+                and (node.all_input_nodes or node.op == "call_function"):
+            found.add(node.name)
+    return found
 
 
 def _constants_follow_users(nodes: list[fx.Node], stage_of: dict[str, int], last: int,
-                            busy: set[int]) -> None:
-    """Move each input-less operation of a `busy` stage (one with other operations to run) to
-    the first stage that uses it (`_copy_constants` gives later users their own copy)."""
-    for node in nodes:
-        if not _input_less(node) or stage_of[node.name] not in busy:
+                            constants: set[str], busy: set[int]) -> None:
+    """Move each constant of a `busy` stage (one with other operations to run) to the first
+    stage that uses it (`_copy_constants` gives later users their own copy)."""
+    for node in reversed(nodes):
+        if node.name not in constants or stage_of[node.name] not in busy:
             continue
         users = [last if u.op == "output" else stage_of[u.name] for u in node.users]
         if users:
             stage_of[node.name] = min(users)
 
 
-def _copy_constants(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> None:
-    """Each later stage that uses an input-less operation computes its own copy of it, rather
-    than receiving it, where the copy equals it (no random draw, no in-place change)."""
+def _copy_constants(gm: fx.GraphModule, stage_of: dict[str, int], constants: set[str]) -> None:
+    """Each later stage that uses a constant computes its own copy of it (and of the constants
+    it is made of) rather than receiving it, where a copy equals it: no random draw, no
+    in-place change."""
     graph = gm.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for node in list(graph.nodes):
-        if not _input_less(node) or node.op != "call_function" or not _repeatable(node, gm):
+    repeatable = {n.name for n in graph.nodes if n.name in constants and _repeatable(n, gm)}
+    copies: dict[tuple[str, int], fx.Node] = {}
+
+    def copy_in(node: fx.Node, stage: int, before: fx.Node) -> fx.Node:
+        if stage_of[node.name] == stage:
+            return node
+        key = (node.name, stage)
+        if key not in copies:
+            inputs = {p: copy_in(p, stage, before) for p in node.all_input_nodes}
+            with graph.inserting_before(before):
+                copies[key] = graph.node_copy(node, lambda p: inputs[p])
+            stage_of[copies[key].name] = stage
+        return copies[key]
+
+    for user in list(graph.nodes):
+        if user.op in ("output", "placeholder", "get_attr"):
             continue
-        home = stage_of[node.name]
-        by_stage: dict[int, list[fx.Node]] = {}
-        for user in node.users:
-            target = last if user.op == "output" else stage_of[user.name]
-            by_stage.setdefault(target, []).append(user)
-        if home not in by_stage:
-            continue  # kept in a stage of its own (_constants_follow_users): sent as it is
-        del by_stage[home]
-        for target, users in sorted(by_stage.items()):
-            if any(u.op == "output" for u in users):
-                continue  # the model's output: the last stage returns the value it receives
-            with graph.inserting_before(min(users, key=order.__getitem__)):
-                copy = graph.node_copy(node)
-            stage_of[copy.name] = target
-            for user in users:
-                user.replace_input_with(node, copy)
+        for node in user.all_input_nodes:
+            if node.name in repeatable and stage_of[node.name] < stage_of[user.name]:
+                user.replace_input_with(node, copy_in(node, stage_of[user.name], user))
     graph.lint()
     gm.recompile()
 
@@ -228,7 +236,7 @@ _UNREPEATABLE = ("rand", "normal", "bernoulli", "poisson", "multinomial", "dropo
 
 def _repeatable(node: fx.Node, gm: fx.GraphModule) -> bool:
     name = str(getattr(node.target, "__name__", node.target)).lower()
-    if any(word in name for word in _UNREPEATABLE):
+    if any(word in name for word in _UNREPEATABLE) or mutated_input(node, gm) is not None:
         return False
     return all(mutated_input(user, gm) is not node for user in node.users)
 
@@ -414,7 +422,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
     if empty:
         raise PlanError(f"stages {empty} of the plan have no operation to run; use fewer stages "
                         f"(at most {len(used)}) or move operations into them")
-    _copy_constants(gm, stage_of, last)
+    _copy_constants(gm, stage_of, _constants(list(gm.graph.nodes), gm))
     snapshot_before_mutations(
         gm, stage_of, lambda user: last if user.op == "output" else stage_of[user.name])
     _send_leaves(gm, stage_of, last)
@@ -425,7 +433,11 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
     def callback(node: fx.Node) -> int:
         return stage_of[node.name]
 
-    top = split_module(gm, gm, callback, keep_original_order=True, tuple_return=True)
+    try:
+        top = split_module(gm, gm, callback, keep_original_order=True, tuple_return=True)
+    except KeyError as err:  # a value split_module looked up before any stage made it
+        raise PlanError(_unsplittable(gm, str(err.args[0]) if err.args else "?", stage_of)) \
+            from None
     data_inputs = tuple(n.name for n in top.graph.nodes if n.op == "placeholder")
     outputs_of: dict[str, tuple[int, tuple[str, ...]]] = {}  # submod node name -> stage, outputs
     getitem_of: dict[str, ValueRef] = {}
@@ -461,6 +473,15 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             _link(stages, ref, last)
     ties = _name_and_copy(stages, root)
     return SplitResult(stages, data_inputs, output_refs, spec, ties)
+
+
+def _unsplittable(gm: fx.GraphModule, name: str, stage_of: dict[str, int]) -> str:
+    """The message for a plan torch.fx's split_module could not cut at value `name`."""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    users = sorted({stage_of.get(u.name, -1) for u in node.users}) if node is not None else []
+    return (f"node {name!r} (stage {stage_of.get(name, '?')}, used by stages {users}) could not "
+            "be passed between the stages of this plan; move it into the stage that uses it, "
+            "and please report the model and the plan (Plan.to_json()) as a pdcompile bug")
 
 
 def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> None:
