@@ -174,7 +174,9 @@ def snapshot_before_mutations(gm: fx.GraphModule, stage_of: dict[str, int],
     aliases = alias_classes(gm)
     for node in mutators:
         home = stage_of[node.name]
-        for value in sorted(aliases[mutated_input(node, gm)], key=order.__getitem__):  # type: ignore[index]
+        mutated = mutated_input(node, gm)
+        assert mutated is not None
+        for value in sorted(aliases.get(mutated, {mutated}), key=order.__getitem__):
             if value.op in ("placeholder", "get_attr") or stage_of.get(value.name) != home \
                     or order[value] >= order[node]:
                 continue  # received values are copied first (copy_mutated_inputs)
@@ -195,15 +197,21 @@ def snapshot_before_mutations(gm: fx.GraphModule, stage_of: dict[str, int],
 def copy_mutated_inputs(sub: fx.GraphModule) -> None:
     """A stage module mutates copies of the values it receives, never the received tensors."""
     placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
-    changed = False
+    aliases = alias_classes(sub)
+    changed: set[fx.Node] = set()
     for node in list(sub.graph.nodes):
         mutated = mutated_input(node, sub)
-        if mutated is None or mutated.op != "placeholder":
+        if mutated is None:
             continue
-        with sub.graph.inserting_after(placeholders[-1]):
-            copy = sub.graph.call_function(torch.clone, (mutated,))
-        mutated.replace_all_uses_with(copy, delete_user_cb=lambda user, c=copy: user is not c)
-        changed = True
+        for received in aliases.get(mutated, {mutated}):  # it, or the value it is a view of
+            if received.op != "placeholder" or received in changed:
+                continue
+            with sub.graph.inserting_after(placeholders[-1]):
+                copy = sub.graph.call_function(torch.clone, (received,))
+            for user in list(received.users):
+                if user is not copy:
+                    user.replace_input_with(received, copy)
+            changed.add(received)
     if changed:
         sub.graph.lint()
         sub.recompile()
