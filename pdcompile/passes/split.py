@@ -10,6 +10,14 @@ buffer. Parameters that the traced graph reads with `get_attr` (e.g. a tied embe
 Each stage module is a deep copy: stages do not share tensors with each other or with the model.
 Buffers the model registered with `persistent=False` stay out of the stages' state dicts too.
 
+Any assignment of nodes to stages that follows a topological order splits. The graph is
+reordered stage by stage first (split_module emits stages in the order of their first nodes and
+failed where they interleave); a tuple's items are read in the stage that makes it; constants
+(input-less operations such as torch.export's `arange`, and what is made of them alone) go with
+their users, each later stage computing its own copy; in-place operations keep their meaning
+across stages (passes/inplace.py). A split_module failure that slips through all this is a
+PlanError naming the node and its stages, never a KeyError.
+
 Only tensors, numbers and sizes can travel between stages. Where the shapes pass has run, the
 split checks every value a stage would send before anything runs: a structured value (a
 Hugging Face ModelOutput, any container registered with torch's pytree) is sent as its leaves
@@ -150,7 +158,7 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     # crosses as its leaves (_send_leaves) and the constant is sent
     items = [n for n in nodes if n.op == "call_function" and n.args
              and isinstance(n.args[0], fx.Node) and _reads_item(n)]
-    constants = _constants(nodes, gm)
+    constants = _constants(nodes)
     movable = {n.name for n in items} | constants
     busy = {stage_of[n.name] for n in nodes
             if n.op not in ("placeholder", "get_attr") and n.name not in movable}
@@ -176,16 +184,23 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     return stage_of
 
 
-def _constants(nodes: list[fx.Node], gm: fx.GraphModule) -> set[str]:
+def _constants(nodes: list[fx.Node]) -> set[str]:
     """Operations computed from no input at all: `torch.arange(6)`, `torch.zeros(2, 3)` (input-
     less under torch.export) and what is computed from them alone (`arange(6).unsqueeze(0)`)."""
     found: set[str] = set()
     for node in nodes:
+        tree = get_tree(node)
         if node.op in ("call_function", "call_method") \
                 and all(p.name in found for p in node.all_input_nodes) \
-                and (node.all_input_nodes or node.op == "call_function"):
+                and (node.all_input_nodes or node.op == "call_function") \
+                and (tree is None or tree.kinds == ("tensor",)) \
+                and node.target not in _GLOBAL_STATE:
             found.add(node.name)
     return found
+
+
+# calls without inputs that set the state of what follows them, not values
+_GLOBAL_STATE = (torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast)
 
 
 def _constants_follow_users(nodes: list[fx.Node], stage_of: dict[str, int], last: int,
@@ -422,7 +437,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
     if empty:
         raise PlanError(f"stages {empty} of the plan have no operation to run; use fewer stages "
                         f"(at most {len(used)}) or move operations into them")
-    _copy_constants(gm, stage_of, _constants(list(gm.graph.nodes), gm))
+    _copy_constants(gm, stage_of, _constants(list(gm.graph.nodes)))
     snapshot_before_mutations(
         gm, stage_of, lambda user: last if user.op == "output" else stage_of[user.name])
     _send_leaves(gm, stage_of, last)
