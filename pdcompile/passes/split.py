@@ -528,7 +528,7 @@ def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> Non
         if tree.is_leaf:
             continue
         try:
-            text = spec_text(tree.spec)
+            text = spec_text(_as_tuple(tree.spec) if _items_only(node, stage, home) else tree.spec)
         except ValueError as err:
             raise PlanError(f"node {node.name!r} (stage {home}) sends a structured value to "
                             f"stage {later[0]}, but {err}; register its type with "
@@ -562,6 +562,18 @@ def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> Non
         gm.recompile()
         for node in graph.nodes:
             set_stage(node, last if node.op == "output" else stage_of[node.name])
+
+
+def _items_only(node: fx.Node, stage: Callable[[fx.Node], int], home: int) -> bool:
+    """Whether later stages read the value only as `value[i]` (then any sequence, such as the
+    `torch.return_types.max` of `x.max(dim)`, can travel as a plain tuple)."""
+    return all(u.target is operator.getitem and isinstance(u.args[1], int)
+               for u in node.users if stage(u) > home)
+
+
+def _as_tuple(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    """The same leaves in a plain tuple (whose structure can always be written down)."""
+    return pytree.TreeSpec(tuple, None, list(spec.children()))
 
 
 def _ref_of(leaf: Any, getitem_of: dict[str, ValueRef]) -> ValueRef:

@@ -127,6 +127,11 @@ def _mutate(kind: str, target: torch.Tensor, other: torch.Tensor, layer: nn.Modu
         layer(target)  # type: ignore[misc]
 
 
+def squared_error(output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
+    """The loss of a RandomNet: the sum over its outputs (target broadcast to each)."""
+    return sum((((o - target) ** 2).mean() for o in output), torch.zeros(()))
+
+
 @st.composite
 def random_models(draw: st.DrawFn, max_steps: int = 8) -> tuple[RandomNet, tuple[torch.Tensor,
                                                                                     ...]]:

@@ -260,3 +260,20 @@ def test_split_module_failure_is_a_plan_error(monkeypatch: pytest.MonkeyPatch) -
     gm = trace(Net())
     with pytest.raises(PlanError, match=r"node 'a' \(stage 1, used by stages \[1\]\)"):
         split(gm, manual_plan(gm, lambda n: STAGE.get(n.name, 3)))
+
+
+def test_a_stage_that_only_reads_items_receives_the_sequence_as_a_tuple() -> None:
+    """The stage holds only `getitem` of `x.max(dim)` made in stage 0: the structseq
+    (torch.return_types.max, whose type pytree cannot write down) crosses as a plain tuple."""
+    from tests.helpers.random_models import RandomNet, Step, explicit_graph, squared_error
+    from tests.helpers.transparency import check
+
+    model = RandomNet((Step("linear", 0, 0), Step("max", 1, 0), Step("linear", 2, 0)), 1, (-1,))
+    inputs = (torch.randn(8, 3, 4),)
+    gm = explicit_graph(model, inputs)
+    names = [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
+    plan = manual_plan(gm, {n: 0 if names.index(n) <= names.index("max_1") else
+                            1 if n == "getitem" else 2 for n in names})
+    pipe = check((model, inputs, torch.randn(8, 1, 4), squared_error),
+                 schedule="gpipe", micro=2, plan=plan)
+    assert len(pipe.parts.stages[0].sends[1]) == 2  # the values and the indices

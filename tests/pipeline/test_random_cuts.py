@@ -15,12 +15,14 @@ import torch
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
-from tests.helpers.random_models import RandomNet, explicit_graph, random_cut, random_models
+from tests.helpers.random_models import (
+    RandomNet,
+    explicit_graph,
+    random_cut,
+    random_models,
+    squared_error,
+)
 from tests.helpers.transparency import check
-
-
-def squared_error(output: tuple[torch.Tensor, ...], target: torch.Tensor) -> torch.Tensor:
-    return sum((((o - target) ** 2).mean() for o in output), torch.zeros(()))
 
 
 def _trains_in_one_process(model: RandomNet, inputs: tuple[torch.Tensor, ...]) -> bool:
