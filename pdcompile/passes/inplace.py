@@ -11,7 +11,10 @@ cost graph and the planner see; `operator.setitem` (`x[i] = v`, which returns No
 stage sends unchanged by the stage's later mutations (`snapshot_before_mutations`) and to
 mutate a copy of a received value (`copy_mutated_inputs`): a received activation is a leaf
 that autograd forbids mutating in place, and on the local backend it shares its storage with
-the sender's.
+the sender's. Views count: a value sent before a later change of a view of it in its stage is
+sent as a copy too (`alias_classes`). Not covered: a change made in one stage to a view of a
+value made in an earlier stage, read after the change by yet another stage (the change stays in
+the stage that made it, as with any received value).
 """
 
 from __future__ import annotations
