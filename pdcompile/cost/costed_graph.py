@@ -21,6 +21,7 @@ from pdcompile.cost import node_costs
 from pdcompile.cost.cache_flush import caches_for
 from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.device import Device
+from pdcompile.passes.inplace import make_mutations_explicit
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.trace import trace
 
@@ -51,6 +52,7 @@ def costed(model: torch.nn.Module, inputs: Sequence[Any], cluster: Cluster | Non
         caches = caches_for(cluster) if cluster is not None else "warm"
     with torch.random.fork_rng():
         annotate_shapes(gm, tuple(inputs))
+        make_mutations_explicit(gm)  # the planner sees in-place order as the split keeps it
         node_costs.annotate_costs(gm, tuple(inputs), source=cost, device=device, warmup=warmup,
                        repeats=repeats, clock=clock, progress=progress, caches=caches)
     return Costed(gm, node_costs.to_cost_graph(gm, name=name or type(model).__name__))

@@ -20,7 +20,7 @@ PipeDream's own profiles, is `pdcompile.profiles.load_pipedream`.
 from __future__ import annotations
 
 import contextlib
-import operator
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -40,6 +40,7 @@ from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.device import DEVICES, Device
 from pdcompile.meta import NodeCost, get_cost, get_shape, has_shape, set_cost
+from pdcompile.passes.inplace import mutated_input
 from pdcompile.passes.shapes import annotate_shapes, bind_inputs
 from pdcompile.runtime.allocator import tune_allocator
 from pdcompile.util.attr_path import get_path
@@ -121,7 +122,8 @@ def annotate_costs(
         with busy_neighbours(neighbours, TrainStep(gm, values) if neighbours else None):
             flush = CacheFlush(_device_of(gm, values)) if caches == "cold" else None
             costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
-                              timer=timer, statistic=statistic, flush=flush)
+                              timer=timer, statistic=statistic, flush=flush,
+                              fallback=lambda: _fallback_device(device, _device_of(gm, values)))
     else:
         costs = _analytic(gm, values, _device_model(device), progress=progress)
     for node in gm.graph.nodes:
@@ -241,6 +243,16 @@ def _device_model(device: Device | Cluster | str | None) -> Device:
     return DEVICES[key]
 
 
+def _fallback_device(device: Device | Cluster | str | None, where: torch.device) -> Device:
+    """The device model that prices nodes the measured pass cannot time: `device` where given,
+    else this machine's CPU (measured once, cached) for a model on the CPU."""
+    if device is None and where.type == "cpu":
+        from pdcompile.machine.local import local_device
+
+        return local_device()
+    return _device_model(device)
+
+
 def _device_of(model: nn.Module, inputs: Sequence[Any]) -> torch.device:
     for p in model.parameters():
         return p.device
@@ -279,19 +291,17 @@ def _run_node(gm: fx.GraphModule, node: fx.Node, args: tuple[Any, ...],
     raise PdcompileError(f"cannot run node {node.name!r} of kind {node.op}")
 
 
-_INPLACE_FUNCTIONS = {operator.iadd, operator.isub, operator.imul, operator.itruediv}
-
-
 def _is_inplace(gm: fx.GraphModule, node: fx.Node) -> bool:
-    if node.op == "call_module":
-        return bool(getattr(gm.get_submodule(str(node.target)), "inplace", False))
-    if node.op == "call_method":
-        return str(node.target).endswith("_") and not str(node.target).endswith("__")
-    if node.op == "call_function":
-        if node.target in _INPLACE_FUNCTIONS or node.kwargs.get("inplace") is True:
-            return True
-        name = getattr(node.target, "__name__", "")
-        return name.endswith("_") and not name.endswith("__")
+    """Whether running the node changes one of its inputs (so each timed run gets copies):
+    in-place methods, functions and modules, `x += y`, `x[i] = v`, aten overloads such as
+    `aten.add_.Tensor` whose schema writes an argument, and `out=` calls. (An index tensor
+    that T5's `aten.add_.Tensor` grew on every timed run sent a later embedding out of range.)"""
+    if mutated_input(node, gm) is not None or "out" in node.kwargs:
+        return True
+    target = node.target
+    if node.op == "call_function" and isinstance(target, torch._ops.OpOverload):
+        return any(a.alias_info is not None and a.alias_info.is_write
+                   for a in target._schema.arguments)
     return False
 
 
@@ -336,6 +346,10 @@ class _RecordInterpreter(fx.Interpreter):
         self.values: dict[str, Any] = {}
 
     def run_node(self, n: fx.Node) -> Any:
+        mutated = mutated_input(n, self.module)
+        if mutated is not None and mutated.name in self.values:  # keep the value it read
+            self.values[mutated.name] = tree_map(_detach_clone_keep_flag,
+                                                 self.values[mutated.name])
         result = super().run_node(n)
         self.values[n.name] = tree_map(_detach_keep_flag, result)
         return result
@@ -344,6 +358,12 @@ class _RecordInterpreter(fx.Interpreter):
 def _detach_keep_flag(x: Any) -> Any:
     if isinstance(x, torch.Tensor):
         return x.detach().requires_grad_(x.requires_grad)
+    return x
+
+
+def _detach_clone_keep_flag(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().clone().requires_grad_(x.requires_grad)
     return x
 
 
@@ -405,8 +425,10 @@ def _then(setup: Callable[[], Any], flush: Callable[[], None] | None) -> Callabl
 
 
 def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: int,
-              progress: bool, timer: Timer, statistic: str,
+              progress: bool, timer: Timer, statistic: str, fallback: Callable[[], Device],
               flush: Callable[[], None] | None = None) -> dict[str, tuple[float, ...]]:
+    """Every compute node timed alone; a node that cannot be timed gets its analytic cost on
+    `fallback()` (with a warning naming it)."""
     buffers = _snapshot_buffers(gm)
     exclude = {_storage_key(t) for t in list(gm.parameters()) + list(gm.buffers())}
     costs: dict[str, tuple[float, ...]] = {}
@@ -418,34 +440,70 @@ def _measured(gm: fx.GraphModule, values: list[Any], *, warmup: int, repeats: in
                                     repeats=repeats, statistic=statistic)
         nodes = [n for n in gm.graph.nodes if n.op in _COMPUTE_OPS]
         for node in _progress(nodes, progress, "measuring nodes"):
-            clone = _is_inplace(gm, node)
-
-            def setup(node: fx.Node = node, clone: bool = clone) -> tuple[Any, Any]:
-                return _node_inputs(node, env, clone=clone)
-
-            def forward(ak: tuple[Any, Any], node: fx.Node = node) -> Any:
-                return _run_node(gm, node, ak[0], ak[1])
-
-            fwd = measure(timer, forward, setup=_then(setup, flush), warmup=warmup,
-                          repeats=repeats, statistic=statistic)
-            kept = [0]
-            with _saved_bytes(exclude, kept):
-                out = forward(setup())
-            outs, _ = _grad_outputs(out)
-            bwd = 0.0
-            if outs:
-                def setup_b(node: fx.Node = node) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-                    return _grad_outputs(forward(setup(), node))
-
-                bwd = measure(timer, lambda og: torch.autograd.backward(og[0], og[1]),
-                              setup=_then(setup_b, flush), warmup=warmup, repeats=repeats,
-                              statistic=statistic)
-            costs[node.name] = (max(fwd - base_f, 0.0), max(bwd - base_b, 0.0),
-                                float(kept[0]), 0.0, 0.0)
+            try:
+                costs[node.name] = _measure_node(gm, node, env, exclude, (base_f, base_b),
+                                                 warmup=warmup, repeats=repeats, timer=timer,
+                                                 statistic=statistic, flush=flush)
+            except Exception as err:  # noqa: BLE001 - any op we cannot time gets a formula
+                costs[node.name] = _fallback(gm, node, env, exclude, fallback, err)
     finally:
         _restore_buffers(gm, buffers)
         gm.zero_grad(set_to_none=True)
     return costs
+
+
+def _measure_node(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], exclude: set[int],
+                  base: tuple[float, float], *, warmup: int, repeats: int, timer: Timer,
+                  statistic: str, flush: Callable[[], None] | None) -> tuple[float, ...]:
+    """(fwd, bwd, kept bytes, 0, 0) of one node timed alone on its recorded inputs."""
+    base_f, base_b = base
+    clone = _is_inplace(gm, node)
+
+    def setup(node: fx.Node = node, clone: bool = clone) -> tuple[Any, Any]:
+        return _node_inputs(node, env, clone=clone)
+
+    def forward(ak: tuple[Any, Any], node: fx.Node = node) -> Any:
+        return _run_node(gm, node, ak[0], ak[1])
+
+    fwd = measure(timer, forward, setup=_then(setup, flush), warmup=warmup,
+                  repeats=repeats, statistic=statistic)
+    kept = [0]
+    with _saved_bytes(exclude, kept):
+        out = forward(setup())
+    outs, _ = _grad_outputs(out)
+    bwd = 0.0
+    if outs:
+        def setup_b(node: fx.Node = node) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+            return _grad_outputs(forward(setup(), node))
+
+        bwd = measure(timer, lambda og: torch.autograd.backward(og[0], og[1]),
+                      setup=_then(setup_b, flush), warmup=warmup, repeats=repeats,
+                      statistic=statistic)
+    return (max(fwd - base_f, 0.0), max(bwd - base_b, 0.0), float(kept[0]), 0.0, 0.0)
+
+
+def _fallback(gm: fx.GraphModule, node: fx.Node, env: dict[str, Any], exclude: set[int],
+              device_of: Callable[[], Device], err: Exception) -> tuple[float, ...]:
+    """The analytic cost of a node the measured pass cannot time (on the real values it
+    received), with one line saying which node and why."""
+    reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    device = device_of()
+    warnings.warn(f"cannot time node {node.name!r} ({node_label(gm, node)}): "
+                  f"{type(err).__name__}: {reason}; it gets its analytic cost on {device.name}",
+                  stacklevel=4)
+    args, kwargs = _node_inputs(node, env, clone=_is_inplace(gm, node))
+    try:
+        _, flops_f, bytes_f, kept, flops_b, bytes_b = _count(gm, node, args, kwargs, None,
+                                                             exclude)
+    except Exception as again:
+        why = (str(again).strip().splitlines() or [type(again).__name__])[0]
+        raise PdcompileError(
+            f"node {node.name!r} ({node_label(gm, node)}) cannot run on its own on the inputs it "
+            f"received ({type(again).__name__}: {why}); mark the module that calls it as a "
+            "leaf (leaf_modules=) or use cost='analytic'") from None
+    lowp = any(s.dtype in _LOWP for s in get_shape(node)) if has_shape(node) else False
+    return (_roofline(flops_f, bytes_f, device, lowp), _roofline(flops_b, bytes_b, device, lowp),
+            kept, flops_f, flops_b)
 
 
 # --------------------------------------------------------------------------------- analytic
@@ -554,7 +612,8 @@ def _analytic(gm: fx.GraphModule, values: list[Any], device: Device, *,
                 with unset_fake_temporarily():
                     if real_env is None:
                         real_env = _real_values(gm, values, node, err)
-                    rargs, rkwargs = _node_inputs(node, real_env, clone=False)
+                    rargs, rkwargs = _node_inputs(node, real_env,
+                                                  clone=_is_inplace(gm, node))
                     real_out, flops_f, bytes_f, kept, flops_b, bytes_b = _count(
                         gm, node, rargs, rkwargs, None, real_exclude)
                 out = tree_map(lambda v: mode.from_tensor(v.detach()).requires_grad_(

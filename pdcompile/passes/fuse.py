@@ -24,6 +24,7 @@ from collections import Counter
 import torch
 from torch import fx
 
+from pdcompile.passes.inplace import mutated_input
 from pdcompile.runtime.linear_grads import linear_accumulate
 
 
@@ -43,6 +44,8 @@ def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
             continue  # shared with another module of the stage: left to autograd
         if any(get_attr_uses[f"{node.target}.{n}"] for n in ("weight", "bias")):
             continue  # the graph also reads the parameter directly
+        if any(mutated_input(user, gm) is node for user in node.users):
+            continue  # changed in place: autograd forbids it on a custom Function's output view
         with gm.graph.inserting_before(node):
             weight = gm.graph.get_attr(f"{node.target}.weight")
             bias = gm.graph.get_attr(f"{node.target}.bias") if module.bias is not None \

@@ -10,6 +10,14 @@ buffer. Parameters that the traced graph reads with `get_attr` (e.g. a tied embe
 Each stage module is a deep copy: stages do not share tensors with each other or with the model.
 Buffers the model registered with `persistent=False` stay out of the stages' state dicts too.
 
+Any assignment of nodes to stages that follows a topological order splits. The graph is
+reordered stage by stage first (split_module emits stages in the order of their first nodes and
+failed where they interleave); a tuple's items are read in the stage that makes it; constants
+(input-less operations such as torch.export's `arange`, and what is made of them alone) go with
+their users, each later stage computing its own copy; in-place operations keep their meaning
+across stages (passes/inplace.py). A split_module failure that slips through all this is a
+PlanError naming the node and its stages, never a KeyError.
+
 Only tensors, numbers and sizes can travel between stages. Where the shapes pass has run, the
 split checks every value a stage would send before anything runs: a structured value (a
 Hugging Face ModelOutput, any container registered with torch's pytree) is sent as its leaves
@@ -33,6 +41,12 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import PlanError
 from pdcompile.meta import get_output_spec, get_tree, has_stage, set_stage
 from pdcompile.passes.crossing import flatten_value, rebuild_value, spec_text
+from pdcompile.passes.inplace import (
+    copy_mutated_inputs,
+    make_mutations_explicit,
+    mutated_input,
+    snapshot_before_mutations,
+)
 from pdcompile.plan import Plan, Stage
 from pdcompile.util.attr_path import get_path
 
@@ -139,10 +153,19 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.name not in stage_of:
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
             stage_of[node.name] = min(users) if users else 0
-    for node in nodes:  # a tuple's items are read where it is made: only tensors cross stages
-        if node.op == "call_function" and isinstance(node.args[0] if node.args else None,
-                                                     fx.Node) and _reads_item(node):
-            stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])
+    # a tuple's items are read where it is made, and input-less operations (arange, zeros) run
+    # where they are used, unless that leaves their stage with nothing to run: then the tuple
+    # crosses as its leaves (_send_leaves) and the constant is sent
+    items = [n for n in nodes if n.op == "call_function" and n.args
+             and isinstance(n.args[0], fx.Node) and _reads_item(n)]
+    constants = _constants(nodes)
+    movable = {n.name for n in items} | constants
+    busy = {stage_of[n.name] for n in nodes
+            if n.op not in ("placeholder", "get_attr") and n.name not in movable}
+    for node in items:
+        if stage_of[node.name] in busy:
+            stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])  # type: ignore[union-attr]
+    _constants_follow_users(nodes, stage_of, len(plan.stages) - 1, constants, busy)
     for node in nodes:
         for user in node.users:
             if user.op == "output" or node.op == "get_attr":
@@ -159,6 +182,103 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.op == "output":
             set_stage(node, last)
     return stage_of
+
+
+def _constants(nodes: list[fx.Node]) -> set[str]:
+    """Operations computed from no input at all: `torch.arange(6)`, `torch.zeros(2, 3)` (input-
+    less under torch.export) and what is computed from them alone (`arange(6).unsqueeze(0)`)."""
+    found: set[str] = set()
+    for node in nodes:
+        tree = get_tree(node)
+        if node.op in ("call_function", "call_method") \
+                and all(p.name in found for p in node.all_input_nodes) \
+                and (node.all_input_nodes or node.op == "call_function") \
+                and (tree is None or tree.kinds == ("tensor",)) \
+                and node.target not in _GLOBAL_STATE:
+            found.add(node.name)
+    return found
+
+
+# calls without inputs that set the state of what follows them, not values
+_GLOBAL_STATE = (torch._C._set_grad_enabled, torch.amp._enter_autocast, torch.amp._exit_autocast)
+
+
+def _constants_follow_users(nodes: list[fx.Node], stage_of: dict[str, int], last: int,
+                            constants: set[str], busy: set[int]) -> None:
+    """Move each constant of a `busy` stage (one with other operations to run) to the first
+    stage that uses it (`_copy_constants` gives later users their own copy)."""
+    for node in reversed(nodes):
+        if node.name not in constants or stage_of[node.name] not in busy:
+            continue
+        users = [last if u.op == "output" else stage_of[u.name] for u in node.users]
+        if users:
+            stage_of[node.name] = min(users)
+
+
+def _copy_constants(gm: fx.GraphModule, stage_of: dict[str, int], constants: set[str]) -> None:
+    """Each later stage that uses a constant computes its own copy of it (and of the constants
+    it is made of) rather than receiving it, where a copy equals it: no random draw, no
+    in-place change."""
+    graph = gm.graph
+    repeatable = {n.name for n in graph.nodes if n.name in constants and _repeatable(n, gm)}
+    copies: dict[tuple[str, int], fx.Node] = {}
+
+    def copy_in(node: fx.Node, stage: int, before: fx.Node) -> fx.Node:
+        if stage_of[node.name] == stage:
+            return node
+        key = (node.name, stage)
+        if key not in copies:
+            inputs = {p: copy_in(p, stage, before) for p in node.all_input_nodes}
+            with graph.inserting_before(before):
+                copies[key] = graph.node_copy(node, lambda p: inputs[p])
+            stage_of[copies[key].name] = stage
+        return copies[key]
+
+    for user in list(graph.nodes):
+        if user.op in ("output", "placeholder", "get_attr"):
+            continue
+        for node in user.all_input_nodes:
+            if node.name in repeatable and stage_of[node.name] < stage_of[user.name]:
+                user.replace_input_with(node, copy_in(node, stage_of[user.name], user))
+    graph.lint()
+    gm.recompile()
+
+
+# operations that draw random numbers or leave memory unset: two copies would differ
+_UNREPEATABLE = ("rand", "normal", "bernoulli", "poisson", "multinomial", "dropout", "empty",
+                 "uniform", "exponential", "geometric", "cauchy", "log_normal")
+
+
+def _repeatable(node: fx.Node, gm: fx.GraphModule) -> bool:
+    name = str(getattr(node.target, "__name__", node.target)).lower()
+    if any(word in name for word in _UNREPEATABLE) or mutated_input(node, gm) is not None:
+        return False
+    return all(mutated_input(user, gm) is not node for user in node.users)
+
+
+def _order_by_stage(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """Reorder the graph stage by stage (graph order inside a stage).
+
+    split_module emits the stages in the order their first nodes appear and reads each stage's
+    inputs from those emitted before it: where a later stage's node came first (a topological
+    order that interleaves stages, e.g. GNMT's encoder layer in stage 2 traced before its
+    decoder embedding in stage 1), it looked up a value no stage had produced yet (KeyError).
+    Every edge goes from a stage to the same or a later one, so this order is topological too.
+    """
+    graph = gm.graph
+    nodes = list(graph.nodes)
+    front = [n for n in nodes if n.op in ("placeholder", "get_attr")]
+    body = [n for n in nodes if n.op not in ("placeholder", "get_attr", "output")]
+    index = {n: i for i, n in enumerate(body)}
+    body.sort(key=lambda n: (stage_of[n.name], index[n]))
+    if [n for n in nodes if n.op not in ("output",)] == front + body:
+        return
+    anchor = next(n for n in nodes if n.op == "output")
+    for node in reversed(front + body):
+        anchor.prepend(node)
+        anchor = node
+    graph.lint()
+    gm.recompile()
 
 
 def _reads_item(node: fx.Node) -> bool:
@@ -307,20 +427,32 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
     find parameters shared between stages.
     """
     root = model if model is not None else gm
+    make_mutations_explicit(gm)
     stage_of = assign_stages(gm, plan)
     count = len(plan.stages)
+    last = count - 1
     used = {stage_of[n.name] for n in gm.graph.nodes
             if n.op not in ("placeholder", "get_attr", "output")}
     empty = [s for s in range(count) if s not in used]
     if empty:
         raise PlanError(f"stages {empty} of the plan have no operation to run; use fewer stages "
                         f"(at most {len(used)}) or move operations into them")
-    _send_leaves(gm, stage_of, count - 1)
+    _copy_constants(gm, stage_of, _constants(list(gm.graph.nodes)))
+    snapshot_before_mutations(
+        gm, stage_of, lambda user: last if user.op == "output" else stage_of[user.name])
+    _send_leaves(gm, stage_of, last)
+    _order_by_stage(gm, stage_of)
+    for node in gm.graph.nodes:
+        set_stage(node, last if node.op == "output" else stage_of[node.name])
 
     def callback(node: fx.Node) -> int:
         return stage_of[node.name]
 
-    top = split_module(gm, gm, callback, keep_original_order=True, tuple_return=True)
+    try:
+        top = split_module(gm, gm, callback, keep_original_order=True, tuple_return=True)
+    except KeyError as err:  # a value split_module looked up before any stage made it
+        raise PlanError(_unsplittable(gm, str(err.args[0]) if err.args else "?", stage_of)) \
+            from None
     data_inputs = tuple(n.name for n in top.graph.nodes if n.op == "placeholder")
     outputs_of: dict[str, tuple[int, tuple[str, ...]]] = {}  # submod node name -> stage, outputs
     getitem_of: dict[str, ValueRef] = {}
@@ -331,6 +463,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             sub = top.get_submodule(str(node.target))
             assert isinstance(sub, fx.GraphModule)
             inputs = _stage_inputs(sub, node, getitem_of, gm)
+            copy_mutated_inputs(sub)
             out_node = next(n for n in sub.graph.nodes if n.op == "output")
             names = tuple(a.name for a in out_node.args[0])  # type: ignore[union-attr]
             outputs_of[node.name] = (index, names)
@@ -346,7 +479,6 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
         spec = recorded
     output_refs = tuple(_ref_of(leaf, getitem_of) for leaf in leaves)
     stages = [programs[s] for s in range(count)]
-    last = count - 1
     for program in stages:
         for ref in program.inputs:
             if not ref.is_data:
@@ -356,6 +488,15 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             _link(stages, ref, last)
     ties = _name_and_copy(stages, root)
     return SplitResult(stages, data_inputs, output_refs, spec, ties)
+
+
+def _unsplittable(gm: fx.GraphModule, name: str, stage_of: dict[str, int]) -> str:
+    """The message for a plan torch.fx's split_module could not cut at value `name`."""
+    node = next((n for n in gm.graph.nodes if n.name == name), None)
+    users = sorted({stage_of.get(u.name, -1) for u in node.users}) if node is not None else []
+    return (f"node {name!r} (stage {stage_of.get(name, '?')}, used by stages {users}) could not "
+            "be passed between the stages of this plan; move it into the stage that uses it, "
+            "and please report the model and the plan (Plan.to_json()) as a pdcompile bug")
 
 
 def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> None:
@@ -387,7 +528,7 @@ def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> Non
         if tree.is_leaf:
             continue
         try:
-            text = spec_text(tree.spec)
+            text = spec_text(_as_tuple(tree.spec) if _items_only(node, stage, home) else tree.spec)
         except ValueError as err:
             raise PlanError(f"node {node.name!r} (stage {home}) sends a structured value to "
                             f"stage {later[0]}, but {err}; register its type with "
@@ -421,6 +562,18 @@ def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> Non
         gm.recompile()
         for node in graph.nodes:
             set_stage(node, last if node.op == "output" else stage_of[node.name])
+
+
+def _items_only(node: fx.Node, stage: Callable[[fx.Node], int], home: int) -> bool:
+    """Whether later stages read the value only as `value[i]` (then any sequence, such as the
+    `torch.return_types.max` of `x.max(dim)`, can travel as a plain tuple)."""
+    return all(u.target is operator.getitem and isinstance(u.args[1], int)
+               for u in node.users if stage(u) > home)
+
+
+def _as_tuple(spec: pytree.TreeSpec) -> pytree.TreeSpec:
+    """The same leaves in a plain tuple (whose structure can always be written down)."""
+    return pytree.TreeSpec(tuple, None, list(spec.children()))
 
 
 def _ref_of(leaf: Any, getitem_of: dict[str, ValueRef]) -> ValueRef:
@@ -506,7 +659,8 @@ def _name_and_copy(stages: list[StageProgram], root: torch.nn.Module) -> tuple[T
             holders.setdefault(id(p), []).append((program.index, name))
         for name, b in program.module.named_buffers(remove_duplicate=False):
             program.buffer_names[name] = tuple(buffer_names.get(id(b), [name]))
-            if set(program.buffer_names[name]) <= transient:
+            # a tensor constant fx made of `torch.ones(4)` in forward is no buffer of the model
+            if set(program.buffer_names[name]) <= transient or id(b) not in buffer_names:
                 program.transient_buffers += (name,)
         program.module = copy.deepcopy(program.module)
     ties = []

@@ -33,8 +33,31 @@ _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
 
 
+class _InPlaceProxy(fx.Proxy):
+    """A Proxy that records `x += y` as `operator.iadd` (in place on a tensor, as eager runs
+    it). fx's own Proxy has no `__iadd__`, so Python falls back to `x = x + y`, and a reader
+    of the old `x` through another name would see the value before the change."""
+
+
+def _augmented(op: Any) -> Any:
+    def method(self: fx.Proxy, other: Any) -> fx.Proxy:
+        return self.tracer.create_proxy("call_function", op, (self, other), {})
+
+    method.__name__ = f"__{op.__name__}__"
+    return method
+
+
+for _op in (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+            operator.imod, operator.ipow, operator.iand, operator.ior, operator.ixor,
+            operator.ilshift, operator.irshift, operator.imatmul):
+    setattr(_InPlaceProxy, f"__{_op.__name__}__", _augmented(_op))
+
+
 class _PolicyTracer(fx.Tracer):
     """fx.Tracer with the leaf policy and a record of the innermost module that failed."""
+
+    def proxy(self, node: fx.Node) -> fx.Proxy:
+        return _InPlaceProxy(node, self)
 
     def __init__(self, leaf_types: tuple[type[nn.Module], ...], leaf_names: frozenset[str]) -> None:
         super().__init__()

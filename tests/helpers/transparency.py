@@ -122,17 +122,18 @@ def replicated_buffers(pipe: pdcompile.pipeline.Pipeline) -> set[str]:
 
 
 def check(case: Case, *, schedule: str, micro: int, plan: Any,
-          replicated_stats: bool = True) -> pdcompile.pipeline.Pipeline:
+          replicated_stats: bool = True, **options: Any) -> pdcompile.pipeline.Pipeline:
     """Compare with `reference`; `replicated_stats=False` leaves out the buffers (BatchNorm
     statistics) of replicated stages, which are the mean over replicas of statistics each kept
-    from its own microbatches (tests/pipeline/test_transparency.py checks how close they are)."""
+    from its own microbatches (tests/pipeline/test_transparency.py checks how close they are).
+    `options` go to `compile` (e.g. frontend="export")."""
     model, inputs, target, loss_fn = case
     for module in model.modules():  # a pipeline draws dropout masks in another order
         if isinstance(module, nn.Dropout):
             module.p = 0.0
     pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, loss_fn=loss_fn,
                              optimizer=momentum, schedule=schedule, microbatches=micro,
-                             plan=plan(model) if callable(plan) else plan)
+                             plan=plan(model) if callable(plan) else plan, **options)
     with torch.no_grad():
         torch.testing.assert_close(pipe(*inputs), model(*inputs))
     losses = [pipe.step(*inputs, target=target) for _ in range(STEPS)]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -136,3 +138,142 @@ def test_tuple_values_are_unpacked_where_made() -> None:
     plan = manual_plan(gm, {"x": 0, "lstm": 0, "getitem": 1, "out": 1})
     parts = split(gm, plan, model=model)
     assert parts.stages[0].sends == {1: ("getitem",)}
+
+
+# the planner's 4-stage cut of a small GNMT (random costs) whose stages interleave in the
+# traced order: the encoder's second LSTM (stage 2) is traced before the decoder's embedding
+# (stage 1); split_module emitted stage 2 first and looked up 'decoder_attention_query' (KeyError)
+GNMT_STAGES = (
+    ("src", "encoder_embedding", "encoder_dropout", "encoder_bidir", "getitem",
+     "encoder_dropout_1"),
+    ("tgt", "decoder_embedding", "decoder_dropout", "decoder_first", "getitem_4",
+     "decoder_attention_query"),
+    ("encoder_rnns_0", "getitem_2", "getitem_3", "getitem_5", "transpose", "bmm"),
+    ("getitem_1", "mul", "softmax", "bmm_1", "cat", "decoder_dropout_1", "decoder_rnns_0",
+     "getitem_6", "getitem_7", "decoder_classifier"),
+)
+
+
+def _gnmt() -> tuple[nn.Module, torch.fx.GraphModule]:
+    from pdcompile.models import gnmt
+    from pdcompile.passes.shapes import annotate_shapes
+
+    model, inputs = gnmt.factory(batch_size=4, src_len=6, tgt_len=6, hidden=32, layers=2)
+    gm = trace(model)
+    annotate_shapes(gm, inputs)
+    return model, gm
+
+
+def test_stages_that_interleave_in_traced_order_split() -> None:
+    model, gm = _gnmt()
+    plan = manual_plan(gm, {n: s for s, names in enumerate(GNMT_STAGES) for n in names})
+    parts = split(gm, plan, model=model)
+    stages = [get_stage(n) for n in gm.graph.nodes if n.op not in ("placeholder", "get_attr")]
+    assert stages == sorted(stages)  # the graph is reordered stage by stage
+    assert parts.stages[1].sends[2] == ("decoder_attention_query",)
+    # the LSTM's unused state tuple is read where the LSTM runs, nothing but tensors crosses
+    assert "getitem_5" not in {v for s in parts.stages for vs in s.sends.values() for v in vs}
+
+
+@pytest.mark.parametrize("count", [pytest.param(20, id="20"),
+                                   pytest.param(300, id="300", marks=pytest.mark.slow)])
+def test_random_topological_cuts_of_gnmt_split(count: int) -> None:
+    import random
+
+    from tests.helpers.random_models import random_cut
+
+    model, gm = _gnmt()
+    rng = random.Random(24)
+    for _ in range(count):
+        plan = random_cut(gm, rng, stages=4, replicas=[1] * 4)
+        parts = split(copy.deepcopy(gm), plan, model=model)
+        assert len(parts.stages) == 4
+
+
+class Positions(nn.Module):
+    """Positions built in forward (an input-less `arange` under torch.export), used by two
+    layers, and an in-place ReLU."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)
+        self.a = nn.Linear(4, 4)
+        self.b = nn.Linear(4, 4)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], dtype=torch.float32).unsqueeze(-1)
+        h = self.a(self.emb(ids) + positions)
+        torch.relu_(h)
+        return self.b(h) * positions
+
+
+def _positions_graph() -> tuple[nn.Module, torch.fx.GraphModule, tuple[torch.Tensor]]:
+    from pdcompile.passes.frontend import capture
+
+    model, ids = Positions(), torch.randint(0, 10, (4, 5))
+    captured = capture(model, (ids,), None, frontend="export")
+    return model, captured.graph, (ids,)
+
+
+def test_input_less_operations_run_in_each_stage_that_uses_them() -> None:
+    from tests.helpers.transparency import check
+
+    model, gm, inputs = _positions_graph()
+    arange = next(n.name for n in gm.graph.nodes if not n.all_input_nodes
+                  and n.op == "call_function")
+    order = [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
+    # arange in stage 0, its users in stages 1 and 2: each of them computes its own
+    stage_of = {name: 0 for name in order[:order.index(arange) + 1]}
+    linear = [n for n in order if n.startswith("linear")]
+    stage_of |= {name: 1 for name in order[order.index(arange) + 1:order.index(linear[1])]}
+    plan = manual_plan(gm, lambda n: stage_of.get(n.name, 2))
+    pipe = check((model, inputs, torch.randn(4, 5, 4), nn.functional.mse_loss),
+                 schedule="1f1b-flush", micro=2, plan=plan, frontend="export")
+    sent = {v for s in pipe.parts.stages for vs in s.sends.values() for v in vs}
+    assert not any(name.startswith("arange") for name in sent)
+    for stage in pipe.stage_modules[1:]:
+        assert any(n.op == "call_function" and not n.all_input_nodes
+                   for n in stage.graph.nodes), stage.code
+
+
+def test_a_stage_of_only_an_input_less_operation_splits() -> None:
+    """The plan keeps a stage that computes only `arange`; the stage that uses it computes its
+    own copy, so nothing needs to cross."""
+    from tests.helpers.transparency import check
+
+    model, gm, inputs = _positions_graph()
+    arange = next(n.name for n in gm.graph.nodes if not n.all_input_nodes
+                  and n.op == "call_function")
+    plan = manual_plan(gm, lambda n: 0 if n.op == "placeholder" or n.name == arange else 1)
+    pipe = check((model, inputs, torch.randn(4, 5, 4), nn.functional.mse_loss),
+                 schedule="gpipe", micro=2, plan=plan, frontend="export")
+    assert pipe.parts.stages[0].sends == {} and pipe.parts.stages[1].receives == {}
+
+
+def test_split_module_failure_is_a_plan_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    import pdcompile.passes.split as split_pass
+
+    def broken(*args: object, **kwargs: object) -> None:
+        raise KeyError("a")
+
+    monkeypatch.setattr(split_pass, "split_module", broken)
+    gm = trace(Net())
+    with pytest.raises(PlanError, match=r"node 'a' \(stage 1, used by stages \[1\]\)"):
+        split(gm, manual_plan(gm, lambda n: STAGE.get(n.name, 3)))
+
+
+def test_a_stage_that_only_reads_items_receives_the_sequence_as_a_tuple() -> None:
+    """The stage holds only `getitem` of `x.max(dim)` made in stage 0: the structseq
+    (torch.return_types.max, whose type pytree cannot write down) crosses as a plain tuple."""
+    from tests.helpers.random_models import RandomNet, Step, explicit_graph, squared_error
+    from tests.helpers.transparency import check
+
+    model = RandomNet((Step("linear", 0, 0), Step("max", 1, 0), Step("linear", 2, 0)), 1, (-1,))
+    inputs = (torch.randn(8, 3, 4),)
+    gm = explicit_graph(model, inputs)
+    names = [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
+    plan = manual_plan(gm, {n: 0 if names.index(n) <= names.index("max_1") else
+                            1 if n == "getitem" else 2 for n in names})
+    pipe = check((model, inputs, torch.randn(8, 1, 4), squared_error),
+                 schedule="gpipe", micro=2, plan=plan)
+    assert len(pipe.parts.stages[0].sends[1]) == 2  # the values and the indices

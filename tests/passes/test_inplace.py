@@ -1,0 +1,73 @@
+"""In-place operations made explicit: readers after a change read the changed value through a
+data edge, so that no cut can move them before it."""
+
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+
+from pdcompile.passes.inplace import make_mutations_explicit, mutated_input, set_item
+from pdcompile.passes.shapes import annotate_shapes
+from pdcompile.passes.trace import trace
+
+
+class Aliased(nn.Module):
+    """`z` is another name of `y`: eager code reads the changed value through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.relu = nn.ReLU(inplace=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        z = y
+        z += x  # fx's own Proxy would record `z = z + x`, leaving y unchanged
+        y.mul_(3)
+        F.relu(y, inplace=True)
+        self.relu(y)
+        n = x.size(0)
+        n += 1  # an int: a new value, not a change of x.size(0)
+        return y * n
+
+
+def test_traced_in_place_changes_read_like_eager() -> None:
+    model, x = Aliased(), torch.randn(3, 2)
+    gm = trace(model)
+    annotate_shapes(gm, (x,))
+    assert make_mutations_explicit(gm)
+    assert not make_mutations_explicit(gm)  # idempotent
+    torch.testing.assert_close(gm(x), model(x))
+    changes = {n.name: mutated_input(n, gm) for n in gm.graph.nodes}
+    names = {name: m.name for name, m in changes.items() if m is not None}
+    assert names == {"iadd": "mul", "mul_": "iadd", "relu": "mul_", "relu_1": "relu"}
+    final = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+    assert final.args[0].name == "relu_1"  # type: ignore[union-attr] # reads the last change
+
+
+def test_setitem_returns_the_changed_tensor() -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    y = graph.call_function(operator.mul, (x, 2.0))
+    graph.call_function(operator.setitem, (y, 0, 0.0))
+    graph.output(graph.call_function(operator.add, (y, 1.0)))
+    gm = fx.GraphModule(nn.Module(), graph)
+    make_mutations_explicit(gm)
+    setitem = next(n for n in gm.graph.nodes if n.target is set_item)
+    assert next(n for n in gm.graph.nodes if n.op == "output").args[0].args[0] is setitem  # type: ignore[union-attr]
+    expected = torch.ones(2, 2) * 2
+    expected[0] = 0.0
+    torch.testing.assert_close(gm(torch.ones(2, 2)), expected + 1)
+
+
+def test_aten_overloads_that_write_their_input() -> None:
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    add_ = graph.call_function(torch.ops.aten.add_.Tensor, (x, x))
+    add = graph.call_function(torch.ops.aten.add.Tensor, (x, x))
+    graph.output((add_, add))
+    gm = fx.GraphModule(nn.Module(), graph)
+    assert mutated_input(add_, gm) is x and mutated_input(add, gm) is None

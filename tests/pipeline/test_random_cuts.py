@@ -1,0 +1,74 @@
+"""Every valid cut splits and trains like one process: random models (branches, skips, tuple
+outputs read with getitem, LSTMs, a module called several times, in-place changes, constants
+built in forward, several inputs and outputs) cut at random topological orders into stages of
+random sizes with random replicas, under the flush schedules, give the losses, gradients and
+weights of single-process training with gradient accumulation (tests/helpers/transparency.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+from tests.helpers.random_models import (
+    RandomNet,
+    explicit_graph,
+    random_cut,
+    random_models,
+    squared_error,
+)
+from tests.helpers.transparency import check
+
+
+def _trains_in_one_process(model: RandomNet, inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether autograd accepts the drawn model (an in-place change of a value a backward
+    needs is refused by PyTorch itself, pipelined or not)."""
+    try:
+        squared_error(copy.deepcopy(model)(*inputs), torch.zeros(())).backward()
+    except RuntimeError as err:
+        if "modified by an inplace operation" in str(err):
+            return False
+        raise
+    return True
+
+
+@st.composite
+def cases(draw: st.DrawFn) -> dict[str, Any]:
+    model, inputs = draw(random_models())
+    if not _trains_in_one_process(model, inputs):
+        reject()
+    stages = draw(st.integers(1, 4))
+    replicas = draw(st.lists(st.integers(1, 2), min_size=4, max_size=4))
+    plan = random_cut(explicit_graph(model, inputs), draw(st.randoms(use_true_random=False)),
+                      stages=stages, replicas=replicas)
+    return {"model": model, "inputs": inputs, "plan": plan,
+            "schedule": draw(st.sampled_from(["1f1b-flush", "gpipe"])),
+            "micro": draw(st.sampled_from([2, 4]))}
+
+
+def _check(case: dict[str, Any]) -> None:
+    target = torch.randn(8, 1, case["inputs"][0].shape[-1])
+    pipe = check((case["model"], case["inputs"], target, squared_error),
+                 schedule=case["schedule"], micro=case["micro"], plan=case["plan"])
+    assert len(pipe.stage_modules) == len(case["plan"].stages)
+
+
+SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow]}
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(cases())
+def test_random_cuts_of_random_models(case: dict[str, Any]) -> None:
+    _check(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, **SETTINGS)
+@given(cases())
+def test_random_cuts_of_random_models_many(case: dict[str, Any]) -> None:
+    _check(case)
