@@ -33,7 +33,10 @@ class ScheduleKind:
         an integer: that many versions at all times.
     copies_weights: a new weight version is a copy of the weights (1f1b stashing, 2bw).
     split_backward: the backward runs as B (input gradients) and W (weight gradients), W later.
-    interleaved: a rank holds several non-adjacent stages (chunks), chunk c on rank c mod p.
+    interleaved: a rank holds several non-adjacent stages (chunks), chunk c on rank c mod p
+        (or in a V, where `v_shape`).
+    v_shape: the chunks sit in a V (`schedule.placement`): 2 per rank, chunk c on rank c for
+        c < p and on rank 2p - 1 - c after (ZB-V, DualPipeV).
     chosen_warmup: a 1F1B order whose warm-up depth (microbatches in flight) may be chosen per
         stage; the other orders fix their own.
     forwards_first: every forward of a minibatch before its first backward (GPipe), so all its
@@ -49,6 +52,7 @@ class ScheduleKind:
     copies_weights: bool
     split_backward: bool = False
     interleaved: bool = False
+    v_shape: bool = False
     chosen_warmup: bool = True
     forwards_first: bool = False
     vertical_sync: bool = False
@@ -131,6 +135,12 @@ KINDS: dict[str, ScheduleKind] = {
                                    update="minibatch", stashed_versions=1, copies_weights=False,
                                    split_backward=True, interleaved=True,
                                    chosen_warmup=False),
+    "zb-v": ScheduleKind("zb-v", flush=True, microbatched=True, update="minibatch",
+                         stashed_versions=1, copies_weights=False, split_backward=True,
+                         interleaved=True, v_shape=True, chosen_warmup=False),
+    "dualpipev": ScheduleKind("dualpipev", flush=True, microbatched=True, update="minibatch",
+                              stashed_versions=1, copies_weights=False, split_backward=True,
+                              interleaved=True, v_shape=True, chosen_warmup=False),
 }
 
 
