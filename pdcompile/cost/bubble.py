@@ -84,7 +84,7 @@ def flush_time(schedule: str, *, ranks: int, microbatches: int, fwd: float, bwd:
     busy = m * (fwd + bwd) + step
     if row.v_shape:
         f, b, w = fwd, bwd - wgrad, wgrad
-        idle = (p - 1) * _V_FILL[schedule](f, b, w) / 2
+        idle = (p - 1) * v_fill(schedule, f, b, w) / 2
     elif not row.split_backward:  # (interleaved: v chunks shrink each fill and drain step)
         idle = (p - 1) * (fwd + bwd) / v
     else:  # zero bubble: B is the input-gradient part, W fills the drain
@@ -93,8 +93,13 @@ def flush_time(schedule: str, *, ranks: int, microbatches: int, fwd: float, bwd:
     return FlushTime(busy + idle, idle)
 
 
-# the V-shaped schedules' fill and drain, in units of (p - 1) / 2 (module docstring)
-_V_FILL = {"zb-v": lambda f, b, w: max(f, b, f + b - 2 * w),
-           "dualpipev": lambda f, b, w: max(f + b - w, f, b)}
+def v_fill(schedule: str, f: float, b: float, w: float) -> float:
+    """A V-shaped schedule's idle time per rank over (p - 1) / 2 (module docstring), for a
+    rank's forward `f`, input-gradient backward `b` and weight gradients `w` per microbatch;
+    per chunk (half of them each) it is the idle time of one of the p - 1 fill steps."""
+    if schedule == "zb-v":
+        return max(f, b, f + b - 2 * w)
+    return max(f + b - w, f, b)  # dualpipev
 
-__all__ = ["FORMULAS", "FlushTime", "flush_time"]
+
+__all__ = ["FORMULAS", "v_fill", "FlushTime", "flush_time"]

@@ -42,6 +42,8 @@ class ScheduleKind:
     forwards_first: every forward of a minibatch before its first backward (GPipe), so all its
         microbatches' activations are held at once.
     vertical_sync: may run with vertical sync (every stage uses stage 0's weight version).
+    microbatches_per_rank: the fewest microbatches per minibatch per rank the order runs with
+        (DualPipeV's main phase needs 2 per rank); 0 where any number runs.
     """
 
     name: str
@@ -56,6 +58,7 @@ class ScheduleKind:
     chosen_warmup: bool = True
     forwards_first: bool = False
     vertical_sync: bool = False
+    microbatches_per_rank: int = 0
 
     @property
     def asynchronous(self) -> bool:
@@ -140,7 +143,8 @@ KINDS: dict[str, ScheduleKind] = {
                          interleaved=True, v_shape=True, chosen_warmup=False),
     "dualpipev": ScheduleKind("dualpipev", flush=True, microbatched=True, update="minibatch",
                               stashed_versions=1, copies_weights=False, split_backward=True,
-                              interleaved=True, v_shape=True, chosen_warmup=False),
+                              interleaved=True, v_shape=True, chosen_warmup=False,
+                              microbatches_per_rank=2),
 }
 
 

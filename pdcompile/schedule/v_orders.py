@@ -11,14 +11,14 @@ Parallelism with Controllable Memory", 2024): rank r first runs 2 (p - r) - 1 fo
 0, then r pairs (F of chunk 1, F of chunk 0), then p - r triples (F, B, W of chunk 1), which is
 where the first microbatch turns round; then, steadily, F B W of chunk 0 and F B W of chunk 1;
 then the drain runs the B's first (r pairs B0 B1, then p - r pairs B0 W0) and the W's it
-deferred last. Every rank keeps at most 2p microbatch-chunks of activations, the peak of 1F1B
-on the same model. Microbatches count as at least 2p - 1 (the pipeline full once); with fewer,
+deferred last. Every rank keeps at most 2p microbatch-chunks of activations, the peak of 1F1B's
+first stage on the same model (DualPipeV: 2p + 1). Microbatches count as at least 2p - 1 (the pipeline full once); with fewer,
 the actions of the missing ones are left out. Two ranks, 4 microbatches (rank 0 holds stages 0
 and 3, rank 1 stages 1 and 2)::
 
     rank 0:  0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3
              0B2 0W2 0B3 0W3
-    rank 1:  1F0 2F0 2B0 2W0 1F1 1B0 1W0 2F1 2B1 2W1 1F2 1B1 1W1 2F2 2B2 2W2 1F3 1B2 2F3 2B3
+    rank 1:  1F0 2F0 1F1 2F1 2B0 2W0 1F2 1B0 1W0 2F2 2B1 2W1 1F3 1B1 1W1 2F3 2B2 2W2 1B2 2B3
              1B3 1W2 2W3 1W3
 
 DualPipeV (DeepSeek-V3 technical report, 2024, and DeepSeek's DualPipe repository): DualPipe's
@@ -32,8 +32,12 @@ streams so that one's transfers hide under the other's compute; one CPU process 
 after the other, so here a pair is two consecutive actions (the forward first). It needs at
 least 2p microbatches. Two ranks, 4 microbatches::
 
-    rank 0:  0F0 0F1 3F0 3B0 3F1 0F2 3B1 3W1 3F2 0B0 0W0 0F3 3B2 3W2 3F3 0B1 0W1 3B3 3W3 0B2
-             0W2 0B3 0W0...  (tests/schedule/test_v_orders.py has every rank written out)
+    rank 0:  0F0 0F1 0F2 3F0 3B0 3W0 3F1 0F3 3B1 3W1 3F2 0B0 0W0 3B2 3W2 3F3 0B1 0W1 3B3 3W3
+             0B2 0W2 0B3 0W3
+    rank 1:  1F0 2F0 1F1 2F1 1F2 2B0 2W0 2F2 1B0 1W0 1F3 2B1 2W1 2F3 1B1 1W1 2B2 2W2 1B2 1W2
+             2B3 1B3 2W3 1W3
+
+(rank 0's main phase is its two overlapped pairs "0F3 3B1 3W1" and "3F2 0B0 0W0").
 """
 
 from __future__ import annotations
