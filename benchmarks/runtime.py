@@ -30,12 +30,12 @@ them alike), and the table shows the median samples/s and the ratio to (a).
     python benchmarks/runtime.py [--rounds 6] [--steps 8] [--only single,ddp,...] [--md FILE]
 
 `--bubbles` measures instead the bubble of real runs (1f1b-flush, zb-h1, interleaved-1f1b,
-interleaved-zb, zb-v, dualpipev; `run_distributed(record=True)`, --steps minibatches, the first --warmup left
-out): per minibatch, each rank's idle time is the minibatch's span (first compute start to last
-compute end, both ranks) minus the rank's F, B and W time; the closed form (cost/bubble.py)
-gets the run's own measured f, b, w per microbatch and rank (chunks together, averaged over the
-ranks) with free transfers, so it is what the schedule's shape predicts from the measured
-compute, and the difference is what transfers, steps and imbalance add.
+interleaved-zb, zb-v, dualpipev; `run_distributed(record=True)`, --steps minibatches, the first
+--warmup left out): per minibatch, each rank's idle time is the minibatch's span (first compute
+start to last compute end, both ranks) minus the rank's F, B and W time; the closed form
+(cost/bubble.py) gets the run's own measured f, b, w per microbatch and rank (chunks together,
+averaged over the ranks) with free transfers, so it is what the schedule's shape predicts from
+the measured compute, and the difference is what transfers, steps and imbalance add.
 
     python benchmarks/runtime.py --bubbles mlp|sleep [--sleep-ms 10] [--steps 10] [--warmup 2]
 

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.links import (
     link_busy_seconds,
     pair_levels,
@@ -46,7 +47,6 @@ from pdcompile.cost.links import (
     stage_allreduce_seconds,
     transfer_seconds,
 )
-from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.updates import copy_seconds, step_seconds
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind

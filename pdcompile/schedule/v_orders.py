@@ -12,9 +12,9 @@ Parallelism with Controllable Memory", 2024): rank r first runs 2 (p - r) - 1 fo
 where the first microbatch turns round; then, steadily, F B W of chunk 0 and F B W of chunk 1;
 then the drain runs the B's first (r pairs B0 B1, then p - r pairs B0 W0) and the W's it
 deferred last. Every rank keeps at most 2p microbatch-chunks of activations, the peak of 1F1B's
-first stage on the same model (DualPipeV: 2p + 1). Microbatches count as at least 2p - 1 (the pipeline full once); with fewer,
-the actions of the missing ones are left out. Two ranks, 4 microbatches (rank 0 holds stages 0
-and 3, rank 1 stages 1 and 2)::
+first stage on the same model (DualPipeV: 2p + 1). Microbatches count as at least 2p - 1 (the
+pipeline full once); with fewer, the actions of the missing ones are left out. Two ranks, 4
+microbatches (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2)::
 
     rank 0:  0F0 0F1 0F2 3F0 3B0 3W0 3F1 3B1 3W1 0F3 0B0 0W0 3F2 3B2 3W2 0B1 0W1 3F3 3B3 3W3
              0B2 0W2 0B3 0W3

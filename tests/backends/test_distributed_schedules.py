@@ -3,8 +3,9 @@ local backend's losses and weights (and so those of plain gradient accumulation,
 tests/pipeline/test_schedules_transparency.py).
 
 Interleaved pipelines put 2 chunks on each of 2 processes (each process one generated loop
-calling `rt.chunk(s)`), V-shaped ones (ZB-V, DualPipeV) 2 chunks in a V; zero-bubble ones defer weight gradients to W on 2 and 3 processes; one
-case recomputes every stage. gloo over 127.0.0.1, one thread per process, bounded by timeouts.
+calling `rt.chunk(s)`), V-shaped ones (ZB-V, DualPipeV) 2 chunks in a V; zero-bubble ones defer
+weight gradients to W on 2 and 3 processes; one case recomputes every stage. gloo over
+127.0.0.1, one thread per process, bounded by timeouts.
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ import pytest
 from torch import nn
 
 import pdcompile
+from pdcompile.errors import PlanError
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
-from pdcompile.errors import PlanError
 from pdcompile.planner.interleave import interleaved_plan, v_plan
 from tests.helpers.transparency import MODELS, check, skip_plan, skipnet, tied_bn, tied_plan
 
