@@ -273,9 +273,9 @@ def generate(
     `vertical_sync` is carried in `options` for the runtime (1f1b only). `warmup[s]` replaces
     the warm-up depth of stage s (forwards before the first backward, per replica; default
     NOAM_s - 1; not for gpipe).
-    - "interleaved-1f1b", "zb-h1", "interleaved-zb": one minibatch of `microbatches`
-      microbatches (module docstring); interleaved ones on a placement of chunks
-      (`interleaved_shape`).
+    - "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipev": one minibatch of
+      `microbatches` microbatches (module docstring); interleaved ones on a placement of
+      chunks, V-shaped ones on a V (`interleaved_shape`; orders in `schedule.v_orders`).
     `recompute` lists the stages that drop their activations after the forward and recompute
     them in the backward (carried in `options["recompute"]` for the runtime and the simulator).
     """
