@@ -19,6 +19,9 @@ minibatch 256; the two-stage split is 4 blocks | 4 blocks + head. One thread per
     (g) ours-zb    our zb-h1 (B/W split: Linear weight gradients deferred to W), same split
     (g') pp-izb / ours-izb  interleaved zero bubble (ScheduleInterleavedZeroBubble with 2 chunks
         per rank / our interleaved-zb) on the chunks of (f)
+    (h) pp-zbv / ours-zbv  ZB-V (ScheduleZBVZeroBubble / our zb-v) on the chunks of (f) in a V:
+        chunks 0 and 3 on rank 0, 1 and 2 on rank 1; 8 microbatches of 32
+    (h) pp-dualpipev / ours-dualpipev  DualPipeV (ScheduleDualPipeV / our dualpipev), the same
 
 Each configuration runs `--rounds` rounds of `--steps` minibatches, each after a warm-up; the
 rounds of all configurations are interleaved (so that a load from elsewhere on the machine hits
@@ -27,12 +30,12 @@ them alike), and the table shows the median samples/s and the ratio to (a).
     python benchmarks/runtime.py [--rounds 6] [--steps 8] [--only single,ddp,...] [--md FILE]
 
 `--bubbles` measures instead the bubble of real runs (1f1b-flush, zb-h1, interleaved-1f1b,
-interleaved-zb; `run_distributed(record=True)`, --steps minibatches, the first --warmup left
-out): per minibatch, each rank's idle time is the minibatch's span (first compute start to last
-compute end, both ranks) minus the rank's F, B and W time; the closed form (cost/bubble.py)
-gets the run's own measured f, b, w per microbatch and rank (chunks together, averaged over the
-ranks) with free transfers, so it is what the schedule's shape predicts from the measured
-compute, and the difference is what transfers, steps and imbalance add.
+interleaved-zb, zb-v, dualpipev; `run_distributed(record=True)`, --steps minibatches, the first
+--warmup left out): per minibatch, each rank's idle time is the minibatch's span (first compute
+start to last compute end, both ranks) minus the rank's F, B and W time; the closed form
+(cost/bubble.py) gets the run's own measured f, b, w per microbatch and rank (chunks together,
+averaged over the ranks) with free transfers, so it is what the schedule's shape predicts from
+the measured compute, and the difference is what transfers, steps and imbalance add.
 
     python benchmarks/runtime.py --bubbles mlp|sleep [--sleep-ms 10] [--steps 10] [--warmup 2]
 
@@ -172,11 +175,21 @@ def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
         ScheduleInterleaved1F1B,
         ScheduleInterleavedZeroBubble,
     )
+    from torch.distributed.pipelining.schedules import ScheduleDualPipeV, ScheduleZBVZeroBubble
 
     model = build_model()
     loss_fn = nn.CrossEntropyLoss()
     schedule: Any
-    if schedule_name in ("interleaved", "izb"):  # chunks c and c + 2 on rank c
+    if schedule_name in ("zbv", "dualpipev"):  # a V: chunks r and 3 - r on rank r
+        indices = [worker.rank, CHUNKS - 1 - worker.rank]
+        parts = chunk_model(model)
+        chunks = [parts[i] for i in indices]
+        stages_v: list[Any] = [PipelineStage(c, i, CHUNKS, torch.device("cpu"))
+                               for c, i in zip(chunks, indices, strict=True)]
+        v_class = ScheduleZBVZeroBubble if schedule_name == "zbv" else ScheduleDualPipeV
+        schedule = v_class(stages_v, MICRO, loss_fn=loss_fn)
+        params = [p for c in chunks for p in c.parameters()]
+    elif schedule_name in ("interleaved", "izb"):  # chunks c and c + 2 on rank c
         indices = [worker.rank, worker.rank + 2]
         parts = chunk_model(model)
         chunks = [parts[i] for i in indices]
@@ -203,7 +216,12 @@ def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     def step(i: int) -> None:
         x, y = data[i % len(data)]
         opt.zero_grad()
-        if worker.rank == 0:
+        if schedule_name in ("zbv", "dualpipev"):  # rank 0 holds the first and the last chunk
+            if worker.rank == 0:
+                schedule.step(x, target=y, losses=[])
+            else:
+                schedule.step()
+        elif worker.rank == 0:
             schedule.step(x)
         else:
             schedule.step(target=y, losses=[])
@@ -226,13 +244,17 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     from pdcompile.backends.distributed import run_distributed
     from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
-    from pdcompile.planner.interleave import interleave
+    from pdcompile.planner.interleave import fold_v, interleave
+    from pdcompile.schedule.kinds import kind
 
     model = build_model()
     gm = trace(model)
-    if schedule_name.startswith("interleaved"):  # the chunks of chunk_of, chunk c on rank c % 2
-        plan = interleave(manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
-                                      if node.op == "call_module" else 0), 2)
+    chunked = manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
+                          if node.op == "call_module" else 0)
+    if kind(schedule_name).v_shape:  # the chunks of chunk_of in a V: r and 3 - r on rank r
+        plan = fold_v(chunked)
+    elif schedule_name.startswith("interleaved"):  # the same chunks, chunk c on rank c % 2
+        plan = interleave(chunked, 2)
     else:
         plan = manual_plan(gm, lambda node: int(  # 4 blocks | 4 blocks + head
             node.op == "call_module" and int(str(node.target)) >= BLOCKS))
@@ -258,7 +280,8 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
 # -- bubbles of real runs (--bubbles) ----
 
 
-BUBBLE_SCHEDULES = [("1f1b-flush", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2)]
+BUBBLE_SCHEDULES = [("1f1b-flush", 1), ("zb-h1", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2),
+                    ("zb-v", 2), ("dualpipev", 2)]
 
 
 class _Sleep(torch.autograd.Function):
@@ -303,7 +326,8 @@ def _bubble_worker(worker: Worker, schedule: str, chunks: int, steps: int,
     from pdcompile.backends.distributed import run_distributed
     from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
-    from pdcompile.planner.interleave import interleave
+    from pdcompile.planner.interleave import fold_v, interleave
+    from pdcompile.schedule.kinds import kind
 
     leaves: list[type[nn.Module]] = []
     if sleep > 0:  # 2 x chunks sleeping stages, f = b = w = sleep per rank (chunks together)
@@ -329,7 +353,7 @@ def _bubble_worker(worker: Worker, schedule: str, chunks: int, steps: int,
             plan = manual_plan(gm, lambda node: int(
                 node.op == "call_module" and int(str(node.target)) >= BLOCKS))
     if chunks > 1:
-        plan = interleave(plan, 2)
+        plan = fold_v(plan) if kind(schedule).v_shape else interleave(plan, 2)
     pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
                              loss_fn=torch.nn.functional.cross_entropy,
                              optimizer=lambda params: torch.optim.SGD(params, lr=LR),
@@ -407,10 +431,19 @@ CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
                lambda r, s, w: _dist(_pp_worker, "izb", r, s, w)),
     "ours-izb": ("(g') ours, interleaved-zb, 2x2 chunks, 8x32", lambda r, s, w: _dist(
         _ours_worker, "interleaved-zb", r, s, w)),
+    "pp-zbv": ("(h) pipelining ScheduleZBVZeroBubble, 2x2 chunks in a V, 8x32",
+               lambda r, s, w: _dist(_pp_worker, "zbv", r, s, w)),
+    "ours-zbv": ("(h) ours, zb-v, 2x2 chunks in a V, 8x32", lambda r, s, w: _dist(
+        _ours_worker, "zb-v", r, s, w)),
+    "pp-dualpipev": ("(h) pipelining ScheduleDualPipeV, 2x2 chunks in a V, 8x32",
+                     lambda r, s, w: _dist(_pp_worker, "dualpipev", r, s, w)),
+    "ours-dualpipev": ("(h) ours, dualpipev, 2x2 chunks in a V, 8x32", lambda r, s, w: _dist(
+        _ours_worker, "dualpipev", r, s, w)),
 }
 # pairs measured against each other (ours / torch's), printed under the table
 PAIRS = [("ours-flush", "pp-1f1b"), ("ours-interleaved", "pp-interleaved"),
-         ("ours-zb", "pp-zb"), ("ours-izb", "pp-izb")]
+         ("ours-zb", "pp-zb"), ("ours-izb", "pp-izb"), ("ours-zbv", "pp-zbv"),
+         ("ours-dualpipev", "pp-dualpipev")]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -424,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--md", default="", help="also write the table to this Markdown file")
     parser.add_argument("--bubbles", choices=("mlp", "sleep"), default="",
                         help="instead: the measured bubble of 1f1b-flush, zb-h1, "
-                        "interleaved-1f1b and interleaved-zb against the closed forms "
+                        "interleaved-1f1b, interleaved-zb, zb-v and dualpipev against the "
+                        "closed forms "
                         "(cost/bubble.py), --steps minibatches each, the first --warmup left "
                         "out; on the MLP, or on stages that sleep --sleep-ms (f = b = w)")
     parser.add_argument("--sleep-ms", type=float, default=10.0)

@@ -185,13 +185,14 @@ class Pipeline:
                 f"ranks {shared} hold several stages (an interleaved placement); run it with "
                 f"one of the interleaved schedules {', '.join(schedule_names('interleaved'))}, not "
                 f"{self.schedule_name!r}")
-        if kind(self.schedule_name).interleaved or kind(self.schedule_name).split_backward:
+        row = kind(self.schedule_name)
+        if row.interleaved or row.split_backward:
             try:
-                _, chunks = interleaved_shape(self.stage_ranks)
+                _, chunks = interleaved_shape(self.stage_ranks, v_shape=row.v_shape)
             except ScheduleError as err:
                 raise PipelineInputError(f"schedule {self.schedule_name!r} cannot run plan "
                                          f"{self.plan.config}: {err}") from None
-            if kind(self.schedule_name).interleaved and chunks < 2:
+            if row.interleaved and chunks < 2:
                 raise PipelineInputError(
                     f"schedule {self.schedule_name!r} needs a plan with several chunks per rank "
                     f"(stage c on rank c mod p); make one with "
@@ -200,9 +201,12 @@ class Pipeline:
         for tie in self.parts.ties:
             owners = [r for s in tie.stages for r in self.plan.stages[s].ranks]
             if len(set(owners)) < len(owners):
+                fix = ("a V puts stages c and 2p - 1 - c (the first and the last, for a tied "
+                       "embedding) on one rank: untie them or use 'interleaved-zb'"
+                       if kind(self.schedule_name).v_shape else
+                       "tie them on different ranks (another number of chunks) or untie them")
                 raise PlanError(f"parameter {tie.name!r} is shared by stages {tie.stages}, two "
-                                "of which are chunks of one rank; tie them on different ranks "
-                                "(another number of chunks) or untie them")
+                                f"of which are chunks of one rank; {fix}")
         if self.vertical_sync and (not kind(self.schedule_name).vertical_sync
                                    or len(set(replicas)) > 1):
             raise PipelineInputError("vertical_sync needs schedule '1f1b' and the same number of "

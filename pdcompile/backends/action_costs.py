@@ -66,6 +66,8 @@ class ActionCosts:
         """(receiving rank, seconds on the link, latency, whether the sender's CPU copies)."""
         assert action.peer is not None
         dst = self.schedule.rank_of(action.peer, action.microbatch)
+        if dst == rank:  # two chunks of one rank (the tip of a V): handed over in memory
+            return dst, 0.0, 0.0, False
         level = self.cluster.levels[self.cluster.link_level(rank, dst)]
         size = self.costs.edge_bytes(action.stage, action.peer)
         if not size:

@@ -142,6 +142,8 @@ class DistributedTransport(Transport):
         self._open_sends: deque[DistPending] = deque()
         self._preposted: dict[tuple[int, Tag], DistPending] = {}
         self._expected: dict[int, deque[tuple[tuple[TensorSpec, ...], Tag]]] = {}
+        # messages between two chunks of this rank (the tip of a V): handed over in memory
+        self._loopback: dict[Tag, list[torch.Tensor]] = {}
 
     # -- waiting ---------------------------------------------------------------------------------
 
@@ -171,6 +173,9 @@ class DistributedTransport(Transport):
 
     def send(self, tensors: Sequence[torch.Tensor], dst_rank: int, tag: Tag) -> Pending:
         self.check()
+        if dst_rank == self.rank:  # the receiver decodes a detached copy before it computes
+            self._loopback[tag] = [t.detach() for t in tensors]
+            return DistPending(self, [], peer=dst_rank, what=f"hand-over of {tag}", result=[])
         payload = [t.detach().contiguous() for t in tensors]
         works = [dist.isend(t, dst_rank, tag=wire_tag(tag, i)) for i, t in enumerate(payload)]
         pending = DistPending(self, works, peer=dst_rank, what=f"send of {tag} to rank {dst_rank}",
@@ -189,6 +194,15 @@ class DistributedTransport(Transport):
 
     def recv(self, specs: Sequence[TensorSpec], src_rank: int, tag: Tag) -> Pending:
         self.check()
+        if src_rank == self.rank:
+            try:
+                handed = self._loopback.pop(tag)
+            except KeyError:
+                raise DistributedError(f"rank {self.rank} receives {tag} from one of its own "
+                                       "chunks before that chunk sent it; the schedule's order "
+                                       "is broken (validate it)") from None
+            return DistPending(self, [], peer=src_rank, what=f"hand-over of {tag}",
+                               result=handed)
         pending = self._preposted.pop((src_rank, tag), None)
         if pending is None:
             pending = self._post_recv(specs, src_rank, tag)
@@ -206,6 +220,8 @@ class DistributedTransport(Transport):
         """Announce this rank's future receives in program order; up to `prepost_depth` per
         source are posted ahead, so that the data lands while the rank is still computing."""
         for specs, src_rank, tag in receives:
+            if src_rank == self.rank:  # handed over in memory (`send`), never posted
+                continue
             self._expected.setdefault(src_rank, deque()).append((tuple(specs), tag))
         for src_rank in list(self._expected):
             self._refill(src_rank)

@@ -13,9 +13,19 @@ simulator gives exactly these on a grid of p, m, v and times):
   with f = fwd, b = bwd - wgrad (input gradients), w = wgrad (Qi et al., ICLR 2024, ZB-H1:
   1F1B's bubble (p - 1)(f + b + w) shrinks to (p - 1)(f + b - w); f = b = w: to a third);
 - "interleaved-zb" (m a multiple of p, w <= f and w <= b): m (f + b + w) + (p - 1)(f + b - w)/v.
+- "zb-v" (m >= 2p - 1, f = b, w <= f), on a V of 2 chunks per rank (`schedule.placement`):
+  m (f + b + w) + (p - 1) max(f, b, f + b - 2w) / 2
+  (Qi et al., 2024, ZB-V: a chunk is half a stage, so the fill costs half; at f = b = w the
+  bubble is (p - 1) f / 2, the first forward's way down and back only);
+- "dualpipev" (m >= 2p, f = b, w <= f): m (f + b + w) + (p - 1) max(f + b - w, f, b) / 2
+  (DeepSeek's DualPipeV run without overlapping a pair's forward and backward, as one CPU
+  process runs them: every rank's full backwards in the main phase leave its W's nothing to
+  fill, so its bubble exceeds ZB-V's by (p - 1) w / 2 where w <= f / 2, more above).
 
 plus `step`. Outside those conditions the forms are estimates (fewer microbatches than ranks
-leave rounds half empty; a W longer than F or B no longer fits the bubbles it is meant to fill).
+leave rounds half empty; a W longer than F or B no longer fits the bubbles it is meant to fill;
+the V-shaped ones, where f differs from b, are lower bounds within 12% of the simulated
+makespan on the grid tests/cost/test_bubble.py draws).
 The planner weighs schedules with them; recomputing a stage's activations adds its forward to
 its backward (`recompute.recompute_costs`).
 """
@@ -69,8 +79,13 @@ def flush_time(schedule: str, *, ranks: int, microbatches: int, fwd: float, bwd:
     row = KINDS[schedule]
     if not row.interleaved and v != 1:
         raise ScheduleError(f"{schedule!r} runs one stage per rank (chunks=1, got {v})")
+    if row.v_shape and v != 2:
+        raise ScheduleError(f"{schedule!r} runs a V of 2 chunks per rank (chunks=2, got {v})")
     busy = m * (fwd + bwd) + step
-    if not row.split_backward:  # (interleaved: v chunks shrink each fill and drain step)
+    if row.v_shape:
+        f, b, w = fwd, bwd - wgrad, wgrad
+        idle = (p - 1) * v_fill(schedule, f, b, w) / 2
+    elif not row.split_backward:  # (interleaved: v chunks shrink each fill and drain step)
         idle = (p - 1) * (fwd + bwd) / v
     else:  # zero bubble: B is the input-gradient part, W fills the drain
         f, b, w = fwd, bwd - wgrad, wgrad
@@ -78,4 +93,13 @@ def flush_time(schedule: str, *, ranks: int, microbatches: int, fwd: float, bwd:
     return FlushTime(busy + idle, idle)
 
 
-__all__ = ["FORMULAS", "FlushTime", "flush_time"]
+def v_fill(schedule: str, f: float, b: float, w: float) -> float:
+    """A V-shaped schedule's idle time per rank over (p - 1) / 2 (module docstring), for a
+    rank's forward `f`, input-gradient backward `b` and weight gradients `w` per microbatch;
+    per chunk (half of them each) it is the idle time of one of the p - 1 fill steps."""
+    if schedule == "zb-v":
+        return max(f, b, f + b - 2 * w)
+    return max(f + b - w, f, b)  # dualpipev
+
+
+__all__ = ["FORMULAS", "v_fill", "FlushTime", "flush_time"]

@@ -39,6 +39,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.links import (
     link_busy_seconds,
     pair_levels,
@@ -156,7 +157,8 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
                        gpipe=row.forwards_first)
         if row.interleaved or row.split_backward:
             timed = _chunked(timed, terms, transfer, stage_ranks, m, interleaved=row.interleaved,
-                             wgrad=WGRAD_SHARE if row.split_backward else 0.0)
+                             wgrad=WGRAD_SHARE if row.split_backward else 0.0,
+                             v_shape=schedule if row.v_shape else None)
         return timed
     work = [own[s] / t.replicas for s, t in enumerate(terms)]
     bounds = [(w, f"stage {s} work") for s, w in enumerate(work)]
@@ -369,7 +371,8 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
 
 def _chunked(flush: PipelineTime, terms: Sequence[StageTerms],
              transfer: dict[tuple[int, int], float], stage_ranks: Sequence[Sequence[int]],
-             m: int, *, interleaved: bool, wgrad: float) -> PipelineTime:
+             m: int, *, interleaved: bool, wgrad: float,
+             v_shape: str | None = None) -> PipelineTime:
     """Interleaved and zero-bubble schedules (cost/bubble.py's closed forms, for stages that
     differ): a rank holding several chunks works through all of them per microbatch, m times,
     while the pipeline fills and drains in chunk-sized steps, p - 1 of them; a split backward
@@ -380,6 +383,9 @@ def _chunked(flush: PipelineTime, terms: Sequence[StageTerms],
                                                                      strict=True) if r in group)
                 for r in ranks}
     step = max(t.compute + t.cpu_copies - 2.0 * wgrad * t.bwd for t in terms)
+    if v_shape is not None:  # a V (`v_shape`: its schedule): cost/bubble.py's V fill per step
+        step = max(v_fill(v_shape, t.fwd, t.compute + t.cpu_copies - t.fwd - wgrad * t.bwd,
+                          wgrad * t.bwd) for t in terms)
     tail = max(t.allreduce + t.step for t in terms)
     if interleaved:
         wires = 2.0 * max(transfer.values(), default=0.0) * (len(ranks) - 1)

@@ -20,6 +20,7 @@ from typing import Any
 from pdcompile.errors import ScheduleError
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.kinds import KINDS
 
 _CALLS = {
     Kind.F: "forward({n})",
@@ -111,7 +112,9 @@ def generate_rank(schedule: Schedule, rank: int) -> str:
     stages = schedule.stages_of_rank(rank)
     chunked = len(stages) > 1
     if chunked:
-        held = f"stages {', '.join(map(str, stages))} (chunks of an interleaved pipeline)"
+        row = KINDS.get(schedule.name)
+        shape = "a V" if row is not None and row.v_shape else "an interleaved pipeline"
+        held = f"stages {', '.join(map(str, stages))} (chunks of {shape})"
     else:
         replicas = schedule.stage_ranks[stages[0]]
         held = f"stage {stages[0]} (replica {replicas.index(rank)} of {len(replicas)})"

@@ -6,6 +6,9 @@ fills and drains in 1/v of the time. Any straight plan of p v stages can be plac
 `interleaved_plan` cuts a traced graph into p v chunks of about equal weight for it
 (passes.split.even_plan), `balanced_chunks` a CostGraph into p v chunks of about equal compute
 (the planner's cost-balanced K-stage cut can replace both).
+
+A V (`schedule.placement`; ZB-V and DualPipeV) folds a straight plan of 2p stages instead: stage
+c on rank c for c < p and on rank 2p - 1 - c after (`fold_v`, `v_plan`).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch.fx as fx
 from pdcompile.cost.costgraph import topological_order
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan, Stage
+from pdcompile.schedule.placement import v_position
 
 
 def interleave(plan: Plan, ranks: int) -> Plan:
@@ -34,6 +38,31 @@ def interleave(plan: Plan, ranks: int) -> Plan:
     placed = tuple(replace(stage, ranks=(c % ranks,)) for c, stage in enumerate(plan.stages))
     return replace(plan, stages=placed, workers=ranks,
                    extra={**plan.extra, "chunks_per_rank": stages // ranks})
+
+
+def fold_v(plan: Plan) -> Plan:
+    """`plan` (2p unreplicated stages in pipeline order) folded into a V on p ranks."""
+    stages = len(plan.stages)
+    if stages < 4 or stages % 2:
+        raise PlanError(f"a V puts 2 chunks on each of p >= 2 ranks, so it folds an even number "
+                        f"of at least 4 stages; the plan has {stages} (cut {max(4, stages + 1)} "
+                        "stages)")
+    replicated = [i for i, s in enumerate(plan.stages) if s.replicas != 1]
+    if replicated:
+        raise PlanError(f"stages {replicated} of the plan are replicated; a V runs every chunk "
+                        "on one rank (plan a straight pipeline)")
+    ranks = stages // 2
+    placed = tuple(replace(stage, ranks=(v_position(c, ranks),))
+                   for c, stage in enumerate(plan.stages))
+    return replace(plan, stages=placed, workers=ranks,
+                   extra={**plan.extra, "chunks_per_rank": 2, "placement": "v"})
+
+
+def v_plan(gm: fx.GraphModule, ranks: int) -> Plan:
+    """2 `ranks` stages of about equal weight (passes.split.even_plan), folded into a V."""
+    from pdcompile.passes.split import even_plan
+
+    return fold_v(even_plan(gm, 2 * ranks))
 
 
 def interleaved_plan(gm: fx.GraphModule, ranks: int, chunks: int) -> Plan:
@@ -73,4 +102,4 @@ def balanced_chunks(graph: nx.DiGraph, ranks: int, chunks: int) -> Plan:
     return interleave(plan, ranks)
 
 
-__all__ = ["balanced_chunks", "interleave", "interleaved_plan"]
+__all__ = ["balanced_chunks", "fold_v", "interleave", "interleaved_plan", "v_plan"]

@@ -54,7 +54,7 @@ ILP_AUTO_LIMIT = 2.0  # seconds, for planner="auto" on small graphs (CP-SAT most
 AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched schedules
 # what schedule="auto" tries: GPipe and interleaved 1F1B are left out, as the same plans run
 # at least as fast with 1F1B-flush (GPipe's bubble, less memory) and interleaved zero bubble
-AUTO_SCHEDULES = ("1f1b", "1f1b-flush", "2bw", "zb-h1", "interleaved-zb")
+AUTO_SCHEDULES = ("1f1b", "1f1b-flush", "2bw", "zb-h1", "interleaved-zb", "zb-v", "dualpipev")
 VARIANT_STAGES = (2,)  # the DP's short-pipeline variants (at most this many stages)
 EXACT_WORKERS = 16  # above this, multi-level clusters get one server's pipeline on every server
 ACROSS_SERVERS = 32  # ... or, up to this many servers, stages of whole servers
@@ -435,8 +435,9 @@ def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelO
                             limit: float | None, workers: int, chunks: int = 2) -> _Found:
     """Interleaved plans: the DP's straight cuts into workers x `chunks` stages balanced by
     cost (on the cluster's innermost link), chunk c then placed on rank c mod workers
-    (planner/interleave.py) and priced on the cluster."""
-    from pdcompile.planner.interleave import interleave
+    (planner/interleave.py), or in a V of 2 chunks per rank for the V-shaped schedules
+    (`fold_v`), and priced on the cluster."""
+    from pdcompile.planner.interleave import fold_v, interleave
 
     count = workers * chunks
     if workers < 2 or count > min(graph.number_of_nodes(), MOST_STAGES):
@@ -447,10 +448,12 @@ def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelO
     out = []
     for candidate in found.candidates:
         straight_plan = candidate.as_plan(count)
-        placed = interleave(straight_plan, workers)
+        v_shape = kind(options.schedule).v_shape
+        placed = fold_v(straight_plan) if v_shape else interleave(straight_plan, workers)
         stages = [(list(s.nodes), tuple(s.ranks)) for s in placed.stages]
         priced = _priced(graph, cluster, stages, options, limit, planner="dp",
-                         status="HEURISTIC", how=f"interleaved x{chunks}: {candidate.how}")
+                         status="HEURISTIC",
+                         how=f"{'V' if v_shape else 'interleaved'} x{chunks}: {candidate.how}")
         if priced is not None:
             out.append(priced)
     if not out:
@@ -511,8 +514,11 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
     if limit is not None and max(held.values()) > limit * (1 + 1e-9):
         return None
     workers = len(held)
-    if (row.interleaved or row.split_backward) and m >= workers and m % workers:
+    if (row.interleaved or row.split_backward) and not row.v_shape and m >= workers \
+            and m % workers:
         return None  # these orders take microbatches in rounds of one per rank
+    if len(stages) == 2 * workers and m < row.microbatches_per_rank * workers:
+        return None  # a V whose order needs more microbatches (DualPipeV: 2 per rank)
     bound = priced_time(graph, stages, cluster, options=options, in_flight=flight,
                         recompute=again).bound
     return _Candidate(stages, options, priced, closed, bound, **tags)

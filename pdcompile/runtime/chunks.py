@@ -1,10 +1,11 @@
 """The runtime of a rank that holds several chunks of an interleaved pipeline.
 
-An interleaved schedule places stage c on rank c mod p, so one rank runs several stages, each
-with its own module, optimizer, weight versions and stash. Each gets its own `StageRuntime`; the
-rank's generated loop names the chunk of every call (`yield from rt.chunk(2).forward(3)`,
-passes/codegen.py), and backends see one object per rank, as for any other rank: `completed`
-(progress, for the local driver), `losses` and `finish()`.
+An interleaved schedule places stage c on rank c mod p (a V-shaped one, ZB-V or DualPipeV,
+stages c and 2p - 1 - c on rank c), so one rank runs several stages, each with its own module,
+optimizer, weight versions and stash. Each gets its own `StageRuntime`; the rank's generated
+loop names the chunk of every call (`yield from rt.chunk(2).forward(3)`, passes/codegen.py), and
+backends see one object per rank, as for any other rank: `completed` (progress, for the local
+driver), `losses` and `finish()`.
 """
 
 from __future__ import annotations

@@ -63,6 +63,8 @@ from collections.abc import Sequence
 from pdcompile.errors import ScheduleError
 from pdcompile.schedule.ir import Action, Kind, Schedule
 from pdcompile.schedule.kinds import kind, names
+from pdcompile.schedule.placement import chunk_shape, v_chunks
+from pdcompile.schedule.v_orders import V_ORDERS
 
 
 def normalise_stage_ranks(stage_ranks: Sequence[Sequence[int]], *,
@@ -88,29 +90,16 @@ def normalise_stage_ranks(stage_ranks: Sequence[Sequence[int]], *,
     return shape
 
 
-def interleaved_shape(stage_ranks: Sequence[Sequence[int]]) -> tuple[int, int]:
-    """(p, v): ranks and chunks per rank of an interleaved placement, checked.
+def interleaved_shape(stage_ranks: Sequence[Sequence[int]], *,
+                      v_shape: bool = False) -> tuple[int, int]:
+    """(p, v): ranks and chunks per rank of an interleaved placement (or a V), checked.
 
     K = p v stages, each on one rank; stages 0..p-1 on p distinct ranks, and stage c on the rank
-    of stage c mod p (`planner.interleave.interleave` makes such a plan from a straight one).
+    of stage c mod p (`planner.interleave.interleave` makes such a plan from a straight one), or
+    with `v_shape` 2p stages in a V (`schedule.placement`, `planner.interleave.fold_v`).
     """
-    shape = normalise_stage_ranks(stage_ranks, chunks=True)
-    replicated = [s for s, ranks in enumerate(shape) if len(ranks) != 1]
-    if replicated:
-        raise ScheduleError(f"stages {replicated} have several replicas "
-                            f"({[list(shape[s]) for s in replicated]}); interleaved and "
-                            "zero-bubble schedules run every stage on one worker")
-    owners = [ranks[0] for ranks in shape]
-    p = len(set(owners))
-    if len(shape) % p or len(set(owners[:p])) != p or any(
-            owners[c] != owners[c % p] for c in range(len(shape))):
-        wanted = [[owners[c % p]] for c in range(len(shape))] if len(set(owners[:p])) == p \
-            else [[c % p] for c in range(p * max(1, len(shape) // p))]
-        raise ScheduleError(f"stage ranks {[list(r) for r in shape]} are not an interleaved "
-                            f"placement of {len(shape)} stages on {p} ranks; chunk c goes to the "
-                            f"rank of chunk c mod p, e.g. {wanted} (planner.interleave.interleave "
-                            "turns a straight plan into one)")
-    return p, len(shape) // p
+    normalise_stage_ranks(stage_ranks, chunks=True)
+    return chunk_shape(stage_ranks, v_shape=v_shape)
 
 
 def in_flight_limit(stage_ranks: Sequence[Sequence[int]], stage: int) -> int:
@@ -284,9 +273,9 @@ def generate(
     `vertical_sync` is carried in `options` for the runtime (1f1b only). `warmup[s]` replaces
     the warm-up depth of stage s (forwards before the first backward, per replica; default
     NOAM_s - 1; not for gpipe).
-    - "interleaved-1f1b", "zb-h1", "interleaved-zb": one minibatch of `microbatches`
-      microbatches (module docstring); interleaved ones on a placement of chunks
-      (`interleaved_shape`).
+    - "interleaved-1f1b", "zb-h1", "interleaved-zb", "zb-v", "dualpipev": one minibatch of
+      `microbatches` microbatches (module docstring); interleaved ones on a placement of
+      chunks, V-shaped ones on a V (`interleaved_shape`; orders in `schedule.v_orders`).
     `recompute` lists the stages that drop their activations after the forward and recompute
     them in the backward (carried in `options["recompute"]` for the runtime and the simulator).
     """
@@ -348,7 +337,7 @@ def _chunked(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int,
              vertical_sync: bool, microbatches_per_minibatch: int | None) -> Schedule:
     """interleaved-1f1b, zb-h1, interleaved-zb (`chunk_order` on every rank)."""
     row = kind(name)
-    p, v = interleaved_shape(stage_ranks)
+    p, v = interleaved_shape(stage_ranks, v_shape=row.v_shape)
     shape = normalise_stage_ranks(stage_ranks, chunks=True)
     if vertical_sync:
         raise ScheduleError(f"vertical_sync applies to the asynchronous '1f1b' schedule, "
@@ -356,6 +345,8 @@ def _chunked(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int,
     if microbatches_per_minibatch not in (None, microbatches):
         raise ScheduleError(f"{name!r} runs one minibatch of `microbatches` microbatches; "
                             f"drop microbatches_per_minibatch={microbatches_per_minibatch}")
+    if row.v_shape:
+        return _v_shaped(name, shape, p, microbatches)
     if row.interleaved and v < 2:
         raise ScheduleError(f"{name!r} needs at least 2 chunks per rank; {len(shape)} stages on "
                             f"{p} ranks is one each: use 'zb-h1' or '1f1b-flush', or cut "
@@ -372,6 +363,23 @@ def _chunked(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int,
         order = chunk_order(position, p, v, microbatches,
                             split=row.split_backward)
         actions[rank] = tuple(Action(chunk * p + position, kind, m) for kind, chunk, m in order)
+    return Schedule(name, microbatches, shape, actions,
+                    {"microbatches_per_minibatch": microbatches})
+
+
+def _v_shaped(name: str, shape: tuple[tuple[int, ...], ...], p: int,
+              microbatches: int) -> Schedule:
+    """zb-v and dualpipev (`schedule.v_orders`) on a V of 2p chunks."""
+    if p < 2:
+        raise ScheduleError(f"{name!r} needs at least 2 ranks to fold its V over (got {p}); "
+                            "one rank runs its stages one after another ('1f1b-flush')")
+    order_of = V_ORDERS[name]
+    actions: dict[int, tuple[Action, ...]] = {}
+    for position in range(p):
+        chunks = v_chunks(position, p)
+        actions[shape[position][0]] = tuple(
+            Action(chunks[chunk], kind_, m) for kind_, chunk, m in order_of(position, p,
+                                                                           microbatches))
     return Schedule(name, microbatches, shape, actions,
                     {"microbatches_per_minibatch": microbatches})
 

@@ -98,7 +98,8 @@ class Schedule:
 
     `stage_ranks[s]` lists the ranks that run stage s (its replicas). Microbatch m of stage s runs
     on replica `m % replicas` (round robin, 1F1B-RR). In an interleaved pipeline a rank holds
-    several stages (chunks): stage c on rank c mod p, each unreplicated.
+    several stages (chunks): stage c on rank c mod p, each unreplicated; in a V (ZB-V,
+    DualPipeV) two, stage c on rank c for c < p and on rank 2p - 1 - c after.
     """
 
     name: str

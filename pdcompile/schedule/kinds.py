@@ -33,12 +33,17 @@ class ScheduleKind:
         an integer: that many versions at all times.
     copies_weights: a new weight version is a copy of the weights (1f1b stashing, 2bw).
     split_backward: the backward runs as B (input gradients) and W (weight gradients), W later.
-    interleaved: a rank holds several non-adjacent stages (chunks), chunk c on rank c mod p.
+    interleaved: a rank holds several non-adjacent stages (chunks), chunk c on rank c mod p
+        (or in a V, where `v_shape`).
+    v_shape: the chunks sit in a V (`schedule.placement`): 2 per rank, chunk c on rank c for
+        c < p and on rank 2p - 1 - c after (ZB-V, DualPipeV).
     chosen_warmup: a 1F1B order whose warm-up depth (microbatches in flight) may be chosen per
         stage; the other orders fix their own.
     forwards_first: every forward of a minibatch before its first backward (GPipe), so all its
         microbatches' activations are held at once.
     vertical_sync: may run with vertical sync (every stage uses stage 0's weight version).
+    microbatches_per_rank: the fewest microbatches per minibatch per rank the order runs with
+        (DualPipeV's main phase needs 2 per rank); 0 where any number runs.
     """
 
     name: str
@@ -49,9 +54,11 @@ class ScheduleKind:
     copies_weights: bool
     split_backward: bool = False
     interleaved: bool = False
+    v_shape: bool = False
     chosen_warmup: bool = True
     forwards_first: bool = False
     vertical_sync: bool = False
+    microbatches_per_rank: int = 0
 
     @property
     def asynchronous(self) -> bool:
@@ -131,6 +138,13 @@ KINDS: dict[str, ScheduleKind] = {
                                    update="minibatch", stashed_versions=1, copies_weights=False,
                                    split_backward=True, interleaved=True,
                                    chosen_warmup=False),
+    "zb-v": ScheduleKind("zb-v", flush=True, microbatched=True, update="minibatch",
+                         stashed_versions=1, copies_weights=False, split_backward=True,
+                         interleaved=True, v_shape=True, chosen_warmup=False),
+    "dualpipev": ScheduleKind("dualpipev", flush=True, microbatched=True, update="minibatch",
+                              stashed_versions=1, copies_weights=False, split_backward=True,
+                              interleaved=True, v_shape=True, chosen_warmup=False,
+                              microbatches_per_rank=2),
 }
 
 

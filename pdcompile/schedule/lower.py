@@ -17,8 +17,9 @@ position. A W (weight gradients) has no transfers: nobody waits for it. Weight u
 preceded by ALLREDUCE k on replicated stages) come after:
 
 - "1f1b": every backward (k = m // replicas: one update per round of backwards across replicas);
-- flush schedules ("1f1b-flush", "gpipe", "interleaved-1f1b", "zb-h1", "interleaved-zb"): the
-  end of the rank's list (k = 0), one per stage the rank holds (chunks: in stage order);
+- flush schedules ("1f1b-flush", "gpipe", "interleaved-1f1b", "zb-h1", "interleaved-zb",
+  "zb-v", "dualpipev"): the end of the rank's list (k = 0), one per stage the rank holds
+  (chunks: in stage order);
 - "2bw": the backward of the replica's last microbatch of each minibatch (k = minibatch index).
 """
 

@@ -3,8 +3,8 @@
 Checks, in order, each failure raising ScheduleError with the rank x step grid, the culprit marked:
 1. every action on a rank belongs to a stage of that rank (one, or its chunks when interleaved);
 2. every microbatch has exactly one F and one B on the right replica of every stage, F first;
-   schedules that split the backward ("zb-h1", "interleaved-zb") also exactly one W, after the
-   B; the others none;
+   schedules that split the backward ("zb-h1", "interleaved-zb", "zb-v", "dualpipev") also
+   exactly one W, after the B; the others none;
 3. (lowered schedules) every send has exactly one matching receive and the other way round; for
    every stage edge the four transfers of each microbatch are where lowering puts them; weight
    updates on each rank are numbered 0, 1, 2, ... (none twice);

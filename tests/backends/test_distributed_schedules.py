@@ -3,8 +3,9 @@ local backend's losses and weights (and so those of plain gradient accumulation,
 tests/pipeline/test_schedules_transparency.py).
 
 Interleaved pipelines put 2 chunks on each of 2 processes (each process one generated loop
-calling `rt.chunk(s)`); zero-bubble ones defer weight gradients to W on 2 and 3 processes; one
-case recomputes every stage. gloo over 127.0.0.1, one thread per process, bounded by timeouts.
+calling `rt.chunk(s)`), V-shaped ones (ZB-V, DualPipeV) 2 chunks in a V; zero-bubble ones defer
+weight gradients to W on 2 and 3 processes; one case recomputes every stage. gloo over
+127.0.0.1, one thread per process, bounded by timeouts.
 """
 
 from __future__ import annotations
@@ -53,13 +54,16 @@ def _batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _pipeline(case: Case) -> Any:
     from pdcompile.passes.split import even_plan
     from pdcompile.passes.trace import trace
-    from pdcompile.planner.interleave import interleave
+    from pdcompile.planner.interleave import fold_v, interleave
+    from pdcompile.schedule.kinds import kind
 
     model = _model()
     plan = even_plan(trace(model), case.ranks * case.chunks)
     if case.recompute:
         plan = replace(plan, stages=tuple(replace(s, recompute=True) for s in plan.stages))
-    if case.chunks > 1:
+    if kind(case.schedule).v_shape:
+        plan = fold_v(plan)
+    elif case.chunks > 1:
         plan = interleave(plan, case.ranks)
     example = _batches(1)[0]
     return pdcompile.compile(model, example_inputs=(example[0],), example_target=example[1],
@@ -121,5 +125,16 @@ def test_two_processes_interleaved_and_zero_bubble() -> None:
     timeline.check_schedule(_pipeline(cases[0]).schedule(MICRO, MICRO))
 
 
+def test_two_processes_v_shaped() -> None:
+    """ZB-V and DualPipeV: rank 0 holds the first and the last chunk (it reads the data and
+    computes the loss), rank 1 the two middle ones, which hand over in memory."""
+    cases = [Case("zb-v", 2, chunks=2, steps=1, record=True), Case("dualpipev", 2, chunks=2),
+             Case("zb-v", 2, chunks=2, recompute=True)]
+    results = _check(cases, 2)
+    timeline = results[0][0]["timeline"]
+    timeline.check_schedule(_pipeline(cases[0]).schedule(MICRO, MICRO))
+
+
 def test_three_processes_zero_bubble() -> None:
-    _check([Case("zb-h1", 3, steps=3), Case("interleaved-zb", 3, chunks=2)], 3)
+    _check([Case("zb-h1", 3, steps=3), Case("interleaved-zb", 3, chunks=2),
+            Case("zb-v", 3, chunks=2)], 3)

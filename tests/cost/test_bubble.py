@@ -8,6 +8,8 @@ computing weight gradients. The formulas tested (module docstring of cost/bubble
     interleaved-1f1b:    m (f + b) + (p - 1)(f + b) / v      bubble ratio (p - 1) / (v m)
     zb-h1:               m (f + b + w) + (p - 1)(f + b - w)  with b the input-gradient part
     interleaved-zb:      m (f + b + w) + (p - 1)(f + b - w) / v
+    zb-v (f = b):        m (f + b + w) + (p - 1) max(f, f + b - 2w) / 2     on a V, v = 2
+    dualpipev (f = b):   m (f + b + w) + (p - 1)(f + b - w) / 2
 """
 
 from __future__ import annotations
@@ -22,7 +24,9 @@ from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import generate
+from pdcompile.schedule.kinds import kind
 from pdcompile.schedule.lower import lower
+from pdcompile.schedule.placement import v_position
 
 TIMES = [(1.0, 1.0, 0.5), (1.0, 2.0, 1.0), (2.0, 1.0, 0.5), (1.0, 3.0, 1.0), (3.0, 4.0, 2.0),
          (1.5, 2.5, 0.25)]  # (fwd, bwd, wgrad) per microbatch and rank, wgrad <= fwd, bwd - wgrad
@@ -32,7 +36,8 @@ def simulated(name: str, p: int, v: int, m: int, fwd: float, bwd: float, wgrad: 
               step: float = 0.0) -> tuple[float, float]:
     """(makespan, bubble fraction) the simulator gives."""
     stages = p * v
-    schedule = lower(generate(name, [[c % p] for c in range(stages)], m))
+    place = v_position if kind(name).v_shape else lambda c, ranks: c % ranks
+    schedule = lower(generate(name, [[place(c, p)] for c in range(stages)], m))
     costs = StageCosts.uniform(stages, fwd=fwd / v, bwd=bwd / v, optimizer=step / v)
     result = simulate(schedule, costs, Cluster.flat(p, 1e30), wgrad_share=wgrad / bwd)
     return result.makespan, result.bubble
@@ -89,6 +94,44 @@ def test_interleaved_zb(p: int, v: int, m: int) -> None:
         assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
 
 
+# forward and input-gradient backward alike (the V-shaped forms are exact there), w <= f
+EQUAL_FB = [(1.0, 2.0, 1.0), (1.0, 1.5, 0.5), (1.0, 1.25, 0.25), (2.0, 2.5, 0.5), (1.0, 1.0, 0.0),
+            (3.0, 4.0, 1.0), (1.5, 2.25, 0.75)]  # (fwd, bwd, wgrad): fwd = bwd - wgrad
+
+
+# zb-v fills its pipeline at 2p - 1 microbatches, dualpipev needs 2p
+@pytest.mark.parametrize(("name", "p", "m"), [(name, p, m) for name, p, m in itertools.product(
+    ["zb-v", "dualpipev"], [2, 3, 4, 5], [3, 4, 5, 6, 8, 9, 10, 16])
+    if m >= 2 * p - (name == "zb-v")])
+def test_v_shaped_bubbles(name: str, p: int, m: int) -> None:
+    for fwd, bwd, wgrad in EQUAL_FB:
+        f, w = fwd, wgrad
+        makespan, bubble = simulated(name, p, 2, m, fwd, bwd, wgrad)
+        fill = max(f, 2 * f - 2 * w) if name == "zb-v" else 2 * f - w
+        assert makespan == pytest.approx(m * (2 * f + w) + (p - 1) * fill / 2, rel=1e-12)
+        closed = flush_time(name, ranks=p, microbatches=m, chunks=2, fwd=fwd, bwd=bwd,
+                            wgrad=wgrad)
+        assert makespan == pytest.approx(closed.makespan, rel=1e-12)
+        assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
+    # a forward unlike the input-gradient backward: the form is a lower bound, within 12%
+    for fwd, bwd, wgrad in TIMES:
+        makespan, _ = simulated(name, p, 2, m, fwd, bwd, wgrad)
+        closed = flush_time(name, ranks=p, microbatches=m, chunks=2, fwd=fwd, bwd=bwd,
+                            wgrad=wgrad)
+        assert makespan * 0.88 <= closed.makespan <= makespan * (1 + 1e-12)
+
+
+def test_zb_v_idles_no_more_than_dualpipev_without_overlap() -> None:
+    for fwd, bwd, wgrad in EQUAL_FB:
+        zbv = flush_time("zb-v", ranks=4, microbatches=8, chunks=2, fwd=fwd, bwd=bwd, wgrad=wgrad)
+        dual = flush_time("dualpipev", ranks=4, microbatches=8, chunks=2, fwd=fwd, bwd=bwd,
+                          wgrad=wgrad)
+        assert zbv.idle <= dual.idle
+        # and than 1F1B-flush on the same work: (p - 1)(f + b + w) of idle
+        assert zbv.idle < flush_time("1f1b-flush", ranks=4, microbatches=8, fwd=fwd,
+                                     bwd=bwd).idle
+
+
 def test_optimizer_steps_add_to_the_makespan() -> None:
     makespan, _ = simulated("zb-h1", 3, 1, 6, 1.0, 2.0, 1.0, step=0.5)
     assert makespan == pytest.approx(flush_time("zb-h1", ranks=3, microbatches=6, fwd=1.0,
@@ -102,3 +145,5 @@ def test_closed_forms_refuse_what_they_do_not_describe() -> None:
         flush_time("zb-h1", ranks=2, microbatches=4, chunks=2, fwd=1, bwd=1)
     with pytest.raises(ScheduleError, match="wgrad <= bwd"):
         flush_time("zb-h1", ranks=2, microbatches=4, fwd=1, bwd=1, wgrad=2)
+    with pytest.raises(ScheduleError, match="chunks=2"):
+        flush_time("zb-v", ranks=2, microbatches=4, chunks=3, fwd=1, bwd=1)

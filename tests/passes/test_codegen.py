@@ -104,6 +104,8 @@ class Replay:
     ("interleaved-1f1b", [[0], [1], [2], [0], [1], [2]], 12, {}),
     ("interleaved-zb", [[0], [1], [0], [1], [0], [1]], 8, {}),
     ("zb-h1", [[0], [1], [2], [3]], 16, {}),
+    ("zb-v", [[0], [1], [2], [2], [1], [0]], 12, {}),
+    ("dualpipev", [[0], [1], [1], [0]], 8, {}),
 ])
 def test_running_the_code_replays_the_schedule(schedule: str, ranks: list[list[int]], n: int,
                                                options: dict[str, Any]) -> None:

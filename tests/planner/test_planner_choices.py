@@ -99,6 +99,36 @@ def test_interleaved_plans_put_chunks_on_ranks_round_robin() -> None:
     assert plan.time_per_minibatch == pytest.approx(simulated.time_per_minibatch)
 
 
+@pytest.mark.parametrize("schedule", ["zb-v", "dualpipev"])
+def test_v_shaped_plans_fold_the_chunks_into_a_v(schedule: str) -> None:
+    graph = _chain(8)
+    cluster = Cluster.parse("2@1e10")
+    plan = pdcompile.plan(graph, cluster, schedule=schedule, microbatches=4, planner="dp")
+    assert [s.ranks for s in plan.stages] == [(0,), (1,), (1,), (0,)]
+    _, simulated = simulate_plan(graph, plan, cluster, timeline=False)
+    assert plan.time_per_minibatch == pytest.approx(simulated.time_per_minibatch)
+    # the closed form (cost/bubble.py's V fill on the stages' own times) within 5%
+    assert plan.extra["closed_form_time_per_minibatch"] == pytest.approx(
+        simulated.time_per_minibatch, rel=0.05)
+
+
+def test_v_shaped_plans_hold_both_chunks_within_the_memory() -> None:
+    # weights dominate: a rank holds both of its chunks' weights, gradients and Adam moments
+    graph = _chain(8, act=1e3, params=1e8)
+    cluster = Cluster.parse("2@1e10")
+    roomy = pdcompile.plan(graph, cluster, schedule="zb-v", microbatches=4, planner="dp")
+    per_rank = [sum(s.memory for s in roomy.stages if s.ranks == (r,)) for r in (0, 1)]
+    assert max(per_rank) >= 4 * 4 * 1e8  # 4 layers' weights, gradients and 2 moments
+    with pytest.raises(PlanError, match="does not fit"):
+        pdcompile.plan(graph, cluster, schedule="zb-v", microbatches=4, planner="dp",
+                       memory=max(per_rank) * 0.9)
+
+
+def test_dualpipev_needs_two_microbatches_per_rank_to_be_planned() -> None:
+    with pytest.raises(PlanError):
+        pdcompile.plan(_chain(8), "2@1e10", schedule="dualpipev", microbatches=3, planner="dp")
+
+
 def test_stages_k_balances_cost_not_parameters() -> None:
     # the last layer costs four times the others: four balanced stages give it a stage alone
     graph = _chain(8, uneven=True)

@@ -13,9 +13,10 @@ from pdcompile.schedule.generators import copies_weights
 from pdcompile.schedule.ir import Kind
 from pdcompile.schedule.kinds import KINDS, kind, names, stream_length
 
-# a placement each kind can run: interleaved kinds 4 chunks on 2 ranks, the others 2 stages
-PLACEMENTS = {name: [[0], [1], [0], [1]] if row.interleaved else [[0], [1]]
-              for name, row in KINDS.items()}
+# a placement each kind can run: interleaved kinds 4 chunks on 2 ranks (V-shaped ones in a V),
+# the others 2 stages
+PLACEMENTS = {name: [[0], [1], [1], [0]] if row.v_shape else [[0], [1], [0], [1]]
+              if row.interleaved else [[0], [1]] for name, row in KINDS.items()}
 
 
 def steps(schedule: object, rank: int) -> list[int]:
@@ -69,8 +70,10 @@ def test_loss_scale_and_minibatch_follow_the_cut() -> None:
 def test_flags_name_the_schedules() -> None:
     assert names("flush") == tuple(n for n, r in KINDS.items() if not r.asynchronous)
     assert set(names("asynchronous")) == {"1f1b", "2bw"}
-    assert set(names("interleaved")) == {"interleaved-1f1b", "interleaved-zb"}
-    assert set(names("split_backward")) == {"zb-h1", "interleaved-zb"}
+    assert set(names("interleaved")) == {"interleaved-1f1b", "interleaved-zb", "zb-v",
+                                         "dualpipev"}
+    assert set(names("v_shape")) == {"zb-v", "dualpipev"}
+    assert set(names("split_backward")) == {"zb-h1", "interleaved-zb", "zb-v", "dualpipev"}
     assert names("double_buffered") == ("2bw",) and names("forwards_first") == ("gpipe",)
 
 
