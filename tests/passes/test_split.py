@@ -201,7 +201,9 @@ class Positions(nn.Module):
         self.b = nn.Linear(4, 4)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(ids.shape[1], dtype=torch.float32).unsqueeze(-1)
+        # a constant length: arange(ids.shape[1]) would read the input's (free) length under
+        # torch.export, and so not be input-less
+        positions = torch.arange(5, dtype=torch.float32).unsqueeze(-1)
         h = self.a(self.emb(ids) + positions)
         torch.relu_(h)
         return self.b(h) * positions
@@ -277,3 +279,29 @@ def test_a_stage_that_only_reads_items_receives_the_sequence_as_a_tuple() -> Non
     pipe = check((model, inputs, torch.randn(8, 1, 4), squared_error),
                  schedule="gpipe", micro=2, plan=plan)
     assert len(pipe.parts.stages[0].sends[1]) == 2  # the values and the indices
+
+
+class PositionsOfLength(Positions):
+    """Positions as long as the input: under torch.export (every dimension free) `arange`
+    reads the input's length through `sym_size`, a number that crosses stages like a tensor."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[1], dtype=torch.float32).unsqueeze(-1)
+        h = self.a(self.emb(ids) + positions)
+        torch.relu_(h)
+        return self.b(h) * positions
+
+
+def test_every_cut_of_a_graph_with_a_symbolic_length_splits() -> None:
+    from pdcompile.passes.frontend import capture
+    from tests.helpers.transparency import check
+
+    model, ids = PositionsOfLength(), torch.randint(0, 10, (4, 5))
+    gm = capture(model, (ids,), None, frontend="export").graph
+    assert any("sym_size" in str(n.target) for n in gm.graph.nodes)
+    order = [n.name for n in gm.graph.nodes if n.op not in ("output", "get_attr")]
+    for cut in range(2, len(order)):  # the placeholder alone would leave stage 0 empty
+        first = set(order[:cut])
+        plan = manual_plan(gm, lambda n, first=first: 0 if n.name in first else 1)
+        check((model, (ids,), torch.randn(4, 5, 4), nn.functional.mse_loss),
+              schedule="1f1b-flush", micro=2, plan=plan, frontend="export")
