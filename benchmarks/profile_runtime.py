@@ -38,7 +38,8 @@ import torch
 from torch import nn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from runtime import (  # noqa: E402 - benchmarks/runtime.py, beside this file
+import runtime as bench  # noqa: E402 - benchmarks/runtime.py, beside this file
+from runtime import (  # noqa: E402
     BLOCKS,
     LR,
     MICRO,
@@ -129,6 +130,12 @@ def _measure(train: Callable[[], None], steps: int) -> dict[str, Any]:
     own = sorted(((v[2], f"{os.path.basename(k[0])}:{k[2]}") for k, v in stats.items()),
                  reverse=True)[:14]
     out["py_top"] = [(name, t / steps) for t, name in own]
+    most = sorted(((v[1], f"{os.path.basename(k[0])}:{k[1]}:{k[2]}") for k, v in
+                   stats.items()), reverse=True)[:30]
+    out["py_most"] = [(name, n / steps) for n, name in most]
+    cumulative = sorted(((v[3], f"{os.path.basename(k[0])}:{k[2]}") for k, v in
+                         stats.items() if "pdcompile" in k[0]), reverse=True)[:30]
+    out["py_cumulative"] = [(name, t / steps) for t, name in cumulative]
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train()
     events = prof.key_averages()
@@ -137,10 +144,11 @@ def _measure(train: Callable[[], None], steps: int) -> dict[str, Any]:
     return out
 
 
-def _ours(worker: Worker, schedule: str, steps: int, warmup: int) -> dict[str, Any]:
+def _ours(worker: Worker, schedule: str, steps: int, warmup: int, width: int) -> dict[str, Any]:
     from pdcompile.backends.distributed import run_distributed
 
     torch.set_num_threads(1)
+    bench.WIDTH = width
     pipe = _compile(schedule)
     data = make_data(max(steps, warmup))
     run_distributed(pipe, data[:warmup], monitor=worker.monitor)
@@ -151,8 +159,9 @@ def _ours(worker: Worker, schedule: str, steps: int, warmup: int) -> dict[str, A
     return _measure(train, steps)
 
 
-def _single(steps: int, warmup: int, micro: int) -> dict[str, Any]:
+def _single(steps: int, warmup: int, micro: int, width: int) -> dict[str, Any]:
     torch.set_num_threads(1)
+    bench.WIDTH = width
     model = build_model()
     opt = torch.optim.SGD(model.parameters(), lr=LR)
     data = make_data(max(steps, warmup))
@@ -193,23 +202,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--md", default="")
+    parser.add_argument("--width", type=int, default=bench.WIDTH, help="the MLP's width; a "
+                        "small one (8) leaves almost no compute: what remains is overhead")
     parser.add_argument("--top", action="store_true", help="also print the top ops and "
                         "Python functions per rank")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     tune_allocator()
     load = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
-    lines = [f"ms per minibatch of {MINIBATCH} ({MICRO} microbatches of {MINIBATCH // MICRO} "
-             f"where microbatched), {args.steps} minibatches, load average {load} at the start, "
+    lines = [f"MLP width {args.width}, ms per minibatch of {MINIBATCH} ({MICRO} microbatches of "
+             f"{MINIBATCH // MICRO} where microbatched), {args.steps} minibatches, load average "
+             f"{load} at the start, "
              f"torch {torch.__version__}", "", HEADER]
     details = []
     for micro in (1, MICRO):
-        single = _single(args.steps, args.warmup, micro)
+        single = _single(args.steps, args.warmup, micro, args.width)
         lines.append(_row("single" if micro == 1 else f"single-{micro}", "-", single))
         print(lines[-1], file=sys.stderr, flush=True)
         details.append((f"single-{micro}", "-", single))
     for schedule in [s for s in args.schedules.split(",") if s]:
-        got = launch(_ours, 2, args=(schedule, args.steps, args.warmup), timeout=1800,
+        got = launch(_ours, 2, args=(schedule, args.steps, args.warmup, args.width), timeout=1800,
                      fault_timeout=120)
         for rank, result in enumerate(got):
             lines.append(_row(schedule, str(rank), result))
@@ -220,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{schedule} rank {rank}:", file=sys.stderr)
             print("  top Python (own ms/minibatch): " + ", ".join(
                 f"{k} {v * 1e3:.2f}" for k, v in result["py_top"]), file=sys.stderr)
+            print("  pdcompile, cumulative (ms/minibatch): " + ", ".join(
+                f"{k} {v * 1e3:.2f}" for k, v in result["py_cumulative"]), file=sys.stderr)
+            print("  most called (calls/minibatch): " + ", ".join(
+                f"{k} {v:.0f}" for k, v in result["py_most"]), file=sys.stderr)
     text = "\n".join(lines)
     print(text)
     if args.md:
