@@ -101,6 +101,7 @@ class Pipeline:
         self._sources: dict[tuple[int, int], dict[int, str]] = {}
         self._checked_shapes: set[Any] = set()  # minibatch shapes check_minibatch accepted
         self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
+        self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, by run shape
         self._check()
         # one minibatch as compiled: backends check shapes against it, export saves it
         self.example_inputs: tuple[Any, ...] | None = (
@@ -285,16 +286,18 @@ class Pipeline:
     # ------------------------------------------------------------------ schedules and code
     def schedule(self, microbatches: int | None = None,
                  per_minibatch: int | None = None) -> Schedule:
-        """The lowered schedule of a run of `microbatches` (default: the compile-time count)."""
-        return build(self.schedule_name, self.stage_ranks,
-                     microbatches or self.schedule_length(),
-                     per_minibatch=per_minibatch if per_minibatch is not None
-                     else self.per_minibatch,
-                     stage_edges=self.parts.edges, vertical_sync=self.vertical_sync,
-                     # the planner's in-flight counts, where it planned this schedule
-                     warmup=self.plan.warmup() if self.plan.schedule == self.schedule_name
-                     else None,
-                     recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute])
+        """The lowered schedule of a run of `microbatches` (default: the compile-time count);
+        built once per run shape (the distributed backend asks for it at every call)."""
+        n = microbatches or self.schedule_length()
+        per = per_minibatch if per_minibatch is not None else self.per_minibatch
+        if (n, per) not in self._schedules:
+            self._schedules[n, per] = build(
+                self.schedule_name, self.stage_ranks, n, per_minibatch=per,
+                stage_edges=self.parts.edges, vertical_sync=self.vertical_sync,
+                # the planner's in-flight counts, where it planned this schedule
+                warmup=self.plan.warmup() if self.plan.schedule == self.schedule_name else None,
+                recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute])
+        return self._schedules[n, per]
 
     @property
     def per_minibatch(self) -> int:

@@ -58,6 +58,7 @@ from pdcompile.schedule.kinds import kind as schedule_kind
 from pdcompile.timeline import Recorder, Timeline
 
 _KIND_CODE = {"act": 0, "grad": 1, "target": 2}
+Description = str | Callable[[], str]  # what an operation is, for its error message
 _MAX_OPEN_SENDS = 64
 # the receive lists of this many run shapes are kept (runs of one stream share one or two)
 _RUN_SHAPES_KEPT = 4
@@ -76,11 +77,15 @@ def wire_tag(tag: Tag, index: int) -> int:
     return (kind << 28) | (edge << 22) | (name << 14) | (tag.microbatch & 0x3FFF)
 
 
+def _described(what: Description) -> str:
+    return what if isinstance(what, str) else what()
+
+
 class DistPending(Pending):
     """Started works of one message or one all-reduce; `wait()` blocks and names dead peers."""
 
     def __init__(self, transport: DistributedTransport, works: list[Any], *, peer: int,
-                 what: str, result: list[torch.Tensor],
+                 what: Description, result: list[torch.Tensor],
                  after: Callable[[], None] | None = None) -> None:
         self._transport = transport
         self._works = works
@@ -147,22 +152,23 @@ class DistributedTransport(Transport):
 
     # -- waiting ---------------------------------------------------------------------------------
 
-    def wait_works(self, works: Sequence[Any], *, peer: int, what: str) -> None:
-        """Block on `works`; a transport error becomes a `PeerFailure` naming the dead rank."""
+    def wait_works(self, works: Sequence[Any], *, peer: int, what: Description) -> None:
+        """Block on `works`; a transport error becomes a `PeerFailure` naming the dead rank.
+        `what` may be a function that describes the operation (only called on an error)."""
         if self.monitor is None:
             try:
                 for work in works:
                     work.wait()
             except RuntimeError as err:
-                raise DistributedError(f"rank {self.rank}: {what} with rank {peer} failed: "
-                                       f"{str(err).splitlines()[0]}") from None
+                raise DistributedError(f"rank {self.rank}: {_described(what)} with rank {peer} "
+                                       f"failed: {str(err).splitlines()[0]}") from None
             return
         with self.monitor.blocking(what):
             try:
                 for work in works:
                     work.wait()
             except RuntimeError as err:
-                raise self.monitor.explain(peer, err, what=what) from None
+                raise self.monitor.explain(peer, err, what=_described(what)) from None
 
     def check(self) -> None:
         """Raise now if another worker is known to be dead (called before starting work)."""
@@ -178,8 +184,9 @@ class DistributedTransport(Transport):
             return DistPending(self, [], peer=dst_rank, what=f"hand-over of {tag}", result=[])
         payload = [t.detach().contiguous() for t in tensors]
         works = [dist.isend(t, dst_rank, tag=wire_tag(tag, i)) for i, t in enumerate(payload)]
-        pending = DistPending(self, works, peer=dst_rank, what=f"send of {tag} to rank {dst_rank}",
-                              result=[])
+        # described only on an error: formatting the tag costs more than the send's bookkeeping
+        pending = DistPending(self, works, peer=dst_rank,
+                              what=lambda: f"send of {tag} to rank {dst_rank}", result=[])
         pending.payload = payload  # type: ignore[attr-defined]  # keep alive until sent
         self._open_sends.append(pending)
         while len(self._open_sends) > _MAX_OPEN_SENDS:
@@ -190,7 +197,8 @@ class DistributedTransport(Transport):
         buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
         works = [dist.irecv(b, src_rank, tag=wire_tag(tag, i)) for i, b in enumerate(buffers)]
         return DistPending(self, works, peer=src_rank,
-                           what=f"receive of {tag} from rank {src_rank}", result=buffers)
+                           what=lambda: f"receive of {tag} from rank {src_rank}",
+                           result=buffers)
 
     def recv(self, specs: Sequence[TensorSpec], src_rank: int, tag: Tag) -> Pending:
         self.check()

@@ -170,6 +170,9 @@ class StageRuntime:
         self.specs = specs
         self.recorder = recorder
         self.replicas = len(config.stage_ranks[self.stage])
+        # read once: the handlers consult the schedule's meaning for every microbatch
+        self.kind = config.kind
+        self._loss_scale = config.loss_scale
         self.is_last = self.stage == len(config.stage_ranks) - 1
         self.recomputes = self.stage in config.recompute
         self.params: dict[str, torch.Tensor] = dict(
@@ -276,7 +279,7 @@ class StageRuntime:
     def _version_for(self, microbatch: int) -> int:
         """The weight version this stage's forward of `microbatch` uses."""
         config = self.config
-        if config.kind.double_buffered:
+        if self.kind.double_buffered:
             return max(microbatch // config.microbatches_per_minibatch - 1, 0)
         if config.vertical_sync and self.stage > 0:
             return self._sync_version[microbatch]
@@ -297,7 +300,7 @@ class StageRuntime:
         """The stage module (and, on the last stage, the loss) on the stashed inputs; with
         `graph=False` no autograd graph is kept (a recomputing stage's first forward)."""
         with torch.enable_grad() if graph else torch.no_grad(), accumulating_grads(), \
-                deferring_weight_grads(entry.weight_grads) if self.config.split_backward \
+                deferring_weight_grads(entry.weight_grads) if self.kind.split_backward \
                 else nullcontext():
             if self.versions.is_master(entry.params):
                 outputs = self.module(*entry.inputs)
@@ -362,7 +365,7 @@ class StageRuntime:
                                       microbatch=microbatch)
             self.losses[microbatch] = entry.loss.detach()
         self.stash.put(microbatch, entry)
-        if self.config.kind.double_buffered:
+        if self.kind.double_buffered:
             self._count_forward(microbatch)
         self._record(Kind.F, microbatch, None, start)
         yield from ()
@@ -396,7 +399,7 @@ class StageRuntime:
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if entry.loss is not None and entry.loss.requires_grad:
-            roots.append(entry.loss * self.config.loss_scale)
+            roots.append(entry.loss * self._loss_scale)
             grads.append(None)
         for dst, received in self._grads_in.pop(microbatch, {}).items():
             floating = [n for n in self.io.sends[dst] if _carries_grad(entry.values[n])]
@@ -413,7 +416,7 @@ class StageRuntime:
                         for t in tensors if _carries_grad(t)]
         if out:
             self._grads_out[microbatch] = out
-        if self.config.split_backward:  # W finishes the microbatch; free what it does not need
+        if self.kind.split_backward:  # W finishes the microbatch; free what it does not need
             entry.inputs, entry.received, entry.values, entry.loss = [], {}, {}, None
         else:
             self._release(entry, microbatch)
@@ -483,7 +486,7 @@ class StageRuntime:
         ranks = self.config.stage_ranks[self.stage]
         if grads:
             yield from self._wait(self.transport.all_reduce(grads, ranks))
-            if self.config.kind.averages_replicas:
+            if self.kind.averages_replicas:
                 for g in grads:
                     g.div_(len(ranks))
         self._record(Kind.ALLREDUCE, index, None, start)
@@ -557,7 +560,7 @@ class StageRuntime:
     def _keep_for_later(self) -> None:
         """Before an update: hold the current version if a later forward will still use it."""
         current = self.versions.current
-        if self.config.kind.double_buffered:
+        if self.kind.double_buffered:
             per = self.config.microbatches_per_minibatch // self.replicas
             if self._forwards_done.get(current + 1, 0) < per:
                 self.versions.keep(current)
