@@ -77,5 +77,6 @@ def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     return cluster.levels[max(cluster.levels.index(level) for level in levels)]
 
 
-__all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "pair_levels", "ring_allreduce_seconds", "slowest_link",
-           "stage_allreduce_seconds", "transfer_seconds"]
+__all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "pair_levels",
+           "ring_allreduce_seconds", "slowest_link", "stage_allreduce_seconds",
+           "transfer_seconds"]

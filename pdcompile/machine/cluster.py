@@ -181,7 +181,10 @@ class Cluster:
     def describe(self) -> str:
         """One line: "4x4 workers (10 GB/s, 1.25 GB/s) of v100 (16.0 GiB)"."""
         shape = "x".join(str(lv.workers) for lv in self.levels)
-        links = ", ".join(format_bandwidth(lv.bandwidth) + (" CPU copies" if lv.cpu_copies else "")
+        links = ", ".join(format_bandwidth(lv.bandwidth)
+                          + (f" ({format_bandwidth(lv.flow_rate)} per flow)"
+                             if lv.flow_rate < lv.bandwidth else "")
+                          + (" CPU copies" if lv.cpu_copies else "")
                           + (f", {lv.cores} cores" if lv.cores is not None else "")
                           for lv in self.levels)
         label = f"{self.name}: " if self.name else ""
@@ -339,9 +342,9 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (base units: bytes, bytes/s, seconds, FLOP/s)."""
-        out = {"name": self.name, "device": asdict(self.device),
-               "levels": [{k: v for k, v in asdict(level).items()
-                           if k != "flow_bandwidth" or v is not None} for level in self.levels]}
+        levels = [{k: v for k, v in asdict(level).items() if k != "flow_bandwidth" or v is not None}
+                  for level in self.levels]
+        out: dict[str, Any] = {"name": self.name, "device": asdict(self.device), "levels": levels}
         if self.allreduce_bucket is not None:
             out["allreduce_bucket"] = self.allreduce_bucket
         return out
