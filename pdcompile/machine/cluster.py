@@ -273,8 +273,9 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
-        """Read a JSON or YAML file: {name, device, levels: [{workers, bandwidth, latency,
-        cpu_copies, cores}]} (latency, cpu_copies and cores optional).
+        """Read a JSON or YAML file: {name, device, allreduce_bucket, levels: [{workers,
+        bandwidth, latency, cpu_copies, cores, flow_bandwidth}]} (all but workers and bandwidth
+        optional).
 
         A file that is missing, not JSON/YAML (the message quotes the bad line and marks the
         column) or not a cluster gets one ClusterError that shows a valid file."""
