@@ -66,6 +66,16 @@ def profile_path(name_or_path: str | Path) -> Path:
                        f"graph.txt, a folder holding one, or a shipped profile's name ({names})")
 
 
+def in_place(description: str) -> bool:
+    """Whether a profiled layer writes its output into its input's storage ("ReLU(inplace)",
+    "Add(inplace)", as torchvision's models build them): its output is then no new tensor, so it
+    keeps nothing for the backward that its input's producer has not kept already (its `keep` is
+    0; its `act`, what a stage boundary after it sends, stays). PipeDream's profiles count every
+    layer's output once, so without this a conv, BN, ReLU chain counts one tensor twice."""
+    head = description.strip().split("(", 1)
+    return len(head) == 2 and head[1].split(")", 1)[0].strip() in ("inplace", "inplace=True")
+
+
 def load_pipedream(path: str | Path) -> nx.DiGraph:
     """Read a PipeDream `graph.txt` (a path, or a shipped profile's name such as "vgg16"); a
     malformed line raises ProfileError with file:line."""
@@ -105,7 +115,7 @@ def load_pipedream(path: str | Path) -> nx.DiGraph:
             raise ProfileError(f"{where}: node {node!r} is defined twice")
         fwd, bwd, act, params = (_number(values[f], where, f) for f in _FIELDS)
         add_block(graph, node, fwd=fwd / 1000.0, bwd=bwd / 1000.0, act=act, params=params,
-                  label=description.strip())
+                  keep=0.0 if in_place(description) else None, label=description.strip())
     for u, v, where in edges:
         for end in (u, v):
             if end not in graph:

@@ -8,7 +8,11 @@ one that shares them (processor_sharing.py).
 
 from __future__ import annotations
 
-from pdcompile.cost.links import link_busy_seconds, stage_allreduce_seconds
+from pdcompile.cost.links import (
+    exposed_allreduce_seconds,
+    link_busy_seconds,
+    stage_allreduce_seconds,
+)
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.cost.updates import copy_seconds, step_seconds
 from pdcompile.machine.cluster import Cluster
@@ -41,8 +45,11 @@ class ActionCosts:
                         or updates_in_flight(actions)
                         for rank, actions in schedule.actions.items()}
         self.fresh = dict(self.copying)  # no snapshot of the current weights yet
-        self.allreduce = [stage_allreduce_seconds(costs.params[stage], ranks, cluster)
-                          for stage, ranks in enumerate(schedule.stage_ranks)]
+        # what of each all-reduce remains after the backward it follows (cost/links.py)
+        self.allreduce = [exposed_allreduce_seconds(
+            stage_allreduce_seconds(costs.params[stage], ranks, cluster),
+            backward=self.backward[stage] + self.weight[stage], params=costs.params[stage],
+            bucket=cluster.allreduce_bucket) for stage, ranks in enumerate(schedule.stage_ranks)]
 
     def compute(self, rank: int, action: Action) -> float:
         """Seconds of the rank's processor for F, B, W or STEP; call once per action, in the

@@ -1,7 +1,12 @@
 """Time on the wires: a point-to-point transfer and a ring all-reduce on one cluster level.
 
 The one place these formulas are written; the planners, the stage tables and the simulator call
-them. A level has a bandwidth (bytes/s) and a latency (s) per message (cluster.Level).
+them. A level has a bandwidth (bytes/s) and a latency (s) per message (cluster.Level); one
+transfer, and each hop of a ring, is one connection and runs at the level's `flow_rate` (a
+network may cap single flows below the link). Where the cluster's replicas all-reduce their
+gradients in buckets during the backward (`Cluster.allreduce_bucket`, PyTorch DDP), only part of
+the all-reduce is left after the backward (`exposed_allreduce_seconds`). docs/cost-model.md gives
+the sources.
 """
 
 from __future__ import annotations
@@ -15,13 +20,13 @@ from pdcompile.machine.cluster import Cluster, Level
 def link_busy_seconds(nbytes: float, level: Level) -> float:
     """Seconds a transfer of `nbytes` occupies its link (latency not included: the link can carry
     the next message while this one's last byte is in flight)."""
-    return nbytes / level.bandwidth if nbytes > 0 else 0.0
+    return nbytes / level.flow_rate if nbytes > 0 else 0.0
 
 
 def transfer_seconds(nbytes: float, level: Level) -> float:
     """Seconds from the start of a transfer of `nbytes` to its arrival: bytes / bandwidth +
     latency; 0 for nothing."""
-    return nbytes / level.bandwidth + level.latency if nbytes > 0 else 0.0
+    return nbytes / level.flow_rate + level.latency if nbytes > 0 else 0.0
 
 
 def ring_allreduce_seconds(nbytes: float, replicas: int, level: Level) -> float:
@@ -30,13 +35,31 @@ def ring_allreduce_seconds(nbytes: float, replicas: int, level: Level) -> float:
     if replicas <= 1:
         return 0.0
     r = replicas
-    return 2.0 * (r - 1) / r * nbytes / level.bandwidth + 2.0 * (r - 1) * level.latency
+    return 2.0 * (r - 1) / r * nbytes / level.flow_rate + 2.0 * (r - 1) * level.latency
 
 
 def stage_allreduce_seconds(nbytes: float, ranks: Sequence[int], cluster: Cluster) -> float:
     """The all-reduce of a stage replicated on `ranks`, over the slowest level they span."""
     level = cluster.levels[cluster.slowest_level_of(list(ranks))]
     return ring_allreduce_seconds(nbytes, len(ranks), level)
+
+
+def exposed_allreduce_seconds(allreduce: float, *, backward: float, params: float,
+                              bucket: float | None) -> float:
+    """Seconds of a stage's all-reduce (`allreduce`, whole) that remain after its backward
+    (`backward` seconds, over `params` bytes of gradients) ends.
+
+    `bucket` None: the all-reduce starts after the backward, all of it remains. Otherwise
+    gradients are all-reduced in buckets of `bucket` bytes, one after another on one stream,
+    each as soon as the backward has produced it (PyTorch DDP). With gradients produced at an
+    even rate over the backward, n = params / bucket buckets of a = allreduce / n seconds each,
+    the last all-reduce ends max over k of (k/n backward + (n - k + 1) a) after the backward's
+    start: what remains is the larger of the last bucket's all-reduce and the all-reduce less
+    the backward but its last bucket's share, max(a, allreduce - (1 - 1/n) backward)."""
+    if bucket is None or allreduce <= 0.0 or params <= bucket:
+        return allreduce
+    share = bucket / params  # 1/n
+    return max(allreduce * share, allreduce - (1.0 - share) * backward)
 
 
 def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Level]:
@@ -56,5 +79,6 @@ def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     return cluster.levels[max(cluster.levels.index(level) for level in levels)]
 
 
-__all__ = ["link_busy_seconds", "pair_levels", "ring_allreduce_seconds", "slowest_link",
-           "stage_allreduce_seconds", "transfer_seconds"]
+__all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "pair_levels",
+           "ring_allreduce_seconds", "slowest_link", "stage_allreduce_seconds",
+           "transfer_seconds"]

@@ -41,6 +41,7 @@ from typing import Any
 
 from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.links import (
+    exposed_allreduce_seconds,
     link_busy_seconds,
     pair_levels,
     slowest_link,
@@ -127,7 +128,9 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
         made = copying[s] and row.copies_weights
         out.append(StageTerms(
             fwd=fwd[s], bwd=bwd[s],
-            allreduce=stage_allreduce_seconds(params[s], ranks, cluster),
+            allreduce=exposed_allreduce_seconds(
+                stage_allreduce_seconds(params[s], ranks, cluster), backward=bwd[s],
+                params=params[s], bucket=cluster.allreduce_bucket),
             step=step[s] if step is not None else step_seconds(params[s], cluster.device),
             copy=0.0 if not made else copy[s] if copy is not None
             else copy_seconds(params[s], cluster.device),

@@ -41,16 +41,32 @@ class Level:
     (a NIC or NVLink copies by itself and leaves the rank free).
 
     `cores`: the workers of one group of this level run on this many processors between them,
-    as the processes of one host share its cores; None: each worker has its own (a GPU)."""
+    as the processes of one host share its cores; None: each worker has its own (a GPU).
+
+    `flow_bandwidth`: the most one connection (one TCP flow) achieves over this level, where the
+    network caps single flows below the link (AWS: 5 Gbps per flow between instances outside a
+    cluster placement group); None: a flow gets the whole link. NCCL 2.4's socket transport
+    (one socket per ring connection before NCCL_NSOCKS_PERTHREAD, 2.4.8) and gloo's pairs both
+    send one flow per peer, so every transfer and every hop of a ring runs at `flow_rate`."""
 
     workers: int
     bandwidth: float
     latency: float = 0.0
     cpu_copies: bool = False
     cores: int | None = None
+    flow_bandwidth: float | None = None
+
+    @property
+    def flow_rate(self) -> float:
+        """Bytes/s one transfer (one flow) gets over this level."""
+        if self.flow_bandwidth is None:
+            return self.bandwidth
+        return min(self.bandwidth, self.flow_bandwidth)
 
 
 _PCIE, _NVLINK_V100, _NVLINK_H100 = 1e10, 1.5e11, 4.5e11
+_AWS_FLOW = 5e9 / 8  # AWS EC2 documentation, "instance network bandwidth": single-flow limit
+_DDP_BUCKET = 25.0 * 2**20  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb=25
 
 PRESET_HELP: dict[str, str] = {
     "A": "PipeDream cluster A: 4 servers x 4 V100, PCIe inside (10 GB/s), 10 Gbps between",
@@ -64,15 +80,25 @@ PRESET_HELP: dict[str, str] = {
 
 @dataclass(frozen=True)
 class Cluster:
-    """Workers in nested levels (innermost first) and the device each worker has."""
+    """Workers in nested levels (innermost first) and the device each worker has.
+
+    `allreduce_bucket`: bytes of gradients per bucket where a replicated stage all-reduces its
+    gradients bucket by bucket as the backward produces them (PyTorch's DistributedDataParallel,
+    25 MiB buckets by default; the paper's clusters ran it), so that the all-reduce overlaps the
+    backward (cost/links.py, `exposed_allreduce_seconds`); None: the all-reduce starts after the
+    backward, as pdcompile's runtime does."""
 
     levels: tuple[Level, ...]
     device: Device = field(default_factory=lambda: DEVICES["v100"])
     name: str = ""
+    allreduce_bucket: float | None = None
 
     def __post_init__(self) -> None:
         if not self.levels:
             raise ClusterError(f"a cluster needs at least one level ({_EXAMPLE})")
+        if self.allreduce_bucket is not None and not self.allreduce_bucket > 0:
+            raise ClusterError(f"allreduce_bucket {self.allreduce_bucket!r}: a gradient bucket "
+                               "holds > 0 bytes (PyTorch DDP: 25MiB), or leave it out")
         for i, level in enumerate(self.levels):
             if not isinstance(level.workers, int) or level.workers < 1:
                 raise ClusterError(
@@ -89,6 +115,9 @@ class Cluster:
             if not isinstance(level.cpu_copies, bool):
                 raise ClusterError(f"level {i} has cpu_copies {level.cpu_copies!r}; write true "
                                    "or false")
+            if level.flow_bandwidth is not None and not level.flow_bandwidth > 0:
+                raise ClusterError(f"level {i} has flow_bandwidth {level.flow_bandwidth!r}; a "
+                                   "flow's bandwidth must be > 0 bytes/s, or leave it out")
             if level.cores is not None and (not isinstance(level.cores, int)
                                             or isinstance(level.cores, bool) or level.cores < 1):
                 raise ClusterError(f"level {i} has cores {level.cores!r}; write a positive "
@@ -126,6 +155,10 @@ class Cluster:
         """Whether the CPUs copy the data between two ranks (the sender is busy meanwhile)."""
         return self.levels[self.link_level(rank_a, rank_b)].cpu_copies
 
+    def flow_rate_between(self, rank_a: int, rank_b: int) -> float:
+        """Bytes/s one transfer between two ranks gets (`Level.flow_rate`)."""
+        return self.levels[self.link_level(rank_a, rank_b)].flow_rate
+
     def shared_cores(self) -> tuple[int, int] | None:
         """(workers per group, cores) of the innermost level whose groups have more workers than
         processors (ranks `g*size .. g*size+size-1` share `cores`); None when every worker has
@@ -148,7 +181,10 @@ class Cluster:
     def describe(self) -> str:
         """One line: "4x4 workers (10 GB/s, 1.25 GB/s) of v100 (16.0 GiB)"."""
         shape = "x".join(str(lv.workers) for lv in self.levels)
-        links = ", ".join(format_bandwidth(lv.bandwidth) + (" CPU copies" if lv.cpu_copies else "")
+        links = ", ".join(format_bandwidth(lv.bandwidth)
+                          + (f" ({format_bandwidth(lv.flow_rate)} per flow)"
+                             if lv.flow_rate < lv.bandwidth else "")
+                          + (" CPU copies" if lv.cpu_copies else "")
                           + (f", {lv.cores} cores" if lv.cores is not None else "")
                           for lv in self.levels)
         label = f"{self.name}: " if self.name else ""
@@ -174,7 +210,9 @@ class Cluster:
         gbps = 1e9 / 8
         table: dict[str, tuple[tuple[Level, ...], Device]] = {
             "A": ((Level(4, _PCIE, 10e-6), Level(4, 10 * gbps, 50e-6)), v100),
-            "B": ((Level(8, _NVLINK_V100, 5e-6), Level(2, 25 * gbps, 50e-6)), v100),
+            # AWS caps one flow at 5 Gbps between instances outside a cluster placement group
+            "B": ((Level(8, _NVLINK_V100, 5e-6),
+                   Level(2, 25 * gbps, 50e-6, flow_bandwidth=_AWS_FLOW)), v100),
             "C": ((Level(4, 40 * gbps, 30e-6),), titan),
             "h100-node": ((Level(8, _NVLINK_H100, 3e-6),), h100),
             "h100-4node": ((Level(8, _NVLINK_H100, 3e-6), Level(4, 400 * gbps, 5e-6)), h100),
@@ -190,7 +228,11 @@ class Cluster:
             raise ClusterError(f"unknown cluster preset {name!r}{did_you_mean(key, known)}; "
                                f"presets are: {names}; or write a short form, {_EXAMPLE}")
         levels, device = table[key]
-        cluster = cls(levels=levels, device=device, name=key.upper() if len(key) == 1 else key)
+        # the paper's clusters ran PyTorch 1.1's DistributedDataParallel: bucketed all-reduces
+        bucket = _DDP_BUCKET if key.upper() in ("A", "B", "C") or key.startswith("paper") \
+            else None
+        cluster = cls(levels=levels, device=device, name=key.upper() if len(key) == 1 else key,
+                      allreduce_bucket=bucket)
         return cluster if workers is None else cluster.with_workers(workers)
 
     @classmethod
@@ -231,8 +273,9 @@ class Cluster:
 
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
-        """Read a JSON or YAML file: {name, device, levels: [{workers, bandwidth, latency,
-        cpu_copies, cores}]} (latency, cpu_copies and cores optional).
+        """Read a JSON or YAML file: {name, device, allreduce_bucket, levels: [{workers,
+        bandwidth, latency, cpu_copies, cores, flow_bandwidth}]} (all but workers and bandwidth
+        optional).
 
         A file that is missing, not JSON/YAML (the message quotes the bad line and marks the
         column) or not a cluster gets one ClusterError that shows a valid file."""
@@ -274,7 +317,8 @@ class Cluster:
         for i, item in enumerate(levels_raw):
             if not isinstance(item, dict) or "workers" not in item or "bandwidth" not in item:
                 raise ClusterError(f"level {i} ({item!r}) needs 'workers' and 'bandwidth'")
-            unknown = set(item) - {"workers", "bandwidth", "latency", "cpu_copies", "cores"}
+            unknown = set(item) - {"workers", "bandwidth", "latency", "cpu_copies", "cores",
+                                   "flow_bandwidth"}
             if unknown:
                 raise ClusterError(f"level {i} has unknown keys {sorted(unknown)}")
             workers = item["workers"]
@@ -288,14 +332,23 @@ class Cluster:
             cores = item.get("cores")
             if cores is not None and (not isinstance(cores, int) or isinstance(cores, bool)):
                 raise ClusterError(f"level {i}: cores {cores!r} is not an integer")
-            levels.append(Level(workers, bandwidth, latency, cpu_copies, cores))
+            flow = item.get("flow_bandwidth")
+            flow = None if flow is None else _quantity(flow, "bandwidth",
+                                                       f"level {i} flow_bandwidth")
+            levels.append(Level(workers, bandwidth, latency, cpu_copies, cores, flow))
+        bucket = data.get("allreduce_bucket")
+        bucket = None if bucket is None else _quantity(bucket, "bytes", "allreduce_bucket")
         return cls(levels=tuple(levels), device=_device(data.get("device")),
-                   name=str(data.get("name", "")))
+                   name=str(data.get("name", "")), allreduce_bucket=bucket)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (base units: bytes, bytes/s, seconds, FLOP/s)."""
-        return {"name": self.name, "device": asdict(self.device),
-                "levels": [asdict(level) for level in self.levels]}
+        levels = [{k: v for k, v in asdict(level).items() if k != "flow_bandwidth" or v is not None}
+                  for level in self.levels]
+        out: dict[str, Any] = {"name": self.name, "device": asdict(self.device), "levels": levels}
+        if self.allreduce_bucket is not None:
+            out["allreduce_bucket"] = self.allreduce_bucket
+        return out
 
 
 def _syntax_error(err: Exception, raw: str) -> str:

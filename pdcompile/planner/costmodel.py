@@ -158,16 +158,16 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
     if r * copies > 1:
         lv = cluster.levels[cluster.link_level(start, end)]
         if copies > 1 and copy_link is not None:  # the ring spans both: its slower link
-            lv = copy_link if r == 1 or copy_link.bandwidth < lv.bandwidth else lv
+            lv = copy_link if r == 1 or copy_link.flow_rate < lv.flow_rate else lv
         sync_b = ring_allreduce_seconds(0.0, r * copies, lv)
         sync_a = ring_allreduce_seconds(1.0, r * copies, lv) - sync_b
     if start > 0:
         li = cluster.levels[cluster.link_level(start - 1, end)]
-        in_a, in_l = 1.0 / li.bandwidth, li.latency
+        in_a, in_l = 1.0 / li.flow_rate, li.latency
         copy_in = in_a if li.cpu_copies else 0.0
     if end + 1 < workers:
         lo = cluster.levels[cluster.link_level(start, end + 1)]
-        out_a, out_l = 1.0 / lo.bandwidth, lo.latency
+        out_a, out_l = 1.0 / lo.flow_rate, lo.latency
         copy_out = out_a if lo.cpu_copies else 0.0
     return Placement(r, noam(r, workers - start), sync_a, sync_b, in_a, in_l, out_a, out_l,
                      copy_in, copy_out, step_seconds(1.0, cluster.device),

@@ -35,6 +35,10 @@ from pdcompile.planner.costmodel import (
 )
 from pdcompile.schedule.kinds import kind, weight_versions
 
+ILP_WORKERS = 1  # CP-SAT's search workers: one, so that its search is deterministic
+ILP_SEED = 0  # CP-SAT's random seed
+WALL_GUARD = 100.0  # wall-clock guard, in multiples of the deterministic limit (a 2-core VM
+# at load 15 took over 20 times the deterministic limit: the guard must never bind in practice)
 SCALE_UNITS = 1e9  # integer units for the largest possible stage time
 MEMORY_UNITS = 1_000_000  # integer units of the memory limit
 
@@ -159,7 +163,7 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
                 model.add(e_out[i, s] >= x[u, s] + after[v, s] - 1)
     mem_limit = math.inf if memory is None else memory
     for s in range(stages):
-        if time.perf_counter() - built > time_limit:  # too big to even build in time
+        if time.perf_counter() - built > WALL_GUARD * time_limit:  # too big to build
             return {"status": "MODEL_TOO_BIG", "bound": None, "stages": None}
         for (a, k), c in coef.items():
             zz = z[s, a, k]
@@ -202,9 +206,13 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
     if hint is not None:
         _add_hint(model, hint, x, used, z, nodes, stages, coef)
     solver = cp_model.CpSolver()
-    # the limit covers building the model too
-    solver.parameters.max_time_in_seconds = max(0.2, time_limit - (time.perf_counter() - built))
-    solver.parameters.num_workers = 2
+    # bounded by deterministic time, on one worker with a fixed seed, so that the same inputs
+    # give the same plan on an idle machine or a loaded one; the wall-clock limit is only a
+    # guard against a machine far slower than CP-SAT's deterministic clock assumes
+    solver.parameters.max_deterministic_time = max(0.05, time_limit)
+    solver.parameters.max_time_in_seconds = WALL_GUARD * max(0.05, time_limit) + 10.0
+    solver.parameters.num_workers = ILP_WORKERS
+    solver.parameters.random_seed = ILP_SEED
     code = solver.solve(model)
     status = solver.status_name(code)
     # the rounding of coefficients can move the optimum by up to one unit per term

@@ -537,6 +537,9 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     near = [c for c in ranked if c.closed <= ranked[0].closed * SIMULATED_WITHIN]
     chosen = [c for c in near if c.planner != "ilp"][:SIMULATED_CANDIDATES] \
         + [c for c in ranked if c.planner == "ilp"]
+    # and plain data parallelism wherever it fits: the planner never returns a plan that it
+    # predicts slower than data parallelism
+    chosen += [c for c in ranked if c.how == "data parallel" and c not in chosen]
     # and the best of every schedule and microbatch count (schedule="auto"): the closed form
     # ranks plans of one schedule better than plans of different ones
     for option in {(c.options.schedule, c.options.per_minibatch) for c in ranked}:

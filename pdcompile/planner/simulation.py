@@ -26,6 +26,10 @@ from pdcompile.schedule.kinds import kind
 DEFAULT_MICROBATCHES = 8
 
 
+STEADY_TOLERANCE = 0.02  # a stream's time per minibatch moved less than this: steady
+STEADY_LONGEST = 4  # the longest stream, in multiples of steady_minibatches
+
+
 def steady_minibatches(plan: Plan, minimum: int = 64) -> int:
     """A stream long enough to measure a streaming schedule's steady state: at least `minimum`
     minibatches, 8 rounds of every replica count and 4 per stage (warm-up and drain are cut
@@ -46,8 +50,24 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
     `minibatches` minibatches (default `steady_minibatches`); flush schedules one minibatch.
     `warmup`: "plan" (the depths the planner chose, else NOAM), "noam", "latency"
     (`schedule.generators.latency_aware_warmup`) or one depth per stage. `costs`: stage costs to use
-    instead of the CostGraph's (e.g. measured ones)."""
+    instead of the CostGraph's (e.g. measured ones). A streaming schedule without `minibatches`
+    runs streams of doubling length until its steady state holds (`simulate_steady`), so that
+    `pdcompile simulate` and the planner report the same figure for the same plan."""
     name = schedule or plan.schedule
+    if minibatches is None and not kind(name).flush:
+        return _steady(graph, plan, cluster, schedule=name, microbatches=microbatches,
+                       warmup=warmup, timeline=timeline, costs=costs)
+    return _simulate_once(graph, plan, cluster, schedule=name, microbatches=microbatches,
+                          minibatches=minibatches, warmup=warmup, timeline=timeline,
+                          costs=costs)
+
+
+def _simulate_once(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule: str,
+                   microbatches: int | None, minibatches: int | None,
+                   warmup: str | Sequence[int], timeline: bool, costs: StageCosts | None,
+                   ) -> tuple[Schedule, SimResult]:
+    """`simulate_plan` of one stream (`minibatches`, default `steady_minibatches`)."""
+    name = schedule
     row = kind(name)
     per = (microbatches or (plan.microbatches if plan.schedule == name
                             else DEFAULT_MICROBATCHES)) if row.microbatched else 1
@@ -66,25 +86,41 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
 
 
 def simulate_steady(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
-                    tolerance: float = 0.02, longest: int = 4) -> tuple[Schedule, SimResult]:
+                    tolerance: float = STEADY_TOLERANCE,
+                    longest: int = STEADY_LONGEST) -> tuple[Schedule, SimResult]:
     """`simulate_plan` of a streaming schedule on streams of doubling length until the time per
     minibatch moves by less than `tolerance` (at most `longest` times `steady_minibatches`):
     where replicas of different counts meet, a backlog can build over dozens of rounds before
     the steady state shows. A flush schedule is simulated once."""
     if kind(plan.schedule).flush:
         return simulate_plan(graph, plan, cluster, timeline=False)
+    return _steady(graph, plan, cluster, schedule=plan.schedule, microbatches=None,
+                   warmup="plan", timeline=False, costs=None, tolerance=tolerance,
+                   longest=longest)
+
+
+def _steady(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule: str,
+            microbatches: int | None, warmup: str | Sequence[int], timeline: bool,
+            costs: StageCosts | None, tolerance: float = STEADY_TOLERANCE,
+            longest: int = STEADY_LONGEST) -> tuple[Schedule, SimResult]:
+    """Streams of doubling length until the time per minibatch holds (`simulate_steady`)."""
     length = steady_minibatches(plan)
-    schedule, result = simulate_plan(graph, plan, cluster, minibatches=length, timeline=False)
+
+    def once(count: int) -> tuple[Schedule, SimResult]:
+        return _simulate_once(graph, plan, cluster, schedule=schedule,
+                              microbatches=microbatches, minibatches=count, warmup=warmup,
+                              timeline=timeline, costs=costs)
+
+    schedule_, result = once(length)
     factor = 1
     while factor < longest:
         factor *= 2
-        longer = simulate_plan(graph, plan, cluster, minibatches=length * factor,
-                               timeline=False)
+        longer = once(length * factor)
         moved = abs(longer[1].time_per_minibatch / result.time_per_minibatch - 1.0)
-        schedule, result = longer
+        schedule_, result = longer
         if moved < tolerance:
             break
-    return schedule, result
+    return schedule_, result
 
 
 def _warmup(warmup: str | Sequence[int], plan: Plan, costs: StageCosts, cluster: Cluster,
