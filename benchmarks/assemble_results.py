@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-ORDER = ("cost", "planner", "local", "runtime", "runtime-v", "simulator", "refine", "demo")
+ORDER = ("cost", "planner", "paper", "local", "runtime", "runtime-v", "simulator", "refine", "demo")
 HEADER = """# Measured results
 
 Every figure below was measured by a script in `benchmarks/` (named in each section) on the
