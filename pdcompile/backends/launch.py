@@ -126,7 +126,7 @@ class FaultMonitor:
     # the main thread's progress (backends/watchdog.py): a count it bumps, and what it does
     _ticks: int = field(default=0, init=False)
     _doing: str | Callable[[], str] = field(default="", init=False)
-    _waiting: str = field(default="", init=False)
+    _waiting: str | Callable[[], str] = field(default="", init=False)
     _busy: bool = field(default=False, init=False)
     _stop: threading.Event = field(default_factory=threading.Event, init=False)
     _thread: threading.Thread | None = field(default=None, init=False)
@@ -232,10 +232,15 @@ class FaultMonitor:
                                   reason=f"lost the connection during {what}: {first}")
         return failure
 
+    def _waiting_text(self) -> str:
+        what = self._waiting
+        return what if isinstance(what, str) else what()
+
     @contextmanager
-    def blocking(self, what: str = "") -> Iterator[None]:
-        """Mark a blocking wait (on other ranks, `what`), so that the monitor can stop a worker
-        stuck in it; time spent waiting for others is not this rank's lack of progress."""
+    def blocking(self, what: str | Callable[[], str] = "") -> Iterator[None]:
+        """Mark a blocking wait (on other ranks, `what`: words, or a function that gives them,
+        called only when the wait is reported), so that the monitor can stop a worker stuck in
+        it; time spent waiting for others is not this rank's lack of progress."""
         self.check()
         self._blocked_since = time.monotonic()
         self._waiting = what
@@ -293,8 +298,8 @@ class FaultMonitor:
             waited = now - blocked if blocked is not None else 0.0
             try:
                 self.store.add(self._key("hb", self.rank), 1)
-                self.store.set(self._key("wait", self.rank),
-                               f"{waited:.1f}|{self._waiting}" if blocked is not None else "")
+                waiting = f"{waited:.1f}|{self._waiting_text()}" if blocked is not None else ""
+                self.store.set(self._key("wait", self.rank), waiting)
                 if self._fault is None:
                     self._fault = self._read_fault()
                 if self._fault is None and self._ticks and now - ticks[1] > self.fault_timeout:
@@ -386,7 +391,7 @@ class FaultMonitor:
             if peer != self.rank and self.store.check([self._key("done", peer)]):
                 continue
             if peer == self.rank:
-                waits[peer] = self._waiting
+                waits[peer] = self._waiting_text()
                 continue
             text = self.store.get(self._key("wait", peer)).decode() \
                 if self.store.check([self._key("wait", peer)]) else ""

@@ -21,21 +21,35 @@ class ModelError(DistributedError):
     """The model's own code raised inside a rank's loop (the message names where)."""
 
 
-def watched_batches(batches: Iterable[Any], monitor: FaultMonitor) -> Iterator[Any]:
-    """`batches`, read lazily, each read marked so that a data function that blocks is named."""
-    iterator = iter(batches)
-    index = 0
-    while True:
-        before = monitor.activity()
-        monitor.progress(f"reading minibatch {index} from the data function")
-        try:
-            item = next(iterator)
-        except StopIteration:
-            monitor.progress(before)
-            return
-        monitor.progress(before)
-        yield item
-        index += 1
+class watched_batches:  # noqa: N801 - used like the function it replaced
+    """`batches`, read lazily, each read marked so that a data function that blocks is named.
+
+    What the data offers besides iteration (`state_dict` / `load_state_dict` of a stateful
+    loader, which checkpoints save and resume restores) is its own, passed through."""
+
+    def __init__(self, batches: Iterable[Any], monitor: FaultMonitor) -> None:
+        self.batches = batches
+        self.monitor = monitor
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("batches", "monitor"):  # not set yet (copying, unpickling)
+            raise AttributeError(name)
+        return getattr(self.batches, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        iterator = iter(self.batches)
+        index = 0
+        while True:
+            before = self.monitor.activity()
+            self.monitor.progress(f"reading minibatch {index} from the data function")
+            try:
+                item = next(iterator)
+            except StopIteration:
+                self.monitor.progress(before)
+                return
+            self.monitor.progress(before)
+            yield item
+            index += 1
 
 
 def model_activity(rt: Any, rank: int, *, base: int = 0) -> Callable[[], str]:

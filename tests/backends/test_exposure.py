@@ -123,5 +123,5 @@ def test_garbage_and_forged_fault_records_stop_nothing(tmp_path: Path) -> None:
     finally:
         out = _finish(proc)
     assert proc.returncode == 0, out
-    assert "forged" not in out
+    assert "forged" not in out.replace(str(tmp_path), "")  # the run folder's name has it
     assert "frame #" not in out and "Exception raised from" not in out, out
