@@ -24,6 +24,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 from pdcompile.profiles import SHIPPED as PROFILES  # noqa: E402
+
 CLUSTERS = ("4@1e9", "8@1e9", "16@1e9", "4x4@1e10,1.25e9")
 
 

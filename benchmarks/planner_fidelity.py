@@ -24,6 +24,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 from pdcompile.profiles import SHIPPED as PROFILES  # noqa: E402
+
 H100_SERVERS = "8x{servers}@450GB/s,400Gbps~3us,5us:h100"
 
 

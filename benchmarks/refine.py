@@ -22,6 +22,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 from pdcompile.profiles import SHIPPED as PROFILES  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "refine.md"
 
 

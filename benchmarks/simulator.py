@@ -39,6 +39,7 @@ from pdcompile.profiles import load_pipedream
 
 ROOT = Path(__file__).resolve().parents[1]
 from pdcompile.profiles import SHIPPED as PROFILES  # noqa: E402
+
 RESULTS = ROOT / "benchmarks" / "results" / "simulator.md"
 
 # Table 1 of Narayanan et al., SOSP 2019 ("PipeDream: Generalized Pipeline Parallelism for DNN
