@@ -151,12 +151,17 @@ def test_sum_of_node_times_matches_whole_model(name: str) -> None:
     }
     module = importlib.import_module(f"pdcompile.models.{name}")
     model, inputs = module.factory(**options[name])
-    gm = annotate_costs(trace(model), inputs, clock="cpu", warmup=2, repeats=5)
-    total = total_cost(gm)
-    fwd, bwd = measure_model(model, inputs, clock="cpu", warmup=2, repeats=9)
-    ratio = (total.fwd + total.bwd) / (fwd + bwd)
-    assert 0.65 <= ratio <= 1.35, (f"{name}: nodes {total.fwd:.4f}+{total.bwd:.4f}s vs whole "
-                                   f"{fwd:.4f}+{bwd:.4f}s (ratio {ratio:.2f})")
+    rounds = []
+    for _ in range(3):  # interleaved rounds: a burst of cache or memory-bandwidth contention
+        # from a neighbouring process lands in one round, not in one side of every comparison
+        gm = annotate_costs(trace(model), inputs, clock="cpu", warmup=2, repeats=5)
+        total = total_cost(gm)
+        fwd, bwd = measure_model(model, inputs, clock="cpu", warmup=2, repeats=9)
+        rounds.append(((total.fwd + total.bwd) / (fwd + bwd), total.fwd, total.bwd, fwd, bwd))
+    ratio, nodes_fwd, nodes_bwd, fwd, bwd = sorted(rounds)[1]
+    assert 0.65 <= ratio <= 1.35, (f"{name}: nodes {nodes_fwd:.4f}+{nodes_bwd:.4f}s vs whole "
+                                   f"{fwd:.4f}+{bwd:.4f}s (median ratio of three rounds "
+                                   f"{ratio:.2f}; all {[round(r[0], 2) for r in rounds]})")
 
 
 def test_analytic_linear_flops_and_roofline() -> None:
@@ -369,7 +374,7 @@ def test_progress_bar_counts_the_nodes(capsys: pytest.CaptureFixture[str]) -> No
 def test_cpu_clock_counts_the_calling_thread_only() -> None:
     """With one torch thread the CPU clock times the calling thread: another thread of the
     process burning CPU meanwhile (a progress bar's refresh, a communication library) does not
-    inflate a measurement (with process-wide CPU time the sleep below read as ~0.1 s)."""
+    inflate a measurement (with process-wide CPU time the wait below reads as the burner's time)."""
     import threading
 
     stop = threading.Event()
@@ -378,12 +383,19 @@ def test_cpu_clock_counts_the_calling_thread_only() -> None:
         while not stop.is_set():
             sum(range(1000))
 
+    def wait_while_the_other_burns() -> None:
+        # waits for the burner's CPU time, not for a wall-clock span: on a loaded machine the
+        # burner may get little CPU in a fixed 0.1 s
+        start, deadline = time.process_time(), time.monotonic() + 20
+        while time.process_time() - start < 0.08 and time.monotonic() < deadline:
+            time.sleep(0.002)
+
     other = threading.Thread(target=burn, daemon=True)
     other.start()
     try:
         torch.set_num_threads(1)
-        seconds = CpuTimeTimer().time(lambda: time.sleep(0.1))
-        whole = CpuTimeTimer(clock=time.process_time).time(lambda: time.sleep(0.1))
+        seconds = CpuTimeTimer().time(wait_while_the_other_burns)
+        whole = CpuTimeTimer(clock=time.process_time).time(wait_while_the_other_burns)
     finally:
         stop.set()
         other.join(timeout=5)
