@@ -42,6 +42,15 @@ class PipelineInputError(PdcompileError, ValueError):
     """Inputs that do not match what the pipeline was compiled for."""
 
 
+class AnnouncedInputError(PipelineInputError):
+    """Bad data that another rank read and refused, learned from its announcement: that rank
+    (`reader`) says what was wrong; this one only stops, so that the message appears once."""
+
+    def __init__(self, message: str, *, reader: int) -> None:
+        super().__init__(message)
+        self.reader = reader
+
+
 class DistributedError(PdcompileError, RuntimeError):
     """A distributed run that cannot go on (dead peer, port in use, unreachable master)."""
 

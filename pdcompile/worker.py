@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdcompile.backends.launch import DEFAULT_FAULT_TIMEOUT
 from pdcompile.backends.run_report import LOSSES_FILE, RunReport, default_run_dir, summary
-from pdcompile.errors import DistributedError, PdcompileError
+from pdcompile.errors import AnnouncedInputError, DistributedError, PdcompileError
 
 if TYPE_CHECKING:
     from pdcompile.backends.distributed import DistributedRun
@@ -158,6 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     try:
         return _main(args)
+    except AnnouncedInputError:
+        return 1  # the rank that read the data prints what was wrong with it
     except PdcompileError as err:
         if err.__cause__ is not None and type(err).__name__ == "ModelError":
             import traceback  # the model's own traceback, once, above the one line
@@ -224,7 +226,10 @@ def _main(args: argparse.Namespace) -> int:
             report = None
         failed = False
     except BaseException as err:
-        if monitor is not None and not isinstance(err, PeerFailure):
+        if isinstance(err, AnnouncedInputError):  # the reader's refusal: the reader's cause
+            if monitor is not None:
+                monitor.report(err.reader, str(err))
+        elif monitor is not None and not isinstance(err, PeerFailure):
             own = isinstance(err, PdcompileError)  # pdcompile's messages say what happened
             monitor.report(rank, str(err) if own else f"{type(err).__name__}: {err}")
         raise

@@ -23,7 +23,7 @@ from pdcompile.backends.distributed_checkpoint import Resume
 from pdcompile.backends.distributed_guard import guarded
 from pdcompile.backends.launch import FaultMonitor
 from pdcompile.backends.program import RunInput, RunProgram
-from pdcompile.errors import PdcompileError, PipelineInputError
+from pdcompile.errors import AnnouncedInputError, PdcompileError, PipelineInputError
 from pdcompile.runtime.stream_window import (
     resumed_stream,
     take_window,
@@ -97,6 +97,8 @@ class Announcements:
                                    for i, header in enumerate(headers))
         run, header = self._announced.popleft()
         if header["error"] is not None:
+            if self.rank != self.source:
+                raise AnnouncedInputError(header["error"], reader=self.source)
             raise PipelineInputError(header["error"])
         self.tables.update(header.get("tables", {}))
         return run, header

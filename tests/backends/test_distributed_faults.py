@@ -75,6 +75,7 @@ def _bad_input_worker(worker: Worker) -> dict[str, Any]:
             run_distributed(pipe, data, monitor=worker.monitor)
         except PipelineInputError as err:
             out[name] = str(err)
+            out[f"{name} from"] = getattr(err, "reader", worker.rank)  # who reports it
     try:
         run_distributed(_pipeline([1, 1, 1]), _good(1), monitor=worker.monitor)
     except DistributedError as err:
@@ -98,6 +99,9 @@ def test_wrong_shapes_are_refused_on_every_rank_without_hanging() -> None:
         assert out["sixth"].startswith("minibatch 5: input 'input_1' is (8, 14) float32 but the "
                                        "pipeline was compiled for (8, 12) float32")
         assert "compiled for 3 workers" in out["world"] and "process group has 2" in out["world"]
+        # the reader (rank 0) reports bad data; the others learn it from its announcement and
+        # leave the message to it, so that a run prints it once
+        assert all(out[f"{name} from"] == 0 for name in ("first", "third", "target", "sixth"))
     # nothing was left in flight by the refused runs: the same group then trains normally
     assert results[0]["losses"] == results[1]["losses"]
     pipe = _pipeline([1, 1])

@@ -123,6 +123,25 @@ def test_pdcompile_run_trains_the_export_on_torchrun(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(200)
+def test_bad_data_past_the_first_minibatch_is_printed_once(tmp_path: Path) -> None:
+    """The reader refuses minibatch 5 and announces it; the other rank stops without repeating
+    the message, and the launcher's line names the reader."""
+    folder, _, _ = _exported(tmp_path)
+    data = tmp_path / "bad.py"
+    data.write_text("import torch\n"
+                    "def batches():\n"
+                    "    for i in range(8):\n"
+                    "        x = torch.randn(8, 13 if i == 5 else 12)\n"
+                    "        yield (x,), torch.zeros(8).long()\n")
+    done = run_cli([str(folder), "--nproc", "2", "--threads", "1", "--data", f"{data}:batches"])
+    assert done.returncode == 1, done.stdout
+    problem = "minibatch 5: input 'input_1' is (8, 13) float32"
+    assert done.stdout.count(f"pdcompile: error: {problem}") == 1, done.stdout
+    assert f"the distributed run failed: rank 0 failed: {problem}" in done.stdout, done.stdout
+
+
+@pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_dead_worker_is_restarted_and_resumes_from_the_checkpoint(tmp_path: Path) -> None:
     folder, x, y = _exported(tmp_path)
