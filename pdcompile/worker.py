@@ -44,33 +44,59 @@ def parser() -> argparse.ArgumentParser:
                                   description=__doc__,
                                   formatter_class=argparse.RawDescriptionHelpFormatter)
     out.add_argument("export_dir", metavar="EXPORT_DIR")
-    out.add_argument("--steps", type=int, default=None, help="minibatches in the whole run")
-    out.add_argument("--checkpoint-dir", default=None)
-    out.add_argument("--checkpoint-every", type=int, default=None, metavar="K")
-    out.add_argument("--fault-timeout", type=float, default=DEFAULT_FAULT_TIMEOUT,
-                     metavar="SECONDS",
-                     help="a worker that died, or stopped answering for this long, is named by "
-                          f"the others, which stop (default {DEFAULT_FAULT_TIMEOUT:g})")
-    out.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
-                     help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
-                          "same in every process (default: the exported example minibatch, "
-                          "repeated)")
-    out.add_argument("--threads", type=int, default=None,
-                     help="torch threads per process (default: torch's, OMP_NUM_THREADS)")
-    out.add_argument("--timeline", default=None, metavar="FILE.json",
-                     help="record a measured timeline of every rank; rank 0 writes it here")
-    out.add_argument("--allow-nonfinite", action="store_true",
-                     help="keep training after a NaN or infinite loss (default: stop, naming "
-                          "its step, rank and stage)")
-    out.add_argument("--trust", action="store_true",
-                     help="let the export import modules other than torch, pdcompile and those "
-                          "it recorded (it is code: only for exports you trust)")
-    out.add_argument("--seed", type=int, default=None,
-                     help="seed of every process's random numbers, set before --data is called "
-                          "(default: the seed recorded in the export)")
-    out.add_argument("--run-dir", default=None, metavar="DIR",
-                     help=f"where the losses go ({LOSSES_FILE}; default: EXPORT_DIR/runs/<date>)")
+    add_training_options(out, fault_timeout=DEFAULT_FAULT_TIMEOUT)
     return out
+
+
+def add_training_options(group: Any, *, fault_timeout: float | None) -> None:
+    """The training options, declared once: the worker's, and `pdcompile run`'s, which passes
+    them through (`training_arguments`). `fault_timeout`: the default (None: the worker's)."""
+    group.add_argument("--steps", type=int, default=None,
+                       help="minibatches to train (default: all of --data; without --data, "
+                            f"the exported example minibatch {DEFAULT_STEPS} times)")
+    group.add_argument("--checkpoint-dir", default=None)
+    group.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
+                       help="checkpoint every K minibatches")
+    group.add_argument("--fault-timeout", type=float, default=fault_timeout, metavar="SECONDS",
+                       help="a worker that dies, or stops answering for this long, is named "
+                            f"by the others, which stop (default {DEFAULT_FAULT_TIMEOUT:g})")
+    group.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
+                       help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
+                            "same in every process (default: the exported example minibatch, "
+                            "repeated)")
+    group.add_argument("--threads", type=int, default=None,
+                       help="torch threads per worker process (default: torch's, "
+                            "OMP_NUM_THREADS)")
+    group.add_argument("--timeline", default=None, metavar="FILE.json",
+                       help="record a measured timeline of every rank; rank 0 writes it here")
+    group.add_argument("--allow-nonfinite", action="store_true",
+                       help="keep training after a NaN or infinite loss (default: stop, naming "
+                            "its step, rank and stage)")
+    group.add_argument("--trust", action="store_true",
+                       help="let the export import modules other than torch, pdcompile and "
+                            "those it recorded (an export is code: only for exports you trust)")
+    group.add_argument("--seed", type=int, default=None,
+                       help="seed of every worker's random numbers, set before --data is "
+                            "called (default: the seed recorded in the export): two runs "
+                            "with the same seed are bit-equal")
+    group.add_argument("--run-dir", default=None, metavar="DIR",
+                       help=f"where the run writes every loss ({LOSSES_FILE}; default: "
+                            "--checkpoint-dir, else EXPORT_DIR/runs/<date>)")
+
+
+_FLAGS = ("allow_nonfinite", "trust")
+_VALUED = ("steps", "checkpoint_dir", "checkpoint_every", "fault_timeout", "data", "threads",
+           "timeline", "seed", "run_dir")
+
+
+def training_arguments(args: argparse.Namespace) -> list[str]:
+    """The worker's command-line arguments for the training options set in `args`."""
+    out: list[str] = []
+    for name in _VALUED:
+        value = getattr(args, name, None)
+        if value is not None and value != "":
+            out += [f"--{name.replace('_', '-')}", str(value)]
+    return out + [f"--{name.replace('_', '-')}" for name in _FLAGS if getattr(args, name, False)]
 
 
 def seed_process(seed: int) -> None:

@@ -26,7 +26,7 @@ from pathlib import Path
 from pdcompile.backends.run_report import default_run_dir
 from pdcompile.errors import DistributedError, PdcompileError
 from pdcompile.machine.local import free_port
-from pdcompile.worker import DEFAULT_STEPS
+from pdcompile.worker import DEFAULT_STEPS, add_training_options, training_arguments
 
 WORKER_MODULE = "pdcompile.worker"
 AGENT_MODULE = "pdcompile.backends.torchrun_agent"  # torchrun, reporting failures as data
@@ -54,36 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="restart the workers this many times after a failure; with "
                              "--checkpoint-dir the run resumes from the last checkpoint")
     train = parser.add_argument_group("training (passed to the workers)")
-    train.add_argument("--steps", type=int, default=None,
-                       help="minibatches to train (default: all of --data; without --data, "
-                            f"the exported example minibatch {DEFAULT_STEPS} times)")
-    train.add_argument("--checkpoint-dir", default=None)
-    train.add_argument("--checkpoint-every", type=int, default=None, metavar="K",
-                       help="checkpoint every K minibatches")
-    train.add_argument("--fault-timeout", type=float, default=None, metavar="SECONDS",
-                       help="a worker that dies, or stops answering for this long, is named "
-                            "by the others, which stop (default 8)")
-    train.add_argument("--data", default=None, metavar="FILE.py:FUNCTION",
-                       help="FUNCTION() returns an iterable of (inputs, target) minibatches, the "
-                            "same in every process (default: the exported example minibatch, "
-                            "repeated)")
-    train.add_argument("--threads", type=int, default=None,
-                       help="torch threads per worker process")
-    train.add_argument("--timeline", default=None, metavar="FILE.json",
-                       help="record a measured timeline of every rank; rank 0 writes it here")
-    train.add_argument("--allow-nonfinite", action="store_true",
-                       help="keep training after a NaN or infinite loss (default: stop, naming "
-                            "its step, rank and stage)")
-    train.add_argument("--trust", action="store_true",
-                       help="let the export import modules other than torch, pdcompile and "
-                            "those it recorded (an export is code: only for exports you trust)")
-    train.add_argument("--seed", type=int, default=None,
-                       help="seed of every worker's random numbers, set before --data is "
-                            "called (default: the seed recorded in the export): two runs "
-                            "with the same seed are bit-equal")
-    train.add_argument("--run-dir", default=None, metavar="DIR",
-                       help="where the run writes every loss (losses.csv; default: "
-                            "--checkpoint-dir, else EXPORT_DIR/runs/<date>)")
+    add_training_options(train, fault_timeout=None)
     parser.add_argument("--dry-run", action="store_true",
                         help="print the torchrun command instead of running it")
     parser.set_defaults(func=run)
@@ -218,28 +189,9 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         if args.node_rank is not None:
             cmd += [f"--node-rank={args.node_rank}"]
     cmd += ["-m", WORKER_MODULE, str(export_dir)]
-    if steps is not None:
-        cmd += ["--steps", str(steps)]
-    if args.checkpoint_dir:
-        cmd += ["--checkpoint-dir", str(args.checkpoint_dir)]
-    if args.checkpoint_every is not None:
-        cmd += ["--checkpoint-every", str(args.checkpoint_every)]
-    if args.fault_timeout is not None:
-        cmd += ["--fault-timeout", str(args.fault_timeout)]
-    if args.data:
-        cmd += ["--data", str(args.data)]
-    if args.threads is not None:
-        cmd += ["--threads", str(args.threads)]
-    if args.timeline:
-        cmd += ["--timeline", str(args.timeline)]
-    if args.allow_nonfinite:
-        cmd += ["--allow-nonfinite"]
-    if args.trust:
-        cmd += ["--trust"]
-    if args.seed is not None:
-        cmd += ["--seed", str(args.seed)]
     run_dir = args.run_dir or args.checkpoint_dir or default_run_dir(export_dir)
-    cmd += ["--run-dir", str(run_dir)]
+    forwarded = argparse.Namespace(**{**vars(args), "steps": steps, "run_dir": run_dir})
+    cmd += training_arguments(forwarded)
     return cmd
 
 
