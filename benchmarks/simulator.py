@@ -21,6 +21,7 @@ synthetic stages and gloo transfers.
 from __future__ import annotations
 
 import argparse
+import itertools
 import math
 import os
 import platform
@@ -34,6 +35,7 @@ import torch
 
 import pdcompile
 from pdcompile.machine.cluster import Cluster
+from pdcompile.planner.search import price_plan
 from pdcompile.planner.simulation import data_parallel_plan, simulate_plan
 from pdcompile.profiles import load_pipedream
 
@@ -388,13 +390,15 @@ def fidelity_batches(name: str, steps: int) -> list[tuple[torch.Tensor, torch.Te
 
 
 def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = ("mlp",),
-             minibatches: int = 256, repeats: int = 3,
+             minibatches: int = 256, repeats: int = 3, layouts: tuple[str, ...] = ("straight",),
              out: Path | None = None) -> list[dict[str, Any]]:
     """Simulated against measured time per minibatch of compiled pipelines on real processes.
 
     For each model and process count n: trace the model, measure its per-node costs with the
     cost pass (one thread, as the workers run), plan a straight n-stage pipeline for the
-    `local-n` cluster (loopback bandwidth measured) with the DP planner, compile it, export it,
+    `local-n` cluster (loopback bandwidth measured) with the DP planner (layout "straight"), or
+    take plain data parallelism priced by the planner (layout "dp": one stage on n workers, its
+    gradients all-reduced by gloo every round), compile it, export it,
     and train `minibatches` minibatches under asynchronous 1F1B on n local processes with the
     distributed backend, recording every action (`train_processes(record=True)`). The simulator
     runs the very schedule that ran (`pipe.schedule(minibatches)`) five times:
@@ -445,112 +449,114 @@ def fidelity(processes: tuple[int, ...] = (2, 4), *, models: tuple[str, ...] = (
     torch.set_num_threads(1)
     cores = os.cpu_count() or 1
     rows = []
-    for name in models:
-        for n in processes:
-            model, example, target = fidelity_model(name)
-            cluster = Cluster.preset(f"local-{n}")
-            # as the user's path profiles for this cluster: cold caches where workers take turns
-            caches = caches_for(cluster)
-            other = "warm" if caches == "cold" else "cold"
-            gm = trace(model)
-            annotate_shapes(gm, (example,))
-            annotate_costs(gm, (example,), caches=caches)
-            graph = to_cost_graph(gm, name=name)
-            neighbours = min(n, cores) - 1  # the rest of the sharing is the simulator's
-            gm_busy = trace(model)
-            annotate_shapes(gm_busy, (example,))
-            annotate_costs(gm_busy, (example,), neighbours=neighbours, caches=caches)
-            graph_busy = to_cost_graph(gm_busy, name=name)
-            gm_other = trace(model)
-            annotate_shapes(gm_other, (example,))
-            annotate_costs(gm_other, (example,), caches=other)
-            graph_other = to_cost_graph(gm_other, name=name)
+    for name, n, layout in itertools.product(models, processes, layouts):
+        model, example, target = fidelity_model(name)
+        cluster = Cluster.preset(f"local-{n}")
+        # as the user's path profiles for this cluster: cold caches where workers take turns
+        caches = caches_for(cluster)
+        other = "warm" if caches == "cold" else "cold"
+        gm = trace(model)
+        annotate_shapes(gm, (example,))
+        annotate_costs(gm, (example,), caches=caches)
+        graph = to_cost_graph(gm, name=name)
+        neighbours = min(n, cores) - 1  # the rest of the sharing is the simulator's
+        gm_busy = trace(model)
+        annotate_shapes(gm_busy, (example,))
+        annotate_costs(gm_busy, (example,), neighbours=neighbours, caches=caches)
+        graph_busy = to_cost_graph(gm_busy, name=name)
+        gm_other = trace(model)
+        annotate_shapes(gm_other, (example,))
+        annotate_costs(gm_other, (example,), caches=other)
+        graph_other = to_cost_graph(gm_other, name=name)
+        if layout == "dp":
+            plan = price_plan(graph, data_parallel_plan(graph, cluster), cluster)
+        else:
             plan = pdcompile.plan(graph, cluster, planner="dp", straight=True)
-            pipe = pdcompile.compile(model, example_inputs=(example,), example_target=target,
-                                     plan=plan, loss_fn=torch.nn.functional.cross_entropy)
-            schedule = pipe.schedule(minibatches)
-            runs = []
-            with tempfile.TemporaryDirectory() as export:
-                pipe.export(export)
-                for _ in range(repeats):
-                    started = time.perf_counter()
-                    run = train_processes(export, n, functools.partial(fidelity_batches, name,
-                                                                       minibatches),
-                                          steps=minibatches, record=True, timeout=300)
-                    assert run.timeline is not None
-                    run.timeline.check_schedule(schedule)
-                    runs.append((run.timeline.time_per_minibatch(), run.timeline,
-                                 time.perf_counter() - started))
-            runs.sort(key=lambda r: r[0])
-            _, measured, wall = runs[len(runs) // 2]  # the median run (odd repeats)
-            # the optimizer steps and weight snapshots timed on clones, as the demo predicts
-            runtime_work = {"optimizer": time_optimizer_steps(pipe),
-                            "stash": time_weight_copies(pipe)}
-            costs = replace(StageCosts.from_plan(graph, plan), **runtime_work)
-            predicted = simulate(schedule, costs, cluster)
-            costs_busy = replace(StageCosts.from_plan(graph_busy, plan), **runtime_work)
-            with_busy = simulate(schedule, costs_busy, cluster, timeline=False)
-            seen = stage_figures(measured)
-            stages = range(costs.stages)
-            # F and B of each run include the copies; the median run's prediction is reported
-            with_measured = simulate(schedule, costs.with_measured_compute(measured), cluster,
-                                     timeline=False)
-            costs_other = replace(StageCosts.from_plan(graph_other, plan), **runtime_work)
-            with_other = simulate(schedule, costs_other, cluster, timeline=False)
-            comparison = compare(predicted.timeline, measured)
-            real = comparison.time_per_minibatch.measured
-            alone = _stages_alone(pipe.stage_modules, example)
-            # a local dry run: the compiled pipeline's own rank loops in this one process
-            # (stash path included), a few minibatches, its per-stage means as the costs
-            dry = []
-            pipe.timed()
+        pipe = pdcompile.compile(model, example_inputs=(example,), example_target=target,
+                                 plan=plan, loss_fn=torch.nn.functional.cross_entropy)
+        schedule = pipe.schedule(minibatches)
+        runs = []
+        with tempfile.TemporaryDirectory() as export:
+            pipe.export(export)
             for _ in range(repeats):
-                pipe.train(fidelity_batches(name, DRY_RUN_MINIBATCHES))
-                assert pipe.last_timeline is not None
-                from_dry = costs.with_measured_compute(pipe.last_timeline)
-                dry.append(simulate(schedule, from_dry, cluster, timeline=False))
-            pipe.timed(record=False)
-            dry.sort(key=lambda r: r.time_per_minibatch)
-            with_dry = dry[len(dry) // 2]
-            cost_compute = sum(costs.fwd[s] + costs.bwd[s] for s in stages)
-            run_compute = sum(seen[s]["fwd"] + seen[s]["bwd"] for s in stages)
-            busy_compute = sum(costs_busy.fwd[s] + costs_busy.bwd[s] for s in stages)
-            rows.append({
-                "model": name, "processes": n, "cores": cores,
-                "config": f"{plan.config}, {len(plan.stages)} stages",
-                "measured_ms": real * 1e3,
-                "measured_range_ms": (runs[0][0] * 1e3, runs[-1][0] * 1e3),
-                "repeats": repeats,
-                "predicted_ms": predicted.time_per_minibatch * 1e3,
-                "error": predicted.time_per_minibatch / real - 1.0,
-                "neighbours": neighbours,
-                "busy_ms": with_busy.time_per_minibatch * 1e3,
-                "busy_error": with_busy.time_per_minibatch / real - 1.0,
-                "busy_compute_ms": busy_compute * 1e3,
-                "dry_ms": with_dry.time_per_minibatch * 1e3,
-                "dry_error": with_dry.time_per_minibatch / real - 1.0,
-                "measured_compute_ms": with_measured.time_per_minibatch * 1e3,
-                "measured_compute_error": with_measured.time_per_minibatch / real - 1.0,
-                "caches": caches, "other_caches": other,
-                "other_ms": with_other.time_per_minibatch * 1e3,
-                "other_error": with_other.time_per_minibatch / real - 1.0,
-                "compute_ratio": cost_compute / run_compute if run_compute else float("nan"),
-                "compute_ms": (cost_compute * 1e3, sum(alone) * 1e3, run_compute * 1e3),
-                "bubble_measured": measured.steady_bubble_fraction(),
-                "bubble_predicted": predicted.steady_bubble,
-                "wall_s": wall, "comparison": comparison,
-            })
-            print(f"  fidelity {name} x{n} ({plan.config}): measured {real * 1e3:.1f} ms, "
-                  f"predicted {predicted.time_per_minibatch * 1e3:.1f} ms "
-                  f"({rows[-1]['error']:+.1%}), with {neighbours} busy neighbours "
-                  f"{with_busy.time_per_minibatch * 1e3:.1f} ms "
-                  f"({rows[-1]['busy_error']:+.1%}), with measured compute "
-                  f"{with_measured.time_per_minibatch * 1e3:.1f} ms, from a local dry run "
-                  f"{with_dry.time_per_minibatch * 1e3:.1f} ms ({rows[-1]['dry_error']:+.1%})",
-                  file=sys.stderr)
-            if out is not None:
-                _write_fidelity_run(out / f"{name}-{n}", predicted.timeline, measured,
-                                    comparison.table(), plan.rank_to_stage())
+                started = time.perf_counter()
+                run = train_processes(export, n, functools.partial(fidelity_batches, name,
+                                                                   minibatches),
+                                      steps=minibatches, record=True, timeout=300)
+                assert run.timeline is not None
+                run.timeline.check_schedule(schedule)
+                runs.append((run.timeline.time_per_minibatch(), run.timeline,
+                             time.perf_counter() - started))
+        runs.sort(key=lambda r: r[0])
+        _, measured, wall = runs[len(runs) // 2]  # the median run (odd repeats)
+        # the optimizer steps and weight snapshots timed on clones, as the demo predicts
+        runtime_work = {"optimizer": time_optimizer_steps(pipe),
+                        "stash": time_weight_copies(pipe)}
+        costs = replace(StageCosts.from_plan(graph, plan), **runtime_work)
+        predicted = simulate(schedule, costs, cluster)
+        costs_busy = replace(StageCosts.from_plan(graph_busy, plan), **runtime_work)
+        with_busy = simulate(schedule, costs_busy, cluster, timeline=False)
+        seen = stage_figures(measured)
+        stages = range(costs.stages)
+        # F and B of each run include the copies; the median run's prediction is reported
+        with_measured = simulate(schedule, costs.with_measured_compute(measured), cluster,
+                                 timeline=False)
+        costs_other = replace(StageCosts.from_plan(graph_other, plan), **runtime_work)
+        with_other = simulate(schedule, costs_other, cluster, timeline=False)
+        comparison = compare(predicted.timeline, measured)
+        real = comparison.time_per_minibatch.measured
+        alone = _stages_alone(pipe.stage_modules, example)
+        # a local dry run: the compiled pipeline's own rank loops in this one process
+        # (stash path included), a few minibatches, its per-stage means as the costs
+        dry = []
+        pipe.timed()
+        for _ in range(repeats):
+            pipe.train(fidelity_batches(name, DRY_RUN_MINIBATCHES))
+            assert pipe.last_timeline is not None
+            from_dry = costs.with_measured_compute(pipe.last_timeline)
+            dry.append(simulate(schedule, from_dry, cluster, timeline=False))
+        pipe.timed(record=False)
+        dry.sort(key=lambda r: r.time_per_minibatch)
+        with_dry = dry[len(dry) // 2]
+        cost_compute = sum(costs.fwd[s] + costs.bwd[s] for s in stages)
+        run_compute = sum(seen[s]["fwd"] + seen[s]["bwd"] for s in stages)
+        busy_compute = sum(costs_busy.fwd[s] + costs_busy.bwd[s] for s in stages)
+        rows.append({
+            "model": name, "processes": n, "cores": cores,
+            "config": f"{plan.config}, {len(plan.stages)} stages",
+            "measured_ms": real * 1e3,
+            "measured_range_ms": (runs[0][0] * 1e3, runs[-1][0] * 1e3),
+            "repeats": repeats,
+            "predicted_ms": predicted.time_per_minibatch * 1e3,
+            "error": predicted.time_per_minibatch / real - 1.0,
+            "neighbours": neighbours,
+            "busy_ms": with_busy.time_per_minibatch * 1e3,
+            "busy_error": with_busy.time_per_minibatch / real - 1.0,
+            "busy_compute_ms": busy_compute * 1e3,
+            "dry_ms": with_dry.time_per_minibatch * 1e3,
+            "dry_error": with_dry.time_per_minibatch / real - 1.0,
+            "measured_compute_ms": with_measured.time_per_minibatch * 1e3,
+            "measured_compute_error": with_measured.time_per_minibatch / real - 1.0,
+            "caches": caches, "other_caches": other,
+            "other_ms": with_other.time_per_minibatch * 1e3,
+            "other_error": with_other.time_per_minibatch / real - 1.0,
+            "compute_ratio": cost_compute / run_compute if run_compute else float("nan"),
+            "compute_ms": (cost_compute * 1e3, sum(alone) * 1e3, run_compute * 1e3),
+            "bubble_measured": measured.steady_bubble_fraction(),
+            "bubble_predicted": predicted.steady_bubble,
+            "wall_s": wall, "comparison": comparison,
+        })
+        print(f"  fidelity {name} x{n} ({plan.config}): measured {real * 1e3:.1f} ms, "
+              f"predicted {predicted.time_per_minibatch * 1e3:.1f} ms "
+              f"({rows[-1]['error']:+.1%}), with {neighbours} busy neighbours "
+              f"{with_busy.time_per_minibatch * 1e3:.1f} ms "
+              f"({rows[-1]['busy_error']:+.1%}), with measured compute "
+              f"{with_measured.time_per_minibatch * 1e3:.1f} ms, from a local dry run "
+              f"{with_dry.time_per_minibatch * 1e3:.1f} ms ({rows[-1]['dry_error']:+.1%})",
+              file=sys.stderr)
+        if out is not None:
+            _write_fidelity_run(out / f"{name}-{n}-{layout}", predicted.timeline, measured,
+                                comparison.table(), plan.rank_to_stage())
     return rows
 
 
@@ -774,6 +780,10 @@ def main() -> int:
                         help="real runs and dry runs per row (medians; odd)")
     parser.add_argument("--fidelity-models", nargs="+", default=list(FIDELITY_MODELS),
                         choices=FIDELITY_MODELS)
+    parser.add_argument("--fidelity-layouts", nargs="+", default=["straight"],
+                        choices=("straight", "dp"),
+                        help="straight pipelines, and/or plain data parallelism (its all-reduce "
+                        "priced at the loopback's measured all-reduce bandwidth)")
     parser.add_argument("--fidelity-out", type=Path, default=None,
                         help="also write each fidelity run's timelines and Gantt charts here")
     parser.add_argument("--no-fidelity", action="store_true",
@@ -786,7 +796,8 @@ def main() -> int:
         before = os.getloadavg()[0]
         rows = fidelity(models=tuple(args.fidelity_models),
                         minibatches=args.fidelity_minibatches,
-                        repeats=args.fidelity_repeats, out=args.fidelity_out)
+                        repeats=args.fidelity_repeats,
+                        layouts=tuple(args.fidelity_layouts), out=args.fidelity_out)
         command = ("python benchmarks/simulator.py --fidelity --write" if args.fidelity else
                    "python benchmarks/simulator.py --write")
         sections[FIDELITY_TITLE] = fidelity_section(
