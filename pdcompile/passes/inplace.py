@@ -12,9 +12,11 @@ stage sends unchanged by the stage's later mutations (`snapshot_before_mutations
 mutate a copy of a received value (`copy_mutated_inputs`): a received activation is a leaf
 that autograd forbids mutating in place, and on the local backend it shares its storage with
 the sender's. Views count: a value sent before a later change of a view of it in its stage is
-sent as a copy too (`alias_classes`). Not covered: a change made in one stage to a view of a
-value made in an earlier stage, read after the change by yet another stage (the change stays in
-the stage that made it, as with any received value).
+sent as a copy too (`alias_classes`). A change of a view also changes the values it shares
+memory with: their readers after the change read `changed_alias(value, change)`, which returns
+the value and runs in the change's stage (passes/split.py), so that a change made in one stage
+to a view of a value made in an earlier stage reaches a reader in a third stage (the changing
+stage sends its changed copy on).
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ def set_item(target: Any, index: Any, value: Any) -> Any:
     """`target[index] = value`, returning `target` (so that later readers depend on it)."""
     target[index] = value
     return target
+
+
+def changed_alias(value: Any, change: Any) -> Any:
+    """`value` after `change`, an in-place change of memory it shares (returns `value`): its
+    later readers depend on the change through this call, and it runs where the change does."""
+    return value
+
+
+def is_changed_alias(node: fx.Node) -> bool:
+    """Whether `node` is a `changed_alias` call (the split runs it in its change's stage)."""
+    return node.op == "call_function" and node.target is changed_alias
 
 
 def mutated_input(node: fx.Node, root: torch.nn.Module | None = None) -> fx.Node | None:
@@ -99,10 +112,12 @@ def _is_tensor(node: fx.Node) -> bool:
 
 def make_mutations_explicit(gm: fx.GraphModule) -> bool:
     """Rewire each reader of a value that comes after an in-place change of it to read the
-    in-place node; `x[i] = v` becomes `set_item`. Returns whether the graph changed (idempotent:
-    a second call changes nothing)."""
+    in-place node, and each later reader of a value sharing its memory (a view's base, another
+    view) to read `changed_alias(value, change)`; `x[i] = v` becomes `set_item`. Returns whether
+    the graph changed (idempotent: a second call changes nothing)."""
     graph = gm.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
+    aliases = alias_classes(gm)
     changed = False
     for node in list(graph.nodes):
         mutated = mutated_input(node, gm)
@@ -116,6 +131,21 @@ def make_mutations_explicit(gm: fx.GraphModule) -> bool:
             if user is not node and order[user] > order[node]:
                 user.replace_input_with(mutated, node)
                 changed = True
+        for other in sorted(aliases.get(mutated, ()), key=order.__getitem__):
+            if other in (mutated, node) or other.op == "get_attr" or order[other] > order[node]:
+                continue
+            late = [u for u in other.users if u is not node and order[u] > order[node]
+                    and not (is_changed_alias(u) and u.args[1] is node)]
+            if not late:
+                continue
+            with graph.inserting_after(node):
+                after = graph.call_function(changed_alias, (other, node))
+            after.meta["is_wrapped"] = True
+            for user in late:
+                user.replace_input_with(other, after)
+            order = {n: i for i, n in enumerate(graph.nodes)}
+            aliases = alias_classes(gm)
+            changed = True
     if changed:
         graph.lint()
         gm.recompile()
@@ -129,10 +159,11 @@ _VIEWS = frozenset({
     "unsqueeze", "squeeze", "expand", "expand_as", "flatten", "unflatten", "split", "chunk",
     "unbind", "split_with_sizes", "tensor_split", "movedim", "moveaxis", "swapaxes", "swapdims",
     "diagonal", "unfold", "as_strided", "detach", "contiguous", "getitem", "T", "mT", "H",
-    "real", "imag", "view_as_real", "view_as_complex", "alias", "slice", "_unsafe_view"})
+    "real", "imag", "view_as_real", "view_as_complex", "alias", "slice", "_unsafe_view",
+    "changed_alias"})
 
 
-def _may_alias(node: fx.Node, root: torch.nn.Module) -> bool:
+def may_alias(node: fx.Node, root: torch.nn.Module) -> bool:
     """Whether `node`'s value may share memory with its first argument."""
     if mutated_input(node, root) is not None:
         return True  # an in-place operation returns the tensor it changed
@@ -156,7 +187,7 @@ def alias_classes(gm: fx.GraphModule) -> dict[fx.Node, frozenset[fx.Node]]:
 
     for node in gm.graph.nodes:
         first = node.args[0] if node.args else None
-        if isinstance(first, fx.Node) and _may_alias(node, gm):
+        if isinstance(first, fx.Node) and may_alias(node, gm):
             parent[find(node)] = find(first)
     groups: dict[fx.Node, set[fx.Node]] = {}
     for node in gm.graph.nodes:
@@ -220,5 +251,6 @@ def copy_mutated_inputs(sub: fx.GraphModule) -> None:
         sub.recompile()
 
 
-__all__ = ["alias_classes", "copy_mutated_inputs", "make_mutations_explicit", "mutated_input",
+__all__ = ["alias_classes", "changed_alias", "copy_mutated_inputs", "is_changed_alias",
+           "make_mutations_explicit", "may_alias", "mutated_input",
            "snapshot_before_mutations", "set_item"]

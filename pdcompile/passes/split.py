@@ -42,8 +42,11 @@ from pdcompile.errors import PlanError
 from pdcompile.meta import get_output_spec, get_tree, has_stage, set_stage
 from pdcompile.passes.crossing import flatten_value, rebuild_value, spec_text
 from pdcompile.passes.inplace import (
+    changed_alias,
     copy_mutated_inputs,
+    is_changed_alias,
     make_mutations_explicit,
+    may_alias,
     mutated_input,
     snapshot_before_mutations,
 )
@@ -159,13 +162,17 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     items = [n for n in nodes if n.op == "call_function" and n.args
              and isinstance(n.args[0], fx.Node) and _reads_item(n)]
     constants = _constants(nodes)
-    movable = {n.name for n in items} | constants
+    changes = [n for n in nodes if is_changed_alias(n)]
+    movable = {n.name for n in items} | constants | {n.name for n in changes}
     busy = {stage_of[n.name] for n in nodes
             if n.op not in ("placeholder", "get_attr") and n.name not in movable}
     for node in items:
         if stage_of[node.name] in busy:
             stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])  # type: ignore[union-attr]
     _constants_follow_users(nodes, stage_of, len(plan.stages) - 1, constants, busy)
+    _views_where_changed(gm, stage_of)
+    _changes_where_made(gm, changes, stage_of, busy)
+    nodes = [n for n in gm.graph.nodes if n.op != "output"]  # with what that added
     for node in nodes:
         for user in node.users:
             if user.op == "output" or node.op == "get_attr":
@@ -182,6 +189,53 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.op == "output":
             set_stage(node, last)
     return stage_of
+
+
+def _views_where_changed(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """An in-place change of a view made in an earlier stage changes a view of its own: the
+    views from the base value up are made again in the change's stage, so that the change
+    reaches the base's copy there (a view that crosses between stages arrives as a tensor of
+    its own, no longer sharing the base's memory)."""
+    for node in [n for n in gm.graph.nodes if n.op != "output"]:
+        mutated = mutated_input(node, gm)
+        if mutated is None:
+            continue
+        home = stage_of[node.name]
+        chain: list[fx.Node] = []
+        value = mutated
+        while (value.op == "call_function" or value.op == "call_method") \
+                and stage_of.get(value.name, home) < home and mutated_input(value, gm) is None \
+                and may_alias(value, gm) and isinstance(value.args[0], fx.Node):
+            chain.append(value)
+            value = value.args[0]
+        if not chain:
+            continue
+        made: dict[fx.Node, fx.Node] = {}
+        with gm.graph.inserting_before(node):
+            for view in reversed(chain):  # from the base up
+                again = gm.graph.node_copy(view, lambda arg, made=made: made.get(arg, arg))
+                stage_of[again.name] = home
+                made[view] = again
+        node.replace_input_with(mutated, made[mutated])
+
+
+def _changes_where_made(gm: fx.GraphModule, changes: list[fx.Node], stage_of: dict[str, int],
+                        busy: set[int]) -> None:
+    """A value after an in-place change of memory it shares (`changed_alias`) is taken in the
+    change's stage, which holds the changed copy; a stage that would be left with nothing to run
+    keeps a `changed_alias` of that copy, received from the change's stage."""
+    for node in changes:
+        change = node.args[1]
+        assert isinstance(change, fx.Node)
+        home = stage_of[change.name]
+        if stage_of[node.name] == home or stage_of[node.name] in busy:
+            stage_of[node.name] = home
+            continue
+        with gm.graph.inserting_before(node):
+            taken = gm.graph.call_function(changed_alias, node.args)
+        taken.meta["is_wrapped"] = True
+        stage_of[taken.name] = home
+        node.args = (taken, taken)
 
 
 def _constants(nodes: list[fx.Node]) -> set[str]:

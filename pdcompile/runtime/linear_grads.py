@@ -84,7 +84,12 @@ class _LinearAccumulate(torch.autograd.Function):
         ctx.save_for_backward(x, weight)
         ctx.leaves = (weight, bias)
         ctx.deferred = _DEFERRING.get()
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        if out._base is not None:  # inputs of 3 or more dims: a view of the 2-D product, which
+            # autograd forbids changing in place through a view of it (y.narrow(...).mul_()) when
+            # a custom function returns it; the same memory, not marked as a view
+            out = torch.ops.aten._unsafe_view(out, out.shape)
+        return out
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

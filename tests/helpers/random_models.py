@@ -5,7 +5,8 @@ broadcastable to it: branches and skips (a step reads any earlier value), Linear
 shared Linear called by several steps, LSTMs (a tuple of a tensor and a tuple, read with
 getitem), `max` and `split` (tuple outputs), constants built in forward (arange, zeros, ones,
 full) used by several steps, and in-place changes of earlier values (`add_`, `mul_`, `+=`,
-`F.relu(..., inplace=True)`, `nn.ReLU(inplace=True)`). It has one or two inputs and returns one
+`F.relu(..., inplace=True)`, `nn.ReLU(inplace=True)`, and `mul_` of a view, which changes the
+value it views). It has one or two inputs and returns one
 to three values. A cut is a random topological order of the traced graph (in-place order made
 explicit, as the planner sees it) split into chunks of random sizes, each stage with 1 or 2
 replicas.
@@ -30,7 +31,7 @@ from pdcompile.plan import Plan
 
 TIME, WIDTH = 3, 4
 KINDS = ("linear", "shared", "tanh", "add", "mul", "lstm", "max", "split", "constant",
-         "use_constant", "add_", "mul_", "iadd", "relu_inplace", "relu_module")
+         "use_constant", "add_", "mul_", "iadd", "relu_inplace", "relu_module", "view_mul_")
 CONSTANTS = ("arange", "zeros", "ones", "full")
 
 
@@ -123,6 +124,8 @@ def _mutate(kind: str, target: torch.Tensor, other: torch.Tensor, layer: nn.Modu
         target += other.mean(dim=1, keepdim=True)
     elif kind == "relu_inplace":
         F.relu(target, inplace=True)
+    elif kind == "view_mul_":
+        target.narrow(-1, 0, 2).mul_(0.5)  # changes the first two features of `target`
     else:
         layer(target)  # type: ignore[misc]
 

@@ -3,6 +3,7 @@ data edge, so that no cut can move them before it."""
 
 from __future__ import annotations
 
+import itertools
 import operator
 
 import torch
@@ -71,3 +72,39 @@ def test_aten_overloads_that_write_their_input() -> None:
     graph.output((add_, add))
     gm = fx.GraphModule(nn.Module(), graph)
     assert mutated_input(add_, gm) is x and mutated_input(add, gm) is None
+
+
+class ViewChange(nn.Module):
+    """A change of a view of `a` changes `a`: `l3` reads the changed values."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1, self.l2, self.l3 = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a = self.l1(x)
+        b = self.l2(x)
+        a.narrow(-1, 0, 2).mul_(0.5)
+        return b + self.l3(a)
+
+
+def test_a_change_of_a_view_reaches_readers_of_its_base_in_every_cut() -> None:
+    """Every cut of the graph into up to three stages, the change of the view included in any
+    of them (before the change ran in its own stage only, and a third stage read `a` unchanged):
+    the pipeline computes, and trains, like the model."""
+    from pdcompile.passes.split import manual_plan
+    from tests.helpers.transparency import check
+
+    model, x, target = ViewChange(), torch.randn(8, 4), torch.randn(8, 4)
+    gm = trace(model)
+    make_mutations_explicit(gm)
+    code = gm.code
+    assert "changed_alias(l1, mul_)" in code and "self.l3(changed_alias)" in code
+    assert make_mutations_explicit(gm) is False and gm.code == code  # idempotent
+    body = [n.name for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
+    for first, second in itertools.combinations_with_replacement(range(len(body) + 1), 2):
+        stage = {name: (i >= first) + (i >= second) for i, name in enumerate(body)}
+        if set(stage.values()) not in ({0, 1}, {0, 1, 2}):
+            continue  # an empty stage
+        check((model, (x,), target, lambda out, t: ((out - t) ** 2).mean()),
+              schedule="1f1b-flush", micro=2, plan=manual_plan(gm, stage))
