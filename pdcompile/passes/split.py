@@ -205,7 +205,8 @@ def _views_where_changed(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
         value = mutated
         while (value.op == "call_function" or value.op == "call_method") \
                 and stage_of.get(value.name, home) < home and mutated_input(value, gm) is None \
-                and may_alias(value, gm) and isinstance(value.args[0], fx.Node):
+                and not is_changed_alias(value) and may_alias(value, gm) \
+                and isinstance(value.args[0], fx.Node):  # up to the base: a value, not a view
             chain.append(value)
             value = value.args[0]
         if not chain:

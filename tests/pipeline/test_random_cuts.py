@@ -52,7 +52,7 @@ def cases(draw: st.DrawFn) -> dict[str, Any]:
 
 
 def _check(case: dict[str, Any]) -> None:
-    target = torch.randn(8, 1, case["inputs"][0].shape[-1])
+    target = torch.randn(8, 1, case["inputs"][0].shape[-1], dtype=case["inputs"][0].dtype)
     pipe = check((case["model"], case["inputs"], target, squared_error),
                  schedule=case["schedule"], micro=case["micro"], plan=case["plan"])
     assert len(pipe.stage_modules) == len(case["plan"].stages)
@@ -72,3 +72,23 @@ def test_random_cuts_of_random_models(case: dict[str, Any]) -> None:
 @given(cases())
 def test_random_cuts_of_random_models_many(case: dict[str, Any]) -> None:
     _check(case)
+
+
+def test_a_value_changed_through_views_in_two_stages() -> None:
+    """Found by the random cuts: a value changed through a view in stage 0, then through a new
+    view of the changed value in stage 1; stage 1 must change its copy of the value it received
+    changed, not a copy of the value before the first change."""
+    from pdcompile.passes.split import manual_plan
+    from tests.helpers.random_models import Step
+
+    steps = (Step("linear", 0, 0), Step("add_", 1, 0), Step("constant", 0, 0),
+             Step("view_mul_", 1, 0), Step("add", 0, 1), Step("view_mul_", 1, 0),
+             Step("add", 0, 1))
+    torch.manual_seed(0)
+    model = RandomNet(steps, 1, (-1, -2, -3)).double()
+    inputs = (torch.randn(8, 3, 4, dtype=torch.float64),)
+    first = {"x", "embed_0", "layers_0", "mean", "add_", "narrow", "mul_", "changed_alias",
+             "narrow_1", "mean_1", "add_2"}
+    plan = manual_plan(explicit_graph(model, inputs), lambda n: 0 if n.name in first else 1)
+    _check({"model": model, "inputs": inputs, "plan": plan, "schedule": "1f1b-flush",
+            "micro": 2})
