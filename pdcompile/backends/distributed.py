@@ -145,7 +145,7 @@ class DistributedTransport(Transport):
             if len(key) > 1 and key not in self._groups:
                 self._groups[key] = dist.new_group(list(key))
         self._open_sends: deque[DistPending] = deque()
-        self._preposted: dict[tuple[int, Tag], DistPending] = {}
+        self._preposted: dict[int, dict[Tag, DistPending]] = {}  # source -> posted receives
         self._expected: dict[int, deque[tuple[tuple[TensorSpec, ...], Tag]]] = {}
         # messages between two chunks of this rank (the tip of a V): handed over in memory
         self._loopback: dict[Tag, list[torch.Tensor]] = {}
@@ -211,7 +211,7 @@ class DistributedTransport(Transport):
                                        "is broken (validate it)") from None
             return DistPending(self, [], peer=src_rank, what=f"hand-over of {tag}",
                                result=handed)
-        pending = self._preposted.pop((src_rank, tag), None)
+        pending = self._preposted.get(src_rank, {}).pop(tag, None)
         if pending is None:
             pending = self._post_recv(specs, src_rank, tag)
             # taken before its turn: it must not be posted again when its turn comes (a stray
@@ -238,13 +238,11 @@ class DistributedTransport(Transport):
         queue = self._expected.get(src_rank)
         if not queue:
             return
-        posted = sum(1 for (src, _tag) in self._preposted if src == src_rank)
-        while queue and posted < self.prepost_depth:
+        posted = self._preposted.setdefault(src_rank, {})
+        while queue and len(posted) < self.prepost_depth:
             specs, tag = queue.popleft()
-            if (src_rank, tag) in self._preposted:
-                continue
-            self._preposted[(src_rank, tag)] = self._post_recv(specs, src_rank, tag)
-            posted += 1
+            if tag not in posted:
+                posted[tag] = self._post_recv(specs, src_rank, tag)
 
     # -- collectives -------------------------------------------------------------------------------
 
@@ -780,6 +778,7 @@ class _ReceivesTargets:
         self.layout_of = layout_of
         self.first = plan.stages[0].ranks
         self.got: dict[int, Any] = {}
+        self.trees: dict[str, Any] = {}
 
     def inputs(self, microbatch: int) -> Any:
         raise DistributedError(f"the last stage asked for the model inputs of microbatch "
@@ -793,7 +792,10 @@ class _ReceivesTargets:
             src = self.first[microbatch % len(self.first)]
             leaves = self.transport.recv(layout[1], src,
                                          _target_tag(self.plan, microbatch)).wait()
-            self.got[microbatch] = pytree.tree_unflatten(leaves, pytree.treespec_loads(layout[0]))
+            tree = self.trees.get(layout[0])
+            if tree is None:  # parsed once per layout, not per microbatch
+                tree = self.trees[layout[0]] = pytree.treespec_loads(layout[0])
+            self.got[microbatch] = pytree.tree_unflatten(leaves, tree)
         return self.got[microbatch]
 
 

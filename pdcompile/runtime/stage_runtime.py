@@ -25,6 +25,13 @@ Narayanan et al., ICML 2021; GPipe, Huang et al., NeurIPS 2019):
   wait, and defers the Linear layers' weight gradients to `backward_weight` (W; linear_grads.py),
   which also releases the microbatch's stash.
 
+Where the schedule does not split the backward, a stage that sends input gradients upstream
+still defers its Linear layers' weight gradients, to the end of its last `send_b` of the
+microbatch: the previous stage's backward waits for that message, and on the loop between two
+stages (PipeDream's 1F1B keeps no slack on it) every weight gradient computed before the send
+would delay it. The gradients and their order of accumulation are the same; the backward's
+timeline event spans its sends.
+
 A stage in `RunConfig.recompute` runs its forward without keeping activations (no autograd
 graph; only its inputs and the random state stay in the stash) and runs it again, with the same
 weights and random state, at the start of its backward; buffers the second run changes
@@ -175,6 +182,11 @@ class StageRuntime:
         self._loss_scale = config.loss_scale
         self.is_last = self.stage == len(config.stage_ranks) - 1
         self.recomputes = self.stage in config.recompute
+        # a stage that sends input gradients upstream computes its Linear layers' weight
+        # gradients after those sends, where the schedule does not split them off itself: the
+        # previous stage's backward waits for the message, not for them (module docstring)
+        self._weights_after_send = not self.kind.split_backward and bool(io.receives)
+        self._after_send: dict[int, float] = {}  # microbatch -> its backward's start
         self.params: dict[str, torch.Tensor] = dict(
             module.named_parameters(remove_duplicate=False))
         self.versions = WeightVersions(self.params, copy=copies_weights(
@@ -217,8 +229,12 @@ class StageRuntime:
             yield pending
         return pending.wait()
 
-    def _record(self, kind: Kind, number: int, peer: int | None, start: float) -> None:
-        self.completed += 1
+    def _record(self, kind: Kind, number: int, peer: int | None, start: float, *,
+                counted: bool = False) -> None:
+        """One action done (`counted`: its completion was counted when it ended its part
+        that others wait for); its event, if this run records a timeline."""
+        if not counted:
+            self.completed += 1
         if self.recorder is not None:
             self.recorder.add(Action(self.stage, kind, number, peer), start, time.time())
 
@@ -273,6 +289,8 @@ class StageRuntime:
         self.transport.send(grads, self._peer_rank(dst, microbatch),
                             Tag("grad", self.stage, dst, microbatch))
         self._record(Kind.SEND_B, microbatch, dst, start)
+        if microbatch not in self._grads_out and microbatch in self._after_send:
+            self._finish_backward(microbatch)  # every send is on its way: the weight gradients
         yield from ()
 
     # ------------------------------------------------------------------ compute
@@ -299,9 +317,9 @@ class StageRuntime:
     def _run(self, entry: StashEntry, microbatch: int, *, graph: bool = True) -> None:
         """The stage module (and, on the last stage, the loss) on the stashed inputs; with
         `graph=False` no autograd graph is kept (a recomputing stage's first forward)."""
+        defer = self.kind.split_backward or self._weights_after_send
         with torch.enable_grad() if graph else torch.no_grad(), accumulating_grads(), \
-                deferring_weight_grads(entry.weight_grads) if self.kind.split_backward \
-                else nullcontext():
+                deferring_weight_grads(entry.weight_grads) if defer else nullcontext():
             if self.versions.is_master(entry.params):
                 outputs = self.module(*entry.inputs)
             else:
@@ -416,12 +434,33 @@ class StageRuntime:
                         for t in tensors if _carries_grad(t)]
         if out:
             self._grads_out[microbatch] = out
-        if self.kind.split_backward:  # W finishes the microbatch; free what it does not need
+        if self.kind.split_backward or (out and entry.weight_grads):
+            # W, or the last send_b, finishes the microbatch; free what it does not need
             entry.inputs, entry.received, entry.values, entry.loss = [], {}, {}, None
         else:
+            run_weight_grads(entry.weight_grads)  # deferred, but nothing to send first
             self._release(entry, microbatch)
-        self._record(Kind.B, microbatch, None, start)
+        if self.kind.split_backward or not (out and entry.weight_grads):
+            self._record(Kind.B, microbatch, None, start)
+        else:  # recorded once its weight gradients are done (`_finish_backward`)
+            self._after_send[microbatch] = start
+            self.completed += 1
         yield from ()
+
+    def _finish_backward(self, microbatch: int) -> None:
+        """The weight gradients a backward left until its input gradients were sent; then the
+        microbatch leaves the stash. Its event spans the whole backward, sends included."""
+        start = self._after_send.pop(microbatch)
+        entry = self.stash.get(microbatch)
+        run_weight_grads(entry.weight_grads)
+        self._release(entry, microbatch)
+        self._record(Kind.B, microbatch, None, start, counted=True)
+
+    def _finish_backwards(self) -> None:
+        """Every backward still waiting for its sends (none where every send follows its
+        backward, as lowering places them): before an update reads the gradients."""
+        for microbatch in list(self._after_send):
+            self._finish_backward(microbatch)
 
     def backward_weight(self, microbatch: int) -> Op:
         """The weight gradients `backward` deferred (W of a split backward), into the live
@@ -482,6 +521,7 @@ class StageRuntime:
     def all_reduce(self, index: int) -> Op:
         """Sum the gradients over the stage's replicas (averaged for asynchronous 1f1b)."""
         start = time.time()
+        self._finish_backwards()
         grads = self._grads()
         ranks = self.config.stage_ranks[self.stage]
         if grads:
@@ -495,6 +535,7 @@ class StageRuntime:
         """Optimizer step: a new weight version (tied gradients summed over stages first, a
         replicated stage's buffers synchronised)."""
         start = time.time()
+        self._finish_backwards()
         # every collective is started before any is awaited: the last rank to join them all
         # finishes the step at once (the local driver sees progress only when an action ends)
         pending = []
@@ -569,6 +610,7 @@ class StageRuntime:
 
     def finish(self) -> None:
         """End of the run: nothing may remain in flight; drop every kept version."""
+        self._finish_backwards()
         if self.stash.entries:
             raise ScheduleError(f"rank {self.rank}: microbatches {sorted(self.stash.entries)} "
                                 "were forwarded but never backpropagated")
