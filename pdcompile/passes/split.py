@@ -195,29 +195,52 @@ def _views_where_changed(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
     """An in-place change of a view made in an earlier stage changes a view of its own: the
     views from the base value up are made again in the change's stage, so that the change
     reaches the base's copy there (a view that crosses between stages arrives as a tensor of
-    its own, no longer sharing the base's memory)."""
+    its own, no longer sharing the base's memory); so are the views of that base that the
+    change's `changed_alias` nodes hand on. Items of tuples (`getitem`) count as bases."""
     for node in [n for n in gm.graph.nodes if n.op != "output"]:
         mutated = mutated_input(node, gm)
         if mutated is None:
             continue
         home = stage_of[node.name]
-        chain: list[fx.Node] = []
-        value = mutated
-        while (value.op == "call_function" or value.op == "call_method") \
-                and stage_of.get(value.name, home) < home and mutated_input(value, gm) is None \
-                and not is_changed_alias(value) and may_alias(value, gm) \
-                and isinstance(value.args[0], fx.Node):  # up to the base: a value, not a view
-            chain.append(value)
-            value = value.args[0]
+        chain, base = _earlier_views(mutated, home, gm, stage_of)
         if not chain:
             continue
         made: dict[fx.Node, fx.Node] = {}
-        with gm.graph.inserting_before(node):
-            for view in reversed(chain):  # from the base up
-                again = gm.graph.node_copy(view, lambda arg, made=made: made.get(arg, arg))
-                stage_of[again.name] = home
-                made[view] = again
+
+        def again(views: list[fx.Node], before: fx.Node, made: dict[fx.Node, fx.Node] = made,
+                  home: int = home) -> None:
+            with gm.graph.inserting_before(before):
+                for view in reversed(views):  # from the base up
+                    if view not in made:
+                        made[view] = gm.graph.node_copy(view, lambda a: made.get(a, a))
+                        stage_of[made[view].name] = home
+
+        again(chain, node)
         node.replace_input_with(mutated, made[mutated])
+        for user in list(node.users):  # what the change hands on, taken from the views here
+            if not is_changed_alias(user) or user.args[1] is not node:
+                continue
+            other = user.args[0]
+            assert isinstance(other, fx.Node)
+            views, root = _earlier_views(other, home, gm, stage_of)
+            if views and root is base:
+                again(views, user)
+                user.replace_input_with(other, made[other])
+
+
+def _earlier_views(value: fx.Node, home: int, gm: fx.GraphModule, stage_of: dict[str, int]
+                   ) -> tuple[list[fx.Node], fx.Node]:
+    """The views made before stage `home` from which `value` is made (it first), and the value
+    they view: up to a value that is not a view (an in-place change, a changed value, a tuple's
+    item, a module's output)."""
+    chain: list[fx.Node] = []
+    while value.op in ("call_function", "call_method") \
+            and stage_of.get(value.name, home) < home and mutated_input(value, gm) is None \
+            and not is_changed_alias(value) and value.target is not operator.getitem \
+            and may_alias(value, gm) and isinstance(value.args[0], fx.Node):
+        chain.append(value)
+        value = value.args[0]
+    return chain, value
 
 
 def _changes_where_made(gm: fx.GraphModule, changes: list[fx.Node], stage_of: dict[str, int],

@@ -92,3 +92,23 @@ def test_a_value_changed_through_views_in_two_stages() -> None:
     plan = manual_plan(explicit_graph(model, inputs), lambda n: 0 if n.name in first else 1)
     _check({"model": model, "inputs": inputs, "plan": plan, "schedule": "1f1b-flush",
             "micro": 2})
+
+
+def test_a_view_of_a_tuple_item_changed_two_stages_later() -> None:
+    """Found by the random cuts: a view of an LSTM's transposed state, made in stage 1 and
+    changed in stage 2, where later readers of the transposed state read it changed."""
+    from pdcompile.passes.split import manual_plan
+    from tests.helpers.random_models import Step
+
+    steps = (Step("mul_", 0, 0), Step("add", 0, 0), Step("lstm", 0, 0), Step("linear", 1, 0),
+             Step("mul_", 0, 0), Step("view_mul_", 46, 0), Step("linear", 0, 0))
+    torch.manual_seed(0)
+    model = RandomNet(steps, 2, (-1, -2, -3)).double()
+    inputs = tuple(torch.randn(8, 3, 4, dtype=torch.float64) for _ in range(2))
+    first = {"x", "y", "embed_0"}
+    last = {"mul__2", "changed_alias_1", "changed_alias", "add_3", "mean_3", "add_4", "mean_4",
+            "add_5", "add_6", "add_7", "add_8", "add_9", "add_10"}
+    plan = manual_plan(explicit_graph(model, inputs),
+                       lambda n: 0 if n.name in first else 2 if n.name in last else 1)
+    _check({"model": model, "inputs": inputs, "plan": plan, "schedule": "1f1b-flush",
+            "micro": 2})
