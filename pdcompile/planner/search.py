@@ -604,7 +604,7 @@ def _pipedream_plan(cost_graph: nx.DiGraph, cluster: Cluster, options: ModelOpti
     if straight:
         _straight_fits(work, cluster, limit)
     prepared = prepare(work, "pipedream", cluster.workers, straight=straight, levels=levels,
-                       memory=limit is not None)
+                       memory=limit is not None, least=cluster.workers + 1 if straight else 0)
     try:
         result = solve(prepared, cluster, options, limit, straight)
     except PlanError:
@@ -658,14 +658,13 @@ def _straight_fits(work: nx.DiGraph, cluster: Cluster, limit: float | None) -> N
     nodes = work.number_of_nodes()
     most = min(nodes, budget - 1)
     if cluster.workers > most:
-        why = (f"the graph has {nodes} nodes" if nodes <= budget - 1 else
-               f"its DP plans at most {budget - 1} stages on this cluster "
-               "(dp_search.pipedream_budget)")
+        why = (f"the graph has only {nodes} nodes" if nodes <= budget - 1 else
+               f"on this cluster its DP plans a graph of {nodes} nodes in at most "
+               f"{budget - 1} stages (the state budget that bounds its time and memory)")
         raise PlanError(
-            f"cost_model='pipedream' with straight=True puts every one of the "
-            f"{cluster.workers} workers in a stage of its own, but {why}; use "
-            f"cost_model='native' (its straight pipelines may leave workers out) or a cluster "
-            f"of at most {most} workers")
+            f"cost_model='pipedream' with straight=True gives each of the {cluster.workers} "
+            f"workers a stage of its own, but {why}; use cost_model='native' (its straight "
+            f"pipelines may leave workers out) or a cluster of at most {most} workers")
 
 
 def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: float | None,
