@@ -518,16 +518,17 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
                 pieces.append((k, end, r))
                 end, m = k, m - r
             pieces.reverse()
-            # ranks: this segment's units are blocks of `group` ranks; a piece on r units takes
-            # r consecutive blocks out of every copy of the segment.
-            units = [ranks[u * group:(u + 1) * group] for u in range(len(ranks) // group)]
+            # ranks: this segment's members are blocks of `group` ranks; a piece on r units
+            # takes their consecutive members out of every copy of the segment.
+            members = [ranks[u * group:(u + 1) * group] for u in range(len(ranks) // group)]
             per_copy = levels[depth].workers
-            copies = [units[c * per_copy:(c + 1) * per_copy] for c in range(len(units) // per_copy)]
+            copies = [members[c * per_copy:(c + 1) * per_copy]
+                      for c in range(len(members) // per_copy)]
             offset = 0  # in units of this level (pieces run front to back)
             for before, after, r in pieces:
                 first, stop = int(bounds[offset]), int(bounds[offset + r])
-                mine = tuple(sorted(x for copy in copies for unit in copy[first:stop]
-                                    for x in unit))
+                mine = tuple(sorted(x for copy in copies for block in copy[first:stop]
+                                    for x in block))
                 out.append((before, after, factor * (stop - first), mine))
                 offset += r
         segments = out
