@@ -29,6 +29,7 @@ MOST_STAGES = 512  # a straight pipeline of exactly this many stages at most (pl
 PIPEDREAM_STATES = 2000  # at most this many states (the original enumerates up to 6000)
 PIPEDREAM_WORK = 2e8  # candidates a level over the first state visits: states^2 / 2 * pairs
 PIPEDREAM_CUBE = 2e9  # ... a level over every state without shortcuts: states^3 / 3 * pairs
+PIPEDREAM_PRUNED = 8e9  # ... the same with them (dp._pd_level_all_starts visits a fraction)
 PIPEDREAM_BYTES = 384 << 20  # the value, split and gather tables of a level over every state
 
 
@@ -51,10 +52,11 @@ def pipedream_budget(levels: tuple[int, ...], *, straight: bool = False,
     """How many antichain states `dp.pipedream_dp` may run on for a cluster whose levels have
     `levels` members each (innermost first), so that its time and memory stay bounded: the
     outermost level visits about states^2 / 2 (units, replicas) pairs (PIPEDREAM_WORK); each
-    inner level keeps tables of states^2 (units + 1) entries (PIPEDREAM_BYTES) and, where no
-    exact shortcut applies (a memory limit, straight, units of several members), visits about
-    states^3 / 3 pairs (PIPEDREAM_CUBE). Levels wider than UNIT_LIMIT count in units
-    (dp.unit_bounds). At most PIPEDREAM_STATES; at least FEWEST_STATES."""
+    inner level keeps tables of states^2 (units + 1) entries (PIPEDREAM_BYTES) and spans about
+    states^3 / 3 pairs: at most PIPEDREAM_CUBE where no exact shortcut applies (a memory limit,
+    straight, units of several members), else PIPEDREAM_PRUNED (the shortcuts visit a
+    fraction of them). Levels wider than UNIT_LIMIT count in units (dp.unit_bounds). At most
+    PIPEDREAM_STATES; at least FEWEST_STATES."""
     from pdcompile.planner.dp import unit_bounds
 
     most = float(PIPEDREAM_STATES)
@@ -65,8 +67,8 @@ def pipedream_budget(levels: tuple[int, ...], *, straight: bool = False,
             most = min(most, (2 * PIPEDREAM_WORK / pairs) ** 0.5)
             continue
         most = min(most, (PIPEDREAM_BYTES / (32 * (units + 1))) ** 0.5)
-        if memory or straight or units < members:
-            most = min(most, (3 * PIPEDREAM_CUBE / pairs) ** (1 / 3))
+        plain = memory or straight or units < members
+        most = min(most, (3 * (PIPEDREAM_CUBE if plain else PIPEDREAM_PRUNED) / pairs) ** (1 / 3))
     return max(FEWEST_STATES, int(most))
 
 
@@ -217,6 +219,6 @@ def pinned_inputs(graph: nx.DiGraph, order: tuple[str, ...] = ()) -> tuple[str, 
 
 
 __all__ = ["COARSE_NODES", "DP_BUDGET", "FEWEST_STATES", "MOST_STAGES", "PIPEDREAM_BYTES",
-           "PIPEDREAM_CUBE", "PIPEDREAM_STATES", "PIPEDREAM_WORK", "Prepared",
+           "PIPEDREAM_CUBE", "PIPEDREAM_PRUNED", "PIPEDREAM_STATES", "PIPEDREAM_WORK", "Prepared",
            "coarse_with_pinned", "expand", "pinned_inputs", "pipedream_budget", "planning_dp",
            "planning_graph", "prepare", "solve", "state_budget"]

@@ -112,8 +112,9 @@ def test_random_graphs_plan_under_pipedreams_model_on_any_cluster(
 def test_the_pipedream_budget_bounds_every_levels_work_and_tables(
         levels: list[int], straight: bool, memory: bool) -> None:
     """The outermost level visits at most PIPEDREAM_WORK candidates, every inner level keeps
-    at most PIPEDREAM_BYTES of tables (and, where no shortcut applies, visits at most
-    PIPEDREAM_CUBE candidates), unless the floor of FEWEST_STATES states applies."""
+    at most PIPEDREAM_BYTES of tables and spans at most PIPEDREAM_CUBE candidates where no
+    shortcut applies (PIPEDREAM_PRUNED where one does), unless the floor of FEWEST_STATES
+    states applies."""
     s = pipedream_budget(tuple(levels), straight=straight, memory=memory)
     assert dp_search.FEWEST_STATES <= s <= dp_search.PIPEDREAM_STATES
     if s == dp_search.FEWEST_STATES:
@@ -126,8 +127,9 @@ def test_the_pipedream_budget_bounds_every_levels_work_and_tables(
             assert s * s / 2 * pairs <= dp_search.PIPEDREAM_WORK
         else:
             assert s * s * (units + 1) * 32 <= dp_search.PIPEDREAM_BYTES
-            if memory or straight or units < members:
-                assert s ** 3 / 3 * pairs <= dp_search.PIPEDREAM_CUBE * (1 + 1e-9)
+            plain = memory or straight or units < members
+            cube = dp_search.PIPEDREAM_CUBE if plain else dp_search.PIPEDREAM_PRUNED
+            assert s ** 3 / 3 * pairs <= cube * (1 + 1e-9)
 
 
 def test_a_graph_as_big_as_the_budget_is_coarsened_before_its_antichains(
