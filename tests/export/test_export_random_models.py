@@ -17,6 +17,7 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 import pdcompile
+from pdcompile.errors import PipelineInputError
 from tests.helpers.random_models import random_models, squared_error
 from tests.helpers.transparency import momentum
 
@@ -35,10 +36,16 @@ def _trains_in_one_process(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -
 
 def _trained(pipe: Any, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,
              rows: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Two steps on the example minibatch, then one of `rows` rows."""
+    """Two steps on the example minibatch, then one of `rows` rows (refused in one line where
+    they are fewer than the pipeline's microbatches)."""
     more = tuple(torch.cat([x, x])[:rows] for x in inputs)
     losses = [pipe.step(*inputs, target=target) for _ in range(2)]
-    losses.append(pipe.step(*more, target=torch.cat([target, target])[:rows]))
+    if rows < pipe.per_minibatch:
+        with pytest.raises(PipelineInputError, match=f"batch size {rows}, too small to cut "
+                                                     f"into {pipe.per_minibatch} microbatches"):
+            pipe.step(*more, target=torch.cat([target, target])[:rows])
+    else:
+        losses.append(pipe.step(*more, target=torch.cat([target, target])[:rows]))
     return losses, pipe.state_dict()
 
 
