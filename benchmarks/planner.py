@@ -131,7 +131,8 @@ def main() -> int:
     parser.add_argument("--ilp-limit", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3, help="DP timings: best of this many")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.md"))
-    parser.add_argument("--section", choices=("table", "fidelity", "paper", "scale"),
+    parser.add_argument("--section", choices=("table", "fidelity", "paper", "scale",
+                                              "scale-pipedream"),
                         default="table", help="which section to (re)generate")
     args = parser.parse_args()
     import torch
@@ -187,6 +188,8 @@ def _section(name: str, models: list[str] | None, out: Path) -> int:
         text = fidelity.fidelity_section(fidelity.fidelity_rows(models))
     elif name == "paper":
         text = fidelity.paper_section()
+    elif name == "scale-pipedream":
+        text = fidelity.pipedream_scale_section()
     else:
         text = fidelity.scale_section()
     print(text)

@@ -207,7 +207,22 @@ RANDOM_CASES = (
 )
 
 
-def measure_random(nodes: int, skips: int, cluster: str) -> dict[str, Any]:
+# cost_model="pipedream" on random-cost graphs: (nodes, skips, cluster), flat and on servers of 8
+PIPEDREAM_CASES = tuple(
+    (nodes, nodes // 10 if nodes < 5000 else 300, cluster)
+    for nodes in (500, 2000, 5000)
+    for cluster in ("16@450GB/s~3us:h100", "128@450GB/s~3us:h100", "1024@450GB/s~3us:h100",
+                    H100_SERVERS.format(servers=16), H100_SERVERS.format(servers=128)))
+
+
+# ... and the slowest inputs: as many nodes as fit the state budget uncoarsened (budget - 1)
+PIPEDREAM_NEAR_BUDGET = ("16@450GB/s~3us:h100", "1024@450GB/s~3us:h100",
+                         "4x4@450GB/s,400Gbps~3us,5us:h100", H100_SERVERS.format(servers=2),
+                         H100_SERVERS.format(servers=128))
+
+
+def measure_random(nodes: int, skips: int, cluster: str,
+                   cost_model: str = "native") -> dict[str, Any]:
     """One `pdcompile.plan` call on `chain(nodes, skips=skips)`: wall and CPU seconds (the
     process's: on a shared machine the wall time counts other jobs too), peak resident
     memory of the process (ru_maxrss, graph and imports included), the plan."""
@@ -217,7 +232,7 @@ def measure_random(nodes: int, skips: int, cluster: str) -> dict[str, Any]:
 
     graph = chain(nodes, skips=skips)
     started, cpu = time.perf_counter(), time.process_time()
-    plan = pdcompile.plan(graph, cluster)
+    plan = pdcompile.plan(graph, cluster, cost_model=cost_model)
     seconds, cpu = time.perf_counter() - started, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return {"seconds": seconds, "cpu": cpu, "peak": peak,
@@ -226,17 +241,20 @@ def measure_random(nodes: int, skips: int, cluster: str) -> dict[str, Any]:
             "by": "simulator" if "simulated_time_per_minibatch" in plan.extra else "closed form"}
 
 
-def random_rows() -> list[tuple[int, int, str, str, dict[str, Any]]]:
-    """`measure_random` for every RANDOM_CASES row, each in a fresh process."""
+def random_rows(cases: tuple[tuple[int, int, str, str], ...] = RANDOM_CASES,
+                cost_model: str = "native") -> list[tuple[int, int, str, str, dict[str, Any]]]:
+    """`measure_random` for every row of `cases` (nodes, skips, cluster, target), each in a
+    fresh process."""
     import json
     import os
     import subprocess
     import sys
 
     rows = []
-    for nodes, skips, cluster, target in RANDOM_CASES:
+    for nodes, skips, cluster, target in cases:
         code = ("import json, sys; sys.path.insert(0, 'benchmarks'); import planner_fidelity as f; "
-                f"print(json.dumps(f.measure_random({nodes}, {skips}, {cluster!r})))")
+                f"print(json.dumps(f.measure_random({nodes}, {skips}, {cluster!r}, "
+                f"{cost_model!r})))")
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
             [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
         done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
@@ -247,6 +265,56 @@ def random_rows() -> list[tuple[int, int, str, str, dict[str, Any]]]:
               f"({result['cpu']:.2f} s CPU), "
               f"{result['peak'] / 2**20:.0f} MiB", flush=True)
     return rows
+
+
+def pipedream_scale_section() -> str:
+    """cost_model="pipedream" (the original optimizer's DP and model) at scale: wall time, CPU
+    time and peak memory on random-cost graphs, each planned in a process of its own."""
+    import pdcompile
+    from pdcompile.planner.dp_search import pipedream_budget
+
+    load = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+    near = []
+    for cluster in PIPEDREAM_NEAR_BUDGET:
+        levels = tuple(level.workers for level in pdcompile.Cluster.parse(cluster).levels)
+        nodes = pipedream_budget(levels) - 1
+        near.append((nodes, nodes // 10, cluster, "near the budget"))
+    rows = random_rows(tuple((n, s, c, "") for n, s, c in PIPEDREAM_CASES) + tuple(near),
+                       "pipedream")
+    after = Path("/proc/loadavg").read_text().split()[0] if Path("/proc/loadavg").exists() else "?"
+    lines = [
+        "## Scale, cost model pipedream",
+        "",
+        f"`python benchmarks/planner.py --section scale-pipedream`, "
+        f"{time.strftime('%Y-%m-%d %H:%M')} UTC, {machine()}; load average {load} before the "
+        f"rows and {after} after (the VM's 2 cores are shared). One "
+        "`pdcompile.plan(graph, cluster, cost_model=\"pipedream\")` call per process on "
+        "`chain(nodes, skips=...)` (random per-node costs, short skip edges over 2-8 blocks): wall "
+        "and CPU time of the call, the process's peak resident memory (ru_maxrss: imports and "
+        "the graph included). The original's DP runs on at most `pipedream_budget` states for "
+        "the cluster (graphs with as many nodes coarsened first) and on levels wider than 32 "
+        "workers in units of neighbouring workers (planner/dp.py `unit_bounds`); budgets: "
+        + ", ".join(f"{w} flat {pipedream_budget((w,))}" for w in (16, 128, 1024))
+        + f", 8x16 {pipedream_budget((8, 16))}, 8x128 {pipedream_budget((8, 128))} states. "
+        "Before this change (2026-11-25, load 4.2): 2,000 nodes + 200 skips on flat 1,024 "
+        "workers had not finished after 100 s under a 6 GB address-space cap (its tables: "
+        "states x states x workers, no coarsening below 6,000 states).",
+        "",
+        "Rows marked 'near the budget' have one node fewer than the cluster's state budget, "
+        "so that nothing is coarsened: the slowest inputs for that cluster.",
+        "",
+        "| nodes | skips | cluster | workers | plan s | CPU s | peak MiB | config | "
+        "predicted ms | states |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for nodes, skips, cluster_text, note, r in rows:
+        config = r["config"] if len(r["config"]) <= 30 else r["config"][:28] + ".."
+        workers = pdcompile.Cluster.parse(cluster_text).workers
+        mark = f" ({note})" if note else ""
+        lines.append(f"| {nodes:,}{mark} | {skips} | `{cluster_text}` | {workers} | "
+                     f"{r['seconds']:.2f} | {r['cpu']:.2f} | {r['peak'] / 2**20:.0f} | "
+                     f"{config} | {r['ms']:.3f} | {r['states']} |")
+    return "\n".join(lines) + "\n"
 
 
 def gpt2_xl_graph() -> Any:

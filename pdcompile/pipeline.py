@@ -765,8 +765,11 @@ def _copy(module: fx.GraphModule) -> fx.GraphModule:
 
 
 def _default_microbatches(schedule: str, plan: Plan) -> int:
+    """'1f1b': the length of an exported run, at least twice the workers and a multiple of
+    every replica count (each replica takes its turn); else one microbatch per stage."""
     if not kind(schedule).microbatched:
-        return max(2 * plan.workers, _lcm([s.replicas for s in plan.stages]))
+        need = _lcm([s.replicas for s in plan.stages])
+        return need * -(-2 * plan.workers // need)
     return max(1, len(plan.stages))
 
 

@@ -139,16 +139,31 @@ def annotate_costs(
 
 def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
     """The CostGraph of a costed GraphModule: one node per fx node (ids are the fx node names;
-    placeholders are zero-compute input nodes, the output node is left out), one edge per use."""
+    placeholders are zero-compute input nodes, the output node is left out), one edge per use.
+
+    Attribute reads (get_attr: torch.export's weights, tensor constants) are not nodes: the split
+    puts them in every stage that uses them, so a plan cannot place them apart; their parameter
+    bytes count to their first user (a planner that could place them alone made stages of
+    weights with nothing to run)."""
     graph = new_cost_graph(name=name or type(gm).__name__, batch_size=None)
+    position = {node: i for i, node in enumerate(gm.graph.nodes)}
+    folded: set[str] = set()
+    carried: dict[str, float] = {}  # parameter bytes of attribute reads, by their first user
     for node in gm.graph.nodes:
-        if node.op == "output":
+        users = [u for u in node.users if u.op != "output"]
+        if node.op == "get_attr" and users and len(users) == len(node.users):
+            first = min(users, key=position.__getitem__)
+            carried[first.name] = carried.get(first.name, 0.0) + get_cost(node).params
+            folded.add(node.name)
+    for node in gm.graph.nodes:
+        if node.op == "output" or node.name in folded:
             continue
         cost = get_cost(node)
-        add_block(graph, node.name, fwd=cost.fwd, bwd=cost.bwd, act=cost.act, params=cost.params,
-                  keep=cost.keep, label=node_label(gm, node))
+        add_block(graph, node.name, fwd=cost.fwd, bwd=cost.bwd, act=cost.act,
+                  params=cost.params + carried.get(node.name, 0.0), keep=cost.keep,
+                  label=node_label(gm, node))
         for source in node.all_input_nodes:
-            if source.op != "output":
+            if source.op != "output" and source.name not in folded:
                 graph.add_edge(source.name, node.name)
     for node in gm.graph.nodes:
         if node.op == "placeholder" and has_shape(node) and get_shape(node):

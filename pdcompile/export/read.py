@@ -19,6 +19,7 @@ from pdcompile.export.callable_ref import resolve
 from pdcompile.export.files import UNSAVED_FIX, checked_source, read_file, read_meta
 from pdcompile.export.integrity import code_files, code_text, verified_export
 from pdcompile.export.module_record import rebuild_module
+from pdcompile.export.ops_tracer import OpsTracer
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.export.trust import check_imports
 from pdcompile.export.user_modules import load_user_modules
@@ -122,7 +123,7 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path) -> None:
                                "optimizer it was saved with") from None
 
 
-class _LeafTracer(fx.Tracer):
+class _LeafTracer(OpsTracer):
     """Traces a loaded stage class: its direct children stay calls, as in the exported code."""
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
@@ -170,7 +171,7 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any],
         kinds=dict(meta.get("kinds", {})), transient_buffers=tuple(transient))
 
 
-class _AllLeaves(fx.Tracer):
+class _AllLeaves(OpsTracer):
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return True
 

@@ -58,6 +58,7 @@ from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.plan import Stage
+from pdcompile.planner.augmented_cut import AugmentedFrontiers
 from pdcompile.schedule.kinds import KINDS, kind, unknown, weight_versions
 
 COST_MODELS = ("native", "pipedream")
@@ -387,19 +388,6 @@ def pipedream_view(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str | None]
     return view, attach
 
 
-def augmented_frontier(graph: nx.DiGraph, downset: set[str]) -> set[str]:
-    """PipeDream's augmented antichain of a downset: its maximal nodes plus each maximal node's
-    ancestors that feed something outside that maximal node's own ancestry."""
-    maximal = [n for n in downset if not any(s in downset for s in graph.successors(n))]
-    out: set[str] = set(maximal)
-    for a in maximal:
-        ancestors = nx.ancestors(graph, a)
-        for p in ancestors:
-            if any(s not in ancestors and s != a for s in graph.successors(p)):
-                out.add(p)
-    return out
-
-
 # ------------------------------------------------------------------------------ evaluate
 def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
              cluster: Cluster, *, options: ModelOptions, memory: float | None = None,
@@ -535,10 +523,12 @@ def _evaluate_pipedream(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str],
         params[i] += float(data["params"])
         act[i] += float(data["act"])
     comm = [0.0] * count
-    prefix: set[str] = set()
+    frontiers = AugmentedFrontiers(view)
+    node_act = np.array([float(view.nodes[n]["act"]) for n in frontiers.order])
+    prefix = np.zeros(len(frontiers.order), dtype=bool)
     for i in range(count - 1):
-        prefix |= {n for n in stages[i][0] if n in view}
-        cut = sum(float(view.nodes[n]["act"]) for n in augmented_frontier(view, prefix))
+        prefix[[frontiers.index[n] for n in stages[i][0] if n in frontiers.index]] = True
+        cut = float(node_act[frontiers.frontier(prefix)].sum())
         level = cluster.slowest_level_of(list(ranks[i]) + list(ranks[i + 1]))
         bw = cluster.levels[level].bandwidth
         if i > 0:  # the original never charges the first stage's output (its base case)

@@ -448,7 +448,10 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
     """The original optimizer's hierarchical recurrence (see the module docstring).
 
     `memory` None means no memory constraint (the original's default); otherwise its
-    stash estimate must fit. Levels are the cluster's, innermost first.
+    stash estimate must fit. Levels are the cluster's, innermost first. A level wider than
+    UNIT_LIMIT (not straight) is planned in units of neighbouring members (`unit_bounds`), so
+    that its (units, replicas) pairs stay within UNIT_LIMIT^2 / 2 whatever the cluster: stages
+    then hold whole units (a bound on the exact optimum, measured in the tests).
     """
     s = len(tables.compute)
     last = s - 1
@@ -459,13 +462,20 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
     # per level: its starts, its values val[a, j, m] and its recorded split of (a, j] on m units
     tables_levels: list[tuple[np.ndarray, np.ndarray, Callable[[int, int, int], tuple[int, int]]]]
     tables_levels = []
+    # per level: its members in units (unit_bounds: at most UNIT_LIMIT units, one member each
+    # where the level is that small, and always in a straight pipeline)
+    level_bounds = [unit_bounds(level.workers, straight=straight) for level in levels]
     inside = 1
     for depth, level in enumerate(levels):
         final = depth == len(levels) - 1
         starts = np.array([0]) if final else np.arange(s)
+        bounds = level_bounds[depth]
+        units = len(bounds) - 1
         # the innermost level over every start has additive segments: two exact shortcuts
-        # (not with a memory limit or straight: single stages then give no finite bound)
-        fast = depth == 0 and not final and memory is None and not straight
+        # (not with a memory limit or straight: single stages then give no finite bound; not
+        # on units of several members: they count one member per unit)
+        fast = (depth == 0 and not final and memory is None and not straight
+                and units == level.workers)
         if fast and int(_cost_classes(tables).max()) + 1 <= s // 4:
             # few cost classes (states differing by zero-cost nodes): values per class, the
             # splits recovered along the walk back only
@@ -479,13 +489,14 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
                 tables, seg, level.workers, level.bandwidth))))
         else:  # the plain level; all three give the same tables
             tables_levels.append((starts, *_as_split(*_pd_level(
-                tables, seg, starts, level.workers, level.bandwidth, inside, memory, straight))))
+                tables, seg, starts, units, level.bandwidth, inside, memory, straight,
+                bounds=bounds))))
         if not final:
-            seg = tables_levels[-1][1][:, :, level.workers]  # [a, j]
+            seg = tables_levels[-1][1][:, :, units]  # [a, j]
         inside = level.workers
     # walk back down: split each top-level segment with the level below
     top_val = tables_levels[-1][1]
-    objective = float(top_val[0, last, levels[-1].workers])
+    objective = float(top_val[0, last, len(level_bounds[-1]) - 1])
     if not math.isfinite(objective):
         raise PlanError("no plan fits")
     segments = [(0, last, 1, tuple(range(cluster.workers)))]  # (a, j, replica factor, ranks)
@@ -497,7 +508,8 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
         for a, j, factor, ranks in segments:
             i = row[a]
             pieces = []
-            m, end = levels[depth].workers, j
+            bounds = level_bounds[depth]
+            m, end = len(bounds) - 1, j
             while True:
                 k, r = split(i, end, m)
                 if k < 0:  # the base case: (a, end] on all m remaining units
@@ -506,16 +518,18 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
                 pieces.append((k, end, r))
                 end, m = k, m - r
             pieces.reverse()
-            # ranks: this segment's units are blocks of `group` ranks; a piece on r units takes
-            # r consecutive blocks out of every copy of the segment.
-            units = [ranks[u * group:(u + 1) * group] for u in range(len(ranks) // group)]
+            # ranks: this segment's members are blocks of `group` ranks; a piece on r units
+            # takes their consecutive members out of every copy of the segment.
+            members = [ranks[u * group:(u + 1) * group] for u in range(len(ranks) // group)]
             per_copy = levels[depth].workers
-            copies = [units[c * per_copy:(c + 1) * per_copy] for c in range(len(units) // per_copy)]
-            offset = 0
+            copies = [members[c * per_copy:(c + 1) * per_copy]
+                      for c in range(len(members) // per_copy)]
+            offset = 0  # in units of this level (pieces run front to back)
             for before, after, r in pieces:
-                mine = tuple(sorted(x for copy in copies for unit in copy[offset:offset + r]
-                                    for x in unit))
-                out.append((before, after, factor * r, mine))
+                first, stop = int(bounds[offset]), int(bounds[offset + r])
+                mine = tuple(sorted(x for copy in copies for block in copy[first:stop]
+                                    for x in block))
+                out.append((before, after, factor * (stop - first), mine))
                 offset += r
         segments = out
     stages = tuple(DPStage(before=a, after=j, ranks=ranks) for a, j, _, ranks in segments)
@@ -531,29 +545,38 @@ def _as_split(val: np.ndarray, kk: np.ndarray, rr: np.ndarray,
 
 
 def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, bandwidth: float,
-              inside: int, memory: float | None, straight: bool,
+              inside: int, memory: float | None, straight: bool, *,
+              bounds: np.ndarray | None = None,
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One level of the original recurrence for every start in `starts`.
 
     Returns val[a, j, m] (best time of (a, j] on m units, INF if none), and the choice
     k[a, j, m] (-1: one stage on all m units) and r[a, j, m] (replicas of the last stage).
+    `bounds` (unit_bounds): the level's members grouped into n units (unit u holds members
+    bounds[u] to bounds[u + 1]); None: one member per unit. A stage on the units after the
+    first m - r of m holds bounds[m] - bounds[m - r] members, so the arithmetic is the
+    original's with those replica counts (the same floats where every unit is one member).
     """
     s = len(tables.compute)
     last = s - 1
     na = len(starts)
+    if bounds is None:
+        bounds = np.arange(n + 1)
+    everyone = int(bounds[n])  # the level's members
     val = np.full((na, s, n + 1), INF)
     kk = np.full((na, s, n + 1), -1, dtype=np.int64)
     rr = np.zeros((na, s, n + 1), dtype=np.int64)
     mem_limit = INF if memory is None else memory
     ms = np.arange(1, n + 1)
-    # base case: one stage (a, j] on m units
+    # base case: one stage (a, j] on m units (bounds[m] members)
     for i, a in enumerate(starts):
         t = seg[a]  # [j]
         p = tables.params - tables.params[a]
         act = tables.act - tables.act[a]
         for m in (ms if not straight else ms[:1]):
-            stash = math.ceil((n - m) / m) * (act + p)
-            base = (t + 4.0 * (m - 1) * p / (bandwidth * m) / inside) / m
+            w = int(bounds[m])
+            stash = math.ceil((everyone - w) / w) * (act + p)
+            base = (t + 4.0 * (w - 1) * p / (bandwidth * w) / inside) / w
             base = np.where(stash <= mem_limit, base, INF)
             val[i, :, m] = base
     rmax = 1 if straight else n - 1
@@ -562,7 +585,8 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
         return val, kk, rr
     pm = np.array([m for m, _ in pairs])
     pr = np.array([r for _, r in pairs])
-    stash_factor = np.ceil((n - pm) / pr)  # [p]
+    replicas = bounds[pm] - bounds[pm - pr]  # [p] members of the last stage
+    stash_factor = np.ceil((everyone - bounds[pm]) / replicas)  # [p]
     col = np.zeros((n + 1, n + 1), dtype=np.int64)  # (m, r) -> pair index
     col[pm, pr] = np.arange(pm.size)
     by_units = np.ascontiguousarray(val.transpose(0, 2, 1))  # [a, m, j], for gathers along j
@@ -583,15 +607,22 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
             rows = row_of[reaching]
         p = (tables.params[j] - tables.params[ks])[:, None]
         act = (tables.act[j] - tables.act[ks])[:, None]
-        stage = (seg[ks, j][:, None] + 4.0 * (pr - 1) * p / (bandwidth * pr)) / pr  # [k, p]
-        stage = np.maximum(stage, 2.0 * tables.frontier[ks][:, None] / (bandwidth * pr))
+        rep = replicas
+        stage = (seg[ks, j][:, None] + 4.0 * (rep - 1) * p / (bandwidth * rep)) / rep  # [k, p]
+        stage = np.maximum(stage, 2.0 * tables.frontier[ks][:, None] / (bandwidth * rep))
         if j < last:
-            stage = np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * pr))
+            stage = np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * rep))
         stage = np.where(stash_factor * (act + p) <= mem_limit, stage, INF)
-        cand = by_units[np.ix_(rows, pm - pr, ks)]  # [a, p, k] the first part on m - r units
-        np.maximum(cand, stage.T[None, :, :], out=cand)
-        arg = np.argmin(cand, axis=2)  # [a, p]
-        best_p = np.take_along_axis(cand, arg[:, :, None], axis=2)[:, :, 0]
+        arg = np.empty((rows.size, pm.size), dtype=np.int64)  # [a, p]
+        best_p = np.empty((rows.size, pm.size))
+        step = max(1, CHUNK // (pm.size * ks.size))  # starts per batch (bounds memory)
+        for lo in range(0, rows.size, step):
+            some = rows[lo:lo + step]
+            cand = by_units[np.ix_(some, pm - pr, ks)]  # [a, p, k] first part on m - r units
+            np.maximum(cand, stage.T[None, :, :], out=cand)
+            arg[lo:lo + step] = np.argmin(cand, axis=2)
+            best_p[lo:lo + step] = np.take_along_axis(cand, arg[lo:lo + step, :, None],
+                                                      axis=2)[:, :, 0]
         # per m: the first r with the smallest time, taken only if strictly better than the
         # single stage (the original's order: base case, then r ascending)
         padded = np.full((rows.size, n + 1, n + 1), INF)
@@ -608,7 +639,7 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
     return val, kk, rr
 
 
-CHUNK = 1 << 22  # candidates evaluated per numpy batch (bounds memory)
+CHUNK = 1 << 20  # candidates evaluated per numpy batch (bounds memory)
 SMALL = 1 << 16  # elements per block of the level by class (cache-sized)
 
 

@@ -25,6 +25,12 @@ COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks
 DP_BUDGET = 1e7  # (states^2 / 2) * (workers, replicas) pairs: elements per pass of the DP
 FEWEST_STATES = 16  # the budget never goes below this many states
 MOST_STAGES = 512  # a straight pipeline of exactly this many stages at most (plan's `stages`)
+# cost_model="pipedream" (dp.pipedream_dp): its states within what one call may spend
+PIPEDREAM_STATES = 2000  # at most this many states (the original enumerates up to 6000)
+PIPEDREAM_WORK = 2e8  # candidates a level over the first state visits: states^2 / 2 * pairs
+PIPEDREAM_CUBE = 2e9  # ... a level over every state without shortcuts: states^3 / 3 * pairs
+PIPEDREAM_PRUNED = 8e9  # ... the same with them (dp._pd_level_all_starts visits a fraction)
+PIPEDREAM_BYTES = 384 << 20  # the value, split and gather tables of a level over every state
 
 
 def state_budget(workers: int, *, straight: bool = False) -> int:
@@ -41,6 +47,31 @@ def state_budget(workers: int, *, straight: bool = False) -> int:
     return max(floor, min(1500, int((2 * DP_BUDGET / pairs) ** 0.5)))
 
 
+def pipedream_budget(levels: tuple[int, ...], *, straight: bool = False,
+                     memory: bool = False) -> int:
+    """How many antichain states `dp.pipedream_dp` may run on for a cluster whose levels have
+    `levels` members each (innermost first), so that its time and memory stay bounded: the
+    outermost level visits about states^2 / 2 (units, replicas) pairs (PIPEDREAM_WORK); each
+    inner level keeps tables of states^2 (units + 1) entries (PIPEDREAM_BYTES) and spans about
+    states^3 / 3 pairs: at most PIPEDREAM_CUBE where no exact shortcut applies (a memory limit,
+    straight, units of several members), else PIPEDREAM_PRUNED (the shortcuts visit a
+    fraction of them). Levels wider than UNIT_LIMIT count in units (dp.unit_bounds). At most
+    PIPEDREAM_STATES; at least FEWEST_STATES."""
+    from pdcompile.planner.dp import unit_bounds
+
+    most = float(PIPEDREAM_STATES)
+    for depth, members in enumerate(levels):
+        units = len(unit_bounds(members, straight=straight)) - 1
+        pairs = max(1, units - 1 if straight else units * (units - 1) // 2)
+        if depth == len(levels) - 1:
+            most = min(most, (2 * PIPEDREAM_WORK / pairs) ** 0.5)
+            continue
+        most = min(most, (PIPEDREAM_BYTES / (32 * (units + 1))) ** 0.5)
+        plain = memory or straight or units < members
+        most = min(most, (3 * (PIPEDREAM_CUBE if plain else PIPEDREAM_PRUNED) / pairs) ** (1 / 3))
+    return max(FEWEST_STATES, int(most))
+
+
 @dataclass
 class Prepared:
     """What the DP runs on: states over `core`, tables over `graph` (= core + pinned)."""
@@ -54,15 +85,23 @@ class Prepared:
 
 
 def prepare(work: nx.DiGraph, cost_model: str, workers: int, *, straight: bool = False,
-            least: int = 0) -> Prepared:
-    """Antichain states of `work` within the DP's budget (`state_budget`, raised to `least`
-    where a pipeline of exactly least - 1 stages is asked for), trying in turn: every downset
-    (native only: exact), PipeDream's antichains, the same on a coarsened graph, and finally
-    the prefixes of a topological order of the coarsened graph (at most the budget of them,
-    cut where they spread its compute evenly)."""
+            least: int = 0, levels: tuple[int, ...] | None = None,
+            memory: bool = False) -> Prepared:
+    """Antichain states of `work` within the DP's budget (native: `state_budget`, raised to
+    `least` where a pipeline of exactly least - 1 stages is asked for; pipedream:
+    `pipedream_budget` of the cluster's `levels`, default one level of `workers`, `memory`
+    whether a memory limit applies), trying in turn: every downset (native only: exact),
+    PipeDream's antichains, the same on a coarsened graph, and finally the prefixes of a
+    topological order of the coarsened graph (at most the budget of them, cut where they spread
+    its compute evenly). A pipedream graph with at least as many nodes as its budget is
+    coarsened first (its antichains would be at least that many, and enumerating them costs
+    nodes^2)."""
     from pdcompile.planner.antichain import antichain_states, prefix_states
 
-    budget = state_budget(workers, straight=straight) if cost_model == "native" else 6000
+    if cost_model == "native":
+        budget = state_budget(workers, straight=straight)
+    else:
+        budget = pipedream_budget(levels or (workers,), straight=straight, memory=memory)
     budget = max(budget, least)
     order = tuple(topological_order(work))
     pinned = pinned_inputs(work, order) if cost_model == "native" else ()
@@ -75,11 +114,12 @@ def prepare(work: nx.DiGraph, cost_model: str, workers: int, *, straight: bool =
             return Prepared(states, "all downsets", identity, work, pinned, order)
         except CostGraphError:
             pass
-    try:
-        states = antichain_states(core, max_states=budget)
-        return Prepared(states, "pipedream antichains", identity, work, pinned, order)
-    except CostGraphError:
-        pass
+    if cost_model == "native" or core.number_of_nodes() < budget:
+        try:
+            states = antichain_states(core, max_states=budget)
+            return Prepared(states, "pipedream antichains", identity, work, pinned, order)
+        except CostGraphError:
+            pass
     target = max(min(COARSE_NODES, budget - 1), least - 1)
     full, mapping = coarse_with_pinned(work, target, pinned)
     coarse = full.subgraph([b for b in full.nodes if b not in set(pinned)]).copy()
@@ -178,6 +218,7 @@ def pinned_inputs(graph: nx.DiGraph, order: tuple[str, ...] = ()) -> tuple[str, 
     return tuple(n for n in order or topological_order(graph) if n in pinned)
 
 
-__all__ = ["COARSE_NODES", "DP_BUDGET", "FEWEST_STATES", "MOST_STAGES", "Prepared",
-           "coarse_with_pinned", "expand", "pinned_inputs", "planning_dp", "planning_graph",
-           "prepare", "solve", "state_budget"]
+__all__ = ["COARSE_NODES", "DP_BUDGET", "FEWEST_STATES", "MOST_STAGES", "PIPEDREAM_BYTES",
+           "PIPEDREAM_CUBE", "PIPEDREAM_PRUNED", "PIPEDREAM_STATES", "PIPEDREAM_WORK", "Prepared",
+           "coarse_with_pinned", "expand", "pinned_inputs", "pipedream_budget", "planning_dp",
+           "planning_graph", "prepare", "solve", "state_budget"]

@@ -37,6 +37,7 @@ from pdcompile.planner.dp_search import (
     coarse_with_pinned,
     expand,
     pinned_inputs,
+    pipedream_budget,
     planning_graph,
     prepare,
     solve,
@@ -596,9 +597,14 @@ def _ilp_candidate(graph: nx.DiGraph, cluster: Cluster, planner: str, limit: flo
 
 def _pipedream_plan(cost_graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                     limit: float | None, straight: bool) -> Plan:
-    """The original optimizer's plan and figures (cost_model="pipedream")."""
+    """The original optimizer's plan and figures (cost_model="pipedream"), its DP on states
+    within `pipedream_budget` (a graph too big for it is coarsened first)."""
     work, attach = planning_graph(cost_graph, "pipedream")
-    prepared = prepare(work, "pipedream", cluster.workers)
+    levels = tuple(level.workers for level in cluster.levels)
+    if straight:
+        _straight_fits(work, cluster, limit)
+    prepared = prepare(work, "pipedream", cluster.workers, straight=straight, levels=levels,
+                       memory=limit is not None, least=cluster.workers + 1 if straight else 0)
     try:
         result = solve(prepared, cluster, options, limit, straight)
     except PlanError:
@@ -643,6 +649,24 @@ def _memory(memory: float | str | None, cluster: Cluster, cost_model: str) -> fl
     return value
 
 
+def _straight_fits(work: nx.DiGraph, cluster: Cluster, limit: float | None) -> None:
+    """cost_model="pipedream" with straight=True gives every worker a stage of its own: refuse
+    up front, in one line, a cluster with more workers than the graph has nodes or than
+    the DP's state budget (dp_search.pipedream_budget) allows stages."""
+    levels = tuple(level.workers for level in cluster.levels)
+    budget = pipedream_budget(levels, straight=True, memory=limit is not None)
+    nodes = work.number_of_nodes()
+    most = min(nodes, budget - 1)
+    if cluster.workers > most:
+        why = (f"the graph has only {nodes} nodes" if nodes <= budget - 1 else
+               f"on this cluster its DP plans a graph of {nodes} nodes in at most "
+               f"{budget - 1} stages (the state budget that bounds its time and memory)")
+        raise PlanError(
+            f"cost_model='pipedream' with straight=True gives each of the {cluster.workers} "
+            f"workers a stage of its own, but {why}; use cost_model='native' (its straight "
+            f"pipelines may leave workers out) or a cluster of at most {most} workers")
+
+
 def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: float | None,
             straight: bool) -> PlanError:
     """The error for a model that fits no plan: the memory or the workers that would fit."""
@@ -650,7 +674,13 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
 
     def fits(c: Cluster, mem: float) -> bool:
         try:
-            solve(prepare(work, options.cost_model, c.workers), c, options, mem, straight)
+            if options.cost_model == "pipedream":  # its budget: the cluster's, with memory
+                prepared = prepare(work, "pipedream", c.workers, straight=straight,
+                                   levels=tuple(level.workers for level in c.levels),
+                                   memory=True)
+            else:
+                prepared = prepare(work, options.cost_model, c.workers)
+            solve(prepared, c, options, mem, straight)
             return True
         except PlanError:
             return False

@@ -234,6 +234,44 @@ def test_to_cost_graph() -> None:
     assert costgraph.to_dict(again) == costgraph.to_dict(graph)
 
 
+def test_attribute_reads_are_no_nodes_and_their_weights_go_to_their_users() -> None:
+    """torch.export reads every weight with get_attr: the CostGraph leaves those reads out
+    (the split puts them where they are used) and counts their bytes to their first user, so
+    the model's parameter bytes are unchanged and no plan can place a weight apart."""
+    from pdcompile.passes.frontend import capture
+
+    model = Small()
+    x = torch.randn(4, 3, 4, 4)
+    gm = annotate_costs(capture(model, (x,), frontend="export").graph, (x,), source="analytic")
+    reads = [n for n in gm.graph.nodes if n.op == "get_attr"]
+    assert reads  # the weights of torch.export's graph
+    graph = to_cost_graph(gm)
+    costgraph.validate(graph)
+    assert not set(graph.nodes) & {n.name for n in reads}
+    assert costgraph.totals(graph)["params"] == total_cost(gm).params == sum(
+        p.numel() * p.element_size() for p in model.parameters())
+    for read in reads:
+        if get_cost(read).params:
+            first = min(read.users, key=list(gm.graph.nodes).index)
+            assert graph.nodes[first.name]["params"] >= get_cost(read).params
+
+
+@pytest.mark.parametrize("cluster", ["2@10GB/s", "3@1GB/s~1ms", "4@10GB/s"])
+def test_plans_of_torch_export_graphs_give_every_stage_an_operation(cluster: str) -> None:
+    """Tiny models through torch.export (weights read by get_attr): the planner placed weights
+    in stages of their own, which the split refused ('stages [0, 1] of the plan have no
+    operation to run')."""
+    import pdcompile
+    from tests.helpers.random_models import RandomNet, Step, squared_error
+
+    for kinds in (("linear", "linear"), ("linear", "add"), ("tanh", "linear")):
+        model = RandomNet([Step(k, i, 0) for i, k in enumerate(kinds)], 1, [2])
+        pipe = pdcompile.compile(model, cluster, example_inputs=(torch.randn(8, 3, 4),),
+                                 loss_fn=squared_error, cost="analytic", frontend="export",
+                                 schedule="1f1b-flush", microbatches=2)
+        assert len(pipe.stage_modules) == len(pipe.plan.stages)
+
+
 @pytest.mark.slow
 def test_gpt2_xl_on_meta_costs_without_memory(tmp_path: Any) -> None:
     script = tmp_path / "xl.py"

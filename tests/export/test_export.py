@@ -61,6 +61,25 @@ def test_round_trip_flush_with_adam_and_tied_weights(tmp_path: Path) -> None:
     assert_same_state(pipe, loaded)
 
 
+@pytest.mark.parametrize("replicas", [[3, 1], [2, 3], [1, 5]])
+def test_async_1f1b_with_uneven_replicas_exports_its_default_run(tmp_path: Path,
+                                                                  replicas: list[int]) -> None:
+    """'1f1b' runs a multiple of every replica count per run: the default length (twice the
+    workers) was not one for [3, 1] (8), and the export stopped on its own schedule."""
+    model = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 3))
+    x, y = torch.randn(30, 6), torch.randn(30, 3)
+    pipe = pdcompile.compile(model, example_inputs=(x,), loss_fn=nn.functional.mse_loss,
+                             plan=replicas, schedule="1f1b")
+    workers = sum(replicas)
+    assert pipe.microbatches >= 2 * workers
+    assert all(pipe.microbatches % r == 0 for r in replicas)
+    pipe.export(str(tmp_path))
+    loaded = pdcompile.load(str(tmp_path))
+    for _ in range(2):
+        assert pipe.step(x, target=y) == loaded.step(x, target=y)
+    assert_same_state(pipe, loaded)
+
+
 @pytest.mark.slow
 def test_round_trip_async_1f1b_with_batchnorm(tmp_path: Path) -> None:
     model, inputs = resnet50.factory(batch_size=4, image_size=32, width=16, blocks=(1, 1, 1, 1))

@@ -1,0 +1,129 @@
+"""Exports of models nobody chose run as exported: random models (branches, skips, tuple outputs,
+LSTMs, shared modules, in-place changes, constants built in forward) through both front ends,
+planned on random clusters with random schedules and costs, exported, loaded and trained, give
+the losses and weights of the pipeline they were exported from, at the example's batch size and
+at another one."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn as nn
+from hypothesis import HealthCheck, given, reject, settings
+from hypothesis import strategies as st
+
+import pdcompile
+from pdcompile.errors import PipelineInputError
+from tests.helpers.random_models import random_models, squared_error
+from tests.helpers.transparency import momentum
+
+
+def _trains_in_one_process(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
+    """Whether autograd accepts the drawn model on the whole minibatch and on one sample (the
+    smallest microbatch a planner may choose): PyTorch itself refuses an in-place change of a
+    value a backward needs, at some batch sizes only (an LSTM's input changed in place: at 1)."""
+    for rows in (inputs[0].shape[0], 1):
+        try:
+            out = copy.deepcopy(model)(*(x[:rows] for x in inputs))
+            squared_error(out, torch.zeros(())).backward()
+        except RuntimeError as err:
+            if "modified by an inplace operation" in str(err):
+                return False
+            raise
+    return True
+
+
+def _trained(pipe: Any, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,
+             rows: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Two steps on the example minibatch, then one of `rows` rows (refused in one line where
+    they are fewer than the pipeline's microbatches)."""
+    more = tuple(torch.cat([x, x])[:rows] for x in inputs)
+    losses = [pipe.step(*inputs, target=target) for _ in range(2)]
+    if rows < pipe.per_minibatch:
+        with pytest.raises(PipelineInputError, match=f"batch size {rows}, too small to cut "
+                                                     f"into {pipe.per_minibatch} microbatches"):
+            pipe.step(*more, target=torch.cat([target, target])[:rows])
+    else:
+        losses.append(pipe.step(*more, target=torch.cat([target, target])[:rows]))
+    return losses, pipe.state_dict()
+
+
+def _round_trip(model: nn.Module, inputs: tuple[torch.Tensor, ...], folder: Path,
+                rows: int, **options: Any) -> None:
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, loss_fn=squared_error,
+                             optimizer=momentum, **options)
+    pipe.export(str(folder))
+    loaded = pdcompile.load(str(folder), loss_fn=squared_error, optimizer=momentum, trust=True)
+    target = torch.randn(inputs[0].shape[0], 1, inputs[0].shape[-1])
+    got, got_state = _trained(loaded, inputs, target, rows)
+    want, want_state = _trained(pipe, inputs, target, rows)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+    assert set(got_state) == set(want_state)
+    for name, value in want_state.items():
+        torch.testing.assert_close(got_state[name], value, msg=lambda m, n=name: f"{n}: {m}")
+
+
+class _LSTMHead(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lstm = nn.LSTM(4, 4, batch_first=True)
+        self.head = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.lstm(x)[0])
+
+
+@pytest.mark.parametrize("rows", [8, 4, 12])
+def test_an_exported_lstm_from_torch_export_loads_with_its_free_batch(tmp_path: Path,
+                                                                       rows: int) -> None:
+    """torch.export writes the LSTM's zero state as aten.zeros([1, batch, 4]) with the batch a
+    traced size: loading the export traces that call back (it failed with 'Expected a value of
+    type List[int] ... found type list')."""
+    inputs = (torch.randn(8, 3, 4),)
+    _round_trip(_LSTMHead(), inputs, tmp_path / "out", rows, frontend="export", plan=[1, 1],
+                schedule="1f1b-flush", microbatches=2)
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> dict[str, Any]:
+    model, inputs = draw(random_models())
+    if not _trains_in_one_process(model, inputs):
+        reject()
+    schedule = draw(st.sampled_from(["1f1b", "1f1b-flush", "gpipe", "2bw", "auto"]))
+    return {"model": model, "inputs": inputs, "schedule": schedule,
+            "microbatches": None if schedule in ("1f1b", "auto")
+            else draw(st.sampled_from([2, 4])),
+            "cluster": draw(st.sampled_from(["2@10GB/s", "4@10GB/s", "3@1GB/s~1ms",
+                                             "2x2@10GB/s,1GB/s"])),
+            "cost": draw(st.sampled_from(["analytic", "measured"])),
+            "frontend": draw(st.sampled_from(["fx", "export"])),
+            "rows": draw(st.sampled_from([4, 8, 12]))}
+
+
+def _check(case: dict[str, Any], folder: Path) -> None:
+    torch.manual_seed(0)
+    _round_trip(case["model"], case["inputs"], folder, case["rows"], schedule=case["schedule"],
+                microbatches=case["microbatches"], cost=case["cost"],
+                frontend=case["frontend"], cluster=case["cluster"])
+
+
+SETTINGS = {"deadline": None, "suppress_health_check": list(HealthCheck)}
+
+
+@settings(max_examples=6, **SETTINGS)
+@given(case=_cases())
+def test_planned_random_models_run_as_exported(case: dict[str, Any],
+                                               tmp_path_factory: pytest.TempPathFactory) -> None:
+    _check(case, tmp_path_factory.mktemp("export") / "out")
+
+
+@pytest.mark.slow
+@settings(max_examples=100, **SETTINGS)
+@given(case=_cases())
+def test_planned_random_models_run_as_exported_many(
+        case: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    _check(case, tmp_path_factory.mktemp("export") / "out")
