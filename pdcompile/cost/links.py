@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from pdcompile.machine.cluster import Cluster, Level
 
@@ -44,8 +45,8 @@ def stage_allreduce_seconds(nbytes: float, ranks: Sequence[int], cluster: Cluste
     return ring_allreduce_seconds(nbytes, len(ranks), level)
 
 
-def exposed_allreduce_seconds(allreduce: float, *, backward: float, params: float,
-                              bucket: float | None) -> float:
+def exposed_allreduce_seconds(allreduce: Any, *, backward: Any, params: Any,
+                              bucket: float | None) -> Any:
     """Seconds of a stage's all-reduce (`allreduce`, whole) that remain after its backward
     (`backward` seconds, over `params` bytes of gradients) ends.
 
@@ -55,11 +56,25 @@ def exposed_allreduce_seconds(allreduce: float, *, backward: float, params: floa
     even rate over the backward, n = params / bucket buckets of a = allreduce / n seconds each,
     the last all-reduce ends max over k of (k/n backward + (n - k + 1) a) after the backward's
     start: what remains is the larger of the last bucket's all-reduce and the all-reduce less
-    the backward but its last bucket's share, max(a, allreduce - (1 - 1/n) backward)."""
-    if bucket is None or allreduce <= 0.0 or params <= bucket:
+    the backward but its last bucket's share, max(a, allreduce - (1 - 1/n) backward); all of it
+    where the gradients fit one bucket (n <= 1).
+
+    Floats give a float; numpy arrays (the planners' candidate stages) broadcast and give an
+    array, by the same formula."""
+    if bucket is None:
         return allreduce
-    share = bucket / params  # 1/n
-    return max(allreduce * share, allreduce - (1.0 - share) * backward)
+    if isinstance(allreduce, float | int) and isinstance(backward, float | int) \
+            and isinstance(params, float | int):
+        if allreduce <= 0.0 or params <= bucket:
+            return allreduce
+        share = bucket / params  # 1/n
+        return max(allreduce * share, allreduce - (1.0 - share) * backward)
+    import numpy as np
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        share = np.where(np.asarray(params) > bucket,
+                         np.asarray(bucket, dtype=np.float64) / np.asarray(params), 1.0)
+    return np.maximum(allreduce * share, allreduce - (1.0 - share) * np.asarray(backward))
 
 
 def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Level]:
