@@ -41,7 +41,7 @@ WALL_GUARD = 100.0  # wall-clock guard, in multiples of the deterministic limit 
 # at load 15 took over 20 times the deterministic limit: the guard must never bind in practice)
 SCALE_UNITS = 1e9  # integer units for the largest possible stage time
 MEMORY_UNITS = 1_000_000  # integer units of the memory limit
-BUCKET_UNITS = 1_000  # integer units of a gradient bucket (a stage's min(params, bucket))
+BUCKET_UNITS = 100_000  # integer units of a gradient bucket (a stage's min(params, bucket))
 
 
 def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOptions,
@@ -157,7 +157,7 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
         bucket_unit = bucket / BUCKET_UNITS
         for s in range(stages):
             last.append(model.new_int_var(0, BUCKET_UNITS, f"last_bucket[{s}]"))
-            model.add_min_equality(last[s], [sum(math.ceil(par[v] / bucket_unit) * x[v, s]
+            model.add_min_equality(last[s], [sum(round(par[v] / bucket_unit) * x[v, s]
                                                  for v in nodes), BUCKET_UNITS])
     # e_in[e, s] / e_out[e, s]: edge e enters / leaves stage s (>= is enough: minimising)
     before = {(v, s): sum(x[v, q] for q in range(s)) for v in nodes for s in range(stages)}
@@ -241,6 +241,11 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
     status = solver.status_name(code)
     # the rounding of coefficients can move the optimum by up to one unit per term
     slack = (len(nodes) + 2 * len(edges) + 1) / scale
+    if bucket is not None:  # each node's parameters in units of the bucket, and the
+        # coefficient of a stage's bucket units (up to half a time unit per bucket unit)
+        slack += len(nodes) * bucket / BUCKET_UNITS * max(
+            terms[key].per_sync * c.sync_per_byte for key, c in coef.items()) \
+            + BUCKET_UNITS / 2 / scale
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         bound_so_far = None
         if code == cp_model.UNKNOWN and math.isfinite(solver.best_objective_bound):
