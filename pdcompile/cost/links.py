@@ -87,6 +87,47 @@ def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Le
             for m in range(math.lcm(len(a), len(b)))]
 
 
+def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int, int], float],
+                     params: Sequence[float], cluster: Cluster, *,
+                     allreduces: Sequence[float] | None = None) -> float:
+    """Seconds per microbatch that the busiest server's network interface (the outermost
+    level's link of one group of the level below) needs for everything crossing it, one way:
+    the activations and gradients between stages (microbatch m goes from a[m % len(a)] to
+    c[m % len(c)], `pair_levels`' rule) and each replicated stage's ring all-reduces
+    (`allreduces[s]` per microbatch, default once per round of its replicas, 1/r; a ring enters
+    and leaves each server it spans once, carrying 2 (r-1)/r of the parameters). The flows of one server's workers share it, whatever a single
+    flow may reach (`Level.flow_rate`), so a plan cannot run faster than this per microbatch;
+    0 on a one-level cluster. A throughput bound: where it is below a plan's time per
+    microbatch the interface never limits the steady state (docs/cost-model.md)."""
+    if len(cluster.levels) < 2:
+        return 0.0
+    nic = cluster.levels[-1].bandwidth
+    server = cluster.group_size(len(cluster.levels) - 2)  # workers behind one interface
+    load: dict[tuple[int, str], float] = {}
+
+    def carry(src: int, dst: int, nbytes: float) -> None:
+        if src // server != dst // server:
+            load[src // server, "out"] = load.get((src // server, "out"), 0.0) + nbytes
+            load[dst // server, "in"] = load.get((dst // server, "in"), 0.0) + nbytes
+
+    for (a, c), size in edges.items():
+        senders, receivers = stage_ranks[a], stage_ranks[c]
+        rounds = math.lcm(len(senders), len(receivers))
+        for m in range(rounds):  # activations forward, their gradients back: same bytes
+            carry(senders[m % len(senders)], receivers[m % len(receivers)], size / rounds)
+            carry(receivers[m % len(receivers)], senders[m % len(senders)], size / rounds)
+    for s, (ranks, nbytes) in enumerate(zip(stage_ranks, params, strict=True)):
+        servers = sorted({rank // server for rank in ranks})
+        r = len(ranks)
+        rings = 1.0 / r if allreduces is None else allreduces[s]
+        if len(servers) > 1:
+            for host in servers:
+                for way in ("in", "out"):
+                    load[host, way] = load.get((host, way), 0.0) \
+                        + 2.0 * (r - 1) / r * nbytes * rings
+    return max(load.values(), default=0.0) / nic
+
+
 def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     """The slowest level that the transfers between two stages on ranks `a` and `b` cross
     (`pair_levels`)."""
@@ -94,6 +135,6 @@ def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     return cluster.levels[max(cluster.levels.index(level) for level in levels)]
 
 
-__all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "pair_levels",
+__all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "nic_busy_seconds", "pair_levels",
            "ring_allreduce_seconds", "slowest_link", "stage_allreduce_seconds",
            "transfer_seconds"]

@@ -504,7 +504,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
     row = kind(options.schedule)
     copying = [row.copies_weights and n > 1 for n in flight]
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
-                          microbatches=m)
+                          microbatches=m, params=params)
     priced = []
     for i, term in enumerate(terms):
         r = term.replicas
