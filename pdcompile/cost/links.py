@@ -72,9 +72,9 @@ def exposed_allreduce_seconds(allreduce: Any, *, backward: Any, params: Any,
     import numpy as np
 
     with np.errstate(divide="ignore", invalid="ignore"):
-        share = np.where(np.asarray(params) > bucket,
-                         np.asarray(bucket, dtype=np.float64) / np.asarray(params), 1.0)
-    return np.maximum(allreduce * share, allreduce - (1.0 - share) * np.asarray(backward))
+        shares = np.where(np.asarray(params) > bucket,
+                          np.asarray(bucket, dtype=np.float64) / np.asarray(params), 1.0)
+    return np.maximum(allreduce * shares, allreduce - (1.0 - shares) * np.asarray(backward))
 
 
 def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Level]:
@@ -95,9 +95,9 @@ def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int
     the activations and gradients between stages (microbatch m goes from a[m % len(a)] to
     c[m % len(c)], `pair_levels`' rule) and each replicated stage's ring all-reduces
     (`allreduces[s]` per microbatch, default once per round of its replicas, 1/r; a ring enters
-    and leaves each server it spans once, carrying 2 (r-1)/r of the parameters). The flows of one server's workers share it, whatever a single
-    flow may reach (`Level.flow_rate`), so a plan cannot run faster than this per microbatch;
-    0 on a one-level cluster. A throughput bound: where it is below a plan's time per
+    and leaves each server it spans once, carrying 2 (r-1)/r of the parameters). The flows of
+    one server's workers share it, whatever a single flow may reach (`Level.flow_rate`), so a
+    plan cannot run faster than this per microbatch; 0 on a one-level cluster. A throughput bound: where it is below a plan's time per
     microbatch the interface never limits the steady state (docs/cost-model.md)."""
     if len(cluster.levels) < 2:
         return 0.0
