@@ -97,8 +97,9 @@ def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int
     (`allreduces[s]` per microbatch, default once per round of its replicas, 1/r; a ring enters
     and leaves each server it spans once, carrying 2 (r-1)/r of the parameters). The flows of
     one server's workers share it, whatever a single flow may reach (`Level.flow_rate`), so a
-    plan cannot run faster than this per microbatch; 0 on a one-level cluster. A throughput bound: where it is below a plan's time per
-    microbatch the interface never limits the steady state (docs/cost-model.md)."""
+    plan cannot run faster than this per microbatch; 0 on a one-level cluster. A throughput
+    bound: where it is below a plan's time per microbatch the interface never limits the steady
+    state (docs/cost-model.md)."""
     if len(cluster.levels) < 2:
         return 0.0
     nic = cluster.levels[-1].bandwidth

@@ -247,8 +247,9 @@ def stage_values(*, compute: Any, backward: Any, params: Any, keep: Any, receive
     """The planning objective of stages (seconds per minibatch; inf where it cannot run), on
     numpy arrays that broadcast: `compute` fwd+bwd and `backward` bwd seconds, `params`, `keep`
     bytes per minibatch of the stage; `received` / `sent` bytes per minibatch over its input /
-    output links; `rest` the fwd+bwd of everything after it; `coef` a `Placement` whose fields may be arrays (one per
-    candidate position). See the module docstring; the DP and the brute-force tests share it."""
+    output links; `rest` the fwd+bwd of everything after it; `coef` a `Placement` whose fields
+    may be arrays (one per candidate position). See the module docstring; the DP and the
+    brute-force tests share it."""
     parts = stage_parts(compute=compute, backward=backward, params=params, keep=keep,
                         received=received, sent=sent, coef=coef, options=options, memory=memory)
     return values_of(parts, rest, options)
