@@ -144,6 +144,8 @@ class Placement:
     copy_per_byte: float = 0.0  # a weight-version copy per parameter byte
     sync_bucket: float = math.inf  # bytes per gradient bucket all-reduced during the backward
     # (Cluster.allreduce_bucket; inf: the all-reduce starts after the backward)
+    in_nic_per_byte: float = 0.0  # the busiest server interface per byte the stage receives
+    out_nic_per_byte: float = 0.0  # ... and per byte it sends (`server_interfaces`)
 
 
 def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
@@ -172,9 +174,32 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
         out_a, out_l = 1.0 / lo.flow_rate, lo.latency
         copy_out = out_a if lo.cpu_copies else 0.0
     bucket = math.inf if cluster.allreduce_bucket is None else cluster.allreduce_bucket
+    nic_in, nic_out = server_interfaces(cluster, start, r, workers)
     return Placement(r, noam(r, workers - start), sync_a, sync_b, in_a, in_l, out_a, out_l,
                      copy_in, copy_out, step_seconds(1.0, cluster.device),
-                     copy_seconds(1.0, cluster.device), bucket)
+                     copy_seconds(1.0, cluster.device), bucket, nic_in, nic_out)
+
+
+def server_interfaces(cluster: Cluster, start: int, replicas: int,
+                      workers: int) -> tuple[float, float]:
+    """Seconds per byte that a stage on ranks [start, start + replicas) of `workers` puts on
+    the busiest server interface (the outermost level's bandwidth, shared by a server's
+    workers: cost/links.nic_busy_seconds) for what it receives and for what it sends: its
+    replicas share its bytes evenly, and a server's share crosses the interface unless the
+    server also holds ranks of the stages before it (receiving) or after it (sending), whose
+    part the objective cannot see (then 0 for that server). 0 on a one-level cluster."""
+    if len(cluster.levels) < 2 or workers != cluster.workers:
+        return 0.0, 0.0
+    size = cluster.group_size(len(cluster.levels) - 2)
+    nic = cluster.levels[-1].bandwidth
+    end = start + replicas - 1
+    counts: dict[int, int] = {}
+    for rank in range(start, end + 1):
+        counts[rank // size] = counts.get(rank // size, 0) + 1
+    first, last = start // size, end // size
+    into = max((c for k, c in counts.items() if k != first or start % size == 0), default=0)
+    out = max((c for k, c in counts.items() if k != last or (end + 1) % size == 0), default=0)
+    return into / replicas / nic, out / replicas / nic
 
 
 # ------------------------------------------------------------------------------ objective
@@ -231,7 +256,8 @@ def stage_parts(*, compute: Any, backward: Any, params: Any, keep: Any, received
     fit = np.minimum(fit, IN_FLIGHT_CAP)
     copy = p * coef.copy_per_byte if row.copies_weights else 0.0
     own = t + cpu + (allreduce + step + copy) * update_share(options.schedule, m, r)
-    link = np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r
+    link = np.maximum(np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r,
+                      np.maximum(inb * coef.in_nic_per_byte, outb * coef.out_nic_per_byte))
     # a microbatched schedule cuts a minibatch into microbatches that the replicas share: no
     # more replicas than microbatches, and 2bw needs a multiple of them
     runs = r <= (m if row.microbatched else math.inf)

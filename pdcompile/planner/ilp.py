@@ -194,7 +194,12 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
                 work += [(x[v, s], -round(behind * bwd[v])) for v in nodes if bwd[v]]
             comm = []
             copies = []
+            shared_in, shared_out = [], []  # on the busiest server interface
             for i, (_, _, b) in enumerate(edges):
+                if (i, s) in e_in and c.in_nic_per_byte:
+                    shared_in.append((e_in[i, s], round(scale * b * c.in_nic_per_byte)))
+                if (i, s) in e_out and c.out_nic_per_byte:
+                    shared_out.append((e_out[i, s], round(scale * b * c.out_nic_per_byte)))
                 if (i, s) in e_in:
                     comm.append((e_in[i, s], round(scale * (b * c.in_per_byte + c.in_per_msg)
                                                    / k)))
@@ -210,8 +215,9 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             for branch in (work, tail) if tail else (work,):
                 model.add(sum(w * var for var, w in branch + copies) + round(scale * lin.fixed)
                           <= t).only_enforce_if(zz)
-            if comm:
-                model.add(sum(w * var for var, w in comm) <= t).only_enforce_if(zz)
+            for links in (comm, shared_in, shared_out):
+                if links:
+                    model.add(sum(w * var for var, w in links) <= t).only_enforce_if(zz)
             if math.isfinite(mem_limit):
                 per_node = {v: par[v] * (lin.versions + 1.0 + options.optimizer_state)
                             + keep[v] * lin.in_flight / options.per_minibatch for v in nodes}
@@ -335,14 +341,17 @@ def ilp_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ..
             work += comp * lin.per_compute + float(d["params"]) * lin.per_param
             mem += float(d["params"]) * (lin.versions + 1.0 + options.optimizer_state) \
                 + float(d.get("keep", d["act"])) * lin.in_flight / options.per_minibatch
+        shared_in = shared_out = 0.0
         for u, v in graph.edges:
             b = edge_bytes(graph, u, v)
             if stage_of[v] == i and stage_of[u] < i:
                 comm += (b * c.in_per_byte + c.in_per_msg) / k
                 work += b * c.copy_in_per_byte * lin.per_copy
+                shared_in += b * c.in_nic_per_byte
             if stage_of[u] == i and stage_of[v] > i:
                 comm += (b * c.out_per_byte + c.out_per_msg) / k
                 work += b * c.copy_out_per_byte * lin.per_copy
+                shared_out += b * c.out_nic_per_byte
         if memory is not None and mem > memory * (1 + 1e-12):
             return math.inf
         bucket = cluster.allreduce_bucket
@@ -350,7 +359,7 @@ def ilp_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ..
             sync = lin.per_sync * c.sync_per_byte
             work = max(work - lin.per_sync * backward / options.per_minibatch,
                        work - sync * (params - min(params, bucket)))
-        worst = max(worst, work, comm)
+        worst = max(worst, work, comm, shared_in, shared_out)
     return worst
 
 
