@@ -408,7 +408,7 @@ def why_this_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster) -> str:
     dp = (f"data parallelism would compute {format_seconds(compute / workers)} per worker and "
           f"all-reduce all {format_bytes(weights)} of weights once per round of {workers} "
           f"minibatches ({format_seconds(sync)} per minibatch at "
-          f"{format_bytes(level.bandwidth)}/s){turns}")
+          f"{format_bytes(level.allreduce_rate)}/s of all-reduce bus bandwidth){turns}")
     if len(plan.stages) == 1:
         return (f"why: the planner chose data parallelism ({plan.config}): {dp}, which beats "
                 "every pipeline it priced")

@@ -158,6 +158,22 @@ def _check_trust(export_dir: Path, meta: dict[str, object], *, trust: bool) -> N
     check_imports(export_dir, meta, code, trust=trust)
 
 
+def _is_loopback(endpoint: str) -> bool:
+    """Whether a HOST[:PORT] rendezvous endpoint names this machine's loopback interface."""
+    import ipaddress
+
+    if endpoint.startswith("[") and "]" in endpoint:  # [IPv6]:PORT
+        host = endpoint[1:endpoint.index("]")]
+    else:  # HOST:PORT, HOST, or a bare IPv6 address
+        host = endpoint.rsplit(":", 1)[0] if endpoint.count(":") == 1 else endpoint
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for `args` (see `register`)."""
     export_dir = Path(args.export_dir)
@@ -181,6 +197,8 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd += [f"--rdzv-backend={args.rdzv_backend or 'c10d'}"]
         if args.rdzv_endpoint:
             cmd += [f"--rdzv-endpoint={args.rdzv_endpoint}"]
+            if _is_loopback(args.rdzv_endpoint):  # every node is here: bootstrap on loopback
+                cmd += ["--local-addr=127.0.0.1"]
         if args.rdzv_id:
             cmd += [f"--rdzv-id={args.rdzv_id}"]
     else:

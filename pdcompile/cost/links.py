@@ -32,11 +32,12 @@ def transfer_seconds(nbytes: float, level: Level) -> float:
 
 def ring_allreduce_seconds(nbytes: float, replicas: int, level: Level) -> float:
     """A ring all-reduce of `nbytes` among `replicas` workers over `level` (its slowest link):
-    2 (r-1)/r bytes / bandwidth + 2 (r-1) latencies; 0 for one replica."""
+    2 (r-1)/r bytes / bus bandwidth (`Level.allreduce_rate`) + 2 (r-1) latencies; 0 for one
+    replica."""
     if replicas <= 1:
         return 0.0
     r = replicas
-    return 2.0 * (r - 1) / r * nbytes / level.flow_rate + 2.0 * (r - 1) * level.latency
+    return 2.0 * (r - 1) / r * nbytes / level.allreduce_rate + 2.0 * (r - 1) * level.latency
 
 
 def stage_allreduce_seconds(nbytes: float, ranks: Sequence[int], cluster: Cluster) -> float:

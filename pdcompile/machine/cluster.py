@@ -47,7 +47,13 @@ class Level:
     network caps single flows below the link (AWS: 5 Gbps per flow between instances outside a
     cluster placement group); None: a flow gets the whole link. NCCL 2.4's socket transport
     (one socket per ring connection before NCCL_NSOCKS_PERTHREAD, 2.4.8) and gloo's pairs both
-    send one flow per peer, so every transfer and every hop of a ring runs at `flow_rate`."""
+    send one flow per peer, so every transfer and every hop of a ring runs at `flow_rate`.
+
+    `allreduce_bandwidth`: the bus bandwidth (2 (r-1)/r bytes per second of a ring all-reduce)
+    that the collective achieves over this level where it falls below `flow_rate`; None: the
+    ring runs at `flow_rate`. gloo's all-reduce of CPU tensors between processes of one host
+    also copies and reduces its buffers on those CPUs: on a 2-core machine it achieves about a
+    third of a send's bandwidth (machine/loopback.py measures both)."""
 
     workers: int
     bandwidth: float
@@ -55,6 +61,7 @@ class Level:
     cpu_copies: bool = False
     cores: int | None = None
     flow_bandwidth: float | None = None
+    allreduce_bandwidth: float | None = None
 
     @property
     def flow_rate(self) -> float:
@@ -62,6 +69,13 @@ class Level:
         if self.flow_bandwidth is None:
             return self.bandwidth
         return min(self.bandwidth, self.flow_bandwidth)
+
+    @property
+    def allreduce_rate(self) -> float:
+        """Bus bandwidth (bytes/s) of a ring all-reduce over this level."""
+        if self.allreduce_bandwidth is None:
+            return self.flow_rate
+        return min(self.flow_rate, self.allreduce_bandwidth)
 
 
 _PCIE, _NVLINK_V100, _NVLINK_H100 = 1e10, 1.5e11, 4.5e11
@@ -118,6 +132,10 @@ class Cluster:
             if level.flow_bandwidth is not None and not level.flow_bandwidth > 0:
                 raise ClusterError(f"level {i} has flow_bandwidth {level.flow_bandwidth!r}; a "
                                    "flow's bandwidth must be > 0 bytes/s, or leave it out")
+            if level.allreduce_bandwidth is not None and not level.allreduce_bandwidth > 0:
+                raise ClusterError(f"level {i} has allreduce_bandwidth "
+                                   f"{level.allreduce_bandwidth!r}; an all-reduce's bus "
+                                   "bandwidth must be > 0 bytes/s, or leave it out")
             if level.cores is not None and (not isinstance(level.cores, int)
                                             or isinstance(level.cores, bool) or level.cores < 1):
                 raise ClusterError(f"level {i} has cores {level.cores!r}; write a positive "
@@ -184,6 +202,8 @@ class Cluster:
         links = ", ".join(format_bandwidth(lv.bandwidth)
                           + (f" ({format_bandwidth(lv.flow_rate)} per flow)"
                              if lv.flow_rate < lv.bandwidth else "")
+                          + (f" ({format_bandwidth(lv.allreduce_rate)} all-reduce)"
+                             if lv.allreduce_rate < lv.flow_rate else "")
                           + (" CPU copies" if lv.cpu_copies else "")
                           + (f", {lv.cores} cores" if lv.cores is not None else "")
                           for lv in self.levels)
@@ -274,8 +294,8 @@ class Cluster:
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
         """Read a JSON or YAML file: {name, device, allreduce_bucket, levels: [{workers,
-        bandwidth, latency, cpu_copies, cores, flow_bandwidth}]} (all but workers and bandwidth
-        optional).
+        bandwidth, latency, cpu_copies, cores, flow_bandwidth, allreduce_bandwidth}]} (all but
+        workers and bandwidth optional).
 
         A file that is missing, not JSON/YAML (the message quotes the bad line and marks the
         column) or not a cluster gets one ClusterError that shows a valid file."""
@@ -318,7 +338,7 @@ class Cluster:
             if not isinstance(item, dict) or "workers" not in item or "bandwidth" not in item:
                 raise ClusterError(f"level {i} ({item!r}) needs 'workers' and 'bandwidth'")
             unknown = set(item) - {"workers", "bandwidth", "latency", "cpu_copies", "cores",
-                                   "flow_bandwidth"}
+                                   "flow_bandwidth", "allreduce_bandwidth"}
             if unknown:
                 raise ClusterError(f"level {i} has unknown keys {sorted(unknown)}")
             workers = item["workers"]
@@ -335,7 +355,10 @@ class Cluster:
             flow = item.get("flow_bandwidth")
             flow = None if flow is None else _quantity(flow, "bandwidth",
                                                        f"level {i} flow_bandwidth")
-            levels.append(Level(workers, bandwidth, latency, cpu_copies, cores, flow))
+            ring = item.get("allreduce_bandwidth")
+            ring = None if ring is None else _quantity(ring, "bandwidth",
+                                                       f"level {i} allreduce_bandwidth")
+            levels.append(Level(workers, bandwidth, latency, cpu_copies, cores, flow, ring))
         bucket = data.get("allreduce_bucket")
         bucket = None if bucket is None else _quantity(bucket, "bytes", "allreduce_bucket")
         return cls(levels=tuple(levels), device=_device(data.get("device")),
@@ -343,7 +366,8 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (base units: bytes, bytes/s, seconds, FLOP/s)."""
-        levels = [{k: v for k, v in asdict(level).items() if k != "flow_bandwidth" or v is not None}
+        optional = ("flow_bandwidth", "allreduce_bandwidth")
+        levels = [{k: v for k, v in asdict(level).items() if k not in optional or v is not None}
                   for level in self.levels]
         out: dict[str, Any] = {"name": self.name, "device": asdict(self.device), "levels": levels}
         if self.allreduce_bucket is not None:
@@ -424,9 +448,10 @@ def _local_cluster(workers: int) -> Cluster:
 
     if workers < 1:
         raise ClusterError(f"local cluster needs at least 1 worker (got {workers})")
-    bandwidth, latency = local_bandwidth()
+    loopback = local_bandwidth()
     # processes of one host: gloo over loopback is a copy made by the sending process's CPU, and
     # the processes take turns on the host's cores when they outnumber them
-    level = Level(workers, bandwidth, latency, cpu_copies=True, cores=usable_cores())
+    level = Level(workers, loopback.bandwidth, loopback.latency, cpu_copies=True,
+                  cores=usable_cores(), allreduce_bandwidth=loopback.allreduce_bandwidth)
     return Cluster(levels=(level,), device=local_device(workers),
                    name=f"local-{workers}")

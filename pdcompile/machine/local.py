@@ -3,7 +3,8 @@
 The figures are cached in `$PDCOMPILE_CACHE` (default `~/.cache/pdcompile/local.json`) so that
 the measurement (under a second: gloo between two threads, machine/loopback.py, and a matmul)
 runs once per machine; it starts no process.
-`PDCOMPILE_LOCAL_BANDWIDTH` (bytes/s) overrides the measured bandwidth.
+`PDCOMPILE_LOCAL_BANDWIDTH` (bytes/s) overrides the measured bandwidth, and
+`PDCOMPILE_LOCAL_ALLREDUCE_BANDWIDTH` the all-reduce's (without it, the override's).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.machine.device import Device
-from pdcompile.machine.loopback import measure_loopback
+from pdcompile.machine.loopback import Loopback, measure_loopback
 
 
 def _cache_file() -> Path:
@@ -51,19 +52,23 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def local_bandwidth() -> tuple[float, float]:
-    """Loopback (bytes/s, latency s) between processes here: env override, cache, or measured."""
+def local_bandwidth() -> Loopback:
+    """Loopback between processes here (a send's bytes/s and latency, an all-reduce's bus
+    bytes/s): env override, cache, or measured."""
     override = os.environ.get("PDCOMPILE_LOCAL_BANDWIDTH")
     if override:
         from pdcompile.units import parse_quantity
 
-        return parse_quantity(override, "bandwidth"), 50e-6
+        bandwidth = parse_quantity(override, "bandwidth")
+        ring = os.environ.get("PDCOMPILE_LOCAL_ALLREDUCE_BANDWIDTH")
+        return Loopback(bandwidth, 50e-6,
+                        parse_quantity(ring, "bandwidth") if ring else bandwidth)
     cached = _read_cache()
-    if "bandwidth" in cached and "latency" in cached:
-        return float(cached["bandwidth"]), float(cached["latency"])
-    bandwidth, latency = measure_loopback()
-    _write_cache({"bandwidth": bandwidth, "latency": latency})
-    return bandwidth, latency
+    if all(key in cached for key in Loopback._fields):
+        return Loopback(*(float(cached[key]) for key in Loopback._fields))
+    measured = measure_loopback()
+    _write_cache(measured._asdict())
+    return measured
 
 
 def _measure_cpu() -> tuple[float, float]:

@@ -11,9 +11,10 @@ bandwidth is the one worker processes see (tests/machine/test_loopback.py compar
 from __future__ import annotations
 
 import datetime
+import statistics
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 from pdcompile.errors import MeasurementError
 
@@ -21,9 +22,18 @@ REPEATS = 5
 OVERRIDE = "set PDCOMPILE_LOCAL_BANDWIDTH (e.g. PDCOMPILE_LOCAL_BANDWIDTH=2GB/s) to skip it"
 
 
+class Loopback(NamedTuple):
+    """What gloo achieves between two processes of this host."""
+
+    bandwidth: float  # bytes/s of one send
+    latency: float  # seconds of a 4-byte send
+    allreduce_bandwidth: float  # bus bandwidth of an all-reduce between the two (bytes/s)
+
+
 def _rank(rank: int, store: Any, sizes: list[int], timeout: datetime.timedelta,
           out: dict[int, list[float] | BaseException]) -> None:
-    """Rank `rank`: the best half round trip of each size, into `out[rank]` (or its error)."""
+    """Rank `rank`: the best half round trip of each size, then the median all-reduce of the
+    largest, into `out[rank]` (or its error)."""
     import torch
     import torch.distributed as dist
 
@@ -49,14 +59,24 @@ def _rank(rank: int, store: Any, sizes: list[int], timeout: datetime.timedelta,
                     group.send([buf], peer, 0).wait(timeout)
                 best = min(best, (time.perf_counter() - start) / 2)
             timings.append(best)
+        # an all-reduce also copies and sums its buffers on these CPUs, and varies more than a
+        # send from one call to the next: the median is the time a run of them averages
+        allreduces = []
+        for _ in range(REPEATS):
+            group.barrier().wait(timeout)
+            start = time.perf_counter()
+            group.allreduce([buf]).wait(timeout)
+            allreduces.append(time.perf_counter() - start)
+        timings.append(statistics.median(allreduces))
         out[rank] = timings
     except BaseException as err:  # handed to the measuring thread, which names it
         out[rank] = err
 
 
-def measure_loopback(*, numel: int = 4 * 2**20, timeout_s: float = 60.0) -> tuple[float, float]:
-    """(bytes/s, seconds of latency) of a gloo send over 127.0.0.1 between two ranks of this
-    process: 4 bytes for the latency, `numel` float32s (default 16 MiB) for the bandwidth.
+def measure_loopback(*, numel: int = 4 * 2**20, timeout_s: float = 60.0) -> Loopback:
+    """Gloo over 127.0.0.1 between two ranks of this process: a send's bandwidth (`numel`
+    float32s, default 16 MiB) and latency (4 bytes), and an all-reduce's bus bandwidth (of
+    `numel` float32s; between two ranks a ring moves the whole buffer once each way).
     Raises MeasurementError, naming what it waited for and the override, when it fails or
     takes longer than `timeout_s`."""
     import torch.distributed as dist
@@ -83,8 +103,8 @@ def measure_loopback(*, numel: int = 4 * 2**20, timeout_s: float = 60.0) -> tupl
         first = str(errors[0]).strip().splitlines()
         raise MeasurementError(f"{what} failed ({type(errors[0]).__name__}: "
                                f"{first[0] if first else ''}); {OVERRIDE}") from errors[0]
-    small, large = out[0]  # type: ignore[misc]
+    small, large, allreduce = out[0]  # type: ignore[misc]
     # the latency is subtracted, but never for more than half of the large send's time: with
     # small sizes the two timings are close and their noisy difference gave absurd bandwidths
     bandwidth = 4 * numel / max(large - small, large / 2, 1e-9)
-    return bandwidth, small
+    return Loopback(bandwidth, small, 4 * numel / max(allreduce - 2 * small, allreduce / 2, 1e-9))

@@ -162,7 +162,7 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
     if r * copies > 1:
         lv = cluster.levels[cluster.link_level(start, end)]
         if copies > 1 and copy_link is not None:  # the ring spans both: its slower link
-            lv = copy_link if r == 1 or copy_link.flow_rate < lv.flow_rate else lv
+            lv = copy_link if r == 1 or copy_link.allreduce_rate < lv.allreduce_rate else lv
         sync_b = ring_allreduce_seconds(0.0, r * copies, lv)
         sync_a = ring_allreduce_seconds(1.0, r * copies, lv) - sync_b
     if start > 0:

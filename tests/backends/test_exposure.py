@@ -101,6 +101,21 @@ def test_a_local_run_listens_on_loopback_only(tmp_path: Path) -> None:
     assert not exposed, f"listening beyond loopback: {exposed}"
 
 
+def test_a_c10d_rendezvous_listens_on_the_endpoint_named_only(tmp_path: Path) -> None:
+    """torch's c10d rendezvous would host its store on every address; the agent hosts it on a
+    socket bound to the endpoint's host, which torch's store then shares."""
+    port = free_port()
+    proc = _start(tmp_path, "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "exposure")
+    try:
+        sockets = _sockets_while_training(proc, workers=2)
+    finally:
+        out = _finish(proc)
+    assert proc.returncode == 0, out
+    assert ("127.0.0.1", port) in sockets, sockets
+    exposed = {s for s in sockets if not s[0].startswith(("127.", "::1"))}
+    assert not exposed, f"listening beyond loopback: {exposed}"
+
+
 def test_garbage_and_forged_fault_records_stop_nothing(tmp_path: Path) -> None:
     import torch.distributed as dist
 

@@ -51,6 +51,20 @@ def test_multi_node_flags_pass_through(tmp_path: Path, capsys: pytest.CaptureFix
     assert "--master-addr=node0 --master-port=29511 --node-rank=1" in out
 
 
+@pytest.mark.parametrize(("endpoint", "local"), [
+    ("127.0.0.1:29400", True), ("localhost", True), ("[::1]:29400", True),
+    ("node0:29400", False), ("10.0.0.7:29400", False)])
+def test_a_loopback_rendezvous_bootstraps_on_loopback(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], endpoint: str, local: bool) -> None:
+    """Every node of a run whose c10d endpoint is this machine's loopback is here: the workers'
+    bootstrap store binds 127.0.0.1 (--local-addr), not the host name's address."""
+    folder = _export(tmp_path, 2)
+    assert main(["run", str(folder), "--rdzv-endpoint", endpoint, "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "--rdzv-backend=c10d" in out and f"--rdzv-endpoint={endpoint}" in out.replace("'", "")
+    assert ("--local-addr=127.0.0.1" in out) == local
+
+
 def test_user_errors_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     folder = _export(tmp_path, 3)
     assert main(["run", str(tmp_path / "missing"), "--nproc", "2"]) == 1

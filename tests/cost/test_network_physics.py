@@ -135,3 +135,37 @@ def test_closed_form_and_simulator_both_bound_by_the_shared_interface(
     # without the interface, four lanes would carry four times as much
     lanes = 5e7 / cluster.levels[1].flow_rate / 4
     assert lanes < bound
+
+
+@given(bandwidth=st.floats(1e6, 1e12), ring=st.floats(1e6, 1e12), replicas=st.integers(2, 64),
+       nbytes=sizes)
+def test_an_allreduce_runs_at_its_bus_bandwidth_and_a_send_at_the_flow_rate(
+        bandwidth: float, ring: float, replicas: int, nbytes: float) -> None:
+    """gloo's CPU all-reduce achieves a fraction of a send's bandwidth (machine/loopback.py):
+    the ring runs at the slower of the two, a point-to-point send is untouched."""
+    level = Level(replicas, bandwidth, 1e-5, allreduce_bandwidth=ring)
+    plain = Level(replicas, bandwidth, 1e-5)
+    assert level.allreduce_rate == min(bandwidth, ring)
+    assert transfer_seconds(nbytes, level) == transfer_seconds(nbytes, plain)
+    expected = 2 * (replicas - 1) / replicas * nbytes / min(bandwidth, ring) + 2 * (
+        replicas - 1) * 1e-5
+    assert math.isclose(ring_allreduce_seconds(nbytes, replicas, level), expected)
+    assert ring_allreduce_seconds(nbytes, replicas, level) >= ring_allreduce_seconds(
+        nbytes, replicas, plain) * (1 - 1e-12)
+
+
+def test_an_allreduce_bandwidth_survives_a_cluster_file_and_is_checked() -> None:
+    import pytest
+
+    from pdcompile.errors import ClusterError
+
+    data = {"levels": [{"workers": 2, "bandwidth": "3GB/s", "allreduce_bandwidth": "1GB/s",
+                        "cpu_copies": True}]}
+    cluster = Cluster.from_dict(data)
+    assert cluster.levels[0].allreduce_rate == 1e9
+    assert Cluster.from_dict(cluster.to_dict()).levels == cluster.levels
+    assert "1 GB/s all-reduce" in cluster.describe()
+    assert "allreduce_bandwidth" not in Cluster.preset("A").to_dict()["levels"][0]
+    data["levels"][0]["allreduce_bandwidth"] = 0
+    with pytest.raises(ClusterError, match="allreduce_bandwidth 0.0.*> 0 bytes/s"):
+        Cluster.from_dict(data)
