@@ -38,6 +38,7 @@ sys.path.insert(0, str(ROOT))
 
 from pdcompile import Cluster  # noqa: E402
 from pdcompile.cost.costgraph import topological_order  # noqa: E402
+from pdcompile.cost.links import nic_busy_seconds  # noqa: E402
 from pdcompile.plan import Plan, Stage  # noqa: E402
 from pdcompile.planner.costmodel import ModelOptions, plan_terms  # noqa: E402
 from pdcompile.planner.search import plan, price_plan  # noqa: E402
@@ -141,6 +142,16 @@ def anatomy(graph: Any, priced: Plan, cluster: Cluster) -> str:
     return f"{bound}: " + "; ".join(parts)
 
 
+def nic_ms(graph: Any, priced: Plan, cluster: Cluster) -> float:
+    """Milliseconds per minibatch the busiest server's network interface needs for the plan's
+    transfers and cross-server all-reduces together (`cost.links.nic_busy_seconds`)."""
+    built = plan_terms(graph, [(s.nodes, s.ranks) for s in priced.stages], cluster,
+                       options=ModelOptions(schedule="1f1b"),
+                       in_flight=[s.in_flight for s in priced.stages])
+    return nic_busy_seconds(built.ranks, dict(built.costs.edges), built.costs.params,
+                            cluster) * 1e3
+
+
 def implied_dp(graph: Any, row: PaperRow, pipeline: float,
                cluster: Cluster) -> tuple[float, float | None]:
     """What the paper's speed-up says of its data parallelism, if our price of its pipeline is
@@ -199,6 +210,10 @@ def measure(row: PaperRow) -> dict[str, Any]:
         "original_optimizer": original,
         "implied_dp_ms": round(implied[0] * 1e3, 3),
         "implied_allreduce_gbps": None if implied[1] is None else round(implied[1] * 8 / 1e9, 3),
+        "dp_nic_ms": round(nic_ms(graph, dp, cluster), 3),
+        "paper_config_nic_ms": round(nic_ms(graph, theirs, cluster), 3),
+        "paper_config_ms": round(theirs.time_per_minibatch * 1e3, 3),
+        "our_nic_ms": round(nic_ms(graph, ours, cluster), 3),
         "dp_anatomy": anatomy(graph, dp, cluster),
         "pipeline_anatomy": anatomy(graph, theirs, cluster),
     }
@@ -244,6 +259,17 @@ def table(rows: list[dict[str, Any]]) -> str:
                 else f"{rate:.2f} Gbps of all-reduce bandwidth")
         lines.append(f"- {r['profile']} {r['shape']} ({r['cluster']}): DP {r['implied_dp_ms']:.1f} "
                      f"ms per minibatch (ours {r['dp_ms']:.1f}): {said}")
+    lines.append("")
+    lines.append("Who shares a server's network interface (all flows of its workers at once, "
+                 "one way, at the interface's bandwidth, `cost.links.nic_busy_seconds`): ms per "
+                 "minibatch the busiest interface needs, against the plan's time per minibatch; "
+                 "below it, the interface never limits the steady state:")
+    lines.append("")
+    for r in rows:
+        lines.append(f"- {r['profile']} {r['shape']} ({r['cluster']}): DP {r['dp_nic_ms']:.1f} "
+                     f"of {r['dp_ms']:.1f} | paper's config {r['paper_config_nic_ms']:.1f} of "
+                     f"{r['paper_config_ms']:.1f} | ours {r['our_nic_ms']:.1f} of "
+                     f"{r['our_ms']:.1f}")
     lines.append("")
     lines.append("What dominates, in our model (per stage: compute and all-reduce per minibatch "
                  "over its replicas, the largest message it sends or receives):")

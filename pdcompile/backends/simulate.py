@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from pdcompile.backends.action_costs import ActionCosts, Times, recomputing
 from pdcompile.backends.processor_sharing import share_processors
 from pdcompile.cost.memory import WorkerMemory, worker_memory
+from pdcompile.cost.pipeline_time import server_interface_seconds
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import ScheduleError
 from pdcompile.machine.cluster import Cluster
@@ -145,6 +146,15 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     # the timeline may hold compute events only
     makespan = max((times[-1] for times in end.values() if times), default=0.0)
     per_minibatch = makespan if flush else line.time_per_minibatch()
+    # the servers' network interfaces, shared by every flow of their workers: the event pass
+    # gives each directed rank pair a lane of its own, so they bound the throughput instead
+    # (the closed form's bound, cost/pipeline_time.py)
+    per = schedule.microbatches if flush \
+        else int(schedule.options.get("microbatches_per_minibatch", 1))
+    shared = server_interface_seconds(
+        {e: costs.edge_bytes(*e) for e in costs.stage_edges()}, schedule.stage_ranks,
+        costs.params, cluster, schedule=schedule.name, microbatches=per) * per
+    per_minibatch = max(per_minibatch, shared)
     bubble = line.bubble_fraction((0.0, makespan))
     t0, t1, _ = line.steady_window()
     return SimResult(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Any
 
 from pdcompile.machine.cluster import Cluster, Level
 
@@ -45,8 +46,8 @@ def stage_allreduce_seconds(nbytes: float, ranks: Sequence[int], cluster: Cluste
     return ring_allreduce_seconds(nbytes, len(ranks), level)
 
 
-def exposed_allreduce_seconds(allreduce: float, *, backward: float, params: float,
-                              bucket: float | None) -> float:
+def exposed_allreduce_seconds(allreduce: Any, *, backward: Any, params: Any,
+                              bucket: float | None) -> Any:
     """Seconds of a stage's all-reduce (`allreduce`, whole) that remain after its backward
     (`backward` seconds, over `params` bytes of gradients) ends.
 
@@ -56,11 +57,25 @@ def exposed_allreduce_seconds(allreduce: float, *, backward: float, params: floa
     even rate over the backward, n = params / bucket buckets of a = allreduce / n seconds each,
     the last all-reduce ends max over k of (k/n backward + (n - k + 1) a) after the backward's
     start: what remains is the larger of the last bucket's all-reduce and the all-reduce less
-    the backward but its last bucket's share, max(a, allreduce - (1 - 1/n) backward)."""
-    if bucket is None or allreduce <= 0.0 or params <= bucket:
+    the backward but its last bucket's share, max(a, allreduce - (1 - 1/n) backward); all of it
+    where the gradients fit one bucket (n <= 1).
+
+    Floats give a float; numpy arrays (the planners' candidate stages) broadcast and give an
+    array, by the same formula."""
+    if bucket is None:
         return allreduce
-    share = bucket / params  # 1/n
-    return max(allreduce * share, allreduce - (1.0 - share) * backward)
+    if isinstance(allreduce, float | int) and isinstance(backward, float | int) \
+            and isinstance(params, float | int):
+        if allreduce <= 0.0 or params <= bucket:
+            return allreduce
+        share = bucket / params  # 1/n
+        return max(allreduce * share, allreduce - (1.0 - share) * backward)
+    import numpy as np
+
+    with np.errstate(divide="ignore", invalid="ignore"):
+        shares = np.where(np.asarray(params) > bucket,
+                          np.asarray(bucket, dtype=np.float64) / np.asarray(params), 1.0)
+    return np.maximum(allreduce * shares, allreduce - (1.0 - shares) * np.asarray(backward))
 
 
 def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Level]:
@@ -73,6 +88,48 @@ def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Le
             for m in range(math.lcm(len(a), len(b)))]
 
 
+def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int, int], float],
+                     params: Sequence[float], cluster: Cluster, *,
+                     allreduces: Sequence[float] | None = None) -> float:
+    """Seconds per microbatch that the busiest server's network interface (the outermost
+    level's link of one group of the level below) needs for everything crossing it, one way:
+    the activations and gradients between stages (microbatch m goes from a[m % len(a)] to
+    c[m % len(c)], `pair_levels`' rule) and each replicated stage's ring all-reduces
+    (`allreduces[s]` per microbatch, default once per round of its replicas, 1/r; a ring enters
+    and leaves each server it spans once, carrying 2 (r-1)/r of the parameters). The flows of
+    one server's workers share it, whatever a single flow may reach (`Level.flow_rate`), so a
+    plan cannot run faster than this per microbatch; 0 on a one-level cluster. A throughput
+    bound: where it is below a plan's time per microbatch the interface never limits the steady
+    state (docs/cost-model.md)."""
+    if len(cluster.levels) < 2:
+        return 0.0
+    nic = cluster.levels[-1].bandwidth
+    server = cluster.group_size(len(cluster.levels) - 2)  # workers behind one interface
+    load: dict[tuple[int, str], float] = {}
+
+    def carry(src: int, dst: int, nbytes: float) -> None:
+        if src // server != dst // server:
+            load[src // server, "out"] = load.get((src // server, "out"), 0.0) + nbytes
+            load[dst // server, "in"] = load.get((dst // server, "in"), 0.0) + nbytes
+
+    for (a, c), size in edges.items():
+        senders, receivers = stage_ranks[a], stage_ranks[c]
+        rounds = math.lcm(len(senders), len(receivers))
+        for m in range(rounds):  # activations forward, their gradients back: same bytes
+            carry(senders[m % len(senders)], receivers[m % len(receivers)], size / rounds)
+            carry(receivers[m % len(receivers)], senders[m % len(senders)], size / rounds)
+    for s, (ranks, nbytes) in enumerate(zip(stage_ranks, params, strict=True)):
+        servers = sorted({rank // server for rank in ranks})
+        r = len(ranks)
+        rings = 1.0 / r if allreduces is None else allreduces[s]
+        if len(servers) > 1:
+            for host in servers:
+                for way in ("in", "out"):
+                    load[host, way] = load.get((host, way), 0.0) \
+                        + 2.0 * (r - 1) / r * nbytes * rings
+    return max(load.values(), default=0.0) / nic
+
+
 def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     """The slowest level that the transfers between two stages on ranks `a` and `b` cross
     (`pair_levels`)."""
@@ -80,6 +137,6 @@ def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     return cluster.levels[max(cluster.levels.index(level) for level in levels)]
 
 
-__all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "pair_levels",
+__all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "nic_busy_seconds", "pair_levels",
            "ring_allreduce_seconds", "slowest_link", "stage_allreduce_seconds",
            "transfer_seconds"]

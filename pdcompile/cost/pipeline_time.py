@@ -36,13 +36,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.links import (
     exposed_allreduce_seconds,
     link_busy_seconds,
+    nic_busy_seconds,
     pair_levels,
     slowest_link,
     stage_allreduce_seconds,
@@ -140,11 +141,38 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
 
 def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
                   stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
-                  microbatches: int) -> PipelineTime:
+                  microbatches: int, params: Sequence[float] | None = None) -> PipelineTime:
     """Time per minibatch of a pipeline (see the module docstring). `edges`: bytes per
-    microbatch from stage a to stage c, (a, c) with a < c."""
+    microbatch from stage a to stage c, (a, c) with a < c. `params`: the stages' parameter
+    bytes, for the servers' network interfaces (`server_interface_seconds`); None: not
+    bounded by them."""
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
+    shared = 0.0 if params is None else server_interface_seconds(
+        edges, stage_ranks, params, cluster, schedule=schedule, microbatches=m)
+    timed = _pipeline_time(terms, edges, stage_ranks, cluster, schedule=schedule, m=m)
+    if shared * m > timed.time_per_minibatch:
+        return replace(timed, time_per_minibatch=shared * m, bound="server interface")
+    return timed
+
+
+def server_interface_seconds(edges: dict[tuple[int, int], float],
+                             stage_ranks: Sequence[Sequence[int]], params: Sequence[float],
+                             cluster: Cluster, *, schedule: str, microbatches: int) -> float:
+    """Seconds per microbatch the busiest server's network interface needs
+    (`links.nic_busy_seconds`), with each stage's ring all-reduces per microbatch as the
+    schedule runs them (`update_share` of an update per microbatch a replica runs, over the
+    replicas that all-reduce together): a bound on throughput that the closed form and the
+    simulator both apply."""
+    rings = [update_share(schedule, microbatches, len(r)) / len(r) for r in stage_ranks]
+    return nic_busy_seconds(stage_ranks, edges, params, cluster, allreduces=rings)
+
+
+def _pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
+                   stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
+                   m: int) -> PipelineTime:
+    """`pipeline_time` but for the servers' network interfaces."""
+    row = kind(schedule)
     # seconds a transfer takes end to end, and the time it occupies its link
     pairs = _pair_transfers(edges, stage_ranks, cluster)
     transfer = {e: sum(sec) / len(sec) for e, sec in pairs.items()}

@@ -44,7 +44,7 @@ import networkx as nx
 import numpy as np
 
 from pdcompile.cost.crossing import input_nodes
-from pdcompile.cost.links import slowest_link, transfer_seconds
+from pdcompile.cost.links import exposed_allreduce_seconds, slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
 from pdcompile.cost.pipeline_time import (
     PipelineTime,
@@ -143,6 +143,10 @@ class Placement:
     copy_out_per_byte: float = 0.0  # CPU time per byte sent forward over the output link
     step_per_byte: float = 0.0  # optimizer step per parameter byte
     copy_per_byte: float = 0.0  # a weight-version copy per parameter byte
+    sync_bucket: float = math.inf  # bytes per gradient bucket all-reduced during the backward
+    # (Cluster.allreduce_bucket; inf: the all-reduce starts after the backward)
+    in_nic_per_byte: float = 0.0  # the busiest server interface per byte the stage receives
+    out_nic_per_byte: float = 0.0  # ... and per byte it sends (`server_interfaces`)
 
 
 def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
@@ -170,9 +174,33 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
         lo = cluster.levels[cluster.link_level(start, end + 1)]
         out_a, out_l = 1.0 / lo.flow_rate, lo.latency
         copy_out = out_a if lo.cpu_copies else 0.0
+    bucket = math.inf if cluster.allreduce_bucket is None else cluster.allreduce_bucket
+    nic_in, nic_out = server_interfaces(cluster, start, r, workers)
     return Placement(r, noam(r, workers - start), sync_a, sync_b, in_a, in_l, out_a, out_l,
                      copy_in, copy_out, step_seconds(1.0, cluster.device),
-                     copy_seconds(1.0, cluster.device))
+                     copy_seconds(1.0, cluster.device), bucket, nic_in, nic_out)
+
+
+def server_interfaces(cluster: Cluster, start: int, replicas: int,
+                      workers: int) -> tuple[float, float]:
+    """Seconds per byte that a stage on ranks [start, start + replicas) of `workers` puts on
+    the busiest server interface (the outermost level's bandwidth, shared by a server's
+    workers: cost/links.nic_busy_seconds) for what it receives and for what it sends: its
+    replicas share its bytes evenly, and a server's share crosses the interface unless the
+    server also holds ranks of the stages before it (receiving) or after it (sending), whose
+    part the objective cannot see (then 0 for that server). 0 on a one-level cluster."""
+    if len(cluster.levels) < 2 or workers != cluster.workers:
+        return 0.0, 0.0
+    size = cluster.group_size(len(cluster.levels) - 2)
+    nic = cluster.levels[-1].bandwidth
+    end = start + replicas - 1
+    counts: dict[int, int] = {}
+    for rank in range(start, end + 1):
+        counts[rank // size] = counts.get(rank // size, 0) + 1
+    first, last = start // size, end // size
+    into = max((c for k, c in counts.items() if k != first or start % size == 0), default=0)
+    out = max((c for k, c in counts.items() if k != last or (end + 1) % size == 0), default=0)
+    return into / replicas / nic, out / replicas / nic
 
 
 # ------------------------------------------------------------------------------ objective
@@ -195,22 +223,26 @@ class StageParts:
     runs: np.ndarray  # the schedule can feed this many replicas
 
 
-def stage_parts(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, coef: Any,
-                options: ModelOptions, memory: float | None,
+def stage_parts(*, compute: Any, backward: Any, params: Any, keep: Any, received: Any,
+                sent: Any, coef: Any, options: ModelOptions, memory: float | None,
                 recompute: Any = None) -> StageParts:
     """The pieces of stages' objectives (arguments as in `stage_values`). `recompute`: the
     stages' forward seconds per minibatch, for the stages recomputing their activations
-    (pdcompile.cost.recompute): one more forward each, and in flight only what they received, plus
-    one microbatch's activations while its backward runs."""
+    (pdcompile.cost.recompute): one more forward each, in their backward, and in flight only
+    what they received, plus one microbatch's activations while its backward runs."""
     row = kind(options.schedule)
     m = options.per_minibatch
     r = np.asarray(coef.replicas, dtype=np.float64)
     t, p, k = np.asarray(compute) / m, np.asarray(params), np.asarray(keep) / m
+    back = np.asarray(backward) / m
     inb, outb = np.asarray(received) / m, np.asarray(sent) / m
     fixed: Any = 0.0  # activation bytes held whatever the number in flight
     if recompute is not None:
-        t, fixed, k = t + np.asarray(recompute) / m, k, inb
-    allreduce = p * coef.sync_per_byte + coef.sync_fixed
+        again = np.asarray(recompute) / m
+        t, back, fixed, k = t + again, back + again, k, inb
+    # what of the ring all-reduce remains after the backward (cost/links.py, as the closed form)
+    allreduce = exposed_allreduce_seconds(p * coef.sync_per_byte + coef.sync_fixed,
+                                          backward=back, params=p, bucket=coef.sync_bucket)
     step = p * coef.step_per_byte
     cpu = inb * coef.copy_in_per_byte + outb * coef.copy_out_per_byte
     wire = outb * coef.out_per_byte + np.where(outb > 0, coef.out_per_msg, 0.0)
@@ -225,7 +257,8 @@ def stage_parts(*, compute: Any, params: Any, keep: Any, received: Any, sent: An
     fit = np.minimum(fit, IN_FLIGHT_CAP)
     copy = p * coef.copy_per_byte if row.copies_weights else 0.0
     own = t + cpu + (allreduce + step + copy) * update_share(options.schedule, m, r)
-    link = np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r
+    link = np.maximum(np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r,
+                      np.maximum(inb * coef.in_nic_per_byte, outb * coef.out_nic_per_byte))
     # a microbatched schedule cuts a minibatch into microbatches that the replicas share: no
     # more replicas than microbatches, and 2bw needs a multiple of them
     runs = r <= (m if row.microbatched else math.inf)
@@ -235,15 +268,17 @@ def stage_parts(*, compute: Any, params: Any, keep: Any, received: Any, sent: An
                       np.asarray(coef.noam, dtype=np.float64), np.asarray(runs))
 
 
-def stage_values(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, rest: Any,
-                 coef: Any, options: ModelOptions, memory: float | None) -> np.ndarray:
+def stage_values(*, compute: Any, backward: Any, params: Any, keep: Any, received: Any,
+                 sent: Any, rest: Any, coef: Any, options: ModelOptions,
+                 memory: float | None) -> np.ndarray:
     """The planning objective of stages (seconds per minibatch; inf where it cannot run), on
-    numpy arrays that broadcast: `compute` fwd+bwd, `params`, `keep` bytes per minibatch of the
-    stage; `received` / `sent` bytes per minibatch over its input / output links; `rest` the
-    fwd+bwd of everything after it; `coef` a `Placement` whose fields may be arrays (one per
-    candidate position). See the module docstring; the DP and the brute-force tests share it."""
-    parts = stage_parts(compute=compute, params=params, keep=keep, received=received,
-                        sent=sent, coef=coef, options=options, memory=memory)
+    numpy arrays that broadcast: `compute` fwd+bwd and `backward` bwd seconds, `params`, `keep`
+    bytes per minibatch of the stage; `received` / `sent` bytes per minibatch over its input /
+    output links; `rest` the fwd+bwd of everything after it; `coef` a `Placement` whose fields
+    may be arrays (one per candidate position). See the module docstring; the DP and the
+    brute-force tests share it."""
+    parts = stage_parts(compute=compute, backward=backward, params=params, keep=keep,
+                        received=received, sent=sent, coef=coef, options=options, memory=memory)
     return values_of(parts, rest, options)
 
 
@@ -272,9 +307,9 @@ def values_of(x: StageParts, rest: Any, options: ModelOptions) -> np.ndarray:
     return np.where(ok & x.runs, value, math.inf)
 
 
-def stage_demand(*, compute: Any, params: Any, keep: Any, received: Any, sent: Any, coef: Any,
-                 options: ModelOptions, memory: float | None, period: float,
-                 demand: Any) -> tuple[np.ndarray, np.ndarray]:
+def stage_demand(*, compute: Any, backward: Any, params: Any, keep: Any, received: Any,
+                 sent: Any, coef: Any, options: ModelOptions, memory: float | None,
+                 period: float, demand: Any) -> tuple[np.ndarray, np.ndarray]:
     """A streaming stage's place in a pipeline that must reach `period` seconds per minibatch
     (arrays broadcast as in `stage_values`; `demand` is that of the pipeline after the stage,
     -inf for none). Returns (its minibatches in flight per replica, N; the pipeline's demand
@@ -287,8 +322,8 @@ def stage_demand(*, compute: Any, params: Any, keep: Any, received: Any, sent: A
     T_s >= (own_s + 2 wire_s) / p + E_{s+1}, with the demand E_s = max(T_s - r_s + t_s / p,
     (t_s + 2 wire_s) / p + E_{s+1}) depending on the pipeline after s alone: the DP keeps, for
     each state and worker count, the continuation of least demand."""
-    parts = stage_parts(compute=compute, params=params, keep=keep, received=received,
-                        sent=sent, coef=coef, options=options, memory=memory)
+    parts = stage_parts(compute=compute, backward=backward, params=params, keep=keep,
+                        received=received, sent=sent, coef=coef, options=options, memory=memory)
     return demand_of(parts, options, period, demand)
 
 
@@ -319,12 +354,14 @@ def planning_objective(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], 
     inputs = set(input_nodes(graph))
     count, workers = len(stages), cluster.workers
     compute = [0.0] * count
+    backward = [0.0] * count
     params = [0.0] * count
     keep = [0.0] * count
     for node, data in graph.nodes(data=True):
         i = stage_of[node]
         if node not in inputs:
             compute[i] += float(data["fwd"]) + float(data["bwd"])
+            backward[i] += float(data["bwd"])
         params[i] += float(data["params"])
         keep[i] += float(data.get("keep", data["act"]))
     weight = {u: max((float(graph.edges[u, v].get("bytes", graph.nodes[u]["act"]))
@@ -339,7 +376,8 @@ def planning_objective(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], 
             received = 0.0
         rest = sum(compute[i + 1:])
         coef = placement(cluster, ranks[0], len(ranks), workers)
-        value = stage_values(compute=compute[i], params=params[i], keep=keep[i],
+        value = stage_values(compute=compute[i], backward=backward[i], params=params[i],
+                             keep=keep[i],
                              received=received, sent=sent, rest=rest, coef=coef,
                              options=options, memory=memory)
         worst = max(worst, float(value))
@@ -481,7 +519,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
     row = kind(options.schedule)
     copying = [row.copies_weights and n > 1 for n in flight]
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
-                          microbatches=m)
+                          microbatches=m, params=params)
     priced = []
     for i, term in enumerate(terms):
         r = term.replicas

@@ -292,6 +292,7 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                                int(bounds[units - m + r] - bounds[units - m]), n,
                                copies=copies, copy_link=copy_link) for m, r in pairs])
     total = float(tables.compute[last])
+    backward = tables.compute - tables.forward  # bwd seconds of each downset
     rows = {}
     for k in range(last):
         js = np.nonzero(tables.valid[k])[0]
@@ -302,6 +303,7 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
         if k == 0:  # ... so it receives nothing and sends what they feed beyond it too
             received, sent = np.zeros(js.size), tables.leaving[js].copy()
         figures = {"compute": (tables.compute[js] - tables.compute[k])[:, None],
+                   "backward": (backward[js] - backward[k])[:, None],
                    "params": (tables.params[js] - tables.params[k])[:, None],
                    "keep": (tables.keep[js] - base * tables.keep[k])[:, None],
                    "received": received[:, None], "sent": sent[:, None]}

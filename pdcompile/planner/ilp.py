@@ -41,6 +41,7 @@ WALL_GUARD = 100.0  # wall-clock guard, in multiples of the deterministic limit 
 # at load 15 took over 20 times the deterministic limit: the guard must never bind in practice)
 SCALE_UNITS = 1e9  # integer units for the largest possible stage time
 MEMORY_UNITS = 1_000_000  # integer units of the memory limit
+BUCKET_UNITS = 100_000  # integer units of a gradient bucket (a stage's min(params, bucket))
 
 
 def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOptions,
@@ -93,6 +94,7 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
     edges = [(u, v, edge_bytes(graph, u, v)) for u, v in graph.edges]
     comp = {v: 0.0 if v in pinned else float(graph.nodes[v]["fwd"]) + float(graph.nodes[v]["bwd"])
             for v in nodes}
+    bwd = {v: 0.0 if v in pinned else float(graph.nodes[v]["bwd"]) for v in nodes}
     par = {v: float(graph.nodes[v]["params"]) for v in nodes}
     keep = {v: float(graph.nodes[v].get("keep", graph.nodes[v]["act"])) for v in nodes}
     coef = {(a, k): placement(cluster, a, k, workers)
@@ -147,6 +149,16 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             model.add(start[s + 1] == start[s] + reps[s]).only_enforce_if(used[s + 1])
     model.add(start[0] == 0)
     model.add(sum(reps) == workers)
+    # last[s]: min(the stage's parameter bytes, one gradient bucket), in BUCKET_UNITS of the
+    # bucket: the all-reduce of the last bucket, left after the backward (`_overlap`)
+    bucket = cluster.allreduce_bucket
+    last: list[Any] = []
+    if bucket is not None:
+        bucket_unit = bucket / BUCKET_UNITS
+        for s in range(stages):
+            last.append(model.new_int_var(0, BUCKET_UNITS, f"last_bucket[{s}]"))
+            model.add_min_equality(last[s], [sum(round(par[v] / bucket_unit) * x[v, s]
+                                                 for v in nodes), BUCKET_UNITS])
     # e_in[e, s] / e_out[e, s]: edge e enters / leaves stage s (>= is enough: minimising)
     before = {(v, s): sum(x[v, q] for q in range(s)) for v in nodes for s in range(stages)}
     after = {(v, s): sum(x[v, q] for q in range(s + 1, stages)) for v in nodes
@@ -170,24 +182,42 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             lin = terms[a, k]
             work = [(x[v, s], round(scale * (comp[v] * lin.per_compute + par[v] * lin.per_param)))
                     for v in nodes]
+            tail: list[tuple[Any, int]] = []
+            if bucket is not None and c.sync_per_byte > 0:  # the all-reduce overlaps the
+                # backward: the whole all-reduce less the backward, or the last bucket's
+                sync = lin.per_sync * c.sync_per_byte
+                tail = [(x[v, s], round(scale * (comp[v] * lin.per_compute
+                                                 + par[v] * (lin.per_param - sync))))
+                        for v in nodes]
+                tail.append((last[s], round(scale * sync * bucket_unit)))
+                behind = scale * lin.per_sync / options.per_minibatch
+                work += [(x[v, s], -round(behind * bwd[v])) for v in nodes if bwd[v]]
             comm = []
+            copies = []
+            shared_in, shared_out = [], []  # on the busiest server interface
             for i, (_, _, b) in enumerate(edges):
+                if (i, s) in e_in and c.in_nic_per_byte:
+                    shared_in.append((e_in[i, s], round(scale * b * c.in_nic_per_byte)))
+                if (i, s) in e_out and c.out_nic_per_byte:
+                    shared_out.append((e_out[i, s], round(scale * b * c.out_nic_per_byte)))
                 if (i, s) in e_in:
                     comm.append((e_in[i, s], round(scale * (b * c.in_per_byte + c.in_per_msg)
                                                    / k)))
                     if c.copy_in_per_byte:  # sent back by this stage's CPU (loopback)
-                        work.append((e_in[i, s], round(scale * b * c.copy_in_per_byte
-                                                       * lin.per_copy)))
+                        copies.append((e_in[i, s], round(scale * b * c.copy_in_per_byte
+                                                         * lin.per_copy)))
                 if (i, s) in e_out:
                     comm.append((e_out[i, s],
                                    round(scale * (b * c.out_per_byte + c.out_per_msg) / k)))
                     if c.copy_out_per_byte:
-                        work.append((e_out[i, s], round(scale * b * c.copy_out_per_byte
-                                                        * lin.per_copy)))
-            model.add(sum(w * var for var, w in work) + round(scale * lin.fixed) <= t
-                      ).only_enforce_if(zz)
-            if comm:
-                model.add(sum(w * var for var, w in comm) <= t).only_enforce_if(zz)
+                        copies.append((e_out[i, s], round(scale * b * c.copy_out_per_byte
+                                                          * lin.per_copy)))
+            for branch in (work, tail) if tail else (work,):
+                model.add(sum(w * var for var, w in branch + copies) + round(scale * lin.fixed)
+                          <= t).only_enforce_if(zz)
+            for links in (comm, shared_in, shared_out):
+                if links:
+                    model.add(sum(w * var for var, w in links) <= t).only_enforce_if(zz)
             if math.isfinite(mem_limit):
                 per_node = {v: par[v] * (lin.versions + 1.0 + options.optimizer_state)
                             + keep[v] * lin.in_flight / options.per_minibatch for v in nodes}
@@ -217,6 +247,11 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
     status = solver.status_name(code)
     # the rounding of coefficients can move the optimum by up to one unit per term
     slack = (len(nodes) + 2 * len(edges) + 1) / scale
+    if bucket is not None:  # each node's parameters in units of the bucket, and the
+        # coefficient of a stage's bucket units (up to half a time unit per bucket unit)
+        slack += len(nodes) * bucket / BUCKET_UNITS * max(
+            terms[key].per_sync * c.sync_per_byte for key, c in coef.items()) \
+            + BUCKET_UNITS / 2 / scale
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         bound_so_far = None
         if code == cp_model.UNKNOWN and math.isfinite(solver.best_objective_bound):
@@ -245,6 +280,7 @@ class _Linear:
     fixed: float
     versions: int
     in_flight: int
+    per_sync: float  # all-reduces per minibatch per replica in the work (per_param's share)
 
 
 def _allowed(replicas: int, options: ModelOptions) -> bool:
@@ -266,18 +302,27 @@ def _linear_terms(c: Placement, workers_from_here: int, options: ModelOptions) -
     if row.flush:  # the microbatches it adds to fill and drain, then its all-reduce and step
         share = math.ceil(m / k)
         return _Linear((share - 1) / m, c.sync_per_byte + c.step_per_byte, (share - 1) / m,
-                       c.sync_fixed, versions, flight)
+                       c.sync_fixed, versions, flight, 1.0)
     copy = c.copy_per_byte if copies else 0.0
     per = update_share(options.schedule, m, k) * m / k  # updates per minibatch per replica
     return _Linear(1.0 / k, (c.sync_per_byte + c.step_per_byte + copy) * per,
-                   1.0 / k, c.sync_fixed * per, versions, flight)
+                   1.0 / k, c.sync_fixed * per, versions, flight, per)
 
 
 def ilp_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
                   cluster: Cluster, *, options: ModelOptions, memory: float | None) -> float:
     """The objective the CP-SAT model minimises, for a plan given as (nodes, ranks) per stage:
     the slowest stage's work (`_linear_terms`) or its links (every edge crossing its boundary),
-    inf where a stage does not fit `memory` with the schedule's default in-flight count."""
+    inf where a stage does not fit `memory` with the schedule's default in-flight count.
+
+    Where the cluster's replicas all-reduce in buckets during the backward
+    (`Cluster.allreduce_bucket`), a stage's all-reduce counts as the larger of two linear
+    forms of `cost.links.exposed_allreduce_seconds`: the whole all-reduce less the stage's
+    backward, and the all-reduce of min(its parameters, one bucket). The exact form,
+    max(A / n, A - (1 - 1/n) backward), is not linear in the stage's nodes (n = params / bucket);
+    the linear forms leave out the backward's last-bucket share and charge the ring's latencies
+    whole, so this objective can sit below the DP's by up to backward / n. Plans are priced
+    exactly afterwards."""
     stage_of = {v: i for i, (nodes, _) in enumerate(stages) for v in nodes}
     pinned = set(input_nodes(graph))
     workers = cluster.workers
@@ -287,23 +332,34 @@ def ilp_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ..
         c = placement(cluster, ranks[0], k, workers)
         lin = _linear_terms(c, workers - ranks[0], options)
         work, comm, mem = lin.fixed, 0.0, 0.0
+        params = backward = 0.0
         for v in nodes:
             d = graph.nodes[v]
             comp = 0.0 if v in pinned else float(d["fwd"]) + float(d["bwd"])
+            backward += 0.0 if v in pinned else float(d["bwd"])
+            params += float(d["params"])
             work += comp * lin.per_compute + float(d["params"]) * lin.per_param
             mem += float(d["params"]) * (lin.versions + 1.0 + options.optimizer_state) \
                 + float(d.get("keep", d["act"])) * lin.in_flight / options.per_minibatch
+        shared_in = shared_out = 0.0
         for u, v in graph.edges:
             b = edge_bytes(graph, u, v)
             if stage_of[v] == i and stage_of[u] < i:
                 comm += (b * c.in_per_byte + c.in_per_msg) / k
                 work += b * c.copy_in_per_byte * lin.per_copy
+                shared_in += b * c.in_nic_per_byte
             if stage_of[u] == i and stage_of[v] > i:
                 comm += (b * c.out_per_byte + c.out_per_msg) / k
                 work += b * c.copy_out_per_byte * lin.per_copy
+                shared_out += b * c.out_nic_per_byte
         if memory is not None and mem > memory * (1 + 1e-12):
             return math.inf
-        worst = max(worst, work, comm)
+        bucket = cluster.allreduce_bucket
+        if bucket is not None and c.sync_per_byte > 0:  # two linear forms (docstring)
+            sync = lin.per_sync * c.sync_per_byte
+            work = max(work - lin.per_sync * backward / options.per_minibatch,
+                       work - sync * (params - min(params, bucket)))
+        worst = max(worst, work, comm, shared_in, shared_out)
     return worst
 
 

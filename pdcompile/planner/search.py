@@ -384,12 +384,21 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             variants.append((replace(options, flight="noam"), None))
         if not straight:
             variants += [(options, k) for k in VARIANT_STAGES if k < span]
-        for variant, most in variants:
-            try:
-                add(native_dp(grid, options=variant, straight=straight, fill=fill,
-                              max_stages=most), how=f"{tag}{variant.flight}/{most}")
-            except PlanError:
-                pass
+        grids = [(grid, tag)]
+        if search.allreduce_bucket is not None and not straight and not recompute:
+            # the objective hides a bucketed all-reduce behind its stage's backward, which
+            # replicas waiting for each other in lockstep do not fully achieve (the closed form
+            # and the simulator see them wait): also the optima with the whole all-reduce
+            grids.append((stage_grid(tables, replace(search, allreduce_bucket=None),
+                                     options=options, memory=limit, workers=span, copies=copies,
+                                     copy_link=link), "whole all-reduce "))
+        for searched, label in grids:
+            for variant, most in variants:
+                try:
+                    add(native_dp(searched, options=variant, straight=straight, fill=fill,
+                                  max_stages=most), how=f"{label}{variant.flight}/{most}")
+                except PlanError:
+                    pass
         if not kind(options.schedule).flush and thorough:
             # the grid prices one copy of the pipeline: its period is `copies` times the plan's
             high = (min((c.closed for c in found), default=0.0)

@@ -1,21 +1,29 @@
 """The network and memory physics of the paper's clusters (docs/cost-model.md): single-flow
-caps, gradient buckets all-reduced during the backward, in-place layers that keep nothing."""
+caps, a server's network interface shared by its workers' flows, gradient buckets all-reduced
+during the backward, in-place layers that keep nothing."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import Any
 
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from pdcompile import Cluster
+from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.cost.links import (
     exposed_allreduce_seconds,
+    nic_busy_seconds,
     ring_allreduce_seconds,
     stage_allreduce_seconds,
     transfer_seconds,
 )
 from pdcompile.machine.cluster import Level
+from pdcompile.plan import Plan, Stage
+from pdcompile.planner.search import price_plan
 from pdcompile.profiles import in_place, load_pipedream
 
 seconds = st.floats(min_value=0.0, max_value=10.0, allow_nan=False)
@@ -79,6 +87,54 @@ def test_in_place_layers_keep_nothing_of_their_own() -> None:
     assert relus and all(d["keep"] == 0.0 and d["act"] > 0 for d in relus)
     others = [d for _, d in graph.nodes(data=True) if d["label"].startswith("Conv2d")]
     assert all(d["keep"] == d["act"] for d in others)
+
+
+def _two_stage_graph(activation: float, params: float) -> Any:
+    """Two light layers: the second reads the first's `activation` bytes."""
+    graph = new_cost_graph("two")
+    add_block(graph, "a", fwd=1e-4, bwd=2e-4, act=activation, params=params)
+    add_block(graph, "b", fwd=1e-4, bwd=2e-4, act=1e3, params=params)
+    graph.add_edge("a", "b")
+    return graph
+
+
+def test_a_servers_interface_carries_all_of_its_workers_flows() -> None:
+    nic = 10e9 / 8
+    cluster = Cluster.parse("2x2@1e11,10Gbps")
+    # stage 0 on server 0, stage 1 on server 1: rank pairs (0, 2) and (1, 3) each carry every
+    # other microbatch; server 0 sends every activation and receives every gradient back
+    assert math.isclose(nic_busy_seconds([(0, 1), (2, 3)], {(0, 1): 1e8}, [0.0, 0.0], cluster),
+                        1e8 / nic)
+    # a ring over both servers enters and leaves each once per all-reduce, 2 (r-1)/r of the bytes
+    assert math.isclose(nic_busy_seconds([(0, 1, 2, 3)], {}, [4e8], cluster, allreduces=[1.0]),
+                        2 * 3 / 4 * 4e8 / nic)
+    # ... inside one server, nothing crosses an interface; one level has none
+    assert nic_busy_seconds([(0, 1), (2, 3)], {}, [4e8, 4e8], cluster) == 0.0
+    assert nic_busy_seconds([(0,), (1,)], {(0, 1): 1e8}, [0.0, 0.0],
+                            Cluster.parse("2@1e9")) == 0.0
+
+
+@pytest.mark.parametrize("flow_cap", [None, 5e9 / 8])
+def test_closed_form_and_simulator_both_bound_by_the_shared_interface(
+        flow_cap: float | None) -> None:
+    # 4 replicas per server send 50 MB activations across: each rank pair has a lane of its
+    # own at the flow rate, but the 4 flows share the server's 10 Gbps interface
+    cluster = Cluster.parse("4x2@1e11,10Gbps")
+    if flow_cap is not None:
+        outer = replace(cluster.levels[1], flow_bandwidth=flow_cap)
+        cluster = replace(cluster, levels=(cluster.levels[0], outer))
+    graph = _two_stage_graph(5e7, 1e3)
+    given = Plan(stages=(Stage(("a",), 4, (0, 1, 2, 3)), Stage(("b",), 4, (4, 5, 6, 7))),
+                 time_per_minibatch=0.0, dp_time=0.0, workers=8, planner="test")
+    closed = price_plan(graph, given, cluster, schedule="1f1b", simulate=False)
+    simulated = price_plan(graph, given, cluster, schedule="1f1b", simulate=True)
+    bound = 5e7 / (10e9 / 8)  # every activation out of server 0, every gradient into it
+    assert closed.time_per_minibatch == pytest.approx(bound, rel=1e-9)
+    assert closed.extra["bound"] == "server interface"
+    assert simulated.time_per_minibatch == pytest.approx(bound, rel=1e-6)
+    # without the interface, four lanes would carry four times as much
+    lanes = 5e7 / cluster.levels[1].flow_rate / 4
+    assert lanes < bound
 
 
 @given(bandwidth=st.floats(1e6, 1e12), ring=st.floats(1e6, 1e12), replicas=st.integers(2, 64),

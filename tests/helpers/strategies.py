@@ -1,4 +1,5 @@
-"""Hypothesis strategies for the planner's tests: tiny random DAGs and flat clusters."""
+"""Hypothesis strategies for the planner's tests: tiny random DAGs and small clusters (flat,
+or two servers of two; some with DDP's bucketed all-reduce)."""
 
 from __future__ import annotations
 
@@ -38,15 +39,29 @@ def small_dags(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
     return graph
 
 
-def _cluster(workers: int, bandwidth: str, latency: str, cpu_copies: bool) -> Cluster:
-    """A flat cluster; with `cpu_copies` its link is loopback, where senders copy by CPU."""
-    cluster = Cluster.parse(f"{workers}@{bandwidth}~{latency}")
+def _cluster(workers: int | str, bandwidth: str, latency: str, cpu_copies: bool,
+             bucket: float | None) -> Cluster:
+    """A flat cluster, or "2x2": two servers of two whose interface is a quarter of the inner
+    link (shared by a server's flows); with `cpu_copies` its links are loopback, where senders
+    copy by CPU; with `bucket` its replicas all-reduce gradients in buckets of that many bytes
+    during the backward (PyTorch DDP: `Cluster.allreduce_bucket`)."""
+    if workers == "2x2":
+        cluster = Cluster.parse(f"2x2@{bandwidth},{float(bandwidth) / 4}~{latency},{latency}")
+    else:
+        cluster = Cluster.parse(f"{workers}@{bandwidth}~{latency}")
     return replace(cluster, levels=tuple(replace(lv, cpu_copies=cpu_copies)
-                                         for lv in cluster.levels))
+                                         for lv in cluster.levels), allreduce_bucket=bucket)
 
 
 clusters = st.builds(
     _cluster,
+    st.sampled_from([1, 2, 3, 3, 4, 4, "2x2"]), st.sampled_from(["1e8", "1e9", "1e10"]),
+    st.sampled_from(["0", "20us"]), st.booleans(), st.sampled_from([None, None, 1e6, 2.5e7]),
+)
+# one level: the original optimizer's hierarchical recurrence prices a flat cluster only as the
+# brute force does
+flat_clusters = st.builds(
+    _cluster,
     st.sampled_from([1, 2, 3, 3, 4, 4]), st.sampled_from(["1e8", "1e9", "1e10"]),
-    st.sampled_from(["0", "20us"]), st.booleans(),
+    st.sampled_from(["0", "20us"]), st.booleans(), st.sampled_from([None, None, 1e6, 2.5e7]),
 )

@@ -17,7 +17,7 @@ from pdcompile.planner.antichain import antichain_states, prefix_states
 from pdcompile.planner.costmodel import ModelOptions, planning_objective
 from pdcompile.planner.dp_search import planning_dp
 from tests.helpers.brute_force import brute_force
-from tests.helpers.strategies import clusters, small_dags
+from tests.helpers.strategies import clusters, flat_clusters, small_dags
 
 NATIVE = ModelOptions(cost_model="native")
 
@@ -70,7 +70,7 @@ def chains(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(graph=chains(), cluster=clusters)
+@given(graph=chains(), cluster=flat_clusters)
 def test_pipedream_dp_matches_brute_force_on_chains(graph: nx.DiGraph, cluster: Cluster) -> None:
     # The pipedream-mode DP (flat cluster, replication, no memory constraint: the original's
     # default) finds the best plan that evaluate() prices under the original's model.
