@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -259,12 +260,12 @@ class Cluster:
         every rank of a homogeneous cluster): a stage's compute on it takes time / speed."""
         return self.group_speed(self.group_of(rank))
 
-    def slowest_speed(self, ranks: tuple[int, ...] | list[int] | range) -> float:
+    def slowest_speed(self, ranks: Iterable[int]) -> float:
         """The speed of the slowest of `ranks` (replicas of a stage take minibatches in turn, so
         the slowest sets the stage's pace)."""
         return min((self.speed_of(r) for r in ranks), default=1.0)
 
-    def memory_of(self, ranks: tuple[int, ...] | list[int] | range) -> float:
+    def memory_of(self, ranks: Iterable[int]) -> float:
         """Bytes of the smallest device among `ranks` (what a stage on them may use)."""
         return min((self.device_of(r).memory for r in ranks), default=self.device.memory)
 
