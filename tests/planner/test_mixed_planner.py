@@ -16,6 +16,7 @@ from pdcompile.machine.device_groups import DeviceGroup
 from pdcompile.planner import price_plan
 from pdcompile.planner.mixed import as_slowest, group_alone
 from tests.helpers.strategies import small_dags
+from tests.planner.test_pricing_consistency import fanned_graphs, plans
 
 
 def chain(n: int, *, fwd: float = 1e-2, params: float = 1e6, act: float = 1e5) -> nx.DiGraph:
@@ -99,3 +100,23 @@ def test_mixed_clusters_refuse_what_they_cannot_plan() -> None:
         DeviceGroup(Device("tiny", 1e6, 1e12, 1e11), 1), DeviceGroup(DEVICES["v100"], 1)))
     with pytest.raises(PlanError, match="memory"):
         pdcompile.plan(chain(4, params=2e9), tiny)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=2,
+                                       max_size=2))
+def test_closed_form_follows_the_simulator_on_mixed_clusters(
+        data: st.DataObject, speeds: list[float]) -> None:
+    graph = data.draw(fanned_graphs())
+    given_plan, plain = data.draw(plans(graph))
+    cut = data.draw(st.integers(1, plain.workers - 1))
+    cluster = Cluster(levels=plain.levels, device=plain.device, groups=(
+        DeviceGroup(plain.device, cut, speeds[0]),
+        DeviceGroup(DEVICES["a100"], plain.workers - cut, speeds[1])))
+    stages = len(given_plan.stages)
+    most = max(s.replicas for s in given_plan.stages)
+    microbatches = data.draw(st.integers(max(most, 4 * stages), 32))
+    priced = price_plan(graph, given_plan, cluster, schedule="1f1b-flush",
+                        microbatches=microbatches, memory=1e30, simulate=True)
+    closed = priced.extra["closed_form_time_per_minibatch"]
+    assert closed == pytest.approx(priced.time_per_minibatch, rel=0.15)
