@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdcompile.backends.launch import DEFAULT_FAULT_TIMEOUT
@@ -68,6 +68,9 @@ def parser() -> argparse.ArgumentParser:
     out.add_argument("--seed", type=int, default=None,
                      help="seed of every process's random numbers, set before --data is called "
                           "(default: the seed recorded in the export)")
+    out.add_argument("--slowdown", default=None, metavar="F0,F1,...",
+                     help="emulate slower devices: each rank's compute stretched by its factor "
+                          "(>= 1), e.g. 1,2")
     out.add_argument("--run-dir", default=None, metavar="DIR",
                      help=f"where the losses go ({LOSSES_FILE}; default: EXPORT_DIR/runs/<date>)")
     return out
@@ -209,7 +212,7 @@ def _main(args: argparse.Namespace) -> int:
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, monitor=monitor,
                               record=args.timeline is not None, progress=report,
-                              allow_nonfinite=args.allow_nonfinite)
+                              allow_nonfinite=args.allow_nonfinite, slowdown=args.slowdown)
         if rank == 0:
             if run.resumed_from is not None:
                 print(f"resumed from the checkpoint after minibatch {run.resumed_from}",
@@ -263,7 +266,8 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                     checkpoint_every: int | None = None,
                     progress: Callable[[int, float], None] | None = None,
                     allow_nonfinite: bool = False, trust: bool = False,
-                    seed: int | None = None) -> DistributedRun:
+                    seed: int | None = None,
+                    slowdown: Sequence[float] | str | None = None) -> DistributedRun:
     """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result.
 
     Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
@@ -272,7 +276,9 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
     `progress(step, loss)` is called here, in this process. A NaN or infinite loss stops the
     run unless `allow_nonfinite`; `trust`: as `pdcompile.load(..., trust=True)`. `seed`: every
     worker's random seed, set before `data()` is called (default: the export's, `Pipeline.seed`).
-    Raises `LaunchError` naming the rank that failed first; no process outlives the call.
+    `slowdown`: per rank, the factor its compute is stretched by (an emulated slower device,
+    runtime/slowdown.py), e.g. [1, 2]. Raises `LaunchError` naming the rank that failed first;
+    no process outlives the call.
     """
     import multiprocessing
 
@@ -280,7 +286,8 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
 
     options = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
                "checkpoint_every": checkpoint_every, "allow_nonfinite": allow_nonfinite,
-               "trust": trust}
+               "trust": trust, "slowdown": None if slowdown is None else
+               (slowdown if isinstance(slowdown, str) else tuple(float(f) for f in slowdown))}
     channel = multiprocessing.get_context("spawn").Queue() if progress is not None else None
     stop = threading.Event()
     relay: threading.Thread | None = None

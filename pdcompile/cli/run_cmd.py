@@ -81,6 +81,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
                        help="seed of every worker's random numbers, set before --data is "
                             "called (default: the seed recorded in the export): two runs "
                             "with the same seed are bit-equal")
+    train.add_argument("--slowdown", default=None, metavar="F0,F1,...",
+                       help="emulate a mixed cluster on this machine: each rank's forward and "
+                            "backward take this many times as long (>= 1, one per rank, e.g. "
+                            "1,2: rank 1 twice as slow); compare with `pdcompile simulate` on "
+                            "the cluster with those speeds")
     train.add_argument("--run-dir", default=None, metavar="DIR",
                        help="where the run writes every loss (losses.csv; default: "
                             "--checkpoint-dir, else EXPORT_DIR/runs/<date>)")
@@ -220,6 +225,11 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         cmd += ["--trust"]
     if args.seed is not None:
         cmd += ["--seed", str(args.seed)]
+    if args.slowdown:
+        from pdcompile.runtime.slowdown import check_slowdowns
+
+        check_slowdowns(args.slowdown, nproc * max(1, int(nnodes.split(":")[-1])))
+        cmd += ["--slowdown", str(args.slowdown)]
     run_dir = args.run_dir or args.checkpoint_dir or default_run_dir(export_dir)
     cmd += ["--run-dir", str(run_dir)]
     return cmd

@@ -269,6 +269,23 @@ class Cluster:
         """Bytes of the smallest device among `ranks` (what a stage on them may use)."""
         return min((self.device_of(r).memory for r in ranks), default=self.device.memory)
 
+    def with_slowdowns(self, slowdowns: Iterable[float]) -> Cluster:
+        """This cluster with rank r's compute `slowdowns[r]` times slower (runs of equal
+        factors become device groups): the prediction for a run emulating slower devices
+        (runtime/slowdown.py, `pdcompile run --slowdown`)."""
+        factors = [float(f) for f in slowdowns]
+        if len(factors) != self.workers or any(not f > 0 for f in factors):
+            raise ClusterError(f"slowdowns {factors}: give one factor > 0 for each of the "
+                               f"{self.workers} workers")
+        groups: list[DeviceGroup] = []
+        for rank, factor in enumerate(factors):
+            device, speed = self.device_of(rank), self.speed_of(rank) / factor
+            if groups and groups[-1].device == device and groups[-1].speed == speed:
+                groups[-1] = replace(groups[-1], workers=groups[-1].workers + 1)
+            else:
+                groups.append(DeviceGroup(device, 1, speed))
+        return replace(self, groups=tuple(groups))
+
     def group_cluster(self, index: int) -> Cluster:
         """Device group `index` alone as a homogeneous cluster of its device: the levels cut to
         its workers (whole servers where it holds whole servers)."""

@@ -65,6 +65,7 @@ from pdcompile.runtime.linear_grads import (
     deferring_weight_grads,
     run_weight_grads,
 )
+from pdcompile.runtime.slowdown import stretch
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.generators import copies_weights
@@ -118,6 +119,11 @@ class RunConfig:
     stash: bool = True
     vertical_sync: bool = False
     recompute: frozenset[int] = frozenset()
+    slowdowns: tuple[float, ...] = ()  # per rank: compute stretched (runtime/slowdown.py)
+
+    def slowdown_of(self, rank: int) -> float:
+        """The factor `rank`'s compute is stretched by (1.0: none)."""
+        return self.slowdowns[rank] if rank < len(self.slowdowns) else 1.0
 
     @property
     def kind(self) -> ScheduleKind:
@@ -367,6 +373,7 @@ class StageRuntime:
         self.stash.put(microbatch, entry)
         if self.kind.double_buffered:
             self._count_forward(microbatch)
+        stretch(start, self.config.slowdown_of(self.rank))
         self._record(Kind.F, microbatch, None, start)
         yield from ()
 
@@ -420,6 +427,7 @@ class StageRuntime:
             entry.inputs, entry.received, entry.values, entry.loss = [], {}, {}, None
         else:
             self._release(entry, microbatch)
+        stretch(start, self.config.slowdown_of(self.rank))
         self._record(Kind.B, microbatch, None, start)
         yield from ()
 
@@ -430,6 +438,7 @@ class StageRuntime:
         entry = self.stash.get(microbatch)
         run_weight_grads(entry.weight_grads)
         self._release(entry, microbatch)
+        stretch(start, self.config.slowdown_of(self.rank))
         self._record(Kind.W, microbatch, None, start)
         yield from ()
 
