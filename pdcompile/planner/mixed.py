@@ -16,7 +16,9 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
   docs/cost-model.md, "Mixed clusters": the simulator shows a stage whose replicas mix kinds
   running at its slowest replica's pace, since they take microbatches in turn).
 
-The fastest candidate that fits every rank's memory is the plan.
+The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
+local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
+replicas where the slower ranks hold a plan back; the faster of the two is the plan.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.kinds import kind
 
 BLOCKS = 40  # the DP cuts a graph coarsened to at most this many blocks
+REFINE_EVALUATIONS = 120  # simulations of the local search from the best candidate
 Stages = list[tuple[list[str], tuple[int, ...]]]
 Pricer = Callable[..., Plan]
 Planner = Callable[..., Plan]
@@ -81,12 +84,13 @@ def _shifted(plan: Plan, start: int) -> Plan:
 def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pricer: Pricer,
                schedules: Sequence[tuple[str, int]], memory: float | str | None,
                optimizer_state: float = OPTIMIZER_STATE, straight: bool = False,
-               **options: Any) -> Plan:
+               refine: int = REFINE_EVALUATIONS, **options: Any) -> Plan:
     """The best plan for a mixed cluster (module docstring). `homogeneous(graph, cluster, ...)` is
     the homogeneous planner and `pricer(graph, plan, cluster, ...)` prices a plan on a
     cluster (search.plan and search.price_plan, handed in so that this module stays below
     them); `schedules`: the (schedule, microbatches) pairs to cut pipelines for; `options`
-    go to the homogeneous planner. `straight`: one worker per stage."""
+    go to the homogeneous planner. `straight`: one worker per stage. `refine`: simulations
+    the local search from the best candidate may spend (0: none)."""
     if not cluster.is_mixed:
         raise PlanError("plan_mixed plans for a mixed cluster; this one has one kind of device")
     made: list[tuple[str, Plan]] = []
@@ -128,11 +132,40 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                         "groups all exceed some rank's device; give more or larger devices, "
                         "or a smaller minibatch")
     how, best = min(priced, key=lambda item: item[1].time_per_minibatch)
+    refined = _refined(graph, cluster, best, pricer=pricer, memory=memory,
+                       optimizer_state=optimizer_state,
+                       evaluations=0 if straight else refine)
+    if refined is not None:
+        priced.append((f"refined {how}", refined))
+        if refined.time_per_minibatch < best.time_per_minibatch:
+            how, best = f"refined {how}", refined
+    times: dict[str, float] = {}
+    for h, p in priced:  # the best of each kind of candidate, for reports and benchmarks
+        times[h] = min(times.get(h, math.inf), p.time_per_minibatch)
     ranking = [f"{h}: {p.config} {p.schedule} x{p.microbatches} "
                f"{p.time_per_minibatch * 1e3:.3f} ms"
                for h, p in sorted(priced, key=lambda item: item[1].time_per_minibatch)]
     return replace(best, planner="mixed", extra=best.extra | {
-        "found_by": how, "mixed_candidates": ranking[:10]})
+        "found_by": how, "mixed_candidates": ranking[:10], "mixed_times": times})
+
+
+def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
+             memory: float | str | None, optimizer_state: float,
+             evaluations: int) -> Plan | None:
+    """The best candidate after planner/refine.py's local search by simulation (merge, split,
+    move a replica or a boundary; ranks consecutive from 0, fast groups first), priced as the
+    candidates are; None where it does not apply (asynchronous 1F1B over every worker only)."""
+    from pdcompile.planner.refine import refine_plan
+
+    if evaluations < 1 or best.schedule != "1f1b" or best.workers != cluster.workers:
+        return None
+    try:
+        found = refine_plan(best, graph, cluster, max_evaluations=evaluations).plan
+        plan = pricer(graph, replace(found, extra={}), cluster, memory=memory,
+                      optimizer_state=optimizer_state)
+    except PlanError:
+        return None
+    return plan if plan.extra.get("fits", True) else None
 
 
 def _as_plan(stages: Stages, schedule: str, microbatches: int) -> Plan:

@@ -243,7 +243,11 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     if flight is None and candidate is not None and limit is not None:
         fitted = _priced(cost_graph, cluster, stages, options, limit, recompute=again)
         candidate = fitted or candidate  # over the memory either way: the default counts
-    assert candidate is not None  # priced without a memory limit: always
+    if candidate is None:  # priced without a memory limit: only a schedule that cannot run it
+        raise PlanError(f"schedule {name!r} with {per} microbatches per minibatch cannot feed "
+                        f"the replicas of plan {given.config} (each replica takes a share of "
+                        "a minibatch's microbatches); give at least as many microbatches as "
+                        "the most replicas, a multiple of them for '2bw'")
     chosen, simulated = _choose(cost_graph, cluster, [candidate], simulate)
     workers = max(r for s in given.stages for r in s.ranks) + 1
     dp_options = data_parallel_options(options, cluster, workers)

@@ -120,3 +120,13 @@ def test_closed_form_follows_the_simulator_on_mixed_clusters(
                         microbatches=microbatches, memory=1e30, simulate=True)
     closed = priced.extra["closed_form_time_per_minibatch"]
     assert closed == pytest.approx(priced.time_per_minibatch, rel=0.15)
+
+
+def test_pricing_a_plan_its_schedule_cannot_feed_says_why() -> None:
+    from pdcompile.plan import Plan, Stage
+
+    graph = chain(4)
+    given = Plan(stages=(Stage(("n0", "n1"), 3, (0, 1, 2)), Stage(("n2", "n3"), 1, (3,))),
+                 time_per_minibatch=0.0, dp_time=0.0, workers=4)
+    with pytest.raises(PlanError, match="cannot feed the replicas of plan 3-1"):
+        price_plan(graph, given, Cluster.parse("4@1e10"), schedule="2bw", microbatches=4)
