@@ -284,10 +284,13 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
 
     from pdcompile.backends.launch import launch
 
-    options = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
+    options: dict[str, Any] = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
                "checkpoint_every": checkpoint_every, "allow_nonfinite": allow_nonfinite,
-               "trust": trust, "slowdown": None if slowdown is None else
-               (slowdown if isinstance(slowdown, str) else tuple(float(f) for f in slowdown))}
+               "trust": trust, "slowdown": None}
+    if slowdown is not None:  # checked here: one line, before any worker starts
+        from pdcompile.runtime.slowdown import check_slowdowns
+
+        options["slowdown"] = check_slowdowns(slowdown, nproc)
     channel = multiprocessing.get_context("spawn").Queue() if progress is not None else None
     stop = threading.Event()
     relay: threading.Thread | None = None
