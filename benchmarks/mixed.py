@@ -44,14 +44,17 @@ FACTOR = 2.0  # rank 1 of the emulated run computes this many times slower
 WIDTH, LAYERS, BATCH = 1024, 8, 64
 
 
-def simulated(profiles: list[str], clusters: list[str],
-              done: Any = None) -> list[dict[str, Any]]:
+def simulated(profiles: list[str], clusters: list[str], done: Any = None,
+              previous: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
     """Part 1: per profile and mixed cluster, our plan and the two baselines' prices
     (`done(rows)` after each row: the results so far survive an interrupted run)."""
-    rows: list[dict[str, Any]] = []
+    rows: list[dict[str, Any]] = list(previous or [])
+    seen = {(r["profile"], r["cluster"]) for r in rows}
     for name in profiles:
         graph = load_pipedream(profile_path(name))
         for label in clusters:
+            if (name, label) in seen:
+                continue
             cluster = Cluster.preset(label)
             started = time.perf_counter()
             plan = pdcompile.plan(graph, cluster)
@@ -73,6 +76,23 @@ def simulated(profiles: list[str], clusters: list[str],
                   f"{_ms(row['slowest_ms'])} [{seconds:.1f} s]", file=sys.stderr)
             if done is not None:
                 done(rows)
+    return rows
+
+
+def previous_rows(text: str) -> list[dict[str, Any]]:
+    """The simulation table's rows in a results file (for --resume)."""
+    rows = []
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) != 9 or not cells[4].replace(".", "", 1).isdigit():
+            continue
+
+        def ms(cell: str) -> float | None:
+            return None if cell == "does not fit" else float(cell.split()[0])
+
+        rows.append({"profile": cells[0], "cluster": cells[1], "config": cells[2],
+                     "schedule": "", "found_by": cells[3], "ms": float(cells[4]),
+                     "alone_ms": ms(cells[5]), "slowest_ms": ms(cells[6])})
     return rows
 
 
@@ -103,7 +123,8 @@ def simulated_table(rows: list[dict[str, Any]]) -> str:
              "alone, ms | (b) all as the slowest, ms | ours vs (a) | ours vs (b) |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['profile']} | {r['cluster']} | {r['config']} {r['schedule']} | "
+        lines.append(f"| {r['profile']} | {r['cluster']} | "
+                     f"{(r['config'] + ' ' + r['schedule']).strip()} | "
                      f"{r['found_by']} | {r['ms']:.2f} | {_ms(r['alone_ms'])} | "
                      f"{_ms(r['slowest_ms'])} | {_ratio(r['alone_ms'], r['ms'])} | "
                      f"{_ratio(r['slowest_ms'], r['ms'])} |")
@@ -235,6 +256,8 @@ def main() -> int:
     parser.add_argument("--minibatches", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--write", action="store_true", help=f"write {RESULTS}")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the simulation rows already in the results file, add others")
     args = parser.parse_args()
     load_before = os.getloadavg()
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
@@ -254,7 +277,8 @@ def main() -> int:
                 RESULTS.write_text(merged(RESULTS.read_text() if RESULTS.exists() else "",
                                           [sections[0], section(rows)]))
 
-        rows = simulated(args.profiles.split(","), args.clusters.split(","), done)
+        kept = previous_rows(RESULTS.read_text()) if args.resume and RESULTS.exists() else []
+        rows = simulated(args.profiles.split(","), args.clusters.split(","), done, kept)
         sections.append(section(rows))
         print(simulated_table(rows))
     if not args.simulate_only:

@@ -86,6 +86,10 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     cheap, SIMULATION_BUDGET). optimizer_state: optimizer bytes per parameter byte (Adam 2,
     SGD with momentum 1) for memory. symmetric: plan one server's pipeline and give every server
     the same (None: on multi-level clusters of more than EXACT_WORKERS workers).
+
+    A mixed cluster (device groups of several kinds, `Cluster.groups`) is planned by
+    planner/mixed.py: each rank at its device's speed, within its device's memory (`memory`
+    then caps every device's).
     """
     started = time.perf_counter()
     if planner not in PLANNERS:
