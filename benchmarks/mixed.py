@@ -202,10 +202,13 @@ def emulated(*, minibatches: int = 64, repeats: int = 3) -> list[dict[str, Any]]
         pipe.timed(record=False)
         from_dry_run = simulate(schedule, dry_costs, slowed, timeline=False).time_per_minibatch
         # the same plan run at full speed: its measured stage compute, simulated slowed
-        from_plain = simulate(schedule, costs.with_measured_compute(plain_timeline), slowed,
-                              timeline=False).time_per_minibatch
+        seen = costs.with_measured_compute(plain_timeline)
+        from_plain = simulate(schedule, seen, slowed, timeline=False).time_per_minibatch
+        # the slowdown's effect as a ratio, which contention common to both runs cancels from
+        effect = from_plain / simulate(schedule, seen, plain, timeline=False).time_per_minibatch
         rows.append({"plan": label, "config": plan.config,
-                     "plain_ms": plain_ms * 1e3,
+                     "plain_ms": plain_ms * 1e3, "effect": effect,
+                     "measured_effect": real / plain_ms,
                      "plain_run_ms": from_plain * 1e3, "plain_run_error": from_plain / real - 1.0,
                      "measured_ms": real * 1e3,
                      "range_ms": (measured[0][0] * 1e3, measured[-1][0] * 1e3),
@@ -225,15 +228,17 @@ def emulated(*, minibatches: int = 64, repeats: int = 3) -> list[dict[str, Any]]
 def emulated_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| plan | nodes per stage | measured ms per minibatch, slowed (median; range) | "
              "predicted from the cost pass | error | from a local dry run | error | from the "
-             "full-speed run's stage compute | error | full-speed run, ms |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "full-speed run's stage compute | error | full-speed run, ms | slowed / full "
+             "speed, measured | predicted |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         low, high = r["range_ms"]
         lines.append(f"| {r['plan']} | {' / '.join(map(str, r['nodes']))} | "
                      f"{r['measured_ms']:.1f} ({low:.1f}-{high:.1f}) | {r['cost_pass_ms']:.1f} | "
                      f"{r['cost_pass_error']:+.1%} | {r['dry_run_ms']:.1f} | "
                      f"{r['dry_run_error']:+.1%} | {r['plain_run_ms']:.1f} | "
-                     f"{r['plain_run_error']:+.1%} | {r['plain_ms']:.1f} |")
+                     f"{r['plain_run_error']:+.1%} | {r['plain_ms']:.1f} | "
+                     f"{r['measured_effect']:.2f}x | {r['effect']:.2f}x |")
     return "\n".join(lines)
 
 
