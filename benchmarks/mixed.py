@@ -298,10 +298,11 @@ def main() -> int:
             f"{args.minibatches} minibatches, median of {args.repeats} runs. Predictions: the "
             f"simulator on `local-2` with the same slowdown (`pdcompile simulate --slowdown "
             f"1,{FACTOR:g}`), from three sources of stage costs: the cost pass (before anything "
-            f"runs), a local dry run (`Pipeline.timed()`, one process), and one full-speed run "
-            f"of the same plan on the 2 processes (its measured stage compute, so the error is "
-            f"that of the slowdown's effect alone). Target: within 15%. Load average before / "
-            f"after: "
+            f"runs), a local dry run (`Pipeline.timed()`, one process), and the median of as "
+            f"many full-speed runs of the same plan on the 2 processes, taking turns with the "
+            f"slowed ones (their measured stage compute, so the error is that of the slowdown's "
+            f"effect alone; the last two columns compare that effect as a ratio). Target: within "
+            f"15%. Load average before / after: "
             f"{load_before[0]:.2f} / {load[0]:.2f} (other work shared the 2 cores).\n\n"
             + table)
         print(table)
