@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pdcompile.backends.launch import DEFAULT_FAULT_TIMEOUT
@@ -79,6 +79,11 @@ def add_training_options(group: Any, *, fault_timeout: float | None) -> None:
                        help="seed of every worker's random numbers, set before --data is "
                             "called (default: the seed recorded in the export): two runs "
                             "with the same seed are bit-equal")
+    group.add_argument("--slowdown", default=None, metavar="F0,F1,...",
+                       help="emulate a mixed cluster on this machine: each rank's forward and "
+                            "backward take this many times as long (>= 1, one per rank, e.g. "
+                            "1,2: rank 1 twice as slow); compare with `pdcompile simulate` on "
+                            "the cluster with those speeds")
     group.add_argument("--run-dir", default=None, metavar="DIR",
                        help=f"where the run writes every loss ({LOSSES_FILE}; default: "
                             "--checkpoint-dir, else EXPORT_DIR/runs/<date>)")
@@ -86,7 +91,7 @@ def add_training_options(group: Any, *, fault_timeout: float | None) -> None:
 
 _FLAGS = ("allow_nonfinite", "trust")
 _VALUED = ("steps", "checkpoint_dir", "checkpoint_every", "fault_timeout", "data", "threads",
-           "timeline", "seed", "run_dir")
+           "timeline", "seed", "slowdown", "run_dir")
 
 
 def training_arguments(args: argparse.Namespace) -> list[str]:
@@ -237,7 +242,7 @@ def _main(args: argparse.Namespace) -> int:
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, monitor=monitor,
                               record=args.timeline is not None, progress=report,
-                              allow_nonfinite=args.allow_nonfinite)
+                              allow_nonfinite=args.allow_nonfinite, slowdown=args.slowdown)
         if rank == 0:
             if run.resumed_from is not None:
                 print(f"resumed from the checkpoint after minibatch {run.resumed_from}",
@@ -294,7 +299,8 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                     checkpoint_every: int | None = None,
                     progress: Callable[[int, float], None] | None = None,
                     allow_nonfinite: bool = False, trust: bool = False,
-                    seed: int | None = None) -> DistributedRun:
+                    seed: int | None = None,
+                    slowdown: Sequence[float] | str | None = None) -> DistributedRun:
     """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result.
 
     Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
@@ -303,15 +309,21 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
     `progress(step, loss)` is called here, in this process. A NaN or infinite loss stops the
     run unless `allow_nonfinite`; `trust`: as `pdcompile.load(..., trust=True)`. `seed`: every
     worker's random seed, set before `data()` is called (default: the export's, `Pipeline.seed`).
-    Raises `LaunchError` naming the rank that failed first; no process outlives the call.
+    `slowdown`: per rank, the factor its compute is stretched by (an emulated slower device,
+    runtime/slowdown.py), e.g. [1, 2]. Raises `LaunchError` naming the rank that failed first;
+    no process outlives the call.
     """
     import multiprocessing
 
     from pdcompile.backends.launch import launch
 
-    options = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
+    options: dict[str, Any] = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
                "checkpoint_every": checkpoint_every, "allow_nonfinite": allow_nonfinite,
-               "trust": trust}
+               "trust": trust, "slowdown": None}
+    if slowdown is not None:  # checked here: one line, before any worker starts
+        from pdcompile.runtime.slowdown import check_slowdowns
+
+        options["slowdown"] = check_slowdowns(slowdown, nproc)
     channel = multiprocessing.get_context("spawn").Queue() if progress is not None else None
     stop = threading.Event()
     relay: threading.Thread | None = None

@@ -1,7 +1,8 @@
 """What each action of a lowered schedule costs its rank in the simulator, by the rules of
 backends/simulate.py's docstring: F, B and W from the stage costs (B with the forward again on a
-stage that recomputes), STEP and the first forward after it (a weight snapshot, where the rank
-stashes), sends on the link their ranks share, all-reduces on the slowest level their replicas
+stage that recomputes) over the rank's speed (a mixed cluster's `Cluster.speed_of`), STEP and
+the first forward after it (a weight snapshot, where the rank stashes) at its device's memory
+bandwidth, sends on the link their ranks share, all-reduces on the slowest level their replicas
 span. Both timing loops read it: the one that gives every rank a processor (simulate.py) and the
 one that shares them (processor_sharing.py).
 """
@@ -14,7 +15,7 @@ from pdcompile.cost.links import (
     stage_allreduce_seconds,
 )
 from pdcompile.cost.stage_costs import StageCosts
-from pdcompile.cost.updates import copy_seconds, step_seconds
+from pdcompile.cost.updates import copy_seconds, step_seconds, update_scale
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import updates_in_flight
 from pdcompile.schedule.ir import Action, Kind, Schedule
@@ -35,11 +36,18 @@ class ActionCosts:
         self.backward = tuple((1.0 - share) * costs.bwd[s] + (costs.fwd[s] if s in again else 0.0)
                               for s in range(costs.stages))
         self.weight = tuple(share * b for b in costs.bwd)
-        self.step_time = costs.optimizer or tuple(step_seconds(p, cluster.device)
-                                                  for p in costs.params)
-        self.copy_time = (costs.stash or tuple(copy_seconds(p, cluster.device)
-                                               for p in costs.params)) \
+        step_time = costs.optimizer or tuple(step_seconds(p, cluster.device)
+                                             for p in costs.params)
+        copy_time = (costs.stash or tuple(copy_seconds(p, cluster.device)
+                                          for p in costs.params)) \
             if stash and kind(schedule.name).copies_weights else (0.0,) * costs.stages
+        # a mixed cluster's ranks compute at their device's speed (F, B, W: the CostGraph's
+        # times are the reference device's) and update at their memory's (step, copy)
+        ranks = schedule.actions
+        self.slowness = {rank: 1.0 / cluster.speed_of(rank) for rank in ranks}
+        scale = {rank: update_scale(cluster, (rank,)) for rank in ranks}
+        self.step_time = {rank: tuple(t * scale[rank] for t in step_time) for rank in ranks}
+        self.copy_time = {rank: tuple(t * scale[rank] for t in copy_time) for rank in ranks}
         # a rank snapshots its weights only if an update can come while a minibatch is in flight
         self.copying = {rank: bool(schedule.options.get("vertical_sync"))
                         or updates_in_flight(actions)
@@ -47,26 +55,29 @@ class ActionCosts:
         self.fresh = dict(self.copying)  # no snapshot of the current weights yet
         # what of each all-reduce remains after the backward it follows (cost/links.py)
         self.allreduce = [exposed_allreduce_seconds(
-            stage_allreduce_seconds(costs.params[stage], ranks, cluster),
-            backward=self.backward[stage] + self.weight[stage], params=costs.params[stage],
-            bucket=cluster.allreduce_bucket) for stage, ranks in enumerate(schedule.stage_ranks)]
+            stage_allreduce_seconds(costs.params[stage], replicas, cluster),
+            backward=(self.backward[stage] + self.weight[stage])
+            / cluster.slowest_speed(replicas), params=costs.params[stage],
+            bucket=cluster.allreduce_bucket)
+            for stage, replicas in enumerate(schedule.stage_ranks)]
 
     def compute(self, rank: int, action: Action) -> float:
         """Seconds of the rank's processor for F, B, W or STEP; call once per action, in the
         rank's order (a STEP makes the next F snapshot the weights)."""
         stage, kind = action.stage, action.kind
+        slowness = self.slowness[rank]
         if kind == Kind.F:
             if self.fresh[rank]:
                 self.fresh[rank] = False
-                return self.costs.fwd[stage] + self.copy_time[stage]
-            return self.costs.fwd[stage]
+                return self.costs.fwd[stage] * slowness + self.copy_time[rank][stage]
+            return self.costs.fwd[stage] * slowness
         if kind == Kind.B:
-            return self.backward[stage]
+            return self.backward[stage] * slowness
         if kind == Kind.W:
-            return self.weight[stage]
+            return self.weight[stage] * slowness
         if kind == Kind.STEP:
             self.fresh[rank] = self.copying[rank]
-            return self.step_time[stage]
+            return self.step_time[rank][stage]
         raise ValueError(f"{action} is not a computation")
 
     def send(self, rank: int, action: Action) -> tuple[int, float, float, bool]:

@@ -463,7 +463,8 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
                     checkpoint_every: int | None = None, monitor: FaultMonitor | None = None,
                     record: bool = False, progress: Callable[[int, float], None] | None = None,
                     prepost_depth: int = 2, keep_checkpoints: int = 2,
-                    allow_nonfinite: bool = False) -> DistributedRun:
+                    allow_nonfinite: bool = False,
+                    slowdown: Sequence[float] | str | None = None) -> DistributedRun:
     """Train a pipeline (its `RunProgram`, or a Pipeline) on this process's rank of an
     initialised default process group.
 
@@ -495,8 +496,12 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     makes no progress (backends/watchdog.py), is named.
     A NaN or infinite loss stops the run naming its step, rank and stage, unless
     `allow_nonfinite` (runtime/finite_loss.py).
+    `slowdown`: per rank, the factor its compute is stretched by, an emulated slower device
+    (runtime/slowdown.py; "1,2" or [1, 2]; every rank must pass the same).
     """
     program = as_program(source)
+    if slowdown is not None:
+        program = program.with_slowdowns(slowdown)
     rank = _check_run(program, steps=steps, checkpoint_dir=checkpoint_dir,
                       checkpoint_every=checkpoint_every)
     stages = program.stages_of(rank)

@@ -10,7 +10,7 @@ finishes an action is a deadlock and raises ScheduleError naming what each rank 
 
 from __future__ import annotations
 
-from collections.abc import Generator, Mapping
+from collections.abc import Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -65,14 +65,19 @@ class LocalRun:
 
 def run_program(program: RunProgram, data: MicrobatchData, microbatches: int,
                 per_minibatch: int, *, record: bool = False, first_step: int = 0,
-                allow_nonfinite: bool = False) -> LocalRun:
+                allow_nonfinite: bool = False,
+                slowdown: Sequence[float] | str | None = None) -> LocalRun:
     """All ranks' generated loops over a run of `microbatches` on the local backend.
 
     Each rank gets its runtime over the in-memory mailboxes; a message sent but never received
     is a schedule error. `record`: time every action into a merged, measured timeline.
     A NaN or infinite loss stops the run naming its step (the run's first minibatch is
     `first_step`), rank and stage, unless `allow_nonfinite` (runtime/finite_loss.py).
+    `slowdown`: per rank, the factor its compute is stretched by, an emulated slower device
+    (runtime/slowdown.py; default: the program's own, none).
     """
+    if slowdown is not None:
+        program = program.with_slowdowns(slowdown)
     config = program.run_config(per_minibatch)
     boxes = Mailboxes()
     ranks = program.all_ranks

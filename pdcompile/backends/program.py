@@ -112,6 +112,17 @@ class RunProgram:
     rank_functions: Callable[[int, int], Mapping[int, RankFn]]
     prepare: Prepare
     microbatch_specs: Callable[[dict[str, Any]], dict[Tag, list[TensorSpec]]]
+    slowdowns: tuple[float, ...] = ()  # per rank, an emulated slower device (with_slowdowns)
+
+    def with_slowdowns(self, slowdowns: Sequence[float] | str | None) -> RunProgram:
+        """The same program with each rank's compute stretched by its factor
+        (runtime/slowdown.py; None or all 1: none), checked: one factor >= 1 per rank."""
+        from dataclasses import replace
+
+        from pdcompile.runtime.slowdown import check_slowdowns
+
+        factors = check_slowdowns(slowdowns, max(self.all_ranks) + 1)
+        return replace(self, slowdowns=factors)
 
     @property
     def stage_ranks(self) -> tuple[tuple[int, ...], ...]:
@@ -139,7 +150,7 @@ class RunProgram:
         """The runtime configuration of a run."""
         recompute = frozenset(i for i, s in enumerate(self.plan.stages) if s.recompute)
         return RunConfig(self.schedule_name, self.stage_ranks, per_minibatch, self.stash,
-                         self.vertical_sync, recompute)
+                         self.vertical_sync, recompute, self.slowdowns)
 
     def collective_groups(self) -> list[tuple[int, ...]]:
         """Rank groups that all-reduce together: replicas of a stage, and the ranks of stages

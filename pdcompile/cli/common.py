@@ -20,7 +20,8 @@ if TYPE_CHECKING:
 CLUSTER_HELP = (
     "cluster: a preset (" + ", ".join(PRESET_HELP) + "), a short form such as "
     "'4x4@1e10,1.25e9:v100' (levels innermost first, bandwidths in bytes/s or with units like "
-    "10Gbps, device after ':'), or a .json/.yaml file"
+    "10Gbps, device after ':', or device groups in rank order for a mixed cluster, "
+    "':a100*16,v100*16'), or a .json/.yaml file"
 )
 
 

@@ -189,6 +189,10 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         if args.node_rank is not None:
             cmd += [f"--node-rank={args.node_rank}"]
     cmd += ["-m", WORKER_MODULE, str(export_dir)]
+    if args.slowdown:
+        from pdcompile.runtime.slowdown import check_slowdowns
+
+        check_slowdowns(args.slowdown, nproc * max(1, int(nnodes.split(":")[-1])))
     run_dir = args.run_dir or args.checkpoint_dir or default_run_dir(export_dir)
     forwarded = argparse.Namespace(**{**vars(args), "steps": steps, "run_dir": run_dir})
     cmd += training_arguments(forwarded)

@@ -66,6 +66,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--out", help="folder for plan.json, schedule.txt, timeline.json, "
                         "gantt.png/.svg and trace.json")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--slowdown", default=None, metavar="F0,F1,...",
+                        help="each rank's compute this many times slower (one factor per "
+                             "worker of the cluster, e.g. 1,2): the prediction for `pdcompile "
+                             "run --slowdown` with the same factors")
     parser.set_defaults(func=run)
 
 
@@ -75,6 +79,13 @@ def run(args: argparse.Namespace) -> int:
 
     cluster = load_cluster(args.cluster)
     graph = load_cost_graph(args, cluster)
+    if args.slowdown:
+        try:
+            factors = [float(f) for f in args.slowdown.split(",")]
+        except ValueError:
+            raise PdcompileError(f"--slowdown {args.slowdown!r}: write one number per worker, "
+                                 "e.g. 1,2") from None
+        cluster = cluster.with_slowdowns(factors)
     if args.plan_file:
         plan = Plan.from_json(Path(args.plan_file).read_text())
         if args.schedule == "auto":

@@ -49,7 +49,7 @@ from pdcompile.cost.links import (
     stage_allreduce_seconds,
     transfer_seconds,
 )
-from pdcompile.cost.updates import copy_seconds, step_seconds
+from pdcompile.cost.updates import copy_seconds, step_seconds, update_scale
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind
 
@@ -116,7 +116,9 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
     """The closed form's inputs from per-stage costs (seconds per microbatch, bytes), the ranks
     of each stage and the cluster. `step` / `copy`: measured optimizer-step and weight-copy
     seconds per stage (default: cost/updates.py's estimates from the device's memory bandwidth);
-    `copying[s]`: whether stage s makes weight-version copies at all."""
+    `copying[s]`: whether stage s makes weight-version copies at all. On a mixed cluster the
+    costs are the reference device's: compute is divided by the slowest replica's speed and
+    updates scaled to its memory (`Cluster.speed_of`, `cost.updates.update_scale`)."""
     row = kind(schedule)
     out = []
     for s, ranks in enumerate(stage_ranks):
@@ -127,14 +129,17 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                 if level.cpu_copies:
                     cpu += link_busy_seconds(size, level)
         made = copying[s] and row.copies_weights
+        # on a mixed cluster the stage runs at its slowest replica's pace (they take turns)
+        slowness, updates = 1.0 / cluster.slowest_speed(ranks), update_scale(cluster, ranks)
         out.append(StageTerms(
-            fwd=fwd[s], bwd=bwd[s],
+            fwd=fwd[s] * slowness, bwd=bwd[s] * slowness,
             allreduce=exposed_allreduce_seconds(
-                stage_allreduce_seconds(params[s], ranks, cluster), backward=bwd[s],
+                stage_allreduce_seconds(params[s], ranks, cluster), backward=bwd[s] * slowness,
                 params=params[s], bucket=cluster.allreduce_bucket),
-            step=step[s] if step is not None else step_seconds(params[s], cluster.device),
-            copy=0.0 if not made else copy[s] if copy is not None
-            else copy_seconds(params[s], cluster.device),
+            step=updates * (step[s] if step is not None
+                            else step_seconds(params[s], cluster.device)),
+            copy=0.0 if not made else updates * (copy[s] if copy is not None
+                                                 else copy_seconds(params[s], cluster.device)),
             cpu_copies=cpu, replicas=len(ranks), in_flight=max(1, int(in_flight[s]))))
     return out
 

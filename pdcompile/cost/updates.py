@@ -7,6 +7,9 @@ bandwidth); a copy of the weights for weight stashing reads and writes them once
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
+from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.device import Device
 
 
@@ -20,4 +23,12 @@ def copy_seconds(params: float, device: Device) -> float:
     return 2.0 * params / device.mem_bandwidth
 
 
-__all__ = ["copy_seconds", "step_seconds"]
+def update_scale(cluster: Cluster, ranks: Iterable[int]) -> float:
+    """How many times longer an update's memory-bound work (a step, a weight copy) takes on the
+    slowest memory among `ranks` than on the cluster's reference device: a measured or
+    estimated reference time times this is the time there (1.0 on a homogeneous cluster)."""
+    reference = cluster.device.mem_bandwidth
+    return max((reference / cluster.device_of(r).mem_bandwidth for r in ranks), default=1.0)
+
+
+__all__ = ["copy_seconds", "step_seconds", "update_scale"]

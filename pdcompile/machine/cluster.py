@@ -2,13 +2,15 @@
 
 String grammar (`Cluster.parse`), levels innermost first as in PipeDream's `-n 8 2`:
 
-    [LEVELS][@BANDWIDTHS][~LATENCIES][:DEVICE]      or a preset name, or local-N
+    [LEVELS][@BANDWIDTHS][~LATENCIES][:DEVICES]     or a preset name, or local-N
     LEVELS      N or NxMx...         "8x2" = 2 servers of 8 workers each
     BANDWIDTHS  B[,B...]             one per level, innermost first; 1e9, 10Gbps, 25GB/s
     LATENCIES   L[,L...]             one per level; 10us, 1e-5
-    DEVICE      a device preset      v100, titanx, a100, h100, cpu
+    DEVICES     a device preset      v100, titanx, a100, h100, cpu
+                or groups NAME*N,... a mixed cluster, in rank order (machine/device_groups.py)
 
-Examples: "4", "16@1e9", "4x4@1e10,1.25e9", "8x2@300GB/s,25Gbps~5us,50us:v100", "A", "local-4".
+Examples: "4", "16@1e9", "4x4@1e10,1.25e9", "8x2@300GB/s,25Gbps~5us,50us:v100", "A", "local-4",
+"8x4@150GB/s,100Gbps:a100*16,v100*16" (two servers of A100, then two of V100).
 Ranks are numbered innermost level fastest: in "4x4", ranks 0-3 share the first server.
 """
 
@@ -17,12 +19,19 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import ClusterError
 from pdcompile.machine.device import DEVICES, Device
+from pdcompile.machine.device_groups import (
+    GROUPS_EXAMPLE,
+    DeviceGroup,
+    groups_from_list,
+    parse_groups,
+)
 from pdcompile.units import format_bandwidth, format_bytes, parse_quantity
 
 _EXAMPLE = 'e.g. "4x4@1e10,1.25e9:v100" (2 levels, innermost first) or "16@10Gbps" or "A"'
@@ -89,7 +98,14 @@ PRESET_HELP: dict[str, str] = {
     "h100-node": "one server of 8 x H100 with NVLink (450 GB/s)",
     "h100-4node": "4 servers x 8 H100, NVLink inside, 400 Gbps between",
     "local-N": "N processes of this machine (local: 2), bandwidth measured",
+    "mixed-a100-v100": "mixed: 2 servers x 8 A100 then 2 x 8 V100, NVLink inside (150 GB/s, "
+                       "the V100's), 100 Gbps between",
+    "mixed-h100-a100": "mixed: 1 server of 8 H100 then 2 of 8 A100, NVLink inside (300 GB/s), "
+                       "200 Gbps between",
+    "mixed-A": "mixed PipeDream cluster A: 2 servers x 4 V100 then 2 x 4 Titan X, PCIe inside, "
+               "10 Gbps between",
 }
+_UNSET_DEVICE = replace(DEVICES["v100"])  # Cluster.device not given: a mixed one takes group 0's
 
 
 @dataclass(frozen=True)
@@ -100,16 +116,25 @@ class Cluster:
     gradients bucket by bucket as the backward produces them (PyTorch's DistributedDataParallel,
     25 MiB buckets by default; the paper's clusters ran it), so that the all-reduce overlaps the
     backward (cost/links.py, `exposed_allreduce_seconds`); None: the all-reduce starts after the
-    backward, as pdcompile's runtime does."""
+    backward, as pdcompile's runtime does.
+
+    `groups`: a mixed cluster's devices in rank order (machine/device_groups.py); empty: every
+    worker has `device`. In a mixed cluster `device` is the reference whose times a CostGraph
+    holds (default: the first group's), and `device_of(rank)` / `speed_of(rank)` say what each
+    rank has; in a homogeneous one they are `device` and 1.0 for every rank."""
 
     levels: tuple[Level, ...]
-    device: Device = field(default_factory=lambda: DEVICES["v100"])
+    device: Device = field(default_factory=lambda: _UNSET_DEVICE)
     name: str = ""
     allreduce_bucket: float | None = None
+    groups: tuple[DeviceGroup, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.levels:
             raise ClusterError(f"a cluster needs at least one level ({_EXAMPLE})")
+        object.__setattr__(self, "groups", tuple(self.groups))
+        if self.groups and self.device is _UNSET_DEVICE:
+            object.__setattr__(self, "device", self.groups[0].device)
         if self.allreduce_bucket is not None and not self.allreduce_bucket > 0:
             raise ClusterError(f"allreduce_bucket {self.allreduce_bucket!r}: a gradient bucket "
                                "holds > 0 bytes (PyTorch DDP: 25MiB), or leave it out")
@@ -141,6 +166,17 @@ class Cluster:
                 raise ClusterError(f"level {i} has cores {level.cores!r}; write a positive "
                                    "integer (the processors one group of the level shares), or "
                                    "leave it out for a processor per worker")
+        for i, group in enumerate(self.groups):
+            if not isinstance(group, DeviceGroup):
+                raise ClusterError(f"device group {i} is a {type(group).__name__}, not a "
+                                   "DeviceGroup(device, workers, speed)")
+            group.check(i)
+        held = sum(group.workers for group in self.groups)
+        if self.groups and held != self.workers:
+            shape = "x".join(str(lv.workers) for lv in self.levels)
+            raise ClusterError(f"the device groups hold {held} workers but the levels {shape} "
+                               f"hold {self.workers}; make the groups' counts add up to "
+                               f"{self.workers}, e.g. {GROUPS_EXAMPLE}")
 
     # ----------------------------------------------------------------------------- queries
     @property
@@ -192,9 +228,112 @@ class Cluster:
             return 0
         return max(self.link_level(ranks[0], r) for r in ranks[1:])
 
+    # ------------------------------------------------------------------- devices per rank
+    @property
+    def is_mixed(self) -> bool:
+        """Whether the workers differ in device or speed (`groups` with more than one kind)."""
+        if not self.groups:
+            return False
+        first = self.groups[0]
+        return any(g.device != first.device or self.group_speed(i) != self.group_speed(0)
+                   for i, g in enumerate(self.groups)) or self.group_speed(0) != 1.0
+
+    def group_ranks(self, index: int) -> range:
+        """The ranks of device group `index` (all ranks for a homogeneous cluster's group 0)."""
+        if not self.groups:
+            if index != 0:
+                raise ClusterError(f"device group {index}: a homogeneous cluster has group 0 "
+                                   "only")
+            return range(self.workers)
+        if not 0 <= index < len(self.groups):
+            raise ClusterError(f"device group {index}: this cluster has groups "
+                               f"0-{len(self.groups) - 1}")
+        start = sum(g.workers for g in self.groups[:index])
+        return range(start, start + self.groups[index].workers)
+
+    def group_of(self, rank: int) -> int:
+        """The index of the device group that holds `rank` (0 in a homogeneous cluster)."""
+        if not 0 <= rank < self.workers:
+            raise ClusterError(f"rank {rank} is outside this {self.workers}-worker cluster")
+        end = 0
+        for i, group in enumerate(self.groups):
+            end += group.workers
+            if rank < end:
+                return i
+        return 0
+
+    def group_speed(self, index: int) -> float:
+        """How many times faster group `index` computes than the reference `device`."""
+        if not self.groups:
+            return 1.0
+        return self.groups[index].speed_over(self.device)
+
+    def device_of(self, rank: int) -> Device:
+        """The device of `rank` (`device` in a homogeneous cluster)."""
+        index = self.group_of(rank)
+        return self.groups[index].device if self.groups else self.device
+
+    def speed_of(self, rank: int) -> float:
+        """How many times faster `rank` computes than the reference device (1.0: the same, as
+        every rank of a homogeneous cluster): a stage's compute on it takes time / speed."""
+        return self.group_speed(self.group_of(rank))
+
+    def slowest_speed(self, ranks: Iterable[int]) -> float:
+        """The speed of the slowest of `ranks` (replicas of a stage take minibatches in turn, so
+        the slowest sets the stage's pace)."""
+        return min((self.speed_of(r) for r in ranks), default=1.0)
+
+    def memory_of(self, ranks: Iterable[int]) -> float:
+        """Bytes of the smallest device among `ranks` (what a stage on them may use)."""
+        return min((self.device_of(r).memory for r in ranks), default=self.device.memory)
+
+    def with_slowdowns(self, slowdowns: Iterable[float]) -> Cluster:
+        """This cluster with rank r's compute `slowdowns[r]` times slower (runs of equal
+        factors become device groups): the prediction for a run emulating slower devices
+        (runtime/slowdown.py, `pdcompile run --slowdown`)."""
+        factors = [float(f) for f in slowdowns]
+        if len(factors) != self.workers or any(not f > 0 for f in factors):
+            raise ClusterError(f"slowdowns {factors}: give one factor > 0 for each of the "
+                               f"{self.workers} workers")
+        groups: list[DeviceGroup] = []
+        for rank, factor in enumerate(factors):
+            device, speed = self.device_of(rank), self.speed_of(rank) / factor
+            if groups and groups[-1].device == device and groups[-1].speed == speed:
+                groups[-1] = replace(groups[-1], workers=groups[-1].workers + 1)
+            else:
+                groups.append(DeviceGroup(device, 1, speed))
+        return replace(self, groups=tuple(groups))
+
+    def group_cluster(self, index: int) -> Cluster:
+        """Device group `index` alone as a homogeneous cluster of its device: the levels cut to
+        its workers (whole servers where it holds whole servers)."""
+        ranks = self.group_ranks(index)
+        device = self.groups[index].device if self.groups else self.device
+        levels: list[Level] = []
+        left = len(ranks)
+        for level in self.levels:
+            if left <= level.workers or left % level.workers:
+                levels.append(replace(level, workers=left))
+                break
+            levels.append(level)
+            left //= level.workers
+        return replace(self, levels=tuple(levels), device=device, groups=(),
+                       name=f"{self.name or 'cluster'} group {index}")
+
     def with_workers(self, workers: int) -> Cluster:
-        """The same kind of cluster flattened to its innermost link with `workers` workers."""
-        return replace(self, levels=(replace(self.levels[0], workers=workers),))
+        """The same kind of cluster flattened to its innermost link with `workers` workers (a
+        mixed one keeps its groups in rank order, the last cut or grown to fit)."""
+        groups: list[DeviceGroup] = []
+        left = workers
+        for group in self.groups:
+            if left <= 0:
+                break
+            groups.append(replace(group, workers=min(group.workers, left)))
+            left -= groups[-1].workers
+        if groups and left > 0:
+            groups[-1] = replace(groups[-1], workers=groups[-1].workers + left)
+        return replace(self, levels=(replace(self.levels[0], workers=workers),),
+                       groups=tuple(groups))
 
     def describe(self) -> str:
         """One line: "4x4 workers (10 GB/s, 1.25 GB/s) of v100 (16.0 GiB)"."""
@@ -208,6 +347,12 @@ class Cluster:
                           + (f", {lv.cores} cores" if lv.cores is not None else "")
                           for lv in self.levels)
         label = f"{self.name}: " if self.name else ""
+        if self.groups:
+            kinds = " + ".join(
+                f"{g.workers} {g.device.name} ({format_bytes(g.device.memory)}"
+                + (f", speed {self.group_speed(i):.3g}" if self.group_speed(i) != 1.0 else "")
+                + ")" for i, g in enumerate(self.groups))
+            return f"{label}{shape} workers ({links}) of {kinds}"
         memory = format_bytes(self.device.memory)
         return f"{label}{shape} workers ({links}) of {self.device.name} ({memory})"
 
@@ -228,6 +373,11 @@ class Cluster:
             return _local_cluster(count)
         v100, titan, h100 = DEVICES["v100"], DEVICES["titanx"], DEVICES["h100"]
         gbps = 1e9 / 8
+        mixed = _mixed_presets(gbps)
+        if key in mixed:
+            levels, groups = mixed[key]
+            cluster = cls(levels=levels, groups=groups, name=key)
+            return cluster if workers is None else cluster.with_workers(workers)
         table: dict[str, tuple[tuple[Level, ...], Device]] = {
             "A": ((Level(4, _PCIE, 10e-6), Level(4, 10 * gbps, 50e-6)), v100),
             # AWS caps one flow at 5 Gbps between instances outside a cluster placement group
@@ -244,7 +394,7 @@ class Cluster:
             from pdcompile.util.suggest import did_you_mean
 
             names = ", ".join(PRESET_HELP)
-            known = [*table, *(f"local-{n}" for n in range(1, 9))]
+            known = [*table, *mixed, *(f"local-{n}" for n in range(1, 9))]
             raise ClusterError(f"unknown cluster preset {name!r}{did_you_mean(key, known)}; "
                                f"presets are: {names}; or write a short form, {_EXAMPLE}")
         levels, device = table[key]
@@ -284,6 +434,8 @@ class Cluster:
         latencies = _per_level(text, lats, n, "seconds", default=0.0)
         levels = tuple(Level(c, b, lat) for c, b, lat in zip(counts, bandwidths, latencies,
                                                                    strict=True))
+        if dev and ("*" in dev or "," in dev):
+            return cls(levels=levels, groups=parse_groups(text, dev, _device))
         try:
             device = _device(dev.strip() if dev else None)
         except ClusterError as err:
@@ -294,8 +446,9 @@ class Cluster:
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
         """Read a JSON or YAML file: {name, device, allreduce_bucket, levels: [{workers,
-        bandwidth, latency, cpu_copies, cores, flow_bandwidth, allreduce_bandwidth}]} (all but
-        workers and bandwidth optional).
+        bandwidth, latency, cpu_copies, cores, flow_bandwidth, allreduce_bandwidth}], groups:
+        [{device, workers, speed}]} (all but workers and bandwidth optional; groups make a mixed
+        cluster, and its device, the reference, defaults to the first group's).
 
         A file that is missing, not JSON/YAML (the message quotes the bad line and marks the
         column) or not a cluster gets one ClusterError that shows a valid file."""
@@ -361,6 +514,16 @@ class Cluster:
             levels.append(Level(workers, bandwidth, latency, cpu_copies, cores, flow, ring))
         bucket = data.get("allreduce_bucket")
         bucket = None if bucket is None else _quantity(bucket, "bytes", "allreduce_bucket")
+        unknown = set(data) - {"name", "device", "allreduce_bucket", "levels", "groups"}
+        if unknown:
+            raise ClusterError(f"unknown keys {sorted(unknown)}; a cluster has name, device, "
+                               "allreduce_bucket, levels and groups")
+        if data.get("groups") is not None:
+            groups = groups_from_list(data["groups"], _device)
+            device = _device(data["device"]) if data.get("device") is not None \
+                else groups[0].device
+            return cls(levels=tuple(levels), device=device, name=str(data.get("name", "")),
+                       allreduce_bucket=bucket, groups=groups)
         return cls(levels=tuple(levels), device=_device(data.get("device")),
                    name=str(data.get("name", "")), allreduce_bucket=bucket)
 
@@ -372,6 +535,8 @@ class Cluster:
         out: dict[str, Any] = {"name": self.name, "device": asdict(self.device), "levels": levels}
         if self.allreduce_bucket is not None:
             out["allreduce_bucket"] = self.allreduce_bucket
+        if self.groups:
+            out["groups"] = [group.to_dict() for group in self.groups]
         return out
 
 
@@ -441,6 +606,19 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
         raise ClusterError(f"unknown device {device!r}; devices are: {', '.join(DEVICES)}, "
                        "cpu-local")
     return DEVICES[key]
+
+
+def _mixed_presets(gbps: float) -> dict[str, tuple[tuple[Level, ...], tuple[DeviceGroup, ...]]]:
+    """The mixed presets of PRESET_HELP: (levels, device groups in rank order)."""
+    a100, v100, h100, titan = (DEVICES[k] for k in ("a100", "v100", "h100", "titanx"))
+    return {
+        "mixed-a100-v100": ((Level(8, _NVLINK_V100, 5e-6), Level(4, 100 * gbps, 10e-6)),
+                            (DeviceGroup(a100, 16), DeviceGroup(v100, 16))),
+        "mixed-h100-a100": ((Level(8, 3e11, 3e-6), Level(3, 200 * gbps, 5e-6)),
+                            (DeviceGroup(h100, 8), DeviceGroup(a100, 16))),
+        "mixed-A": ((Level(4, _PCIE, 10e-6), Level(4, 10 * gbps, 50e-6)),
+                    (DeviceGroup(v100, 8), DeviceGroup(titan, 8))),
+    }
 
 
 def _local_cluster(workers: int) -> Cluster:

@@ -3,6 +3,7 @@ named devices a cluster string or file may use (`DEVICES`)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 
@@ -21,6 +22,16 @@ class Device:
         if low_precision and self.flops_lowp:
             return self.flops_lowp
         return self.flops
+
+    def speed_relative_to(self, reference: Device) -> float:
+        """How many times faster this device computes than `reference` (2.0: half the time).
+
+        A node's roofline time is max(FLOPs / peak, bytes / bandwidth); a profile gives only the
+        time, not the intensity, so both ratios count alike: the geometric mean of the FLOP/s
+        and memory-bandwidth ratios. It is transitive (a/b x b/c = a/c), so which device is the
+        reference does not change a plan's relative prices."""
+        return math.sqrt(self.flops / reference.flops
+                         * self.mem_bandwidth / reference.mem_bandwidth)
 
 
 DEVICES: dict[str, Device] = {

@@ -111,9 +111,16 @@ def _memory_limits(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, .
             built.costs.params[s], per, versions_per_flight=row.stashed_versions == "in-flight",
             fixed_versions=1 if row.stashed_versions == "in-flight"
             else int(row.stashed_versions), optimizer_state=options.optimizer_state,
-            limit=memory - fixed)
+            limit=rank_memory(memory, cluster, stages[s][1]) - fixed)
         out.append(min(IN_FLIGHT_CAP, fits))
     return out
 
 
-__all__ = ["choose_in_flight", "choose_recompute"]
+def rank_memory(limit: float, cluster: Cluster, ranks: Sequence[int]) -> float:
+    """Bytes a stage on `ranks` may use: `limit`, and on a mixed cluster no more than the
+    smallest device among them holds (a homogeneous cluster's limit may exceed its device's:
+    planning for more memory than the preset's is allowed)."""
+    return min(limit, cluster.memory_of(ranks)) if cluster.is_mixed else limit
+
+
+__all__ = ["choose_in_flight", "choose_recompute", "rank_memory"]

@@ -213,7 +213,8 @@ class _Search:
         stream = max(self.minibatches, 4 * math.lcm(*state[1]))
         _, result = simulate_plan(self.graph, plan, self.cluster, minibatches=stream,
                                   warmup=self.warmup, timeline=False)
-        fits = result.peak_memory <= self.cluster.device.memory
+        fits = all(used.total <= self.cluster.device_of(rank).memory
+                   for rank, used in result.memory.items())
         value = result.time_per_minibatch if fits else math.inf
         self.cache[state] = value
         return value

@@ -42,7 +42,7 @@ from pdcompile.planner.dp_search import (
     prepare,
     solve,
 )
-from pdcompile.planner.in_flight import choose_in_flight, choose_recompute
+from pdcompile.planner.in_flight import choose_in_flight, choose_recompute, rank_memory
 from pdcompile.planner.simulation import simulate_steady, steady_minibatches
 from pdcompile.schedule.kinds import KINDS, kind, unknown
 from pdcompile.units import format_bytes, parse_quantity
@@ -87,6 +87,10 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     cheap, SIMULATION_BUDGET). optimizer_state: optimizer bytes per parameter byte (Adam 2,
     SGD with momentum 1) for memory. symmetric: plan one server's pipeline and give every server
     the same (None: on multi-level clusters of more than EXACT_WORKERS workers).
+
+    A mixed cluster (device groups of several kinds, `Cluster.groups`) is planned by
+    planner/mixed.py: each rank at its device's speed, within its device's memory (`memory`
+    then caps every device's).
     """
     started = time.perf_counter()
     if planner not in PLANNERS:
@@ -115,6 +119,12 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if planner == "ilp" and (straight or cost_model != "native"):
         raise PlanError("the CP-SAT planner handles the native cost model without --straight; "
                         "use planner='dp' for cost_model='pipedream' or straight pipelines")
+    if cluster.is_mixed:
+        return _plan_mixed(cost_graph, cluster, choices, planner=planner, cost_model=cost_model,
+                           straight=straight, memory=memory, time_limit=time_limit,
+                           schedule=schedule, microbatches=microbatches, stages=stages,
+                           simulate=simulate, optimizer_state=optimizer_state,
+                           started=started)
     if cost_model == "pipedream":
         options = ModelOptions(cost_model=cost_model, schedule=choices[0][0],
                                microbatches=choices[0][1], optimizer_state=optimizer_state)
@@ -238,7 +248,11 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     if flight is None and candidate is not None and limit is not None:
         fitted = _priced(cost_graph, cluster, stages, options, limit, recompute=again)
         candidate = fitted or candidate  # over the memory either way: the default counts
-    assert candidate is not None  # priced without a memory limit: always
+    if candidate is None:  # priced without a memory limit: only a schedule that cannot run it
+        raise PlanError(f"schedule {name!r} with {per} microbatches per minibatch cannot feed "
+                        f"the replicas of plan {given.config} (each replica takes a share of "
+                        "a minibatch's microbatches); give at least as many microbatches as "
+                        "the most replicas, a multiple of them for '2bw'")
     chosen, simulated = _choose(cost_graph, cluster, [candidate], simulate)
     workers = max(r for s in given.stages for r in s.ranks) + 1
     dp_options = data_parallel_options(options, cluster, workers)
@@ -247,7 +261,8 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     extra = dict(given.extra) | {
         "memory_limit": limit, "dp_fits": limit is None or dp_priced[0].memory <= limit,
         "closed_form_time_per_minibatch": chosen.closed, "bound": chosen.bound,
-        "fits": limit is None or all(s.memory <= limit * (1 + 1e-9) for s in chosen.priced)}
+        "fits": limit is None or all(s.memory <= rank_memory(limit, cluster, s.ranks)
+                                     * (1 + 1e-9) for s in chosen.priced)}
     if simulated is not None:
         extra["simulated_time_per_minibatch"] = simulated
     return replace(given, stages=chosen.priced, time_per_minibatch=simulated or chosen.closed,
@@ -521,7 +536,8 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
     for stage in priced:
         for rank in stage.ranks:
             held[rank] = held.get(rank, 0.0) + stage.memory
-    if limit is not None and max(held.values()) > limit * (1 + 1e-9):
+    if limit is not None and any(used > rank_memory(limit, cluster, (rank,)) * (1 + 1e-9)
+                                 for rank, used in held.items()):
         return None
     workers = len(held)
     if (row.interleaved or row.split_backward) and not row.v_shape and m >= workers \
@@ -644,10 +660,40 @@ def _pipedream_plan(cost_graph: nx.DiGraph, cluster: Cluster, options: ModelOpti
                 bound=None, solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra)
 
 
+def _plan_mixed(cost_graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[str, int]], *,
+                planner: str, cost_model: str, straight: bool, memory: float | str | None,
+                time_limit: float | None, schedule: str, microbatches: int | None,
+                stages: int | None, simulate: bool | None, optimizer_state: float,
+                started: float) -> Plan:
+    """`plan` on a mixed cluster (planner/mixed.py), with this module's planner and pricing."""
+    from functools import partial
+
+    from pdcompile.planner.mixed import plan_mixed
+
+    if cost_model != "native":
+        raise PlanError("the pipedream cost model knows one kind of device; plan a mixed "
+                        f"cluster ({cluster.describe()}) with cost_model='native'")
+    if stages is not None:
+        raise PlanError("stages= places straight stages on the first ranks; on a mixed cluster "
+                        "let the planner place them (leave stages out, or pass straight=True)")
+    result = plan_mixed(cost_graph, cluster, homogeneous=plan,
+                        pricer=partial(price_plan, simulate=simulate), schedules=choices,
+                        memory=memory, optimizer_state=optimizer_state, straight=straight,
+                        planner=planner, time_limit=time_limit, schedule=schedule,
+                        microbatches=microbatches, simulate=simulate)
+    return replace(result, solve_seconds=time.perf_counter() - started)
+
+
 # ------------------------------------------------------------------------------ helpers
 def _memory(memory: float | str | None, cluster: Cluster, cost_model: str) -> float | None:
+    """Bytes per worker: `memory`, else the device's; on a mixed cluster the largest device's,
+    and each rank is held to its own device's below that (`rank_memory`)."""
     if memory is None:
-        return None if cost_model == "pipedream" else float(cluster.device.memory)
+        if cost_model == "pipedream":
+            return None
+        if cluster.is_mixed:
+            return float(max(g.device.memory for g in cluster.groups))
+        return float(cluster.device.memory)
     try:
         value = parse_quantity(memory, "bytes")
     except (ValueError, TypeError) as err:

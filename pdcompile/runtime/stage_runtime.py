@@ -72,6 +72,7 @@ from pdcompile.runtime.linear_grads import (
     deferring_weight_grads,
     run_weight_grads,
 )
+from pdcompile.runtime.slowdown import stretch
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.generators import copies_weights
@@ -125,6 +126,11 @@ class RunConfig:
     stash: bool = True
     vertical_sync: bool = False
     recompute: frozenset[int] = frozenset()
+    slowdowns: tuple[float, ...] = ()  # per rank: compute stretched (runtime/slowdown.py)
+
+    def slowdown_of(self, rank: int) -> float:
+        """The factor `rank`'s compute is stretched by (1.0: none)."""
+        return self.slowdowns[rank] if rank < len(self.slowdowns) else 1.0
 
     @property
     def kind(self) -> ScheduleKind:
@@ -385,6 +391,7 @@ class StageRuntime:
         self.stash.put(microbatch, entry)
         if self.kind.double_buffered:
             self._count_forward(microbatch)
+        stretch(start, self.config.slowdown_of(self.rank))
         self._record(Kind.F, microbatch, None, start)
         yield from ()
 
@@ -440,6 +447,7 @@ class StageRuntime:
         else:
             run_weight_grads(entry.weight_grads)  # deferred, but nothing to send first
             self._release(entry, microbatch)
+        stretch(start, self.config.slowdown_of(self.rank))
         if self.kind.split_backward or not (out and entry.weight_grads):
             self._record(Kind.B, microbatch, None, start)
         else:  # recorded once its weight gradients are done (`_finish_backward`)
@@ -452,7 +460,9 @@ class StageRuntime:
         microbatch leaves the stash. Its event spans the whole backward, sends included."""
         start = self._after_send.pop(microbatch)
         entry = self.stash.get(microbatch)
+        begun = time.time()
         run_weight_grads(entry.weight_grads)
+        stretch(begun, self.config.slowdown_of(self.rank))
         self._release(entry, microbatch)
         self._record(Kind.B, microbatch, None, start, counted=True)
 
@@ -469,6 +479,7 @@ class StageRuntime:
         entry = self.stash.get(microbatch)
         run_weight_grads(entry.weight_grads)
         self._release(entry, microbatch)
+        stretch(start, self.config.slowdown_of(self.rank))
         self._record(Kind.W, microbatch, None, start)
         yield from ()
 

@@ -65,3 +65,23 @@ flat_clusters = st.builds(
     st.sampled_from([1, 2, 3, 3, 4, 4]), st.sampled_from(["1e8", "1e9", "1e10"]),
     st.sampled_from(["0", "20us"]), st.booleans(), st.sampled_from([None, None, 1e6, 2.5e7]),
 )
+
+
+@st.composite
+def mixed_clusters(draw: st.DrawFn, max_workers: int = 6) -> Cluster:
+    """Random clusters of one or two levels whose ranks fall into 1-3 device groups of random
+    devices (and sometimes a given speed), in rank order."""
+    from pdcompile.machine.device import DEVICES
+    from pdcompile.machine.device_groups import DeviceGroup
+
+    inner = draw(st.integers(1, max_workers))
+    outer = draw(st.integers(1, max(1, max_workers // inner)))
+    text = f"{inner}x{outer}@1e10,1e9" if outer > 1 else f"{inner}@1e10"
+    levels = Cluster.parse(text).levels
+    workers = inner * outer
+    cuts = sorted(draw(st.sets(st.integers(1, workers - 1), max_size=2))) if workers > 1 else []
+    bounds = [0, *cuts, workers]
+    groups = tuple(DeviceGroup(DEVICES[draw(st.sampled_from(["v100", "a100", "titanx", "h100"]))],
+                               b - a, draw(st.none() | st.sampled_from([0.25, 0.5, 1.0, 2.0])))
+                   for a, b in zip(bounds, bounds[1:], strict=False))
+    return Cluster(levels=levels, groups=groups)

@@ -1,0 +1,285 @@
+"""Plans for mixed clusters: stages placed on device groups by their speed and memory.
+
+A CostGraph holds the reference device's times (`Cluster.device`); a rank of a mixed cluster
+computes at `Cluster.speed_of(rank)` times that speed. The candidates, every one priced on the
+mixed cluster itself by `price_plan` (the simulator where a simulation is cheap):
+
+- each device group alone (`group_alone`): the homogeneous planner on the group, with the
+  CostGraph's times divided by the group's speed, its ranks mapped onto the group's;
+- the whole cluster as if every device were the slowest (`as_slowest`): the homogeneous planner
+  on the cluster with the slowest group's device, the times divided by its speed;
+- pipelines across the groups (`_across_groups`): a dynamic program over a topological order of
+  the (coarsened) graph that cuts it into stages, each on r consecutive ranks of one group,
+  visiting the groups in every order, that minimises the slowest stage's time (its compute at
+  its group's speed over its replicas, their all-reduce and step, the link into it) where the
+  stage's weights fit its device. Replicas of a stage stay on one kind of device (see
+  docs/cost-model.md, "Mixed clusters": the simulator shows a stage whose replicas mix kinds
+  running at its slowest replica's pace, since they take microbatches in turn).
+
+The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
+local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
+replicas where the slower ranks hold a plan back; the faster of the two is the plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any
+
+import networkx as nx
+
+from pdcompile.cost.costgraph import coarsen, edge_bytes, topological_order
+from pdcompile.cost.crossing import input_nodes
+from pdcompile.cost.links import ring_allreduce_seconds
+from pdcompile.cost.memory import OPTIMIZER_STATE
+from pdcompile.cost.updates import step_seconds
+from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster
+from pdcompile.plan import Plan, Stage
+from pdcompile.schedule.kinds import kind
+
+BLOCKS = 40  # the DP cuts a graph coarsened to at most this many blocks
+REFINE_EVALUATIONS = 120  # simulations of the local search from the best candidate
+Stages = list[tuple[list[str], tuple[int, ...]]]
+Pricer = Callable[..., Plan]
+Planner = Callable[..., Plan]
+
+
+def scaled_graph(graph: nx.DiGraph, speed: float) -> nx.DiGraph:
+    """`graph` with its forward and backward times divided by `speed` (times on a device that
+    many times faster than the reference)."""
+    out = graph.copy()
+    for _, data in out.nodes(data=True):
+        data["fwd"] = float(data["fwd"]) / speed
+        data["bwd"] = float(data["bwd"]) / speed
+    return out
+
+
+def group_alone(graph: nx.DiGraph, cluster: Cluster, group: int, *, homogeneous: Planner,
+                **options: Any) -> Plan:
+    """The homogeneous planner's plan on device group `group` alone, its ranks moved onto the
+    group's ranks of `cluster` (not yet priced on the mixed cluster)."""
+    alone = cluster.group_cluster(group)
+    made = homogeneous(scaled_graph(graph, cluster.group_speed(group)), alone, **options)
+    return _shifted(made, cluster.group_ranks(group).start)
+
+
+def as_slowest(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner,
+               **options: Any) -> Plan:
+    """The homogeneous planner's plan on every rank of `cluster` as if each had the slowest
+    group's device and speed (not yet priced on the mixed cluster)."""
+    slowest = min(range(len(cluster.groups)), key=cluster.group_speed)
+    flat = replace(cluster, groups=(), device=cluster.groups[slowest].device)
+    return homogeneous(scaled_graph(graph, cluster.group_speed(slowest)), flat, **options)
+
+
+def _shifted(plan: Plan, start: int) -> Plan:
+    stages = tuple(replace(s, ranks=tuple(r + start for r in s.ranks)) for s in plan.stages)
+    return replace(plan, stages=stages)
+
+
+def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pricer: Pricer,
+               schedules: Sequence[tuple[str, int]], memory: float | str | None,
+               optimizer_state: float = OPTIMIZER_STATE, straight: bool = False,
+               refine: int = REFINE_EVALUATIONS, **options: Any) -> Plan:
+    """The best plan for a mixed cluster (module docstring). `homogeneous(graph, cluster, ...)` is
+    the homogeneous planner and `pricer(graph, plan, cluster, ...)` prices a plan on a
+    cluster (search.plan and search.price_plan, handed in so that this module stays below
+    them); `schedules`: the (schedule, microbatches) pairs to cut pipelines for; `options`
+    go to the homogeneous planner. `straight`: one worker per stage. `refine`: simulations
+    the local search from the best candidate may spend (0: none)."""
+    if not cluster.is_mixed:
+        raise PlanError("plan_mixed plans for a mixed cluster; this one has one kind of device")
+    made: list[tuple[str, Plan]] = []
+    for group in range(len(cluster.groups)):
+        try:
+            made.append((f"group {group} alone", group_alone(
+                graph, cluster, group, homogeneous=homogeneous, memory=memory,
+                optimizer_state=optimizer_state, straight=straight, **options)))
+        except PlanError:
+            pass
+    try:
+        made.append(("as slowest", as_slowest(graph, cluster, homogeneous=homogeneous,
+                                              memory=memory, optimizer_state=optimizer_state,
+                                              straight=straight, **options)))
+    except PlanError:
+        pass
+    for name, m in schedules:
+        row = kind(name)
+        if row.interleaved or row.v_shape:
+            continue  # chunks of one worker each: the group-alone plans cover these
+        for order in itertools.permutations(range(len(cluster.groups))):
+            for most in (1, None) if not (row.split_backward or straight) else (1,):
+                stages = _across_groups(graph, cluster, order, name=name, microbatches=m,
+                                        most_replicas=most, optimizer_state=optimizer_state)
+                if stages is not None:
+                    made.append((f"across groups {order}", _as_plan(stages, name, m)))
+    priced: list[tuple[str, Plan]] = []
+    for how, candidate in made:
+        try:
+            plan = pricer(graph, candidate, cluster, memory=memory,
+                          optimizer_state=optimizer_state)
+        except PlanError:
+            continue
+        if plan.extra.get("fits", True):
+            priced.append((how, plan))
+    if not priced:
+        raise PlanError(f"no plan fits the memory of {cluster.describe()}: each device group "
+                        "alone, the cluster as its slowest device and pipelines across the "
+                        "groups all exceed some rank's device; give more or larger devices, "
+                        "or a smaller minibatch")
+    how, best = min(priced, key=lambda item: item[1].time_per_minibatch)
+    refined = _refined(graph, cluster, best, pricer=pricer, memory=memory,
+                       optimizer_state=optimizer_state,
+                       evaluations=0 if straight else refine)
+    if refined is not None:
+        priced.append((f"refined {how}", refined))
+        if refined.time_per_minibatch < best.time_per_minibatch:
+            how, best = f"refined {how}", refined
+    times: dict[str, float] = {}
+    for h, p in priced:  # the best of each kind of candidate, for reports and benchmarks
+        times[h] = min(times.get(h, math.inf), p.time_per_minibatch)
+    ranking = [f"{h}: {p.config} {p.schedule} x{p.microbatches} "
+               f"{p.time_per_minibatch * 1e3:.3f} ms"
+               for h, p in sorted(priced, key=lambda item: item[1].time_per_minibatch)]
+    return replace(best, planner="mixed", extra=best.extra | {
+        "found_by": how, "mixed_candidates": ranking[:10], "mixed_times": times})
+
+
+def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
+             memory: float | str | None, optimizer_state: float,
+             evaluations: int) -> Plan | None:
+    """The best candidate after planner/refine.py's local search by simulation (merge, split,
+    move a replica or a boundary; ranks consecutive from 0, fast groups first), priced as the
+    candidates are; None where it does not apply (asynchronous 1F1B over every worker only)."""
+    from pdcompile.planner.refine import refine_plan
+
+    if evaluations < 1 or best.schedule != "1f1b" or best.workers != cluster.workers:
+        return None
+    try:
+        found = refine_plan(best, graph, cluster, max_evaluations=evaluations).plan
+        plan = pricer(graph, replace(found, extra={}), cluster, memory=memory,
+                      optimizer_state=optimizer_state)
+    except PlanError:
+        return None
+    return plan if plan.extra.get("fits", True) else None
+
+
+def _as_plan(stages: Stages, schedule: str, microbatches: int) -> Plan:
+    built = tuple(Stage(tuple(nodes), len(ranks), ranks) for nodes, ranks in stages)
+    workers = max(r for _, ranks in stages for r in ranks) + 1
+    return Plan(stages=built, time_per_minibatch=0.0, dp_time=0.0, workers=workers,
+                schedule=schedule, microbatches=microbatches)
+
+
+def _linear_order(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, list[str]], list[str]]:
+    """The graph coarsened to at most BLOCKS blocks, the blocks' members, and a topological
+    order of the blocks with the blocks holding inputs first (they must be in stage 0)."""
+    if graph.number_of_nodes() > BLOCKS:
+        coarse, members = coarsen(graph, target=BLOCKS)
+    else:
+        coarse, members = graph, {n: [n] for n in graph.nodes}
+    inputs = set(input_nodes(graph))
+    order = topological_order(coarse)
+    first = [b for b in order if inputs & set(members.get(b, [b]))]
+    return coarse, members, first + [b for b in order if b not in first]
+
+
+def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *, name: str,
+                   microbatches: int, most_replicas: int | None,
+                   optimizer_state: float) -> Stages | None:
+    """Stages cut from a topological order over the groups in `order` (module docstring):
+    value[i][g][u] is the smallest slowest-stage time that places the first i blocks with
+    groups order[:g] done and u ranks of group order[g] used."""
+    coarse, members, blocks = _linear_order(graph)
+    n = len(blocks)
+    position = {b: i for i, b in enumerate(blocks)}
+    work = [0.0]
+    params = [0.0]
+    for b in blocks:
+        data = coarse.nodes[b]
+        work.append(work[-1] + float(data["fwd"]) + float(data["bwd"]))
+        params.append(params[-1] + float(data["params"]))
+    crossing = [0.0] * (n + 1)  # bytes from blocks before i to blocks at or after i
+    for u, v in coarse.edges:
+        for i in range(position[u] + 1, position[v] + 1):
+            crossing[i] += edge_bytes(coarse, u, v)
+    pinned = sum(1 for b in blocks if set(members.get(b, [b])) & set(input_nodes(graph)))
+    row = kind(name)
+    m = microbatches if row.microbatched else 1
+    streaming = not row.microbatched
+
+    def stage_time(i: int, j: int, group: int, start: int, r: int) -> float:
+        device, speed = cluster.groups[group].device, cluster.group_speed(group)
+        p = params[j] - params[i]
+        if p * (2.0 + optimizer_state) > device.memory:
+            return math.inf
+        ranks = list(range(start, start + r))
+        level = cluster.levels[cluster.slowest_level_of(ranks)]
+        sync = ring_allreduce_seconds(p, r, level) + step_seconds(p, device)
+        compute = (work[j] - work[i]) / speed
+        own = (compute + sync) / r if streaming else compute / r + sync * (1 if row.flush
+                                                                            else r / m)
+        link = 0.0
+        if i > 0 and start > 0:
+            link = 2.0 * crossing[i] / cluster.flow_rate_between(start - 1, start) / r
+        return max(own, link)
+
+    # value[(i, g, u)] = (best bottleneck, previous state, stage placed)
+    Key = tuple[int, int, int]
+    value: dict[Key, tuple[float, Key | None, tuple[int, int, int, int] | None]] = {
+        (0, 0, 0): (0.0, None, None)}
+    for g, group in enumerate(order):
+        size = cluster.groups[group].workers
+        first = cluster.group_ranks(group).start
+        for u in range(size + 1):
+            for i in range(n + 1):
+                here = value.get((i, g, u))
+                if here is None:
+                    continue
+                if g + 1 < len(order):  # leave the rest of this group unused
+                    _relax(value, (i, g + 1, 0), here[0], (i, g, u), None)
+                if i == n:
+                    continue
+                for r in _replica_counts(size - u, most_replicas):
+                    for j in range(max(i + 1, pinned if i == 0 else 0), n + 1):
+                        t = stage_time(i, j, group, first + u, r)
+                        if t < math.inf:
+                            _relax(value, (j, g, u + r), max(here[0], t), (i, g, u),
+                                   (i, j, group, first + u))
+    ends = [(v[0], key) for key, v in value.items() if key[0] == n and v[2] is not None]
+    if not ends:
+        return None
+    _, key = min(ends)
+    stages: Stages = []
+    state: Key | None = key
+    while state is not None:
+        _, previous, placed = value[state]
+        if placed is not None and previous is not None:
+            i, j, _, start = placed
+            r = state[2] - previous[2]
+            nodes = [x for b in blocks[i:j] for x in members.get(b, [b])]
+            stages.append((nodes, tuple(range(start, start + r))))
+        state = previous
+    stages.reverse()
+    return stages
+
+
+def _relax(value: dict[Any, Any], key: Any, time: float, previous: Any, placed: Any) -> None:
+    if key not in value or time < value[key][0]:
+        value[key] = (time, previous, placed)
+
+
+def _replica_counts(free: int, most: int | None) -> list[int]:
+    """Replica counts a stage may take from `free` ranks: powers of two and all of them."""
+    top = free if most is None else min(free, most)
+    counts = {1 << k for k in range(top.bit_length()) if 1 << k <= top}
+    if top >= 1:
+        counts.add(top)
+    return sorted(counts)
+
+
+__all__ = ["as_slowest", "group_alone", "plan_mixed", "scaled_graph"]
