@@ -222,20 +222,22 @@ def _views_where_changed(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
                 continue
             other = user.args[0]
             assert isinstance(other, fx.Node)
-            views, root = _earlier_views(other, home, gm, stage_of)
+            views, root = _earlier_views(other, home, gm, stage_of, later=True)
             if views and root is base:
                 again(views, user)
                 user.replace_input_with(other, made[other])
 
 
-def _earlier_views(value: fx.Node, home: int, gm: fx.GraphModule, stage_of: dict[str, int]
-                   ) -> tuple[list[fx.Node], fx.Node]:
-    """The views made before stage `home` from which `value` is made (it first), and the value
-    they view: up to a value that is not a view (an in-place change, a changed value, a tuple's
-    item, a module's output)."""
+def _earlier_views(value: fx.Node, home: int, gm: fx.GraphModule, stage_of: dict[str, int],
+                   *, later: bool = False) -> tuple[list[fx.Node], fx.Node]:
+    """The views made before stage `home` (`later`: or after it) from which `value` is made (it
+    first), and the value they view: up to a value that is not a view (an in-place change, a
+    changed value, a tuple's item, a module's output)."""
     chain: list[fx.Node] = []
     while value.op in ("call_function", "call_method") \
-            and stage_of.get(value.name, home) < home and mutated_input(value, gm) is None \
+            and (stage_of.get(value.name, home) < home
+                 or (later and stage_of.get(value.name, home) > home)) \
+            and mutated_input(value, gm) is None \
             and not is_changed_alias(value) and value.target is not operator.getitem \
             and may_alias(value, gm) and isinstance(value.args[0], fx.Node):
         chain.append(value)
@@ -252,6 +254,10 @@ def _changes_where_made(gm: fx.GraphModule, changes: list[fx.Node], stage_of: di
         change = node.args[1]
         assert isinstance(change, fx.Node)
         home = stage_of[change.name]
+        other = node.args[0]
+        assert isinstance(other, fx.Node)
+        if stage_of.get(other.name, 0) > home:
+            continue  # made after the change's stage from another value: it stays after that
         if stage_of[node.name] == home or stage_of[node.name] in busy:
             stage_of[node.name] = home
             continue

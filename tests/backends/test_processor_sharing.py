@@ -20,20 +20,7 @@ from pdcompile.schedule.ir import Kind, Schedule
 from pdcompile.schedule.lower import lower
 from tests.helpers.clusters import reloaded
 from tests.helpers.graphs import chain_graph
-
-SHAPES = [[[0], [1]], [[0], [1], [2]], [[0], [1], [2], [3]], [[0, 1], [2]], [[0], [1, 2]],
-          [[0, 1], [2, 3]], [[0, 1, 2, 3]]]
-
-
-def random_costs(rng: random.Random, stages: int, *, free_links: bool = False) -> StageCosts:
-    edges = {(s, s + 1): 0.0 if free_links else rng.uniform(0.0, 3.0) for s in range(stages - 1)}
-    return StageCosts(fwd=tuple(rng.uniform(0.2, 2.0) for _ in range(stages)),
-                      bwd=tuple(rng.uniform(0.2, 3.0) for _ in range(stages)),
-                      params=tuple(0.0 if free_links else rng.uniform(0.0, 2.0)
-                                   for _ in range(stages)),
-                      edges=edges,
-                      optimizer=tuple(rng.uniform(0.0, 0.5) for _ in range(stages)),
-                      stash=tuple(rng.uniform(0.0, 0.3) for _ in range(stages)))
+from tests.helpers.stage_costs import SHAPES, random_costs
 
 
 def lowered(name: str, shape: list[list[int]], m: int) -> Schedule:

@@ -12,7 +12,6 @@ import pytest
 import torch
 import torch.nn as nn
 
-import pdcompile
 from pdcompile.backends.distributed import run_distributed
 from pdcompile.backends.distributed_checkpoint import identity
 from pdcompile.backends.local import run_program
@@ -20,25 +19,11 @@ from pdcompile.backends.program import RunProgram, as_program
 from pdcompile.errors import DistributedError, PipelineInputError
 from pdcompile.runtime.message_specs import spec_function
 from pdcompile.runtime.transport import Tag, TensorSpec
+from tests.helpers.small_pipes import small_data as _data
+from tests.helpers.small_pipes import small_model as _model
+from tests.helpers.small_pipes import small_pipe as _pipe
 
 mse = nn.functional.mse_loss
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 8), nn.Tanh(),
-                         nn.Linear(8, 3))
-
-
-def _data(n: int, size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    g = torch.Generator().manual_seed(5)
-    return [(torch.randn(size, 6, generator=g), torch.randn(size, 3, generator=g))
-            for _ in range(n)]
-
-
-def _pipe(model: nn.Module, **options: object) -> pdcompile.pipeline.Pipeline:
-    return pdcompile.compile(model, example_inputs=(torch.randn(8, 6),), loss_fn=mse,
-                             **options)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("plan", "schedule"), [([1, 2, 1], "1f1b"), (3, "gpipe"),

@@ -16,7 +16,7 @@ from pdcompile.machine.device import DEVICES
 from pdcompile.machine.device_groups import DeviceGroup
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.lower import lower
-from tests.backends.test_processor_sharing import SHAPES, random_costs
+from tests.helpers.stage_costs import SHAPES, random_costs
 
 SCHEDULES = ["1f1b", "1f1b-flush", "gpipe"]
 

@@ -13,7 +13,9 @@ from pdcompile.errors import ClusterError, PipelineInputError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.runtime import slowdown
 from pdcompile.runtime.slowdown import check_slowdowns, stretch
-from tests.backends.test_run_program import _data, _model, _pipe
+from tests.helpers.small_pipes import small_data as _data
+from tests.helpers.small_pipes import small_model as _model
+from tests.helpers.small_pipes import small_pipe as _pipe
 
 
 def test_stretch_waits_factor_minus_one_times_what_the_action_took(
@@ -63,8 +65,9 @@ def test_the_local_backend_stretches_only_the_slowed_ranks_compute(
         got.extend(run.minibatch_losses(run_program(program, run.data, run.microbatches,
                                                     run.per_minibatch).losses))
     assert got == pytest.approx(expected, rel=1e-6)  # the same training, only slower
-    # rank 1's forward and backward of 2 microbatches in each of 4 minibatches, nothing else
-    assert len(waits) == 4 * 2 * 2 and all(w >= 0 for w in waits)
+    # rank 1's forward, backward and (after it sends the input gradients) weight gradients of
+    # 2 microbatches in each of 4 minibatches, nothing else
+    assert len(waits) == 4 * 2 * 3 and all(w >= 0 for w in waits)
     with pytest.raises(PipelineInputError, match="3 factors for 2 ranks"):
         run_program(program, run.data, run.microbatches, run.per_minibatch, slowdown=[1, 2, 3])
 

@@ -15,8 +15,8 @@ from pdcompile.machine.device import DEVICES, Device
 from pdcompile.machine.device_groups import DeviceGroup
 from pdcompile.planner import price_plan
 from pdcompile.planner.mixed import as_slowest, group_alone
+from tests.helpers.priced_plans import fanned_graphs, plans
 from tests.helpers.strategies import small_dags
-from tests.planner.test_pricing_consistency import fanned_graphs, plans
 
 
 def chain(n: int, *, fwd: float = 1e-2, params: float = 1e6, act: float = 1e5) -> nx.DiGraph:
