@@ -331,6 +331,9 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
     layers = depth if max_stages is not None else 1
     best = np.full((layers, last + 1, n + 1), INF)
     best[:, last, 0] = 0.0
+    if straight and not fill:  # the last stage may leave workers after it unused: a stage
+        # priced on m units left starts at rank n - m, where the plan puts it
+        best[:, last, :] = 0.0
     choice_j = np.full((layers, last + 1, n + 1), -1, dtype=np.int64)
     choice_r = np.zeros((layers, last + 1, n + 1), dtype=np.int64)
     for k in range(last - 1, -1, -1):
@@ -354,10 +357,6 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
             choice_r[d, k] = np.where(better, grid.rq[q_best], choice_r[d, k])
     top = layers - 1
     used = n
-    if straight and not fill:
-        used = int(np.argmin(best[top, 0]))
-        if not math.isfinite(best[top, 0, used]):
-            used = n
     if not math.isfinite(best[top, 0, used]):
         raise PlanError("no plan fits")  # the planner turns this into an actionable message
     stages = []
