@@ -130,7 +130,8 @@ def _check_trust(export_dir: Path, meta: dict[str, object], *, trust: bool) -> N
 
 
 def _is_loopback(endpoint: str) -> bool:
-    """Whether a HOST[:PORT] rendezvous endpoint names this machine's loopback interface."""
+    """Whether a HOST[:PORT] rendezvous endpoint names this machine's loopback interface.
+    (torch's `parse_rendezvous_endpoint` reads a bare `::1` as host `:` and port 1.)"""
     import ipaddress
 
     if endpoint.startswith("[") and "]" in endpoint:  # [IPv6]:PORT

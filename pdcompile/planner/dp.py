@@ -382,6 +382,9 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
     q_all = np.arange(len(grid.mq))
     demand = np.full((last + 1, n + 1), INF)  # least demand of a pipeline of the rest after k
     demand[last, 0] = -INF
+    if straight and not fill:  # the last stage may leave workers after it unused: a stage
+        # priced on m units left starts at rank n - m, where the plan puts it
+        demand[last, :] = -INF
     flight = np.zeros((last + 1, n + 1))
     choice_j = np.full((last + 1, n + 1), -1, dtype=np.int64)
     choice_r = np.zeros((last + 1, n + 1), dtype=np.int64)
@@ -398,19 +401,13 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
         choice_j[k] = np.where(better, js[arg[q_best]], choice_j[k])
         choice_r[k] = np.where(better, grid.rq[q_best], choice_r[k])
         flight[k] = np.where(better, n_q[arg[q_best], q_best], flight[k])
-    used = n
-    if straight and not fill:
-        finite = np.nonzero(np.isfinite(demand[0, 1:]))[0]
-        if finite.size == 0:
-            return None
-        used = int(finite[0]) + 1  # the fewest workers (stages) that reach the period
-    if not math.isfinite(demand[0, used]):
+    if not math.isfinite(demand[0, n]):
         return None
     stages, counts = [], []
-    k, m = 0, used
+    k, m = 0, n
     while k != last:
         j, r = int(choice_j[k, m]), int(choice_r[k, m])
-        stages.append(DPStage(before=k, after=j, ranks=grid.ranks(used - m, r)))
+        stages.append(DPStage(before=k, after=j, ranks=grid.ranks(n - m, r)))
         counts.append(int(flight[k, m]))
         k, m = j, m - r
     return DPResult(stages=tuple(stages), objective=period), tuple(counts)

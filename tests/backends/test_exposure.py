@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -20,6 +19,7 @@ from torch import nn
 import pdcompile
 from pdcompile.machine.local import free_port
 from tests.helpers.paths import ROOT
+from tests.helpers.processes import finish_bounded, start_bounded
 from tests.helpers.sockets import children, listening
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
@@ -53,21 +53,14 @@ def _start(tmp_path: Path, *extra: str, count: int = 80, pause: float = 0.1
            ) -> subprocess.Popen[str]:
     folder = _export(tmp_path / "exported")
     (tmp_path / "slow_data.py").write_text(DATA.format(count=count, pause=pause))
-    return subprocess.Popen(
+    return start_bounded(
         [sys.executable, "-m", "pdcompile", "run", str(folder), "--nproc", "2", "--threads", "1",
          "--data", f"{tmp_path / 'slow_data.py'}:batches", *extra],
-        env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, start_new_session=True)
+        env={**os.environ, "PYTHONPATH": str(ROOT)})
 
 
-def _finish(proc: subprocess.Popen[str], timeout: float = 150) -> str:
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        pytest.fail(f"pdcompile run did not finish within {timeout} s:\n{out}")
-    return out
+def _finish(proc: subprocess.Popen[str]) -> str:
+    return finish_bounded(proc, timeout=150, name="pdcompile run")
 
 
 def _sockets_while_training(proc: subprocess.Popen[str], *, workers: int

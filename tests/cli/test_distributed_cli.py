@@ -52,7 +52,7 @@ def test_multi_node_flags_pass_through(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 @pytest.mark.parametrize(("endpoint", "local"), [
-    ("127.0.0.1:29400", True), ("localhost", True), ("[::1]:29400", True),
+    ("127.0.0.1:29400", True), ("localhost", True), ("[::1]:29400", True), ("::1", True),
     ("node0:29400", False), ("10.0.0.7:29400", False)])
 def test_a_loopback_rendezvous_bootstraps_on_loopback(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], endpoint: str, local: bool) -> None:

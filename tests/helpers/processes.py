@@ -11,19 +11,32 @@ from pathlib import Path
 import pytest
 
 
-def run_bounded(args: list[str], *, timeout: float, cwd: Path | None = None,
-                env: dict[str, str] | None = None,
-                name: str | None = None) -> subprocess.CompletedProcess[str]:
-    """`args` in its own session, stdout and stderr together; on overrun its whole process group
-    is killed and the test fails with what it printed."""
-    proc = subprocess.Popen(args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
+def start_bounded(args: list[str], *, cwd: Path | None = None,
+                  env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    """`args` in its own session (so `finish_bounded` can kill its children), stdout and stderr
+    together."""
+    return subprocess.Popen(args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def finish_bounded(proc: subprocess.Popen[str], *, timeout: float, name: str) -> str:
+    """What `proc` printed once it exits; on overrun its whole process group is killed and the
+    test fails with what it printed."""
     try:
         out, _ = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
-        pytest.fail(f"{name or args} did not finish within {timeout} s:\n{out}")
+        pytest.fail(f"{name} did not finish within {timeout} s:\n{out}")
+    return out
+
+
+def run_bounded(args: list[str], *, timeout: float, cwd: Path | None = None,
+                env: dict[str, str] | None = None,
+                name: str | None = None) -> subprocess.CompletedProcess[str]:
+    """`args` run to the end within `timeout` (`start_bounded`, `finish_bounded`)."""
+    proc = start_bounded(args, cwd=cwd, env=env)
+    out = finish_bounded(proc, timeout=timeout, name=name or str(args))
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, None)
 
 

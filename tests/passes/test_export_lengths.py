@@ -20,6 +20,7 @@ from pdcompile.meta import get_frontend
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.schedule.kinds import kind
 from tests.helpers import lengths
+from tests.helpers.input_refusal import distributed_refusal
 from tests.helpers.lengths import POSITIONS, SGD, VOCAB, TinyLM, plain_step, tokens
 
 
@@ -214,11 +215,7 @@ def _distributed(worker: Any) -> list[Any]:
                     {k: state[k].clone() for k in _held(pipe, worker.rank)}))
     pipe = lengths.tiny_pipeline()
     bad = [*lengths.stream(SHAPES[:1]), tokens(4, POSITIONS + 1, 9)]
-    try:
-        run_distributed(pipe, bad if reads_data(pipe, worker.rank) else None,
-                        monitor=worker.monitor)
-    except PipelineInputError as err:
-        out.append(str(err))
+    out.append(distributed_refusal(pipe, bad, worker))
     return out
 
 

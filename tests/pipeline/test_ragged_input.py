@@ -15,6 +15,7 @@ from torch import nn
 import pdcompile
 from pdcompile.backends.launch import Worker, launch
 from pdcompile.errors import PipelineInputError
+from tests.helpers.input_refusal import distributed_refusal
 
 FEATURES = 6
 
@@ -136,11 +137,7 @@ def _distributed(worker: Worker) -> list[Any]:
                                               pipe.state_dict().items()}))
     pipe = _pipeline("1f1b-flush", [1] * worker.world_size, 2)
     bad = [_batch(8, 4, 0), (torch.randn(8, 4, FEATURES + 1), _batch(8, 4, 1)[1])]
-    try:
-        run_distributed(pipe, bad if reads_data(pipe, worker.rank) else None,
-                        monitor=worker.monitor)
-    except PipelineInputError as err:
-        out.append(str(err))
+    out.append(distributed_refusal(pipe, bad, worker))
     return out
 
 

@@ -12,10 +12,10 @@ from hypothesis import strategies as st
 from pdcompile import Cluster
 from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
-from pdcompile.planner import plan
+from pdcompile.planner import dp, plan
 from pdcompile.planner.antichain import antichain_states, prefix_states
-from pdcompile.planner.costmodel import ModelOptions, planning_objective
-from pdcompile.planner.dp_search import planning_dp
+from pdcompile.planner.costmodel import ModelOptions, evaluate, planning_objective
+from pdcompile.planner.dp_search import expand, planning_dp, prepare
 from tests.helpers.brute_force import brute_force
 from tests.helpers.strategies import clusters, flat_clusters, small_dags
 
@@ -120,3 +120,30 @@ def test_pipedream_state_counts_of_shipped_profiles(profiles_dir: object) -> Non
     for model, count in (("vgg16", 40), ("alexnet", 22), ("resnet50", 240), ("gnmt", 99)):
         graph = pipedream_view(load_pipedream(Path(str(profiles_dir)) / model / "graph.txt"))[0]
         assert len(antichain_states(graph)) == count + 1, model
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=small_dags(), cluster=clusters, fraction=st.floats(0.3, 3.0))
+def test_a_straight_plan_reaching_a_period_is_priced_where_it_is_placed(
+        graph: nx.DiGraph, cluster: Cluster, fraction: float) -> None:
+    """The period search (`dp.native_dp_period`, straight, possibly on fewer workers than the
+    cluster) returns plans whose closed-form time is within the period it was asked for: each
+    stage priced on the ranks it is given (it once priced them on the last ranks and placed them
+    on the first, which a server's shared interface makes differ)."""
+    options = ModelOptions(schedule="1f1b")
+    prepared = prepare(graph, "native", cluster.workers, straight=True)
+    tables = dp.state_tables(prepared.graph, prepared.states, prepared.pinned)
+    grid = dp.stage_grid(tables, cluster, options=options, memory=None, straight=True)
+    work = sum(d["fwd"] + d["bwd"] for _, d in graph.nodes(data=True))
+    period = work / cluster.workers * fraction
+    found = dp.native_dp_period(grid, options=options, period=period, straight=True)
+    if found is None:
+        return
+    result, in_flight = found
+    stages = [(prepared.states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
+    if prepared.pinned:
+        stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
+    stages = expand(stages, prepared.mapping, {}, graph, order=prepared.order)
+    assert [r for _, ranks in stages for r in ranks] == list(range(len(stages)))
+    _, time = evaluate(graph, stages, cluster, options=options, in_flight=list(in_flight))
+    assert time <= period * (1 + 1e-9)

@@ -6,11 +6,8 @@ is measured on small graphs."""
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
-import sys
-import textwrap
 import tracemalloc
 from pathlib import Path
 
@@ -28,8 +25,8 @@ from pdcompile.plan import Plan
 from pdcompile.planner import antichain, dp, dp_search, search
 from pdcompile.planner.augmented_cut import augmented_frontier
 from pdcompile.planner.dp_search import pipedream_budget, planning_graph, prepare
+from tests.helpers.capped_plan import plan_random_chain_capped
 from tests.helpers.graphs import random_chain
-from tests.helpers.processes import run_bounded
 from tests.helpers.strategies import small_dags
 
 H100 = "{levels}@450GB/s,400Gbps~3us,5us:h100"
@@ -241,26 +238,7 @@ def test_thousands_of_random_nodes_plan_under_a_4_gb_address_space(nodes: int,
     """cost_model="pipedream" on random graphs of thousands of nodes with short skips, in a
     process whose address space is capped at 4 GB (torch and OR-Tools imported first)."""
     cluster = H100.format(levels=levels) if "x" in levels else f"{levels}@450GB/s~3us:h100"
-    script = textwrap.dedent(f"""
-        import json, resource
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-        import torch
-        from ortools.sat.python import cp_model
-        import pdcompile
-        from tests.helpers.graphs import random_chain
-        graph = random_chain({nodes}, skips={nodes // 15}, seed=7)
-        plan = pdcompile.plan(graph, {cluster!r}, cost_model="pipedream")
-        print(json.dumps({{"stage_of": plan.stage_of(),
-                          "ranks": [list(s.ranks) for s in plan.stages],
-                          "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
-    """)
-    result = run_bounded([sys.executable, "-c", script], timeout=300,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert result.returncode == 0, result.stdout[-2000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    graph = random_chain(nodes, skips=nodes // 15, seed=7)
-    assert set(out["stage_of"]) == set(graph.nodes)
-    assert all(out["stage_of"][u] <= out["stage_of"][v] for u, v in graph.edges)
+    out = plan_random_chain_capped(nodes=nodes, skips=nodes // 15, cluster=cluster,
+                                   cost_model="pipedream")
     ranks = sorted(r for stage in out["ranks"] for r in stage)
     assert ranks == list(range(Cluster.parse(cluster).workers))
-    assert out["peak"] * 1024 < 4 << 30

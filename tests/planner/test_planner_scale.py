@@ -4,12 +4,8 @@ bounded memory on any cluster, and plans stay what the full grid gives."""
 
 from __future__ import annotations
 
-import json
-import sys
-import textwrap
 import tracemalloc
 from dataclasses import replace
-from pathlib import Path
 
 import networkx as nx
 import pytest
@@ -24,8 +20,8 @@ from pdcompile.planner import dp
 from pdcompile.planner.antichain import prefix_states
 from pdcompile.planner.costmodel import ModelOptions
 from pdcompile.planner.dp_search import prepare, state_budget
+from tests.helpers.capped_plan import plan_random_chain_capped
 from tests.helpers.graphs import random_chain
-from tests.helpers.processes import run_bounded
 
 H100 = "{levels}@450GB/s,400Gbps~3us,5us:h100"
 
@@ -152,28 +148,6 @@ def test_two_thousand_random_nodes_on_1024_workers_under_a_4_gb_address_space(
     process whose address space is capped at 4 GB (torch and OR-Tools imported first, as in a
     user's process: together about 0.8 GB of it)."""
     cluster = H100.format(levels=levels) if "x" in levels else f"{levels}@450GB/s~3us:h100"
-    script = textwrap.dedent(f"""
-        import json, resource, time
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-        import torch
-        from ortools.sat.python import cp_model
-        import pdcompile
-        from tests.helpers.graphs import random_chain
-        graph = random_chain(2000, skips=200, seed=7)
-        started = time.perf_counter()
-        plan = pdcompile.plan(graph, {cluster!r})
-        print(json.dumps({{"seconds": time.perf_counter() - started,
-                          "stage_of": plan.stage_of(),
-                          "ranks": [list(s.ranks) for s in plan.stages],
-                          "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
-    """)
-    result = run_bounded([sys.executable, "-c", script], timeout=300,
-                         cwd=Path(__file__).resolve().parents[2])
-    assert result.returncode == 0, result.stdout[-2000:]
-    out = json.loads(result.stdout.strip().splitlines()[-1])
-    graph = random_chain(2000, skips=200, seed=7)
-    assert set(out["stage_of"]) == set(graph.nodes)
-    assert all(out["stage_of"][u] <= out["stage_of"][v] for u, v in graph.edges)
+    out = plan_random_chain_capped(nodes=2000, skips=200, cluster=cluster)
     ranks = [r for stage in out["ranks"] for r in stage]
     assert len(ranks) == len(set(ranks)) and max(ranks) < 1024
-    assert out["peak"] * 1024 < 4 << 30
