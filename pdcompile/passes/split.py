@@ -407,7 +407,12 @@ def even_plan(gm: fx.GraphModule, stages: int, *,
     """
     if stages < 1:
         raise PlanError(f"stages must be a positive integer ({stages} < 1)")
-    body = [n for n in gm.graph.nodes if n.op not in ("output", "get_attr", "placeholder")]
+    # an item of a tuple is read where the tuple is made (assign_stages), so it is no operation
+    # a cut may fall before
+    items = [n for n in gm.graph.nodes if n.op == "call_function" and n.args
+             and isinstance(n.args[0], fx.Node) and _reads_item(n)]
+    body = [n for n in gm.graph.nodes
+            if n.op not in ("output", "get_attr", "placeholder") and n not in items]
     if len(body) < stages:
         raise PlanError(f"the model has {len(body)} operations, too few for {stages} stages; "
                         f"use at most {len(body)} stages")
@@ -420,13 +425,15 @@ def even_plan(gm: fx.GraphModule, stages: int, *,
         stage = min(stages - 1, int((done + weight / 2) / total * stages))
         left = len(body) - index  # keep at least one node for every stage still to come
         stage = max(stage, stages - left)
-        if index:
-            previous = stage_of[body[index - 1].name]
-            stage = min(max(stage, previous), previous + 1)
+        previous = stage_of[body[index - 1].name] if index else -1
+        stage = min(max(stage, previous), previous + 1)  # the first operation runs on stage 0
         stage_of[node.name] = stage
         done += weight
     _snap_to_blocks(body, weights, stage_of, total / stages / 4)
-    return _plan_from(stage_of, stages, replicas)
+    for item in items:  # in graph order, so an item of an item finds its tuple's stage
+        stage_of[item.name] = stage_of.get(item.args[0].name, 0)  # type: ignore[union-attr]
+    ordered = {n.name: stage_of[n.name] for n in gm.graph.nodes if n.name in stage_of}
+    return _plan_from(ordered, stages, replicas)
 
 
 def layer_block(node: fx.Node) -> str | None:

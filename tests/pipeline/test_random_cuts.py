@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
+from pdcompile.errors import PlanError
 from tests.helpers.random_models import (
     RandomNet,
     explicit_graph,
@@ -72,6 +73,46 @@ def test_random_cuts_of_random_models(case: dict[str, Any]) -> None:
 @given(cases())
 def test_random_cuts_of_random_models_many(case: dict[str, Any]) -> None:
     _check(case)
+
+
+@st.composite
+def even_cuts(draw: st.DrawFn) -> dict[str, Any]:
+    """`compile(stages=[replicas per stage])`: the even cut by weight (`split.even_plan`)."""
+    model, inputs = draw(random_models())
+    if not _trains_in_one_process(model, inputs):
+        reject()
+    return {"model": model, "inputs": inputs,
+            "replicas": draw(st.lists(st.integers(1, 2), min_size=1, max_size=5)),
+            "schedule": draw(st.sampled_from(["1f1b-flush", "gpipe"])),
+            "micro": draw(st.sampled_from([2, 4]))}
+
+
+def _check_even(case: dict[str, Any]) -> None:
+    target = torch.randn(8, 1, case["inputs"][0].shape[-1], dtype=case["inputs"][0].dtype)
+    try:
+        pipe = check((case["model"], case["inputs"], target, squared_error),
+                     schedule=case["schedule"], micro=case["micro"], plan=None,
+                     stages=case["replicas"])
+    except PlanError as err:  # the one refusal an even cut may give: too few operations
+        assert "too few for" in str(err), err
+        reject()
+    assert len(pipe.stage_modules) == len(case["replicas"])
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(even_cuts())
+def test_an_even_cut_of_any_random_model_splits_and_trains(case: dict[str, Any]) -> None:
+    """Every stage of an even cut has an operation to run: the first operation is on stage 0
+    (a heavy first layer once left stage 0 empty), and no cut falls before an item of a tuple,
+    which runs where the tuple is made (an LSTM's `out, state` once left a stage of items)."""
+    _check_even(case)
+
+
+@pytest.mark.slow
+@settings(max_examples=300, **SETTINGS)
+@given(even_cuts())
+def test_an_even_cut_of_any_random_model_splits_and_trains_many(case: dict[str, Any]) -> None:
+    _check_even(case)
 
 
 def test_a_value_changed_through_views_in_two_stages() -> None:
