@@ -29,6 +29,7 @@ from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
 from pdcompile.plan import Plan
+from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.linear_grads import linear_accumulate
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
@@ -123,6 +124,12 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path) -> None:
                                "optimizer it was saved with") from None
 
 
+# functions an exported stage calls that stay calls when it is traced back: traced through, the
+# fused Linear would bake in the plain path, and `detached` would see a Proxy, not a tensor, and
+# return it as it is (the model's no_grad lost)
+_KEPT_CALLS = (linear_accumulate, detached)
+
+
 class _LeafTracer(OpsTracer):
     """Traces a loaded stage class: its direct children stay calls, as in the exported code."""
 
@@ -156,9 +163,7 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any],
                                f"{unexpected[:3]}); export the pipeline again")
     for alias, primary in meta["aliases"].items():
         set_path(stage, alias, get_path(stage, primary))
-    # the fused Linear calls (passes/fuse.py) stay calls: traced through, they would bake in
-    # the plain path
-    graph = _LeafTracer(autowrap_functions=(linear_accumulate,)).trace(stage)
+    graph = _LeafTracer(autowrap_functions=_KEPT_CALLS).trace(stage)
     module = fx.GraphModule(stage, graph, class_name=f"Stage{index}")
     return StageProgram(
         index=index, module=module,
@@ -184,7 +189,8 @@ def _load_graph(folder: Path, stages: dict[str, int], count: int,
     source = _import(folder / "graph.py", code, "graph")  # its errors are the export's
     try:  # the graph is informational: one that cannot be rebuilt or traced is left out
         root = source.Graph(_read_records(folder / "graph_modules.safetensors", device="meta"))
-        graph = fx.GraphModule(root, _AllLeaves().trace(root), class_name="Graph")
+        traced = _AllLeaves(autowrap_functions=_KEPT_CALLS).trace(root)
+        graph = fx.GraphModule(root, traced, class_name="Graph")
     except Exception:
         return None
     for node in graph.graph.nodes:

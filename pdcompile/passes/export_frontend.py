@@ -18,6 +18,7 @@ cannot capture with every size free is captured with only dimension 0 (the batch
 from __future__ import annotations
 
 import inspect
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -28,6 +29,7 @@ from torch import nn
 from pdcompile.errors import TraceError
 from pdcompile.meta import set_input_shapes, set_output_spec
 from pdcompile.passes.input_shapes import InputShapes
+from pdcompile.runtime.grad_mode import detached
 
 # operations that only check what export assumed (dtypes, devices, shape guards)
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
@@ -53,6 +55,7 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
         elif node.op == "call_function" and str(node.target).startswith(_CHECKS) \
                 and not node.users:
             graph.erase_node(node)
+    _inline_grad_regions(unlifted, graph)
     out_spec = program.call_spec.out_spec
     graph._codegen = fx.graph.CodeGen()  # plain placeholders and a flat output tuple
     output = next(n for n in graph.nodes if n.op == "output")
@@ -72,6 +75,52 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
         set_input_shapes(gm, InputShapes.of_program(
             program, dict(zip(program.graph_signature.user_inputs, inputs, strict=True))))
     return gm
+
+
+def _inline_grad_regions(root: nn.Module, graph: fx.Graph) -> None:
+    """torch.export keeps a `with torch.no_grad():` of the forward as a call of a submodule
+    (`wrap_with_set_grad_enabled(False, submodule, *inputs)`), which no stage could be cut
+    inside and no export could write. Its operations go into the graph in its place; with
+    grad mode off, every input enters through `detached`, as the trace pass does, so nothing
+    computed there requires a gradient (with grad mode on, as they are)."""
+    region = torch.ops.higher_order.wrap_with_set_grad_enabled
+    while True:
+        call = next((n for n in graph.nodes
+                     if n.op == "call_function" and n.target is region), None)
+        if call is None:
+            return
+        _inline_region(root, graph, call)
+
+
+def _inline_region(root: nn.Module, graph: fx.Graph, call: fx.Node) -> None:
+    """One `wrap_with_set_grad_enabled` call replaced by its submodule's operations."""
+    enabled, holder, *inputs = call.args
+    assert isinstance(holder, fx.Node)
+    sub = getattr(root, str(holder.target))
+    env: dict[fx.Node, Any] = {}
+    places = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    with graph.inserting_before(call):
+        for place, value in zip(places, inputs, strict=True):
+            env[place] = value if enabled else graph.call_function(detached, (value,))
+        for node in sub.graph.nodes:
+            if node.op == "get_attr":  # a tensor of the region's own: kept on the root
+                name = f"{holder.target}_{node.target}".replace(".", "_")
+                setattr(root, name, getattr(sub, str(node.target)))
+                env[node] = graph.get_attr(name)
+            elif node.op not in ("placeholder", "output"):
+                env[node] = graph.node_copy(node, lambda n: env[n])
+    out = next(n for n in sub.graph.nodes if n.op == "output").args[0]
+    results = fx.map_arg(out, lambda n: env[n])
+    for user in list(call.users):
+        if user.target is operator.getitem and isinstance(results, list | tuple):
+            user.replace_all_uses_with(results[user.args[1]])  # type: ignore[index]
+            graph.erase_node(user)
+    if call.users:
+        call.replace_all_uses_with(results)
+    graph.erase_node(call)
+    if not holder.users:
+        graph.erase_node(holder)
+        delattr(root, str(holder.target))
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],

@@ -160,7 +160,7 @@ _VIEWS = frozenset({
     "unbind", "split_with_sizes", "tensor_split", "movedim", "moveaxis", "swapaxes", "swapdims",
     "diagonal", "unfold", "as_strided", "detach", "contiguous", "getitem", "T", "mT", "H",
     "real", "imag", "view_as_real", "view_as_complex", "alias", "slice", "_unsafe_view",
-    "changed_alias"})
+    "changed_alias", "detached"})
 
 
 def may_alias(node: fx.Node, root: torch.nn.Module) -> bool:

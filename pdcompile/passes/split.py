@@ -51,6 +51,7 @@ from pdcompile.passes.inplace import (
     snapshot_before_mutations,
 )
 from pdcompile.plan import Plan, Stage
+from pdcompile.runtime.grad_mode import detached
 from pdcompile.util.attr_path import get_path
 
 # kinds of values (meta.ValueTree.kinds) that can travel between stages; None leaves of a
@@ -169,6 +170,7 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     for node in items:
         if stage_of[node.name] in busy:
             stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])  # type: ignore[union-attr]
+    _detach_where_made(gm, [n for n in items if n.target is detached], stage_of)
     _constants_follow_users(nodes, stage_of, len(plan.stages) - 1, constants, busy)
     _views_where_changed(gm, stage_of)
     _changes_where_made(gm, changes, stage_of, busy)
@@ -266,6 +268,23 @@ def _changes_where_made(gm: fx.GraphModule, changes: list[fx.Node], stage_of: di
         taken.meta["is_wrapped"] = True
         stage_of[taken.name] = home
         node.args = (taken, taken)
+
+
+def _detach_where_made(gm: fx.GraphModule, cuts: list[fx.Node], stage_of: dict[str, int]) -> None:
+    """A `detached` left in a later stage than its value (its own stage had nothing else to
+    run) reads a copy detached where the value is made, so that what crosses needs no gradient:
+    sent as it was, it would come back with a zero gradient and run a backward that eager mode
+    never runs (through a module called under the model's `no_grad`, whose saved input a later
+    in-place change may have moved on)."""
+    for node in cuts:
+        source = node.args[0]
+        if not isinstance(source, fx.Node) or source.op in ("placeholder", "get_attr") \
+                or stage_of[node.name] <= stage_of[source.name]:
+            continue
+        with gm.graph.inserting_after(source):
+            early = gm.graph.call_function(detached, (source,))
+        stage_of[early.name] = stage_of[source.name]
+        node.replace_input_with(source, early)
 
 
 def _constants(nodes: list[fx.Node]) -> set[str]:
@@ -366,8 +385,10 @@ def _order_by_stage(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
 
 
 def _reads_item(node: fx.Node) -> bool:
-    """`x[i]` of any value, or `x.field` of a structured value (a ModelOutput's field)."""
-    if node.target is operator.getitem:
+    """`x[i]` of any value, or `x.field` of a structured value (a ModelOutput's field), or `x`
+    cut off from autograd where the model's `no_grad` began or a module called under it ended
+    (`runtime.grad_mode.detached`: made where `x` is, what crosses needs no gradient)."""
+    if node.target is operator.getitem or node.target is detached:
         return True
     if node.target is getattr:
         tree = get_tree(node.args[0])  # type: ignore[arg-type]
@@ -409,8 +430,8 @@ def even_plan(gm: fx.GraphModule, stages: int, *,
         raise PlanError(f"stages must be a positive integer ({stages} < 1)")
     # an item of a tuple is read where the tuple is made (assign_stages), so it is no operation
     # a cut may fall before
-    items = [n for n in gm.graph.nodes if n.op == "call_function" and n.args
-             and isinstance(n.args[0], fx.Node) and _reads_item(n)]
+    items = {n for n in gm.graph.nodes if n.op == "call_function" and n.args
+             and isinstance(n.args[0], fx.Node) and _reads_item(n)}
     body = [n for n in gm.graph.nodes
             if n.op not in ("output", "get_attr", "placeholder") and n not in items]
     if len(body) < stages:
@@ -430,9 +451,13 @@ def even_plan(gm: fx.GraphModule, stages: int, *,
         stage_of[node.name] = stage
         done += weight
     _snap_to_blocks(body, weights, stage_of, total / stages / 4)
-    for item in items:  # in graph order, so an item of an item finds its tuple's stage
-        stage_of[item.name] = stage_of.get(item.args[0].name, 0)  # type: ignore[union-attr]
-    ordered = {n.name: stage_of[n.name] for n in gm.graph.nodes if n.name in stage_of}
+    current, ordered = 0, {}
+    for node in gm.graph.nodes:  # an item goes with the operation before it (its tuple, or an
+        # in-place change of the value it reads, which `make_mutations_explicit` makes its input)
+        if node in items:
+            ordered[node.name] = current
+        elif node.name in stage_of:
+            current = ordered[node.name] = stage_of[node.name]
     return _plan_from(ordered, stages, replicas)
 
 

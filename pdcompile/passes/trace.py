@@ -8,6 +8,13 @@ whatever the user names by type or qualified name. torch.nn's containers are tra
 that a pipeline can cut between their layers. A GraphModule is taken as it is (e.g. one made by
 transformers' own fx tracer): it is already a graph. A model fx cannot trace ends in one
 TraceError that names the module, the source line and the fix, not an fx traceback.
+
+Two things fx alone gets wrong without a word, and the trace mends: operations the forward
+runs under `torch.no_grad()` (fx records the operations, not the grad mode) are cut off from
+autograd (`runtime.grad_mode.detached` on what enters the region); and an in-place change of a
+buffer from constants alone (`self.ema.mul_(0.9)`, `self.steps += 1`), which fx would run once
+on the real buffer while tracing and leave out of the graph, is traced again with buffers as
+graph values, so that it runs on every forward.
 """
 
 from __future__ import annotations
@@ -26,10 +33,12 @@ from torch import nn
 
 from pdcompile.errors import TraceError
 from pdcompile.passes.layer_stacks import traceable_forward
+from pdcompile.runtime.grad_mode import detached
 
 DEFAULT_LEAVES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.MultiheadAttention)
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
+_NO_GRAD = "pd.no_grad"  # node.meta key: the operation ran with grad mode off while traced
 _THIS_FILE = os.path.abspath(__file__)
 
 
@@ -64,6 +73,13 @@ class _PolicyTracer(fx.Tracer):
         self._leaf_types = leaf_types
         self._leaf_names = leaf_names
         self.failed: tuple[str, nn.Module] | None = None
+
+    def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
+                    type_expr: Any = None) -> fx.Node:
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        if kind.startswith("call_") and not torch.is_grad_enabled():
+            node.meta[_NO_GRAD] = True  # the trace runs with grad mode on: the model turned it off
+        return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_names:
@@ -134,16 +150,102 @@ def trace(
                              f"{item!r}; e.g. leaf_modules=[nn.LSTM, 'encoder.block0']")
     concrete = _concrete_args(model, example_kwargs_names, num_positional)
     tracer = _PolicyTracer(tuple(leaf_types), frozenset(leaf_names))
-    try:
-        graph = tracer.trace(model, concrete_args=concrete or None)
-    except TraceError:
-        raise
-    except Exception as err:
-        raise _explain(model, tracer, err) from None
+    with _BuffersKept(model) as kept:
+        graph = _traced(model, tracer, concrete)
+        changed = kept.changed()
+        if changed:  # fx ran an in-place change of these buffers on the real ones, once
+            kept.restore()
+            tracer = _PolicyTracer(tuple(leaf_types), frozenset(leaf_names))
+            tracer.proxy_buffer_attributes = True  # now the changes are graph operations
+            graph = _traced(model, tracer, concrete)
+            still = kept.changed()
+            if still:
+                raise TraceError(f"{type(model).__name__}.forward changes buffer(s) {still} in "
+                                 "place in a way the trace cannot record (it ran while "
+                                 "tracing, once); change them from a tensor the forward "
+                                 "computes, or outside forward")
+    _cut_off_no_grad(graph)
     _drop_specialized(graph, model, concrete)
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
     gm.train(model.training)
     return gm
+
+
+class _BuffersKept:
+    """The model's buffers as they were before a trace: which of them the trace changed in
+    place (their version counters moved), and what they were (the values and the objects: a
+    traced `self.steps += 1` would leave a Proxy where the buffer was)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self._held = [(module, name, b, b.detach().clone())
+                      for module in model.modules() for name, b in module._buffers.items()
+                      if b is not None]
+        paths = {id(m): path for path, m in model.named_modules()}
+        self._names = [f"{paths[id(m)]}.{name}".lstrip(".") for m, name, _, _ in self._held]
+        self._versions: list[int] = []
+
+    def __enter__(self) -> _BuffersKept:
+        self._versions = [b._version for _, _, b, _ in self._held]
+        return self
+
+    def changed(self) -> list[str]:
+        return [name for name, (_, _, b, _), version
+                in zip(self._names, self._held, self._versions, strict=True)
+                if b._version != version]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for (module, name, b, value), version in zip(self._held, self._versions,
+                                                         strict=True):
+                module._buffers[name] = b
+                if b._version != version:
+                    b.copy_(value)
+        self._versions = [b._version for _, _, b, _ in self._held]
+
+    def __exit__(self, *exc: object) -> None:
+        self.restore()  # a failed trace may have run a change
+
+
+def _traced(model: nn.Module, tracer: _PolicyTracer,
+            concrete: dict[str, Any]) -> fx.Graph:
+    """`tracer.trace(model)` with grad mode on (what is off was turned off by the model), its
+    failures explained (`_explain`)."""
+    try:
+        with torch.enable_grad():
+            return tracer.trace(model, concrete_args=concrete or None)
+    except TraceError:
+        raise
+    except Exception as err:
+        raise _explain(model, tracer, err) from None
+
+
+def _cut_off_no_grad(graph: fx.Graph) -> None:
+    """Operations traced under the model's `torch.no_grad()` read every value from outside the
+    region through `detached`, and the modules called there return detached values: nothing
+    computed in the region requires a gradient, as in eager mode, wherever stages are cut."""
+    inside = {n for n in graph.nodes if n.meta.get(_NO_GRAD)}
+    entries: dict[fx.Node, fx.Node] = {}  # of the region being read: a later region reads a
+    # value anew (an in-place change between the two is then seen in order)
+    for node in list(graph.nodes):
+        if node not in inside:
+            if node.op.startswith("call_"):
+                entries = {}
+            continue
+        for source in node.all_input_nodes:
+            if source in inside:
+                continue
+            if source not in entries:
+                with graph.inserting_before(node):
+                    entries[source] = graph.call_function(detached, (source,))
+                inside.add(entries[source])
+            node.replace_input_with(source, entries[source])
+        if node.op == "call_module":  # its own parameters would carry gradients out
+            users = list(node.users)
+            with graph.inserting_after(node):
+                out = graph.call_function(detached, (node,))
+            inside.add(out)
+            for user in users:
+                user.replace_input_with(node, out)
 
 
 def _concrete_args(model: nn.Module, kwargs_names: Sequence[str] | None,

@@ -81,7 +81,10 @@ class _LinearAccumulate(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor,
                 bias: torch.Tensor | None) -> torch.Tensor:
-        ctx.save_for_backward(x, weight)
+        # what dW reads, kept as eager's matmul keeps it: a view of x where x folds to 2-D as it
+        # is, else a copy (an LSTM's batch-first output), which a later in-place change of x
+        # leaves alone, as it does in eager mode
+        ctx.save_for_backward(x.reshape(-1, x.shape[-1]), weight)
         ctx.leaves = (weight, bias)
         ctx.deferred = _DEFERRING.get()
         out = F.linear(x, weight, bias)
@@ -93,7 +96,7 @@ class _LinearAccumulate(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        x, weight = ctx.saved_tensors
+        x2, weight = ctx.saved_tensors
         leaf_weight, bias = ctx.leaves
         gy = grad_out.reshape(-1, grad_out.shape[-1])
         gx = grad_out.matmul(weight) if ctx.needs_input_grad[0] else None
@@ -102,13 +105,11 @@ class _LinearAccumulate(torch.autograd.Function):
         queue = ctx.deferred
         if in_place and queue is not None and _accumulates(leaf_weight) and (
                 bias is None or not ctx.needs_input_grad[2] or _accumulates(bias)):
-            x2 = x.reshape(-1, x.shape[-1])
             queue.append(lambda: _accumulate_weight_grads(
                 gy, x2, leaf_weight if ctx.needs_input_grad[1] else None,
                 bias if bias is not None and ctx.needs_input_grad[2] else None))
             return gx, None, None
         if ctx.needs_input_grad[1]:
-            x2 = x.reshape(-1, x.shape[-1])
             if in_place and _accumulates(leaf_weight):
                 if leaf_weight.grad is None:
                     leaf_weight.grad = gy.t().mm(x2)

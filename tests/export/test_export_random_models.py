@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
-from tests.helpers.random_models import random_models, squared_error
+from tests.helpers.random_models import RandomNet, Step, random_models, squared_error
 from tests.helpers.transparency import momentum
 
 
@@ -86,6 +86,25 @@ def test_an_exported_lstm_from_torch_export_loads_with_its_free_batch(tmp_path: 
     inputs = (torch.randn(8, 3, 4),)
     _round_trip(_LSTMHead(), inputs, tmp_path / "out", rows, frontend="export", plan=[1, 1],
                 schedule="1f1b-flush", microbatches=2)
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export"])
+def test_an_exported_no_grad_region_stays_cut_off_when_loaded(tmp_path: Path,
+                                                               frontend: str) -> None:
+    """A gate computed by a Linear under the model's `torch.no_grad()`: the loaded stage code,
+    traced back, keeps its `detached` calls (traced through, they saw a Proxy and returned it
+    as it was: the gate's Linear trained after loading, not before)."""
+    torch.manual_seed(0)
+    model = RandomNet([Step("linear", 0, 0), Step("no_grad", 1, 1), Step("linear", 2, 0)],
+                      inputs=1, outputs=(-1,)).double()
+    inputs = (torch.randn(8, 3, 4, dtype=torch.float64),)
+    _round_trip(model, inputs, tmp_path / "out", 8, frontend=frontend, plan=[1, 1],
+                schedule="1f1b-flush", microbatches=2)
+    loaded = pdcompile.load(str(tmp_path / "out"), loss_fn=squared_error, optimizer=momentum,
+                            trust=True)
+    before = loaded.state_dict()["layers.1.weight"].clone()
+    loaded.step(*inputs, target=torch.randn(8, 1, 4, dtype=torch.float64))
+    torch.testing.assert_close(loaded.state_dict()["layers.1.weight"], before)
 
 
 @st.composite

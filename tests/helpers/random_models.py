@@ -6,7 +6,8 @@ shared Linear called by several steps, LSTMs (a tuple of a tensor and a tuple, r
 getitem), `max` and `split` (tuple outputs), constants built in forward (arange, zeros, ones,
 full) used by several steps, and in-place changes of earlier values (`add_`, `mul_`, `+=`,
 `F.relu(..., inplace=True)`, `nn.ReLU(inplace=True)`, and `mul_` of a view, which changes the
-value it views). It has one or two inputs and returns one
+value it views), and values computed under `torch.no_grad()` (a centre and a gate from a Linear
+layer that therefore gets no gradient). It has one or two inputs and returns one
 to three values. A cut is a random topological order of the traced graph (in-place order made
 explicit, as the planner sees it) split into chunks of random sizes, each stage with 1 or 2
 replicas.
@@ -31,7 +32,8 @@ from pdcompile.plan import Plan
 
 TIME, WIDTH = 3, 4
 KINDS = ("linear", "shared", "tanh", "add", "mul", "lstm", "max", "split", "constant",
-         "use_constant", "add_", "mul_", "iadd", "relu_inplace", "relu_module", "view_mul_")
+         "use_constant", "add_", "mul_", "iadd", "relu_inplace", "relu_module", "view_mul_",
+         "no_grad")
 CONSTANTS = ("arange", "zeros", "ones", "full")
 
 
@@ -58,12 +60,16 @@ class RandomNet(nn.Module):
         self.embed = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(inputs))
         self.layers = nn.ModuleDict()
         for index, step in enumerate(self.steps):
-            if step.kind == "linear":
+            if step.kind in ("linear", "no_grad"):
                 self.layers[str(index)] = nn.Linear(WIDTH, WIDTH)
             elif step.kind == "lstm":
                 self.layers[str(index)] = nn.LSTM(WIDTH, WIDTH, batch_first=True)
             elif step.kind == "relu_module":
                 self.layers[str(index)] = nn.ReLU(inplace=True)
+
+    def extra_repr(self) -> str:
+        """The steps, so that a failing example says which model it was."""
+        return f"inputs={self.inputs}, outputs={self.outputs}, steps={list(self.steps)}"
 
     def forward(self, x: torch.Tensor, y: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, ...]:
@@ -92,6 +98,11 @@ class RandomNet(nn.Module):
             elif step.kind == "split":
                 left, right = torch.split(a, [1, WIDTH - 1], dim=-1)
                 pool.append(torch.cat([right, left * 2.0], dim=-1))
+            elif step.kind == "no_grad":  # neither the centre nor the gate carries a gradient
+                with torch.no_grad():
+                    centre = a.mean(dim=1, keepdim=True)
+                    gate = torch.sigmoid(layer(b))  # type: ignore[misc]
+                pool.append(torch.tanh(a - centre) * gate)
             elif step.kind == "constant":
                 constants.append(_constant(step.c))
             elif step.kind == "use_constant":

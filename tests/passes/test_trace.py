@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
 from pdcompile.errors import TraceError
 from pdcompile.passes.trace import trace
+from tests.helpers.transparency import check
 
 
 class TwoInTwoOut(nn.Module):
@@ -180,3 +183,99 @@ def test_bad_leaf_arguments() -> None:
         trace(WithKeyword(), example_kwargs_names=["nothing"])
     with pytest.raises(TraceError, match="nn.Module"):
         trace(lambda x: x)  # type: ignore[arg-type]
+
+
+class CentredUnderNoGrad(nn.Module):
+    """A centre, a gate from a module and a running mean, all under the model's own no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.gate = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+        self.register_buffer("running", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        with torch.no_grad():
+            centre = h.mean(0, keepdim=True)
+            gate = torch.sigmoid(self.gate(h))
+            self.running.mul_(0.9).add_(0.1 * centre[0])
+        return self.b((h - centre) * gate + self.running)
+
+
+def _grads_and_buffers(model: nn.Module, x: torch.Tensor, steps: int = 3
+                       ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor]]:
+    for _ in range(steps):
+        model.zero_grad()
+        model(x).square().sum().backward()
+    return ({n: p.grad for n, p in model.named_parameters()},
+            {n: b.clone() for n, b in model.named_buffers()})
+
+
+def test_no_grad_in_forward_stops_gradients_where_eager_stops_them() -> None:
+    """fx records the operations under `torch.no_grad()`, not the grad mode: without the trace's
+    cut the gradient flowed through the centre and the gate (and trained `gate`)."""
+    torch.manual_seed(0)
+    model, x = CentredUnderNoGrad(), torch.randn(5, 6)
+    gm = trace(copy.deepcopy(model))
+    want_grads, want_buffers = _grads_and_buffers(model, x)
+    got_grads, got_buffers = _grads_and_buffers(gm, x)
+    assert want_grads["gate.weight"] is None and got_grads["gate.weight"] is None
+    for name, grad in want_grads.items():
+        if grad is not None:
+            torch.testing.assert_close(got_grads[name], grad, msg=name)
+    torch.testing.assert_close(got_buffers, want_buffers)
+
+
+def test_no_grad_holds_under_every_cut() -> None:
+    torch.manual_seed(0)
+    model = CentredUnderNoGrad()
+    inputs, target = (torch.randn(8, 6),), torch.randint(0, 3, (8,))
+    for stages in ([1, 1], [1, 1, 1], [1, 1, 1, 1]):
+        check((copy.deepcopy(model), inputs, target, nn.functional.cross_entropy),
+              schedule="1f1b-flush", micro=2, plan=None, stages=stages)
+
+
+class Decaying(nn.Module):
+    """Buffers changed in place from constants alone, which fx runs once while tracing."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("scale", torch.ones(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.scale.mul_(0.9)
+        self.steps += 1
+        return self.lin(x) * self.scale + self.steps
+
+
+def test_a_buffer_changed_from_constants_changes_on_every_forward() -> None:
+    torch.manual_seed(0)
+    model, x = Decaying(), torch.randn(2, 4)
+    gm = trace(copy.deepcopy(model))
+    assert int(gm.steps) == 0 and bool((gm.scale == 1).all())  # tracing changed nothing
+    for _ in range(3):
+        torch.testing.assert_close(gm(x), model(x))
+    assert int(gm.steps) == 3
+    torch.testing.assert_close(gm.scale, torch.full((4,), 0.9 ** 3))
+
+
+class CountsInControlFlow(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("count", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count += 1
+        return self.lin(x) * 2 if self.count > 2 else self.lin(x)
+
+
+def test_an_untraceable_buffer_count_is_refused_and_left_as_it_was() -> None:
+    model = CountsInControlFlow()
+    with pytest.raises(TraceError, match=r"CountsInControlFlow.forward .* control flow"):
+        trace(model)
+    assert isinstance(model.count, torch.Tensor) and int(model.count) == 0

@@ -12,10 +12,14 @@ from typing import Any
 
 import pytest
 import torch
+import torch.fx as fx
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 from pdcompile.errors import PlanError
+from pdcompile.meta import get_stage
+from pdcompile.passes.split import split
+from pdcompile.runtime.grad_mode import detached
 from tests.helpers.random_models import (
     RandomNet,
     explicit_graph,
@@ -133,6 +137,55 @@ def test_a_value_changed_through_views_in_two_stages() -> None:
     plan = manual_plan(explicit_graph(model, inputs), lambda n: 0 if n.name in first else 1)
     _check({"model": model, "inputs": inputs, "plan": plan, "schedule": "1f1b-flush",
             "micro": 2})
+
+
+def test_an_lstm_output_changed_in_place_after_a_linear_read_it() -> None:
+    """Found by the random cuts: a batch-first LSTM's output (not contiguous) read by a Linear,
+    then changed in place. Eager mode trains it, since its matmul keeps a contiguous copy for
+    the weight gradient; the fused Linear kept the output itself and its backward failed
+    ("modified by an inplace operation"). It now keeps what eager keeps."""
+    from pdcompile.passes.split import manual_plan
+    from tests.helpers.random_models import Step
+
+    torch.manual_seed(0)
+    model = RandomNet((Step("lstm", 0, 0), Step("linear", 1, 0), Step("mul_", 1, 0)), 1,
+                      (-1,)).double()
+    inputs = (torch.randn(8, 3, 4, dtype=torch.float64),)
+    plan = manual_plan(explicit_graph(model, inputs), lambda n: 0)
+    _check({"model": model, "inputs": inputs, "plan": plan, "schedule": "1f1b-flush",
+            "micro": 2})
+
+
+def test_a_detach_alone_in_its_stage_sends_no_gradient() -> None:
+    """The `detached` that ends a module called under the model's `no_grad`, alone in a stage
+    (random cuts make such stages): it trains like one process, and what crosses to it is
+    detached where it is made, so no zero gradient comes back to run the module's backward,
+    which eager mode never runs."""
+    from pdcompile.passes.split import manual_plan
+    from tests.helpers.random_models import Step
+
+    torch.manual_seed(0)
+    model = RandomNet((Step("no_grad", 0, 1), Step("linear", 0, 0), Step("add_", 1, 0)), 2,
+                      (-1,)).double()
+    inputs = tuple(torch.randn(8, 3, 4, dtype=torch.float64) for _ in range(2))
+    gm = explicit_graph(model, inputs)
+    gate = next(n for n in gm.graph.nodes if n.name.startswith("detached")
+                and n.args[0].op == "call_module")  # type: ignore[union-attr]
+    after, todo = set(), list(gate.users)  # what reads the gate: stage 2; the rest (the
+    while todo:  # in-place change of the module's input included) stage 0
+        node = todo.pop()
+        if node.name not in after:
+            after.add(node.name)
+            todo.extend(node.users)
+    plan = manual_plan(gm, lambda n: 1 if n is gate else 2 if n.name in after else 0)
+    assert plan.stages[1].nodes == (gate.name,)
+    assert "add_" in plan.stages[0].nodes
+    _check({"model": model, "inputs": inputs, "plan": plan, "schedule": "1f1b-flush",
+            "micro": 2})
+    split(gm, plan)
+    sent = gate.args[0]
+    assert isinstance(sent, fx.Node) and sent.target is detached
+    assert get_stage(sent) == 0 and get_stage(gate) == 1
 
 
 def test_a_view_of_a_tuple_item_changed_two_stages_later() -> None:
