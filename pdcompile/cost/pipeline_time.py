@@ -23,7 +23,8 @@ microbatches in flight per replica (warm-up depth + 1).
     another), each transfer there and back on the rank pair that microbatch uses: pairs on one
     server are faster than pairs across servers, so the circuits follow the microbatches they
     chain and the slowest chain binds; replicas that all-reduce every round wait for the
-    round's slowest), so RT_s / (N_s r_s) per microbatch.
+    round's slowest, and a later stage's next round waits for its all-reduce, `_circuit_ratio`),
+    so RT_s / (N_s r_s) per microbatch.
 * Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
   microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
   transfers there and back), and the busiest stage adds its other microbatches,

@@ -28,8 +28,9 @@ One function, `evaluate`, prices a plan for every planner and every report. Two 
   is that objective, from the same formulas: per stage the work, its links and (streaming) its
   round trip over the most microbatches its memory allows in flight (or PipeDream's NOAM, the
   planner's second variant: the DP cannot see how later stages' in-flight counts bound an
-  earlier one's), or (flush) the microbatches it adds to the fill and drain plus its final
-  all-reduce and step. The planners rank with it;
+  earlier one's), or (flush) the fill and drain through it, the microbatches it adds to them
+  and its final all-reduce and step, or its links and server interfaces carrying the
+  minibatch's m microbatches, whichever is longer. The planners rank with it;
   plans are then priced with `evaluate` (and, where it is cheap, simulated).
 """
 

@@ -304,6 +304,8 @@ def _linear_terms(c: Placement, workers_from_here: int, options: ModelOptions) -
     copies = row.copies_weights and flight > 1
     versions = weight_versions(options.schedule, flight, copies=copies)
     if row.flush:  # the microbatches it adds to fill and drain, then its all-reduce and step
+        # (not the fill and drain through it, which the DP's objective adds: CP-SAT starts from
+        # the DP's plan, and every plan is priced by the closed form and simulated)
         share = math.ceil(m / k)
         return _Linear((share - 1) / m, c.sync_per_byte + c.step_per_byte, (share - 1) / m,
                        c.sync_fixed, versions, flight, 1.0)
