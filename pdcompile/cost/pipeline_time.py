@@ -23,7 +23,8 @@ microbatches in flight per replica (warm-up depth + 1).
     another), each transfer there and back on the rank pair that microbatch uses: pairs on one
     server are faster than pairs across servers, so the circuits follow the microbatches they
     chain and the slowest chain binds; replicas that all-reduce every round wait for the
-    round's slowest), so RT_s / (N_s r_s) per microbatch.
+    round's slowest, and a later stage's next round waits for its all-reduce, `_circuit_ratio`),
+    so RT_s / (N_s r_s) per microbatch.
 * Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
   microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
   transfers there and back), and the busiest stage adds its other microbatches,
@@ -274,6 +275,105 @@ def _lockstep(lengths: list[float], replicas: int) -> list[float]:
     return [max(lengths[m - m % replicas:m - m % replicas + replicas]) for m in range(len(lengths))]
 
 
+def _circuit_ratio(lengths: Sequence[float], tokens: int,
+                   waiting: tuple[int, float, float] | None = None) -> float:
+    """The largest time per microbatch that circuits of `lengths` (per microbatch residue, each
+    advancing `tokens` microbatches: `_orbit_length`) impose; with `waiting` = (r_k, own_k,
+    serial), a
+    later stage k of r_k replicas that all-reduce in lockstep after every round: the round's
+    all-reduce waits for the backward of its last microbatch m (m = r_k - 1 mod r_k), and each
+    microbatch m + j of the next round (j = 1..r_k) waits for the all-reduce and step before
+    its forward at k. So F_s(m) -> ... -> B_k -> all-reduce -> step -> F_k(m + j) -> ... ->
+    B_s -> F_s(m + j + tokens) is a circuit too, j microbatches longer, from a round's last
+    microbatch only: the plain circuit's path (of m there and of m + j back: their mean), k's
+    own work once more (`own_k`: all-reduce, step, weight copy, compute), and the queue the
+    round makes on its way back: its r_k microbatches leave k together, and the stages from s
+    to k take them one after another, so m + j waits for j - 1 of them at the slowest of
+    those stages (`serial`: its work per microbatch over its replicas). Circuits chain
+    microbatch residues, and the slowest cycle of them binds (Howard's policy iteration for
+    the largest cycle ratio, `_largest_cycle_ratio`); the simulator runs exactly these orders
+    (its ALLREDUCE waits for every replica's backward)."""
+    if tokens <= 0:
+        return math.inf
+    if waiting is None or waiting[0] == 1:
+        return _orbit_length(lengths, tokens) / tokens
+    replicas, later_own, serial = waiting
+    size = math.lcm(len(lengths), replicas)
+    if size > PAIRS_CAP:  # too many residues: each circuit's slowest
+        worst = max(lengths)
+        return max(worst / tokens, (worst + later_own) / (tokens + 1))
+    edges: list[list[tuple[int, float, int]]] = []
+    for m in range(size):
+        out = [((m + tokens) % size, lengths[m % len(lengths)], tokens)]
+        if m % replicas == replicas - 1:  # to each microbatch of the next round
+            for step in range(1, replicas + 1):
+                path = (lengths[m % len(lengths)] + lengths[(m + step) % len(lengths)]) / 2.0
+                out.append(((m + tokens + step) % size,
+                            path + later_own + (step - 1) * serial, tokens + step))
+        edges.append(out)
+    return _largest_cycle_ratio(edges)
+
+
+def _waiting(terms: Sequence[StageTerms], own: Sequence[float], head: int, later: int,
+             lockstep: bool) -> tuple[int, float, float] | None:
+    """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`:
+    where `later`'s replicas all-reduce in lockstep and every stage from `head` up to it has
+    one replica (each takes a round's microbatches one after another: the queue the derivation
+    counts; replicated stages on the way spread it, and their own rounds are `_lockstep`'s);
+    None otherwise."""
+    if not lockstep or terms[later].replicas == 1 \
+            or any(terms[i].replicas > 1 for i in range(head, later)):
+        return None
+    return terms[later].replicas, own[later], max(own[head:later])
+
+
+def _largest_cycle_ratio(edges: list[list[tuple[int, float, int]]]) -> float:
+    """The largest weight / tokens over the cycles of a graph whose every node has an edge
+    out ((target, weight, tokens > 0) per edge): Howard's policy iteration (Cochet-Terrasson
+    et al., 1998), each node following one edge, improved until no node gains."""
+    count = len(edges)
+    policy = [len(out) - 1 for out in edges]
+    eps = 1e-12 * max(abs(w) for out in edges for _, w, _ in out) + 1e-300
+    for _ in range(4 * count + 16):
+        ratio, value = [0.0] * count, [0.0] * count
+        state = [0] * count  # 0 not seen, 1 on the path being walked, 2 evaluated
+        for origin in range(count):
+            path, node = [], origin
+            while state[node] == 0:
+                state[node] = 1
+                path.append(node)
+                node = edges[node][policy[node]][0]
+            if state[node] == 1:  # a new cycle from `node`
+                cycle = path[path.index(node):]
+                weight = sum(edges[u][policy[u]][1] for u in cycle)
+                tokens = sum(edges[u][policy[u]][2] for u in cycle)
+                for u in cycle:
+                    ratio[u], state[u] = weight / tokens, 2
+                value[node] = 0.0
+                for u in reversed(cycle[1:]):
+                    target, w, t = edges[u][policy[u]]
+                    value[u] = w - ratio[u] * t + value[target]
+                path = path[:path.index(node)]
+            for u in reversed(path):
+                target, w, t = edges[u][policy[u]]
+                ratio[u] = ratio[target]
+                value[u] = w - ratio[u] * t + value[target]
+                state[u] = 2
+        changed = False
+        for u, out in enumerate(edges):
+            for i, (target, w, t) in enumerate(out):
+                if ratio[target] > ratio[u] + eps or (
+                        ratio[target] >= ratio[u] - eps
+                        and w - ratio[u] * t + value[target] > value[u] + eps * t):
+                    if i != policy[u]:
+                        policy[u], changed = i, True
+                        ratio[u] = ratio[target]
+                        value[u] = w - ratio[u] * t + value[target]
+        if not changed:
+            return max(ratio)
+    return max(ratio)
+
+
 def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
               transfer: Transfers, *, lockstep: bool, queueing: bool,
               ) -> list[tuple[float, float]]:
@@ -296,8 +396,8 @@ def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
         for k in range(s + 1, len(terms)):
             tokens = head.in_flight * head.replicas - (terms[k].in_flight - 1) * terms[k].replicas
             lengths = _lockstep(profile[k - s], head.replicas) if lockstep else profile[k - s]
-            worst = max(worst, _orbit_length(lengths, tokens) / tokens if tokens > 0
-                        else math.inf)
+            worst = max(worst, _circuit_ratio(lengths, tokens,
+                                              _waiting(terms, own, s, k, lockstep)))
         out.append((worst, sum(profile[-1]) / len(profile[-1])))
     return out
 
@@ -328,8 +428,9 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
     lockstep, queueing = _circuit_rules(schedule)
-    profiles = _circuit_profiles(terms, _streaming_work(terms, schedule, m),
-                                 _pair_transfers(edges, stage_ranks, cluster), queueing=queueing)
+    own = _streaming_work(terms, schedule, m)
+    profiles = _circuit_profiles(terms, own, _pair_transfers(edges, stage_ranks, cluster),
+                                 queueing=queueing)
     count = len(terms)
     chosen = [1] * count
     per = period / m * (1.0 + 1e-9)  # seconds per microbatch
@@ -343,8 +444,8 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
             guess = sum(lengths) / len(lengths) / per if per > 0 else math.inf
             n = max(need, math.ceil((held + guess * (1.0 - 1e-9)) / r) if guess < math.inf
                     else limits[s])
-            while n < limits[s] and (n * r - held <= 0 or _orbit_length(
-                    lengths, n * r - held) / (n * r - held) > per):
+            waiting = _waiting(terms, own, s, k, lockstep)
+            while n < limits[s] and _circuit_ratio(lengths, n * r - held, waiting) > per:
                 n += 1
             need = max(need, n)
         chosen[s] = max(1, min(limits[s], need))

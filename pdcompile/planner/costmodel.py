@@ -28,8 +28,9 @@ One function, `evaluate`, prices a plan for every planner and every report. Two 
   is that objective, from the same formulas: per stage the work, its links and (streaming) its
   round trip over the most microbatches its memory allows in flight (or PipeDream's NOAM, the
   planner's second variant: the DP cannot see how later stages' in-flight counts bound an
-  earlier one's), or (flush) the microbatches it adds to the fill and drain plus its final
-  all-reduce and step. The planners rank with it;
+  earlier one's), or (flush) the fill and drain through it, the microbatches it adds to them
+  and its final all-reduce and step, or its links and server interfaces carrying the
+  minibatch's m microbatches, whichever is longer. The planners rank with it;
   plans are then priced with `evaluate` (and, where it is cheap, simulated).
 """
 
@@ -147,14 +148,20 @@ class Placement:
     # (Cluster.allreduce_bucket; inf: the all-reduce starts after the backward)
     in_nic_per_byte: float = 0.0  # the busiest server interface per byte the stage receives
     out_nic_per_byte: float = 0.0  # ... and per byte it sends (`server_interfaces`)
+    nic_ring_per_byte: float = 0.0  # each interface its ring crosses, per parameter byte of
+    # one all-reduce: 2 (r-1)/r / the interface's bandwidth where the replicas span servers
 
 
 def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
-              copies: int = 1, copy_link: Level | None = None) -> Placement:
+              copies: int = 1, copy_link: Level | None = None,
+              interfaces: str = "seen") -> Placement:
     """Coefficients of a stage at a rank position (see `Placement`). `copies`: the pipeline is
     one of that many identical copies, so the stage's gradients are all-reduced among
     replicas x copies workers over `copy_link` (the level between copies) and, with several
-    replicas, the level they span, whichever is slower."""
+    replicas, the level they span, whichever is slower. `interfaces`: "seen", the stage's
+    terms on the servers' interfaces as `server_interfaces` sees them; "whole", every server's
+    share crossing (`server_interfaces`' `whole`); "unseen", none (the interfaces free: the
+    view of a cluster whose servers' links are not shared)."""
     from pdcompile.cost.links import ring_allreduce_seconds
     from pdcompile.cost.updates import copy_seconds, step_seconds
 
@@ -175,20 +182,43 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
         out_a, out_l = 1.0 / lo.flow_rate, lo.latency
         copy_out = out_a if lo.cpu_copies else 0.0
     bucket = math.inf if cluster.allreduce_bucket is None else cluster.allreduce_bucket
-    nic_in, nic_out = server_interfaces(cluster, start, r, workers)
+    if interfaces not in ("seen", "whole", "unseen"):
+        raise PlanError(f"interfaces must be 'seen', 'whole' or 'unseen', not {interfaces!r}")
+    nic_in, nic_out = server_interfaces(cluster, start, r, workers,
+                                        whole=interfaces == "whole")
+    ring = _ring_on_interfaces(cluster, start, r) \
+        if len(cluster.levels) > 1 and workers == cluster.workers and copies == 1 else 0.0
+    if interfaces == "unseen":
+        nic_in = nic_out = ring = 0.0
     return Placement(r, noam(r, workers - start), sync_a, sync_b, in_a, in_l, out_a, out_l,
                      copy_in, copy_out, step_seconds(1.0, cluster.device),
-                     copy_seconds(1.0, cluster.device), bucket, nic_in, nic_out)
+                     copy_seconds(1.0, cluster.device), bucket, nic_in, nic_out, ring)
 
 
-def server_interfaces(cluster: Cluster, start: int, replicas: int,
-                      workers: int) -> tuple[float, float]:
+def _ring_on_interfaces(cluster: Cluster, start: int, replicas: int) -> float:
+    """Seconds per parameter byte of one ring all-reduce on each server interface it crosses
+    (`links.nic_busy_seconds`: 2 (r-1)/r of the bytes each way), 0 where the replicas share
+    one server."""
+    size = cluster.group_size(len(cluster.levels) - 2)
+    if start // size == (start + replicas - 1) // size:
+        return 0.0
+    return 2.0 * (replicas - 1) / replicas / cluster.levels[-1].bandwidth
+
+
+def server_interfaces(cluster: Cluster, start: int, replicas: int, workers: int, *,
+                      whole: bool = False) -> tuple[float, float]:
     """Seconds per byte that a stage on ranks [start, start + replicas) of `workers` puts on
     the busiest server interface (the outermost level's bandwidth, shared by a server's
     workers: cost/links.nic_busy_seconds) for what it receives and for what it sends: its
-    replicas share its bytes evenly, and a server's share crosses the interface unless the
-    server also holds ranks of the stages before it (receiving) or after it (sending), whose
-    part the objective cannot see (then 0 for that server). 0 on a one-level cluster."""
+    replicas share its bytes evenly (round robin), and a server's share crosses the interface
+    unless the server also holds ranks of the stages before it (receiving) or after it
+    (sending), whose part the objective cannot see (then 0 for that server), except where
+    every rank before it shares its first server (all it receives on other servers leaves that
+    one) or every rank after it its last server (all it sends from other servers enters that
+    one). 0 on a one-level cluster. `whole`: every server's share crosses, as if the
+    neighbouring stages' ranks on it were elsewhere (the most the stage can put there: the
+    planner's second view, which steers clear of servers shared by stages whose sends the
+    first view cannot see)."""
     if len(cluster.levels) < 2 or workers != cluster.workers:
         return 0.0, 0.0
     size = cluster.group_size(len(cluster.levels) - 2)
@@ -198,8 +228,14 @@ def server_interfaces(cluster: Cluster, start: int, replicas: int,
     for rank in range(start, end + 1):
         counts[rank // size] = counts.get(rank // size, 0) + 1
     first, last = start // size, end // size
-    into = max((c for k, c in counts.items() if k != first or start % size == 0), default=0)
-    out = max((c for k, c in counts.items() if k != last or (end + 1) % size == 0), default=0)
+    into = max((c for k, c in counts.items() if whole or k != first or start % size == 0),
+               default=0)
+    out = max((c for k, c in counts.items() if whole or k != last or (end + 1) % size == 0),
+              default=0)
+    if start > 0 and first == 0:  # the senders all on server 0: the rest leaves it
+        into = max(into, replicas - counts[first])
+    if end + 1 < workers and last == (workers - 1) // size:  # the receivers all on `last`
+        out = max(out, replicas - counts[last])
     return into / replicas / nic, out / replicas / nic
 
 
@@ -257,8 +293,13 @@ def stage_parts(*, compute: Any, backward: Any, params: Any, keep: Any, received
     fit = np.minimum(fit, IN_FLIGHT_CAP)
     copy = p * coef.copy_per_byte if row.copies_weights else 0.0
     own = t + cpu + (allreduce + step + copy) * update_share(options.schedule, m, r)
+    # the busiest interface: the stage's share of what it receives or sends there, and its
+    # ring all-reduces (update_share / r per microbatch, as links.nic_busy_seconds counts them)
+    # on every interface it crosses, that server's among them
+    ring = p * coef.nic_ring_per_byte * update_share(options.schedule, m, r) / r
     link = np.maximum(np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r,
-                      np.maximum(inb * coef.in_nic_per_byte, outb * coef.out_nic_per_byte))
+                      np.maximum(inb * coef.in_nic_per_byte, outb * coef.out_nic_per_byte)
+                      + ring)
     # a microbatched schedule cuts a minibatch into microbatches that the replicas share: no
     # more replicas than microbatches, and 2bw needs a multiple of them
     runs = r <= (m if row.microbatched else math.inf)
@@ -295,7 +336,12 @@ def values_of(x: StageParts, rest: Any, options: ModelOptions) -> np.ndarray:
         trip = period + later + 2.0 * x.wire
         with np.errstate(divide="ignore", invalid="ignore"):
             period = np.where(share > flight, np.maximum(period, trip / flight), period)
-        value = (share - 1.0) * period + x.allreduce + x.step
+        # the fill and drain cross it and every later stage once (one microbatch there and
+        # back, `trip`), then it adds its other microbatches, then its all-reduce and step
+        # (`cost.pipeline_time._flush`); its links carry all m microbatches of the minibatch:
+        # each of its lanes m / r of them and the busiest server interface its share of them
+        # (the closed form's and the simulator's bound; CP-SAT's flush objective has it too)
+        value = np.maximum(trip + (share - 1.0) * period + x.allreduce + x.step, x.link * m)
         ok = x.fit >= (share if row.forwards_first else 1.0)
     else:
         flight = np.maximum(x.fit, 1.0)

@@ -275,11 +275,12 @@ class StageGrid:
 def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                memory: float | None, straight: bool = False, workers: int | None = None,
                copies: int = 1, copy_link: Level | None = None,
-               recompute: bool = False) -> StageGrid:
+               recompute: bool = False, interfaces: str = "seen") -> StageGrid:
     """The grid of `tables` on the first `workers` ranks (default all), in units of workers
     (`unit_bounds`); straight: one replica per stage; `copies` / `copy_link`: the pipeline is
     replicated (costmodel.placement); `recompute`: every stage may also recompute its
-    activations (pdcompile.cost.recompute)."""
+    activations (pdcompile.cost.recompute); `interfaces`: how the stages see the servers'
+    shared interfaces (costmodel.placement)."""
     n = workers or cluster.workers
     bounds = unit_bounds(n, straight=straight)
     units = len(bounds) - 1
@@ -290,7 +291,8 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
     rq = np.array([r for _, r in pairs])
     coef = _stacked([placement(cluster, int(bounds[units - m]),
                                int(bounds[units - m + r] - bounds[units - m]), n,
-                               copies=copies, copy_link=copy_link) for m, r in pairs])
+                               copies=copies, copy_link=copy_link,
+                               interfaces=interfaces) for m, r in pairs])
     total = float(tables.compute[last])
     backward = tables.compute - tables.forward  # bwd seconds of each downset
     rows = {}

@@ -194,7 +194,11 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
                 work += [(x[v, s], -round(behind * bwd[v])) for v in nodes if bwd[v]]
             comm = []
             copies = []
-            shared_in, shared_out = [], []  # on the busiest server interface
+            # on the busiest server interface: its share of the stage's bytes and the rings
+            # of its all-reduces (`costmodel.stage_parts`)
+            ring = [(x[v, s], round(scale * par[v] * c.nic_ring_per_byte * lin.per_sync))
+                    for v in nodes if par[v] and c.nic_ring_per_byte]
+            shared_in, shared_out = list(ring), list(ring)
             for i, (_, _, b) in enumerate(edges):
                 if (i, s) in e_in and c.in_nic_per_byte:
                     shared_in.append((e_in[i, s], round(scale * b * c.in_nic_per_byte)))
@@ -300,6 +304,8 @@ def _linear_terms(c: Placement, workers_from_here: int, options: ModelOptions) -
     copies = row.copies_weights and flight > 1
     versions = weight_versions(options.schedule, flight, copies=copies)
     if row.flush:  # the microbatches it adds to fill and drain, then its all-reduce and step
+        # (not the fill and drain through it, which the DP's objective adds: CP-SAT starts from
+        # the DP's plan, and every plan is priced by the closed form and simulated)
         share = math.ceil(m / k)
         return _Linear((share - 1) / m, c.sync_per_byte + c.step_per_byte, (share - 1) / m,
                        c.sync_fixed, versions, flight, 1.0)
@@ -341,7 +347,7 @@ def ilp_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ..
             work += comp * lin.per_compute + float(d["params"]) * lin.per_param
             mem += float(d["params"]) * (lin.versions + 1.0 + options.optimizer_state) \
                 + float(d.get("keep", d["act"])) * lin.in_flight / options.per_minibatch
-        shared_in = shared_out = 0.0
+        shared_in = shared_out = params * c.nic_ring_per_byte * lin.per_sync
         for u, v in graph.edges:
             b = edge_bytes(graph, u, v)
             if stage_of[v] == i and stage_of[u] < i:

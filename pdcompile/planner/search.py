@@ -407,6 +407,15 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             grids.append((stage_grid(tables, replace(search, allreduce_bucket=None),
                                      options=options, memory=limit, workers=span, copies=copies,
                                      copy_link=link), "whole all-reduce "))
+        if kind(options.schedule).flush and len(search.levels) > 1 and copies == 1 \
+                and not recompute:
+            # a flush is often bound by a server's interface, whose load is a sum over stages
+            # that the objective, a maximum over stages, sees only in part (a stage counts
+            # nothing on a server it shares with the stage it talks to): also the optima with
+            # every server's share crossing
+            grids.append((stage_grid(tables, search, options=options, memory=limit,
+                                     straight=straight, workers=span, interfaces="whole"),
+                          "whole interfaces "))
         for searched, label in grids:
             for variant, most in variants:
                 try:

@@ -1,0 +1,89 @@
+"""The closed form follows the simulator where a replicated stage all-reduces in lockstep.
+
+Under '1f1b' every replica of a stage joins one all-reduce after each round (a microbatch per
+replica), and the simulator's ALLREDUCE waits for the round's last backward; the next round's
+forwards at that stage wait for the all-reduce, and the round's microbatches then return
+together through the single-replica stages before it, which take them one after another. The
+closed form's circuits (`pipeline_time._circuit_ratio`) count both; without them it was
+optimistic by up to 37% on such pipelines (GNMT-8's 1-1-2 on one server of cluster A, with
+4/3/1 in flight: 25.99 ms closed form, 29.81 ms simulated).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pdcompile import Cluster
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+from pdcompile.cost.pipeline_time import runnable_in_flight
+from pdcompile.plan import Plan, Stage
+from pdcompile.planner.costmodel import ModelOptions, priced_time
+from pdcompile.planner.simulation import simulate_steady
+
+BUCKET = 25 * 2**20  # PyTorch DDP's default gradient bucket
+
+
+def _chain(blocks: list[tuple[float, float, float, float]]) -> object:
+    """An input, then one block per stage: (fwd, bwd, activation bytes, parameter bytes)."""
+    graph = new_cost_graph("lockstep")
+    add_block(graph, "x", fwd=0.0, bwd=0.0, act=1e6, params=0.0)
+    previous = "x"
+    for i, (fwd, bwd, act, params) in enumerate(blocks):
+        add_block(graph, f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params)
+        graph.add_edge(previous, f"n{i}")
+        previous = f"n{i}"
+    return graph
+
+
+def _closed_and_simulated(graph: object, replicas: list[int], in_flight: list[int],
+                          cluster: Cluster) -> tuple[float, float]:
+    stages, rank = [], 0
+    for i, (r, n) in enumerate(zip(replicas, in_flight, strict=True)):
+        nodes = ("x", "n0") if i == 0 else (f"n{i}",)
+        stages.append(Stage(nodes, r, tuple(range(rank, rank + r)), in_flight=n))
+        rank += r
+    plan = Plan(stages=tuple(stages), time_per_minibatch=0.0, dp_time=0.0, workers=rank)
+    closed = priced_time(graph, [(list(s.nodes), s.ranks) for s in stages], cluster,
+                         options=ModelOptions(schedule="1f1b"), in_flight=in_flight)
+    _, simulated = simulate_steady(graph, plan, cluster)
+    return closed.time_per_minibatch, simulated.time_per_minibatch
+
+
+def test_gnmt_like_replicated_last_stage_waits_for_its_round() -> None:
+    """GNMT-8's 1-1-2 on one server of cluster A (its stage costs, 4/3/1 in flight): the
+    round trip of stage 1 through the lockstep round binds, as the simulator finds."""
+    graph = _chain([(0.008651, 0.012637, 1.2582912e7, 2e7),
+                    (0.009654, 0.014994, 1.287168e7, 2e7),
+                    (0.015228, 0.028252, 1e6, 1.4e8)])
+    cluster = replace(Cluster.parse("4@10GB/s~10us:v100"), allreduce_bucket=BUCKET)
+    closed, simulated = _closed_and_simulated(graph, [1, 1, 2], [4, 3, 1], cluster)
+    assert closed == pytest.approx(simulated, rel=0.01)
+
+
+@settings(max_examples=30, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(blocks=st.lists(st.tuples(st.floats(2e-3, 2e-2), st.floats(2e-3, 4e-2),
+                                 st.floats(1e5, 2e7), st.floats(0.0, 2e8)),
+                       min_size=2, max_size=4),
+       last=st.integers(2, 3), flights=st.lists(st.integers(1, 6), min_size=4, max_size=4),
+       cluster=st.sampled_from(["4@1e10~5us", "8@1e9~5us", "2x2@1e10,1e9~5us,20us"]),
+       bucketed=st.booleans())
+def test_closed_form_follows_lockstep_rounds_of_a_replicated_last_stage(
+        blocks: list[tuple[float, float, float, float]], last: int, flights: list[int],
+        cluster: str, bucketed: bool) -> None:
+    """Single-replica stages, then a last stage of 2-3 replicas, any runnable in-flight
+    counts: the closed form within 12% of the simulator (the worst of 900 random draws was
+    -10%; before the lockstep circuits, -37%)."""
+    machine = Cluster.parse(cluster)
+    if bucketed:
+        machine = replace(machine, allreduce_bucket=BUCKET)
+    replicas = [1] * (len(blocks) - 1) + [last]
+    if sum(replicas) > machine.workers:
+        replicas[-1] = machine.workers - len(blocks) + 1
+    flight = runnable_in_flight(flights[:len(blocks)], replicas)
+    closed, simulated = _closed_and_simulated(_chain(blocks), replicas, flight, machine)
+    assert closed == pytest.approx(simulated, rel=0.12)
