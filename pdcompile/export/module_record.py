@@ -31,6 +31,12 @@ def record_module(module: torch.nn.Module, *, values: bool = False,
     Raises PipelineInputError naming the submodule and the attribute that has no such form."""
     sink = tensors
     culprit = f"{where} ({type(module).__name__})"
+    if isinstance(module, torch.fx.GraphModule) and type(module) is not torch.fx.GraphModule:
+        raise PipelineInputError(f"cannot export {culprit}: it is a region torch.export keeps "
+                                 "as a graph of its own (a torch.autocast block in the model's "
+                                 "forward, say), which an export cannot write yet; move the "
+                                 "autocast outside forward to export, or train the pipeline "
+                                 "in this process")
     try:
         cls = import_path(type(module))
     except NotReferable as err:

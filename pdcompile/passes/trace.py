@@ -73,12 +73,16 @@ class _PolicyTracer(fx.Tracer):
         self._leaf_types = leaf_types
         self._leaf_names = leaf_names
         self.failed: tuple[str, nn.Module] | None = None
+        self.started = _autocast_state()
+        self.autocast: str | None = None  # the first node traced under the model's autocast
 
     def create_node(self, kind: str, target: Any, args: Any, kwargs: Any, name: str | None = None,
                     type_expr: Any = None) -> fx.Node:
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         if kind.startswith("call_") and not torch.is_grad_enabled():
             node.meta[_NO_GRAD] = True  # the trace runs with grad mode on: the model turned it off
+        if kind.startswith("call_") and self.autocast is None and _autocast_state() != self.started:
+            self.autocast = node.name  # the model's torch.autocast, which a graph cannot hold
         return node
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
@@ -206,17 +210,29 @@ class _BuffersKept:
         self.restore()  # a failed trace may have run a change
 
 
+def _autocast_state() -> tuple[bool, ...]:
+    return tuple(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
 def _traced(model: nn.Module, tracer: _PolicyTracer,
             concrete: dict[str, Any]) -> fx.Graph:
     """`tracer.trace(model)` with grad mode on (what is off was turned off by the model), its
-    failures explained (`_explain`)."""
+    failures explained (`_explain`); a forward that turns `torch.autocast` on or off is refused
+    (fx records the operations, not their precision: `capture` then takes torch.export, which
+    records it)."""
     try:
         with torch.enable_grad():
-            return tracer.trace(model, concrete_args=concrete or None)
+            graph = tracer.trace(model, concrete_args=concrete or None)
     except TraceError:
         raise
     except Exception as err:
         raise _explain(model, tracer, err) from None
+    if tracer.autocast is not None:
+        raise TraceError(f"{type(model).__name__}.forward runs {tracer.autocast!r} under "
+                         "torch.autocast, which torch.fx does not record (the graph would run "
+                         "it in full precision); use frontend='export' (compile's default "
+                         "'auto' does)")
+    return graph
 
 
 def _cut_off_no_grad(graph: fx.Graph) -> None:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from pdcompile.errors import TraceError
+from pdcompile.errors import PipelineInputError, TraceError
+from pdcompile.meta import get_frontend
 from pdcompile.passes.trace import trace
 from tests.helpers.transparency import check
 
@@ -279,3 +281,36 @@ def test_an_untraceable_buffer_count_is_refused_and_left_as_it_was() -> None:
     with pytest.raises(TraceError, match=r"CountsInControlFlow.forward .* control flow"):
         trace(model)
     assert isinstance(model.count, torch.Tensor) and int(model.count) == 0
+
+
+class HalfGate(nn.Module):
+    """A gate computed under the model's own torch.autocast."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.gate = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(self.a(x))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            g = torch.tanh(self.gate(h))
+        return self.b(h * torch.sigmoid(g.float()))
+
+
+def test_autocast_in_forward_is_refused_by_fx_and_taken_by_torch_export(tmp_path: Path) -> None:
+    """fx would run the gate in full precision without a word; compile's default front end
+    falls back to torch.export, which records the autocast, and trains like eager mode. Its
+    export refuses the region torch.export keeps as a graph of its own, in words."""
+    torch.manual_seed(0)
+    model = HalfGate()
+    with pytest.raises(TraceError, match=r"HalfGate.forward runs 'gate' under torch.autocast.*"
+                                         r"frontend='export'"):
+        trace(model)
+    inputs, target = (torch.randn(8, 8),), torch.randint(0, 3, (8,))
+    pipe = check((copy.deepcopy(model), inputs, target, nn.functional.cross_entropy),
+                 schedule="1f1b-flush", micro=2, plan=None, stages=[1, 1, 1])
+    assert get_frontend(pipe.graph) == "export"
+    with pytest.raises(PipelineInputError, match=r"torch.autocast block .* cannot write yet"):
+        pipe.export(str(tmp_path / "out"))
