@@ -29,13 +29,17 @@ class ActionCosts:
     def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                  stash: bool, wgrad_share: float = WGRAD_SHARE) -> None:
         self.schedule, self.costs, self.cluster = schedule, costs, cluster
-        # B and W seconds per stage: the backward split where the schedule splits it, the
-        # forward again in B where the stage recomputes its activations
-        share = wgrad_share if kind(schedule.name).split_backward else 0.0
+        # B and W seconds per stage: the backward split where the schedule has W actions of the
+        # stage (a split backward, or weight gradients after the sends:
+        # backends/weights_after_send.py), the forward again in B where the stage recomputes
+        split = {a.stage for actions in schedule.actions.values() for a in actions
+                 if a.kind == Kind.W}
+        share = [wgrad_share if s in split else 0.0 for s in range(costs.stages)]
         again = recomputing(schedule)
-        self.backward = tuple((1.0 - share) * costs.bwd[s] + (costs.fwd[s] if s in again else 0.0)
+        self.backward = tuple((1.0 - share[s]) * costs.bwd[s]
+                              + (costs.fwd[s] if s in again else 0.0)
                               for s in range(costs.stages))
-        self.weight = tuple(share * b for b in costs.bwd)
+        self.weight = tuple(share[s] * b for s, b in enumerate(costs.bwd))
         step_time = costs.optimizer or tuple(step_seconds(p, cluster.device)
                                              for p in costs.params)
         copy_time = (costs.stash or tuple(copy_seconds(p, cluster.device)

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 from pdcompile.backends.action_costs import ActionCosts, Times, recomputing
 from pdcompile.backends.processor_sharing import share_processors
+from pdcompile.backends.weights_after_send import merged_backwards, with_weights_after_send
 from pdcompile.cost.memory import WorkerMemory, worker_memory
 from pdcompile.cost.pipeline_time import server_interface_seconds
 from pdcompile.cost.stage_costs import StageCosts
@@ -112,23 +113,32 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     if top >= cluster.workers:
         raise ScheduleError(f"the schedule uses rank {top} but cluster {cluster.describe()} has "
                             f"{cluster.workers} workers; choose a larger cluster")
-    deps = dependency_lists(schedule)
-    order = execution_order(schedule, deps)
     if not 0.0 <= wgrad_share <= 1.0:
         raise ScheduleError(f"wgrad_share is the part of a backward spent on weight gradients, "
                             f"between 0 and 1 (got {wgrad_share})")
-    work = ActionCosts(schedule, costs, cluster, stash=stash, wgrad_share=wgrad_share)
+    # where the runtime computes weight gradients after a backward's sends, they are timed there
+    timed = with_weights_after_send(schedule)
+    deps = dependency_lists(timed)
+    order = execution_order(timed, deps)
+    work = ActionCosts(timed, costs, cluster, stash=stash, wgrad_share=wgrad_share)
     sharing = cluster.shared_cores()
-    if sharing is not None and _oversubscribed(schedule, *sharing):
-        begin, end = share_processors(schedule, deps, work, group_size=sharing[0],
+    if sharing is not None and _oversubscribed(timed, *sharing):
+        begin, end = share_processors(timed, deps, work, group_size=sharing[0],
                                       cores=sharing[1])
     else:
-        begin, end = _dedicated(schedule, deps, order, work)
+        begin, end = _dedicated(timed, deps, order, work)
+    # the timeline records such a backward as the runtime does: one B spanning its W
+    merged = merged_backwards(schedule, timed)
+    for rank, pairs in merged.items():
+        for w, b in pairs.items():
+            end[rank][b] = end[rank][w]
 
     events: list[Event] = []
     compute: list[tuple[Event, Action]] = []
     for rank, index in order:
-        action = schedule.actions[rank][index]
+        action = timed.actions[rank][index]
+        if index in merged.get(rank, ()):
+            continue
         if action.kind.is_compute:
             event = Event(rank, str(action), begin[rank][index], end[rank][index])
             compute.append((event, action))
