@@ -369,6 +369,7 @@ def measure_bubble(schedule: str, chunks: int, steps: int, skip: int,
     (`sleep` > 0: stages that sleep f = b = w = `sleep` seconds per rank and microbatch)."""
     from pdcompile.cost.bubble import flush_time
     from pdcompile.schedule.ir import Kind
+    from pdcompile.schedule.kinds import KINDS, WGRAD_SHARE
     from pdcompile.timeline import Timeline
 
     timeline = Timeline.from_dict(launch(_bubble_worker, 2,
@@ -389,8 +390,11 @@ def measure_bubble(schedule: str, chunks: int, steps: int, skip: int,
             total = sum(e.duration for e, a in events if a.kind == kind)
             values.append(total / (2 * MICRO))
     f, b, w = (statistics.mean(seconds[k]) for k in (Kind.F, Kind.B, Kind.W))
+    # where B and W are not split, the recorded B holds both; the stage that sends gradients
+    # back computes its weight gradients after the send, priced as the simulator prices them
+    deferred = w if KINDS[schedule].split_backward else WGRAD_SHARE * b
     closed = flush_time(schedule, ranks=2, microbatches=MICRO, chunks=chunks, fwd=f, bwd=b + w,
-                        wgrad=w)
+                        wgrad=deferred)
     span = statistics.median(spans)
     return {"f": f, "b": b, "w": w, "idle": statistics.median(idle), "span": span,
             "closed_idle": closed.idle, "closed_span": closed.makespan}

@@ -1,10 +1,12 @@
 """What each action of a lowered schedule costs its rank in the simulator, by the rules of
-backends/simulate.py's docstring: F, B and W from the stage costs (B with the forward again on a
-stage that recomputes) over the rank's speed (a mixed cluster's `Cluster.speed_of`), STEP and
-the first forward after it (a weight snapshot, where the rank stashes) at its device's memory
-bandwidth, sends on the link their ranks share, all-reduces on the slowest level their replicas
-span. Both timing loops read it: the one that gives every rank a processor (simulate.py) and the
-one that shares them (processor_sharing.py).
+backends/simulate.py's docstring: F, B and W from the stage costs (B and W split where the
+schedule has W actions of the stage; B with the forward again on a stage that recomputes) over
+the rank's speed (a mixed cluster's `Cluster.speed_of`, so an emulated slowdown stretches B
+before the send and W after it, as runtime/slowdown.py does), STEP and the first forward after
+it (a weight snapshot, where the rank stashes) at its device's memory bandwidth, sends on the
+link their ranks share, all-reduces on the slowest level their replicas span. Both timing loops
+read it: the one that gives every rank a processor (simulate.py) and the one that shares them
+(processor_sharing.py).
 """
 
 from __future__ import annotations

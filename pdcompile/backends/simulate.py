@@ -4,10 +4,14 @@ Each rank runs its actions in order. An action starts when the rank is free and 
 (`pdcompile.schedule.deps.dependencies`, the same function validation uses) are met:
 
 - F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds; where the schedule splits the backward
-  ("zb-h1", "interleaved-zb"), B (input gradients) takes `(1 - wgrad_share) * bwd[s]` and W
-  (weight gradients) the rest, `wgrad_share` (default 1/2: a Linear layer's dX and dW are each a
-  matrix product the size of its forward); a stage that recomputes its activations
-  (`options["recompute"]`) runs its forward again in its backward: B takes `fwd[s]` more;
+  ("zb-h1", "interleaved-zb", ...), B (input gradients) takes `(1 - wgrad_share) * bwd[s]` and
+  W (weight gradients) the rest, `wgrad_share` (default 1/2: a Linear layer's dX and dW are each
+  a matrix product the size of its forward); where it does not, a stage that sends input
+  gradients upstream is split the same way, its W after the backward's last SEND_B, as the
+  runtime computes its Linear layers' weight gradients after that send
+  (backends/weights_after_send.py; its timeline event spans the sends and W, as the runtime
+  records it); a stage that recomputes its activations (`options["recompute"]`) runs its
+  forward again in its backward: B takes `fwd[s]` more;
 - SEND_*: non-blocking, takes no time on the rank over a network; the transfer starts when the
   link from the sending rank to the receiving rank is free (one transfer at a time per directed
   rank pair, in send order) and takes latency + bytes / bandwidth of the cluster level the link
@@ -102,7 +106,8 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
 
     `stash=False`: the pipeline runs without weight stashing (no snapshot copies).
     `wgrad_share`: the part of a backward that computes weight gradients (W, where the schedule
-    splits the backward)."""
+    splits the backward or the stage computes them after its input-gradient send; 0: every
+    backward one block before its sends)."""
     if not is_lowered(schedule):
         raise ScheduleError(f"simulate() needs a lowered schedule; call "
                             f"schedule.lower.lower(schedule) first (schedule {schedule.name!r})")
