@@ -34,8 +34,11 @@ interleaved-zb, zb-v, dualpipev; `run_distributed(record=True)`, --steps minibat
 --warmup left out): per minibatch, each rank's idle time is the minibatch's span (first compute
 start to last compute end, both ranks) minus the rank's F, B and W time; the closed form
 (cost/bubble.py) gets the run's own measured f, b, w per microbatch and rank (chunks together,
-averaged over the ranks) with free transfers, so it is what the schedule's shape predicts from
-the measured compute, and the difference is what transfers, steps and imbalance add.
+averaged over the ranks; where the schedule does not split the backward, w is half the recorded
+B, the share of it the simulator computes after the input-gradient send, and the last column
+prices that backward as one block instead) with free transfers, so it is what the schedule's
+shape predicts from the measured compute, and the difference is what transfers, steps and
+imbalance add.
 
     python benchmarks/runtime.py --bubbles mlp|sleep [--sleep-ms 10] [--steps 10] [--warmup 2]
 
@@ -369,6 +372,7 @@ def measure_bubble(schedule: str, chunks: int, steps: int, skip: int,
     (`sleep` > 0: stages that sleep f = b = w = `sleep` seconds per rank and microbatch)."""
     from pdcompile.cost.bubble import flush_time
     from pdcompile.schedule.ir import Kind
+    from pdcompile.schedule.kinds import KINDS, WGRAD_SHARE
     from pdcompile.timeline import Timeline
 
     timeline = Timeline.from_dict(launch(_bubble_worker, 2,
@@ -389,11 +393,17 @@ def measure_bubble(schedule: str, chunks: int, steps: int, skip: int,
             total = sum(e.duration for e, a in events if a.kind == kind)
             values.append(total / (2 * MICRO))
     f, b, w = (statistics.mean(seconds[k]) for k in (Kind.F, Kind.B, Kind.W))
+    # where B and W are not split, the recorded B holds both; the stage that sends gradients
+    # back computes its weight gradients after the send, priced as the simulator prices them
+    deferred = w if KINDS[schedule].split_backward else WGRAD_SHARE * b
     closed = flush_time(schedule, ranks=2, microbatches=MICRO, chunks=chunks, fwd=f, bwd=b + w,
-                        wgrad=w)
+                        wgrad=deferred)
+    block = flush_time(schedule, ranks=2, microbatches=MICRO, chunks=chunks, fwd=f, bwd=b + w,
+                       wgrad=w)  # non-split: the backward priced as one block before its send
     span = statistics.median(spans)
     return {"f": f, "b": b, "w": w, "idle": statistics.median(idle), "span": span,
-            "closed_idle": closed.idle, "closed_span": closed.makespan}
+            "closed_idle": closed.idle, "closed_span": closed.makespan,
+            "block_span": block.makespan}
 
 
 # -- driver ----
@@ -511,14 +521,15 @@ def bubbles(steps: int, skip: int, md: str, sleep: float = 0.0) -> int:
              f"processes, {model}, {MICRO} microbatches, medians over minibatches "
              f"{skip + 1}..{steps}", "",
              "| schedule | f / b / w per microbatch and rank (ms) | measured idle per rank "
-             "(ms) | closed-form idle (ms) | measured span (ms) | closed-form span (ms) |",
-             "|---|---|---:|---:|---:|---:|"]
+             "(ms) | closed-form idle (ms) | measured span (ms) | closed-form span (ms) | "
+             "closed-form span, a non-split backward as one block before its send (ms) |",
+             "|---|---|---:|---:|---:|---:|---:|"]
     for schedule, chunks in BUBBLE_SCHEDULES:
         got = measure_bubble(schedule, chunks, steps, skip, sleep)
         lines.append(f"| {schedule} | {got['f'] * 1e3:.1f} / {got['b'] * 1e3:.1f} / "
                      f"{got['w'] * 1e3:.1f} | {got['idle'] * 1e3:.1f} | "
                      f"{got['closed_idle'] * 1e3:.1f} | {got['span'] * 1e3:.1f} | "
-                     f"{got['closed_span'] * 1e3:.1f} |")
+                     f"{got['closed_span'] * 1e3:.1f} | {got['block_span'] * 1e3:.1f} |")
         print(lines[-1], file=sys.stderr, flush=True)
     text = "\n".join(lines)
     print(text)

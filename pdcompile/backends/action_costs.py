@@ -1,10 +1,12 @@
 """What each action of a lowered schedule costs its rank in the simulator, by the rules of
-backends/simulate.py's docstring: F, B and W from the stage costs (B with the forward again on a
-stage that recomputes) over the rank's speed (a mixed cluster's `Cluster.speed_of`), STEP and
-the first forward after it (a weight snapshot, where the rank stashes) at its device's memory
-bandwidth, sends on the link their ranks share, all-reduces on the slowest level their replicas
-span. Both timing loops read it: the one that gives every rank a processor (simulate.py) and the
-one that shares them (processor_sharing.py).
+backends/simulate.py's docstring: F, B and W from the stage costs (B and W split where the
+schedule has W actions of the stage; B with the forward again on a stage that recomputes) over
+the rank's speed (a mixed cluster's `Cluster.speed_of`, so an emulated slowdown stretches B
+before the send and W after it, as runtime/slowdown.py does), STEP and the first forward after
+it (a weight snapshot, where the rank stashes) at its device's memory bandwidth, sends on the
+link their ranks share, all-reduces on the slowest level their replicas span. Both timing loops
+read it: the one that gives every rank a processor (simulate.py) and the one that shares them
+(processor_sharing.py).
 """
 
 from __future__ import annotations
@@ -29,13 +31,17 @@ class ActionCosts:
     def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                  stash: bool, wgrad_share: float = WGRAD_SHARE) -> None:
         self.schedule, self.costs, self.cluster = schedule, costs, cluster
-        # B and W seconds per stage: the backward split where the schedule splits it, the
-        # forward again in B where the stage recomputes its activations
-        share = wgrad_share if kind(schedule.name).split_backward else 0.0
+        # B and W seconds per stage: the backward split where the schedule has W actions of the
+        # stage (a split backward, or weight gradients after the sends:
+        # backends/weights_after_send.py), the forward again in B where the stage recomputes
+        split = {a.stage for actions in schedule.actions.values() for a in actions
+                 if a.kind == Kind.W}
+        share = [wgrad_share if s in split else 0.0 for s in range(costs.stages)]
         again = recomputing(schedule)
-        self.backward = tuple((1.0 - share) * costs.bwd[s] + (costs.fwd[s] if s in again else 0.0)
+        self.backward = tuple((1.0 - share[s]) * costs.bwd[s]
+                              + (costs.fwd[s] if s in again else 0.0)
                               for s in range(costs.stages))
-        self.weight = tuple(share * b for b in costs.bwd)
+        self.weight = tuple(share[s] * b for s, b in enumerate(costs.bwd))
         step_time = costs.optimizer or tuple(step_seconds(p, cluster.device)
                                              for p in costs.params)
         copy_time = (costs.stash or tuple(copy_seconds(p, cluster.device)

@@ -4,10 +4,14 @@ Each rank runs its actions in order. An action starts when the rank is free and 
 (`pdcompile.schedule.deps.dependencies`, the same function validation uses) are met:
 
 - F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds; where the schedule splits the backward
-  ("zb-h1", "interleaved-zb"), B (input gradients) takes `(1 - wgrad_share) * bwd[s]` and W
-  (weight gradients) the rest, `wgrad_share` (default 1/2: a Linear layer's dX and dW are each a
-  matrix product the size of its forward); a stage that recomputes its activations
-  (`options["recompute"]`) runs its forward again in its backward: B takes `fwd[s]` more;
+  ("zb-h1", "interleaved-zb", ...), B (input gradients) takes `(1 - wgrad_share) * bwd[s]` and
+  W (weight gradients) the rest, `wgrad_share` (default 1/2: a Linear layer's dX and dW are each
+  a matrix product the size of its forward); where it does not, a stage that sends input
+  gradients upstream is split the same way, its W after the backward's last SEND_B, as the
+  runtime computes its Linear layers' weight gradients after that send
+  (backends/weights_after_send.py; its timeline event spans the sends and W, as the runtime
+  records it); a stage that recomputes its activations (`options["recompute"]`) runs its
+  forward again in its backward: B takes `fwd[s]` more;
 - SEND_*: non-blocking, takes no time on the rank over a network; the transfer starts when the
   link from the sending rank to the receiving rank is free (one transfer at a time per directed
   rank pair, in send order) and takes latency + bytes / bandwidth of the cluster level the link
@@ -46,6 +50,7 @@ from dataclasses import dataclass, field
 
 from pdcompile.backends.action_costs import ActionCosts, Times, recomputing
 from pdcompile.backends.processor_sharing import share_processors
+from pdcompile.backends.weights_after_send import merged_backwards, with_weights_after_send
 from pdcompile.cost.memory import WorkerMemory, worker_memory
 from pdcompile.cost.pipeline_time import server_interface_seconds
 from pdcompile.cost.stage_costs import StageCosts
@@ -101,7 +106,8 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
 
     `stash=False`: the pipeline runs without weight stashing (no snapshot copies).
     `wgrad_share`: the part of a backward that computes weight gradients (W, where the schedule
-    splits the backward)."""
+    splits the backward or the stage computes them after its input-gradient send; 0: every
+    backward one block before its sends)."""
     if not is_lowered(schedule):
         raise ScheduleError(f"simulate() needs a lowered schedule; call "
                             f"schedule.lower.lower(schedule) first (schedule {schedule.name!r})")
@@ -112,23 +118,32 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     if top >= cluster.workers:
         raise ScheduleError(f"the schedule uses rank {top} but cluster {cluster.describe()} has "
                             f"{cluster.workers} workers; choose a larger cluster")
-    deps = dependency_lists(schedule)
-    order = execution_order(schedule, deps)
     if not 0.0 <= wgrad_share <= 1.0:
         raise ScheduleError(f"wgrad_share is the part of a backward spent on weight gradients, "
                             f"between 0 and 1 (got {wgrad_share})")
-    work = ActionCosts(schedule, costs, cluster, stash=stash, wgrad_share=wgrad_share)
+    # where the runtime computes weight gradients after a backward's sends, they are timed there
+    timed = with_weights_after_send(schedule)
+    deps = dependency_lists(timed)
+    order = execution_order(timed, deps)
+    work = ActionCosts(timed, costs, cluster, stash=stash, wgrad_share=wgrad_share)
     sharing = cluster.shared_cores()
-    if sharing is not None and _oversubscribed(schedule, *sharing):
-        begin, end = share_processors(schedule, deps, work, group_size=sharing[0],
+    if sharing is not None and _oversubscribed(timed, *sharing):
+        begin, end = share_processors(timed, deps, work, group_size=sharing[0],
                                       cores=sharing[1])
     else:
-        begin, end = _dedicated(schedule, deps, order, work)
+        begin, end = _dedicated(timed, deps, order, work)
+    # the timeline records such a backward as the runtime does: one B spanning its W
+    merged = merged_backwards(schedule, timed)
+    for rank, pairs in merged.items():
+        for w, b in pairs.items():
+            end[rank][b] = end[rank][w]
 
     events: list[Event] = []
     compute: list[tuple[Event, Action]] = []
     for rank, index in order:
-        action = schedule.actions[rank][index]
+        action = timed.actions[rank][index]
+        if index in merged.get(rank, ()):
+            continue
         if action.kind.is_compute:
             event = Event(rank, str(action), begin[rank][index], end[rank][index])
             compute.append((event, action))

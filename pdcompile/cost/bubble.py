@@ -2,13 +2,17 @@
 
 p ranks, m microbatches per minibatch, v chunks per rank; per microbatch one rank spends `fwd`
 seconds in forwards and `bwd` in backwards (all its chunks together; a chunk is 1/v of it), of
-which `wgrad` compute weight gradients (the W of a split backward). Transfers are free; each
-rank ends with `step` seconds of optimizer steps. Then (tests/cost/test_bubble.py checks that the
-simulator gives exactly these on a grid of p, m, v and times):
+which `wgrad` compute weight gradients (the W of a split backward; where the schedule does not
+split it, the part a stage that sends input gradients computes after that send,
+runtime/stage_runtime.py). Transfers are free; each rank ends with `step` seconds of optimizer
+steps. Then (tests/cost/test_bubble.py checks that the simulator gives exactly these on a grid
+of p, m, v and times):
 
-- "gpipe", "1f1b-flush" (any m):           (m + p - 1) (fwd + bwd)
-- "interleaved-1f1b" (m a multiple of p):  (m + (p - 1) / v) (fwd + bwd)
-  (Narayanan et al., SC 2021: bubble (p - 1) / (v m) of the ideal time m (fwd + bwd));
+- "gpipe", "1f1b-flush" (any m):           (m + p - 1) (fwd + bwd) - (p - 1) wgrad
+- "interleaved-1f1b" (m a multiple of p):  m (fwd + bwd) + (p - 1) (fwd + bwd - wgrad) / v
+  (Narayanan et al., SC 2021: bubble (p - 1) / (v m) of the ideal time m (fwd + bwd), where
+  every backward ends before its send; each of the p - 1 fill and drain steps hands its input
+  gradients on before its weight gradients, wgrad / v sooner);
 - "zb-h1" (m >= p, w <= f and w <= b):     m (f + b + w) + (p - 1) (f + b - w)
   with f = fwd, b = bwd - wgrad (input gradients), w = wgrad (Qi et al., ICLR 2024, ZB-H1:
   1F1B's bubble (p - 1)(f + b + w) shrinks to (p - 1)(f + b - w); f = b = w: to a third);
@@ -85,8 +89,9 @@ def flush_time(schedule: str, *, ranks: int, microbatches: int, fwd: float, bwd:
     if row.v_shape:
         f, b, w = fwd, bwd - wgrad, wgrad
         idle = (p - 1) * v_fill(schedule, f, b, w) / 2
-    elif not row.split_backward:  # (interleaved: v chunks shrink each fill and drain step)
-        idle = (p - 1) * (fwd + bwd) / v
+    elif not row.split_backward:  # (interleaved: v chunks shrink each fill and drain step;
+        # a stage's weight gradients after its send leave the step before them)
+        idle = (p - 1) * (fwd + bwd - wgrad) / v
     else:  # zero bubble: B is the input-gradient part, W fills the drain
         f, b, w = fwd, bwd - wgrad, wgrad
         idle = (p - 1) * (f + b - w) / v

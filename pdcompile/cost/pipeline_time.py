@@ -67,6 +67,10 @@ class StageTerms:
     cpu_copies: float  # the CPU's share of the stage's loopback sends per microbatch
     replicas: int
     in_flight: int  # microbatches in flight per replica
+    # of `bwd`, the weight gradients a stage that sends input gradients upstream computes after
+    # that send where the schedule does not split the backward (runtime/stage_runtime.py): the
+    # stages before it wait for the send, not for them
+    deferred: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -123,6 +127,7 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
     row = kind(schedule)
     out = []
     for s, ranks in enumerate(stage_ranks):
+        sends_back = not row.split_backward and any(c == s for _, c in edges)
         cpu = 0.0
         for (a, c), size in edges.items():
             if s in (a, c):  # activations forward from a, their gradients back from c
@@ -141,7 +146,8 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                             else step_seconds(params[s], cluster.device)),
             copy=0.0 if not made else updates * (copy[s] if copy is not None
                                                  else copy_seconds(params[s], cluster.device)),
-            cpu_copies=cpu, replicas=len(ranks), in_flight=max(1, int(in_flight[s]))))
+            cpu_copies=cpu, replicas=len(ranks), in_flight=max(1, int(in_flight[s])),
+            deferred=WGRAD_SHARE * bwd[s] * slowness if sends_back else 0.0))
     return out
 
 
@@ -252,7 +258,7 @@ def _circuit_profiles(terms: Sequence[StageTerms], own: Sequence[float],
                            default=-math.inf)
                 if best > -math.inf:  # a later stage with fewer replicas queues the round
                     queued = terms[s].replicas / terms[k].replicas if queueing else 1.0
-                    reach[k] = best + terms[k].compute * max(1.0, queued)
+                    reach[k] = best + terms[k].compute * max(1.0, queued) - terms[k].deferred
             for k in range(s, count):
                 rows[k - s].append(own[s] + max(0.0, reach[k]))
         out.append(rows)
@@ -478,7 +484,7 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
     for k in range(1, count):
         best = max((reach[a] + 2.0 * sec for (a, c), sec in transfer.items()
                     if c == k and reach[a] > -math.inf), default=0.0)
-        reach[k] = best + terms[k].compute + terms[k].cpu_copies
+        reach[k] = best + terms[k].compute + terms[k].cpu_copies - terms[k].deferred
     path = max(reach)
     extra = []
     for s, t in enumerate(terms):
@@ -520,6 +526,9 @@ def _chunked(flush: PipelineTime, terms: Sequence[StageTerms],
                                                                      strict=True) if r in group)
                 for r in ranks}
     step = max(t.compute + t.cpu_copies - 2.0 * wgrad * t.bwd for t in terms)
+    # weight gradients computed after a send leave each step with it (cost/bubble.py), at
+    # least the smallest of them (stage 0 sends no input gradients)
+    step -= min((t.deferred for t in terms[1:]), default=0.0)
     if v_shape is not None:  # a V (`v_shape`: its schedule): cost/bubble.py's V fill per step
         step = max(v_fill(v_shape, t.fwd, t.compute + t.cpu_copies - t.fwd - wgrad * t.bwd,
                           wgrad * t.bwd) for t in terms)

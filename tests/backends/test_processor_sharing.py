@@ -95,13 +95,21 @@ def test_independent_replicas_share_the_cores_evenly(cores: int) -> None:
 
 
 def test_a_waiting_rank_leaves_its_core_to_the_others() -> None:
-    # gpipe, 2 stages, one core: rank 1 waits for the forward of rank 0, so the ranks never
-    # compute at the same time and nothing is slower than on two cores
+    # gpipe, 2 stages, one core, each backward one block before its send: rank 1 waits for
+    # the forward of rank 0, so the ranks never compute at the same time and nothing is slower
+    # than on two cores
     schedule = lowered("gpipe", [[0], [1]], 1)
     costs = StageCosts((1.0, 2.0), (3.0, 4.0), optimizer=(0.0, 0.0))
+    one = simulate(schedule, costs, Cluster(levels=(Level(2, 1e9, cores=1),)), wgrad_share=0.0)
+    two = simulate(schedule, costs, Cluster(levels=(Level(2, 1e9),)), wgrad_share=0.0)
+    assert one.makespan == pytest.approx(two.makespan) == pytest.approx(10.0)
+    # rank 1 sends its input gradients after half its backward (2 s) and computes its weight
+    # gradients (2 s) while rank 0 runs its backward (3 s): on two cores that saves 2 s, on
+    # one they share it, both at half speed for 4 s, then rank 0's last 1 s
     one = simulate(schedule, costs, Cluster(levels=(Level(2, 1e9, cores=1),)))
     two = simulate(schedule, costs, Cluster(levels=(Level(2, 1e9),)))
-    assert one.makespan == pytest.approx(two.makespan) == pytest.approx(10.0)
+    assert two.makespan == pytest.approx(1.0 + 2.0 + 2.0 + 3.0)
+    assert one.makespan == pytest.approx(1.0 + 2.0 + 2.0 + 4.0 + 1.0)
 
 
 def test_time_slicing_bounds_the_throughput() -> None:
@@ -119,8 +127,10 @@ def test_a_loopback_transfer_copies_on_both_ends() -> None:
     # receiver's run at once at half speed each, so the data arrives after 2 s, not 1 s
     schedule = lowered("gpipe", [[0], [1]], 1)
     costs = StageCosts((1.0, 1.0), (1.0, 1.0), edges={(0, 1): 10.0}, optimizer=(0.0, 0.0))
-    one = simulate(schedule, costs, Cluster(levels=(Level(2, 10.0, 0.0, True, cores=1),)))
-    two = simulate(schedule, costs, Cluster(levels=(Level(2, 10.0, 0.0, True),)))
+    one = simulate(schedule, costs, Cluster(levels=(Level(2, 10.0, 0.0, True, cores=1),)),
+                   wgrad_share=0.0)  # each backward one block before its send
+    two = simulate(schedule, costs, Cluster(levels=(Level(2, 10.0, 0.0, True),)),
+                   wgrad_share=0.0)
     assert two.makespan == pytest.approx(1 + 1 + 1 + 1 + 1 + 1)  # F, copy, F, B, copy, B
     assert one.makespan == pytest.approx(1 + 2 + 1 + 1 + 2 + 1)
 

@@ -53,9 +53,16 @@ def ranks_of(replicas: list[int]) -> list[list[int]]:
 def test_flush_makespan_and_bubble(name: str, p: int, m: int, f: float, b: float) -> None:
     result = simulate(lower(generate(name, straight(p), m)), StageCosts.uniform(p, fwd=f, bwd=b),
                       FREE)
-    assert result.makespan == pytest.approx((m + p - 1) * (f + b))
-    assert result.bubble == pytest.approx((p - 1) / (m + p - 1))
+    # stages 1 .. p - 1 send their input gradients before their weight gradients (half the
+    # backward, the default `wgrad_share`): each hop of the drain is that much shorter
+    w = b / 2
+    assert result.makespan == pytest.approx((m + p - 1) * (f + b) - (p - 1) * w)
+    assert result.bubble == pytest.approx((p - 1) * (f + b - w) / result.makespan)
     assert result.time_per_minibatch == pytest.approx(result.makespan)
+    whole = simulate(lower(generate(name, straight(p), m)), StageCosts.uniform(p, fwd=f, bwd=b),
+                     FREE, wgrad_share=0.0)  # every backward one block before its send
+    assert whole.makespan == pytest.approx((m + p - 1) * (f + b))
+    assert whole.bubble == pytest.approx((p - 1) / (m + p - 1))
 
 
 @pytest.mark.parametrize("replicas", [[1, 1], [1, 1, 1, 1], [2, 1], [3, 2, 1], [1, 2], [2, 2, 2]])
@@ -64,7 +71,8 @@ def test_flush_with_replicas_matches_theory_per_replica(replicas: list[int]) -> 
     p, m = len(replicas), 12
     costs = StageCosts(tuple(F * r for r in replicas), tuple(B * r for r in replicas))
     result = simulate(lower(generate("gpipe", ranks_of(replicas), m)), costs, FREE)
-    assert result.makespan >= (m + p - 1) * (F + B) - 1e-9
+    # (the input gradients of stages 1 .. p - 1 leave before their weight gradients, B / 2)
+    assert result.makespan >= (m + p - 1) * (F + B) - (p - 1) * B / 2 - 1e-9
     per_replica_work = m * (F + B)  # every replica does m / r_s microbatches at r_s times the cost
     assert result.bubble == pytest.approx(1 - per_replica_work / result.makespan)
 
@@ -151,8 +159,12 @@ def test_transfer_uses_bandwidth_and_latency_of_the_link_level() -> None:
     assert events["1F0"].start == pytest.approx(2.5)
     # 1 -> 2 across servers: 100 B at 10 B/s + 1 s
     assert events["2F0"].start == pytest.approx(3.5 + 10.0 + 1.0)
-    # the gradient goes back the same way
-    assert events["1B0"].start == pytest.approx(events["2B0"].end + 11.0)
+    # the gradient goes back the same way, sent once its input-gradient half is done (the
+    # weight gradients follow the send; the recorded backward spans them)
+    sent = events["2SEND_B0->1"]
+    assert sent.start == pytest.approx(events["2B0"].start + 0.5)
+    assert events["2B0"].end == pytest.approx(events["2B0"].start + 1.0)
+    assert events["1B0"].start == pytest.approx(sent.start + 11.0)
 
 
 def test_transfers_on_one_link_queue() -> None:
@@ -360,13 +372,14 @@ def test_simulate_command_errors(profiles_dir: Path, capsys: pytest.CaptureFixtu
 
 def test_allreduce_does_not_wait_for_a_partners_transfer() -> None:
     # replicas of stage 1 send their gradient back (slow link) right before their all-reduce:
-    # the all-reduce starts when both replicas have *issued* the send, not when it has arrived
+    # the all-reduce starts when both replicas have *issued* the send and computed the weight
+    # gradients that follow it, not when it has arrived
     cluster = Cluster.flat(3, 1.0)
     costs = StageCosts((1.0, 1.0), (1.0, 1.0), params=(0.0, 0.0), edges={(0, 1): 10.0},
                        optimizer=(0.0, 0.0))
     result = simulate(lower(generate("1f1b", [[0], [1, 2]], 2)), costs, cluster)
     events = {(e.rank, e.action): e for e in result.timeline.events}
-    assert events[2, "1SEND_B1->0"].end == pytest.approx(events[2, "1B1"].end)
+    assert events[2, "1SEND_B1->0"].end == pytest.approx(events[2, "1B1"].start + 0.5)
     assert events[1, "1ALLREDUCE0"].start == pytest.approx(events[2, "1B1"].end)
 
 

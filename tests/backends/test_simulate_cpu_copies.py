@@ -19,6 +19,7 @@ from tests.helpers.graphs import saved_chain
 F, B = 1.0, 1.0
 SIZE, BANDWIDTH = 5.0, 10.0
 COPY = SIZE / BANDWIDTH  # 0.5 s per transfer, on the link (and on the sender when CPUs copy)
+W = B / 2  # rank 1's weight gradients, computed after it sends the input gradients
 COSTS = StageCosts((F, F), (B, B), edges={(0, 1): SIZE}, optimizer=(0.0, 0.0))
 
 
@@ -37,14 +38,16 @@ def send_events(result: SimResult) -> list[tuple[float, float]]:
 # ------------------------------------------------------------------ the sender is busy
 @pytest.mark.parametrize("m", [1, 2, 4, 7])
 def test_gpipe_makespan_by_hand(m: int) -> None:
-    # a NIC: (m + p - 1)(f + b) plus the first activation's and the last gradient's transfer
+    # a NIC: (m + p - 1)(f + b) plus the first activation's and the last gradient's transfer,
+    # less rank 1's last weight gradients, which follow its send
     assert run("gpipe", m, cluster(False)).makespan == pytest.approx(
-        (m + 1) * (F + B) + 2 * COPY)
+        (m + 1) * (F + B) + 2 * COPY - W)
     # CPU copies: rank 0 spends f + copy per forward, so the last activation arrives at
-    # m (f + copy); rank 1 runs that forward, then m backwards each followed by its copy, and
-    # rank 0 (b < b + copy: never behind) runs the backward of the last gradient to arrive
-    busy = m * (F + COPY) + F + m * (B + COPY) + B
-    assert busy == 3 * m + 2
+    # m (f + copy); rank 1 runs that forward, then m backwards each with its copy between the
+    # input and the weight gradients, and rank 0 (b < b + copy: never behind) runs the
+    # backward of the last gradient to arrive
+    busy = m * (F + COPY) + F + m * (B + COPY) - W + B
+    assert busy == 3 * m + 1.5
     assert run("gpipe", m, cluster(True)).makespan == pytest.approx(busy)
 
 
@@ -71,14 +74,15 @@ def test_arrival_is_unchanged() -> None:
     free = {e.action: e for e in run("gpipe", 1, cluster(False)).timeline.events}
     busy = {e.action: e for e in run("gpipe", 1, cluster(True)).timeline.events}
     assert busy["1F0"].start == free["1F0"].start == pytest.approx(F + COPY)
-    assert busy["0B0"].start == free["0B0"].start == pytest.approx(F + COPY + F + B + COPY)
+    assert busy["0B0"].start == free["0B0"].start == pytest.approx(
+        F + COPY + F + B - W + COPY)
 
 
 def test_empty_sends_take_no_time() -> None:
     costs = StageCosts((F, F), (B, B), optimizer=(0.0, 0.0))  # no edge bytes
     result = simulate(lower(generate("gpipe", [[0], [1]], 3)), costs, cluster(True))
     assert all(end == start for start, end in send_events(result))
-    assert result.makespan == pytest.approx((3 + 1) * (F + B))
+    assert result.makespan == pytest.approx((3 + 1) * (F + B) - W)
 
 
 # ------------------------------------------------------------------ off: as before

@@ -2,10 +2,11 @@
 
 Every schedule runs on p ranks with free transfers and free optimizer steps, on uniform stages:
 one rank spends `fwd` and `bwd` per microbatch (its v chunks together), `wgrad` of the backward
-computing weight gradients. The formulas tested (module docstring of cost/bubble.py):
+computing weight gradients (where the backward is not split: after the input-gradient send, on
+every stage but the first). The formulas tested (module docstring of cost/bubble.py):
 
-    gpipe, 1f1b-flush:   (m + p - 1)(f + b)
-    interleaved-1f1b:    m (f + b) + (p - 1)(f + b) / v      bubble ratio (p - 1) / (v m)
+    gpipe, 1f1b-flush:   (m + p - 1)(f + b) - (p - 1) w      (w = 0: (m + p - 1)(f + b))
+    interleaved-1f1b:    m (f + b) + (p - 1)(f + b - w) / v  (w = 0: bubble ratio (p - 1) / (v m))
     zb-h1:               m (f + b + w) + (p - 1)(f + b - w)  with b the input-gradient part
     interleaved-zb:      m (f + b + w) + (p - 1)(f + b - w) / v
     zb-v (f = b):        m (f + b + w) + (p - 1) max(f, f + b - 2w) / 2     on a V, v = 2
@@ -46,10 +47,11 @@ def simulated(name: str, p: int, v: int, m: int, fwd: float, bwd: float, wgrad: 
 @pytest.mark.parametrize(("p", "m"), itertools.product([2, 3, 4, 5], [1, 2, 3, 4, 7, 8, 16]))
 @pytest.mark.parametrize("name", ["gpipe", "1f1b-flush"])
 def test_gpipe_and_1f1b_flush(name: str, p: int, m: int) -> None:
-    for fwd, bwd, wgrad in TIMES:
+    for fwd, bwd, wgrad in TIMES + [(f, b, 0.0) for f, b, _ in TIMES]:
         makespan, bubble = simulated(name, p, 1, m, fwd, bwd, wgrad)
-        closed = flush_time(name, ranks=p, microbatches=m, fwd=fwd, bwd=bwd)
-        assert makespan == pytest.approx((m + p - 1) * (fwd + bwd), rel=1e-12)
+        closed = flush_time(name, ranks=p, microbatches=m, fwd=fwd, bwd=bwd, wgrad=wgrad)
+        # each of the p - 1 stages that send gradients back sends them before its W
+        assert makespan == pytest.approx((m + p - 1) * (fwd + bwd) - (p - 1) * wgrad, rel=1e-12)
         assert makespan == pytest.approx(closed.makespan, rel=1e-12)
         assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
 
@@ -57,15 +59,17 @@ def test_gpipe_and_1f1b_flush(name: str, p: int, m: int) -> None:
 @pytest.mark.parametrize(("p", "v", "m"), [(p, v, m) for p, v, m in itertools.product(
     [2, 3, 4], [2, 3, 4], [2, 3, 4, 6, 8, 9, 12, 16]) if m % p == 0])
 def test_interleaved_1f1b_bubble_is_p_minus_1_over_v_m(p: int, v: int, m: int) -> None:
-    for fwd, bwd, wgrad in TIMES:
+    for fwd, bwd, wgrad in TIMES + [(f, b, 0.0) for f, b, _ in TIMES]:
         makespan, bubble = simulated("interleaved-1f1b", p, v, m, fwd, bwd, wgrad)
         closed = flush_time("interleaved-1f1b", ranks=p, microbatches=m, chunks=v, fwd=fwd,
-                            bwd=bwd)
+                            bwd=bwd, wgrad=wgrad)
         assert makespan == pytest.approx(closed.makespan, rel=1e-12)
         assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
-        assert closed.bubble_ratio == pytest.approx((p - 1) / (v * m), rel=1e-12)
+        # the paper's (p - 1) / (v m), less the weight gradients each step leaves after its send
+        ratio = (p - 1) / (v * m) * (fwd + bwd - wgrad) / (fwd + bwd)
+        assert closed.bubble_ratio == pytest.approx(ratio, rel=1e-12)
         idle = makespan - m * (fwd + bwd)  # per rank, measured against the ideal time
-        assert idle / (m * (fwd + bwd)) == pytest.approx((p - 1) / (v * m), rel=1e-9)
+        assert idle / (m * (fwd + bwd)) == pytest.approx(ratio, rel=1e-9)
 
 
 @pytest.mark.parametrize(("p", "m"), [(p, m) for p, m in itertools.product(
@@ -78,9 +82,13 @@ def test_zb_h1_bubble_is_p_minus_1_times_f_plus_b_minus_w(p: int, m: int) -> Non
         closed = flush_time("zb-h1", ranks=p, microbatches=m, fwd=fwd, bwd=bwd, wgrad=wgrad)
         assert makespan == pytest.approx(closed.makespan, rel=1e-12)
         assert bubble == pytest.approx(closed.bubble_fraction, rel=1e-9)
-        # 1F1B-flush on the same work idles (p - 1)(f + b + w): zero bubble saves 2 (p - 1) w
+        # 1F1B-flush on the same work idles (p - 1)(f + b): its stages send their input
+        # gradients before their W too, but leave it where it is; zero bubble saves (p - 1) w
+        # more by moving it into the drain (without that, 2 (p - 1) w)
         flush, _ = simulated("1f1b-flush", p, 1, m, fwd, bwd, wgrad)
-        assert flush - makespan == pytest.approx(2 * (p - 1) * w, rel=1e-9)
+        assert flush - makespan == pytest.approx((p - 1) * w, rel=1e-9)
+        blocked, _ = simulated("1f1b-flush", p, 1, m, fwd, bwd, 0.0)
+        assert blocked - makespan == pytest.approx(2 * (p - 1) * w, rel=1e-9)
 
 
 @pytest.mark.parametrize(("p", "v", "m"), [(p, v, m) for p, v, m in itertools.product(

@@ -124,11 +124,13 @@ def test_flush_schedules_pay_the_bubble_and_keep_one_weight_version() -> None:
     # fill and drain: every stage's microbatch once with both transfers there and back; stage
     # 0 keeps 2 microbatches in flight (NOAM) while a round trip through stage 1 takes longer
     # than 2 of its forwards and backwards, so its other 3 microbatches each wait for half a
-    # round trip; then the last update
+    # round trip; then the last update. Stage 1 sends its input gradients before its weight
+    # gradients (half its backward), which neither the path nor the round trip waits for
     mem_bw = cluster.device.mem_bandwidth
     transfer = 1e8 / 4 / 1e9
-    path = (0.030 + 0.018) / 4 + 2 * transfer
-    round_trip = 0.030 / 4 + 0.018 / 4 + 2 * transfer
+    later = 0.012 / 2 / 4
+    path = (0.030 + 0.018) / 4 - later + 2 * transfer
+    round_trip = 0.030 / 4 + 0.018 / 4 - later + 2 * transfer
     expected = path + 3 * round_trip / 2 + 3 * 2e8 / mem_bw
     assert flush_time == pytest.approx(expected)
     plan_ = Plan(stages=(Stage(("a",), 1, (0,)), Stage(("b", "c"), 1, (1,))),
