@@ -19,6 +19,7 @@ from typing import Any, NamedTuple
 from pdcompile.errors import MeasurementError
 
 REPEATS = 5
+GRADIENTS = 8  # tensors the all-reduce gathers into one buffer, as a stage's parameters
 OVERRIDE = "set PDCOMPILE_LOCAL_BANDWIDTH (e.g. PDCOMPILE_LOCAL_BANDWIDTH=2GB/s) to skip it"
 
 
@@ -27,7 +28,26 @@ class Loopback(NamedTuple):
 
     bandwidth: float  # bytes/s of one send
     latency: float  # seconds of a 4-byte send
-    allreduce_bandwidth: float  # bus bandwidth of an all-reduce between the two (bytes/s)
+    # bus bandwidth (bytes/s) of the runtime's all-reduce between the two: gloo's ring and the
+    # runtime's copies into one buffer and back (`_runtime_allreduce`)
+    allreduce_bandwidth: float
+
+
+def _runtime_allreduce(group: Any, grads: list[Any], flat: Any,
+                       timeout: datetime.timedelta) -> None:
+    """The gradients' all-reduce as pdcompile's runtime runs it between the replicas of a
+    stage (`DistributedTransport.all_reduce`, then `StageRuntime.all_reduce`): gathered into
+    one flat buffer kept from round to round, summed by gloo, copied back, averaged."""
+    import torch
+
+    torch.cat([g.reshape(-1) for g in grads], out=flat)
+    group.allreduce([flat]).wait(timeout)
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+    for g in grads:
+        g.div_(2)
 
 
 def _rank(rank: int, store: Any, sizes: list[int], timeout: datetime.timedelta,
@@ -61,11 +81,13 @@ def _rank(rank: int, store: Any, sizes: list[int], timeout: datetime.timedelta,
             timings.append(best)
         # an all-reduce also copies and sums its buffers on these CPUs, and varies more than a
         # send from one call to the next: the median is the time a run of them averages
+        grads = [piece.clone() for piece in torch.zeros(sizes[-1]).chunk(GRADIENTS)]
+        flat = torch.empty(sizes[-1])
         allreduces = []
         for _ in range(REPEATS):
             group.barrier().wait(timeout)
             start = time.perf_counter()
-            group.allreduce([buf]).wait(timeout)
+            _runtime_allreduce(group, grads, flat, timeout)
             allreduces.append(time.perf_counter() - start)
         timings.append(statistics.median(allreduces))
         out[rank] = timings
