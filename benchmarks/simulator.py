@@ -788,6 +788,8 @@ def main() -> int:
                         help="real runs and dry runs per row (medians; odd)")
     parser.add_argument("--fidelity-models", nargs="+", default=list(FIDELITY_MODELS),
                         choices=FIDELITY_MODELS)
+    parser.add_argument("--fidelity-processes", nargs="+", type=int, default=[2, 4],
+                        help="process counts of the fidelity runs")
     parser.add_argument("--fidelity-layouts", nargs="+", default=["straight"],
                         choices=("straight", "dp"),
                         help="straight pipelines, and/or plain data parallelism (its all-reduce "
@@ -802,7 +804,7 @@ def main() -> int:
     sections: dict[str, str] = {}
     if not args.no_fidelity:
         before = os.getloadavg()[0]
-        rows = fidelity(models=tuple(args.fidelity_models),
+        rows = fidelity(tuple(args.fidelity_processes), models=tuple(args.fidelity_models),
                         minibatches=args.fidelity_minibatches,
                         repeats=args.fidelity_repeats,
                         layouts=tuple(args.fidelity_layouts), out=args.fidelity_out)

@@ -18,6 +18,7 @@ reader's announcements (distributed_announce.py) and runs them in its run loop (
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 import os
@@ -149,6 +150,8 @@ class DistributedTransport(Transport):
         self._expected: dict[int, deque[tuple[tuple[TensorSpec, ...], Tag]]] = {}
         # messages between two chunks of this rank (the tip of a V): handed over in memory
         self._loopback: dict[Tag, list[torch.Tensor]] = {}
+        # flat all-reduce buffers not in use, by (elements, dtype, device): reused every round
+        self._flat_free: dict[tuple[int, torch.dtype, torch.device], list[torch.Tensor]] = {}
 
     # -- waiting ---------------------------------------------------------------------------------
 
@@ -260,7 +263,9 @@ class DistributedTransport(Transport):
                     "that the groups of replicated stages and tied parameters are created on "
                     "every rank")
             group = dist.group.WORLD
-        flat = torch.cat([t.detach().reshape(-1) for t in tensors]) if len(tensors) > 1 else None
+        flat = self._flat_buffer(tensors) if len(tensors) > 1 else None
+        if flat is not None:
+            torch.cat([t.detach().reshape(-1) for t in tensors], out=flat)
         buffer = flat if flat is not None else tensors[0].detach()
         work = dist.all_reduce(buffer, group=group, async_op=True)
 
@@ -272,10 +277,23 @@ class DistributedTransport(Transport):
                 n = t.numel()
                 t.detach().copy_(flat[offset:offset + n].view_as(t))
                 offset += n
+            self._flat_free[(flat.numel(), flat.dtype, flat.device)].append(flat)
 
         peer = next(r for r in key if r != self.rank)
         return DistPending(self, [work], peer=peer, what=f"all-reduce over ranks {list(key)}",
                            result=[], after=scatter_back)
+
+    def _flat_buffer(self, tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+        """A flat buffer for the all-reduce of `tensors`, one left free by an earlier
+        all-reduce of as many elements where there is one (it returns when its all-reduce is
+        waited). Why: a replicated stage all-reduces the same gradients every round, and a
+        fresh buffer beyond malloc's mmap threshold (32 MiB, runtime/allocator.py) faults in
+        and zeroes every page again: 20 ms of a 33.6 MB buffer on the 2-core development VM,
+        as long as gloo's all-reduce itself (docs/cost-model.md)."""
+        dtype = functools.reduce(torch.promote_types, (t.dtype for t in tensors))  # as cat's
+        key = (sum(t.numel() for t in tensors), dtype, tensors[0].device)
+        free = self._flat_free.setdefault(key, [])
+        return free.pop() if free else torch.empty(key[0], dtype=dtype, device=key[2])
 
     # -- end ---------------------------------------------------------------------------------
 

@@ -54,6 +54,29 @@ def _replica_allreduce(worker: Worker) -> list[float]:
     return [float(g.sum()) for g in grads]
 
 
+def _rounds_of_allreduce(worker: Worker) -> tuple[list[list[float]], int, bool]:
+    """Two ranks all-reduce the same two tensors for three rounds, and in the last round a
+    second pair of as many elements at the same time (as a step's buffer syncs start every
+    collective before waiting on any): the sums, how many flat buffers were ever made, and
+    whether the first round's buffer served the next rounds."""
+    transport = DistributedTransport(monitor=worker.monitor)
+    scale = float(worker.rank + 1)
+    sums, made, first = [], set(), None
+    for round_ in range(3):
+        grads = [torch.full((3,), scale * (round_ + 1)), torch.full((2, 2), 10.0 * scale)]
+        others = [torch.full((3,), 100.0 * scale), torch.full((2, 2), scale)]
+        pending = [transport.all_reduce(grads, [0, 1])]
+        if round_ == 2:
+            pending.append(transport.all_reduce(others, [0, 1]))
+        for p in pending:
+            p.wait()
+        buffers = [b for free in transport._flat_free.values() for b in free]
+        made.update(b.data_ptr() for b in buffers)
+        first = buffers[0].data_ptr() if first is None else first
+        sums.append([float(g.sum()) for g in grads + (others if round_ == 2 else [])])
+    return sums, len(made), first in made
+
+
 def _generator_program(worker: Worker) -> float:
     """A rank generator in the style of generated code: yields while a receive is not ready."""
     transport = DistributedTransport(monitor=worker.monitor)
@@ -87,6 +110,16 @@ def test_ring_send_recv_with_preposted_receives() -> None:
 def test_all_reduce_over_replica_group_and_generator_driver() -> None:
     assert launch(_replica_allreduce, 3, timeout=60) == [[], [9.0, 120.0], [9.0, 120.0]]
     assert launch(_generator_program, 2, timeout=60) == [15.0, 5.0]
+
+
+@pytest.mark.slow
+def test_all_reduce_reuses_its_flat_buffer_round_after_round() -> None:
+    """A replicated stage's gradients all-reduce through one flat buffer kept between rounds
+    (a fresh one beyond malloc's mmap threshold faulted in every page each round), and two
+    all-reduces in flight at once never share one."""
+    for sums, made, reused in launch(_rounds_of_allreduce, 2, timeout=60):
+        assert sums == [[9.0, 120.0], [18.0, 120.0], [27.0, 120.0, 900.0, 12.0]]
+        assert made == 2 and reused
 
 
 def _killed_mid_run(worker: Worker) -> None:
