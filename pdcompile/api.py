@@ -65,13 +65,14 @@ def compile(  # noqa: A001 - the public name of the one-liner
     torch.export where fx cannot trace); an `fx.GraphModule` is taken as it is
     (passes/frontend.py).
     """
-    from pdcompile.passes.frontend import capture
+    from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.split import even_plan, split
 
     if not isinstance(model, torch.nn.Module):
         raise PipelineInputError(f"compile() takes an nn.Module, got {type(model).__name__}")
+    model = unwrapped(model)  # torch.compile's, DataParallel's or DDP's model
     if schedule != "auto" and schedule not in KINDS:  # before any tracing or profiling
         raise PipelineInputError(unknown(schedule, auto=True))
     named = dict(example_inputs) if isinstance(example_inputs, Mapping) else None

@@ -38,6 +38,22 @@ class Captured:
     inputs: tuple[Any, ...]
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The model inside the wrappers a training script may already have put around it:
+    `torch.compile` (its OptimizedModule), `nn.DataParallel` and `DistributedDataParallel`. Their
+    forwards take `*args, **kwargs` and dispatch elsewhere, which neither front end can capture;
+    the pipeline trains the model they wrap (its parameters, named as the model names them)."""
+    from torch._dynamo.eval_frame import OptimizedModule
+
+    while True:
+        if isinstance(model, OptimizedModule):
+            model = model._orig_mod
+        elif isinstance(model, nn.DataParallel | nn.parallel.DistributedDataParallel):
+            model = model.module
+        else:
+            return model
+
+
 def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
             *, leaf_modules: Iterable[type[nn.Module] | str] = (),
             frontend: str = "auto") -> Captured:
@@ -79,4 +95,4 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
     return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
 
 
-__all__ = ["FRONTENDS", "Captured", "capture"]
+__all__ = ["FRONTENDS", "Captured", "capture", "unwrapped"]
