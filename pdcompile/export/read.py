@@ -131,7 +131,11 @@ _KEPT_CALLS = (linear_accumulate, detached)
 
 
 class _LeafTracer(OpsTracer):
-    """Traces a loaded stage class: its direct children stay calls, as in the exported code."""
+    """Traces a loaded stage class: its direct children stay calls, as in the exported code.
+    Buffers are graph values (an in-place change of one from constants alone, `ema.mul_(0.9)`,
+    would otherwise run once on the real buffer while tracing and be left out of the graph)."""
+
+    proxy_buffer_attributes = True
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return "." not in module_qualified_name
@@ -177,6 +181,8 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any],
 
 
 class _AllLeaves(OpsTracer):
+    proxy_buffer_attributes = True
+
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return True
 
