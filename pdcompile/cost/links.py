@@ -72,7 +72,7 @@ def exposed_allreduce_seconds(allreduce: Any, *, backward: Any, params: Any,
         return max(allreduce * share, allreduce - (1.0 - share) * backward)
     import numpy as np
 
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # where picks 1.0
         shares = np.where(np.asarray(params) > bucket,
                           np.asarray(bucket, dtype=np.float64) / np.asarray(params), 1.0)
     return np.maximum(allreduce * shares, allreduce - (1.0 - shares) * np.asarray(backward))

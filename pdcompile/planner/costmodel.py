@@ -284,7 +284,7 @@ def stage_parts(*, compute: Any, backward: Any, params: Any, keep: Any, received
     wire = outb * coef.out_per_byte + np.where(outb > 0, coef.out_per_msg, 0.0)
     limit = (math.inf if memory is None else memory) - fixed
     base = p * (2.0 + options.optimizer_state)
-    with np.errstate(divide="ignore", invalid="ignore"):
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):  # capped below
         if row.stashed_versions == "in-flight":  # a version per minibatch in flight
             fit = np.floor((limit - base + p) / (k + p))
         else:
