@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from pdcompile.runtime.stage_runtime import SpecFn, StageIO, _encode
+from pdcompile.runtime.stage_runtime import SpecFn, StageIO, _carries_grad, _encode
 from pdcompile.runtime.transport import Tag, TensorSpec
 
 MessageTable = Mapping[Tag, list[TensorSpec]]
@@ -24,7 +24,7 @@ def message_table(stages: Sequence[StageIO], values: Mapping[tuple[int, str], An
                   ) -> dict[Tag, list[TensorSpec]]:
     """Shapes and dtypes of every message of one microbatch, from its stage outputs `values`
     ((stage, name) -> value), keyed by the tags of microbatch 0. Gradients flow back only for
-    floating-point tensors (values that cross as numbers or sizes get none)."""
+    floating-point and complex tensors (values that cross as numbers or sizes get none)."""
     out: dict[Tag, list[TensorSpec]] = {}
     for program in stages:
         for dst, names in program.sends.items():
@@ -33,7 +33,7 @@ def message_table(stages: Sequence[StageIO], values: Mapping[tuple[int, str], An
                 TensorSpec(tuple(t.shape), t.dtype) for t in acts]
             out[Tag("grad", dst, program.index, 0)] = [
                 TensorSpec(tuple(t.shape), t.dtype) for t, n in zip(acts, names, strict=True)
-                if t.is_floating_point() and n not in program.kinds]
+                if _carries_grad(t) and n not in program.kinds]
     return out
 
 

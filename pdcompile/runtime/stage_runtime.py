@@ -642,8 +642,9 @@ def _set_random_state(state: tuple[torch.Tensor, list[torch.Tensor]]) -> None:
 
 
 def _carries_grad(value: Any) -> bool:
-    """Floating-point tensors travel with gradients; ints, masks and Python numbers do not."""
-    return isinstance(value, torch.Tensor) and value.is_floating_point()
+    """Floating-point and complex tensors travel with gradients (an FFT's output is complex);
+    ints, masks and Python numbers do not."""
+    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
 
 
 def _change(value: torch.Tensor, synced: torch.Tensor) -> torch.Tensor:
@@ -669,9 +670,10 @@ def _encode(value: Any, name: str) -> torch.Tensor:
 
 
 def _decode(tensor: torch.Tensor, kind: str | None) -> Any:
-    """Inverse of `_encode`; received floating tensors become leaves that collect gradients."""
+    """Inverse of `_encode`; received tensors that carry gradients (`_carries_grad`) become
+    leaves that collect them."""
     if kind is None:
-        return tensor.detach().requires_grad_(True) if tensor.is_floating_point() else tensor
+        return tensor.detach().requires_grad_(True) if _carries_grad(tensor) else tensor
     if kind == "size":
         return torch.Size(tensor.tolist())
     if kind in ("tuple", "list"):

@@ -7,7 +7,8 @@ getitem), `max` and `split` (tuple outputs), constants built in forward (arange,
 full) used by several steps, and in-place changes of earlier values (`add_`, `mul_`, `+=`,
 `F.relu(..., inplace=True)`, `nn.ReLU(inplace=True)`, and `mul_` of a view, which changes the
 value it views), and values computed under `torch.no_grad()` (a centre and a gate from a Linear
-layer that therefore gets no gradient). It has one or two inputs and returns one
+layer that therefore gets no gradient), and complex values (an FFT, scaled, transformed back).
+It has one or two inputs and returns one
 to three values. A cut is a random topological order of the traced graph (in-place order made
 explicit, as the planner sees it) split into chunks of random sizes, each stage with 1 or 2
 replicas.
@@ -33,7 +34,7 @@ from pdcompile.plan import Plan
 TIME, WIDTH = 3, 4
 KINDS = ("linear", "shared", "tanh", "add", "mul", "lstm", "max", "split", "constant",
          "use_constant", "add_", "mul_", "iadd", "relu_inplace", "relu_module", "view_mul_",
-         "no_grad")
+         "no_grad", "spectrum")
 CONSTANTS = ("arange", "zeros", "ones", "full")
 
 
@@ -103,6 +104,9 @@ class RandomNet(nn.Module):
                     centre = a.mean(dim=1, keepdim=True)
                     gate = torch.sigmoid(layer(b))  # type: ignore[misc]
                 pool.append(torch.tanh(a - centre) * gate)
+            elif step.kind == "spectrum":  # complex values between the FFTs: a cut may fall there
+                spectrum = torch.fft.fft(a, dim=-1)
+                pool.append(torch.real(torch.fft.ifft(spectrum * torch.tanh(b), dim=-1)))
             elif step.kind == "constant":
                 constants.append(_constant(step.c))
             elif step.kind == "use_constant":
