@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import inspect
 import operator
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -31,6 +32,8 @@ from pdcompile.meta import set_input_shapes, set_output_spec
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.runtime.grad_mode import detached
 
+# torch's words for an output it cannot flatten
+_UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 # operations that only check what export assumed (dtypes, devices, shape guards)
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
 
@@ -143,6 +146,12 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                    dynamic_shapes=free(lambda v: (0,)))
     except Exception as err:
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        unknown = _UNKNOWN_OUTPUT.search(reason)
+        if unknown:
+            raise TraceError(f"the output of {type(model).__name__} holds a {unknown.group(1)}, "
+                             "which no stage can send (neither a tensor nor a tuple, list, dict "
+                             "or dataclass of tensors): return only tensors from forward, or "
+                             "wrap the model in a module that does") from None
         raise TraceError(f"torch.export cannot capture {type(model).__name__}: "
                          f"{type(err).__name__}: {reason}") from None
 

@@ -24,6 +24,10 @@ from torch import nn
 
 from pdcompile.errors import PipelineInputError, TraceError
 from pdcompile.meta import set_frontend
+from pdcompile.passes.export_frontend import export_graph
+from pdcompile.passes.inference_cache import without_inference_cache
+from pdcompile.passes.shapes import bind_inputs
+from pdcompile.passes.trace import trace
 
 FRONTENDS = ("auto", "fx", "export")
 
@@ -58,41 +62,47 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
             *, leaf_modules: Iterable[type[nn.Module] | str] = (),
             frontend: str = "auto") -> Captured:
     """The graph of `model` called as `model(*args, **kwargs)` (see the module docstring)."""
-    from pdcompile.passes.export_frontend import export_graph
-    from pdcompile.passes.shapes import bind_inputs
-    from pdcompile.passes.trace import trace
-
     if frontend not in FRONTENDS:
         raise PipelineInputError(f"unknown frontend {frontend!r}; choose one of "
                                  f"{', '.join(FRONTENDS)}")
     kwargs = dict(kwargs or {})
-    leaves = list(leaf_modules)
     if isinstance(model, fx.GraphModule):
-        if leaves:
-            raise PipelineInputError("leaf_modules= applies to tracing, but the model is already "
-                                     "an fx.GraphModule (taken as it is); drop leaf_modules=")
-        graph, used = model, "given"
-    elif frontend == "export":
+        graph, used = _given(model, leaf_modules)
+    else:
+        with without_inference_cache(model, kwargs):
+            graph, used = _captured(model, args, kwargs, list(leaf_modules), frontend)
+    set_frontend(graph, used)
+    return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
+
+
+def _given(model: fx.GraphModule, leaf_modules: Iterable[type[nn.Module] | str]
+           ) -> tuple[fx.GraphModule, str]:
+    if list(leaf_modules):
+        raise PipelineInputError("leaf_modules= applies to tracing, but the model is already "
+                                 "an fx.GraphModule (taken as it is); drop leaf_modules=")
+    return model, "given"
+
+
+def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+              leaves: list[type[nn.Module] | str], frontend: str) -> tuple[fx.GraphModule, str]:
+    """The graph of a model that is not already one, and the front end that made it."""
+    if frontend == "export":
         if leaves:
             raise PipelineInputError("leaf_modules= applies to torch.fx tracing; torch.export "
                                      "records every operation: drop leaf_modules= or use "
                                      "frontend='fx'")
-        graph, used = export_graph(model, args, kwargs), "export"
-    else:
+        return export_graph(model, args, kwargs), "export"
+    try:
+        return trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
+                     num_positional=len(args)), "fx"
+    except TraceError as fx_error:
+        if frontend == "fx":
+            raise
         try:
-            graph = trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
-                          num_positional=len(args))
-            used = "fx"
-        except TraceError as fx_error:
-            if frontend == "fx":
-                raise
-            try:
-                graph, used = export_graph(model, args, kwargs), "export"
-            except TraceError as export_error:
-                raise TraceError(f"{fx_error} (torch.export cannot capture it either: "
-                                 f"{export_error})") from None
-    set_frontend(graph, used)
-    return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
+            return export_graph(model, args, kwargs), "export"
+        except TraceError as export_error:
+            raise TraceError(f"{fx_error} (torch.export cannot capture it either: "
+                             f"{export_error})") from None
 
 
 __all__ = ["FRONTENDS", "Captured", "capture", "unwrapped"]
