@@ -55,6 +55,7 @@ buffers are left alone.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import nullcontext
@@ -519,27 +520,38 @@ class StageRuntime:
             p.grad = leaf.grad if p.grad is None else p.grad.add_(leaf.grad)
             leaf.grad = None
 
-    def _grads(self) -> list[torch.Tensor]:
-        """The live parameters' gradients (zeros where none was computed), one per tensor."""
-        out = []
-        for p in _unique(self.params.values()):
+    def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
+        """The live parameters, their gradients (zeros where none was computed) and a flag per
+        parameter, 1 where this replica computed a gradient for it. Summed over the replicas
+        with the gradients, a flag left at 0 says that no microbatch gave the parameter a
+        gradient (frozen, used only under no_grad, or used by no microbatch), so that it keeps
+        none, as in one process: the optimizer then leaves it alone (a zero gradient is not the
+        same: weight decay moves it)."""
+        params = list(_unique(self.params.values()))
+        dtype = functools.reduce(torch.promote_types, (p.dtype for p in params), torch.bool)
+        flags = torch.tensor([float(p.grad is not None) for p in params],  # one flat all-reduce
+                             dtype=dtype if dtype.is_floating_point or dtype.is_complex
+                             else torch.float32)
+        for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            out.append(p.grad)
-        return out
+        return params, [p.grad for p in params], flags  # type: ignore[misc]
 
     # ------------------------------------------------------------------ updates
     def all_reduce(self, index: int) -> Op:
         """Sum the gradients over the stage's replicas (averaged for asynchronous 1f1b)."""
         start = time.time()
         self._finish_backwards()
-        grads = self._grads()
+        params, grads, flags = self._grads()
         ranks = self.config.stage_ranks[self.stage]
         if grads:
-            yield from self._wait(self.transport.all_reduce(grads, ranks))
+            yield from self._wait(self.transport.all_reduce([*grads, flags], ranks))
             if self.kind.averages_replicas:
                 for g in grads:
                     g.div_(len(ranks))
+            for p, flag in zip(params, flags.tolist(), strict=True):
+                if not flag:
+                    p.grad = None
         self._record(Kind.ALLREDUCE, index, None, start)
 
     def step(self, index: int) -> Op:
