@@ -167,6 +167,8 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any],
                                f"{unexpected[:3]}); export the pipeline again")
     for alias, primary in meta["aliases"].items():
         set_path(stage, alias, get_path(stage, primary))
+    for name in meta.get("frozen", []):  # absent from exports written before it was kept
+        get_path(stage, name).requires_grad_(False)
     graph = _LeafTracer(autowrap_functions=_KEPT_CALLS).trace(stage)
     module = fx.GraphModule(stage, graph, class_name=f"Stage{index}")
     return StageProgram(

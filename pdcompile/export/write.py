@@ -182,6 +182,10 @@ def _save_stage(pipe: Exportable, program: StageProgram, module: fx.GraphModule,
         "recorded_modules": sorted(recorded),
         "kinds": dict(program.kinds),
         "transient_buffers": list(program.transient_buffers),
+        # frozen parameters (requires_grad=False): a loaded stage builds its layers anew, which
+        # would train them
+        "frozen": sorted(name for name, p in module.named_parameters(remove_duplicate=False)
+                         if not p.requires_grad),
     }
 
 

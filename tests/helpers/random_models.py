@@ -7,11 +7,10 @@ getitem), `max` and `split` (tuple outputs), constants built in forward (arange,
 full) used by several steps, and in-place changes of earlier values (`add_`, `mul_`, `+=`,
 `F.relu(..., inplace=True)`, `nn.ReLU(inplace=True)`, and `mul_` of a view, which changes the
 value it views), and values computed under `torch.no_grad()` (a centre and a gate from a Linear
-layer that therefore gets no gradient), and complex values (an FFT, scaled, transformed back).
-It has one or two inputs and returns one
-to three values. A cut is a random topological order of the traced graph (in-place order made
-explicit, as the planner sees it) split into chunks of random sizes, each stage with 1 or 2
-replicas.
+layer that therefore gets no gradient), complex values (an FFT, scaled, transformed back) and
+frozen Linear layers. It has one or two inputs and returns one to three values. A cut is a
+random topological order of the traced graph (in-place order made explicit, as the planner sees
+it) split into chunks of random sizes, each stage with 1 or 2 replicas.
 """
 
 from __future__ import annotations
@@ -34,7 +33,7 @@ from pdcompile.plan import Plan
 TIME, WIDTH = 3, 4
 KINDS = ("linear", "shared", "tanh", "add", "mul", "lstm", "max", "split", "constant",
          "use_constant", "add_", "mul_", "iadd", "relu_inplace", "relu_module", "view_mul_",
-         "no_grad", "spectrum")
+         "no_grad", "spectrum", "frozen")
 CONSTANTS = ("arange", "zeros", "ones", "full")
 
 
@@ -63,6 +62,8 @@ class RandomNet(nn.Module):
         for index, step in enumerate(self.steps):
             if step.kind in ("linear", "no_grad"):
                 self.layers[str(index)] = nn.Linear(WIDTH, WIDTH)
+            elif step.kind == "frozen":  # requires_grad=False: trained by nobody
+                self.layers[str(index)] = nn.Linear(WIDTH, WIDTH).requires_grad_(False)
             elif step.kind == "lstm":
                 self.layers[str(index)] = nn.LSTM(WIDTH, WIDTH, batch_first=True)
             elif step.kind == "relu_module":
@@ -80,7 +81,7 @@ class RandomNet(nn.Module):
         for index, step in enumerate(self.steps):
             a, b = pool[step.a % len(pool)], pool[step.b % len(pool)]
             layer = self.layers[str(index)] if str(index) in self.layers else None
-            if step.kind == "linear":
+            if step.kind in ("linear", "frozen"):
                 pool.append(layer(a))  # type: ignore[misc]
             elif step.kind == "shared":
                 pool.append(self.shared(a))
