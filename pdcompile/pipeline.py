@@ -259,7 +259,8 @@ class Pipeline:
         return out
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """Parameters and buffers under the model's own names (compare with model.state_dict())."""
+        """Parameters and buffers under the model's own names (compare with model.state_dict()),
+        those forward never reads included (`SplitResult.unused`)."""
         out: dict[str, torch.Tensor] = {k: v.detach() for k, v in self.named_parameters().items()}
         for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
             buffers = dict(module.named_buffers(remove_duplicate=False))
@@ -268,6 +269,8 @@ class Pipeline:
                     continue  # persistent=False: left out, as by torch.nn.Module.state_dict
                 for original in originals:
                     out.setdefault(original, buffers[name])
+        for name, value in self.parts.unused.items():  # never read by forward: never changed
+            out.setdefault(name, value)
         return out
 
     def summary(self) -> str:

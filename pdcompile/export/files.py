@@ -80,6 +80,8 @@ def check_export(path: str | Path) -> dict[str, Any]:
             tensor_files.append(folder / f"stage_{i}_modules.safetensors")
     if meta.get("example", {}).get("inputs"):
         tensor_files.append(folder / "example.safetensors")
+    if meta.get("unused"):
+        tensor_files.append(folder / "unused.safetensors")
     for file in tensor_files:
         if not file.is_file():
             raise DamagedFileError(f"{file} is missing from the export; export the pipeline "

@@ -23,8 +23,8 @@ FIX = "export the pipeline again"
 # every name the writer produces: what a new export replaces, and code the loader may run
 _WRITTEN = re.compile(r"^(stage_\d+(\.py|\.safetensors|_modules\.safetensors)|optimizer_\d+"
                       r"\.safetensors|rank_\d+\.py|graph\.py|graph_modules\.safetensors|"
-                      r"example\.safetensors|pipeline\.json|plan\.json|schedule\.txt|launch\.sh"
-                      r"|README\.md)$")
+                      r"example\.safetensors|unused\.safetensors|pipeline\.json|plan\.json|"
+                      r"schedule\.txt|launch\.sh|README\.md)$")
 _CODE = re.compile(r"^(stage_\d+\.py|rank_\d+\.py|graph\.py)$")
 
 

@@ -73,7 +73,8 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
         output_refs=tuple(ValueRef(n, s) for n, s in meta["output_refs"]),
         output_spec=load_spec(meta["output_spec"]),  # imports the modules of its types
         ties=tuple(TiedParameter(t["name"], tuple((int(s), str(n)) for s, n in t["members"]))
-                   for t in meta["ties"]))
+                   for t in meta["ties"]),
+        unused=_load_unused(folder) if meta.get("unused") else {})
     graph = _load_graph(folder, meta.get("graph_stages", {}), len(programs), code)
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
@@ -139,6 +140,12 @@ class _LeafTracer(OpsTracer):
 
     def is_leaf_module(self, m: torch.nn.Module, module_qualified_name: str) -> bool:
         return "." not in module_qualified_name
+
+
+def _load_unused(folder: Path) -> dict[str, torch.Tensor]:
+    """The model's tensors that no stage holds (export/write.py), in fresh storage."""
+    stored = read_file(folder / "unused.safetensors", lambda p: load_file(str(p)))
+    return {name: value.clone() for name, value in stored.items()}
 
 
 def _load_stage(folder: Path, index: int, meta: dict[str, Any],

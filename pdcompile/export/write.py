@@ -97,6 +97,11 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
     (out / "plan.json").write_text(pipe.plan.to_json())
     (out / "schedule.txt").write_text(pipe.schedule(n, per).to_text())
     graph_stages = _save_graph(pipe.graph, out)
+    unused = out / "unused.safetensors"  # the model's tensors no stage holds (SplitResult.unused)
+    if pipe.parts.unused:
+        save_file({k: v.contiguous() for k, v in pipe.parts.unused.items()}, str(unused))
+    else:
+        unused.unlink(missing_ok=True)
     example = out / "example.safetensors"  # one minibatch as compiled: shape checks, default data
     if pipe.example_inputs is not None:
         save_tree(example, {"inputs": list(pipe.example_inputs), "target": pipe.example_target},
@@ -113,6 +118,7 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
         "ties": [{"name": t.name, "members": [list(m) for m in t.members]}
                  for t in pipe.parts.ties],
         "stages": stages_meta, "graph_stages": graph_stages,
+        "unused": bool(pipe.parts.unused),
         "example": {"inputs": pipe.example_inputs is not None,
                     "target": pipe.example_target is not None},
         "input_shapes": None if pipe.input_shapes is None else pipe.input_shapes.to_json(),

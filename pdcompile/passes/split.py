@@ -119,13 +119,20 @@ class TiedParameter:
 
 @dataclass
 class SplitResult:
-    """All stages plus the model's inputs, its output structure and the tied parameters."""
+    """All stages plus the model's inputs, its output structure and the tied parameters.
+
+    `unused`: the model's parameters and persistent buffers that no stage holds (its forward
+    never reads them: a head kept for another task, a layer left in the model), under their
+    names. No step changes them, as in one process (they get no gradient); they are kept so
+    that the pipeline's state_dict is the model's, which `load_state_dict` accepts strictly.
+    """
 
     stages: list[StageProgram]
     data_inputs: tuple[str, ...]
     output_refs: tuple[ValueRef, ...]
     output_spec: pytree.TreeSpec
     ties: tuple[TiedParameter, ...] = ()
+    unused: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def edges(self) -> list[tuple[int, int]]:
@@ -603,7 +610,16 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
         if not ref.is_data and ref.stage != last:
             _link(stages, ref, last)
     ties = _name_and_copy(stages, root)
-    return SplitResult(stages, data_inputs, output_refs, spec, ties)
+    return SplitResult(stages, data_inputs, output_refs, spec, ties, _unused(stages, root))
+
+
+def _unused(stages: list[StageProgram], root: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state of `root` (parameters, persistent buffers) that no stage holds, detached."""
+    held = {original for program in stages
+            for names in (*program.param_names.values(), *program.buffer_names.values())
+            for original in names}
+    return {name: value.detach() for name, value in root.state_dict(keep_vars=True).items()
+            if name not in held and isinstance(value, torch.Tensor)}
 
 
 def _unsplittable(gm: fx.GraphModule, name: str, stage_of: dict[str, int]) -> str:
