@@ -448,7 +448,9 @@ class Pipeline:
             raise PipelineInputError(
                 f"minibatch {index} has no target, and the pipeline has a loss function "
                 "(it computes loss_fn(output, target)): pass step(*inputs, target=y), "
-                "or (inputs, target) pairs to train()")
+                "or (inputs, target) pairs to train(); for a model that computes its own loss "
+                "(a Hugging Face model given labels=), pass its labels as the target too and "
+                "a loss_fn that reads the output's: lambda output, target: output.loss")
         return (tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)), target
 
     def _keep_example_target(self, items: Sequence[tuple[tuple[Any, ...], Any]]) -> None:
