@@ -514,6 +514,22 @@ class Pipeline:
             groups.append(tuple(range(start, len(inputs_all))))
         return RunInput(MicrobatchData(inputs_all, targets), len(inputs_all), per, tuple(groups))
 
+    def _check_none_inputs(self, index: int, inputs: tuple[Any, ...]) -> None:
+        """Refuse an input given as None where the example gave a value, or the other way: the
+        graph was captured with the example's (`if mask is not None` resolved by it)."""
+        if self.example_inputs is None:
+            return
+        given, example = self._named(inputs), self._named(self.example_inputs)
+        for name in self.parts.data_inputs:
+            if (given[name] is None) == (example[name] is None):
+                continue
+            now, then = ("None", "a value") if given[name] is None else ("a value", "None")
+            raise PipelineInputError(
+                f"minibatch {index}: input {name!r} is {now}, but example_inputs gave {then}, "
+                f"and the compiled graph follows the example (what the model does with "
+                f"{name!r} was decided by it); compile with example_inputs that give {name!r} "
+                "as the minibatches will")
+
     def check_minibatch(self, index: int, inputs: Sequence[Any], target: Any) -> None:
         """Refuse, in one line, a minibatch the pipeline cannot train, before any rank starts.
 
@@ -529,6 +545,7 @@ class Pipeline:
                 f"minibatch {index} has {len(inputs)} inputs but the pipeline takes "
                 f"{len(names)} ({', '.join(names)}); pass them positionally as in "
                 "example_inputs")
+        self._check_none_inputs(index, tuple(inputs))
         key = _signature((tuple(inputs), target))
         if key in self._checked_shapes:
             return
@@ -758,8 +775,8 @@ class _Schedulers:
 
 def _first_microbatch(named: dict[str, Any], m: int) -> dict[str, Any]:
     """The first (largest) of the `m` microbatches of inputs by name."""
-    return {name: value[:-(-value.shape[0] // m)]
-            if isinstance(value, torch.Tensor) and value.dim() else value
+    return {name: pytree.tree_map(lambda v: v[:-(-v.shape[0] // m)]
+                                  if isinstance(v, torch.Tensor) and v.dim() else v, value)
             for name, value in named.items()}
 
 
@@ -785,7 +802,12 @@ def _lcm(values: list[int]) -> int:
 
 
 def _chunks(value: Any, m: int, name: str, *, index: int, why: str) -> list[Any]:
-    """`value` cut along its first dimension into `m` parts differing by at most one."""
+    """`value` cut along its first dimension into `m` parts differing by at most one; in a
+    list, tuple or dict (any pytree), each tensor of it so, the rest given to every part."""
+    leaves, spec = pytree.tree_flatten(value)
+    if len(leaves) != 1 or leaves[0] is not value:
+        cut = [_chunks(leaf, m, name, index=index, why=why) for leaf in leaves]
+        return [pytree.tree_unflatten([parts[i] for parts in cut], spec) for i in range(m)]
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return [value] * m
     if value.shape[0] < m:
@@ -796,9 +818,6 @@ def _chunks(value: Any, m: int, name: str, *, index: int, why: str) -> list[Any]
 
 
 def _cut_target(target: Any, m: int, *, index: int, why: str) -> list[Any]:
-    if isinstance(target, tuple | list):
-        parts = [_chunks(t, m, "the target", index=index, why=why) for t in target]
-        return [type(target)(p[i] for p in parts) for i in range(m)]
     return _chunks(target, m, "the target", index=index, why=why)
 
 

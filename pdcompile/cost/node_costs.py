@@ -139,7 +139,8 @@ def annotate_costs(
 
 def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
     """The CostGraph of a costed GraphModule: one node per fx node (ids are the fx node names;
-    placeholders are zero-compute input nodes, the output node is left out), one edge per use.
+    placeholders are zero-compute input nodes, those of inputs nothing reads and the output node
+    are left out), one edge per use.
 
     Attribute reads (get_attr: torch.export's weights, tensor constants) are not nodes: the split
     puts them in every stage that uses them, so a plan cannot place them apart; their parameter
@@ -158,6 +159,8 @@ def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
     for node in gm.graph.nodes:
         if node.op == "output" or node.name in folded:
             continue
+        if node.op == "placeholder" and not node.users:
+            continue  # an input forward ignores (None in the example): nothing to place
         cost = get_cost(node)
         add_block(graph, node.name, fwd=cost.fwd, bwd=cost.bwd, act=cost.act,
                   params=cost.params + carried.get(node.name, 0.0), keep=cost.keep,

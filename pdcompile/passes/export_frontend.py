@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils import _pytree as pytree
 
 from pdcompile.errors import TraceError
 from pdcompile.meta import set_input_shapes, set_output_spec
@@ -49,6 +50,13 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
     except TypeError as err:
         raise TraceError(f"the example inputs do not fit {type(model).__name__}.forward: "
                          f"{err}") from None
+    for name, value in bound.items():
+        if isinstance(value, list | tuple | dict) and any(
+                isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
+            raise TraceError(f"input {name!r} of {type(model).__name__} is a "
+                             f"{type(value).__name__} of tensors, which the torch.export front "
+                             "end cannot take as one input; use frontend='fx' (which can), or "
+                             "pass its tensors as separate inputs")
     program = _export(model, tuple(args), kwargs, bound)
     unlifted = program.module()
     graph = unlifted.graph

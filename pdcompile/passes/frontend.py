@@ -15,6 +15,7 @@ the graph (`meta.get_frontend`).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -94,7 +95,8 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         return export_graph(model, args, kwargs), "export"
     try:
         return trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
-                     num_positional=len(args)), "fx"
+                     num_positional=len(args), none_inputs=_given_as_none(model, args, kwargs)
+                     ), "fx"
     except TraceError as fx_error:
         if frontend == "fx":
             raise
@@ -103,6 +105,16 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         except TraceError as export_error:
             raise TraceError(f"{fx_error} (torch.export cannot capture it either: "
                              f"{export_error})") from None
+
+
+def _given_as_none(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
+                   ) -> list[str]:
+    """The forward's parameters that the example inputs give as None."""
+    try:
+        bound = inspect.signature(model.forward).bind_partial(*args, **kwargs).arguments
+    except (TypeError, ValueError):
+        return []  # the trace says what does not fit
+    return [name for name, value in bound.items() if value is None]
 
 
 __all__ = ["FRONTENDS", "Captured", "capture", "unwrapped"]

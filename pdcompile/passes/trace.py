@@ -119,6 +119,7 @@ def trace(
     leaf_modules: Iterable[type[nn.Module] | str] = (),
     example_kwargs_names: Sequence[str] | None = None,
     num_positional: int | None = None,
+    none_inputs: Sequence[str] = (),
 ) -> fx.GraphModule:
     """Trace `model` symbolically into a GraphModule (a GraphModule is returned as it is).
 
@@ -128,6 +129,9 @@ def trace(
     resolved) unless it is named in `example_kwargs_names` or lies among the first
     `num_positional` parameters (pass `len(example_inputs)` when inputs fill defaulted slots).
     `*args` and `**kwargs` parameters receive nothing (inputs are bound to named parameters).
+    `none_inputs`: parameters the example gives as None (`forward(x, mask=None)` called with
+    `(x, None)`): traced as None, so `if mask is not None` is resolved as it is at run time;
+    each keeps its placeholder, unused, so that the inputs are still the ones given.
     Parameters, buffers and tied parameters stay the model's own objects (shared, not copied).
     """
     if isinstance(model, fx.GraphModule):
@@ -153,6 +157,7 @@ def trace(
             raise TraceError(f"leaf_modules takes nn.Module types or qualified names, got "
                              f"{item!r}; e.g. leaf_modules=[nn.LSTM, 'encoder.block0']")
     concrete = _concrete_args(model, example_kwargs_names, num_positional)
+    concrete.update(dict.fromkeys(none_inputs))
     tracer = _PolicyTracer(tuple(leaf_types), frozenset(leaf_names))
     with _BuffersKept(model) as kept:
         graph = _traced(model, tracer, concrete)
@@ -169,7 +174,7 @@ def trace(
                                  "tracing, once); change them from a tensor the forward "
                                  "computes, or outside forward")
     _cut_off_no_grad(graph)
-    _drop_specialized(graph, model, concrete)
+    _drop_specialized(graph, model, concrete, keep=set(none_inputs))
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
     gm.train(model.training)
     return gm
@@ -300,9 +305,11 @@ def _concrete_args(model: nn.Module, kwargs_names: Sequence[str] | None,
 _ASSERTS = {torch._assert, operator.eq, getattr(fx._symbolic_trace, "_assert_is_none", None)}
 
 
-def _drop_specialized(graph: fx.Graph, model: nn.Module, concrete: dict[str, Any]) -> None:
+def _drop_specialized(graph: fx.Graph, model: nn.Module, concrete: dict[str, Any], *,
+                      keep: set[str]) -> None:
     """Remove the placeholders fx makes for arguments fixed to their defaults, with the checks
-    it hangs on them, so that the graph's inputs are exactly the traced ones."""
+    it hangs on them, so that the graph's inputs are exactly the traced ones (those in `keep`,
+    given as None, keep their placeholder without the checks)."""
     if not concrete:
         return
     names = list(inspect.signature(model.forward).parameters)
@@ -323,7 +330,12 @@ def _drop_specialized(graph: fx.Graph, model: nn.Module, concrete: dict[str, Any
         order = {n: i for i, n in enumerate(graph.nodes)}
         for check in sorted(checks, key=order.__getitem__, reverse=True):
             graph.erase_node(check)
-        if not node.users:
+        if name in keep:  # named as the forward names it (fx calls it "mask_1")
+            with graph.inserting_before(node):
+                named = graph.placeholder(name)
+            node.replace_all_uses_with(named)
+            graph.erase_node(node)
+        elif not node.users:
             graph.erase_node(node)
     graph.lint()
 
