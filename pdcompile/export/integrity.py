@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
+from pdcompile.export.signing import SIGNATURE_NAME, sign
 from pdcompile.export.user_modules import FOLDER as USER_CODE
 from pdcompile.util.manifest import Manifest, read_manifest, read_verified, verify, write_manifest
 
@@ -33,6 +34,7 @@ def clear_export(folder: Path) -> None:
     export is interrupted has no manifest and is refused, and no stale stage or rank file
     survives beside a smaller pipeline."""
     (folder / MANIFEST_NAME).unlink(missing_ok=True)
+    (folder / SIGNATURE_NAME).unlink(missing_ok=True)
     for path in folder.iterdir():
         stale = path.name.startswith(f".{MANIFEST_NAME}.") and path.name.endswith(".tmp")
         if (_WRITTEN.match(path.name) or stale) and path.is_file():
@@ -40,10 +42,14 @@ def clear_export(folder: Path) -> None:
 
 
 def seal_export(folder: Path) -> Path:
-    """Write the manifest of every file the writer produced in `folder` (call last)."""
+    """Write the manifest of every file the writer produced in `folder`, and its signature
+    (export/signing.py; call last)."""
+    (folder / SIGNATURE_NAME).unlink(missing_ok=True)
     names = [p.name for p in folder.iterdir() if p.is_file() and _WRITTEN.match(p.name)]
     names += [f"{USER_CODE}/{p.name}" for p in sorted((folder / USER_CODE).glob("*.py"))]
-    return write_manifest(folder, names, kind=MANIFEST_KIND, manifest_name=MANIFEST_NAME)
+    manifest = write_manifest(folder, names, kind=MANIFEST_KIND, manifest_name=MANIFEST_NAME)
+    sign(folder, MANIFEST_NAME)
+    return manifest
 
 
 def verified_export(path: str | Path) -> Manifest:

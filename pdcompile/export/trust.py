@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import PipelineInputError
+from pdcompile.export.integrity import MANIFEST_NAME
+from pdcompile.export.signing import unsigned_reason
 
 # what an export's own code imports, whatever the model: torch, pdcompile's runtime, and the
 # standard modules torch.fx's generated code and the container types name
@@ -66,6 +68,10 @@ def check_imports(folder: Path, meta: dict[str, Any], code: dict[str, str], *,
     docstring); nothing is imported here (only the top-level package is located)."""
     if trust:
         return
+    unsigned = unsigned_reason(folder, MANIFEST_NAME)
+    if unsigned is not None:
+        raise PipelineInputError(f"{folder} is not an export this user wrote: {unsigned}; "
+                                 f"{TRUST_HINT}")
     recorded = meta.get("modules", [])
     allowed = {str(m) for m in recorded} if isinstance(recorded, list) else set()
     copies = _user_copies(folder, meta)

@@ -120,3 +120,52 @@ def test_a_removed_step_in_a_rank_loop_is_refused(tmp_path: Path) -> None:
     (out / "rank_7.py").write_text("def run_rank(rt):\n    yield\n")
     with pytest.raises(DamagedFileError, match=r"rank_7.py is not listed in MANIFEST.json"):
         pdcompile.load(str(out))
+
+
+def _forge_manifest(folder: Path) -> None:
+    """A manifest that matches the folder, written without the user's signing key (what anyone
+    who can write the folder can do)."""
+    from pdcompile.export.integrity import MANIFEST_NAME
+    from pdcompile.util.manifest import write_manifest
+
+    names = [p.name for p in folder.iterdir()
+             if p.is_file() and p.name not in (MANIFEST_NAME, "MANIFEST.sig")]
+    write_manifest(folder, names, kind="export", manifest_name=MANIFEST_NAME)
+
+
+def test_code_edited_with_a_forged_manifest_never_runs_unless_trusted(tmp_path: Path) -> None:
+    """A matching manifest is no longer enough: the writer's signature (export/signing.py) must
+    verify under the user's key, so a payload with a forged manifest is refused before any
+    code of the folder runs."""
+    out = _export(tmp_path / "out")
+    assert (out / "MANIFEST.sig").is_file()
+    marker = tmp_path / "ran"
+    stage = out / "stage_0.py"
+    stage.write_text(stage.read_text() + f"\nopen({str(marker)!r}, 'w').close()\n")
+    _forge_manifest(out)
+    with pytest.raises(PipelineInputError) as info:
+        pdcompile.load(str(out))
+    message = str(info.value)
+    assert "is not an export this user wrote" in message and "MANIFEST.sig does not match" \
+        in message and "trust=True" in message and "\n" not in message
+    assert not marker.exists()
+    pdcompile.load(str(out), trust=True)  # the user's choice: its code runs
+    assert marker.exists()
+
+
+def test_an_export_signed_with_another_users_key_needs_trust(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDCOMPILE_KEY", str(tmp_path / "theirs.key"))
+    out = _export(tmp_path / "out")
+    assert pdcompile.load(str(out)).loss_fn is user_loss  # theirs: signed and verified
+    monkeypatch.setenv("PDCOMPILE_KEY", str(tmp_path / "mine.key"))
+    with pytest.raises(PipelineInputError, match=r"this user has no signing key .*mine\.key"):
+        pdcompile.load(str(out))
+    _export(tmp_path / "other")  # now this user has a key, and it is not theirs
+    with pytest.raises(PipelineInputError, match=r"MANIFEST.sig does not match the signing key"):
+        pdcompile.load(str(out))
+    assert pdcompile.load(str(out), trust=True).loss_fn is user_loss
+    (out / "MANIFEST.sig").unlink()
+    with pytest.raises(PipelineInputError, match=r"it has no MANIFEST.sig"):
+        pdcompile.load(str(out))
+    assert (tmp_path / "mine.key").stat().st_mode & 0o777 == 0o600

@@ -1,0 +1,86 @@
+"""Exports signed by their writer: an edit with a matching manifest forged is refused.
+
+A manifest (export/integrity.py) catches damage, but whoever can write the folder can write a
+manifest too, and an export is code that runs when it is loaded. So the writer also signs the
+manifest: `MANIFEST.sig` holds the HMAC-SHA256 of MANIFEST.json's bytes under a secret key of
+the user's, kept outside every export (`export_key_path`: `$PDCOMPILE_KEY`, else
+`$XDG_CONFIG_HOME/pdcompile/export.key`, else `~/.config/pdcompile/export.key`, made on first
+use with 32 random bytes, readable by the user alone). Without `trust=True` (`--trust`) a
+folder loads only when its signature verifies under that key: written by this user (on this
+machine, or wherever the key file was copied) and not changed since. An export from anyone
+else, or one edited by hand, needs `trust=True`: the choice to run its code is the user's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from pathlib import Path
+
+SIGNATURE_NAME = "MANIFEST.sig"
+_KEY_BYTES = 32
+
+
+def export_key_path() -> Path:
+    """Where the user's signing key lives (module docstring)."""
+    given = os.environ.get("PDCOMPILE_KEY")
+    if given:
+        return Path(given).expanduser()
+    config = os.environ.get("XDG_CONFIG_HOME") or str(Path.home() / ".config")
+    return Path(config) / "pdcompile" / "export.key"
+
+
+def _key(*, create: bool) -> bytes | None:
+    """The user's key; made (atomically, mode 0600) when `create` and there is none."""
+    path = export_key_path()
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        if not create:
+            return None
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as out:
+        out.write(os.urandom(_KEY_BYTES))
+    try:
+        os.link(tmp, path)  # never replaces a key another process made meanwhile
+    except FileExistsError:
+        pass
+    finally:
+        tmp.unlink(missing_ok=True)
+    return path.read_bytes()
+
+
+def _mac(key: bytes, manifest: Path) -> str:
+    return hmac.new(key, manifest.read_bytes(), hashlib.sha256).hexdigest()
+
+
+def sign(folder: Path, manifest_name: str) -> Path:
+    """Write the folder's signature of its manifest (call right after writing the manifest)."""
+    key = _key(create=True)
+    assert key is not None
+    out = folder / SIGNATURE_NAME
+    tmp = folder / f".{SIGNATURE_NAME}.{os.getpid()}.tmp"
+    tmp.write_text(_mac(key, folder / manifest_name) + "\n")
+    os.replace(tmp, out)
+    return out
+
+
+def unsigned_reason(folder: Path, manifest_name: str) -> str | None:
+    """Why the folder's manifest is not signed by this user's key; None when it is."""
+    signature = folder / SIGNATURE_NAME
+    if not signature.is_file():
+        return f"it has no {SIGNATURE_NAME} (written by another tool, or by a version before " \
+               "exports were signed)"
+    key = _key(create=False)
+    if key is None:
+        return f"this user has no signing key ({export_key_path()}): it was written elsewhere"
+    if not hmac.compare_digest(signature.read_text().strip(), _mac(key, folder / manifest_name)):
+        return f"its {SIGNATURE_NAME} does not match the signing key {export_key_path()}: it " \
+               "was written by someone else, or changed after it was written"
+    return None
+
+
+__all__ = ["SIGNATURE_NAME", "export_key_path", "sign", "unsigned_reason"]
