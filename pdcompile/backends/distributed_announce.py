@@ -196,7 +196,7 @@ def _minibatch(item: Any, index: int) -> tuple[tuple[Any, ...], Any]:
 
 
 def _batch_size(inputs: tuple[Any, ...]) -> int:
-    for value in inputs:
+    for value in pytree.tree_leaves(inputs):  # inside a list or dict input too
         if isinstance(value, torch.Tensor) and value.dim():
             return int(value.shape[0])
     return 1
