@@ -296,7 +296,8 @@ class Pipeline:
                 stage_edges=self.parts.edges, vertical_sync=self.vertical_sync,
                 # the planner's in-flight counts, where it planned this schedule
                 warmup=self.plan.warmup() if self.plan.schedule == self.schedule_name else None,
-                recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute])
+                recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute],
+                shares=self.plan.shares())
         return self._schedules[n, per]
 
     @property
@@ -418,7 +419,7 @@ class Pipeline:
         stream = iter(batches)
         segment = 1 if kind(self.schedule_name).flush else None
         multiple, least = window_rounds(self.schedule_name,
-                                        [s.replicas for s in self.plan.stages])
+                                        [s.round_size for s in self.plan.stages])
         while steps is None or len(out) < steps:
             limit = window_limit(len(out), steps=steps, segment=segment, multiple=multiple)
             items = take_window(stream, limit, convert=self.as_minibatch, first=len(out),
@@ -484,7 +485,7 @@ class Pipeline:
         for index, (inputs, target) in enumerate(batches, first):
             self.check_minibatch(index, inputs, target)
         if not kind(self.schedule_name).microbatched:
-            lcm = _lcm([s.replicas for s in self.plan.stages])
+            lcm = _lcm([s.round_size for s in self.plan.stages])
             pieces = [1] * len(batches)
             if len(batches) % lcm:
                 pieces[-1] = lcm - len(batches) % lcm + 1
@@ -768,7 +769,7 @@ def _default_microbatches(schedule: str, plan: Plan) -> int:
     """'1f1b': the length of an exported run, at least twice the workers and a multiple of
     every replica count (each replica takes its turn); else one microbatch per stage."""
     if not kind(schedule).microbatched:
-        need = _lcm([s.replicas for s in plan.stages])
+        need = _lcm([s.round_size for s in plan.stages])
         return need * -(-2 * plan.workers // need)
     return max(1, len(plan.stages))
 

@@ -76,7 +76,7 @@ from pdcompile.runtime.slowdown import stretch
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.generators import copies_weights
-from pdcompile.schedule.ir import Action, Kind
+from pdcompile.schedule.ir import Action, Kind, replica_of
 from pdcompile.schedule.kinds import ScheduleKind, kind
 
 Op = Generator[Pending, None, None]
@@ -127,6 +127,19 @@ class RunConfig:
     vertical_sync: bool = False
     recompute: frozenset[int] = frozenset()
     slowdowns: tuple[float, ...] = ()  # per rank: compute stretched (runtime/slowdown.py)
+    # per stage, microbatches each replica takes per round (Schedule.shares); (): round robin
+    shares: tuple[tuple[int, ...], ...] = ()
+
+    def replica_rank(self, stage: int, microbatch: int) -> int:
+        """The rank of `stage` that handles `microbatch` (`Schedule.rank_of`)."""
+        ranks = self.stage_ranks[stage]
+        if not self.shares:
+            return ranks[microbatch % len(ranks)]
+        return ranks[replica_of(self.shares[stage], microbatch)]
+
+    def round_size(self, stage: int) -> int:
+        """Microbatches per round of `stage`'s replicas (its replica count under round robin)."""
+        return sum(self.shares[stage]) if self.shares else len(self.stage_ranks[stage])
 
     def slowdown_of(self, rank: int) -> float:
         """The factor `rank`'s compute is stretched by (1.0: none)."""
@@ -196,7 +209,8 @@ class StageRuntime:
         self.params: dict[str, torch.Tensor] = dict(
             module.named_parameters(remove_duplicate=False))
         self.versions = WeightVersions(self.params, copy=copies_weights(
-            config.schedule, config.stage_ranks, self.stage, vertical_sync=config.vertical_sync))
+            config.schedule, config.stage_ranks, self.stage, vertical_sync=config.vertical_sync,
+            shares=config.shares or None))
         self.stash = StashBuffer()
         self.losses: dict[int, torch.Tensor] = {}
         # what runs now: (kind, stage, microbatch, start), for a watchdog or a model's error
@@ -227,8 +241,7 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ helpers
     def _peer_rank(self, stage: int, microbatch: int) -> int:
-        ranks = self.config.stage_ranks[stage]
-        return ranks[microbatch % len(ranks)]
+        return self.config.replica_rank(stage, microbatch)
 
     def _wait(self, pending: Pending) -> Generator[Pending, None, list[torch.Tensor]]:
         while not pending.ready():
@@ -530,7 +543,8 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ updates
     def all_reduce(self, index: int) -> Op:
-        """Sum the gradients over the stage's replicas (averaged for asynchronous 1f1b)."""
+        """Sum the gradients over the stage's replicas (for asynchronous 1f1b, averaged over the
+        round's minibatches: each replica has summed those of its share)."""
         start = time.time()
         self._finish_backwards()
         grads = self._grads()
@@ -539,7 +553,7 @@ class StageRuntime:
             yield from self._wait(self.transport.all_reduce(grads, ranks))
             if self.kind.averages_replicas:
                 for g in grads:
-                    g.div_(len(ranks))
+                    g.div_(self.config.round_size(self.stage))
         self._record(Kind.ALLREDUCE, index, None, start)
 
     def step(self, index: int) -> Op:
