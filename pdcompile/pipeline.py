@@ -34,7 +34,7 @@ from pdcompile.runtime.transport import Tag, TensorSpec
 from pdcompile.runtime.value_shapes import describe as _describe
 from pdcompile.runtime.value_shapes import signature as _signature
 from pdcompile.schedule.build import build
-from pdcompile.schedule.generators import interleaved_shape
+from pdcompile.schedule.generators import checked_shares, interleaved_shape
 from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import KINDS, kind
 from pdcompile.schedule.kinds import names as schedule_names
@@ -213,9 +213,20 @@ class Pipeline:
             raise PipelineInputError("vertical_sync needs schedule '1f1b' and the same number of "
                                      f"replicas in every stage (got {self.schedule_name!r}, "
                                      f"replicas {replicas})")
+        shares = self.plan.shares()
+        if shares is not None:
+            try:
+                checked_shares(self.schedule_name, self.stage_ranks, shares)
+            except ScheduleError as err:
+                raise PipelineInputError(f"plan {self.plan.config}: {err}") from None
+            if self.vertical_sync:
+                raise PipelineInputError(f"vertical_sync needs replicas that take minibatches in "
+                                         f"turn; the plan gives them shares {shares}: drop "
+                                         "vertical_sync or the shares")
         if not kind(self.schedule_name).microbatched:
+            rounds = [s.round_size for s in self.plan.stages]
             for tie in self.parts.ties:
-                counts = {replicas[s] for s in tie.stages}
+                counts = {rounds[s] for s in tie.stages}
                 if len(counts) > 1:
                     raise PlanError(f"parameter {tie.name!r} is shared by stages {tie.stages} "
                                     f"with different replica counts {sorted(counts)}; with "

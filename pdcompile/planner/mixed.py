@@ -8,13 +8,17 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
   CostGraph's times divided by the group's speed, its ranks mapped onto the group's;
 - the whole cluster as if every device were the slowest (`as_slowest`): the homogeneous planner
   on the cluster with the slowest group's device, the times divided by its speed;
+- the whole cluster as if every device had the mean speed (`as_mean`), its replicas given
+  shares in proportion to their speed;
+- every candidate above and below again with shares in proportion to speed where a stage's
+  replicas mix kinds (`with_shares`, cost/shares.py: a faster replica takes more of each
+  round, so the stage runs at its replicas' combined speed rather than the slowest's);
 - pipelines across the groups (`_across_groups`): a dynamic program over a topological order of
   the (coarsened) graph that cuts it into stages, each on r consecutive ranks of one group,
   visiting the groups in every order, that minimises the slowest stage's time (its compute at
   its group's speed over its replicas, their all-reduce and step, the link into it) where the
-  stage's weights fit its device. Replicas of a stage stay on one kind of device (see
-  docs/cost-model.md, "Mixed clusters": the simulator shows a stage whose replicas mix kinds
-  running at its slowest replica's pace, since they take microbatches in turn).
+  stage's weights fit its device. Replicas of a stage stay on one kind of device here; the
+  candidates above mix kinds within a stage.
 
 The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
 local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
@@ -35,6 +39,7 @@ from pdcompile.cost.costgraph import coarsen, edge_bytes, topological_order
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import ring_allreduce_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
+from pdcompile.cost.shares import proportional_shares, round_shares
 from pdcompile.cost.updates import step_seconds
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
@@ -76,6 +81,41 @@ def as_slowest(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner,
     return homogeneous(scaled_graph(graph, cluster.group_speed(slowest)), flat, **options)
 
 
+def as_mean(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner,
+            **options: Any) -> Plan:
+    """The homogeneous planner's plan on every rank of `cluster` as if each computed at the
+    mean speed of all (memory and updates the slowest group's device's): the plan to give
+    proportional shares (`with_shares`), where a stage on every kind runs at their mean."""
+    slowest = min(range(len(cluster.groups)), key=cluster.group_speed)
+    mean = sum(cluster.speed_of(r) for r in range(cluster.workers)) / cluster.workers
+    flat = replace(cluster, groups=(), device=cluster.groups[slowest].device)
+    return homogeneous(scaled_graph(graph, mean), flat, **options)
+
+
+def with_shares(plan: Plan, cluster: Cluster) -> Plan | None:
+    """`plan` with each stage whose replicas differ in speed giving them shares in proportion
+    (`cost/shares.py`: a flush schedule's microbatches, `proportional_shares`; a round of
+    asynchronous 1F1B, `round_shares`); None where no stage changes or the schedule does not
+    take shares (interleaved, zero bubble, 2BW)."""
+    row = kind(plan.schedule)
+    if row.chunked or row.microbatched_stream:
+        return None
+    stages, changed = [], False
+    for stage in plan.stages:
+        speeds = [cluster.speed_of(r) for r in stage.ranks]
+        counts: tuple[int, ...] = ()
+        if stage.replicas > 1 and max(speeds) > min(speeds) * (1 + 1e-9):
+            counts = proportional_shares(speeds, max(plan.microbatches, stage.replicas)) \
+                if row.flush else round_shares(speeds)
+            if len(set(counts)) == 1:
+                counts = ()
+        changed = changed or counts != stage.shares
+        stages.append(replace(stage, shares=counts, in_flight=0))
+    if not changed:
+        return None
+    return replace(plan, stages=tuple(stages), extra={})
+
+
 def _shifted(plan: Plan, start: int) -> Plan:
     stages = tuple(replace(s, ranks=tuple(r + start for r in s.ranks)) for s in plan.stages)
     return replace(plan, stages=stages)
@@ -107,6 +147,14 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                                               straight=straight, **options)))
     except PlanError:
         pass
+    mean: list[tuple[str, Plan]] = []
+    if not straight:
+        try:
+            mean.append(("as the mean speed", as_mean(
+                graph, cluster, homogeneous=homogeneous, memory=memory,
+                optimizer_state=optimizer_state, straight=straight, **options)))
+        except PlanError:
+            pass
     for name, m in schedules:
         row = kind(name)
         if row.interleaved or row.v_shape:
@@ -117,8 +165,10 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                                         most_replicas=most, optimizer_state=optimizer_state)
                 if stages is not None:
                     made.append((f"across groups {order}", _as_plan(stages, name, m)))
+    shared = [(f"{how}, shares by speed", s) for how, c in made + mean
+              if (s := with_shares(c, cluster)) is not None]
     priced: list[tuple[str, Plan]] = []
-    for how, candidate in made:
+    for how, candidate in made + shared:
         try:
             plan = pricer(graph, candidate, cluster, memory=memory,
                           optimizer_state=optimizer_state)
@@ -139,6 +189,17 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
         priced.append((f"refined {how}", refined))
         if refined.time_per_minibatch < best.time_per_minibatch:
             how, best = f"refined {how}", refined
+        shared_refined = with_shares(refined, cluster)
+        if shared_refined is not None:
+            try:
+                plan = pricer(graph, shared_refined, cluster, memory=memory,
+                              optimizer_state=optimizer_state)
+            except PlanError:
+                plan = None
+            if plan is not None and plan.extra.get("fits", True):
+                priced.append((f"refined {how}, shares by speed", plan))
+                if plan.time_per_minibatch < best.time_per_minibatch:
+                    how, best = f"refined {how}, shares by speed", plan
     times: dict[str, float] = {}
     for h, p in priced:  # the best of each kind of candidate, for reports and benchmarks
         times[h] = min(times.get(h, math.inf), p.time_per_minibatch)
@@ -160,7 +221,8 @@ def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
     if evaluations < 1 or best.schedule != "1f1b" or best.workers != cluster.workers:
         return None
     try:
-        found = refine_plan(best, graph, cluster, max_evaluations=evaluations).plan
+        plain = replace(best, stages=tuple(replace(s, shares=()) for s in best.stages))
+        found = refine_plan(plain, graph, cluster, max_evaluations=evaluations).plan
         plan = pricer(graph, replace(found, extra={}), cluster, memory=memory,
                       optimizer_state=optimizer_state)
     except PlanError:
@@ -282,4 +344,4 @@ def _replica_counts(free: int, most: int | None) -> list[int]:
     return sorted(counts)
 
 
-__all__ = ["as_slowest", "group_alone", "plan_mixed", "scaled_graph"]
+__all__ = ["as_mean", "as_slowest", "group_alone", "plan_mixed", "scaled_graph", "with_shares"]

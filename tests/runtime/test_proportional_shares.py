@@ -130,3 +130,14 @@ def test_flush_schedules_with_shares_equal_one_process(schedule: str, micro: int
               for rank in pipe.plan.stages[1].ranks]
     # the round (0, 1, 0): two of every three on replica 0
     assert counts == [micro - (micro + 1) // 3, (micro + 1) // 3]
+
+
+def test_a_schedule_that_cannot_take_shares_says_so() -> None:
+    model = make_model()
+    plan = shared_plan(model, 2, [2, 1], [(2, 1), (1,)])
+    with pytest.raises(pdcompile.errors.PipelineInputError, match="proportional shares"):
+        pdcompile.compile(model, example_inputs=(torch.randn(4, 6),), loss_fn=mse, plan=plan,
+                          schedule="2bw", microbatches=3)
+    with pytest.raises(pdcompile.errors.PipelineInputError, match="vertical_sync"):
+        pdcompile.compile(model, example_inputs=(torch.randn(4, 6),), loss_fn=mse, plan=plan,
+                          schedule="1f1b", vertical_sync=True)
