@@ -192,14 +192,14 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
         shared_refined = with_shares(refined, cluster)
         if shared_refined is not None:
             try:
-                plan = pricer(graph, shared_refined, cluster, memory=memory,
-                              optimizer_state=optimizer_state)
+                again: Plan | None = pricer(graph, shared_refined, cluster, memory=memory,
+                                            optimizer_state=optimizer_state)
             except PlanError:
-                plan = None
-            if plan is not None and plan.extra.get("fits", True):
-                priced.append((f"refined {how}, shares by speed", plan))
-                if plan.time_per_minibatch < best.time_per_minibatch:
-                    how, best = f"refined {how}, shares by speed", plan
+                again = None
+            if again is not None and again.extra.get("fits", True):
+                priced.append((f"refined {how}, shares by speed", again))
+                if again.time_per_minibatch < best.time_per_minibatch:
+                    how, best = f"refined {how}, shares by speed", again
     times: dict[str, float] = {}
     for h, p in priced:  # the best of each kind of candidate, for reports and benchmarks
         times[h] = min(times.get(h, math.inf), p.time_per_minibatch)
