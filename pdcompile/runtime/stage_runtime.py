@@ -9,7 +9,9 @@ Semantics per schedule (PipeDream, Narayanan et al., SOSP 2019; PipeDream-2BW an
 Narayanan et al., ICML 2021; GPipe, Huang et al., NeurIPS 2019):
 
 - "1f1b": a weight update after every backward (with r replicas: after each round of r
-  backwards, gradients averaged over the replicas); with stashing, minibatch m's forward and
+  backwards, gradients averaged over the replicas; where the replicas take unequal shares of
+  a round of n, `RunConfig.shares`, after a replica's last backward of the round, its share's
+  gradients summed and averaged over the n); with stashing, minibatch m's forward and
   backward use the same weight version (the one current at its forward), and the update applies
   that gradient to the latest weights. `vertical_sync`: every stage uses the version stage 0 used
   for m (the version travels with the activations). `stash=False` recomputes the forward with the

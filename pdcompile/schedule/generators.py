@@ -18,8 +18,10 @@ and 8 microbatches (`1f1b-flush`, `1f1b` alike; F of microbatch m written Fm)::
     stage 2:        F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7
     stage 3:           F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7
 
-Microbatch m of stage s runs on replica `m % r_s` (1F1B-RR); each replica applies the same order
-to its own microbatches. `warmup=` overrides the depth per stage, e.g. with
+Microbatch m of stage s runs on replica `m % r_s` (1F1B-RR), or, where the replicas take unequal
+shares of each round (`shares=`, a faster replica more), on the replica the round's pattern gives
+it (`Schedule.shares`; each replica then its own depth, `shared_warmup_depths`); each replica
+applies the same order to its own microbatches. `warmup=` overrides the depth per stage, e.g. with
 `latency_aware_warmup`, which also counts the time transfers take (NOAM assumes they are free;
 on slow links a stage then waits for gradients with nothing to do).
 
