@@ -17,8 +17,9 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
   the (coarsened) graph that cuts it into stages, each on r consecutive ranks of one group,
   visiting the groups in every order, that minimises the slowest stage's time (its compute at
   its group's speed over its replicas, their all-reduce and step, the link into it) where the
-  stage's weights fit its device. Replicas of a stage stay on one kind of device here; the
-  candidates above mix kinds within a stage.
+  stage's weights fit its device. A stage may also take the rest of one group and the first
+  ranks of the next (replicas of two kinds), priced at their shared speed with shares in
+  proportion to speed (`cost/shares.py`; `with_shares` then gives the plan those shares).
 
 The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
 local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
@@ -39,10 +40,11 @@ from pdcompile.cost.costgraph import coarsen, edge_bytes, topological_order
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import ring_allreduce_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
-from pdcompile.cost.shares import proportional_shares, round_shares
+from pdcompile.cost.shares import proportional_shares, round_shares, shared_speed
 from pdcompile.cost.updates import step_seconds
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.device import Device
 from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.kinds import kind
 
@@ -275,11 +277,16 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
     streaming = not row.microbatched
 
     def stage_time(i: int, j: int, group: int, start: int, r: int) -> float:
-        device, speed = cluster.groups[group].device, cluster.group_speed(group)
+        return ranks_time(i, j, list(range(start, start + r)), cluster.groups[group].device,
+                          cluster.group_speed(group))
+
+    def ranks_time(i: int, j: int, ranks: list[int], device: Device, speed: float) -> float:
+        """The slowest-stage term of blocks i..j-1 on `ranks` of `device` (the smallest memory
+        and slowest updates among them) computing at `speed` each."""
+        r, start = len(ranks), ranks[0]
         p = params[j] - params[i]
         if p * (2.0 + optimizer_state) > device.memory:
             return math.inf
-        ranks = list(range(start, start + r))
         level = cluster.levels[cluster.slowest_level_of(ranks)]
         sync = ring_allreduce_seconds(p, r, level) + step_seconds(p, device)
         compute = (work[j] - work[i]) / speed
@@ -289,6 +296,18 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         if i > 0 and start > 0:
             link = 2.0 * crossing[i] / cluster.flow_rate_between(start - 1, start) / r
         return max(own, link)
+
+    def straddle(g: int, u: int, v: int) -> tuple[list[int], Device, float]:
+        """The rest of group order[g] from its u-th rank and the first v of order[g+1]: their
+        ranks, the device with less memory (the slower, on a tie) and their shared speed."""
+        here, there = order[g], order[g + 1]
+        ranks = list(cluster.group_ranks(here))[u:] + list(cluster.group_ranks(there))[:v]
+        speeds = [cluster.speed_of(x) for x in ranks]
+        counts = round_shares(speeds) if streaming else proportional_shares(
+            speeds, max(m, len(speeds)))
+        device = min((cluster.groups[here].device, cluster.groups[there].device),
+                     key=lambda d: (d.memory, d.flops))
+        return ranks, device, shared_speed(speeds, counts)
 
     # value[(i, g, u)] = (best bottleneck, previous state, stage placed)
     Key = tuple[int, int, int]
@@ -312,6 +331,16 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
                         if t < math.inf:
                             _relax(value, (j, g, u + r), max(here[0], t), (i, g, u),
                                    (i, j, group, first + u))
+                if most_replicas is not None or g + 1 >= len(order) or u >= size \
+                        or row.microbatched_stream:  # 2BW takes no shares
+                    continue
+                for v in _replica_counts(cluster.groups[order[g + 1]].workers, None):
+                    ranks, device, speed = straddle(g, u, v)
+                    for j in range(max(i + 1, pinned if i == 0 else 0), n + 1):
+                        t = ranks_time(i, j, ranks, device, speed)
+                        if t < math.inf:
+                            _relax(value, (j, g + 1, v), max(here[0], t), (i, g, u),
+                                   (i, j, group, first + u, tuple(ranks)))
     ends = [(v[0], key) for key, v in value.items() if key[0] == n and v[2] is not None]
     if not ends:
         return None
@@ -321,10 +350,13 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
     while state is not None:
         _, previous, placed = value[state]
         if placed is not None and previous is not None:
-            i, j, _, start = placed
-            r = state[2] - previous[2]
+            i, j, _, start = placed[:4]
             nodes = [x for b in blocks[i:j] for x in members.get(b, [b])]
-            stages.append((nodes, tuple(range(start, start + r))))
+            if len(placed) > 4:  # a stage over two groups
+                stages.append((nodes, placed[4]))
+            else:
+                r = state[2] - previous[2]
+                stages.append((nodes, tuple(range(start, start + r))))
         state = previous
     stages.reverse()
     return stages

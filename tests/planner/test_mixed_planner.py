@@ -173,3 +173,13 @@ def test_closed_form_prices_shares_as_the_simulator_does(fast: int, slow: int, r
     assert priced.extra["closed_form_time_per_minibatch"] == pytest.approx(
         priced.time_per_minibatch, rel=0.15)
     assert priced.time_per_minibatch < plain.time_per_minibatch
+
+
+def test_pipelines_across_groups_may_put_a_stage_on_two_kinds() -> None:
+    """The cut across groups may give a stage the rest of one group and the start of the next,
+    priced at their shared speed; with its shares it beats the stage kept on one kind."""
+    graph = chain(8)
+    cluster = Cluster.parse("3@10GB/s:a100*2,v100*1")
+    times = pdcompile.plan(graph, cluster).extra["mixed_times"]
+    shared = times["across groups (0, 1), shares by speed"]
+    assert shared < times["across groups (0, 1)"] and shared < times["as slowest"]
