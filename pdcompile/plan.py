@@ -242,6 +242,11 @@ class Plan:
             f"{self.versus_data_parallel()}; planner {self.planner} ({status}, "
             f"{self.solve_seconds:.2f} s), cost model {self.cost_model}"
         )
+        shared = [f"stage {i} {'/'.join(map(str, s.shares))}" for i, s in enumerate(self.stages)
+                  if s.shares]
+        if shared:
+            lines.append("replicas take shares of each round by speed (ranks in order): "
+                         + ", ".join(shared))
         why = self.prediction_text()
         if why:
             lines.append(why)

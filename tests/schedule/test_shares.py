@@ -83,3 +83,20 @@ def test_shares_survive_the_text_form() -> None:
     again = Schedule.from_text(built.to_text())
     assert again.shares == ((2, 1), (1,))
     assert [again.rank_of(0, m) for m in range(6)] == [0, 1, 0, 0, 1, 0]
+
+
+def test_a_plan_keeps_its_shares_through_json_and_shows_them() -> None:
+    from pdcompile.errors import PlanError
+    from pdcompile.plan import Plan, Stage
+
+    plan = Plan(stages=(Stage(("a",), 3, (0, 1, 2), shares=(2, 2, 1)), Stage(("b",), 1, (3,))),
+                time_per_minibatch=0.1, dp_time=0.1, workers=4)
+    again = Plan.from_json(plan.to_json())
+    assert again == plan and again.shares() == [[2, 2, 1], [1]]
+    assert [again.stages[0].rank_of(m) for m in range(5)] == [0, 1, 2, 0, 1]
+    assert "stage 0 2/2/1" in plan.summary()
+    plain = Plan(stages=(Stage(("a",), 2, (0, 1)),), time_per_minibatch=0.1, dp_time=0.1,
+                 workers=2)
+    assert '"shares"' not in plain.to_json() and plain.shares() is None
+    with pytest.raises(PlanError, match="shares"):
+        Stage(("a",), 2, (0, 1), shares=(1, 0))
