@@ -34,7 +34,7 @@ from pdcompile.runtime.transport import Tag, TensorSpec
 from pdcompile.runtime.value_shapes import describe as _describe
 from pdcompile.runtime.value_shapes import signature as _signature
 from pdcompile.schedule.build import build
-from pdcompile.schedule.generators import interleaved_shape
+from pdcompile.schedule.generators import checked_shares, interleaved_shape
 from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import KINDS, kind
 from pdcompile.schedule.kinds import names as schedule_names
@@ -213,9 +213,20 @@ class Pipeline:
             raise PipelineInputError("vertical_sync needs schedule '1f1b' and the same number of "
                                      f"replicas in every stage (got {self.schedule_name!r}, "
                                      f"replicas {replicas})")
+        shares = self.plan.shares()
+        if shares is not None:
+            try:
+                checked_shares(self.schedule_name, self.stage_ranks, shares)
+            except ScheduleError as err:
+                raise PipelineInputError(f"plan {self.plan.config}: {err}") from None
+            if self.vertical_sync:
+                raise PipelineInputError(f"vertical_sync needs replicas that take minibatches in "
+                                         f"turn; the plan gives them shares {shares}: drop "
+                                         "vertical_sync or the shares")
         if not kind(self.schedule_name).microbatched:
+            rounds = [s.round_size for s in self.plan.stages]
             for tie in self.parts.ties:
-                counts = {replicas[s] for s in tie.stages}
+                counts = {rounds[s] for s in tie.stages}
                 if len(counts) > 1:
                     raise PlanError(f"parameter {tie.name!r} is shared by stages {tie.stages} "
                                     f"with different replica counts {sorted(counts)}; with "
@@ -299,7 +310,8 @@ class Pipeline:
                 stage_edges=self.parts.edges, vertical_sync=self.vertical_sync,
                 # the planner's in-flight counts, where it planned this schedule
                 warmup=self.plan.warmup() if self.plan.schedule == self.schedule_name else None,
-                recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute])
+                recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute],
+                shares=self.plan.shares())
         return self._schedules[n, per]
 
     @property
@@ -421,7 +433,7 @@ class Pipeline:
         stream = iter(batches)
         segment = 1 if kind(self.schedule_name).flush else None
         multiple, least = window_rounds(self.schedule_name,
-                                        [s.replicas for s in self.plan.stages])
+                                        [s.round_size for s in self.plan.stages])
         while steps is None or len(out) < steps:
             limit = window_limit(len(out), steps=steps, segment=segment, multiple=multiple)
             items = take_window(stream, limit, convert=self.as_minibatch, first=len(out),
@@ -489,7 +501,7 @@ class Pipeline:
         for index, (inputs, target) in enumerate(batches, first):
             self.check_minibatch(index, inputs, target)
         if not kind(self.schedule_name).microbatched:
-            lcm = _lcm([s.replicas for s in self.plan.stages])
+            lcm = _lcm([s.round_size for s in self.plan.stages])
             pieces = [1] * len(batches)
             if len(batches) % lcm:
                 pieces[-1] = lcm - len(batches) % lcm + 1
@@ -790,7 +802,7 @@ def _default_microbatches(schedule: str, plan: Plan) -> int:
     """'1f1b': the length of an exported run, at least twice the workers and a multiple of
     every replica count (each replica takes its turn); else one microbatch per stage."""
     if not kind(schedule).microbatched:
-        need = _lcm([s.replicas for s in plan.stages])
+        need = _lcm([s.round_size for s in plan.stages])
         return need * -(-2 * plan.workers // need)
     return max(1, len(plan.stages))
 

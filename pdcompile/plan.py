@@ -7,9 +7,19 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from pdcompile.errors import PlanError
+from pdcompile.schedule.ir import replica_of
 from pdcompile.units import format_bytes, format_seconds
 
 PLAN_FORMAT = "pdcompile.plan/1"
+
+
+def _stage_dict(stage: Stage) -> dict[str, Any]:
+    """A stage as plain data; `shares` only where the replicas take unequal turns."""
+    data = asdict(stage) | {"nodes": list(stage.nodes), "ranks": list(stage.ranks),
+                            "shares": list(stage.shares)}
+    if not stage.shares:
+        del data["shares"]
+    return data
 
 
 @dataclass(frozen=True)
@@ -24,6 +34,9 @@ class Stage:
     planner chose it within the memory; 0: the schedule's default (PipeDream's NOAM).
     `recompute`: the stage drops its activations after each forward and recomputes them in the
     backward (less memory, one more forward per microbatch; see pdcompile.cost.recompute).
+    `shares`: how many microbatches (minibatches under '1f1b') of each round every replica
+    takes, a faster replica more (`Schedule.shares`, planner/shares.py); (): one each, round
+    robin.
     """
 
     nodes: tuple[str, ...]
@@ -37,14 +50,33 @@ class Stage:
     copies: float = 0.0
     in_flight: int = 0
     recompute: bool = False
+    shares: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if self.shares and (len(self.shares) != len(self.ranks) or min(self.shares) < 1):
+            raise PlanError(f"a stage's shares give each of its {len(self.ranks)} replicas a "
+                            f"positive count of microbatches per round (got {list(self.shares)})")
         if not isinstance(self.in_flight, int) or self.in_flight < 0:
             raise PlanError(f"a stage keeps a positive number of minibatches in flight, or 0 for "
                             f"its schedule's default (got {self.in_flight!r})")
         if self.replicas < 1 or len(self.ranks) != self.replicas:
             raise PlanError(f"a stage with {self.replicas} replicas needs as many ranks, got "
                             f"{list(self.ranks)}")
+
+    @property
+    def round_size(self) -> int:
+        """Microbatches per round of the replicas: the sum of the shares, or the replicas."""
+        return sum(self.shares) if self.shares else self.replicas
+
+    def rank_of(self, microbatch: int) -> int:
+        """The rank (replica) that takes `microbatch` (`Schedule.rank_of`)."""
+        if not self.shares:
+            return self.ranks[microbatch % self.replicas]
+        return self.ranks[replica_of(self.shares, microbatch)]
+
+    def share_counts(self) -> tuple[int, ...]:
+        """The shares, one per replica (ones under round robin)."""
+        return self.shares or (1,) * self.replicas
 
 
 @dataclass(frozen=True)
@@ -92,6 +124,12 @@ class Plan:
                             f"them is replicated (stages {replicated} are)")
 
     # ----------------------------------------------------------------------------- views
+    def shares(self) -> list[list[int]] | None:
+        """Per stage the replicas' shares of each round, or None where all take turns."""
+        if not any(s.shares for s in self.stages):
+            return None
+        return [list(s.share_counts()) for s in self.stages]
+
     @property
     def config(self) -> str:
         """PipeDream's notation: "15-1" (replicas per stage), "straight", or "16" (data
@@ -151,8 +189,7 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         """Plain data; `config` and `speedup_over_dp` included for readers of the file."""
         data = asdict(self)
-        data["stages"] = [asdict(s) | {"nodes": list(s.nodes), "ranks": list(s.ranks)}
-                          for s in self.stages]
+        data["stages"] = [_stage_dict(s) for s in self.stages]
         return {"format": PLAN_FORMAT, **data, "config": self.config,
                 "speedup_over_dp": self.speedup_over_dp}
 
@@ -167,7 +204,8 @@ class Plan:
             raise PlanError(f"not a plan (format {data.get('format')!r}, want {PLAN_FORMAT!r})")
         fields = {k: v for k, v in data.items() if k not in ("format", "config", "speedup_over_dp")}
         fields["stages"] = tuple(
-            Stage(**(s | {"nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"])}))
+            Stage(**(s | {"nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"]),
+                          "shares": tuple(s.get("shares", ()))}))
             for s in data["stages"]
         )
         return cls(**fields)
@@ -204,6 +242,11 @@ class Plan:
             f"{self.versus_data_parallel()}; planner {self.planner} ({status}, "
             f"{self.solve_seconds:.2f} s), cost model {self.cost_model}"
         )
+        shared = [f"stage {i} {'/'.join(map(str, s.shares))}" for i, s in enumerate(self.stages)
+                  if s.shares]
+        if shared:
+            lines.append("replicas take shares of each round by speed (ranks in order): "
+                         + ", ".join(shared))
         why = self.prediction_text()
         if why:
             lines.append(why)

@@ -148,14 +148,18 @@ class Timeline:
 
     def period(self) -> int:
         """Microbatches after which a round-robin schedule repeats: the least common multiple of
-        the stages' replica counts (ranks running each stage's forwards), times the microbatches
-        per minibatch. 1 for a straight pipeline."""
+        the stages' replica counts (ranks running each stage's forwards; meta "round" where the
+        replicas take unequal shares of rounds), times the microbatches per minibatch. 1 for a
+        straight pipeline."""
+        per = max(1, int(self.meta.get("microbatches_per_minibatch", 1)))
+        if "round" in self.meta:
+            return int(self.meta["round"]) * per
         ranks_of: dict[int, set[int]] = {}
         for event, action in self.compute_events():
             if action.kind == Kind.F:
                 ranks_of.setdefault(action.stage, set()).add(event.rank)
         replicas = math.lcm(*(len(r) for r in ranks_of.values())) if ranks_of else 1
-        return replicas * max(1, int(self.meta.get("microbatches_per_minibatch", 1)))
+        return replicas * per
 
     def steady_window(self) -> tuple[float, float, int]:
         """(t0, t1, n): about the middle half of the microbatch completions and how many fell in

@@ -584,7 +584,7 @@ def _check_run(program: RunProgram, *, steps: int | None,
         raise PipelineInputError("checkpoint_every needs checkpoint_dir (the folder to save to)")
     # whole minibatches handed round-robin to the replicas: a run covers whole rounds
     if not schedule_kind(program.schedule_name).microbatched and checkpoint_every is not None:
-        lcm = math.lcm(*[s.replicas for s in plan.stages])
+        lcm = math.lcm(*[s.round_size for s in plan.stages])
         if checkpoint_every % lcm:
             raise PipelineInputError(
                 f"'1f1b' with replicated stages ({plan.config}) trains in multiples of {lcm} "
@@ -751,7 +751,6 @@ def _with_targets(receives: list[Receive], plan: Any,
     the target). Program order matters: the transport posts receives in this order, a fixed
     number ahead (a rank holding several chunks receives other chunks' activations between).
     `layout_of(m)`: the target's layout for microbatch m's run (None: it has no target)."""
-    first = plan.stages[0].ranks
     last = len(plan.stages) - 1
     out: list[Receive] = []
     seen: set[int] = set()
@@ -761,7 +760,7 @@ def _with_targets(receives: list[Receive], plan: Any,
         if tag.kind == "act" and tag.dst_stage == last and tag.microbatch not in seen \
                 and layout is not None:
             seen.add(tag.microbatch)
-            out.append((layout[1], first[tag.microbatch % len(first)],
+            out.append((layout[1], plan.stages[0].rank_of(tag.microbatch),
                         _target_tag(plan, tag.microbatch)))
     return out
 
@@ -775,11 +774,10 @@ class _SendsTargets:
         self.transport = transport
         self.plan = plan
         self.routed = routed
-        self.last = plan.stages[-1].ranks
         self.sent: set[int] = set()
 
     def inputs(self, microbatch: int) -> Any:
-        dst = self.last[microbatch % len(self.last)]
+        dst = self.plan.stages[-1].rank_of(microbatch)
         if microbatch not in self.sent and dst in self.routed:
             self.sent.add(microbatch)
             leaves = pytree.tree_leaves(self.data.target(microbatch))
@@ -799,7 +797,6 @@ class _ReceivesTargets:
         self.transport = transport
         self.plan = plan
         self.layout_of = layout_of
-        self.first = plan.stages[0].ranks
         self.got: dict[int, Any] = {}
         self.trees: dict[str, Any] = {}
 
@@ -812,7 +809,7 @@ class _ReceivesTargets:
         if layout is None:
             return None
         if microbatch not in self.got:
-            src = self.first[microbatch % len(self.first)]
+            src = self.plan.stages[0].rank_of(microbatch)
             leaves = self.transport.recv(layout[1], src,
                                          _target_tag(self.plan, microbatch)).wait()
             tree = self.trees.get(layout[0])

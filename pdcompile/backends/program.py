@@ -149,8 +149,10 @@ class RunProgram:
     def run_config(self, per_minibatch: int) -> RunConfig:
         """The runtime configuration of a run."""
         recompute = frozenset(i for i, s in enumerate(self.plan.stages) if s.recompute)
+        shares = self.plan.shares()
         return RunConfig(self.schedule_name, self.stage_ranks, per_minibatch, self.stash,
-                         self.vertical_sync, recompute, self.slowdowns)
+                         self.vertical_sync, recompute, self.slowdowns,
+                         tuple(tuple(c) for c in shares) if shares else ())
 
     def collective_groups(self) -> list[tuple[int, ...]]:
         """Rank groups that all-reduce together: replicas of a stage, and the ranks of stages

@@ -46,6 +46,7 @@ chunks adds up its chunks.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from pdcompile.backends.action_costs import ActionCosts, Times, recomputing
@@ -154,6 +155,8 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     meta: dict[str, object] = {
         "schedule": schedule.name, "microbatches": schedule.microbatches,
         "microbatches_per_minibatch": int(schedule.options.get("microbatches_per_minibatch", 1))}
+    if "shares" in schedule.options:  # rounds of unequal shares repeat after their sizes' lcm
+        meta["round"] = math.lcm(*(schedule.round_size(s) for s in range(schedule.stages)))
     flush = kind(schedule.name).flush
     if flush:
         meta["minibatches"] = 1

@@ -50,6 +50,7 @@ from pdcompile.cost.links import (
     stage_allreduce_seconds,
     transfer_seconds,
 )
+from pdcompile.cost.shares import shared_speed
 from pdcompile.cost.updates import copy_seconds, step_seconds, update_scale
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind
@@ -117,13 +118,15 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                 edges: dict[tuple[int, int], float], stage_ranks: Sequence[Sequence[int]],
                 cluster: Cluster, schedule: str, in_flight: Sequence[int],
                 copying: Sequence[bool], step: Sequence[float] | None = None,
-                copy: Sequence[float] | None = None) -> list[StageTerms]:
+                copy: Sequence[float] | None = None,
+                shares: Sequence[Sequence[int]] | None = None) -> list[StageTerms]:
     """The closed form's inputs from per-stage costs (seconds per microbatch, bytes), the ranks
     of each stage and the cluster. `step` / `copy`: measured optimizer-step and weight-copy
     seconds per stage (default: cost/updates.py's estimates from the device's memory bandwidth);
     `copying[s]`: whether stage s makes weight-version copies at all. On a mixed cluster the
     costs are the reference device's: compute is divided by the slowest replica's speed and
-    updates scaled to its memory (`Cluster.speed_of`, `cost.updates.update_scale`)."""
+    updates scaled to its memory (`Cluster.speed_of`, `cost.updates.update_scale`); where
+    `shares[s]` gives the replicas unequal shares of each round, by their `shared_speed`."""
     row = kind(schedule)
     out = []
     for s, ranks in enumerate(stage_ranks):
@@ -135,8 +138,11 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                 if level.cpu_copies:
                     cpu += link_busy_seconds(size, level)
         made = copying[s] and row.copies_weights
-        # on a mixed cluster the stage runs at its slowest replica's pace (they take turns)
-        slowness, updates = 1.0 / cluster.slowest_speed(ranks), update_scale(cluster, ranks)
+        # on a mixed cluster the stage runs at its slowest replica's pace where they take turns,
+        # at their shared speed where they take shares (cost/shares.py)
+        speed = cluster.slowest_speed(ranks) if shares is None or len(shares[s]) < 2 else \
+            shared_speed([cluster.speed_of(r) for r in ranks], shares[s])
+        slowness, updates = 1.0 / speed, update_scale(cluster, ranks)
         out.append(StageTerms(
             fwd=fwd[s] * slowness, bwd=bwd[s] * slowness,
             allreduce=exposed_allreduce_seconds(

@@ -476,8 +476,10 @@ def pipedream_view(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, str | None]
 def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
              cluster: Cluster, *, options: ModelOptions, memory: float | None = None,
              in_flight: Sequence[int] | None = None, recompute: Sequence[bool] | None = None,
+             shares: Sequence[Sequence[int]] | None = None,
              ) -> tuple[tuple[Stage, ...], float]:
-    """Price a plan given as (nodes, ranks) per stage in pipeline order.
+    """Price a plan given as (nodes, ranks) per stage in pipeline order (`shares`: per stage,
+    the replicas' shares of each round, `Stage.shares`; default round robin).
 
     Returns the priced stages and the predicted time per minibatch. `in_flight`: microbatches
     each stage keeps in flight per replica (default: the schedule's, see `default_in_flight`);
@@ -487,7 +489,8 @@ def evaluate(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
     del memory
     if options.cost_model == "pipedream":
         return _evaluate_pipedream(graph, stages, _checked_stage_of(graph, stages), cluster)
-    return _evaluate_native(graph, stages, cluster, options, in_flight, recompute)[:2]
+    return _evaluate_native(graph, stages, cluster, options, in_flight, recompute,
+                            shares)[:2]
 
 
 def priced_time(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
@@ -526,7 +529,8 @@ class PlanTerms:
 def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
                cluster: Cluster, *, options: ModelOptions,
                in_flight: Sequence[int] | None = None,
-               recompute: Sequence[bool] | None = None) -> PlanTerms:
+               recompute: Sequence[bool] | None = None,
+               shares: Sequence[Sequence[int]] | None = None) -> PlanTerms:
     """The closed form's inputs for a plan given as (nodes, ranks) per stage (`in_flight`:
     microbatches in flight per replica; 0 or None: the schedule's default; `recompute`: the
     stages that recompute their activations, which run their forward again in the backward)."""
@@ -549,16 +553,17 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
     terms = stage_terms(fwd=costs.fwd, bwd=backward, params=costs.params,
                         edges=dict(costs.edges), stage_ranks=ranks, cluster=cluster,
                         schedule=options.schedule, in_flight=flight,
-                        copying=[row.copies_weights and n > 1 for n in flight])
+                        copying=[row.copies_weights and n > 1 for n in flight], shares=shares)
     return PlanTerms(costs, terms, ranks, flight, again)
 
 
 def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
                      cluster: Cluster, options: ModelOptions, in_flight: Sequence[int] | None,
                      recompute: Sequence[bool] | None = None,
+                     shares: Sequence[Sequence[int]] | None = None,
                      ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
     built = plan_terms(graph, stages, cluster, options=options, in_flight=in_flight,
-                       recompute=recompute)
+                       recompute=recompute, shares=shares)
     terms, ranks, flight = built.terms, built.ranks, built.in_flight
     edges, params = dict(built.costs.edges), built.costs.params
     m = options.per_minibatch
@@ -585,7 +590,9 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
         priced.append(Stage(nodes=tuple(stages[i][0]), replicas=r, ranks=ranks[i],
                             compute=term.compute * m / r, sync=sync, comm=comm * m / r,
                             memory=mem, time=work, copies=term.cpu_copies * m / r,
-                            in_flight=flight[i], recompute=built.recompute[i]))
+                            in_flight=flight[i], recompute=built.recompute[i],
+                            shares=tuple(shares[i]) if shares and len(shares[i]) > 1
+                            and len(set(shares[i])) > 1 else ()))
     total = max(timed.time_per_minibatch, shared_core_time(priced, cluster))
     return tuple(priced), total, timed
 

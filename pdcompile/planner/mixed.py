@@ -8,13 +8,18 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
   CostGraph's times divided by the group's speed, its ranks mapped onto the group's;
 - the whole cluster as if every device were the slowest (`as_slowest`): the homogeneous planner
   on the cluster with the slowest group's device, the times divided by its speed;
+- the whole cluster as if every device had the mean speed (`as_mean`), its replicas given
+  shares in proportion to their speed;
+- every candidate above and below again with shares in proportion to speed where a stage's
+  replicas mix kinds (`with_shares`, cost/shares.py: a faster replica takes more of each
+  round, so the stage runs at its replicas' combined speed rather than the slowest's);
 - pipelines across the groups (`_across_groups`): a dynamic program over a topological order of
   the (coarsened) graph that cuts it into stages, each on r consecutive ranks of one group,
   visiting the groups in every order, that minimises the slowest stage's time (its compute at
   its group's speed over its replicas, their all-reduce and step, the link into it) where the
-  stage's weights fit its device. Replicas of a stage stay on one kind of device (see
-  docs/cost-model.md, "Mixed clusters": the simulator shows a stage whose replicas mix kinds
-  running at its slowest replica's pace, since they take microbatches in turn).
+  stage's weights fit its device. A stage may also take the rest of one group and the first
+  ranks of the next (replicas of two kinds), priced at their shared speed with shares in
+  proportion to speed (`cost/shares.py`; `with_shares` then gives the plan those shares).
 
 The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
 local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
@@ -35,9 +40,11 @@ from pdcompile.cost.costgraph import coarsen, edge_bytes, topological_order
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import ring_allreduce_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
+from pdcompile.cost.shares import proportional_shares, round_shares, shared_speed
 from pdcompile.cost.updates import step_seconds
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.device import Device
 from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.kinds import kind
 
@@ -76,6 +83,41 @@ def as_slowest(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner,
     return homogeneous(scaled_graph(graph, cluster.group_speed(slowest)), flat, **options)
 
 
+def as_mean(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner,
+            **options: Any) -> Plan:
+    """The homogeneous planner's plan on every rank of `cluster` as if each computed at the
+    mean speed of all (memory and updates the slowest group's device's): the plan to give
+    proportional shares (`with_shares`), where a stage on every kind runs at their mean."""
+    slowest = min(range(len(cluster.groups)), key=cluster.group_speed)
+    mean = sum(cluster.speed_of(r) for r in range(cluster.workers)) / cluster.workers
+    flat = replace(cluster, groups=(), device=cluster.groups[slowest].device)
+    return homogeneous(scaled_graph(graph, mean), flat, **options)
+
+
+def with_shares(plan: Plan, cluster: Cluster) -> Plan | None:
+    """`plan` with each stage whose replicas differ in speed giving them shares in proportion
+    (`cost/shares.py`: a flush schedule's microbatches, `proportional_shares`; a round of
+    asynchronous 1F1B, `round_shares`); None where no stage changes or the schedule does not
+    take shares (interleaved, zero bubble, 2BW)."""
+    row = kind(plan.schedule)
+    if row.chunked or row.microbatched_stream:
+        return None
+    stages, changed = [], False
+    for stage in plan.stages:
+        speeds = [cluster.speed_of(r) for r in stage.ranks]
+        counts: tuple[int, ...] = ()
+        if stage.replicas > 1 and max(speeds) > min(speeds) * (1 + 1e-9):
+            counts = proportional_shares(speeds, max(plan.microbatches, stage.replicas)) \
+                if row.flush else round_shares(speeds)
+            if len(set(counts)) == 1:
+                counts = ()
+        changed = changed or counts != stage.shares
+        stages.append(replace(stage, shares=counts, in_flight=0))
+    if not changed:
+        return None
+    return replace(plan, stages=tuple(stages), extra={})
+
+
 def _shifted(plan: Plan, start: int) -> Plan:
     stages = tuple(replace(s, ranks=tuple(r + start for r in s.ranks)) for s in plan.stages)
     return replace(plan, stages=stages)
@@ -107,6 +149,14 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                                               straight=straight, **options)))
     except PlanError:
         pass
+    mean: list[tuple[str, Plan]] = []
+    if not straight:
+        try:
+            mean.append(("as the mean speed", as_mean(
+                graph, cluster, homogeneous=homogeneous, memory=memory,
+                optimizer_state=optimizer_state, straight=straight, **options)))
+        except PlanError:
+            pass
     for name, m in schedules:
         row = kind(name)
         if row.interleaved or row.v_shape:
@@ -117,8 +167,10 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                                         most_replicas=most, optimizer_state=optimizer_state)
                 if stages is not None:
                     made.append((f"across groups {order}", _as_plan(stages, name, m)))
+    shared = [(f"{how}, shares by speed", s) for how, c in made + mean
+              if (s := with_shares(c, cluster)) is not None]
     priced: list[tuple[str, Plan]] = []
-    for how, candidate in made:
+    for how, candidate in made + shared:
         try:
             plan = pricer(graph, candidate, cluster, memory=memory,
                           optimizer_state=optimizer_state)
@@ -139,6 +191,17 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
         priced.append((f"refined {how}", refined))
         if refined.time_per_minibatch < best.time_per_minibatch:
             how, best = f"refined {how}", refined
+        shared_refined = with_shares(refined, cluster)
+        if shared_refined is not None:
+            try:
+                again: Plan | None = pricer(graph, shared_refined, cluster, memory=memory,
+                                            optimizer_state=optimizer_state)
+            except PlanError:
+                again = None
+            if again is not None and again.extra.get("fits", True):
+                priced.append((f"refined {how}, shares by speed", again))
+                if again.time_per_minibatch < best.time_per_minibatch:
+                    how, best = f"refined {how}, shares by speed", again
     times: dict[str, float] = {}
     for h, p in priced:  # the best of each kind of candidate, for reports and benchmarks
         times[h] = min(times.get(h, math.inf), p.time_per_minibatch)
@@ -160,7 +223,8 @@ def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
     if evaluations < 1 or best.schedule != "1f1b" or best.workers != cluster.workers:
         return None
     try:
-        found = refine_plan(best, graph, cluster, max_evaluations=evaluations).plan
+        plain = replace(best, stages=tuple(replace(s, shares=()) for s in best.stages))
+        found = refine_plan(plain, graph, cluster, max_evaluations=evaluations).plan
         plan = pricer(graph, replace(found, extra={}), cluster, memory=memory,
                       optimizer_state=optimizer_state)
     except PlanError:
@@ -213,11 +277,16 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
     streaming = not row.microbatched
 
     def stage_time(i: int, j: int, group: int, start: int, r: int) -> float:
-        device, speed = cluster.groups[group].device, cluster.group_speed(group)
+        return ranks_time(i, j, list(range(start, start + r)), cluster.groups[group].device,
+                          cluster.group_speed(group))
+
+    def ranks_time(i: int, j: int, ranks: list[int], device: Device, speed: float) -> float:
+        """The slowest-stage term of blocks i..j-1 on `ranks` of `device` (the smallest memory
+        and slowest updates among them) computing at `speed` each."""
+        r, start = len(ranks), ranks[0]
         p = params[j] - params[i]
         if p * (2.0 + optimizer_state) > device.memory:
             return math.inf
-        ranks = list(range(start, start + r))
         level = cluster.levels[cluster.slowest_level_of(ranks)]
         sync = ring_allreduce_seconds(p, r, level) + step_seconds(p, device)
         compute = (work[j] - work[i]) / speed
@@ -227,6 +296,18 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         if i > 0 and start > 0:
             link = 2.0 * crossing[i] / cluster.flow_rate_between(start - 1, start) / r
         return max(own, link)
+
+    def straddle(g: int, u: int, v: int) -> tuple[list[int], Device, float]:
+        """The rest of group order[g] from its u-th rank and the first v of order[g+1]: their
+        ranks, the device with less memory (the slower, on a tie) and their shared speed."""
+        here, there = order[g], order[g + 1]
+        ranks = list(cluster.group_ranks(here))[u:] + list(cluster.group_ranks(there))[:v]
+        speeds = [cluster.speed_of(x) for x in ranks]
+        counts = round_shares(speeds) if streaming else proportional_shares(
+            speeds, max(m, len(speeds)))
+        device = min((cluster.groups[here].device, cluster.groups[there].device),
+                     key=lambda d: (d.memory, d.flops))
+        return ranks, device, shared_speed(speeds, counts)
 
     # value[(i, g, u)] = (best bottleneck, previous state, stage placed)
     Key = tuple[int, int, int]
@@ -250,6 +331,16 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
                         if t < math.inf:
                             _relax(value, (j, g, u + r), max(here[0], t), (i, g, u),
                                    (i, j, group, first + u))
+                if most_replicas is not None or g + 1 >= len(order) or u >= size \
+                        or row.microbatched_stream:  # 2BW takes no shares
+                    continue
+                for v in _replica_counts(cluster.groups[order[g + 1]].workers, None):
+                    ranks, device, speed = straddle(g, u, v)
+                    for j in range(max(i + 1, pinned if i == 0 else 0), n + 1):
+                        t = ranks_time(i, j, ranks, device, speed)
+                        if t < math.inf:
+                            _relax(value, (j, g + 1, v), max(here[0], t), (i, g, u),
+                                   (i, j, group, first + u, tuple(ranks)))
     ends = [(v[0], key) for key, v in value.items() if key[0] == n and v[2] is not None]
     if not ends:
         return None
@@ -259,10 +350,13 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
     while state is not None:
         _, previous, placed = value[state]
         if placed is not None and previous is not None:
-            i, j, _, start = placed
-            r = state[2] - previous[2]
+            i, j, _, start = placed[:4]
             nodes = [x for b in blocks[i:j] for x in members.get(b, [b])]
-            stages.append((nodes, tuple(range(start, start + r))))
+            if len(placed) > 4:  # a stage over two groups
+                stages.append((nodes, placed[4]))
+            else:
+                r = state[2] - previous[2]
+                stages.append((nodes, tuple(range(start, start + r))))
         state = previous
     stages.reverse()
     return stages
@@ -282,4 +376,4 @@ def _replica_counts(free: int, most: int | None) -> list[int]:
     return sorted(counts)
 
 
-__all__ = ["as_slowest", "group_alone", "plan_mixed", "scaled_graph"]
+__all__ = ["as_mean", "as_slowest", "group_alone", "plan_mixed", "scaled_graph", "with_shares"]

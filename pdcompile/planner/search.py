@@ -243,10 +243,12 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     flight = [s.in_flight for s in given.stages] if all(s.in_flight for s in given.stages) \
         else None
     again = [s.recompute for s in given.stages]
+    shares = given.shares()
     candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight,
-                        recompute=again)
+                        recompute=again, shares=shares)
     if flight is None and candidate is not None and limit is not None:
-        fitted = _priced(cost_graph, cluster, stages, options, limit, recompute=again)
+        fitted = _priced(cost_graph, cluster, stages, options, limit, recompute=again,
+                         shares=shares)
         candidate = fitted or candidate  # over the memory either way: the default counts
     if candidate is None:  # priced without a memory limit: only a schedule that cannot run it
         raise PlanError(f"schedule {name!r} with {per} microbatches per minibatch cannot feed "
@@ -520,7 +522,8 @@ def _work_bound(graph: nx.DiGraph, workers: int) -> float:
 def _priced(graph: nx.DiGraph, cluster: Cluster,
             stages: list[tuple[list[str], tuple[int, ...]]], options: ModelOptions,
             limit: float | None, *, in_flight: Sequence[int] | None = None,
-            recompute: Sequence[bool] | None = None, **tags: Any) -> _Candidate | None:
+            recompute: Sequence[bool] | None = None,
+            shares: Sequence[Sequence[int]] | None = None, **tags: Any) -> _Candidate | None:
     """A candidate priced with its in-flight counts (given, else `choose_in_flight`) and its
     stages' recomputation (given, else `choose_recompute`); None if it does not fit, or if the
     schedule cannot feed its replicas (a microbatched schedule gives each replica of a stage
@@ -540,7 +543,7 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
     except PlanError:
         return None
     priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight,
-                              recompute=again)
+                              recompute=again, shares=shares)
     held: dict[int, float] = {}  # per worker: a rank holding several chunks holds them all
     for stage in priced:
         for rank in stage.ranks:

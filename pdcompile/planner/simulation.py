@@ -35,7 +35,7 @@ def steady_minibatches(plan: Plan, minimum: int = 64) -> int:
     minibatches, 8 rounds of every replica count and 4 per stage (warm-up and drain are cut
     off by the timeline's steady window, the middle half of the completions; where that is not
     yet the steady state, `simulate_steady` runs longer streams)."""
-    replicas = [s.replicas for s in plan.stages]
+    replicas = [s.round_size for s in plan.stages]
     return stream_length(replicas, max(minimum, 8 * math.lcm(*replicas), 4 * len(replicas)))
 
 
@@ -77,11 +77,12 @@ def _simulate_once(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule:
     costs = costs or StageCosts.from_plan(graph, plan, microbatches=per)
     stage_ranks = [list(s.ranks) for s in plan.stages]
     depths = _warmup(warmup, plan, costs, cluster, name)
-    run = row.run_length([s.replicas for s in plan.stages], microbatches=per,
+    run = row.run_length([s.round_size for s in plan.stages], microbatches=per,
                          minibatches=minibatches or steady_minibatches(plan))
     lowered = build(name, stage_ranks, run, per_minibatch=per,
                     stage_edges=costs.stage_edges(), warmup=depths,
-                    recompute=[i for i, s in enumerate(plan.stages) if s.recompute])
+                    recompute=[i for i, s in enumerate(plan.stages) if s.recompute],
+                    shares=plan.shares())
     return lowered, simulate(lowered, costs, cluster, timeline=timeline)
 
 

@@ -9,7 +9,9 @@ Semantics per schedule (PipeDream, Narayanan et al., SOSP 2019; PipeDream-2BW an
 Narayanan et al., ICML 2021; GPipe, Huang et al., NeurIPS 2019):
 
 - "1f1b": a weight update after every backward (with r replicas: after each round of r
-  backwards, gradients averaged over the replicas); with stashing, minibatch m's forward and
+  backwards, gradients averaged over the replicas; where the replicas take unequal shares of
+  a round of n, `RunConfig.shares`, after a replica's last backward of the round, its share's
+  gradients summed and averaged over the n); with stashing, minibatch m's forward and
   backward use the same weight version (the one current at its forward), and the update applies
   that gradient to the latest weights. `vertical_sync`: every stage uses the version stage 0 used
   for m (the version travels with the activations). `stash=False` recomputes the forward with the
@@ -77,7 +79,7 @@ from pdcompile.runtime.slowdown import stretch
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.generators import copies_weights
-from pdcompile.schedule.ir import Action, Kind
+from pdcompile.schedule.ir import Action, Kind, replica_of
 from pdcompile.schedule.kinds import ScheduleKind, kind
 
 Op = Generator[Pending, None, None]
@@ -128,6 +130,19 @@ class RunConfig:
     vertical_sync: bool = False
     recompute: frozenset[int] = frozenset()
     slowdowns: tuple[float, ...] = ()  # per rank: compute stretched (runtime/slowdown.py)
+    # per stage, microbatches each replica takes per round (Schedule.shares); (): round robin
+    shares: tuple[tuple[int, ...], ...] = ()
+
+    def replica_rank(self, stage: int, microbatch: int) -> int:
+        """The rank of `stage` that handles `microbatch` (`Schedule.rank_of`)."""
+        ranks = self.stage_ranks[stage]
+        if not self.shares:
+            return ranks[microbatch % len(ranks)]
+        return ranks[replica_of(self.shares[stage], microbatch)]
+
+    def round_size(self, stage: int) -> int:
+        """Microbatches per round of `stage`'s replicas (its replica count under round robin)."""
+        return sum(self.shares[stage]) if self.shares else len(self.stage_ranks[stage])
 
     def slowdown_of(self, rank: int) -> float:
         """The factor `rank`'s compute is stretched by (1.0: none)."""
@@ -197,7 +212,8 @@ class StageRuntime:
         self.params: dict[str, torch.Tensor] = dict(
             module.named_parameters(remove_duplicate=False))
         self.versions = WeightVersions(self.params, copy=copies_weights(
-            config.schedule, config.stage_ranks, self.stage, vertical_sync=config.vertical_sync))
+            config.schedule, config.stage_ranks, self.stage, vertical_sync=config.vertical_sync,
+            shares=config.shares or None))
         self.stash = StashBuffer()
         self.losses: dict[int, torch.Tensor] = {}
         # what runs now: (kind, stage, microbatch, start), for a watchdog or a model's error
@@ -228,8 +244,7 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ helpers
     def _peer_rank(self, stage: int, microbatch: int) -> int:
-        ranks = self.config.stage_ranks[stage]
-        return ranks[microbatch % len(ranks)]
+        return self.config.replica_rank(stage, microbatch)
 
     def _wait(self, pending: Pending) -> Generator[Pending, None, list[torch.Tensor]]:
         while not pending.ready():
@@ -539,7 +554,8 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ updates
     def all_reduce(self, index: int) -> Op:
-        """Sum the gradients over the stage's replicas (averaged for asynchronous 1f1b)."""
+        """Sum the gradients over the stage's replicas (for asynchronous 1f1b, averaged over the
+        round's minibatches: each replica has summed those of its share)."""
         start = time.time()
         self._finish_backwards()
         params, grads, flags = self._grads()
@@ -548,7 +564,7 @@ class StageRuntime:
             yield from self._wait(self.transport.all_reduce([*grads, flags], ranks))
             if self.kind.averages_replicas:
                 for g in grads:
-                    g.div_(len(ranks))
+                    g.div_(self.config.round_size(self.stage))
             for p, flag in zip(params, flags.tolist(), strict=True):
                 if not flag:
                     p.grad = None

@@ -23,7 +23,8 @@ from pdcompile.schedule.validate import validate
 def build(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
           per_minibatch: int = 1, stage_edges: Sequence[tuple[int, int]] | None = None,
           warmup: Sequence[int] | None = None, vertical_sync: bool = False,
-          recompute: Sequence[int] = ()) -> Schedule:
+          recompute: Sequence[int] = (),
+          shares: Sequence[Sequence[int]] | None = None) -> Schedule:
     """The lowered and validated schedule `name` for stages on `stage_ranks`.
 
     `microbatches`: the run's microbatches as the generator counts them (`ScheduleKind.
@@ -31,7 +32,9 @@ def build(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
     `per_minibatch` microbatches, flush schedules one minibatch). `warmup`: forwards before the
     first backward per stage (default PipeDream's NOAM - 1; ignored by kinds that fix their
     own); `stage_edges`: (src, dst) stage pairs that exchange tensors (default: the chain);
-    `recompute`: the stages that recompute their activations in the backward."""
+    `recompute`: the stages that recompute their activations in the backward; `shares`: per
+    stage, the microbatches each replica takes per round (`schedule.shares`; default round
+    robin)."""
     row = kind(name)
     if microbatches < 1 or per_minibatch < 1:
         raise ScheduleError(f"a run needs at least one minibatch of at least one microbatch "
@@ -40,7 +43,7 @@ def build(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
     compute = generate(name, stage_ranks, microbatches, microbatches_per_minibatch=per,
                        vertical_sync=vertical_sync,
                        warmup=list(warmup) if warmup is not None and row.chosen_warmup else None,
-                       recompute=list(recompute))
+                       recompute=list(recompute), shares=shares)
     lowered = lower(compute, stage_edges)
     validate(lowered)
     return lowered

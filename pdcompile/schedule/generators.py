@@ -18,8 +18,10 @@ and 8 microbatches (`1f1b-flush`, `1f1b` alike; F of microbatch m written Fm)::
     stage 2:        F0 F1 B0 F2 B1 F3 B2 F4 B3 F5 B4 F6 B5 F7 B6 B7
     stage 3:           F0 B0 F1 B1 F2 B2 F3 B3 F4 B4 F5 B5 F6 B6 F7 B7
 
-Microbatch m of stage s runs on replica `m % r_s` (1F1B-RR); each replica applies the same order
-to its own microbatches. `warmup=` overrides the depth per stage, e.g. with
+Microbatch m of stage s runs on replica `m % r_s` (1F1B-RR), or, where the replicas take unequal
+shares of each round (`shares=`, a faster replica more), on the replica the round's pattern gives
+it (`Schedule.shares`; each replica then its own depth, `shared_warmup_depths`); each replica
+applies the same order to its own microbatches. `warmup=` overrides the depth per stage, e.g. with
 `latency_aware_warmup`, which also counts the time transfers take (NOAM assumes they are free;
 on slow links a stage then waits for gradients with nothing to do).
 
@@ -61,7 +63,7 @@ import math
 from collections.abc import Sequence
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.ir import Action, Kind, Schedule, replica_pattern
 from pdcompile.schedule.kinds import kind, names
 from pdcompile.schedule.placement import chunk_shape, v_chunks
 from pdcompile.schedule.v_orders import V_ORDERS
@@ -109,7 +111,8 @@ def in_flight_limit(stage_ranks: Sequence[Sequence[int]], stage: int) -> int:
 
 
 def copies_weights(schedule: str, stage_ranks: Sequence[Sequence[int]], stage: int, *,
-                   vertical_sync: bool = False) -> bool:
+                   vertical_sync: bool = False,
+                   shares: Sequence[Sequence[int]] | None = None) -> bool:
     """Whether weight stashing must copy `stage`'s weights (one snapshot per new version).
 
     Only when an update can fall between a minibatch's forward and its backward on one replica:
@@ -125,6 +128,8 @@ def copies_weights(schedule: str, stage_ranks: Sequence[Sequence[int]], stage: i
         return False
     if row.stashed_versions != "in-flight":  # a fixed count of versions, each a copy
         return True
+    if shares is not None:  # unequal shares: a replica with forwards ahead copies
+        return vertical_sync or max(shared_warmup_depths(stage_ranks, shares)[stage]) > 0
     return vertical_sync or in_flight_limit(stage_ranks, stage) > 1
 
 
@@ -145,6 +150,29 @@ def updates_in_flight(actions: Sequence[Action]) -> bool:
 def warmup_depth(stage_ranks: Sequence[Sequence[int]], stage: int) -> int:
     """Forwards a replica of `stage` runs before its first backward (NOAM_s - 1)."""
     return in_flight_limit(stage_ranks, stage) - 1
+
+
+def shared_warmup_depths(stage_ranks: Sequence[Sequence[int]],
+                         shares: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Warm-up depth of every replica where the replicas of a stage take unequal shares.
+
+    Measured in the stream, a replica of share c in a round of n that runs d forwards ahead
+    runs the forward of a minibatch about d n / c minibatches later than the one whose
+    backward comes next (its lookahead). Stage s must look ahead at least as far as any
+    replica of stage s+1 does, plus that stage's round (its replicas all-reduce once the round
+    is complete), or a replica of s+1 waits for a forward that s holds back until it gets a
+    backward from s+1: L_s = max(lookahead of s+1's replicas) + n_{s+1}, L_last = 0, and the
+    replica's depth is ceil(L_s c / n_s). Under round robin this is NOAM - 1 on a chain where
+    replica counts do not grow downstream (`warmup_depth`); the last stage runs each forward
+    right before its backward."""
+    depths: list[list[int]] = [[] for _ in stage_ranks]
+    reach = 0.0  # L_s of the stage being placed
+    for stage in reversed(range(len(stage_ranks))):
+        counts = list(shares[stage])
+        n = sum(counts)
+        depths[stage] = [math.ceil(reach * c / n - 1e-9) for c in counts]
+        reach = max(d * n / c for d, c in zip(depths[stage], counts, strict=True)) + n
+    return depths
 
 
 def latency_aware_warmup(stage_ranks: Sequence[Sequence[int]], round_trip: Sequence[float],
@@ -261,6 +289,7 @@ def generate(
     microbatches_per_minibatch: int | None = None,
     warmup: Sequence[int] | None = None,
     recompute: Sequence[int] = (),
+    shares: Sequence[Sequence[int]] | None = None,
 ) -> Schedule:
     """The compute-only schedule `name` for a pipeline whose stage s runs on `stage_ranks[s]`.
 
@@ -278,9 +307,13 @@ def generate(
       chunks, V-shaped ones on a V (`interleaved_shape`; orders in `schedule.v_orders`).
     `recompute` lists the stages that drop their activations after the forward and recompute
     them in the backward (carried in `options["recompute"]` for the runtime and the simulator).
+    `shares[s]`: how many microbatches of each round every replica of stage s takes (a faster
+    replica more; `schedule.shares`); default one each (round robin). Unequal shares are carried
+    in `options["shares"]`; '1f1b', '1f1b-flush' and 'gpipe' take them.
     """
     schedule = _generate(name, stage_ranks, microbatches, vertical_sync=vertical_sync,
-                         microbatches_per_minibatch=microbatches_per_minibatch, warmup=warmup)
+                         microbatches_per_minibatch=microbatches_per_minibatch, warmup=warmup,
+                         shares=checked_shares(name, stage_ranks, shares))
     if not recompute:
         return schedule
     stages = sorted({int(s) for s in recompute})
@@ -291,9 +324,32 @@ def generate(
                     schedule.actions, {**schedule.options, "recompute": stages})
 
 
+def checked_shares(name: str, stage_ranks: Sequence[Sequence[int]],
+                   shares: Sequence[Sequence[int]] | None) -> tuple[tuple[int, ...], ...] | None:
+    """`shares` as tuples, checked against the stages' replicas; None where every share is one
+    (round robin: nothing to carry)."""
+    if shares is None:
+        return None
+    given = tuple(tuple(int(c) for c in counts) for counts in shares)
+    replicas = [len(ranks) for ranks in stage_ranks]
+    if len(given) != len(replicas) or any(
+            len(c) != r or min(c) < 1 for c, r in zip(given, replicas, strict=True)):
+        raise ScheduleError(f"shares must give every replica of every stage a positive count of "
+                            f"microbatches per round, one list per stage (replicas {replicas}); "
+                            f"got {[list(c) for c in given]}")
+    if all(c == 1 for counts in given for c in counts):
+        return None
+    row = kind(name)
+    if row.chunked or row.microbatched_stream:
+        raise ScheduleError(f"{name!r} does not take proportional shares {[list(c) for c in given]}"
+                            "; use '1f1b', '1f1b-flush' or 'gpipe', or equal shares")
+    return given
+
+
 def _generate(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
               vertical_sync: bool, microbatches_per_minibatch: int | None,
-              warmup: Sequence[int] | None) -> Schedule:
+              warmup: Sequence[int] | None,
+              shares: tuple[tuple[int, ...], ...] | None = None) -> Schedule:
     row = kind(name)
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ScheduleError(f"microbatches must be a positive integer (got {microbatches!r})")
@@ -307,29 +363,38 @@ def _generate(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int
     if vertical_sync and not row.vertical_sync:
         raise ScheduleError(f"vertical_sync applies to the asynchronous '1f1b' schedule, "
                             f"not {name!r}")
-    per_minibatch = _per_minibatch(name, shape, microbatches, microbatches_per_minibatch)
+    rounds = [sum(c) for c in shares] if shares is not None else [len(r) for r in shape]
+    per_minibatch = _per_minibatch(name, shape, microbatches, microbatches_per_minibatch,
+                                   rounds=rounds)
     depths = [warmup_depth(shape, s) for s in range(len(shape))]
     if warmup is not None:
         if not row.chosen_warmup or len(warmup) != len(shape) or any(int(w) < 0 for w in warmup):
             raise ScheduleError(f"warmup must give one depth >= 0 per stage ({len(shape)}) for a "
                                 f"1F1B-ordered schedule; got {list(warmup)} for {name!r}")
         depths = [int(w) for w in warmup]
+    # unequal shares: each replica its own depth (`shared_warmup_depths`; a depth given per
+    # stage was chosen for round robin and does not carry over)
+    per_replica = shared_warmup_depths(shape, shares) if shares is not None else None
 
     actions: dict[int, tuple[Action, ...]] = {}
     for stage, ranks in enumerate(shape):
-        replicas = len(ranks)
+        pattern = replica_pattern(shares[stage]) if shares is not None \
+            else tuple(range(len(ranks)))
         for replica, rank in enumerate(ranks):
-            own = list(range(replica, microbatches, replicas))
+            own = [m for m in range(microbatches) if pattern[m % len(pattern)] == replica]
             if row.forwards_first:
                 order = _gpipe_order(own)
             else:
-                order = one_f_one_b(own, depths[stage])
+                order = one_f_one_b(own, depths[stage] if per_replica is None
+                                    else per_replica[stage][replica])
             actions[rank] = tuple(Action(stage, kind, m) for kind, m in order)
     options: dict[str, object] = {"microbatches_per_minibatch": per_minibatch}
     if row.vertical_sync:
         options["vertical_sync"] = vertical_sync
-    if warmup is not None:
+    if warmup is not None and shares is None:
         options["warmup"] = depths
+    if shares is not None:
+        options["shares"] = [list(c) for c in shares]
     return Schedule(name, microbatches, shape, actions, options)
 
 
@@ -385,9 +450,11 @@ def _v_shaped(name: str, shape: tuple[tuple[int, ...], ...], p: int,
 
 
 def _per_minibatch(name: str, shape: tuple[tuple[int, ...], ...], microbatches: int,
-                   given: int | None) -> int:
-    """Microbatches per minibatch (the unit of one weight update), checked against replicas."""
-    replicas = [len(r) for r in shape]
+                   given: int | None, *, rounds: Sequence[int]) -> int:
+    """Microbatches per minibatch (the unit of one weight update), checked against the rounds
+    of the replicas (`rounds[s]`: microbatches per round of stage s; its replica count under
+    round robin)."""
+    replicas = list(rounds)
     row = kind(name)
     if not row.microbatched:
         if given not in (None, 1):

@@ -15,8 +15,10 @@ added by lowering; the generated code, the simulator and the backends all read t
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -97,7 +99,9 @@ class Schedule:
     """For every rank, its actions in order, plus the shape of the pipeline they run on.
 
     `stage_ranks[s]` lists the ranks that run stage s (its replicas). Microbatch m of stage s runs
-    on replica `m % replicas` (round robin, 1F1B-RR). In an interleaved pipeline a rank holds
+    on replica `m % replicas` (round robin, 1F1B-RR), or, where `options["shares"][s]` gives each
+    replica a count per round (proportional shares: a faster replica takes more), on the replica
+    `replica_pattern(shares)[m % sum(shares)]`. In an interleaved pipeline a rank holds
     several stages (chunks): stage c on rank c mod p, each unreplicated; in a V (ZB-V,
     DualPipeV) two, stage c on rank c for c < p and on rank 2p - 1 - c after.
     """
@@ -130,10 +134,25 @@ class Schedule:
             raise ScheduleError(f"rank {rank} runs no stage of this schedule")
         return found
 
+    @property
+    def shares(self) -> tuple[tuple[int, ...], ...]:
+        """Per stage, the microbatches each replica takes per round (all ones: round robin)."""
+        given = self.options.get("shares")
+        if given is None:
+            return tuple((1,) * len(ranks) for ranks in self.stage_ranks)
+        return tuple(tuple(int(c) for c in counts) for counts in given)
+
+    def round_size(self, stage: int) -> int:
+        """Microbatches of one round of `stage`'s replicas (the sum of its shares)."""
+        return sum(self.shares[stage])
+
     def rank_of(self, stage: int, microbatch: int) -> int:
-        """The rank (replica) of `stage` that handles `microbatch` (round robin)."""
+        """The rank (replica) of `stage` that handles `microbatch` (round robin, or by the
+        stage's shares)."""
         ranks = self.stage_ranks[stage]
-        return ranks[microbatch % len(ranks)]
+        if "shares" not in self.options:
+            return ranks[microbatch % len(ranks)]
+        return ranks[replica_of(self.shares[stage], microbatch)]
 
     def __str__(self) -> str:
         width = len(str(max(self.ranks))) if self.actions else 1
@@ -185,6 +204,30 @@ class Schedule:
                                     ) from None
             actions[rank] = tuple(parse_action(tok) for tok in rest.split())
         return cls(head.group(1), int(head.group(2)), stage_ranks, actions, options)
+
+
+@functools.lru_cache(maxsize=256)
+def replica_pattern(shares: tuple[int, ...]) -> tuple[int, ...]:
+    """The replicas of one round in the order they take its microbatches: replica i appears
+    `shares[i]` times, spread out (each next microbatch goes to the replica furthest behind its
+    share, ties to the lower index), so that the replicas start together and stay in step.
+    Equal shares give plain round robin: (0, 1, ..., r-1) repeated."""
+    total = sum(shares)
+    taken = [0] * len(shares)
+    order: list[int] = []
+    for k in range(total):
+        # behind: share of the round so far it should have had, minus what it took
+        replica = max(range(len(shares)),
+                      key=lambda i: ((k + 1) * shares[i] - total * taken[i], -i))
+        taken[replica] += 1
+        order.append(replica)
+    return tuple(order)
+
+
+def replica_of(shares: Sequence[int], microbatch: int) -> int:
+    """The replica (index into the stage's ranks) that takes `microbatch` under `shares`."""
+    pattern = replica_pattern(tuple(int(c) for c in shares))
+    return pattern[microbatch % len(pattern)]
 
 
 def format_grid(schedule: Schedule, *, mark: dict[int, int] | None = None,

@@ -17,6 +17,8 @@ position. A W (weight gradients) has no transfers: nobody waits for it. Weight u
 preceded by ALLREDUCE k on replicated stages) come after:
 
 - "1f1b": every backward (k = m // replicas: one update per round of backwards across replicas);
+  where the replicas take unequal shares (`options["shares"]`), the backward of a replica's last
+  microbatch of each round (k = m // the round's size), after which it has all its share;
 - flush schedules ("1f1b-flush", "gpipe", "interleaved-1f1b", "zb-h1", "interleaved-zb",
   "zb-v", "dualpipev"): the end of the rank's list (k = 0), one per stage the rank holds
   (chunks: in stage order);
@@ -88,6 +90,7 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
         own = schedule.actions.get(rank, ())
         last_of_minibatch = (last_backward_of_minibatch(own, per_minibatch)
                              if updates_at == "minibatch" else {})
+        last_of_round = (round_updates(schedule, own) if updates_at == "backward" else {})
         out: list[Action] = []
         for index, action in enumerate(own):
             m = action.microbatch
@@ -102,7 +105,8 @@ def lower(schedule: Schedule, stage_edges: Iterable[tuple[int, int]] | None = No
                            for p in sorted(waited_by.get((rank, index), ())))
             if action.kind == Kind.B:
                 if updates_at == "backward":
-                    out.extend(_update(stage, m // replicas, replicas))
+                    if m in last_of_round:
+                        out.extend(_update(stage, last_of_round[m], replicas))
                 elif m in last_of_minibatch:
                     out.extend(_update(stage, last_of_minibatch[m], replicas))
         if updates_at == "end":
@@ -126,6 +130,17 @@ def updates_of(schedule: Schedule) -> str | None:
     a name the table does not know (written by hand: it gets no updates)."""
     row = KINDS.get(schedule.name)
     return row.updates_at if row is not None else None
+
+
+def round_updates(schedule: Schedule, own: Sequence[Action]) -> dict[int, int]:
+    """For '1f1b': microbatch -> round index, for this rank's last backward of each round of its
+    stage's replicas (where its update goes; one per backward under round robin)."""
+    last: dict[tuple[int, int], int] = {}
+    for action in own:
+        if action.kind == Kind.B:
+            rounds = schedule.round_size(action.stage)
+            last[action.stage, action.microbatch // rounds] = action.microbatch
+    return {m: k for (_, k), m in last.items()}
 
 
 def last_backward_of_minibatch(own: Sequence[Action], per_minibatch: int) -> dict[int, int]:

@@ -27,7 +27,7 @@ from pdcompile.errors import ScheduleError
 from pdcompile.schedule.deps import dependencies, execution_order, is_lowered, stage_edges
 from pdcompile.schedule.ir import Action, Kind, Schedule
 from pdcompile.schedule.kinds import KINDS, names
-from pdcompile.schedule.lower import last_backward_of_minibatch, updates_of
+from pdcompile.schedule.lower import last_backward_of_minibatch, round_updates, updates_of
 
 
 def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) -> ScheduleError:
@@ -91,6 +91,8 @@ def _check_work(schedule: Schedule) -> None:
                 positions.setdefault((action.stage, action.kind, action.microbatch), []).append(
                     (rank, index))
     for stage in range(schedule.stages):
+        how = ("round robin" if "shares" not in schedule.options
+               else f"shares {list(schedule.shares[stage])} per round")
         for m in range(schedule.microbatches):
             rank = schedule.rank_of(stage, m)
             for kind in kinds:
@@ -105,7 +107,7 @@ def _check_work(schedule: Schedule) -> None:
                                 f"{where}); each microbatch runs once per stage", dict(where[1:2]))
                 if where[0][0] != rank:
                     raise _fail(schedule, f"{name} runs on rank {where[0][0]}, but microbatch {m} "
-                                f"of stage {stage} belongs to rank {rank} (round robin over "
+                                f"of stage {stage} belongs to rank {rank} ({how} over "
                                 f"{list(schedule.stage_ranks[stage])})", dict(where))
             (_, f_at), = positions[stage, Kind.F, m]
             (_, b_at), = positions[stage, Kind.B, m]
@@ -202,8 +204,8 @@ def _update_anchors(schedule: Schedule, rank: int,
     if updates_at == "end":
         return [(0, None)]
     if updates_at == "backward":
-        replicas = len(schedule.stage_ranks[stage])
-        return [(m // replicas, i) for i, m in backwards]
+        last = round_updates(schedule, actions)  # as lowering places them
+        return [(last[m], i) for i, m in backwards if m in last]
     if updates_at == "minibatch":
         per_minibatch = int(schedule.options.get("microbatches_per_minibatch", 1))
         last = last_backward_of_minibatch(actions, per_minibatch)  # as lowering places them
@@ -212,8 +214,10 @@ def _update_anchors(schedule: Schedule, rank: int,
 
 
 def _update_rule(schedule: Schedule, replicas: int) -> str:
+    backward = (f"STEP m // {replicas} after each backward B m" if "shares" not in
+                schedule.options else "STEP k after the replica's last backward of round k")
     return {"end": "one STEP 0 at the end",
-            "backward": f"STEP m // {replicas} after each backward B m",
+            "backward": backward,
             "minibatch": "one STEP k after the last backward of each minibatch k",
             }[str(updates_of(schedule))]
 

@@ -130,3 +130,56 @@ def test_pricing_a_plan_its_schedule_cannot_feed_says_why() -> None:
                  time_per_minibatch=0.0, dp_time=0.0, workers=4)
     with pytest.raises(PlanError, match="cannot feed the replicas of plan 3-1"):
         price_plan(graph, given, Cluster.parse("4@1e10"), schedule="2bw", microbatches=4)
+
+
+def test_replicas_of_two_kinds_take_shares_in_proportion_to_speed() -> None:
+    """docs/cost-model.md's example: 8 equal layers on A100, A100, V100 under asynchronous
+    1F1B. Taking minibatches in turn, data parallelism over all three runs at the V100's pace
+    (slower than the two A100 alone); with shares (2, 2, 1) it beats both."""
+    graph = chain(8)
+    cluster = Cluster.parse("3@10GB/s:a100*2,v100*1")
+    plan = pdcompile.plan(graph, cluster)
+    times = plan.extra["mixed_times"]
+    assert plan.time_per_minibatch < min(times["group 0 alone"], times["as slowest"])
+    mixed = [s for s in plan.stages if len({cluster.speed_of(r) for r in s.ranks}) > 1]
+    assert mixed and all(len(set(s.shares)) > 1 for s in mixed)
+    for stage in mixed:  # the faster replicas take more
+        by_speed = sorted(zip((cluster.speed_of(r) for r in stage.ranks), stage.shares,
+                              strict=True))
+        assert [c for _, c in by_speed] == sorted(stage.shares)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(fast=st.integers(1, 2), slow=st.integers(1, 2), ratio=st.sampled_from([0.4, 0.6]),
+       schedule=st.sampled_from(["1f1b", "1f1b-flush"]))
+def test_closed_form_prices_shares_as_the_simulator_does(fast: int, slow: int, ratio: float,
+                                                         schedule: str) -> None:
+    from pdcompile.plan import Plan, Stage
+    from pdcompile.planner.mixed import with_shares
+
+    graph = chain(6)
+    cluster = Cluster(levels=Cluster.parse(f"{fast + slow}@1e10~5us").levels,
+                      groups=(DeviceGroup(DEVICES["a100"], fast, 1.0),
+                              DeviceGroup(DEVICES["a100"], slow, ratio)))
+    workers = fast + slow
+    data_parallel = Plan(stages=(Stage(tuple(graph.nodes), workers, tuple(range(workers))),),
+                         time_per_minibatch=0.0, dp_time=0.0, workers=workers,
+                         schedule=schedule, microbatches=4 * workers)
+    shared = with_shares(data_parallel, cluster)
+    assert shared is not None
+    plain = price_plan(graph, data_parallel, cluster, memory=1e30, simulate=True)
+    priced = price_plan(graph, shared, cluster, memory=1e30, simulate=True)
+    assert priced.stages[0].shares == shared.stages[0].shares
+    assert priced.extra["closed_form_time_per_minibatch"] == pytest.approx(
+        priced.time_per_minibatch, rel=0.15)
+    assert priced.time_per_minibatch < plain.time_per_minibatch
+
+
+def test_pipelines_across_groups_may_put_a_stage_on_two_kinds() -> None:
+    """The cut across groups may give a stage the rest of one group and the start of the next,
+    priced at their shared speed; with its shares it beats the stage kept on one kind."""
+    graph = chain(8)
+    cluster = Cluster.parse("3@10GB/s:a100*2,v100*1")
+    times = pdcompile.plan(graph, cluster).extra["mixed_times"]
+    shared = times["across groups (0, 1), shares by speed"]
+    assert shared < times["across groups (0, 1)"] and shared < times["as slowest"]
