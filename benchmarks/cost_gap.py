@@ -34,8 +34,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import pdcompile  # noqa: E402
 from mixed import BATCH, batches, mlp  # noqa: E402
+
+import pdcompile  # noqa: E402
 from pdcompile.cost.node_costs import annotate_costs, measure_model, to_cost_graph  # noqa: E402
 from pdcompile.cost.timers import CpuTimeTimer  # noqa: E402
 from pdcompile.machine.cluster import Cluster  # noqa: E402
@@ -123,7 +124,8 @@ def main() -> int:
         if kind in ("F", "B", "STEP"):
             actions.setdefault((event.rank, kind), []).append(event.duration)
     values = pipe._example_values((example,))
-    print(f"load average {load[0]:.2f} {load[1]:.2f}; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
+    stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    print(f"load average {load[0]:.2f} {load[1]:.2f}; {stamp}")
     print(f"config {plan.config}, minibatch {BATCH}; ms, thread CPU time")
     print("| stage | nodes alone (cost pass) | nodes alone, timing overhead kept | sequence, "
           "plain autograd | sequence, fused Linear | runtime action | step |")

@@ -161,8 +161,11 @@ def weight_grad_shares(gm: fx.GraphModule, values: Sequence[Any]) -> dict[str, f
                 p.requires_grad for p in gm.get_submodule(str(node.target)).parameters())
             needs[node.name] = own or any(needs.get(a.name, False)
                                           for a in node.all_input_nodes)
-    return {node.name: 0.5 if needs.get(node.args[0].name, False) else 1.0  # type: ignore[union-attr]
-            for node in fusable_linears(gm)}
+    shares = {}
+    for node in fusable_linears(gm):
+        source = node.args[0]
+        shares[node.name] = 0.5 if isinstance(source, fx.Node) and needs[source.name] else 1.0
+    return shares
 
 
 def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:

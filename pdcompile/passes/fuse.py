@@ -81,4 +81,5 @@ def split_weight_gradients(gm: fx.GraphModule) -> int:
                if node.op == "call_function" and node.target is linear_accumulate)
 
 
-__all__ = ["fusable_linears", "fuse_grad_accumulation", "linear_accumulate", "split_weight_gradients"]
+__all__ = ["fusable_linears", "fuse_grad_accumulation", "linear_accumulate",
+           "split_weight_gradients"]
