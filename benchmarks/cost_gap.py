@@ -6,16 +6,18 @@ process, one torch thread, every figure the thread's CPU time (`time.thread_time
 the machine takes cores away but not this thread's CPU seconds), medians of `--repeats`, side by
 side in one run. Per stage, forward and backward of one minibatch:
 
-1. nodes alone: the cost pass (`annotate_costs`, what the planner and simulator read), each
-   node timed alone with its timing overhead subtracted, summed;
-2. nodes alone, overhead kept: the same without subtracting the per-node timing overhead;
+1. the cost pass as it was: each node's forward and backward timed alone (again and again, on
+   its recorded inputs), its timing overhead subtracted, summed over the stage's nodes;
+2. the cost pass now (`annotate_costs`, what the planner and simulator read): forwards timed
+   where the model's forward pass meets them, backwards alone;
 3. the stage in sequence, plain autograd: the stage's GraphModule before the fuse pass, forward
    then backward from all-ones gradients (`measure_model`);
 4. the stage in sequence, fused: the compiled stage module (runtime/linear_grads.py), inside
    `accumulating_grads()`, forward then backward;
 5. the runtime: a local dry run (`Pipeline.timed()`), each F and B action's duration, with the
    runtime's clock read as this thread's CPU time; the loss is inside the last stage's F and B;
-6. the per-action overhead the cost pass now adds (`machine/action_overhead.py`).
+6. the weight copy of stashing (`time_weight_copies`), which stage 0's runtime F includes and
+   the simulator prices apart; the optimizer step (the runtime's STEP action).
 
     python benchmarks/cost_gap.py [--stages 2] [--repeats 9] [--minibatches 24]
 """
@@ -87,16 +89,16 @@ def main() -> int:
     annotate_costs(gm, (example,), clock="cpu", repeats=args.repeats)
     graph = to_cost_graph(gm, name="mlp")
     kept = {n.name: n for n in gm.graph.nodes}
-    gm_raw = trace(mlp()[0])
+    gm_raw = trace(mlp()[0])  # as the cost pass timed forwards before: each node alone
     annotate_shapes(gm_raw, (example,))
     from pdcompile.cost import node_costs
 
-    saved = node_costs._overheads
-    node_costs._overheads = lambda *a, **k: (0.0, 0.0)  # type: ignore[assignment]
+    saved = node_costs._forward_in_sequence
+    node_costs._forward_in_sequence = lambda *a, **k: {}  # type: ignore[assignment]
     try:
         annotate_costs(gm_raw, (example,), clock="cpu", repeats=args.repeats)
     finally:
-        node_costs._overheads = saved
+        node_costs._forward_in_sequence = saved
     plan = pdcompile.plan(graph, cluster, straight=True)  # the even split
     pipe = pdcompile.compile(mlp()[0], example_inputs=(example,), example_target=target,
                              plan=plan, loss_fn=torch.nn.functional.cross_entropy)
@@ -127,16 +129,20 @@ def main() -> int:
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"load average {load[0]:.2f} {load[1]:.2f}; {stamp}")
     print(f"config {plan.config}, minibatch {BATCH}; ms, thread CPU time")
-    print("| stage | nodes alone (cost pass) | nodes alone, timing overhead kept | sequence, "
-          "plain autograd | sequence, fused Linear | runtime action | step |")
-    print("|---|---|---|---|---|---|---|")
+    from pdcompile.cost.optimizer_timing import time_weight_copies
+
+    copies = time_weight_copies(pipe)
+    print("| stage | cost pass before: nodes alone | cost pass now: forwards in sequence | "
+          "stage in sequence, plain autograd | stage in sequence, fused Linear | runtime "
+          "actions F + B | weight copy (in stage 0's F) | runtime STEP |")
+    print("|---|---|---|---|---|---|---|---|")
     for s, (program, stage) in enumerate(zip(pipe.parts.stages, plan.stages, strict=True)):
         names = set(stage.nodes)
-        f1 = sum(node_costs.get_cost(kept[n]).fwd for n in names if n in kept)
-        b1 = sum(node_costs.get_cost(kept[n]).bwd for n in names if n in kept)
         raw = {n.name: n for n in gm_raw.graph.nodes}
-        f2 = sum(node_costs.get_cost(raw[n]).fwd for n in names if n in raw)
-        b2 = sum(node_costs.get_cost(raw[n]).bwd for n in names if n in raw)
+        f1 = sum(node_costs.get_cost(raw[n]).fwd for n in names if n in raw)
+        b1 = sum(node_costs.get_cost(raw[n]).bwd for n in names if n in raw)
+        f2 = sum(node_costs.get_cost(kept[n]).fwd for n in names if n in kept)
+        b2 = sum(node_costs.get_cost(kept[n]).bwd for n in names if n in kept)
         inputs = tuple(example if r.stage is None else
                        values[r.stage, r.name].detach().requires_grad_()
                        for r in program.inputs)
@@ -153,7 +159,8 @@ def main() -> int:
               f"{f2 * 1e3:.2f} + {b2 * 1e3:.2f} = {(f2 + b2) * 1e3:.2f} | "
               f"{f3 * 1e3:.2f} + {b3 * 1e3:.2f} = {(f3 + b3) * 1e3:.2f} | "
               f"{f4 * 1e3:.2f} + {b4 * 1e3:.2f} = {(f4 + b4) * 1e3:.2f} | "
-              f"{f5 * 1e3:.2f} + {b5 * 1e3:.2f} = {(f5 + b5) * 1e3:.2f} | {st * 1e3:.2f} |")
+              f"{f5 * 1e3:.2f} + {b5 * 1e3:.2f} = {(f5 + b5) * 1e3:.2f} | "
+              f"{copies[s] * 1e3:.2f} | {st * 1e3:.2f} |")
     return 0
 
 
