@@ -3,11 +3,13 @@ node, from one of two sources behind one interface, and the CostGraph the planne
 
 - "measured": each node is run on its own with the inputs it received in a real forward pass,
   timed with CUDA events on a GPU or the wall clock (or the process's CPU time) on a CPU
-  (warm-up, repeats, median). Its backward is measured the same way: autograd of that node
-  alone, from its recorded inputs, with the same requires_grad pattern as in the whole model
-  (PipeDream's profiler records per-layer forward and backward times, Narayanan et al., SOSP
-  2019, section 3.1). What timing a node alone adds (one timed call, one autograd run, measured
-  on a no-op) is subtracted, so that the node times add up to the whole model's time.
+  (warm-up, repeats, median); with warm caches its forward is then timed again where whole
+  forward passes of the model meet it, and that time is kept. Its backward is measured alone:
+  autograd of that node alone, from its recorded inputs, with the same requires_grad pattern
+  as in the whole model (PipeDream's profiler records per-layer forward and backward times,
+  Narayanan et al., SOSP 2019, section 3.1). What timing a node alone adds (one timed call,
+  one autograd run, measured on a no-op) is subtracted, so that the node times add up to the
+  whole model's time.
 - "analytic": FLOPs from torch.utils.flop_counter.FlopCounterMode and bytes moved by every aten
   operation, forward and backward, on a roofline of a device model (max of compute time and
   memory time). Runs on fake tensors, so a model on the `meta` device is costed without memory.
@@ -87,8 +89,10 @@ def annotate_costs(
     the time slicing twice (their wall clock includes it). The model and inputs
     must pickle (each neighbour gets a copy). 0, the default, profiles on an idle machine.
 
-    `caches` (measured costs only): "warm" (default) times each run of a node right after the
-    previous one, with its weights and inputs in the caches; "cold" evicts the last-level cache
+    `caches` (measured costs only): "warm" (default) times each forward inside whole forward
+    passes of the model, after the nodes before it (as a stage's forward meets it), and each
+    backward alone, right after the previous run, with its weights and inputs in the caches
+    (`_forward_in_sequence` says why); "cold" evicts the last-level cache
     before every timed run (`cost/cache_flush.py`: as a pipeline meets a node, after the rest
     of the model and the other workers have used the caches; slower to profile, each flush
     writes a buffer the size of that cache). Warm profiles are optimistic for memory-bound
