@@ -1,7 +1,8 @@
 """Where the cost pass's per-node times and the runtime's per-action work part, per stage.
 
 benchmarks/mixed.py's MLP (8 x Linear(1024) + ReLU, a Linear(1024, 10) head, minibatches of 64,
-cross-entropy, SGD), planned on `local-2` as an even split (or `--stages 1`: one stage). One
+cross-entropy, SGD), planned on `local-2` as an even split (`--slowed`: the plan for rank 1
+emulated 2x slower, mixed.py's "ours"). One
 process, one torch thread, every figure the thread's CPU time (`time.thread_time`; other work on
 the machine takes cores away but not this thread's CPU seconds), medians of `--repeats`, side by
 side in one run. Per stage, forward and backward of one minibatch:
@@ -19,7 +20,7 @@ side in one run. Per stage, forward and backward of one minibatch:
 6. the weight copy of stashing (`time_weight_copies`), which stage 0's runtime F includes and
    the simulator prices apart; the optimizer step (the runtime's STEP action).
 
-    python benchmarks/cost_gap.py [--stages 2] [--repeats 9] [--minibatches 24]
+    python benchmarks/cost_gap.py [--slowed] [--repeats 9] [--minibatches 24]
 """
 
 from __future__ import annotations
@@ -77,8 +78,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--minibatches", type=int, default=24)
-    parser.add_argument("--overhead", action="store_true",
-                        help="also add the measured per-action overhead to the cost pass")
+    parser.add_argument("--slowed", action="store_true",
+                        help="profile the plan made for rank 1 emulated 2x slower (mixed.py's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
     load = os.getloadavg()
@@ -99,7 +100,9 @@ def main() -> int:
         annotate_costs(gm_raw, (example,), clock="cpu", repeats=args.repeats)
     finally:
         node_costs._forward_in_sequence = saved
-    plan = pdcompile.plan(graph, cluster, straight=True)  # the even split
+    # the even split, or the plan for rank 1 emulated 2x slower (benchmarks/mixed.py's "ours")
+    plan = pdcompile.plan(graph, cluster.with_slowdowns((1.0, 2.0)) if args.slowed else cluster,
+                          straight=True)
     pipe = pdcompile.compile(mlp()[0], example_inputs=(example,), example_target=target,
                              plan=plan, loss_fn=torch.nn.functional.cross_entropy)
     # the runtime's clock as this thread's CPU time (one process, one thread: the local backend)
@@ -128,7 +131,8 @@ def main() -> int:
     values = pipe._example_values((example,))
     stamp = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     print(f"load average {load[0]:.2f} {load[1]:.2f}; {stamp}")
-    print(f"config {plan.config}, minibatch {BATCH}; ms, thread CPU time")
+    print(f"nodes per stage {[len(st.nodes) for st in plan.stages]}, minibatch {BATCH}; ms per "
+          "minibatch, thread CPU time")
     from pdcompile.cost.optimizer_timing import time_weight_copies
 
     copies = time_weight_copies(pipe)
@@ -151,7 +155,7 @@ def main() -> int:
                                timer=CpuTimeTimer(clock=time.thread_time))
         f4, b4 = _fused_sequence(program.module, inputs, repeats=args.repeats,
                                  grads_in=s > 0)
-        rank = s
+        rank = stage.ranks[0]  # the runtime records actions by rank
         f5 = statistics.median(actions[rank, "F"])
         b5 = statistics.median(actions[rank, "B"])
         st = statistics.median(actions[rank, "STEP"])
