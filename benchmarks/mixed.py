@@ -171,6 +171,12 @@ def emulated(*, minibatches: int = 64, repeats: int = 3) -> list[dict[str, Any]]
     # the process's CPU time: a plan that other work on this machine does not reshuffle
     annotate_costs(gm, (example,), caches=caches_for(plain), clock="cpu", repeats=9)
     graph = to_cost_graph(gm, name="mlp")
+    # the same with the other worker's compute beside it (each of the 2 workers shares the
+    # machine with 1 busy other: `annotate_costs(neighbours=...)`)
+    busy = trace(mlp()[0])
+    annotate_costs(busy, (example,), caches=caches_for(plain), clock="cpu", repeats=9,
+                   neighbours=1)
+    busy_graph = to_cost_graph(busy, name="mlp")
     plans = {"ours (speed-aware)": pdcompile.plan(graph, slowed, straight=True),
              "even split": pdcompile.plan(graph, plain, straight=True)}
     rows = []
@@ -195,6 +201,8 @@ def emulated(*, minibatches: int = 64, repeats: int = 3) -> list[dict[str, Any]]
         work = {"optimizer": time_optimizer_steps(pipe), "stash": time_weight_copies(pipe)}
         costs = replace(StageCosts.from_plan(graph, plan), **work)
         from_cost_pass = simulate(schedule, costs, slowed, timeline=False).time_per_minibatch
+        busy_costs = replace(StageCosts.from_plan(busy_graph, plan), **work)
+        from_busy = simulate(schedule, busy_costs, slowed, timeline=False).time_per_minibatch
         # as the simulator priced it before the runtime computed weight gradients after the
         # input-gradient send: every backward one block before its send
         block_cost_pass = simulate(schedule, costs, slowed, timeline=False,
@@ -220,37 +228,42 @@ def emulated(*, minibatches: int = 64, repeats: int = 3) -> list[dict[str, Any]]
                      "range_ms": (measured[0][0] * 1e3, measured[-1][0] * 1e3),
                      "cost_pass_ms": from_cost_pass * 1e3,
                      "cost_pass_error": from_cost_pass / real - 1.0,
+                     "busy_ms": from_busy * 1e3, "busy_error": from_busy / real - 1.0,
                      "dry_run_ms": from_dry_run * 1e3, "dry_run_error": from_dry_run / real - 1.0,
                      "block_cost_pass_error": block_cost_pass / real - 1.0,
                      "block_dry_run_error": block_dry_run / real - 1.0,
                      "compute_ms": tuple(sum(c.fwd) * 1e3 + sum(c.bwd) * 1e3
-                                         for c in (costs, dry_costs, seen)),
+                                         for c in (costs, busy_costs, dry_costs, seen)),
                      "nodes": [len(s.nodes) for s in plan.stages]})
         r = rows[-1]
         print(f"  emulated {label} {plan.config}: measured {r['measured_ms']:.1f} ms, cost pass "
-              f"{r['cost_pass_ms']:.1f} ms ({r['cost_pass_error']:+.1%}), dry run "
+              f"{r['cost_pass_ms']:.1f} ms ({r['cost_pass_error']:+.1%}), with a busy "
+              f"neighbour {r['busy_ms']:.1f} ms ({r['busy_error']:+.1%}), dry run "
               f"{r['dry_run_ms']:.1f} ms ({r['dry_run_error']:+.1%}), full-speed run's compute "
               f"{r['plain_run_ms']:.1f} ms ({r['plain_run_error']:+.1%}); the full-speed run "
               f"took {r['plain_ms']:.1f} ms; backward as one block: cost pass "
               f"{r['block_cost_pass_error']:+.1%}, dry run {r['block_dry_run_error']:+.1%}; "
-              f"compute per minibatch, cost pass / dry run / full-speed run: "
+              f"compute per minibatch, cost pass / with a busy neighbour / dry run / full-speed "
+              f"run: "
               f"{' / '.join(f'{c:.1f}' for c in r['compute_ms'])} ms", file=sys.stderr)
     return rows
 
 
 def emulated_table(rows: list[dict[str, Any]]) -> str:
     lines = ["| plan | nodes per stage | measured ms per minibatch, slowed (median; range) | "
-             "predicted from the cost pass | error | from a local dry run | error | from the "
+             "predicted from the cost pass | error | from the cost pass, 1 busy neighbour | "
+             "error | from a local dry run | error | from the "
              "full-speed run's stage compute | error | full-speed run, ms | slowed / full "
              "speed, measured | predicted | error, backward priced as one block: cost pass / "
-             "dry run | compute per minibatch, all stages: cost pass / dry run / full-speed "
-             "run (ms) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "dry run | compute per minibatch, all stages: cost pass / with a busy neighbour "
+             "/ dry run / full-speed run (ms) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         low, high = r["range_ms"]
         lines.append(f"| {r['plan']} | {' / '.join(map(str, r['nodes']))} | "
                      f"{r['measured_ms']:.1f} ({low:.1f}-{high:.1f}) | {r['cost_pass_ms']:.1f} | "
-                     f"{r['cost_pass_error']:+.1%} | {r['dry_run_ms']:.1f} | "
+                     f"{r['cost_pass_error']:+.1%} | {r['busy_ms']:.1f} | "
+                     f"{r['busy_error']:+.1%} | {r['dry_run_ms']:.1f} | "
                      f"{r['dry_run_error']:+.1%} | {r['plain_run_ms']:.1f} | "
                      f"{r['plain_run_error']:+.1%} | {r['plain_ms']:.1f} | "
                      f"{r['measured_effect']:.2f}x | {r['effect']:.2f}x | "
@@ -315,7 +328,9 @@ def main() -> int:
             f"{args.minibatches} minibatches, median of {args.repeats} runs. Predictions: the "
             f"simulator on `local-2` with the same slowdown (`pdcompile simulate --slowdown "
             f"1,{FACTOR:g}`), from three sources of stage costs: the cost pass (before anything "
-            f"runs), a local dry run (`Pipeline.timed()`, one process), and the median of as "
+            f"runs; and again with 1 busy neighbour, `annotate_costs(neighbours=1)`: the other "
+            f"worker's compute beside each timing), a local dry run (`Pipeline.timed()`, one "
+            f"process), and the median of as "
             f"many full-speed runs of the same plan on the 2 processes, taking turns with the "
             f"slowed ones (their measured stage compute, so the error is that of the slowdown's "
             f"effect alone; the last two columns compare that effect as a ratio). Target: within "

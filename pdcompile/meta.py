@@ -107,7 +107,9 @@ class NodeCost:
     `params` bytes of the parameters it owns (a parameter shared by several nodes is owned by
     the first one that uses it, so sums count it once), `keep` bytes autograd saves for its
     backward (parameters excluded). `flops_fwd`/`flops_bwd` where known (analytic source),
-    `source` says where the times come from ("measured", "analytic", "imported")."""
+    `source` says where the times come from ("measured", "analytic", "imported"). `wgrad`: the
+    seconds of `bwd` that compute weight gradients the runtime can defer (a fused Linear's dW
+    and db: runtime/linear_grads.py), 0 for every other node."""
 
     fwd: float
     bwd: float
@@ -117,6 +119,7 @@ class NodeCost:
     flops_fwd: float = 0.0
     flops_bwd: float = 0.0
     source: str = ""
+    wgrad: float = 0.0
 
 
 def _node_name(node: Any) -> str:

@@ -29,14 +29,18 @@ class ActionCosts:
     loops: the one that gives every rank a processor and the one that shares them."""
 
     def __init__(self, schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
-                 stash: bool, wgrad_share: float = WGRAD_SHARE) -> None:
+                 stash: bool, wgrad_share: float | None = None) -> None:
         self.schedule, self.costs, self.cluster = schedule, costs, cluster
         # B and W seconds per stage: the backward split where the schedule has W actions of the
         # stage (a split backward, or weight gradients after the sends:
         # backends/weights_after_send.py), the forward again in B where the stage recomputes
         split = {a.stage for actions in schedule.actions.values() for a in actions
                  if a.kind == Kind.W}
-        share = [wgrad_share if s in split else 0.0 for s in range(costs.stages)]
+        # (of a backward, what is weight gradients: `wgrad_share` where given, else each
+        # stage's own part where the costs know it, else WGRAD_SHARE)
+        shares = (wgrad_share,) * costs.stages if wgrad_share is not None \
+            else costs.wgrad_shares(WGRAD_SHARE)
+        share = [shares[s] if s in split else 0.0 for s in range(costs.stages)]
         again = recomputing(schedule)
         self.backward = tuple((1.0 - share[s]) * costs.bwd[s]
                               + (costs.fwd[s] if s in again else 0.0)

@@ -4,9 +4,11 @@ Each rank runs its actions in order. An action starts when the rank is free and 
 (`pdcompile.schedule.deps.dependencies`, the same function validation uses) are met:
 
 - F, B: `StageCosts.fwd[s]` / `bwd[s]` seconds; where the schedule splits the backward
-  ("zb-h1", "interleaved-zb", ...), B (input gradients) takes `(1 - wgrad_share) * bwd[s]` and
-  W (weight gradients) the rest, `wgrad_share` (default 1/2: a Linear layer's dX and dW are each
-  a matrix product the size of its forward); where it does not, a stage that sends input
+  ("zb-h1", "interleaved-zb", ...), B (input gradients) takes `(1 - share) * bwd[s]` and
+  W (weight gradients) the rest, `share * bwd[s]`: the stage's own share where the costs say
+  what its runtime defers (`StageCosts.wgrad`: its fused Linear layers' dW, priced by the cost
+  pass), else `wgrad_share` (default 1/2: a Linear layer's dX and dW are each a matrix product
+  the size of its forward); where it does not, a stage that sends input
   gradients upstream is split the same way, its W after the backward's last SEND_B, as the
   runtime computes its Linear layers' weight gradients after that send
   (backends/weights_after_send.py; its timeline event spans the sends and W, as the runtime
@@ -59,7 +61,7 @@ from pdcompile.errors import ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.deps import dependency_lists, execution_order, is_lowered
 from pdcompile.schedule.ir import Action, Kind, Schedule
-from pdcompile.schedule.kinds import WGRAD_SHARE, kind, weight_versions
+from pdcompile.schedule.kinds import kind, weight_versions
 from pdcompile.timeline import Event, Timeline
 from pdcompile.units import format_bytes, format_seconds
 
@@ -102,13 +104,14 @@ class SimResult:
 
 def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
              timeline: bool = True, stash: bool = True,
-             wgrad_share: float = WGRAD_SHARE) -> SimResult:
+             wgrad_share: float | None = None) -> SimResult:
     """Run the lowered `schedule` against `costs` on `cluster` (see module docstring).
 
     `stash=False`: the pipeline runs without weight stashing (no snapshot copies).
-    `wgrad_share`: the part of a backward that computes weight gradients (W, where the schedule
-    splits the backward or the stage computes them after its input-gradient send; 0: every
-    backward one block before its sends)."""
+    `wgrad_share`: the part of every backward that computes weight gradients (W, where the
+    schedule splits the backward or the stage computes them after its input-gradient send; 0:
+    every backward one block before its sends); None (default): each stage's own part where
+    `costs.wgrad` gives it, else `schedule.kinds.WGRAD_SHARE`."""
     if not is_lowered(schedule):
         raise ScheduleError(f"simulate() needs a lowered schedule; call "
                             f"schedule.lower.lower(schedule) first (schedule {schedule.name!r})")
@@ -119,7 +122,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     if top >= cluster.workers:
         raise ScheduleError(f"the schedule uses rank {top} but cluster {cluster.describe()} has "
                             f"{cluster.workers} workers; choose a larger cluster")
-    if not 0.0 <= wgrad_share <= 1.0:
+    if wgrad_share is not None and not 0.0 <= wgrad_share <= 1.0:
         raise ScheduleError(f"wgrad_share is the part of a backward spent on weight gradients, "
                             f"between 0 and 1 (got {wgrad_share})")
     # where the runtime computes weight gradients after a backward's sends, they are timed there

@@ -40,11 +40,16 @@ def add_block(
     keep: float | None = None,
     label: str = "",
     members: list[str] | None = None,
+    wgrad: float | None = None,
 ) -> None:
-    """Add one costed node (seconds, bytes)."""
+    """Add one costed node (seconds, bytes). `wgrad`: the seconds of `bwd` the runtime can
+    defer (weight gradients, W), where the graph's source knows them (a traced model; a
+    PipeDream profile does not: the simulator then assumes `schedule.kinds.WGRAD_SHARE`)."""
     graph.add_node(node, fwd=float(fwd), bwd=float(bwd), act=float(act), params=float(params),
                    keep=float(act if keep is None else keep), label=label,
                    members=list(members) if members else [node])
+    if wgrad is not None:
+        graph.nodes[node]["wgrad"] = float(wgrad)
 
 
 def edge_bytes(graph: nx.DiGraph, u: str, v: str) -> float:
@@ -102,7 +107,8 @@ def to_dict(graph: nx.DiGraph) -> dict[str, Any]:
     for node, data in graph.nodes(data=True):
         nodes.append({"id": node, **{k: data[k] for k in COST_KEYS},
                       "keep": data.get("keep", data["act"]), "label": data.get("label", ""),
-                      "members": data.get("members", [node])})
+                      "members": data.get("members", [node]),
+                      **({"wgrad": data["wgrad"]} if "wgrad" in data else {})})
     edges = [[u, v, dict(d)] for u, v, d in graph.edges(data=True)]
     return {"format": FORMAT, "name": graph.graph.get("name", ""),
             "batch_size": graph.graph.get("batch_size"), "nodes": nodes, "edges": edges}
@@ -117,7 +123,7 @@ def from_dict(data: dict[str, Any]) -> nx.DiGraph:
     for item in data["nodes"]:
         add_block(graph, item["id"], fwd=item["fwd"], bwd=item["bwd"], act=item["act"],
                   params=item["params"], keep=item.get("keep"), label=item.get("label", ""),
-                  members=item.get("members"))
+                  members=item.get("members"), wgrad=item.get("wgrad"))
     for u, v, attrs in data["edges"]:
         graph.add_edge(u, v, **attrs)
     return graph
@@ -267,8 +273,10 @@ def _block_graph(graph: nx.DiGraph, groups: dict[str, list[str]], position: dict
         data = [graph.nodes[m] for m in group]
         leaving = [m for m in group if not graph.succ[m]
                    or any(block_of[w] != block for w in graph.successors(m))]
+        known = all("wgrad" in d for d in data)
         coarse.add_node(block, **{
-            **data[0],
+            **{k: v for k, v in data[0].items() if k != "wgrad"},
+            **({"wgrad": sum(float(d["wgrad"]) for d in data)} if known else {}),
             "fwd": sum(float(d["fwd"]) for d in data), "bwd": sum(float(d["bwd"]) for d in data),
             "params": sum(float(d["params"]) for d in data),
             "act": sum(float(graph.nodes[m]["act"]) for m in leaving),

@@ -72,6 +72,8 @@ class StageTerms:
     # that send where the schedule does not split the backward (runtime/stage_runtime.py): the
     # stages before it wait for the send, not for them
     deferred: float = 0.0
+    # of `bwd`, the weight gradients a split backward computes in W (zero-bubble schedules)
+    wgrad: float = 0.0
 
     @property
     def compute(self) -> float:
@@ -119,11 +121,14 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                 cluster: Cluster, schedule: str, in_flight: Sequence[int],
                 copying: Sequence[bool], step: Sequence[float] | None = None,
                 copy: Sequence[float] | None = None,
-                shares: Sequence[Sequence[int]] | None = None) -> list[StageTerms]:
+                shares: Sequence[Sequence[int]] | None = None,
+                wgrad: Sequence[float] | None = None) -> list[StageTerms]:
     """The closed form's inputs from per-stage costs (seconds per microbatch, bytes), the ranks
     of each stage and the cluster. `step` / `copy`: measured optimizer-step and weight-copy
     seconds per stage (default: cost/updates.py's estimates from the device's memory bandwidth);
-    `copying[s]`: whether stage s makes weight-version copies at all. On a mixed cluster the
+    `copying[s]`: whether stage s makes weight-version copies at all. `wgrad`: seconds of each
+    stage's backward that are weight gradients the runtime can defer (`StageCosts.wgrad`;
+    default `WGRAD_SHARE` of it). On a mixed cluster the
     costs are the reference device's: compute is divided by the slowest replica's speed and
     updates scaled to its memory (`Cluster.speed_of`, `cost.updates.update_scale`); where
     `shares[s]` gives the replicas unequal shares of each round, by their `shared_speed`."""
@@ -138,6 +143,7 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                 if level.cpu_copies:
                     cpu += link_busy_seconds(size, level)
         made = copying[s] and row.copies_weights
+        weights = WGRAD_SHARE * bwd[s] if wgrad is None else min(wgrad[s], bwd[s])
         # on a mixed cluster the stage runs at its slowest replica's pace where they take turns,
         # at their shared speed where they take shares (cost/shares.py)
         speed = cluster.slowest_speed(ranks) if shares is None or len(shares[s]) < 2 else \
@@ -153,7 +159,8 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
             copy=0.0 if not made else updates * (copy[s] if copy is not None
                                                  else copy_seconds(params[s], cluster.device)),
             cpu_copies=cpu, replicas=len(ranks), in_flight=max(1, int(in_flight[s])),
-            deferred=WGRAD_SHARE * bwd[s] * slowness if sends_back else 0.0))
+            deferred=weights * slowness if sends_back else 0.0,
+            wgrad=weights * slowness if row.split_backward else 0.0))
     return out
 
 
@@ -206,7 +213,6 @@ def _pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], flo
                        gpipe=row.forwards_first)
         if row.interleaved or row.split_backward:
             timed = _chunked(timed, terms, transfer, stage_ranks, m, interleaved=row.interleaved,
-                             wgrad=WGRAD_SHARE if row.split_backward else 0.0,
                              v_shape=schedule if row.v_shape else None)
         return timed
     work = [own[s] / t.replicas for s, t in enumerate(terms)]
@@ -520,30 +526,29 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
 
 def _chunked(flush: PipelineTime, terms: Sequence[StageTerms],
              transfer: dict[tuple[int, int], float], stage_ranks: Sequence[Sequence[int]],
-             m: int, *, interleaved: bool, wgrad: float,
-             v_shape: str | None = None) -> PipelineTime:
+             m: int, *, interleaved: bool, v_shape: str | None = None) -> PipelineTime:
     """Interleaved and zero-bubble schedules (cost/bubble.py's closed forms, for stages that
     differ): a rank holding several chunks works through all of them per microbatch, m times,
     while the pipeline fills and drains in chunk-sized steps, p - 1 of them; a split backward
-    fills each of those steps' bubble with weight gradients, W = `wgrad` x the backward, so a
-    step shrinks by 2 W (cost/bubble.py: (p - 1)(f + b + w) becomes (p - 1)(f + b - w))."""
+    fills each of those steps' bubble with weight gradients, W = each stage's `StageTerms.wgrad`,
+    so a step shrinks by 2 W (cost/bubble.py: (p - 1)(f + b + w) becomes (p - 1)(f + b - w))."""
     ranks = sorted({r for group in stage_ranks for r in group})
     per_rank = {r: sum(t.compute + t.cpu_copies for t, group in zip(terms, stage_ranks,
                                                                      strict=True) if r in group)
                 for r in ranks}
-    step = max(t.compute + t.cpu_copies - 2.0 * wgrad * t.bwd for t in terms)
+    step = max(t.compute + t.cpu_copies - 2.0 * t.wgrad for t in terms)
     # weight gradients computed after a send leave each step with it (cost/bubble.py), at
     # least the smallest of them (stage 0 sends no input gradients)
     step -= min((t.deferred for t in terms[1:]), default=0.0)
     if v_shape is not None:  # a V (`v_shape`: its schedule): cost/bubble.py's V fill per step
-        step = max(v_fill(v_shape, t.fwd, t.compute + t.cpu_copies - t.fwd - wgrad * t.bwd,
-                          wgrad * t.bwd) for t in terms)
+        step = max(v_fill(v_shape, t.fwd, t.compute + t.cpu_copies - t.fwd - t.wgrad,
+                          t.wgrad) for t in terms)
     tail = max(t.allreduce + t.step for t in terms)
     if interleaved:
         wires = 2.0 * max(transfer.values(), default=0.0) * (len(ranks) - 1)
         total = m * max(per_rank.values()) + (len(ranks) - 1) * step + wires + tail
     else:  # one stage per rank: 1F1B-flush's fill and drain, each step W shorter twice
-        total = flush.time_per_minibatch - 2.0 * wgrad * max(t.bwd for t in terms) \
+        total = flush.time_per_minibatch - 2.0 * max(t.wgrad for t in terms) \
             * (len(ranks) - 1)
     return PipelineTime(total, flush.bound, flush.work, flush.round_trip)
 

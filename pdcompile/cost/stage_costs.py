@@ -6,7 +6,11 @@ parameter bytes (`params[s]`), bytes kept for the backward per microbatch in fli
 from the device's memory bandwidth), seconds to copy the stage's weights once (`stash[s]`, None:
 estimated likewise; weight stashing pays it for each new version); per stage edge (src, dst):
 bytes sent per microbatch (`edges`; the gradient going back is the same size); optimizer state
-per parameter byte (`optimizer_state`, for memory). Built from a CostGraph and a Plan
+per parameter byte (`optimizer_state`, for memory); of `bwd[s]`, the seconds of weight
+gradients the runtime can defer (`wgrad[s]`: the fused Linear layers' dW, which it computes in
+W actions or after the input-gradient send; None where the graph does not say, as in PipeDream's
+profiles: the simulator then takes `schedule.kinds.WGRAD_SHARE` of every backward). Built from
+a CostGraph and a Plan
 (`from_plan`, with cost/crossing.py's rule for what crosses), or given directly (`uniform`, the
 constructor).
 """
@@ -39,6 +43,7 @@ class StageCosts:
     optimizer: tuple[float, ...] | None = None
     stash: tuple[float, ...] | None = None
     optimizer_state: float = OPTIMIZER_STATE
+    wgrad: tuple[float, ...] | None = None
 
     def __post_init__(self) -> None:
         stages = len(self.fwd)
@@ -51,6 +56,13 @@ class StageCosts:
             if len(getattr(self, name)) != stages:
                 raise PlanError(f"stage costs: {name} has {len(getattr(self, name))} entries for "
                                 f"{stages} stages")
+        if self.wgrad is not None:
+            object.__setattr__(self, "wgrad", tuple(float(w) for w in self.wgrad))
+            if len(self.wgrad) != stages or any(
+                    not 0.0 <= w <= b * (1 + 1e-9) + 1e-15
+                    for w, b in zip(self.wgrad, self.bwd, strict=True)):
+                raise PlanError(f"stage costs: wgrad {list(self.wgrad)} must give each of the "
+                                f"{stages} stages a part of its backward {list(self.bwd)}")
         for name in ("optimizer", "stash"):
             given = getattr(self, name)
             if given is not None and len(given) != stages:
@@ -68,6 +80,14 @@ class StageCosts:
     def stages(self) -> int:
         """Number of stages."""
         return len(self.fwd)
+
+    def wgrad_shares(self, default: float) -> tuple[float, ...]:
+        """Per stage, the part of its backward that is deferrable weight gradients (`wgrad`
+        over `bwd`); `default` for every stage where `wgrad` is unknown, 0 where bwd is 0."""
+        if self.wgrad is None:
+            return (default,) * self.stages
+        return tuple(min(w / b, 1.0) if b > 0 else 0.0
+                     for w, b in zip(self.wgrad, self.bwd, strict=True))
 
     def stage_edges(self) -> list[tuple[int, int]]:
         """The edges (sorted); a chain when no edges were given and there are several stages."""
@@ -135,10 +155,13 @@ class StageCosts:
             raise PlanError(f"the timeline has no actions of stages {missing}; record a run of "
                             f"this pipeline ({self.stages} stages)")
         stages = range(self.stages)
-        return StageCosts(tuple(seen[s]["fwd"] for s in stages),
-                          tuple(seen[s]["bwd"] for s in stages), self.params, self.activations,
-                          self.edges, tuple(seen[s]["step"] for s in stages),
-                          (0.0,) * self.stages)
+        bwd = tuple(seen[s]["bwd"] for s in stages)
+        # the deferrable part keeps its share of each measured backward
+        wgrad = None if self.wgrad is None else tuple(
+            share * b for share, b in zip(self.wgrad_shares(0.0), bwd, strict=True))
+        return StageCosts(tuple(seen[s]["fwd"] for s in stages), bwd, self.params,
+                          self.activations, self.edges, tuple(seen[s]["step"] for s in stages),
+                          (0.0,) * self.stages, wgrad=wgrad)
 
     @classmethod
     def from_plan(cls, graph: nx.DiGraph, plan: Plan, *, microbatches: int = 1) -> StageCosts:
@@ -162,17 +185,23 @@ class StageCosts:
         `inputs`: the graph's `input_nodes`, when the caller has them already)."""
         if microbatches < 1:
             raise PlanError(f"microbatches must be a positive integer (got {microbatches})")
-        fwd, bwd, params, keep = ([0.0] * stages for _ in range(4))
+        fwd, bwd, params, keep, wgrad = ([0.0] * stages for _ in range(5))
+        known = True  # every node says how much of its backward can be deferred
         loading = set(input_nodes(graph) if inputs is None else inputs)
         for node, data in graph.nodes(data=True):
             s = stage_of[node]
             if node not in loading:
                 fwd[s] += float(data["fwd"])
             bwd[s] += float(data["bwd"])
+            if "wgrad" in data:
+                wgrad[s] += min(float(data["wgrad"]), float(data["bwd"]))
+            else:
+                known = False
             params[s] += float(data["params"])
             keep[s] += float(data.get("keep", data["act"]))
         edges = {pair: size / microbatches
                  for pair, size in crossing_bytes(graph, stage_of).items()}
         m = float(microbatches)
         return cls(tuple(f / m for f in fwd), tuple(b / m for b in bwd), tuple(params),
-                   tuple(k / m for k in keep), edges, None)
+                   tuple(k / m for k in keep), edges, None,
+                   wgrad=tuple(w / m for w in wgrad) if known else None)

@@ -28,12 +28,14 @@ from pdcompile.passes.inplace import mutated_input
 from pdcompile.runtime.linear_grads import linear_accumulate
 
 
-def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
-    """Rewrite the Linear calls of `gm` in place (module docstring); returns how many."""
+def fusable_linears(gm: fx.GraphModule) -> list[fx.Node]:
+    """The `nn.Linear` calls of `gm` that `fuse_grad_accumulation` rewrites: each owns its
+    parameters, which the graph reads nowhere else, and no user changes its output in place.
+    Their weight gradients are the work the runtime can defer (the cost pass prices it: W)."""
     uses = Counter(id(p) for _name, p in gm.named_parameters(remove_duplicate=False))
     get_attr_uses = Counter(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
-    fused = 0
-    for node in list(gm.graph.nodes):
+    out = []
+    for node in gm.graph.nodes:
         if node.op != "call_module" or node.kwargs or len(node.args) != 1:
             continue
         module = gm.get_submodule(str(node.target))
@@ -46,6 +48,15 @@ def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
             continue  # the graph also reads the parameter directly
         if any(mutated_input(user, gm) is node for user in node.users):
             continue  # changed in place: autograd forbids it on a custom Function's output view
+        out.append(node)
+    return out
+
+
+def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
+    """Rewrite the Linear calls of `gm` in place (module docstring); returns how many."""
+    fused = 0
+    for node in fusable_linears(gm):
+        module = gm.get_submodule(str(node.target))
         with gm.graph.inserting_before(node):
             weight = gm.graph.get_attr(f"{node.target}.weight")
             bias = gm.graph.get_attr(f"{node.target}.bias") if module.bias is not None \
@@ -70,4 +81,5 @@ def split_weight_gradients(gm: fx.GraphModule) -> int:
                if node.op == "call_function" and node.target is linear_accumulate)
 
 
-__all__ = ["fuse_grad_accumulation", "linear_accumulate", "split_weight_gradients"]
+__all__ = ["fusable_linears", "fuse_grad_accumulation", "linear_accumulate",
+           "split_weight_gradients"]

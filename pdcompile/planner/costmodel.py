@@ -553,7 +553,8 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
     terms = stage_terms(fwd=costs.fwd, bwd=backward, params=costs.params,
                         edges=dict(costs.edges), stage_ranks=ranks, cluster=cluster,
                         schedule=options.schedule, in_flight=flight,
-                        copying=[row.copies_weights and n > 1 for n in flight], shares=shares)
+                        copying=[row.copies_weights and n > 1 for n in flight], shares=shares,
+                        wgrad=costs.wgrad)
     return PlanTerms(costs, terms, ranks, flight, again)
 
 

@@ -62,6 +62,8 @@ def scaled_graph(graph: nx.DiGraph, speed: float) -> nx.DiGraph:
     for _, data in out.nodes(data=True):
         data["fwd"] = float(data["fwd"]) / speed
         data["bwd"] = float(data["bwd"]) / speed
+        if "wgrad" in data:
+            data["wgrad"] = float(data["wgrad"]) / speed
     return out
 
 
