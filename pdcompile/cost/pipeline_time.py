@@ -281,8 +281,11 @@ def _lockstep(lengths: list[float], replicas: int) -> list[float]:
     return [max(lengths[m - m % replicas:m - m % replicas + replicas]) for m in range(len(lengths))]
 
 
+Waiting = tuple[int, float, float, int]  # `_circuit_ratio`'s (r_k, own_k, serial, shift)
+
+
 def _circuit_ratio(lengths: Sequence[float], tokens: int,
-                   waiting: tuple[int, float, float] | None = None) -> float:
+                   waiting: Waiting | None = None) -> float:
     """The largest time per microbatch that circuits of `lengths` (per microbatch residue, each
     advancing `tokens` microbatches: `_orbit_length`) impose; with `waiting` = (r_k, own_k,
     serial), a
@@ -298,39 +301,59 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
     those stages (`serial`: its work per microbatch over its replicas). Circuits chain
     microbatch residues, and the slowest cycle of them binds (Howard's policy iteration for
     the largest cycle ratio, `_largest_cycle_ratio`); the simulator runs exactly these orders
-    (its ALLREDUCE waits for every replica's backward)."""
+    (its ALLREDUCE waits for every replica's backward).
+
+    Where k sits before the circuit's far stage K (a replicated stage in the middle), the
+    round's wait lies on the circuit through K too: F_s(m) -> ... -> F_K -> B_K -> ... ->
+    B_k(m') -> all-reduce -> step -> F_k(m' + j) -> ... -> F_K -> B_K -> ... -> B_s: the
+    circuit's path, and k's own work with the round trip from k through K once more (`own_k`
+    is then that round trip: the microbatches of the next round cross K again before they
+    return), and the round's backward m' and the next forwards are apart by what k and K
+    hold in flight: `shift` = (N_k - 1) r_k - (N_K - 1) r_K more microbatches on the way
+    (0 where K is k)."""
     if tokens <= 0:
         return math.inf
     if waiting is None or waiting[0] == 1:
         return _orbit_length(lengths, tokens) / tokens
-    replicas, later_own, serial = waiting
+    replicas, later_own, serial, shift = waiting
     size = math.lcm(len(lengths), replicas)
     if size > PAIRS_CAP:  # too many residues: each circuit's slowest
         worst = max(lengths)
-        return max(worst / tokens, (worst + later_own) / (tokens + 1))
+        return max(worst / tokens, (worst + later_own) / max(1, tokens + shift + 1))
     edges: list[list[tuple[int, float, int]]] = []
     for m in range(size):
         out = [((m + tokens) % size, lengths[m % len(lengths)], tokens)]
         if m % replicas == replicas - 1:  # to each microbatch of the next round
             for step in range(1, replicas + 1):
+                if tokens + shift + step <= 0:
+                    continue
                 path = (lengths[m % len(lengths)] + lengths[(m + step) % len(lengths)]) / 2.0
-                out.append(((m + tokens + step) % size,
-                            path + later_own + (step - 1) * serial, tokens + step))
+                out.append(((m + tokens + shift + step) % size,
+                            path + later_own + (step - 1) * serial, tokens + shift + step))
         edges.append(out)
     return _largest_cycle_ratio(edges)
 
 
-def _waiting(terms: Sequence[StageTerms], own: Sequence[float], head: int, later: int,
-             lockstep: bool) -> tuple[int, float, float] | None:
+def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
+             trips: Sequence[Sequence[Sequence[float]]], head: int, later: int,
+             lockstep: bool) -> Waiting | None:
     """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`:
-    where `later`'s replicas all-reduce in lockstep and every stage from `head` up to it has
-    one replica (each takes a round's microbatches one after another: the queue the derivation
-    counts; replicated stages on the way spread it, and their own rounds are `_lockstep`'s);
-    None otherwise."""
-    if not lockstep or terms[later].replicas == 1 \
-            or any(terms[i].replicas > 1 for i in range(head, later)):
+    the first replicated stage k after `head`, up to `later`, where replicas all-reduce in
+    lockstep and `head` has one replica (every stage from `head` to k then takes a round's
+    microbatches one after another: the queue the derivation counts; a replicated `head`'s
+    own rounds are `_lockstep`'s); its own work with the round trip from k through `later`
+    (`trips[k]`: `_circuit_profiles` without queueing, as a round's microbatches leave k one
+    by one after its all-reduce; the mean over microbatch residues), and the shift between
+    the two stages' in-flight holds. None where there is no such stage."""
+    if not lockstep or terms[head].replicas > 1:
         return None
-    return terms[later].replicas, own[later], max(own[head:later])
+    k = next((i for i in range(head + 1, later + 1) if terms[i].replicas > 1), None)
+    if k is None:
+        return None
+    trip = trips[k][later - k]
+    shift = (terms[k].in_flight - 1) * terms[k].replicas \
+        - (terms[later].in_flight - 1) * terms[later].replicas
+    return terms[k].replicas, sum(trip) / len(trip), max(own[head:k]), shift
 
 
 def _largest_cycle_ratio(edges: list[list[tuple[int, float, int]]]) -> float:
@@ -396,14 +419,17 @@ def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
     `_circuit_profiles`.
     """
     out = []
-    for s, profile in enumerate(_circuit_profiles(terms, own, transfer, queueing=queueing)):
+    profiles = _circuit_profiles(terms, own, transfer, queueing=queueing)
+    trips = _circuit_profiles(terms, own, transfer, queueing=False) if queueing else profiles
+    for s, profile in enumerate(profiles):
         head = terms[s]
         worst = profile[0][0] / head.replicas
         for k in range(s + 1, len(terms)):
             tokens = head.in_flight * head.replicas - (terms[k].in_flight - 1) * terms[k].replicas
             lengths = _lockstep(profile[k - s], head.replicas) if lockstep else profile[k - s]
             worst = max(worst, _circuit_ratio(lengths, tokens,
-                                              _waiting(terms, own, s, k, lockstep)))
+                                              _waiting(terms, own, trips, s, k,
+                                                       lockstep)))
         out.append((worst, sum(profile[-1]) / len(profile[-1])))
     return out
 
@@ -435,8 +461,9 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
     m = microbatches if row.microbatched else 1
     lockstep, queueing = _circuit_rules(schedule)
     own = _streaming_work(terms, schedule, m)
-    profiles = _circuit_profiles(terms, own, _pair_transfers(edges, stage_ranks, cluster),
-                                 queueing=queueing)
+    transfer = _pair_transfers(edges, stage_ranks, cluster)
+    profiles = _circuit_profiles(terms, own, transfer, queueing=queueing)
+    trips = _circuit_profiles(terms, own, transfer, queueing=False) if queueing else profiles
     count = len(terms)
     chosen = [1] * count
     per = period / m * (1.0 + 1e-9)  # seconds per microbatch
@@ -450,7 +477,7 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
             guess = sum(lengths) / len(lengths) / per if per > 0 else math.inf
             n = max(need, math.ceil((held + guess * (1.0 - 1e-9)) / r) if guess < math.inf
                     else limits[s])
-            waiting = _waiting(terms, own, s, k, lockstep)
+            waiting = _waiting(terms, own, trips, s, k, lockstep)
             while n < limits[s] and _circuit_ratio(lengths, n * r - held, waiting) > per:
                 n += 1
             need = max(need, n)
