@@ -285,7 +285,7 @@ Waiting = tuple[int, float, float, int]  # `_circuit_ratio`'s (r_k, own_k, seria
 
 
 def _circuit_ratio(lengths: Sequence[float], tokens: int,
-                   waiting: Waiting | None = None) -> float:
+                   waits: Sequence[Waiting | None] = (None,)) -> float:
     """The largest time per microbatch that circuits of `lengths` (per microbatch residue, each
     advancing `tokens` microbatches: `_orbit_length`) impose; with `waiting` = (r_k, own_k,
     serial), a
@@ -313,18 +313,21 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
     (0 where K is k)."""
     if tokens <= 0:
         return math.inf
-    if waiting is None or waiting[0] == 1:
+    rounds = [w for w in waits if w is not None and w[0] > 1]
+    if not rounds:
         return _orbit_length(lengths, tokens) / tokens
-    replicas, later_own, serial, shift = waiting
-    size = math.lcm(len(lengths), replicas)
+    size = math.lcm(len(lengths), *(w[0] for w in rounds))
     if size > PAIRS_CAP:  # too many residues: each circuit's slowest
         worst = max(lengths)
-        return max(worst / tokens, (worst + later_own) / max(1, tokens + shift + 1))
+        return max([worst / tokens] + [(worst + w[1]) / max(1, tokens + w[3] + 1)
+                                       for w in rounds])
     edges: list[list[tuple[int, float, int]]] = []
     for m in range(size):
         out = [((m + tokens) % size, lengths[m % len(lengths)], tokens)]
-        if m % replicas == replicas - 1:  # to each microbatch of the next round
-            for step in range(1, replicas + 1):
+        for replicas, later_own, serial, shift in rounds:  # every round's wait, one graph
+            if m % replicas != replicas - 1:
+                continue
+            for step in range(1, replicas + 1):  # to each microbatch of the next round
                 if tokens + shift + step <= 0:
                     continue
                 path = (lengths[m % len(lengths)] + lengths[(m + step) % len(lengths)]) / 2.0
@@ -335,25 +338,51 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
 
 
 def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
+             profiles: Sequence[Sequence[Sequence[float]]],
              trips: Sequence[Sequence[Sequence[float]]], head: int, later: int,
-             lockstep: bool) -> Waiting | None:
-    """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`:
-    the first replicated stage k after `head`, up to `later`, where replicas all-reduce in
-    lockstep and `head` has one replica (every stage from `head` to k then takes a round's
-    microbatches one after another: the queue the derivation counts; a replicated `head`'s
-    own rounds are `_lockstep`'s); its own work with the round trip from k through `later`
-    (`trips[k]`: `_circuit_profiles` without queueing, as a round's microbatches leave k one
-    by one after its all-reduce; the mean over microbatch residues), and the shift between
-    the two stages' in-flight holds. None where there is no such stage."""
-    if not lockstep or terms[head].replicas > 1:
-        return None
-    k = next((i for i in range(head + 1, later + 1) if terms[i].replicas > 1), None)
-    if k is None:
-        return None
-    trip = trips[k][later - k]
-    shift = (terms[k].in_flight - 1) * terms[k].replicas \
+             lockstep: bool) -> list[Waiting | None]:
+    """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`, one
+    per replicated stage k after `head`, up to `later`, whose replicas all-reduce in lockstep
+    (the stages from `head` to k take a round's microbatches one after another, each at its
+    work per microbatch over its replicas: the queue the derivation counts); its own work with
+    the round trip from k through `later` (`trips[k]`: `_circuit_profiles` without queueing,
+    as a round's microbatches leave k one by one after its all-reduce; the mean over
+    microbatch residues), and the shift between the two stages' in-flight holds. [None]
+    where there is no such stage."""
+    out: list[Waiting | None] = []
+    for k in range(head + 1, later + 1):
+        if not lockstep or terms[k].replicas == 1:
+            continue
+        trip = trips[k][later - k]
+        shift = (terms[k].in_flight - 1) * terms[k].replicas \
+            - (terms[later].in_flight - 1) * terms[later].replicas
+        serial = max(own[i] / terms[i].replicas for i in range(head, k))
+        out.append((terms[k].replicas, sum(trip) / len(trip), serial, shift))
+    tokens = terms[head].in_flight * terms[head].replicas \
         - (terms[later].in_flight - 1) * terms[later].replicas
-    return terms[k].replicas, sum(trip) / len(trip), max(own[head:k]), shift
+    if lockstep and terms[head].replicas > 1 and later > head \
+            and all(terms[i].replicas == 1 for i in range(head + 1, later + 1)):
+        # `head`'s own round: B_head(m) (the round's last) -> all-reduce -> step -> the
+        # next round's forwards at `head`, r_head microbatches sooner than its in-flight
+        # count alone allows; the round trip through `later` once, without queueing (the
+        # circuit's path is `profiles`', queued: the difference corrects it)
+        trip, queued = trips[head][later - head], profiles[head][later - head]
+        serial = max(terms[i].compute / terms[i].replicas for i in range(head + 1, later + 1))
+        out.append((terms[head].replicas, sum(trip) / len(trip) - max(queued), serial,
+                    -terms[head].replicas))
+    for k in range(head):  # a replicated stage before `head` (the circuit's backward reaches it)
+        if not lockstep or terms[k].replicas == 1 \
+                or any(terms[i].replicas > 1 for i in range(k + 1, head + 1)):
+            continue
+        # B_head -> ... -> B_k (a round's last) -> all-reduce -> step -> F_k -> ... -> F_head:
+        # k's own work and the way there and back, without head's own compute
+        trip = trips[k][head - k]
+        there = sum(trip) / len(trip) - (terms[head].compute - terms[head].deferred)
+        shift = (terms[k].in_flight - 1) * terms[k].replicas \
+            - (terms[later].in_flight - 1) * terms[later].replicas - tokens
+        serial = max(own[i] / terms[i].replicas for i in range(k + 1, head + 1))
+        out.append((terms[k].replicas, there, serial, shift))
+    return out or [None]
 
 
 def _largest_cycle_ratio(edges: list[list[tuple[int, float, int]]]) -> float:
@@ -427,9 +456,8 @@ def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
         for k in range(s + 1, len(terms)):
             tokens = head.in_flight * head.replicas - (terms[k].in_flight - 1) * terms[k].replicas
             lengths = _lockstep(profile[k - s], head.replicas) if lockstep else profile[k - s]
-            worst = max(worst, _circuit_ratio(lengths, tokens,
-                                              _waiting(terms, own, trips, s, k,
-                                                       lockstep)))
+            worst = max(worst, _circuit_ratio(
+                lengths, tokens, _waiting(terms, own, profiles, trips, s, k, lockstep)))
         out.append((worst, sum(profile[-1]) / len(profile[-1])))
     return out
 
@@ -477,8 +505,8 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
             guess = sum(lengths) / len(lengths) / per if per > 0 else math.inf
             n = max(need, math.ceil((held + guess * (1.0 - 1e-9)) / r) if guess < math.inf
                     else limits[s])
-            waiting = _waiting(terms, own, trips, s, k, lockstep)
-            while n < limits[s] and _circuit_ratio(lengths, n * r - held, waiting) > per:
+            waits = _waiting(terms, own, profiles, trips, s, k, lockstep)
+            while n < limits[s] and _circuit_ratio(lengths, n * r - held, waits) > per:
                 n += 1
             need = max(need, n)
         chosen[s] = max(1, min(limits[s], need))
