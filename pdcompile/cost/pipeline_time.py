@@ -343,15 +343,18 @@ def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
              lockstep: bool) -> list[Waiting | None]:
     """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`, one
     per replicated stage k after `head`, up to `later`, whose replicas all-reduce in lockstep
-    (the stages from `head` to k take a round's microbatches one after another, each at its
-    work per microbatch over its replicas: the queue the derivation counts); its own work with
+    and with a single-replica stage from `head` to k (which takes a round's microbatches one
+    after another; the stages there each at their work per microbatch over their replicas:
+    the queue the derivation counts; replicated stages alone spread the round); its own work
+    with
     the round trip from k through `later` (`trips[k]`: `_circuit_profiles` without queueing,
     as a round's microbatches leave k one by one after its all-reduce; the mean over
     microbatch residues), and the shift between the two stages' in-flight holds. [None]
     where there is no such stage."""
     out: list[Waiting | None] = []
     for k in range(head + 1, later + 1):
-        if not lockstep or terms[k].replicas == 1:
+        if not lockstep or terms[k].replicas == 1 \
+                or all(terms[i].replicas > 1 for i in range(head, k)):
             continue
         trip = trips[k][later - k]
         shift = (terms[k].in_flight - 1) * terms[k].replicas \
