@@ -64,7 +64,8 @@ SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simu
 SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
 SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; above: closed form
 POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
-POLISH_BUDGET = 1200  # ... pricing at most this many plans in all (planner/polish.py)
+POLISH_BUDGET = 1200  # ... pricing at most this many plans in all (planner/polish.py) ...
+POLISH_STREAMING = 300  # ... or this many for a streaming schedule (each a circuit search)
 
 
 def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
@@ -568,7 +569,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     DP's objective, a maximum over stages, sees only in part where stages share a server),
     the plans closed-form descents reach from its POLISH_FROM best candidates
     (planner/polish.py), each priced as any candidate (POLISH_BUDGET prices in all per
-    schedule: each a millisecond or so on a graph of a few dozen nodes)."""
+    schedule, a millisecond or so each on a graph of a few dozen nodes; POLISH_STREAMING for a
+    streaming schedule, whose in-flight choice searches circuits: 0.1-0.2 s each on GNMT)."""
     from pdcompile.planner.polish import polish
 
     out: list[_Candidate] = []
@@ -590,7 +592,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             return math.inf if found is None else found.closed
 
         for start in ranked[:POLISH_FROM]:
-            left = POLISH_BUDGET - sum(1 for key in priced if key[0] == option)
+            budget = POLISH_BUDGET if kind(option.schedule).flush else POLISH_STREAMING
+            left = budget - sum(1 for key in priced if key[0] == option)
             if left <= 0:
                 break
             walked = polish(graph, start.stages, price, budget=left)
