@@ -178,7 +178,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
             continue
         kinds_seen.append(found.kind)
         candidates += found.candidates
-    candidates += _polished(cost_graph, cluster, candidates, limit)
+    if not straight:  # its moves merge, split and replicate stages
+        candidates += _polished(cost_graph, cluster, candidates, limit)
     ilp_found: list[_Candidate] = []
     best_row = kind(min(candidates, key=lambda c: c.closed).options.schedule) if candidates \
         else None
