@@ -293,8 +293,11 @@ def _lockstep(lengths: list[float], replicas: int) -> list[float]:
     return [max(lengths[m - m % replicas:m - m % replicas + replicas]) for m in range(len(lengths))]
 
 
+Waiting = tuple[int, float, float, int]  # `_circuit_ratio`'s (r_k, own_k, serial, shift)
+
+
 def _circuit_ratio(lengths: Sequence[float], tokens: int,
-                   waiting: tuple[int, float, float] | None = None) -> float:
+                   waits: Sequence[Waiting | None] = (None,)) -> float:
     """The largest time per microbatch that circuits of `lengths` (per microbatch residue, each
     advancing `tokens` microbatches: `_orbit_length`) impose; with `waiting` = (r_k, own_k,
     serial), a
@@ -310,39 +313,91 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
     those stages (`serial`: its work per microbatch over its replicas). Circuits chain
     microbatch residues, and the slowest cycle of them binds (Howard's policy iteration for
     the largest cycle ratio, `_largest_cycle_ratio`); the simulator runs exactly these orders
-    (its ALLREDUCE waits for every replica's backward)."""
+    (its ALLREDUCE waits for every replica's backward).
+
+    Where k sits before the circuit's far stage K (a replicated stage in the middle), the
+    round's wait lies on the circuit through K too: F_s(m) -> ... -> F_K -> B_K -> ... ->
+    B_k(m') -> all-reduce -> step -> F_k(m' + j) -> ... -> F_K -> B_K -> ... -> B_s: the
+    circuit's path, and k's own work with the round trip from k through K once more (`own_k`
+    is then that round trip: the microbatches of the next round cross K again before they
+    return), and the round's backward m' and the next forwards are apart by what k and K
+    hold in flight: `shift` = (N_k - 1) r_k - (N_K - 1) r_K more microbatches on the way
+    (0 where K is k)."""
     if tokens <= 0:
         return math.inf
-    if waiting is None or waiting[0] == 1:
+    rounds = [w for w in waits if w is not None and w[0] > 1]
+    if not rounds:
         return _orbit_length(lengths, tokens) / tokens
-    replicas, later_own, serial = waiting
-    size = math.lcm(len(lengths), replicas)
+    size = math.lcm(len(lengths), *(w[0] for w in rounds))
     if size > PAIRS_CAP:  # too many residues: each circuit's slowest
         worst = max(lengths)
-        return max(worst / tokens, (worst + later_own) / (tokens + 1))
+        return max([worst / tokens] + [(worst + w[1]) / max(1, tokens + w[3] + 1)
+                                       for w in rounds])
     edges: list[list[tuple[int, float, int]]] = []
     for m in range(size):
         out = [((m + tokens) % size, lengths[m % len(lengths)], tokens)]
-        if m % replicas == replicas - 1:  # to each microbatch of the next round
-            for step in range(1, replicas + 1):
+        for replicas, later_own, serial, shift in rounds:  # every round's wait, one graph
+            if m % replicas != replicas - 1:
+                continue
+            for step in range(1, replicas + 1):  # to each microbatch of the next round
+                if tokens + shift + step <= 0:
+                    continue
                 path = (lengths[m % len(lengths)] + lengths[(m + step) % len(lengths)]) / 2.0
-                out.append(((m + tokens + step) % size,
-                            path + later_own + (step - 1) * serial, tokens + step))
+                out.append(((m + tokens + shift + step) % size,
+                            path + later_own + (step - 1) * serial, tokens + shift + step))
         edges.append(out)
     return _largest_cycle_ratio(edges)
 
 
-def _waiting(terms: Sequence[StageTerms], own: Sequence[float], head: int, later: int,
-             lockstep: bool) -> tuple[int, float, float] | None:
-    """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`:
-    where `later`'s replicas all-reduce in lockstep and every stage from `head` up to it has
-    one replica (each takes a round's microbatches one after another: the queue the derivation
-    counts; replicated stages on the way spread it, and their own rounds are `_lockstep`'s);
-    None otherwise."""
-    if not lockstep or terms[later].replicas == 1 \
-            or any(terms[i].replicas > 1 for i in range(head, later)):
-        return None
-    return terms[later].replicas, own[later], max(own[head:later])
+def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
+             profiles: Sequence[Sequence[Sequence[float]]],
+             trips: Sequence[Sequence[Sequence[float]]], head: int, later: int,
+             lockstep: bool) -> list[Waiting | None]:
+    """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`, one
+    per replicated stage k after `head`, up to `later`, whose replicas all-reduce in lockstep
+    and with a single-replica stage from `head` to k (which takes a round's microbatches one
+    after another; the stages there each at their work per microbatch over their replicas:
+    the queue the derivation counts; replicated stages alone spread the round); its own work
+    with
+    the round trip from k through `later` (`trips[k]`: `_circuit_profiles` without queueing,
+    as a round's microbatches leave k one by one after its all-reduce; the mean over
+    microbatch residues), and the shift between the two stages' in-flight holds. [None]
+    where there is no such stage."""
+    out: list[Waiting | None] = []
+    for k in range(head + 1, later + 1):
+        if not lockstep or terms[k].replicas == 1 \
+                or all(terms[i].replicas > 1 for i in range(head, k)):
+            continue
+        trip = trips[k][later - k]
+        shift = (terms[k].in_flight - 1) * terms[k].replicas \
+            - (terms[later].in_flight - 1) * terms[later].replicas
+        serial = max(own[i] / terms[i].replicas for i in range(head, k))
+        out.append((terms[k].replicas, sum(trip) / len(trip), serial, shift))
+    tokens = terms[head].in_flight * terms[head].replicas \
+        - (terms[later].in_flight - 1) * terms[later].replicas
+    if lockstep and terms[head].replicas > 1 and later > head \
+            and all(terms[i].replicas == 1 for i in range(head + 1, later + 1)):
+        # `head`'s own round: B_head(m) (the round's last) -> all-reduce -> step -> the
+        # next round's forwards at `head`, r_head microbatches sooner than its in-flight
+        # count alone allows; the round trip through `later` once, without queueing (the
+        # circuit's path is `profiles`', queued: the difference corrects it)
+        trip, queued = trips[head][later - head], profiles[head][later - head]
+        serial = max(terms[i].compute / terms[i].replicas for i in range(head + 1, later + 1))
+        out.append((terms[head].replicas, sum(trip) / len(trip) - max(queued), serial,
+                    -terms[head].replicas))
+    for k in range(head):  # a replicated stage before `head` (the circuit's backward reaches it)
+        if not lockstep or terms[k].replicas == 1 \
+                or any(terms[i].replicas > 1 for i in range(k + 1, head + 1)):
+            continue
+        # B_head -> ... -> B_k (a round's last) -> all-reduce -> step -> F_k -> ... -> F_head:
+        # k's own work and the way there and back, without head's own compute
+        trip = trips[k][head - k]
+        there = sum(trip) / len(trip) - (terms[head].compute - terms[head].deferred)
+        shift = (terms[k].in_flight - 1) * terms[k].replicas \
+            - (terms[later].in_flight - 1) * terms[later].replicas - tokens
+        serial = max(own[i] / terms[i].replicas for i in range(k + 1, head + 1))
+        out.append((terms[k].replicas, there, serial, shift))
+    return out or [None]
 
 
 def _largest_cycle_ratio(edges: list[list[tuple[int, float, int]]]) -> float:
@@ -408,14 +463,16 @@ def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
     `_circuit_profiles`.
     """
     out = []
-    for s, profile in enumerate(_circuit_profiles(terms, own, transfer, queueing=queueing)):
+    profiles = _circuit_profiles(terms, own, transfer, queueing=queueing)
+    trips = _circuit_profiles(terms, own, transfer, queueing=False) if queueing else profiles
+    for s, profile in enumerate(profiles):
         head = terms[s]
         worst = profile[0][0] / head.replicas
         for k in range(s + 1, len(terms)):
             tokens = head.in_flight * head.replicas - (terms[k].in_flight - 1) * terms[k].replicas
             lengths = _lockstep(profile[k - s], head.replicas) if lockstep else profile[k - s]
-            worst = max(worst, _circuit_ratio(lengths, tokens,
-                                              _waiting(terms, own, s, k, lockstep)))
+            worst = max(worst, _circuit_ratio(
+                lengths, tokens, _waiting(terms, own, profiles, trips, s, k, lockstep)))
         out.append((worst, sum(profile[-1]) / len(profile[-1])))
     return out
 
@@ -447,8 +504,9 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
     m = microbatches if row.microbatched else 1
     lockstep, queueing = _circuit_rules(schedule)
     own = _streaming_work(terms, schedule, m)
-    profiles = _circuit_profiles(terms, own, _pair_transfers(edges, stage_ranks, cluster),
-                                 queueing=queueing)
+    transfer = _pair_transfers(edges, stage_ranks, cluster)
+    profiles = _circuit_profiles(terms, own, transfer, queueing=queueing)
+    trips = _circuit_profiles(terms, own, transfer, queueing=False) if queueing else profiles
     count = len(terms)
     chosen = [1] * count
     per = period / m * (1.0 + 1e-9)  # seconds per microbatch
@@ -462,8 +520,8 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
             guess = sum(lengths) / len(lengths) / per if per > 0 else math.inf
             n = max(need, math.ceil((held + guess * (1.0 - 1e-9)) / r) if guess < math.inf
                     else limits[s])
-            waiting = _waiting(terms, own, s, k, lockstep)
-            while n < limits[s] and _circuit_ratio(lengths, n * r - held, waiting) > per:
+            waits = _waiting(terms, own, profiles, trips, s, k, lockstep)
+            while n < limits[s] and _circuit_ratio(lengths, n * r - held, waits) > per:
                 n += 1
             need = max(need, n)
         chosen[s] = max(1, min(limits[s], need))

@@ -22,20 +22,17 @@ so the result never simulates slower than either.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from pdcompile.cost.costgraph import topological_order
 from pdcompile.cost.crossing import stage_of_every_node
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.costmodel import ModelOptions, evaluate
 from pdcompile.planner.in_flight import choose_in_flight
-
-State = tuple[tuple[int, ...], tuple[int, ...]]  # (stage start indices into the order, replicas)
+from pdcompile.planner.moves import State, config, linearised, neighbours, stages_of
 
 
 @dataclass(frozen=True)
@@ -95,9 +92,9 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
 def _descend(search: _Search, state: State, best: float, label: str, *, limit: int,
              nodes: int) -> tuple[float, State, list[str]]:
     """Steepest descent from `state` until no neighbour is faster or `limit` simulations ran."""
-    moves = [f"from {label}: {_config(state[1])} {best * 1e3:.2f} ms"]
+    moves = [f"from {label}: {config(state[1])} {best * 1e3:.2f} ms"]
     while search.evaluations < limit:
-        candidates = [(search.score(s), name, s) for name, s in _neighbours(state, nodes)
+        candidates = [(search.score(s), name, s) for name, s in neighbours(state, nodes)
                       if search.evaluations < limit or s in search.cache]
         if not candidates:
             break
@@ -105,7 +102,7 @@ def _descend(search: _Search, state: State, best: float, label: str, *, limit: i
         if not value < best * (1 - 1e-9):
             break
         best, state = value, chosen
-        moves.append(f"{name}: {_config(chosen[1])} {value * 1e3:.2f} ms")
+        moves.append(f"{name}: {config(chosen[1])} {value * 1e3:.2f} ms")
     return best, state, moves
 
 
@@ -113,56 +110,8 @@ def _linearise(plan: Plan, graph: nx.DiGraph) -> tuple[list[str], State]:
     """One topological order with every stage contiguous, and the plan as a State. Nodes the
     plan does not place join the stage of their first placed successor (stage 0 if none)."""
     stage_of = stage_of_every_node(graph, plan.stage_of())
-    topo = topological_order(graph)
-    position = {n: i for i, n in enumerate(topo)}
-    order = sorted(topo, key=lambda n: (stage_of[n], position[n]))
-    starts, at = [], 0
-    for index in range(len(plan.stages)):
-        starts.append(at)
-        at += sum(1 for n in order if stage_of[n] == index)
-    return order, (tuple(starts), tuple(s.replicas for s in plan.stages))
-
-
-def _positions(lo: int, hi: int) -> range:
-    """Cut positions strictly inside (lo, hi): every one on small spans, else about 24 evenly."""
-    step = max(1, (hi - lo) // 24)
-    return range(lo + 1, hi, step)
-
-
-def _neighbours(state: State, nodes: int) -> Iterator[tuple[str, State]]:
-    starts, reps = state
-    count = len(reps)
-    ends = starts[1:] + (nodes,)
-    for i in range(count - 1):  # merge stage i and i + 1
-        merged = reps[:i] + (reps[i] + reps[i + 1],) + reps[i + 2:]
-        yield f"merge stages {i} and {i + 1}", (starts[:i + 1] + starts[i + 2:], merged)
-    for i in range(count):  # one replica from stage i to stage j
-        if reps[i] < 2:
-            continue
-        for j in range(count):
-            if j != i:
-                moved = list(reps)
-                moved[i] -= 1
-                moved[j] += 1
-                yield f"replica from stage {i} to {j}", (starts, tuple(moved))
-    for b in range(1, count):  # move the boundary between stage b - 1 and b
-        for at in _positions(starts[b - 1], ends[b]):
-            if at != starts[b]:
-                yield f"boundary {b} to node {at}", (starts[:b] + (at,) + starts[b + 1:], reps)
-    for i in range(count):  # split stage i in two, sharing its replicas
-        r = reps[i]
-        if r < 2:
-            continue
-        shares = sorted({(r - 1, 1), (1, r - 1), (r // 2, r - r // 2)})
-        for at in _positions(starts[i], ends[i]):
-            for first, second in shares:
-                yield (f"split stage {i} at node {at}",
-                       (starts[:i + 1] + (at,) + starts[i + 1:],
-                        reps[:i] + (first, second) + reps[i + 1:]))
-
-
-def _config(reps: tuple[int, ...]) -> str:
-    return "-".join(str(r) for r in reps)
+    order, starts = linearised(graph, stage_of, len(plan.stages))
+    return order, (starts, tuple(s.replicas for s in plan.stages))
 
 
 class _Search:
@@ -177,12 +126,7 @@ class _Search:
 
     def plan_of(self, state: State, *, simulated: float | None = None,
                 start: float | None = None) -> Plan:
-        starts, reps = state
-        ends = starts[1:] + (len(self.order),)
-        stages, rank = [], 0
-        for a, b, r in zip(starts, ends, reps, strict=True):
-            stages.append((list(self.order[a:b]), tuple(range(rank, rank + r))))
-            rank += r
+        stages = stages_of(state, self.order)
         options = ModelOptions(cost_model=self.base.cost_model)
         flight: list[int] | None = None
         if self.warmup == "plan" and options.cost_model == "native":

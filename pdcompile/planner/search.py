@@ -63,6 +63,9 @@ STRAIGHT_WORKERS = 64  # ... or, up to this many workers, a straight pipeline ov
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
 SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
 SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; above: closed form
+POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
+POLISH_BUDGET = 1200  # ... pricing at most this many plans in all (planner/polish.py) ...
+POLISH_STREAMING = 300  # ... or this many for a streaming schedule (each a circuit search)
 
 
 def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
@@ -175,6 +178,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
             continue
         kinds_seen.append(found.kind)
         candidates += found.candidates
+    if not straight:  # its moves merge, split and replicate stages
+        candidates += _polished(cost_graph, cluster, candidates, limit)
     ilp_found: list[_Candidate] = []
     best_row = kind(min(candidates, key=lambda c: c.closed).options.schedule) if candidates \
         else None
@@ -560,6 +565,56 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
     bound = priced_time(graph, stages, cluster, options=options, in_flight=flight,
                         recompute=again).bound
     return _Candidate(stages, options, priced, closed, bound, **tags)
+
+
+def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
+              limit: float | None) -> list[_Candidate]:
+    """Where a schedule's best candidate is bound by a server's network interface (a load the
+    DP's objective, a maximum over stages, sees only in part where stages share a server),
+    the plans closed-form descents reach from its POLISH_FROM best candidates
+    (planner/polish.py), each priced as any candidate (POLISH_BUDGET prices in all per
+    schedule, a millisecond or so each on a graph of a few dozen nodes; POLISH_STREAMING for a
+    streaming schedule, whose in-flight choice searches circuits: 0.1-0.2 s each on GNMT)."""
+    from pdcompile.planner.polish import polish
+
+    out: list[_Candidate] = []
+    priced: dict[tuple[Any, ...], _Candidate | None] = {}  # per options and plan
+    for option in dict.fromkeys(c.options for c in candidates):
+        ranked = sorted((c for c in candidates if c.options == option), key=lambda c: c.closed)
+        if ranked[0].bound != "server interface":
+            continue
+
+        def price(stages: list[tuple[list[str], tuple[int, ...]]],
+                  options: ModelOptions = option) -> float:
+            key = (options, _key(stages))
+            if key not in priced:
+                try:
+                    priced[key] = _priced(graph, cluster, stages, options, limit)
+                except PlanError:  # e.g. an input moved out of the first stage
+                    priced[key] = None
+            found = priced[key]
+            return math.inf if found is None else found.closed
+
+        for start in ranked[:POLISH_FROM]:
+            budget = POLISH_BUDGET if kind(option.schedule).flush else POLISH_STREAMING
+            left = budget - sum(1 for key in priced if key[0] == option)
+            if left <= 0:
+                break
+            walked = polish(graph, start.stages, price, budget=left)
+            if walked is None:
+                continue
+            stages, _, moves = walked
+            found = priced.get((option, _key(stages)))
+            if found is not None and all(found.stages != c.stages for c in candidates + out):
+                found.how = f"polished from {start.how or 'the DP'}, {len(moves)} moves"
+                found.status = "HEURISTIC"
+                out.append(found)
+    return out
+
+
+def _key(stages: Sequence[tuple[Sequence[str], Sequence[int]]]) -> tuple[Any, ...]:
+    """A plan as a hashable value: each stage's nodes and ranks."""
+    return tuple((tuple(nodes), tuple(ranks)) for nodes, ranks in stages)
 
 
 def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],

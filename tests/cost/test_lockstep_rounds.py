@@ -87,3 +87,34 @@ def test_closed_form_follows_lockstep_rounds_of_a_replicated_last_stage(
     flight = runnable_in_flight(flights[:len(blocks)], replicas)
     closed, simulated = _closed_and_simulated(_chain(blocks), replicas, flight, machine)
     assert closed == pytest.approx(simulated, rel=0.12)
+
+
+MIDDLE = [[1, 2, 1], [2, 1, 2], [1, 2, 1, 1], [1, 1, 2, 1], [1, 3, 1], [2, 1, 1, 2], [1, 2, 1, 2],
+          [3, 1, 2], [1, 2, 1, 3]]  # a replicated stage with single-replica stages around it
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=st.sampled_from(MIDDLE),
+       blocks=st.lists(st.tuples(st.floats(2e-3, 2e-2), st.floats(2e-3, 4e-2),
+                                 st.floats(1e5, 2e7), st.floats(0.0, 2e8)),
+                       min_size=4, max_size=4),
+       flights=st.lists(st.integers(1, 6), min_size=4, max_size=4),
+       cluster=st.sampled_from(["8@1e10~5us", "8@1e9~5us", "2x4@1e10,1e9~5us,20us"]),
+       bucketed=st.booleans())
+def test_closed_form_follows_lockstep_rounds_of_replicated_middle_stages(
+        pattern: list[int], blocks: list[tuple[float, float, float, float]],
+        flights: list[int], cluster: str, bucketed: bool) -> None:
+    """A replicated stage between single-replica ones (1-2-1, 2-1-2, ...), any runnable
+    in-flight counts: its round's all-reduce holds the next round's forwards, which cross the
+    stages after it again before they return, and a single stage after a replicated one takes
+    its rounds back one by one (`pipeline_time._waiting`). The closed form within 15% of the
+    simulator (the worst of 240 random draws: -13.9%, 3-1-2 with one in flight each, and
+    +12.0%; before these circuits, -25.9%, 1-3-1 with one in flight each)."""
+    machine = Cluster.parse(cluster)
+    if bucketed:
+        machine = replace(machine, allreduce_bucket=BUCKET)
+    flight = runnable_in_flight(flights[:len(pattern)], pattern)
+    closed, simulated = _closed_and_simulated(_chain(blocks[:len(pattern)]), pattern, flight,
+                                              machine)
+    assert closed == pytest.approx(simulated, rel=0.15)
