@@ -8,7 +8,7 @@ count; stages are contiguous in the order (so they stay convex) and hold consecu
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import networkx as nx
 
@@ -91,4 +91,24 @@ def config(reps: Sequence[int]) -> str:
     return "-".join(str(r) for r in reps)
 
 
-__all__ = ["State", "config", "linearised", "neighbours", "positions", "stages_of"]
+def descend(state: State, best: float, score: Callable[[State], float],
+            more: Callable[[], bool], is_known: Callable[[State], bool], *, nodes: int,
+            ) -> tuple[float, State, list[str]]:
+    """Steepest descent from `state` (priced `best`) by `score` until no neighbour is cheaper
+    or the budget is spent (`more()` false; a neighbour already priced, `is_known`, is still
+    looked at): the price reached, the plan, one line per move taken."""
+    moves: list[str] = []
+    while more():
+        scored = [(score(s), name, s) for name, s in neighbours(state, nodes)
+                  if more() or is_known(s)]
+        if not scored:
+            break
+        value, name, chosen = min(scored, key=lambda c: c[0])
+        if not value < best * (1 - 1e-9):
+            break
+        best, state = value, chosen
+        moves.append(f"{name}: {config(chosen[1])} {value * 1e3:.2f} ms")
+    return best, state, moves
+
+
+__all__ = ["descend", "State", "config", "linearised", "neighbours", "positions", "stages_of"]

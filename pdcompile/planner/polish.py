@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 
 import networkx as nx
 
-from pdcompile.planner.moves import State, config, linearised, neighbours, stages_of
+from pdcompile.planner.moves import State, descend, linearised, stages_of
 
 Stages = list[tuple[list[str], tuple[int, ...]]]
 
@@ -61,18 +61,8 @@ def polish(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int
             cache[candidate] = price(stages_of(candidate, order))
         return cache[candidate]
 
-    best = cost(state)
-    moves: list[str] = []
-    while len(cache) < budget:
-        scored = [(cost(s), name, s) for name, s in neighbours(state, len(order))
-                  if len(cache) < budget or s in cache]
-        if not scored:
-            break
-        value, name, chosen = min(scored, key=lambda c: c[0])
-        if not value < best * (1 - 1e-9):
-            break
-        best, state = value, chosen
-        moves.append(f"{name}: {config(chosen[1])} {value * 1e3:.2f} ms")
+    best, state, moves = descend(state, cost(state), cost, lambda: len(cache) < budget,
+                                 cache.__contains__, nodes=len(order))
     if not moves:
         return None
     return stages_of(state, order), best, moves

@@ -32,7 +32,7 @@ from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.costmodel import ModelOptions, evaluate
 from pdcompile.planner.in_flight import choose_in_flight
-from pdcompile.planner.moves import State, config, linearised, neighbours, stages_of
+from pdcompile.planner.moves import State, config, descend, linearised, stages_of
 
 
 @dataclass(frozen=True)
@@ -92,18 +92,11 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
 def _descend(search: _Search, state: State, best: float, label: str, *, limit: int,
              nodes: int) -> tuple[float, State, list[str]]:
     """Steepest descent from `state` until no neighbour is faster or `limit` simulations ran."""
-    moves = [f"from {label}: {config(state[1])} {best * 1e3:.2f} ms"]
-    while search.evaluations < limit:
-        candidates = [(search.score(s), name, s) for name, s in neighbours(state, nodes)
-                      if search.evaluations < limit or s in search.cache]
-        if not candidates:
-            break
-        value, name, chosen = min(candidates, key=lambda c: c[0])
-        if not value < best * (1 - 1e-9):
-            break
-        best, state = value, chosen
-        moves.append(f"{name}: {config(chosen[1])} {value * 1e3:.2f} ms")
-    return best, state, moves
+    start = f"from {label}: {config(state[1])} {best * 1e3:.2f} ms"
+    best, state, moves = descend(state, best, search.score,
+                                 lambda: search.evaluations < limit,
+                                 search.cache.__contains__, nodes=nodes)
+    return best, state, [start, *moves]
 
 
 def _linearise(plan: Plan, graph: nx.DiGraph) -> tuple[list[str], State]:

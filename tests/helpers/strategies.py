@@ -85,3 +85,20 @@ def mixed_clusters(draw: st.DrawFn, max_workers: int = 6) -> Cluster:
                                b - a, draw(st.none() | st.sampled_from([0.25, 0.5, 1.0, 2.0])))
                    for a, b in zip(bounds, bounds[1:], strict=False))
     return Cluster(levels=levels, groups=groups)
+
+
+@st.composite
+def drawn_chains(draw: st.DrawFn, min_blocks: int = 2, max_blocks: int = 5) -> nx.DiGraph:
+    """An input, then `min_blocks`-`max_blocks` blocks in a chain with drawn costs,
+    activations and weights (sizes where a shared network interface can bind)."""
+    graph = new_cost_graph("chain")
+    add_block(graph, "x", fwd=0.0, bwd=0.0, act=draw(st.floats(1e5, 1e7)), params=0.0)
+    previous = "x"
+    for i in range(draw(st.integers(min_blocks, max_blocks))):
+        add_block(graph, f"n{i}", fwd=draw(st.floats(1e-3, 1e-2)),
+                  bwd=draw(st.floats(1e-3, 2e-2)), act=draw(st.floats(1e5, 1e8)),
+                  params=draw(st.floats(0.0, 1e8)))
+        graph.add_edge(previous, f"n{i}")
+        previous = f"n{i}"
+    return graph
+

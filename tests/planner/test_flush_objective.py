@@ -16,26 +16,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcompile import Cluster
-from pdcompile.cost.costgraph import add_block, new_cost_graph, topological_order
+from pdcompile.cost.costgraph import topological_order
 from pdcompile.cost.pipeline_time import server_interface_seconds
 from pdcompile.planner.costmodel import ModelOptions, plan_terms, planning_objective, priced_time
+from tests.helpers.strategies import drawn_chains
 
 CLUSTER = "2x2@1e10,1e8~5us,20us"  # two servers of two, a slow shared interface between
 
 
-@st.composite
-def chains(draw: st.DrawFn) -> nx.DiGraph:
-    """An input, then 2-5 blocks in a chain with drawn costs, activations and weights."""
-    graph = new_cost_graph("chain")
-    add_block(graph, "x", fwd=0.0, bwd=0.0, act=draw(st.floats(1e5, 1e7)), params=0.0)
-    previous = "x"
-    for i in range(draw(st.integers(2, 5))):
-        add_block(graph, f"n{i}", fwd=draw(st.floats(1e-3, 1e-2)),
-                  bwd=draw(st.floats(1e-3, 2e-2)), act=draw(st.floats(1e5, 1e8)),
-                  params=draw(st.floats(0.0, 1e8)))
-        graph.add_edge(previous, f"n{i}")
-        previous = f"n{i}"
-    return graph
+def chains() -> st.SearchStrategy[nx.DiGraph]:
+    return drawn_chains(min_blocks=2)
 
 
 def _whole_server_plans(graph: nx.DiGraph) -> list[list[tuple[list[str], tuple[int, ...]]]]:

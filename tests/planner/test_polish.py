@@ -18,11 +18,12 @@ from hypothesis import strategies as st
 
 import pdcompile
 from pdcompile import Cluster
-from pdcompile.cost.costgraph import add_block, new_cost_graph, topological_order
+from pdcompile.cost.costgraph import topological_order
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.search import price_plan
 from pdcompile.profiles import load_pipedream
+from tests.helpers.strategies import drawn_chains
 
 INTERFACE = "server interface"
 
@@ -47,19 +48,8 @@ def test_vgg16_flush_on_cluster_a_is_no_slower_than_12_3_1() -> None:
     assert ours.time_per_minibatch <= theirs.time_per_minibatch * (1 + 1e-9)
 
 
-@st.composite
-def chains(draw: st.DrawFn) -> nx.DiGraph:
-    """An input, then 3-5 blocks in a chain with drawn costs, activations and weights."""
-    graph = new_cost_graph("chain")
-    add_block(graph, "x", fwd=0.0, bwd=0.0, act=draw(st.floats(1e5, 1e7)), params=0.0)
-    previous = "x"
-    for i in range(draw(st.integers(3, 5))):
-        add_block(graph, f"n{i}", fwd=draw(st.floats(1e-3, 1e-2)),
-                  bwd=draw(st.floats(1e-3, 2e-2)), act=draw(st.floats(1e5, 1e8)),
-                  params=draw(st.floats(0.0, 1e8)))
-        graph.add_edge(previous, f"n{i}")
-        previous = f"n{i}"
-    return graph
+def chains() -> st.SearchStrategy[nx.DiGraph]:
+    return drawn_chains(min_blocks=3)
 
 
 def _compositions(total: int) -> list[tuple[int, ...]]:
