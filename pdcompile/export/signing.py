@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import warnings
 from pathlib import Path
 
 SIGNATURE_NAME = "MANIFEST.sig"
@@ -57,9 +58,17 @@ def _mac(key: bytes, manifest: Path) -> str:
     return hmac.new(key, manifest.read_bytes(), hashlib.sha256).hexdigest()
 
 
-def sign(folder: Path, manifest_name: str) -> Path:
-    """Write the folder's signature of its manifest (call right after writing the manifest)."""
-    key = _key(create=True)
+def sign(folder: Path, manifest_name: str) -> Path | None:
+    """Write the folder's signature of its manifest (call right after writing the manifest).
+    Where no key can be made (a read-only home), the export is left unsigned, with a warning:
+    loading it then takes trust=True."""
+    try:
+        key = _key(create=True)
+    except OSError as err:
+        warnings.warn(f"pdcompile: no signing key could be made at {export_key_path()} ({err}); "
+                      f"{folder} is left unsigned, so loading it takes trust=True; set "
+                      "PDCOMPILE_KEY to a file path you can write", stacklevel=3)
+        return None
     assert key is not None
     out = folder / SIGNATURE_NAME
     tmp = folder / f".{SIGNATURE_NAME}.{os.getpid()}.tmp"

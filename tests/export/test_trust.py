@@ -169,3 +169,18 @@ def test_an_export_signed_with_another_users_key_needs_trust(
     with pytest.raises(PipelineInputError, match=r"it has no MANIFEST.sig"):
         pdcompile.load(str(out))
     assert (tmp_path / "mine.key").stat().st_mode & 0o777 == 0o600
+
+
+def test_without_a_writable_key_an_export_is_written_unsigned(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only home: the export still writes (unsigned, with a warning) and loads with
+    trust=True."""
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv("PDCOMPILE_KEY", str(blocked / "export.key"))
+    with pytest.warns(UserWarning, match="no signing key could be made"):
+        out = _export(tmp_path / "out")
+    assert not (out / "MANIFEST.sig").exists()
+    with pytest.raises(PipelineInputError, match="it has no MANIFEST.sig"):
+        pdcompile.load(str(out))
+    assert pdcompile.load(str(out), trust=True).loss_fn is user_loss
