@@ -8,7 +8,7 @@ count; stages are contiguous in the order (so they stay convex) and hold consecu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 
 import networkx as nx
 
@@ -91,6 +91,13 @@ def config(reps: Sequence[int]) -> str:
     return "-".join(str(r) for r in reps)
 
 
+
+def runs_nothing(stages: Sequence[tuple[Sequence[str], object]], inputs: Collection[str]) -> bool:
+    """Whether some stage holds only the graph's inputs (`cost.crossing.input_nodes`): nothing
+    to run there, which the split refuses; a move that makes one is not a plan."""
+    return any(all(n in inputs for n in nodes) for nodes, _ in stages)
+
+
 def descend(state: State, best: float, score: Callable[[State], float],
             more: Callable[[], bool], is_known: Callable[[State], bool], *, nodes: int,
             ) -> tuple[float, State, list[str]]:
@@ -111,4 +118,5 @@ def descend(state: State, best: float, score: Callable[[State], float],
     return best, state, moves
 
 
-__all__ = ["descend", "State", "config", "linearised", "neighbours", "positions", "stages_of"]
+__all__ = ["State", "config", "descend", "linearised", "neighbours", "positions", "runs_nothing",
+           "stages_of"]

@@ -575,10 +575,12 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     (planner/polish.py), each priced as any candidate (POLISH_BUDGET prices in all per
     schedule, a millisecond or so each on a graph of a few dozen nodes; POLISH_STREAMING for a
     streaming schedule, whose in-flight choice searches circuits: 0.1-0.2 s each on GNMT)."""
+    from pdcompile.planner.moves import runs_nothing
     from pdcompile.planner.polish import polish
 
     out: list[_Candidate] = []
     priced: dict[tuple[Any, ...], _Candidate | None] = {}  # per options and plan
+    inputs = set(input_nodes(graph))
     for option in dict.fromkeys(c.options for c in candidates):
         ranked = sorted((c for c in candidates if c.options == option), key=lambda c: c.closed)
         if ranked[0].bound != "server interface":
@@ -587,6 +589,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         def price(stages: list[tuple[list[str], tuple[int, ...]]],
                   options: ModelOptions = option) -> float:
             key = (options, _key(stages))
+            if key not in priced and runs_nothing(stages, inputs):
+                priced[key] = None
             if key not in priced:
                 try:
                     priced[key] = _priced(graph, cluster, stages, options, limit)

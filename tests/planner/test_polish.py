@@ -85,3 +85,24 @@ def test_an_interface_bound_plan_is_the_fastest_interface_bound_plan(
             if theirs.extra["bound"] == INTERFACE and theirs.extra["fits"]:
                 assert ours.time_per_minibatch <= theirs.time_per_minibatch * (1 + 1e-4), \
                     (ours.config, theirs.config)
+
+
+def test_no_descent_leaves_a_stage_of_inputs_alone() -> None:
+    """The descent's moves once split the input off into a stage of its own, which the split
+    refuses ("stages [0] of the plan have no operation to run"; a random model under CI's
+    hypothesis): such a move is no plan."""
+    import copy
+
+    import torch
+
+    from tests.helpers.random_models import RandomNet, Step, squared_error
+
+    torch.manual_seed(0)
+    model = RandomNet([Step("linear", 0, 0), Step("no_grad", 0, 0)], 1, (-1,)).double()
+    x = torch.randn(8, 3, 4, dtype=torch.float64)
+    pipe = pdcompile.compile(copy.deepcopy(model), "2x2@10GB/s,1GB/s", example_inputs=(x,),
+                             loss_fn=squared_error, schedule="1f1b-flush", microbatches=2,
+                             cost="analytic", frontend="export")
+    inputs = {n.name for n in pipe.graph.graph.nodes if n.op == "placeholder"}
+    for stage in pipe.plan.stages:
+        assert set(stage.nodes) - inputs, pipe.plan.config
