@@ -94,7 +94,7 @@ def config(reps: Sequence[int]) -> str:
 
 def runs_nothing(stages: Sequence[tuple[Sequence[str], object]], inputs: Collection[str]) -> bool:
     """Whether some stage holds only the graph's inputs (`cost.crossing.input_nodes`): nothing
-    to run there, which the split refuses; a move that makes one is not a plan."""
+    to run there, which the split refuses."""
     return any(all(n in inputs for n in nodes) for nodes, _ in stages)
 
 

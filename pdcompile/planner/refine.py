@@ -26,13 +26,13 @@ from dataclasses import dataclass, replace
 
 import networkx as nx
 
-from pdcompile.cost.crossing import input_nodes, stage_of_every_node
+from pdcompile.cost.crossing import stage_of_every_node
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.costmodel import ModelOptions, evaluate
 from pdcompile.planner.in_flight import choose_in_flight
-from pdcompile.planner.moves import State, config, descend, linearised, runs_nothing, stages_of
+from pdcompile.planner.moves import State, config, descend, linearised, stages_of
 
 
 @dataclass(frozen=True)
@@ -116,7 +116,6 @@ class _Search:
         self.minibatches, self.warmup = minibatches, warmup
         self.cache: dict[State, float] = {}
         self.evaluations = 0
-        self.inputs = set(input_nodes(graph))
 
     def plan_of(self, state: State, *, simulated: float | None = None,
                 start: float | None = None) -> Plan:
@@ -146,9 +145,6 @@ class _Search:
             return self.cache[state]
         from pdcompile.planner.simulation import simulate_plan
 
-        if runs_nothing(stages_of(state, self.order), self.inputs):
-            self.cache[state] = math.inf  # a stage of inputs alone: not a plan
-            return math.inf
         self.evaluations += 1
         plan = self.plan_of(state)
         stream = max(self.minibatches, 4 * math.lcm(*state[1]))

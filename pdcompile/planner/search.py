@@ -589,8 +589,6 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         def price(stages: list[tuple[list[str], tuple[int, ...]]],
                   options: ModelOptions = option) -> float:
             key = (options, _key(stages))
-            if key not in priced and runs_nothing(stages, inputs):
-                priced[key] = None
             if key not in priced:
                 try:
                     priced[key] = _priced(graph, cluster, stages, options, limit)
@@ -605,8 +603,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             if left <= 0:
                 break
             walked = polish(graph, start.stages, price, budget=left)
-            if walked is None:
-                continue
+            if walked is None or runs_nothing(walked[0], inputs):
+                continue  # a stage of the input alone runs nothing: the split refuses it
             stages, _, moves = walked
             found = priced.get((option, _key(stages)))
             if found is not None and all(found.stages != c.stages for c in candidates + out):
