@@ -49,3 +49,18 @@ def batches(n: int, size: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(7)
     return [(torch.randn(size, 6, generator=g), torch.randn(size, 3, generator=g))
             for _ in range(n)]
+
+
+def update_after_round(pending: list[dict[str, torch.Tensor]], live: dict[str, torch.Tensor],
+                       opt: torch.optim.Optimizer, history: list[dict[str, torch.Tensor]],
+                       size: int) -> list[dict[str, torch.Tensor]]:
+    """One stage of a PipeDream reference: once `size` minibatches' gradients are `pending`,
+    their mean is the gradient of one optimizer step, whose weights become the next version in
+    `history`; the gradients still pending after it."""
+    if len(pending) < size:
+        return pending
+    for n, t in live.items():
+        t.grad = sum(g[n] for g in pending) / size  # type: ignore[assignment]
+    opt.step()
+    history.append({n: t.detach().clone() for n, t in live.items()})
+    return []

@@ -21,7 +21,15 @@ import torch.nn as nn
 from torch.func import functional_call
 
 import pdcompile
-from tests.helpers.blocks import batches, block_of, build, make_model, mse, stage_of_block
+from tests.helpers.blocks import (
+    batches,
+    block_of,
+    build,
+    make_model,
+    mse,
+    stage_of_block,
+    update_after_round,
+)
 
 OptFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 SchedFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -66,12 +74,8 @@ def reference_1f1b(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor
             losses.append(loss.item())
             for s in range(stages):
                 pending[s].append({n: params[n].grad for n in stage_names[s]})
-                if len(pending[s]) == replicas[s]:
-                    for n, t in live[s].items():
-                        t.grad = sum(g[n] for g in pending[s]) / replicas[s]
-                    opts[s].step()
-                    pending[s] = []
-                    history[s].append({n: t.detach().clone() for n, t in live[s].items()})
+                pending[s] = update_after_round(pending[s], live[s], opts[s], history[s],
+                                                replicas[s])
         start += size
         for sched in scheds:
             sched.step()

@@ -18,7 +18,14 @@ from pdcompile.passes.split import manual_plan
 from pdcompile.passes.trace import trace
 from pdcompile.schedule.generators import shared_warmup_depths
 from tests.helpers import transparency
-from tests.helpers.blocks import batches, block_of, make_model, mse, stage_of_block
+from tests.helpers.blocks import (
+    batches,
+    block_of,
+    make_model,
+    mse,
+    stage_of_block,
+    update_after_round,
+)
 
 Opt = type[torch.optim.Optimizer]
 
@@ -79,12 +86,7 @@ def reference_shared_1f1b(model: nn.Module, data: list[tuple[torch.Tensor, torch
         losses.append(loss.item())
         for s in range(stages):
             pending[s].append({n: params[n].grad for n in stage_names[s]})
-            if len(pending[s]) == rounds[s]:
-                for n, t in live[s].items():
-                    t.grad = sum(g[n] for g in pending[s]) / rounds[s]
-                opts[s].step()
-                pending[s] = []
-                history[s].append({n: t.detach().clone() for n, t in live[s].items()})
+            pending[s] = update_after_round(pending[s], live[s], opts[s], history[s], rounds[s])
     return losses, {n: t.detach() for s in range(stages) for n, t in live[s].items()}
 
 
