@@ -13,7 +13,6 @@ from __future__ import annotations
 import itertools
 
 import networkx as nx
-import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -62,11 +61,6 @@ def _compositions(total: int) -> list[tuple[int, ...]]:
     return out
 
 
-@pytest.mark.xfail(reason="known shortfall, found 2026-11-26: the descent reaches a plan up to "
-                   "2x slower than the best runnable interface-bound plan on some draws (1-3 at "
-                   "68.1 ms against 2-2 at 34.3 ms); the test passed before only because the "
-                   "planner returned plans with the input alone in a stage, which the split "
-                   "refuses and the brute force counted", strict=False)
 @settings(max_examples=12, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(graph=chains(), microbatches=st.sampled_from([4, 8, 16]))
