@@ -123,7 +123,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
     return Pipeline(graph=gm, plan=chosen, parts=parts, schedule=schedule,
                     microbatches=microbatches, loss_fn=loss_fn, optimizer=optimizer,
                     stash=stash, vertical_sync=vertical_sync, name=type(model).__name__,
-                    example_inputs=inputs, example_target=example_target)
+                    example_inputs=inputs, example_target=example_target,
+                    model=None if captured.frontend == "given" else model)
 
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,

@@ -23,8 +23,10 @@ from pdcompile.meta import get_input_shapes
 from pdcompile.passes.codegen import generate_rank, load_rank
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram
+from pdcompile.passes.training_flags import training_mode_calls
 from pdcompile.plan import Plan
 from pdcompile.runtime.chunks import ChunkRuntimes
+from pdcompile.runtime.evaluation import evaluate_model, evaluation_mode
 from pdcompile.runtime.message_specs import message_table, spec_function
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import NoParameters, RankState
@@ -76,7 +78,7 @@ class Pipeline:
                  optimizer: OptimizerFactory | None = None, stash: bool = True,
                  vertical_sync: bool = False, name: str = "model",
                  example_inputs: Sequence[Any] | None = None,
-                 example_target: Any = None) -> None:
+                 example_target: Any = None, model: torch.nn.Module | None = None) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}"
                                      f"{did_you_mean(schedule, SCHEDULES)}; choose one of "
@@ -92,6 +94,9 @@ class Pipeline:
         self.stash = stash
         self.vertical_sync = vertical_sync
         self.name = name
+        # the model compile captured (None for a loaded export or a graph given as it is):
+        # `evaluate` runs its own forward, as only it still holds both modes
+        self.model = model
         self.record = False
         # the random seed `pdcompile run` sets in every worker unless told another (--seed);
         # recorded in an export, so that two runs of it are bit-equal
@@ -656,8 +661,48 @@ class Pipeline:
         return [{name: chunks[name][i] for name in named} for i in range(m)]
 
     def __call__(self, *inputs: Any) -> Any:
-        """The model's output, computed by the stage modules one after another (no schedule)."""
-        named = self._named(inputs)
+        """The model's output, computed by the stage modules one after another (no schedule), in
+        the mode the model was compiled in (a model in training mode: dropout draws, BatchNorm
+        normalises by the minibatch and moves its statistics). For validation: `evaluate`."""
+        return self._forward(self._named(inputs))
+
+    def evaluate(self, *inputs: Any) -> Any:
+        """The model's output in evaluation mode, as `model.eval()` computes it (dropout off,
+        BatchNorm on its running statistics), on the pipeline's current weights, without
+        gradients; weights, statistics and the random state are left as they were.
+
+        A compiled pipeline runs the model's own forward on `state_dict()`. A loaded one (no
+        model) runs its stage graphs with their modules in eval mode, and refuses a graph that
+        fixed a training-mode operation at capture (torch.fx's functional dropout, torch.export's
+        batch norm and dropout), naming it: such a graph computes training mode whatever its
+        modules say.
+        """
+        named = self._named(inputs)  # the input count and names, checked as for `step`
+        if self.model is not None:
+            by_name = len(inputs) == 1 and isinstance(inputs[0], dict)
+            return evaluate_model(self.model, self.state_dict(), () if by_name else inputs,
+                                  named if by_name else {})
+        fixed = {stage: calls for stage, module in enumerate(self.stage_modules)
+                 if (calls := training_mode_calls(module))}
+        if fixed:
+            where = "; ".join(f"stage {stage}: {', '.join(calls[:3])}"
+                              + (f" and {len(calls) - 3} more" if len(calls) > 3 else "")
+                              for stage, calls in fixed.items())
+            raise PipelineInputError(
+                f"this pipeline cannot evaluate: its graphs fixed training mode at capture "
+                f"({where}). Load its weights into the model and evaluate that: "
+                "model.load_state_dict(pipe.state_dict()); model.eval(); model(x)")
+        buffers = [b for m in self.stage_modules for b in m.buffers()]
+        saved = [b.clone() for b in buffers]
+        try:
+            with evaluation_mode(self.stage_modules):
+                return self._forward(named)
+        finally:
+            for buffer, value in zip(buffers, saved, strict=True):
+                buffer.copy_(value)
+
+    def _forward(self, named: dict[str, Any]) -> Any:
+        """The stage modules one after another on the model's inputs by name."""
         values: dict[tuple[int, str], Any] = {}
         for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
             args = [named[r.name] if r.stage is None else values[r.stage, r.name]

@@ -176,8 +176,10 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any],
         set_path(stage, alias, get_path(stage, primary))
     for name in meta.get("frozen", []):  # absent from exports written before it was kept
         get_path(stage, name).requires_grad_(False)
+    _set_modes(stage, meta, folder / "pipeline.json")
     graph = _LeafTracer(autowrap_functions=_KEPT_CALLS).trace(stage)
     module = fx.GraphModule(stage, graph, class_name=f"Stage{index}")
+    module.training = stage.training
     return StageProgram(
         index=index, module=module,
         inputs=tuple(ValueRef(n, s) for n, s in meta["inputs"]),
@@ -187,6 +189,19 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any],
         param_names={k: tuple(v) for k, v in meta["param_names"].items()},
         buffer_names={k: tuple(v) for k, v in meta["buffer_names"].items()},
         kinds=dict(meta.get("kinds", {})), transient_buffers=tuple(transient))
+
+
+def _set_modes(stage: torch.nn.Module, meta: dict[str, Any], where: Path) -> None:
+    """The stage's training mode and its layers' own, as exported (exports written before the
+    modes were kept: all in training mode, as they were loaded then)."""
+    training = bool(meta.get("training", True))
+    stage.train(training)
+    layers = dict(stage.named_modules())
+    for name in meta.get("other_mode", []):
+        if name not in layers:
+            raise DamagedFileError(f"{where} is altered (stage layer {name!r} in other_mode "
+                                   "does not exist); export the pipeline again")
+        layers[name].training = not training
 
 
 class _AllLeaves(OpsTracer):

@@ -192,6 +192,11 @@ def _save_stage(pipe: Exportable, program: StageProgram, module: fx.GraphModule,
         # would train them
         "frozen": sorted(name for name, p in module.named_parameters(remove_duplicate=False)
                          if not p.requires_grad),
+        # the stage's mode, and its layers in another (a BatchNorm frozen in eval mode inside a
+        # training model): layers written as source are built anew in training mode
+        "training": module.training,
+        "other_mode": sorted(name for name, m in module.named_modules()
+                             if name and m.training != module.training),
     }
 
 

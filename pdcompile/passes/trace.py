@@ -176,7 +176,10 @@ def trace(
     _cut_off_no_grad(graph)
     _drop_specialized(graph, model, concrete, keep=set(none_inputs))
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
-    gm.train(model.training)
+    # the root's flag only: the leaf modules are the model's own and keep their own modes (a
+    # BatchNorm frozen in eval mode inside a training model stays frozen; `gm.train()` would
+    # switch it, in the user's model too)
+    gm.training = model.training
     return gm
 
 
