@@ -11,9 +11,11 @@ is what pickle does for a module, minus running whatever code a file names.
 
 from __future__ import annotations
 
+import enum
 from typing import Any
 
 import torch
+from torch.nn.utils import parametrize
 
 from pdcompile.errors import PipelineInputError
 from pdcompile.export.import_paths import NotReferable, find, import_path
@@ -37,15 +39,16 @@ def record_module(module: torch.nn.Module, *, values: bool = False,
                                  "forward, say), which an export cannot write yet; move the "
                                  "autocast outside forward to export, or train the pipeline "
                                  "in this process")
-    try:
-        cls = import_path(type(module))
+    try:  # a parametrized layer's class is made at run time: record the layer it was made from
+        cls = import_path(parametrize.type_before_parametrizations(module))
     except NotReferable as err:
         raise PipelineInputError(f"cannot export {culprit}: its class has no import path "
                                  f"({err}); define it at module level in an importable "
                                  "file") from None
     for name in _BASE:
         hooks = module.__dict__.get(name)
-        if "hook" in name and isinstance(hooks, dict) and hooks:
+        if "hook" in name and isinstance(hooks, dict) and any(
+                not _parametrization_hook(h) for h in hooks.values()):
             raise PipelineInputError(f"cannot export {culprit}: it has {name.strip('_')} "
                                      "registered; remove them before export")
     attributes: dict[str, Any] = {}
@@ -63,13 +66,53 @@ def record_module(module: torch.nn.Module, *, values: bool = False,
         "non_persistent": non_persistent,
         "children": {n: None if c is None else record_module(
             c, values=values, tensors=sink, where=f"{where}.{n}")[0]
-            for n, c in module._modules.items()},
+            for n, c in module._modules.items()
+            if not (n == "parametrizations" and parametrize.is_parametrized(module))},
     }
+    if parametrize.is_parametrized(module):
+        record["parametrizations"] = _parametrizations(module, values, sink, where)
     return record, sink if sink is not None else {}
+
+
+def _parametrizations(module: torch.nn.Module, values: bool,
+                      sink: dict[str, torch.Tensor] | None, where: str) -> dict[str, Any]:
+    """Per parametrized tensor (weight_norm's, spectral_norm's `weight`): its shape and the
+    records of its parametrizations, in order; the originals they hold travel with the layer's
+    other tensors (`parametrizations.weight.original0`, ...)."""
+    out: dict[str, Any] = {}
+    for name, chain in module.parametrizations.items():  # type: ignore[union-attr, operator]
+        modes = [(p, p.training) for p in chain.modules()]
+        try:  # its shape, without a power iteration moving spectral_norm's vectors
+            for p, _ in modes:
+                p.training = False
+            with torch.no_grad():
+                value = getattr(module, name)
+        finally:
+            for p, mode in modes:
+                p.training = mode
+        out[name] = {"shape": list(value.shape), "dtype": dtype_name(value.dtype),
+                     "unsafe": bool(chain.unsafe),
+                     "chain": [record_module(p, values=values, tensors=sink,
+                                             where=f"{where}.parametrizations.{name}.{i}")[0]
+                               for i, p in enumerate(chain)]}
+    return out
+
+
+def _parametrization_hook(hook: Any) -> bool:
+    """torch's own hook on a parametrized layer (weight_norm reads old state dicts with it):
+    not the model's, and of no use to a rebuilt layer, whose state dicts are new."""
+    function = getattr(hook, "hook", hook)
+    return getattr(function, "__module__", "") == "torch.nn.utils.parametrizations"
 
 
 def _attribute(value: Any, sink: dict[str, torch.Tensor] | None, where: str,
                culprit: str) -> dict[str, Any]:
+    if isinstance(value, enum.Enum):  # orthogonal's map, say: by its class and member name
+        try:
+            return {"enum": import_path(type(value)), "member": value.name}
+        except NotReferable as err:
+            raise PipelineInputError(f"cannot export {culprit}: attribute {where} is a member "
+                                     f"of an enum without an import path ({err})") from None
     if isinstance(value, torch.Tensor) and value.device.type == "meta":
         return {"empty": {"shape": list(value.shape), "dtype": dtype_name(value.dtype)}}
     if callable(value) and not isinstance(value, torch.Tensor | torch.nn.Module):
@@ -113,6 +156,8 @@ def rebuild_module(record: dict[str, Any], tensors: dict[str, torch.Tensor] | No
     for name, attr in record["attributes"].items():
         if "function" in attr:
             value = find(attr["function"])
+        elif "enum" in attr:
+            value = _member(attr)
         elif "empty" in attr:
             spec = attr["empty"]
             value = torch.empty(spec["shape"], dtype=dtype_of(spec["dtype"]), device="meta")
@@ -128,7 +173,25 @@ def rebuild_module(record: dict[str, Any], tensors: dict[str, torch.Tensor] | No
     for name, child in record["children"].items():
         module._modules[name] = None if child is None else rebuild_module(child, tensors,
                                                                           device=device)
+    for name, entry in record.get("parametrizations", {}).items():
+        # a stand-in for the tensor: registering computes the originals from it, and loading
+        # the stage's tensors then replaces them with the trained ones
+        module._parameters[name] = torch.nn.Parameter(
+            torch.zeros(entry["shape"], dtype=dtype_of(entry["dtype"]), device=device))
+        for link in entry["chain"]:
+            parametrize.register_parametrization(
+                module, name, rebuild_module(link, tensors, device=device),
+                unsafe=bool(entry["unsafe"]))
     return module
+
+
+def _member(attr: dict[str, Any]) -> enum.Enum:
+    try:
+        members = find(attr["enum"])
+        return members[attr["member"]]  # type: ignore[no-any-return]
+    except (ImportError, AttributeError, KeyError, TypeError) as err:
+        raise PipelineInputError(f"cannot rebuild the enum member {attr.get('member')!r} of "
+                                 f"{attr.get('enum')!r}: {err}") from None
 
 
 def _tensor(spec: dict[str, Any], tensors: dict[str, torch.Tensor] | None,
