@@ -21,17 +21,28 @@ from torch import nn
 
 @contextmanager
 def without_inference_cache(model: nn.Module, kwargs: Mapping[str, Any]) -> Iterator[bool]:
-    """Within: `model.config.use_cache` is False where it was True and the caller did not pass
-    `use_cache`; yields whether it was switched off."""
-    config = getattr(model, "config", None)
-    switch = "use_cache" not in kwargs and getattr(config, "use_cache", None) is True
-    if switch:
-        config.use_cache = False  # type: ignore[union-attr]
+    """Within: `use_cache` is False on every config the model's layers hold where it was True
+    and the caller did not pass `use_cache`; yields whether any was switched off. Encoder-
+    decoders keep a config of their own per half (T5's decoder stack holds a copy of the
+    model's, with `use_cache` on): switching the model's alone left T5 returning its cache."""
+    configs = [] if "use_cache" in kwargs else _cache_configs(model)
+    for config in configs:
+        config.use_cache = False
     try:
-        yield switch
+        yield bool(configs)
     finally:
-        if switch:
-            config.use_cache = True  # type: ignore[union-attr]
+        for config in configs:
+            config.use_cache = True
+
+
+def _cache_configs(model: nn.Module) -> list[Any]:
+    """The distinct config objects of the model and its layers with `use_cache` on."""
+    found: dict[int, Any] = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is True:
+            found.setdefault(id(config), config)
+    return list(found.values())
 
 
 __all__ = ["without_inference_cache"]

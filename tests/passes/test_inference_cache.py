@@ -86,3 +86,39 @@ class _ReturnsAnObject(nn.Module):
 def test_an_output_no_stage_can_send_is_refused_naming_its_type() -> None:
     with pytest.raises(TraceError, match=r"holds a .*_Handle.*return only tensors"):
         capture(_ReturnsAnObject(), (torch.randn(2, 4),), frontend="export")
+
+
+def test_an_encoder_decoder_whose_halves_hold_their_own_configs_trains() -> None:
+    """T5's decoder stack holds a copy of the model's config with `use_cache` on: switching the
+    model's alone left T5 returning an EncoderDecoderCache, refused by both front ends."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                   num_decoder_layers=2, num_heads=4, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config)
+    configs = {id(m.config): m.config for m in model.modules() if hasattr(m, "config")}
+    assert model.decoder.config is not model.config and model.decoder.config.use_cache
+    before = {key: c.use_cache for key, c in configs.items()}
+    ids, mask = torch.randint(1, 50, (4, 7)), torch.ones(4, 7, dtype=torch.long)
+    decoder_ids, target = torch.randint(1, 50, (4, 5)), torch.randint(0, 50, (4, 5))
+    reference = copy.deepcopy(model)
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(ids, mask, decoder_ids),
+                             loss_fn=_token_loss, stages=3, schedule="1f1b-flush",
+                             microbatches=2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
+    assert {key: c.use_cache for key, c in configs.items()} == before  # as it was
+    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(2):
+        loss = pipe.step(ids, mask, decoder_ids, target=target)
+        opt.zero_grad()
+        want = 0.0
+        for part in zip(ids.chunk(2), mask.chunk(2), decoder_ids.chunk(2), target.chunk(2),
+                        strict=True):
+            part_loss = _token_loss(reference(*part[:3]), part[3]) / 2
+            part_loss.backward()
+            want += part_loss.item()
+        opt.step()
+        assert loss == pytest.approx(want, rel=1e-5)
+    state = pipe.state_dict()
+    for name, value in reference.state_dict().items():
+        torch.testing.assert_close(state[name], value, msg=lambda m, n=name: f"{n}: {m}")
