@@ -67,6 +67,7 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                 and not node.users:
             graph.erase_node(node)
     _inline_grad_regions(unlifted, graph)
+    _refuse_parameter_changes(unlifted, graph, type(model).__name__)
     out_spec = program.call_spec.out_spec
     graph._codegen = fx.graph.CodeGen()  # plain placeholders and a flat output tuple
     output = next(n for n in graph.nodes if n.op == "output")
@@ -86,6 +87,42 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
         set_input_shapes(gm, InputShapes.of_program(
             program, dict(zip(program.graph_signature.user_inputs, inputs, strict=True))))
     return gm
+
+
+# operations through which a value still is the tensor it was made from (same storage)
+_ALIASES = ("aten.detach.", "aten.alias.", "aten.view.", "aten._unsafe_view.", "aten.t.",
+            "aten.transpose.", "aten.permute.", "aten.slice.", "aten.select.", "aten.expand.")
+
+
+def _refuse_parameter_changes(gm: fx.GraphModule, graph: fx.Graph, model: str) -> None:
+    """A forward that changes a parameter in place (`nn.Embedding(max_norm=...)` renormalises
+    its rows, through a detached alias) is refused: torch.export records the change as an
+    operation on an alias, and a cut that puts another reader of the parameter in another stage
+    gives that stage a copy the change never reaches, so the copies part silently. torch.fx
+    keeps such a layer whole (a leaf module)."""
+    params = {name for name, _ in gm.named_parameters(remove_duplicate=False)}
+    for node in graph.nodes:
+        schema = getattr(node.target, "_schema", None)
+        if node.op != "call_function" or schema is None or not schema.is_mutable:
+            continue
+        for argument, value in zip(schema.arguments, node.args, strict=False):
+            if argument.is_write and isinstance(value, fx.Node):
+                source = _aliased(value)
+                if source.op == "get_attr" and source.target in params:
+                    raise TraceError(
+                        f"{model}.forward changes parameter {source.target!r} in place "
+                        f"({node.target}, e.g. nn.Embedding(max_norm=...)), which the "
+                        "torch.export front end cannot keep in step between stages; use "
+                        "frontend='fx' (compile's default 'auto' does), or change the "
+                        "parameter outside forward")
+
+
+def _aliased(node: fx.Node) -> fx.Node:
+    """The node a value aliases, through views and detaches."""
+    while node.op == "call_function" and str(node.target).startswith(_ALIASES) and node.args \
+            and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
 
 
 def _inline_grad_regions(root: nn.Module, graph: fx.Graph) -> None:

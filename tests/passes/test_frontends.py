@@ -15,6 +15,7 @@ from torch import nn
 import pdcompile
 from pdcompile.errors import PipelineInputError, TraceError
 from pdcompile.meta import get_frontend
+from pdcompile.passes.frontend import capture
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -195,3 +196,28 @@ def test_a_wrapped_model_is_compiled_as_the_model_it_wraps(wrap: str) -> None:
     before = inner[0].weight.detach().clone()
     pipe.step(x, target=y)
     assert not torch.equal(pipe.state_dict()["0.weight"], before)
+
+
+class _RenormalisedEmbedding(nn.Module):
+    """nn.Embedding(max_norm=...) renormalises the rows it reads, in place, in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(20, 8, max_norm=1.0)
+        self.mid = nn.Linear(8, 8)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(self.embed(ids).mean(1))))
+
+
+def test_a_parameter_changed_in_place_by_forward_is_refused_by_torch_export() -> None:
+    """torch.export records the renormalisation on a detached alias of the weight; a cut gave
+    another stage a copy of the weight the change never reached, and the copies parted
+    silently (the pipeline's weight differed from one process after one step)."""
+    model = _RenormalisedEmbedding()
+    ids = torch.randint(0, 20, (8, 5))
+    with pytest.raises(TraceError, match=r"changes parameter 'embed.weight' in place.*"
+                                         r"embedding_renorm_.*frontend='fx'"):
+        capture(model, (ids,), frontend="export")
+    assert capture(model, (ids,), frontend="auto").frontend == "fx"  # a leaf module: whole
