@@ -40,6 +40,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     example_target: Any = None,
     fuse: bool = True,
     frontend: str = "auto",
+    clip_grad_norm: float | None = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
@@ -53,6 +54,9 @@ def compile(  # noqa: A001 - the public name of the one-liner
     the planner: it chooses); for '1f1b' the length of the exported schedule. `stash=False`
     turns weight stashing off (comparison only); `vertical_sync` makes every stage use stage 0's
     weight version ('1f1b').
+    `clip_grad_norm`: scale each minibatch's gradients so that their norm over the whole
+    model is at most this, as `torch.nn.utils.clip_grad_norm_` on one process (flush schedules
+    with one stage per worker; runtime/grad_clip.py).
     `example_target`: the target of the example minibatch (optional; exported with it, so that
     `pdcompile run` can train on the example when no data is given). Without it, the first
     target `step` / `train` receive with a minibatch shaped like `example_inputs` is kept.
@@ -69,10 +73,15 @@ def compile(  # noqa: A001 - the public name of the one-liner
     from pdcompile.passes.fuse import fuse_grad_accumulation
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.split import even_plan, split
+    from pdcompile.runtime.grad_clip import check_max_norm
 
     if not isinstance(model, torch.nn.Module):
         raise PipelineInputError(f"compile() takes an nn.Module, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile's, DataParallel's or DDP's model
+    try:  # before any tracing or profiling
+        check_max_norm(clip_grad_norm)
+    except ValueError as err:
+        raise PipelineInputError(str(err)) from None
     if schedule != "auto" and schedule not in KINDS:  # before any tracing or profiling
         raise PipelineInputError(unknown(schedule, auto=True))
     named = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
@@ -124,7 +133,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
                     microbatches=microbatches, loss_fn=loss_fn, optimizer=optimizer,
                     stash=stash, vertical_sync=vertical_sync, name=type(model).__name__,
                     example_inputs=inputs, example_target=example_target,
-                    model=None if captured.frontend == "given" else model)
+                    model=None if captured.frontend == "given" else model,
+                    clip_grad_norm=clip_grad_norm)
 
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,

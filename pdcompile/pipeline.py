@@ -27,6 +27,7 @@ from pdcompile.passes.training_flags import training_mode_calls
 from pdcompile.plan import Plan
 from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.evaluation import evaluate_model, evaluation_mode
+from pdcompile.runtime.grad_clip import check_max_norm
 from pdcompile.runtime.message_specs import message_table, spec_function
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import NoParameters, RankState
@@ -78,7 +79,8 @@ class Pipeline:
                  optimizer: OptimizerFactory | None = None, stash: bool = True,
                  vertical_sync: bool = False, name: str = "model",
                  example_inputs: Sequence[Any] | None = None,
-                 example_target: Any = None, model: torch.nn.Module | None = None) -> None:
+                 example_target: Any = None, model: torch.nn.Module | None = None,
+                 clip_grad_norm: float | None = None) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}"
                                      f"{did_you_mean(schedule, SCHEDULES)}; choose one of "
@@ -108,6 +110,7 @@ class Pipeline:
         self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, by run shape
         self._check()
+        self.clip_grad_norm = self._checked_clip(clip_grad_norm)
         # one minibatch as compiled: backends check shapes against it, export saves it
         self.example_inputs: tuple[Any, ...] | None = (
             None if example_inputs is None else tuple(example_inputs))
@@ -147,6 +150,29 @@ class Pipeline:
                                      f"torch.optim.Optimizer, e.g. lambda p: torch.optim.SGD(p, "
                                      f"lr=0.1); it returned {type(optimizer).__name__}")
         return RankState(rank, stage, module, optimizer, order)
+
+    def _checked_clip(self, value: float | None) -> float | None:
+        """`clip_grad_norm`, where this pipeline can clip by the global norm
+        (runtime/grad_clip.py): a flush schedule, one stage per rank."""
+        try:
+            limit = check_max_norm(value)
+        except ValueError as err:
+            raise PipelineInputError(str(err)) from None
+        if limit is None:
+            return None
+        if not kind(self.schedule_name).flush:
+            raise PipelineInputError(
+                f"clip_grad_norm needs every stage's gradients of a minibatch before any stage "
+                f"updates, which schedule {self.schedule_name!r} does not wait for (each stage "
+                "updates at its own time); use a flush schedule ('1f1b-flush', 'gpipe', "
+                "'zb-h1'), or clip each stage's gradients in its optimizer")
+        chunked = [r for r in self.all_ranks if len(self.stages_of(r)) > 1]
+        if chunked:
+            raise PipelineInputError(
+                f"clip_grad_norm is not supported yet where a worker holds several stages "
+                f"(workers {chunked[:4]} here: schedule {self.schedule_name!r}); use a schedule "
+                "with one stage per worker ('1f1b-flush', 'zb-h1'), or no clipping")
+        return limit
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
         """The stages `rank` runs: one, or its chunks in an interleaved pipeline."""
@@ -367,7 +393,7 @@ class Pipeline:
             output_spec=self.parts.output_spec, loss_fn=self.loss_fn, states=states,
             ties=tuple(tuple(self.tie_groups(stage)) for stage in range(len(self.plan.stages))),
             schedule=self.schedule, rank_functions=self._rank_functions, prepare=self.prepare,
-            microbatch_specs=self.microbatch_specs)
+            microbatch_specs=self.microbatch_specs, clip_grad_norm=self.clip_grad_norm)
 
     def runtime(self, rank: int, *, config: RunConfig, transport: Any, data: Any,
                 specs: Callable[[Tag], list[TensorSpec]] | None = None,

@@ -113,6 +113,7 @@ class RunProgram:
     prepare: Prepare
     microbatch_specs: Callable[[dict[str, Any]], dict[Tag, list[TensorSpec]]]
     slowdowns: tuple[float, ...] = ()  # per rank, an emulated slower device (with_slowdowns)
+    clip_grad_norm: float | None = None  # the largest global gradient norm (grad_clip.py)
 
     def with_slowdowns(self, slowdowns: Sequence[float] | str | None) -> RunProgram:
         """The same program with each rank's compute stretched by its factor
@@ -152,7 +153,8 @@ class RunProgram:
         shares = self.plan.shares()
         return RunConfig(self.schedule_name, self.stage_ranks, per_minibatch, self.stash,
                          self.vertical_sync, recompute, self.slowdowns,
-                         tuple(tuple(c) for c in shares) if shares else ())
+                         tuple(tuple(c) for c in shares) if shares else (),
+                         self.clip_grad_norm)
 
     def collective_groups(self) -> list[tuple[int, ...]]:
         """Rank groups that all-reduce together: replicas of a stage, and the ranks of stages

@@ -78,7 +78,8 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     graph = _load_graph(folder, meta.get("graph_stages", {}), len(programs), code)
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
-                    stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"])
+                    stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"],
+                    clip_grad_norm=meta.get("clip_grad_norm"))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]

@@ -70,6 +70,7 @@ from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PipelineInputError, ScheduleError
 from pdcompile.runtime.finite_loss import LossGuard
+from pdcompile.runtime.grad_clip import clip_factor, square_norm
 from pdcompile.runtime.linear_grads import (
     accumulating_grads,
     deferring_weight_grads,
@@ -132,6 +133,8 @@ class RunConfig:
     slowdowns: tuple[float, ...] = ()  # per rank: compute stretched (runtime/slowdown.py)
     # per stage, microbatches each replica takes per round (Schedule.shares); (): round robin
     shares: tuple[tuple[int, ...], ...] = ()
+    # the largest global gradient norm of a minibatch (runtime/grad_clip.py); None: no clipping
+    clip_grad_norm: float | None = None
 
     def replica_rank(self, stage: int, microbatch: int) -> int:
         """The rank of `stage` that handles `microbatch` (`Schedule.rank_of`)."""
@@ -590,11 +593,30 @@ class StageRuntime:
         for started in pending:
             yield from self._wait(started)
         finish_sync()
+        if self.config.clip_grad_norm is not None:
+            yield from self._clip_gradients(self.config.clip_grad_norm)
         self._keep_for_later()
         self.optimizer.step()
         self.versions.advance()
         self._fresh = True
         self._record(Kind.STEP, index, None, start)
+
+    def _clip_gradients(self, max_norm: float) -> Generator[Pending, None, None]:
+        """Scale this stage's gradients by the factor of the whole model's gradient norm
+        (runtime/grad_clip.py): one all-reduce of a number over every rank."""
+        stage_ranks = self.config.stage_ranks
+        counted_elsewhere = {id(self.params[name]) for group in self.ties for name in group.names
+                             if min(s for s, ranks in enumerate(stage_ranks)
+                                    if set(ranks) & set(group.ranks)) != self.stage}
+        grads = [p.grad for p in _unique(self.params.values()) if p.grad is not None]
+        mine = [p.grad for p in _unique(self.params.values())
+                if p.grad is not None and id(p) not in counted_elsewhere]
+        total = square_norm(mine, share=self.replicas)  # type: ignore[arg-type]
+        everyone = sorted({r for ranks in stage_ranks for r in ranks})
+        yield from self._wait(self.transport.all_reduce([total], everyone))
+        factor = clip_factor(total, max_norm)
+        for g in grads:
+            g.mul_(factor)  # type: ignore[union-attr]
 
     def _start_buffer_sync(self, pending: list[Pending]) -> Callable[[], None]:
         """Replicated stage: start the all-reduces (appended to `pending`) after which every
