@@ -14,7 +14,7 @@ import torch.fx as fx
 
 from pdcompile.errors import PipelineInputError
 from pdcompile.machine.cluster import Cluster
-from pdcompile.pipeline import OptimizerFactory, Pipeline
+from pdcompile.pipeline import OptimizerFactory, ParamGroups, Pipeline
 from pdcompile.plan import Plan
 from pdcompile.schedule.kinds import KINDS, unknown
 
@@ -41,6 +41,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     fuse: bool = True,
     frontend: str = "auto",
     clip_grad_norm: float | None = None,
+    param_groups: ParamGroups | None = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
@@ -57,6 +58,9 @@ def compile(  # noqa: A001 - the public name of the one-liner
     `clip_grad_norm`: scale each minibatch's gradients so that their norm over the whole
     model is at most this, as `torch.nn.utils.clip_grad_norm_` on one process (flush schedules
     with one stage per worker; runtime/grad_clip.py).
+    `param_groups(name, param)`: the options of the parameter's optimizer param group under
+    its name in the model (e.g. `lambda name, p: {"weight_decay": 0.0} if p.ndim < 2 else {}`);
+    each stage's `optimizer` factory then gets torch's list of param groups.
     `example_target`: the target of the example minibatch (optional; exported with it, so that
     `pdcompile run` can train on the example when no data is given). Without it, the first
     target `step` / `train` receive with a minibatch shaped like `example_inputs` is kept.
@@ -134,7 +138,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
                     stash=stash, vertical_sync=vertical_sync, name=type(model).__name__,
                     example_inputs=inputs, example_target=example_target,
                     model=None if captured.frontend == "given" else model,
-                    clip_grad_norm=clip_grad_norm)
+                    clip_grad_norm=clip_grad_norm, param_groups=param_groups)
 
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,

@@ -44,7 +44,9 @@ from pdcompile.schedule.kinds import names as schedule_names
 from pdcompile.timeline import Timeline
 from pdcompile.util.suggest import did_you_mean
 
-OptimizerFactory = Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]
+OptimizerFactory = Callable[[list[Any]], torch.optim.Optimizer]  # parameters or param groups
+# a parameter's name in the model and the parameter -> its group's options ({} or None: none)
+ParamGroups = Callable[[str, torch.nn.Parameter], Mapping[str, Any] | None]
 SCHEDULES = tuple(KINDS)
 
 
@@ -80,7 +82,8 @@ class Pipeline:
                  vertical_sync: bool = False, name: str = "model",
                  example_inputs: Sequence[Any] | None = None,
                  example_target: Any = None, model: torch.nn.Module | None = None,
-                 clip_grad_norm: float | None = None) -> None:
+                 clip_grad_norm: float | None = None,
+                 param_groups: ParamGroups | None = None) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}"
                                      f"{did_you_mean(schedule, SCHEDULES)}; choose one of "
@@ -93,6 +96,7 @@ class Pipeline:
             schedule, plan)
         self.loss_fn = loss_fn
         self.optimizer_factory: OptimizerFactory = optimizer or default_optimizer
+        self.param_groups = param_groups
         self.stash = stash
         self.vertical_sync = vertical_sync
         self.name = name
@@ -144,12 +148,36 @@ class Pipeline:
         named = dict(module.named_parameters())
         order = tuple(param_order) if param_order is not None else tuple(named)
         params = [named[n] for n in order]
-        optimizer = self.optimizer_factory(params) if params else NoParameters()
+        optimizer = self.optimizer_factory(self._grouped(stage, order, params)) if params \
+            else NoParameters()
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise PipelineInputError(f"optimizer must be a callable params -> "
                                      f"torch.optim.Optimizer, e.g. lambda p: torch.optim.SGD(p, "
                                      f"lr=0.1); it returned {type(optimizer).__name__}")
         return RankState(rank, stage, module, optimizer, order)
+
+    def _grouped(self, stage: int, names: Sequence[str], params: list[torch.nn.Parameter]
+                 ) -> list[Any]:
+        """The stage's parameters for its optimizer: as they are, or in torch's param groups
+        by the options `param_groups(name, param)` gives each under its name in the model (e.g.
+        no weight decay for biases and norms), groups in order of first appearance."""
+        if self.param_groups is None:
+            return params
+        originals = self.parts.stages[stage].param_names
+        groups: dict[str, dict[str, Any]] = {}
+        for name, param in zip(names, params, strict=True):
+            original = originals.get(name, (name,))[0]
+            options = self.param_groups(original, param)
+            if options is None:
+                options = {}
+            if not isinstance(options, Mapping) or "params" in options:
+                raise PipelineInputError(
+                    f"param_groups({original!r}, ...) returned {options!r}; return a dict of "
+                    "optimizer options for the parameter's group (e.g. {'weight_decay': 0.0}), "
+                    "without 'params', or {} / None for the defaults")
+            key = repr(sorted((str(k), repr(v)) for k, v in options.items()))
+            groups.setdefault(key, {**options, "params": []})["params"].append(param)
+        return list(groups.values())
 
     def _checked_clip(self, value: float | None) -> float | None:
         """`clip_grad_norm`, where this pipeline can clip by the global norm
