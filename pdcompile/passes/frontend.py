@@ -20,6 +20,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.fx as fx
 from torch import nn
 
@@ -70,10 +71,30 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
     if isinstance(model, fx.GraphModule):
         graph, used = _given(model, leaf_modules)
     else:
+        _refuse_torchscript(model)
         with without_inference_cache(model, kwargs):
             graph, used = _captured(model, args, kwargs, list(leaf_modules), frontend)
     set_frontend(graph, used)
     return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
+
+
+def _refuse_torchscript(model: nn.Module) -> None:
+    """A TorchScript module (torch.jit.script / torch.jit.trace) inside the model is refused:
+    torch.fx traced through it to a call on its C++ object, whose parameters no stage held, so
+    they were silently never trained; torch.export refuses its parameters."""
+    scripted: list[str] = []
+    for name, module in model.named_modules():
+        inside = any(name.startswith(f"{outer}.") for outer in scripted) or (
+            scripted and scripted[0] == "")
+        if isinstance(module, torch.jit.ScriptModule) and not inside:
+            scripted.append(name)
+    if scripted:
+        names = ", ".join(repr(n) if n else "the model itself" for n in scripted[:4])
+        raise TraceError(
+            f"{type(model).__name__} holds TorchScript module(s) {names} (torch.jit.script or "
+            "torch.jit.trace), whose parameters live in TorchScript, where "
+            "no pipeline stage can train them; compile the model with those modules as plain "
+            "nn.Modules (script afterwards if you need TorchScript)")
 
 
 def _given(model: fx.GraphModule, leaf_modules: Iterable[type[nn.Module] | str]

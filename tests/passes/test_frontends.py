@@ -221,3 +221,32 @@ def test_a_parameter_changed_in_place_by_forward_is_refused_by_torch_export() ->
                                          r"embedding_renorm_.*frontend='fx'"):
         capture(model, (ids,), frontend="export")
     assert capture(model, (ids,), frontend="auto").frontend == "fx"  # a leaf module: whole
+
+
+class _Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.layer(x))
+
+
+class _WithScripted(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Linear(8, 8)
+        self.inner = torch.jit.script(_Block())
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.inner(torch.tanh(self.first(x))))
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export", "auto"])
+def test_a_torchscript_module_is_refused_naming_it(frontend: str) -> None:
+    """torch.fx traced through a scripted submodule to a call on its C++ object: the pipeline
+    ran it, but its parameters were in no stage, so they were never trained (silently)."""
+    with pytest.raises(TraceError, match=r"TorchScript module\(s\) 'inner' \(torch.jit"):
+        pdcompile.compile(_WithScripted(), example_inputs=(torch.randn(4, 8),), stages=2,
+                          frontend=frontend)
