@@ -42,6 +42,7 @@ from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import KINDS, kind
 from pdcompile.schedule.kinds import names as schedule_names
 from pdcompile.timeline import Timeline
+from pdcompile.util.module_copy import copy_module
 from pdcompile.util.suggest import did_you_mean
 
 OptimizerFactory = Callable[[list[Any]], torch.optim.Optimizer]  # parameters or param groups
@@ -892,9 +893,7 @@ def _first_microbatch(named: dict[str, Any], m: int) -> dict[str, Any]:
 
 
 def _copy(module: fx.GraphModule) -> fx.GraphModule:
-    import copy
-
-    return copy.deepcopy(module)
+    return copy_module(module)
 
 
 def _default_microbatches(schedule: str, plan: Plan) -> int:

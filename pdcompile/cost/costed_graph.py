@@ -9,7 +9,6 @@ is looked up when called, so a test may wrap `node_costs.annotate_costs`.
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -24,6 +23,7 @@ from pdcompile.machine.device import Device
 from pdcompile.passes.inplace import make_mutations_explicit
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.trace import trace
+from pdcompile.util.module_copy import copy_module
 
 
 class Costed(NamedTuple):
@@ -44,7 +44,7 @@ def costed(model: torch.nn.Module, inputs: Sequence[Any], cluster: Cluster | Non
     `caches` (default: as `cluster`'s workers meet them, warm without a cluster) or "analytic"
     on `device` (`annotate_costs`' default without one). `name`: the CostGraph's (default the
     model's class name)."""
-    gm = copy.deepcopy(model) if isinstance(model, fx.GraphModule) else \
+    gm = copy_module(model) if isinstance(model, fx.GraphModule) else \
         trace(model, leaf_modules=leaf_modules)
     if cost != "measured":
         caches = "warm"

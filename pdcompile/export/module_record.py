@@ -50,7 +50,9 @@ def record_module(module: torch.nn.Module, *, values: bool = False,
         if "hook" in name and isinstance(hooks, dict) and any(
                 not _parametrization_hook(h) for h in hooks.values()):
             raise PipelineInputError(f"cannot export {culprit}: it has {name.strip('_')} "
-                                     "registered; remove them before export")
+                                     "registered (torch.nn.utils.prune registers one), which "
+                                     "an export cannot keep; compile with frontend='export', "
+                                     "whose graph records what they compute, or remove them")
     attributes: dict[str, Any] = {}
     for name, value in module.__dict__.items():
         if name in _BASE:

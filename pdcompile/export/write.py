@@ -5,7 +5,6 @@ launch files in a folder (the list is in the package docstring).
 
 from __future__ import annotations
 
-import copy
 import json
 import shlex
 import warnings
@@ -33,6 +32,7 @@ from pdcompile.plan import Plan
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import save_tree
 from pdcompile.schedule.ir import Schedule
+from pdcompile.util.module_copy import copy_module
 
 
 class Exportable(Protocol):
@@ -244,7 +244,7 @@ def _save_graph(graph: fx.GraphModule | None, folder: Path) -> dict[str, int]:
         return {}
     stages = {n.name: int(n.meta["pd.stage"]) for n in graph.graph.nodes if "pd.stage" in n.meta}
     try:
-        light = copy.deepcopy(graph).to("meta")
+        light = copy_module(graph).to("meta")
         source, recorded = module_source(light, "Graph", doc="The traced model (structure only).")
         tensors: dict[str, torch.Tensor] = {}
         records = {name: record_module(child, tensors=tensors)[0]

@@ -27,7 +27,6 @@ PlanError naming it and the stages.
 
 from __future__ import annotations
 
-import copy
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -53,6 +52,7 @@ from pdcompile.passes.inplace import (
 from pdcompile.plan import Plan, Stage
 from pdcompile.runtime.grad_mode import detached
 from pdcompile.util.attr_path import get_path
+from pdcompile.util.module_copy import copy_module
 
 # kinds of values (meta.ValueTree.kinds) that can travel between stages; None leaves of a
 # structure are not sent (the receiver puts None back)
@@ -794,7 +794,7 @@ def _name_and_copy(stages: list[StageProgram], root: torch.nn.Module) -> tuple[T
             # a tensor constant fx made of `torch.ones(4)` in forward is no buffer of the model
             if set(program.buffer_names[name]) <= transient or id(b) not in buffer_names:
                 program.transient_buffers += (name,)
-        program.module = copy.deepcopy(program.module)
+        program.module = copy_module(program.module)
     ties = []
     for members in holders.values():
         if len({s for s, _ in members}) > 1:

@@ -9,7 +9,6 @@ the pipeline's example minibatch when the graph carries none).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +18,7 @@ import torch.fx as fx
 
 from pdcompile.schedule.kinds import kind
 from pdcompile.units import format_bytes, format_seconds
+from pdcompile.util.module_copy import copy_module
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def node_bytes(graph: fx.GraphModule, *, example_inputs: Sequence[Any] | None = 
     from pdcompile.errors import PdcompileError
     from pdcompile.passes.shapes import annotate_shapes
 
-    shaped = copy.deepcopy(graph)
+    shaped = copy_module(graph)
     inputs = tuple(example_inputs)
     weights = next(iter(shaped.parameters()), None)
     if weights is not None and weights.device.type == "meta":  # a loaded export's graph
