@@ -601,6 +601,21 @@ class Pipeline:
                 f"and the compiled graph follows the example (what the model does with "
                 f"{name!r} was decided by it); compile with example_inputs that give {name!r} "
                 "as the minibatches will")
+        # a number or string no stage reads was written into the graph at capture
+        # (torch.export specialises them: `for _ in range(repeats)` unrolled for the example's)
+        read = {r.name for program in self.parts.stages for r in program.inputs
+                if r.stage is None}
+        for name in self.parts.data_inputs:
+            then, now = example[name], given[name]
+            if name in read or not isinstance(then, bool | int | float | str):
+                continue
+            if type(now) is not type(then) or now != then:
+                raise PipelineInputError(
+                    f"minibatch {index}: input {name!r} is {now!r}, but example_inputs gave "
+                    f"{then!r}, which the compiled graph holds as a constant (the model's code "
+                    f"used it while capturing, e.g. in range() or an if); compile with "
+                    f"example_inputs giving {name!r} as the minibatches will, or make it a "
+                    "tensor")
 
     def check_minibatch(self, index: int, inputs: Sequence[Any], target: Any) -> None:
         """Refuse, in one line, a minibatch the pipeline cannot train, before any rank starts.
