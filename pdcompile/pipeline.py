@@ -510,6 +510,15 @@ class Pipeline:
 
     def as_minibatch(self, item: Any, index: int) -> tuple[tuple[Any, ...], Any]:
         """One minibatch of `train` as (inputs, target), refused in one line where it is not."""
+        if isinstance(item, Mapping):  # a dict of two keys would unpack into its key names
+            names = self.parts.data_inputs
+            others = [str(k) for k in item if k not in names]
+            inputs_text = "{" + ", ".join(f"{n!r}: batch[{n!r}]" for n in names) + "}"
+            target_text = f"batch[{others[0]!r}]" if len(others) == 1 else "target"
+            raise PipelineInputError(
+                f"minibatch {index} is a dict (keys {', '.join(map(str, item))}), not a pair "
+                f"(inputs, target); yield ({inputs_text}, {target_text}), e.g. from a generator "
+                "over the loader")
         try:
             inputs, target = item
         except (TypeError, ValueError):

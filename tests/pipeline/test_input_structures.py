@@ -9,6 +9,7 @@ a dict target was not cut into microbatches."""
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -130,3 +131,25 @@ def test_an_input_forward_ignores_is_not_a_stage_of_its_own() -> None:
     x, y = torch.randn(8, 4), torch.randn(8, 2)
     _trains_like_one_process(IgnoresAnInput(), (x, torch.zeros(8, 3)), y,
                              nn.functional.mse_loss, "fx")
+
+
+def test_a_dict_minibatch_is_refused_saying_how_to_split_it() -> None:
+    """A Hugging Face style batch {"input_ids": ..., "labels": ...} once unpacked into its two
+    key names, and the model was handed the string 'input_ids'."""
+    class Tokens(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed, self.out = nn.Embedding(20, 8), nn.Linear(8, 20)
+
+        def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+            return self.out(torch.tanh(self.embed(input_ids)))
+
+    ids = torch.randint(0, 20, (4, 5))
+    pipe = pdcompile.compile(Tokens(), example_inputs={"input_ids": ids}, stages=2,
+                             loss_fn=lambda o, t: nn.functional.cross_entropy(
+                                 o.reshape(-1, 20), t.reshape(-1)),
+                             schedule="1f1b-flush", microbatches=2)
+    with pytest.raises(PipelineInputError, match=re.escape(
+            "minibatch 0 is a dict (keys input_ids, labels), not a pair (inputs, target); "
+            "yield ({'input_ids': batch['input_ids']}, batch['labels'])")):
+        pipe.train([{"input_ids": ids, "labels": ids}])
