@@ -42,6 +42,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     frontend: str = "auto",
     clip_grad_norm: float | None = None,
     param_groups: ParamGroups | None = None,
+    autocast: torch.dtype | str | None = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
@@ -61,6 +62,9 @@ def compile(  # noqa: A001 - the public name of the one-liner
     `param_groups(name, param)`: the options of the parameter's optimizer param group under
     its name in the model (e.g. `lambda name, p: {"weight_decay": 0.0} if p.ndim < 2 else {}`);
     each stage's `optimizer` factory then gets torch's list of param groups.
+    `autocast`: torch.bfloat16 or torch.float16 runs every stage's forward and the loss under
+    `torch.autocast` (weights and gradients stay float32), as a one-process loop with
+    `with torch.autocast(...): loss = loss_fn(model(x), y)` does; kept in exports.
     `example_target`: the target of the example minibatch (optional; exported with it, so that
     `pdcompile run` can train on the example when no data is given). Without it, the first
     target `step` / `train` receive with a minibatch shaped like `example_inputs` is kept.
@@ -78,12 +82,14 @@ def compile(  # noqa: A001 - the public name of the one-liner
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.split import even_plan, split
     from pdcompile.runtime.grad_clip import check_max_norm
+    from pdcompile.runtime.precision import check_autocast
 
     if not isinstance(model, torch.nn.Module):
         raise PipelineInputError(f"compile() takes an nn.Module, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile's, DataParallel's or DDP's model
     try:  # before any tracing or profiling
         check_max_norm(clip_grad_norm)
+        check_autocast(autocast)
     except ValueError as err:
         raise PipelineInputError(str(err)) from None
     if schedule != "auto" and schedule not in KINDS:  # before any tracing or profiling
@@ -138,7 +144,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
                     stash=stash, vertical_sync=vertical_sync, name=type(model).__name__,
                     example_inputs=inputs, example_target=example_target,
                     model=None if captured.frontend == "given" else model,
-                    clip_grad_norm=clip_grad_norm, param_groups=param_groups)
+                    clip_grad_norm=clip_grad_norm, param_groups=param_groups,
+                    autocast=autocast)
 
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,

@@ -29,6 +29,7 @@ from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.evaluation import evaluate_model, evaluation_mode
 from pdcompile.runtime.grad_clip import check_max_norm
 from pdcompile.runtime.message_specs import message_table, spec_function
+from pdcompile.runtime.precision import autocast_region, check_autocast
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
@@ -84,7 +85,7 @@ class Pipeline:
                  example_inputs: Sequence[Any] | None = None,
                  example_target: Any = None, model: torch.nn.Module | None = None,
                  clip_grad_norm: float | None = None,
-                 param_groups: ParamGroups | None = None) -> None:
+                 param_groups: ParamGroups | None = None, autocast: Any = None) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}"
                                      f"{did_you_mean(schedule, SCHEDULES)}; choose one of "
@@ -116,6 +117,10 @@ class Pipeline:
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, by run shape
         self._check()
         self.clip_grad_norm = self._checked_clip(clip_grad_norm)
+        try:
+            self.autocast = check_autocast(autocast)  # a dtype name: "bfloat16"
+        except ValueError as err:
+            raise PipelineInputError(str(err)) from None
         # one minibatch as compiled: backends check shapes against it, export saves it
         self.example_inputs: tuple[Any, ...] | None = (
             None if example_inputs is None else tuple(example_inputs))
@@ -422,7 +427,8 @@ class Pipeline:
             output_spec=self.parts.output_spec, loss_fn=self.loss_fn, states=states,
             ties=tuple(tuple(self.tie_groups(stage)) for stage in range(len(self.plan.stages))),
             schedule=self.schedule, rank_functions=self._rank_functions, prepare=self.prepare,
-            microbatch_specs=self.microbatch_specs, clip_grad_norm=self.clip_grad_norm)
+            microbatch_specs=self.microbatch_specs, clip_grad_norm=self.clip_grad_norm,
+            autocast=self.autocast)
 
     def runtime(self, rank: int, *, config: RunConfig, transport: Any, data: Any,
                 specs: Callable[[Tag], list[TensorSpec]] | None = None,
@@ -700,7 +706,8 @@ class Pipeline:
         leaves = [named[r.name] if r.stage is None else values[r.stage, r.name]
                   for r in self.parts.output_refs]
         output = pytree.tree_unflatten(leaves, self.parts.output_spec)
-        with torch.random.fork_rng(), torch.no_grad():
+        with torch.random.fork_rng(), torch.no_grad(), \
+                autocast_region(self.autocast, self.stage_modules[-1]):
             self.loss_fn(output, _cut_target(target, m, index=0, why="microbatches")[0])
 
     def rank_function(self, rank: int, microbatches: int, per_minibatch: int) -> RankFn:
@@ -743,7 +750,8 @@ class Pipeline:
         """The model's output, computed by the stage modules one after another (no schedule), in
         the mode the model was compiled in (a model in training mode: dropout draws, BatchNorm
         normalises by the minibatch and moves its statistics). For validation: `evaluate`."""
-        return self._forward(self._named(inputs))
+        with autocast_region(self.autocast, self.stage_modules[0]):
+            return self._forward(self._named(inputs))
 
     def evaluate(self, *inputs: Any) -> Any:
         """The model's output in evaluation mode, as `model.eval()` computes it (dropout off,
@@ -759,8 +767,9 @@ class Pipeline:
         named = self._named(inputs)  # the input count and names, checked as for `step`
         if self.model is not None:
             by_name = len(inputs) == 1 and isinstance(inputs[0], dict)
-            return evaluate_model(self.model, self.state_dict(), () if by_name else inputs,
-                                  named if by_name else {})
+            with autocast_region(self.autocast, self.stage_modules[0]):
+                return evaluate_model(self.model, self.state_dict(), () if by_name else inputs,
+                                      named if by_name else {})
         fixed = {stage: calls for stage, module in enumerate(self.stage_modules)
                  if (calls := training_mode_calls(module))}
         if fixed:
@@ -774,7 +783,8 @@ class Pipeline:
         buffers = [b for m in self.stage_modules for b in m.buffers()]
         saved = [b.clone() for b in buffers]
         try:
-            with evaluation_mode(self.stage_modules):
+            with evaluation_mode(self.stage_modules), \
+                    autocast_region(self.autocast, self.stage_modules[0]):
                 return self._forward(named)
         finally:
             for buffer, value in zip(buffers, saved, strict=True):
@@ -827,7 +837,8 @@ class Pipeline:
         modules = [p.module for p in self.parts.stages]
         saved = [{k: b.clone() for k, b in mod.named_buffers()} for mod in modules]
         try:
-            with torch.random.fork_rng(), torch.no_grad():
+            with torch.random.fork_rng(), torch.no_grad(), \
+                    autocast_region(self.autocast, modules[0]):
                 for program, module in zip(self.parts.stages, modules, strict=True):
                     args = [named[r.name] if r.stage is None else values[r.stage, r.name]
                             for r in program.inputs]

@@ -114,6 +114,7 @@ class RunProgram:
     microbatch_specs: Callable[[dict[str, Any]], dict[Tag, list[TensorSpec]]]
     slowdowns: tuple[float, ...] = ()  # per rank, an emulated slower device (with_slowdowns)
     clip_grad_norm: float | None = None  # the largest global gradient norm (grad_clip.py)
+    autocast: str | None = None  # the forwards' autocast dtype (runtime/precision.py)
 
     def with_slowdowns(self, slowdowns: Sequence[float] | str | None) -> RunProgram:
         """The same program with each rank's compute stretched by its factor
@@ -154,7 +155,7 @@ class RunProgram:
         return RunConfig(self.schedule_name, self.stage_ranks, per_minibatch, self.stash,
                          self.vertical_sync, recompute, self.slowdowns,
                          tuple(tuple(c) for c in shares) if shares else (),
-                         self.clip_grad_norm)
+                         self.clip_grad_norm, self.autocast)
 
     def collective_groups(self) -> list[tuple[int, ...]]:
         """Rank groups that all-reduce together: replicas of a stage, and the ranks of stages

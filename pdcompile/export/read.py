@@ -79,7 +79,7 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"],
-                    clip_grad_norm=meta.get("clip_grad_norm"))
+                    clip_grad_norm=meta.get("clip_grad_norm"), autocast=meta.get("autocast"))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]

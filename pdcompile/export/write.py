@@ -53,6 +53,8 @@ class Exportable(Protocol):
     @property
     def clip_grad_norm(self) -> float | None: ...
     @property
+    def autocast(self) -> str | None: ...
+    @property
     def plan(self) -> Plan: ...
     @property
     def parts(self) -> SplitResult: ...
@@ -114,7 +116,7 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
         "format": EXPORT_FORMAT, "name": pipe.name, "schedule": pipe.schedule_name,
         "microbatches": pipe.microbatches, "schedule_length": n, "per_minibatch": per,
         "stash": pipe.stash, "vertical_sync": pipe.vertical_sync, "seed": pipe.seed,
-        "clip_grad_norm": pipe.clip_grad_norm,
+        "clip_grad_norm": pipe.clip_grad_norm, "autocast": pipe.autocast,
         "data_inputs": list(pipe.parts.data_inputs),
         "output_refs": [[r.name, r.stage] for r in pipe.parts.output_refs],
         "output_spec": pytree.treespec_dumps(pipe.parts.output_spec),

@@ -76,6 +76,7 @@ from pdcompile.runtime.linear_grads import (
     deferring_weight_grads,
     run_weight_grads,
 )
+from pdcompile.runtime.precision import autocast_region
 from pdcompile.runtime.slowdown import stretch
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
@@ -135,6 +136,8 @@ class RunConfig:
     shares: tuple[tuple[int, ...], ...] = ()
     # the largest global gradient norm of a minibatch (runtime/grad_clip.py); None: no clipping
     clip_grad_norm: float | None = None
+    # the dtype name of the forwards' autocast region (runtime/precision.py); None: none
+    autocast: str | None = None
 
     def replica_rank(self, stage: int, microbatch: int) -> int:
         """The rank of `stage` that handles `microbatch` (`Schedule.rank_of`)."""
@@ -344,7 +347,8 @@ class StageRuntime:
         `graph=False` no autograd graph is kept (a recomputing stage's first forward)."""
         defer = self.kind.split_backward or self._weights_after_send
         with torch.enable_grad() if graph else torch.no_grad(), accumulating_grads(), \
-                deferring_weight_grads(entry.weight_grads) if defer else nullcontext():
+                deferring_weight_grads(entry.weight_grads) if defer else nullcontext(), \
+                autocast_region(self.config.autocast, self.module):
             if self.versions.is_master(entry.params):
                 outputs = self.module(*entry.inputs)
             else:
