@@ -67,6 +67,12 @@ def register(subparsers: Any) -> None:
                         help="keep plain autograd weight-gradient accumulation in the stages "
                         "(default: Linear layers add dW into .grad in place, faster with "
                         "microbatches)")
+    parser.add_argument("--autocast", choices=("bfloat16", "float16"), default=None,
+                        help="run the stages' forwards and the loss under torch.autocast of "
+                        "this dtype (mixed precision; weights stay float32)")
+    parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
+                        help="scale each minibatch's gradients to a global norm of at most C, "
+                        "as torch.nn.utils.clip_grad_norm_ (flush schedules), e.g. 1.0")
     parser.add_argument("--json", action="store_true",
                         help="print the folder, launch command and plan as JSON")
     parser.set_defaults(func=run)
@@ -105,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
             optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
             schedule=args.schedule, microbatches=args.microbatches, planner=args.planner,
             cost=args.cost, cost_model=args.cost_model, time_limit=args.time_limit, plan=plan,
-            fuse=args.fuse)
+            fuse=args.fuse, autocast=args.autocast, clip_grad_norm=args.clip_grad_norm)
     pipe.export(args.out)
     command = f"pdcompile run {args.out} --nproc {pipe.plan.workers}"
     if args.json:

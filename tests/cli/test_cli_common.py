@@ -136,6 +136,19 @@ def test_export_json_and_bad_inputs(model_file: Path, tmp_path: Path,
     assert "does not exist" in capsys.readouterr().err
 
 
+def test_export_keeps_autocast_and_clipping(model_file: Path, tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "exp"
+    assert main(["export", f"{model_file}:factory", "--stages", "2", "--out", str(out),
+                 "--schedule", "1f1b-flush", "--autocast", "bfloat16",
+                 "--clip-grad-norm", "0.5", "--json"]) == 0
+    meta = json.loads((out / "pipeline.json").read_text())
+    assert meta["autocast"] == "bfloat16" and meta["clip_grad_norm"] == 0.5
+    assert main(["export", f"{model_file}:factory", "--stages", "2", "--out", str(out),
+                 "--clip-grad-norm", "0.5"]) == 1  # asynchronous 1F1B: refused in one line
+    assert "clip_grad_norm needs every stage's gradients" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_console_entry_exit_codes(tmp_path: Path) -> None:
