@@ -17,7 +17,8 @@ import torch.fx as fx
 
 # the arguments that carry the mode in torch's functional and aten signatures
 _FLAGS = ("training", "train")
-_PROBABILITY = "p"  # dropout with p == 0 behaves alike in both modes
+# dropout probabilities (F.dropout's p, an RNN's dropout between layers): at 0 both modes agree
+_PROBABILITIES = ("p", "dropout")
 _ATTENTION_DROPOUT = "dropout_p"
 # operations that only exist in training mode (no flag to read)
 _TRAINING_ONLY = ("_batch_norm_with_update", "native_dropout")
@@ -38,7 +39,7 @@ def training_mode_calls(gm: fx.GraphModule) -> list[str]:
         if arguments is None:
             continue
         flag = next((arguments[k] for k in _FLAGS if k in arguments), False)
-        if flag is True and arguments.get(_PROBABILITY, 1) != 0:
+        if flag is True and all(arguments.get(k, 1) != 0 for k in _PROBABILITIES):
             found.append(f"{node.name} ({name}, training=True)")
         elif _positive(arguments.get(_ATTENTION_DROPOUT)):
             found.append(f"{node.name} ({name}, dropout_p={arguments[_ATTENTION_DROPOUT]})")

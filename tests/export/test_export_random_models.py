@@ -2,7 +2,7 @@
 LSTMs, shared modules, in-place changes, constants built in forward) through both front ends,
 planned on random clusters with random schedules and costs, exported, loaded and trained, give
 the losses and weights of the pipeline they were exported from, at the example's batch size and
-at another one."""
+at another one, and evaluate as the compiled pipeline does (the model's eval forward)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,8 @@ def _round_trip(model: nn.Module, inputs: tuple[torch.Tensor, ...], folder: Path
     assert set(got_state) == set(want_state)
     for name, value in want_state.items():
         torch.testing.assert_close(got_state[name], value, msg=lambda m, n=name: f"{n}: {m}")
+    # validation: the loaded stage graphs in eval mode give the model's own eval output
+    torch.testing.assert_close(loaded.evaluate(*inputs), pipe.evaluate(*inputs))
 
 
 class _LSTMHead(nn.Module):

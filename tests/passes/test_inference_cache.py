@@ -14,6 +14,7 @@ import pdcompile
 from pdcompile.errors import TraceError
 from pdcompile.passes.frontend import capture
 from pdcompile.passes.inference_cache import without_inference_cache
+from tests.helpers.one_process import train_one_process
 
 
 def _llama() -> tuple[nn.Module, torch.Tensor, torch.Tensor]:
@@ -107,18 +108,10 @@ def test_an_encoder_decoder_whose_halves_hold_their_own_configs_trains() -> None
                              loss_fn=_token_loss, stages=3, schedule="1f1b-flush",
                              microbatches=2, optimizer=lambda p: torch.optim.SGD(p, lr=0.1))
     assert {key: c.use_cache for key, c in configs.items()} == before  # as it was
-    opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(2):
-        loss = pipe.step(ids, mask, decoder_ids, target=target)
-        opt.zero_grad()
-        want = 0.0
-        for part in zip(ids.chunk(2), mask.chunk(2), decoder_ids.chunk(2), target.chunk(2),
-                        strict=True):
-            part_loss = _token_loss(reference(*part[:3]), part[3]) / 2
-            part_loss.backward()
-            want += part_loss.item()
-        opt.step()
-        assert loss == pytest.approx(want, rel=1e-5)
+    losses = [pipe.step(ids, mask, decoder_ids, target=target) for _ in range(2)]
+    want, _ = train_one_process(reference, torch.optim.SGD(reference.parameters(), lr=0.1),
+                                (ids, mask, decoder_ids), target, _token_loss, micro=2, steps=2)
+    assert losses == pytest.approx(want, rel=1e-5)
     state = pipe.state_dict()
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(state[name], value, msg=lambda m, n=name: f"{n}: {m}")

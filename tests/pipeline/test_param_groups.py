@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
+from tests.helpers.one_process import param_groups_of, train_one_process
 
 STEPS, MICRO = 3, 2
 
@@ -44,23 +45,8 @@ def adamw(params: list[Any]) -> torch.optim.Optimizer:
 
 
 def _reference(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> list[float]:
-    groups: dict[str, dict[str, Any]] = {}
-    for name, p in model.named_parameters():
-        options = no_decay(name, p)
-        groups.setdefault(repr(sorted(options.items())), {**options, "params": []})[
-            "params"].append(p)
-    opt = adamw(list(groups.values()))
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
-            loss = F.mse_loss(model(xs), ys)
-            (loss / MICRO).backward()
-            total += loss.item() / MICRO
-        opt.step()
-        losses.append(total)
-    return losses
+    return train_one_process(model, adamw(param_groups_of(model, no_decay)), (x,), y,
+                             F.mse_loss, micro=MICRO, steps=STEPS)[0]
 
 
 @pytest.mark.parametrize("stages", [[1, 1, 1], [1, 2]])

@@ -15,6 +15,7 @@ import torch.nn.utils.prune as prune
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
+from tests.helpers.one_process import train_one_process
 from tests.helpers.transparency import momentum
 
 STEPS, MICRO = 3, 2
@@ -36,17 +37,8 @@ def test_a_pruned_layer_trains_as_in_one_process(frontend: str, replicas: list[i
                              schedule="1f1b-flush", microbatches=MICRO)
     losses = [pipe.step(x, target=y) for _ in range(STEPS)]
     reference = _pruned()  # the same weights: a pruned model cannot be deep-copied either
-    opt = momentum(list(reference.parameters()))
-    want = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
-            loss = F.cross_entropy(reference(xs), ys)
-            (loss / MICRO).backward()
-            total += loss.item() / MICRO
-        opt.step()
-        want.append(total)
+    want, _ = train_one_process(reference, momentum(list(reference.parameters())), (x,), y,
+                                F.cross_entropy, micro=MICRO, steps=STEPS)
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
     state = pipe.state_dict()
     assert set(state) == set(reference.state_dict())  # weight_orig and weight_mask

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
+from tests.helpers.one_process import train_one_process
 from tests.helpers.transparency import momentum
 
 STEPS, MICRO = 3, 2
@@ -34,19 +35,8 @@ def _data() -> tuple[torch.Tensor, torch.Tensor]:
 
 def _reference(model: nn.Module, dtype: torch.dtype | None) -> list[float]:
     x, y = _data()
-    opt = momentum(list(model.parameters()))
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for xs, ys in zip(x.chunk(MICRO), y.chunk(MICRO), strict=True):
-            with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
-                loss = F.cross_entropy(model(xs), ys)
-            (loss / MICRO).backward()
-            total += loss.item() / MICRO
-        opt.step()
-        losses.append(total)
-    return losses
+    return train_one_process(model, momentum(list(model.parameters())), (x,), y,
+                             F.cross_entropy, micro=MICRO, steps=STEPS, autocast=dtype)[0]
 
 
 def _pipeline(replicas: list[int], schedule: str = "1f1b-flush", **options: Any

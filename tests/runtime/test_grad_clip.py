@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
+from tests.helpers.one_process import train_one_process
 from tests.helpers.transparency import (
     Case,
     momentum,
@@ -35,19 +36,8 @@ CASES: dict[str, tuple[Callable[[], Case], Callable[[nn.Module], pdcompile.Plan]
 def _reference(case: Case, max_norm: float) -> tuple[list[float], list[float]]:
     """Gradient accumulation, clip_grad_norm_, step; the losses and the norms before clipping."""
     model, inputs, target, loss_fn = case
-    opt = momentum(list(model.parameters()))
-    losses, norms = [], []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for part in zip(*(t.chunk(MICRO) for t in inputs), target.chunk(MICRO), strict=True):
-            loss = loss_fn(model(*part[:-1]), part[-1])
-            (loss / MICRO).backward()
-            total += loss.item() / MICRO
-        norms.append(float(nn.utils.clip_grad_norm_(model.parameters(), max_norm)))
-        opt.step()
-        losses.append(total)
-    return losses, norms
+    return train_one_process(model, momentum(list(model.parameters())), inputs, target,
+                             loss_fn, micro=MICRO, steps=STEPS, clip=max_norm)
 
 
 def _pipeline(case: Case, plan: Any, schedule: str, max_norm: float | None
