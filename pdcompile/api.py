@@ -82,7 +82,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.split import even_plan, split
     from pdcompile.runtime.grad_clip import check_max_norm
-    from pdcompile.runtime.precision import check_autocast
+    from pdcompile.runtime.precision import autocast_region, check_autocast
 
     if not isinstance(model, torch.nn.Module):
         raise PipelineInputError(f"compile() takes an nn.Module, got {type(model).__name__}")
@@ -103,7 +103,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     gm = captured.graph
     buffers = {name: b.clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     try:  # on fake tensors: what every node outputs, and so what each stage would send
-        with torch.random.fork_rng():
+        with torch.random.fork_rng(), autocast_region(check_autocast(autocast), gm):
             annotate_shapes(gm, captured.inputs)
     finally:  # the model's code may count batches on its real buffers (BatchNorm)
         for name, b in gm.named_buffers():
@@ -113,7 +113,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
         chosen = given
         if cluster is not None:  # priced like a planned one
             chosen = _planned(gm, captured.inputs, cluster, cost=cost, given=given,
-                              schedule=schedule, microbatches=microbatches)
+                              schedule=schedule, microbatches=microbatches,
+                              autocast=check_autocast(autocast))
     elif isinstance(given, int) and not isinstance(given, bool):
         if given < 1:
             raise PipelineInputError(f"stages must be a positive integer ({given} < 1)")
@@ -121,7 +122,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
         chosen = _planned(gm, captured.inputs, cluster or Cluster.preset(f"local-{given}"),
                           cost=cost,
                           planner="dp", cost_model=cost_model, schedule=schedule,
-                          microbatches=microbatches, stages=given, time_limit=time_limit)
+                          microbatches=microbatches, stages=given, time_limit=time_limit,
+                          autocast=check_autocast(autocast))
     elif given is not None and not isinstance(given, bool):
         replicas = [int(r) for r in given]
         chosen = even_plan(gm, len(replicas), replicas=replicas)
@@ -131,7 +133,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
                                      "Cluster.preset('local-2') or 'local-2'), or plan=/stages=")
         chosen = _planned(gm, captured.inputs, cluster, planner=planner, cost=cost,
                           cost_model=cost_model, schedule=schedule,
-                          microbatches=microbatches, time_limit=time_limit)
+                          microbatches=microbatches, time_limit=time_limit,
+                          autocast=check_autocast(autocast))
     if schedule == "auto":  # the planner's choice; '1f1b' keeps the default stream length
         schedule = chosen.schedule
         microbatches = chosen.microbatches if chosen.microbatches > 1 else None
@@ -150,7 +153,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,
              cost: str, given: Plan | None = None, schedule: str = "1f1b",
-             microbatches: int | None = None, **planning: Any) -> Plan:
+             microbatches: int | None = None, autocast: str | None = None,
+             **planning: Any) -> Plan:
     """The planner's Plan for the costed graph (copies of the model are measured, not it), or
     `given` priced on it; a plan already priced on this cluster for this schedule (one the
     planner made) is kept as it is, so a second measurement cannot change its figures."""
@@ -167,7 +171,7 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
             microbatches in (None, given.microbatches):
         return given
     # profiled as the workers will find their caches (cold when they take turns on cores)
-    measured, graph = costed(gm, inputs, cluster, cost=cost)
+    measured, graph = costed(gm, inputs, cluster, cost=cost, autocast=autocast)
     if planning.get("stages"):  # K stages of whole layers where the model has enough of them
         return _planned_in_blocks(measured, graph, cluster, schedule=schedule,
                                   microbatches=microbatches, **planning)

@@ -23,6 +23,7 @@ from pdcompile.machine.device import Device
 from pdcompile.passes.inplace import make_mutations_explicit
 from pdcompile.passes.shapes import annotate_shapes
 from pdcompile.passes.trace import trace
+from pdcompile.runtime.precision import autocast_region
 from pdcompile.util.module_copy import copy_module
 
 
@@ -38,19 +39,20 @@ def costed(model: torch.nn.Module, inputs: Sequence[Any], cluster: Cluster | Non
            cost: str = "measured", name: str | None = None,
            leaf_modules: Sequence[str] = (), device: Device | Cluster | str | None = None,
            caches: str | None = None, warmup: int = 2, repeats: int = 5, clock: str = "wall",
-           progress: bool = False) -> Costed:
+           progress: bool = False, autocast: str | None = None) -> Costed:
     """Trace `model` (a GraphModule is copied instead, e.g. one `compile()` captured), run the
     shapes pass on `inputs` and cost every node: `cost` "measured" on this machine, with
     `caches` (default: as `cluster`'s workers meet them, warm without a cluster) or "analytic"
     on `device` (`annotate_costs`' default without one). `name`: the CostGraph's (default the
-    model's class name)."""
+    model's class name). `autocast`: the dtype name the stages will run their forwards in
+    (runtime/precision.py): shapes, message sizes and measured times are taken under it."""
     gm = copy_module(model) if isinstance(model, fx.GraphModule) else \
         trace(model, leaf_modules=leaf_modules)
     if cost != "measured":
         caches = "warm"
     elif caches is None:
         caches = caches_for(cluster) if cluster is not None else "warm"
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), autocast_region(autocast, gm):
         annotate_shapes(gm, tuple(inputs))
         make_mutations_explicit(gm)  # the planner sees in-place order as the split keeps it
         node_costs.annotate_costs(gm, tuple(inputs), source=cost, device=device, warmup=warmup,

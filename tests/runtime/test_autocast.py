@@ -102,3 +102,15 @@ def test_distributed_autocast_matches_one_process(tmp_path: Path) -> None:
                    timeout=240)
     assert done.returncode == 0, done.stdout[-3000:]
     assert printed_losses(done.stdout) == pytest.approx(want, rel=1e-5)
+
+
+def test_the_planner_sees_the_messages_autocast_makes() -> None:
+    """Costed under autocast, a Linear's output (what a stage would send) is bfloat16: half the
+    bytes of float32, so the planner prices the messages the run will send."""
+    from pdcompile.cost.costed_graph import costed
+
+    x, _ = _data()
+    plain = costed(_model(), (x,), cost="analytic").graph
+    mixed = costed(_model(), (x,), cost="analytic", autocast="bfloat16").graph
+    linears = ["_0", "_2", "_5", "_7"]  # nn.Sequential's Linear layers, as traced
+    assert all(mixed.nodes[n]["act"] * 2 == plain.nodes[n]["act"] > 0 for n in linears)
