@@ -39,7 +39,15 @@ def evaluate_model(model: nn.Module, state: Mapping[str, torch.Tensor], args: Se
     `state` (the pipeline's, under the model's names); buffers are copied first, so that nothing
     the forward writes reaches the pipeline."""
     buffers = {name for name, _ in model.named_buffers(remove_duplicate=False)}
-    values = {name: value.clone() if name in buffers else value for name, value in state.items()}
+    # a tied parameter by its first name only: functional_call ties the others to it, and
+    # refuses two values for names the model ties
+    first: dict[int, str] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        first.setdefault(id(param), name)
+    tied_again = {name for name, param in model.named_parameters(remove_duplicate=False)
+                  if first[id(param)] != name}
+    values = {name: value.clone() if name in buffers else value for name, value in state.items()
+              if name not in tied_again}
     with evaluation_mode([model]):
         return torch.func.functional_call(model, values, tuple(args), dict(kwargs),
                                           tie_weights=True, strict=False)

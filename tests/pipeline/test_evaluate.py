@@ -163,3 +163,17 @@ def test_training_mode_calls_follow_the_mode_at_capture() -> None:
         "dropout", "scaled_dot_product_attention"}
     assert training_mode_calls(trace(model.eval())) == []
     assert training_mode_calls(trace(Modal(functional=False))) == []  # modules only
+
+
+def test_a_model_with_tied_weights_evaluates() -> None:
+    """Tied across the first and the last stage (an embedding and its output layer): the state
+    names the weight twice, which functional_call refused ("got multiple values for keys ...
+    which are tied")."""
+    from tests.helpers.transparency import ce, tied_bn, tied_plan
+
+    torch.manual_seed(0)
+    model, (ids,), target, _ = tied_bn()
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(ids,), loss_fn=ce,
+                             plan=tied_plan(model), schedule="1f1b-flush", microbatches=2)
+    pipe.step(ids, target=target)
+    assert torch.equal(pipe.evaluate(ids), _reference(model, pipe, ids))
