@@ -237,6 +237,10 @@ class DistributedTransport(Transport):
         for src_rank in list(self._expected):
             self._refill(src_rank)
 
+    def posted_ahead(self, src_rank: int) -> list[Tag]:
+        """The receives from `src_rank` posted ahead and not yet taken, in posting order."""
+        return list(self._preposted.get(src_rank, {}))
+
     def _refill(self, src_rank: int) -> None:
         queue = self._expected.get(src_rank)
         if not queue:
