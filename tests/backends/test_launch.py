@@ -106,6 +106,37 @@ def test_ring_send_recv_with_preposted_receives() -> None:
         assert got == [prev * 10 + m + float((torch.arange(4) + prev).sum()) for m in range(3)]
 
 
+def _targets_ride_along(worker: Worker) -> tuple[list[list[str]], list[float]]:
+    """Rank 0 sends 4 microbatches' activations and targets; rank 1 receives them with the
+    default depth (2), noting what is posted ahead before each take."""
+    transport = DistributedTransport(monitor=worker.monitor)
+    act, target = [TensorSpec((3,), torch.float32)], [TensorSpec((1,), torch.int64)]
+    if worker.rank == 0:
+        for m in range(4):
+            transport.send([torch.full((3,), float(m))], 1, Tag("act", 0, 1, m))
+            transport.send([torch.tensor([10 + m])], 1, Tag("target", 0, 1, m))
+        transport.flush()
+        return [], []
+    order = [(act, 0, Tag("act", 0, 1, m)) if kind == "act" else (target, 0, Tag("target", 0, 1, m))
+             for m in range(4) for kind in ("act", "target")]
+    transport.expect(order)
+    ahead, got = [], []
+    for specs, src, tag in order:
+        ahead.append([f"{t.kind}{t.microbatch}" for t in transport.posted_ahead(src)])
+        got.append(float(transport.recv(specs, src, tag).wait()[0].sum()))
+    return ahead, got
+
+
+@pytest.mark.slow
+def test_prepost_depth_counts_microbatches_not_their_targets() -> None:
+    """A target rides with its activations: depth 2 posts two microbatches ahead, targets
+    included (counted on their own, the last stage received one microbatch ahead)."""
+    ahead, got = launch(_targets_ride_along, 2, timeout=60)[1]
+    assert ahead[0] == ["act0", "target0", "act1", "target1"]
+    assert ahead[2] == ["act1", "target1", "act2", "target2"]  # refilled as each is taken
+    assert got == [0.0, 10.0, 3.0, 11.0, 6.0, 12.0, 9.0, 13.0]
+
+
 @pytest.mark.slow
 def test_all_reduce_over_replica_group_and_generator_driver() -> None:
     assert launch(_replica_allreduce, 3, timeout=60) == [[], [9.0, 120.0], [9.0, 120.0]]
