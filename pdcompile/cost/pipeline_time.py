@@ -365,11 +365,10 @@ def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
              lockstep: bool) -> list[Waiting | None]:
     """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`, one
     per replicated stage k after `head`, up to `later`, whose replicas all-reduce in lockstep
-    and with a single-replica stage from `head` to k (which takes a round's microbatches one
-    after another; the stages there each at their work per microbatch over their replicas:
-    the queue the derivation counts; replicated stages alone spread the round); its own work
-    with
-    the round trip from k through `later` (`trips[k]`: `_circuit_profiles` without queueing,
+    (the stages from `head` to k take a round's microbatches one after another where they
+    have one replica, (j - 1) // r deep where r, `_queued`: the queue the derivation counts;
+    a replicated `head` next to a replicated k too, as 3-2-1 and 1-2-3-1 run); its own work
+    with the round trip from k through `later` (`trips[k]`: `_circuit_profiles` without queueing,
     as a round's microbatches leave k one by one after its all-reduce; the mean over
     microbatch residues), and the shift between the two stages' in-flight holds. [None]
     where there is no such stage."""
@@ -388,7 +387,9 @@ def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
         # `head`'s own round: B_head(m) (the round's last) -> all-reduce -> step -> the
         # next round's forwards at `head`, r_head microbatches sooner than its in-flight
         # count alone allows; the round trip through `later` once, without queueing (the
-        # circuit's path is `profiles`', queued: the difference corrects it)
+        # circuit's path is `profiles`', queued: the difference corrects it). Replicated
+        # stages after `head` spread the round over their replicas (2-2-1: the round's two
+        # microbatches cross stage 1 side by side), so it queues (j - 1) // r deep there
         trip, queued = trips[head][later - head], profiles[head][later - head]
         serial = tuple((terms[i].replicas, terms[i].compute)
                        for i in range(head + 1, later + 1))
