@@ -293,7 +293,17 @@ def _lockstep(lengths: list[float], replicas: int) -> list[float]:
     return [max(lengths[m - m % replicas:m - m % replicas + replicas]) for m in range(len(lengths))]
 
 
-Waiting = tuple[int, float, float, int]  # `_circuit_ratio`'s (r_k, own_k, serial, shift)
+# `_circuit_ratio`'s (r_k, own_k, serial, shift); serial: (replicas, seconds) per stage the
+# round queues at, the j-th microbatch of a round waiting (j - 1) // replicas x seconds there
+Queue = tuple[tuple[int, float], ...]
+Waiting = tuple[int, float, Queue, int]
+
+
+def _queued(serial: Queue, step: int) -> float:
+    """What the `step`-th microbatch of a round waits behind the ones before it: at a stage of
+    r replicas taking c seconds each, (step - 1) // r of them (round robin spreads a round over
+    the replicas); the slowest such stage."""
+    return max(((step - 1) // r * c for r, c in serial), default=0.0)
 
 
 def _circuit_ratio(lengths: Sequence[float], tokens: int,
@@ -344,7 +354,7 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
                     continue
                 path = (lengths[m % len(lengths)] + lengths[(m + step) % len(lengths)]) / 2.0
                 out.append(((m + tokens + shift + step) % size,
-                            path + later_own + (step - 1) * serial, tokens + shift + step))
+                            path + later_own + _queued(serial, step), tokens + shift + step))
         edges.append(out)
     return _largest_cycle_ratio(edges)
 
@@ -355,34 +365,34 @@ def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
              lockstep: bool) -> list[Waiting | None]:
     """`_circuit_ratio`'s `waiting` for circuits from stage `head` through stage `later`, one
     per replicated stage k after `head`, up to `later`, whose replicas all-reduce in lockstep
-    and with a single-replica stage from `head` to k (which takes a round's microbatches one
-    after another; the stages there each at their work per microbatch over their replicas:
-    the queue the derivation counts; replicated stages alone spread the round); its own work
-    with
-    the round trip from k through `later` (`trips[k]`: `_circuit_profiles` without queueing,
+    (the stages from `head` to k take a round's microbatches one after another where they
+    have one replica, (j - 1) // r deep where r, `_queued`: the queue the derivation counts;
+    a replicated `head` next to a replicated k too, as 3-2-1 and 1-2-3-1 run); its own work
+    with the round trip from k through `later` (`trips[k]`: `_circuit_profiles` without queueing,
     as a round's microbatches leave k one by one after its all-reduce; the mean over
     microbatch residues), and the shift between the two stages' in-flight holds. [None]
     where there is no such stage."""
     out: list[Waiting | None] = []
     for k in range(head + 1, later + 1):
-        if not lockstep or terms[k].replicas == 1 \
-                or all(terms[i].replicas > 1 for i in range(head, k)):
+        if not lockstep or terms[k].replicas == 1:
             continue
         trip = trips[k][later - k]
         shift = (terms[k].in_flight - 1) * terms[k].replicas \
             - (terms[later].in_flight - 1) * terms[later].replicas
-        serial = max(own[i] / terms[i].replicas for i in range(head, k))
+        serial = tuple((terms[i].replicas, own[i]) for i in range(head, k))
         out.append((terms[k].replicas, sum(trip) / len(trip), serial, shift))
     tokens = terms[head].in_flight * terms[head].replicas \
         - (terms[later].in_flight - 1) * terms[later].replicas
-    if lockstep and terms[head].replicas > 1 and later > head \
-            and all(terms[i].replicas == 1 for i in range(head + 1, later + 1)):
+    if lockstep and terms[head].replicas > 1 and later > head:
         # `head`'s own round: B_head(m) (the round's last) -> all-reduce -> step -> the
         # next round's forwards at `head`, r_head microbatches sooner than its in-flight
         # count alone allows; the round trip through `later` once, without queueing (the
-        # circuit's path is `profiles`', queued: the difference corrects it)
+        # circuit's path is `profiles`', queued: the difference corrects it). Replicated
+        # stages after `head` spread the round over their replicas (2-2-1: the round's two
+        # microbatches cross stage 1 side by side), so it queues (j - 1) // r deep there
         trip, queued = trips[head][later - head], profiles[head][later - head]
-        serial = max(terms[i].compute / terms[i].replicas for i in range(head + 1, later + 1))
+        serial = tuple((terms[i].replicas, terms[i].compute)
+                       for i in range(head + 1, later + 1))
         out.append((terms[head].replicas, sum(trip) / len(trip) - max(queued), serial,
                     -terms[head].replicas))
     for k in range(head):  # a replicated stage before `head` (the circuit's backward reaches it)
@@ -395,7 +405,7 @@ def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
         there = sum(trip) / len(trip) - (terms[head].compute - terms[head].deferred)
         shift = (terms[k].in_flight - 1) * terms[k].replicas \
             - (terms[later].in_flight - 1) * terms[later].replicas - tokens
-        serial = max(own[i] / terms[i].replicas for i in range(k + 1, head + 1))
+        serial = ((1, max(own[i] / terms[i].replicas for i in range(k + 1, head + 1))),)
         out.append((terms[k].replicas, there, serial, shift))
     return out or [None]
 

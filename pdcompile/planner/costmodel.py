@@ -51,6 +51,7 @@ from pdcompile.cost.pipeline_time import (
     PipelineTime,
     StageTerms,
     pipeline_time,
+    server_interface_seconds,
     stage_terms,
     update_share,
 )
@@ -499,6 +500,33 @@ def priced_time(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequenc
                 recompute: Sequence[bool] | None = None) -> PipelineTime:
     """The native model's closed form of a plan with what bounds it (`cost.pipeline_time`)."""
     return _evaluate_native(graph, stages, cluster, options, in_flight, recompute)[2]
+
+
+def closed_form_floor(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+                      cluster: Cluster, *, options: ModelOptions) -> float:
+    """A lower bound on the closed form of the plan (`evaluate`'s time per minibatch) under any
+    in-flight counts and recomputation, without choosing them (what makes pricing a streaming
+    plan slow: its circuits): the busiest server's interface, and each stage's work over its
+    replicas (streaming: compute and update per microbatch, one in flight, so no weight copies;
+    flush: its busiest replica's microbatches less the weight gradients deferred after its
+    send). Recomputation adds a forward and hides at most as much all-reduce. 0 for chunked
+    schedules (interleaved, zero bubble, V), whose fill the closed form shortens."""
+    row = kind(options.schedule)
+    if row.chunked or options.cost_model != "native":
+        return 0.0
+    built = plan_terms(graph, stages, cluster, options=options, in_flight=[1] * len(stages))
+    m = options.per_minibatch if row.microbatched else 1
+    terms, ranks = built.terms, built.ranks
+    edges, params = dict(built.costs.edges), built.costs.params
+    interface = server_interface_seconds(edges, ranks, params, cluster,
+                                         schedule=options.schedule, microbatches=m) * m
+    if row.flush:
+        work = max(math.ceil(m / t.replicas) * t.compute - t.deferred for t in terms)
+    else:
+        work = max((t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
+                    * update_share(options.schedule, m, t.replicas)) / t.replicas
+                   for t in terms) * m
+    return max(interface, work)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,11 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
   on the cluster with the slowest group's device, the times divided by its speed;
 - the whole cluster as if every device had the mean speed (`as_mean`), its replicas given
   shares in proportion to their speed;
+- data parallelism over every rank (`data_parallel`), with shares in proportion to speed;
+- the plans as slowest and at the mean speed with their ranks dealt out again over their
+  stages (`dealt_by_work`: the slowest stage's compute least; `dealt_in_proportion`: each
+  stage a share of every group as large as its replicas'), for in rank order each of their
+  stages sits on one kind;
 - every candidate above and below again with shares in proportion to speed where a stage's
   replicas mix kinds (`with_shares`, cost/shares.py: a faster replica takes more of each
   round, so the stage runs at its replicas' combined speed rather than the slowest's);
@@ -49,7 +54,7 @@ from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.kinds import kind
 
 BLOCKS = 40  # the DP cuts a graph coarsened to at most this many blocks
-REFINE_EVALUATIONS = 120  # simulations of the local search from the best candidate
+REFINE_EVALUATIONS = 240  # simulations of the local search from the best candidate
 Stages = list[tuple[list[str], tuple[int, ...]]]
 Pricer = Callable[..., Plan]
 Planner = Callable[..., Plan]
@@ -120,6 +125,120 @@ def with_shares(plan: Plan, cluster: Cluster) -> Plan | None:
     return replace(plan, stages=tuple(stages), extra={})
 
 
+def dealt_by_work(plan: Plan, cluster: Cluster, graph: nx.DiGraph) -> Plan | None:
+    """`plan` with the ranks it uses dealt out again over its stages, each stage keeping its
+    replica count, so that the slowest stage's compute (its work over the sum of its ranks'
+    speeds, as with shares in proportion) is least; each stage takes consecutive ranks of a
+    group (on as few servers as may be), stages in order. None where no stage changes.
+
+    The homogeneous planner's plan for the cluster at its mean speed (`as_mean`) balances its
+    stages as if each replica computed at the mean; in rank order its stages sit on one kind
+    each (8-8 over 8 fast and 8 slow ranks: the second stage all slow), and only dealt out
+    (4 fast and 4 slow each, with shares) does each stage run at the mean it was cut for.
+    Where the counts cannot be even (3-1 over 2 fast and 2 slow) the work decides which stage
+    gets the faster ranks: a single-replica stage on a fast rank, the other on the rest."""
+    pools: dict[int, list[int]] = {}
+    for r in sorted({r for s in plan.stages for r in s.ranks}):
+        pools.setdefault(cluster.group_of(r), []).append(r)
+    if len(pools) < 2:
+        return None
+    groups = sorted(pools)
+    speed = [cluster.group_speed(g) for g in groups]
+    work = [sum(float(graph.nodes[n]["fwd"]) + float(graph.nodes[n]["bwd"])
+                for n in s.nodes if n in graph) for s in plan.stages]
+    Left = tuple[int, ...]
+    # best[(i, left)]: (slowest stage time, sum of stage times) over stages i.., with `left`
+    # ranks of each group still free, and the counts of stage i
+    memo: dict[tuple[int, Left], tuple[tuple[float, float], tuple[int, ...]] | None] = {}
+
+    def best(i: int, left: Left) -> tuple[tuple[float, float], tuple[int, ...]] | None:
+        if i == len(plan.stages):
+            return ((0.0, 0.0), ()) if not any(left) else None
+        key = (i, left)
+        if key in memo:
+            return memo[key]
+        found: tuple[tuple[float, float], tuple[int, ...]] | None = None
+        for counts in _compositions_within(plan.stages[i].replicas, left):
+            rest = best(i + 1, tuple(x - c for x, c in zip(left, counts, strict=True)))
+            if rest is None:
+                continue
+            time = work[i] / sum(c * v for c, v in zip(counts, speed, strict=True))
+            value = (max(time, rest[0][0]), time + rest[0][1])
+            if found is None or value < found[0]:
+                found = (value, counts)
+        memo[key] = found
+        return found
+
+    left: Left = tuple(len(pools[g]) for g in groups)
+    if best(0, left) is None:
+        return None
+    taken = [0] * len(groups)
+    stages = []
+    for i, stage in enumerate(plan.stages):
+        found = best(i, left)
+        assert found is not None
+        ranks: list[int] = []
+        for k, (g, c) in enumerate(zip(groups, found[1], strict=True)):
+            ranks += pools[g][taken[k]:taken[k] + c]
+            taken[k] += c
+        left = tuple(x - c for x, c in zip(left, found[1], strict=True))
+        stages.append(replace(stage, ranks=tuple(ranks), shares=(), in_flight=0))
+    if all(a.ranks == b.ranks for a, b in zip(stages, plan.stages, strict=True)):
+        return None
+    return replace(plan, stages=tuple(stages), extra={})
+
+
+def dealt_in_proportion(plan: Plan, cluster: Cluster) -> Plan | None:
+    """`plan` with the ranks it uses dealt out again so that every stage takes each device
+    group's ranks in proportion to its replicas (largest remainders first), each stage's ranks
+    of a group consecutive, stages in order; None where no stage changes. Where the stages'
+    work is even, this is `dealt_by_work`'s deal; where it is not, the servers the stages'
+    all-reduces and sends cross may still favour it, and the simulator decides."""
+    pools: dict[int, list[int]] = {}
+    for r in sorted({r for s in plan.stages for r in s.ranks}):
+        pools.setdefault(cluster.group_of(r), []).append(r)
+    if len(pools) < 2:
+        return None
+    left = {g: len(p) for g, p in pools.items()}
+    taken = {g: 0 for g in pools}
+    stages = []
+    for stage in plan.stages:
+        total = sum(left.values())
+        ideal = {g: stage.replicas * left[g] / total for g in pools}
+        counts = {g: math.floor(ideal[g]) for g in pools}
+        by_remainder = sorted(pools, key=lambda g: (counts[g] - ideal[g], g))
+        for g in by_remainder[:stage.replicas - sum(counts.values())]:
+            counts[g] += 1
+        ranks: list[int] = []
+        for g in sorted(pools):
+            ranks += pools[g][taken[g]:taken[g] + counts[g]]
+            taken[g] += counts[g]
+            left[g] -= counts[g]
+        stages.append(replace(stage, ranks=tuple(ranks), shares=(), in_flight=0))
+    if all(a.ranks == b.ranks for a, b in zip(stages, plan.stages, strict=True)):
+        return None
+    return replace(plan, stages=tuple(stages), extra={})
+
+
+def _compositions_within(total: int, most: Sequence[int]) -> list[tuple[int, ...]]:
+    """Ways to write `total` as a sum of len(most) counts, each at most its `most`."""
+    if len(most) == 1:
+        return [(total,)] if total <= most[0] else []
+    return [(c, *rest) for c in range(min(total, most[0]) + 1)
+            for rest in _compositions_within(total - c, most[1:])]
+
+
+def data_parallel(graph: nx.DiGraph, cluster: Cluster, *, schedule: str,
+                  microbatches: int) -> Plan:
+    """Every node in one stage replicated on every rank of `cluster` (its shares by speed come
+    from `with_shares`): the homogeneous planner weighs data parallelism against its pipelines
+    but hands back only its best, and on a mixed cluster priced in rank order."""
+    order = topological_order(graph)
+    ranks = tuple(range(cluster.workers))
+    return Plan(stages=(Stage(tuple(order), len(ranks), ranks),), time_per_minibatch=0.0,
+                dp_time=0.0, workers=len(ranks), schedule=schedule, microbatches=microbatches)
+
+
 def _shifted(plan: Plan, start: int) -> Plan:
     stages = tuple(replace(s, ranks=tuple(r + start for r in s.ranks)) for s in plan.stages)
     return replace(plan, stages=stages)
@@ -169,7 +288,20 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                                         most_replicas=most, optimizer_state=optimizer_state)
                 if stages is not None:
                     made.append((f"across groups {order}", _as_plan(stages, name, m)))
-    shared = [(f"{how}, shares by speed", s) for how, c in made + mean
+    if not straight:
+        for name, m in schedules:
+            if not (kind(name).chunked or kind(name).microbatched_stream):
+                mean.append((f"data parallel {name}", data_parallel(
+                    graph, cluster, schedule=name, microbatches=m)))
+    dealt: list[tuple[str, Plan]] = []
+    for how, c in made + mean:
+        if how not in ("as slowest", "as the mean speed"):
+            continue
+        for deal, d in (("by work", dealt_by_work(c, cluster, graph)),
+                        ("in proportion", dealt_in_proportion(c, cluster))):
+            if d is not None and all(d.stages != e.stages for _, e in dealt):
+                dealt.append((f"{how}, dealt {deal}", d))
+    shared = [(f"{how}, shares by speed", s) for how, c in made + mean + dealt
               if (s := with_shares(c, cluster)) is not None]
     priced: list[tuple[str, Plan]] = []
     for how, candidate in made + shared:
@@ -219,14 +351,19 @@ def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
              evaluations: int) -> Plan | None:
     """The best candidate after planner/refine.py's local search by simulation (merge, split,
     move a replica or a boundary; ranks consecutive from 0, fast groups first), priced as the
-    candidates are; None where it does not apply (asynchronous 1F1B over every worker only)."""
+    candidates are; None where it does not apply (asynchronous 1F1B over every worker only).
+    The whole budget goes to the descent from the candidate: data parallelism over every rank
+    is a candidate of its own (`data_parallel`), priced with its shares. One step of the
+    descent looks at every neighbour (a hundred or more on GNMT's nine stages): on GNMT over
+    mixed-A the candidate's first two steps (14.99 -> 14.53 -> 13.91 ms) take 240."""
     from pdcompile.planner.refine import refine_plan
 
     if evaluations < 1 or best.schedule != "1f1b" or best.workers != cluster.workers:
         return None
     try:
         plain = replace(best, stages=tuple(replace(s, shares=()) for s in best.stages))
-        found = refine_plan(plain, graph, cluster, max_evaluations=evaluations).plan
+        found = refine_plan(plain, graph, cluster, max_evaluations=evaluations,
+                            from_data_parallel=False).plan
         plan = pricer(graph, replace(found, extra={}), cluster, memory=memory,
                       optimizer_state=optimizer_state)
     except PlanError:
@@ -378,4 +515,5 @@ def _replica_counts(free: int, most: int | None) -> list[int]:
     return sorted(counts)
 
 
-__all__ = ["as_mean", "as_slowest", "group_alone", "plan_mixed", "scaled_graph", "with_shares"]
+__all__ = ["as_mean", "as_slowest", "data_parallel", "dealt_by_work", "dealt_in_proportion",
+           "group_alone", "plan_mixed", "scaled_graph", "with_shares"]

@@ -100,13 +100,24 @@ def runs_nothing(stages: Sequence[tuple[Sequence[str], object]], inputs: Collect
 
 def descend(state: State, best: float, score: Callable[[State], float],
             more: Callable[[], bool], is_known: Callable[[State], bool], *, nodes: int,
+            floor: Callable[[State, float], float | None] | None = None,
             ) -> tuple[float, State, list[str]]:
     """Steepest descent from `state` (priced `best`) by `score` until no neighbour is cheaper
     or the budget is spent (`more()` false; a neighbour already priced, `is_known`, is still
-    looked at): the price reached, the plan, one line per move taken."""
+    looked at): the price reached, the plan, one line per move taken. `floor(s, best)`: a
+    value for a neighbour not yet priced that cannot beat `best` (a lower bound at or above
+    it), or None to price it; such a neighbour is never taken, so the walk is the same."""
     moves: list[str] = []
+
+    def price(s: State) -> float:
+        if floor is not None and not is_known(s):
+            bounded = floor(s, best)
+            if bounded is not None:
+                return bounded
+        return score(s)
+
     while more():
-        scored = [(score(s), name, s) for name, s in neighbours(state, nodes)
+        scored = [(price(s), name, s) for name, s in neighbours(state, nodes)
                   if more() or is_known(s)]
         if not scored:
             break

@@ -45,11 +45,14 @@ def as_state(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[i
 
 def polish(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
            price: Callable[[Stages], float], *, budget: int,
+           floor: Callable[[Stages], float] | None = None,
            ) -> tuple[Stages, float, list[str]] | None:
     """Steepest descent from `stages` by `price` (seconds per minibatch; inf where a plan
     does not fit), at most `budget` prices: the best plan reached, its price and the moves
     taken; None where the plan is not one the moves walk (`as_state`) or no neighbour is
-    cheaper."""
+    cheaper. `floor`: a cheap lower bound on `price`; a neighbour whose floor is at or above
+    the current plan's price cannot be taken and is not priced, but counts against the
+    budget as if it were (so the walk, and the plan, are those of pricing every one)."""
     walked = as_state(graph, stages)
     if walked is None:
         return None
@@ -61,8 +64,17 @@ def polish(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int
             cache[candidate] = price(stages_of(candidate, order))
         return cache[candidate]
 
+    def bounded(candidate: State, best: float) -> float | None:
+        if floor is None:
+            return None
+        value = floor(stages_of(candidate, order))
+        if not value >= best * (1 - 1e-9):
+            return None
+        cache[candidate] = value  # counted, never taken: its price is at least this
+        return value
+
     best, state, moves = descend(state, cost(state), cost, lambda: len(cache) < budget,
-                                 cache.__contains__, nodes=len(order))
+                                 cache.__contains__, nodes=len(order), floor=bounded)
     if not moves:
         return None
     return stages_of(state, order), best, moves

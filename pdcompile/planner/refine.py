@@ -52,7 +52,8 @@ class Refined:
 
 
 def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches: int = 64,
-                warmup: str = "plan", max_evaluations: int = 1000) -> Refined:
+                warmup: str = "plan", max_evaluations: int = 1000,
+                from_data_parallel: bool = True) -> Refined:
     """Local search from `plan` (of `graph` on `cluster`) under asynchronous 1F1B, scored by the
     simulator's steady-state time per minibatch (see the module docstring).
 
@@ -60,7 +61,9 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
     common multiple, so every replica reaches steady state); `warmup`: "plan" (each
     candidate's in-flight counts chosen within the memory, as the planner chooses them),
     "noam" or "latency"
-    (schedule.generators); `max_evaluations`: simulations at most, the input plan's included."""
+    (schedule.generators); `max_evaluations`: simulations at most, the input plan's included;
+    `from_data_parallel`: descend from data parallelism too, on half the budget (a caller that
+    prices data parallelism itself may give the plan's descent all of it)."""
     if plan.workers != cluster.workers:
         raise PlanError(f"the plan is for {plan.workers} workers but the cluster has "
                         f"{cluster.workers}; plan for this cluster first")
@@ -70,7 +73,8 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
     search = _Search(graph, cluster, order, plan, minibatches=minibatches, warmup=warmup)
     start = search.score(state)
     seeds = [("the plan", state, start)]
-    if max_evaluations > 1:  # data parallelism is a seed too: the search never ends below it
+    # data parallelism is a seed too: the search never ends below it
+    if max_evaluations > 1 and from_data_parallel:
         whole: State = ((0,), (cluster.workers,))
         if whole != state:
             seeds.append(("data parallelism", whole, search.score(whole)))

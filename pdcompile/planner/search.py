@@ -25,6 +25,7 @@ from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.costmodel import (
     ModelOptions,
+    closed_form_floor,
     data_parallel_options,
     data_parallel_stage,
     data_parallel_time,
@@ -580,6 +581,7 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
 
     out: list[_Candidate] = []
     priced: dict[tuple[Any, ...], _Candidate | None] = {}  # per options and plan
+    floored: set[tuple[Any, ...]] = set()  # plans a lower bound kept from pricing
     inputs = set(input_nodes(graph))
     for option in dict.fromkeys(c.options for c in candidates):
         ranked = sorted((c for c in candidates if c.options == option), key=lambda c: c.closed)
@@ -597,12 +599,24 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             found = priced[key]
             return math.inf if found is None else found.closed
 
+        def floor(stages: list[tuple[list[str], tuple[int, ...]]],
+                  options: ModelOptions = option) -> float:
+            key = (options, _key(stages))
+            if key in priced:
+                found = priced[key]
+                return math.inf if found is None else found.closed
+            floored.add(key)  # counted against the budget as a price (polish.polish)
+            try:
+                return closed_form_floor(graph, stages, cluster, options=options)
+            except PlanError:
+                return -math.inf  # priced, and refused there
+
         for start in ranked[:POLISH_FROM]:
             budget = POLISH_BUDGET if kind(option.schedule).flush else POLISH_STREAMING
-            left = budget - sum(1 for key in priced if key[0] == option)
+            left = budget - sum(1 for key in priced.keys() | floored if key[0] == option)
             if left <= 0:
                 break
-            walked = polish(graph, start.stages, price, budget=left)
+            walked = polish(graph, start.stages, price, budget=left, floor=floor)
             if walked is None or runs_nothing(walked[0], inputs):
                 continue  # a stage of the input alone runs nothing: the split refuses it
             stages, _, moves = walked

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from pdcompile import Cluster
@@ -111,6 +111,50 @@ def test_closed_form_follows_lockstep_rounds_of_replicated_middle_stages(
     its rounds back one by one (`pipeline_time._waiting`). The closed form within 15% of the
     simulator (the worst of 240 random draws: -13.9%, 3-1-2 with one in flight each, and
     +12.0%; before these circuits, -25.9%, 1-3-1 with one in flight each)."""
+    machine = Cluster.parse(cluster)
+    if bucketed:
+        machine = replace(machine, allreduce_bucket=BUCKET)
+    flight = runnable_in_flight(flights[:len(pattern)], pattern)
+    closed, simulated = _closed_and_simulated(_chain(blocks[:len(pattern)]), pattern, flight,
+                                              machine)
+    assert closed == pytest.approx(simulated, rel=0.15)
+
+
+ADJACENT = [[2, 2, 1], [1, 2, 2, 1], [2, 2, 1, 1], [1, 2, 2], [2, 2], [2, 2, 2], [3, 3, 1],
+            [1, 3, 3], [1, 1, 2, 2], [2, 2, 1, 2], [1, 2, 3, 1]]  # replicated stages side by side
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(pattern=st.sampled_from(ADJACENT),
+       blocks=st.lists(st.tuples(st.floats(2e-3, 2e-2), st.floats(2e-3, 4e-2),
+                                 st.floats(1e5, 2e7), st.floats(0.0, 2e8)),
+                       min_size=4, max_size=4),
+       flights=st.lists(st.integers(1, 6), min_size=4, max_size=4),
+       cluster=st.sampled_from(["8@1e10~5us", "8@1e9~5us", "2x4@1e10,1e9~5us,20us"]),
+       bucketed=st.booleans())
+@example(pattern=[2, 2, 1, 1], blocks=[(0.01836, 0.02018, 4.456e6, 1.8185e8),
+                                       (0.01765, 0.03143, 1.8989e7, 8.833e7),
+                                       (0.002985, 0.02152, 1.4929e7, 8.759e7),
+                                       (0.007323, 0.02442, 6.487e6, 1.947e8)],
+         flights=[4, 4, 6, 4], cluster="2x4@1e10,1e9~5us,20us", bucketed=False)
+@example(pattern=[1, 2, 3, 1], blocks=[(0.01143, 0.02323, 1.6896e7, 1.1627e8),
+                                       (0.01136, 0.00315, 1.9598e7, 1.9823e8),
+                                       (0.01538, 0.0096, 7.846e6, 6.484e7),
+                                       (0.009371, 0.006802, 1.391e6, 6.01e7)],
+         flights=[6, 3, 2, 4], cluster="8@1e9~5us", bucketed=False)
+def test_closed_form_follows_lockstep_rounds_of_replicated_stages_side_by_side(
+        pattern: list[int], blocks: list[tuple[float, float, float, float]],
+        flights: list[int], cluster: str, bucketed: bool) -> None:
+    """Replicated stages next to each other (2-2-1, 1-2-2-1, 1-2-3-1, ...), any runnable
+    in-flight counts: a replicated stage's own round holds its next forwards also where the
+    stages after it are replicated (the round's microbatches then spread over their replicas
+    and queue only (j - 1) // r deep, `pipeline_time._queued`), and a later replicated
+    stage's round lies on the circuit of a replicated stage before it. The closed form within
+    15% of the simulator (worst of 300 random draws of these patterns: -10.6%, 2-2-1-2, and
+    +11.8%; before, -22.8% (2-2-1-1) and -29.2% (1-2-3-1): the two examples, now -0.3% and
+    -0.1%). Rounds of different sizes side
+    by side (2-3-1, 3-2-1) still reach -19%: not covered."""
     machine = Cluster.parse(cluster)
     if bucketed:
         machine = replace(machine, allreduce_bucket=BUCKET)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import itertools
 
 import networkx as nx
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -106,3 +107,46 @@ def test_no_plan_leaves_a_stage_of_inputs_alone() -> None:
     inputs = {n.name for n in pipe.graph.graph.nodes if n.op == "placeholder"}
     for stage in pipe.plan.stages:
         assert set(stage.nodes) - inputs, pipe.plan.config
+
+
+@settings(max_examples=40, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), graph=chains(), schedule=st.sampled_from(["1f1b", "1f1b-flush", "gpipe"]),
+       network=st.sampled_from(["2x2@1e10,1e8~5us,20us", "4@1e9~5us"]))
+def test_the_closed_form_floor_is_below_every_price(data: st.DataObject, graph: nx.DiGraph,
+                                                     schedule: str, network: str) -> None:
+    """`costmodel.closed_form_floor` bounds the closed form from below whatever the in-flight
+    counts and recomputation, which the descent may then skip choosing."""
+    from pdcompile.planner.costmodel import ModelOptions, closed_form_floor, evaluate
+
+    cluster = Cluster.parse(network)
+    order = topological_order(graph)
+    replicas = data.draw(st.sampled_from(_compositions(cluster.workers)))
+    cuts = data.draw(st.lists(st.integers(2, len(order) - 1), min_size=len(replicas) - 1,
+                              max_size=len(replicas) - 1, unique=True).map(sorted))
+    stages = [(list(s.nodes), s.ranks) for s in _plan(order, (0, *cuts), replicas).stages]
+    options = ModelOptions(schedule=schedule, microbatches=8)
+    flight = data.draw(st.lists(st.integers(1, 6), min_size=len(stages), max_size=len(stages)))
+    again = data.draw(st.lists(st.booleans(), min_size=len(stages), max_size=len(stages)))
+    _, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight,
+                         recompute=again)
+    assert closed_form_floor(graph, stages, cluster, options=options) <= closed * (1 + 1e-9)
+
+
+@settings(max_examples=10, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(graph=chains(), schedule=st.sampled_from(["1f1b", "1f1b-flush"]))
+def test_the_floor_leaves_every_plan_as_pricing_every_neighbour_does(
+        graph: nx.DiGraph, schedule: str) -> None:
+    """The descent skips pricing neighbours whose floor cannot beat the current plan, and
+    counts them against its budget as priced: the plan is the one it finds pricing all."""
+    import pdcompile.planner.search as search
+
+    cluster = Cluster.parse("2x2@1e10,1e8~5us,20us")
+    floored = pdcompile.plan(graph, cluster, schedule=schedule, microbatches=8, planner="dp")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(search, "closed_form_floor", lambda *args, **kwargs: 0.0)
+        priced = pdcompile.plan(graph, cluster, schedule=schedule, microbatches=8,
+                                planner="dp")
+    assert floored.stages == priced.stages
+    assert floored.time_per_minibatch == priced.time_per_minibatch

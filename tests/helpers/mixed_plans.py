@@ -1,0 +1,72 @@
+"""Every plan of a small chain on a small mixed cluster of two servers, one device kind each:
+the brute force that the mixed planner is held to.
+
+Independent of planner/mixed.py's candidates: stages are contiguous runs of the chain (the
+input in the first), and each stage takes any number of each server's ranks (ranks of one
+server are alike, so which ones does not matter: each stage takes the next free ones), not
+every rank need be used. Each plan is priced by `price_plan` (the simulator) with its
+replicas taking microbatches in turn, and again with shares in proportion to speed where a
+stage mixes kinds (`with_shares`); the cheapest that fits every rank's memory wins.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator
+
+import networkx as nx
+
+from pdcompile.cost.costgraph import topological_order
+from pdcompile.errors import PlanError
+from pdcompile.machine.cluster import Cluster
+from pdcompile.plan import Plan, Stage
+from pdcompile.planner import price_plan
+from pdcompile.planner.mixed import with_shares
+
+
+def _takes(stages: int, fast: int, slow: int) -> Iterator[tuple[tuple[int, int], ...]]:
+    """Per stage (fast ranks, slow ranks), at least one each, at most the servers' ranks."""
+    options = [(a, b) for a in range(fast + 1) for b in range(slow + 1) if a + b]
+    for takes in itertools.product(options, repeat=stages):
+        if sum(a for a, _ in takes) <= fast and sum(b for _, b in takes) <= slow:
+            yield takes
+
+
+def every_plan(graph: nx.DiGraph, cluster: Cluster, *, schedule: str,
+               microbatches: int) -> Iterator[Plan]:
+    """Every plan of the chain `graph` (its first node the input) on `cluster`: two groups,
+    group 0's ranks first."""
+    order = topological_order(graph)
+    fast, slow = (cluster.groups[g].workers for g in (0, 1))
+    for count in range(1, len(order)):
+        for cuts in itertools.combinations(range(2, len(order)), count - 1):
+            bounds = (0, *cuts, len(order))
+            for takes in _takes(count, fast, slow):
+                nxt = [0, fast]
+                stages = []
+                for i, (a, b) in enumerate(takes):
+                    ranks = (*range(nxt[0], nxt[0] + a), *range(nxt[1], nxt[1] + b))
+                    nxt = [nxt[0] + a, nxt[1] + b]
+                    stages.append(Stage(tuple(order[bounds[i]:bounds[i + 1]]), len(ranks),
+                                        ranks))
+                yield Plan(stages=tuple(stages), time_per_minibatch=0.0, dp_time=0.0,
+                           workers=max(r for s in stages for r in s.ranks) + 1,
+                           schedule=schedule, microbatches=microbatches)
+
+
+def fastest_plan(graph: nx.DiGraph, cluster: Cluster, *, schedule: str,
+                 microbatches: int) -> Plan | None:
+    """The cheapest of `every_plan`, round robin or with shares, that fits (None: none fits)."""
+    best: Plan | None = None
+    for plan in every_plan(graph, cluster, schedule=schedule, microbatches=microbatches):
+        shared = with_shares(plan, cluster)
+        for candidate in (plan,) if shared is None else (plan, shared):
+            try:
+                priced = price_plan(graph, candidate, cluster, simulate=True)
+            except PlanError:
+                continue
+            if priced.extra.get("fits", True) and math.isfinite(priced.time_per_minibatch) \
+                    and (best is None or priced.time_per_minibatch < best.time_per_minibatch):
+                best = priced
+    return best
