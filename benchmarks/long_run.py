@@ -13,6 +13,7 @@ a shared machine do not inflate). Issue 25's target:
 RSS growth under 50 MB, the last tenth's throughput within 10% of the first's.
 
     python benchmarks/long_run.py [--steps 30000] [--only 1f1b,1f1b-flush] [--md FILE]
+                                  [--training autocast,clip]
 
 `--local` measures `Pipeline.train` (the local backend, one process) on the same stream instead.
 `--drain` measures instead what draining an asynchronous run every K minibatches (checkpoints,
@@ -55,8 +56,9 @@ def endless(seed: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
                torch.randint(0, CLASSES, (BATCH,), generator=gen))
 
 
-def export(folder: Path, schedule: str) -> Path:
-    """The tiny model, compiled for 2 stages under `schedule`, exported to `folder`."""
+def export(folder: Path, schedule: str, training: tuple[str, ...] = ()) -> Path:
+    """The tiny model, compiled for 2 stages under `schedule`, exported to `folder`;
+    `training`: "autocast" (bfloat16 forwards), "clip" (clip_grad_norm=1.0, flush schedules)."""
     import pdcompile
 
     torch.manual_seed(0)
@@ -65,7 +67,9 @@ def export(folder: Path, schedule: str) -> Path:
     pipe = pdcompile.compile(model, example_inputs=(x,), example_target=y,
                              loss_fn=nn.functional.cross_entropy,
                              optimizer=functools.partial(torch.optim.SGD, lr=0.01),
-                             schedule=schedule, microbatches=2, stages=[1, 1])
+                             schedule=schedule, microbatches=2, stages=[1, 1],
+                             autocast=torch.bfloat16 if "autocast" in training else None,
+                             clip_grad_norm=1.0 if "clip" in training else None)
     pipe.export(str(folder))
     return folder
 
@@ -118,7 +122,8 @@ def _rss_at(samples: list[Sample], step: int) -> float:
 
 
 def long_runs(steps: int, schedules: list[str], every: int,
-              variants: tuple[bool, ...] = (False, True)) -> list[dict[str, Any]]:
+              variants: tuple[bool, ...] = (False, True),
+              training: tuple[str, ...] = ()) -> list[dict[str, Any]]:
     """One row per (schedule, checkpoints): RSS and steps/s at the start and the end."""
     from pdcompile.backends.launch import launch
 
@@ -126,7 +131,7 @@ def long_runs(steps: int, schedules: list[str], every: int,
     tmp = Path(tempfile.mkdtemp(prefix="pdcompile-long-run-"))
     try:
         for schedule in schedules:
-            folder = export(tmp / schedule, schedule)
+            folder = export(tmp / schedule, schedule, training)
             for ckpt in variants:
                 ckpt_dir = str(tmp / f"{schedule}-ckpt") if ckpt else None
                 load = os.getloadavg()[0]
@@ -137,7 +142,8 @@ def long_runs(steps: int, schedules: list[str], every: int,
                 wall = time.perf_counter() - start
                 tenth = steps // 10
                 row: dict[str, Any] = {
-                    "schedule": schedule, "checkpoints": f"every {every}" if ckpt else "none",
+                    "schedule": " + ".join((schedule, *training)),
+                    "checkpoints": f"every {every}" if ckpt else "none",
                     "steps": steps, "wall": wall, "load": (load, os.getloadavg()[0]),
                     "first": _rate(values[1], tenth, 2 * tenth),
                     "last": _rate(values[1], steps - tenth, steps - 1),
@@ -239,6 +245,8 @@ def main() -> int:
     parser.add_argument("--md", default=None, help="also write the table to this file")
     parser.add_argument("--checkpoints", default="none,every",
                         help="none: without checkpoints; every: with one every --every")
+    parser.add_argument("--training", default="",
+                        help="compile options to run with: autocast, clip (comma-separated)")
     parser.add_argument("--drain", action="store_true")
     parser.add_argument("--local", action="store_true",
                         help="Pipeline.train in this process instead (the local backend)")
@@ -263,7 +271,8 @@ def main() -> int:
           f"torch {torch.__version__}")
     print(HEAD)
     variants = tuple(v == "every" for v in args.checkpoints.split(","))
-    rows = long_runs(args.steps, args.only.split(","), args.every, variants)
+    training = tuple(t for t in args.training.split(",") if t)
+    rows = long_runs(args.steps, args.only.split(","), args.every, variants, training)
     if args.md:
         Path(args.md).write_text(HEAD + "\n" + "\n".join(_line(r) for r in rows) + "\n")
     return 0
