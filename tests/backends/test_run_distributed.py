@@ -207,10 +207,14 @@ def test_flush_runs_are_announced_several_at_a_time() -> None:
     torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(want))
 
 
-def _counting_worker(worker: Worker, cases: list[Case]) -> list[tuple[dict[int, int], list[float]]]:
-    """Trains each case, counting the point-to-point sends this rank starts, by destination."""
-    from pdcompile.backends import distributed
+def _counting_worker(worker: Worker, cases: list[Case], pack_limit: int | None = None
+                     ) -> list[tuple[dict[int, int], list[float]]]:
+    """Trains each case, counting the point-to-point sends this rank starts, by destination
+    (`pack_limit`: the largest message packed into one buffer, if not the default)."""
+    from pdcompile.backends import distributed, packed_message
 
+    if pack_limit is not None:
+        packed_message.PACK_LIMIT = pack_limit
     out = []
     isend = distributed.dist.isend
     for case in cases:
@@ -247,3 +251,14 @@ def test_the_target_rides_in_the_activation_message_to_the_last_stage() -> None:
         assert results[1][index][1] == losses
         want = _pipeline(case).train(_batches(case.model, case.steps))
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
+
+
+def test_a_target_rides_unpacked_in_a_message_too_large_to_pack() -> None:
+    """Above the packing limit a message's tensors are sent one by one, the riding target
+    among them (two sends a microbatch), and the receiver takes them apart alike."""
+    case = Case("1f1b-flush", (1, 1), 2, micro=2)
+    results = launch(_counting_worker, 2, args=([case], 0), timeout=120, fault_timeout=10)
+    sent, losses = results[0][0]
+    assert sent == {1: 2 * case.steps * 2} and results[1][0][1] == losses
+    want = _pipeline(case).train(_batches(case.model, case.steps))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
