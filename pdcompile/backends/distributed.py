@@ -46,7 +46,9 @@ from pdcompile.backends.launch import (
     PeerFailure,
     backend_for,
 )
+from pdcompile.backends.packed_message import empty_packed, pack, packs, spec_of, unpack
 from pdcompile.backends.program import ProgramSource, RunInput, RunProgram, as_program
+from pdcompile.backends.target_rides import TargetRides
 from pdcompile.backends.watchdog import model_activity, model_failure, watched_batches
 from pdcompile.errors import DistributedError, PipelineInputError
 from pdcompile.runtime.finite_loss import LossGuard, guard_runtime
@@ -140,6 +142,8 @@ class DistributedTransport(Transport):
         self.pollable = dist.get_backend() != "gloo"
         self.prepost_depth = max(0, prepost_depth)
         self.awaited: DistPending | None = None
+        # the run's targets that ride in stage 0's activation messages to the last stage
+        self.rides: TargetRides | None = None
         self._groups: dict[tuple[int, ...], Any] = {}
         for ranks in [*stage_ranks, *groups]:
             key = tuple(sorted(int(r) for r in ranks))
@@ -186,6 +190,10 @@ class DistributedTransport(Transport):
             self._loopback[tag] = [t.detach() for t in tensors]
             return DistPending(self, [], peer=dst_rank, what=f"hand-over of {tag}", result=[])
         payload = [t.detach().contiguous() for t in tensors]
+        if self.rides is not None:
+            payload += self.rides.outgoing(tag, dst_rank)
+        if packs([spec_of(t) for t in payload]):  # one transfer, not one per tensor
+            payload = [pack(payload)]
         works = [dist.isend(t, dst_rank, tag=wire_tag(tag, i)) for i, t in enumerate(payload)]
         # described only on an error: formatting the tag costs more than the send's bookkeeping
         pending = DistPending(self, works, peer=dst_rank,
@@ -197,11 +205,23 @@ class DistributedTransport(Transport):
         return pending
 
     def _post_recv(self, specs: Sequence[TensorSpec], src_rank: int, tag: Tag) -> DistPending:
-        buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device) for spec in specs]
+        rides = self.rides
+        riding = rides.incoming(tag) if rides is not None else []
+        every = [*specs, *riding]
+        if packs(every):
+            buffers = [empty_packed(every, self.device)]
+            tensors = unpack(buffers[0], every)
+        else:
+            buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
+                       for spec in every]
+            tensors = buffers
         works = [dist.irecv(b, src_rank, tag=wire_tag(tag, i)) for i, b in enumerate(buffers)]
+        after: Callable[[], None] | None = None
+        if riding and rides is not None:  # the target is read once its activations arrived
+            after = functools.partial(rides.deliver, tag, tensors[len(specs):])
         return DistPending(self, works, peer=src_rank,
                            what=lambda: f"receive of {tag} from rank {src_rank}",
-                           result=buffers)
+                           result=tensors[:len(specs)], after=after)
 
     def recv(self, specs: Sequence[TensorSpec], src_rank: int, tag: Tag) -> Pending:
         self.check()
@@ -631,14 +651,14 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
     done = first = resume.done
     micro_base = done * per  # the global number of the next run's first microbatch
 
-    def data_source(run: Any, layout_of: Callable[[int], TargetLayout | None]) -> Any:
+    def data_source(run: Any, rides: TargetRides) -> Any:
         """What the stage runtime reads: the run's data, the targets sent to the last stage
         (readers of stage 0) or received from stage 0 (the last stage), or nothing."""
         if run is not None:
-            return _SendsTargets(run.data, transport, plan, routed) if stage == 0 and routed \
-                else run.data
+            return _SendsTargets(run.data, transport, plan, routed, rides) \
+                if stage == 0 and routed else run.data
         if rank in routed:
-            return _ReceivesTargets(transport, plan, layout_of)
+            return _ReceivesTargets(transport, plan, rides)
         return _NoData(rank, stage)
 
     samples = 0
@@ -657,6 +677,9 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
             return tables[table_of[m]]["target"]  # type: ignore[no-any-return]
 
         specs = spec_function(edges_of, program.vertical_sync)
+        rides = TargetRides(last=len(plan.stages) - 1, edges_of=edges_of, layout_of=layout_of,
+                            routed=routed, read=run.data.target if run is not None else None)
+        transport.rides = rides if routed and (stage == 0 or rank in routed) else None
 
         key = (n, per, tuple(table_of))
         if key not in receives:
@@ -664,10 +687,10 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
                 del receives[next(iter(receives))]
             receives[key] = schedule_receives(program.schedule(n, per), rank, specs)
             if rank in routed:
-                receives[key] = _with_targets(receives[key], plan, layout_of)
+                receives[key] = _with_targets(receives[key], plan, rides)
         transport.expect(receives[key])
         rt = program.runtime(rank, config=program.run_config(per), transport=transport,
-                             data=data_source(run, layout_of), specs=specs,
+                             data=data_source(run, rides), specs=specs,
                              recorder=renumbered)
         base = micro_base
         guard_runtime(rt, None if allow_nonfinite else LossGuard(done, per))
@@ -756,41 +779,43 @@ def _target_tag(plan: Any, microbatch: int) -> Tag:
     return Tag("target", 0, len(plan.stages) - 1, microbatch)
 
 
-def _with_targets(receives: list[Receive], plan: Any,
-                  layout_of: Callable[[int], TargetLayout | None]) -> list[Receive]:
-    """A last-stage rank's receives with each microbatch's target where the last stage takes
-    it: right after the microbatch's first activations into the last stage (its forward reads
-    the target). Program order matters: the transport posts receives in this order, a fixed
-    number ahead (a rank holding several chunks receives other chunks' activations between).
-    `layout_of(m)`: the target's layout for microbatch m's run (None: it has no target)."""
+def _with_targets(receives: list[Receive], plan: Any, rides: TargetRides) -> list[Receive]:
+    """A last-stage rank's receives with the target of each microbatch whose target does not
+    ride in its activations (`TargetRides`) where the last stage takes it: right after the
+    microbatch's first activations into the last stage (its forward reads the target). Program
+    order matters: the transport posts receives in this order, a fixed number ahead (a rank
+    holding several chunks receives other chunks' activations between)."""
     last = len(plan.stages) - 1
     out: list[Receive] = []
     seen: set[int] = set()
     for specs, src, tag in receives:
         out.append((specs, src, tag))
-        layout = layout_of(tag.microbatch)
-        if tag.kind == "act" and tag.dst_stage == last and tag.microbatch not in seen \
-                and layout is not None:
-            seen.add(tag.microbatch)
-            out.append((layout[1], plan.stages[0].rank_of(tag.microbatch),
-                        _target_tag(plan, tag.microbatch)))
+        m = tag.microbatch
+        if tag.kind == "act" and tag.dst_stage == last and m not in seen:
+            seen.add(m)
+            layout = rides.layout_of(m)
+            if layout is not None and not rides.rides(m):
+                out.append((layout[1], plan.stages[0].rank_of(m), _target_tag(plan, m)))
     return out
 
 
 class _SendsTargets:
-    """Stage 0's data: reading microbatch m's inputs also sends its target to the last stage."""
+    """Stage 0's data: reading microbatch m's inputs also sends its target to the last stage,
+    unless it rides in m's activations to the last stage (the transport appends it there)."""
 
     def __init__(self, data: Any, transport: DistributedTransport, plan: Any,
-                 routed: set[int]) -> None:
+                 routed: set[int], rides: TargetRides) -> None:
         self.data = data
         self.transport = transport
         self.plan = plan
         self.routed = routed
+        self.rides = rides
         self.sent: set[int] = set()
 
     def inputs(self, microbatch: int) -> Any:
         dst = self.plan.stages[-1].rank_of(microbatch)
-        if microbatch not in self.sent and dst in self.routed:
+        if microbatch not in self.sent and dst in self.routed \
+                and not self.rides.rides(microbatch):
             self.sent.add(microbatch)
             leaves = pytree.tree_leaves(self.data.target(microbatch))
             if leaves:
@@ -802,13 +827,13 @@ class _SendsTargets:
 
 
 class _ReceivesTargets:
-    """The last stage's data when it reads none: targets arrive from stage 0."""
+    """The last stage's data when it reads none: targets arrive from stage 0, with the
+    activations or on their own (`TargetRides`)."""
 
-    def __init__(self, transport: DistributedTransport, plan: Any,
-                 layout_of: Callable[[int], TargetLayout | None]) -> None:
+    def __init__(self, transport: DistributedTransport, plan: Any, rides: TargetRides) -> None:
         self.transport = transport
         self.plan = plan
-        self.layout_of = layout_of
+        self.rides = rides
         self.got: dict[int, Any] = {}
         self.trees: dict[str, Any] = {}
 
@@ -817,13 +842,16 @@ class _ReceivesTargets:
                                f"{microbatch}, which only stage 0 reads")
 
     def target(self, microbatch: int) -> Any:
-        layout = self.layout_of(microbatch)
+        layout = self.rides.layout_of(microbatch)
         if layout is None:
             return None
         if microbatch not in self.got:
-            src = self.plan.stages[0].rank_of(microbatch)
-            leaves = self.transport.recv(layout[1], src,
-                                         _target_tag(self.plan, microbatch)).wait()
+            if self.rides.rides(microbatch):
+                leaves = self.rides.take(microbatch)
+            else:
+                src = self.plan.stages[0].rank_of(microbatch)
+                leaves = self.transport.recv(layout[1], src,
+                                             _target_tag(self.plan, microbatch)).wait()
             tree = self.trees.get(layout[0])
             if tree is None:  # parsed once per layout, not per microbatch
                 tree = self.trees[layout[0]] = pytree.treespec_loads(layout[0])

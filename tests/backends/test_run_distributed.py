@@ -205,3 +205,60 @@ def test_flush_runs_are_announced_several_at_a_time() -> None:
     assert [calls for calls, _ in results] == [3, 3]
     want = _pipeline(Case("1f1b-flush", (1, 1), steps, micro=2)).train(_batches("mlp", steps))
     torch.testing.assert_close(torch.tensor(results[0][1]), torch.tensor(want))
+
+
+def _counting_worker(worker: Worker, cases: list[Case], pack_limit: int | None = None
+                     ) -> list[tuple[dict[int, int], list[float]]]:
+    """Trains each case, counting the point-to-point sends this rank starts, by destination
+    (`pack_limit`: the largest message packed into one buffer, if not the default)."""
+    from pdcompile.backends import distributed, packed_message
+
+    if pack_limit is not None:
+        packed_message.PACK_LIMIT = pack_limit
+    out = []
+    isend = distributed.dist.isend
+    for case in cases:
+        sent: dict[int, int] = {}
+
+        def counting(tensor: torch.Tensor, dst: int, *args: Any, sent: dict[int, int] = sent,
+                     **kwargs: Any) -> Any:
+            sent[dst] = sent.get(dst, 0) + 1
+            return isend(tensor, dst, *args, **kwargs)
+
+        pipe = _pipeline(case)
+        batches = _batches(case.model, case.steps) if distributed.reads_data(pipe, worker.rank) \
+            else None
+        distributed.dist.isend = counting  # type: ignore[assignment]
+        try:
+            run = distributed.run_distributed(pipe, batches, monitor=worker.monitor)
+        finally:
+            distributed.dist.isend = isend  # type: ignore[assignment]
+        out.append((sent, run.losses))
+    return out
+
+
+def test_the_target_rides_in_the_activation_message_to_the_last_stage() -> None:
+    """On 2 stages, stage 0 sends the last stage one message a microbatch, its activations and
+    its target packed together (they were two, each several transfers in gloo); with the
+    weight version of vertical sync too. Training is unchanged."""
+    cases = [Case("1f1b-flush", (1, 1), 3, micro=4), Case("1f1b", (1, 1), 5),
+             Case("1f1b", (1, 1), 4, vertical_sync=True)]
+    results = launch(_counting_worker, 2, args=(cases,), timeout=120, fault_timeout=10)
+    for index, case in enumerate(cases):
+        sent, losses = results[0][index]
+        per = case.micro or 1
+        assert sent == {1: case.steps * per}, case  # one message a microbatch, nothing else
+        assert results[1][index][1] == losses
+        want = _pipeline(case).train(_batches(case.model, case.steps))
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
+
+
+def test_a_target_rides_unpacked_in_a_message_too_large_to_pack() -> None:
+    """Above the packing limit a message's tensors are sent one by one, the riding target
+    among them (two sends a microbatch), and the receiver takes them apart alike."""
+    case = Case("1f1b-flush", (1, 1), 2, micro=2)
+    results = launch(_counting_worker, 2, args=([case], 0), timeout=120, fault_timeout=10)
+    sent, losses = results[0][0]
+    assert sent == {1: 2 * case.steps * 2} and results[1][0][1] == losses
+    want = _pipeline(case).train(_batches(case.model, case.steps))
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
