@@ -89,6 +89,14 @@ def test_closed_form_follows_lockstep_rounds_of_a_replicated_last_stage(
     assert closed == pytest.approx(simulated, rel=0.12)
 
 
+# four stages' (forward, backward, activation bytes, parameter bytes), in-flight counts, and
+# clusters: what the lockstep property tests draw
+FOUR_BLOCKS = st.lists(st.tuples(st.floats(2e-3, 2e-2), st.floats(2e-3, 4e-2),
+                                 st.floats(1e5, 2e7), st.floats(0.0, 2e8)),
+                       min_size=4, max_size=4)
+FOUR_FLIGHTS = st.lists(st.integers(1, 6), min_size=4, max_size=4)
+MACHINES = st.sampled_from(["8@1e10~5us", "8@1e9~5us", "2x4@1e10,1e9~5us,20us"])
+
 MIDDLE = [[1, 2, 1], [2, 1, 2], [1, 2, 1, 1], [1, 1, 2, 1], [1, 3, 1], [2, 1, 1, 2], [1, 2, 1, 2],
           [3, 1, 2], [1, 2, 1, 3]]  # a replicated stage with single-replica stages around it
 
@@ -96,12 +104,7 @@ MIDDLE = [[1, 2, 1], [2, 1, 2], [1, 2, 1, 1], [1, 1, 2, 1], [1, 3, 1], [2, 1, 1,
 @settings(max_examples=40, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(pattern=st.sampled_from(MIDDLE),
-       blocks=st.lists(st.tuples(st.floats(2e-3, 2e-2), st.floats(2e-3, 4e-2),
-                                 st.floats(1e5, 2e7), st.floats(0.0, 2e8)),
-                       min_size=4, max_size=4),
-       flights=st.lists(st.integers(1, 6), min_size=4, max_size=4),
-       cluster=st.sampled_from(["8@1e10~5us", "8@1e9~5us", "2x4@1e10,1e9~5us,20us"]),
-       bucketed=st.booleans())
+       blocks=FOUR_BLOCKS, flights=FOUR_FLIGHTS, cluster=MACHINES, bucketed=st.booleans())
 def test_closed_form_follows_lockstep_rounds_of_replicated_middle_stages(
         pattern: list[int], blocks: list[tuple[float, float, float, float]],
         flights: list[int], cluster: str, bucketed: bool) -> None:
@@ -127,12 +130,7 @@ ADJACENT = [[2, 2, 1], [1, 2, 2, 1], [2, 2, 1, 1], [1, 2, 2], [2, 2], [2, 2, 2],
 @settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(pattern=st.sampled_from(ADJACENT),
-       blocks=st.lists(st.tuples(st.floats(2e-3, 2e-2), st.floats(2e-3, 4e-2),
-                                 st.floats(1e5, 2e7), st.floats(0.0, 2e8)),
-                       min_size=4, max_size=4),
-       flights=st.lists(st.integers(1, 6), min_size=4, max_size=4),
-       cluster=st.sampled_from(["8@1e10~5us", "8@1e9~5us", "2x4@1e10,1e9~5us,20us"]),
-       bucketed=st.booleans())
+       blocks=FOUR_BLOCKS, flights=FOUR_FLIGHTS, cluster=MACHINES, bucketed=st.booleans())
 @example(pattern=[2, 2, 1, 1], blocks=[(0.01836, 0.02018, 4.456e6, 1.8185e8),
                                        (0.01765, 0.03143, 1.8989e7, 8.833e7),
                                        (0.002985, 0.02152, 1.4929e7, 8.759e7),
