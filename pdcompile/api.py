@@ -87,11 +87,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
     if not isinstance(model, torch.nn.Module):
         raise PipelineInputError(f"compile() takes an nn.Module, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile's, DataParallel's or DDP's model
-    try:  # before any tracing or profiling
-        check_max_norm(clip_grad_norm)
-        check_autocast(autocast)
-    except ValueError as err:
-        raise PipelineInputError(str(err)) from None
+    check_max_norm(clip_grad_norm)  # before any tracing or profiling
+    precision = check_autocast(autocast)  # "bfloat16", or None
     if schedule != "auto" and schedule not in KINDS:  # before any tracing or profiling
         raise PipelineInputError(unknown(schedule, auto=True))
     named = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
@@ -103,7 +100,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     gm = captured.graph
     buffers = {name: b.clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     try:  # on fake tensors: what every node outputs, and so what each stage would send
-        with torch.random.fork_rng(), autocast_region(check_autocast(autocast), gm):
+        with torch.random.fork_rng(), autocast_region(precision, gm):
             annotate_shapes(gm, captured.inputs)
     finally:  # the model's code may count batches on its real buffers (BatchNorm)
         for name, b in gm.named_buffers():
@@ -114,7 +111,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
         if cluster is not None:  # priced like a planned one
             chosen = _planned(gm, captured.inputs, cluster, cost=cost, given=given,
                               schedule=schedule, microbatches=microbatches,
-                              autocast=check_autocast(autocast))
+                              autocast=precision)
     elif isinstance(given, int) and not isinstance(given, bool):
         if given < 1:
             raise PipelineInputError(f"stages must be a positive integer ({given} < 1)")
@@ -123,7 +120,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
                           cost=cost,
                           planner="dp", cost_model=cost_model, schedule=schedule,
                           microbatches=microbatches, stages=given, time_limit=time_limit,
-                          autocast=check_autocast(autocast))
+                          autocast=precision)
     elif given is not None and not isinstance(given, bool):
         replicas = [int(r) for r in given]
         chosen = even_plan(gm, len(replicas), replicas=replicas)
@@ -134,7 +131,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
         chosen = _planned(gm, captured.inputs, cluster, planner=planner, cost=cost,
                           cost_model=cost_model, schedule=schedule,
                           microbatches=microbatches, time_limit=time_limit,
-                          autocast=check_autocast(autocast))
+                          autocast=precision)
     if schedule == "auto":  # the planner's choice; '1f1b' keeps the default stream length
         schedule = chosen.schedule
         microbatches = chosen.microbatches if chosen.microbatches > 1 else None
@@ -148,7 +145,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
                     example_inputs=inputs, example_target=example_target,
                     model=None if captured.frontend == "given" else model,
                     clip_grad_norm=clip_grad_norm, param_groups=param_groups,
-                    autocast=autocast)
+                    autocast=precision)
 
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,

@@ -117,10 +117,7 @@ class Pipeline:
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, by run shape
         self._check()
         self.clip_grad_norm = self._checked_clip(clip_grad_norm)
-        try:
-            self.autocast = check_autocast(autocast)  # a dtype name: "bfloat16"
-        except ValueError as err:
-            raise PipelineInputError(str(err)) from None
+        self.autocast = check_autocast(autocast)  # a dtype name: "bfloat16"
         # one minibatch as compiled: backends check shapes against it, export saves it
         self.example_inputs: tuple[Any, ...] | None = (
             None if example_inputs is None else tuple(example_inputs))
@@ -188,10 +185,7 @@ class Pipeline:
     def _checked_clip(self, value: float | None) -> float | None:
         """`clip_grad_norm`, where this pipeline can clip by the global norm
         (runtime/grad_clip.py): a flush schedule, one stage per rank."""
-        try:
-            limit = check_max_norm(value)
-        except ValueError as err:
-            raise PipelineInputError(str(err)) from None
+        limit = check_max_norm(value)
         if limit is None:
             return None
         if not kind(self.schedule_name).flush:
@@ -702,10 +696,7 @@ class Pipeline:
         if self.loss_fn is None or target is None:
             return
         m = kind(self.schedule_name).per_minibatch(self.microbatches)
-        named = self._named(inputs)
-        leaves = [named[r.name] if r.stage is None else values[r.stage, r.name]
-                  for r in self.parts.output_refs]
-        output = pytree.tree_unflatten(leaves, self.parts.output_spec)
+        output = self._output(self._named(inputs), values)
         with torch.random.fork_rng(), torch.no_grad(), \
                 autocast_region(self.autocast, self.stage_modules[-1]):
             self.loss_fn(output, _cut_target(target, m, index=0, why="microbatches")[0])
@@ -780,24 +771,35 @@ class Pipeline:
                 f"this pipeline cannot evaluate: its graphs fixed training mode at capture "
                 f"({where}). Load its weights into the model and evaluate that: "
                 "model.load_state_dict(pipe.state_dict()); model.eval(); model(x)")
-        buffers = [b for m in self.stage_modules for b in m.buffers()]
-        saved = [b.clone() for b in buffers]
-        try:
-            with evaluation_mode(self.stage_modules), \
-                    autocast_region(self.autocast, self.stage_modules[0]):
-                return self._forward(named)
-        finally:
-            for buffer, value in zip(buffers, saved, strict=True):
-                buffer.copy_(value)
+        # the modules message shapes are worked out on, whose side effects that undoes
+        with evaluation_mode([p.module for p in self.parts.stages]):
+            return self._output(named, self._microbatch_values(named, inputs))
 
     def _forward(self, named: dict[str, Any]) -> Any:
         """The stage modules one after another on the model's inputs by name."""
+        return self._output(named, self._stage_values(named, self.stage_modules))
+
+    def _stage_values(self, named: dict[str, Any], modules: Sequence[torch.nn.Module],
+                      explain: Callable[[StageProgram, list[Any], Exception], Exception]
+                      | None = None) -> dict[tuple[int, str], Any]:
+        """Every stage output, `modules` (one per stage) run one after another on the model's
+        inputs by name; `explain(program, args, err)`: the error to raise where a stage fails."""
         values: dict[tuple[int, str], Any] = {}
-        for program, module in zip(self.parts.stages, self.stage_modules, strict=True):
+        for program, module in zip(self.parts.stages, modules, strict=True):
             args = [named[r.name] if r.stage is None else values[r.stage, r.name]
                     for r in program.inputs]
-            for name, value in zip(program.outputs, module(*args), strict=True):
+            try:
+                outputs = module(*args)
+            except Exception as err:
+                if explain is None:
+                    raise
+                raise explain(program, args, err) from None
+            for name, value in zip(program.outputs, outputs, strict=True):
                 values[program.index, name] = value
+        return values
+
+    def _output(self, named: dict[str, Any], values: dict[tuple[int, str], Any]) -> Any:
+        """The model's output (its structure) from the inputs by name and the stage outputs."""
         leaves = [named[r.name] if r.stage is None else values[r.stage, r.name]
                   for r in self.parts.output_refs]
         return pytree.tree_unflatten(leaves, self.parts.output_spec)
@@ -833,29 +835,21 @@ class Pipeline:
         """Every stage output for one microbatch (model inputs by name), without side effects;
         `inputs` and `m`: the minibatch it was cut from and into how many, for the message of
         a stage that fails on it (`explain=False`: the model's own error as it is)."""
-        values: dict[tuple[int, str], Any] = {}
-        modules = [p.module for p in self.parts.stages]
+        modules = [p.module for p in self.parts.stages]  # before any rank state exists too
         saved = [{k: b.clone() for k, b in mod.named_buffers()} for mod in modules]
+
+        def failure(program: StageProgram, args: list[Any], err: Exception) -> Exception:
+            return self._stage_failure(program.index, modules[program.index], args, err,
+                                       inputs or (named,), m)
+
         try:
             with torch.random.fork_rng(), torch.no_grad(), \
                     autocast_region(self.autocast, modules[0]):
-                for program, module in zip(self.parts.stages, modules, strict=True):
-                    args = [named[r.name] if r.stage is None else values[r.stage, r.name]
-                            for r in program.inputs]
-                    try:
-                        outputs = module(*args)
-                    except Exception as err:
-                        if not explain:
-                            raise
-                        raise self._stage_failure(program.index, module, args, err,
-                                                  inputs or (named,), m) from None
-                    for name, value in zip(program.outputs, outputs, strict=True):
-                        values[program.index, name] = value
+                return self._stage_values(named, modules, failure if explain else None)
         finally:
             for mod, buffers in zip(modules, saved, strict=True):
                 for k, b in mod.named_buffers():
                     b.copy_(buffers[k])
-        return values
 
     @staticmethod
     def _stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], err: Exception,

@@ -17,6 +17,8 @@ from collections.abc import Iterable
 
 import torch
 
+from pdcompile.errors import PipelineInputError
+
 # torch.nn.utils.clip_grad_norm_'s guard against a zero norm
 EPSILON = 1e-6
 
@@ -36,12 +38,13 @@ def clip_factor(total_square: torch.Tensor, max_norm: float) -> float:
 
 
 def check_max_norm(value: object) -> float | None:
-    """`clip_grad_norm` as given, checked: None (no clipping) or a positive finite number."""
+    """`clip_grad_norm` as given, checked: None (no clipping) or a positive finite number;
+    a PipelineInputError otherwise."""
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not (
             0 < float(value) < float("inf")):
-        raise ValueError(f"clip_grad_norm must be a positive number (the largest global "
+        raise PipelineInputError(f"clip_grad_norm must be a positive number (the largest global "
                          f"gradient norm), got {value!r}")
     return float(value)
 

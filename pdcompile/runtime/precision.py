@@ -14,19 +14,21 @@ from typing import Any
 
 import torch
 
+from pdcompile.errors import PipelineInputError
+
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def check_autocast(value: Any) -> str | None:
-    """`autocast` as given (None, a dtype or its name), as the dtype's name; a ValueError
-    naming the choices otherwise."""
+    """`autocast` as given (None, a dtype or its name), as the dtype's name; a
+    PipelineInputError naming the choices otherwise."""
     if value is None:
         return None
     for name, dtype in DTYPES.items():
         if value is dtype or value == name:
             return name
-    raise ValueError(f"autocast must be one of torch.bfloat16, torch.float16 (or their names), "
-                     f"or None, got {value!r}")
+    raise PipelineInputError(f"autocast must be one of torch.bfloat16, torch.float16 (or "
+                             f"their names), or None, got {value!r}")
 
 
 def autocast_region(name: str | None, module: torch.nn.Module | None = None

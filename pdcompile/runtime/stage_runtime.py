@@ -609,18 +609,19 @@ class StageRuntime:
         """Scale this stage's gradients by the factor of the whole model's gradient norm
         (runtime/grad_clip.py): one all-reduce of a number over every rank."""
         stage_ranks = self.config.stage_ranks
-        counted_elsewhere = {id(self.params[name]) for group in self.ties for name in group.names
-                             if min(s for s, ranks in enumerate(stage_ranks)
-                                    if set(ranks) & set(group.ranks)) != self.stage}
-        grads = [p.grad for p in _unique(self.params.values()) if p.grad is not None]
-        mine = [p.grad for p in _unique(self.params.values())
-                if p.grad is not None and id(p) not in counted_elsewhere]
-        total = square_norm(mine, share=self.replicas)  # type: ignore[arg-type]
+        # a tied parameter is counted by the first stage holding it
+        elsewhere = {id(self.params[name]) for group in self.ties
+                     if min(s for s, ranks in enumerate(stage_ranks)
+                            if set(ranks) & set(group.ranks)) != self.stage
+                     for name in group.names}
+        with_grads = [p for p in _unique(self.params.values()) if p.grad is not None]
+        counted = [p.grad for p in with_grads if id(p) not in elsewhere]
+        total = square_norm(counted, share=self.replicas)  # type: ignore[arg-type]
         everyone = sorted({r for ranks in stage_ranks for r in ranks})
         yield from self._wait(self.transport.all_reduce([total], everyone))
         factor = clip_factor(total, max_norm)
-        for g in grads:
-            g.mul_(factor)  # type: ignore[union-attr]
+        for p in with_grads:
+            p.grad.mul_(factor)  # type: ignore[union-attr]
 
     def _start_buffer_sync(self, pending: list[Pending]) -> Callable[[], None]:
         """Replicated stage: start the all-reduces (appended to `pending`) after which every

@@ -89,6 +89,19 @@ def test_closed_form_follows_lockstep_rounds_of_a_replicated_last_stage(
     assert closed == pytest.approx(simulated, rel=0.12)
 
 
+def _assert_closed_form_near(pattern: list[int], blocks: list[tuple[float, float, float, float]],
+                             flights: list[int], cluster: str, bucketed: bool, *,
+                             rel: float) -> None:
+    """The closed form of `pattern`'s chain on `cluster` within `rel` of the simulator."""
+    machine = Cluster.parse(cluster)
+    if bucketed:
+        machine = replace(machine, allreduce_bucket=BUCKET)
+    flight = runnable_in_flight(flights[:len(pattern)], pattern)
+    closed, simulated = _closed_and_simulated(_chain(blocks[:len(pattern)]), pattern, flight,
+                                              machine)
+    assert closed == pytest.approx(simulated, rel=rel)
+
+
 # four stages' (forward, backward, activation bytes, parameter bytes), in-flight counts, and
 # clusters: what the lockstep property tests draw
 FOUR_BLOCKS = st.lists(st.tuples(st.floats(2e-3, 2e-2), st.floats(2e-3, 4e-2),
@@ -114,13 +127,7 @@ def test_closed_form_follows_lockstep_rounds_of_replicated_middle_stages(
     its rounds back one by one (`pipeline_time._waiting`). The closed form within 15% of the
     simulator (the worst of 240 random draws: -13.9%, 3-1-2 with one in flight each, and
     +12.0%; before these circuits, -25.9%, 1-3-1 with one in flight each)."""
-    machine = Cluster.parse(cluster)
-    if bucketed:
-        machine = replace(machine, allreduce_bucket=BUCKET)
-    flight = runnable_in_flight(flights[:len(pattern)], pattern)
-    closed, simulated = _closed_and_simulated(_chain(blocks[:len(pattern)]), pattern, flight,
-                                              machine)
-    assert closed == pytest.approx(simulated, rel=0.15)
+    _assert_closed_form_near(pattern, blocks, flights, cluster, bucketed, rel=0.15)
 
 
 ADJACENT = [[2, 2, 1], [1, 2, 2, 1], [2, 2, 1, 1], [1, 2, 2], [2, 2], [2, 2, 2], [3, 3, 1],
@@ -153,10 +160,4 @@ def test_closed_form_follows_lockstep_rounds_of_replicated_stages_side_by_side(
     +11.8%; before, -22.8% (2-2-1-1) and -29.2% (1-2-3-1): the two examples, now -0.3% and
     -0.1%). Rounds of different sizes side
     by side (2-3-1, 3-2-1) still reach -19%: not covered."""
-    machine = Cluster.parse(cluster)
-    if bucketed:
-        machine = replace(machine, allreduce_bucket=BUCKET)
-    flight = runnable_in_flight(flights[:len(pattern)], pattern)
-    closed, simulated = _closed_and_simulated(_chain(blocks[:len(pattern)]), pattern, flight,
-                                              machine)
-    assert closed == pytest.approx(simulated, rel=0.15)
+    _assert_closed_form_near(pattern, blocks, flights, cluster, bucketed, rel=0.15)

@@ -57,3 +57,12 @@ def printed_losses(output: str) -> list[float]:
     steps = [int(row.split(",")[0]) for row in rows[1:]]
     assert steps == list(range(1, len(steps) + 1)), steps  # every step, in order
     return [float(row.split(",")[1]) for row in rows[1:]]
+
+
+def run_export_losses(folder: Path, *, nproc: int, steps: int, timeout: float = 240
+                      ) -> list[float]:
+    """`pdcompile run FOLDER --nproc N --steps S --threads 1`, which must succeed; its losses."""
+    done = run_cli([str(folder), "--nproc", str(nproc), "--steps", str(steps), "--threads", "1"],
+                   timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:]
+    return printed_losses(done.stdout)

@@ -5,7 +5,6 @@ gloo (`pdcompile run` had no way to train in mixed precision)."""
 
 from __future__ import annotations
 
-import copy
 from pathlib import Path
 from typing import Any
 
@@ -92,16 +91,13 @@ def test_another_autocast_value_is_refused_before_tracing(value: Any) -> None:
 @pytest.mark.timeout(300)
 def test_distributed_autocast_matches_one_process(tmp_path: Path) -> None:
     """`pdcompile run` on 3 processes: bfloat16 activations and gradients travel over gloo."""
-    from tests.helpers.processes import printed_losses, run_cli
+    from tests.helpers.processes import run_export_losses
 
     pipe = _pipeline([1, 1, 1], autocast=torch.bfloat16)
     folder = tmp_path / "pipe"
     pipe.export(str(folder))
-    want = _reference(copy.deepcopy(_model()), torch.bfloat16)
-    done = run_cli([str(folder), "--nproc", "3", "--steps", str(STEPS), "--threads", "1"],
-                   timeout=240)
-    assert done.returncode == 0, done.stdout[-3000:]
-    assert printed_losses(done.stdout) == pytest.approx(want, rel=1e-5)
+    want = _reference(_model(), torch.bfloat16)
+    assert run_export_losses(folder, nproc=3, steps=STEPS) == pytest.approx(want, rel=1e-5)
 
 
 def test_the_planner_sees_the_messages_autocast_makes() -> None:
