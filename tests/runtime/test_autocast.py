@@ -14,7 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import pdcompile
-from pdcompile.errors import PipelineInputError
+from tests.helpers.before_tracing import assert_refused_before_tracing
 from tests.helpers.one_process import train_one_process
 from tests.helpers.transparency import momentum
 
@@ -78,13 +78,7 @@ def test_an_export_keeps_autocast(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", [torch.float32, "half", 16, True])
 def test_another_autocast_value_is_refused_before_tracing(value: Any) -> None:
-    class Untraceable(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            raise AssertionError("traced")
-
-    with pytest.raises(PipelineInputError, match="autocast must be one of torch.bfloat16"):
-        pdcompile.compile(Untraceable(), example_inputs=(torch.randn(2),), stages=2,
-                          autocast=value)
+    assert_refused_before_tracing("autocast must be one of torch.bfloat16", autocast=value)
 
 
 @pytest.mark.slow

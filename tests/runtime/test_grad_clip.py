@@ -16,6 +16,7 @@ import torch.nn as nn
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
+from tests.helpers.before_tracing import assert_refused_before_tracing
 from tests.helpers.one_process import train_one_process
 from tests.helpers.transparency import (
     Case,
@@ -98,13 +99,7 @@ def test_an_export_keeps_the_limit(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("value", [0, -1.0, float("nan"), float("inf"), "1", True])
 def test_a_limit_that_is_not_a_positive_number_is_refused_before_tracing(value: Any) -> None:
-    class Untraceable(nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            raise AssertionError("traced")
-
-    with pytest.raises(PipelineInputError, match="clip_grad_norm must be a positive number"):
-        pdcompile.compile(Untraceable(), example_inputs=(torch.randn(2),), stages=2,
-                          clip_grad_norm=value)
+    assert_refused_before_tracing("clip_grad_norm must be a positive number", clip_grad_norm=value)
 
 
 @pytest.mark.parametrize(("schedule", "words"), [
