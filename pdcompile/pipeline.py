@@ -671,9 +671,11 @@ class Pipeline:
                 detail = str(err).splitlines()[0] if str(err) else type(err).__name__
                 cannot = "model cannot run on it" if stage == "model" else \
                     "loss function cannot use it with the model's output"
+                # the model never sees the target: a model that fails is not the target's fault
+                what = self._difference(tuple(inputs), target if stage != "model" else None)
                 raise PipelineInputError(
-                    f"minibatch {index}: {self._difference(tuple(inputs), target)}, and the "
-                    f"{cannot} ({type(err).__name__}: {detail})") from None
+                    f"minibatch {index}: {what}, and the {cannot} "
+                    f"({type(err).__name__}: {detail})") from None
         self._checked_shapes.add(key)
 
     def _difference(self, inputs: tuple[Any, ...], target: Any) -> str:
@@ -684,6 +686,9 @@ class Pipeline:
             if name in examples and _signature(given) != _signature(want):
                 return (f"input {name!r} is {_describe(given)} but the pipeline was compiled "
                         f"for {_describe(want)}")
+        if target is None:
+            return "its inputs are shaped like the example's" if examples else "no example to " \
+                "compare it with"
         if self.example_target is not None:
             return (f"the target is {_describe(target)} but the example's is "
                     f"{_describe(self.example_target)}")

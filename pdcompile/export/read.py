@@ -25,6 +25,7 @@ from pdcompile.export.trust import check_imports
 from pdcompile.export.user_modules import load_user_modules
 from pdcompile.meta import set_stage
 from pdcompile.passes.crossing import load_spec
+from pdcompile.passes.dense_constants import densify_constants
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
@@ -181,6 +182,7 @@ def _load_stage(folder: Path, index: int, meta: dict[str, Any],
     graph = _LeafTracer(autowrap_functions=_KEPT_CALLS).trace(stage)
     module = fx.GraphModule(stage, graph, class_name=f"Stage{index}")
     module.training = stage.training
+    densify_constants(module)  # the trace above bakes constants again
     return StageProgram(
         index=index, module=module,
         inputs=tuple(ValueRef(n, s) for n, s in meta["inputs"]),

@@ -26,6 +26,7 @@ from torch import nn
 
 from pdcompile.errors import PipelineInputError, TraceError
 from pdcompile.meta import set_frontend
+from pdcompile.passes.dense_constants import densify_constants
 from pdcompile.passes.export_frontend import export_graph
 from pdcompile.passes.inference_cache import without_inference_cache
 from pdcompile.passes.shapes import bind_inputs
@@ -74,6 +75,7 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
         _refuse_torchscript(model)
         with without_inference_cache(model, kwargs):
             graph, used = _captured(model, args, kwargs, list(leaf_modules), frontend)
+    densify_constants(graph)
     set_frontend(graph, used)
     return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
 
