@@ -48,7 +48,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
 
     `plan`: a Plan to use as is (priced on `cluster`'s costs when a cluster is given); `stages`:
     a stage count K (K straight stages, one worker each, balanced by measured or analytic cost:
-    the planner's DP restricted to K stages, on `cluster` or local-K) or a list of replica
+    the planner's DP restricted to K stages, on `cluster` or local-K; with an interleaved or
+    V-shaped schedule, K workers holding two chunks each) or a list of replica
     counts per stage (an even cut into that many stages); otherwise the planner partitions the
     measured (or analytic) costs over `cluster`. `schedule`: one of '1f1b', '1f1b-flush',
     'gpipe', '2bw', or 'auto' (the planner chooses it and its microbatches).

@@ -86,7 +86,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     schedule: one of schedule.kinds, or "auto" to choose among them (and their microbatches).
     microbatches: per minibatch for the microbatched schedules (None: the planner chooses among
     AUTO_MICROBATCHES; '1f1b' runs whole minibatches). stages: exactly that many straight stages
-    (one worker each, on the first `stages` ranks), balanced by cost. simulate: rank the best
+    (one worker each, on the first `stages` ranks), balanced by cost; with an interleaved or
+    V-shaped schedule, that many workers holding two chunks each. simulate: rank the best
     candidates with the simulator and predict its steady state (None: where a simulation is
     cheap, SIMULATION_BUDGET). optimizer_state: optimizer bytes per parameter byte (Adam 2,
     SGD with momentum 1) for memory. symmetric: plan one server's pipeline and give every server
@@ -149,8 +150,9 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         row = kind(name)
         try:
             if row.interleaved:
-                if symmetric or stages is not None:
+                if symmetric:
                     continue  # interleaving is planned on one level of unreplicated chunks
+                # stages=K: K workers (the first K ranks), each holding the schedule's chunks
                 found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
             elif symmetric and not row.split_backward:  # both ways to use servers alike
                 found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
@@ -191,6 +193,9 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                                    min(candidates, key=lambda c: c.closed))
         candidates += ilp_found
     if not candidates:
+        refusal = _schedule_refusal(choices, workers)
+        if refusal is not None:  # not the memory: the schedule cannot run on these workers
+            raise PlanError(refusal)
         options = ModelOptions(schedule=choices[0][0], microbatches=choices[0][1],
                                optimizer_state=optimizer_state)
         raise _no_fit(cost_graph, cluster, options, limit, straight)
@@ -803,6 +808,29 @@ def _straight_fits(work: nx.DiGraph, cluster: Cluster, limit: float | None) -> N
             f"cost_model='pipedream' with straight=True gives each of the {cluster.workers} "
             f"workers a stage of its own, but {why}; use cost_model='native' (its straight "
             f"pipelines may leave workers out) or a cluster of at most {most} workers")
+
+
+def _schedule_refusal(choices: list[tuple[str, int]], workers: int) -> str | None:
+    """Why the one schedule asked for cannot run its microbatches on `workers` workers, in the
+    schedule's words (DualPipeV needs 2 per rank); None where it can, or several were tried."""
+    if len({name for name, _ in choices}) != 1:
+        return None
+    from pdcompile.schedule.generators import generate
+    from pdcompile.schedule.placement import v_position
+
+    name, m = choices[0]
+    row = kind(name)
+    if row.v_shape:
+        ranks: list[list[int]] = [[v_position(c, workers)] for c in range(2 * workers)]
+    elif row.interleaved:
+        ranks = [[c % workers] for c in range(2 * workers)]
+    else:
+        ranks = [[r] for r in range(workers)]
+    try:
+        generate(name, ranks, m)
+    except ScheduleError as err:
+        return f"schedule={name!r} with microbatches={m} on {workers} workers: {err}"
+    return None
 
 
 def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: float | None,

@@ -96,3 +96,12 @@ def test_skip_connection_and_tied_embedding(schedule: str) -> None:
     else:  # 4 chunks on 2 ranks: the tie spans stages 0 and 3, on ranks 0 and 1
         pipe = check(tied_bn(), schedule=schedule, micro=2, plan=chunks(2, 2))
         assert pipe.parts.ties and pipe.parts.ties[0].stages == (0, 3)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
+def test_stages_k_with_a_chunked_schedule_trains_like_one_process(schedule: str) -> None:
+    """`compile(stages=2, schedule=...)` with chunks: two workers holding two chunks each (it
+    was refused, saying the model did not fit the memory)."""
+    pipe = check(skipnet(), schedule=schedule, micro=4, plan=None, stages=2)
+    assert sorted({s.ranks for s in pipe.plan.stages}) == [(0,), (1,)]
+    assert len(pipe.plan.stages) == 4

@@ -125,8 +125,25 @@ def test_v_shaped_plans_hold_both_chunks_within_the_memory() -> None:
 
 
 def test_dualpipev_needs_two_microbatches_per_rank_to_be_planned() -> None:
-    with pytest.raises(PlanError):
-        pdcompile.plan(_chain(8), "2@1e10", schedule="dualpipev", microbatches=3, planner="dp")
+    # the schedule's own reason, not "does not fit ... it needs 376 KiB per worker" (the memory
+    # message, wrong where the model fits the memory)
+    for given in (dict(), dict(stages=2)):
+        with pytest.raises(PlanError, match=r"dualpipev.*needs at least 2p = 4 microbatches") \
+                as caught:
+            pdcompile.plan(_chain(8), "4@1e10" if given else "2@1e10", schedule="dualpipev",
+                           microbatches=3, planner="dp", **given)
+        assert "does not fit" not in str(caught.value)
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb", "zb-v", "dualpipev"])
+def test_stages_k_with_a_chunked_schedule_gives_k_workers_their_chunks(schedule: str) -> None:
+    """stages=K counts workers, as for every schedule: with chunks, each of the first K ranks
+    holds two (they were refused as if the model did not fit the memory)."""
+    plan = pdcompile.plan(_chain(8), "4@1e10", schedule=schedule, microbatches=4, stages=2,
+                          planner="dp")
+    v_shape = schedule in ("zb-v", "dualpipev")
+    assert [s.ranks for s in plan.stages] == (
+        [(0,), (1,), (1,), (0,)] if v_shape else [(0,), (1,), (0,), (1,)])
 
 
 def test_stages_k_balances_cost_not_parameters() -> None:
