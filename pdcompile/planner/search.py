@@ -861,6 +861,11 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
         else:
             lo = mid
     need_memory = hi
+    if limit is not None and need_memory <= limit:  # the memory is not why: say so
+        return PlanError(
+            f"no {options.schedule!r} plan of {graph.graph.get('name') or 'the model'} with "
+            f"microbatches={options.microbatches} on {cluster.workers} workers, though it fits "
+            f"{format_bytes(limit)} per worker; try schedule='auto' or another microbatch count")
     more = None
     for factor in range(2, 9):
         outer = cluster.levels[-1]

@@ -196,3 +196,17 @@ def test_compile_keeps_a_plan_priced_on_its_cluster() -> None:
                                   plan=marked)
     assert elsewhere.plan.time_per_minibatch != marked.time_per_minibatch
     assert elsewhere.plan.cluster == Cluster.parse("2@1e7").to_dict()
+
+
+def test_the_no_fit_message_does_not_blame_a_memory_the_model_fits() -> None:
+    """Where no candidate came out for another reason, the memory message said 'does not fit
+    5.9 GiB ... it needs 376 KiB per worker'; it names the schedule instead."""
+    from pdcompile.planner.costmodel import ModelOptions
+    from pdcompile.planner.search import _no_fit
+
+    cluster = Cluster.parse("2@1e10")
+    options = ModelOptions(schedule="1f1b-flush", microbatches=4)
+    roomy = _no_fit(_chain(8), cluster, options, 1e12, False)
+    assert "does not fit" not in str(roomy) and "'1f1b-flush'" in str(roomy)
+    tight = _no_fit(_chain(8, params=1e8), cluster, options, 1e8, False)
+    assert "does not fit" in str(tight) and "it needs" in str(tight)
