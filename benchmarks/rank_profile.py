@@ -81,6 +81,10 @@ class Probe:
             return isend(tensor, dst, *args, **kwargs)
 
         distributed.dist.isend = counting_isend  # type: ignore[assignment]
+        # gloo's own calls, inside the handlers' time: how much of a send or a receive is gloo
+        for name in ("isend", "irecv"):
+            setattr(distributed.dist, name,
+                    self._timed_call(f"of which gloo {name}", getattr(distributed.dist, name)))
         send, post, wait = transport_cls.send, transport_cls._post_recv, pending_cls.wait
 
         def timed_send(self: Any, tensors: Any, dst_rank: int, tag: Any) -> Any:
@@ -122,6 +126,16 @@ class Probe:
             probe.nested += spent
 
         runtime_cls._finish_backward = timed_finish  # type: ignore[method-assign]
+        # what a run costs outside its actions: the set-up of each run (one a minibatch under
+        # a flush schedule) and the driver around the generated loop
+        from pdcompile.backends import distributed_announce, program
+
+        for owner, name, label in ((program.RunProgram, "runtime", "set-up: runtimes"),
+                                   (distributed_announce.Announcements, "next",
+                                    "set-up: announcements"),
+                                   (transport_cls, "expect", "set-up: receives posted")):
+            setattr(owner, name, self._timed_call(label, getattr(owner, name)))
+        distributed.drive = self._timed_call("driver, actions included", distributed.drive)
 
     def _timed_handler(self, name: str, handler: Callable[..., Generator[Any, None, None]]
                        ) -> Callable[..., Generator[Any, None, None]]:
@@ -141,7 +155,20 @@ class Probe:
 
         return timed
 
+    def _timed_call(self, label: str, function: Callable[..., Any]) -> Callable[..., Any]:
+        probe = self
+
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            start = time.thread_time()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                probe.calls[label] += time.thread_time() - start
+
+        return timed
+
     def reset(self) -> None:
+        self.calls: dict[str, float] = defaultdict(float)
         self.isends = self.handovers = 0
         self.nested = 0.0
         self.cpu: dict[str, float] = defaultdict(float)
@@ -151,6 +178,7 @@ class Probe:
 
     def take(self) -> dict[str, Any]:
         return {"isends": self.isends, "handovers": self.handovers, "cpu": dict(self.cpu),
+                "calls": dict(self.calls),
                 "sent": {_key(t): v for t, v in self.sent.items()},
                 "posted": {_key(t): v for t, v in self.posted.items()},
                 "waits": [(k, _key(t) if t is not None else None, s, d)
@@ -309,8 +337,18 @@ def main() -> None:
               f"isends {med(lambda x: x['isends'] / args.steps):.1f}, hand-overs "
               f"{med(lambda x: x['handovers'] / args.steps):.1f}")
         actions = sum(cpu.values())
+        calls = {k: med(lambda x, k=k: x["calls"].get(k, 0.0) * 1e3 / args.steps)
+                 for k in ("set-up: runtimes", "set-up: announcements",
+                           "set-up: receives posted", "driver, actions included",
+                           "of which gloo isend", "of which gloo irecv")}
+        driver = calls.pop("driver, actions included")
+        gloo = {k: calls.pop(k) for k in ("of which gloo isend", "of which gloo irecv")}
         print("  actions: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu.items() if v)
-              + f"; outside actions {main_ms - actions:.1f}")
+              + "".join(f", {k} {v:.2f}" for k, v in gloo.items())
+              + f" (together {actions:.1f}); outside actions {main_ms - actions:.1f}: the "
+              f"driver's own {driver - actions:.2f}, "
+              + ", ".join(f"{k} {v:.2f}" for k, v in calls.items())
+              + f", the rest {main_ms - driver - sum(calls.values()):.2f}")
         why = [_why(results, rank, r, args.steps) for r in range(len(rounds))]
         keys = sorted({k for w in why for k in w})
         print("  waits: " + ", ".join(
