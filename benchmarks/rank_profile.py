@@ -58,6 +58,22 @@ from runtime import (  # noqa: E402
 
 from pdcompile.backends.launch import Worker, launch  # noqa: E402
 
+
+def _preempted() -> int:
+    """Involuntary context switches of gloo's loop threads of this process: times the
+    scheduler took the CPU from one that was still running (it had work, or was spinning)."""
+    total = 0
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/status") as f:
+                status = f.read()
+        except OSError:
+            continue
+        if status.split("\n", 1)[0].split(":", 1)[1].strip().startswith("gloo_tcp_loop"):
+            total += int(status.split("nonvoluntary_ctxt_switches:")[1].split()[0])
+    return total
+
+
 HANDLERS = ("forward", "backward", "backward_weight", "step", "send_f", "send_b", "recv_f",
             "recv_b", "all_reduce")
 
@@ -261,7 +277,7 @@ def _worker(worker: Worker, schedule: str, rounds: int, steps: int, warmup: int)
     for _ in range(rounds):
         dist.barrier()
         probe.reset()
-        before = _thread_cpu()
+        before, preempted = _thread_cpu(), _preempted()
         run = distributed.run_distributed(pipe, data[:steps] if reads else None,
                                           monitor=worker.monitor)
         after = _thread_cpu()
@@ -270,6 +286,7 @@ def _worker(worker: Worker, schedule: str, rounds: int, steps: int, warmup: int)
         got = probe.take()
         got.update(main=spent["main"] * 1e3 / steps,
                    loop=sum(spent[k] for k in loops) * 1e3 / steps,
+                   preempted=(_preempted() - preempted) / steps,
                    wakes=sum(after[k][1] - before.get(k, (0.0, 0))[1] for k in loops) / steps,
                    wall=run.seconds * 1e3 / steps)
         out["rounds"].append(got)
@@ -333,7 +350,8 @@ def main() -> None:
         print(f"rank {rank}: wall {med(lambda x: x['wall']):.1f}, main thread {main_ms:.1f} "
               f"(plain torch F {plain['F']:.1f} B+W {plain['B+W']:.1f} step "
               f"{plain['step']:.1f} = {sum(plain.values()):.1f}), loop threads "
-              f"{med(lambda x: x['loop']):.1f}, wake-ups {med(lambda x: x['wakes']):.0f}, "
+              f"{med(lambda x: x['loop']):.1f}, wake-ups {med(lambda x: x['wakes']):.0f} "
+              f"(preempted {med(lambda x: x['preempted']):.0f}), "
               f"isends {med(lambda x: x['isends'] / args.steps):.1f}, hand-overs "
               f"{med(lambda x: x['handovers'] / args.steps):.1f}")
         actions = sum(cpu.values())
