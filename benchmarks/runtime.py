@@ -236,6 +236,23 @@ def _pp_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
 # -- (d), (e) ours ----
 
 
+def ours_plan(gm: Any, schedule_name: str) -> Any:
+    """Our plan of the benchmark MLP's traced graph for a schedule: the chunks of `chunk_of` in
+    a V (r and 3 - r on rank r) or interleaved (chunk c on rank c % 2), else 4 | 4 + head."""
+    from pdcompile.passes.split import manual_plan
+    from pdcompile.planner.interleave import fold_v, interleave
+    from pdcompile.schedule.kinds import kind
+
+    chunked = manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
+                          if node.op == "call_module" else 0)
+    if kind(schedule_name).v_shape:
+        return fold_v(chunked)
+    if schedule_name.startswith("interleaved"):
+        return interleave(chunked, 2)
+    return manual_plan(gm, lambda node: int(
+        node.op == "call_module" and int(str(node.target)) >= BLOCKS))
+
+
 def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
                  warmup: int, fuse: bool = True) -> list[float]:
     """Our pipeline as a user runs it: `pdcompile.compile` with the 4 | 4 + head plan, then
@@ -245,22 +262,10 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     weight-gradient accumulation (passes/fuse.py), to show what it contributes."""
     import pdcompile
     from pdcompile.backends.distributed import run_distributed
-    from pdcompile.passes.split import manual_plan
     from pdcompile.passes.trace import trace
-    from pdcompile.planner.interleave import fold_v, interleave
-    from pdcompile.schedule.kinds import kind
 
     model = build_model()
-    gm = trace(model)
-    chunked = manual_plan(gm, lambda node: chunk_of(int(str(node.target)))
-                          if node.op == "call_module" else 0)
-    if kind(schedule_name).v_shape:  # the chunks of chunk_of in a V: r and 3 - r on rank r
-        plan = fold_v(chunked)
-    elif schedule_name.startswith("interleaved"):  # the same chunks, chunk c on rank c % 2
-        plan = interleave(chunked, 2)
-    else:
-        plan = manual_plan(gm, lambda node: int(  # 4 blocks | 4 blocks + head
-            node.op == "call_module" and int(str(node.target)) >= BLOCKS))
+    plan = ours_plan(trace(model), schedule_name)
     data = make_data(max(steps, warmup, 4))
     flush = schedule_name != "1f1b"
     pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],

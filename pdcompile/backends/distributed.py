@@ -678,7 +678,8 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
 
         specs = spec_function(edges_of, program.vertical_sync)
         rides = TargetRides(last=len(plan.stages) - 1, edges_of=edges_of, layout_of=layout_of,
-                            routed=routed, read=run.data.target if run is not None else None)
+                            rank_of=lambda s, m: plan.stages[s].rank_of(m), routed=routed,
+                            read=run.data.target if run is not None else None)
         transport.rides = rides if routed and (stage == 0 or rank in routed) else None
 
         key = (n, per, tuple(table_of))
@@ -801,7 +802,8 @@ def _with_targets(receives: list[Receive], plan: Any, rides: TargetRides) -> lis
 
 class _SendsTargets:
     """Stage 0's data: reading microbatch m's inputs also sends its target to the last stage,
-    unless it rides in m's activations to the last stage (the transport appends it there)."""
+    unless it rides in an activation message of m to the last stage's rank (`TargetRides`: the
+    transport appends it there)."""
 
     def __init__(self, data: Any, transport: DistributedTransport, plan: Any,
                  routed: set[int], rides: TargetRides) -> None:

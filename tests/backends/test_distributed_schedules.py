@@ -96,8 +96,30 @@ def _train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
     return out
 
 
-def _check(cases: list[Case], nproc: int) -> list[list[dict[str, Any]]]:
-    results = launch(_train, nproc, args=(cases,), timeout=240)
+def _counting_train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
+    """`_train`, also counting the point-to-point sends this rank starts, by destination."""
+    from pdcompile.backends import distributed
+
+    isend = distributed.dist.isend
+    out = []
+    for case in cases:
+        sent: dict[int, int] = {}
+
+        def counting(tensor: torch.Tensor, dst: int, *args: Any, sent: dict[int, int] = sent,
+                     **kwargs: Any) -> Any:
+            sent[dst] = sent.get(dst, 0) + 1
+            return isend(tensor, dst, *args, **kwargs)
+
+        distributed.dist.isend = counting  # type: ignore[assignment]
+        try:
+            out.append({**_train(worker, [case])[0], "sent": sent})
+        finally:
+            distributed.dist.isend = isend  # type: ignore[assignment]
+    return out
+
+
+def _check(cases: list[Case], nproc: int, train: Any = _train) -> list[list[dict[str, Any]]]:
+    results = launch(train, nproc, args=(cases,), timeout=240)
     for index, case in enumerate(cases):
         torch.manual_seed(7)
         pipe = _pipeline(case)
@@ -133,6 +155,22 @@ def test_two_processes_v_shaped() -> None:
     results = _check(cases, 2)
     timeline = results[0][0]["timeline"]
     timeline.check_schedule(_pipeline(cases[0]).schedule(MICRO, MICRO))
+
+
+def test_the_target_rides_to_the_last_stages_rank_in_the_first_activation_message() -> None:
+    """Interleaved on 2 processes: rank 1 holds the last stage and reads no data, and rank 0
+    sends it activations (stage 0's to stage 1, on rank 1): the target rides in that message,
+    so each rank sends one message a microbatch per chunk boundary each way and nothing else
+    (a message of its own for the target made rank 0's 4 a microbatch on 2 chunks, 6 on 3).
+    Training is unchanged."""
+    cases = [Case("interleaved-1f1b", 2, chunks=2), Case("interleaved-zb", 2, chunks=2),
+             Case("interleaved-1f1b", 2, chunks=3)]
+    results = _check(cases, 2, train=_counting_train)
+    for index, case in enumerate(cases):
+        crossings = 2 * case.chunks - 1  # boundaries between the 2 x chunks stages
+        for rank in (0, 1):
+            assert results[rank][index]["sent"] == {1 - rank: crossings * MICRO * case.steps}, \
+                (case, rank)
 
 
 def test_three_processes_zero_bubble() -> None:
