@@ -45,16 +45,24 @@ from pdcompile.machine.cluster import Cluster
 
 
 class Terms(Protocol):
-    """What a stage's `pipeline_time.StageTerms` gives this graph."""
+    """What a stage's `pipeline_time.StageTerms` gives this graph (seconds; see there)."""
 
-    fwd: float
-    bwd: float
-    allreduce: float
-    step: float
-    copy: float
-    replicas: int
-    in_flight: int
-    deferred: float
+    @property
+    def fwd(self) -> float: ...
+    @property
+    def bwd(self) -> float: ...
+    @property
+    def allreduce(self) -> float: ...
+    @property
+    def step(self) -> float: ...
+    @property
+    def copy(self) -> float: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def deferred(self) -> float: ...
 
 
 class _Graph:
