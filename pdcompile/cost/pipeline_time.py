@@ -25,6 +25,11 @@ microbatches in flight per replica (warm-up depth + 1).
     chain and the slowest chain binds; replicas that all-reduce every round wait for the
     round's slowest, and a later stage's next round waits for its all-reduce, `_circuit_ratio`),
     so RT_s / (N_s r_s) per microbatch.
+  Under '1f1b' every circuit of the steady state, these and those through several rounds of
+  replicated stages of different sizes side by side (2-3-1), is one cycle of its event graph
+  over lcm(r_0, ..., r_{S-1}) microbatches (cost/steady_cycle.py), and its largest cycle ratio
+  replaces the circuits: the simulator's steady state, less the servers' interfaces (below);
+  the circuits above remain for '2bw' and where that period exceeds `PAIRS_CAP`.
 * Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
   microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
   transfers there and back), and the busiest stage adds its other microbatches,
@@ -41,6 +46,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from pdcompile.cost.bubble import v_fill
+from pdcompile.cost.cycle_ratio import largest_cycle_ratio
 from pdcompile.cost.links import (
     exposed_allreduce_seconds,
     link_busy_seconds,
@@ -51,6 +57,7 @@ from pdcompile.cost.links import (
     transfer_seconds,
 )
 from pdcompile.cost.shares import shared_speed
+from pdcompile.cost.steady_cycle import steady_cycle
 from pdcompile.cost.updates import copy_seconds, step_seconds, update_scale
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind
@@ -207,8 +214,8 @@ def _pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], flo
     own = [t.compute + t.cpu_copies for t in terms] if row.flush \
         else _streaming_work(terms, schedule, m)
     lockstep, queueing = _circuit_rules(schedule)
-    circuits = _circuits(terms, own, pairs, lockstep=lockstep, queueing=queueing)
     if row.flush:
+        circuits = _circuits(terms, own, pairs, lockstep=lockstep, queueing=queueing)
         timed = _flush(terms, transfer, busy, circuits, stage_ranks, m,
                        gpipe=row.forwards_first)
         if row.interleaved or row.split_backward:
@@ -219,10 +226,22 @@ def _pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], flo
     bounds = [(w, f"stage {s} work") for s, w in enumerate(work)]
     bounds += [(seconds / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])), f"link {a}->{c}")
                for (a, c), seconds in busy.items()]
-    bounds += [(period, f"round trip of stage {s}") for s, (period, _) in enumerate(circuits)]
+    # 1f1b's rounds: the steady state's event graph over one period of the replicas' rounds
+    # (cost/steady_cycle.py), exact where its period is short enough to follow
+    cycle = steady_cycle(terms, edges, stage_ranks, cluster, cap=PAIRS_CAP) if lockstep \
+        else None
+    if cycle is None:
+        circuits = _circuits(terms, own, pairs, lockstep=lockstep, queueing=queueing)
+        bounds += [(period, f"round trip of stage {s}") for s, (period, _) in enumerate(circuits)]
+        trips = [rt for _, rt in circuits]
+    else:
+        ratio, stages = cycle
+        if ratio > max(b[0] for b in bounds) * (1.0 + 1e-9):  # not a stage's work or a link
+            bounds.append((ratio, f"round trip of stage {stages[0]}"))
+        trips = [sum(p[-1]) / len(p[-1])
+                 for p in _circuit_profiles(terms, own, pairs, queueing=False)]
     period, bound = max(bounds, key=lambda b: b[0])
-    return PipelineTime(period * m, bound, tuple(w * m for w in work),
-                        tuple(rt for _, rt in circuits))
+    return PipelineTime(period * m, bound, tuple(w * m for w in work), tuple(trips))
 
 
 Transfers = dict[tuple[int, int], list[float]]  # per stage edge, seconds per microbatch residue
@@ -322,8 +341,8 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
     to k take them one after another, so m + j waits for j - 1 of them at the slowest of
     those stages (`serial`: its work per microbatch over its replicas). Circuits chain
     microbatch residues, and the slowest cycle of them binds (Howard's policy iteration for
-    the largest cycle ratio, `_largest_cycle_ratio`); the simulator runs exactly these orders
-    (its ALLREDUCE waits for every replica's backward).
+    the largest cycle ratio, `cycle_ratio.largest_cycle_ratio`); the simulator runs exactly
+    these orders (its ALLREDUCE waits for every replica's backward).
 
     Where k sits before the circuit's far stage K (a replicated stage in the middle), the
     round's wait lies on the circuit through K too: F_s(m) -> ... -> F_K -> B_K -> ... ->
@@ -356,7 +375,7 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
                 out.append(((m + tokens + shift + step) % size,
                             path + later_own + _queued(serial, step), tokens + shift + step))
         edges.append(out)
-    return _largest_cycle_ratio(edges)
+    return largest_cycle_ratio(edges)[0]
 
 
 def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
@@ -408,53 +427,6 @@ def _waiting(terms: Sequence[StageTerms], own: Sequence[float],
         serial = ((1, max(own[i] / terms[i].replicas for i in range(k + 1, head + 1))),)
         out.append((terms[k].replicas, there, serial, shift))
     return out or [None]
-
-
-def _largest_cycle_ratio(edges: list[list[tuple[int, float, int]]]) -> float:
-    """The largest weight / tokens over the cycles of a graph whose every node has an edge
-    out ((target, weight, tokens > 0) per edge): Howard's policy iteration (Cochet-Terrasson
-    et al., 1998), each node following one edge, improved until no node gains."""
-    count = len(edges)
-    policy = [len(out) - 1 for out in edges]
-    eps = 1e-12 * max(abs(w) for out in edges for _, w, _ in out) + 1e-300
-    for _ in range(4 * count + 16):
-        ratio, value = [0.0] * count, [0.0] * count
-        state = [0] * count  # 0 not seen, 1 on the path being walked, 2 evaluated
-        for origin in range(count):
-            path, node = [], origin
-            while state[node] == 0:
-                state[node] = 1
-                path.append(node)
-                node = edges[node][policy[node]][0]
-            if state[node] == 1:  # a new cycle from `node`
-                cycle = path[path.index(node):]
-                weight = sum(edges[u][policy[u]][1] for u in cycle)
-                tokens = sum(edges[u][policy[u]][2] for u in cycle)
-                for u in cycle:
-                    ratio[u], state[u] = weight / tokens, 2
-                value[node] = 0.0
-                for u in reversed(cycle[1:]):
-                    target, w, t = edges[u][policy[u]]
-                    value[u] = w - ratio[u] * t + value[target]
-                path = path[:path.index(node)]
-            for u in reversed(path):
-                target, w, t = edges[u][policy[u]]
-                ratio[u] = ratio[target]
-                value[u] = w - ratio[u] * t + value[target]
-                state[u] = 2
-        changed = False
-        for u, out in enumerate(edges):
-            for i, (target, w, t) in enumerate(out):
-                if ratio[target] > ratio[u] + eps or (
-                        ratio[target] >= ratio[u] - eps
-                        and w - ratio[u] * t + value[target] > value[u] + eps * t):
-                    if i != policy[u]:
-                        policy[u], changed = i, True
-                        ratio[u] = ratio[target]
-                        value[u] = w - ratio[u] * t + value[target]
-        if not changed:
-            return max(ratio)
-    return max(ratio)
 
 
 def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
@@ -509,7 +481,8 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
     holds) whose circuits (`_circuits`) fit in `period` per microbatch: so a streaming
     pipeline reaches the throughput of its work and links, hiding its transfers, with no more
     activations and weight versions than that needs. Back to front, since a stage's circuits
-    count the in-flight minibatches of the stages after it."""
+    count the in-flight minibatches of the stages after it; under 1f1b then deepened where its
+    steady state's event graph (`steady_cycle`, what `pipeline_time` prices) still binds."""
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
     lockstep, queueing = _circuit_rules(schedule)
@@ -535,7 +508,44 @@ def fewest_in_flight(terms: Sequence[StageTerms], edges: dict[tuple[int, int], f
                 n += 1
             need = max(need, n)
         chosen[s] = max(1, min(limits[s], need))
-    return runnable_in_flight(chosen, [t.replicas for t in terms])
+    chosen = runnable_in_flight(chosen, [t.replicas for t in terms])
+    if lockstep:  # the circuits above miss some of 1f1b's rounds: the event graph's word
+        chosen = _deepened(terms, edges, stage_ranks, cluster, chosen, limits, per)
+    return chosen
+
+
+def _deepened(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
+              stage_ranks: Sequence[Sequence[int]], cluster: Cluster, chosen: list[int],
+              limits: Sequence[int], per: float) -> list[int]:
+    """`chosen` in-flight counts deepened, one microbatch at a time, while 1f1b's steady state
+    (`steady_cycle`) is slower than `per` per microbatch: the binding circuit gains a token
+    where a stage on it, or a stage before it that keeps the schedule runnable, holds one
+    more; the first such stage (those on it front to back, then the others before it) whose
+    step shortens it."""
+    replicas = [t.replicas for t in terms]
+
+    def cycle(flight: list[int]) -> tuple[float, tuple[int, ...]] | None:
+        deeper = [replace(t, in_flight=n) for t, n in zip(terms, flight, strict=True)]
+        return steady_cycle(deeper, edges, stage_ranks, cluster, cap=PAIRS_CAP)
+
+    found = cycle(chosen)
+    while found is not None and found[0] > per:
+        ratio, stages = found
+        better = None
+        for s in [*stages, *(k for k in range(max(stages)) if k not in stages)]:
+            if chosen[s] >= limits[s]:
+                continue
+            trial = runnable_in_flight(chosen[:s] + [chosen[s] + 1] + chosen[s + 1:], replicas)
+            if trial == chosen:
+                continue
+            tried = cycle(trial)
+            if tried is not None and tried[0] < ratio * (1.0 - 1e-9):
+                better = trial, tried
+                break
+        if better is None:
+            break
+        chosen, found = better
+    return chosen
 
 
 def runnable_in_flight(in_flight: Sequence[int], replicas: Sequence[int]) -> list[int]:

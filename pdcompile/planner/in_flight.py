@@ -27,9 +27,12 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
                      cluster: Cluster, *, options: ModelOptions,
                      memory: float | None) -> list[bool]:
     """Which stages recompute their activations (pdcompile.cost.recompute): those that cannot keep
-    even one microbatch's activations otherwise, then, one at a time, any whose recomputation
-    makes the plan faster in closed form (it frees memory for more microbatches in flight,
-    for one more forward each). Raises PlanError when a stage fits neither way."""
+    even one microbatch's activations otherwise, then those whose memory holds fewer
+    microbatches in flight than their circuits want, all at once (then, one at a time, each of
+    those back where that is faster), and then, one at a time, any
+    whose recomputation makes the plan faster in closed form (it frees memory for more
+    microbatches in flight, for one more forward each), each where the closed form gains.
+    Raises PlanError when a stage fits neither way."""
     again = [False] * len(stages)
     plain = _memory_limits(graph, stages, options, memory, again, cluster)
     again = [n < 1 for n in plain]
@@ -48,6 +51,23 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
                         recompute=flags)[1]
 
     best = closed(again)
+    # first every stage whose memory holds fewer in flight than its circuits want, together:
+    # recomputing one of them alone may gain nothing while a circuit through another binds
+    # (NASNet-A large's 2-3-3-1-2-1-1-1-1-1 on 16 workers: stage 0 alone 469 ms, stages 0-2
+    # 72 ms)
+    want = choose_in_flight(graph, stages, cluster, options=options, memory=None,
+                            recompute=again)
+    starved = [a or n < w for a, n, w in zip(again, plain, want, strict=True)]
+    if starved != again:
+        value = closed(starved)
+        if value < best * (1 - 0.01):
+            forced, again, best = again, starved, value
+            for s in range(len(stages)):  # then each of them back, where its forward costs
+                if again[s] and not forced[s]:  # more than its in-flight microbatches gain
+                    trial = again[:s] + [False] + again[s + 1:]
+                    value = closed(trial)
+                    if value < best * (1 - 0.01):
+                        again, best = trial, value
     for s in range(len(stages)):
         if again[s]:
             continue

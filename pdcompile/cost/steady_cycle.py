@@ -1,0 +1,144 @@
+"""The steady state of PipeDream's 1F1B with round-robin replicas, as a timed event graph.
+
+Every action of the schedule waits for the one before it on its rank and for what it receives;
+the simulator (backends/simulate.py) starts each as soon as both allow, so its times obey
+x_v >= x_u + (u's seconds) along every such dependency, with equality on the latest: max-plus
+linear. Microbatch m runs on replica m mod r_s of stage s, so the schedule repeats after
+L = lcm(r_0, ..., r_{S-1}) microbatches, and its steady state takes the largest cycle ratio of
+the graph of one period's events (`cycle_ratio`) per microbatch: seconds over microbatches
+along the slowest circuit, whichever replicas and stages that circuit passes through. Where
+adjacent stages have rounds of different sizes (2-3-1: a round of stage 0 ends on either
+replica of stage 1 and of stage 2), the binding circuit runs through several replicas of both,
+over several rounds; no circuit of one stage's round alone gives it (`pipeline_time`'s circuits
+were 18-20% below the simulator there).
+
+Events per microbatch residue m (start times): F_s(m) and B_s(m) on replica m mod r_s; the
+all-reduce A_s(k) of round k (microbatches k r_s .. k r_s + r_s - 1, replicated stages); per
+stage edge (a, c) the start of the activations' transfer a -> c and of the gradients' c -> a,
+each on the directed rank pair that m uses. Edges, with N_s in flight per replica
+(warm-up N_s - 1, so D_s = (N_s - 1) r_s):
+
+* a replica's order: F_s(m) -> B_s(m - D_s) (forward and a weight copy where the stage stashes);
+  B_s(m) -> F_s(m + D_s + r_s) (backward with its deferred weight gradients, the step), through
+  A_s(k) on a replicated stage, which waits for the backward of every replica's microbatch of
+  its round (the all-reduce's exposed seconds, then the step);
+* a transfer starts when its sender's action ends (a backward's send before its deferred weight
+  gradients) and when the rank pair's link has carried the previous microbatch of the pair
+  (lcm(r_a, r_c) earlier), and arrives latency + bytes / bandwidth later; where the sender's CPU
+  copies (loopback), the sender is busy until its bytes are on the link.
+
+Tokens count microbatches, so the ratio is seconds per microbatch. Stage work, link occupancy,
+round trips and every lockstep round are cycles of this one graph. Not in it: the servers'
+network interfaces and ranks sharing processors (bounds the callers apply), replicas taking
+unequal shares of a round.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Protocol
+
+from pdcompile.cost.cycle_ratio import largest_cycle_ratio
+from pdcompile.cost.links import link_busy_seconds, pair_levels
+from pdcompile.machine.cluster import Cluster
+
+
+class Terms(Protocol):
+    """What a stage's `pipeline_time.StageTerms` gives this graph (seconds; see there)."""
+
+    @property
+    def fwd(self) -> float: ...
+    @property
+    def bwd(self) -> float: ...
+    @property
+    def allreduce(self) -> float: ...
+    @property
+    def step(self) -> float: ...
+    @property
+    def copy(self) -> float: ...
+    @property
+    def replicas(self) -> int: ...
+    @property
+    def in_flight(self) -> int: ...
+    @property
+    def deferred(self) -> float: ...
+
+
+class _Graph:
+    """Nodes numbered as they are made; per node its edges out (target, seconds, tokens)."""
+
+    def __init__(self) -> None:
+        self.edges: list[list[tuple[int, float, int]]] = []
+        self.stage: list[int] = []
+
+    def nodes(self, count: int, stage: int) -> int:
+        """`count` new nodes of `stage`; the first one's number."""
+        first = len(self.edges)
+        self.edges.extend([] for _ in range(count))
+        self.stage.extend([stage] * count)
+        return first
+
+    def add(self, source: int, target: int, seconds: float, tokens: int) -> None:
+        self.edges[source].append((target, seconds, tokens))
+
+
+def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
+                 stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *,
+                 cap: int) -> tuple[float, tuple[int, ...]] | None:
+    """(seconds per microbatch of 1F1B's steady state, the stages its binding circuit passes
+    through), or None where the period (lcm of the replica counts) exceeds `cap` microbatches.
+    `edges`: bytes per microbatch from stage a to stage c."""
+    period = math.lcm(*(t.replicas for t in terms))
+    if period > cap:
+        return None
+    graph = _Graph()
+    forward = [graph.nodes(period, s) for s in range(len(terms))]
+    backward = [graph.nodes(period, s) for s in range(len(terms))]
+    # where each replica goes after its backward of m: its next forward, or its round's all-reduce
+    after: list[list[tuple[int, float, int]]] = []
+    for s, t in enumerate(terms):
+        r, held = t.replicas, (t.in_flight - 1) * t.replicas
+        rounds = graph.nodes(period // r, s) if r > 1 else -1
+        hops = []
+        for m in range(period):
+            graph.add(forward[s] + m, backward[s] + (m - held) % period, t.fwd + t.copy, -held)
+            later = m + held + r  # the replica's next forward
+            if r == 1:
+                hops.append((forward[s] + later % period, t.step, held + r))
+                continue
+            last = m - m % r + r - 1  # the round's last microbatch: the all-reduce's index
+            hops.append((rounds + m // r, 0.0, last - m))
+            graph.add(rounds + m // r, forward[s] + later % period, t.allreduce + t.step,
+                      later - last)
+        for m, (target, seconds, tokens) in enumerate(hops):
+            graph.add(backward[s] + m, target, t.bwd + seconds, tokens)
+        after.append(hops)
+    for (a, c), size in edges.items():
+        levels = pair_levels(cluster, stage_ranks[a], stage_ranks[c])
+        pair = len(levels)  # microbatches m and m + pair share a rank pair
+        for there, (sender, receiver, ready) in enumerate(
+                ((a, c, terms[a].fwd + terms[a].copy),
+                 (c, a, terms[c].bwd - terms[c].deferred))):
+            starts = graph.nodes(period, sender)
+            send, receive = (forward, forward) if there == 0 else (backward, backward)
+            for m in range(period):
+                level = levels[m % pair]
+                busy = link_busy_seconds(size, level)
+                arrival = busy + level.latency if size > 0 else 0.0
+                graph.add(send[sender] + m, starts + m, ready, 0)
+                graph.add(starts + m, starts + (m + pair) % period, busy, pair)
+                graph.add(starts + m, receive[receiver] + m, arrival, 0)
+                if level.cpu_copies and busy > 0:  # the sender copies until it is on the link
+                    if there == 0:
+                        held = (terms[a].in_flight - 1) * terms[a].replicas
+                        graph.add(starts + m, backward[a] + (m - held) % period, busy, -held)
+                    else:
+                        target, seconds, tokens = after[c][m]
+                        graph.add(starts + m, target, busy + terms[c].deferred + seconds,
+                                  tokens)
+    ratio, cycle = largest_cycle_ratio(graph.edges)
+    return ratio, tuple(sorted({graph.stage[u] for u in cycle}))
+
+
+__all__ = ["steady_cycle"]

@@ -1,0 +1,74 @@
+"""Howard's policy iteration (`cost.cycle_ratio`) finds the largest weight / tokens over every
+cycle of a graph, as enumerating the cycles does, also where edges carry zero or negative
+tokens (a warm-up's backward of an earlier microbatch after a forward of a later one)."""
+
+from __future__ import annotations
+
+import math
+
+import networkx as nx
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdcompile.cost.cycle_ratio import largest_cycle_ratio
+
+
+@st.composite
+def graphs(draw: st.DrawFn) -> list[list[tuple[int, float, int]]]:
+    """2-7 nodes, each with 1-3 edges out (weight 0-10); an edge u -> v carries
+    p(v) - p(u) + 1..3 tokens for drawn integers p: negative ones too, yet every cycle a
+    positive number (the p cancel around it), as in a schedule that runs."""
+    count = draw(st.integers(2, 7))
+    potential = draw(st.lists(st.integers(-3, 3), min_size=count, max_size=count))
+    edges = []
+    for u in range(count):
+        out = []
+        for _ in range(draw(st.integers(1, 3))):
+            v = draw(st.integers(0, count - 1))
+            out.append((v, draw(st.floats(0.0, 10.0)),
+                        potential[v] - potential[u] + draw(st.integers(1, 3))))
+        edges.append(out)
+    return edges
+
+
+def _by_enumeration(edges: list[list[tuple[int, float, int]]]) -> float:
+    """The largest ratio over the simple cycles (a cycle that repeats one is no larger)."""
+    graph = nx.MultiDiGraph()
+    for u, out in enumerate(edges):
+        for v, w, t in out:
+            graph.add_edge(u, v, weight=w, tokens=t)
+    best = -math.inf
+    for cycle in nx.simple_cycles(nx.DiGraph(graph)):
+        # every choice among parallel edges along the cycle
+        choices: list[tuple[float, int]] = [(0.0, 0)]
+        for u, v in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+            choices = [(w + d["weight"], t + d["tokens"]) for w, t in choices
+                       for d in graph.get_edge_data(u, v).values()]
+        for w, t in choices:
+            assert t > 0
+            best = max(best, w / t)
+    return best
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(edges=graphs())
+def test_the_largest_cycle_ratio_is_the_enumerated_one(
+        edges: list[list[tuple[int, float, int]]]) -> None:
+    expected = _by_enumeration(edges)
+    ratio, cycle = largest_cycle_ratio(edges)
+    assert ratio == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    # the cycle returned is a cycle of the graph with that ratio
+    weight = tokens = 0.0
+    for u, v in zip(cycle, cycle[1:] + cycle[:1], strict=True):
+        w, t = max(((w, t) for target, w, t in edges[u] if target == v),
+                   key=lambda e: e[0] - ratio * e[1])
+        weight, tokens = weight + w, tokens + t
+    assert weight / tokens == pytest.approx(ratio, rel=1e-9, abs=1e-12)
+
+
+def test_a_warm_up_edge_of_negative_tokens() -> None:
+    """F(m) -> B(m - 2) (3 s, -2 tokens), B(m) -> F(m + 3) (5 s, 3 tokens): 8 s per token."""
+    ratio, cycle = largest_cycle_ratio([[(1, 3.0, -2)], [(0, 5.0, 3)]])
+    assert ratio == pytest.approx(8.0)
+    assert sorted(cycle) == [0, 1]
