@@ -187,10 +187,7 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
             if user.op == "output" or node.op == "get_attr":
                 continue
             if stage_of[user.name] < stage_of[node.name]:
-                raise PlanError(
-                    f"node {user.name!r} (stage {stage_of[user.name]}) uses {node.name!r} from the "
-                    f"later stage {stage_of[node.name]}; stages must follow the graph's order "
-                    "(put both in one stage, or cut later)")
+                raise PlanError(_out_of_order(user, node, stage_of))
     for node in nodes:
         set_stage(node, stage_of[node.name])
     last = len(plan.stages) - 1
@@ -252,6 +249,21 @@ def _earlier_views(value: fx.Node, home: int, gm: fx.GraphModule, stage_of: dict
         chain.append(value)
         value = value.args[0]
     return chain, value
+
+
+def _out_of_order(user: fx.Node, node: fx.Node, stage_of: dict[str, int]) -> str:
+    """Why a stage would read a value from a later one, in the names of the graph the user cut
+    (a `changed_alias` is the pass's own: it names the in-place change it stands for)."""
+    if is_changed_alias(node) and isinstance(node.args[1], fx.Node):
+        value, change = node.args[0], node.args[1]
+        name = value.name if isinstance(value, fx.Node) else repr(value)
+        return (f"node {user.name!r} (stage {stage_of[user.name]}) reads {name!r} after "
+                f"{change.name!r} (stage {stage_of[change.name]}) changed memory it shares in "
+                f"place, so it must run in that stage or later; put {user.name!r} in stage "
+                f"{stage_of[change.name]} or later, or {change.name!r} earlier")
+    return (f"node {user.name!r} (stage {stage_of[user.name]}) uses {node.name!r} from the "
+            f"later stage {stage_of[node.name]}; stages must follow the graph's order "
+            "(put both in one stage, or cut later)")
 
 
 def _changes_where_made(gm: fx.GraphModule, changes: list[fx.Node], stage_of: dict[str, int],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import operator
 
+import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
@@ -108,3 +109,27 @@ def test_a_change_of_a_view_reaches_readers_of_its_base_in_every_cut() -> None:
             continue  # an empty stage
         check((model, (x,), target, lambda out, t: ((out - t) ** 2).mean()),
               schedule="1f1b-flush", micro=2, plan=manual_plan(gm, stage))
+
+
+def test_a_cut_reading_a_value_before_its_in_place_change_names_the_change() -> None:
+    """A cut of the traced graph (as a user sees it) that puts a reader of `a` before the stage
+    of the change of its view: refused naming the reader and the change, not the pass's own
+    `changed_alias` node, which the user never saw."""
+    import torch.nn.functional as F
+
+    import pdcompile
+    from pdcompile.errors import PlanError
+    from pdcompile.passes.split import manual_plan
+    from tests.helpers.transparency import momentum
+
+    model, x = ViewChange(), torch.randn(8, 4)
+    gm = trace(model)
+    stage = {n.name: int(n.name in ("narrow", "mul_", "add")) for n in gm.graph.nodes
+             if n.op not in ("placeholder", "output")}
+    assert stage["l3"] == 0 and stage["mul_"] == 1
+    with pytest.raises(PlanError) as caught:
+        pdcompile.compile(model, example_inputs=(x,), loss_fn=F.mse_loss, optimizer=momentum,
+                          plan=manual_plan(gm, stage))
+    message = str(caught.value)
+    assert "changed_alias" not in message, message
+    assert "'l3' (stage 0) reads 'l1' after 'mul_' (stage 1)" in message, message
