@@ -223,6 +223,7 @@ def _views_where_changed(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
 
         again(chain, node)
         node.replace_input_with(mutated, made[mutated])
+        _erase_unused(chain, gm, stage_of, home)
         for user in list(node.users):  # what the change hands on, taken from the views here
             if not is_changed_alias(user) or user.args[1] is not node:
                 continue
@@ -234,20 +235,33 @@ def _views_where_changed(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
                 user.replace_input_with(other, made[other])
 
 
+def _erase_unused(views: list[fx.Node], gm: fx.GraphModule, stage_of: dict[str, int],
+                  home: int) -> None:
+    """Views of the change's stage made again there whose originals nothing reads any more:
+    they would still read the earlier stage's view, which would cross for nothing (those of
+    other stages stay, so that no stage is left without an operation)."""
+    for view in views:  # from the changed view down to the base
+        if not view.users and stage_of.get(view.name) == home:
+            gm.graph.erase_node(view)
+
+
 def _earlier_views(value: fx.Node, home: int, gm: fx.GraphModule, stage_of: dict[str, int],
                    *, later: bool = False) -> tuple[list[fx.Node], fx.Node]:
-    """The views made before stage `home` (`later`: or after it) from which `value` is made (it
-    first), and the value they view: up to a value that is not a view (an in-place change, a
-    changed value, a tuple's item, a module's output)."""
+    """The views from which `value` is made (it first), where one of them is made before stage
+    `home` (`later`: or after it; none otherwise), and the value they view: up to a value that
+    is not a view (an in-place change, a changed value, a tuple's item, a module's output)."""
     chain: list[fx.Node] = []
     while value.op in ("call_function", "call_method") \
-            and (stage_of.get(value.name, home) < home
-                 or (later and stage_of.get(value.name, home) > home)) \
+            and (stage_of.get(value.name, home) <= home or later) \
             and mutated_input(value, gm) is None \
             and not is_changed_alias(value) and value.target is not operator.getitem \
             and may_alias(value, gm) and isinstance(value.args[0], fx.Node):
         chain.append(value)
         value = value.args[0]
+    # views made in the change's stage are made again with the others only where the chain
+    # crosses from another stage (a view there of a view made earlier: `x[:][:, 1].copy_()`)
+    if all(stage_of.get(v.name, home) == home for v in chain):
+        return [], value
     return chain, value
 
 
