@@ -55,8 +55,10 @@ from pdcompile.util.attr_path import get_path
 from pdcompile.util.module_copy import copy_module
 
 # kinds of values (meta.ValueTree.kinds) that can travel between stages; None leaves of a
-# structure are not sent (the receiver puts None back)
-_CROSSING_KINDS = frozenset({"tensor", "int", "float", "bool", "size", "NoneType"})
+# structure are not sent (the receiver puts None back); a dtype travels as a number, a device
+# arrives as the receiver's own (runtime/stage_runtime.py, _encode)
+_CROSSING_KINDS = frozenset({"tensor", "int", "float", "bool", "size", "NoneType", "dtype",
+                             "device"})
 
 
 @dataclass(frozen=True)
@@ -657,7 +659,8 @@ def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> Non
         if bad:
             raise PlanError(
                 f"node {node.name!r} (stage {home}) is used by stage {later[0]}, but its value "
-                f"holds a {bad[0]}, and only tensors, numbers and sizes can cross stages; cut "
+                f"holds a {bad[0]}, and only tensors, numbers, sizes, dtypes and devices can "
+                f"cross stages; cut "
                 f"elsewhere (so that its users stay in stage {home}) or return tensors from it")
         if tree.is_leaf:
             continue
