@@ -12,6 +12,7 @@ import importlib.util
 import keyword
 import math
 import types
+import weakref
 from typing import Any
 
 import torch
@@ -92,22 +93,93 @@ def _global_line(name: str, value: Any) -> str | None:
                              "file")
 
 
+# attributes every nn.Module has (its hooks, parameters, mode): not options of a layer
+_MODULE_BASE = frozenset(torch.nn.Module().__dict__)
+
+
 def _constructor(child: torch.nn.Module) -> str | None:
-    """`torch.nn.X(...)` rebuilding `child` from its repr, if that gives the same module."""
+    """`torch.nn.X(...)` rebuilding `child` from its repr, if that gives the same module: the
+    same options too. Some reprs leave options out (AvgPool2d's count_include_pad, Upsample's
+    align_corners, RNN's nonlinearity), which the rebuilt layer would take at their defaults:
+    those are added as keywords of the constructor."""
     if not type(child).__module__.startswith("torch.nn.modules"):
         return None
     text = repr(child)
     if "\n" in text:
         return None
     source = f"torch.nn.{text}"
+    rebuilt = _built(source, child)
+    if rebuilt is None:
+        return None
+    missing = _differing_options(rebuilt, child)
+    while missing:  # add the keywords one at a time (an RNN's nonlinearity sets its mode too)
+        for name in missing:
+            inner = source[source.index("(") + 1:-1]
+            attempt = f"{source[:source.index('(')]}({inner}{', ' if inner else ''}" \
+                f"{name}={getattr(child, name)!r})"
+            candidate = _built(attempt, child)
+            left = None if candidate is None else _differing_options(candidate, child)
+            if left is not None and len(left) < len(missing):
+                source, missing = attempt, left
+                break
+        else:
+            return None
+    return None if missing is None else source
+
+
+def _built(source: str, child: torch.nn.Module) -> torch.nn.Module | None:
+    """The layer `source` builds, if it has `child`'s class, repr and tensor shapes."""
     try:
         rebuilt = eval(source, {"torch": torch})  # noqa: S307 - a torch.nn repr, checked below
     except Exception:
         return None
-    same = type(rebuilt) is type(child) and repr(rebuilt) == text and {
+    same = type(rebuilt) is type(child) and repr(rebuilt) == repr(child) and {
         k: tuple(v.shape) for k, v in rebuilt.state_dict().items()} == {
         k: tuple(v.shape) for k, v in child.state_dict().items()}
-    return source if same else None
+    return rebuilt if same else None
+
+
+def _differing_options(rebuilt: torch.nn.Module, child: torch.nn.Module) -> list[str] | None:
+    """The plain attributes (numbers, strings, dtypes, None and tuples or lists of them) in
+    which the two layers differ; None where they cannot be compared (an attribute of another
+    kind, or not held by both): then the layer is recorded instead (module_record). Tensors
+    (an LSTM's list of its weights) are state, which travels apart."""
+    mine = {k: v for k, v in vars(rebuilt).items() if k not in _MODULE_BASE}
+    theirs = {k: v for k, v in vars(child).items() if k not in _MODULE_BASE}
+    if mine.keys() != theirs.keys():
+        return None
+    differing = []
+    for name, value in theirs.items():
+        if _is_state(value) and _is_state(mine[name]):
+            continue
+        if not (_is_option(value) and _is_option(mine[name])):
+            return None
+        if not _equal_option(value, mine[name]):
+            differing.append(name)
+    return differing
+
+
+def _is_state(value: Any) -> bool:
+    """A tensor, or a list of tensors or of weak references to them (an RNN's weights)."""
+    if isinstance(value, tuple | list):
+        return bool(value) and all(v is None or _is_state(v) for v in value)
+    if isinstance(value, weakref.ref):
+        return isinstance(value(), torch.Tensor)
+    return isinstance(value, torch.Tensor)
+
+
+def _is_option(value: Any) -> bool:
+    if isinstance(value, tuple | list):
+        return all(_is_option(v) for v in value)
+    return isinstance(value, bool | int | float | str | torch.dtype | type(None))
+
+
+def _equal_option(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):
+        return False
+    if isinstance(a, tuple | list):
+        return len(a) == len(b) and all(_equal_option(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
 
 
 def _empty(t: torch.Tensor) -> str:

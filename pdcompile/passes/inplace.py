@@ -37,6 +37,19 @@ _AUGMENTED = frozenset({operator.iadd, operator.isub, operator.imul, operator.it
                         operator.imatmul})
 
 
+# the same operations making a new object: what they do on numbers
+_OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub,
+                 operator.imul: operator.mul, operator.itruediv: operator.truediv,
+                 operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
+                 operator.ipow: operator.pow, operator.iand: operator.and_,
+                 operator.ior: operator.or_, operator.ixor: operator.xor,
+                 operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
+                 operator.imatmul: operator.matmul}
+# kinds of values (meta.ValueTree.kinds) that an augmented assignment replaces, not changes
+_IMMUTABLE = frozenset({"int", "float", "bool", "complex", "size", "SymInt", "SymFloat",
+                        "SymBool"})
+
+
 def set_item(target: Any, index: Any, value: Any) -> Any:
     """`target[index] = value`, returning `target` (so that later readers depend on it)."""
     target[index] = value
@@ -116,9 +129,9 @@ def make_mutations_explicit(gm: fx.GraphModule) -> bool:
     view) to read `changed_alias(value, change)`; `x[i] = v` becomes `set_item`. Returns whether
     the graph changed (idempotent: a second call changes nothing)."""
     graph = gm.graph
+    changed = _numbers_out_of_place(graph)
     order = {n: i for i, n in enumerate(graph.nodes)}
     aliases = alias_classes(gm)
-    changed = False
     for node in list(graph.nodes):
         mutated = mutated_input(node, gm)
         if mutated is None:
@@ -149,6 +162,24 @@ def make_mutations_explicit(gm: fx.GraphModule) -> bool:
     if changed:
         graph.lint()
         gm.recompile()
+    return changed
+
+
+def _numbers_out_of_place(graph: fx.Graph) -> bool:
+    """`n *= 4` on a number as `operator.mul`: fx writes `operator.imul` as `n *= 4;  imul = n`,
+    which rebinds `n` in the generated code, so a later reader of the old number (timm's Hiera
+    reads its batch size again after `B *= 4`; a stage returns it after the change) read the
+    new one. Returns whether a node changed."""
+    changed = False
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target not in _OUT_OF_PLACE or not node.args:
+            continue
+        first = node.args[0]
+        tree = get_tree(first) if isinstance(first, fx.Node) else None
+        if isinstance(first, fx.Node) and tree is not None and tree.is_leaf \
+                and tree.kinds[0] in _IMMUTABLE:
+            node.target = _OUT_OF_PLACE[node.target]
+            changed = True
     return changed
 
 

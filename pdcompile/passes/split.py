@@ -55,8 +55,10 @@ from pdcompile.util.attr_path import get_path
 from pdcompile.util.module_copy import copy_module
 
 # kinds of values (meta.ValueTree.kinds) that can travel between stages; None leaves of a
-# structure are not sent (the receiver puts None back)
-_CROSSING_KINDS = frozenset({"tensor", "int", "float", "bool", "size", "NoneType"})
+# structure are not sent (the receiver puts None back); a dtype travels as a number, a device
+# arrives as the receiver's own (runtime/stage_runtime.py, _encode)
+_CROSSING_KINDS = frozenset({"tensor", "int", "float", "bool", "size", "NoneType", "dtype",
+                             "device"})
 
 
 @dataclass(frozen=True)
@@ -606,6 +608,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
     outputs_of: dict[str, tuple[int, tuple[str, ...]]] = {}  # submod node name -> stage, outputs
     getitem_of: dict[str, ValueRef] = {}
     programs: dict[int, StageProgram] = {}
+    claimed: set[str] = set(data_inputs)  # names of values some stage sends, or inputs
     for node in top.graph.nodes:
         if node.op == "call_module":
             index = int(str(node.target).rsplit("_", 1)[1])
@@ -614,7 +617,8 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             inputs = _stage_inputs(sub, node, getitem_of, gm)
             copy_mutated_inputs(sub)
             out_node = next(n for n in sub.graph.nodes if n.op == "output")
-            names = tuple(a.name for a in out_node.args[0])  # type: ignore[union-attr]
+            names = _unique_outputs(sub, out_node, claimed)
+            claimed.update(names)
             outputs_of[node.name] = (index, names)
             programs[index] = StageProgram(index, sub, inputs, names)
         elif node.op == "call_function" and node.args and isinstance(node.args[0], fx.Node) \
@@ -681,7 +685,8 @@ def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> Non
         if bad:
             raise PlanError(
                 f"node {node.name!r} (stage {home}) is used by stage {later[0]}, but its value "
-                f"holds a {bad[0]}, and only tensors, numbers and sizes can cross stages; cut "
+                f"holds a {bad[0]}, and only tensors, numbers, sizes, dtypes and devices can "
+                f"cross stages; cut "
                 f"elsewhere (so that its users stay in stage {home}) or return tensors from it")
         if tree.is_leaf:
             continue
@@ -732,6 +737,27 @@ def _items_only(node: fx.Node, stage: Callable[[fx.Node], int], home: int) -> bo
 def _as_tuple(spec: pytree.TreeSpec) -> pytree.TreeSpec:
     """The same leaves in a plain tuple (whose structure can always be written down)."""
     return pytree.TreeSpec(tuple, None, list(spec.children()))
+
+
+def _unique_outputs(sub: fx.GraphModule, out_node: fx.Node, claimed: set[str]
+                    ) -> tuple[str, ...]:
+    """The names of what a stage returns, unique among every stage's: split_module names each
+    stage's nodes in its own namespace, so two stages could return different values under one
+    name, and a stage that received one and sent the other decoded a tensor as a number (or a
+    number as a tensor). Nodes whose name another stage's output took are renamed."""
+    renamed = False
+    for value in out_node.args[0]:  # type: ignore[union-attr]
+        assert isinstance(value, fx.Node)
+        if value.name in claimed and value.op != "placeholder":
+            taken = {n.name for n in sub.graph.nodes} | claimed
+            number = 1
+            while f"{value.name}_s{number}" in taken:
+                number += 1
+            value._rename(f"{value.name}_s{number}")
+            renamed = True
+    if renamed:
+        sub.recompile()
+    return tuple(a.name for a in out_node.args[0] if isinstance(a, fx.Node))  # type: ignore[union-attr]
 
 
 def _ref_of(leaf: Any, getitem_of: dict[str, ValueRef]) -> ValueRef:

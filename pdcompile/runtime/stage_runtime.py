@@ -711,17 +711,30 @@ def _change(value: torch.Tensor, synced: torch.Tensor) -> torch.Tensor:
     return torch.where(same, torch.zeros_like(value), value - synced)
 
 
+# dtypes that cross stages travel as their index here (a model read `x.dtype` in one stage
+# and used it in a later one)
+_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.complex64,
+           torch.complex128, torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8,
+           torch.bool)
+
+
 def _encode(value: Any, name: str) -> torch.Tensor:
-    """A value as a tensor for the transport (Python numbers and sizes as 0-d / 1-d tensors)."""
+    """A value as a tensor for the transport (Python numbers and sizes as 0-d / 1-d tensors, a
+    dtype as its index in `_DTYPES`, a device as a 0-d tensor: `_decode` makes it the
+    receiver's own, where its activations live)."""
     if isinstance(value, torch.Tensor):
         return value.detach()
     if isinstance(value, bool | int | float):
         return torch.tensor(value)
     if isinstance(value, torch.Size | tuple | list) and all(isinstance(v, int) for v in value):
         return torch.tensor(list(value), dtype=torch.int64)
+    if isinstance(value, torch.dtype) and value in _DTYPES:
+        return torch.tensor(_DTYPES.index(value), dtype=torch.int64)
+    if isinstance(value, torch.device):
+        return torch.tensor(0, dtype=torch.int64)
     raise PipelineInputError(f"value {name!r} ({type(value).__name__}) crosses stages, but only "
-                             "tensors, numbers and sizes can; move the cut so that it stays "
-                             "inside one stage")
+                             "tensors, numbers, sizes, dtypes and devices can; move the cut so "
+                             "that it stays inside one stage")
 
 
 def _decode(tensor: torch.Tensor, kind: str | None) -> Any:
@@ -733,6 +746,10 @@ def _decode(tensor: torch.Tensor, kind: str | None) -> Any:
         return torch.Size(tensor.tolist())
     if kind in ("tuple", "list"):
         return {"tuple": tuple, "list": list}[kind](tensor.tolist())
+    if kind == "dtype":
+        return _DTYPES[int(tensor.item())]
+    if kind == "device":
+        return tensor.device
     return {"int": int, "float": float, "bool": bool}[kind](tensor.item())
 
 

@@ -184,3 +184,42 @@ def test_a_row_changed_through_a_view_made_in_an_earlier_stage_reaches_its_base(
         if crossing == 4:
             break
     assert crossing == 4  # the drawn cuts did put such views apart from their changes
+
+
+class NumberReadAfterChange(nn.Module):
+    """timm's Hiera: `B, _, C = x.shape` ... `B *= 4` in a loop, the old B read after it (here
+    in a later stage). fx writes `operator.imul` as `getitem *= 3;  imul = getitem`, which on
+    an int rebinds `getitem`: every later reader of the old value read the new one, silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b = x.size(0)
+        n = b
+        n *= 3
+        h = torch.tanh(self.a(x)) * n
+        return self.b(h) * b
+
+
+def test_a_number_changed_by_an_augmented_assignment_keeps_its_old_readers() -> None:
+    model, x = NumberReadAfterChange(), torch.randn(4, 4)
+    gm = trace(model)
+    annotate_shapes(gm, (x,))
+    assert make_mutations_explicit(gm)
+    torch.testing.assert_close(gm(x), model(x))
+    assert not any(n.target is operator.imul for n in gm.graph.nodes)
+
+
+def test_a_number_changed_by_an_augmented_assignment_crosses_stages_unchanged() -> None:
+    import pdcompile
+    from pdcompile.passes.split import manual_plan
+
+    model, x = NumberReadAfterChange(), torch.randn(4, 4)
+    gm = trace(model)
+    plan = manual_plan(gm, lambda n: 1 if n.name in ("b", "mul_1", "output") else 0)
+    pipe = pdcompile.compile(model, example_inputs=(x,), plan=plan, schedule="1f1b-flush",
+                             microbatches=2, loss_fn=lambda out, y: (out - y).pow(2).mean())
+    with torch.no_grad():
+        torch.testing.assert_close(pipe(x), model(x))

@@ -5,7 +5,11 @@
   inside split_module), and its measured costs crashed (an `aten.add_.Tensor` grew an index
   tensor on every timed run until an embedding read out of range);
 - random topological cuts of timm's vit_tiny (about 1 in 20 raised a KeyError such as
-  'patch_embed_norm' inside split_module).
+  'patch_embed_norm' inside split_module);
+- a random cut of timm's visformer_tiny where two stages returned different values under one
+  name (split_module names each stage's nodes on its own): the stage that received one and sent
+  the other decoded a received tensor as a number ('a Tensor with 6144 elements cannot be
+  converted to Scalar').
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 
 import pdcompile
 from tests.helpers.random_models import random_cut
-from tests.helpers.transparency import STEPS, check, momentum
+from tests.helpers.transparency import STEPS, check, momentum, reference
 
 pytestmark = pytest.mark.slow
 
@@ -92,3 +96,30 @@ def test_random_cuts_of_timm_vit_train_like_one_process() -> None:
                           replicas=[rng.choice([1, 2]) for _ in range(4)])
         check((copy.deepcopy(model), inputs, target, classification_loss),
               schedule=rng.choice(["1f1b-flush", "gpipe"]), micro=2, plan=plan)
+
+
+def test_stages_send_values_under_names_of_their_own() -> None:
+    from pdcompile.models.real_models import classification_loss
+    from pdcompile.passes.trace import trace
+
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("visformer_tiny", pretrained=False, num_classes=10, img_size=64)
+    inputs, target = (torch.randn(4, 3, 64, 64),), torch.randint(0, 10, (4,))
+    plan = random_cut(trace(model), random.Random(9), stages=4, replicas=[1, 1, 1, 1])
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, plan=plan,
+                             loss_fn=classification_loss, optimizer=momentum,
+                             schedule="1f1b-flush", microbatches=2)
+    losses = [pipe.step(*inputs, target=target) for _ in range(STEPS)]
+    want, _, state = reference(model, inputs, target, classification_loss, 2)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
+    got = pipe.state_dict()
+    for name, value in state.items():  # BatchNorm statistics: float32 sums in another order
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-4,
+                                   msg=lambda m, n=name: f"{n}: {m}")
+    senders: dict[str, set[int]] = {}
+    for stage in pipe.parts.stages:
+        for names in stage.sends.values():
+            for name in names:
+                senders.setdefault(name, set()).add(stage.index)
+    assert all(len(stages) == 1 for stages in senders.values()), senders
