@@ -35,15 +35,21 @@ Shares = Callable[[Plan], Plan | None]  # the plan with shares by speed (None: n
 
 
 def rank_set_neighbours(sets: RankSets, cluster: Cluster) -> Iterator[RankSets]:
-    """The rank sets one move from `sets` (module docstring), each once. Ranks of one group on
-    one server are alike, so an exchange or move takes the first such rank of a stage only."""
-    seen: set[RankSets] = {sets}
+    """The rank sets one move from `sets` (module docstring), each once: ranks of one group on
+    one server are alike, so rank sets that differ only in such ranks count once, and `sets`
+    itself not at all."""
+    def alike(candidate: RankSets) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per stage, the (group, server) of each rank: rank sets alike here price alike."""
+        return tuple(tuple(sorted((cluster.group_of(r), _server(cluster, r)) for r in s))
+                     for s in candidate)
+
+    seen = {alike(sets)}
     unused = tuple(sorted(set(range(cluster.workers)) - {r for s in sets for r in s}))
 
     def new(candidate: list[tuple[int, ...]]) -> Iterator[RankSets]:
         made = tuple(tuple(sorted(s)) for s in candidate)
-        if made not in seen:
-            seen.add(made)
+        if alike(made) not in seen:
+            seen.add(alike(made))
             yield made
 
     def kinds(ranks: tuple[int, ...]) -> list[int]:

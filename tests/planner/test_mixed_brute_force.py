@@ -64,6 +64,14 @@ def test_a_chain_whose_fastest_plan_mixes_kinds_in_a_stage() -> None:
            0.4, "4@1e9~5us")
 
 
+MISSED_PARAMETERS_ALONE = (
+    6013396.877858702, [(0.009731719638999867, 0.009235391368236163, 45349860.37937977,
+                         1.5336773019241991e-31),
+                        (0.001, 0.003113436010449755, 92456068.92760684, 30700430.640793003),
+                        (0.003260272466883314, 0.006946705545932893, 100000.0, 0.0)],
+    0.4, "4@1e9~5us")
+
+
 def test_a_chain_whose_parameters_want_a_fast_rank_alone() -> None:
     """A drawn chain on which the planner's plan was 1.15x the fastest: data parallelism with
     shares (18.2 ms) against 3-1 with the heavy stage without parameters on one fast and both
@@ -71,13 +79,6 @@ def test_a_chain_whose_parameters_want_a_fast_rank_alone() -> None:
     descent over the stages' rank sets (planner/rank_moves.py) finds."""
     _check(*MISSED_PARAMETERS_ALONE)
 
-
-MISSED_PARAMETERS_ALONE = (
-    6013396.877858702, [(0.009731719638999867, 0.009235391368236163, 45349860.37937977,
-                         1.5336773019241991e-31),
-                        (0.001, 0.003113436010449755, 92456068.92760684, 30700430.640793003),
-                        (0.003260272466883314, 0.006946705545932893, 100000.0, 0.0)],
-    0.4, "4@1e9~5us")
 
 blocks = st.lists(st.tuples(st.floats(1e-3, 1e-2), st.floats(1e-3, 2e-2), st.floats(1e5, 1e8),
                             st.floats(0.0, 1e8)), min_size=2, max_size=3)
