@@ -28,7 +28,11 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
 
 The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
 local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
-replicas where the slower ranks hold a plan back; the faster of the two is the plan.
+replicas where the slower ranks hold a plan back. Last, the fastest few pipelines (the refined
+one included) each descend over their stages' rank sets (planner/rank_moves.py: swap two
+stages' ranks, exchange ranks of two kinds, move one rank), which places a stage with
+parameters alone on a fast rank and the heavy stage without them on the rest, an arrangement
+in no rank order. The fastest of all is the plan.
 """
 
 from __future__ import annotations
