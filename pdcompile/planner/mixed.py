@@ -59,7 +59,7 @@ from pdcompile.schedule.kinds import kind
 
 BLOCKS = 40  # the DP cuts a graph coarsened to at most this many blocks
 REFINE_EVALUATIONS = 240  # simulations of the local search from the best candidate
-RANK_EVALUATIONS = 64  # pricings of the descents over the stages' rank sets, all seeds together
+RANK_EVALUATIONS = 32  # simulations of the descents over stages' rank sets, all seeds together
 RANK_SEEDS = 3  # the fastest pipelines (distinct stages' nodes) those descents start from
 Stages = list[tuple[list[str], tuple[int, ...]]]
 Pricer = Callable[..., Plan]
@@ -412,7 +412,9 @@ def _rank_sets_rearranged(priced: Sequence[tuple[str, Plan]], cluster: Cluster, 
         made = descend_rank_sets(
             plan, cluster, evaluations=budget, shares=lambda p: with_shares(p, cluster),
             price=lambda p: pricer(graph, p, cluster, memory=memory,
-                                   optimizer_state=optimizer_state))
+                                   optimizer_state=optimizer_state),
+            screen=lambda p: pricer(graph, p, cluster, memory=memory,
+                                    optimizer_state=optimizer_state, simulate=False))
         if made is not None:
             found.append((f"{how}, ranks rearranged", made))
     return found
