@@ -161,11 +161,11 @@ def descend_rank_sets(plan: Plan, cluster: Cluster, *, price: Price, screen: Pri
         for _, _, neighbour, candidate in sorted(screened)[:keep]:
             if priced_calls >= evaluations:
                 break
-            made = priced([candidate])
-            bar: Plan | None = current if step is None else step[1]
-            if made is not None and (bar is None or made.time_per_minibatch
-                                     < bar.time_per_minibatch * (1 - 1e-9)):
-                step = (neighbour, made)
+            simulated = priced([candidate])
+            bar = current if step is None else step[1]
+            if simulated is not None and (bar is None or simulated.time_per_minibatch
+                                          < bar.time_per_minibatch * (1 - 1e-9)):
+                step = (neighbour, simulated)
         if step is None:
             break
         sets, current = step
