@@ -28,7 +28,11 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
 
 The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
 local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
-replicas where the slower ranks hold a plan back; the faster of the two is the plan.
+replicas where the slower ranks hold a plan back. Last, the fastest few pipelines (the refined
+one included) each descend over their stages' rank sets (planner/rank_moves.py: swap two
+stages' ranks, exchange ranks of two kinds, move one rank), which places a stage with
+parameters alone on a fast rank and the heavy stage without them on the rest, an arrangement
+in no rank order. The fastest of all is the plan.
 """
 
 from __future__ import annotations
@@ -55,6 +59,8 @@ from pdcompile.schedule.kinds import kind
 
 BLOCKS = 40  # the DP cuts a graph coarsened to at most this many blocks
 REFINE_EVALUATIONS = 240  # simulations of the local search from the best candidate
+RANK_EVALUATIONS = 32  # simulations of the descents over stages' rank sets, all seeds together
+RANK_SEEDS = 3  # the fastest pipelines (distinct stages' nodes) those descents start from
 Stages = list[tuple[list[str], tuple[int, ...]]]
 Pricer = Callable[..., Plan]
 Planner = Callable[..., Plan]
@@ -247,13 +253,15 @@ def _shifted(plan: Plan, start: int) -> Plan:
 def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pricer: Pricer,
                schedules: Sequence[tuple[str, int]], memory: float | str | None,
                optimizer_state: float = OPTIMIZER_STATE, straight: bool = False,
-               refine: int = REFINE_EVALUATIONS, **options: Any) -> Plan:
+               refine: int = REFINE_EVALUATIONS, rank_moves: int = RANK_EVALUATIONS,
+               **options: Any) -> Plan:
     """The best plan for a mixed cluster (module docstring). `homogeneous(graph, cluster, ...)` is
     the homogeneous planner and `pricer(graph, plan, cluster, ...)` prices a plan on a
     cluster (search.plan and search.price_plan, handed in so that this module stays below
     them); `schedules`: the (schedule, microbatches) pairs to cut pipelines for; `options`
     go to the homogeneous planner. `straight`: one worker per stage. `refine`: simulations
-    the local search from the best candidate may spend (0: none)."""
+    the local search from the best candidate may spend (0: none); `rank_moves`: pricings the
+    descent over the stages' rank sets may spend (`_rank_sets_rearranged`; 0: none)."""
     if not cluster.is_mixed:
         raise PlanError("plan_mixed plans for a mixed cluster; this one has one kind of device")
     made: list[tuple[str, Plan]] = []
@@ -336,6 +344,13 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                 priced.append((f"refined {how}, shares by speed", again))
                 if again.time_per_minibatch < best.time_per_minibatch:
                     how, best = f"refined {how}, shares by speed", again
+    for how_r, rearranged in _rank_sets_rearranged(priced, cluster, graph=graph, pricer=pricer,
+                                                    memory=memory,
+                                                    optimizer_state=optimizer_state,
+                                                    evaluations=0 if straight else rank_moves):
+        priced.append((how_r, rearranged))
+        if rearranged.time_per_minibatch < best.time_per_minibatch:
+            how, best = how_r, rearranged
     times: dict[str, float] = {}
     for h, p in priced:  # the best of each kind of candidate, for reports and benchmarks
         times[h] = min(times.get(h, math.inf), p.time_per_minibatch)
@@ -369,6 +384,40 @@ def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
     except PlanError:
         return None
     return plan if plan.extra.get("fits", True) else None
+
+
+def _rank_sets_rearranged(priced: Sequence[tuple[str, Plan]], cluster: Cluster, *,
+                          graph: nx.DiGraph, pricer: Pricer, memory: float | str | None,
+                          optimizer_state: float, evaluations: int) -> list[tuple[str, Plan]]:
+    """The fastest RANK_SEEDS pipelines among `priced` (each cut of the nodes once, schedules
+    whose stages may sit on any ranks), each after planner/rank_moves.py's descent over its
+    stages' rank sets on an equal part of `evaluations` pricings: the moves that weigh where
+    a stage's parameters are against the ranks' speeds (a stage with parameters alone on a
+    fast rank, the heavy stage without them on the rest)."""
+    from pdcompile.planner.rank_moves import descend_rank_sets
+
+    seeds: list[tuple[str, Plan]] = []
+    for how, plan in sorted(priced, key=lambda item: item[1].time_per_minibatch):
+        row = kind(plan.schedule)
+        if len(plan.stages) < 2 or row.chunked or row.v_shape:
+            continue
+        if any([s.nodes for s in plan.stages] == [s.nodes for s in p.stages] for _, p in seeds):
+            continue
+        seeds.append((how, plan))
+        if len(seeds) == RANK_SEEDS:
+            break
+    found = []
+    for index, (how, plan) in enumerate(seeds):
+        budget = evaluations // len(seeds) + (1 if index < evaluations % len(seeds) else 0)
+        made = descend_rank_sets(
+            plan, cluster, evaluations=budget, shares=lambda p: with_shares(p, cluster),
+            price=lambda p: pricer(graph, p, cluster, memory=memory,
+                                   optimizer_state=optimizer_state),
+            screen=lambda p: pricer(graph, p, cluster, memory=memory,
+                                    optimizer_state=optimizer_state, simulate=False))
+        if made is not None:
+            found.append((f"{how}, ranks rearranged", made))
+    return found
 
 
 def _as_plan(stages: Stages, schedule: str, microbatches: int) -> Plan:
