@@ -51,8 +51,7 @@ from runtime import (  # noqa: E402
     WIDTH,
     build_model,
     chunk_model,
-    make_data,
-    ours_plan,
+    ours_pipeline,
     split_model,
 )
 
@@ -255,19 +254,10 @@ def _plain(schedule: str, rank: int, steps: int) -> dict[str, float]:
 
 
 def _worker(worker: Worker, schedule: str, rounds: int, steps: int, warmup: int) -> Any:
-    import pdcompile
     from pdcompile.backends import distributed
-    from pdcompile.passes.trace import trace
 
     torch.set_num_threads(1)
-    model = build_model()
-    data = make_data(max(steps, warmup, 4))
-    flush = schedule != "1f1b"
-    pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
-                             loss_fn=nn.functional.cross_entropy,
-                             optimizer=lambda params: torch.optim.SGD(params, lr=LR),
-                             schedule=schedule, microbatches=MICRO if flush else None,
-                             plan=ours_plan(trace(model), schedule))
+    pipe, data = ours_pipeline(schedule, max(steps, warmup, 4))
     probe = Probe()
     reads = distributed.reads_data(pipe, worker.rank)
     if warmup:

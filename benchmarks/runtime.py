@@ -253,6 +253,25 @@ def ours_plan(gm: Any, schedule_name: str) -> Any:
         node.op == "call_module" and int(str(node.target)) >= BLOCKS))
 
 
+def ours_pipeline(schedule_name: str, steps: int, *, fuse: bool = True
+                  ) -> tuple[Any, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """Our pipeline of the benchmark's model under `schedule_name` (`ours_plan`), and `steps`
+    minibatches of data."""
+    import pdcompile
+    from pdcompile.passes.trace import trace
+
+    model = build_model()
+    plan = ours_plan(trace(model), schedule_name)
+    data = make_data(steps)
+    flush = schedule_name != "1f1b"
+    pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
+                             loss_fn=nn.functional.cross_entropy,
+                             optimizer=lambda params: torch.optim.SGD(params, lr=LR),
+                             schedule=schedule_name, microbatches=MICRO if flush else None,
+                             plan=plan, fuse=fuse)
+    return pipe, data
+
+
 def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
                  warmup: int, fuse: bool = True) -> list[float]:
     """Our pipeline as a user runs it: `pdcompile.compile` with the 4 | 4 + head plan, then
@@ -260,19 +279,9 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     round's time is the training loop's wall time (`DistributedRun.seconds`, the ranks start it
     together after a barrier; the slower rank's counts). `fuse=False` compiles without the fused
     weight-gradient accumulation (passes/fuse.py), to show what it contributes."""
-    import pdcompile
     from pdcompile.backends.distributed import run_distributed
-    from pdcompile.passes.trace import trace
 
-    model = build_model()
-    plan = ours_plan(trace(model), schedule_name)
-    data = make_data(max(steps, warmup, 4))
-    flush = schedule_name != "1f1b"
-    pipe = pdcompile.compile(model, example_inputs=(data[0][0],), example_target=data[0][1],
-                             loss_fn=nn.functional.cross_entropy,
-                             optimizer=lambda params: torch.optim.SGD(params, lr=LR),
-                             schedule=schedule_name, microbatches=MICRO if flush else None,
-                             plan=plan, fuse=fuse)
+    pipe, data = ours_pipeline(schedule_name, max(steps, warmup, 4), fuse=fuse)
     times = []
     if warmup:
         run_distributed(pipe, data[:warmup], monitor=worker.monitor)
