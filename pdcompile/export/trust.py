@@ -163,10 +163,24 @@ def _tree_skeleton(file: Path) -> Any:
         return None
 
 
+def parsed(text: str, *, tries: int = 3) -> ast.Module:
+    """`ast.parse(text)`, parsed again where CPython 3.11 (before 3.11.8) raises a spurious
+    SystemError "AST constructor recursion depth mismatch": its AST recursion guard is shared by
+    the interpreter's threads, so another thread's parse can upset it (CPython gh-106905; seen
+    once exporting in a long test run). The text itself is fine: a second parse succeeds."""
+    for attempt in range(tries):
+        try:
+            return ast.parse(text)
+        except SystemError as err:
+            if "recursion depth mismatch" not in str(err) or attempt == tries - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def _code_imports(text: str) -> Iterator[tuple[str, int]]:
     """The modules a Python text imports (`import a.b`, `from a.b import c`), with lines."""
     try:
-        tree = ast.parse(text)
+        tree = parsed(text)
     except SyntaxError:
         return
     for node in ast.walk(tree):

@@ -184,3 +184,32 @@ def test_without_a_writable_key_an_export_is_written_unsigned(
     with pytest.raises(PipelineInputError, match="it has no MANIFEST.sig"):
         pdcompile.load(str(out))
     assert pdcompile.load(str(out), trust=True).loss_fn is user_loss
+
+
+def test_a_spurious_ast_recursion_error_of_cpython_is_parsed_again(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython 3.11 before 3.11.8 may raise "AST constructor recursion depth mismatch" on a
+    valid text when threads parse at once (gh-106905): exporting failed once in a long test
+    run. The text is parsed again; another SystemError, or the same one every time, is raised."""
+    import ast
+
+    from pdcompile.export import trust
+
+    real = ast.parse
+    failures = iter([SystemError("AST constructor recursion depth mismatch (before=1, "
+                                 "after=2)")])
+
+    def flaky(text: str) -> ast.Module:
+        for failure in failures:
+            raise failure
+        return real(text)
+
+    monkeypatch.setattr(ast, "parse", flaky)
+    assert [m for m, _ in trust._code_imports("import os\nfrom a.b import c\n")] == ["os", "a.b"]
+
+    def always(text: str) -> ast.Module:
+        raise SystemError("AST constructor recursion depth mismatch (before=1, after=2)")
+
+    monkeypatch.setattr(ast, "parse", always)
+    with pytest.raises(SystemError):
+        trust.parsed("x = 1")
