@@ -121,14 +121,14 @@ def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
                 ((a, c, terms[a].fwd + terms[a].copy),
                  (c, a, terms[c].bwd - terms[c].deferred))):
             starts = graph.nodes(period, sender)
-            send, receive = (forward, forward) if there == 0 else (backward, backward)
+            events = forward if there == 0 else backward  # what sends it and what receives it
             for m in range(period):
                 level = levels[m % pair]
                 busy = link_busy_seconds(size, level)
                 arrival = busy + level.latency if size > 0 else 0.0
-                graph.add(send[sender] + m, starts + m, ready, 0)
+                graph.add(events[sender] + m, starts + m, ready, 0)
                 graph.add(starts + m, starts + (m + pair) % period, busy, pair)
-                graph.add(starts + m, receive[receiver] + m, arrival, 0)
+                graph.add(starts + m, events[receiver] + m, arrival, 0)
                 if level.cpu_copies and busy > 0:  # the sender copies until it is on the link
                     if there == 0:
                         held = (terms[a].in_flight - 1) * terms[a].replicas

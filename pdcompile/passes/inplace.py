@@ -30,14 +30,8 @@ import torch.fx as fx
 
 from pdcompile.meta import get_tree
 
-# Python's augmented assignments: in place on tensors, a new object on numbers
-_AUGMENTED = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                        operator.ifloordiv, operator.imod, operator.ipow, operator.iand,
-                        operator.ior, operator.ixor, operator.ilshift, operator.irshift,
-                        operator.imatmul})
-
-
-# the same operations making a new object: what they do on numbers
+# Python's augmented assignments (in place on tensors, a new object on numbers), each with the
+# operation making a new object: what they do on numbers
 _OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub,
                  operator.imul: operator.mul, operator.itruediv: operator.truediv,
                  operator.ifloordiv: operator.floordiv, operator.imod: operator.mod,
@@ -45,6 +39,7 @@ _OUT_OF_PLACE = {operator.iadd: operator.add, operator.isub: operator.sub,
                  operator.ior: operator.or_, operator.ixor: operator.xor,
                  operator.ilshift: operator.lshift, operator.irshift: operator.rshift,
                  operator.imatmul: operator.matmul}
+_AUGMENTED = frozenset(_OUT_OF_PLACE)
 # kinds of values (meta.ValueTree.kinds) that an augmented assignment replaces, not changes
 _IMMUTABLE = frozenset({"int", "float", "bool", "complex", "size", "SymInt", "SymFloat",
                         "SymBool"})

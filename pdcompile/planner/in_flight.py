@@ -27,11 +27,10 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
                      cluster: Cluster, *, options: ModelOptions,
                      memory: float | None) -> list[bool]:
     """Which stages recompute their activations (pdcompile.cost.recompute): those that cannot keep
-    even one microbatch's activations otherwise, then those whose memory holds fewer
-    microbatches in flight than their circuits want, all at once (then, one at a time, each of
-    those back where that is faster), and then, one at a time, any
-    whose recomputation makes the plan faster in closed form (it frees memory for more
-    microbatches in flight, for one more forward each), each where the closed form gains.
+    even one microbatch's activations otherwise; then those whose memory holds fewer
+    microbatches in flight than their circuits want, all at once (then each of them back where
+    that is faster); then, one at a time, any whose recomputation makes the plan faster in
+    closed form (it frees memory for more microbatches in flight, for one more forward each).
     Raises PlanError when a stage fits neither way."""
     again = [False] * len(stages)
     plain = _memory_limits(graph, stages, options, memory, again, cluster)

@@ -53,8 +53,9 @@ def rank_set_neighbours(sets: RankSets, cluster: Cluster) -> Iterator[RankSets]:
 
     def new(candidate: list[tuple[int, ...]]) -> Iterator[RankSets]:
         made = tuple(tuple(sorted(s)) for s in candidate)
-        if alike(made) not in seen:
-            seen.add(alike(made))
+        key = alike(made)
+        if key not in seen:
+            seen.add(key)
             yield made
 
     def kinds(ranks: tuple[int, ...]) -> list[int]:
