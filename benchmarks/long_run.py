@@ -1,7 +1,8 @@
 """Long runs stay flat: worker memory (RSS) and steps/s at the start and the end of a long run.
 
 A tiny model (Linear(16, 16) + ReLU | Linear(16, 4), minibatch 8, SGD) exported for 2 stages
-trains `--steps` minibatches on 2 gloo processes (`run_distributed` through
+(schedules with chunks: 3 x (Linear(16, 16) + ReLU) + Linear(16, 4), 2 workers x 2 chunks,
+4 microbatches) trains `--steps` minibatches on 2 gloo processes (`run_distributed` through
 `backends/launch.launch`, as `train_processes` starts them) from an endless generator of fresh
 minibatches, per schedule, without and with checkpoints. Each rank samples its RSS
 (/proc/self/statm) and the time as minibatches go: rank 0 (stage 0) as it reads them from the
@@ -61,13 +62,19 @@ def export(folder: Path, schedule: str, training: tuple[str, ...] = ()) -> Path:
     `training`: "autocast" (bfloat16 forwards), "clip" (clip_grad_norm=1.0, flush schedules)."""
     import pdcompile
 
+    from pdcompile.schedule.kinds import kind
+
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, CLASSES))
+    chunked = kind(schedule).interleaved  # 2 chunks per worker: 4 layers, 4 microbatches
+    hidden = [layer for _ in range(3 if chunked else 1)
+              for layer in (nn.Linear(WIDTH, WIDTH), nn.ReLU())]
+    model = nn.Sequential(*hidden, nn.Linear(WIDTH, CLASSES))
     x, y = next(endless())
     pipe = pdcompile.compile(model, example_inputs=(x,), example_target=y,
                              loss_fn=nn.functional.cross_entropy,
                              optimizer=functools.partial(torch.optim.SGD, lr=0.01),
-                             schedule=schedule, microbatches=2, stages=[1, 1],
+                             schedule=schedule, microbatches=4 if chunked else 2,
+                             stages=2 if chunked else [1, 1],
                              autocast=torch.bfloat16 if "autocast" in training else None,
                              clip_grad_norm=1.0 if "clip" in training else None)
     pipe.export(str(folder))
