@@ -5,12 +5,13 @@ A tiny model (Linear(16, 16) + ReLU | Linear(16, 4), minibatch 8, SGD) exported 
 4 microbatches) trains `--steps` minibatches on 2 gloo processes (`run_distributed` through
 `backends/launch.launch`, as `train_processes` starts them) from an endless generator of fresh
 minibatches, per schedule, without and with checkpoints. Each rank samples its RSS
-(/proc/self/statm) and the time as minibatches go: rank 0 (stage 0) as it reads them from the
-data, rank 1 (the last stage) as their losses become known. The table shows, per rank, the RSS
+(/proc/self/statm) and the time as minibatches go: the rank of the last stage as their losses
+become known (rank 1; rank 0 where the chunks sit in a V), rank 0 otherwise as it reads them from
+the data, a rank doing neither (rank 1 of a V) by the clock. The table shows, per rank, the RSS
 after the first tenth of the run (warm-up over: the first windows read, buffers allocated) and at
 the end, and the steps/s of the second and the last tenth (the first holds the start-up), on
-rank 1's wall clock and, per rank, per second of the process's CPU time (which the other jobs of
-a shared machine do not inflate). Issue 25's target:
+the last stage's wall clock and, per rank, per second of the process's CPU time (which the other
+jobs of a shared machine do not inflate). Issue 25's target:
 RSS growth under 50 MB, the last tenth's throughput within 10% of the first's.
 
     python benchmarks/long_run.py [--steps 30000] [--only 1f1b,1f1b-flush] [--md FILE]
@@ -61,7 +62,6 @@ def export(folder: Path, schedule: str, training: tuple[str, ...] = ()) -> Path:
     """The tiny model, compiled for 2 stages under `schedule`, exported to `folder`;
     `training`: "autocast" (bfloat16 forwards), "clip" (clip_grad_norm=1.0, flush schedules)."""
     import pdcompile
-
     from pdcompile.schedule.kinds import kind
 
     torch.manual_seed(0)
@@ -89,8 +89,13 @@ def _probe(step: int) -> Sample:
 
 
 def _worker(worker: Any, export_dir: str, steps: int, every: int | None,
-            checkpoint_dir: str | None, sample: int) -> list[Sample]:
-    """One rank: train, sampling (minibatch, time, RSS, CPU time) every `sample` minibatches."""
+            checkpoint_dir: str | None, sample: int) -> tuple[str, list[Sample]]:
+    """One rank: train, sampling (minibatch, time, RSS, CPU time) every `sample` minibatches:
+    as losses become known on the rank that reports them ("losses"), else as the rank reads
+    minibatches ("reads"), else (a middle rank of a V) every 20 ms by the clock, minibatch -1
+    ("clock": `_on_steps` places them by the reporting rank's samples)."""
+    import threading
+
     from pdcompile.backends.distributed import reads_data, run_distributed
     from pdcompile.export.read import load_pipeline
 
@@ -109,11 +114,37 @@ def _worker(worker: Any, export_dir: str, steps: int, every: int | None,
             samples.append(_probe(step))
 
     reads = reads_data(program, worker.rank)
-    run_distributed(program, probed(endless()) if reads else None, steps=steps,
-                    checkpoint_dir=checkpoint_dir, checkpoint_every=every,
-                    monitor=worker.monitor, progress=None if reads else progress)
+    reports = program.plan.stages[-1].ranks[0] == worker.rank
+    role = "losses" if reports else "reads" if reads else "clock"
+    done = threading.Event()
+
+    def by_clock() -> None:
+        while not done.wait(0.02):
+            samples.append(_probe(-1))
+
+    clock = threading.Thread(target=by_clock, daemon=True)
+    if role == "clock":
+        clock.start()
+    try:
+        stream = (endless() if reports else probed(endless())) if reads else None
+        run_distributed(program, stream, steps=steps, checkpoint_dir=checkpoint_dir,
+                        checkpoint_every=every, monitor=worker.monitor,
+                        progress=progress if reports else None)
+    finally:
+        done.set()
     samples.append(_probe(steps))
-    return samples
+    return role, samples
+
+
+def _on_steps(samples: list[Sample], reporter: list[Sample]) -> list[Sample]:
+    """A clock-sampled rank's samples with the minibatch the reporting rank had reached at
+    each one's time (perf_counter is one clock for every process of the machine)."""
+    import numpy as np
+
+    times = np.array([s[1] for s in reporter])
+    reached = np.array([s[0] for s in reporter], dtype=float)
+    return [(s[0] if s[0] >= 0 else int(np.interp(s[1], times, reached)), *s[1:])
+            for s in samples]
 
 
 def _rate(samples: list[Sample], lo: int, hi: int, clock: int = 1) -> float:
@@ -147,13 +178,16 @@ def long_runs(steps: int, schedules: list[str], every: int,
                                                   ckpt_dir, max(1, steps // 200)),
                                 timeout=3600)
                 wall = time.perf_counter() - start
+                roles = [role for role, _ in values]
+                reporter = values[roles.index("losses")][1]
+                values = [_on_steps(samples, reporter) for _, samples in values]
                 tenth = steps // 10
                 row: dict[str, Any] = {
                     "schedule": " + ".join((schedule, *training)),
                     "checkpoints": f"every {every}" if ckpt else "none",
                     "steps": steps, "wall": wall, "load": (load, os.getloadavg()[0]),
-                    "first": _rate(values[1], tenth, 2 * tenth),
-                    "last": _rate(values[1], steps - tenth, steps - 1),
+                    "first": _rate(reporter, tenth, 2 * tenth),
+                    "last": _rate(reporter, steps - tenth, steps - 1),
                     "cpu": [(_rate(values[r], tenth, 2 * tenth, 3),
                              _rate(values[r], steps - tenth, steps, 3)) for r in (0, 1)]}
                 for rank in (0, 1):
