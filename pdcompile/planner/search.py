@@ -10,6 +10,7 @@ and the fastest in simulation is the plan. `price_plan` prices a plan made by ha
 from __future__ import annotations
 
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -105,6 +106,12 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if not isinstance(cluster, Cluster):
         raise PlanError(f"cluster must be a pdcompile.Cluster or a cluster string, not "
                         f"{type(cluster).__name__}")
+    if isinstance(cost_graph, (str, os.PathLike)):
+        raise PlanError(f"plan takes a cost graph, not the {type(cost_graph).__name__} "
+                        f"{str(cost_graph)!r}: for a PipeDream profile (a shipped name such as "
+                        f"'vgg16', or a graph.txt) pass "
+                        f"pdcompile.profiles.load_pipedream({str(cost_graph)!r}); for a model, "
+                        "pdcompile.compile(model, ...) plans it")
     validate(cost_graph)
     limit = _memory(memory, cluster, cost_model)
     if time_limit is not None and not time_limit > 0:

@@ -210,3 +210,8 @@ def test_the_no_fit_message_does_not_blame_a_memory_the_model_fits() -> None:
     assert "does not fit" not in str(roomy) and "'1f1b-flush'" in str(roomy)
     tight = _no_fit(_chain(8, params=1e8), cluster, options, 1e8, False)
     assert "does not fit" in str(tight) and "it needs" in str(tight)
+
+
+def test_a_profile_name_in_place_of_a_cost_graph_names_the_loader() -> None:
+    with pytest.raises(PlanError, match=r"load_pipedream\('vgg16'\)"):
+        pdcompile.plan("vgg16", "4@1e9")
