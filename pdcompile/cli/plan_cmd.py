@@ -62,7 +62,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--time-limit", type=float, default=None, metavar="S",
                         help="seconds for CP-SAT (default 10), e.g. --time-limit 30")
     parser.add_argument("--schedule", default="1f1b",
-                        choices=(*[n for n, k in KINDS.items() if not k.chunked], "auto"),
+                        choices=(*KINDS, "auto"),
                         help="the schedule the plan is priced for (memory, bubble; default "
                         "1f1b), or auto: the planner chooses it and its microbatches, e.g. "
                         "--schedule auto")
@@ -70,7 +70,8 @@ def register(subparsers: Any) -> None:
                         help="microbatches per minibatch for the flush schedules and 2bw "
                         "(default: the planner chooses), e.g. --microbatches 8")
     parser.add_argument("--stages", type=int, default=None, metavar="K",
-                        help="exactly K straight stages balanced by cost, e.g. --stages 4")
+                        help="exactly K straight stages balanced by cost (with a schedule "
+                        "of chunks: K workers with two chunks each), e.g. --stages 4")
     parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),
                         help="for a MODEL: measured on this machine (default) or analytic on "
                         "the cluster's device (FLOPs and bytes), e.g. --cost analytic")

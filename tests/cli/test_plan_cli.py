@@ -122,3 +122,18 @@ def test_plan_refine_prints_the_simulated_gain(profiles_dir: Path,
     assert main(["plan", "--profile", str(profiles_dir / "alexnet"), "--cluster", "A",
                  "--refine", "0"]) == 1
     assert "--refine 0" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("schedule", ["zb-v", "interleaved-1f1b"])
+def test_plan_prices_schedules_with_chunks(schedule: str, profiles_dir: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """`plan --schedule` takes every schedule the planner takes: chunks two per worker, in a V
+    (chunk c on rank c, then back) or round robin, as `pdcompile.plan` places them."""
+    code = main(["plan", "--profile", str(profiles_dir / "gnmt"), "--cluster", "2@1e9",
+                 "--schedule", schedule, "--json"])
+    assert code == 0
+    result = Plan.from_json(capsys.readouterr().out)
+    ranks = [stage.ranks for stage in result.stages]
+    assert ranks == ([(0,), (1,), (1,), (0,)] if schedule == "zb-v"
+                     else [(0,), (1,), (0,), (1,)])
+    assert result.schedule == schedule and result.time_per_minibatch > 0
