@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 _NUMBER = r"[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?"
@@ -43,7 +44,11 @@ def parse_quantity(text: str | float | int, kind: str) -> float:
     if key not in table:
         allowed = ", ".join(k for k in table if k)
         raise ValueError(f"unknown {kind} unit {unit!r} in {text!r} (use one of: {allowed})")
-    return value * table[key]
+    result = value * table[key]
+    if not math.isfinite(result):  # "1e400": too large for a float, read as infinity
+        raise ValueError(f"{text!r} is too large (it reads as infinity); write a finite {kind}, "
+                         f"e.g. {_EXAMPLES[kind]}")
+    return result
 
 
 def format_bytes(value: float) -> str:

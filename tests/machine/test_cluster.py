@@ -85,6 +85,8 @@ def test_latency_and_topology_queries() -> None:
         ("0x4", "'0'"),
         ("A@1e9", "'A'"),
         ("4~1e-5,2", "'1e-5,2'"),
+        ("4@1e400", "'1e400'"),  # beyond a float: read as infinity before it was refused
+        ("4@1e9~1e400s", "'1e400s'"),
     ],
 )
 def test_bad_strings_quote_the_bad_part_and_show_an_example(text: str, quoted: str) -> None:
