@@ -95,7 +95,14 @@ def compile(  # noqa: A001 - the public name of the one-liner
     named = dict(example_inputs) if isinstance(example_inputs, Mapping) else None
     inputs = (named,) if named is not None else tuple(example_inputs) \
         if isinstance(example_inputs, tuple | list) else (example_inputs,)
-    given = plan if plan is not None else stages
+    given = _checked_stages(plan if plan is not None else stages,
+                            "plan" if plan is not None else "stages")
+    if isinstance(cluster, str):  # before any tracing or profiling
+        cluster = Cluster.parse(cluster)
+    elif cluster is not None and not isinstance(cluster, Cluster):
+        raise PipelineInputError(f"cluster must be a pdcompile.Cluster or a cluster string such "
+                                 f"as 'local-2' or '4x4@1e10,1.25e9', not "
+                                 f"{type(cluster).__name__} {cluster!r}")
     captured = capture(model, () if named is not None else inputs, named,
                        leaf_modules=leaf_modules, frontend=frontend)
     gm = captured.graph
@@ -147,6 +154,20 @@ def compile(  # noqa: A001 - the public name of the one-liner
                     model=None if captured.frontend == "given" else model,
                     clip_grad_norm=clip_grad_norm, param_groups=param_groups,
                     autocast=precision)
+
+
+def _checked_stages(given: Any, name: str) -> Any:
+    """`plan=` / `stages=` as compile() takes them: a Plan, a stage count, replicas per stage."""
+    if given is None or isinstance(given, Plan):
+        return given
+    if isinstance(given, int) and not isinstance(given, bool):
+        return given
+    if isinstance(given, (list, tuple)) and given and all(
+            isinstance(r, int) and not isinstance(r, bool) for r in given):
+        return given
+    raise PipelineInputError(f"{name}={given!r}: give a stage count (e.g. {name}=2), replicas "
+                             f"per stage (e.g. {name}=[3, 1]: 3 workers on stage 0, 1 on stage "
+                             f"1){', or a Plan' if name == 'plan' else ''}")
 
 
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,

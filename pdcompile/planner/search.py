@@ -127,6 +127,15 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
             raise PlanError(f"stages={stages}: the planner balances at most {MOST_STAGES} "
                             "straight stages (its DP grows with the cube of their number); "
                             f"pass stages={MOST_STAGES} or fewer, or none to let it choose")
+        # a stage holds at least one operation; inputs (sources that compute nothing) go along
+        operations = sum(1 for n, d in cost_graph.nodes(data=True)
+                         if cost_graph.in_degree(n) or d["fwd"] or d["bwd"])
+        chunks = stages * (2 if all(kind(name).interleaved for name, _ in choices) else 1)
+        if chunks > operations:
+            what = f"{chunks} chunks ({stages} workers with two each)" if chunks > stages \
+                else f"{stages} stages"
+            raise PlanError(f"stages={stages}: the graph has {operations} operations, too few "
+                            f"for {what}; use at most {operations // (chunks // stages)}")
         straight = True
     if planner == "ilp" and (straight or cost_model != "native"):
         raise PlanError("the CP-SAT planner handles the native cost model without --straight; "

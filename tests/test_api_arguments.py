@@ -1,0 +1,62 @@
+"""compile()'s arguments as a user may get them wrong: each refused in one line that names the
+argument and shows what to write, before any tracing where it can be (pdcompile/api.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import pdcompile
+from pdcompile.errors import PdcompileError, PipelineInputError, PlanError
+
+
+def _compile(**options: Any) -> pdcompile.Pipeline:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU(),
+                          nn.Linear(8, 3))
+    return pdcompile.compile(model, example_inputs=(torch.randn(8, 8),),
+                             example_target=torch.randint(0, 3, (8,)),
+                             loss_fn=nn.functional.cross_entropy, **options)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"stages": 2.0}, r"stages=2\.0: give a stage count \(e\.g\. stages=2\)"),
+    ({"stages": "2"}, r"stages='2': give a stage count"),  # was read as one stage of 2 replicas
+    ({"stages": [1.5, 1]}, r"stages=\[1\.5, 1\]: give"),  # was cut to [1, 1]
+    ({"stages": []}, r"stages=\[\]: give"),
+    ({"plan": "4|4"}, r"plan='4\|4': give .* or a Plan"),
+    ({"plan": [["_0"], ["_1"]]}, r"plan=\[\['_0'\], \['_1'\]\]: give"),
+    ({"cluster": 3}, r"cluster must be a pdcompile\.Cluster or a cluster string .* not int 3"),
+])
+def test_arguments_of_the_wrong_kind_are_refused_by_name(options: dict[str, Any],
+                                                          message: str) -> None:
+    with pytest.raises(PipelineInputError, match=message):
+        _compile(**options)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"stages": 6}, r"stages=6: the graph has 5 operations, too few for 6 stages; use at most 5"),
+    ({"stages": 3, "schedule": "zb-v", "microbatches": 6},
+     r"too few for 6 chunks \(3 workers with two each\); use at most 2"),
+])
+def test_more_stages_than_operations_says_how_many_fit(options: dict[str, Any],
+                                                        message: str) -> None:
+    """Was "no plan ... though it fits N GiB per worker; try schedule='auto'", which sent the
+    user after the memory or the schedule."""
+    with pytest.raises(PlanError, match=message):
+        _compile(**options)
+    chunked = "schedule" in options  # two chunks per worker
+    fitting = {**options, "stages": 2 if chunked else 5}
+    assert len(_compile(**fitting).plan.stages) == (4 if chunked else 5)
+
+
+def test_a_bad_cluster_string_is_refused_before_tracing(monkeypatch: pytest.MonkeyPatch) -> None:
+    def traced(*_: Any, **__: Any) -> None:
+        raise AssertionError("traced before the cluster was read")
+
+    monkeypatch.setattr("pdcompile.passes.frontend.capture", traced)
+    with pytest.raises(PdcompileError, match="'4@fast'"):
+        _compile(cluster="4@fast")
