@@ -15,7 +15,7 @@ jobs of a shared machine do not inflate). Issue 25's target:
 RSS growth under 50 MB, the last tenth's throughput within 10% of the first's.
 
     python benchmarks/long_run.py [--steps 30000] [--only 1f1b,1f1b-flush] [--md FILE]
-                                  [--training autocast,clip]
+                                  [--training autocast,clip] [--samples FILE.json]
 
 `--local` measures `Pipeline.train` (the local backend, one process) on the same stream instead.
 `--drain` measures instead what draining an asynchronous run every K minibatches (checkpoints,
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import functools
 import itertools
+import json
 import os
 import shutil
 import sys
@@ -193,6 +194,7 @@ def long_runs(steps: int, schedules: list[str], every: int,
                 for rank in (0, 1):
                     row[f"rss{rank}"] = (_rss_at(values[rank], tenth),
                                          _rss_at(values[rank], steps))
+                row["samples"] = values
                 rows.append(row)
                 print(_line(row), flush=True)
                 if ckpt_dir:
@@ -284,6 +286,9 @@ def main() -> int:
     parser.add_argument("--every", type=int, default=1000, help="checkpoint interval")
     parser.add_argument("--only", default="1f1b,1f1b-flush")
     parser.add_argument("--md", default=None, help="also write the table to this file")
+    parser.add_argument("--samples", default=None,
+                        help="also write every rank's samples (minibatch, time, RSS MB, CPU "
+                        "s) per row to this JSON file, to see how the memory went")
     parser.add_argument("--checkpoints", default="none,every",
                         help="none: without checkpoints; every: with one every --every")
     parser.add_argument("--training", default="",
@@ -316,6 +321,10 @@ def main() -> int:
     rows = long_runs(args.steps, args.only.split(","), args.every, variants, training)
     if args.md:
         Path(args.md).write_text(HEAD + "\n" + "\n".join(_line(r) for r in rows) + "\n")
+    if args.samples:
+        Path(args.samples).write_text(json.dumps(
+            [{"schedule": r["schedule"], "checkpoints": r["checkpoints"],
+              "samples": r["samples"]} for r in rows]))
     return 0
 
 
