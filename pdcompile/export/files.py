@@ -16,8 +16,6 @@ from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export.integrity import verified_export
 
 EXPORT_FORMAT = "pdcompile.export/3"  # 3: generated code names the modules in their rooms
-# files of the first format (pickles), removed when a folder is exported again
-OLD_FILES = ("callables.pkl", "example.pt", "graph_modules.pt")
 # what to pass instead of a loss function or optimizer an export could not record
 UNSAVED_FIX = {
     "loss_fn": "Use a function with an import path (e.g. torch.nn.functional.cross_entropy, a "
@@ -141,6 +139,6 @@ def read_file(path: Path, reader: Callable[[Path], Any]) -> Any:
                                f"({detail}); export the pipeline again") from None
 
 
-__all__ = ["EXPORT_FORMAT", "OLD_FILES", "UNSAVED_FIX", "check_export", "checked_source",
+__all__ = ["EXPORT_FORMAT", "UNSAVED_FIX", "check_export", "checked_source",
            "python_source",
            "read_file", "read_meta"]

@@ -29,15 +29,22 @@ _WRITTEN = re.compile(r"^(stage_\d+(\.py|\.safetensors|_modules\.safetensors)|op
 _CODE = re.compile(r"^(stage_\d+\.py|rank_\d+\.py|graph\.py)$")
 
 
+def is_written_name(name: str) -> bool:
+    """Whether the writer produces a file of this name at the top of an export folder."""
+    return bool(_WRITTEN.match(name))
+
+
 def clear_export(folder: Path) -> None:
     """Remove what an earlier export wrote here (manifest first), so that a folder whose new
     export is interrupted has no manifest and is refused, and no stale stage or rank file
-    survives beside a smaller pipeline."""
+    survives beside a smaller pipeline. pipeline.json stays (the writer has already put its
+    placeholder there, export/target_folder.py, and replaces it at the end)."""
     (folder / MANIFEST_NAME).unlink(missing_ok=True)
     (folder / SIGNATURE_NAME).unlink(missing_ok=True)
     for path in folder.iterdir():
         stale = path.name.startswith(f".{MANIFEST_NAME}.") and path.name.endswith(".tmp")
-        if (_WRITTEN.match(path.name) or stale) and path.is_file():
+        if (_WRITTEN.match(path.name) or stale) and path.is_file() \
+                and path.name != "pipeline.json":
             path.unlink()
 
 
@@ -94,4 +101,4 @@ def code_files(manifest: Manifest, prefix: str) -> list[str]:
 
 
 __all__ = ["FIX", "MANIFEST_NAME", "clear_export", "code_files", "code_text", "export_manifest",
-           "seal_export", "verified_export"]
+           "is_written_name", "seal_export", "verified_export"]
