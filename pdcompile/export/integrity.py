@@ -2,8 +2,9 @@
 the folder is read or any of its code runs.
 
 `seal_export` lists every file the writer put in the folder with its size and SHA-256
-(util/manifest.py); `verified_export` checks them all and refuses a folder with code files the
-manifest does not list; `code_text` hands the loader the text of a generated Python file
+(util/manifest.py); `verified_export` checks them all and refuses a folder with files of the
+writer's names that the manifest does not list (code, or data such as an example minibatch a
+signed export never had); `code_text` hands the loader the text of a generated Python file
 exactly as it was checked (read once), so that what runs is what was verified. A manifest
 catches damage and edits; it is not a signature (see docs/how-it-works.md, "Trust").
 """
@@ -71,10 +72,12 @@ def verified_export(path: str | Path) -> Manifest:
         raise PipelineInputError(f"{folder} has no pipeline.json; is it a folder written by "
                                  "Pipeline.export or `pdcompile export`?")
     manifest = read_manifest(folder / MANIFEST_NAME, kind=MANIFEST_KIND, fix=FIX)
-    for path_ in sorted(folder.iterdir()):
-        if _CODE.match(path_.name) and path_.name not in manifest.files:
-            raise DamagedFileError(f"{path_} is not listed in {MANIFEST_NAME}: code the export "
-                                   "did not write; remove it, or export the pipeline again")
+    for path_ in sorted(folder.iterdir()):  # the writer lists every file of these names
+        if _WRITTEN.match(path_.name) and path_.name not in manifest.files:
+            what = "code" if _CODE.match(path_.name) else "a file"
+            raise DamagedFileError(f"{path_} is not listed in {MANIFEST_NAME}: {what} the "
+                                   "export did not write; remove it, or export the pipeline "
+                                   "again")
     verify(manifest, fix=FIX)
     return manifest
 
