@@ -35,7 +35,10 @@ def read_meta(folder: Path) -> dict[str, Any]:
     except NotADirectoryError:
         raise PipelineInputError(f"{folder} is a file, not an export folder; name the folder "
                                  "written by Pipeline.export or `pdcompile export`") from None
-    except ValueError as err:
+    except IsADirectoryError:
+        raise DamagedFileError(f"{folder / 'pipeline.json'} is a folder, not the export's "
+                               "JSON file; export the pipeline again") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: nested past json's depth
         raise DamagedFileError(f"{folder / 'pipeline.json'} is not valid JSON ({err}); export "
                                "the pipeline again") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:

@@ -86,7 +86,8 @@ def unsigned_reason(folder: Path, manifest_name: str) -> str | None:
     key = _key(create=False)
     if key is None:
         return f"this user has no signing key ({export_key_path()}): it was written elsewhere"
-    if not hmac.compare_digest(signature.read_text().strip(), _mac(key, folder / manifest_name)):
+    found = signature.read_bytes().strip()  # bytes: a signature that is not text differs too
+    if not hmac.compare_digest(found, _mac(key, folder / manifest_name).encode()):
         return f"its {SIGNATURE_NAME} does not match the signing key {export_key_path()}: it " \
                "was written by someone else, or changed after it was written"
     return None

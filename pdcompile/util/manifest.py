@@ -85,7 +85,9 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
     except FileNotFoundError:
         raise DamagedFileError(f"{path} is missing (the writer was stopped before it finished, "
                                f"or the folder predates manifests); {fix}") from None
-    except (ValueError, UnicodeDecodeError) as err:
+    except IsADirectoryError:
+        raise DamagedFileError(f"{path} is a folder, not a manifest; {fix}") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: nested past json's depth
         raise DamagedFileError(f"{path} is not valid JSON ({err}); {fix}") from None
     try:
         if data["format"] != MANIFEST_FORMAT:
@@ -102,6 +104,8 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
     for name in files:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise DamagedFileError(f"{path} names {name!r}, outside its folder; {fix}")
+        if "\x00" in name or Path(name).parts in ((), (".",)):
+            raise DamagedFileError(f"{path} names {name!r}, which is not a file name; {fix}")
     return Manifest(path, found, files)
 
 

@@ -5,11 +5,16 @@ exception, no code of the folder run), or loads exactly what was written."""
 
 from __future__ import annotations
 
+import json
+import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import pdcompile
@@ -73,6 +78,32 @@ def _refused_in_one_line(folder: Path, *, trust: bool = False) -> str:
     return message
 
 
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_flipped_byte_anywhere_is_refused_or_changes_nothing(
+        exports: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+        data: st.DataObject) -> None:
+    """Any byte of any file (the manifest and signature included), xor-ed with a drawn mask:
+    load refuses in one line naming a file of the folder, or (never, so far) loads exactly
+    what was written. With trust=True too: trust lifts the signature, not the manifest."""
+    original, _ = exports
+    folder = _copy(original, tmp_path_factory.mktemp("flip") / "out")
+    files = sorted(p for p in folder.rglob("*") if p.is_file())
+    file = data.draw(st.sampled_from(files), label="file")
+    raw = bytearray(file.read_bytes())
+    at = data.draw(st.integers(0, len(raw) - 1), label="offset")
+    raw[at] ^= data.draw(st.integers(1, 255), label="mask")
+    file.write_bytes(bytes(raw))
+    trust = data.draw(st.booleans(), label="trust")
+    try:
+        loaded = pdcompile.load(str(folder), trust=trust)
+    except PdcompileError as err:
+        assert "\n" not in str(err) and str(folder) in str(err)
+        return
+    assert _same(loaded, pdcompile.load(str(original)))
+
+
 @pytest.mark.parametrize("names", [
     ["stage_0.safetensors"], ["optimizer_1.safetensors"], ["example.safetensors"],
     ["MANIFEST.json"], ["MANIFEST.sig"], ["MANIFEST.json", "MANIFEST.sig"],
@@ -102,3 +133,67 @@ def test_a_data_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> No
     assert "example.safetensors is not listed" in _refused_in_one_line(without, trust=True)
     with pytest.raises(PdcompileError, match="example.safetensors is not listed"):
         check_export(without)
+
+
+def _manifest_naming(name: str) -> Any:
+    def damage(folder: Path) -> None:
+        manifest = json.loads((folder / "MANIFEST.json").read_text())
+        manifest["files"][name] = {"size": 1, "sha256": "0" * 64}
+        (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+    return damage
+
+
+def _replaced_by_folder(name: str) -> Any:
+    def damage(folder: Path) -> None:
+        os.unlink(folder / name)
+        (folder / name).mkdir()
+    return damage
+
+
+def _written(name: str, data: bytes) -> Any:
+    return lambda folder: (folder / name).write_bytes(data)
+
+
+_DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("damage", [
+    _written("MANIFEST.sig", b"\xff\xfe not text"),
+    _written("MANIFEST.sig", b""),
+    _written("pipeline.json", _DEEP),
+    _written("MANIFEST.json", b'{"format": ' + _DEEP + b"}"),
+    _written("MANIFEST.json", _DEEP),
+    _replaced_by_folder("pipeline.json"),
+    _replaced_by_folder("MANIFEST.json"),
+    _replaced_by_folder("MANIFEST.sig"),
+    _replaced_by_folder("stage_1.safetensors"),
+    _manifest_naming("nul\x00byte"),
+    _manifest_naming(""),
+    _manifest_naming("."),
+    _manifest_naming("user_code/../../outside"),
+    _manifest_naming("/etc/hostname"),
+], ids=["signature-not-text", "signature-empty", "pipeline-json-nested",
+        "manifest-nested-value", "manifest-nested", "pipeline-json-folder", "manifest-folder",
+        "signature-folder", "weights-folder", "manifest-nul", "manifest-empty-name",
+        "manifest-dot", "manifest-dotdot", "manifest-absolute"])
+def test_malformed_containers_are_refused_in_one_line(
+        exports: tuple[Path, Path], tmp_path: Path, damage: Any) -> None:
+    """Files that are not what their names say: load (with or without trust) and the check
+    `pdcompile verify` and `run` make refuse them in one line naming the folder."""
+    folder = _copy(exports[0], tmp_path / "out")
+    damage(folder)
+    _refused_in_one_line(folder)
+    if "MANIFEST.sig" in {p.name for p in folder.iterdir()} and _intact_but_signature(folder,
+                                                                                    exports[0]):
+        # trust=True is the user's word for whoever wrote it, in place of the signature
+        assert _same(pdcompile.load(str(folder), trust=True), pdcompile.load(str(exports[0])))
+        return
+    _refused_in_one_line(folder, trust=True)
+    with pytest.raises(PdcompileError) as info:
+        check_export(folder)
+    assert "\n" not in str(info.value) and str(folder) in str(info.value)
+
+
+def _intact_but_signature(folder: Path, original: Path) -> bool:
+    return all((folder / p.name).is_file() and (folder / p.name).read_bytes() == p.read_bytes()
+               for p in original.iterdir() if p.is_file() and p.name != "MANIFEST.sig")
