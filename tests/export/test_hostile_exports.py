@@ -20,6 +20,7 @@ from torch import nn
 import pdcompile
 from pdcompile.errors import PdcompileError
 from pdcompile.export.files import check_export
+from pdcompile.export.integrity import seal_export
 from pdcompile.pipeline import Pipeline
 
 
@@ -197,3 +198,47 @@ def test_malformed_containers_are_refused_in_one_line(
 def _intact_but_signature(folder: Path, original: Path) -> bool:
     return all((folder / p.name).is_file() and (folder / p.name).read_bytes() == p.read_bytes()
                for p in original.iterdir() if p.is_file() and p.name != "MANIFEST.sig")
+
+
+_EDITS = st.none() | st.booleans() | st.integers(-2, 10**9) | st.floats(allow_nan=False) | \
+    st.sampled_from(["", "x", "os:system", "_0", "input_1"]) | \
+    st.lists(st.integers(0, 2) | st.text(max_size=3), max_size=2) | \
+    st.dictionaries(st.text(max_size=3), st.integers(0, 2), max_size=2)
+
+
+def _leaves(tree: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [path] if path else []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, list) else ()
+    for key, value in items:
+        out += _leaves(value, (*path, key))
+    return out
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_pipeline_json_edited_by_another_loads_with_trust_or_is_one_line(
+        exports: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+        data: st.DataObject) -> None:
+    """Someone else's export (no signature of this user's) whose pipeline.json has a field
+    dropped or changed, loaded with trust=True: it loads, or one line names pipeline.json
+    (before: KeyError, TypeError, AttributeError... from deep in the loader)."""
+    folder = _copy(exports[0], tmp_path_factory.mktemp("edited") / "out")
+    meta = json.loads((folder / "pipeline.json").read_text())
+    path = data.draw(st.sampled_from([p for p in _leaves(meta) if p[0] != "format"]),
+                     label="field")
+    parent = meta
+    for key in path[:-1]:
+        parent = parent[key]
+    if isinstance(parent, dict) and data.draw(st.booleans(), label="drop"):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = data.draw(_EDITS, label="value")
+    (folder / "pipeline.json").write_text(json.dumps(meta))
+    seal_export(folder)
+    (folder / "MANIFEST.sig").unlink()  # another's: not signed by this user
+    try:
+        pdcompile.load(str(folder), trust=True)
+    except PdcompileError as err:
+        assert "\n" not in str(err) and str(folder) in str(err)
