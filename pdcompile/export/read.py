@@ -58,17 +58,19 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     check_imports(folder, meta, code, trust=trust)
     try:
         return _rebuild(folder, meta, manifest, code, loss_fn=loss_fn, optimizer=optimizer)
-    except PdcompileError:
-        raise
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:
-        unsigned = unsigned_reason(folder, MANIFEST_NAME)
-        if unsigned is None:  # this user's own export, as written: a fault of pdcompile's
+        named = isinstance(err, PdcompileError) and str(folder) in str(err)
+        unsigned = None if named else unsigned_reason(folder, MANIFEST_NAME)
+        if unsigned is None:  # named already, or this user's own export: raised as it is
             raise
-        detail = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        detail = str(err).splitlines()[0] if str(err) else ""
+        if not isinstance(err, PdcompileError):
+            detail = f"{type(err).__name__}: {detail}"
         raise DamagedFileError(
-            f"{folder / 'pipeline.json'} does not fit the export's other files ({detail}); it "
-            f"was loaded with trust=True, and {unsigned.removeprefix('it ')}: edited by hand "
-            "or written by another tool; export the pipeline again") from None
+            f"{folder / 'pipeline.json'} does not fit the export's other files or this "
+            f"pdcompile ({detail}); it was loaded with trust=True, and "
+            f"{unsigned.removeprefix('it ')}: edited by hand or written by another tool; "
+            "export the pipeline again") from None
 
 
 def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[str, str], *,
