@@ -8,6 +8,7 @@ MANIFEST.json says so: the writer puts a pipeline.json there before any other fi
 export stopped midway is one too), an empty one and one without such names are written as
 before. In an export folder, an entry with one of those names that is a symbolic link is
 removed, link only, so that nothing is written or deleted where it points, outside the folder.
+One writer at a time: a second export into a folder being written is refused (`writing_lock`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from pdcompile.errors import PipelineInputError
@@ -28,6 +31,7 @@ OLD_FILE = re.compile(r"^(callables\.pkl|example\.pt|graph_modules\.pt|optimizer
 _FORMAT_PREFIX = "pdcompile.export/"
 _MARKER_LIMIT = 1 << 26  # bytes of pipeline.json read to tell whether a folder is an export
 _SHOWN = 4
+LOCK_NAME = ".export.lock"
 
 
 def replaced_name(name: str) -> bool:
@@ -53,6 +57,30 @@ def prepare_folder(folder: Path) -> None:
     for path in entries:
         if path.is_symlink() and replaced_name(path.name):
             path.unlink()
+
+
+@contextmanager
+def writing_lock(folder: Path) -> Iterator[None]:
+    """Hold the folder's writer lock (`.export.lock`, an advisory lock of the OS) while an
+    export is written: a second writer at the same time is refused in one line instead of
+    mixing its files with the first's under one manifest (two pipelines' stages, a manifest
+    that lists both). Where the OS has no such locks (not POSIX), nothing is held."""
+    try:
+        import fcntl
+    except ImportError:  # pragma: no cover (Windows)
+        yield
+        return
+    with open(folder / LOCK_NAME, "a") as handle:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise PipelineInputError(f"another export is being written into {folder} right now "
+                                     "(its .export.lock is held); wait for it to finish, or "
+                                     "export into another folder") from None
+        try:
+            yield
+        finally:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_UN)
 
 
 def is_export_folder(folder: Path) -> bool:
@@ -90,5 +118,5 @@ def _small_json(path: Path) -> object:
         return None
 
 
-__all__ = ["OLD_FILE", "is_export_folder", "mark_export_folder", "prepare_folder",
-           "replace_text", "replaced_name"]
+__all__ = ["LOCK_NAME", "OLD_FILE", "is_export_folder", "mark_export_folder", "prepare_folder",
+           "replace_text", "replaced_name", "writing_lock"]

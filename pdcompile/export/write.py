@@ -29,6 +29,7 @@ from pdcompile.export.target_folder import (
     mark_export_folder,
     prepare_folder,
     replace_text,
+    writing_lock,
 )
 from pdcompile.export.trust import export_modules
 from pdcompile.export.user_modules import save_user_modules
@@ -94,6 +95,12 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
     export/target_folder.py), its manifest (MANIFEST.json, export/integrity.py) last."""
     out = Path(path)
     prepare_folder(out)
+    with writing_lock(out):
+        return _write(pipe, out)
+
+
+def _write(pipe: Exportable, out: Path) -> Path:
+    """export_pipeline's work, in a folder prepared and locked for it."""
     mark_export_folder(out, EXPORT_FORMAT)  # first: a writer stopped from here on left an export
     clear_export(out)
     for old in out.iterdir():

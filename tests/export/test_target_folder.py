@@ -142,3 +142,30 @@ def test_a_writer_stopped_midway_leaves_a_folder_that_is_refused_then_replaced(
                                      strict=True):
             assert torch.equal(x, y), name
     shutil.rmtree(out)
+
+
+def test_a_second_writer_at_the_same_time_is_refused(
+        pipe: Pipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two exports into one folder at once (here: a second one started while the first writes
+    its weights) would leave one manifest over both pipelines' files; the second is refused
+    in one line and the first completes whole."""
+    import pdcompile.export.write as writer
+
+    out = tmp_path / "out"
+    real = writer.save_file
+    refused: list[str] = []
+
+    def second_writer_meanwhile(tensors: dict[str, torch.Tensor], path: str,
+                                **kw: object) -> None:
+        if not refused:
+            with pytest.raises(PipelineInputError) as info:
+                pipe.export(str(out))
+            refused.append(str(info.value))
+        real(tensors, path, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(writer, "save_file", second_writer_meanwhile)
+    pipe.export(str(out))
+    assert "another export is being written" in refused[0] and "\n" not in refused[0]
+    monkeypatch.setattr(writer, "save_file", real)
+    assert pdcompile.load(str(out)).plan == pipe.plan
+    pipe.export(str(out))  # the lock is released with the first writer
