@@ -242,3 +242,30 @@ def test_a_pipeline_json_edited_by_another_loads_with_trust_or_is_one_line(
         pdcompile.load(str(folder), trust=True)
     except PdcompileError as err:
         assert "\n" not in str(err) and str(folder) in str(err)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(['Net"""\nopen(MARKER, "w")\n"""', "\\", 'N"', "\r\u2028\x01"])
+       | st.text(st.characters(blacklist_characters="\x00"), min_size=1, max_size=12))
+def test_a_model_class_name_stays_text_in_the_generated_code(
+        tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
+    """The model's class name (free text for a class made by type()) is written into every
+    stage file's docstring: it reads back as that text and never runs (before, a name with
+    three quotes and code ended the docstring, and load ran the code)."""
+    import ast
+
+    folder = tmp_path_factory.mktemp("named") / "out"
+    marker = folder.parent / "ran"
+    named = type(name.replace("MARKER", repr(str(marker))), (nn.Sequential,), {})
+    torch.manual_seed(0)
+    model = named(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pipe = pdcompile.compile(model, example_inputs=(torch.randn(4, 6),),
+                             loss_fn=nn.functional.mse_loss, stages=[1, 1], microbatches=2,
+                             cost="analytic")
+    pipe.export(str(folder))
+    assert pdcompile.load(str(folder)).name == named.__name__
+    assert not marker.exists()
+    for stage in ("stage_0.py", "stage_1.py"):
+        doc = ast.get_docstring(ast.parse((folder / stage).read_text()), clean=False)
+        assert doc is not None and named.__name__ in doc
