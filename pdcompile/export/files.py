@@ -14,6 +14,7 @@ from safetensors import SafetensorError
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export.integrity import verified_export
+from pdcompile.util.manifest import read_json_text
 
 EXPORT_FORMAT = "pdcompile.export/3"  # 3: generated code names the modules in their rooms
 # what to pass instead of a loss function or optimizer an export could not record
@@ -28,7 +29,10 @@ UNSAVED_FIX = {
 def read_meta(folder: Path) -> dict[str, Any]:
     """pipeline.json of an export, checked for its format (clear errors otherwise)."""
     try:
-        meta = json.loads((folder / "pipeline.json").read_text())
+        meta = json.loads(read_json_text(folder / "pipeline.json",
+                                         fix="export the pipeline again"))
+    except DamagedFileError:
+        raise
     except FileNotFoundError:
         raise PipelineInputError(f"{folder} has no pipeline.json; is it a folder written by "
                                  "Pipeline.export or `pdcompile export`?") from None

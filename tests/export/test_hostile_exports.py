@@ -269,3 +269,15 @@ def test_a_model_class_name_stays_text_in_the_generated_code(
     for stage in ("stage_0.py", "stage_1.py"):
         doc = ast.get_docstring(ast.parse((folder / stage).read_text()), clean=False)
         assert doc is not None and named.__name__ in doc
+
+
+@pytest.mark.parametrize("name", ["pipeline.json", "MANIFEST.json"])
+def test_a_json_file_larger_than_any_written_is_refused_unread(
+        exports: tuple[Path, Path], tmp_path: Path, name: str) -> None:
+    """A 512 MiB pipeline.json or manifest (sparse: no disk used) is refused from its size,
+    before it is read into memory (before, it was read whole, then parsed)."""
+    folder = _copy(exports[0], tmp_path / "out")
+    with open(folder / name, "wb") as out:
+        out.truncate(512 << 20)
+    message = _refused_in_one_line(folder)
+    assert f"{512 << 20:,} bytes" in message and name in message
