@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -115,7 +116,8 @@ class Plan:
                     raise PlanError(f"node {node!r} is in stages {seen[node]} and {index}")
                 seen[node] = index
         ranks = [r for stage in self.stages for r in stage.ranks]
-        shared = sorted({r for r in ranks if ranks.count(r) > 1})
+        held = Counter(ranks)  # not ranks.count per rank: quadratic, minutes at 100,000 ranks
+        shared = sorted(r for r, times in held.items() if times > 1)
         replicated = [i for i, s in enumerate(self.stages)
                       if s.replicas > 1 and set(s.ranks) & set(shared)]
         if replicated:  # several chunks per rank (interleaved) only for unreplicated stages
@@ -199,23 +201,31 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """Inverse of `to_dict`."""
-        if data.get("format") != PLAN_FORMAT:
-            raise PlanError(f"not a plan (format {data.get('format')!r}, want {PLAN_FORMAT!r})")
+        """Inverse of `to_dict`; data of another shape raises PlanError saying what is wrong."""
+        if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
+            found = data.get("format") if isinstance(data, dict) else type(data).__name__
+            raise PlanError(f"not a plan (format {found!r}, want {PLAN_FORMAT!r})")
         fields = {k: v for k, v in data.items() if k not in ("format", "config", "speedup_over_dp")}
-        fields["stages"] = tuple(
-            Stage(**(s | {"nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"]),
-                          "shares": tuple(s.get("shares", ()))}))
-            for s in data["stages"]
-        )
-        return cls(**fields)
+        try:
+            fields["stages"] = tuple(
+                Stage(**(s | {"nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"]),
+                              "shares": tuple(s.get("shares", ()))}))
+                for s in data["stages"]
+            )
+            return cls(**fields)
+        except PlanError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            detail = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+            raise PlanError(f"not a plan of this pdcompile: its fields are altered or missing "
+                            f"({detail})") from None
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
         """Inverse of `to_json`."""
         try:
             data = json.loads(text)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # RecursionError: nested past json's depth
             raise PlanError(f"plan JSON is malformed: {err}") from None
         return cls.from_dict(data)
 

@@ -14,6 +14,7 @@ licensed, provenance in its README.md): `load_pipedream("vgg16")` finds one by n
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 
@@ -27,17 +28,25 @@ _NODE_EXAMPLE = ("node4 -- Conv2d(3, 64, kernel_size=(3, 3)) -- forward_compute_
                  "backward_compute_time=2.5, activation_size=411041792.0, parameter_size=7168.0")
 
 
-def _number(text: str, where: str, field: str) -> float:
+def _number(text: str, where: str, field: str, *, in_list: bool = False) -> float:
+    """A field's value: a number, or (not nested) a list `[a; b; c]` of numbers, summed."""
     text = text.strip()
-    if text.startswith("[") and text.endswith("]"):
-        return sum(_number(part, where, field) for part in text[1:-1].split(";") if part.strip())
+    if text.startswith("[") and text.endswith("]") and not in_list:
+        return sum(_number(part, where, field, in_list=True)
+                   for part in text[1:-1].split(";") if part.strip())
     try:
         value = float(text)
     except ValueError:
-        raise ProfileError(f"{where}: {field}={text!r} is not a number") from None
-    if value != value or value < 0:
-        raise ProfileError(f"{where}: {field}={text!r} must be a non-negative number")
+        raise ProfileError(f"{where}: {field}={_short(text)!r} is not a number (or a list "
+                           "[a; b] of numbers)") from None
+    if not math.isfinite(value) or value < 0:
+        raise ProfileError(f"{where}: {field}={_short(text)!r} must be a finite non-negative "
+                           "number")
     return value
+
+
+def _short(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "pipedream"
@@ -84,6 +93,9 @@ def load_pipedream(path: str | Path) -> nx.DiGraph:
         lines = file.read_text().splitlines()
     except OSError as err:
         raise ProfileError(f"cannot read profile {file}: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise ProfileError(f"profile {file} is not text (byte {err.start} is not UTF-8); give "
+                           f"a PipeDream graph.txt, lines like {_NODE_EXAMPLE!r}") from None
     name = file.parent.name if file.name == "graph.txt" else file.stem
     graph = new_cost_graph(name=name)
     edges: list[tuple[str, str, str]] = []

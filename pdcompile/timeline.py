@@ -228,14 +228,17 @@ class Timeline:
             except (TypeError, ValueError):
                 raise TimelineError(f"timeline event {i} is {item!r}; events are "
                                     "[rank, action, start, end]") from None
-        return cls(events, str(data.get("source", "simulated")), dict(data.get("meta", {})))
+        meta = data.get("meta", {})
+        if not isinstance(meta, dict):
+            raise TimelineError(f"a timeline's meta is an object, not {type(meta).__name__}")
+        return cls(events, str(data.get("source", "simulated")), dict(meta))
 
     @classmethod
     def from_json(cls, text: str) -> Timeline:
         """Inverse of `to_json`."""
         try:
             data = json.loads(text)
-        except ValueError as err:
+        except (ValueError, RecursionError) as err:  # RecursionError: nested past json's depth
             raise TimelineError(f"timeline JSON is malformed: {err}") from None
         return cls.from_dict(data)
 
@@ -248,9 +251,12 @@ class Timeline:
         """Read a file written by `save`."""
         try:
             text = Path(path).read_text()
-        except OSError as err:
+        except (OSError, UnicodeDecodeError) as err:
             raise TimelineError(f"cannot read timeline {path}: {err}") from None
-        return cls.from_json(text)
+        try:
+            return cls.from_json(text)
+        except TimelineError as err:
+            raise TimelineError(f"timeline {path}: {err}") from None
 
     @classmethod
     def merge(cls, parts: Iterable[Timeline], *, source: str | None = None) -> Timeline:

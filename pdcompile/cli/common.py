@@ -17,6 +17,8 @@ from pdcompile.machine.cluster import PRESET_HELP, Cluster
 if TYPE_CHECKING:
     import networkx as nx
 
+    from pdcompile.plan import Plan
+
 CLUSTER_HELP = (
     "cluster: a preset (" + ", ".join(PRESET_HELP) + "), a short form such as "
     "'4x4@1e10,1.25e9:v100' (levels innermost first, bandwidths in bytes/s or with units like "
@@ -72,6 +74,22 @@ def call_factory(spec: str) -> Factory:
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
     return Factory(module, model, inputs)
+
+
+def read_plan_file(path: str) -> Plan:
+    """The Plan in a file from `pdcompile plan --json` (one line naming the file otherwise)."""
+    from pdcompile.plan import Plan
+
+    file = Path(path)
+    fix = "write one with `pdcompile plan MODEL --json > plan.json`"
+    if not file.is_file():
+        raise PdcompileError(f"plan file {path!r} does not exist; {fix}")
+    try:
+        return Plan.from_json(file.read_text())
+    except UnicodeDecodeError:
+        raise PdcompileError(f"plan file {path!r} is not text; {fix}") from None
+    except PdcompileError as err:
+        raise PdcompileError(f"plan file {path!r}: {err}; {fix}") from None
 
 
 def load_cost_graph(args: argparse.Namespace, cluster: Cluster, *, cost: str = "measured",

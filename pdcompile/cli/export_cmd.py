@@ -18,14 +18,18 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from pdcompile.cli.common import Spinner, add_cluster_option, call_factory, load_cluster
+from pdcompile.cli.common import (
+    Spinner,
+    add_cluster_option,
+    call_factory,
+    load_cluster,
+    read_plan_file,
+)
 from pdcompile.errors import PdcompileError
-from pdcompile.plan import Plan
 from pdcompile.schedule.kinds import KINDS
 
 
@@ -91,10 +95,7 @@ def run(args: argparse.Namespace) -> int:
     example_target = make_target(inputs) if callable(make_target) else None
     plan: Any = None
     if args.plan_file:
-        if not Path(args.plan_file).is_file():
-            raise PdcompileError(f"plan file {args.plan_file!r} does not exist; write one with "
-                                 "`pdcompile plan MODEL --json > plan.json`")
-        plan = Plan.from_json(Path(args.plan_file).read_text())
+        plan = read_plan_file(args.plan_file)
     elif args.stages:
         try:
             parts = [int(p) for p in args.stages.split(",")]

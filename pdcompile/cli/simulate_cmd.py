@@ -24,7 +24,12 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.backends.simulate import SimResult
-from pdcompile.cli.common import add_cluster_option, load_cluster, load_cost_graph
+from pdcompile.cli.common import (
+    add_cluster_option,
+    load_cluster,
+    load_cost_graph,
+    read_plan_file,
+)
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.local import oversubscription_note
 from pdcompile.plan import Plan
@@ -87,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
                                  "e.g. 1,2") from None
         cluster = cluster.with_slowdowns(factors)
     if args.plan_file:
-        plan = Plan.from_json(Path(args.plan_file).read_text())
+        plan = read_plan_file(args.plan_file)
         if args.schedule == "auto":
             raise PdcompileError("--schedule auto lets the planner choose; with --plan name the "
                                  "schedule to simulate (or leave --schedule out for the plan's)")

@@ -116,9 +116,9 @@ def to_dict(graph: nx.DiGraph) -> dict[str, Any]:
 
 def from_dict(data: dict[str, Any]) -> nx.DiGraph:
     """Inverse of `to_dict`."""
-    if data.get("format") != FORMAT:
-        raise CostGraphError(f"not a CostGraph file (format {data.get('format')!r}, "
-                             f"want {FORMAT!r})")
+    if not isinstance(data, dict) or data.get("format") != FORMAT:
+        found = data.get("format") if isinstance(data, dict) else type(data).__name__
+        raise CostGraphError(f"not a CostGraph file (format {found!r}, want {FORMAT!r})")
     graph = new_cost_graph(data.get("name", ""), data.get("batch_size"))
     for item in data["nodes"]:
         add_block(graph, item["id"], fwd=item["fwd"], bwd=item["bwd"], act=item["act"],
@@ -138,10 +138,13 @@ def load(path: str | Path) -> nx.DiGraph:
     """Read a CostGraph written by `save`."""
     try:
         return from_dict(json.loads(Path(path).read_text()))
-    except (OSError, ValueError, KeyError, TypeError) as err:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         if isinstance(err, CostGraphError):
-            raise
-        raise CostGraphError(f"cannot read CostGraph {path}: {err}") from None
+            raise CostGraphError(f"CostGraph {path}: {err}") from None
+        detail = str(err).splitlines()[0] if str(err) else ""
+        raise CostGraphError(f"cannot read CostGraph {path} ({type(err).__name__}: {detail}); "
+                             "write one with `pdcompile inspect MODEL --save FILE.json` or "
+                             "pdcompile.costgraph.save") from None
 
 
 # --------------------------------------------------------------------------------- coarsening

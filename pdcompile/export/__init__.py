@@ -23,6 +23,8 @@ user's model file whose code they name.
                             loss_fn (or functions the stage code imports) pipeline.json names;
                             its SHA-256 is in pipeline.json and `load` imports this copy
     launch.sh, README.md    how to run it on several processes (`pdcompile run`)
+    MANIFEST.json, MANIFEST.sig  every file's size and SHA-256, and the writer's signature
+    .export.lock            held while the folder is written (one writer at a time)
 
 Nothing is unpickled at load: tensors come from safetensors files and the rest from JSON, so a
 data file from elsewhere can hold wrong numbers but runs no code. The `.py` files are code, as

@@ -14,10 +14,9 @@ from safetensors import SafetensorError
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export.integrity import verified_export
+from pdcompile.util.manifest import read_json_text
 
 EXPORT_FORMAT = "pdcompile.export/3"  # 3: generated code names the modules in their rooms
-# files of the first format (pickles), removed when a folder is exported again
-OLD_FILES = ("callables.pkl", "example.pt", "graph_modules.pt")
 # what to pass instead of a loss function or optimizer an export could not record
 UNSAVED_FIX = {
     "loss_fn": "Use a function with an import path (e.g. torch.nn.functional.cross_entropy, a "
@@ -30,14 +29,20 @@ UNSAVED_FIX = {
 def read_meta(folder: Path) -> dict[str, Any]:
     """pipeline.json of an export, checked for its format (clear errors otherwise)."""
     try:
-        meta = json.loads((folder / "pipeline.json").read_text())
+        meta = json.loads(read_json_text(folder / "pipeline.json",
+                                         fix="export the pipeline again"))
+    except DamagedFileError:
+        raise
     except FileNotFoundError:
         raise PipelineInputError(f"{folder} has no pipeline.json; is it a folder written by "
                                  "Pipeline.export or `pdcompile export`?") from None
     except NotADirectoryError:
         raise PipelineInputError(f"{folder} is a file, not an export folder; name the folder "
                                  "written by Pipeline.export or `pdcompile export`") from None
-    except ValueError as err:
+    except IsADirectoryError:
+        raise DamagedFileError(f"{folder / 'pipeline.json'} is a folder, not the export's "
+                               "JSON file; export the pipeline again") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: nested past json's depth
         raise DamagedFileError(f"{folder / 'pipeline.json'} is not valid JSON ({err}); export "
                                "the pipeline again") from None
     if not isinstance(meta, dict) or meta.get("format") != EXPORT_FORMAT:
@@ -141,6 +146,6 @@ def read_file(path: Path, reader: Callable[[Path], Any]) -> Any:
                                f"({detail}); export the pipeline again") from None
 
 
-__all__ = ["EXPORT_FORMAT", "OLD_FILES", "UNSAVED_FIX", "check_export", "checked_source",
+__all__ = ["EXPORT_FORMAT", "UNSAVED_FIX", "check_export", "checked_source",
            "python_source",
            "read_file", "read_meta"]

@@ -2,8 +2,9 @@
 the folder is read or any of its code runs.
 
 `seal_export` lists every file the writer put in the folder with its size and SHA-256
-(util/manifest.py); `verified_export` checks them all and refuses a folder with code files the
-manifest does not list; `code_text` hands the loader the text of a generated Python file
+(util/manifest.py); `verified_export` checks them all and refuses a folder with files of the
+writer's names that the manifest does not list (code, or data such as an example minibatch a
+signed export never had); `code_text` hands the loader the text of a generated Python file
 exactly as it was checked (read once), so that what runs is what was verified. A manifest
 catches damage and edits; it is not a signature (see docs/how-it-works.md, "Trust").
 """
@@ -29,15 +30,22 @@ _WRITTEN = re.compile(r"^(stage_\d+(\.py|\.safetensors|_modules\.safetensors)|op
 _CODE = re.compile(r"^(stage_\d+\.py|rank_\d+\.py|graph\.py)$")
 
 
+def is_written_name(name: str) -> bool:
+    """Whether the writer produces a file of this name at the top of an export folder."""
+    return bool(_WRITTEN.match(name))
+
+
 def clear_export(folder: Path) -> None:
     """Remove what an earlier export wrote here (manifest first), so that a folder whose new
     export is interrupted has no manifest and is refused, and no stale stage or rank file
-    survives beside a smaller pipeline."""
+    survives beside a smaller pipeline. pipeline.json stays (the writer has already put its
+    placeholder there, export/target_folder.py, and replaces it at the end)."""
     (folder / MANIFEST_NAME).unlink(missing_ok=True)
     (folder / SIGNATURE_NAME).unlink(missing_ok=True)
     for path in folder.iterdir():
         stale = path.name.startswith(f".{MANIFEST_NAME}.") and path.name.endswith(".tmp")
-        if (_WRITTEN.match(path.name) or stale) and path.is_file():
+        if (_WRITTEN.match(path.name) or stale) and path.is_file() \
+                and path.name != "pipeline.json":
             path.unlink()
 
 
@@ -64,10 +72,12 @@ def verified_export(path: str | Path) -> Manifest:
         raise PipelineInputError(f"{folder} has no pipeline.json; is it a folder written by "
                                  "Pipeline.export or `pdcompile export`?")
     manifest = read_manifest(folder / MANIFEST_NAME, kind=MANIFEST_KIND, fix=FIX)
-    for path_ in sorted(folder.iterdir()):
-        if _CODE.match(path_.name) and path_.name not in manifest.files:
-            raise DamagedFileError(f"{path_} is not listed in {MANIFEST_NAME}: code the export "
-                                   "did not write; remove it, or export the pipeline again")
+    for path_ in sorted(folder.iterdir()):  # the writer lists every file of these names
+        if _WRITTEN.match(path_.name) and path_.name not in manifest.files:
+            what = "code" if _CODE.match(path_.name) else "a file"
+            raise DamagedFileError(f"{path_} is not listed in {MANIFEST_NAME}: {what} the "
+                                   "export did not write; remove it, or export the pipeline "
+                                   "again")
     verify(manifest, fix=FIX)
     return manifest
 
@@ -94,4 +104,4 @@ def code_files(manifest: Manifest, prefix: str) -> list[str]:
 
 
 __all__ = ["FIX", "MANIFEST_NAME", "clear_export", "code_files", "code_text", "export_manifest",
-           "seal_export", "verified_export"]
+           "is_written_name", "seal_export", "verified_export"]

@@ -14,13 +14,14 @@ import torch
 import torch.fx as fx
 from safetensors.torch import load_file
 
-from pdcompile.errors import DamagedFileError, PipelineInputError
+from pdcompile.errors import DamagedFileError, PdcompileError, PipelineInputError
 from pdcompile.export.callable_ref import resolve
 from pdcompile.export.files import UNSAVED_FIX, checked_source, read_file, read_meta
-from pdcompile.export.integrity import code_files, code_text, verified_export
+from pdcompile.export.integrity import MANIFEST_NAME, code_files, code_text, verified_export
 from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.ops_tracer import OpsTracer
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
+from pdcompile.export.signing import unsigned_reason
 from pdcompile.export.trust import check_imports
 from pdcompile.export.user_modules import load_user_modules
 from pdcompile.meta import set_stage
@@ -36,6 +37,7 @@ from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
 from pdcompile.util.attr_path import get_path, set_path
+from pdcompile.util.manifest import Manifest
 from pdcompile.util.module_file import exec_module_source
 
 
@@ -54,6 +56,27 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     code = {name: checked_source(code_text(manifest, name), folder / name)
             for name in code_files(manifest, "")}
     check_imports(folder, meta, code, trust=trust)
+    try:
+        return _rebuild(folder, meta, manifest, code, loss_fn=loss_fn, optimizer=optimizer)
+    except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:
+        named = isinstance(err, PdcompileError) and str(folder) in str(err)
+        unsigned = None if named else unsigned_reason(folder, MANIFEST_NAME)
+        if unsigned is None:  # named already, or this user's own export: raised as it is
+            raise
+        detail = str(err).splitlines()[0] if str(err) else ""
+        if not isinstance(err, PdcompileError):
+            detail = f"{type(err).__name__}: {detail}"
+        raise DamagedFileError(
+            f"{folder / 'pipeline.json'} does not fit the export's other files or this "
+            f"pdcompile ({detail}); it was loaded with trust=True, and "
+            f"{unsigned.removeprefix('it ')}: edited by hand or written by another tool; "
+            "export the pipeline again") from None
+
+
+def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[str, str], *,
+             loss_fn: Callable[..., torch.Tensor] | None,
+             optimizer: OptimizerFactory | None) -> Pipeline:
+    """The Pipeline of a checked export (load_pipeline): its files read and its code run."""
     plan = read_file(folder / "plan.json", lambda p: Plan.from_json(p.read_text()))
     lost = [k for k in meta.get("not_saved", {}) if {"loss_fn": loss_fn,
                                                      "optimizer": optimizer}.get(k) is None]

@@ -5,10 +5,12 @@ manifest too, and an export is code that runs when it is loaded. So the writer a
 manifest: `MANIFEST.sig` holds the HMAC-SHA256 of MANIFEST.json's bytes under a secret key of
 the user's, kept outside every export (`export_key_path`: `$PDCOMPILE_KEY`, else
 `$XDG_CONFIG_HOME/pdcompile/export.key`, else `~/.config/pdcompile/export.key`, made on first
-use with 32 random bytes, readable by the user alone). Without `trust=True` (`--trust`) a
-folder loads only when its signature verifies under that key: written by this user (on this
-machine, or wherever the key file was copied) and not changed since. An export from anyone
-else, or one edited by hand, needs `trust=True`: the choice to run its code is the user's.
+use with 32 random bytes, readable by the user alone; a shorter key, or one others may read,
+signs nothing and verifies nothing, as anyone could sign with it). Without `trust=True`
+(`--trust`) a folder loads only when its signature verifies under that key: written by this
+user (on this machine, or wherever the key file was copied) and not changed since. An export
+from anyone else, or one edited by hand, needs `trust=True`: the choice to run its code is the
+user's.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import tempfile
 import warnings
 from pathlib import Path
 
@@ -32,26 +35,44 @@ def export_key_path() -> Path:
     return Path(config) / "pdcompile" / "export.key"
 
 
+class UnusableKeyError(OSError):
+    """A key file that must not sign: too short to be secret, or readable by others."""
+
+
 def _key(*, create: bool) -> bytes | None:
-    """The user's key; made (atomically, mode 0600) when `create` and there is none."""
+    """The user's key; made (atomically, mode 0600) when `create` and there is none. Raises
+    OSError (UnusableKeyError) for a key file that cannot be read or must not sign."""
     path = export_key_path()
     try:
-        return path.read_bytes()
+        return _usable(path, path.read_bytes())
     except FileNotFoundError:
         if not create:
             return None
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "wb") as out:
-        out.write(os.urandom(_KEY_BYTES))
+    # a temporary name of this writer's own (threads share a pid), linked into place
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        with os.fdopen(fd, "wb") as out:
+            out.write(os.urandom(_KEY_BYTES))
         os.link(tmp, path)  # never replaces a key another process made meanwhile
     except FileExistsError:
         pass
     finally:
-        tmp.unlink(missing_ok=True)
-    return path.read_bytes()
+        Path(tmp).unlink(missing_ok=True)
+    return _usable(path, path.read_bytes())
+
+
+def _usable(path: Path, key: bytes) -> bytes:
+    """`key` (read from `path`), refused where anyone could sign with it: an empty or short
+    file (PDCOMPILE_KEY=/dev/null, a file made by hand), or one others may read."""
+    if len(key) < _KEY_BYTES:
+        raise UnusableKeyError(f"the signing key {path} holds {len(key)} bytes, fewer than "
+                               f"{_KEY_BYTES} random ones; delete it (a new one is made) or "
+                               "set PDCOMPILE_KEY to a path of your own")
+    if os.name == "posix" and path.stat().st_mode & 0o077:
+        raise UnusableKeyError(f"the signing key {path} may be read or written by other users "
+                               f"(mode {path.stat().st_mode & 0o777:o}); chmod 600 {path}")
+    return key
 
 
 def _mac(key: bytes, manifest: Path) -> str:
@@ -65,7 +86,8 @@ def sign(folder: Path, manifest_name: str) -> Path | None:
     try:
         key = _key(create=True)
     except OSError as err:
-        warnings.warn(f"pdcompile: no signing key could be made at {export_key_path()} ({err}); "
+        warnings.warn(f"pdcompile: no signing key could be made or used at {export_key_path()} "
+                      f"({err}); "
                       f"{folder} is left unsigned, so loading it takes trust=True; set "
                       "PDCOMPILE_KEY to a file path you can write", stacklevel=3)
         return None
@@ -83,13 +105,17 @@ def unsigned_reason(folder: Path, manifest_name: str) -> str | None:
     if not signature.is_file():
         return f"it has no {SIGNATURE_NAME} (written by another tool, or by a version before " \
                "exports were signed)"
-    key = _key(create=False)
+    try:
+        key = _key(create=False)
+    except OSError as err:  # a folder, unreadable, or unusable (UnusableKeyError)
+        return f"this user's signing key cannot be used ({err})"
     if key is None:
         return f"this user has no signing key ({export_key_path()}): it was written elsewhere"
-    if not hmac.compare_digest(signature.read_text().strip(), _mac(key, folder / manifest_name)):
+    found = signature.read_bytes().strip()  # bytes: a signature that is not text differs too
+    if not hmac.compare_digest(found, _mac(key, folder / manifest_name).encode()):
         return f"its {SIGNATURE_NAME} does not match the signing key {export_key_path()}: it " \
                "was written by someone else, or changed after it was written"
     return None
 
 
-__all__ = ["SIGNATURE_NAME", "export_key_path", "sign", "unsigned_reason"]
+__all__ = ["SIGNATURE_NAME", "UnusableKeyError", "export_key_path", "sign", "unsigned_reason"]

@@ -18,12 +18,19 @@ from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
 from pdcompile.export.callable_ref import reference
-from pdcompile.export.files import EXPORT_FORMAT, OLD_FILES, UNSAVED_FIX
+from pdcompile.export.files import EXPORT_FORMAT, UNSAVED_FIX
 from pdcompile.export.import_paths import NotReferable
 from pdcompile.export.integrity import clear_export, seal_export
 from pdcompile.export.module_record import record_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.export.source import module_source, tensor_state
+from pdcompile.export.target_folder import (
+    OLD_FILE,
+    mark_export_folder,
+    prepare_folder,
+    replace_text,
+    writing_lock,
+)
 from pdcompile.export.trust import export_modules
 from pdcompile.export.user_modules import save_user_modules
 from pdcompile.passes.input_shapes import InputShapes
@@ -83,13 +90,22 @@ class Exportable(Protocol):
 
 
 def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
-    """Write `pipe` to the folder `path` (created; files in it are replaced), its manifest
-    (MANIFEST.json, export/integrity.py) last."""
+    """Write `pipe` to the folder `path` (created; an earlier export's files in it are
+    replaced, a folder of other files whose names it would take is refused:
+    export/target_folder.py), its manifest (MANIFEST.json, export/integrity.py) last."""
     out = Path(path)
-    out.mkdir(parents=True, exist_ok=True)
+    prepare_folder(out)
+    with writing_lock(out):
+        return _write(pipe, out)
+
+
+def _write(pipe: Exportable, out: Path) -> Path:
+    """export_pipeline's work, in a folder prepared and locked for it."""
+    mark_export_folder(out, EXPORT_FORMAT)  # first: a writer stopped from here on left an export
     clear_export(out)
-    for old in [*(out / name for name in OLD_FILES), *out.glob("*.pt")]:
-        old.unlink(missing_ok=True)
+    for old in out.iterdir():
+        if OLD_FILE.match(old.name) and old.is_file():
+            old.unlink()
     records: list[dict[str, Any]] = []  # the stages' module records, which name classes
     stages_meta = [_save_stage(pipe, program, module, out, records)
                    for program, module in zip(pipe.parts.stages, pipe.stage_modules, strict=True)]
@@ -133,7 +149,7 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
                                            *out.glob("graph.py")]}
     meta["user_modules"] = save_user_modules([meta, records, list(code.values())], out)
     meta["modules"] = export_modules(out, meta, code)  # the user's modules load may import
-    (out / "pipeline.json").write_text(json.dumps(meta, indent=1))
+    replace_text(out / "pipeline.json", json.dumps(meta, indent=1))  # the placeholder's place
     workers = pipe.plan.workers
     command = f"pdcompile run {shlex.quote(str(out))}"
     (out / "launch.sh").write_text(

@@ -149,8 +149,9 @@ class Cluster:
                     f"level {i} has bandwidth {level.bandwidth!r}; bandwidth must be > 0 "
                     f"bytes/s ({_EXAMPLE})"
                 )
-            if level.latency < 0:
-                raise ClusterError(f"level {i} has negative latency {level.latency!r} s")
+            if not level.latency >= 0:  # NaN too
+                raise ClusterError(f"level {i} has latency {level.latency!r} s; a latency is "
+                                   "0 or more seconds (e.g. 10us), or leave it out")
             if not isinstance(level.cpu_copies, bool):
                 raise ClusterError(f"level {i} has cpu_copies {level.cpu_copies!r}; write true "
                                    "or false")
@@ -473,6 +474,10 @@ class Cluster:
             raise ClusterError(f"cluster file {file} is not valid "
                                f"{'JSON' if is_json else 'YAML'}: {_syntax_error(err, raw)}\n"
                                f"{valid}") from None
+        if _expanded_size(data, _MAX_VALUES) > _MAX_VALUES:
+            raise ClusterError(f"cluster file {file} expands to more than {_MAX_VALUES:,} values "
+                               "(YAML aliases repeated inside each other, or a structure that "
+                               f"refers to itself); write the cluster out plainly: {valid}")
         if not isinstance(data, dict) or "levels" not in data:
             raise ClusterError(f"cluster file {file} needs a 'levels' list; {valid}")
         try:
@@ -540,6 +545,22 @@ class Cluster:
         return out
 
 
+def _expanded_size(data: Any, limit: int) -> int:
+    """How many values `data` holds with every alias expanded (a YAML alias is one object met
+    many times), counting stops past `limit`: a file of nested aliases ("billion laughs")
+    would otherwise take exponential time and memory to print in an error message."""
+    count, stack = 0, [data]
+    while stack and count <= limit:
+        value = stack.pop()
+        count += 1
+        if isinstance(value, dict):
+            stack.extend(value.keys())
+            stack.extend(value.values())
+        elif isinstance(value, list | tuple | set):
+            stack.extend(value)
+    return count
+
+
 def _syntax_error(err: Exception, raw: str) -> str:
     """A JSON or YAML parse error as "what, at line L column C:" and the line with a caret."""
     if isinstance(err, json.JSONDecodeError):
@@ -583,7 +604,7 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
         return device
     if isinstance(device, dict):
         try:
-            return Device(
+            made = Device(
                 name=str(device.get("name", "custom")),
                 memory=parse_quantity(device["memory"], "bytes"),
                 flops=parse_quantity(device["flops"], "flops"),
@@ -595,8 +616,14 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
             raise ClusterError(f"device {device!r} lacks {err.args[0]!r}; a device needs memory, "
                                "flops and mem_bandwidth (or name a preset: "
                                f"{', '.join(DEVICES)})") from None
-        except ValueError as err:
+        except (ValueError, TypeError) as err:
             raise ClusterError(f"device {device!r}: {err}") from None
+        for what in ("memory", "flops", "mem_bandwidth", "flops_lowp"):
+            value = getattr(made, what)
+            if value is not None and not value > 0:  # zero, negative or NaN
+                raise ClusterError(f"device {device!r}: {what} {value!r} must be > 0 (a speed "
+                                   "or size of 0 makes every time infinite or nothing fit)")
+        return made
     key = device.strip().lower()
     if key in ("cpu-local", "local"):
         from pdcompile.machine.local import local_device
@@ -606,6 +633,9 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
         raise ClusterError(f"unknown device {device!r}; devices are: {', '.join(DEVICES)}, "
                        "cpu-local")
     return DEVICES[key]
+
+
+_MAX_VALUES = 100_000  # values a cluster file may hold, aliases expanded (a real one: tens)
 
 
 def _mixed_presets(gbps: float) -> dict[str, tuple[tuple[Level, ...], tuple[DeviceGroup, ...]]]:

@@ -2,7 +2,11 @@
 
 The figures are cached in `$PDCOMPILE_CACHE` (default `~/.cache/pdcompile/local.json`) so that
 the measurement (under a second: gloo between two threads, machine/loopback.py, and a matmul)
-runs once per machine; it starts no process.
+runs once per machine; it starts no process. The file names the machine and torch version
+that measured it (`machine_identity`), and only this machine's finite positive figures are
+used: a damaged file, or one another host or another torch wrote (a shared home folder), is
+measured again (a file without the name, from before it was kept, counts as this machine's).
+A cache folder that cannot be written costs a measurement per process.
 `PDCOMPILE_LOCAL_BANDWIDTH` (bytes/s) overrides the measured bandwidth, and
 `PDCOMPILE_LOCAL_ALLREDUCE_BANDWIDTH` the all-reduce's (without it, the override's).
 """
@@ -10,8 +14,11 @@ runs once per machine; it starts no process.
 from __future__ import annotations
 
 import json
+import math
 import os
+import platform
 import socket
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -25,22 +32,41 @@ def _cache_file() -> Path:
     return Path(root) / "local.json"
 
 
-def _read_cache() -> dict[str, Any]:
+def machine_identity() -> str:
+    """What the cached figures belong to: this host and the torch that measured them (a home
+    folder shared by several machines, or a torch upgraded since, has other figures)."""
+    import torch
+
+    return f"{socket.gethostname()} {platform.machine()} torch {torch.__version__}"
+
+
+def _read_cache() -> dict[str, float]:
+    """The cached figures of this machine: each a finite positive number (anything else in the
+    file, a damaged value or another machine's figures, is measured again)."""
     try:
         data = json.loads(_cache_file().read_text())
-        return data if isinstance(data, dict) else {}
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return {}
+    if not isinstance(data, dict) or data.get("machine", machine_identity()) != machine_identity():
+        return {}
+    return {key: float(value) for key, value in data.items() if key != "machine"
+            and isinstance(value, int | float) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0}
 
 
 def _write_cache(update: dict[str, Any]) -> None:
-    data = _read_cache() | update
+    data = {**_read_cache(), **update, "machine": machine_identity()}
     file = _cache_file()
     try:
         file.parent.mkdir(parents=True, exist_ok=True)
-        tmp = file.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1))
-        os.replace(tmp, file)
+        # a temporary file of this writer's own (threads share a pid), renamed over the cache
+        fd, tmp = tempfile.mkstemp(dir=file.parent, prefix=".local.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "w") as out:
+                out.write(json.dumps(data, indent=1))
+            os.replace(tmp, file)
+        finally:
+            Path(tmp).unlink(missing_ok=True)
     except OSError:
         pass  # a read-only home only costs a re-measurement next time
 

@@ -25,6 +25,9 @@ from typing import Any
 from pdcompile.errors import DamagedFileError
 
 MANIFEST_FORMAT = "pdcompile.manifest/1"
+# the largest JSON file of an export or a checkpoint read whole (real ones: kilobytes to a
+# few megabytes, for models of hundreds of thousands of parameters)
+MAX_JSON_BYTES = 1 << 28
 _CHUNK = 1 << 20
 
 
@@ -78,14 +81,29 @@ def write_manifest(folder: Path, names: Iterable[str], *, kind: str,
     return final
 
 
+def read_json_text(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> str:
+    """The text of a JSON file pdcompile wrote, refused (DamagedFileError) when it is larger
+    than any such file can be, before a byte of it is read into memory (a hostile folder's
+    multi-gigabyte pipeline.json or manifest)."""
+    size = path.stat().st_size
+    if size > limit:
+        raise DamagedFileError(f"{path} holds {size:,} bytes, more than any file of its kind "
+                               f"pdcompile writes ({limit:,}): it is not one; {fix}")
+    return path.read_text()
+
+
 def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
     """A manifest file read and checked for its format; one line naming it otherwise."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_json_text(path, fix=fix))
+    except DamagedFileError:
+        raise
     except FileNotFoundError:
         raise DamagedFileError(f"{path} is missing (the writer was stopped before it finished, "
                                f"or the folder predates manifests); {fix}") from None
-    except (ValueError, UnicodeDecodeError) as err:
+    except IsADirectoryError:
+        raise DamagedFileError(f"{path} is a folder, not a manifest; {fix}") from None
+    except (ValueError, RecursionError) as err:  # RecursionError: nested past json's depth
         raise DamagedFileError(f"{path} is not valid JSON ({err}); {fix}") from None
     try:
         if data["format"] != MANIFEST_FORMAT:
@@ -102,6 +120,8 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
     for name in files:
         if Path(name).is_absolute() or ".." in Path(name).parts:
             raise DamagedFileError(f"{path} names {name!r}, outside its folder; {fix}")
+        if "\x00" in name or Path(name).parts in ((), (".",)):
+            raise DamagedFileError(f"{path} names {name!r}, which is not a file name; {fix}")
     return Manifest(path, found, files)
 
 
@@ -168,5 +188,6 @@ def entries(manifest: Manifest) -> dict[str, Any]:
     return {name: {"size": e.size, "sha256": e.sha256} for name, e in manifest.files.items()}
 
 
-__all__ = ["MANIFEST_FORMAT", "FileEntry", "Manifest", "check_entry", "digest", "entries",
-           "fsync_dir", "read_manifest", "read_verified", "verify", "write_manifest"]
+__all__ = ["MANIFEST_FORMAT", "MAX_JSON_BYTES", "FileEntry", "Manifest", "check_entry", "digest",
+           "entries", "fsync_dir", "read_json_text", "read_manifest", "read_verified", "verify",
+           "write_manifest"]

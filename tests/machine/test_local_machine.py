@@ -46,7 +46,8 @@ def test_loopback_measured_once_then_read_from_the_cache(
     assert 1e6 < bandwidth < 1e13 and 0 < latency < 0.1  # 1 MB/s .. 10 TB/s, under 100 ms
     assert 1e6 < ring < 1e13
     assert json.loads(cache.read_text()) == {"bandwidth": bandwidth, "latency": latency,
-                                             "allreduce_bandwidth": ring}
+                                             "allreduce_bandwidth": ring,
+                                             "machine": local_machine.machine_identity()}
     assert local_machine.local_bandwidth() == measured  # the cache, not a new run
     level = Cluster.preset("local-2").levels[0]
     assert level.bandwidth == bandwidth and level.allreduce_bandwidth == ring

@@ -1,0 +1,283 @@
+"""Exports nobody here wrote: a flipped byte anywhere, files swapped in from another export,
+files added beside the manifest, JSON nested past any reader's depth, a signature that is not
+text, folders where files belong. Each is refused in one line naming the file (no other
+exception, no code of the folder run), or loads exactly what was written."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import pdcompile
+from pdcompile.errors import PdcompileError
+from pdcompile.export.files import check_export
+from pdcompile.export.integrity import seal_export
+from pdcompile.pipeline import Pipeline
+
+
+def _pipeline(seed: int, *, example: bool = True) -> Pipeline:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    x, y = torch.randn(4, 6), torch.randn(4, 3)
+    pipe = pdcompile.compile(model, example_inputs=(x,), example_target=y,
+                             loss_fn=nn.functional.mse_loss, stages=[1, 1], microbatches=2,
+                             cost="analytic",
+                             optimizer=lambda p: torch.optim.Adam(p, lr=0.01))
+    pipe.step(x, target=y)  # optimizer state that differs between the two exports
+    if not example:
+        pipe.example_inputs = None
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """Two exports of one architecture with different weights (seeds 0 and 1)."""
+    root = tmp_path_factory.mktemp("exports")
+    for seed in (0, 1):
+        _pipeline(seed).export(str(root / f"seed{seed}"))
+    return root / "seed0", root / "seed1"
+
+
+def _copy(source: Path, folder: Path) -> Path:
+    shutil.rmtree(folder, ignore_errors=True)
+    shutil.copytree(source, folder)
+    return folder
+
+
+def _state(pipe: Pipeline) -> list[tuple[str, torch.Tensor]]:
+    out = [(f"{i}.{k}", v) for i, m in enumerate(pipe.stage_modules)
+           for k, v in m.state_dict().items()]
+    for state in pipe.states():
+        for k, v in state.optimizer.state_dict()["state"].items():
+            out += [(f"opt{state.stage}.{k}.{n}", t) for n, t in v.items()
+                    if isinstance(t, torch.Tensor)]
+    out += [("example", t) for t in pipe.example_inputs or ()]
+    return out
+
+
+def _same(a: Pipeline, b: Pipeline) -> bool:
+    left, right = _state(a), _state(b)
+    return len(left) == len(right) and all(
+        n == m and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        for (n, x), (m, y) in zip(left, right, strict=True))
+
+
+def _refused_in_one_line(folder: Path, *, trust: bool = False) -> str:
+    with pytest.raises(PdcompileError) as info:
+        pdcompile.load(str(folder), trust=trust)
+    message = str(info.value)
+    assert "\n" not in message and str(folder) in message
+    return message
+
+
+@settings(max_examples=30, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_flipped_byte_anywhere_is_refused_or_changes_nothing(
+        exports: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+        data: st.DataObject) -> None:
+    """Any byte of any file (the manifest and signature included), xor-ed with a drawn mask:
+    load refuses in one line naming a file of the folder, or (never, so far) loads exactly
+    what was written. With trust=True too: trust lifts the signature, not the manifest."""
+    original, _ = exports
+    folder = _copy(original, tmp_path_factory.mktemp("flip") / "out")
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.stat().st_size)
+    file = data.draw(st.sampled_from(files), label="file")
+    raw = bytearray(file.read_bytes())
+    at = data.draw(st.integers(0, len(raw) - 1), label="offset")
+    raw[at] ^= data.draw(st.integers(1, 255), label="mask")
+    file.write_bytes(bytes(raw))
+    trust = data.draw(st.booleans(), label="trust")
+    try:
+        loaded = pdcompile.load(str(folder), trust=trust)
+    except PdcompileError as err:
+        assert "\n" not in str(err) and str(folder) in str(err)
+        return
+    assert _same(loaded, pdcompile.load(str(original)))
+
+
+@pytest.mark.parametrize("names", [
+    ["stage_0.safetensors"], ["optimizer_1.safetensors"], ["example.safetensors"],
+    ["MANIFEST.json"], ["MANIFEST.sig"], ["MANIFEST.json", "MANIFEST.sig"],
+    ["MANIFEST.json", "MANIFEST.sig", "stage_0.safetensors", "pipeline.json"]])
+def test_files_swapped_in_from_another_export_are_refused(
+        exports: tuple[Path, Path], tmp_path: Path, names: list[str]) -> None:
+    """Files of another export of the same model (the manifest and signature with them) mixed
+    into this one: the mix never loads as either."""
+    mine, theirs = exports
+    folder = _copy(mine, tmp_path / "mixed")
+    for name in names:
+        shutil.copy(theirs / name, folder / name)
+    _refused_in_one_line(folder)
+
+
+def test_a_data_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> None:
+    """An export written without an example minibatch, with another export's
+    example.safetensors dropped beside its (untouched, signed) manifest: load and
+    `pdcompile verify` refuse it; before, it loaded that file's tensors as its example."""
+    without, other = tmp_path / "without", tmp_path / "other"
+    _pipeline(0, example=False).export(str(without))
+    _pipeline(1).export(str(other))
+    assert pdcompile.load(str(without)).example_inputs is None
+    shutil.copy(other / "example.safetensors", without / "example.safetensors")
+    message = _refused_in_one_line(without)
+    assert "example.safetensors is not listed in MANIFEST.json" in message
+    assert "example.safetensors is not listed" in _refused_in_one_line(without, trust=True)
+    with pytest.raises(PdcompileError, match="example.safetensors is not listed"):
+        check_export(without)
+
+
+def _manifest_naming(name: str) -> Any:
+    def damage(folder: Path) -> None:
+        manifest = json.loads((folder / "MANIFEST.json").read_text())
+        manifest["files"][name] = {"size": 1, "sha256": "0" * 64}
+        (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+    return damage
+
+
+def _replaced_by_folder(name: str) -> Any:
+    def damage(folder: Path) -> None:
+        os.unlink(folder / name)
+        (folder / name).mkdir()
+    return damage
+
+
+def _written(name: str, data: bytes) -> Any:
+    return lambda folder: (folder / name).write_bytes(data)
+
+
+_DEEP = b"[" * 100_000 + b"]" * 100_000
+
+
+@pytest.mark.parametrize("damage", [
+    _written("MANIFEST.sig", b"\xff\xfe not text"),
+    _written("MANIFEST.sig", b""),
+    _written("pipeline.json", _DEEP),
+    _written("MANIFEST.json", b'{"format": ' + _DEEP + b"}"),
+    _written("MANIFEST.json", _DEEP),
+    _replaced_by_folder("pipeline.json"),
+    _replaced_by_folder("MANIFEST.json"),
+    _replaced_by_folder("MANIFEST.sig"),
+    _replaced_by_folder("stage_1.safetensors"),
+    _manifest_naming("nul\x00byte"),
+    _manifest_naming(""),
+    _manifest_naming("."),
+    _manifest_naming("user_code/../../outside"),
+    _manifest_naming("/etc/hostname"),
+], ids=["signature-not-text", "signature-empty", "pipeline-json-nested",
+        "manifest-nested-value", "manifest-nested", "pipeline-json-folder", "manifest-folder",
+        "signature-folder", "weights-folder", "manifest-nul", "manifest-empty-name",
+        "manifest-dot", "manifest-dotdot", "manifest-absolute"])
+def test_malformed_containers_are_refused_in_one_line(
+        exports: tuple[Path, Path], tmp_path: Path, damage: Any) -> None:
+    """Files that are not what their names say: load (with or without trust) and the check
+    `pdcompile verify` and `run` make refuse them in one line naming the folder."""
+    folder = _copy(exports[0], tmp_path / "out")
+    damage(folder)
+    _refused_in_one_line(folder)
+    if "MANIFEST.sig" in {p.name for p in folder.iterdir()} and _intact_but_signature(folder,
+                                                                                    exports[0]):
+        # trust=True is the user's word for whoever wrote it, in place of the signature
+        assert _same(pdcompile.load(str(folder), trust=True), pdcompile.load(str(exports[0])))
+        return
+    _refused_in_one_line(folder, trust=True)
+    with pytest.raises(PdcompileError) as info:
+        check_export(folder)
+    assert "\n" not in str(info.value) and str(folder) in str(info.value)
+
+
+def _intact_but_signature(folder: Path, original: Path) -> bool:
+    return all((folder / p.name).is_file() and (folder / p.name).read_bytes() == p.read_bytes()
+               for p in original.iterdir() if p.is_file() and p.name != "MANIFEST.sig")
+
+
+_EDITS = st.none() | st.booleans() | st.integers(-2, 10**9) | st.floats(allow_nan=False) | \
+    st.sampled_from(["", "x", "os:system", "_0", "input_1"]) | \
+    st.lists(st.integers(0, 2) | st.text(max_size=3), max_size=2) | \
+    st.dictionaries(st.text(max_size=3), st.integers(0, 2), max_size=2)
+
+
+def _leaves(tree: Any, path: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    out = [path] if path else []
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) \
+        if isinstance(tree, list) else ()
+    for key, value in items:
+        out += _leaves(value, (*path, key))
+    return out
+
+
+@settings(max_examples=40, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_a_pipeline_json_edited_by_another_loads_with_trust_or_is_one_line(
+        exports: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
+        data: st.DataObject) -> None:
+    """Someone else's export (no signature of this user's) whose pipeline.json has a field
+    dropped or changed, loaded with trust=True: it loads, or one line names pipeline.json
+    (before: KeyError, TypeError, AttributeError... from deep in the loader)."""
+    folder = _copy(exports[0], tmp_path_factory.mktemp("edited") / "out")
+    meta = json.loads((folder / "pipeline.json").read_text())
+    path = data.draw(st.sampled_from([p for p in _leaves(meta) if p[0] != "format"]),
+                     label="field")
+    parent = meta
+    for key in path[:-1]:
+        parent = parent[key]
+    if isinstance(parent, dict) and data.draw(st.booleans(), label="drop"):
+        del parent[path[-1]]
+    else:
+        parent[path[-1]] = data.draw(_EDITS, label="value")
+    (folder / "pipeline.json").write_text(json.dumps(meta))
+    seal_export(folder)
+    (folder / "MANIFEST.sig").unlink()  # another's: not signed by this user
+    try:
+        pdcompile.load(str(folder), trust=True)
+    except PdcompileError as err:
+        assert "\n" not in str(err) and str(folder) in str(err)
+
+
+@settings(max_examples=12, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(name=st.sampled_from(['Net"""\nopen(MARKER, "w")\n"""', "\\", 'N"', "\r\u2028\x01"])
+       | st.text(st.characters(blacklist_characters="\x00"), min_size=1, max_size=12))
+def test_a_model_class_name_stays_text_in_the_generated_code(
+        tmp_path_factory: pytest.TempPathFactory, name: str) -> None:
+    """The model's class name (free text for a class made by type()) is written into every
+    stage file's docstring: it reads back as that text and never runs (before, a name with
+    three quotes and code ended the docstring, and load ran the code)."""
+    import ast
+
+    folder = tmp_path_factory.mktemp("named") / "out"
+    marker = folder.parent / "ran"
+    named = type(name.replace("MARKER", repr(str(marker))), (nn.Sequential,), {})
+    torch.manual_seed(0)
+    model = named(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    pipe = pdcompile.compile(model, example_inputs=(torch.randn(4, 6),),
+                             loss_fn=nn.functional.mse_loss, stages=[1, 1], microbatches=2,
+                             cost="analytic")
+    pipe.export(str(folder))
+    assert pdcompile.load(str(folder)).name == named.__name__
+    assert not marker.exists()
+    for stage in ("stage_0.py", "stage_1.py"):
+        doc = ast.get_docstring(ast.parse((folder / stage).read_text()), clean=False)
+        assert doc is not None and named.__name__ in doc
+
+
+@pytest.mark.parametrize("name", ["pipeline.json", "MANIFEST.json"])
+def test_a_json_file_larger_than_any_written_is_refused_unread(
+        exports: tuple[Path, Path], tmp_path: Path, name: str) -> None:
+    """A 512 MiB pipeline.json or manifest (sparse: no disk used) is refused from its size,
+    before it is read into memory (before, it was read whole, then parsed)."""
+    folder = _copy(exports[0], tmp_path / "out")
+    with open(folder / name, "wb") as out:
+        out.truncate(512 << 20)
+    message = _refused_in_one_line(folder)
+    assert f"{512 << 20:,} bytes" in message and name in message

@@ -1,0 +1,57 @@
+"""Tensor-tree files (checkpoints, optimizer states, example minibatches) whose JSON skeleton
+nobody here wrote: any JSON, tags with bodies of the wrong shape, names that are not dtypes,
+nesting past any reader's depth. Each reads back as a value or raises one DamagedFileError
+naming the file; nothing is unpickled or run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from pdcompile.errors import DamagedFileError
+from pdcompile.runtime.tensor_tree import load_tree
+
+_TAGS = ["$tensor", "$tensor_data", "$dtype", "$device", "$tuple", "$dict", "$set"]
+_LEAVES = (st.none() | st.booleans() | st.integers(-3, 3) | st.floats()
+           | st.sampled_from(["0", "1", "float32", "_dynamo", "cpu", "meta", "cuda:99", "x"]))
+_TREES = st.recursive(
+    _LEAVES,
+    lambda inner: st.lists(inner, max_size=3)
+    | st.dictionaries(st.sampled_from(_TAGS) | st.text(max_size=3), inner, min_size=1,
+                      max_size=2)
+    | st.builds(lambda v: {"$tensor_data": {"dtype": "float32", "shape": v, "values": [1.0]}},
+                inner), max_leaves=10)
+
+
+def _write(path: Path, skeleton: str) -> None:
+    save_file({"0": torch.arange(4.0), "1": torch.zeros(2, dtype=torch.int64)}, str(path),
+              metadata={"pdcompile.tree": skeleton})
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(tree=_TREES)
+def test_any_skeleton_reads_or_is_one_damaged_file_error(tmp_path: Path, tree: object) -> None:
+    file = tmp_path / "tree.safetensors"
+    _write(file, json.dumps(tree))
+    try:
+        load_tree(file)
+    except DamagedFileError as err:
+        assert str(file) in str(err) and "\n" not in str(err)
+
+
+@pytest.mark.parametrize("skeleton", ["[" * 100_000 + "]" * 100_000, "{\"a\": " * 50_000 + "1"
+                                      + "}" * 50_000, "not json", "\"\\ud800\""])
+def test_a_malformed_skeleton_is_one_damaged_file_error(tmp_path: Path, skeleton: str) -> None:
+    file = tmp_path / "tree.safetensors"
+    _write(file, skeleton)
+    try:
+        load_tree(file)
+    except DamagedFileError as err:
+        assert str(file) in str(err) and "\n" not in str(err)
