@@ -11,8 +11,13 @@ say) kept as a pytree spec beside the graph (`meta.set_output_spec`). Every dime
 tensor input is exported as free (`Dim.AUTO`), so that the graph runs on microbatches of any
 size and sequences of any length, except where the model's code fixes or bounds a size: the
 shapes it runs on are kept beside the graph (`meta.set_input_shapes`, passes/input_shapes.py),
-so that a minibatch of a shape it cannot run on is refused in words. A model that torch.export
-cannot capture with every size free is captured with only dimension 0 (the batch) free.
+so that a minibatch of a shape it cannot run on is refused in words. A size the model's code
+tests more than `TESTS_BEFORE_FIXED` times is fixed at the example's as well: torch.export
+simplifies each new test of a free size against the expressions of the earlier ones, which grow
+through every padding and window partition (timm's Twins tests its image height about 600 times
+and took minutes; fixed after 64 tests, seconds). A model that torch.export cannot capture with
+every size free, or that loses its batch size so, is captured with only dimension 0 (the batch)
+free.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.experimental._config as symbolic_config
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -37,6 +43,10 @@ from pdcompile.runtime.grad_mode import detached
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 # operations that only check what export assumed (dtypes, devices, shape guards)
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
+# tests of one free size (guards) after which torch.export fixes it at the example's: a sequence
+# model tests its length a few times (BERT once, wav2vec2's convolutions 29 times), a vision
+# model with windows its image sizes hundreds of times (see the module doc)
+TESTS_BEFORE_FIXED = 64
 
 
 def export_graph(model: nn.Module, args: Sequence[Any] = (),
@@ -174,22 +184,29 @@ def _inline_region(root: nn.Module, graph: fx.Graph, call: fx.Node) -> None:
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             bound: Mapping[str, Any]) -> torch.export.ExportedProgram:
     """torch.export of the model with every dimension of every tensor input free where the
-    model allows (other sequence lengths, other batch sizes); where export fails so, with only
+    model allows (other sequence lengths, other batch sizes), each fixed after
+    `TESTS_BEFORE_FIXED` tests; where export fails so or fixes the batch size, with only
     dimension 0 free (microbatches are smaller than the example), the error of that attempt."""
     def free(dims: Callable[[torch.Tensor], Iterable[int]]) -> dict[str, Any]:
         return {name: {d: torch.export.Dim.AUTO for d in dims(value)}
                 if isinstance(value, torch.Tensor) and value.dim() else None
                 for name, value in bound.items()}
 
+    every_size: torch.export.ExportedProgram | None = None
     try:
-        return torch.export.export(model, args, kwargs, strict=False,
-                                   dynamic_shapes=free(lambda v: range(v.dim())))
+        with symbolic_config.patch(symbol_guard_limit_before_specialize=TESTS_BEFORE_FIXED):
+            every_size = torch.export.export(model, args, kwargs, strict=False,
+                                             dynamic_shapes=free(lambda v: range(v.dim())))
     except Exception:
         pass  # some sizes cannot be free: try the batch alone, and report that attempt
-    try:
-        return torch.export.export(model, args, kwargs, strict=False,
-                                   dynamic_shapes=free(lambda v: (0,)))
+    if every_size is not None and not _batch_fixed(every_size):
+        return every_size
+    try:  # the batch alone free, with no limit on its tests
+        batch_only = torch.export.export(model, args, kwargs, strict=False,
+                                         dynamic_shapes=free(lambda v: (0,)))
     except Exception as err:
+        if every_size is not None:
+            return every_size
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         unknown = _UNKNOWN_OUTPUT.search(reason)
         if unknown:
@@ -199,6 +216,21 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                              "wrap the model in a module that does") from None
         raise TraceError(f"torch.export cannot capture {type(model).__name__}: "
                          f"{type(err).__name__}: {reason}") from None
+    if every_size is not None and _batch_fixed(batch_only):
+        return every_size  # the model's code fixes its batch size: keep the other sizes free
+    return batch_only
+
+
+def _batch_fixed(program: torch.export.ExportedProgram) -> bool:
+    """Whether the program fixed dimension 0 of an input whose example has 2 or more there
+    (torch.export fixes a size of 1 anyway): microbatches would be refused."""
+    user = set(program.graph_signature.user_inputs)
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and node.name in user and isinstance(value, torch.Tensor) \
+                and value.dim() and isinstance(value.shape[0], int) and value.shape[0] >= 2:
+            return True
+    return False
 
 
 def _share_model_tensors(gm: fx.GraphModule, model: nn.Module) -> None:
