@@ -194,7 +194,8 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     every_size: torch.export.ExportedProgram | None = None
     try:
-        with symbolic_config.patch(symbol_guard_limit_before_specialize=TESTS_BEFORE_FIXED):
+        with symbolic_config.patch(  # type: ignore[attr-defined]  # made at import
+                symbol_guard_limit_before_specialize=TESTS_BEFORE_FIXED):
             every_size = torch.export.export(model, args, kwargs, strict=False,
                                              dynamic_shapes=free(lambda v: range(v.dim())))
     except Exception:
@@ -224,12 +225,14 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 def _batch_fixed(program: torch.export.ExportedProgram) -> bool:
     """Whether the program fixed dimension 0 of an input whose example has 2 or more there
     (torch.export fixes a size of 1 anyway): microbatches would be refused."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
     user = set(program.graph_signature.user_inputs)
     for node in program.graph.nodes:
         value = node.meta.get("val")
         if node.op == "placeholder" and node.name in user and isinstance(value, torch.Tensor) \
-                and value.dim() and isinstance(value.shape[0], int) and value.shape[0] >= 2:
-            return True
+                and value.dim() and is_concrete_int(value.shape[0]) and value.shape[0] >= 2:
+            return True  # a size fixed after the fact is a SymInt of a constant
     return False
 
 
