@@ -97,7 +97,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
         if isinstance(example_inputs, tuple | list) else (example_inputs,)
     given = plan if plan is not None else stages
     captured = capture(model, () if named is not None else inputs, named,
-                       leaf_modules=leaf_modules, frontend=frontend)
+                       leaf_modules=leaf_modules, frontend=frontend, autocast=precision)
     gm = captured.graph
     buffers = {name: b.clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     try:  # on fake tensors: what every node outputs, and so what each stage would send

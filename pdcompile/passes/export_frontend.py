@@ -50,8 +50,10 @@ TESTS_BEFORE_FIXED = 64
 
 
 def export_graph(model: nn.Module, args: Sequence[Any] = (),
-                 kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
-    """Capture `model` called as `model(*args, **kwargs)` with torch.export (see module doc)."""
+                 kwargs: Mapping[str, Any] | None = None, *,
+                 autocast: str | None = None) -> fx.GraphModule:
+    """Capture `model` called as `model(*args, **kwargs)` with torch.export (see module doc);
+    `autocast`: the dtype name of the region the pipeline runs its forwards in (None: none)."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"export_graph() takes an nn.Module, got {type(model).__name__}")
     kwargs = dict(kwargs or {})
@@ -70,12 +72,16 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
     program = _export(model, tuple(args), kwargs, bound)
     unlifted = program.module()
     graph = unlifted.graph
+    if autocast is None:
+        _inline_autocast_off(unlifted, graph)
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)  # re-checks the input shapes: the pipeline does (input_shapes)
-        elif node.op == "call_function" and str(node.target).startswith(_CHECKS) \
-                and not node.users:
-            graph.erase_node(node)
+    for module in unlifted.modules():  # the regions kept as graphs of their own too
+        if isinstance(module, fx.GraphModule):
+            _drop_checks(module.graph)
+            if module is not unlifted:
+                module.recompile()
     _inline_grad_regions(unlifted, graph)
     _refuse_parameter_changes(unlifted, graph, type(model).__name__)
     out_spec = program.call_spec.out_spec
@@ -135,6 +141,16 @@ def _aliased(node: fx.Node) -> fx.Node:
     return node
 
 
+def _drop_checks(graph: fx.Graph) -> None:
+    """The checks of what export assumed, which the graph does not need: a dtype checked
+    inside a region kept as a graph of its own is what it was outside autocast, and
+    `compile(autocast=...)` runs it under autocast."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and str(node.target).startswith(_CHECKS) \
+                and not node.users:
+            graph.erase_node(node)
+
+
 def _inline_grad_regions(root: nn.Module, graph: fx.Graph) -> None:
     """torch.export keeps a `with torch.no_grad():` of the forward as a call of a submodule
     (`wrap_with_set_grad_enabled(False, submodule, *inputs)`), which no stage could be cut
@@ -147,19 +163,39 @@ def _inline_grad_regions(root: nn.Module, graph: fx.Graph) -> None:
                      if n.op == "call_function" and n.target is region), None)
         if call is None:
             return
-        _inline_region(root, graph, call)
+        enabled, holder, *inputs = call.args
+        _inline_region(root, graph, call, holder, inputs, detach=not enabled)
 
 
-def _inline_region(root: nn.Module, graph: fx.Graph, call: fx.Node) -> None:
-    """One `wrap_with_set_grad_enabled` call replaced by its submodule's operations."""
-    enabled, holder, *inputs = call.args
+def _inline_autocast_off(root: nn.Module, graph: fx.Graph) -> None:
+    """torch.export keeps a `with torch.autocast(..., enabled=False):` of the forward (timm's
+    EfficientViT keeps its attention in float32 so) as a call of a submodule
+    (`wrap_with_autocast(device, dtype, False, cache, submodule, *inputs)`), which no export
+    could write. Where the pipeline runs without autocast, turning it off changes nothing: its
+    operations go into the graph in its place. Under `compile(autocast=...)`, and where the
+    region turns autocast on, the submodule stays (it trains in this process; an export
+    refuses it, in words)."""
+    region = torch.ops.higher_order.wrap_with_autocast
+    while True:
+        call = next((n for n in graph.nodes if n.op == "call_function" and n.target is region
+                     and len(n.args) > 4 and n.args[2] is False), None)
+        if call is None:
+            return
+        holder, *inputs = call.args[4:]
+        _inline_region(root, graph, call, holder, inputs, detach=False)
+
+
+def _inline_region(root: nn.Module, graph: fx.Graph, call: fx.Node, holder: Any,
+                   inputs: list[Any], *, detach: bool) -> None:
+    """One region's call replaced by its submodule's operations (`detach`: every input enters
+    through `detached`)."""
     assert isinstance(holder, fx.Node)
     sub = getattr(root, str(holder.target))
     env: dict[fx.Node, Any] = {}
     places = [n for n in sub.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(call):
         for place, value in zip(places, inputs, strict=True):
-            env[place] = value if enabled else graph.call_function(detached, (value,))
+            env[place] = graph.call_function(detached, (value,)) if detach else value
         for node in sub.graph.nodes:
             if node.op == "get_attr":  # a tensor of the region's own: kept on the root
                 name = f"{holder.target}_{node.target}".replace(".", "_")

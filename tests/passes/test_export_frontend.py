@@ -1,11 +1,18 @@
-"""How much torch.export reasons about free sizes: a size the model's code tests again and again
+"""The torch.export front end.
+
+How much torch.export reasons about free sizes: a size the model's code tests again and again
 (padding to whole windows, stage after stage, as timm's Twins, TinyViT and MobileViTv2 do) is
 fixed at the example's after `TESTS_BEFORE_FIXED` tests, so that the tests stop growing with the
 model's depth (before, every dimension stayed free and torch.export simplified hundreds of ever
-longer expressions: minutes for those models); a batch size tested so often stays free."""
+longer expressions: minutes for those models); a batch size tested so often stays free.
+
+A `with torch.autocast(..., enabled=False):` in forward (timm's EfficientViT) is inlined where the
+pipeline runs without autocast, so that the pipeline exports (it was refused).
+"""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,7 +24,8 @@ import pdcompile
 from pdcompile.errors import PipelineInputError
 from pdcompile.meta import get_input_shapes
 from pdcompile.passes.export_frontend import TESTS_BEFORE_FIXED, export_graph
-from tests.helpers.transparency import check
+from tests.helpers.autocast_models import FloatAttention
+from tests.helpers.transparency import check, momentum
 
 
 class Windowed(nn.Module):
@@ -109,3 +117,15 @@ def test_a_model_with_fixed_image_sizes_trains_like_one_process_and_refuses_othe
         "of dimension 2, so torch.export fixed it at 48; pass that size or compile the pipeline "
         "at the size to train on")
     assert pdcompile.meta.get_frontend(pipe.graph) == "export"
+
+
+def test_autocast_turned_off_in_forward_is_inlined_and_exports(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model, x, target = FloatAttention(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    pipe = check((model, (x,), target, F.cross_entropy), schedule="1f1b-flush", micro=2,
+                 plan=[1, 1], frontend="export")
+    assert not [n for n in pipe.graph.graph.nodes if n.op == "call_function"
+                and "wrap_with_autocast" in str(n.target)]
+    pipe.export(str(tmp_path / "pipe"))  # refused before: a region kept as a graph of its own
+    loaded = pdcompile.load(str(tmp_path / "pipe"), optimizer=momentum)
+    torch.testing.assert_close(loaded.evaluate(x), pipe.evaluate(x), rtol=0, atol=0)
