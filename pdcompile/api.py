@@ -104,7 +104,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
                                  f"as 'local-2' or '4x4@1e10,1.25e9', not "
                                  f"{type(cluster).__name__} {cluster!r}")
     captured = capture(model, () if named is not None else inputs, named,
-                       leaf_modules=leaf_modules, frontend=frontend)
+                       leaf_modules=leaf_modules, frontend=frontend, autocast=precision)
     gm = captured.graph
     buffers = {name: b.clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     try:  # on fake tensors: what every node outputs, and so what each stage would send

@@ -11,8 +11,13 @@ say) kept as a pytree spec beside the graph (`meta.set_output_spec`). Every dime
 tensor input is exported as free (`Dim.AUTO`), so that the graph runs on microbatches of any
 size and sequences of any length, except where the model's code fixes or bounds a size: the
 shapes it runs on are kept beside the graph (`meta.set_input_shapes`, passes/input_shapes.py),
-so that a minibatch of a shape it cannot run on is refused in words. A model that torch.export
-cannot capture with every size free is captured with only dimension 0 (the batch) free.
+so that a minibatch of a shape it cannot run on is refused in words. A size the model's code
+tests more than `TESTS_BEFORE_FIXED` times is fixed at the example's as well: torch.export
+simplifies each new test of a free size against the expressions of the earlier ones, which grow
+through every padding and window partition (timm's Twins tests its image height about 600 times
+and took minutes; fixed after 64 tests, seconds). A model that torch.export cannot capture with
+every size free, or that loses its batch size so, is captured with only dimension 0 (the batch)
+free.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.fx.experimental._config as symbolic_config
 from torch import nn
 from torch.utils import _pytree as pytree
 
@@ -37,11 +43,17 @@ from pdcompile.runtime.grad_mode import detached
 _UNKNOWN_OUTPUT = re.compile(r"Found <class '([\w.]+)'> in output, which is not a known type")
 # operations that only check what export assumed (dtypes, devices, shape guards)
 _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_constrain_range")
+# tests of one free size (guards) after which torch.export fixes it at the example's: a sequence
+# model tests its length a few times (BERT once, wav2vec2's convolutions 29 times), a vision
+# model with windows its image sizes hundreds of times (see the module doc)
+TESTS_BEFORE_FIXED = 64
 
 
 def export_graph(model: nn.Module, args: Sequence[Any] = (),
-                 kwargs: Mapping[str, Any] | None = None) -> fx.GraphModule:
-    """Capture `model` called as `model(*args, **kwargs)` with torch.export (see module doc)."""
+                 kwargs: Mapping[str, Any] | None = None, *,
+                 autocast: str | None = None) -> fx.GraphModule:
+    """Capture `model` called as `model(*args, **kwargs)` with torch.export (see module doc);
+    `autocast`: the dtype name of the region the pipeline runs its forwards in (None: none)."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"export_graph() takes an nn.Module, got {type(model).__name__}")
     kwargs = dict(kwargs or {})
@@ -60,12 +72,16 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
     program = _export(model, tuple(args), kwargs, bound)
     unlifted = program.module()
     graph = unlifted.graph
+    if autocast is None:
+        _inline_autocast_off(unlifted, graph)
     for node in list(graph.nodes):
         if node.op == "call_module" and str(node.target).startswith("_guards_fn"):
             graph.erase_node(node)  # re-checks the input shapes: the pipeline does (input_shapes)
-        elif node.op == "call_function" and str(node.target).startswith(_CHECKS) \
-                and not node.users:
-            graph.erase_node(node)
+    for module in unlifted.modules():  # the regions kept as graphs of their own too
+        if isinstance(module, fx.GraphModule):
+            _drop_checks(module.graph)
+            if module is not unlifted:
+                module.recompile()
     _inline_grad_regions(unlifted, graph)
     _refuse_parameter_changes(unlifted, graph, type(model).__name__)
     out_spec = program.call_spec.out_spec
@@ -125,6 +141,16 @@ def _aliased(node: fx.Node) -> fx.Node:
     return node
 
 
+def _drop_checks(graph: fx.Graph) -> None:
+    """The checks of what export assumed, which the graph does not need: a dtype checked
+    inside a region kept as a graph of its own is what it was outside autocast, and
+    `compile(autocast=...)` runs it under autocast."""
+    for node in list(graph.nodes):
+        if node.op == "call_function" and str(node.target).startswith(_CHECKS) \
+                and not node.users:
+            graph.erase_node(node)
+
+
 def _inline_grad_regions(root: nn.Module, graph: fx.Graph) -> None:
     """torch.export keeps a `with torch.no_grad():` of the forward as a call of a submodule
     (`wrap_with_set_grad_enabled(False, submodule, *inputs)`), which no stage could be cut
@@ -137,19 +163,39 @@ def _inline_grad_regions(root: nn.Module, graph: fx.Graph) -> None:
                      if n.op == "call_function" and n.target is region), None)
         if call is None:
             return
-        _inline_region(root, graph, call)
+        enabled, holder, *inputs = call.args
+        _inline_region(root, graph, call, holder, inputs, detach=not enabled)
 
 
-def _inline_region(root: nn.Module, graph: fx.Graph, call: fx.Node) -> None:
-    """One `wrap_with_set_grad_enabled` call replaced by its submodule's operations."""
-    enabled, holder, *inputs = call.args
+def _inline_autocast_off(root: nn.Module, graph: fx.Graph) -> None:
+    """torch.export keeps a `with torch.autocast(..., enabled=False):` of the forward (timm's
+    EfficientViT keeps its attention in float32 so) as a call of a submodule
+    (`wrap_with_autocast(device, dtype, False, cache, submodule, *inputs)`), which no export
+    could write. Where the pipeline runs without autocast, turning it off changes nothing: its
+    operations go into the graph in its place. Under `compile(autocast=...)`, and where the
+    region turns autocast on, the submodule stays (it trains in this process; an export
+    refuses it, in words)."""
+    region = torch.ops.higher_order.wrap_with_autocast
+    while True:
+        call = next((n for n in graph.nodes if n.op == "call_function" and n.target is region
+                     and len(n.args) > 4 and n.args[2] is False), None)
+        if call is None:
+            return
+        holder, *inputs = call.args[4:]
+        _inline_region(root, graph, call, holder, inputs, detach=False)
+
+
+def _inline_region(root: nn.Module, graph: fx.Graph, call: fx.Node, holder: Any,
+                   inputs: list[Any], *, detach: bool) -> None:
+    """One region's call replaced by its submodule's operations (`detach`: every input enters
+    through `detached`)."""
     assert isinstance(holder, fx.Node)
     sub = getattr(root, str(holder.target))
     env: dict[fx.Node, Any] = {}
     places = [n for n in sub.graph.nodes if n.op == "placeholder"]
     with graph.inserting_before(call):
         for place, value in zip(places, inputs, strict=True):
-            env[place] = value if enabled else graph.call_function(detached, (value,))
+            env[place] = graph.call_function(detached, (value,)) if detach else value
         for node in sub.graph.nodes:
             if node.op == "get_attr":  # a tensor of the region's own: kept on the root
                 name = f"{holder.target}_{node.target}".replace(".", "_")
@@ -174,22 +220,30 @@ def _inline_region(root: nn.Module, graph: fx.Graph, call: fx.Node) -> None:
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
             bound: Mapping[str, Any]) -> torch.export.ExportedProgram:
     """torch.export of the model with every dimension of every tensor input free where the
-    model allows (other sequence lengths, other batch sizes); where export fails so, with only
+    model allows (other sequence lengths, other batch sizes), each fixed after
+    `TESTS_BEFORE_FIXED` tests; where export fails so or fixes the batch size, with only
     dimension 0 free (microbatches are smaller than the example), the error of that attempt."""
     def free(dims: Callable[[torch.Tensor], Iterable[int]]) -> dict[str, Any]:
         return {name: {d: torch.export.Dim.AUTO for d in dims(value)}
                 if isinstance(value, torch.Tensor) and value.dim() else None
                 for name, value in bound.items()}
 
+    every_size: torch.export.ExportedProgram | None = None
     try:
-        return torch.export.export(model, args, kwargs, strict=False,
-                                   dynamic_shapes=free(lambda v: range(v.dim())))
+        with symbolic_config.patch(  # type: ignore[attr-defined]  # made at import
+                symbol_guard_limit_before_specialize=TESTS_BEFORE_FIXED):
+            every_size = torch.export.export(model, args, kwargs, strict=False,
+                                             dynamic_shapes=free(lambda v: range(v.dim())))
     except Exception:
         pass  # some sizes cannot be free: try the batch alone, and report that attempt
-    try:
-        return torch.export.export(model, args, kwargs, strict=False,
-                                   dynamic_shapes=free(lambda v: (0,)))
+    if every_size is not None and not _batch_fixed(every_size):
+        return every_size
+    try:  # the batch alone free, with no limit on its tests
+        batch_only = torch.export.export(model, args, kwargs, strict=False,
+                                         dynamic_shapes=free(lambda v: (0,)))
     except Exception as err:
+        if every_size is not None:
+            return every_size
         reason = (str(err).strip().splitlines() or [type(err).__name__])[0]
         unknown = _UNKNOWN_OUTPUT.search(reason)
         if unknown:
@@ -199,6 +253,23 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                              "wrap the model in a module that does") from None
         raise TraceError(f"torch.export cannot capture {type(model).__name__}: "
                          f"{type(err).__name__}: {reason}") from None
+    if every_size is not None and _batch_fixed(batch_only):
+        return every_size  # the model's code fixes its batch size: keep the other sizes free
+    return batch_only
+
+
+def _batch_fixed(program: torch.export.ExportedProgram) -> bool:
+    """Whether the program fixed dimension 0 of an input whose example has 2 or more there
+    (torch.export fixes a size of 1 anyway): microbatches would be refused."""
+    from torch.fx.experimental.symbolic_shapes import is_concrete_int
+
+    user = set(program.graph_signature.user_inputs)
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and node.name in user and isinstance(value, torch.Tensor) \
+                and value.dim() and is_concrete_int(value.shape[0]) and value.shape[0] >= 2:
+            return True  # a size fixed after the fact is a SymInt of a constant
+    return False
 
 
 def _share_model_tensors(gm: fx.GraphModule, model: nn.Module) -> None:

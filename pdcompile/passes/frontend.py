@@ -31,6 +31,7 @@ from pdcompile.passes.export_frontend import export_graph
 from pdcompile.passes.inference_cache import without_inference_cache
 from pdcompile.passes.shapes import bind_inputs
 from pdcompile.passes.trace import trace
+from pdcompile.runtime.precision import autocast_region
 
 FRONTENDS = ("auto", "fx", "export")
 
@@ -63,8 +64,11 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
             *, leaf_modules: Iterable[type[nn.Module] | str] = (),
-            frontend: str = "auto") -> Captured:
-    """The graph of `model` called as `model(*args, **kwargs)` (see the module docstring)."""
+            frontend: str = "auto", autocast: str | None = None) -> Captured:
+    """The graph of `model` called as `model(*args, **kwargs)` (see the module docstring);
+    `autocast`: the dtype name of the region the pipeline will run its forwards in (None:
+    none). fx traces inside that region, so that a forward that turns autocast off or on is
+    seen (and taken by torch.export, which records it)."""
     if frontend not in FRONTENDS:
         raise PipelineInputError(f"unknown frontend {frontend!r}; choose one of "
                                  f"{', '.join(FRONTENDS)}")
@@ -74,7 +78,8 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
     else:
         _refuse_torchscript(model)
         with without_inference_cache(model, kwargs):
-            graph, used = _captured(model, args, kwargs, list(leaf_modules), frontend)
+            graph, used = _captured(model, args, kwargs, list(leaf_modules), frontend,
+                                    autocast)
     densify_constants(graph)
     set_frontend(graph, used)
     return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
@@ -108,23 +113,25 @@ def _given(model: fx.GraphModule, leaf_modules: Iterable[type[nn.Module] | str]
 
 
 def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
-              leaves: list[type[nn.Module] | str], frontend: str) -> tuple[fx.GraphModule, str]:
+              leaves: list[type[nn.Module] | str], frontend: str, autocast: str | None,
+              ) -> tuple[fx.GraphModule, str]:
     """The graph of a model that is not already one, and the front end that made it."""
     if frontend == "export":
         if leaves:
             raise PipelineInputError("leaf_modules= applies to torch.fx tracing; torch.export "
                                      "records every operation: drop leaf_modules= or use "
                                      "frontend='fx'")
-        return export_graph(model, args, kwargs), "export"
+        return export_graph(model, args, kwargs, autocast=autocast), "export"
     try:
-        return trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
-                     num_positional=len(args), none_inputs=_given_as_none(model, args, kwargs)
-                     ), "fx"
+        with autocast_region(autocast, model):
+            return trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
+                         num_positional=len(args),
+                         none_inputs=_given_as_none(model, args, kwargs)), "fx"
     except TraceError as fx_error:
         if frontend == "fx":
             raise
         try:
-            return export_graph(model, args, kwargs), "export"
+            return export_graph(model, args, kwargs, autocast=autocast), "export"
         except TraceError as export_error:
             raise TraceError(f"{fx_error} (torch.export cannot capture it either: "
                              f"{export_error})") from None

@@ -238,8 +238,8 @@ def _traced(model: nn.Module, tracer: _PolicyTracer,
     if tracer.autocast is not None:
         raise TraceError(f"{type(model).__name__}.forward runs {tracer.autocast!r} under "
                          "torch.autocast, which torch.fx does not record (the graph would run "
-                         "it in full precision); use frontend='export' (compile's default "
-                         "'auto' does)")
+                         "it in the precision around it); use frontend='export' (compile's "
+                         "default 'auto' does)")
     return graph
 
 

@@ -1,10 +1,12 @@
 """Front ends: a given GraphModule as it is, inputs bound by name (also through **kwargs), and
-torch.export for what torch.fx cannot trace; `auto` picks, errors name both when both fail."""
+torch.export for what torch.fx cannot trace; `auto` picks, errors name both when both fail; a
+forward that turns autocast off under `compile(autocast=...)` is taken by torch.export."""
 
 from __future__ import annotations
 
 import copy
 import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,6 +18,8 @@ import pdcompile
 from pdcompile.errors import PipelineInputError, TraceError
 from pdcompile.meta import get_frontend
 from pdcompile.passes.frontend import capture
+from tests.helpers.autocast_models import FloatAttention
+from tests.helpers.one_process import train_one_process
 
 SGD = functools.partial(torch.optim.SGD, lr=0.1)
 
@@ -250,3 +254,25 @@ def test_a_torchscript_module_is_refused_naming_it(frontend: str) -> None:
     with pytest.raises(TraceError, match=r"TorchScript module\(s\) 'inner' \(torch.jit"):
         pdcompile.compile(_WithScripted(), example_inputs=(torch.randn(4, 8),), stages=2,
                           frontend=frontend)
+
+
+def test_autocast_turned_off_in_forward_stays_off_under_compiles_autocast(tmp_path: Path,
+                                                                          ) -> None:
+    """fx traced the model outside autocast, saw no change, and the pipeline ran the float32
+    attention in bfloat16 without a word; traced inside the pipeline's region, fx sees the
+    forward turn it off, and torch.export records the region: trains as one process does."""
+    torch.manual_seed(0)
+    model, x, y = FloatAttention(), torch.randn(8, 8), torch.randint(0, 3, (8,))
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), optimizer=SGD,
+                             loss_fn=nn.functional.cross_entropy, stages=[1, 1],
+                             schedule="1f1b-flush", microbatches=2, autocast=torch.bfloat16)
+    assert get_frontend(pipe.graph) == "export"
+    losses = [pipe.step(x, target=y) for _ in range(3)]
+    want, *_ = train_one_process(model, SGD(model.parameters()), (x,), y,
+                                 nn.functional.cross_entropy, micro=2, steps=3,
+                                 autocast=torch.bfloat16)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(pipe.state_dict()[name], value)
+    with pytest.raises(PipelineInputError, match=r"torch.autocast block .* cannot write yet"):
+        pipe.export(str(tmp_path / "out"))
