@@ -3,7 +3,9 @@
 torch.export records a model for inputs whose sizes may vary where the export front end asked
 (`Dim.AUTO`, every dimension) and the model does not depend on them; a size the model's code
 depends on (a branch on it, a Python `int` of it) is fixed at the example's, and a size the
-model bounds (a slice of a 64-row buffer) gets a range. The recorded graph runs only on inputs
+model bounds (a slice of a 64-row buffer) gets a range. torch.export keeps a size free under
+other tests (`x.shape[1] % 2 == 0`, one input 3 longer than another), which hold only for some
+sizes; those sizes are fixed here (`_pinned_sizes`). The recorded graph runs only on inputs
 that fit: one with another fixed size may run and compute something else (a `view(-1, 8)`), so
 the pipeline refuses it before any rank starts, naming the expected and the given shapes.
 
@@ -49,6 +51,7 @@ class InputShapes:
         program's placeholder name -> the graph's input name) and their range constraints."""
         inputs: dict[str, InputShape] = {}
         used: dict[str, str] = {}  # a symbol -> its name here ("n1", "n2"... in order)
+        pinned, example = _pinned_sizes(program)
         for node in program.graph.nodes:
             value = node.meta.get("val")
             if node.op != "placeholder" or node.name not in names \
@@ -59,6 +62,8 @@ class InputShapes:
                 expr = size.node.expr if isinstance(size, torch.SymInt) else size
                 if isinstance(expr, int) or expr.is_number:  # fixed (a constant expression)
                     dims.append(int(expr))
+                elif not expr.is_Symbol or expr in pinned:  # at the example's size
+                    dims.append(int(expr.subs(example)))
                 else:
                     dims.append(used.setdefault(str(expr), f"n{len(used) + 1}"))
             inputs[names[node.name]] = InputShape(tuple(dims),
@@ -140,6 +145,92 @@ class InputShapes:
                             f"{other!r}, which is {other_size}")
                 seen.setdefault(want, (name, size))
         return None
+
+
+
+def _pinned_sizes(program: torch.export.ExportedProgram) -> tuple[set[Any], dict[Any, int]]:
+    """The sizes that must stay at the example's, and the example's sizes (symbol -> int).
+
+    torch.export keeps a size free even where the model's code tests it beyond a range
+    (`x.shape[1] % 2 == 0`, `2 * len(z) != x.shape[1] + 1`, one input's size 3 more than
+    another's): the graph it records holds only for the sizes that pass those tests, and
+    `refusal` checks ranges and shared sizes, not such tests. So the sizes a test reads are
+    fixed at the example's where the test fails for some sizes a minibatch could have
+    (`_restricts`), as is every size whose dimension is an expression of others: another size
+    is refused in words instead of training on a branch the model would not take. Tests that
+    only exclude degenerate sizes (a reshape's `h // 2 != 1`) leave the sizes free."""
+    shape_env = next((size.node.shape_env for node in program.graph.nodes
+                      if node.op == "placeholder" and isinstance(node.meta.get("val"),
+                                                                 torch.Tensor)
+                      for size in node.meta["val"].shape if isinstance(size, torch.SymInt)),
+                     None)
+    if shape_env is None:
+        return set(), {}
+    example = {symbol: int(hint) for symbol, hint in shape_env.backed_var_to_val.items()}
+    pinned: set[Any] = set()
+    for guard in shape_env.guards:
+        # with the sizes fixed since the test was made (its replacements): maybe just true
+        expr = shape_env.simplify(guard.expr)
+        if not _is_bound(expr) and _restricts(expr, example):
+            pinned |= set(expr.free_symbols)
+    for node in program.graph.nodes:
+        value = node.meta.get("val")
+        if node.op == "placeholder" and isinstance(value, torch.Tensor):
+            for size in value.shape:
+                if isinstance(size, torch.SymInt) and not size.node.expr.is_Symbol:
+                    pinned |= set(size.node.expr.free_symbols)
+    return pinned, example
+
+
+def _is_bound(expr: Any) -> bool:
+    """Whether a test of torch.export's is a bound on one size (`s <= 64`, `s > 1`, `s != 1`),
+    which the ranges hold, rather than a test of its value (`s % 2 == 0`) or of several."""
+    import sympy
+
+    if not isinstance(expr, sympy.core.relational.Relational) or len(expr.free_symbols) != 1:
+        return expr is sympy.true
+    sides = (expr.lhs, expr.rhs)
+    symbol = next((side for side in sides if side.is_Symbol), None)
+    number = next((side for side in sides if side.is_number), None)
+    if symbol is None or number is None:
+        return False
+    if isinstance(expr, sympy.Ne):  # only sizes below the ranges' least may be excluded
+        return bool(number <= 1)
+    return not isinstance(expr, sympy.Eq)
+
+
+# sizes a test is tried at: every size from 4 to 40, then powers of two and their neighbours
+# (a test failing only at 2 or 3 excludes degenerate sizes, as a reshape's do)
+_TRIED = (*range(4, 41), 63, 64, 65, 127, 128, 129, 255, 256, 257, 511, 512, 513, 1000, 1024)
+_DRAWS = 400  # assignments tried for a test of several sizes
+
+
+def _restricts(expr: Any, example: dict[Any, int]) -> bool:
+    """Whether the test fails for some sizes a minibatch could have: each size it reads tried
+    at `_TRIED` (alone, the others at the example's), then `_DRAWS` assignments of all of
+    them at once from a fixed seed. Any failure, or a test that cannot be evaluated, counts."""
+    import random
+
+    import sympy
+
+    symbols = sorted(expr.free_symbols, key=str)
+    if not symbols or any(s not in example for s in symbols):
+        return bool(symbols)
+
+    def holds(values: dict[Any, int]) -> bool:
+        try:
+            return bool(expr.xreplace({s: sympy.Integer(v) for s, v in values.items()}))
+        except (TypeError, ValueError, ZeroDivisionError):
+            return False
+
+    base = {s: example[s] for s in symbols}
+    for symbol in symbols:
+        for size in _TRIED:
+            if not holds({**base, symbol: size}):
+                return True
+    draw = random.Random(0)
+    return any(not holds({s: draw.choice(_TRIED) for s in symbols})
+               for _ in range(_DRAWS if len(symbols) > 1 else 0))
 
 
 __all__ = ["InputShape", "InputShapes", "SizeRange"]
