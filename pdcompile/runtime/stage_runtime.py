@@ -440,10 +440,7 @@ class StageRuntime:
             self._run(entry, microbatch)
         elif self.recomputes:  # the activations again, as the forward made them
             self._recompute(entry, microbatch)
-        if self._fresh:
-            for p in self.params.values():
-                p.grad = None
-            self._fresh = False
+        self._start_accumulation()
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if entry.loss is not None and entry.loss.requires_grad:
@@ -542,6 +539,16 @@ class StageRuntime:
             p.grad = leaf.grad if p.grad is None else p.grad.add_(leaf.grad)
             leaf.grad = None
 
+    def _start_accumulation(self) -> None:
+        """Drop the gradients of the last update before the first contribution to the next
+        one: at the first backward after a step, or at an all-reduce or step that comes before
+        any (a replica that no microbatch of the minibatch reached, with fewer microbatches than
+        replicas), which would otherwise apply the gradients of the last update again."""
+        if self._fresh:
+            for p in self.params.values():
+                p.grad = None
+            self._fresh = False
+
     def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """The live parameters, their gradients (zeros where none was computed) and a flag per
         parameter, 1 where this replica computed a gradient for it. Summed over the replicas
@@ -565,6 +572,7 @@ class StageRuntime:
         round's minibatches: each replica has summed those of its share)."""
         start = time.time()
         self._finish_backwards()
+        self._start_accumulation()
         params, grads, flags = self._grads()
         ranks = self.config.stage_ranks[self.stage]
         if grads:
@@ -582,6 +590,7 @@ class StageRuntime:
         replicated stage's buffers synchronised)."""
         start = time.time()
         self._finish_backwards()
+        self._start_accumulation()
         # every collective is started before any is awaited: the last rank to join them all
         # finishes the step at once (the local driver sees progress only when an action ends)
         pending = []
