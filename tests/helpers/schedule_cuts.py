@@ -94,8 +94,9 @@ def fits(plan: Plan, schedule: str) -> bool:
 
 def micro_options(schedule: str, plan: Plan, batch: int) -> list[int]:
     """Microbatch counts the schedule's order runs with on this placement that cut `batch`
-    samples evenly (the references cut with `torch.chunk`)."""
-    return [m for m in _runs_with(schedule, plan) if batch % m == 0]
+    samples evenly (the references cut with `torch.chunk`), at least 2 samples each
+    (BatchNorm in training needs 2)."""
+    return [m for m in _runs_with(schedule, plan) if batch % m == 0 and batch // m >= 2]
 
 
 def _runs_with(schedule: str, plan: Plan) -> list[int]:
