@@ -28,7 +28,7 @@ from tests.helpers.schedule_cuts import (
     placed_cut,
     seeded_random_net,
 )
-from tests.helpers.transparency import momentum
+from tests.helpers.transparency import crossed_ties, crossed_ties_plan, momentum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -123,3 +123,39 @@ def test_random_cuts_run_distributed_as_locally(ranks: int, count: int, first_se
         for name, value in state.items():
             torch.testing.assert_close(weights[name], value.detach(),
                                        msg=lambda m, c=case, n=name: f"{c} {n}: {m}")
+
+
+def _crossed(schedule: str) -> Any:
+    model, x, y = crossed_ties()
+    return pdcompile.compile(model, example_inputs=(x,), loss_fn=torch.nn.functional.mse_loss,
+                             optimizer=momentum, schedule=schedule, microbatches=2,
+                             plan=crossed_ties_plan(model), example_target=y), [(x, y)] * STEPS
+
+
+def _train_crossed(worker: Worker, schedules: list[str]) -> list[dict[str, Any]]:
+    from pdcompile.backends.distributed import reads_data, run_distributed
+
+    out = []
+    for schedule in schedules:
+        pipe, batches = _crossed(schedule)
+        data = iter(batches) if reads_data(pipe, worker.rank) else None
+        run = run_distributed(pipe, data, monitor=worker.monitor)
+        out.append({"losses": run.losses, "weights": _weights(pipe, worker.rank)})
+    return out
+
+
+def test_ties_over_the_same_ranks_reduce_in_one_order_on_gloo() -> None:
+    """Two ties over the same two processes in crossed chunk order
+    (tests/pipeline/test_schedules_transparency.py): gloo paired one tie's all-reduce with the
+    other's, as the local transport did."""
+    schedules = ["interleaved-1f1b", "interleaved-zb"]
+    results = launch(_train_crossed, 2, args=(schedules,), timeout=240)
+    for index, schedule in enumerate(schedules):
+        pipe, batches = _crossed(schedule)
+        want = pipe.train(batches)
+        weights = {**results[0][index]["weights"], **results[1][index]["weights"]}
+        for rank in (0, 1):
+            torch.testing.assert_close(torch.tensor(results[rank][index]["losses"]),
+                                       torch.tensor(want))
+        for name, value in pipe.named_parameters().items():
+            torch.testing.assert_close(weights[name], value.detach(), msg=name)
