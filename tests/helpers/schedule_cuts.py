@@ -50,7 +50,15 @@ def cut_graph(model: nn.Module, inputs: Inputs) -> fx.GraphModule:
 def placed_cut(gm: fx.GraphModule, rng: random.Random, schedule: str, *,
                ranks: int | None = None) -> Plan:
     """A random valid cut of `gm` placed as `schedule` places stages (chunked ones on `ranks`
-    ranks where given, else 2 or 3)."""
+    ranks where given, else 2 or 3), about one stage in four recomputing its activations in
+    its backward."""
+    placed = _placed_stages(gm, rng, schedule, ranks)
+    return replace(placed, stages=tuple(replace(s, recompute=rng.random() < 0.25)
+                                        for s in placed.stages))
+
+
+def _placed_stages(gm: fx.GraphModule, rng: random.Random, schedule: str,
+                   ranks: int | None) -> Plan:
     row = kind(schedule)
     if row.v_shape:
         ranks = ranks or rng.choice([2, 3])
