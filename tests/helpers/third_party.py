@@ -1,6 +1,6 @@
 """A small pool of third-party models (torchvision, timm, Hugging Face transformers) in tiny
 float64 configurations, with what they train on: skips, in-place ReLUs and additions, BatchNorm,
-layer norms, attention with masks, tied embeddings.
+layer norms, attention with masks, tied embeddings, RWKV's in-place state updates.
 
 `POOL[name](batch)` returns `(model, inputs, target, loss_fn)`; inputs are a tuple, or a dict for
 the Hugging Face models. float64 so that a pipeline that sums microbatch gradients in another
@@ -96,6 +96,20 @@ def hf_bert(batch: int) -> Example:
         classification_loss
 
 
+def hf_rwkv(batch: int) -> Example:
+    """Hugging Face RwkvForCausalLM, 2 layers of width 16: states filled row by row in place
+    (`out[:, t] = v`), time-mix parameters read in several places (a cut spreads them over
+    stages, which then share them as tied parameters)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.RwkvConfig(vocab_size=40, context_length=16, hidden_size=16,
+                                     num_hidden_layers=2, attention_hidden_size=16,
+                                     intermediate_size=32, use_cache=False)
+    model = transformers.RwkvForCausalLM(config).double()
+    ids = torch.randint(0, 40, (batch, 6))
+    return model, {"input_ids": ids}, torch.roll(ids, -1, dims=1), next_token_loss
+
+
 POOL: dict[str, Callable[[int], Example]] = {
     "torchvision-resnet": torchvision_resnet,
     "torchvision-squeezenet": torchvision_squeezenet,
@@ -103,4 +117,5 @@ POOL: dict[str, Callable[[int], Example]] = {
     "hf-gpt2": hf_gpt2,
     "hf-llama": hf_llama,
     "hf-bert": hf_bert,
+    "hf-rwkv": hf_rwkv,
 }
