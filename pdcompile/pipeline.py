@@ -445,7 +445,7 @@ class Pipeline:
         out = []
         for stages, members in sorted(groups.items()):
             ranks = tuple(sorted(r for s in stages for r in self.plan.stages[s].ranks))
-            out.append(TieGroup(ranks, tuple(name for _, name in sorted(members))))
+            out.append(TieGroup(ranks, tuple(name for _, name in sorted(members)), stages))
         return out
 
     def _run(self, data: MicrobatchData, n: int, per: int, *, first_step: int = 0,

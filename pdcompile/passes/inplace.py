@@ -27,8 +27,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+import torch.utils._pytree as pytree
 
-from pdcompile.meta import get_tree
+from pdcompile.meta import SHAPE_KEY, TREE_KEY, get_tree
 
 # Python's augmented assignments (in place on tensors, a new object on numbers), each with the
 # operation making a new object: what they do on numbers
@@ -55,6 +56,25 @@ def changed_alias(value: Any, change: Any) -> Any:
     """`value` after `change`, an in-place change of memory it shares (returns `value`): its
     later readers depend on the change through this call, and it runs where the change does."""
     return value
+
+
+def clone_leaves(value: Any) -> Any:
+    """A copy of every tensor of a container (tuple, list, dict), its structure kept: the copy
+    taken before an in-place change of memory one of its items shares."""
+    return pytree.tree_map_only(torch.Tensor, torch.clone, value)
+
+
+def _copy_of(graph: fx.Graph, value: fx.Node) -> fx.Node:
+    """A node copying `value` (at the graph's insertion point): torch.clone, or `clone_leaves`
+    where it is a container (an LSTM's `(out, (h, c))`, whose item `out` a stage changes in
+    place), which keeps the container's structure for the split to send it as its leaves."""
+    tree = get_tree(value)
+    if tree is None or tree.is_leaf:
+        return graph.call_function(torch.clone, (value,))
+    copy = graph.call_function(clone_leaves, (value,))
+    copy.meta.update({k: v for k, v in value.meta.items() if k in (SHAPE_KEY, TREE_KEY)})
+    copy.meta["is_wrapped"] = True  # generated code wraps it: re-tracing keeps the call
+    return copy
 
 
 def is_changed_alias(node: fx.Node) -> bool:
@@ -245,7 +265,7 @@ def snapshot_before_mutations(gm: fx.GraphModule, stage_of: dict[str, int],
             if not early:
                 continue
             with graph.inserting_after(value):
-                copy = graph.call_function(torch.clone, (value,))
+                copy = _copy_of(graph, value)
             stage_of[copy.name] = home
             for user in early:
                 user.replace_input_with(value, copy)
@@ -267,7 +287,7 @@ def copy_mutated_inputs(sub: fx.GraphModule) -> None:
             if received.op != "placeholder" or received in changed:
                 continue
             with sub.graph.inserting_after(placeholders[-1]):
-                copy = sub.graph.call_function(torch.clone, (received,))
+                copy = _copy_of(sub.graph, received)
             for user in list(received.users):
                 if user is not copy:
                     user.replace_input_with(received, copy)
@@ -277,6 +297,6 @@ def copy_mutated_inputs(sub: fx.GraphModule) -> None:
         sub.recompile()
 
 
-__all__ = ["alias_classes", "changed_alias", "copy_mutated_inputs", "is_changed_alias",
-           "make_mutations_explicit", "may_alias", "mutated_input",
+__all__ = ["alias_classes", "changed_alias", "clone_leaves", "copy_mutated_inputs",
+           "is_changed_alias", "make_mutations_explicit", "may_alias", "mutated_input",
            "snapshot_before_mutations", "set_item"]

@@ -28,6 +28,26 @@ class ChunkRuntimes:
                                 "StageRuntime directly")
         self.rank = rank
         self.chunks = dict(sorted(chunks.items()))
+        self._reduced: set[int] = set()  # updates whose ties were reduced
+        for rt in self.chunks.values():
+            rt.rank_chunks = self
+
+    def reduce_ties(self, index: int) -> list[Any]:
+        """At the first chunk's update `index`: start the tie all-reduces of every chunk of the
+        rank, in the order of the stages sharing each tie (the same on every rank); nothing at
+        the others. Each chunk reducing its own at its own update made the ranks' orders differ
+        (rank 0 a tie of stages (0, 3) then one of (1, 2), rank 1 the other way), so a rank
+        summed one tie's gradients with another's. Every chunk's backwards end before any
+        update of a flush schedule, which all chunked schedules are."""
+        if index in self._reduced:
+            return []
+        self._reduced.add(index)
+        work: list[tuple[tuple[int, ...], Any, Any]] = []  # (stages sharing it, runtime, group)
+        for rt in self.chunks.values():
+            rt.settle_gradients()
+            work.extend((group.stages, rt, group) for group in rt.ties)
+        # one rank holds one stage of a tie (a tie within a rank is refused): stages are a key
+        return [rt.reduce_tie(group) for _, rt, group in sorted(work, key=lambda w: w[0])]
 
     def chunk(self, stage: int) -> Any:
         """The runtime of the rank's chunk `stage`."""

@@ -172,10 +172,13 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class TieGroup:
-    """Tied parameters of this stage shared with other stages: summed over `ranks`."""
+    """Tied parameters of this stage shared with other stages: summed over `ranks`. `stages`:
+    the stages sharing them, which order a rank's reductions where it holds several chunks
+    (runtime/chunks.py)."""
 
     ranks: tuple[int, ...]
     names: tuple[str, ...]
+    stages: tuple[int, ...] = ()
 
 
 SpecFn = Callable[[Tag], list[TensorSpec]]
@@ -202,6 +205,9 @@ class StageRuntime:
         self.output_refs = tuple(output_refs)
         self.output_spec = output_spec
         self.ties = tuple(ties)
+        # where the rank holds several chunks: their runtimes, which reduce every chunk's ties
+        # in one order across ranks (set by ChunkRuntimes)
+        self.rank_chunks: Any = None
         self.specs = specs
         self.recorder = recorder
         self.replicas = len(config.stage_ranks[self.stage])
@@ -440,10 +446,7 @@ class StageRuntime:
             self._run(entry, microbatch)
         elif self.recomputes:  # the activations again, as the forward made them
             self._recompute(entry, microbatch)
-        if self._fresh:
-            for p in self.params.values():
-                p.grad = None
-            self._fresh = False
+        self._start_accumulation()
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if entry.loss is not None and entry.loss.requires_grad:
@@ -542,6 +545,16 @@ class StageRuntime:
             p.grad = leaf.grad if p.grad is None else p.grad.add_(leaf.grad)
             leaf.grad = None
 
+    def _start_accumulation(self) -> None:
+        """Drop the gradients of the last update before the first contribution to the next
+        one: at the first backward after a step, or at an all-reduce or step that comes before
+        any (a replica that no microbatch of the minibatch reached, with fewer microbatches than
+        replicas), which would otherwise apply the gradients of the last update again."""
+        if self._fresh:
+            for p in self.params.values():
+                p.grad = None
+            self._fresh = False
+
     def _grads(self) -> tuple[list[torch.Tensor], list[torch.Tensor], torch.Tensor]:
         """The live parameters, their gradients (zeros where none was computed) and a flag per
         parameter, 1 where this replica computed a gradient for it. Summed over the replicas
@@ -564,7 +577,7 @@ class StageRuntime:
         """Sum the gradients over the stage's replicas (for asynchronous 1f1b, averaged over the
         round's minibatches: each replica has summed those of its share)."""
         start = time.time()
-        self._finish_backwards()
+        self.settle_gradients()
         params, grads, flags = self._grads()
         ranks = self.config.stage_ranks[self.stage]
         if grads:
@@ -581,18 +594,14 @@ class StageRuntime:
         """Optimizer step: a new weight version (tied gradients summed over stages first, a
         replicated stage's buffers synchronised)."""
         start = time.time()
-        self._finish_backwards()
+        self.settle_gradients()
         # every collective is started before any is awaited: the last rank to join them all
         # finishes the step at once (the local driver sees progress only when an action ends)
         pending = []
-        for group in self.ties:
-            tied = [self.params[name] for name in group.names]
-            for p in tied:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                p.grad.div_(self.replicas)
-            pending.append(self.transport.all_reduce([p.grad for p in tied],  # type: ignore[misc]
-                                                     group.ranks))
+        if self.rank_chunks is not None:
+            pending.extend(self.rank_chunks.reduce_ties(index))
+        else:
+            pending.extend(self.reduce_tie(group) for group in self.ties)
         finish_sync = self._start_buffer_sync(pending)
         for started in pending:
             yield from self._wait(started)
@@ -604,6 +613,22 @@ class StageRuntime:
         self.versions.advance()
         self._fresh = True
         self._record(Kind.STEP, index, None, start)
+
+    def settle_gradients(self) -> None:
+        """Before an update reads the gradients: every deferred part of a backward done, and
+        those of the last update dropped where no backward came since (`_start_accumulation`)."""
+        self._finish_backwards()
+        self._start_accumulation()
+
+    def reduce_tie(self, group: TieGroup) -> Pending:
+        """Start summing the gradients of a tie group over its ranks (each replica's share)."""
+        tied = [self.params[name] for name in group.names]
+        for p in tied:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            p.grad.div_(self.replicas)
+        return self.transport.all_reduce([p.grad for p in tied],  # type: ignore[misc]
+                                         group.ranks)
 
     def _clip_gradients(self, max_norm: float) -> Generator[Pending, None, None]:
         """Scale this stage's gradients by the factor of the whole model's gradient norm

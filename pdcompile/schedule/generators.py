@@ -217,6 +217,39 @@ def one_f_one_b(microbatches: Sequence[int], warmup: int) -> list[tuple[Kind, in
     return order
 
 
+def _updates_in_time(shape: tuple[tuple[int, ...], ...], actions: dict[int, tuple[Action, ...]],
+                     per_minibatch: int, depths: Sequence[int]) -> None:
+    """'2bw' runs minibatch t on the weights of the update after minibatch t - 2, so every
+    replica's first forward of minibatch t must come after its own backwards of minibatch
+    t - 2: with a warm-up of d forwards, at least d of its microbatches per minibatch. Refused
+    here, naming the fewest microbatches per minibatch that suffice, rather than failing
+    mid-run."""
+    for stage, ranks in enumerate(shape):
+        for rank in ranks:
+            own: dict[int, int] = {}  # minibatch -> this replica's microbatches of it
+            for action in actions[rank]:
+                if action.kind is Kind.F:
+                    t = action.microbatch // per_minibatch
+                    own[t] = own.get(t, 0) + 1
+            done: dict[int, int] = {}  # minibatch -> backwards run so far
+            for action in actions[rank]:
+                t = action.microbatch // per_minibatch
+                if action.kind is Kind.B:
+                    done[t] = done.get(t, 0) + 1
+                elif t >= 2 and done.get(t - 2, 0) < own.get(t - 2, 0):
+                    step = math.lcm(*(len(r) for r in shape))
+                    least = max(len(r) * max(d, 1) for r, d in zip(shape, depths, strict=True))
+                    least = math.ceil(least / step) * step
+                    raise ScheduleError(
+                        f"'2bw' runs minibatch t on the weights updated after minibatch t-2, "
+                        f"but stage {stage} (rank {rank}, one of {len(ranks)} replicas) runs "
+                        f"{depths[stage]} forwards ahead and takes only "
+                        f"{per_minibatch // len(ranks)} of the {per_minibatch} microbatches of a "
+                        f"minibatch: its forward of microbatch {action.microbatch} would come "
+                        f"before its update of minibatch {t - 2}; use microbatches per "
+                        f"minibatch >= {least} (or fewer stages or replicas)")
+
+
 def _gpipe_order(microbatches: Sequence[int]) -> list[tuple[Kind, int]]:
     return [(Kind.F, m) for m in microbatches] + [(Kind.B, m) for m in reversed(microbatches)]
 
@@ -388,6 +421,8 @@ def _generate(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int
                 order = one_f_one_b(own, depths[stage] if per_replica is None
                                     else per_replica[stage][replica])
             actions[rank] = tuple(Action(stage, kind, m) for kind, m in order)
+    if row.double_buffered:
+        _updates_in_time(shape, actions, per_minibatch, depths)
     options: dict[str, object] = {"microbatches_per_minibatch": per_minibatch}
     if row.vertical_sync:
         options["vertical_sync"] = vertical_sync

@@ -14,6 +14,7 @@ import pdcompile
 from pdcompile.models import gnmt, gpt2, resnet50, vgg16
 from pdcompile.passes.split import manual_plan
 from pdcompile.passes.trace import trace
+from pdcompile.planner.interleave import interleave
 
 STEPS = 3
 
@@ -54,6 +55,37 @@ class TiedBN(nn.Module):
         h = self.emb(idx).mean(1)
         h = torch.relu(self.bn(self.proj(h)))
         return self.head(h)
+
+
+class CrossedTies(nn.Module):
+    """Two parameters each read by two chunks of 2 ranks, in crossed order: `a` by stages 0
+    and 3, `b` by stages 1 and 2 (rank 0 holds stages 0 and 2, rank 1 stages 1 and 3)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Parameter(torch.randn(4))
+        self.b = nn.Parameter(torch.randn(4))
+        self.l0, self.l1, self.l2, self.l3 = (nn.Linear(4, 4) for _ in range(4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l0(x) * self.a)
+        h = torch.tanh(self.l1(h) + self.b)
+        h = torch.tanh(self.l2(h) - self.b)
+        return self.l3(h) * self.a
+
+
+def crossed_ties() -> tuple[CrossedTies, torch.Tensor, torch.Tensor]:
+    """CrossedTies in float64 and a minibatch of 8 (input, target)."""
+    torch.manual_seed(0)
+    return CrossedTies().double(), torch.randn(8, 4, dtype=torch.float64), \
+        torch.randn(8, 4, dtype=torch.float64)
+
+
+def crossed_ties_plan(model: nn.Module) -> pdcompile.Plan:
+    """CrossedTies' four layers as four chunks interleaved on 2 ranks."""
+    stage = {"l0": 0, "mul": 0, "tanh": 0, "l1": 1, "add": 1, "tanh_1": 1, "l2": 2, "sub": 2,
+             "tanh_2": 2, "l3": 3, "mul_1": 3}
+    return interleave(manual_plan(trace(model), lambda n: stage.get(n.name, 0)), 2)
 
 
 def ce(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -8,6 +8,7 @@ weights of single-process training with gradient accumulation (tests/helpers/tra
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -206,3 +207,30 @@ def test_a_view_of_a_tuple_item_changed_two_stages_later() -> None:
                        lambda n: 0 if n.name in first else 2 if n.name in last else 1)
     _check({"model": model, "inputs": inputs, "plan": plan, "schedule": "1f1b-flush",
             "micro": 2})
+
+
+def test_a_tuple_sent_before_a_change_of_its_item(tmp_path: Path) -> None:
+    """Found by random cuts under every schedule: an LSTM's `(out, (h, c))` whose state a stage
+    of its own reads, and whose `out` the LSTM's stage then changes in place. The tuple is sent
+    as a copy taken before the change, and `torch.clone` of a tuple failed compile ("clone():
+    argument 'input' must be Tensor, not tuple"); it is now copied item by item and sent as its
+    leaves, and the export loads and trains alike."""
+    import pdcompile
+    from pdcompile.passes.split import manual_plan
+    from tests.helpers.random_models import Step
+
+    torch.manual_seed(0)
+    model = RandomNet((Step("lstm", 0, 0), Step("relu_inplace", 1, 0)), 1, (-1, -2)).double()
+    inputs = (torch.randn(8, 3, 4, dtype=torch.float64),)
+    first = {"x", "embed_0", "layers_0", "getitem", "relu"}
+    plan = manual_plan(explicit_graph(model, inputs),
+                       lambda n: 0 if n.name in first else 1 if n.name == "getitem_1" else 2)
+    assert plan.stages[1].nodes == ("getitem_1",)
+    target = torch.randn(8, 1, 4, dtype=torch.float64)
+    _check({"model": model, "inputs": inputs, "plan": plan, "schedule": "1f1b-flush",
+            "micro": 2})
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, plan=plan,
+                             loss_fn=squared_error, schedule="1f1b-flush", microbatches=2)
+    pipe.export(str(tmp_path / "export"))
+    loaded = pdcompile.load(str(tmp_path / "export"), loss_fn=squared_error)
+    assert loaded.step(*inputs, target=target) == pipe.step(*inputs, target=target)

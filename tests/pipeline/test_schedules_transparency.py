@@ -20,7 +20,16 @@ from pdcompile.errors import PlanError
 from pdcompile.passes.split import even_plan
 from pdcompile.passes.trace import trace
 from pdcompile.planner.interleave import interleaved_plan, v_plan
-from tests.helpers.transparency import MODELS, check, skip_plan, skipnet, tied_bn, tied_plan
+from tests.helpers.transparency import (
+    MODELS,
+    check,
+    crossed_ties,
+    crossed_ties_plan,
+    skip_plan,
+    skipnet,
+    tied_bn,
+    tied_plan,
+)
 
 
 def chunks(ranks: int, per_rank: int) -> Callable[[nn.Module], pdcompile.Plan]:
@@ -105,3 +114,17 @@ def test_stages_k_with_a_chunked_schedule_trains_like_one_process(schedule: str)
     pipe = check(skipnet(), schedule=schedule, micro=4, plan=None, stages=2)
     assert sorted({s.ranks for s in pipe.plan.stages}) == [(0,), (1,)]
     assert len(pipe.plan.stages) == 4
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb"])
+def test_ties_over_the_same_ranks_reduce_in_one_order(schedule: str) -> None:
+    """Found by random cuts of HF's RWKV (its time_mix parameters read in several chunks): two
+    tie groups over the same two ranks were all-reduced in each rank's chunk order, rank 0 a's
+    then b's, rank 1 b's then a's, so each rank summed one tie's gradient with the other's:
+    silently wrong where the shapes agreed (here), a failed all-reduce where they did not
+    ('stack expects each tensor to be equal size'). Every rank now reduces its ties in one
+    order, that of the stages sharing them."""
+    model, x, y = crossed_ties()
+    pipe = check((model, (x,), y, nn.functional.mse_loss), schedule=schedule, micro=2,
+                 plan=crossed_ties_plan(model))
+    assert sorted(tie.stages for tie in pipe.parts.ties) == [(0, 3), (1, 2)]

@@ -184,6 +184,36 @@ def test_2bw_matches_delayed_update_rule(stages: int, replicas: list[int] | None
     assert max(rt.versions.peak for rt in pipe.last_runtimes.values()) <= 2
 
 
+def test_2bw_refuses_too_few_microbatches_for_a_replica_before_any_rank_runs() -> None:
+    """Found by random cuts under every schedule: 4 stages on replicas [2, 1, 2, 2] with 4
+    microbatches per minibatch (as many as stages, which the old message asked for) stopped
+    mid-run ("stage 0 needs weight version 1 for microbatch 8 but has only reached version 0;
+    use at least as many microbatches per minibatch as stages"): a replica of stage 0 runs 3
+    forwards ahead but takes only 2 microbatches of each minibatch, so its forward of minibatch
+    2 came before the update of minibatch 0 it needs. The schedule is refused when it is made,
+    naming the fewest that suffice (2 replicas x 3 ahead = 6), and 6 trains by the rule."""
+    from pdcompile.errors import ScheduleError
+    from pdcompile.schedule.generators import generate
+
+    shape = [[0, 1], [2], [3, 4], [5, 6]]
+    with pytest.raises(ScheduleError, match=r"stage 0 \(rank 0.*3 forwards ahead.*>= 6"):
+        generate("2bw", shape, 12, microbatches_per_minibatch=4)
+    generate("2bw", shape, 18, microbatches_per_minibatch=6)
+    model = make_model()
+    data = batches(3, size=12)
+    pipe = build(copy.deepcopy(model), 4, [2, 1, 2, 2], schedule="2bw", microbatches=4,
+                 optimizer=sgd_momentum)
+    with pytest.raises(ScheduleError, match=">= 6"):
+        pipe.train(data)
+    assert_weights(pipe, dict(model.named_parameters()))  # no rank ran: nothing moved
+    pipe = build(copy.deepcopy(model), 4, [2, 1, 2, 2], schedule="2bw", microbatches=6,
+                 optimizer=sgd_momentum)
+    losses = pipe.train(data)
+    ref_losses, ref_weights = reference_2bw(model, data, 6, sgd_momentum)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref_losses))
+    assert_weights(pipe, ref_weights)
+
+
 def test_stash_versions_equal_in_flight_and_are_released() -> None:
     model = make_model()
     pipe = build(copy.deepcopy(model), 4, None, schedule="1f1b")

@@ -1,0 +1,121 @@
+"""A small pool of third-party models (torchvision, timm, Hugging Face transformers) in tiny
+float64 configurations, with what they train on: skips, in-place ReLUs and additions, BatchNorm,
+layer norms, attention with masks, tied embeddings, RWKV's in-place state updates.
+
+`POOL[name](batch)` returns `(model, inputs, target, loss_fn)`; inputs are a tuple, or a dict for
+the Hugging Face models. float64 so that a pipeline that sums microbatch gradients in another
+order than one process differs from it by rounding far below the comparison's tolerance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pdcompile.models.real_models import classification_loss, next_token_loss
+
+Example = tuple[nn.Module, Any, torch.Tensor, Callable[[Any, torch.Tensor], torch.Tensor]]
+
+
+def _images(batch: int, size: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
+    return (torch.randn(batch, 3, size, size, dtype=torch.float64),), \
+        torch.randint(0, 10, (batch,))
+
+
+def torchvision_resnet(batch: int) -> Example:
+    """torchvision's ResNet class with one BasicBlock per layer (in-place ReLU, `out +=
+    identity`, BatchNorm, downsampling skips), 32x32 images."""
+    resnet = pytest.importorskip("torchvision.models.resnet")
+    torch.manual_seed(0)
+    model = resnet.ResNet(resnet.BasicBlock, [1, 1, 1, 1], num_classes=10).double()
+    return (model, *_images(batch, 32), classification_loss)
+
+
+def torchvision_squeezenet(batch: int) -> Example:
+    """torchvision's SqueezeNet 1.1 (in-place ReLUs, fire modules concatenating two branches,
+    no BatchNorm), 32x32 images; dropout off."""
+    models = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    model = models.squeezenet1_1(num_classes=10, dropout=0.0).double()
+    return (model, *_images(batch, 32), classification_loss)
+
+
+def timm_vit(batch: int) -> Example:
+    """timm's vit_tiny with 2 blocks (attention, layer norms, class token) over 8x8 patches."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=16,
+                              patch_size=8, depth=2, num_classes=10).double()
+    return (model, *_images(batch, 16), classification_loss)
+
+
+def hf_gpt2(batch: int) -> Example:
+    """Hugging Face GPT2LMHeadModel, 2 layers of width 16, its head tied to its embedding."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=16, n_layer=2,
+                                     n_head=2, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     use_cache=False, bos_token_id=0, eos_token_id=0)
+    model = transformers.GPT2LMHeadModel(config).double()
+    ids = torch.randint(0, 40, (batch, 6))
+    return model, {"input_ids": ids}, torch.roll(ids, -1, dims=1), next_token_loss
+
+
+def hf_llama(batch: int) -> Example:
+    """Hugging Face LlamaForCausalLM, 2 layers of width 16 (RMSNorm, rotary positions, gated
+    MLP), its head tied to its embedding."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=40, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=16,
+                                      tie_word_embeddings=True, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).double()
+    ids = torch.randint(0, 40, (batch, 6))
+    return model, {"input_ids": ids}, torch.roll(ids, -1, dims=1), next_token_loss
+
+
+def hf_bert(batch: int) -> Example:
+    """Hugging Face BertForSequenceClassification, 2 layers of width 16, padded attention
+    mask."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=40, hidden_size=16, num_hidden_layers=2,
+                                     num_attention_heads=2, intermediate_size=32,
+                                     max_position_embeddings=16, hidden_dropout_prob=0.0,
+                                     attention_probs_dropout_prob=0.0, num_labels=3)
+    model = transformers.BertForSequenceClassification(config).double()
+    ids = torch.randint(0, 40, (batch, 6))
+    mask = torch.ones(batch, 6, dtype=torch.long)
+    mask[:, 4:] = 0
+    return model, {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 3, (batch,)), \
+        classification_loss
+
+
+def hf_rwkv(batch: int) -> Example:
+    """Hugging Face RwkvForCausalLM, 2 layers of width 16: states filled row by row in place
+    (`out[:, t] = v`), time-mix parameters read in several places (a cut spreads them over
+    stages, which then share them as tied parameters)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.RwkvConfig(vocab_size=40, context_length=16, hidden_size=16,
+                                     num_hidden_layers=2, attention_hidden_size=16,
+                                     intermediate_size=32, use_cache=False)
+    model = transformers.RwkvForCausalLM(config).double()
+    ids = torch.randint(0, 40, (batch, 6))
+    return model, {"input_ids": ids}, torch.roll(ids, -1, dims=1), next_token_loss
+
+
+POOL: dict[str, Callable[[int], Example]] = {
+    "torchvision-resnet": torchvision_resnet,
+    "torchvision-squeezenet": torchvision_squeezenet,
+    "timm-vit_tiny": timm_vit,
+    "hf-gpt2": hf_gpt2,
+    "hf-llama": hf_llama,
+    "hf-bert": hf_bert,
+    "hf-rwkv": hf_rwkv,
+}
