@@ -28,6 +28,7 @@ from tests.helpers.schedule_cuts import (
     placed_cut,
     seeded_random_net,
 )
+from tests.helpers.small_pipes import rank_weights
 from tests.helpers.transparency import crossed_ties, crossed_ties_plan, momentum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -64,16 +65,6 @@ def _pipeline(case: Case, ranks: int) -> tuple[Any, list[tuple[Any, torch.Tensor
     return pipe, batches
 
 
-def _weights(pipe: Any, rank: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for stage in pipe.stages_of(rank):
-        state, program = pipe.state(rank, stage), pipe.parts.stages[stage]
-        out.update({original: p.detach().clone()
-                    for name, p in state.module.named_parameters()
-                    for original in program.param_names.get(name, (name,))})
-    return out
-
-
 def _train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
     from pdcompile.backends.distributed import reads_data, run_distributed
 
@@ -82,7 +73,7 @@ def _train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
         pipe, batches = _pipeline(case, worker.world_size)
         data = iter(batches) if reads_data(pipe, worker.rank) else None
         run = run_distributed(pipe, data, monitor=worker.monitor)
-        out.append({"losses": run.losses, "weights": _weights(pipe, worker.rank)})
+        out.append({"losses": run.losses, "weights": rank_weights(pipe, worker.rank)})
     return out
 
 
@@ -140,7 +131,7 @@ def _train_crossed(worker: Worker, schedules: list[str]) -> list[dict[str, Any]]
         pipe, batches = _crossed(schedule)
         data = iter(batches) if reads_data(pipe, worker.rank) else None
         run = run_distributed(pipe, data, monitor=worker.monitor)
-        out.append({"losses": run.losses, "weights": _weights(pipe, worker.rank)})
+        out.append({"losses": run.losses, "weights": rank_weights(pipe, worker.rank)})
     return out
 
 

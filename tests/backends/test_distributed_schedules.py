@@ -19,6 +19,7 @@ from torch import nn
 
 import pdcompile
 from pdcompile.backends.launch import Worker, launch
+from tests.helpers.small_pipes import rank_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -72,16 +73,6 @@ def _pipeline(case: Case) -> Any:
                              schedule=case.schedule, microbatches=MICRO, plan=plan)
 
 
-def _weights(pipe: Any, rank: int) -> dict[str, torch.Tensor]:
-    out = {}
-    for stage in pipe.stages_of(rank):
-        state, program = pipe.state(rank, stage), pipe.parts.stages[stage]
-        out.update({original: p.detach().clone()
-                    for name, p in state.module.named_parameters()
-                    for original in program.param_names.get(name, (name,))})
-    return out
-
-
 def _train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
     from pdcompile.backends.distributed import reads_data, run_distributed
 
@@ -91,7 +82,7 @@ def _train(worker: Worker, cases: list[Case]) -> list[dict[str, Any]]:
         pipe = _pipeline(case)
         batches = iter(_batches(case.steps)) if reads_data(pipe, worker.rank) else None
         run = run_distributed(pipe, batches, monitor=worker.monitor, record=case.record)
-        out.append({"losses": run.losses, "weights": _weights(pipe, worker.rank),
+        out.append({"losses": run.losses, "weights": rank_weights(pipe, worker.rank),
                     "timeline": run.timeline})
     return out
 

@@ -10,22 +10,17 @@ import threading
 from pathlib import Path
 
 import pytest
-import torch
-from torch import nn
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
 from pdcompile.export import signing
 from pdcompile.pipeline import Pipeline
+from tests.helpers.small_pipes import two_stage_pipe
 
 
 @pytest.fixture(scope="module")
 def pipe() -> Pipeline:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    return pdcompile.compile(model, example_inputs=(torch.randn(4, 6),),
-                             example_target=torch.randn(4, 3), loss_fn=nn.functional.mse_loss,
-                             stages=[1, 1], microbatches=2, cost="analytic")
+    return two_stage_pipe()
 
 
 @pytest.mark.parametrize("key", [b"", b"0123456789abcdef"], ids=["empty", "16-bytes"])

@@ -12,12 +12,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from torch import nn
 
 import pdcompile
 from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export.target_folder import replaced_name
 from pdcompile.pipeline import Pipeline
+from tests.helpers.small_pipes import two_stage_pipe
 
 # names a user's project folder may hold: some the export writes, some it never touches
 _NAMES = ["README.md", "graph.py", "plan.json", "launch.sh", "schedule.txt", "stage_0.py",
@@ -27,11 +27,7 @@ _NAMES = ["README.md", "graph.py", "plan.json", "launch.sh", "schedule.txt", "st
 
 @pytest.fixture(scope="module")
 def pipe() -> Pipeline:
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
-    return pdcompile.compile(model, example_inputs=(torch.randn(4, 6),),
-                             example_target=torch.randn(4, 3), loss_fn=nn.functional.mse_loss,
-                             stages=[1, 1], microbatches=2, cost="analytic")
+    return two_stage_pipe()
 
 
 def _snapshot(folder: Path) -> dict[str, bytes | None]:

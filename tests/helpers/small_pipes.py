@@ -25,3 +25,24 @@ def small_data(n: int, size: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]
 def small_pipe(model: nn.Module, **options: object) -> pdcompile.pipeline.Pipeline:
     return pdcompile.compile(model, example_inputs=(torch.randn(8, 6),), loss_fn=mse,
                              **options)  # type: ignore[arg-type]
+
+
+def two_stage_pipe() -> pdcompile.pipeline.Pipeline:
+    """Linear(6, 8), Tanh, Linear(8, 3) in two stages of 2 microbatches, costed analytically:
+    the export tests' pipeline (quick to compile, nothing measured)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    return pdcompile.compile(model, example_inputs=(torch.randn(4, 6),),
+                             example_target=torch.randn(4, 3), loss_fn=mse,
+                             stages=[1, 1], microbatches=2, cost="analytic")
+
+
+def rank_weights(pipe: pdcompile.pipeline.Pipeline, rank: int) -> dict[str, torch.Tensor]:
+    """The parameters `rank` holds after a run, by their names in the model."""
+    out = {}
+    for stage in pipe.stages_of(rank):
+        state, program = pipe.state(rank, stage), pipe.parts.stages[stage]
+        out.update({original: p.detach().clone()
+                    for name, p in state.module.named_parameters()
+                    for original in program.param_names.get(name, (name,))})
+    return out
