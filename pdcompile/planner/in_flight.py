@@ -98,6 +98,10 @@ def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
     if row.flush:
         return [min(n, d) for n, d in zip(limits, defaults, strict=True)]
     replicas = [len(r) for _, r in stages]
+    if row.double_buffered:  # 2BW: a replica's forwards of minibatch t follow its backwards of
+        # t-2, so it runs at most its own microbatches of a minibatch ahead (schedule.generators)
+        limits = [min(n, max(1, options.per_minibatch // r) + 1)
+                  for n, r in zip(limits, replicas, strict=True)]
     limits = runnable_in_flight(limits, replicas)
     built = plan_terms(graph, stages, cluster, options=options, in_flight=limits,
                        recompute=again)

@@ -215,3 +215,21 @@ def test_the_no_fit_message_does_not_blame_a_memory_the_model_fits() -> None:
 def test_a_profile_name_in_place_of_a_cost_graph_names_the_loader() -> None:
     with pytest.raises(PlanError, match=r"load_pipedream\('vgg16'\)"):
         pdcompile.plan("vgg16", "4@1e9")
+
+
+def test_2bw_runs_each_replica_at_most_its_microbatches_of_a_minibatch_ahead() -> None:
+    """2BW's minibatch t runs on the update after t-2: a replica's forwards of t must follow
+    its backwards of t-2. On a slow link the planner kept 64 microbatches in flight on 2 per
+    minibatch, a plan whose schedule is refused when built (found by the export tests)."""
+    import torch
+    from torch import nn
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(4, 4) for _ in range(4))).double()
+    x, y = torch.randn(8, 3, 4, dtype=torch.float64), torch.randn(8, 3, 4, dtype=torch.float64)
+    pipe = pdcompile.compile(model, "3@1GB/s~1ms", example_inputs=(x,), example_target=y,
+                             loss_fn=nn.functional.mse_loss, schedule="2bw", microbatches=2,
+                             cost="analytic")
+    for stage in pipe.plan.stages:
+        assert stage.in_flight <= max(1, 2 // stage.replicas) + 1
+    assert len(pipe.train([(x, y)] * 3)) == 3
