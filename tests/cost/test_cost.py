@@ -16,7 +16,6 @@ from torch import nn
 from pdcompile.cost import costgraph
 from pdcompile.cost.node_costs import (
     annotate_costs,
-    measure_model,
     param_owners,
     to_cost_graph,
     total_cost,
@@ -134,34 +133,6 @@ def test_measured_backward_is_measured_not_guessed() -> None:
     assert 0.0015 < cost.fwd < 0.02
     assert cost.bwd > 0.025
     assert cost.bwd > 5 * cost.fwd
-
-
-@pytest.mark.parametrize("name", ["vgg16", "gpt2", "resnet50", "gnmt", "alexnet"])
-def test_sum_of_node_times_matches_whole_model(name: str) -> None:
-    """The issue's bound: the sum of the per-node forward and backward times is within 35% of
-    the whole model's forward + backward. Timed in CPU time (one torch thread), which other
-    processes on a shared CI machine do not inflate; benchmarks/cost_fidelity.py also gives
-    the wall-clock figures."""
-    options: dict[str, dict[str, Any]] = {
-        "vgg16": {"batch_size": 8, "image_size": 32, "width": 8},
-        "gpt2": {"batch_size": 4, "seq_len": 32},
-        "resnet50": {"batch_size": 4, "image_size": 32, "width": 8, "blocks": (1, 1, 1, 1)},
-        "gnmt": {"batch_size": 4, "src_len": 8, "tgt_len": 8, "hidden": 64, "layers": 2},
-        "alexnet": {"batch_size": 4, "image_size": 64, "width": 8},
-    }
-    module = importlib.import_module(f"pdcompile.models.{name}")
-    model, inputs = module.factory(**options[name])
-    rounds = []
-    for _ in range(3):  # interleaved rounds: a burst of cache or memory-bandwidth contention
-        # from a neighbouring process lands in one round, not in one side of every comparison
-        gm = annotate_costs(trace(model), inputs, clock="cpu", warmup=2, repeats=5)
-        total = total_cost(gm)
-        fwd, bwd = measure_model(model, inputs, clock="cpu", warmup=2, repeats=9)
-        rounds.append(((total.fwd + total.bwd) / (fwd + bwd), total.fwd, total.bwd, fwd, bwd))
-    ratio, nodes_fwd, nodes_bwd, fwd, bwd = sorted(rounds)[1]
-    assert 0.65 <= ratio <= 1.35, (f"{name}: nodes {nodes_fwd:.4f}+{nodes_bwd:.4f}s vs whole "
-                                   f"{fwd:.4f}+{bwd:.4f}s (median ratio of three rounds "
-                                   f"{ratio:.2f}; all {[round(r[0], 2) for r in rounds]})")
 
 
 def test_analytic_linear_flops_and_roofline() -> None:
