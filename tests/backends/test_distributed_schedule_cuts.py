@@ -28,7 +28,7 @@ from tests.helpers.schedule_cuts import (
     placed_cut,
     seeded_random_net,
 )
-from tests.helpers.small_pipes import rank_weights
+from tests.helpers.small_pipes import assert_ranks_trained_alike, rank_weights
 from tests.helpers.transparency import crossed_ties, crossed_ties_plan, momentum
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -102,18 +102,7 @@ def test_random_cuts_run_distributed_as_locally(ranks: int, count: int, first_se
     results = launch(_train, ranks, args=(cases,), timeout=540)
     for index, case in enumerate(cases):
         pipe, batches = _pipeline(case, ranks)
-        want = pipe.train(batches)
-        for rank in range(ranks):
-            torch.testing.assert_close(torch.tensor(results[rank][index]["losses"]),
-                                       torch.tensor(want), msg=lambda m, c=case: f"{c}: {m}")
-        weights: dict[str, torch.Tensor] = {}
-        for rank in range(ranks):
-            weights.update(results[rank][index]["weights"])
-        state = pipe.named_parameters()
-        assert sorted(weights) == sorted(state), case
-        for name, value in state.items():
-            torch.testing.assert_close(weights[name], value.detach(),
-                                       msg=lambda m, c=case, n=name: f"{c} {n}: {m}")
+        assert_ranks_trained_alike(results, index, pipe, pipe.train(batches), case)
 
 
 def _crossed(schedule: str) -> Any:

@@ -19,7 +19,7 @@ from torch import nn
 
 import pdcompile
 from pdcompile.backends.launch import Worker, launch
-from tests.helpers.small_pipes import rank_weights
+from tests.helpers.small_pipes import assert_ranks_trained_alike, rank_weights
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -114,18 +114,8 @@ def _check(cases: list[Case], nproc: int, train: Any = _train) -> list[list[dict
     for index, case in enumerate(cases):
         torch.manual_seed(7)
         pipe = _pipeline(case)
-        want = pipe.train(_batches(case.steps))
-        for rank in range(nproc):
-            torch.testing.assert_close(torch.tensor(results[rank][index]["losses"]),
-                                       torch.tensor(want), msg=lambda m, c=case: f"{c}: {m}")
-        weights: dict[str, torch.Tensor] = {}
-        for rank in range(nproc):
-            weights.update(results[rank][index]["weights"])
-        state = pipe.named_parameters()
-        assert sorted(weights) == sorted(state), case
-        for name, value in state.items():
-            torch.testing.assert_close(weights[name], value.detach(),
-                                       msg=lambda m, c=case, n=name: f"{c} {n}: {m}")
+        assert_ranks_trained_alike(results, index, pipe, pipe.train(_batches(case.steps)),
+                                   case)
     return results
 
 

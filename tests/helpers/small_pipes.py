@@ -46,3 +46,21 @@ def rank_weights(pipe: pdcompile.pipeline.Pipeline, rank: int) -> dict[str, torc
                     for name, p in state.module.named_parameters()
                     for original in program.param_names.get(name, (name,))})
     return out
+
+
+def assert_ranks_trained_alike(results: list[list[dict[str, object]]], index: int,
+                               pipe: pdcompile.pipeline.Pipeline, want: list[float],
+                               case: object) -> None:
+    """Every rank's losses of run `index` equal `want` (the local backend's), and the ranks'
+    weights together (`rank_weights`) equal the pipeline's after `want`'s training."""
+    weights: dict[str, torch.Tensor] = {}
+    for per_rank in results:
+        run = per_rank[index]
+        torch.testing.assert_close(torch.tensor(run["losses"]), torch.tensor(want),
+                                   msg=lambda m: f"{case}: {m}")
+        weights.update(run["weights"])  # type: ignore[arg-type]
+    state = pipe.named_parameters()
+    assert sorted(weights) == sorted(state), case
+    for name, value in state.items():
+        torch.testing.assert_close(weights[name], value.detach(),
+                                   msg=lambda m, n=name: f"{case} {n}: {m}")
