@@ -30,6 +30,7 @@ from tests.helpers.blocks import (
     stage_of_block,
     update_after_round,
 )
+from tests.helpers.schedule_cuts import delayed_reference
 
 OptFactory = Callable[[list[torch.Tensor]], torch.optim.Optimizer]
 SchedFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -86,24 +87,9 @@ def reference_1f1b(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor
 
 def reference_2bw(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]],
                   micro: int, make_opt: OptFactory) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """W(t+1) = W(t) - lr * grad_t(W(t-1)), gradients accumulated over the microbatches."""
-    live = {n: p.detach().clone().requires_grad_() for n, p in model.named_parameters()}
-    opt = make_opt(list(live.values()))
-    history = [{n: t.detach().clone() for n, t in live.items()}]
-    losses = []
-    for t, (x, y) in enumerate(data):
-        params = {n: v.clone().requires_grad_() for n, v in history[max(t - 1, 0)].items()}
-        total = 0.0
-        for xc, yc in zip(x.chunk(micro), y.chunk(micro), strict=True):
-            loss = mse(functional_call(model, params, (xc,)), yc)
-            (loss / micro).backward()
-            total += loss.item() / micro
-        losses.append(total)
-        for n, v in live.items():
-            v.grad = params[n].grad
-        opt.step()
-        history.append({n: v.detach().clone() for n, v in live.items()})
-    return losses, {n: v.detach() for n, v in live.items()}
+    """W(t+1) = W(t) - lr * grad_t(W(t-1)), gradients accumulated over the microbatches
+    (tests/helpers/schedule_cuts.delayed_reference on one-input minibatches)."""
+    return delayed_reference(model, [((x,), y) for x, y in data], mse, micro, make_opt)
 
 
 def sgd_momentum(params: list[torch.Tensor]) -> torch.optim.Optimizer:
