@@ -526,10 +526,29 @@ class _TimedPass(fx.Interpreter):
     def run_node(self, n: fx.Node) -> Any:
         if n.op not in _COMPUTE_OPS:
             return super().run_node(n)
-        result: list[Any] = []
-        self.seconds[n.name] = self.timer.time(lambda: result.append(super(
-            _TimedPass, self).run_node(n)))
+        # the interpreter's own work (reading the arguments from its environment, finding the
+        # module by its dotted name) stays outside the clock: generated stage code, like the
+        # model's forward, pays none of it (about 6 us a node, 15-38% of small models' forwards)
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            call = _resolved_call(self, n, args)
+            result: list[Any] = []
+            self.seconds[n.name] = self.timer.time(lambda: result.append(call(args, kwargs)))
         return result[0]
+
+
+def _resolved_call(interpreter: fx.Interpreter, n: fx.Node,
+                   args: tuple[Any, ...]) -> Callable[[tuple[Any, ...], dict[str, Any]], Any]:
+    """The node's call with its target looked up: the module, the function, or the method of
+    its first argument; called with the node's arguments."""
+    if n.op == "call_module":
+        module = interpreter.fetch_attr(str(n.target))
+        return lambda a, k: module(*a, **k)
+    if n.op == "call_method":
+        method = getattr(args[0], str(n.target))
+        return lambda a, k: method(*a[1:], **k)
+    target = n.target
+    return lambda a, k: target(*a, **k)  # type: ignore[operator]
 
 
 def _forward_in_sequence(gm: fx.GraphModule, values: list[Any], timer: Timer, *, warmup: int,
