@@ -145,10 +145,11 @@ def annotate_costs(
 
 def weight_grad_shares(gm: fx.GraphModule, values: Sequence[Any]) -> dict[str, float]:
     """Per node whose weight gradients the runtime can defer (the Linear calls the fuse pass
-    rewrites, `passes.fuse.fusable_linears`), the part of its backward they take: dW = gy^T x
-    (and db) costs the FLOPs of the input gradient gx = gy W, so 1/2 where the Linear's input
-    needs a gradient, all of it where it does not (a model input)."""
-    from pdcompile.passes.fuse import fusable_linears
+    rewrites, `passes.fuse.fusable_linears`, and the convolutions the B/W split rewrites,
+    `deferrable_convs`), the part of its backward they take: dW = gy^T x (and db) costs the
+    FLOPs of the input gradient gx = gy W (a convolution's dW as many as its gx), so 1/2 where
+    the layer's input needs a gradient, all of it where it does not (a model input)."""
+    from pdcompile.passes.fuse import deferrable_convs, fusable_linears
 
     needs: dict[str, bool] = {}
     placeholders = iter(values)
@@ -166,7 +167,7 @@ def weight_grad_shares(gm: fx.GraphModule, values: Sequence[Any]) -> dict[str, f
             needs[node.name] = own or any(needs.get(a.name, False)
                                           for a in node.all_input_nodes)
     shares = {}
-    for node in fusable_linears(gm):
+    for node in fusable_linears(gm) + deferrable_convs(gm):
         source = node.args[0]
         shares[node.name] = 0.5 if isinstance(source, fx.Node) and needs[source.name] else 1.0
     return shares
