@@ -258,15 +258,6 @@ class Pipeline:
                     f"(stage c on rank c mod p); make one with "
                     f"pdcompile.planner.interleave.interleave(plan, ranks) or interleaved_plan("
                     f"graph, ranks, chunks)")
-        for tie in self.parts.ties:
-            owners = [r for s in tie.stages for r in self.plan.stages[s].ranks]
-            if len(set(owners)) < len(owners):
-                fix = ("a V puts stages c and 2p - 1 - c (the first and the last, for a tied "
-                       "embedding) on one rank: untie them or use 'interleaved-zb'"
-                       if kind(self.schedule_name).v_shape else
-                       "tie them on different ranks (another number of chunks) or untie them")
-                raise PlanError(f"parameter {tie.name!r} is shared by stages {tie.stages}, two "
-                                f"of which are chunks of one rank; {fix}")
         if self.vertical_sync and (not kind(self.schedule_name).vertical_sync
                                    or len(set(replicas)) > 1):
             raise PipelineInputError("vertical_sync needs schedule '1f1b' and the same number of "
@@ -444,7 +435,9 @@ class Pipeline:
                 groups.setdefault(tie.stages, []).append((tie.name, mine[0]))
         out = []
         for stages, members in sorted(groups.items()):
-            ranks = tuple(sorted(r for s in stages for r in self.plan.stages[s].ranks))
+            # a rank holding several of the stages (chunks) joins the all-reduce once, with
+            # the sum of its copies' gradients (runtime/rank_ties.py)
+            ranks = tuple(sorted({r for s in stages for r in self.plan.stages[s].ranks}))
             out.append(TieGroup(ranks, tuple(name for _, name in sorted(members)), stages))
         return out
 

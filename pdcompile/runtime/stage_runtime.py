@@ -40,7 +40,9 @@ weights and random state, at the start of its backward; buffers the second run c
 (BatchNorm statistics) are put back, so the result equals the stage's without recomputation.
 
 Parameters tied across stages (tied embeddings) have their gradients summed over the stages that
-hold them inside `step` (an all-reduce among those ranks), so the copies stay equal.
+hold them inside `step` (an all-reduce among those ranks), so the copies stay equal; where one
+rank holds several of those stages as chunks, its copies' gradients are summed on the rank first
+and the rank joins the all-reduce once (runtime/chunks.py, runtime/rank_ties.py).
 
 Buffers of a replicated stage (BatchNorm running statistics) are synchronised over its replicas
 in every `step`, before the optimizer step (one all-reduce per dtype, started together with the
@@ -172,13 +174,15 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class TieGroup:
-    """Tied parameters of this stage shared with other stages: summed over `ranks`. `stages`:
-    the stages sharing them, which order a rank's reductions where it holds several chunks
-    (runtime/chunks.py)."""
+    """Tied parameters of this stage shared with other stages: summed over `ranks` (each
+    rank once, however many of the stages it holds). `stages`: the stages sharing them, which
+    order a rank's reductions where it holds several chunks (runtime/chunks.py), merge the
+    copies of chunks of one rank (runtime/rank_ties.py) and name the stage whose copy a global
+    gradient norm counts (the first)."""
 
     ranks: tuple[int, ...]
     names: tuple[str, ...]
-    stages: tuple[int, ...] = ()
+    stages: tuple[int, ...]
 
 
 SpecFn = Callable[[Tag], list[TensorSpec]]
@@ -636,9 +640,7 @@ class StageRuntime:
         stage_ranks = self.config.stage_ranks
         # a tied parameter is counted by the first stage holding it
         elsewhere = {id(self.params[name]) for group in self.ties
-                     if min(s for s, ranks in enumerate(stage_ranks)
-                            if set(ranks) & set(group.ranks)) != self.stage
-                     for name in group.names}
+                     if min(group.stages) != self.stage for name in group.names}
         with_grads = [p for p in _unique(self.params.values()) if p.grad is not None]
         counted = [p.grad for p in with_grads if id(p) not in elsewhere]
         total = square_norm(counted, share=self.replicas)  # type: ignore[arg-type]
