@@ -10,19 +10,29 @@ every chunk, after three updates equal gradient accumulation in one process, in 
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from torch import nn
 
 import pdcompile
 from pdcompile.schedule.kinds import KINDS, kind
-from tests.helpers.schedule_cuts import cut_graph, fits, micro_options, placed_cut
+from tests.helpers.schedule_cuts import (
+    cut_graph,
+    fits,
+    flush_reference,
+    micro_options,
+    placed_cut,
+)
 from tests.helpers.tied_models import (
+    assert_every_copy,
     gpt2_case,
     interleaved_tie_plan,
     tied_lm_case,
@@ -30,6 +40,7 @@ from tests.helpers.tied_models import (
     trains_like_one_process,
     v_shaped,
 )
+from tests.helpers.transparency import momentum
 
 CHUNKED = tuple(name for name, row in KINDS.items() if row.interleaved)
 
@@ -66,6 +77,31 @@ def test_gpt2_on_a_v_of_three_ranks(schedule: str) -> None:
     pipe = trains_like_one_process(case, schedule=schedule, plan=v_shaped(case[0], 3),
                                    micro=micro)
     assert ties_within_a_rank(pipe) == ["wte.weight"]
+
+
+@pytest.mark.parametrize("layout", ["zb-v", "interleaved-1f1b"])
+def test_an_export_of_a_tie_within_a_rank_trains_and_evaluates_on(layout: str,
+                                                                   tmp_path: Path) -> None:
+    """Exported after one update and loaded, two more updates give single-process training's
+    three (each chunk's copy and its optimizer state travel with its stage), and the loaded
+    pipeline's evaluation (its stage graphs: the last stage reads its own copy of the tie)
+    is the trained model's in eval mode."""
+    schedule, plan = LAYOUTS[layout]
+    model, inputs, target, loss_fn = gpt2_case()
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, loss_fn=loss_fn,
+                             optimizer=momentum, schedule=schedule, microbatches=4,
+                             plan=plan(model), example_target=target)
+    first = pipe.step(*inputs, target=target)
+    pipe.export(tmp_path / "export")
+    loaded = pdcompile.load(tmp_path / "export")
+    losses = [first] + [loaded.step(*inputs, target=target) for _ in range(2)]
+    want, state = flush_reference(model, inputs, target, loss_fn, 4, 3, momentum)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
+    assert_every_copy(loaded, state, layout)
+    trained = copy.deepcopy(model)
+    trained.load_state_dict(state)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.evaluate(*inputs), trained.eval()(*inputs))
 
 
 BATCH = 12  # 1, 2, 3, 4 and 6 microbatches
