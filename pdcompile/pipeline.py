@@ -184,7 +184,7 @@ class Pipeline:
 
     def _checked_clip(self, value: float | None) -> float | None:
         """`clip_grad_norm`, where this pipeline can clip by the global norm
-        (runtime/grad_clip.py): a flush schedule, one stage per rank."""
+        (runtime/grad_clip.py): a flush schedule."""
         limit = check_max_norm(value)
         if limit is None:
             return None
@@ -194,12 +194,6 @@ class Pipeline:
                 f"updates, which schedule {self.schedule_name!r} does not wait for (each stage "
                 "updates at its own time); use a flush schedule ('1f1b-flush', 'gpipe', "
                 "'zb-h1'), or clip each stage's gradients in its optimizer")
-        chunked = [r for r in self.all_ranks if len(self.stages_of(r)) > 1]
-        if chunked:
-            raise PipelineInputError(
-                f"clip_grad_norm is not supported yet where a worker holds several stages "
-                f"(workers {chunked[:4]} here: schedule {self.schedule_name!r}); use a schedule "
-                "with one stage per worker ('1f1b-flush', 'zb-h1'), or no clipping")
         return limit
 
     def stages_of(self, rank: int) -> tuple[int, ...]:

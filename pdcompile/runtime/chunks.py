@@ -10,12 +10,13 @@ driver), `losses` and `finish()`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import torch
 
 from pdcompile.errors import ScheduleError
+from pdcompile.runtime.grad_clip import clip_factor
 from pdcompile.runtime.rank_ties import tie_within_rank
 
 
@@ -30,6 +31,7 @@ class ChunkRuntimes:
         self.rank = rank
         self.chunks = dict(sorted(chunks.items()))
         self._reduced: set[int] = set()  # updates whose ties were reduced
+        self._clipped: set[int] = set()  # updates whose gradients were clipped
         for rt in self.chunks.values():
             rt.rank_chunks = self
 
@@ -58,6 +60,26 @@ class ChunkRuntimes:
         # the stages sharing a tie group are its key, and the same on every rank holding it
         return [held[0][0].reduce_tie(held[0][1]) if len(held) == 1 else tie_within_rank(held)
                 for _, held in sorted(holders.items())]
+
+    def clip_gradients(self, index: int, max_norm: float) -> Generator[Any, None, None]:
+        """At the first chunk's update `index` (its ties already reduced): scale every chunk's
+        gradients by the factor of the global gradient norm, with one all-reduce of the rank's
+        sum of squares over every rank, as a rank holding one stage does (runtime/grad_clip.py);
+        nothing at the others. Each chunk joining its own all-reduce paired one rank's chunk
+        with another rank's and clipped each by a part of the norm."""
+        if index in self._clipped:
+            return
+        self._clipped.add(index)
+        first = next(iter(self.chunks.values()))
+        total = sum((rt.gradient_squares() for rt in self.chunks.values()),
+                    torch.zeros(1, dtype=torch.float64))
+        pending = first.transport.all_reduce([total], first.everyone())
+        while not pending.ready():
+            yield pending
+        pending.wait()
+        factor = clip_factor(total, max_norm)
+        for rt in self.chunks.values():
+            rt.scale_gradients(factor)
 
     def chunk(self, stage: int) -> Any:
         """The runtime of the rank's chunk `stage`."""

@@ -5,7 +5,8 @@ A V (ZB-V, DualPipeV) puts the first and the last stage on rank 0, so the bundle
 embedding (`wte`, read again as `lm_head`) has both holders there; `interleaved_tie_plan`
 does the same under interleaved 1F1B by putting `wte` in stage 1 and `lm_head` in stage 3, both
 on rank 1. `TiedLM` reads its embedding in three places (input, middle, head), so random cuts
-give ties held by one rank alone, by two ranks, and by two chunks of one rank and another rank.
+give ties held by one rank alone, by two ranks, and by two chunks of one rank and another rank;
+its layer `mix`, called twice in the middle, gives ties that leave out the first stage.
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ def gpt2_case(batch: int = BATCH) -> Case:
 
 class TiedLM(nn.Module):
     """A token embedding read three times: at the input, in the middle (as a projection onto
-    the vocabulary and back) and as the output head."""
+    the vocabulary and back) and as the output head; and a layer `mix` called twice in the
+    middle, a tie that need not reach the first stage."""
 
     def __init__(self, vocab: int = 11, width: int = 6, layers: int = 3) -> None:
         super().__init__()
         self.emb = nn.Embedding(vocab, width)
         self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(layers))
+        self.mix = nn.Linear(width, width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.emb.weight
 
@@ -51,6 +54,8 @@ class TiedLM(nn.Module):
         h = self.emb(idx)
         for i, layer in enumerate(self.layers):
             h = torch.tanh(layer(h))
+            if i in (0, 2):
+                h = h + torch.tanh(self.mix(h))
             if i == 1:
                 scores = torch.tanh(nn.functional.linear(h, self.emb.weight))
                 h = h + 0.5 * scores @ self.emb.weight
@@ -101,15 +106,18 @@ def assert_every_copy(pipe: pdcompile.pipeline.Pipeline, state: dict[str, torch.
 
 
 def trains_like_one_process(case: Case, *, schedule: str, plan: pdcompile.Plan, micro: int,
-                            steps: int = 3) -> pdcompile.pipeline.Pipeline:
+                            steps: int = 3, clip: float | None = None
+                            ) -> pdcompile.pipeline.Pipeline:
     """`steps` updates of the pipeline give the losses of gradient accumulation over `micro`
-    microbatches in one process, and every copy of every parameter its weights."""
+    microbatches in one process (with `clip`: gradients clipped by their global norm), and
+    every copy of every parameter its weights."""
     model, inputs, target, loss_fn = case
     pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, loss_fn=loss_fn,
                              optimizer=momentum, schedule=schedule, microbatches=micro,
-                             plan=plan)
+                             plan=plan, clip_grad_norm=clip)
     losses = [pipe.step(*inputs, target=target) for _ in range(steps)]
-    want, state = flush_reference(model, inputs, target, loss_fn, micro, steps, momentum)
+    want, state = flush_reference(model, inputs, target, loss_fn, micro, steps, momentum,
+                                  clip=clip)
     torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
                                torch.tensor(want, dtype=torch.float64),
                                msg=lambda m: f"{schedule}: {m}")
