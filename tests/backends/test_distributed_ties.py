@@ -3,7 +3,8 @@
 The bundled GPT-2 (tied wte / lm_head) on a V of 2 processes (ZB-V, DualPipeV: both holders
 on rank 0, no all-reduce) and on an interleaved cut (interleaved 1F1B: both on rank 1), and
 TiedLM (tests/helpers/tied_models.py) on a V whose embedding is read by stages 0, 2 and 3
-(rank 0 sums its two copies, then one all-reduce with rank 1). Every process's losses and
+(rank 0 sums its two copies, then one all-reduce with rank 1), also clipped by the global
+gradient norm (each process one all-reduce of its chunks' squares). Every process's losses and
 every copy of every parameter it holds equal single-process training after three updates,
 in float64. gloo over 127.0.0.1, one thread per process, bounded by timeouts.
 """
@@ -31,29 +32,32 @@ from tests.helpers.transparency import momentum
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 STEPS, MICRO = 3, 4
-# (model, schedule): the plan is a V for 'zb-v' and 'dualpipev', interleaved_tie_plan otherwise
-CASES = [("gpt2", "zb-v"), ("gpt2", "dualpipev"), ("gpt2", "interleaved-1f1b"),
-         ("tied-lm", "zb-v")]
+# (model, schedule, clip_grad_norm): the plan is a V for 'zb-v' and 'dualpipev',
+# interleaved_tie_plan otherwise
+CASES = [("gpt2", "zb-v", None), ("gpt2", "dualpipev", None), ("gpt2", "interleaved-1f1b", None),
+         ("tied-lm", "zb-v", None), ("tied-lm", "zb-v", 0.05)]
 
 
 def _case(model: str) -> Case:
     return gpt2_case() if model == "gpt2" else tied_lm_case()
 
 
-def _pipeline(model_name: str, schedule: str) -> pdcompile.pipeline.Pipeline:
+def _pipeline(model_name: str, schedule: str, clip: float | None
+              ) -> pdcompile.pipeline.Pipeline:
     model, inputs, target, loss_fn = _case(model_name)
     plan = interleaved_tie_plan(model) if schedule == "interleaved-1f1b" else v_shaped(model)
     return pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, loss_fn=loss_fn,
                              optimizer=momentum, schedule=schedule, microbatches=MICRO,
-                             plan=plan, example_target=target)
+                             plan=plan, example_target=target, clip_grad_norm=clip)
 
 
-def _train(worker: Worker, cases: list[tuple[str, str]]) -> list[dict[str, Any]]:
+def _train(worker: Worker, cases: list[tuple[str, str, float | None]]
+           ) -> list[dict[str, Any]]:
     from pdcompile.backends.distributed import reads_data, run_distributed
 
     out = []
-    for model_name, schedule in cases:
-        pipe = _pipeline(model_name, schedule)
+    for model_name, schedule, clip in cases:
+        pipe = _pipeline(model_name, schedule, clip)
         _, inputs, target, _ = _case(model_name)
         batches = [(inputs, target)] * STEPS
         run = run_distributed(pipe, iter(batches) if reads_data(pipe, worker.rank) else None,
@@ -71,10 +75,11 @@ def _train(worker: Worker, cases: list[tuple[str, str]]) -> list[dict[str, Any]]
 
 def test_ties_within_one_process_train_like_one_process_on_gloo() -> None:
     results = launch(_train, 2, args=(CASES,), timeout=240)
-    for index, (model_name, schedule) in enumerate(CASES):
+    for index, (model_name, schedule, clip) in enumerate(CASES):
         model, inputs, target, loss_fn = _case(model_name)
-        want, state = flush_reference(model, inputs, target, loss_fn, MICRO, STEPS, momentum)
-        tie = next(t for t in _pipeline(model_name, schedule).parts.ties
+        want, state = flush_reference(model, inputs, target, loss_fn, MICRO, STEPS, momentum,
+                                      clip=clip)
+        tie = next(t for t in _pipeline(model_name, schedule, clip).parts.ties
                    if t.name in ("wte.weight", "emb.weight"))
         held: dict[str, list[int]] = {}
         for rank, per_rank in enumerate(results):
