@@ -17,9 +17,9 @@ import torch.nn as nn
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
-from tests.helpers.before_tracing import assert_refused_before_tracing
 from pdcompile.passes.trace import trace
 from pdcompile.planner.interleave import interleaved_plan
+from tests.helpers.before_tracing import assert_refused_before_tracing
 from tests.helpers.one_process import train_one_process
 from tests.helpers.tied_models import (
     assert_every_copy,
