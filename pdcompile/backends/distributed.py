@@ -556,7 +556,8 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
                       checkpoint_every=checkpoint_every)
     stages = program.stages_of(rank)
     state = program.state(rank, stages[0])  # the rank's first chunk where it holds several
-    resume = resume_point(program, state, checkpoint_dir, every=checkpoint_every,
+    chunk_states = [program.state(rank, s) for s in stages]
+    resume = resume_point(program, chunk_states, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)
     if steps is not None and resume.done > steps:  # every rank agreed on resume.done
         raise PipelineInputError(
@@ -622,12 +623,6 @@ def _check_run(program: RunProgram, *, steps: int | None,
                 f"'1f1b' with replicated stages ({plan.config}) trains in multiples of {lcm} "
                 f"minibatches; use a checkpoint interval that is a multiple of {lcm} "
                 f"(not {checkpoint_every})")
-    stages = program.stages_of(rank)
-    if len(stages) > 1 and checkpoint_dir is not None:
-        raise PipelineInputError(f"rank {rank} holds stages {list(stages)} (an interleaved "
-                                 "pipeline), whose checkpoints are not supported yet; train "
-                                 "without checkpoint_dir or with a schedule of one stage per "
-                                 "rank")
     return rank
 
 
@@ -639,6 +634,7 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
     """The training of one rank: every announced run through its generated loop, a checkpoint
     where one is due, then the losses (and timelines) gathered from every rank."""
     rank, stage = state.rank, state.stage
+    chunk_states = [program.state(rank, s) for s in program.stages_of(rank)]  # what it saves
     plan = program.plan
     per = program.per_minibatch
     tables = announcements.tables
@@ -732,11 +728,11 @@ def _run_loop(program: RunProgram, state: RankState, transport: DistributedTrans
             losses.settle(done, monitor, forget_before=micro_base)
             if monitor is not None:
                 with monitor.busy(f"saving the checkpoint after minibatch {done}"):
-                    save_checkpoint(resume.checkpointer, program, state, done, losses.losses,
-                                    data_state=announcements.data_state(done))
+                    save_checkpoint(resume.checkpointer, program, chunk_states, done,
+                                    losses.losses, data_state=announcements.data_state(done))
             else:
-                save_checkpoint(resume.checkpointer, program, state, done, losses.losses,
-                                data_state=announcements.data_state(done))
+                save_checkpoint(resume.checkpointer, program, chunk_states, done,
+                                losses.losses, data_state=announcements.data_state(done))
         elif header["count"] and done - len(losses.losses) >= WINDOW:
             losses.settle(done, monitor, forget_before=micro_base)  # keep a window, no more
     seconds = time.perf_counter() - start

@@ -1,7 +1,10 @@
 """Checkpoints of a distributed run: where it resumes, and what each rank saves.
 
 Every rank saves its weights, optimizer, RNG state, the losses so far and the data position
-(runtime/checkpoint.py). A run resumes from the newest step that every rank saved and that
+(runtime/checkpoint.py); a rank holding several chunks (interleaved and V-shaped schedules)
+saves every chunk's weights and optimizer in its one file, under `chunks` by stage. Those
+schedules all flush each minibatch, so at a checkpoint no weight version or gradient is in
+flight. A run resumes from the newest step that every rank saved and that
 verifies against its manifest on every rank, agreed over the group (a damaged newer one is
 skipped, and rank 0 says so), and only when the checkpoint was written by the same pipeline and
 stage.
@@ -11,6 +14,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +24,7 @@ import torch.distributed as dist
 from pdcompile.backends.distributed_guard import guarded
 from pdcompile.backends.launch import FaultMonitor
 from pdcompile.backends.program import RunProgram
-from pdcompile.errors import DistributedError
+from pdcompile.errors import DamagedFileError, DistributedError
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.rank_state import RankState
 
@@ -38,20 +42,25 @@ class Resume:
     data_state: Any = None  # a reader's data.state_dict() at `done` (where the data has one)
 
 
-def identity(program: RunProgram, stage: int) -> dict[str, Any]:
-    """What a checkpoint must match to be resumed by a pipeline's rank."""
+def identity(program: RunProgram, stage: int | tuple[int, ...]) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed by a pipeline's rank (`stage`: its one
+    stage, or the stages of its chunks)."""
+    stages = (stage,) if isinstance(stage, int) else tuple(stage)
     return {"config": program.plan.config, "schedule": program.schedule_name,
-            "stage": stage, "microbatches": program.microbatches}
+            "stage": stages[0] if len(stages) == 1 else list(stages),
+            "microbatches": program.microbatches}
 
 
-def resume_point(program: RunProgram, state: RankState,
+def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
                  checkpoint_dir: str | os.PathLike[str] | None, *, every: int | None,
                  keep: int, monitor: FaultMonitor | None) -> Resume:
     """The newest step every rank has saved in `checkpoint_dir` (agreed over the group: every
-    rank calls it), with this rank's weights and optimizer restored into `state`."""
+    rank calls it), with this rank's weights and optimizers restored into `states` (one per
+    chunk it holds)."""
     if checkpoint_dir is None:
         return Resume()
-    rank = state.rank
+    states = _as_list(states)
+    rank = states[0].rank
     ckpt = Checkpointer(checkpoint_dir, rank=rank, every=every or 1, keep=keep)
     ckpt.remove_stale()  # temporary files of a writer that was killed
     good, damaged = ckpt.verified_steps()
@@ -67,14 +76,25 @@ def resume_point(program: RunProgram, state: RankState,
         return Resume(ckpt)
     done = max(common)
     saved = ckpt.load(done)
-    if saved.get("pipeline") != identity(program, state.stage):
+    mine = identity(program, tuple(s.stage for s in states))
+    if saved.get("pipeline") != mine:
         raise DistributedError(
             f"the checkpoints in {checkpoint_dir} were written by another pipeline "
-            f"({saved.get('pipeline')}, this one is {identity(program, state.stage)}); "
+            f"({saved.get('pipeline')}, this one is {mine}); "
             "name another checkpoint folder or delete this one")
-    restore_module_state(saved, state.module, state.optimizer,
-                         origin=f"the checkpoint of rank {rank} at step {done} in "
-                                f"{checkpoint_dir}")
+    origin = f"the checkpoint of rank {rank} at step {done} in {checkpoint_dir}"
+    if len(states) == 1:
+        restore_module_state(saved, states[0].module, states[0].optimizer, origin=origin)
+    else:
+        chunks = saved.get("chunks")
+        for state in states:
+            part = chunks.get(str(state.stage)) if isinstance(chunks, dict) else None
+            if not isinstance(part, dict):
+                raise DamagedFileError(f"{origin} holds no state for stage {state.stage}; "
+                                       "delete it to resume from an older checkpoint")
+            restore_module_state({**part, "rng": None}, state.module, state.optimizer,
+                                 origin=f"{origin} (stage {state.stage})")
+        _restore_rng(saved.get("rng"), origin)
     return Resume(ckpt, done, [float(v) for v in saved["losses"]], done, saved.get("rng"),
                   saved.get("data_state"))
 
@@ -93,14 +113,39 @@ def fallback_note(folder: str | os.PathLike[str], chosen: int | None,
     return f"the checkpoint at step {step} in {folder} is damaged ({reason}); {then}"
 
 
-def save_checkpoint(ckpt: Checkpointer, program: RunProgram, state: RankState, done: int,
+def save_checkpoint(ckpt: Checkpointer, program: RunProgram,
+                    states: RankState | Sequence[RankState], done: int,
                     losses: list[float], *, data_state: Any = None) -> None:
     """This rank's checkpoint after `done` minibatches (every rank saves at the same step);
-    `data_state`: a reader's data position (its data's `state_dict()`), where it has one."""
-    extra = {} if data_state is None else {"data_state": data_state}
-    ckpt.save(done, module_state(state.module, state.optimizer, losses=list(losses),
-                                 data_position=done, pipeline=identity(program, state.stage),
-                                 **extra))
+    `states`: one per chunk the rank holds; `data_state`: a reader's data position (its
+    data's `state_dict()`), where it has one."""
+    states = _as_list(states)
+    extra: dict[str, Any] = {} if data_state is None else {"data_state": data_state}
+    pipeline = identity(program, tuple(s.stage for s in states))
+    if len(states) == 1:
+        ckpt.save(done, module_state(states[0].module, states[0].optimizer, losses=list(losses),
+                                     data_position=done, pipeline=pipeline, **extra))
+        return
+    chunks = {str(s.stage): {k: v for k, v in module_state(s.module, s.optimizer).items()
+                             if k != "rng"} for s in states}
+    ckpt.save(done, {"chunks": chunks, "rng": torch.get_rng_state(), "losses": list(losses),
+                     "data_position": done, "pipeline": pipeline, **extra})
+
+
+def _as_list(states: RankState | Sequence[RankState]) -> list[RankState]:
+    return [states] if isinstance(states, RankState) else list(states)
+
+
+def _restore_rng(rng: Any, origin: str) -> None:
+    """The random-number state saved with a chunked rank's checkpoint (once for the rank)."""
+    if rng is None:
+        return
+    try:
+        torch.set_rng_state(rng)
+    except (TypeError, RuntimeError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedFileError(f"{origin} holds no valid random-number state ({detail}); "
+                               "delete it to resume from an older checkpoint") from None
 
 
 __all__ = ["Resume", "fallback_note", "identity", "resume_point", "save_checkpoint"]

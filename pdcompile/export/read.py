@@ -32,6 +32,7 @@ from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, Val
 from pdcompile.pipeline import OptimizerFactory, Pipeline
 from pdcompile.plan import Plan
 from pdcompile.runtime.grad_mode import detached
+from pdcompile.runtime.conv_grads import conv_deferrable
 from pdcompile.runtime.linear_grads import linear_accumulate
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
@@ -151,9 +152,9 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path) -> None:
 
 
 # functions an exported stage calls that stay calls when it is traced back: traced through, the
-# fused Linear would bake in the plain path, and `detached` would see a Proxy, not a tensor, and
-# return it as it is (the model's no_grad lost)
-_KEPT_CALLS = (linear_accumulate, detached)
+# fused Linear (and a deferrable convolution) would bake in the plain path, and `detached` would
+# see a Proxy, not a tensor, and return it as it is (the model's no_grad lost)
+_KEPT_CALLS = (linear_accumulate, conv_deferrable, detached)
 
 
 class _LeafTracer(OpsTracer):

@@ -14,7 +14,9 @@ The rewrite is applied to stage modules after the split (`fuse_grad_accumulation
 `linear_accumulate(x, weight, bias)`. Submodules and their parameters stay where they were, so
 state-dict names, optimizers, checkpoints and `functional_call` with stashed weight versions
 work unchanged. The same rewrite is the B/W split of zero-bubble schedules
-(`split_weight_gradients`): the runtime then defers the weight gradients of those calls to W.
+(`split_weight_gradients`): the runtime then defers the weight gradients of those calls to W,
+and of the stage's convolutions, which that split rewrites to `conv_deferrable`
+(runtime/conv_grads.py).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import fx
 
 from pdcompile.passes.inplace import mutated_input
+from pdcompile.runtime.conv_grads import conv_deferrable
 from pdcompile.runtime.linear_grads import linear_accumulate
 
 
@@ -32,24 +35,7 @@ def fusable_linears(gm: fx.GraphModule) -> list[fx.Node]:
     """The `nn.Linear` calls of `gm` that `fuse_grad_accumulation` rewrites: each owns its
     parameters, which the graph reads nowhere else, and no user changes its output in place.
     Their weight gradients are the work the runtime can defer (the cost pass prices it: W)."""
-    uses = Counter(id(p) for _name, p in gm.named_parameters(remove_duplicate=False))
-    get_attr_uses = Counter(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
-    out = []
-    for node in gm.graph.nodes:
-        if node.op != "call_module" or node.kwargs or len(node.args) != 1:
-            continue
-        module = gm.get_submodule(str(node.target))
-        if type(module) is not torch.nn.Linear:
-            continue
-        own = [module.weight] + ([module.bias] if module.bias is not None else [])
-        if any(uses[id(p)] != 1 for p in own):
-            continue  # shared with another module of the stage: left to autograd
-        if any(get_attr_uses[f"{node.target}.{n}"] for n in ("weight", "bias")):
-            continue  # the graph also reads the parameter directly
-        if any(mutated_input(user, gm) is node for user in node.users):
-            continue  # changed in place: autograd forbids it on a custom Function's output view
-        out.append(node)
-    return out
+    return _owning_calls(gm, (torch.nn.Linear,))
 
 
 def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
@@ -72,14 +58,67 @@ def fuse_grad_accumulation(gm: fx.GraphModule) -> int:
     return fused
 
 
+_CONVS = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
+
+
+def deferrable_convs(gm: fx.GraphModule) -> list[fx.Node]:
+    """The Conv1d/2d/3d calls of `gm` whose weight gradients the B/W split can defer
+    (runtime/conv_grads.py): zero padding given in numbers (not "same"), one input, parameters
+    of their own that the graph reads nowhere else, an output nobody changes in place."""
+    return [node for node in _owning_calls(gm, _CONVS)
+            if gm.get_submodule(str(node.target)).padding_mode == "zeros"
+            and not isinstance(gm.get_submodule(str(node.target)).padding, str)]
+
+
+def _owning_calls(gm: fx.GraphModule, kinds: tuple[type, ...]) -> list[fx.Node]:
+    """Calls of submodules of exactly one of `kinds` (subclasses may change forward) on one
+    input, each owning its weight and bias, which the graph reads nowhere else, and whose
+    output no user changes in place."""
+    uses = Counter(id(p) for _name, p in gm.named_parameters(remove_duplicate=False))
+    get_attr_uses = Counter(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
+    out = []
+    for node in gm.graph.nodes:
+        if node.op != "call_module" or node.kwargs or len(node.args) != 1:
+            continue
+        module = gm.get_submodule(str(node.target))
+        if type(module) not in kinds:
+            continue
+        own = [module.weight] + ([module.bias] if module.bias is not None else [])
+        if any(uses[id(p)] != 1 for p in own):
+            continue  # shared with another module of the stage: left to autograd
+        if any(get_attr_uses[f"{node.target}.{n}"] for n in ("weight", "bias")):
+            continue  # the graph also reads the parameter directly
+        if any(mutated_input(user, gm) is node for user in node.users):
+            continue  # changed in place: autograd forbids it on a custom Function's output view
+        out.append(node)
+    return out
+
+
 def split_weight_gradients(gm: fx.GraphModule) -> int:
     """The B/W split pass: every Linear call of `gm` that owns its parameters becomes one whose
-    weight gradient can wait for W (`deferring_weight_grads`); idempotent after
-    `fuse_grad_accumulation`, which makes the same calls. Returns how many calls can defer."""
+    weight gradient can wait for W (`deferring_weight_grads`), idempotent after
+    `fuse_grad_accumulation`, which makes the same calls; so does every convolution of
+    `deferrable_convs` (`conv_deferrable`). Returns how many calls can defer."""
     fuse_grad_accumulation(gm)
-    return sum(1 for node in gm.graph.nodes
-               if node.op == "call_function" and node.target is linear_accumulate)
+    convs = deferrable_convs(gm)
+    for node in convs:
+        module = gm.get_submodule(str(node.target))
+        with gm.graph.inserting_before(node):
+            weight = gm.graph.get_attr(f"{node.target}.weight")
+            bias = gm.graph.get_attr(f"{node.target}.bias") if module.bias is not None \
+                else None
+            call = gm.graph.call_function(conv_deferrable, (
+                node.args[0], weight, bias, tuple(module.stride), tuple(module.padding),
+                tuple(module.dilation), module.groups))
+        call.meta = dict(node.meta)
+        node.replace_all_uses_with(call)
+        gm.graph.erase_node(node)
+    if convs:
+        gm.graph.lint()
+        gm.recompile()
+    return sum(1 for node in gm.graph.nodes if node.op == "call_function"
+               and node.target in (linear_accumulate, conv_deferrable))
 
 
-__all__ = ["fusable_linears", "fuse_grad_accumulation", "linear_accumulate",
-           "split_weight_gradients"]
+__all__ = ["conv_deferrable", "deferrable_convs", "fusable_linears", "fuse_grad_accumulation",
+           "linear_accumulate", "split_weight_gradients"]

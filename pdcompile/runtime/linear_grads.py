@@ -103,14 +103,14 @@ class _LinearAccumulate(torch.autograd.Function):
         gw = gb = None
         in_place = not torch.is_grad_enabled()  # create_graph needs grads as graph outputs
         queue = ctx.deferred
-        if in_place and queue is not None and _accumulates(leaf_weight) and (
-                bias is None or not ctx.needs_input_grad[2] or _accumulates(bias)):
+        if in_place and queue is not None and grad_accumulates(leaf_weight) and (
+                bias is None or not ctx.needs_input_grad[2] or grad_accumulates(bias)):
             queue.append(lambda: _accumulate_weight_grads(
                 gy, x2, leaf_weight if ctx.needs_input_grad[1] else None,
                 bias if bias is not None and ctx.needs_input_grad[2] else None))
             return gx, None, None
         if ctx.needs_input_grad[1]:
-            if in_place and _accumulates(leaf_weight):
+            if in_place and grad_accumulates(leaf_weight):
                 if leaf_weight.grad is None:
                     leaf_weight.grad = gy.t().mm(x2)
                 else:
@@ -119,7 +119,7 @@ class _LinearAccumulate(torch.autograd.Function):
                 gw = gy.t().mm(x2)
         if bias is not None and ctx.needs_input_grad[2]:
             summed = gy.sum(0)
-            if in_place and _accumulates(bias):
+            if in_place and grad_accumulates(bias):
                 if bias.grad is None:
                     bias.grad = summed
                 else:
@@ -144,7 +144,7 @@ def _accumulate_weight_grads(gy: torch.Tensor, x2: torch.Tensor, weight: torch.T
             bias.grad.add_(gy.sum(0))
 
 
-def _accumulates(leaf: torch.Tensor) -> bool:
+def grad_accumulates(leaf: torch.Tensor) -> bool:
     """Whether the gradient may be added into `leaf.grad` here instead of by autograd."""
     grad = leaf.grad
     return leaf.is_leaf and leaf.requires_grad and (
@@ -161,5 +161,5 @@ def linear_accumulate(x: torch.Tensor, weight: torch.Tensor,
     return _LinearAccumulate.apply(x, weight, bias)  # type: ignore[no-any-return]
 
 
-__all__ = ["WeightGrads", "accumulating_grads", "deferring_weight_grads", "linear_accumulate",
-           "run_weight_grads", "weight_grad_queue"]
+__all__ = ["WeightGrads", "accumulating_grads", "deferring_weight_grads", "grad_accumulates",
+           "linear_accumulate", "run_weight_grads", "weight_grad_queue"]

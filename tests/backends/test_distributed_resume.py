@@ -95,3 +95,58 @@ def test_a_damaged_newest_checkpoint_falls_back_and_says_so(
            in err, err
     torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(want))
     assert not stale.exists()
+
+
+def _export_chunked(folder: Path, schedule: str) -> Path:
+    """Two ranks holding two chunks each: interleaved (stages 0, 2 | 1, 3) or in a V (0, 3 |
+    1, 2)."""
+    from pdcompile.passes.split import even_plan
+    from pdcompile.passes.trace import trace
+    from pdcompile.planner.interleave import fold_v, interleave
+    from pdcompile.schedule.kinds import kind
+
+    torch.manual_seed(0)
+    layers: list[nn.Module] = []
+    for _ in range(3):
+        layers += [nn.Linear(WIDTH, WIDTH), nn.Tanh()]
+    model = nn.Sequential(*layers, nn.Linear(WIDTH, 3))
+    plan = even_plan(trace(model), 4)
+    plan = fold_v(plan) if kind(schedule).v_shape else interleave(plan, 2)
+    x, y = batches(1)[0]
+    pipe = pdcompile.compile(model, example_inputs=(x,), example_target=y,
+                             loss_fn=nn.functional.cross_entropy,
+                             optimizer=functools.partial(torch.optim.Adam, lr=0.01),
+                             schedule=schedule, microbatches=4, plan=plan)
+    pipe.export(str(folder))
+    return folder
+
+
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "dualpipev"])
+def test_a_rank_holding_several_chunks_resumes_every_chunk(tmp_path: Path,
+                                                           schedule: str) -> None:
+    """Each rank's file holds every chunk's weights and optimizer state (Adam's moments: a
+    chunk restored without them trains on differently); stopped after 4 minibatches and
+    resumed, the run ends with the losses and weights of the local backend's uninterrupted
+    run (a flush schedule: nothing is in flight at a checkpoint)."""
+    export = _export_chunked(tmp_path / "pipe", schedule)
+    local = pdcompile.load(str(export))
+    want = local.train(batches(6))
+    data = functools.partial(batches, 6)
+    first = train_processes(export, 2, data, steps=4, timeout=120, fault_timeout=5,
+                            checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+    assert first.resumed_from is None and first.steps == 4
+    second = train_processes(export, 2, data, steps=6, timeout=120, fault_timeout=5,
+                             checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+    assert second.resumed_from == 4 and second.steps == 2
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(want))
+    for rank in (0, 1):
+        saved = Checkpointer(tmp_path / "ckpt", rank=rank, every=2).load(6)
+        stages = local.stages_of(rank)
+        assert saved["pipeline"]["stage"] == list(stages)
+        assert sorted(saved["chunks"]) == sorted(str(s) for s in stages)
+        for stage in stages:
+            chunk = saved["chunks"][str(stage)]
+            has_weights = any(True for _ in local.state(rank, stage).module.parameters())
+            assert bool(chunk["optimizer"]["state"]) == has_weights, f"stage {stage}"
+            for key, value in local.state(rank, stage).module.state_dict().items():
+                torch.testing.assert_close(chunk["model"][key], value)

@@ -1,5 +1,6 @@
 """The cost pass says, per node, how much of its backward the runtime can defer (`wgrad`: the
-weight gradients of the Linear calls the fuse pass rewrites), and that figure travels through the
+weight gradients of the Linear calls the fuse pass rewrites and of the convolutions the B/W
+split rewrites), and that figure travels through the
 CostGraph (its file, coarsening) into StageCosts; a PipeDream profile does not say, and its
 stage costs leave it unknown (None)."""
 
@@ -21,15 +22,16 @@ from pdcompile.profiles import load_pipedream, profile_path
 
 
 class Shared(nn.Module):
-    """Two Linear modules with one weight (tied), and a convolution: the fuse pass leaves all
-    of them to autograd, which computes their weight gradients in the backward."""
+    """Two Linear modules with one weight (tied), and a convolution with circular padding (a
+    padding the module applies before its convolution): the passes leave all of them to
+    autograd, which computes their weight gradients in the backward."""
 
     def __init__(self) -> None:
         super().__init__()
         self.first = nn.Linear(8, 8)
         self.second = nn.Linear(8, 8)
         self.second.weight = self.first.weight
-        self.conv = nn.Conv1d(1, 1, 3, padding=1)
+        self.conv = nn.Conv1d(1, 1, 3, padding=1, padding_mode="circular")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.second(self.first(x))
@@ -50,6 +52,15 @@ def test_a_linear_defers_half_its_backward_and_all_of_it_on_a_model_input(source
     assert first.wgrad == pytest.approx(first.bwd)  # its input needs no gradient: all dW
     assert last.wgrad == pytest.approx(last.bwd / 2)  # dW and dX: the same FLOPs
     assert relu.wgrad == 0.0 and costs["input_1"].wgrad == 0.0
+
+
+def test_a_convolution_defers_its_weight_gradients_as_a_linear_does() -> None:
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.ReLU(), nn.Conv2d(4, 2, 3))
+    costs = _costed(model, torch.randn(2, 3, 8, 8))
+    first, relu, last = (costs[n] for n in ("_0", "_1", "_2"))
+    assert first.wgrad == pytest.approx(first.bwd)  # its input needs no gradient: all dW
+    assert last.wgrad == pytest.approx(last.bwd / 2)
+    assert relu.wgrad == 0.0
 
 
 def test_what_the_fuse_pass_leaves_alone_defers_nothing() -> None:

@@ -8,6 +8,7 @@ really moves to W, that the recorded run follows the schedule, and the errors a 
 
 from __future__ import annotations
 
+import copy
 from dataclasses import replace
 from typing import Any
 
@@ -177,3 +178,82 @@ def test_balanced_chunks_of_a_cost_graph() -> None:
     assert max(work) <= 6.0, pieces  # the best cut of 16 into 4 contiguous pieces has 6.0
     one_each = balanced_chunks(graph, 5, 2)
     assert [len(s.nodes) for s in one_each.stages] == [1] * 10
+
+
+def _cnn() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(),
+        nn.Conv2d(4, 4, 3, stride=2, dilation=1, groups=2, bias=False), nn.BatchNorm2d(4),
+        nn.Conv2d(4, 4, 3, padding="same"), nn.Tanh(),  # "same": left to autograd
+        nn.Flatten(), nn.Unflatten(1, (4, 9)),
+        nn.Conv1d(4, 2, 2, dilation=2), nn.Flatten(), nn.Linear(14, 3))
+
+
+def test_b_defers_the_convolution_weight_gradients_to_w() -> None:
+    """A convolution's dW is W work like a Linear's (runtime/conv_grads.py): B gives the input
+    gradient at once, W the weight and bias gradients, equal to autograd's."""
+    model, reference = _cnn(), _cnn()
+    gm = trace(model)
+    assert split_weight_gradients(gm) == 4  # 3 convolutions in numbers and the Linear
+    x = torch.randn(2, 3, 8, 8, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    queue: list = []
+    with accumulating_grads(), deferring_weight_grads(queue):
+        out = gm(x)
+    out.square().sum().backward()
+    reference(x_ref).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    for name in ("0", "2", "8", "10"):  # deferred
+        assert gm.get_submodule(name).weight.grad is None, name
+    assert gm.get_submodule("4").weight.grad is not None  # padding="same": computed in B
+    assert len(queue) == 4
+    run_weight_grads(queue)
+    for name, param in reference.named_parameters():
+        torch.testing.assert_close(gm.get_parameter(name).grad, param.grad, msg=name)
+
+
+def test_a_3d_convolution_outside_the_split_is_plain() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv3d(2, 3, 2, stride=(1, 2, 1)), nn.Flatten())
+    gm = trace(copy.deepcopy(model))
+    assert split_weight_gradients(gm) == 1
+    x = torch.randn(2, 2, 4, 4, 4)
+    gm(x).sum().backward()  # no deferring context: every gradient in the backward
+    model(x).sum().backward()
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(gm.get_parameter(name).grad, param.grad, msg=name)
+    queue: list = []
+    with accumulating_grads(), deferring_weight_grads(queue):
+        gm(x).sum().backward()
+    assert len(queue) == 1
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "interleaved-zb", "zb-v"])
+def test_a_cnn_under_zero_bubble_schedules_trains_as_one_process(schedule: str) -> None:
+    from pdcompile.planner.interleave import fold_v
+    from pdcompile.schedule.kinds import kind
+    from tests.helpers.one_process import train_one_process
+
+    x, y = torch.randn(8, 3, 8, 8), torch.randint(0, 3, (8,))
+    gm = trace(_cnn())
+    chunks = 1 if schedule == "zb-h1" else 2
+    plan = even_plan(gm, 2 * chunks)
+    if kind(schedule).v_shape:
+        plan = fold_v(plan)
+    elif chunks > 1:
+        plan = interleave(plan, 2)
+    opt = lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9)  # noqa: E731
+    pipe = pdcompile.compile(_cnn(), example_inputs=(x,), example_target=y,
+                             loss_fn=nn.functional.cross_entropy, optimizer=opt,
+                             schedule=schedule, microbatches=4, plan=plan)
+    deferring = [n for s in pipe.parts.stages for n in s.module.graph.nodes
+                 if n.op == "call_function" and n.target.__name__ == "conv_deferrable"]
+    assert len(deferring) == 3
+    got = pipe.train([(x, y)] * 3)
+    model = _cnn()
+    want, _ = train_one_process(model, opt(model.parameters()), [x], y,
+                                nn.functional.cross_entropy, micro=4, steps=3)
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want))
+    for name, value in pipe.named_parameters().items():
+        torch.testing.assert_close(value.detach(), model.get_parameter(name).detach(), msg=name)
