@@ -6,12 +6,15 @@ TiedLM (tests/helpers/tied_models.py) on a V whose embedding is read by stages 0
 (rank 0 sums its two copies, then one all-reduce with rank 1), also clipped by the global
 gradient norm (each process one all-reduce of its chunks' squares). Every process's losses and
 every copy of every parameter it holds equal single-process training after three updates,
-in float64. gloo over 127.0.0.1, one thread per process, bounded by timeouts.
+in float64; and the same V resumed from checkpoints equals an uninterrupted run. gloo over
+127.0.0.1, one thread per process, bounded by timeouts.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -96,3 +99,41 @@ def test_ties_within_one_process_train_like_one_process_on_gloo() -> None:
                     held.setdefault(original, []).append(rank)
         # two copies of the tie on one process: the case this test is for
         assert len(set(held[tie.name])) < len(held[tie.name]), (model_name, schedule, held)
+
+
+def _gpt2_batches(n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` minibatches of token ids for gpt2_case's model, with next-token targets."""
+    gen = torch.Generator().manual_seed(1)
+    ids = [torch.randint(0, 50, (8, 6), generator=gen) for _ in range(n)]
+    return [(x, torch.roll(x, -1, dims=1)) for x in ids]
+
+
+def test_a_tie_within_one_process_resumes_from_checkpoints(tmp_path: Path) -> None:
+    """GPT-2 on a V of 2 processes with Adam: stopped after 2 minibatches and resumed from the
+    checkpoints, the run ends with the uninterrupted local run's losses, and rank 0's file holds
+    both chunks' copies of the tied embedding, equal, with their own Adam moments."""
+    from pdcompile.runtime.checkpoint import Checkpointer
+    from pdcompile.worker import train_processes
+
+    model, inputs, target, loss_fn = gpt2_case()
+    pipe = pdcompile.compile(model, example_inputs=inputs, example_target=target,
+                             loss_fn=loss_fn, optimizer=functools.partial(torch.optim.Adam,
+                                                                          lr=0.01),
+                             schedule="dualpipev", microbatches=MICRO, plan=v_shaped(model))
+    pipe.export(str(tmp_path / "pipe"))
+    local = pdcompile.load(str(tmp_path / "pipe"))
+    want = local.train(_gpt2_batches(4))
+    data = functools.partial(_gpt2_batches, 4)
+    first = train_processes(tmp_path / "pipe", 2, data, steps=2, timeout=120,
+                            checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+    assert first.resumed_from is None
+    second = train_processes(tmp_path / "pipe", 2, data, steps=4, timeout=120,
+                             checkpoint_dir=tmp_path / "ckpt", checkpoint_every=2)
+    assert second.resumed_from == 2
+    torch.testing.assert_close(torch.tensor(second.losses), torch.tensor(want))
+    saved = Checkpointer(tmp_path / "ckpt", rank=0, every=2).load(4)
+    (tie,) = local.parts.ties
+    assert [local.plan.stages[s].ranks for s in tie.stages] == [(0,), (0,)]
+    copies = [saved["chunks"][str(stage)]["model"][name] for stage, name in tie.members]
+    torch.testing.assert_close(copies[0], copies[1], rtol=0, atol=0)
+    torch.testing.assert_close(copies[0], local.named_parameters()[tie.name].detach())
