@@ -58,8 +58,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
     turns weight stashing off (comparison only); `vertical_sync` makes every stage use stage 0's
     weight version ('1f1b').
     `clip_grad_norm`: scale each minibatch's gradients so that their norm over the whole
-    model is at most this, as `torch.nn.utils.clip_grad_norm_` on one process (flush schedules
-    with one stage per worker; runtime/grad_clip.py).
+    model is at most this, as `torch.nn.utils.clip_grad_norm_` on one process (flush
+    schedules; runtime/grad_clip.py).
     `param_groups(name, param)`: the options of the parameter's optimizer param group under
     its name in the model (e.g. `lambda name, p: {"weight_decay": 0.0} if p.ndim < 2 else {}`);
     each stage's `optimizer` factory then gets torch's list of param groups.

@@ -184,7 +184,7 @@ class Pipeline:
 
     def _checked_clip(self, value: float | None) -> float | None:
         """`clip_grad_norm`, where this pipeline can clip by the global norm
-        (runtime/grad_clip.py): a flush schedule, one stage per rank."""
+        (runtime/grad_clip.py): a flush schedule."""
         limit = check_max_norm(value)
         if limit is None:
             return None
@@ -194,12 +194,6 @@ class Pipeline:
                 f"updates, which schedule {self.schedule_name!r} does not wait for (each stage "
                 "updates at its own time); use a flush schedule ('1f1b-flush', 'gpipe', "
                 "'zb-h1'), or clip each stage's gradients in its optimizer")
-        chunked = [r for r in self.all_ranks if len(self.stages_of(r)) > 1]
-        if chunked:
-            raise PipelineInputError(
-                f"clip_grad_norm is not supported yet where a worker holds several stages "
-                f"(workers {chunked[:4]} here: schedule {self.schedule_name!r}); use a schedule "
-                "with one stage per worker ('1f1b-flush', 'zb-h1'), or no clipping")
         return limit
 
     def stages_of(self, rank: int) -> tuple[int, ...]:
@@ -258,15 +252,6 @@ class Pipeline:
                     f"(stage c on rank c mod p); make one with "
                     f"pdcompile.planner.interleave.interleave(plan, ranks) or interleaved_plan("
                     f"graph, ranks, chunks)")
-        for tie in self.parts.ties:
-            owners = [r for s in tie.stages for r in self.plan.stages[s].ranks]
-            if len(set(owners)) < len(owners):
-                fix = ("a V puts stages c and 2p - 1 - c (the first and the last, for a tied "
-                       "embedding) on one rank: untie them or use 'interleaved-zb'"
-                       if kind(self.schedule_name).v_shape else
-                       "tie them on different ranks (another number of chunks) or untie them")
-                raise PlanError(f"parameter {tie.name!r} is shared by stages {tie.stages}, two "
-                                f"of which are chunks of one rank; {fix}")
         if self.vertical_sync and (not kind(self.schedule_name).vertical_sync
                                    or len(set(replicas)) > 1):
             raise PipelineInputError("vertical_sync needs schedule '1f1b' and the same number of "
@@ -444,7 +429,9 @@ class Pipeline:
                 groups.setdefault(tie.stages, []).append((tie.name, mine[0]))
         out = []
         for stages, members in sorted(groups.items()):
-            ranks = tuple(sorted(r for s in stages for r in self.plan.stages[s].ranks))
+            # a rank holding several of the stages (chunks) joins the all-reduce once, with
+            # the sum of its copies' gradients (runtime/rank_ties.py)
+            ranks = tuple(sorted({r for s in stages for r in self.plan.stages[s].ranks}))
             out.append(TieGroup(ranks, tuple(name for _, name in sorted(members)), stages))
         return out
 

@@ -10,12 +10,14 @@ driver), `losses` and `finish()`.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Generator, Mapping
 from typing import Any
 
 import torch
 
 from pdcompile.errors import ScheduleError
+from pdcompile.runtime.grad_clip import clip_factor
+from pdcompile.runtime.rank_ties import tie_within_rank
 
 
 class ChunkRuntimes:
@@ -29,6 +31,7 @@ class ChunkRuntimes:
         self.rank = rank
         self.chunks = dict(sorted(chunks.items()))
         self._reduced: set[int] = set()  # updates whose ties were reduced
+        self._clipped: set[int] = set()  # updates whose gradients were clipped
         for rt in self.chunks.values():
             rt.rank_chunks = self
 
@@ -38,16 +41,45 @@ class ChunkRuntimes:
         the others. Each chunk reducing its own at its own update made the ranks' orders differ
         (rank 0 a tie of stages (0, 3) then one of (1, 2), rank 1 the other way), so a rank
         summed one tie's gradients with another's. Every chunk's backwards end before any
-        update of a flush schedule, which all chunked schedules are."""
+        update of a flush schedule, which all chunked schedules are, and the chunks step in
+        the rank's loop one after another, so the first chunk's step waits for every tie of
+        the rank before any chunk's optimizer reads a gradient.
+
+        A tie whose stages include several chunks of this rank (a V's first and last stage,
+        both on rank 0, holding a tied embedding) is reduced once for the rank:
+        `tie_within_rank` sums its copies here, all-reduces that sum over the other ranks
+        holding it (if any) and gives every copy the total."""
         if index in self._reduced:
             return []
         self._reduced.add(index)
-        work: list[tuple[tuple[int, ...], Any, Any]] = []  # (stages sharing it, runtime, group)
+        holders: dict[tuple[int, ...], list[tuple[Any, Any]]] = {}  # stages -> (runtime, group)
         for rt in self.chunks.values():
             rt.settle_gradients()
-            work.extend((group.stages, rt, group) for group in rt.ties)
-        # one rank holds one stage of a tie (a tie within a rank is refused): stages are a key
-        return [rt.reduce_tie(group) for _, rt, group in sorted(work, key=lambda w: w[0])]
+            for group in rt.ties:
+                holders.setdefault(group.stages, []).append((rt, group))
+        # the stages sharing a tie group are its key, and the same on every rank holding it
+        return [held[0][0].reduce_tie(held[0][1]) if len(held) == 1 else tie_within_rank(held)
+                for _, held in sorted(holders.items())]
+
+    def clip_gradients(self, index: int, max_norm: float) -> Generator[Any, None, None]:
+        """At the first chunk's update `index` (its ties already reduced): scale every chunk's
+        gradients by the factor of the global gradient norm, with one all-reduce of the rank's
+        sum of squares over every rank, as a rank holding one stage does (runtime/grad_clip.py);
+        nothing at the others. Each chunk joining its own all-reduce paired one rank's chunk
+        with another rank's and clipped each by a part of the norm."""
+        if index in self._clipped:
+            return
+        self._clipped.add(index)
+        first = next(iter(self.chunks.values()))
+        total = sum((rt.gradient_squares() for rt in self.chunks.values()),
+                    torch.zeros(1, dtype=torch.float64))
+        pending = first.transport.all_reduce([total], first.everyone())
+        while not pending.ready():
+            yield pending
+        pending.wait()
+        factor = clip_factor(total, max_norm)
+        for rt in self.chunks.values():
+            rt.scale_gradients(factor)
 
     def chunk(self, stage: int) -> Any:
         """The runtime of the rank's chunk `stage`."""

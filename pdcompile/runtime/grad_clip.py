@@ -5,8 +5,9 @@ minibatch by `min(1, max_norm / (norm + 1e-6))`, where `norm` is the 2-norm of a
 gradients together. Cut into stages, no rank holds them all: each rank adds up the squares of
 its own stage's gradients, one all-reduce over every rank sums them (a replicated stage's
 replicas hold the same gradients after their all-reduce, so each adds its share; a tied
-parameter counts once, on the first stage holding it), and every rank scales its own by the
-same factor, as torchtitan does for its pipeline stages. The norm of a minibatch exists only
+parameter counts once, on the first stage holding it; a rank holding several chunks adds all
+of theirs and joins the all-reduce once: runtime/chunks.py), and every rank scales its own by
+the same factor, as torchtitan does for its pipeline stages. The norm of a minibatch exists only
 once every stage has its gradients, so this needs a flush schedule (asynchronous 1F1B updates
 each stage at another time).
 """

@@ -40,7 +40,9 @@ weights and random state, at the start of its backward; buffers the second run c
 (BatchNorm statistics) are put back, so the result equals the stage's without recomputation.
 
 Parameters tied across stages (tied embeddings) have their gradients summed over the stages that
-hold them inside `step` (an all-reduce among those ranks), so the copies stay equal.
+hold them inside `step` (an all-reduce among those ranks), so the copies stay equal; where one
+rank holds several of those stages as chunks, its copies' gradients are summed on the rank first
+and the rank joins the all-reduce once (runtime/chunks.py, runtime/rank_ties.py).
 
 Buffers of a replicated stage (BatchNorm running statistics) are synchronised over its replicas
 in every `step`, before the optimizer step (one all-reduce per dtype, started together with the
@@ -172,13 +174,15 @@ class RunConfig:
 
 @dataclass(frozen=True)
 class TieGroup:
-    """Tied parameters of this stage shared with other stages: summed over `ranks`. `stages`:
-    the stages sharing them, which order a rank's reductions where it holds several chunks
-    (runtime/chunks.py)."""
+    """Tied parameters of this stage shared with other stages: summed over `ranks` (each
+    rank once, however many of the stages it holds). `stages`: the stages sharing them, which
+    order a rank's reductions where it holds several chunks (runtime/chunks.py), merge the
+    copies of chunks of one rank (runtime/rank_ties.py) and name the stage whose copy a global
+    gradient norm counts (the first)."""
 
     ranks: tuple[int, ...]
     names: tuple[str, ...]
-    stages: tuple[int, ...] = ()
+    stages: tuple[int, ...]
 
 
 SpecFn = Callable[[Tag], list[TensorSpec]]
@@ -606,7 +610,9 @@ class StageRuntime:
         for started in pending:
             yield from self._wait(started)
         finish_sync()
-        if self.config.clip_grad_norm is not None:
+        if self.config.clip_grad_norm is not None and self.rank_chunks is not None:
+            yield from self.rank_chunks.clip_gradients(index, self.config.clip_grad_norm)
+        elif self.config.clip_grad_norm is not None:
             yield from self._clip_gradients(self.config.clip_grad_norm)
         self._keep_for_later()
         self.optimizer.step()
@@ -633,20 +639,29 @@ class StageRuntime:
     def _clip_gradients(self, max_norm: float) -> Generator[Pending, None, None]:
         """Scale this stage's gradients by the factor of the whole model's gradient norm
         (runtime/grad_clip.py): one all-reduce of a number over every rank."""
-        stage_ranks = self.config.stage_ranks
-        # a tied parameter is counted by the first stage holding it
+        total = self.gradient_squares()
+        yield from self._wait(self.transport.all_reduce([total], self.everyone()))
+        self.scale_gradients(clip_factor(total, max_norm))
+
+    def gradient_squares(self) -> torch.Tensor:
+        """This stage's share of the squared global gradient norm: the sum of the squares of
+        its gradients, a replica's divided by the replicas, a tied parameter counted by the
+        first stage holding it only (one of several chunks of a rank included)."""
         elsewhere = {id(self.params[name]) for group in self.ties
-                     if min(s for s, ranks in enumerate(stage_ranks)
-                            if set(ranks) & set(group.ranks)) != self.stage
-                     for name in group.names}
-        with_grads = [p for p in _unique(self.params.values()) if p.grad is not None]
-        counted = [p.grad for p in with_grads if id(p) not in elsewhere]
-        total = square_norm(counted, share=self.replicas)  # type: ignore[arg-type]
-        everyone = sorted({r for ranks in stage_ranks for r in ranks})
-        yield from self._wait(self.transport.all_reduce([total], everyone))
-        factor = clip_factor(total, max_norm)
-        for p in with_grads:
-            p.grad.mul_(factor)  # type: ignore[union-attr]
+                     if min(group.stages) != self.stage for name in group.names}
+        counted = [p.grad for p in _unique(self.params.values())
+                   if p.grad is not None and id(p) not in elsewhere]
+        return square_norm(counted, share=self.replicas)  # type: ignore[arg-type]
+
+    def scale_gradients(self, factor: float) -> None:
+        """Multiply every gradient of the stage by `factor` (the clipping factor)."""
+        for p in _unique(self.params.values()):
+            if p.grad is not None:
+                p.grad.mul_(factor)
+
+    def everyone(self) -> list[int]:
+        """Every rank of the pipeline (the group of the global gradient norm)."""
+        return sorted({r for ranks in self.config.stage_ranks for r in ranks})
 
     def _start_buffer_sync(self, pending: list[Pending]) -> Callable[[], None]:
         """Replicated stage: start the all-reduces (appended to `pending`) after which every

@@ -138,10 +138,11 @@ def _call(model: nn.Module, inputs: Inputs) -> Any:
 
 
 def flush_reference(model: nn.Module, inputs: Inputs, target: torch.Tensor, loss_fn: Loss,
-                    micro: int, steps: int, optimizer: Optimizer
+                    micro: int, steps: int, optimizer: Optimizer, *, clip: float | None = None
                     ) -> tuple[list[float], dict[str, torch.Tensor]]:
     """`steps` updates of ordinary training, each accumulating the gradients of the loss
-    over `micro` microbatches (the loss of each scaled by 1/micro)."""
+    over `micro` microbatches (the loss of each scaled by 1/micro); with `clip`, the
+    gradients clipped by `clip_grad_norm_` before each update."""
     model = copy.deepcopy(model)
     opt = optimizer(list(model.parameters()))
     losses = []
@@ -152,6 +153,8 @@ def flush_reference(model: nn.Module, inputs: Inputs, target: torch.Tensor, loss
             loss = loss_fn(_call(model, part), part_target)
             (loss / micro).backward()
             total += loss.item() / micro
+        if clip is not None:
+            nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         losses.append(total)
     return losses, model.state_dict()

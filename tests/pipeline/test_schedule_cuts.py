@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 
 import pdcompile
-from pdcompile.errors import PlanError
 from pdcompile.plan import Plan
 from pdcompile.schedule.kinds import kind
 from tests.helpers.random_models import random_models, squared_error
@@ -39,6 +38,7 @@ from tests.helpers.schedule_cuts import (
     placed_cut,
 )
 from tests.helpers.third_party import POOL
+from tests.helpers.tied_models import assert_every_copy
 from tests.helpers.transparency import momentum, replicated_buffers
 
 STEPS = 3
@@ -74,12 +74,7 @@ def trains_like_one_process(model: torch.nn.Module, inputs: Inputs, target: torc
         if name in left_out:
             continue
         torch.testing.assert_close(got[name], value, msg=lambda m, n=name: f"{n}: {m}")
-
-
-def refused_for_a_tie(err: PlanError) -> bool:
-    """The one refusal a drawn cut may get: a tied weight whose stages share a rank (a V or
-    an interleaved placement), refused naming the weight and how to untie it."""
-    return "is shared by stages" in str(err) and "untie" in str(err)
+    assert_every_copy(pipe, state, schedule)  # a tied parameter's copies on every chunk too
 
 
 def _random_model(draw: st.DrawFn) -> tuple[torch.nn.Module, Inputs, torch.Tensor, Loss]:
@@ -117,14 +112,8 @@ def cases(draw: st.DrawFn, models: tuple[str, ...]) -> dict[str, Any]:
 
 
 def check_case(case: dict[str, Any]) -> None:
-    try:
-        trains_like_one_process(case["model"], case["inputs"], case["target"], case["loss_fn"],
-                                schedule=case["schedule"], plan=case["plan"],
-                                micro=case["micro"])
-    except PlanError as err:
-        if not refused_for_a_tie(err):
-            raise
-        reject()
+    trains_like_one_process(case["model"], case["inputs"], case["target"], case["loss_fn"],
+                            schedule=case["schedule"], plan=case["plan"], micro=case["micro"])
 
 
 SETTINGS = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow,

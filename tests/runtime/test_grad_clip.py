@@ -1,7 +1,8 @@
 """`compile(..., clip_grad_norm=C)`: every minibatch's gradients scaled by the global norm over
 all stages, as `torch.nn.utils.clip_grad_norm_(model.parameters(), C)` on one process does
-(a replicated stage counted once, a tied parameter counted once), locally, after export, and
-over gloo; refused, in words, where a minibatch's norm never exists at one time."""
+(a replicated stage counted once, a tied parameter counted once, also where one worker holds
+several of its copies as chunks), locally, after export, and over gloo; refused, in words,
+where a minibatch's norm never exists at one time."""
 
 from __future__ import annotations
 
@@ -16,10 +17,21 @@ import torch.nn as nn
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
+from pdcompile.passes.trace import trace
+from pdcompile.planner.interleave import interleaved_plan
 from tests.helpers.before_tracing import assert_refused_before_tracing
 from tests.helpers.one_process import train_one_process
+from tests.helpers.tied_models import (
+    assert_every_copy,
+    gpt2_case,
+    interleaved_tie_plan,
+    tied_lm_case,
+    v_shaped,
+)
 from tests.helpers.transparency import (
     Case,
+    crossed_ties,
+    crossed_ties_plan,
     momentum,
     skip_plan,
     skipnet,
@@ -110,17 +122,45 @@ def test_asynchronous_schedules_are_refused(schedule: str, words: str) -> None:
         _pipeline(skipnet(), skip_plan, schedule, max_norm=1.0)
 
 
-def test_a_worker_holding_several_stages_is_refused() -> None:
-    from pdcompile.passes.trace import trace
-    from pdcompile.planner.interleave import interleaved_plan
+def _interleaved(model: nn.Module) -> pdcompile.Plan:
+    return interleaved_plan(trace(model), ranks=2, chunks=2)
 
+
+def _crossed() -> Case:
+    model, x, y = crossed_ties()
+    return model, (x,), y, nn.functional.mse_loss
+
+
+CHUNKED: dict[str, tuple[Callable[[], Case], Callable[[nn.Module], pdcompile.Plan], str]] = {
+    "skip, interleaved": (skipnet, _interleaved, "interleaved-1f1b"),
+    "tied across ranks, interleaved zero bubble": (tied_bn, _interleaved, "interleaved-zb"),
+    "GPT-2, tie within rank 0, ZB-V": (gpt2_case, v_shaped, "zb-v"),
+    "GPT-2, tie within rank 0, DualPipeV": (gpt2_case, v_shaped, "dualpipev"),
+    "GPT-2, tie within rank 1, interleaved": (gpt2_case, interleaved_tie_plan,
+                                              "interleaved-1f1b"),
+    "tie on two chunks of rank 0 and on rank 1, ZB-V": (tied_lm_case, v_shaped, "zb-v"),
+    # `b` is read by stages 1 and 2 only: counted on stage 1, not on the first stage of its ranks
+    "two ties in crossed chunk order": (_crossed, crossed_ties_plan, "interleaved-1f1b"),
+}
+
+
+@pytest.mark.parametrize("name", list(CHUNKED))
+def test_clipping_where_workers_hold_several_stages_matches_one_process(name: str) -> None:
+    """Each worker adds the squares of all its chunks' gradients (a tied parameter once, on
+    the first stage holding it, wherever its other copies are) and joins one all-reduce per
+    update; every chunk scales by the same factor. It was refused ("not supported yet"): each
+    chunk joining its own all-reduce would have paired one worker's chunk with another's."""
+    make, plan, schedule = CHUNKED[name]
     torch.manual_seed(0)
-    model, inputs, target, loss_fn = skipnet()
-    plan = interleaved_plan(trace(model), ranks=2, chunks=2)
-    with pytest.raises(PipelineInputError, match=r"clip_grad_norm is not supported yet.*"
-                                                 r"several stages"):
-        pdcompile.compile(model, example_inputs=inputs, loss_fn=loss_fn, plan=plan,
-                          schedule="interleaved-1f1b", microbatches=4, clip_grad_norm=1.0)
+    case = make()
+    model, inputs, target, _ = case
+    pipe = _pipeline(case, plan, schedule, max_norm=0.05)
+    losses = [pipe.step(*inputs, target=target) for _ in range(STEPS)]
+    want, norms = _reference(case, 0.05)
+    assert min(norms) > 0.05 * 2  # the clipping really scaled every step
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64))
+    assert_every_copy(pipe, model.state_dict(), name)
 
 
 @pytest.mark.slow
