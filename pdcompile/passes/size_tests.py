@@ -269,7 +269,7 @@ def _from_sympy(expr: Any, name_of: Callable[[Any], SizeTest | None],
 
 
 def _sum(expr: Any, kids: list[SizeTest]) -> SizeTest:
-    """An Add as additions and subtractions (`s1 - 3`, not `s1 + -3`)."""
+    """An Add as additions and subtractions (`s1 - 3`, not `-3 + s1`)."""
     plus: list[SizeTest] = []
     minus: list[SizeTest] = []
     for term, kid in zip(expr.args, kids, strict=True):
@@ -279,6 +279,7 @@ def _sum(expr: Any, kids: list[SizeTest]) -> SizeTest:
                                                            else kid)
         else:
             plus.append(kid)
+    plus.sort(key=lambda kid: isinstance(kid, int))  # `s1 + 3`, as one writes it
     tree: SizeTest = plus[0] if len(plus) == 1 else ("+", *plus) if plus else 0
     for term in minus:
         tree = ("-", tree, term)
