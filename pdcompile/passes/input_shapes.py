@@ -177,18 +177,20 @@ class InputShapes:
                     return (f"{given}: dimension {dim} must equal the size {want} of input "
                             f"{other!r}, which is {other_size}")
                 seen.setdefault(want, (name, size))
-        if self.tests and seen:
-            return self._test_refusal(minibatch, microbatch, microbatches)
-        return None
+        return self.test_refusal(minibatch, microbatch, microbatches=microbatches) if seen \
+            else None
 
     def _given(self, name: str, value: torch.Tensor, microbatches: int) -> str:
         return (f"input {name!r} is {tuple(value.shape)} "
                 f"{str(value.dtype).removeprefix('torch.')} but the model, as torch.export "
                 f"captured it, runs on {self.describe(name, microbatches=microbatches)}")
 
-    def _test_refusal(self, minibatch: Mapping[str, Any], microbatch: Mapping[str, Any],
-                      microbatches: int) -> str | None:
-        """The first test of `tests` that fails for the sizes of a microbatch, in words."""
+    def test_refusal(self, minibatch: Mapping[str, Any], microbatch: Mapping[str, Any], *,
+                     microbatches: int) -> str | None:
+        """The first test of `tests` that fails for the sizes of a microbatch, in words (None
+        if all hold); the inputs as for `refusal`, whose other checks they are taken to pass.
+        A minibatch shaped like the example needs this alone: the model was captured at the
+        example's whole batch, and the graph runs on its microbatches."""
         carriers: dict[str, tuple[str, int]] = {}  # a size -> its first (input, dimension)
         for name, shape in self.inputs.items():
             if isinstance(minibatch.get(name), torch.Tensor):

@@ -132,10 +132,10 @@ def _trains_like_the_model(pipe: Pipeline, cls: type[nn.Module], inputs: dict[st
                                    msg=lambda m, n=name: f"{n} at {sizes}: {m}")
 
 
-def _refusal(pipe: Pipeline, *inputs: torch.Tensor) -> str:
+def _refusal(pipe: Pipeline, *inputs: torch.Tensor, target: torch.Tensor | None = None) -> str:
     before = {k: v.clone() for k, v in pipe.state_dict().items()}
     with pytest.raises(PipelineInputError) as info:  # before the target is looked at
-        pipe.step(*inputs, target=torch.zeros_like(inputs[0]))
+        pipe.step(*inputs, target=torch.zeros_like(inputs[0]) if target is None else target)
     for name, value in pipe.state_dict().items():  # refused before any rank started
         torch.testing.assert_close(value, before[name])
     assert "\n" not in str(info.value)
@@ -192,6 +192,20 @@ def test_a_batch_test_holds_for_every_microbatch_or_the_minibatch_is_refused() -
     assert "dimension 0 of 'x' is 3 per microbatch (a minibatch of 7 cut into 2)" in \
         _refusal(pipe, torch.randn(7, 3))  # the first microbatch, of 4, passes; the last not
     assert "is 1 per microbatch" in _refusal(pipe, torch.randn(2, 3))
+
+
+def test_the_example_itself_is_refused_where_its_microbatches_fail_a_test() -> None:
+    """torch.export captured the whole example (6: even), the graph runs on its microbatches
+    (3: odd). Before, a minibatch shaped like the example was not checked and trained on the
+    even branch, unlike the model."""
+    torch.manual_seed(0)
+    x, target = torch.randn(6, 3), torch.randn(6, 3)
+    pipe = pdcompile.compile(BatchParity(), example_inputs=(x,), example_target=target,
+                             loss_fn=_square, optimizer=SGD, schedule="1f1b-flush",
+                             microbatches=2, stages=[1, 1], cost="analytic")
+    assert "dimension 0 of 'x' is 3 per microbatch (a minibatch of 6 cut into 2)" in \
+        _refusal(pipe, x, target=target)
+    _trains_like_the_model(pipe, BatchParity, {"x": torch.randn(8, 3)})
 
 
 def _microbatch_sizes(batch: int, micro: int) -> list[int]:
