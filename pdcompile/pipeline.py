@@ -616,7 +616,8 @@ class Pipeline:
     def check_minibatch(self, index: int, inputs: Sequence[Any], target: Any) -> None:
         """Refuse, in one line, a minibatch the pipeline cannot train, before any rank starts.
 
-        One shaped like the example is fine. Another shape (a short last batch, another
+        One shaped like the example is fine if the tests torch.export recorded of its sizes,
+        captured at the whole example, hold for its microbatches too. Another shape (a short last batch, another
         sequence length) is checked once per shape: the stages and the loss run forward on its
         first microbatch, without gradients or side effects; if they fail, the message names
         the input that differs from the example and the model's complaint.
@@ -640,13 +641,7 @@ class Pipeline:
         if not same:
             if kind(self.schedule_name).microbatched:  # too few samples to cut: say so
                 self._cut(tuple(inputs), self.microbatches, index=index, why="microbatches")
-            if self.input_shapes is not None:  # a graph that runs on these shapes only
-                m = kind(self.schedule_name).per_minibatch(self.microbatches)
-                named = self._named(tuple(inputs))
-                refusal = self.input_shapes.refusal(named, _first_microbatch(named, m),
-                                                    microbatches=m)
-                if refusal is not None:
-                    raise PipelineInputError(f"minibatch {index}: {refusal}")
+            self._refuse_shapes(index, tuple(inputs), tests_only=False)
             stage = "model"
             try:
                 values = self._example_values(tuple(inputs), explain=False)
@@ -663,7 +658,21 @@ class Pipeline:
                 raise PipelineInputError(
                     f"minibatch {index}: {what}, and the {cannot} "
                     f"({type(err).__name__}: {detail})") from None
+        else:  # captured at the whole example, it runs on microbatches: the tests must hold
+            self._refuse_shapes(index, tuple(inputs), tests_only=True)
         self._checked_shapes.add(key)
+
+    def _refuse_shapes(self, index: int, inputs: tuple[Any, ...], *, tests_only: bool) -> None:
+        """Refuse inputs a graph from torch.export cannot run on (`input_shapes`; `tests_only`:
+        only the tests of its sizes, for a minibatch shaped like the example)."""
+        if self.input_shapes is None:  # a graph that runs on any shape the model does
+            return
+        m = kind(self.schedule_name).per_minibatch(self.microbatches)
+        named = self._named(inputs)
+        check = self.input_shapes.test_refusal if tests_only else self.input_shapes.refusal
+        refusal = check(named, _first_microbatch(named, m), microbatches=m)
+        if refusal is not None:
+            raise PipelineInputError(f"minibatch {index}: {refusal}")
 
     def _difference(self, inputs: tuple[Any, ...], target: Any) -> str:
         """What differs from the example minibatch, in words."""

@@ -28,6 +28,7 @@ from pdcompile.meta import set_stage
 from pdcompile.passes.crossing import load_spec
 from pdcompile.passes.dense_constants import densify_constants
 from pdcompile.passes.input_shapes import InputShapes
+from pdcompile.passes.size_tests import SizeTestError
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
 from pdcompile.plan import Plan
@@ -126,6 +127,9 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
     if meta.get("input_shapes") is not None:  # the shapes a graph from torch.export runs on
         try:
             pipe.input_shapes = InputShapes.from_json(meta["input_shapes"])
+        except SizeTestError as err:  # a test the loader will not evaluate: say why
+            raise DamagedFileError(f"{folder / 'pipeline.json'} is altered (input_shapes: "
+                                   f"{err}); export the pipeline again") from None
         except (KeyError, TypeError, ValueError, AttributeError, IndexError):
             raise DamagedFileError(f"{folder / 'pipeline.json'} is altered (input_shapes "
                                    "malformed); export the pipeline again") from None

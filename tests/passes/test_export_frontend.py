@@ -4,7 +4,9 @@ How much torch.export reasons about free sizes: a size the model's code tests ag
 (padding to whole windows, stage after stage, as timm's Twins, TinyViT and MobileViTv2 do) is
 fixed at the example's after `TESTS_BEFORE_FIXED` tests, so that the tests stop growing with the
 model's depth (before, every dimension stayed free and torch.export simplified hundreds of ever
-longer expressions: minutes for those models); a batch size tested so often stays free.
+longer expressions: minutes for those models); a batch size tested so often stays free, its
+tests kept and checked on every microbatch (passes/input_shapes.py; it was fixed at the
+example's).
 
 A `with torch.autocast(..., enabled=False):` in forward (timm's EfficientViT) is inlined where the
 pipeline runs without autocast, so that the pipeline exports (it was refused).
@@ -97,12 +99,28 @@ class BatchTested(nn.Module):
 
 def test_a_batch_size_tested_more_often_escapes_the_limit_but_not_its_tests() -> None:
     """torch.export keeps the batch free (the limit does not fix it), but the model doubles
-    its output at batches 3 to 83, which the graph recorded at 2 does not: the pipeline fixes
-    the batch at the example's (input_shapes._pinned_sizes) rather than run another."""
+    its output at batches 3 to 83, which the graph recorded at 2 does not: each of those tests
+    is kept (input_shapes.InputShapes.tests), so the batch stays free outside 3 to 83, per
+    microbatch (before, the batch was fixed at the example's)."""
     gm = export_graph(BatchTested(), (torch.randn(2, 5),))
     value = next(n for n in gm.graph.nodes if n.op == "placeholder").meta["val"]
     assert isinstance(value.shape[0], torch.SymInt)  # free in torch.export's graph
-    assert get_input_shapes(gm).describe("x") == "(2, 5) float32"
+    shapes = get_input_shapes(gm)
+    assert shapes.describe("x") == "(any, 5) float32"
+    assert sorted(t[2] for t in shapes.tests) == list(range(3, TESTS_BEFORE_FIXED + 20))
+
+    def refusal(batch: int, micro: int) -> str | None:
+        x = torch.zeros(batch, 5)
+        return shapes.refusal({"x": x}, {"x": x.tensor_split(micro)[0]}, microbatches=micro)
+
+    assert refusal(2, 1) is None and refusal(84, 1) is None and refusal(168, 2) is None
+    assert refusal(4, 2) is None  # microbatches of 2
+    assert refusal(3, 1) is not None and refusal(83, 1) is not None
+    assert refusal(6, 2) == (
+        "input 'x' is (6, 5) float32 but the model, as torch.export captured it, runs on "
+        "(any, 5) float32: dimension 0 of 'x' is 3 per microbatch (a minibatch of 6 "
+        "cut into 2); the model was captured for sizes where x.shape[0] != 3, which its code "
+        "tests: pass sizes where that holds or compile the pipeline at the sizes to train on")
 
 
 def _loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
