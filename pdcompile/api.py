@@ -103,6 +103,10 @@ def compile(  # noqa: A001 - the public name of the one-liner
         raise PipelineInputError(f"cluster must be a pdcompile.Cluster or a cluster string such "
                                  f"as 'local-2' or '4x4@1e10,1.25e9', not "
                                  f"{type(cluster).__name__} {cluster!r}")
+    if cluster is not None:  # one it could not plan for: refused before any profiling
+        from pdcompile.planner import check_plannable
+
+        check_plannable(cluster)
     captured = capture(model, () if named is not None else inputs, named,
                        leaf_modules=leaf_modules, frontend=frontend, autocast=precision)
     gm = captured.graph

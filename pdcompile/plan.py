@@ -3,15 +3,28 @@
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import MISSING, asdict, dataclass, field, fields, replace
 from typing import Any
 
 from pdcompile.errors import PlanError
 from pdcompile.schedule.ir import replica_of
+from pdcompile.schedule.kinds import KINDS, unknown
 from pdcompile.units import format_bytes, format_seconds
 
 PLAN_FORMAT = "pdcompile.plan/1"
+DERIVED = ("format", "config", "speedup_over_dp")  # written for readers, not read back
+
+
+def _is_count(value: Any) -> bool:
+    """An int that is not a bool (JSON's true is no rank, 1.0 and "1" none either)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    """An int or float that is not a bool."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _stage_dict(stage: Stage) -> dict[str, Any]:
@@ -54,15 +67,28 @@ class Stage:
     shares: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.shares and (len(self.shares) != len(self.ranks) or min(self.shares) < 1):
+        if not _is_count(self.replicas) or self.replicas < 1:
+            raise PlanError(f"a stage's replicas must be a positive integer (got "
+                            f"{self.replicas!r})")
+        # a set of types, not a test per rank: a stage of 100,000 replicas is built often
+        if self.ranks and ({type(r) for r in self.ranks} != {int} or min(self.ranks) < 0):
+            raise PlanError(f"a stage's ranks must be integers from 0 (got {list(self.ranks)!r})")
+        if len(self.ranks) != self.replicas:
+            raise PlanError(f"a stage with {self.replicas} replicas needs as many ranks, got "
+                            f"ranks {list(self.ranks)}")
+        if len(set(self.ranks)) != len(self.ranks):
+            raise PlanError(f"a stage's ranks must differ, each replica on its own worker (got "
+                            f"ranks {list(self.ranks)})")
+        if self.shares and (len(self.shares) != len(self.ranks) or not all(
+                _is_count(n) and n >= 1 for n in self.shares)):
             raise PlanError(f"a stage's shares give each of its {len(self.ranks)} replicas a "
                             f"positive count of microbatches per round (got {list(self.shares)})")
-        if not isinstance(self.in_flight, int) or self.in_flight < 0:
+        if not _is_count(self.in_flight) or self.in_flight < 0:
             raise PlanError(f"a stage keeps a positive number of minibatches in flight, or 0 for "
-                            f"its schedule's default (got {self.in_flight!r})")
-        if self.replicas < 1 or len(self.ranks) != self.replicas:
-            raise PlanError(f"a stage with {self.replicas} replicas needs as many ranks, got "
-                            f"{list(self.ranks)}")
+                            f"its schedule's default (got in_flight {self.in_flight!r})")
+        if not isinstance(self.recompute, bool):
+            raise PlanError(f"a stage's recompute must be true or false (got "
+                            f"{self.recompute!r})")
 
     @property
     def round_size(self) -> int:
@@ -104,19 +130,26 @@ class Plan:
     microbatches: int = 1
 
     def __post_init__(self) -> None:
-        if not isinstance(self.microbatches, int) or self.microbatches < 1:
+        if not _is_count(self.microbatches) or self.microbatches < 1:
             raise PlanError(f"a plan's microbatches must be a positive integer (got "
                             f"{self.microbatches!r})")
+        if self.schedule not in KINDS:
+            raise PlanError(f"a plan's schedule: {unknown(self.schedule)}")
         if not self.stages:
-            raise PlanError("a plan needs at least one stage")
+            raise PlanError("a plan needs at least one stage (its stages are empty)")
+        if not all(isinstance(s, Stage) for s in self.stages):
+            raise PlanError(f"a plan's stages must be Stage objects (got "
+                            f"{sorted({type(s).__name__ for s in self.stages})})")
         seen: dict[str, int] = {}
         for index, stage in enumerate(self.stages):
             for node in stage.nodes:
                 if node in seen:
-                    raise PlanError(f"node {node!r} is in stages {seen[node]} and {index}")
+                    raise PlanError(f"node {node!r} is in the nodes of stages {seen[node]} and "
+                                    f"{index}; each node belongs to one stage")
                 seen[node] = index
         ranks = [r for stage in self.stages for r in stage.ranks]
         held = Counter(ranks)  # not ranks.count per rank: quadratic, minutes at 100,000 ranks
+        self._check_workers(held)
         shared = sorted(r for r, times in held.items() if times > 1)
         replicated = [i for i, s in enumerate(self.stages)
                       if s.replicas > 1 and set(s.ranks) & set(shared)]
@@ -124,6 +157,19 @@ class Plan:
             raise PlanError(f"a rank serves two stages: {ranks}; a rank may hold several "
                             f"stages (chunks of an interleaved pipeline) only when none of "
                             f"them is replicated (stages {replicated} are)")
+
+    def _check_workers(self, held: Counter[int]) -> None:
+        """Every rank of the stages is one of the plan's `workers` (ranks 0 to workers - 1; a
+        rank may hold no stage: the mixed planner leaves a slow device out)."""
+        if not _is_count(self.workers) or self.workers < 1:
+            raise PlanError(f"a plan's workers must be a positive integer (got "
+                            f"{self.workers!r})")
+        beyond = max(held)
+        if beyond >= self.workers:
+            where = next(i for i, s in enumerate(self.stages) if beyond in s.ranks)
+            raise PlanError(f"stage {where}'s ranks use rank {beyond}, but the plan has workers "
+                            f"{self.workers} (ranks 0 to {self.workers - 1}); give workers "
+                            f"{beyond + 1} or renumber the ranks")
 
     # ----------------------------------------------------------------------------- views
     def shares(self) -> list[list[int]] | None:
@@ -201,24 +247,28 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """Inverse of `to_dict`; data of another shape raises PlanError saying what is wrong."""
+        """Inverse of `to_dict`; data of another shape raises PlanError naming the field that
+        is wrong (every field's type is checked here, so that a bad one stops at load, not deep
+        in a run)."""
         if not isinstance(data, dict) or data.get("format") != PLAN_FORMAT:
             found = data.get("format") if isinstance(data, dict) else type(data).__name__
             raise PlanError(f"not a plan (format {found!r}, want {PLAN_FORMAT!r})")
-        fields = {k: v for k, v in data.items() if k not in ("format", "config", "speedup_over_dp")}
-        try:
-            fields["stages"] = tuple(
-                Stage(**(s | {"nodes": tuple(s["nodes"]), "ranks": tuple(s["ranks"]),
-                              "shares": tuple(s.get("shares", ()))}))
-                for s in data["stages"]
-            )
-            return cls(**fields)
-        except PlanError:
-            raise
-        except (KeyError, TypeError, ValueError, AttributeError) as err:
-            detail = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
-            raise PlanError(f"not a plan of this pdcompile: its fields are altered or missing "
-                            f"({detail})") from None
+        given = _checked_fields(data, cls, "the plan", ignored=DERIVED)
+        stages = given["stages"]
+        if not isinstance(stages, list) or not all(isinstance(s, dict) for s in stages):
+            raise PlanError(f"the plan's stages must be a list of objects (got "
+                            f"{_shown(stages)})")
+        built = []
+        for index, stage in enumerate(stages):
+            where = f"stage {index}"
+            checked = _checked_fields(stage, Stage, where)
+            try:
+                built.append(Stage(**checked | {
+                    "nodes": tuple(checked["nodes"]), "ranks": tuple(checked["ranks"]),
+                    "shares": tuple(checked.get("shares", ()))}))
+            except PlanError as err:
+                raise PlanError(f"{where}: {err}") from None
+        return cls(**given | {"stages": tuple(built)})
 
     @classmethod
     def from_json(cls, text: str) -> Plan:
@@ -284,3 +334,72 @@ class Plan:
                     f"(bound: {self.extra.get('bound', '?')})")
         return (f"prediction: the planner's closed form (bound: {self.extra.get('bound', '?')}); "
                 "too large to simulate cheaply")
+
+
+# What each field of a plan file holds: (test, words for the message). Numbers are
+# non-negative and not NaN (a time may be infinite: a plan that does not fit).
+def _number(value: Any) -> bool:
+    return _is_number(value) and not math.isnan(value) and value >= 0
+
+
+def _count_list(value: Any) -> bool:
+    return isinstance(value, list) and all(_is_count(v) for v in value)
+
+
+_FIELD_TYPES: dict[str, tuple[Any, str]] = {
+    "nodes": (lambda v: isinstance(v, list) and all(isinstance(n, str) for n in v),
+              "a list of node names"),
+    "replicas": (_is_count, "an integer"),
+    "ranks": (_count_list, "a list of integers"),
+    "shares": (_count_list, "a list of integers"),
+    "in_flight": (_is_count, "an integer"),
+    "recompute": (lambda v: isinstance(v, bool), "true or false"),
+    "stages": (lambda v: isinstance(v, list), "a list of stages"),
+    "workers": (_is_count, "an integer"),
+    "microbatches": (_is_count, "an integer"),
+    "cost_model": (lambda v: isinstance(v, str), "a string"),
+    "planner": (lambda v: isinstance(v, str), "a string"),
+    "status": (lambda v: isinstance(v, str), "a string"),
+    "schedule": (lambda v: isinstance(v, str), "a schedule name"),
+    "bound": (lambda v: v is None or _number(v), "null or a number >= 0"),
+    "cluster": (lambda v: v is None or isinstance(v, dict), "null or a cluster object"),
+    "extra": (lambda v: isinstance(v, dict), "an object"),
+}
+# the keys of `extra` that pdcompile reads back (the rest is free-form)
+_EXTRA_TYPES: dict[str, tuple[Any, str]] = {
+    "closed_form_time_per_minibatch": (lambda v: v is None or _number(v), "a number >= 0"),
+    "simulated_time_per_minibatch": (lambda v: v is None or _number(v), "a number >= 0"),
+    "dp_fits": (lambda v: isinstance(v, bool), "true or false"),
+    "fits": (lambda v: isinstance(v, bool), "true or false"),
+}
+
+
+def _shown(value: Any) -> str:
+    """A value for a message, cut short."""
+    text = json.dumps(value) if not isinstance(value, tuple) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _checked_fields(data: dict[str, Any], cls: type, where: str,
+                    ignored: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`data`'s fields of dataclass `cls`, each of its type; a missing required field, an
+    unknown one or one of another type raises PlanError naming it."""
+    known = {f.name: f for f in fields(cls)}
+    unknown_keys = [k for k in data if k not in known and k not in ignored]
+    if unknown_keys:
+        raise PlanError(f"{where} has the field {str(unknown_keys[0])!r}, which a plan does not "
+                        f"have (its fields: {', '.join(known)})")
+    missing = [name for name, f in known.items() if name not in data
+               and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise PlanError(f"{where} lacks the field {missing[0]!r}")
+    out = {k: v for k, v in data.items() if k in known}
+    for name, value in out.items():
+        test, words = _FIELD_TYPES.get(name, (_number, "a number >= 0"))
+        if not test(value):
+            raise PlanError(f"{where}'s {name} must be {words} (got {_shown(value)})")
+    for name, (test, words) in _EXTRA_TYPES.items():
+        if name in out.get("extra", {}) and not test(out["extra"][name]):
+            raise PlanError(f"{where}'s extra.{name} must be {words} (got "
+                            f"{_shown(out['extra'][name])})")
+    return out

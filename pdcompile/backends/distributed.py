@@ -51,6 +51,7 @@ from pdcompile.backends.program import ProgramSource, RunInput, RunProgram, as_p
 from pdcompile.backends.target_rides import TargetRides
 from pdcompile.backends.watchdog import model_activity, model_failure, watched_batches
 from pdcompile.errors import DistributedError, PipelineInputError
+from pdcompile.plan import Plan
 from pdcompile.runtime.finite_loss import LossGuard, guard_runtime
 from pdcompile.runtime.message_specs import MessageTable, spec_function
 from pdcompile.runtime.rank_state import RankState
@@ -592,6 +593,20 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
                      checkpoint_every=checkpoint_every, allow_nonfinite=allow_nonfinite)
 
 
+def idle_rank_refusal(plan: Plan) -> str | None:
+    """Why the distributed backend cannot run `plan`: ranks that hold no stage (the mixed
+    planner may leave a slow device out), where a process would wait on no schedule; None
+    where every rank holds a stage."""
+    held = {r for stage in plan.stages for r in stage.ranks}
+    idle = [r for r in range(plan.workers) if r not in held]
+    if not idle:
+        return None
+    return (f"ranks {idle} of the plan ({plan.config} on {plan.workers} workers) hold no stage, "
+            f"and the distributed backend runs a stage on every process; plan for the workers "
+            f"that run (a cluster of {len(held)}, ranks renumbered from 0), or train this plan "
+            f"with the local backend (Pipeline.train)")
+
+
 def _check_run(program: RunProgram, *, steps: int | None,
                checkpoint_dir: str | os.PathLike[str] | None,
                checkpoint_every: int | None) -> int:
@@ -607,6 +622,9 @@ def _check_run(program: RunProgram, *, steps: int | None,
             f"the pipeline was compiled for {plan.workers} workers (configuration {plan.config}) "
             f"but the process group has {world}; start {plan.workers} processes (torchrun "
             f"--nproc-per-node={plan.workers} / pdcompile run --nproc {plan.workers})")
+    idle = idle_rank_refusal(plan)
+    if idle is not None:
+        raise DistributedError(idle)
     if steps is not None and steps < 0:
         raise PipelineInputError(f"steps must be a non-negative number of minibatches "
                                  f"({steps} < 0)")

@@ -34,11 +34,18 @@ def add_cluster_option(parser: argparse.ArgumentParser, default: str = "local-2"
                         help=f"{CLUSTER_HELP} (default: {default}). Presets:\n{presets}")
 
 
-def load_cluster(text: str) -> Cluster:
-    """A cluster from a file path or a string."""
+def load_cluster(text: str, *, planned: bool = True) -> Cluster:
+    """A cluster from a file path or a string; `planned`: one the planner can plan for (not
+    too large: refused here, before any tracing or profiling)."""
     if text.endswith((".json", ".yaml", ".yml")) or Path(text).is_file():
-        return Cluster.load(text)
-    return Cluster.parse(text)
+        cluster = Cluster.load(text)
+    else:
+        cluster = Cluster.parse(text)
+    if planned:
+        from pdcompile.planner import check_plannable
+
+        check_plannable(cluster)
+    return cluster
 
 
 class Factory(NamedTuple):

@@ -99,7 +99,7 @@ def cost_graph_of_model(spec: str, *, cost: str = "measured", cluster: str = "A"
 
     torch.set_num_threads(1)
     model, inputs = load_factory(spec)
-    device = load_cluster(cluster).device if cost == "analytic" else None
+    device = load_cluster(cluster, planned=False).device if cost == "analytic" else None
     gm, graph = costed(model, inputs, cost=cost, name=spec, leaf_modules=leaves, device=device,
                        caches=caches, warmup=warmup, repeats=repeats, clock=clock,
                        progress=progress)

@@ -88,6 +88,7 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
     meta = check_export(export_dir)
     _check_trust(export_dir, meta, trust=args.trust)
     check_resume(export_dir, args.checkpoint_dir, args.steps, _plan_workers(export_dir))
+    _check_every_rank_runs(export_dir)
     lost = meta.get("not_saved", {})
     if lost:
         what = " and ".join(lost)
@@ -115,6 +116,17 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
               file=sys.stderr, flush=True)
         return DEFAULT_STEPS
     return args.steps
+
+
+def _check_every_rank_runs(export_dir: Path) -> None:
+    """One line before any worker starts, not one per worker: a plan with a rank that holds
+    no stage cannot run on torch.distributed."""
+    from pdcompile.backends.distributed import idle_rank_refusal
+    from pdcompile.cli.common import read_plan_file
+
+    refusal = idle_rank_refusal(read_plan_file(str(export_dir / "plan.json")))
+    if refusal is not None:
+        raise PdcompileError(f"{export_dir}: {refusal}")
 
 
 def _check_trust(export_dir: Path, meta: dict[str, object], *, trust: bool) -> None:

@@ -27,6 +27,8 @@ def update_scale(cluster: Cluster, ranks: Iterable[int]) -> float:
     """How many times longer an update's memory-bound work (a step, a weight copy) takes on the
     slowest memory among `ranks` than on the cluster's reference device: a measured or
     estimated reference time times this is the time there (1.0 on a homogeneous cluster)."""
+    if not cluster.groups:  # every rank has the reference device
+        return 1.0
     reference = cluster.device.mem_bandwidth
     return max((reference / cluster.device_of(r).mem_bandwidth for r in ranks), default=1.0)
 

@@ -227,7 +227,8 @@ class Cluster:
         """The outermost level that a group of ranks spans (its all-reduce's bottleneck)."""
         if len(ranks) <= 1:
             return 0
-        return max(self.link_level(ranks[0], r) for r in ranks[1:])
+        # groups are runs of consecutive ranks: the lowest and the highest rank span the most
+        return self.link_level(min(ranks), max(ranks))
 
     # ------------------------------------------------------------------- devices per rank
     @property
@@ -282,10 +283,22 @@ class Cluster:
     def slowest_speed(self, ranks: Iterable[int]) -> float:
         """The speed of the slowest of `ranks` (replicas of a stage take minibatches in turn, so
         the slowest sets the stage's pace)."""
+        if not self.groups:  # one device: no need to look at each of 100,000 ranks in turn
+            self._check_ranks(ranks)
+            return 1.0
         return min((self.speed_of(r) for r in ranks), default=1.0)
+
+    def _check_ranks(self, ranks: Iterable[int]) -> None:
+        """ClusterError for a rank outside the cluster (what `group_of` says of each)."""
+        held = tuple(ranks)
+        if held and (min(held) < 0 or max(held) >= self.workers):
+            self.group_of(min(held) if min(held) < 0 else max(held))
 
     def memory_of(self, ranks: Iterable[int]) -> float:
         """Bytes of the smallest device among `ranks` (what a stage on them may use)."""
+        if not self.groups:
+            self._check_ranks(ranks)
+            return self.device.memory
         return min((self.device_of(r).memory for r in ranks), default=self.device.memory)
 
     def with_slowdowns(self, slowdowns: Iterable[float]) -> Cluster:

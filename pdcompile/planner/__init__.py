@@ -6,6 +6,14 @@ recomputation (in_flight), interleaved placement (interleave) and a plan's simul
 """
 
 from pdcompile.planner.refine import refine_plan
-from pdcompile.planner.search import AUTO_SCHEDULES, PLANNERS, plan, price_plan
+from pdcompile.planner.search import (
+    AUTO_SCHEDULES,
+    MOST_WORKERS,
+    PLANNERS,
+    check_plannable,
+    plan,
+    price_plan,
+)
 
-__all__ = ["AUTO_SCHEDULES", "PLANNERS", "plan", "price_plan", "refine_plan"]
+__all__ = ["AUTO_SCHEDULES", "MOST_WORKERS", "PLANNERS", "check_plannable", "plan", "price_plan",
+           "refine_plan"]

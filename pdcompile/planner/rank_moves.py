@@ -102,10 +102,12 @@ def _server(cluster: Cluster, rank: int) -> int:
 
 def with_rank_sets(plan: Plan, sets: RankSets) -> Plan:
     """`plan` with stage i on `sets[i]` (replicas, shares and in-flight counts cleared for the
-    pricer to choose)."""
+    pricer to choose); its workers: up to the highest rank it uses, as `price_plan` counts
+    them (a move may take a rank past the plan's old highest)."""
     stages = tuple(replace(s, ranks=ranks, replicas=len(ranks), shares=(), in_flight=0)
                    for s, ranks in zip(plan.stages, sets, strict=True))
-    return replace(plan, stages=stages, extra={})
+    workers = 1 + max(r for ranks in sets for r in ranks)
+    return replace(plan, stages=stages, extra={}, workers=workers)
 
 
 def descend_rank_sets(plan: Plan, cluster: Cluster, *, price: Price, screen: Price,

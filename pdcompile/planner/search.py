@@ -65,6 +65,11 @@ STRAIGHT_WORKERS = 64  # ... or, up to this many workers, a straight pipeline ov
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
 SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
 SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; above: closed form
+# the most workers a cluster may have to be planned or priced: the planner holds every rank of
+# a plan (a stage replicated on all of them), so its time and memory grow with the workers;
+# at 10^6 a plan takes about 20 s and 300 MB on one core (10^7: minutes and gigabytes, 10^12
+# MemoryError)
+MOST_WORKERS = 1_000_000
 POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
 POLISH_BUDGET = 1200  # ... pricing at most this many plans in all (planner/polish.py) ...
 POLISH_STREAMING = 300  # ... or this many for a streaming schedule (each a circuit search)
@@ -106,6 +111,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if not isinstance(cluster, Cluster):
         raise PlanError(f"cluster must be a pdcompile.Cluster or a cluster string, not "
                         f"{type(cluster).__name__}")
+    check_plannable(cluster)
     if isinstance(cost_graph, (str, os.PathLike)):
         raise PlanError(f"plan takes a cost graph, not the {type(cost_graph).__name__} "
                         f"{str(cost_graph)!r}: for a PipeDream profile (a shipped name such as "
@@ -252,6 +258,7 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     to the plan's."""
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
+    check_plannable(cluster)
     validate(cost_graph)
     name = schedule or given.schedule
     if name not in KINDS:
@@ -300,6 +307,16 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
                    planner=given.planner or "given")
 
 
+def check_plannable(cluster: Cluster) -> None:
+    """PlanError, in one line and at once, for a cluster too large to plan or price (more than
+    MOST_WORKERS workers), instead of a MemoryError or hours of work."""
+    if cluster.workers > MOST_WORKERS:
+        raise PlanError(f"the cluster has {cluster.workers:,} workers ({cluster.describe()}); "
+                        f"the planner plans and prices at most {MOST_WORKERS:,} (it holds "
+                        f"every rank of a plan: time and memory grow with the workers); plan "
+                        f"for a cluster of at most {MOST_WORKERS:,} workers")
+
+
 @dataclass
 class _Candidate:
     """A plan the planner considers: its stages priced in closed form (`closed`, seconds per
@@ -320,7 +337,10 @@ class _Candidate:
         return (f"{self.options.schedule} x{self.options.per_minibatch} {replicas}: "
                 f"{self.closed * 1e3:.3f} ms ({self.bound}; {self.how})")
 
-    def as_plan(self, workers: int) -> Plan:
+    def as_plan(self) -> Plan:
+        """The candidate as a Plan on the ranks it uses (an interleaved one holds several
+        chunks per rank, so not one worker per replica)."""
+        workers = 1 + max(r for s in self.priced for r in s.ranks)
         return Plan(stages=self.priced, time_per_minibatch=self.closed, dp_time=0.0,
                     workers=workers, schedule=self.options.schedule,
                     microbatches=self.options.per_minibatch)
@@ -510,7 +530,7 @@ def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelO
     found = _dp_candidates(graph, flat, options, limit, True, count, fill=True)
     out = []
     for candidate in found.candidates:
-        straight_plan = candidate.as_plan(count)
+        straight_plan = candidate.as_plan()
         v_shape = kind(options.schedule).v_shape
         placed = fold_v(straight_plan) if v_shape else interleave(straight_plan, workers)
         stages = [(list(s.nodes), tuple(s.ranks)) for s in placed.stages]
@@ -678,7 +698,7 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         if leader not in chosen:
             chosen.append(leader)
     for candidate in chosen:
-        plan_ = candidate.as_plan(sum(s.replicas for s in candidate.priced))
+        plan_ = candidate.as_plan()
         if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
             continue
         try:
@@ -711,7 +731,7 @@ def _ilp_candidate(graph: nx.DiGraph, cluster: Cluster, planner: str, limit: flo
         return []
     from pdcompile.planner.ilp import improve
 
-    seed = hint.as_plan(sum(s.replicas for s in hint.priced))
+    seed = hint.as_plan()
     solved = improve(graph, cluster, seed, options=hint.options, memory=limit,
                      time_limit=time_limit or (ILP_DEFAULT_LIMIT if planner == "ilp"
                                                else ILP_AUTO_LIMIT),
@@ -909,4 +929,4 @@ def _bytes_up(value: float) -> str:
     return f"{math.ceil(value)} B"
 
 
-__all__ = ["AUTO_SCHEDULES", "PLANNERS", "plan", "price_plan"]
+__all__ = ["AUTO_SCHEDULES", "MOST_WORKERS", "PLANNERS", "check_plannable", "plan", "price_plan"]

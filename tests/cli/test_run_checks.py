@@ -4,6 +4,7 @@ was started."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -109,3 +110,21 @@ def test_fewer_steps_than_the_checkpoints_hold_is_one_line(
     assert main(["run", str(exported), "--steps", "50", "--checkpoint-dir", str(ckpt),
                  "--dry-run"]) == 0
     assert f"--run-dir {ckpt}" in capsys.readouterr().out  # the run's losses beside them
+
+
+def test_a_plan_with_a_rank_holding_no_stage_is_refused_before_workers_start(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # the mixed planner may leave a slow device's rank out (ranks 0 and 2 of 3); such a plan
+    # trains on the local backend, but its idle process used to die in `pdcompile run` with
+    # IndexError (the rank's first stage), once per worker
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    even = pdcompile.compile(model, example_inputs=(torch.randn(8, 4),), stages=[1, 1]).plan
+    first, last = even.stages
+    skipping = replace(even, stages=(first, replace(last, ranks=(2,))), workers=3)
+    pipe = pdcompile.compile(model, example_inputs=(torch.randn(8, 4),),
+                             example_target=torch.randint(0, 3, (8,)),
+                             loss_fn=nn.functional.cross_entropy, plan=skipping)
+    assert pipe.step(torch.randn(8, 4), target=torch.randint(0, 3, (8,))) > 0
+    pipe.export(str(tmp_path / "exported"))
+    err = _refused([str(tmp_path / "exported")], capsys)
+    assert "ranks [1] of the plan" in err and "hold no stage" in err

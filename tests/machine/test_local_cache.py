@@ -39,6 +39,12 @@ def _usable(value: float) -> bool:
     return math.isfinite(value) and value > 0
 
 
+def _number(value: object) -> bool:
+    """A figure the cache may hold: a finite positive int or float, not a bool (JSON's true
+    is no bandwidth)."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and _usable(value)
+
+
 _VALUES = (st.none() | st.booleans() | st.floats() | st.integers(-10, 10**15) | st.text(max_size=8)
            | st.lists(st.floats(), max_size=2))
 
@@ -62,8 +68,8 @@ def test_whatever_the_file_holds_the_figures_are_usable(cache: Path, doc: object
         "machine", local_machine.machine_identity()) == local_machine.machine_identity() else {}
     for key, used in (("flops", device.flops), ("bandwidth", loop.bandwidth)):
         value = given_.get(key)
-        own = isinstance(value, int | float) and not isinstance(value, bool) and _usable(value)
-        if own and all(isinstance(given_.get(k), int | float) and _usable(given_[k])
+        own = _number(value)
+        if own and all(_number(given_.get(k))
                        for k in (("flops", "mem_bandwidth") if key == "flops"
                                  else Loopback._fields)):
             assert used == float(value)  # the file's own figure, kept
