@@ -38,20 +38,27 @@ def _mlp() -> nn.Sequential:
                          nn.Linear(8, 3))
 
 
-def test_b_defers_the_linear_weight_gradients_to_w() -> None:
-    model = _mlp()
-    reference = _mlp()
-    gm = trace(model)
-    assert split_weight_gradients(gm) == 3
-    assert split_weight_gradients(gm) == 3  # idempotent
-    x = torch.randn(5, 6, requires_grad=True)
+def _b_alongside(gm: torch.fx.GraphModule, reference: nn.Module, x: torch.Tensor) -> list:
+    """The backward (B) of `gm` on `x` with weight gradients deferred, and of `reference` by
+    plain autograd; the input gradients equal. Returns the queue of deferred W work."""
+    x = x.clone().requires_grad_(True)
     x_ref = x.detach().clone().requires_grad_(True)
     queue: list = []
     with accumulating_grads(), deferring_weight_grads(queue):
         out = gm(x)
     out.square().sum().backward()
     reference(x_ref).square().sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad)  # B: the input gradient, at once
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    return queue
+
+
+def test_b_defers_the_linear_weight_gradients_to_w() -> None:
+    model = _mlp()
+    reference = _mlp()
+    gm = trace(model)
+    assert split_weight_gradients(gm) == 3
+    assert split_weight_gradients(gm) == 3  # idempotent
+    queue = _b_alongside(gm, reference, torch.randn(5, 6))  # B: the input gradient, at once
     linears = [name for name, m in reference.named_modules() if isinstance(m, nn.Linear)]
     for name in linears:
         assert gm.get_submodule(name).weight.grad is None, name  # deferred
@@ -196,14 +203,7 @@ def test_b_defers_the_convolution_weight_gradients_to_w() -> None:
     model, reference = _cnn(), _cnn()
     gm = trace(model)
     assert split_weight_gradients(gm) == 4  # 3 convolutions in numbers and the Linear
-    x = torch.randn(2, 3, 8, 8, requires_grad=True)
-    x_ref = x.detach().clone().requires_grad_(True)
-    queue: list = []
-    with accumulating_grads(), deferring_weight_grads(queue):
-        out = gm(x)
-    out.square().sum().backward()
-    reference(x_ref).square().sum().backward()
-    torch.testing.assert_close(x.grad, x_ref.grad)
+    queue = _b_alongside(gm, reference, torch.randn(2, 3, 8, 8))
     for name in ("0", "2", "8", "10"):  # deferred
         assert gm.get_submodule(name).weight.grad is None, name
     assert gm.get_submodule("4").weight.grad is not None  # padding="same": computed in B
