@@ -677,7 +677,9 @@ def _key(stages: Sequence[tuple[Sequence[str], Sequence[int]]]) -> tuple[Any, ..
 def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             simulate: bool | None) -> tuple[_Candidate, float | None]:
     """The best candidate: by the simulator's steady state among the best few by the closed
-    form where simulating is cheap (or asked for), else by the closed form."""
+    form where simulating is cheap (or asked for), else by the closed form. Where every
+    simulated choice fails (depths that cannot run), the next candidates by the closed form are
+    simulated until one runs: a candidate the simulator refused was returned before."""
     ranked = sorted(candidates, key=lambda c: c.closed)
     if simulate is False:
         return ranked[0], None
@@ -697,6 +699,7 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
                       if (c.options.schedule, c.options.per_minibatch) == option)
         if leader not in chosen:
             chosen.append(leader)
+    failed: list[_Candidate] = []  # candidates whose chosen depths cannot run
     for candidate in chosen:
         plan_ = candidate.as_plan()
         if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
@@ -704,11 +707,27 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         try:
             _, result = simulate_steady(graph, plan_, cluster)
         except ScheduleError:  # the chosen depths cannot run: that candidate is out
+            failed.append(candidate)
             continue
         if best is None or result.time_per_minibatch < best[0]:
             best = (result.time_per_minibatch, candidate)
-    if best is None:
-        return ranked[0], None
+    if best is None and failed:
+        # every simulated choice failed: the next candidates by the closed form, until one
+        # runs in the simulator (a plan that cannot run is never returned in its place)
+        for candidate in ranked:
+            if candidate in chosen:
+                continue
+            plan_ = candidate.as_plan()
+            if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
+                continue
+            try:
+                _, result = simulate_steady(graph, plan_, cluster)
+            except ScheduleError:
+                failed.append(candidate)
+                continue
+            return candidate, result.time_per_minibatch
+    if best is None:  # nothing simulated: by the closed form, one not known to fail first
+        return next((c for c in ranked if c not in failed), ranked[0]), None
     return best[1], best[0]
 
 
