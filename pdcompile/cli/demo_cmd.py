@@ -11,7 +11,7 @@ per few minibatches (a bar on a terminal), writes the predicted and measured tim
 PNG/SVG, Chrome trace, timeline JSON) and the drawn plan to --out, prints predicted against
 measured time per minibatch, then plans the same model for PipeDream's cluster A and prints the
 predicted speed-up over data parallelism. The report is also written to OUT/demo.md.
-Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
+Exit status: 0 ok, 1 a user error or bad usage (one line on stderr).
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ The loss function is the `loss_fn` defined beside the factory, if there is one (
 model must return its loss); a factory's .py file is copied into the export (user_code/), so
 that `pdcompile run` imports its loss_fn from there. Run the folder with `pdcompile run DIR
 --nproc N` or torchrun.
-Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
+Exit status: 0 ok, 1 a user error or bad usage (one line on stderr).
 """
 
 from __future__ import annotations

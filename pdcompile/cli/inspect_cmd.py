@@ -11,7 +11,7 @@ The table has one row per node (or per block with --coarsen): what it is, its ou
 forward and backward seconds, output activation, parameter and kept bytes, then the totals.
 --draw draws the graph with matplotlib (.svg/.png; .dot for graphviz), no graphviz needed;
 --svg renders a richer DOT drawing with graphviz `dot` when it is installed.
-Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
+Exit status: 0 ok, 1 a user error or bad usage (one line on stderr).
 """
 
 from __future__ import annotations

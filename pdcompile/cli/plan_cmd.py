@@ -17,7 +17,7 @@ boundary labelled with its bytes per minibatch (.svg/.png drawn with matplotlib,
 graphviz); stages of more than --collapse nodes are drawn as one box, --stage K expands only K.
 --refine N then searches around the planner's plan with up to N simulations of asynchronous
 1F1B (pdcompile.refine_plan) and prints the plan that simulates fastest.
-Exit status: 0 ok, 1 a user error (one line on stderr), 2 bad usage.
+Exit status: 0 ok, 1 a user error or bad usage (one line on stderr).
 """
 
 from __future__ import annotations

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from pdcompile.cli import build_parser, colour_enabled, main
+from pdcompile.cli import SUBCOMMANDS, build_parser, colour_enabled, main
 from tests.helpers.paths import ROOT
 
 OWNED = ("inspect", "plan", "export", "demo")
@@ -69,6 +70,21 @@ def test_unknown_option_is_usage(capsys: pytest.CaptureFixture[str]) -> None:
         main(["plan", "--no-such-option"])
     assert exit_info.value.code == 1
     assert "unrecognized arguments" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_the_help_states_the_exit_status_bad_usage_gets(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A subcommand's help that names the exit status of bad usage names the one it exits
+    with (four of them said 2 while every usage error exits 1)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--no-such-option"])
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    help_text = build_parser().format_help() + capsys.readouterr().out
+    for stated in re.findall(r"(\d) (?:a user error or )?bad usage", help_text):
+        assert int(stated) == exit_info.value.code, (command, help_text)
 
 
 @pytest.mark.parametrize(("argv", "expect"), [
