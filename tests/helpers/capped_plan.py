@@ -11,7 +11,7 @@ from typing import Any
 
 from tests.helpers.graphs import random_chain
 from tests.helpers.paths import ROOT
-from tests.helpers.processes import run_bounded
+from tests.helpers.processes import PEAK_RSS_KIB, run_bounded
 
 CAP = 4 << 30  # bytes of address space; torch and OR-Tools take about 0.8 GB of it
 
@@ -36,7 +36,7 @@ def plan_random_chain_capped(*, nodes: int, skips: int, cluster: str,
         print(json.dumps({{"seconds": time.perf_counter() - started,
                           "stage_of": plan.stage_of(),
                           "ranks": [list(s.ranks) for s in plan.stages],
-                          "peak": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}}))
+                          "peak": {PEAK_RSS_KIB}}}))
     """)
     result = run_bounded([sys.executable, "-c", script], timeout=300, cwd=ROOT,
                          name=f"plan of {nodes} nodes on {cluster}")

@@ -11,6 +11,14 @@ from pathlib import Path
 import pytest
 
 
+# Python expression, for a child's script: the child's own peak resident memory in KiB
+# (VmHWM, which exec starts afresh). `resource.getrusage(...).ru_maxrss` is kept across fork and
+# exec, so a child of a large pytest process reported the parent's peak (1.27 GB in a CI run,
+# for a script that peaks at 354 MB).
+PEAK_RSS_KIB = ("int(next(line.split()[1] for line in open('/proc/self/status') "
+                "if line.startswith('VmHWM:')))")
+
+
 def start_bounded(args: list[str], *, cwd: Path | None = None,
                   env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     """`args` in its own session (so `finish_bounded` can kill its children), stdout and stderr
