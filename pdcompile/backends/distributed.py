@@ -556,8 +556,8 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     rank = _check_run(program, steps=steps, checkpoint_dir=checkpoint_dir,
                       checkpoint_every=checkpoint_every)
     stages = program.stages_of(rank)
-    state = program.state(rank, stages[0])  # the rank's first chunk where it holds several
-    chunk_states = [program.state(rank, s) for s in stages]
+    chunk_states = [program.state(rank, s) for s in stages]  # one per chunk it holds
+    state = chunk_states[0]  # the rank's first chunk where it holds several
     resume = resume_point(program, chunk_states, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)
     if steps is not None and resume.done > steps:  # every rank agreed on resume.done
@@ -588,8 +588,8 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
                                      prepost_depth=prepost_depth * len(stages))
     reporter = program.plan.stages[-1].ranks[0] == rank and progress is not None
     losses = _Losses(resume.losses, progress if reporter else None)
-    return _run_loop(program, state, transport, announcements, (run, header), resume, losses,
-                     routed=routed, record=record, monitor=monitor,
+    return _run_loop(program, chunk_states, transport, announcements, (run, header), resume,
+                     losses, routed=routed, record=record, monitor=monitor,
                      checkpoint_every=checkpoint_every, allow_nonfinite=allow_nonfinite)
 
 
@@ -644,15 +644,17 @@ def _check_run(program: RunProgram, *, steps: int | None,
     return rank
 
 
-def _run_loop(program: RunProgram, state: RankState, transport: DistributedTransport,
+def _run_loop(program: RunProgram, chunk_states: list[RankState],
+              transport: DistributedTransport,
               announcements: Announcements, announced: tuple[RunInput | None, Header],
               resume: Resume, losses: _Losses, *, routed: set[int], record: bool,
               monitor: FaultMonitor | None, checkpoint_every: int | None,
               allow_nonfinite: bool = False) -> DistributedRun:
     """The training of one rank: every announced run through its generated loop, a checkpoint
-    where one is due, then the losses (and timelines) gathered from every rank."""
+    where one is due, then the losses (and timelines) gathered from every rank.
+    `chunk_states`: what the rank holds, one per chunk (its first runs the rank's data)."""
+    state = chunk_states[0]
     rank, stage = state.rank, state.stage
-    chunk_states = [program.state(rank, s) for s in program.stages_of(rank)]  # what it saves
     plan = program.plan
     per = program.per_minibatch
     tables = announcements.tables

@@ -700,32 +700,29 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         if leader not in chosen:
             chosen.append(leader)
     failed: list[_Candidate] = []  # candidates whose chosen depths cannot run
-    for candidate in chosen:
+
+    def simulated(candidate: _Candidate) -> float | None:
+        """The simulator's time per minibatch; None where it is over the budget or fails."""
         plan_ = candidate.as_plan()
         if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
-            continue
+            return None
         try:
-            _, result = simulate_steady(graph, plan_, cluster)
+            return simulate_steady(graph, plan_, cluster)[1].time_per_minibatch
         except ScheduleError:  # the chosen depths cannot run: that candidate is out
             failed.append(candidate)
-            continue
-        if best is None or result.time_per_minibatch < best[0]:
-            best = (result.time_per_minibatch, candidate)
+            return None
+
+    for candidate in chosen:
+        seconds = simulated(candidate)
+        if seconds is not None and (best is None or seconds < best[0]):
+            best = (seconds, candidate)
     if best is None and failed:
         # every simulated choice failed: the next candidates by the closed form, until one
         # runs in the simulator (a plan that cannot run is never returned in its place)
-        for candidate in ranked:
-            if candidate in chosen:
-                continue
-            plan_ = candidate.as_plan()
-            if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
-                continue
-            try:
-                _, result = simulate_steady(graph, plan_, cluster)
-            except ScheduleError:
-                failed.append(candidate)
-                continue
-            return candidate, result.time_per_minibatch
+        for candidate in (c for c in ranked if c not in chosen):
+            seconds = simulated(candidate)
+            if seconds is not None:
+                return candidate, seconds
     if best is None:  # nothing simulated: by the closed form, one not known to fail first
         return next((c for c in ranked if c not in failed), ranked[0]), None
     return best[1], best[0]
