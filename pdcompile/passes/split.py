@@ -27,6 +27,7 @@ PlanError naming it and the stages.
 
 from __future__ import annotations
 
+import inspect
 import operator
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -600,7 +601,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
         return stage_of[node.name]
 
     try:
-        top = split_module(gm, gm, callback, keep_original_order=True, tuple_return=True)
+        top = split_in_tuples(gm, callback)
     except KeyError as err:  # a value split_module looked up before any stage made it
         raise PlanError(_unsplittable(gm, str(err.args[0]) if err.args else "?", stage_of)) \
             from None
@@ -641,6 +642,35 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             _link(stages, ref, last)
     ties = _name_and_copy(stages, root)
     return SplitResult(stages, data_inputs, output_refs, spec, ties, _unused(stages, root))
+
+
+def split_in_tuples(gm: fx.GraphModule, callback: Callable[[fx.Node], int], *,
+                    native: bool | None = None) -> fx.GraphModule:
+    """`split_module` with every stage returning a tuple, one-output stages too (what its
+    `tuple_return=True` does since torch 2.12; `native` None: use it where torch has it).
+
+    Before 2.12 a one-output stage returns its value bare and the top graph uses the call
+    itself; here its output is wrapped and the top graph reads item 0, the same shape."""
+    if native is None:
+        native = "tuple_return" in inspect.signature(split_module).parameters
+    if native:
+        return split_module(gm, gm, callback, keep_original_order=True, tuple_return=True)
+    top = split_module(gm, gm, callback, keep_original_order=True)
+    for node in list(top.graph.nodes):
+        if node.op != "call_module":
+            continue
+        sub = top.get_submodule(str(node.target))
+        assert isinstance(sub, fx.GraphModule)
+        out = next(n for n in sub.graph.nodes if n.op == "output")
+        if isinstance(out.args[0], tuple):
+            continue
+        out.args = ((out.args[0],),)
+        sub.recompile()
+        with top.graph.inserting_after(node):
+            item = top.graph.call_function(operator.getitem, (node, 0))
+        node.replace_all_uses_with(item, delete_user_cb=lambda user: user is not item)
+    top.recompile()
+    return top
 
 
 def _unused(stages: list[StageProgram], root: torch.nn.Module) -> dict[str, torch.Tensor]:
