@@ -7,8 +7,10 @@
    largest relative loss difference over 3 minibatches and the largest relative weight
    difference after them (TF32 off, so both sides compute in float32).
    Weights are compared after the first minibatch, losses over 3.
-2. cost: the measured cost pass on the GPU (CUDA events per node, forward and backward) against
-   the whole model's forward + backward timed with CUDA events in the same run, and the analytic
+2. cost: the measured cost pass on the GPU (per node, forward and backward: the larger of the
+   kernels' execution, timed by CUDA events with the GPU held busy while they are queued, and
+   the CPU's queueing; cost/timers.py) against the whole model's forward + backward timed the
+   same way in the same run, beside the same with CUDA events alone (the timer before), and the analytic
    cost pass on the `h100` device model against the same measurement, for VGG-16, ResNet-50
    (paper sizes, 224x224) and GPT-2 small.
 3. overhead: samples/s of plain training against our pipeline's local backend (all stages in
@@ -94,8 +96,11 @@ def equal_section(device: str) -> list[str]:
 
     rows = ["| model | schedule | max loss rel. diff | max weight rel. diff | verdict |",
             "|---|---|---|---|---|"]
-    for name, make in (("mlp", _mlp), ("vgg16-small", _vgg), ("resnet50-small", _resnet)):
-        for schedule in SCHEDULES:
+    cases = [(name, make, "analytic", SCHEDULES) for name, make in
+             (("mlp", _mlp), ("vgg16-small", _vgg), ("resnet50-small", _resnet))]
+    cases.append(("vgg16-small, measured costs", _vgg, "measured", ("1f1b-flush", "zb-v")))
+    for name, make, cost, schedules in cases:
+        for schedule in schedules:
             try:
                 model, inputs = make(device)
                 target = torch.randint(0, 10, (inputs[0].shape[0],), device=device)
@@ -103,7 +108,7 @@ def equal_section(device: str) -> list[str]:
                 pipe = pdcompile.compile(
                     model, example_inputs=inputs, loss_fn=F.cross_entropy, stages=2,
                     optimizer=lambda params: torch.optim.SGD(params, lr=LR),
-                    schedule=schedule, microbatches=MICRO, cost="analytic")
+                    schedule=schedule, microbatches=MICRO, cost=cost)
                 # weights after the first update (later ones amplify the rounding of a
                 # different summation order: GPipe's backwards run in reverse, and a one-process
                 # loop summing in that order differs from the in-order one as much); losses of 3
@@ -145,8 +150,14 @@ def cost_section(device: str, quick: bool) -> list[str]:
                                                     seq_len=64 if quick else 512, dropout=0.0,
                                                     device=device)),
     ]
+    from pdcompile.cost.timers import CudaEventTimer
+
+    def events_alone() -> Any:  # the timer before cost/busy_wait.py: no hold, events only
+        return CudaEventTimer(hold=lambda seconds: None) if device == "cuda" else None
+
     rows = ["| model | nodes | node sum fwd+bwd ms | whole fwd+bwd ms | sum / whole | "
-            "analytic h100 ms | analytic / measured | cost pass s |", "|---|---|---|---|---|---|---|---|"]
+            "before: sum / whole (events alone) | analytic h100 ms | analytic / measured | "
+            "cost pass s |", "|---|---|---|---|---|---|---|---|---|"]
     for name, make in cases:
         try:
             torch.manual_seed(0)
@@ -156,19 +167,85 @@ def cost_section(device: str, quick: bool) -> list[str]:
             total = total_cost(annotate_costs(gm, inputs, warmup=3, repeats=9))
             seconds = time.perf_counter() - start
             fwd, bwd = measure_model(model, inputs, warmup=3, repeats=19)
+            old = total_cost(annotate_costs(trace(model), inputs, warmup=3, repeats=9,
+                                            timer=events_alone()))
+            old_fwd, old_bwd = measure_model(model, inputs, warmup=3, repeats=19,
+                                             timer=events_alone())
             analytic = total_cost(annotate_costs(trace(model), inputs, source="analytic",
                                                  device="h100"))
             whole = fwd + bwd
             rows.append(f"| {name} | {len(gm.graph.nodes)} | {(total.fwd + total.bwd) * 1e3:.2f} | "
                         f"{whole * 1e3:.2f} | {(total.fwd + total.bwd) / whole:.2f} | "
+                        f"{(old.fwd + old.bwd) / (old_fwd + old_bwd):.2f} | "
                         f"{(analytic.fwd + analytic.bwd) * 1e3:.2f} | "
                         f"{(analytic.fwd + analytic.bwd) / whole:.2f} | {seconds:.1f} |")
         except Exception as err:  # noqa: BLE001
             traceback.print_exc()
             rows.append(f"| {name} | FAILED: {type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:160]} | | | | | | |")
+                        f"{str(err).splitlines()[0][:160]} | | | | | | | |")
         print(rows[-1], flush=True)
         torch.cuda.empty_cache() if device == "cuda" else None
+    return rows
+
+
+def diagnose_section(device: str, quick: bool) -> list[str]:
+    """Where the cost pass and the whole model part on the GPU: forward and backward sums of
+    the nodes and the whole model's, under the timer (max of held GPU time and CPU queueing),
+    its two parts alone, CUDA events alone (the timer before), and the timer with cold caches."""
+    from pdcompile.cost.node_costs import annotate_costs, measure_model, total_cost
+    from pdcompile.cost.timers import CudaEventTimer
+    from pdcompile.models import gpt2, resnet50
+    from pdcompile.passes.trace import trace
+
+    class Part(CudaEventTimer):
+        """One part of the timer's reading: "gpu" (held events) or "host" (queueing)."""
+
+        def __init__(self, part: str) -> None:
+            super().__init__()
+            self.part = part
+
+        def time(self, fn: Callable[[], Any]) -> float:
+            self._synchronize()
+            start, end = self._event(), self._event()
+            self._hold(self.cover)
+            issued = self._clock()
+            start.record()
+            fn()
+            end.record()
+            host = self._clock() - issued
+            end.synchronize()
+            self.cover = max(host * 2.0, self.cover / 2.0, 20e-6)
+            return host if self.part == "host" else float(start.elapsed_time(end)) / 1000.0
+
+    timers: dict[str, Callable[[], Any]] = {
+        "max (now)": lambda: None, "gpu held": lambda: Part("gpu"),
+        "host": lambda: Part("host"), "events alone": lambda: CudaEventTimer(hold=lambda s: None)}
+    cases = [("resnet50 b64 224", lambda: resnet50.factory(
+                 batch_size=8 if quick else 64, image_size=64 if quick else 224, width=1,
+                 num_classes=1000, device=device)),
+             ("gpt2-small b8 s512", lambda: gpt2.factory(
+                 size="small", batch_size=2 if quick else 8, seq_len=64 if quick else 512,
+                 dropout=0.0, device=device))]
+    rows = ["| model | timer | caches | nodes fwd ms | nodes bwd ms | whole fwd ms | "
+            "whole bwd ms | sum / whole |", "|---|---|---|---|---|---|---|---|"]
+    for name, make in cases:
+        torch.manual_seed(0)
+        model, inputs = make()
+        combos = [(t, "warm") for t in timers] + [("max (now)", "cold")]
+        for label, caches in combos:
+            try:
+                nodes = total_cost(annotate_costs(trace(model), inputs, warmup=3, repeats=9,
+                                                  timer=timers[label](), caches=caches))
+                fwd, bwd = measure_model(model, inputs, warmup=3, repeats=19,
+                                         timer=timers[label]())
+                rows.append(f"| {name} | {label} | {caches} | {nodes.fwd * 1e3:.2f} | "
+                            f"{nodes.bwd * 1e3:.2f} | {fwd * 1e3:.2f} | {bwd * 1e3:.2f} | "
+                            f"{(nodes.fwd + nodes.bwd) / (fwd + bwd):.2f} |")
+            except Exception as err:  # noqa: BLE001
+                traceback.print_exc()
+                rows.append(f"| {name} | {label} | {caches} | FAILED: {type(err).__name__}: "
+                            f"{str(err).splitlines()[0][:160]} | | | | |")
+            print(rows[-1], flush=True)
     return rows
 
 
@@ -270,6 +347,7 @@ def main() -> None:
     sections = {"equal": lambda: equal_section(args.device),
                 "cost": lambda: cost_section(args.device, args.quick),
                 "overhead": lambda: overhead_section(args.device, args.quick),
+                "diagnose": lambda: diagnose_section(args.device, args.quick),
                 "nccl": nccl_section}
     for key in args.only.split(","):
         start = time.perf_counter()

@@ -1,6 +1,9 @@
 """Timers for the measured cost source: wall clock (or CPU time) on the CPU, CUDA events on a
 GPU, one interface.
 
+On a GPU a call's time is the larger of its kernels' execution (events around kernels queued
+back to back) and the CPU's time to queue it.
+
 `select_timer(device)` picks the right one; `measure(timer, fn, setup=..., warmup=, repeats=)`
 runs `setup` untimed and `fn` timed, after warm-up, and returns the median (robust to the odd
 slow run caused by the OS or the allocator).
@@ -16,6 +19,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from pdcompile.cost.busy_wait import SpinHold
 
 
 class Timer(ABC):
@@ -58,25 +63,45 @@ class CpuTimeTimer(Timer):
 
 
 class CudaEventTimer(Timer):
-    """CUDA events recorded before and after the call on the current stream, then synchronised:
-    the time the GPU spent, not the time Python took to queue the kernels.
+    """The call's time on a GPU: the larger of the GPU's execution time between two CUDA events
+    and the CPU's time to queue the call (a node runs no faster than it can be issued).
 
-    `event_factory` and `synchronize` exist so that the interface can be tested without a GPU.
+    Before the first event a spin kernel (cost/busy_wait.py) holds the stream longer than the
+    CPU took to queue the last call, so the GPU starts the call's kernels back to back instead
+    of idling while Python queues them (that idle time was billed to each node); the hold
+    follows the calls' queueing times (warm-up runs size it for the timed ones). `event_factory`, `synchronize`, `hold` and `clock`
+    exist so that the interface can be tested without a GPU.
     """
 
     def __init__(self, *, event_factory: Callable[[], Any] | None = None,
-                 synchronize: Callable[[], None] | None = None) -> None:
+                 synchronize: Callable[[], None] | None = None,
+                 hold: Callable[[float], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self._event = event_factory or (lambda: torch.cuda.Event(enable_timing=True))
         self._synchronize = synchronize or torch.cuda.synchronize
+        self._hold = hold or SpinHold(event_factory=self._event, synchronize=self._synchronize)
+        self._clock = clock
+        self.cover = INITIAL_COVER  # seconds the GPU is held before the call
 
     def time(self, fn: Callable[[], Any]) -> float:
         self._synchronize()  # work queued earlier must not be billed to fn
         start, end = self._event(), self._event()
+        self._hold(self.cover)
+        issued = self._clock()
         start.record()
         fn()
         end.record()
+        host = self._clock() - issued
         end.synchronize()
-        return float(start.elapsed_time(end)) / 1000.0  # elapsed_time is in milliseconds
+        # the next call's hold: at once long enough for a call like this one, and halving
+        # call by call after a long one (a whole model's hold would slow every node after it)
+        self.cover = max(host * COVER_MARGIN, self.cover / 2.0, MIN_COVER)
+        return max(float(start.elapsed_time(end)) / 1000.0, host)  # elapsed_time is in ms
+
+
+INITIAL_COVER = 1e-3  # seconds; warm-up runs size it to the call's own queueing time
+MIN_COVER = 20e-6
+COVER_MARGIN = 2.0
 
 
 CLOCKS = ("wall", "cpu")

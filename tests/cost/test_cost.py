@@ -291,7 +291,8 @@ class _FakeEvent:
 
 def test_cuda_event_timer_interface_without_gpu() -> None:
     syncs: list[int] = []
-    timer = CudaEventTimer(event_factory=_FakeEvent, synchronize=lambda: syncs.append(1))
+    timer = CudaEventTimer(event_factory=_FakeEvent, synchronize=lambda: syncs.append(1),
+                           hold=lambda seconds: None, clock=lambda: 0.0)
 
     def work() -> None:
         _FakeEvent.clock += 0.25  # the "GPU" spends 250 ms
