@@ -1,0 +1,170 @@
+"""What a tied weight split across two ranks costs a step, measured against its price.
+
+Model: a token embedding of VOCAB x WIDTH (50,000 x 768 in float32: 153.6 MB, GPT-2's size)
+read at the input and again as the output head (tied), with two Linear(WIDTH, WIDTH) + tanh
+between; the untied twin gives the head its own weight of the same size. Both are cut
+embedding | layers + head on 2 gloo processes (one thread each) under 1F1B-flush, 2
+microbatches of 4 sequences of 2 tokens (little compute, so the all-reduce shows), SGD. The
+tied run all-reduces the head's and the embedding's gradients (153.6 MB) at every update
+(runtime/stage_runtime.py `reduce_tie`); the untied run does not, and otherwise does the same
+work (each stage holds and steps one VOCAB x WIDTH weight either way).
+
+Rounds of --steps minibatches alternate tied and untied (a load from elsewhere hits both); a
+round's time is `run_distributed`'s training loop, the slower rank's. The table gives the
+medians per minibatch, their difference, and the price of the all-reduce: cost/ties.py's ring
+on `local-2` (this machine's loopback all-reduce rate, measured through the runtime's path and
+cached), and the difference the simulator predicts between the two plans from the cost pass.
+
+    python benchmarks/tie_allreduce.py [--rounds 5] [--steps 6] [--md FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pdcompile.backends.launch import Worker, launch  # noqa: E402
+
+VOCAB, WIDTH, BATCH, TOKENS, MICRO = 50_000, 768, 8, 2, 2
+
+
+class HeadTied(nn.Module):
+    """Embedding -> 2 x (Linear + tanh) -> head onto the vocabulary, tied or not."""
+
+    def __init__(self, tied: bool) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, WIDTH)
+        self.layers = nn.ModuleList(nn.Linear(WIDTH, WIDTH) for _ in range(2))
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        if tied:
+            self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        h = self.emb(idx)
+        for layer in self.layers:
+            h = torch.tanh(layer(h))
+        return self.head(h)
+
+
+def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), target.reshape(-1))
+
+
+def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (BATCH, TOKENS), generator=generator),
+             torch.randint(0, VOCAB, (BATCH, TOKENS), generator=generator))
+            for _ in range(steps)]
+
+
+def pipeline(tied: bool, cluster: Any = None) -> Any:
+    """The compiled 2-stage pipeline (embedding | the rest)."""
+    import pdcompile
+    from pdcompile.passes.split import manual_plan
+    from pdcompile.passes.trace import trace
+
+    torch.manual_seed(0)
+    model = HeadTied(tied)
+    plan = manual_plan(trace(model), lambda node: int(node.op != "placeholder"
+                                                      and str(node.target) != "emb"))
+    idx, target = batches(1)[0]
+    return pdcompile.compile(model, example_inputs=(idx,), example_target=target,
+                             loss_fn=loss_fn, plan=plan, schedule="1f1b-flush",
+                             microbatches=MICRO, cluster=cluster,
+                             optimizer=lambda params: torch.optim.SGD(params, lr=1e-3))
+
+
+def _worker(worker: Worker, rounds: int, steps: int) -> dict[str, list[float]]:
+    import torch.distributed as dist
+
+    from pdcompile.backends.distributed import run_distributed
+
+    torch.set_num_threads(1)
+    pipes = {name: pipeline(name == "tied") for name in ("tied", "untied")}
+    data = batches(steps)
+    times: dict[str, list[float]] = {name: [] for name in pipes}
+    for name, pipe in pipes.items():  # warm-up
+        run_distributed(pipe, data[:2], monitor=worker.monitor)
+    for _ in range(rounds):
+        for name, pipe in pipes.items():
+            run = run_distributed(pipe, data, monitor=worker.monitor)
+            mine = torch.tensor([run.seconds])
+            dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+            times[name].append(float(mine) / steps)
+    return times
+
+
+def predicted() -> dict[str, float]:
+    """The all-reduce's price on local-2, and the simulator's two plans from the cost pass."""
+    from pdcompile import Cluster
+    from pdcompile.cost.ties import SharedWeights
+
+    cluster = Cluster.preset("local-2")
+    tie = SharedWeights((0, 1), float(VOCAB * WIDTH * 4))
+    out = {"price": tie.seconds([(0,), (1,)], cluster),
+           "allreduce_rate": cluster.levels[0].allreduce_rate}
+    for name in ("tied", "untied"):  # the plan priced on local-2: simulated, and closed form
+        plan = pipeline(name == "tied", cluster).plan
+        out[name] = plan.extra.get("simulated_time_per_minibatch", plan.time_per_minibatch)
+        out[name + "_closed"] = plan.extra["closed_form_time_per_minibatch"]
+    return out
+
+
+def table(measured: dict[str, list[float]], price: dict[str, float], rounds: int,
+          steps: int) -> str:
+    tied, untied = (statistics.median(measured[n]) for n in ("tied", "untied"))
+    load = os.getloadavg()
+    ms = 1e3
+    return "\n".join([
+        f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {load[0]:.1f}, "
+        f"{rounds} rounds of {steps} minibatches, medians per minibatch:",
+        "",
+        "| | tied | untied | difference |",
+        "|---|---|---|---|",
+        f"| measured (2 gloo processes) | {tied * ms:.1f} ms | {untied * ms:.1f} ms | "
+        f"**{(tied - untied) * ms:.1f} ms** |",
+        f"| simulated from the cost pass (local-2) | {price['tied'] * ms:.1f} ms | "
+        f"{price['untied'] * ms:.1f} ms | {(price['tied'] - price['untied']) * ms:.1f} ms |",
+        f"| the planner's closed form (local-2) | {price['tied_closed'] * ms:.1f} ms | "
+        f"{price['untied_closed'] * ms:.1f} ms | "
+        f"{(price['tied_closed'] - price['untied_closed']) * ms:.1f} ms |",
+        f"| the all-reduce's price (cost/ties.py, {VOCAB * WIDTH * 4 / 1e6:.1f} MB at "
+        f"{price['allreduce_rate'] / 1e9:.2f} GB/s) | | | **{price['price'] * ms:.1f} ms** |",
+        "",
+        f"rounds, tied: {', '.join(f'{t * ms:.1f}' for t in measured['tied'])} ms; untied: "
+        f"{', '.join(f'{t * ms:.1f}' for t in measured['untied'])} ms",
+    ])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--md", default="")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    price = predicted()
+    results = launch(_worker, 2, args=(args.rounds, args.steps), timeout=1500,
+                     fault_timeout=120)
+    measured = {name: [max(a, b) for a, b in zip(results[0][name], results[1][name],
+                                                  strict=True)] for name in results[0]}
+    text = table(measured, price, args.rounds, args.steps)
+    print(text)
+    if args.md:
+        with open(args.md, "a") as out:
+            out.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
