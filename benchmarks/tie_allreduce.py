@@ -13,7 +13,10 @@ Rounds of --steps minibatches alternate tied and untied (a load from elsewhere h
 round's time is `run_distributed`'s training loop, the slower rank's. The table gives the
 medians per minibatch, their difference, and the price of the all-reduce: cost/ties.py's ring
 on `local-2` (this machine's loopback all-reduce rate, measured through the runtime's path and
-cached), and the difference the simulator predicts between the two plans from the cost pass.
+cached), the difference the simulator and the closed form predict between the plans from one
+cost pass of the tied model, with its tie and without it, and gloo's all-reduce of one tensor
+of the tie's size timed in the same two processes after the rounds (at the load of the
+moment).
 
     python benchmarks/tie_allreduce.py [--rounds 5] [--steps 6] [--md FILE]
 """
@@ -21,7 +24,7 @@ cached), and the difference the simulator predicts between the two plans from th
 from __future__ import annotations
 
 import argparse
-import copy
+import dataclasses
 import os
 import statistics
 import sys
@@ -101,22 +104,45 @@ def _worker(worker: Worker, rounds: int, steps: int) -> dict[str, list[float]]:
             mine = torch.tensor([run.seconds])
             dist.all_reduce(mine, op=dist.ReduceOp.MAX)
             times[name].append(float(mine) / steps)
+    # the all-reduce alone, at this moment's load: gloo's ring of one tensor of the tie's size
+    grads = torch.ones(VOCAB * WIDTH)
+    times["allreduce"] = []
+    for _ in range(rounds):
+        dist.barrier()
+        started = time.perf_counter()
+        dist.all_reduce(grads)
+        mine = torch.tensor([time.perf_counter() - started])
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        times["allreduce"].append(float(mine))
     return times
 
 
 def predicted() -> dict[str, float]:
-    """The all-reduce's price on local-2, and the simulator's two plans from the cost pass."""
+    """The all-reduce's price on local-2, and the tied model's plan priced on local-2 from one
+    cost pass with its tie and without it (the same node costs: the difference is the tie's)."""
     from pdcompile import Cluster
+    from pdcompile.cost.costed_graph import costed_graph
     from pdcompile.cost.ties import SharedWeights
+    from pdcompile.passes.split import manual_plan
+    from pdcompile.passes.trace import trace
+    from pdcompile.planner import price_plan
 
     cluster = Cluster.preset("local-2")
     tie = SharedWeights((0, 1), float(VOCAB * WIDTH * 4))
     out = {"price": tie.seconds([(0,), (1,)], cluster),
            "allreduce_rate": cluster.levels[0].allreduce_rate}
-    for name in ("tied", "untied"):  # the plan priced on local-2: simulated, and closed form
-        plan = pipeline(name == "tied", cluster).plan
-        out[name] = plan.extra.get("simulated_time_per_minibatch", plan.time_per_minibatch)
-        out[name + "_closed"] = plan.extra["closed_form_time_per_minibatch"]
+    torch.manual_seed(0)
+    model = HeadTied(tied=True)
+    plan = manual_plan(trace(model), lambda node: int(node.op != "placeholder"
+                                                      and str(node.target) != "emb"))
+    plan = dataclasses.replace(plan, schedule="1f1b-flush", microbatches=MICRO)
+    graph = costed_graph(model, (batches(1)[0][0],), cluster)
+    untied = graph.copy()
+    del untied.graph["ties"]
+    for name, priced_graph in (("tied", graph), ("untied", untied)):
+        priced = price_plan(priced_graph, plan, cluster, simulate=True)
+        out[name] = priced.extra["simulated_time_per_minibatch"]
+        out[name + "_closed"] = priced.extra["closed_form_time_per_minibatch"]
     return out
 
 
@@ -133,13 +159,17 @@ def table(measured: dict[str, list[float]], price: dict[str, float], rounds: int
         "|---|---|---|---|",
         f"| measured (2 gloo processes) | {tied * ms:.1f} ms | {untied * ms:.1f} ms | "
         f"**{(tied - untied) * ms:.1f} ms** |",
-        f"| simulated from the cost pass (local-2) | {price['tied'] * ms:.1f} ms | "
+        f"| simulated from one cost pass, with and without the tie (local-2) | "
+        f"{price['tied'] * ms:.1f} ms | "
         f"{price['untied'] * ms:.1f} ms | {(price['tied'] - price['untied']) * ms:.1f} ms |",
         f"| the planner's closed form (local-2) | {price['tied_closed'] * ms:.1f} ms | "
         f"{price['untied_closed'] * ms:.1f} ms | "
         f"{(price['tied_closed'] - price['untied_closed']) * ms:.1f} ms |",
         f"| the all-reduce's price (cost/ties.py, {VOCAB * WIDTH * 4 / 1e6:.1f} MB at "
         f"{price['allreduce_rate'] / 1e9:.2f} GB/s) | | | **{price['price'] * ms:.1f} ms** |",
+        f"| gloo's all-reduce of one {VOCAB * WIDTH * 4 / 1e6:.1f} MB tensor, timed in the same "
+        f"processes after the rounds | | | {statistics.median(measured['allreduce']) * ms:.1f} "
+        "ms |",
         "",
         f"rounds, tied: {', '.join(f'{t * ms:.1f}' for t in measured['tied'])} ms; untied: "
         f"{', '.join(f'{t * ms:.1f}' for t in measured['untied'])} ms",
