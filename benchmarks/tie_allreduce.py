@@ -96,7 +96,7 @@ def _worker(worker: Worker, rounds: int, steps: int) -> dict[str, list[float]]:
     pipes = {name: pipeline(name == "tied") for name in ("tied", "untied")}
     data = batches(steps)
     times: dict[str, list[float]] = {name: [] for name in pipes}
-    for name, pipe in pipes.items():  # warm-up
+    for pipe in pipes.values():  # warm-up
         run_distributed(pipe, data[:2], monitor=worker.monitor)
     for _ in range(rounds):
         for name, pipe in pipes.items():

@@ -43,7 +43,7 @@ def _chain(blocks: list[tuple[float, float]], tie: float | None, *, params: floa
     times = [(1e-3, 2e-3), *blocks, (1e-3, 2e-3)]
     for name, (fwd, bwd) in zip(names, times, strict=True):
         add_block(graph, name, fwd=fwd, bwd=bwd, act=act, params=params)
-    for a, b in zip(names, names[1:]):
+    for a, b in zip(names, names[1:], strict=False):
         graph.add_edge(a, b)
     if tie is not None:
         graph.graph["ties"] = [{"bytes": tie, "nodes": ["emb", "head"]}]
