@@ -18,7 +18,12 @@ cost pass of the tied model, with its tie and without it, and gloo's all-reduce 
 of the tie's size timed in the same two processes after the rounds (at the load of the
 moment).
 
-    python benchmarks/tie_allreduce.py [--rounds 5] [--steps 6] [--md FILE]
+`--schedule 1f1b` runs asynchronous 1F1B instead (whole minibatches, an update each): there the
+tie also makes the head's stage wait at every update for the embedding's stage to reach its
+own, after the minibatch's backward has crossed back, so the pipeline no longer overlaps the
+stages (cost/steady_cycle.py prices that).
+
+    python benchmarks/tie_allreduce.py [--rounds 5] [--steps 6] [--schedule 1f1b] [--md FILE]
 """
 
 from __future__ import annotations
@@ -70,7 +75,7 @@ def batches(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(steps)]
 
 
-def pipeline(tied: bool, cluster: Any = None) -> Any:
+def pipeline(tied: bool, cluster: Any = None, schedule: str = "1f1b-flush") -> Any:
     """The compiled 2-stage pipeline (embedding | the rest)."""
     import pdcompile
     from pdcompile.passes.split import manual_plan
@@ -82,18 +87,19 @@ def pipeline(tied: bool, cluster: Any = None) -> Any:
                                                       and str(node.target) != "emb"))
     idx, target = batches(1)[0]
     return pdcompile.compile(model, example_inputs=(idx,), example_target=target,
-                             loss_fn=loss_fn, plan=plan, schedule="1f1b-flush",
-                             microbatches=MICRO, cluster=cluster,
+                             loss_fn=loss_fn, plan=plan, schedule=schedule,
+                             microbatches=MICRO if schedule != "1f1b" else None,
+                             cluster=cluster,
                              optimizer=lambda params: torch.optim.SGD(params, lr=1e-3))
 
 
-def _worker(worker: Worker, rounds: int, steps: int) -> dict[str, list[float]]:
+def _worker(worker: Worker, rounds: int, steps: int, schedule: str) -> dict[str, list[float]]:
     import torch.distributed as dist
 
     from pdcompile.backends.distributed import run_distributed
 
     torch.set_num_threads(1)
-    pipes = {name: pipeline(name == "tied") for name in ("tied", "untied")}
+    pipes = {name: pipeline(name == "tied", schedule=schedule) for name in ("tied", "untied")}
     data = batches(steps)
     times: dict[str, list[float]] = {name: [] for name in pipes}
     for pipe in pipes.values():  # warm-up
@@ -117,7 +123,7 @@ def _worker(worker: Worker, rounds: int, steps: int) -> dict[str, list[float]]:
     return times
 
 
-def predicted() -> dict[str, float]:
+def predicted(schedule: str = "1f1b-flush") -> dict[str, float]:
     """The all-reduce's price on local-2, and the tied model's plan priced on local-2 from one
     cost pass with its tie and without it (the same node costs: the difference is the tie's)."""
     from pdcompile import Cluster
@@ -135,7 +141,8 @@ def predicted() -> dict[str, float]:
     model = HeadTied(tied=True)
     plan = manual_plan(trace(model), lambda node: int(node.op != "placeholder"
                                                       and str(node.target) != "emb"))
-    plan = dataclasses.replace(plan, schedule="1f1b-flush", microbatches=MICRO)
+    plan = dataclasses.replace(plan, schedule=schedule,
+                               microbatches=MICRO if schedule != "1f1b" else 1)
     graph = costed_graph(model, (batches(1)[0][0],), cluster)
     untied = graph.copy()
     del untied.graph["ties"]
@@ -147,13 +154,13 @@ def predicted() -> dict[str, float]:
 
 
 def table(measured: dict[str, list[float]], price: dict[str, float], rounds: int,
-          steps: int) -> str:
+          steps: int, schedule: str) -> str:
     tied, untied = (statistics.median(measured[n]) for n in ("tied", "untied"))
     load = os.getloadavg()
     ms = 1e3
     return "\n".join([
         f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load {load[0]:.1f}, "
-        f"{rounds} rounds of {steps} minibatches, medians per minibatch:",
+        f"{schedule}, {rounds} rounds of {steps} minibatches, medians per minibatch:",
         "",
         "| | tied | untied | difference |",
         "|---|---|---|---|",
@@ -181,14 +188,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--md", default="")
+    parser.add_argument("--schedule", default="1f1b-flush", choices=("1f1b-flush", "1f1b"))
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    price = predicted()
-    results = launch(_worker, 2, args=(args.rounds, args.steps), timeout=1500,
+    price = predicted(args.schedule)
+    results = launch(_worker, 2, args=(args.rounds, args.steps, args.schedule), timeout=1500,
                      fault_timeout=120)
     measured = {name: [max(a, b) for a, b in zip(results[0][name], results[1][name],
                                                   strict=True)] for name in results[0]}
-    text = table(measured, price, args.rounds, args.steps)
+    text = table(measured, price, args.rounds, args.steps, args.schedule)
     print(text)
     if args.md:
         with open(args.md, "a") as out:
