@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.cost.ties import tie_partners
+from pdcompile.errors import ScheduleError
 from pdcompile.schedule.deps import Ref
 from pdcompile.schedule.ir import Kind, Schedule
 
@@ -35,11 +36,22 @@ def with_tie_waits(schedule: Schedule, costs: StageCosts,
                    deps: dict[int, list[tuple[Ref, ...]]]) -> dict[int, list[tuple[Ref, ...]]]:
     """`deps` (schedule/deps.py `dependency_lists`) with each rank's first STEP k also waiting
     for the action before the first STEP k of every rank it shares a tie with; `deps` itself
-    where no tie crosses ranks."""
+    where no tie crosses ranks. ScheduleError where two such ranks update a different number
+    of times ('1f1b' with unequal replicas of the sharing stages, which the runtime refuses)."""
     partners = tie_partners(costs.ties, schedule.stage_ranks)
     if not partners:
         return deps
     steps = tie_steps(schedule, costs)
+    for rank, others in sorted(partners.items()):
+        for other in sorted(others):
+            if set(steps[rank]) != set(steps[other]):
+                stages = [t.stages for t in costs.ties
+                          if {rank, other} <= set(t.ranks(schedule.stage_ranks))]
+                raise ScheduleError(
+                    f"schedule {schedule.name!r}: ranks {rank} and {other} share tied "
+                    f"parameters (stages {stages[0]}) but update {len(steps[rank])} and "
+                    f"{len(steps[other])} times, so the all-reduce of update k has no partner; "
+                    "give the stages sharing a tie equal replicas or use a flush schedule")
     out = {rank: list(lists) for rank, lists in deps.items()}
     for rank, firsts in steps.items():
         for update, index in firsts.items():

@@ -27,6 +27,7 @@ from pdcompile.cost.ties import (
     shared_weights,
     stage_tie_seconds,
 )
+from pdcompile.errors import ScheduleError
 from pdcompile.models import gpt2
 from pdcompile.passes.trace import trace
 from pdcompile.plan import Plan, Stage
@@ -176,3 +177,18 @@ def test_the_cost_graph_records_gpt2s_tied_embedding() -> None:
     graph = to_cost_graph(gm)
     assert graph.graph["ties"] == [{"bytes": 50 * 16 * 4.0, "nodes": ["wte", "lm_head"]}]
     assert from_dict(to_dict(graph)).graph["ties"] == graph.graph["ties"]
+
+
+def test_ranks_sharing_a_tie_that_update_at_different_rates_are_refused() -> None:
+    """Under '1f1b' a stage on two replicas updates half as often as one on one: the tie's
+    all-reduce of update k would have no partner (the runtime refuses such a plan)."""
+    graph = _chain([(2e-3, 4e-3)] * 2, TIE)
+    plan = _plan(graph, [2], [(0, 1), (2,)], "1f1b", 1)
+    with pytest.raises(ScheduleError, match=r"share tied parameters \(stages \(0, 1\)\).*"
+                                            r"equal replicas or use a flush schedule"):
+        simulate_plan(graph, plan, NETWORK, minibatches=8, timeline=False)
+    # a flush updates every stage once per minibatch: it runs, and pays the tie
+    flush = _plan(graph, [2], [(0, 1), (2,)], "1f1b-flush", 8)
+    untied = _plan(_chain([(2e-3, 4e-3)] * 2, None), [2], [(0, 1), (2,)], "1f1b-flush", 8)
+    assert _simulated(graph, flush, NETWORK) > _simulated(_chain([(2e-3, 4e-3)] * 2, None),
+                                                          untied, NETWORK)
