@@ -76,7 +76,7 @@ def test_a_tie_split_across_ranks_adds_its_allreduce_to_the_step(schedule: str) 
     tied, untied = _chain(blocks, TIE), _chain(blocks, None)
     plan = _plan(tied, [3], [(0,), (1,)], schedule, 8)
     price = SharedWeights((0, 1), TIE).seconds([(0,), (1,)], NETWORK)
-    assert price == pytest.approx(TIE / 1e10)  # a ring of two: the bytes once each way
+    assert price == pytest.approx(TIE / 1e10)  # a ring of two: 2 (r-1)/r = 1 x the bytes
     # stage 0 finishes its backwards last, then waits for the all-reduce before its step
     assert _simulated(tied, plan, NETWORK) - _simulated(untied, plan, NETWORK) \
         == pytest.approx(price, rel=1e-9)
@@ -152,7 +152,7 @@ def test_the_price_grows_with_bytes_falls_with_bandwidth_and_is_zero_on_one_rank
     if not spread:  # every reader on one rank: nothing crosses ranks
         assert price(large, slow) == 0.0
     else:
-        assert price(large, slow) >= large / slow  # a ring of two moves the bytes once
+        assert price(large, slow) >= large / slow  # a ring of two: 2 (r-1)/r = 1 x the bytes
     # per stage: the sharing stages pay it, the others nothing; per rank likewise
     cluster = Cluster.parse(f"{stages}@{slow}~{latency}")
     per_stage = stage_tie_seconds([SharedWeights(tie, large)], ranks, cluster)
