@@ -8,10 +8,10 @@ speed-up over data parallelism on the same cluster and model, and CP-SAT's gain 
     python benchmarks/planner.py                  # all rows, writes benchmarks/results/planner.md
     python benchmarks/planner.py --models vgg16 --ilp-limit 5 --out -
 
-`--section fidelity | paper | scale` regenerates one of the schedule-aware planner's sections
-instead (benchmarks/planner_fidelity.py: planner against simulator on every profile x clusters
-A, B, C x 1f1b / 1f1b-flush; VGG-16 against the paper's 15-1; planner time at scale), leaving the
-other sections of the file as they are.
+`--section fidelity | tied | paper | scale` regenerates one of the schedule-aware planner's
+sections instead (benchmarks/planner_fidelity.py: planner against simulator on every profile x
+clusters A, B, C x 1f1b / 1f1b-flush; the same on GPT-2 with its tied embedding; VGG-16 against
+the paper's 15-1; planner time at scale), leaving the other sections of the file as they are.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main() -> int:
     parser.add_argument("--ilp-limit", type=float, default=10.0)
     parser.add_argument("--repeats", type=int, default=3, help="DP timings: best of this many")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "planner.md"))
-    parser.add_argument("--section", choices=("table", "fidelity", "paper", "scale",
+    parser.add_argument("--section", choices=("table", "fidelity", "tied", "paper", "scale",
                                               "scale-pipedream"),
                         default="table", help="which section to (re)generate")
     args = parser.parse_args()
@@ -186,6 +186,8 @@ def _section(name: str, models: list[str] | None, out: Path) -> int:
 
     if name == "fidelity":
         text = fidelity.fidelity_section(fidelity.fidelity_rows(models))
+    elif name == "tied":
+        text = fidelity.tied_section(fidelity.tied_rows())
     elif name == "paper":
         text = fidelity.paper_section()
     elif name == "scale-pipedream":

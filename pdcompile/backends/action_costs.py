@@ -4,7 +4,9 @@ schedule has W actions of the stage; B with the forward again on a stage that re
 the rank's speed (a mixed cluster's `Cluster.speed_of`, so an emulated slowdown stretches B
 before the send and W after it, as runtime/slowdown.py does), STEP and the first forward after
 it (a weight snapshot, where the rank stashes) at its device's memory bandwidth, sends on the
-link their ranks share, all-reduces on the slowest level their replicas span. Both timing loops
+link their ranks share, all-reduces on the slowest level their replicas span; a rank's first
+STEP of each update also all-reduces the tied parameters its stages share with other ranks
+(cost/ties.py; backends/tie_updates.py makes it wait for those ranks first). Both timing loops
 read it: the one that gives every rank a processor (simulate.py) and the one that shares them
 (processor_sharing.py).
 """
@@ -17,6 +19,7 @@ from pdcompile.cost.links import (
     stage_allreduce_seconds,
 )
 from pdcompile.cost.stage_costs import StageCosts
+from pdcompile.cost.ties import rank_tie_seconds
 from pdcompile.cost.updates import copy_seconds, step_seconds, update_scale
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.generators import updates_in_flight
@@ -70,6 +73,9 @@ class ActionCosts:
             / cluster.slowest_speed(replicas), params=costs.params[stage],
             bucket=cluster.allreduce_bucket)
             for stage, replicas in enumerate(schedule.stage_ranks)]
+        # per rank, the tie all-reduces of each update (at its first STEP of the update)
+        self.ties = rank_tie_seconds(costs.ties, schedule.stage_ranks, cluster)
+        self._tied_updates: dict[int, set[int]] = {rank: set() for rank in self.ties}
 
     def compute(self, rank: int, action: Action) -> float:
         """Seconds of the rank's processor for F, B, W or STEP; call once per action, in the
@@ -87,6 +93,10 @@ class ActionCosts:
             return self.weight[stage] * slowness
         if kind == Kind.STEP:
             self.fresh[rank] = self.copying[rank]
+            joined = self._tied_updates.get(rank)
+            if joined is not None and action.microbatch not in joined:
+                joined.add(action.microbatch)
+                return self.ties[rank] + self.step_time[rank][stage]
             return self.step_time[rank][stage]
         raise ValueError(f"{action} is not a computation")
 

@@ -23,7 +23,11 @@ Each rank runs its actions in order. An action starts when the rank is free and 
 - ALLREDUCE k: starts when every replica of the stage has reached it; a ring all-reduce of the
   stage's parameters over the slowest level the replicas span, 2 (r-1)/r * P / bw + 2 (r-1) latency;
 - STEP: `StageCosts.optimizer[s]` seconds, by default reading weights and gradients and writing
-  weights once at the device's memory bandwidth (3 P / mem_bandwidth);
+  weights once at the device's memory bandwidth (3 P / mem_bandwidth); a rank whose stages
+  share tied parameters with stages on other ranks (`StageCosts.ties`) all-reduces their
+  gradients in its first STEP of each update, as the runtime does, once every rank sharing them
+  has reached its own (backends/tie_updates.py): a ring over those ranks on the slowest level
+  they span (cost/ties.py), before the step;
 - weight stashing (asynchronous '1f1b', `stash=True`): on a rank where an update can come while
   a minibatch is in flight (`schedule.generators.updates_in_flight`; not the last stage, which runs
   each backward right after its forward), the first forward after an optimizer step
@@ -53,6 +57,7 @@ from dataclasses import dataclass, field
 
 from pdcompile.backends.action_costs import ActionCosts, Times, recomputing
 from pdcompile.backends.processor_sharing import share_processors
+from pdcompile.backends.tie_updates import with_tie_waits
 from pdcompile.backends.weights_after_send import merged_backwards, with_weights_after_send
 from pdcompile.cost.memory import WorkerMemory, worker_memory
 from pdcompile.cost.pipeline_time import server_interface_seconds
@@ -127,7 +132,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
                             f"between 0 and 1 (got {wgrad_share})")
     # where the runtime computes weight gradients after a backward's sends, they are timed there
     timed = with_weights_after_send(schedule)
-    deps = dependency_lists(timed)
+    deps = with_tie_waits(timed, costs, dependency_lists(timed))
     order = execution_order(timed, deps)
     work = ActionCosts(timed, costs, cluster, stash=stash, wgrad_share=wgrad_share)
     sharing = cluster.shared_cores()

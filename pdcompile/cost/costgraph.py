@@ -5,7 +5,8 @@ activation for the whole minibatch; `params` bytes of its parameters; optional `
 backward must keep (default `act`), `label` (what the node is) and `members` (original node names
 when blocks were fused). Edge attribute `bytes` (default: the source's `act`) is what crosses the
 edge per minibatch in the forward; the backward sends the same amount back.
-Graph attributes: `name`, `batch_size` (samples per minibatch, may be None).
+Graph attributes: `name`, `batch_size` (samples per minibatch, may be None), optional `ties`:
+parameters read by several nodes, each `{"bytes": ..., "nodes": [names]}` (cost/ties.py).
 """
 
 from __future__ import annotations
@@ -111,7 +112,9 @@ def to_dict(graph: nx.DiGraph) -> dict[str, Any]:
                       **({"wgrad": data["wgrad"]} if "wgrad" in data else {})})
     edges = [[u, v, dict(d)] for u, v, d in graph.edges(data=True)]
     return {"format": FORMAT, "name": graph.graph.get("name", ""),
-            "batch_size": graph.graph.get("batch_size"), "nodes": nodes, "edges": edges}
+            "batch_size": graph.graph.get("batch_size"), "nodes": nodes, "edges": edges,
+            **({"ties": [dict(t) for t in graph.graph["ties"]]}
+               if graph.graph.get("ties") else {})}
 
 
 def from_dict(data: dict[str, Any]) -> nx.DiGraph:
@@ -126,6 +129,9 @@ def from_dict(data: dict[str, Any]) -> nx.DiGraph:
                   members=item.get("members"), wgrad=item.get("wgrad"))
     for u, v, attrs in data["edges"]:
         graph.add_edge(u, v, **attrs)
+    if data.get("ties"):
+        graph.graph["ties"] = [{"bytes": float(t["bytes"]), "nodes": list(t["nodes"])}
+                               for t in data["ties"]]
     return graph
 
 

@@ -176,7 +176,8 @@ def weight_grad_shares(gm: fx.GraphModule, values: Sequence[Any]) -> dict[str, f
 def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
     """The CostGraph of a costed GraphModule: one node per fx node (ids are the fx node names;
     placeholders are zero-compute input nodes, those of inputs nothing reads and the output node
-    are left out), one edge per use.
+    are left out), one edge per use; `ties`: the parameters several nodes read
+    (`shared_parameters`), which a plan may put on several stages (cost/ties.py).
 
     Attribute reads (get_attr: torch.export's weights, tensor constants) are not nodes: the split
     puts them in every stage that uses them, so a plan cannot place them apart; their parameter
@@ -204,6 +205,9 @@ def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
         for source in node.all_input_nodes:
             if source.op != "output" and source.name not in folded:
                 graph.add_edge(source.name, node.name)
+    ties = shared_parameters(gm, folded)
+    if ties:
+        graph.graph["ties"] = ties
     for node in gm.graph.nodes:
         if node.op == "placeholder" and has_shape(node) and get_shape(node):
             first = get_shape(node)[0]
@@ -212,6 +216,34 @@ def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
                 graph.graph["input_bytes"] = float(get_shape(node).nbytes)
             break
     return graph
+
+
+def shared_parameters(gm: fx.GraphModule, folded: set[str]) -> list[dict[str, Any]]:
+    """The parameters read by several of the CostGraph's nodes (tied weights: GPT-2's token
+    embedding and output head), each `{"bytes": ..., "nodes": [names]}`: a module call reads
+    its module's parameters, an attribute read in `folded` (not a node of the CostGraph) is
+    read by its users. Where a plan puts those nodes on several stages, the split copies the
+    parameter into each and the runtime all-reduces its gradients at every update."""
+    readers: dict[int, list[str]] = {}
+    sizes: dict[int, float] = {}
+
+    def read(p: torch.Tensor, names: Sequence[str]) -> None:
+        sizes[id(p)] = float(p.numel() * p.element_size())
+        for name in names:
+            if name not in readers.setdefault(id(p), []):
+                readers[id(p)].append(name)
+
+    for node in gm.graph.nodes:
+        if node.op == "call_module":
+            for p in gm.get_submodule(str(node.target)).parameters():
+                read(p, [node.name])
+        elif node.op == "get_attr":
+            value = get_path(gm, str(node.target))
+            if isinstance(value, nn.Parameter):
+                read(value, [u.name for u in node.users if u.op != "output"]
+                     if node.name in folded else [node.name])
+    return [{"bytes": sizes[key], "nodes": names} for key, names in readers.items()
+            if len(names) > 1]
 
 
 def node_label(gm: fx.GraphModule, node: fx.Node) -> str:

@@ -9,8 +9,10 @@ profiles.
 
 Per stage s (per microbatch; a whole minibatch for '1f1b'): t_s = forward + backward on one
 replica, A_s its replicas' ring all-reduce, U_s its optimizer step, C_s a weight-version copy
-(stashing stages only), X_s the CPU's share of its loopback sends. r_s replicas, N_s
-microbatches in flight per replica (warm-up depth + 1).
+(stashing stages only), X_s the CPU's share of its loopback sends. A_s includes the all-reduce
+of the tied parameters the stage shares with other ranks (cost/ties.py), which the runtime runs
+in the update; under '1f1b' it also couples the updates of the stages sharing them (below).
+r_s replicas, N_s microbatches in flight per replica (warm-up depth + 1).
 
 * Streaming schedules ('1f1b', '2bw'): the steady state's time per minibatch is the largest of
   - a stage's work per minibatch over its replicas: 1f1b, where each replica updates after its
@@ -29,7 +31,10 @@ microbatches in flight per replica (warm-up depth + 1).
   replicated stages of different sizes side by side (2-3-1), is one cycle of its event graph
   over lcm(r_0, ..., r_{S-1}) microbatches (cost/steady_cycle.py), and its largest cycle ratio
   replaces the circuits: the simulator's steady state, less the servers' interfaces (below);
-  the circuits above remain for '2bw' and where that period exceeds `PAIRS_CAP`.
+  the circuits above remain for '2bw' and where that period exceeds `PAIRS_CAP`. Its cycles
+  include those through a tie's all-reduce, which waits for the update of every stage sharing
+  the tie: a last stage sharing an embedding with the first waits each minibatch for the
+  backward to reach the first.
 * Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
   microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
   transfers there and back), and the busiest stage adds its other microbatches,
@@ -58,6 +63,7 @@ from pdcompile.cost.links import (
 )
 from pdcompile.cost.shares import shared_speed
 from pdcompile.cost.steady_cycle import steady_cycle
+from pdcompile.cost.ties import SharedWeights, stage_tie_seconds
 from pdcompile.cost.updates import copy_seconds, step_seconds, update_scale
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind
@@ -69,7 +75,9 @@ class StageTerms:
 
     fwd: float  # forward of one microbatch on one replica
     bwd: float  # backward of one microbatch on one replica
-    allreduce: float  # one all-reduce of the stage's gradients among its replicas
+    # one all-reduce of the stage's gradients among its replicas (what of it the backward does
+    # not hide), then of the tied parameters it shares with stages on other ranks (`tie`)
+    allreduce: float
     step: float  # one optimizer step
     copy: float  # one copy of the weights (a new stashed version), 0 where none is made
     cpu_copies: float  # the CPU's share of the stage's loopback sends per microbatch
@@ -81,6 +89,10 @@ class StageTerms:
     deferred: float = 0.0
     # of `bwd`, the weight gradients a split backward computes in W (zero-bubble schedules)
     wgrad: float = 0.0
+    # of `allreduce`, the all-reduces of tied parameters (cost/ties.py), which wait for every
+    # stage of `tie_group` (the stages sharing them, this one included) to reach its update
+    tie: float = 0.0
+    tie_group: tuple[int, ...] = ()
 
     @property
     def compute(self) -> float:
@@ -129,17 +141,26 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                 copying: Sequence[bool], step: Sequence[float] | None = None,
                 copy: Sequence[float] | None = None,
                 shares: Sequence[Sequence[int]] | None = None,
-                wgrad: Sequence[float] | None = None) -> list[StageTerms]:
+                wgrad: Sequence[float] | None = None,
+                ties: Sequence[SharedWeights] = ()) -> list[StageTerms]:
     """The closed form's inputs from per-stage costs (seconds per microbatch, bytes), the ranks
     of each stage and the cluster. `step` / `copy`: measured optimizer-step and weight-copy
     seconds per stage (default: cost/updates.py's estimates from the device's memory bandwidth);
     `copying[s]`: whether stage s makes weight-version copies at all. `wgrad`: seconds of each
     stage's backward that are weight gradients the runtime can defer (`StageCosts.wgrad`;
-    default `WGRAD_SHARE` of it). On a mixed cluster the
+    default `WGRAD_SHARE` of it). `ties`: the tied parameters stages share (`StageCosts.ties`),
+    whose all-reduce over their ranks each update of those stages waits for, after the
+    replicas' (cost/ties.py). On a mixed cluster the
     costs are the reference device's: compute is divided by the slowest replica's speed and
     updates scaled to its memory (`Cluster.speed_of`, `cost.updates.update_scale`); where
     `shares[s]` gives the replicas unequal shares of each round, by their `shared_speed`."""
     row = kind(schedule)
+    tied = stage_tie_seconds(ties, stage_ranks, cluster)
+    partners: list[set[int]] = [set() for _ in stage_ranks]
+    for tie in ties:
+        if tie.seconds(stage_ranks, cluster) > 0.0:
+            for s in tie.stages:
+                partners[s].update(tie.stages)
     out = []
     for s, ranks in enumerate(stage_ranks):
         sends_back = not row.split_backward and any(c == s for _, c in edges)
@@ -160,7 +181,8 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
             fwd=fwd[s] * slowness, bwd=bwd[s] * slowness,
             allreduce=exposed_allreduce_seconds(
                 stage_allreduce_seconds(params[s], ranks, cluster), backward=bwd[s] * slowness,
-                params=params[s], bucket=cluster.allreduce_bucket),
+                params=params[s], bucket=cluster.allreduce_bucket) + tied[s],
+            tie=tied[s], tie_group=tuple(sorted(partners[s])),
             step=updates * (step[s] if step is not None
                             else step_seconds(params[s], cluster.device)),
             copy=0.0 if not made else updates * (copy[s] if copy is not None

@@ -9,7 +9,9 @@ bytes sent per microbatch (`edges`; the gradient going back is the same size); o
 per parameter byte (`optimizer_state`, for memory); of `bwd[s]`, the seconds of weight
 gradients the runtime can defer (`wgrad[s]`: the fused Linear layers' dW, which it computes in
 W actions or after the input-gradient send; None where the graph does not say, as in PipeDream's
-profiles: the simulator then takes `schedule.kinds.WGRAD_SHARE` of every backward). Built from
+profiles: the simulator then takes `schedule.kinds.WGRAD_SHARE` of every backward); the tied
+parameters that stages share (`ties`, cost/ties.py: all-reduced over their ranks at each
+update). Built from
 a CostGraph and a Plan
 (`from_plan`, with cost/crossing.py's rule for what crosses), or given directly (`uniform`, the
 constructor).
@@ -25,6 +27,7 @@ import networkx as nx
 from pdcompile.cost.crossing import crossing_bytes, input_nodes, stage_of_every_node
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
+from pdcompile.cost.ties import SharedWeights, shared_weights
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan
@@ -44,6 +47,7 @@ class StageCosts:
     stash: tuple[float, ...] | None = None
     optimizer_state: float = OPTIMIZER_STATE
     wgrad: tuple[float, ...] | None = None
+    ties: tuple[SharedWeights, ...] = ()
 
     def __post_init__(self) -> None:
         stages = len(self.fwd)
@@ -72,6 +76,12 @@ class StageCosts:
             if not 0 <= src < dst < stages:
                 raise PlanError(f"stage edge ({src}, {dst}) is not (src, dst) with "
                                 f"0 <= src < dst < {stages}")
+        object.__setattr__(self, "ties", tuple(self.ties))
+        for tie in self.ties:
+            if len(tie.stages) < 2 or not all(0 <= s < stages for s in tie.stages) \
+                    or tie.nbytes < 0:
+                raise PlanError(f"stage costs: tie {tie} must name at least two of the "
+                                f"{stages} stages and bytes >= 0")
         for name in ("fwd", "bwd", "params", "activations"):
             if any(v < 0 for v in getattr(self, name)):
                 raise PlanError(f"stage costs: negative {name} {list(getattr(self, name))}")
@@ -161,7 +171,7 @@ class StageCosts:
             share * b for share, b in zip(self.wgrad_shares(0.0), bwd, strict=True))
         return StageCosts(tuple(seen[s]["fwd"] for s in stages), bwd, self.params,
                           self.activations, self.edges, tuple(seen[s]["step"] for s in stages),
-                          (0.0,) * self.stages, wgrad=wgrad)
+                          (0.0,) * self.stages, wgrad=wgrad, ties=self.ties)
 
     @classmethod
     def from_plan(cls, graph: nx.DiGraph, plan: Plan, *, microbatches: int = 1) -> StageCosts:
@@ -204,4 +214,5 @@ class StageCosts:
         m = float(microbatches)
         return cls(tuple(f / m for f in fwd), tuple(b / m for b in bwd), tuple(params),
                    tuple(k / m for k in keep), edges, None,
-                   wgrad=tuple(w / m for w in wgrad) if known else None)
+                   wgrad=tuple(w / m for w in wgrad) if known else None,
+                   ties=shared_weights(graph, stage_of))

@@ -22,6 +22,11 @@ each on the directed rank pair that m uses. Edges, with N_s in flight per replic
   B_s(m) -> F_s(m + D_s + r_s) (backward with its deferred weight gradients, the step), through
   A_s(k) on a replicated stage, which waits for the backward of every replica's microbatch of
   its round (the all-reduce's exposed seconds, then the step);
+* stages sharing tied parameters across ranks (`tie_group`, equal replica counts, as '1f1b'
+  requires) all-reduce them at each update once every one of them has reached it: their
+  update k passes through one event T(k) of their group, the backward (one replica) or the
+  all-reduce (several) of round k leading into it, and from it the tie's seconds and the step
+  lead to the next forward;
 * a transfer starts when its sender's action ends (a backward's send before its deferred weight
   gradients) and when the rank pair's link has carried the previous microbatch of the pair
   (lcm(r_a, r_c) earlier), and arrives latency + bytes / bandwidth later; where the sender's CPU
@@ -63,6 +68,10 @@ class Terms(Protocol):
     def in_flight(self) -> int: ...
     @property
     def deferred(self) -> float: ...
+    @property
+    def tie(self) -> float: ...
+    @property
+    def tie_group(self) -> tuple[int, ...]: ...
 
 
 class _Graph:
@@ -95,6 +104,7 @@ def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
     graph = _Graph()
     forward = [graph.nodes(period, s) for s in range(len(terms))]
     backward = [graph.nodes(period, s) for s in range(len(terms))]
+    tied = _tie_events(graph, terms, period)
     # where each replica goes after its backward of m: its next forward, or its round's all-reduce
     after: list[list[tuple[int, float, int]]] = []
     for s, t in enumerate(terms):
@@ -104,11 +114,20 @@ def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
         for m in range(period):
             graph.add(forward[s] + m, backward[s] + (m - held) % period, t.fwd + t.copy, -held)
             later = m + held + r  # the replica's next forward
+            if r == 1 and s in tied:  # the tie's all-reduce, then the step
+                hops.append((tied[s] + m, 0.0, 0))
+                graph.add(tied[s] + m, forward[s] + later % period, t.tie + t.step, held + r)
+                continue
             if r == 1:
                 hops.append((forward[s] + later % period, t.step, held + r))
                 continue
             last = m - m % r + r - 1  # the round's last microbatch: the all-reduce's index
             hops.append((rounds + m // r, 0.0, last - m))
+            if s in tied:  # the replicas' all-reduce, then the tie's, then the step
+                graph.add(rounds + m // r, tied[s] + m // r, t.allreduce - t.tie, 0)
+                graph.add(tied[s] + m // r, forward[s] + later % period, t.tie + t.step,
+                          later - last)
+                continue
             graph.add(rounds + m // r, forward[s] + later % period, t.allreduce + t.step,
                       later - last)
         for m, (target, seconds, tokens) in enumerate(hops):
@@ -139,6 +158,36 @@ def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
                                   tokens)
     ratio, cycle = largest_cycle_ratio(graph.edges)
     return ratio, tuple(sorted({graph.stage[u] for u in cycle}))
+
+
+def _tie_events(graph: _Graph, terms: Sequence[Terms], period: int) -> dict[int, int]:
+    """Per stage whose updates wait for a tie's all-reduce, the first of its group's update
+    events T(k), k < period / replicas, made here (stages whose ties join them share one
+    group). A group whose stages differ in replica count, which '1f1b' refuses, gets none."""
+    group = list(range(len(terms)))  # union-find over the stages sharing ties
+
+    def root(s: int) -> int:
+        while group[s] != s:
+            group[s] = group[group[s]]
+            s = group[s]
+        return s
+
+    for s, t in enumerate(terms):
+        if t.tie > 0.0:
+            for other in t.tie_group:
+                group[root(other)] = root(s)
+    members: dict[int, list[int]] = {}
+    for s, t in enumerate(terms):
+        if t.tie > 0.0:
+            members.setdefault(root(s), []).append(s)
+    out: dict[int, int] = {}
+    for stages in members.values():
+        replicas = {terms[s].replicas for s in stages}
+        if len(stages) < 2 or len(replicas) > 1:
+            continue
+        first = graph.nodes(period // replicas.pop(), stages[0])
+        out.update((s, first) for s in stages)
+    return out
 
 
 __all__ = ["steady_cycle"]

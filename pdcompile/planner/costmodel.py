@@ -582,7 +582,7 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
                         edges=dict(costs.edges), stage_ranks=ranks, cluster=cluster,
                         schedule=options.schedule, in_flight=flight,
                         copying=[row.copies_weights and n > 1 for n in flight], shares=shares,
-                        wgrad=costs.wgrad)
+                        wgrad=costs.wgrad, ties=costs.ties)
     return PlanTerms(costs, terms, ranks, flight, again)
 
 

@@ -16,6 +16,8 @@ from typing import Any
 import networkx as nx
 import torch.fx as fx
 
+from pdcompile.cost.ties import SharedWeights
+from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.kinds import kind
 from pdcompile.units import format_bytes, format_seconds
 from pdcompile.util.module_copy import copy_module
@@ -183,8 +185,28 @@ def _schedule_lines(pipe: Any) -> list[str]:
                  + (", vertical sync" if pipe.vertical_sync else "")
                  + ("" if pipe.stash else ", NO weight stashing"))
     for tie in pipe.parts.ties:
-        lines.append(f"tied: {tie.name} held by stages {list(tie.stages)} (gradients summed)")
+        lines.append(_tie_line(pipe, tie))
     return lines
+
+
+def _tie_line(pipe: Any, tie: Any) -> str:
+    """A tied parameter, the stages holding it and, where they sit on several ranks, the ranks
+    its gradients are all-reduced over at each update and what that costs on the plan's
+    cluster (cost/ties.py)."""
+    stage_ranks = [s.ranks for s in pipe.plan.stages]
+    ranks = sorted({r for s in tie.stages for r in stage_ranks[s]})
+    text = f"tied: {tie.name} held by stages {list(tie.stages)} (gradients summed"
+    if len(ranks) > 1:
+        stage, name = tie.members[0]
+        param = pipe.parts.stages[stage].module.get_parameter(name)
+        text += f", {format_bytes(param.numel() * param.element_size())} all-reduced over " \
+                f"ranks {ranks} at each update"
+        if pipe.plan.cluster:
+            cluster = Cluster.from_dict(pipe.plan.cluster)
+            seconds = SharedWeights(tuple(tie.stages), float(param.numel()
+                                                            * param.element_size()))
+            text += f": {format_seconds(seconds.seconds(stage_ranks, cluster))}"
+    return text + ")"
 
 
 __all__ = ["StageRow", "crossing_edges", "node_bytes", "pipeline_summary", "stage_nodes",

@@ -1,0 +1,100 @@
+"""Tied parameters across stages: the all-reduce that keeps their copies equal, priced.
+
+A parameter read by nodes that a plan puts on several stages (a language model's token
+embedding, read again by its output head) is copied into each of those stages by the split
+(passes/split.py). At every update the runtime sums the copies' gradients over the ranks
+holding them: one all-reduce per group of stages sharing ties, inside the update before the
+optimizer steps (`StageRuntime.reduce_tie`; a rank holding several of the stages joins once,
+runtime/rank_ties.py). Ranks reach it at their own update, so the first to arrive waits for
+the others.
+
+The CostGraph lists the parameters read by several of its nodes in its `ties` attribute, each
+`{"bytes": ..., "nodes": [...]}` (cost/node_costs.py `to_cost_graph`; node names may be
+members of fused blocks). Here: which stages share them under a plan (`shared_weights`), and the
+seconds of their all-reduce, a ring over the union of those stages' ranks on the slowest level
+it spans (cost/links.py `stage_allreduce_seconds`, the formula of a replicated stage's
+all-reduce): 0 where one rank holds every copy. The simulator (backends/action_costs.py) and
+the closed form (cost/pipeline_time.py `stage_terms`) both price the update with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pdcompile.cost.links import stage_allreduce_seconds
+from pdcompile.machine.cluster import Cluster
+
+
+@dataclass(frozen=True)
+class SharedWeights:
+    """Tied parameters shared by `stages` (sorted, at least two): `nbytes` in all, all-reduced
+    together at each update, as the runtime groups them by the stages sharing them."""
+
+    stages: tuple[int, ...]
+    nbytes: float
+
+    def ranks(self, stage_ranks: Sequence[Sequence[int]]) -> tuple[int, ...]:
+        """The ranks joining the all-reduce: every rank of every sharing stage, once."""
+        return tuple(sorted({r for s in self.stages for r in stage_ranks[s]}))
+
+    def seconds(self, stage_ranks: Sequence[Sequence[int]], cluster: Cluster) -> float:
+        """One all-reduce of the tied gradients over `ranks` (0 where one rank holds them)."""
+        return stage_allreduce_seconds(self.nbytes, self.ranks(stage_ranks), cluster)
+
+
+def shared_weights(graph: Any, stage_of: dict[str, int]) -> tuple[SharedWeights, ...]:
+    """The CostGraph's ties that `stage_of` (node -> stage, every node) puts on several
+    stages, grouped by the stages sharing them; () for a graph without ties."""
+    ties = graph.graph.get("ties", ())
+    if not ties:
+        return ()
+    block_of = {member: node for node, data in graph.nodes(data=True)
+                for member in data.get("members", [node])}
+    groups: dict[tuple[int, ...], float] = {}
+    for tie in ties:
+        stages = tuple(sorted({stage_of[block_of[n]] for n in tie["nodes"] if n in block_of}))
+        if len(stages) > 1:
+            groups[stages] = groups.get(stages, 0.0) + float(tie["bytes"])
+    return tuple(SharedWeights(stages, nbytes) for stages, nbytes in sorted(groups.items()))
+
+
+def stage_tie_seconds(ties: Sequence[SharedWeights], stage_ranks: Sequence[Sequence[int]],
+                      cluster: Cluster) -> list[float]:
+    """Per stage, the seconds of the tie all-reduces it joins at each update."""
+    out = [0.0] * len(stage_ranks)
+    for tie in ties:
+        seconds = tie.seconds(stage_ranks, cluster)
+        for s in tie.stages:
+            out[s] += seconds
+    return out
+
+
+def rank_tie_seconds(ties: Sequence[SharedWeights], stage_ranks: Sequence[Sequence[int]],
+                     cluster: Cluster) -> dict[int, float]:
+    """Per rank, the seconds of the tie all-reduces it joins at each update (a rank holding
+    several of a tie's stages joins it once); ranks that join none are left out."""
+    out: dict[int, float] = {}
+    for tie in ties:
+        seconds = tie.seconds(stage_ranks, cluster)
+        if seconds > 0.0:
+            for rank in tie.ranks(stage_ranks):
+                out[rank] = out.get(rank, 0.0) + seconds
+    return out
+
+
+def tie_partners(ties: Sequence[SharedWeights],
+                 stage_ranks: Sequence[Sequence[int]]) -> dict[int, set[int]]:
+    """Per rank, the other ranks it all-reduces tied gradients with at each update."""
+    out: dict[int, set[int]] = {}
+    for tie in ties:
+        ranks = tie.ranks(stage_ranks)
+        if len(ranks) > 1:
+            for rank in ranks:
+                out.setdefault(rank, set()).update(r for r in ranks if r != rank)
+    return out
+
+
+__all__ = ["SharedWeights", "rank_tie_seconds", "shared_weights", "stage_tie_seconds",
+           "tie_partners"]
