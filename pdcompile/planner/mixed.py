@@ -55,6 +55,7 @@ from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.machine.device import Device
 from pdcompile.plan import Plan, Stage
+from pdcompile.planner.search_cache import SearchCache
 from pdcompile.schedule.kinds import kind
 
 BLOCKS = 40  # the DP cuts a graph coarsened to at most this many blocks
@@ -254,14 +255,16 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                schedules: Sequence[tuple[str, int]], memory: float | str | None,
                optimizer_state: float = OPTIMIZER_STATE, straight: bool = False,
                refine: int = REFINE_EVALUATIONS, rank_moves: int = RANK_EVALUATIONS,
-               **options: Any) -> Plan:
+               cache: SearchCache | None = None, **options: Any) -> Plan:
     """The best plan for a mixed cluster (module docstring). `homogeneous(graph, cluster, ...)` is
     the homogeneous planner and `pricer(graph, plan, cluster, ...)` prices a plan on a
     cluster (search.plan and search.price_plan, handed in so that this module stays below
     them); `schedules`: the (schedule, microbatches) pairs to cut pipelines for; `options`
     go to the homogeneous planner. `straight`: one worker per stage. `refine`: simulations
     the local search from the best candidate may spend (0: none); `rank_moves`: pricings the
-    descent over the stages' rank sets may spend (`_rank_sets_rearranged`; 0: none)."""
+    descent over the stages' rank sets may spend (`_rank_sets_rearranged`; 0: none).
+    `cache`: the search's schedules (planner/search_cache.py), for the local search's
+    simulations; `homogeneous` and `pricer` come bound to the same one."""
     if not cluster.is_mixed:
         raise PlanError("plan_mixed plans for a mixed cluster; this one has one kind of device")
     made: list[tuple[str, Plan]] = []
@@ -328,7 +331,7 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
     how, best = min(priced, key=lambda item: item[1].time_per_minibatch)
     refined = _refined(graph, cluster, best, pricer=pricer, memory=memory,
                        optimizer_state=optimizer_state,
-                       evaluations=0 if straight else refine)
+                       evaluations=0 if straight else refine, cache=cache)
     if refined is not None:
         priced.append((f"refined {how}", refined))
         if refined.time_per_minibatch < best.time_per_minibatch:
@@ -363,7 +366,7 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
 
 def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
              memory: float | str | None, optimizer_state: float,
-             evaluations: int) -> Plan | None:
+             evaluations: int, cache: SearchCache | None) -> Plan | None:
     """The best candidate after planner/refine.py's local search by simulation (merge, split,
     move a replica or a boundary; ranks consecutive from 0, fast groups first), priced as the
     candidates are; None where it does not apply (asynchronous 1F1B over every worker only).
@@ -378,7 +381,7 @@ def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
     try:
         plain = replace(best, stages=tuple(replace(s, shares=()) for s in best.stages))
         found = refine_plan(plain, graph, cluster, max_evaluations=evaluations,
-                            from_data_parallel=False).plan
+                            from_data_parallel=False, cache=cache).plan
         plan = pricer(graph, replace(found, extra={}), cluster, memory=memory,
                       optimizer_state=optimizer_state)
     except PlanError:
