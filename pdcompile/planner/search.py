@@ -32,6 +32,7 @@ from pdcompile.planner.costmodel import (
     data_parallel_time,
     default_in_flight,
     evaluate,
+    evaluate_timed,
     priced_time,
 )
 from pdcompile.planner.dp_search import (
@@ -610,8 +611,12 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
                              recompute=again)
     except PlanError:
         return None
-    priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight,
-                              recompute=again, shares=shares)
+    if shares is None and options.cost_model == "native":  # the bound below is its own
+        priced, closed, timed = evaluate_timed(graph, stages, cluster, options=options,
+                                               in_flight=flight, recompute=again)
+    else:
+        priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight,
+                                  recompute=again, shares=shares)
     held: dict[int, float] = {}  # per worker: a rank holding several chunks holds them all
     for stage in priced:
         for rank in stage.ranks:
@@ -625,8 +630,10 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
         return None  # these orders take microbatches in rounds of one per rank
     if len(stages) == 2 * workers and m < row.microbatches_per_rank * workers:
         return None  # a V whose order needs more microbatches (DualPipeV: 2 per rank)
-    bound = priced_time(graph, stages, cluster, options=options, in_flight=flight,
-                        recompute=again).bound
+    if shares is not None or options.cost_model != "native":
+        timed = priced_time(graph, stages, cluster, options=options, in_flight=flight,
+                            recompute=again)
+    bound = timed.bound
     return _Candidate(stages, options, priced, closed, bound, **tags)
 
 
