@@ -32,7 +32,9 @@ replicas where the slower ranks hold a plan back. Last, the fastest few pipeline
 one included) each descend over their stages' rank sets (planner/rank_moves.py: swap two
 stages' ranks, exchange ranks of two kinds, move one rank), which places a stage with
 parameters alone on a fast rank and the heavy stage without them on the rest, an arrangement
-in no rank order. The fastest of all is the plan.
+in no rank order. The fastest of all is the plan. On clusters of more than DESCENT_WORKERS
+workers both descents are left out (their steps grow with the workers; the candidates and
+their pricing stay bounded), and the planner plans at most MOST_MIXED_WORKERS (search.py).
 """
 
 from __future__ import annotations
@@ -62,6 +64,11 @@ BLOCKS = 40  # the DP cuts a graph coarsened to at most this many blocks
 REFINE_EVALUATIONS = 240  # simulations of the local search from the best candidate
 RANK_EVALUATIONS = 32  # simulations of the descents over stages' rank sets, all seeds together
 RANK_SEEDS = 3  # the fastest pipelines (distinct stages' nodes) those descents start from
+# above this many workers neither descent runs: each step prices every neighbour, whose closed
+# form (the circuits of the replicas' rounds) and simulation grow with the workers; on VGG-16
+# over 32 A100 and 32 V100 the local search took 400 s and the descents over rank sets 30-150 s
+# of a planning call that takes 30 s without them
+DESCENT_WORKERS = 32
 Stages = list[tuple[list[str], tuple[int, ...]]]
 Pricer = Callable[..., Plan]
 Planner = Callable[..., Plan]
@@ -329,9 +336,10 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                         "groups all exceed some rank's device; give more or larger devices, "
                         "or a smaller minibatch")
     how, best = min(priced, key=lambda item: item[1].time_per_minibatch)
+    descents = not straight and cluster.workers <= DESCENT_WORKERS
     refined = _refined(graph, cluster, best, pricer=pricer, memory=memory,
                        optimizer_state=optimizer_state,
-                       evaluations=0 if straight else refine, cache=cache)
+                       evaluations=refine if descents else 0, cache=cache)
     if refined is not None:
         priced.append((f"refined {how}", refined))
         if refined.time_per_minibatch < best.time_per_minibatch:
@@ -350,7 +358,8 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
     for how_r, rearranged in _rank_sets_rearranged(priced, cluster, graph=graph, pricer=pricer,
                                                     memory=memory,
                                                     optimizer_state=optimizer_state,
-                                                    evaluations=0 if straight else rank_moves):
+                                                    evaluations=rank_moves if descents
+                                                    else 0):
         priced.append((how_r, rearranged))
         if rearranged.time_per_minibatch < best.time_per_minibatch:
             how, best = how_r, rearranged

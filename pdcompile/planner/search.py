@@ -72,6 +72,10 @@ SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; abov
 # at 10^6 a plan takes about 20 s and 300 MB on one core (10^7: minutes and gigabytes, 10^12
 # MemoryError)
 MOST_WORKERS = 1_000_000
+# the most workers a mixed cluster may have to be planned: the mixed planner's DP across device
+# groups grows with the workers squared (VGG-16 over a100*N/2,v100*N/2 on the 2-core VM,
+# loaded: N=64 17 s, N=128 20 s, N=256 XXX s); pricing a plan on a larger one is not refused
+MOST_MIXED_WORKERS = 128
 POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
 POLISH_BUDGET = 1200  # ... pricing at most this many plans in all (planner/polish.py) ...
 POLISH_STREAMING = 300  # ... or this many for a streaming schedule (each a circuit search)
@@ -265,7 +269,7 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     (planner/search_cache.py: a plan priced before in it is not priced again)."""
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
-    check_plannable(cluster)
+    check_plannable(cluster, searching=False)
     validate(cost_graph)
     name = schedule or given.schedule
     if name not in KINDS:
@@ -329,14 +333,23 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
                    planner=given.planner or "given")
 
 
-def check_plannable(cluster: Cluster) -> None:
+def check_plannable(cluster: Cluster, *, searching: bool = True) -> None:
     """PlanError, in one line and at once, for a cluster too large to plan or price (more than
-    MOST_WORKERS workers), instead of a MemoryError or hours of work."""
+    MOST_WORKERS workers), or a mixed cluster too large to plan (`searching`: a search for a
+    plan, not the pricing of one; more than MOST_MIXED_WORKERS), instead of a MemoryError or
+    hours of work."""
     if cluster.workers > MOST_WORKERS:
         raise PlanError(f"the cluster has {cluster.workers:,} workers ({cluster.describe()}); "
                         f"the planner plans and prices at most {MOST_WORKERS:,} (it holds "
                         f"every rank of a plan: time and memory grow with the workers); plan "
                         f"for a cluster of at most {MOST_WORKERS:,} workers")
+    if searching and cluster.is_mixed and cluster.workers > MOST_MIXED_WORKERS:
+        raise PlanError(f"the mixed cluster has {cluster.workers:,} workers "
+                        f"({cluster.describe()}); the planner plans mixed clusters of at most "
+                        f"{MOST_MIXED_WORKERS} workers (its search across device groups grows "
+                        "with the workers squared); plan for at most "
+                        f"{MOST_MIXED_WORKERS} of them, or price a plan made by hand on the "
+                        "whole cluster (pdcompile.price_plan)")
 
 
 @dataclass
@@ -975,4 +988,5 @@ def _bytes_up(value: float) -> str:
     return f"{math.ceil(value)} B"
 
 
-__all__ = ["AUTO_SCHEDULES", "MOST_WORKERS", "PLANNERS", "check_plannable", "plan", "price_plan"]
+__all__ = ["AUTO_SCHEDULES", "MOST_MIXED_WORKERS", "MOST_WORKERS", "PLANNERS", "check_plannable",
+           "plan", "price_plan"]
