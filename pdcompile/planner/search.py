@@ -291,9 +291,9 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     shares = given.shares()
     workers = max(r for s in given.stages for r in s.ranks) + 1
 
-    def priced() -> tuple[_Candidate, float | None, float, bool]:
-        """The plan's candidate as the simulator chose it, its simulated time, data
-        parallelism's time and whether data parallelism fits."""
+    def closed() -> tuple[_Candidate, float, bool]:
+        """The plan's candidate in closed form, data parallelism's time and whether data
+        parallelism fits (what pricing with and without the simulator share)."""
         candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight,
                             recompute=again, shares=shares)
         if flight is None and candidate is not None and limit is not None:
@@ -305,21 +305,23 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
                             f"feed the replicas of plan {given.config} (each replica takes a "
                             "share of a minibatch's microbatches); give at least as many "
                             "microbatches as the most replicas, a multiple of them for '2bw'")
-        chosen, simulated = _choose(cost_graph, cluster, [candidate], simulate, cache)
         dp_options = data_parallel_options(options, cluster, workers)
         dp_priced, dp_time = evaluate(cost_graph,
                                       [data_parallel_stage(cost_graph, cluster, workers)],
                                       cluster, options=dp_options)
-        return chosen, simulated, dp_time, limit is None or dp_priced[0].memory <= limit
+        return candidate, dp_time, limit is None or dp_priced[0].memory <= limit
 
     if cache is None:
-        chosen, simulated, dp_time, dp_fits = priced()
-    else:  # everything priced() reads; the graph by identity (the cache holds it meanwhile)
-        key = ("price_plan", id(cost_graph), cluster, _key(stages),
-               None if flight is None else tuple(flight), tuple(again),
-               None if shares is None else tuple(map(tuple, shares)), name, per, limit,
-               simulate, optimizer_state)
-        chosen, simulated, dp_time, dp_fits = cache.price(key, cost_graph, priced)
+        candidate, dp_time, dp_fits = closed()
+        chosen, simulated = _choose(cost_graph, cluster, [candidate], simulate, cache)
+    else:  # everything closed() reads; the graph by identity (the cache holds it meanwhile)
+        key = (id(cost_graph), cluster, _key(stages), None if flight is None else tuple(flight),
+               tuple(again), None if shares is None else tuple(map(tuple, shares)), name, per,
+               limit, optimizer_state)
+        candidate, dp_time, dp_fits = cache.price(("closed form", *key), cost_graph, closed)
+        chosen, simulated = cache.price(
+            ("chosen", *key, simulate), cost_graph,
+            lambda: _choose(cost_graph, cluster, [candidate], simulate, cache))
     extra = dict(given.extra) | {
         "memory_limit": limit, "dp_fits": dp_fits,
         "closed_form_time_per_minibatch": chosen.closed, "bound": chosen.bound,
