@@ -100,7 +100,7 @@ def _same_with_and_without(graph: nx.DiGraph, cluster: Cluster, **options: Any) 
     assert _fingerprint(kept) == _fingerprint(anew)
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(cluster=mixed_clusters(max_workers=4), graph=drawn_chains(max_blocks=3))
 def test_the_cache_changes_no_plan_nor_its_price(cluster: Cluster, graph: nx.DiGraph) -> None:
     """Drawn chains on drawn mixed clusters (1-3 device groups of up to 4 ranks): the plan,
@@ -119,3 +119,12 @@ def test_a_cached_build_that_failed_fails_again_alike() -> None:
                            warmup=None, recompute=(), shares=None)
         errors.append(str(caught.value))
     assert errors[0] == errors[1] and cache.builds == 1 and cache.schedule_hits == 1
+
+
+@pytest.mark.slow
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(cluster=mixed_clusters(max_workers=6), graph=drawn_chains(max_blocks=5))
+def test_the_cache_changes_no_plan_nor_its_price_on_wider_draws(
+        cluster: Cluster, graph: nx.DiGraph) -> None:
+    """As above on up to 6 ranks and 5 blocks, every schedule the planner tries."""
+    _same_with_and_without(graph, cluster)
