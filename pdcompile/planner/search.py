@@ -73,8 +73,9 @@ SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; abov
 # MemoryError)
 MOST_WORKERS = 1_000_000
 # the most workers a mixed cluster may have to be planned: the mixed planner's DP across device
-# groups grows with the workers squared (VGG-16 over a100*N/2,v100*N/2 on the 2-core VM,
-# loaded: N=64 17 s, N=128 20 s, N=256 XXX s); pricing a plan on a larger one is not refused
+# groups grows faster than the workers squared (VGG-16 over a100*N/2,v100*N/2 on the 2-core VM,
+# loaded: N=64 17 s, N=128 20 s in all; N=256: one of its two group orders ran over 4 minutes);
+# pricing a plan on a larger one is not refused
 MOST_MIXED_WORKERS = 128
 POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
 POLISH_BUDGET = 1200  # ... pricing at most this many plans in all (planner/polish.py) ...
