@@ -19,13 +19,36 @@ from hypothesis import HealthCheck, given, settings
 import pdcompile
 from pdcompile import Cluster
 from pdcompile.backends.simulate import Prepared, prepare
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+from pdcompile.machine.device import DEVICES
+from pdcompile.machine.device_groups import DeviceGroup
 from pdcompile.plan import Plan
 from pdcompile.planner.search_cache import SearchCache
 from pdcompile.schedule import build as build_module
 from pdcompile.schedule.build import build
 from pdcompile.schedule.ir import Schedule
 from tests.helpers.strategies import drawn_chains, mixed_clusters
-from tests.planner.test_mixed_brute_force import MISSED_PARAMETERS_ALONE, _chain, _cluster
+
+
+def _chain() -> nx.DiGraph:
+    """A chain drawn for tests/planner/test_mixed_brute_force.py whose fastest plan puts the
+    parameters alone on a fast rank: the local search and the descent over rank sets both
+    walk far on it."""
+    graph = new_cost_graph("chain")
+    add_block(graph, "x", fwd=0.0, bwd=0.0, act=6.0e6, params=0.0)
+    blocks = [(9.73e-3, 9.24e-3, 4.53e7, 0.0), (1.0e-3, 3.11e-3, 9.25e7, 3.07e7),
+              (3.26e-3, 6.95e-3, 1.0e5, 0.0)]
+    for i, (fwd, bwd, act, params) in enumerate(blocks):
+        add_block(graph, f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params)
+        graph.add_edge("x" if i == 0 else f"n{i - 1}", f"n{i}")
+    return graph
+
+
+def _cluster() -> Cluster:
+    """Two fast ranks, then two at 0.4 of their speed, on one level."""
+    return Cluster(levels=Cluster.parse("4@1e9~5us").levels,
+                   groups=(DeviceGroup(DEVICES["a100"], 2, 1.0),
+                           DeviceGroup(DEVICES["a100"], 2, 0.4)))
 
 
 class _NothingKept(SearchCache):
@@ -67,9 +90,8 @@ def _fingerprint(plan: Plan) -> tuple[Any, ...]:
 def test_a_mixed_search_builds_no_schedule_twice(monkeypatch: pytest.MonkeyPatch) -> None:
     """A drawn chain on 2 fast and 2 slow ranks: the local search by simulation and the descent
     over rank sets meet the same schedules again and again; each is built once."""
-    source, blocks, slow, network = MISSED_PARAMETERS_ALONE
     seen = _validated(monkeypatch)
-    pdcompile.plan(_chain(source, blocks), _cluster(network, slow))
+    pdcompile.plan(_chain(), _cluster())
     assert seen and max(seen.values()) == 1, \
         f"{sum(seen.values())} schedules built, {len(seen)} distinct"
 
@@ -77,10 +99,9 @@ def test_a_mixed_search_builds_no_schedule_twice(monkeypatch: pytest.MonkeyPatch
 def test_the_cache_counts_what_it_found_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """The cache a caller hands in is the one the whole search uses: its builds are the
     schedules validated, and it found schedules and prices again."""
-    source, blocks, slow, network = MISSED_PARAMETERS_ALONE
     seen = _validated(monkeypatch)
     cache = SearchCache()
-    pdcompile.plan(_chain(source, blocks), _cluster(network, slow), cache=cache)
+    pdcompile.plan(_chain(), _cluster(), cache=cache)
     assert cache.builds == len(seen) == sum(seen.values()) and cache.schedule_hits > 0
     assert cache.prices > 0 and cache.price_hits > 0
 
@@ -88,9 +109,8 @@ def test_the_cache_counts_what_it_found_again(monkeypatch: pytest.MonkeyPatch) -
 def test_without_the_cache_the_same_search_builds_schedules_again(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The count above is the cache's doing: without it the same search builds duplicates."""
-    source, blocks, slow, network = MISSED_PARAMETERS_ALONE
     seen = _validated(monkeypatch)
-    pdcompile.plan(_chain(source, blocks), _cluster(network, slow), cache=_NothingKept())
+    pdcompile.plan(_chain(), _cluster(), cache=_NothingKept())
     assert max(seen.values()) > 1
 
 
