@@ -350,7 +350,7 @@ def check_plannable(cluster: Cluster, *, searching: bool = True) -> None:
         raise PlanError(f"the mixed cluster has {cluster.workers:,} workers "
                         f"({cluster.describe()}); the planner plans mixed clusters of at most "
                         f"{MOST_MIXED_WORKERS} workers (its search across device groups grows "
-                        "with the workers squared); plan for at most "
+                        "faster than the workers squared); plan for at most "
                         f"{MOST_MIXED_WORKERS} of them, or price a plan made by hand on the "
                         "whole cluster (pdcompile.price_plan)")
 
