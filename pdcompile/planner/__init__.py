@@ -8,6 +8,7 @@ recomputation (in_flight), interleaved placement (interleave) and a plan's simul
 from pdcompile.planner.refine import refine_plan
 from pdcompile.planner.search import (
     AUTO_SCHEDULES,
+    MOST_MIXED_WORKERS,
     MOST_WORKERS,
     PLANNERS,
     check_plannable,
@@ -15,5 +16,5 @@ from pdcompile.planner.search import (
     price_plan,
 )
 
-__all__ = ["AUTO_SCHEDULES", "MOST_WORKERS", "PLANNERS", "check_plannable", "plan", "price_plan",
-           "refine_plan"]
+__all__ = ["AUTO_SCHEDULES", "MOST_MIXED_WORKERS", "MOST_WORKERS", "PLANNERS", "check_plannable",
+           "plan", "price_plan", "refine_plan"]

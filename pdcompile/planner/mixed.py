@@ -32,7 +32,9 @@ replicas where the slower ranks hold a plan back. Last, the fastest few pipeline
 one included) each descend over their stages' rank sets (planner/rank_moves.py: swap two
 stages' ranks, exchange ranks of two kinds, move one rank), which places a stage with
 parameters alone on a fast rank and the heavy stage without them on the rest, an arrangement
-in no rank order. The fastest of all is the plan.
+in no rank order. The fastest of all is the plan. On clusters of more than DESCENT_WORKERS
+workers both descents are left out (their steps grow with the workers; the candidates and
+their pricing stay bounded), and the planner plans at most MOST_MIXED_WORKERS (search.py).
 """
 
 from __future__ import annotations
@@ -52,15 +54,21 @@ from pdcompile.cost.memory import OPTIMIZER_STATE
 from pdcompile.cost.shares import proportional_shares, round_shares, shared_speed
 from pdcompile.cost.updates import step_seconds
 from pdcompile.errors import PlanError
-from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.machine.device import Device
 from pdcompile.plan import Plan, Stage
+from pdcompile.planner.search_cache import SearchCache
 from pdcompile.schedule.kinds import kind
 
 BLOCKS = 40  # the DP cuts a graph coarsened to at most this many blocks
 REFINE_EVALUATIONS = 240  # simulations of the local search from the best candidate
 RANK_EVALUATIONS = 32  # simulations of the descents over stages' rank sets, all seeds together
 RANK_SEEDS = 3  # the fastest pipelines (distinct stages' nodes) those descents start from
+# above this many workers neither descent runs: each step prices every neighbour, whose closed
+# form (the circuits of the replicas' rounds) and simulation grow with the workers; on VGG-16
+# over 32 A100 and 32 V100 the local search took 400 s and the descents over rank sets 30-150 s
+# of a planning call that takes 30 s without them
+DESCENT_WORKERS = 32
 Stages = list[tuple[list[str], tuple[int, ...]]]
 Pricer = Callable[..., Plan]
 Planner = Callable[..., Plan]
@@ -254,14 +262,16 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                schedules: Sequence[tuple[str, int]], memory: float | str | None,
                optimizer_state: float = OPTIMIZER_STATE, straight: bool = False,
                refine: int = REFINE_EVALUATIONS, rank_moves: int = RANK_EVALUATIONS,
-               **options: Any) -> Plan:
+               cache: SearchCache | None = None, **options: Any) -> Plan:
     """The best plan for a mixed cluster (module docstring). `homogeneous(graph, cluster, ...)` is
     the homogeneous planner and `pricer(graph, plan, cluster, ...)` prices a plan on a
     cluster (search.plan and search.price_plan, handed in so that this module stays below
     them); `schedules`: the (schedule, microbatches) pairs to cut pipelines for; `options`
     go to the homogeneous planner. `straight`: one worker per stage. `refine`: simulations
     the local search from the best candidate may spend (0: none); `rank_moves`: pricings the
-    descent over the stages' rank sets may spend (`_rank_sets_rearranged`; 0: none)."""
+    descent over the stages' rank sets may spend (`_rank_sets_rearranged`; 0: none).
+    `cache`: the search's schedules (planner/search_cache.py), for the local search's
+    simulations; `homogeneous` and `pricer` come bound to the same one."""
     if not cluster.is_mixed:
         raise PlanError("plan_mixed plans for a mixed cluster; this one has one kind of device")
     made: list[tuple[str, Plan]] = []
@@ -326,9 +336,10 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                         "groups all exceed some rank's device; give more or larger devices, "
                         "or a smaller minibatch")
     how, best = min(priced, key=lambda item: item[1].time_per_minibatch)
+    descents = not straight and cluster.workers <= DESCENT_WORKERS
     refined = _refined(graph, cluster, best, pricer=pricer, memory=memory,
                        optimizer_state=optimizer_state,
-                       evaluations=0 if straight else refine)
+                       evaluations=refine if descents else 0, cache=cache)
     if refined is not None:
         priced.append((f"refined {how}", refined))
         if refined.time_per_minibatch < best.time_per_minibatch:
@@ -347,7 +358,8 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
     for how_r, rearranged in _rank_sets_rearranged(priced, cluster, graph=graph, pricer=pricer,
                                                     memory=memory,
                                                     optimizer_state=optimizer_state,
-                                                    evaluations=0 if straight else rank_moves):
+                                                    evaluations=rank_moves if descents
+                                                    else 0):
         priced.append((how_r, rearranged))
         if rearranged.time_per_minibatch < best.time_per_minibatch:
             how, best = how_r, rearranged
@@ -363,7 +375,7 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
 
 def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
              memory: float | str | None, optimizer_state: float,
-             evaluations: int) -> Plan | None:
+             evaluations: int, cache: SearchCache | None) -> Plan | None:
     """The best candidate after planner/refine.py's local search by simulation (merge, split,
     move a replica or a boundary; ranks consecutive from 0, fast groups first), priced as the
     candidates are; None where it does not apply (asynchronous 1F1B over every worker only).
@@ -378,7 +390,7 @@ def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
     try:
         plain = replace(best, stages=tuple(replace(s, shares=()) for s in best.stages))
         found = refine_plan(plain, graph, cluster, max_evaluations=evaluations,
-                            from_data_parallel=False).plan
+                            from_data_parallel=False, cache=cache).plan
         plan = pricer(graph, replace(found, extra={}), cluster, memory=memory,
                       optimizer_state=optimizer_state)
     except PlanError:
@@ -464,9 +476,17 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
     m = microbatches if row.microbatched else 1
     streaming = not row.microbatched
 
+    speeds = [cluster.group_speed(group) for group in range(len(cluster.groups))]
+
     def stage_time(i: int, j: int, group: int, start: int, r: int) -> float:
         return ranks_time(i, j, list(range(start, start + r)), cluster.groups[group].device,
-                          cluster.group_speed(group))
+                          speeds[group])
+
+    # what a stage's ranks alone decide (the level its all-reduce crosses, the link into it,
+    # a straddle's shared speed), looked up once per DP rather than once per cut: on 64
+    # workers the DP prices some 400,000 stages
+    levels: dict[tuple[int, int, int], Level] = {}
+    links: dict[int, float] = {}
 
     def ranks_time(i: int, j: int, ranks: list[int], device: Device, speed: float) -> float:
         """The slowest-stage term of blocks i..j-1 on `ranks` of `device` (the smallest memory
@@ -475,19 +495,28 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         p = params[j] - params[i]
         if p * (2.0 + optimizer_state) > device.memory:
             return math.inf
-        level = cluster.levels[cluster.slowest_level_of(ranks)]
-        sync = ring_allreduce_seconds(p, r, level) + step_seconds(p, device)
+        span = (start, ranks[-1], r)  # a straddle's ranks are not always consecutive
+        if span not in levels:
+            levels[span] = cluster.levels[cluster.slowest_level_of(ranks)]
+        sync = ring_allreduce_seconds(p, r, levels[span]) + step_seconds(p, device)
         compute = (work[j] - work[i]) / speed
         own = (compute + sync) / r if streaming else compute / r + sync * (1 if row.flush
                                                                             else r / m)
         link = 0.0
         if i > 0 and start > 0:
-            link = 2.0 * crossing[i] / cluster.flow_rate_between(start - 1, start) / r
+            if start not in links:
+                links[start] = cluster.flow_rate_between(start - 1, start)
+            link = 2.0 * crossing[i] / links[start] / r
         return max(own, link)
+
+    straddles: dict[tuple[int, int, int], tuple[list[int], Device, float]] = {}
 
     def straddle(g: int, u: int, v: int) -> tuple[list[int], Device, float]:
         """The rest of group order[g] from its u-th rank and the first v of order[g+1]: their
-        ranks, the device with less memory (the slower, on a tie) and their shared speed."""
+        ranks, the device with less memory (the slower, on a tie) and their shared speed
+        (worked out once per (g, u, v): the shares of 64 replicas take a tenth of a second)."""
+        if (g, u, v) in straddles:
+            return straddles[g, u, v]
         here, there = order[g], order[g + 1]
         ranks = list(cluster.group_ranks(here))[u:] + list(cluster.group_ranks(there))[:v]
         speeds = [cluster.speed_of(x) for x in ranks]
@@ -495,7 +524,8 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
             speeds, max(m, len(speeds)))
         device = min((cluster.groups[here].device, cluster.groups[there].device),
                      key=lambda d: (d.memory, d.flops))
-        return ranks, device, shared_speed(speeds, counts)
+        straddles[g, u, v] = (ranks, device, shared_speed(speeds, counts))
+        return straddles[g, u, v]
 
     # value[(i, g, u)] = (best bottleneck, previous state, stage placed)
     Key = tuple[int, int, int]

@@ -33,6 +33,7 @@ from pdcompile.plan import Plan, Stage
 from pdcompile.planner.costmodel import ModelOptions, evaluate
 from pdcompile.planner.in_flight import choose_in_flight
 from pdcompile.planner.moves import State, config, descend, linearised, stages_of
+from pdcompile.planner.search_cache import SearchCache
 
 
 @dataclass(frozen=True)
@@ -53,7 +54,7 @@ class Refined:
 
 def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches: int = 64,
                 warmup: str = "plan", max_evaluations: int = 1000,
-                from_data_parallel: bool = True) -> Refined:
+                from_data_parallel: bool = True, cache: SearchCache | None = None) -> Refined:
     """Local search from `plan` (of `graph` on `cluster`) under asynchronous 1F1B, scored by the
     simulator's steady-state time per minibatch (see the module docstring).
 
@@ -63,14 +64,16 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
     "noam" or "latency"
     (schedule.generators); `max_evaluations`: simulations at most, the input plan's included;
     `from_data_parallel`: descend from data parallelism too, on half the budget (a caller that
-    prices data parallelism itself may give the plan's descent all of it)."""
+    prices data parallelism itself may give the plan's descent all of it); `cache`: the
+    schedules of the search this refinement is part of (planner/search_cache.py)."""
     if plan.workers != cluster.workers:
         raise PlanError(f"the plan is for {plan.workers} workers but the cluster has "
                         f"{cluster.workers}; plan for this cluster first")
     if max_evaluations < 1:
         raise PlanError(f"max_evaluations must be a positive integer (got {max_evaluations})")
     order, state = _linearise(plan, graph)
-    search = _Search(graph, cluster, order, plan, minibatches=minibatches, warmup=warmup)
+    search = _Search(graph, cluster, order, plan, minibatches=minibatches, warmup=warmup,
+                     cache=cache)
     start = search.score(state)
     seeds = [("the plan", state, start)]
     # data parallelism is a seed too: the search never ends below it
@@ -115,9 +118,10 @@ class _Search:
     """Scores States by simulation, with a cache."""
 
     def __init__(self, graph: nx.DiGraph, cluster: Cluster, order: list[str], plan: Plan, *,
-                 minibatches: int, warmup: str) -> None:
+                 minibatches: int, warmup: str, cache: SearchCache | None) -> None:
         self.graph, self.cluster, self.order, self.base = graph, cluster, order, plan
         self.minibatches, self.warmup = minibatches, warmup
+        self.schedules = cache
         self.cache: dict[State, float] = {}
         self.evaluations = 0
 
@@ -153,7 +157,8 @@ class _Search:
         plan = self.plan_of(state)
         stream = max(self.minibatches, 4 * math.lcm(*state[1]))
         _, result = simulate_plan(self.graph, plan, self.cluster, minibatches=stream,
-                                  warmup=self.warmup, timeline=False)
+                                  warmup=self.warmup, timeline=False,
+                                  cache=self.schedules)
         fits = all(used.total <= self.cluster.device_of(rank).memory
                    for rank, used in result.memory.items())
         value = result.time_per_minibatch if fits else math.inf

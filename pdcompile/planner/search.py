@@ -32,6 +32,7 @@ from pdcompile.planner.costmodel import (
     data_parallel_time,
     default_in_flight,
     evaluate,
+    evaluate_timed,
     priced_time,
 )
 from pdcompile.planner.dp_search import (
@@ -45,6 +46,7 @@ from pdcompile.planner.dp_search import (
     solve,
 )
 from pdcompile.planner.in_flight import choose_in_flight, choose_recompute, rank_memory
+from pdcompile.planner.search_cache import SearchCache
 from pdcompile.planner.simulation import simulate_steady, steady_minibatches
 from pdcompile.schedule.kinds import KINDS, kind, unknown
 from pdcompile.units import format_bytes, parse_quantity
@@ -70,6 +72,11 @@ SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; abov
 # at 10^6 a plan takes about 20 s and 300 MB on one core (10^7: minutes and gigabytes, 10^12
 # MemoryError)
 MOST_WORKERS = 1_000_000
+# the most workers a mixed cluster may have to be planned: the mixed planner's DP across device
+# groups grows faster than the workers squared (VGG-16 over a100*N/2,v100*N/2 on the 2-core VM,
+# loaded: N=64 17 s, N=128 20 s in all; N=256: one of its two group orders ran over 4 minutes);
+# pricing a plan on a larger one is not refused
+MOST_MIXED_WORKERS = 128
 POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
 POLISH_BUDGET = 1200  # ... pricing at most this many plans in all (planner/polish.py) ...
 POLISH_STREAMING = 300  # ... or this many for a streaming schedule (each a circuit search)
@@ -80,7 +87,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
          time_limit: float | None = None, schedule: str = "1f1b",
          microbatches: int | None = None, stages: int | None = None,
          simulate: bool | None = None, optimizer_state: float = OPTIMIZER_STATE,
-         symmetric: bool | None = None) -> Plan:
+         symmetric: bool | None = None, cache: SearchCache | None = None) -> Plan:
     """Partition `cost_graph` over `cluster` and return the Plan (see pdcompile.plan.Plan).
 
     planner: "dp" (PipeDream's dynamic program), "ilp" (DP, then the exact CP-SAT model warm-started
@@ -97,7 +104,9 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     candidates with the simulator and predict its steady state (None: where a simulation is
     cheap, SIMULATION_BUDGET). optimizer_state: optimizer bytes per parameter byte (Adam 2,
     SGD with momentum 1) for memory. symmetric: plan one server's pipeline and give every server
-    the same (None: on multi-level clusters of more than EXACT_WORKERS workers).
+    the same (None: on multi-level clusters of more than EXACT_WORKERS workers). cache: the
+    schedules and prices of the search this call is part of (planner/search_cache.py; None:
+    a new one for this call).
 
     A mixed cluster (device groups of several kinds, `Cluster.groups`) is planned by
     planner/mixed.py: each rank at its device's speed, within its device's memory (`memory`
@@ -146,12 +155,13 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if planner == "ilp" and (straight or cost_model != "native"):
         raise PlanError("the CP-SAT planner handles the native cost model without --straight; "
                         "use planner='dp' for cost_model='pipedream' or straight pipelines")
+    cache = cache if cache is not None else SearchCache()
     if cluster.is_mixed:
         return _plan_mixed(cost_graph, cluster, choices, planner=planner, cost_model=cost_model,
                            straight=straight, memory=memory, time_limit=time_limit,
                            schedule=schedule, microbatches=microbatches, stages=stages,
                            simulate=simulate, optimizer_state=optimizer_state,
-                           started=started)
+                           started=started, cache=cache)
     if cost_model == "pipedream":
         options = ModelOptions(cost_model=cost_model, schedule=choices[0][0],
                                microbatches=choices[0][1], optimizer_state=optimizer_state)
@@ -221,7 +231,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         options = ModelOptions(schedule=choices[0][0], microbatches=choices[0][1],
                                optimizer_state=optimizer_state)
         raise _no_fit(cost_graph, cluster, options, limit, straight)
-    chosen, simulated = _choose(cost_graph, cluster, candidates, simulate)
+    chosen, simulated = _choose(cost_graph, cluster, candidates, simulate, cache)
     options = chosen.options
     everything = [data_parallel_stage(cost_graph, cluster, workers)]
     dp_options = data_parallel_options(options, cluster, workers)
@@ -250,15 +260,17 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
 def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
                schedule: str | None = None, microbatches: int | None = None,
                memory: float | str | None = None, simulate: bool | None = None,
-               optimizer_state: float = OPTIMIZER_STATE) -> Plan:
+               optimizer_state: float = OPTIMIZER_STATE,
+               cache: SearchCache | None = None) -> Plan:
     """A plan made by hand (or loaded), priced as the planner prices its own: stage costs and
     memory from the one cost model, in-flight counts chosen within the memory where the plan
     has none, the time per minibatch from the simulator where a simulation is cheap (else the
     closed form), and data parallelism's time beside it. `schedule` / `microbatches` default
-    to the plan's."""
+    to the plan's. `cache`: the schedules and prices of the search this call is part of
+    (planner/search_cache.py: a plan priced before in it is not priced again)."""
     if isinstance(cluster, str):
         cluster = Cluster.parse(cluster)
-    check_plannable(cluster)
+    check_plannable(cluster, searching=False)
     validate(cost_graph)
     name = schedule or given.schedule
     if name not in KINDS:
@@ -278,24 +290,41 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
         else None
     again = [s.recompute for s in given.stages]
     shares = given.shares()
-    candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight,
-                        recompute=again, shares=shares)
-    if flight is None and candidate is not None and limit is not None:
-        fitted = _priced(cost_graph, cluster, stages, options, limit, recompute=again,
-                         shares=shares)
-        candidate = fitted or candidate  # over the memory either way: the default counts
-    if candidate is None:  # priced without a memory limit: only a schedule that cannot run it
-        raise PlanError(f"schedule {name!r} with {per} microbatches per minibatch cannot feed "
-                        f"the replicas of plan {given.config} (each replica takes a share of "
-                        "a minibatch's microbatches); give at least as many microbatches as "
-                        "the most replicas, a multiple of them for '2bw'")
-    chosen, simulated = _choose(cost_graph, cluster, [candidate], simulate)
     workers = max(r for s in given.stages for r in s.ranks) + 1
-    dp_options = data_parallel_options(options, cluster, workers)
-    dp_priced, dp_time = evaluate(cost_graph, [data_parallel_stage(cost_graph, cluster, workers)],
-                                  cluster, options=dp_options)
+
+    def closed() -> tuple[_Candidate, float, bool]:
+        """The plan's candidate in closed form, data parallelism's time and whether data
+        parallelism fits (what pricing with and without the simulator share)."""
+        candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight,
+                            recompute=again, shares=shares)
+        if flight is None and candidate is not None and limit is not None:
+            fitted = _priced(cost_graph, cluster, stages, options, limit, recompute=again,
+                             shares=shares)
+            candidate = fitted or candidate  # over the memory either way: the default counts
+        if candidate is None:  # priced without a memory limit: a schedule that cannot run it
+            raise PlanError(f"schedule {name!r} with {per} microbatches per minibatch cannot "
+                            f"feed the replicas of plan {given.config} (each replica takes a "
+                            "share of a minibatch's microbatches); give at least as many "
+                            "microbatches as the most replicas, a multiple of them for '2bw'")
+        dp_options = data_parallel_options(options, cluster, workers)
+        dp_priced, dp_time = evaluate(cost_graph,
+                                      [data_parallel_stage(cost_graph, cluster, workers)],
+                                      cluster, options=dp_options)
+        return candidate, dp_time, limit is None or dp_priced[0].memory <= limit
+
+    if cache is None:
+        candidate, dp_time, dp_fits = closed()
+        chosen, simulated = _choose(cost_graph, cluster, [candidate], simulate, cache)
+    else:  # everything closed() reads; the graph by identity (the cache holds it meanwhile)
+        key = (id(cost_graph), cluster, _key(stages), None if flight is None else tuple(flight),
+               tuple(again), None if shares is None else tuple(map(tuple, shares)), name, per,
+               limit, optimizer_state)
+        candidate, dp_time, dp_fits = cache.price(("closed form", *key), cost_graph, closed)
+        chosen, simulated = cache.price(
+            ("chosen", *key, simulate), cost_graph,
+            lambda: _choose(cost_graph, cluster, [candidate], simulate, cache))
     extra = dict(given.extra) | {
-        "memory_limit": limit, "dp_fits": limit is None or dp_priced[0].memory <= limit,
+        "memory_limit": limit, "dp_fits": dp_fits,
         "closed_form_time_per_minibatch": chosen.closed, "bound": chosen.bound,
         "fits": limit is None or all(s.memory <= rank_memory(limit, cluster, s.ranks)
                                      * (1 + 1e-9) for s in chosen.priced)}
@@ -307,14 +336,23 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
                    planner=given.planner or "given")
 
 
-def check_plannable(cluster: Cluster) -> None:
+def check_plannable(cluster: Cluster, *, searching: bool = True) -> None:
     """PlanError, in one line and at once, for a cluster too large to plan or price (more than
-    MOST_WORKERS workers), instead of a MemoryError or hours of work."""
+    MOST_WORKERS workers), or a mixed cluster too large to plan (`searching`: a search for a
+    plan, not the pricing of one; more than MOST_MIXED_WORKERS), instead of a MemoryError or
+    hours of work."""
     if cluster.workers > MOST_WORKERS:
         raise PlanError(f"the cluster has {cluster.workers:,} workers ({cluster.describe()}); "
                         f"the planner plans and prices at most {MOST_WORKERS:,} (it holds "
                         f"every rank of a plan: time and memory grow with the workers); plan "
                         f"for a cluster of at most {MOST_WORKERS:,} workers")
+    if searching and cluster.is_mixed and cluster.workers > MOST_MIXED_WORKERS:
+        raise PlanError(f"the mixed cluster has {cluster.workers:,} workers "
+                        f"({cluster.describe()}); the planner plans mixed clusters of at most "
+                        f"{MOST_MIXED_WORKERS} workers (its search across device groups grows "
+                        "faster than the workers squared); plan for at most "
+                        f"{MOST_MIXED_WORKERS} of them, or price a plan made by hand on the "
+                        "whole cluster (pdcompile.price_plan)")
 
 
 @dataclass
@@ -589,8 +627,12 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
                              recompute=again)
     except PlanError:
         return None
-    priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight,
-                              recompute=again, shares=shares)
+    if shares is None and options.cost_model == "native":  # the bound below is its own
+        priced, closed, timed = evaluate_timed(graph, stages, cluster, options=options,
+                                               in_flight=flight, recompute=again)
+    else:
+        priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight,
+                                  recompute=again, shares=shares)
     held: dict[int, float] = {}  # per worker: a rank holding several chunks holds them all
     for stage in priced:
         for rank in stage.ranks:
@@ -604,8 +646,10 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
         return None  # these orders take microbatches in rounds of one per rank
     if len(stages) == 2 * workers and m < row.microbatches_per_rank * workers:
         return None  # a V whose order needs more microbatches (DualPipeV: 2 per rank)
-    bound = priced_time(graph, stages, cluster, options=options, in_flight=flight,
-                        recompute=again).bound
+    if shares is not None or options.cost_model != "native":
+        timed = priced_time(graph, stages, cluster, options=options, in_flight=flight,
+                            recompute=again)
+    bound = timed.bound
     return _Candidate(stages, options, priced, closed, bound, **tags)
 
 
@@ -675,7 +719,8 @@ def _key(stages: Sequence[tuple[Sequence[str], Sequence[int]]]) -> tuple[Any, ..
 
 
 def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
-            simulate: bool | None) -> tuple[_Candidate, float | None]:
+            simulate: bool | None,
+            cache: SearchCache | None = None) -> tuple[_Candidate, float | None]:
     """The best candidate: by the simulator's steady state among the best few by the closed
     form where simulating is cheap (or asked for), else by the closed form. Where every
     simulated choice fails (depths that cannot run), the next candidates by the closed form are
@@ -707,7 +752,7 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         if simulate is None and _simulation_cost(plan_) > SIMULATION_BUDGET:
             return None
         try:
-            return simulate_steady(graph, plan_, cluster)[1].time_per_minibatch
+            return simulate_steady(graph, plan_, cluster, cache=cache)[1].time_per_minibatch
         except ScheduleError:  # the chosen depths cannot run: that candidate is out
             failed.append(candidate)
             return None
@@ -804,7 +849,7 @@ def _plan_mixed(cost_graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[st
                 planner: str, cost_model: str, straight: bool, memory: float | str | None,
                 time_limit: float | None, schedule: str, microbatches: int | None,
                 stages: int | None, simulate: bool | None, optimizer_state: float,
-                started: float) -> Plan:
+                started: float, cache: SearchCache) -> Plan:
     """`plan` on a mixed cluster (planner/mixed.py), with this module's planner and pricing."""
     from functools import partial
 
@@ -816,11 +861,12 @@ def _plan_mixed(cost_graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[st
     if stages is not None:
         raise PlanError("stages= places straight stages on the first ranks; on a mixed cluster "
                         "let the planner place them (leave stages out, or pass straight=True)")
-    result = plan_mixed(cost_graph, cluster, homogeneous=plan,
-                        pricer=partial(price_plan, simulate=simulate), schedules=choices,
-                        memory=memory, optimizer_state=optimizer_state, straight=straight,
-                        planner=planner, time_limit=time_limit, schedule=schedule,
-                        microbatches=microbatches, simulate=simulate)
+    result = plan_mixed(cost_graph, cluster, homogeneous=partial(plan, cache=cache),
+                        pricer=partial(price_plan, simulate=simulate, cache=cache),
+                        schedules=choices, memory=memory, optimizer_state=optimizer_state,
+                        straight=straight, cache=cache, planner=planner,
+                        time_limit=time_limit, schedule=schedule, microbatches=microbatches,
+                        simulate=simulate)
     return replace(result, solve_seconds=time.perf_counter() - started)
 
 
@@ -945,4 +991,5 @@ def _bytes_up(value: float) -> str:
     return f"{math.ceil(value)} B"
 
 
-__all__ = ["AUTO_SCHEDULES", "MOST_WORKERS", "PLANNERS", "check_plannable", "plan", "price_plan"]
+__all__ = ["AUTO_SCHEDULES", "MOST_MIXED_WORKERS", "MOST_WORKERS", "PLANNERS", "check_plannable",
+           "plan", "price_plan"]

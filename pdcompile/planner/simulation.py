@@ -19,6 +19,7 @@ from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
+from pdcompile.planner.search_cache import SearchCache
 from pdcompile.schedule.build import build, stream_length
 from pdcompile.schedule.ir import Schedule
 from pdcompile.schedule.kinds import kind
@@ -43,7 +44,7 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
                   schedule: str | None = None, microbatches: int | None = None,
                   minibatches: int | None = None, warmup: str | Sequence[int] = "plan",
                   timeline: bool = True, costs: StageCosts | None = None,
-                  ) -> tuple[Schedule, SimResult]:
+                  cache: SearchCache | None = None) -> tuple[Schedule, SimResult]:
     """Simulate `plan` of `graph` on `cluster`.
 
     `schedule` / `microbatches`: default the plan's. Streaming schedules ('1f1b', '2bw') run
@@ -52,20 +53,21 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
     (`schedule.generators.latency_aware_warmup`) or one depth per stage. `costs`: stage costs to use
     instead of the CostGraph's (e.g. measured ones). A streaming schedule without `minibatches`
     runs streams of doubling length until its steady state holds (`simulate_steady`), so that
-    `pdcompile simulate` and the planner report the same figure for the same plan."""
+    `pdcompile simulate` and the planner report the same figure for the same plan. `cache`:
+    the schedules a search has built already (planner/search_cache.py; None: build anew)."""
     name = schedule or plan.schedule
     if minibatches is None and not kind(name).flush:
         return _steady(graph, plan, cluster, schedule=name, microbatches=microbatches,
-                       warmup=warmup, timeline=timeline, costs=costs)
+                       warmup=warmup, timeline=timeline, costs=costs, cache=cache)
     return _simulate_once(graph, plan, cluster, schedule=name, microbatches=microbatches,
                           minibatches=minibatches, warmup=warmup, timeline=timeline,
-                          costs=costs)
+                          costs=costs, cache=cache)
 
 
 def _simulate_once(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule: str,
                    microbatches: int | None, minibatches: int | None,
                    warmup: str | Sequence[int], timeline: bool, costs: StageCosts | None,
-                   ) -> tuple[Schedule, SimResult]:
+                   cache: SearchCache | None = None) -> tuple[Schedule, SimResult]:
     """`simulate_plan` of one stream (`minibatches`, default `steady_minibatches`)."""
     name = schedule
     row = kind(name)
@@ -79,38 +81,44 @@ def _simulate_once(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule:
     depths = _warmup(warmup, plan, costs, cluster, name)
     run = row.run_length([s.round_size for s in plan.stages], microbatches=per,
                          minibatches=minibatches or steady_minibatches(plan))
-    lowered = build(name, stage_ranks, run, per_minibatch=per,
-                    stage_edges=costs.stage_edges(), warmup=depths,
-                    recompute=[i for i, s in enumerate(plan.stages) if s.recompute],
-                    shares=plan.shares())
-    return lowered, simulate(lowered, costs, cluster, timeline=timeline)
+    recompute = [i for i, s in enumerate(plan.stages) if s.recompute]
+    if cache is None:
+        lowered = build(name, stage_ranks, run, per_minibatch=per,
+                        stage_edges=costs.stage_edges(), warmup=depths, recompute=recompute,
+                        shares=plan.shares())
+        return lowered, simulate(lowered, costs, cluster, timeline=timeline)
+    lowered, prepared = cache.schedule(name, stage_ranks, run, per_minibatch=per,
+                                       stage_edges=costs.stage_edges(), warmup=depths,
+                                       recompute=recompute, shares=plan.shares())
+    return lowered, simulate(lowered, costs, cluster, timeline=timeline, prepared=prepared)
 
 
 def simulate_steady(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
-                    tolerance: float = STEADY_TOLERANCE,
-                    longest: int = STEADY_LONGEST) -> tuple[Schedule, SimResult]:
+                    tolerance: float = STEADY_TOLERANCE, longest: int = STEADY_LONGEST,
+                    cache: SearchCache | None = None) -> tuple[Schedule, SimResult]:
     """`simulate_plan` of a streaming schedule on streams of doubling length until the time per
     minibatch moves by less than `tolerance` (at most `longest` times `steady_minibatches`):
     where replicas of different counts meet, a backlog can build over dozens of rounds before
     the steady state shows. A flush schedule is simulated once."""
     if kind(plan.schedule).flush:
-        return simulate_plan(graph, plan, cluster, timeline=False)
+        return simulate_plan(graph, plan, cluster, timeline=False, cache=cache)
     return _steady(graph, plan, cluster, schedule=plan.schedule, microbatches=None,
                    warmup="plan", timeline=False, costs=None, tolerance=tolerance,
-                   longest=longest)
+                   longest=longest, cache=cache)
 
 
 def _steady(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule: str,
             microbatches: int | None, warmup: str | Sequence[int], timeline: bool,
             costs: StageCosts | None, tolerance: float = STEADY_TOLERANCE,
-            longest: int = STEADY_LONGEST) -> tuple[Schedule, SimResult]:
+            longest: int = STEADY_LONGEST,
+            cache: SearchCache | None = None) -> tuple[Schedule, SimResult]:
     """Streams of doubling length until the time per minibatch holds (`simulate_steady`)."""
     length = steady_minibatches(plan)
 
     def once(count: int) -> tuple[Schedule, SimResult]:
         return _simulate_once(graph, plan, cluster, schedule=schedule,
                               microbatches=microbatches, minibatches=count, warmup=warmup,
-                              timeline=timeline, costs=costs)
+                              timeline=timeline, costs=costs, cache=cache)
 
     schedule_, result = once(length)
     factor = 1

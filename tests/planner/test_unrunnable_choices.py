@@ -20,15 +20,16 @@ def test_a_refused_choice_is_replaced_by_the_next_plan_that_runs(
     graph = load_pipedream("alexnet")
     simulated: list[str] = []
     monkeypatch.setattr(search, "simulate_steady",
-                        lambda g, p, c: simulated.append(p.config) or simulate_steady(g, p, c))
+                        lambda g, p, c, **options: simulated.append(p.config)
+                        or simulate_steady(g, p, c, **options))
     pdcompile.plan(graph, "4x4", planner="dp")
     refused = set(simulated)  # every plan the planner simulates by choice
     assert refused
 
-    def refusing(g: Any, p: Any, c: Any) -> Any:
+    def refusing(g: Any, p: Any, c: Any, **options: Any) -> Any:
         if p.config in refused:
             raise ScheduleError(f"plan {p.config}: its depths cannot run")
-        return simulate_steady(g, p, c)
+        return simulate_steady(g, p, c, **options)
 
     monkeypatch.setattr(search, "simulate_steady", refusing)
     chosen = pdcompile.plan(graph, "4x4", planner="dp")
