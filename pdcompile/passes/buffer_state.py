@@ -17,7 +17,8 @@ and later stages receive the values of its changes as any other value. A cut whe
 would leave a stage with nothing to run, and any cut that still holds a changed buffer in
 several stages (`check_buffer_state`), is refused naming the buffer, the nodes and their stages.
 `snapshot_buffer_reads` gives the operations of that stage a copy of the buffer to read, so
-that the next microbatch's change leaves what autograd saved of this one's alone.
+that the next microbatch's change leaves what autograd saved of this one's alone, and
+`detach_what_changes_buffers` keeps the buffer out of autograd's graphs.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import torch.fx as fx
 from pdcompile.errors import PlanError
 from pdcompile.meta import SHAPE_KEY, TREE_KEY
 from pdcompile.passes.inplace import alias_classes, mutated_input
+from pdcompile.runtime.grad_mode import detached
 from pdcompile.util.attr_path import get_path
 
 
@@ -136,6 +138,38 @@ def snapshot_buffer_reads(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
         gm.recompile()
 
 
+def detach_what_changes_buffers(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
+    """The values an in-place change writes into a buffer are read through `detached`. A stage
+    receives every floating-point value as a leaf that takes a gradient, so a value the model
+    had detached (`running.mul_(0.9).add_(h.detach().mean(0))`) gave the buffer an autograd
+    history when it crossed from another stage, and the next microbatch's backward ran into the
+    last one's freed graph. In one process a value that needs a gradient written into a buffer
+    fails the same way at the second step, so detaching it changes nothing that trains there."""
+    changed = False
+    for state in changed_buffers(gm):
+        if any(_needs_grad(gm, str(a.target)) for a in state.attrs):
+            continue
+        for change in state.changes:
+            for value in change.all_input_nodes[1:]:
+                if value.op in ("get_attr",) or value.target is detached:
+                    continue
+                with gm.graph.inserting_before(change):
+                    cut = gm.graph.call_function(detached, (value,))
+                cut.meta.update({k: v for k, v in value.meta.items()
+                                 if k in (SHAPE_KEY, TREE_KEY)})
+                stage_of[cut.name] = stage_of[change.name]
+                change.replace_input_with(value, cut)
+                changed = True
+    if changed:
+        gm.graph.lint()
+        gm.recompile()
+
+
+def _needs_grad(gm: fx.GraphModule, target: str) -> bool:
+    value = get_path(gm, target)
+    return isinstance(value, torch.Tensor) and value.requires_grad
+
+
 def check_buffer_state(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
     """Raise PlanError where a buffer that forward changes in place would be held, or changed,
     by more than one stage of the cut `stage_of` (node name -> stage)."""
@@ -169,5 +203,5 @@ def _message(state: BufferState, stage_of: dict[str, int], why: str) -> str:
             f"one stage, and {why}: cut so that one stage holds them")
 
 
-__all__ = ["BufferState", "changed_buffers", "check_buffer_state", "keep_buffer_state_together",
-           "snapshot_buffer_reads"]
+__all__ = ["BufferState", "changed_buffers", "check_buffer_state", "detach_what_changes_buffers",
+           "keep_buffer_state_together", "snapshot_buffer_reads"]

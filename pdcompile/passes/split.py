@@ -43,6 +43,7 @@ from pdcompile.errors import PlanError
 from pdcompile.meta import get_output_spec, get_tree, has_stage, set_stage
 from pdcompile.passes.buffer_state import (
     check_buffer_state,
+    detach_what_changes_buffers,
     keep_buffer_state_together,
     snapshot_buffer_reads,
 )
@@ -599,6 +600,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
                         f"(at most {len(used)}) or move operations into them")
     _copy_constants(gm, stage_of, _constants(list(gm.graph.nodes)))
     snapshot_buffer_reads(gm, stage_of)
+    detach_what_changes_buffers(gm, stage_of)
     snapshot_before_mutations(
         gm, stage_of, lambda user: last if user.op == "output" else stage_of[user.name])
     _send_leaves(gm, stage_of, last)

@@ -5,7 +5,11 @@ one microbatch to the next. Cuts through a buffer's changes (`running.mul_(0.9)`
 `.add_(...)` in stage 1), or between a read and a later change (a queue read for logits in
 stage 0, refilled in stage 1), trained silently on copies that drifted apart: losses off by
 1e-2, the state dict's running mean by 0.2. Even `compile(stages=2)` cut so. Now the split moves
-those nodes into one stage (passes/buffer_state.py), or refuses the cut naming the buffer.
+those nodes into one stage (passes/buffer_state.py), or refuses the cut naming the buffer. That
+stage's operations read a copy of the buffer (`h * self.scale` saved the buffer, which the next
+forward changed before this backward: autograd refused it), and what a change writes into it is
+detached (a detached value received from another stage took a gradient and gave the buffer an
+autograd history).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from torch import nn
 
 import pdcompile
 from pdcompile.errors import PlanError
+from pdcompile.passes.split import manual_plan
 from tests.helpers.random_models import random_cut
 from tests.helpers.schedule_cuts import cut_graph, flush_reference
 
@@ -81,8 +86,25 @@ class Counted(nn.Module):
         return self.b(torch.tanh(self.a(x)) * self.scale) + self.steps
 
 
-MODELS = {"centre": RunningCentre, "queue": Queue, "counted": Counted}
-BUFFERS = {"centre": "running", "queue": "queue", "counted": "(steps|scale)"}
+class DetachedAverage(nn.Module):
+    """A running mean moved by a detached value, outside no_grad."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 3)
+        self.register_buffer("running", torch.zeros(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        self.running.mul_(0.9).add_(0.1 * h.detach().mean(0))
+        return self.b(h + self.running)
+
+
+MODELS = {"centre": RunningCentre, "queue": Queue, "counted": Counted,
+          "detached": DetachedAverage}
+BUFFERS = {"centre": "running", "queue": "queue", "counted": "(steps|scale)",
+           "detached": "running"}
 
 
 def _data(seed: int) -> tuple[tuple[torch.Tensor], torch.Tensor]:
@@ -143,4 +165,19 @@ def test_compile_with_a_stage_count_trains_a_changed_buffer_like_one_process(
     except PlanError as err:  # too few operations to keep the buffer apart from every cut
         assert stages == 3 and "buffer" in str(err), str(err)
         return
+    _trains_like_one_process(model, pipe, inputs, target, _sgd)
+
+
+def test_a_detached_value_from_an_earlier_stage_moves_a_buffer_without_autograd_history() -> None:
+    """The received mean took a gradient, `add_` gave the buffer its autograd history, and the
+    next microbatch's backward failed ("backward through the graph a second time")."""
+    model = DetachedAverage().double()
+    inputs, target = _data(0)
+    gm = cut_graph(model, inputs)
+    first = {"x", "a", "tanh", "detach", "mean"}
+    assert first < {n.name for n in gm.graph.nodes}
+    plan = manual_plan(gm, lambda node: 0 if node.name in first else 1)
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs,
+                             loss_fn=nn.functional.cross_entropy, optimizer=_sgd, plan=plan,
+                             schedule="1f1b-flush", microbatches=MICRO)
     _trains_like_one_process(model, pipe, inputs, target, _sgd)
