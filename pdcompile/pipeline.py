@@ -950,6 +950,10 @@ def _chunks(value: Any, m: int, name: str, *, index: int, why: str) -> list[Any]
         return [pytree.tree_unflatten([parts[i] for parts in cut], spec) for i in range(m)]
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return [value] * m
+    if value.shape[0] == 0:  # nothing to train on, whatever the microbatch count
+        raise PipelineInputError(f"minibatch {index}: {name} is empty (batch size 0); give "
+                                 f"it at least {m} sample{'s' if m > 1 else ''}, or leave the "
+                                 "empty minibatch out of the stream")
     if value.shape[0] < m:
         raise PipelineInputError(f"minibatch {index}: {name} has batch size {value.shape[0]}, "
                                  f"too small to cut into {m} {why}; give it at least {m} "
