@@ -55,16 +55,22 @@ class BufferState:
 def changed_buffers(gm: fx.GraphModule) -> list[BufferState]:
     """Every buffer (or tensor constant) that some node of `gm` changes in place, directly or
     through a view."""
-    aliases = alias_classes(gm)
     reads: dict[str, list[fx.Node]] = {}
     for node in gm.graph.nodes:
         if node.op == "get_attr" and _is_state(gm, str(node.target)):
             reads.setdefault(str(node.target), []).append(node)
+    mutators: list[tuple[fx.Node, fx.Node]] = []
+    for node in gm.graph.nodes:
+        changed = mutated_input(node, gm) if node.op != "output" else None
+        if changed is not None:
+            mutators.append((node, changed))
+    if not reads or not mutators:
+        return []
+    aliases = alias_classes(gm)
     found = []
     for target, attrs in reads.items():
         shared = set().union(*(aliases.get(a, {a}) for a in attrs))
-        changes = tuple(n for n in gm.graph.nodes
-                        if n.op != "output" and mutated_input(n, gm) in shared)
+        changes = tuple(n for n, m in mutators if m in shared)
         if changes:
             holders = tuple(dict.fromkeys(u for a in attrs for u in a.users
                                           if u.op != "output"))
