@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import random
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -22,9 +23,12 @@ from torch.nn.utils.parametrizations import spectral_norm
 
 from pdcompile.passes.split import even_plan
 from pdcompile.plan import Plan
-from tests.helpers.schedule_cuts import cut_graph, fits, micro_options, placed_cut
-from tests.pipeline.test_schedule_cuts import BATCH, trains_like_one_process
+import pdcompile
+from tests.helpers.schedule_cuts import cut_graph, fits, flush_reference, micro_options, placed_cut
+from tests.helpers.transparency import momentum
 
+STEPS = 3
+BATCH = 12  # divides into 1, 2, 3, 4 and 6 microbatches
 FLUSH_SCHEDULES = ("1f1b-flush", "gpipe", "zb-h1", "interleaved-1f1b", "interleaved-zb",
                    "zb-v", "dualpipev")
 
@@ -45,6 +49,23 @@ class CentredByRunningMean(nn.Module):
         with torch.no_grad():
             self.running.mul_(0.9).add_(0.1 * h.mean(0))
         return self.head(torch.tanh(self.b(h + self.running)))
+
+
+def trains_like_one_process(model: nn.Module, inputs: tuple[torch.Tensor], target: torch.Tensor,
+                            loss_fn: Callable[..., torch.Tensor], *, schedule: str, plan: Plan,
+                            micro: int) -> None:
+    """The pipeline's losses, weights and buffers after STEPS updates equal one process's
+    (gradient accumulation over the same microbatches)."""
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs, loss_fn=loss_fn,
+                             optimizer=momentum, schedule=schedule, microbatches=micro,
+                             plan=plan)
+    losses = [pipe.step(*inputs, target=target) for _ in range(STEPS)]
+    want, state = flush_reference(model, inputs, target, loss_fn, micro, STEPS, momentum)
+    torch.testing.assert_close(torch.tensor(losses, dtype=torch.float64),
+                               torch.tensor(want, dtype=torch.float64))
+    got = pipe.state_dict()
+    for name, value in state.items():
+        torch.testing.assert_close(got[name], value, msg=lambda m, n=name: f"{n}: {m}")
 
 
 def _spectral() -> nn.Module:
