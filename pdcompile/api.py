@@ -89,6 +89,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
         raise PipelineInputError(f"compile() takes an nn.Module, got {type(model).__name__}")
     model = unwrapped(model)  # torch.compile's, DataParallel's or DDP's model
     check_max_norm(clip_grad_norm)  # before any tracing or profiling
+    _check_callables(loss_fn=loss_fn, optimizer=optimizer, param_groups=param_groups)
     precision = check_autocast(autocast)  # "bfloat16", or None
     if schedule != "auto" and schedule not in KINDS:  # before any tracing or profiling
         raise PipelineInputError(unknown(schedule, auto=True))
@@ -158,6 +159,26 @@ def compile(  # noqa: A001 - the public name of the one-liner
                     model=None if captured.frontend == "given" else model,
                     clip_grad_norm=clip_grad_norm, param_groups=param_groups,
                     autocast=precision)
+
+
+_CALLABLE_EXAMPLES = {
+    "loss_fn": "torch.nn.functional.cross_entropy",
+    "optimizer": "lambda params: torch.optim.SGD(params, lr=0.1) (each stage makes its own from "
+                 "its parameters)",
+    "param_groups": "lambda name, p: {'weight_decay': 0.0} if p.ndim < 2 else {}",
+}
+
+
+def _check_callables(**given: Any) -> None:
+    """`loss_fn`, `optimizer` and `param_groups` are functions (or None): an optimizer made
+    from the model's parameters, or a loss function's name, was called per stage and failed
+    with a raw TypeError deep inside (or blamed the target)."""
+    for name, value in given.items():
+        if value is not None and not callable(value):
+            what = f"an object of type {type(value).__name__}" if not isinstance(value, str) \
+                else repr(value)
+            raise PipelineInputError(f"{name} must be a function, got {what}; e.g. "
+                                     f"{name}={_CALLABLE_EXAMPLES[name]}")
 
 
 def _checked_stages(given: Any, name: str) -> Any:

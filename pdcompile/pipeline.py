@@ -476,8 +476,19 @@ class Pipeline:
         Minibatches may differ in size (the short last one of an epoch) or shape; see `prepare`
         for how they are cut.
         """
+        if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int)
+                                  or steps < 0):
+            raise PipelineInputError(f"train(steps={steps!r}): give a whole number of "
+                                     "minibatches >= 0, or None for the whole stream")
+        try:  # a tensor iterates over its rows: no minibatches
+            stream = iter(batches) if not isinstance(batches, torch.Tensor) else None
+        except TypeError:
+            stream = None
+        if stream is None:
+            raise PipelineInputError(f"train() takes an iterable of (inputs, target) "
+                                     f"minibatches, got {type(batches).__name__}; e.g. "
+                                     "pipe.train([(x, y)]) or pipe.train(loader)")
         out: list[float] = []
-        stream = iter(batches)
         segment = 1 if kind(self.schedule_name).flush else None
         multiple, least = window_rounds(self.schedule_name,
                                         [s.round_size for s in self.plan.stages])
@@ -950,6 +961,10 @@ def _chunks(value: Any, m: int, name: str, *, index: int, why: str) -> list[Any]
         return [pytree.tree_unflatten([parts[i] for parts in cut], spec) for i in range(m)]
     if not isinstance(value, torch.Tensor) or value.dim() == 0:
         return [value] * m
+    if value.shape[0] == 0:  # nothing to train on, whatever the microbatch count
+        raise PipelineInputError(f"minibatch {index}: {name} is empty (batch size 0); give "
+                                 f"it at least {m} sample{'s' if m > 1 else ''}, or leave the "
+                                 "empty minibatch out of the stream")
     if value.shape[0] < m:
         raise PipelineInputError(f"minibatch {index}: {name} has batch size {value.shape[0]}, "
                                  f"too small to cut into {m} {why}; give it at least {m} "

@@ -19,7 +19,7 @@ def _compile(**options: Any) -> pdcompile.Pipeline:
                           nn.Linear(8, 3))
     return pdcompile.compile(model, example_inputs=(torch.randn(8, 8),),
                              example_target=torch.randint(0, 3, (8,)),
-                             loss_fn=nn.functional.cross_entropy, **options)
+                             **{"loss_fn": nn.functional.cross_entropy, **options})
 
 
 @pytest.mark.parametrize(("options", "message"), [
@@ -30,6 +30,17 @@ def _compile(**options: Any) -> pdcompile.Pipeline:
     ({"plan": "4|4"}, r"plan='4\|4': give .* or a Plan"),
     ({"plan": [["_0"], ["_1"]]}, r"plan=\[\['_0'\], \['_1'\]\]: give"),
     ({"cluster": 3}, r"cluster must be a pdcompile\.Cluster or a cluster string .* not int 3"),
+    # an optimizer made from the model's parameters, or names of functions: a raw TypeError
+    # from inside the pipeline ('SGD' object is not callable), or the target blamed
+    ({"stages": 2, "optimizer": torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)},
+     r"^optimizer must be a function, got an object of type SGD; e\.g\. optimizer=lambda "
+     r"params: torch\.optim\.SGD\(params, lr=0\.1\)"),
+    ({"stages": 2, "optimizer": "sgd"}, r"^optimizer must be a function, got 'sgd'"),
+    ({"stages": 2, "loss_fn": "cross_entropy"},
+     r"^loss_fn must be a function, got 'cross_entropy'; e\.g\. loss_fn=torch\.nn\.functional"),
+    ({"stages": 2, "param_groups": {"weight_decay": 0.0}},
+     r"^param_groups must be a function, got an object of type dict; e\.g\. param_groups="
+     r"lambda name, p:"),
 ])
 def test_arguments_of_the_wrong_kind_are_refused_by_name(options: dict[str, Any],
                                                           message: str) -> None:
@@ -60,3 +71,19 @@ def test_a_bad_cluster_string_is_refused_before_tracing(monkeypatch: pytest.Monk
     monkeypatch.setattr("pdcompile.passes.frontend.capture", traced)
     with pytest.raises(PdcompileError, match="'4@fast'"):
         _compile(cluster="4@fast")
+
+
+@pytest.mark.parametrize("cluster", ["local--1", "local-four", "local-2x"])
+def test_a_local_cluster_without_a_count_is_refused(cluster: str) -> None:
+    """Any `local-` name that was not local-N ran on local-2, silently."""
+    with pytest.raises(PdcompileError, match=rf"cluster '{cluster}': give local-N with N a "
+                                             r"whole number of processes"):
+        _compile(cluster=cluster)
+
+
+@pytest.mark.parametrize("limit", ["5", True])
+def test_a_time_limit_that_is_no_number_is_refused_by_name(limit: object) -> None:
+    """'5' failed inside the planner with "'>' not supported between 'str' and 'int'"."""
+    with pytest.raises(PlanError, match=rf"^time_limit must be a number of seconds > 0 \(got "
+                                        rf"{limit!r}\)$"):
+        _compile(cluster="local-2", cost="analytic", time_limit=limit)

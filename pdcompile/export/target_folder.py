@@ -44,6 +44,10 @@ def prepare_folder(folder: Path) -> None:
     """Make `folder` (created if need be) ready for an export: refuse one that holds files of
     the user's that the export would replace (module docstring), and remove links that bear
     the export's names, so that no write follows them out of the folder."""
+    taken = next((p for p in (folder, *folder.parents) if p.exists() and not p.is_dir()), None)
+    if taken is not None:  # mkdir raised FileExistsError or NotADirectoryError
+        raise PipelineInputError(f"cannot export into {folder}: {taken} is a file, not a "
+                                 "folder; export into a new or empty folder")
     folder.mkdir(parents=True, exist_ok=True)
     entries = sorted(folder.iterdir())
     if not is_export_folder(folder):

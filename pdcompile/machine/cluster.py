@@ -383,6 +383,9 @@ class Cluster:
         """A named cluster; see `PRESET_HELP` (also listed by `pdcompile plan --help`)."""
         key = name.strip()
         if key.lower() == "local" or key.lower().startswith("local-"):
+            if key.lower() != "local" and not key[6:].isdigit():  # 'local--1' was local-2
+                raise ClusterError(f"cluster {name!r}: give local-N with N a whole number of "
+                                   "processes, e.g. local-4 (or local: 2)")
             count = workers or (int(key[6:]) if key[6:].isdigit() else 2)
             return _local_cluster(count)
         v100, titan, h100 = DEVICES["v100"], DEVICES["titanx"], DEVICES["h100"]

@@ -15,8 +15,10 @@ reordered stage by stage first (split_module emits stages in the order of their 
 failed where they interleave); a tuple's items are read in the stage that makes it; constants
 (input-less operations such as torch.export's `arange`, and what is made of them alone) go with
 their users, each later stage computing its own copy; in-place operations keep their meaning
-across stages (passes/inplace.py). A split_module failure that slips through all this is a
-PlanError naming the node and its stages, never a KeyError.
+across stages (passes/inplace.py); a buffer that forward changes in place keeps its state in one
+stage (passes/buffer_state.py: the nodes that change it and read it before are moved into the
+latest of their stages). A split_module failure that slips through all this is a PlanError
+naming the node and its stages, never a KeyError.
 
 Only tensors, numbers and sizes can travel between stages. Where the shapes pass has run, the
 split checks every value a stage would send before anything runs: a structured value (a
@@ -40,6 +42,12 @@ from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PlanError
 from pdcompile.meta import get_output_spec, get_tree, has_stage, set_stage
+from pdcompile.passes.buffer_state import (
+    check_buffer_state,
+    detach_what_changes_buffers,
+    keep_buffer_state_together,
+    snapshot_buffer_reads,
+)
 from pdcompile.passes.crossing import flatten_value, rebuild_value, spec_text
 from pdcompile.passes.inplace import (
     changed_alias,
@@ -167,6 +175,7 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
         if node.name not in stage_of:
             users = [stage_of[u.name] for u in node.users if u.name in stage_of]
             stage_of[node.name] = min(users) if users else 0
+    keep_buffer_state_together(gm, stage_of)  # a changed buffer's state in one stage
     # a tuple's items are read where it is made, and input-less operations (arange, zeros) run
     # where they are used, unless that leaves their stage with nothing to run: then the tuple
     # crosses as its leaves (_send_leaves) and the constant is sent
@@ -191,6 +200,7 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
                 continue
             if stage_of[user.name] < stage_of[node.name]:
                 raise PlanError(_out_of_order(user, node, stage_of))
+    check_buffer_state(gm, stage_of)
     for node in nodes:
         set_stage(node, stage_of[node.name])
     last = len(plan.stages) - 1
@@ -590,6 +600,8 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
         raise PlanError(f"stages {empty} of the plan have no operation to run; use fewer stages "
                         f"(at most {len(used)}) or move operations into them")
     _copy_constants(gm, stage_of, _constants(list(gm.graph.nodes)))
+    snapshot_buffer_reads(gm, stage_of)
+    detach_what_changes_buffers(gm, stage_of)
     snapshot_before_mutations(
         gm, stage_of, lambda user: last if user.op == "output" else stage_of[user.name])
     _send_leaves(gm, stage_of, last)

@@ -129,8 +129,9 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                         "pdcompile.compile(model, ...) plans it")
     validate(cost_graph)
     limit = _memory(memory, cluster, cost_model)
-    if time_limit is not None and not time_limit > 0:
-        raise PlanError(f"time_limit must be > 0 seconds (got {time_limit!r})")
+    if time_limit is not None and (isinstance(time_limit, bool) or not isinstance(
+            time_limit, int | float) or not time_limit > 0):
+        raise PlanError(f"time_limit must be a number of seconds > 0 (got {time_limit!r})")
     choices = _schedule_choices(schedule, microbatches, cost_model, cost_graph)
     if stages is not None:
         if not isinstance(stages, int) or isinstance(stages, bool) or stages < 1:

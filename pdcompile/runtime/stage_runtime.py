@@ -36,8 +36,9 @@ timeline event spans its sends.
 
 A stage in `RunConfig.recompute` runs its forward without keeping activations (no autograd
 graph; only its inputs and the random state stay in the stash) and runs it again, with the same
-weights and random state, at the start of its backward; buffers the second run changes
-(BatchNorm statistics) are put back, so the result equals the stage's without recomputation.
+weights and random state, at the start of its backward, on the buffers as the first run found
+them (later microbatches' forwards have changed those it changes since); the buffers are then
+put back, so the result equals the stage's without recomputation.
 
 Parameters tied across stages (tied embeddings) have their gradients summed over the stages that
 hold them inside `step` (an all-reduce among those ranks), so the copies stay equal; where one
@@ -412,7 +413,11 @@ class StageRuntime:
         if self.config.stash and not self.recomputes:
             self._run(entry, microbatch)
         elif self.recomputes:
+            before = [(b, b.detach().clone()) for b in self.module.buffers()]
             self._run(entry, microbatch, graph=False)
+            # what the recomputation must find in the buffers that this forward changes (the
+            # forwards of later microbatches change them again before it runs)
+            entry.buffers = [(b, old) for b, old in before if not torch.equal(b, old)]
         else:
             with torch.no_grad():
                 self._run(entry, microbatch)
@@ -523,8 +528,12 @@ class StageRuntime:
 
     def _recompute(self, entry: StashEntry, microbatch: int) -> None:
         """Run the forward of `microbatch` again with its weights and random state, keeping
-        the activations this time; buffers (BatchNorm statistics) keep their values."""
+        the activations this time, on the buffers as its forward found them (a forward that
+        reads what it changes, such as spectral norm's power iteration, computes the same
+        activations); the buffers then keep their values (BatchNorm statistics)."""
         buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        for buffer, before in entry.buffers:
+            buffer.data.copy_(before)
         entry.inputs = self._arguments(microbatch, entry.received)  # fresh: in-place ops
         now = _random_state()
         _set_random_state(entry.rng)

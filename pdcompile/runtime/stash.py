@@ -131,6 +131,8 @@ class StashEntry:
     loss: torch.Tensor | None = None                         # last stage only
     weight_grads: list[Any] = field(default_factory=list)    # deferred W work (split backward)
     rng: Any = None                    # random state at the forward (recomputed activations)
+    # buffers the forward changed, with their values before it (recomputed activations)
+    buffers: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
 
 
 class StashBuffer:

@@ -172,6 +172,15 @@ def test_user_errors_name_the_fix() -> None:
     with pytest.raises(PipelineInputError, match="batch size 2, too small to cut into 3 "
                                                  "microbatches"):
         pipe.step(torch.randn(2, 6), target=torch.randn(2, 3))
+    # an empty minibatch: no advice to compile with fewer microbatches (once '1f1b' was told
+    # to give "at least 1 samples, or compile with fewer microbatches")
+    for schedule, micro in (("1f1b-flush", 3), ("1f1b", None)):
+        empty = pdcompile.compile(mlp(), example_inputs=(torch.randn(8, 6),), loss_fn=mse,
+                                  plan=2, schedule=schedule, microbatches=micro)
+        with pytest.raises(PipelineInputError, match=r"^minibatch 0: (input 'input_1'|the "
+                           r"target) is empty \(batch size 0\); give it at least [13] "
+                           r"samples?, or leave the empty minibatch out of the stream$"):
+            empty.step(torch.randn(0, 6), target=torch.randn(0, 3))
     with pytest.raises(PipelineInputError, match=r"has 2 inputs but the pipeline takes 1 "
                                                  r"\(input_1\)"):
         pipe.step(torch.randn(9, 6), torch.randn(9, 6), target=torch.randn(9, 3))

@@ -165,3 +165,17 @@ def test_a_second_writer_at_the_same_time_is_refused(
     monkeypatch.setattr(writer, "save_file", real)
     assert pdcompile.load(str(out)).plan == pipe.plan
     pipe.export(str(out))  # the lock is released with the first writer
+
+
+@pytest.mark.parametrize("inside", [False, True])
+def test_a_file_where_the_folder_would_be_is_refused_and_kept(pipe: Pipeline, tmp_path: Path,
+                                                              inside: bool) -> None:
+    """mkdir's FileExistsError (or NotADirectoryError, for a folder under a file) came out of
+    Pipeline.export as it was."""
+    taken = tmp_path / "weights.pt"
+    taken.write_bytes(b"mine")
+    target = taken / "out" if inside else taken
+    with pytest.raises(PipelineInputError, match=rf"^cannot export into {target}: {taken} is a "
+                                                 r"file, not a folder; export into a new"):
+        pipe.export(str(target))
+    assert taken.read_bytes() == b"mine"

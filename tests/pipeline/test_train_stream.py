@@ -79,3 +79,20 @@ def test_a_minibatch_that_is_not_a_pair_is_one_line() -> None:
     pipe, x, _ = _pipe("1f1b")
     with pytest.raises(PipelineInputError, match="minibatch 0 is a Tensor, not a pair"):
         pipe.train([x])
+
+
+@pytest.mark.parametrize(("stream", "steps", "message"), [
+    ("pairs", "3", r"^train\(steps='3'\): give a whole number of minibatches >= 0, or None"),
+    ("pairs", -1, r"^train\(steps=-1\): give"),  # trained nothing and returned []
+    ("pairs", 2.0, r"^train\(steps=2\.0\): give"),
+    (None, None, r"^train\(\) takes an iterable of \(inputs, target\) minibatches, got "
+                 r"NoneType; e\.g\. pipe\.train\(\[\(x, y\)\]\)"),
+    ("tensor", None, r"^train\(\) takes an iterable .* got Tensor"),  # its rows, one by one
+])
+def test_a_stream_or_step_count_of_the_wrong_kind_is_one_line(stream: str | None, steps: Any,
+                                                              message: str) -> None:
+    """steps='3' and a stream of None were raw TypeErrors from inside train()."""
+    pipe, x, y = _pipe("1f1b")
+    given = {"pairs": [(x, y)], "tensor": x, None: None}[stream]
+    with pytest.raises(PipelineInputError, match=message):
+        pipe.train(given, steps=steps)  # type: ignore[arg-type]
