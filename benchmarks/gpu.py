@@ -205,17 +205,8 @@ def diagnose_section(device: str, quick: bool) -> list[str]:
             self.part = part
 
         def time(self, fn: Callable[[], Any]) -> float:
-            self._synchronize()
-            start, end = self._event(), self._event()
-            self._hold(self.cover)
-            issued = self._clock()
-            start.record()
-            fn()
-            end.record()
-            host = self._clock() - issued
-            end.synchronize()
-            self.cover = max(host * 2.0, self.cover / 2.0, 20e-6)
-            return host if self.part == "host" else float(start.elapsed_time(end)) / 1000.0
+            gpu, host = self.readings(fn)
+            return host if self.part == "host" else gpu
 
     timers: dict[str, Callable[[], Any]] = {
         "max (now)": lambda: None, "gpu held": lambda: Part("gpu"),

@@ -84,6 +84,10 @@ class CudaEventTimer(Timer):
         self.cover = INITIAL_COVER  # seconds the GPU is held before the call
 
     def time(self, fn: Callable[[], Any]) -> float:
+        return max(self.readings(fn))
+
+    def readings(self, fn: Callable[[], Any]) -> tuple[float, float]:
+        """(the kernels' execution between the events, the CPU's queueing) of one call, s."""
         self._synchronize()  # work queued earlier must not be billed to fn
         start, end = self._event(), self._event()
         self._hold(self.cover)
@@ -96,7 +100,7 @@ class CudaEventTimer(Timer):
         # the next call's hold: at once long enough for a call like this one, and halving
         # call by call after a long one (a whole model's hold would slow every node after it)
         self.cover = max(host * COVER_MARGIN, self.cover / 2.0, MIN_COVER)
-        return max(float(start.elapsed_time(end)) / 1000.0, host)  # elapsed_time is in ms
+        return float(start.elapsed_time(end)) / 1000.0, host  # elapsed_time is in ms
 
 
 INITIAL_COVER = 1e-3  # seconds; warm-up runs size it to the call's own queueing time

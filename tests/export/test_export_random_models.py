@@ -18,23 +18,14 @@ from hypothesis import strategies as st
 
 import pdcompile
 from pdcompile.errors import PipelineInputError
-from tests.helpers.random_models import RandomNet, Step, random_models, squared_error
+from tests.helpers.random_models import (
+    RandomNet,
+    Step,
+    random_models,
+    squared_error,
+    trains_in_one_process,
+)
 from tests.helpers.transparency import momentum
-
-
-def _trains_in_one_process(model: nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
-    """Whether autograd accepts the drawn model on the whole minibatch and on one sample (the
-    smallest microbatch a planner may choose): PyTorch itself refuses an in-place change of a
-    value a backward needs, at some batch sizes only (an LSTM's input changed in place: at 1)."""
-    for rows in (inputs[0].shape[0], 1):
-        try:
-            out = copy.deepcopy(model)(*(x[:rows] for x in inputs))
-            squared_error(out, torch.zeros(())).backward()
-        except RuntimeError as err:
-            if "modified by an inplace operation" in str(err):
-                return False
-            raise
-    return True
 
 
 def _trained(pipe: Any, inputs: tuple[torch.Tensor, ...], target: torch.Tensor,
@@ -137,7 +128,7 @@ def test_an_exported_no_grad_region_stays_cut_off_when_loaded(tmp_path: Path,
 @st.composite
 def _cases(draw: st.DrawFn) -> dict[str, Any]:
     model, inputs = draw(random_models())
-    if not _trains_in_one_process(model, inputs):
+    if not trains_in_one_process(model, inputs, also_rows=(1,)):
         reject()
     schedule = draw(st.sampled_from(["1f1b", "1f1b-flush", "gpipe", "2bw", "auto"]))
     return {"model": model, "inputs": inputs, "schedule": schedule,

@@ -15,6 +15,7 @@ it) split into chunks of random sizes, each stage with 1 or 2 replicas.
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -168,6 +169,22 @@ def random_models(draw: st.DrawFn, max_steps: int = 8) -> tuple[RandomNet, tuple
     model = RandomNet(steps, inputs, outputs).double()
     xs = tuple(torch.randn(8, TIME, WIDTH, dtype=torch.float64) for _ in range(inputs))
     return model, xs
+
+
+def trains_in_one_process(model: nn.Module, inputs: Sequence[torch.Tensor], *,
+                          also_rows: Sequence[int] = ()) -> bool:
+    """Whether autograd accepts the drawn model on the whole minibatch (and on its first
+    `also_rows` samples): PyTorch itself refuses an in-place change of a value a backward needs,
+    pipelined or not, at some batch sizes only (an LSTM's input changed in place: at 1)."""
+    for rows in (inputs[0].shape[0], *also_rows):
+        try:
+            out = copy.deepcopy(model)(*(x[:rows] for x in inputs))
+            squared_error(out, torch.zeros(())).backward()
+        except RuntimeError as err:
+            if "modified by an inplace operation" in str(err):
+                return False
+            raise
+    return True
 
 
 def explicit_graph(model: nn.Module, inputs: Sequence[torch.Tensor]) -> fx.GraphModule:

@@ -24,7 +24,13 @@ from torch.fx.passes.split_module import split_module
 
 import pdcompile.passes.split as split_pass
 from pdcompile.passes.split import split
-from tests.helpers.random_models import explicit_graph, random_cut, random_models, squared_error
+from tests.helpers.random_models import (
+    explicit_graph,
+    random_cut,
+    random_models,
+    squared_error,
+    trains_in_one_process,
+)
 from tests.helpers.transparency import check
 
 
@@ -46,20 +52,10 @@ def torch_2_11_split() -> Iterator[None]:
         yield
 
 
-def _trains(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> bool:
-    try:
-        squared_error(copy.deepcopy(model)(*inputs), torch.zeros(())).backward()
-    except RuntimeError as err:
-        if "modified by an inplace operation" in str(err):
-            return False
-        raise
-    return True
-
-
 @st.composite
 def cases(draw: st.DrawFn) -> dict[str, Any]:
     model, inputs = draw(random_models())
-    if not _trains(model, inputs):
+    if not trains_in_one_process(model, inputs):
         reject()
     plan = random_cut(explicit_graph(model, inputs), draw(st.randoms(use_true_random=False)),
                       stages=draw(st.integers(1, 4)), replicas=[1, 1, 1, 1])

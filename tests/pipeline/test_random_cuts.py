@@ -27,26 +27,15 @@ from tests.helpers.random_models import (
     random_cut,
     random_models,
     squared_error,
+    trains_in_one_process,
 )
 from tests.helpers.transparency import check
-
-
-def _trains_in_one_process(model: RandomNet, inputs: tuple[torch.Tensor, ...]) -> bool:
-    """Whether autograd accepts the drawn model (an in-place change of a value a backward
-    needs is refused by PyTorch itself, pipelined or not)."""
-    try:
-        squared_error(copy.deepcopy(model)(*inputs), torch.zeros(())).backward()
-    except RuntimeError as err:
-        if "modified by an inplace operation" in str(err):
-            return False
-        raise
-    return True
 
 
 @st.composite
 def cases(draw: st.DrawFn) -> dict[str, Any]:
     model, inputs = draw(random_models())
-    if not _trains_in_one_process(model, inputs):
+    if not trains_in_one_process(model, inputs):
         reject()
     stages = draw(st.integers(1, 4))
     replicas = draw(st.lists(st.integers(1, 2), min_size=4, max_size=4))
@@ -84,7 +73,7 @@ def test_random_cuts_of_random_models_many(case: dict[str, Any]) -> None:
 def even_cuts(draw: st.DrawFn) -> dict[str, Any]:
     """`compile(stages=[replicas per stage])`: the even cut by weight (`split.even_plan`)."""
     model, inputs = draw(random_models())
-    if not _trains_in_one_process(model, inputs):
+    if not trains_in_one_process(model, inputs):
         reject()
     return {"model": model, "inputs": inputs,
             "replicas": draw(st.lists(st.integers(1, 2), min_size=1, max_size=5)),
