@@ -27,29 +27,11 @@ from torch import nn
 import pdcompile
 from pdcompile.errors import PlanError
 from pdcompile.passes.split import manual_plan
+from tests.helpers.buffer_models import RunningCentre
 from tests.helpers.random_models import random_cut
 from tests.helpers.schedule_cuts import cut_graph, flush_reference
 
 STEPS, BATCH, MICRO = 3, 8, 2
-
-
-class RunningCentre(nn.Module):
-    """A running mean of the hidden values, moved under no_grad and added to them after."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 6)
-        self.gate = nn.Linear(6, 6)
-        self.b = nn.Linear(6, 3)
-        self.register_buffer("running", torch.zeros(6))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        with torch.no_grad():
-            centre = h.mean(0, keepdim=True)
-            gate = torch.sigmoid(self.gate(h))
-            self.running.mul_(0.9).add_(0.1 * centre[0])
-        return self.b((h - centre) * gate + self.running)
 
 
 class Queue(nn.Module):

@@ -12,6 +12,7 @@ from torch import nn
 from pdcompile.errors import PipelineInputError, TraceError
 from pdcompile.meta import get_frontend
 from pdcompile.passes.trace import trace
+from tests.helpers.buffer_models import RunningCentre
 from tests.helpers.transparency import check
 
 
@@ -187,25 +188,6 @@ def test_bad_leaf_arguments() -> None:
         trace(lambda x: x)  # type: ignore[arg-type]
 
 
-class CentredUnderNoGrad(nn.Module):
-    """A centre, a gate from a module and a running mean, all under the model's own no_grad."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a = nn.Linear(6, 6)
-        self.gate = nn.Linear(6, 6)
-        self.b = nn.Linear(6, 3)
-        self.register_buffer("running", torch.zeros(6))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        with torch.no_grad():
-            centre = h.mean(0, keepdim=True)
-            gate = torch.sigmoid(self.gate(h))
-            self.running.mul_(0.9).add_(0.1 * centre[0])
-        return self.b((h - centre) * gate + self.running)
-
-
 def _grads_and_buffers(model: nn.Module, x: torch.Tensor, steps: int = 3
                        ) -> tuple[dict[str, torch.Tensor | None], dict[str, torch.Tensor]]:
     for _ in range(steps):
@@ -219,7 +201,7 @@ def test_no_grad_in_forward_stops_gradients_where_eager_stops_them() -> None:
     """fx records the operations under `torch.no_grad()`, not the grad mode: without the trace's
     cut the gradient flowed through the centre and the gate (and trained `gate`)."""
     torch.manual_seed(0)
-    model, x = CentredUnderNoGrad(), torch.randn(5, 6)
+    model, x = RunningCentre(), torch.randn(5, 6)
     gm = trace(copy.deepcopy(model))
     want_grads, want_buffers = _grads_and_buffers(model, x)
     got_grads, got_buffers = _grads_and_buffers(gm, x)
@@ -232,7 +214,7 @@ def test_no_grad_in_forward_stops_gradients_where_eager_stops_them() -> None:
 
 def test_no_grad_holds_under_every_cut() -> None:
     torch.manual_seed(0)
-    model = CentredUnderNoGrad()
+    model = RunningCentre()
     inputs, target = (torch.randn(8, 6),), torch.randint(0, 3, (8,))
     for stages in ([1, 1], [1, 1, 1], [1, 1, 1, 1]):
         check((copy.deepcopy(model), inputs, target, nn.functional.cross_entropy),
