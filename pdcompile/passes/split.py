@@ -58,6 +58,7 @@ from pdcompile.passes.inplace import (
     mutated_input,
     snapshot_before_mutations,
 )
+from pdcompile.passes.output_constants import constants_from_last_stage
 from pdcompile.plan import Plan, Stage
 from pdcompile.runtime.grad_mode import detached
 from pdcompile.util.attr_path import get_path
@@ -600,6 +601,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
         raise PlanError(f"stages {empty} of the plan have no operation to run; use fewer stages "
                         f"(at most {len(used)}) or move operations into them")
     _copy_constants(gm, stage_of, _constants(list(gm.graph.nodes)))
+    constants_from_last_stage(gm, stage_of, last)  # a None (or number) the model returns
     snapshot_buffer_reads(gm, stage_of)
     detach_what_changes_buffers(gm, stage_of)
     snapshot_before_mutations(
@@ -639,7 +641,7 @@ def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = Non
             index, names = outputs_of[node.args[0].name]
             getitem_of[node.name] = ValueRef(names[int(node.args[1])], index)  # type: ignore[arg-type]
     out_node = next(n for n in top.graph.nodes if n.op == "output")
-    leaves, spec = pytree.tree_flatten(out_node.args[0])
+    leaves, spec = pytree.tree_flatten(_plain_containers(out_node.args[0]))
     recorded = get_output_spec(gm)  # the model's own output structure of a flattened output
     if recorded is not None and recorded.num_leaves == len(leaves):
         spec = recorded
@@ -800,6 +802,22 @@ def _unique_outputs(sub: fx.GraphModule, out_node: fx.Node, claimed: set[str]
     if renamed:
         sub.recompile()
     return tuple(a.name for a in out_node.args[0] if isinstance(a, fx.Node))  # type: ignore[union-attr]
+
+
+def _plain_containers(value: Any) -> Any:
+    """`value` with fx's immutable_list and immutable_dict (what a graph's output holds for a
+    list or dict the model returned) as the list and dict the model returned: the loss function
+    received an immutable_list that it could not, say, append to, and whose structure differed
+    from the model's."""
+    if isinstance(value, fx.immutable_collections.immutable_list):
+        return [_plain_containers(v) for v in value]
+    if isinstance(value, fx.immutable_collections.immutable_dict):
+        return {k: _plain_containers(v) for k, v in value.items()}
+    if type(value) in (tuple, list):
+        return type(value)(_plain_containers(v) for v in value)
+    if type(value) is dict:
+        return {k: _plain_containers(v) for k, v in value.items()}
+    return value
 
 
 def _ref_of(leaf: Any, getitem_of: dict[str, ValueRef]) -> ValueRef:
