@@ -203,6 +203,8 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
     `given` priced on it; a plan already priced on this cluster for this schedule (one the
     planner made) is kept as it is, so a second measurement cannot change its figures."""
     from pdcompile.cost.costed_graph import costed
+    from pdcompile.cost.costgraph import grouped
+    from pdcompile.passes.buffer_state import buffers_kept_together
     from pdcompile.planner import plan as make_plan
     from pdcompile.planner import price_plan
 
@@ -216,21 +218,26 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
         return given
     # profiled as the workers will find their caches (cold when they take turns on cores)
     measured, graph = costed(gm, inputs, cluster, cost=cost, autocast=autocast)
-    if planning.get("stages"):  # K stages of whole layers where the model has enough of them
-        return _planned_in_blocks(measured, graph, cluster, schedule=schedule,
-                                  microbatches=microbatches, **planning)
     if given is not None:
         return price_plan(graph, given, cluster,
                           schedule=None if schedule == "auto" else schedule,
                           microbatches=microbatches)
-    return make_plan(graph, cluster, schedule=schedule, microbatches=microbatches, **planning)
+    kept = buffers_kept_together(gm, graph)  # a changed buffer's nodes: one block each
+    if planning.get("stages"):  # K stages of whole layers where the model has enough of them
+        return _planned_in_blocks(measured, graph, cluster, kept, schedule=schedule,
+                                  microbatches=microbatches, **planning)
+    coarse, mapping = grouped(graph, [names for _, names in kept])
+    return make_plan(coarse, cluster, schedule=schedule, microbatches=microbatches,
+                     **planning).expanded(mapping)
 
 
-def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster, **planning: Any,
-                       ) -> Plan:
+def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster,
+                       kept: list[tuple[str, list[str]]], **planning: Any) -> Plan:
     """`stages=K`: the planner's K stages on the graph with each numbered layer block (a
     transformer layer, `encoder.layer.3`) fused into one node, so that every cut falls between
-    layers, when the model has at least K blocks and they are convex; else on the graph."""
+    layers, when the model has at least K blocks and they are convex; else on the graph. The
+    groups `kept` (a changed buffer's nodes) are fused either way, merged with the blocks they
+    share nodes with. Raises PlanError where K exceeds the blocks left to cut between."""
     from pdcompile.cost.costgraph import grouped
     from pdcompile.errors import CostGraphError
     from pdcompile.passes.split import layer_block
@@ -243,12 +250,46 @@ def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster, **plann
             blocks.setdefault(name, []).append(node.name)
     if len(blocks) >= planning["stages"]:
         try:
-            coarse, mapping = grouped(graph, list(blocks.values()))
+            groups = _merged([*blocks.values(), *(names for _, names in kept)], graph)
+            coarse, mapping = grouped(graph, groups)
         except CostGraphError:  # a block that is not convex: plan the nodes themselves
             pass
         else:
-            return make_plan(coarse, cluster, **planning).expanded(mapping)
-    return make_plan(graph, cluster, **planning)
+            if coarse.number_of_nodes() >= planning["stages"]:
+                return make_plan(coarse, cluster, **planning).expanded(mapping)
+    coarse, mapping = grouped(graph, [names for _, names in kept])
+    _check_enough(coarse, graph, kept, planning["stages"])
+    return make_plan(coarse, cluster, **planning).expanded(mapping)
+
+
+def _merged(groups: list[list[str]], graph: Any) -> list[list[str]]:
+    """`groups` with those that share a node merged, each made convex in `graph`."""
+    from pdcompile.passes.buffer_state import convex_hull
+
+    merged: list[set[str]] = []
+    for group in groups:
+        names = set(group)
+        for other in [m for m in merged if m & names]:
+            merged.remove(other)
+            names |= other
+        merged.append(names)
+    return [sorted(convex_hull(graph, names)) for names in merged]
+
+
+def _check_enough(coarse: Any, graph: Any, kept: list[tuple[str, list[str]]],
+                  stages: int) -> None:
+    """PlanError where the graph has fewer blocks than `stages` once each changed buffer's
+    nodes are one block (the planner's own message would not say why)."""
+    from pdcompile.errors import PlanError
+
+    blocks = sum(1 for n in coarse.nodes if coarse.nodes[n].get("fwd", 0) or
+                 coarse.nodes[n].get("bwd", 0) or coarse.nodes[n].get("params", 0))
+    if kept and blocks < stages:
+        buffers = ", ".join(label for label, _ in kept)
+        raise PlanError(f"the model has {graph.number_of_nodes()} nodes to cut between but the "
+                        f"nodes that change or read buffer {buffers} (whose value carries over "
+                        f"between microbatches) run in one stage, which leaves {blocks} blocks, "
+                        f"too few for {stages} stages; use at most {blocks} stages")
 
 
 def load(path: str, *, loss_fn: Callable[..., torch.Tensor] | None = None,

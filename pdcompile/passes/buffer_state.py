@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import networkx as nx
 import torch
 import torch.fx as fx
 
@@ -114,6 +115,43 @@ def _moved(state: BufferState, stage_of: dict[str, int], target: int) -> dict[st
                        if u.op != "output" and (moved[u.name] < target) == later
                        and moved[u.name] != target)
     return moved
+
+
+def buffer_groups(gm: fx.GraphModule) -> list[tuple[str, list[str]]]:
+    """The node names that must run in one stage, one group per changed buffer (groups sharing
+    a node merged), each with the buffers it keeps: the planner and the straight cut keep each
+    group whole (with what lies between its nodes), so that every cut they make keeps a
+    buffer's state in one stage instead of being refused by `keep_buffer_state_together`."""
+    groups: list[tuple[str, set[str]]] = []
+    for state in changed_buffers(gm):
+        label, names = repr(state.target), {n.name for n in state.nodes()}
+        for other in [g for g in groups if g[1] & names]:
+            groups.remove(other)
+            label, names = f"{other[0]}, {label}", names | other[1]
+        groups.append((label, names))
+    return [(label, sorted(names)) for label, names in groups]
+
+
+def buffers_kept_together(gm: fx.GraphModule, graph: nx.DiGraph) -> list[tuple[str, list[str]]]:
+    """`buffer_groups` as groups of the CostGraph `graph` (of `gm`'s trace): each group's nodes
+    that the graph has, with every node on a path between two of them (a block the planner can
+    fuse, costgraph.grouped), groups that then share a node merged."""
+    found: list[tuple[str, set[str]]] = []
+    for label, names in buffer_groups(gm):
+        hull = convex_hull(graph, {n for n in names if n in graph})
+        for other in [g for g in found if g[1] & hull]:
+            found.remove(other)
+            label, hull = f"{other[0]}, {label}", convex_hull(graph, hull | other[1])
+        if len(hull) > 1:
+            found.append((label, hull))
+    return [(label, sorted(names)) for label, names in found]
+
+
+def convex_hull(graph: nx.DiGraph, names: set[str]) -> set[str]:
+    """`names` with every node of `graph` on a path between two of them."""
+    after = set(names).union(*(nx.descendants(graph, n) for n in names))
+    before = set(names).union(*(nx.ancestors(graph, n) for n in names))
+    return after & before
 
 
 def snapshot_buffer_reads(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
@@ -209,5 +247,5 @@ def _message(state: BufferState, stage_of: dict[str, int], why: str) -> str:
             f"one stage, and {why}: cut so that one stage holds them")
 
 
-__all__ = ["BufferState", "changed_buffers", "check_buffer_state", "detach_what_changes_buffers",
+__all__ = ["BufferState", "buffer_groups", "buffers_kept_together", "convex_hull", "changed_buffers", "check_buffer_state", "detach_what_changes_buffers",
            "keep_buffer_state_together", "snapshot_buffer_reads"]

@@ -43,6 +43,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import PlanError
 from pdcompile.meta import get_output_spec, get_tree, has_stage, set_stage
 from pdcompile.passes.buffer_state import (
+    buffer_groups,
     check_buffer_state,
     detach_what_changes_buffers,
     keep_buffer_state_together,
@@ -481,23 +482,32 @@ def even_plan(gm: fx.GraphModule, stages: int, *,
              and isinstance(n.args[0], fx.Node) and _reads_item(n)}
     body = [n for n in gm.graph.nodes
             if n.op not in ("output", "get_attr", "placeholder") and n not in items]
-    if len(body) < stages:
-        raise PlanError(f"the model has {len(body)} operations, too few for {stages} stages; "
-                        f"use at most {len(body)} stages")
+    tied, kept = _tied_to_previous(gm, body)  # a changed buffer's nodes stay in one stage
+    units = len(body) - len(tied)
+    if units < stages:
+        together = f", {len(tied)} of them kept with others in one stage (the nodes that " \
+            f"change or read buffer {kept}, whose value carries over between microbatches)" \
+            if tied else ""
+        raise PlanError(f"the model has {len(body)} operations{together}, too few for {stages} "
+                        f"stages; use at most {units} stages")
     read = _attribute_params(gm, body)
     weights = [1.0 + _node_params(gm, n) + read.get(n.name, 0.0) for n in body]
     total = sum(weights)
     stage_of = {n.name: 0 for n in gm.graph.nodes if n.op == "placeholder"}
     done = 0.0
+    left = units + 1
     for index, (node, weight) in enumerate(zip(body, weights, strict=True)):
-        stage = min(stages - 1, int((done + weight / 2) / total * stages))
-        left = len(body) - index  # keep at least one node for every stage still to come
-        stage = max(stage, stages - left)
         previous = stage_of[body[index - 1].name] if index else -1
+        done += weight
+        if index in tied:
+            stage_of[node.name] = previous
+            continue
+        left -= 1  # units from this one on: keep at least one for every stage still to come
+        stage = min(stages - 1, int((done - weight / 2) / total * stages))
+        stage = max(stage, stages - left)
         stage = min(max(stage, previous), previous + 1)  # the first operation runs on stage 0
         stage_of[node.name] = stage
-        done += weight
-    _snap_to_blocks(body, weights, stage_of, total / stages / 4)
+    _snap_to_blocks(body, weights, stage_of, total / stages / 4, tied)
     current, ordered = 0, {}
     for node in gm.graph.nodes:  # an item goes with the operation before it (its tuple, or an
         # in-place change of the value it reads, which `make_mutations_explicit` makes its input)
@@ -521,9 +531,25 @@ def layer_block(node: fx.Node) -> str | None:
     return None
 
 
+def _tied_to_previous(gm: fx.GraphModule, body: list[fx.Node]) -> tuple[set[int], str]:
+    """The positions in `body` whose node must run in the stage of the node before it: those
+    from the first to the last node of a changed buffer's group (buffer_state.buffer_groups),
+    and the buffers that ties them, for messages."""
+    position = {n.name: i for i, n in enumerate(body)}
+    tied: set[int] = set()
+    labels = []
+    for label, names in buffer_groups(gm):
+        spots = [position[name] for name in names if name in position]
+        if len(spots) > 1:
+            tied.update(range(min(spots) + 1, max(spots) + 1))
+            labels.append(label)
+    return tied, ", ".join(labels)
+
+
 def _snap_to_blocks(body: list[fx.Node], weights: list[float], stage_of: dict[str, int],
-                    reach: float) -> None:
-    """Move each cut of a straight plan to the nearest block boundary within `reach`."""
+                    reach: float, tied: set[int]) -> None:
+    """Move each cut of a straight plan to the nearest block boundary within `reach` (never to
+    a position `tied` to the node before it)."""
     blocks = [layer_block(n) for n in body]
     done = [0.0]
     for weight in weights:
@@ -536,6 +562,7 @@ def _snap_to_blocks(body: list[fx.Node], weights: list[float], stage_of: dict[st
         low = firsts[k - 1] + 1 if k else 1
         high = firsts[k + 1] - 1 if k + 1 < len(firsts) else len(body) - 1
         candidates = [j for j in range(low, high + 1) if blocks[j] != blocks[j - 1]
+                      and j not in tied
                       and (blocks[j] is not None or blocks[j - 1] is not None)
                       and abs(done[j] - done[first]) <= reach]
         if not candidates:
