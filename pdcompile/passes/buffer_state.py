@@ -247,5 +247,6 @@ def _message(state: BufferState, stage_of: dict[str, int], why: str) -> str:
             f"one stage, and {why}: cut so that one stage holds them")
 
 
-__all__ = ["BufferState", "buffer_groups", "buffers_kept_together", "convex_hull", "changed_buffers", "check_buffer_state", "detach_what_changes_buffers",
+__all__ = ["BufferState", "buffer_groups", "buffers_kept_together", "changed_buffers",
+           "check_buffer_state", "convex_hull", "detach_what_changes_buffers",
            "keep_buffer_state_together", "snapshot_buffer_reads"]
