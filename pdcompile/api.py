@@ -226,6 +226,9 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
     if planning.get("stages"):  # K stages of whole layers where the model has enough of them
         return _planned_in_blocks(measured, graph, cluster, kept, schedule=schedule,
                                   microbatches=microbatches, **planning)
+    if not kept:
+        return make_plan(graph, cluster, schedule=schedule, microbatches=microbatches,
+                         **planning)
     coarse, mapping = grouped(graph, [names for _, names in kept])
     return make_plan(coarse, cluster, schedule=schedule, microbatches=microbatches,
                      **planning).expanded(mapping)
@@ -250,13 +253,16 @@ def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster,
             blocks.setdefault(name, []).append(node.name)
     if len(blocks) >= planning["stages"]:
         try:
-            groups = _merged([*blocks.values(), *(names for _, names in kept)], graph)
+            groups = _merged([*blocks.values(), *(names for _, names in kept)], graph) \
+                if kept else list(blocks.values())
             coarse, mapping = grouped(graph, groups)
         except CostGraphError:  # a block that is not convex: plan the nodes themselves
             pass
         else:
             if coarse.number_of_nodes() >= planning["stages"]:
                 return make_plan(coarse, cluster, **planning).expanded(mapping)
+    if not kept:
+        return make_plan(graph, cluster, **planning)
     coarse, mapping = grouped(graph, [names for _, names in kept])
     _check_enough(coarse, graph, kept, planning["stages"])
     return make_plan(coarse, cluster, **planning).expanded(mapping)
@@ -267,13 +273,19 @@ def _merged(groups: list[list[str]], graph: Any) -> list[list[str]]:
     from pdcompile.passes.buffer_state import convex_hull
 
     merged: list[set[str]] = []
-    for group in groups:
-        names = set(group)
-        for other in [m for m in merged if m & names]:
-            merged.remove(other)
-            names |= other
-        merged.append(names)
-    return [sorted(convex_hull(graph, names)) for names in merged]
+    pending = [set(group) for group in groups]
+    while pending:  # a hull may reach into another group: merged again until none overlap
+        names = pending.pop()
+        overlapping = [m for m in merged if m & names]
+        if overlapping:
+            for other in overlapping:
+                merged.remove(other)
+                names |= other
+            pending.append(convex_hull(graph, names))
+        else:
+            hull = convex_hull(graph, names)
+            (pending if hull != names else merged).append(hull)
+    return [sorted(names) for names in merged]
 
 
 def _check_enough(coarse: Any, graph: Any, kept: list[tuple[str, list[str]]],
@@ -282,9 +294,9 @@ def _check_enough(coarse: Any, graph: Any, kept: list[tuple[str, list[str]]],
     nodes are one block (the planner's own message would not say why)."""
     from pdcompile.errors import PlanError
 
-    blocks = sum(1 for n in coarse.nodes if coarse.nodes[n].get("fwd", 0) or
-                 coarse.nodes[n].get("bwd", 0) or coarse.nodes[n].get("params", 0))
-    if kept and blocks < stages:
+    blocks = sum(1 for n, d in coarse.nodes(data=True)  # as the planner counts operations
+                 if coarse.in_degree(n) or d["fwd"] or d["bwd"])
+    if blocks < stages:
         buffers = ", ".join(label for label, _ in kept)
         raise PlanError(f"the model has {graph.number_of_nodes()} nodes to cut between but the "
                         f"nodes that change or read buffer {buffers} (whose value carries over "

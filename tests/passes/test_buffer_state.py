@@ -168,7 +168,7 @@ def test_more_stages_than_a_changed_buffer_leaves_are_refused_in_one_line(which:
     model = MODELS[which]().double()
     inputs, target = _data(0)
     with pytest.raises(PlanError) as refused:
-        _compiled(model, 12, how)
+        _compiled(model, 20, how)
     message = str(refused.value)
     most = re.search(r"use at most (\d+) stages", message)
     assert most is not None and "\n" not in message, message
