@@ -120,9 +120,10 @@ def test_an_output_with_constant_leaves_trains_and_evaluates_like_one_process(
             assert got_leaf == want_leaf and type(got_leaf) is type(want_leaf)
 
 
-@settings(max_examples=8, deadline=None)
-@given(shape=shapes, schedule=st.sampled_from(["1f1b", "2bw", "interleaved-1f1b", "zb-v",
-                                               "gpipe", "zb-h1"]))
+@pytest.mark.parametrize("schedule", ["1f1b", "2bw", "interleaved-1f1b", "zb-v", "gpipe",
+                                      "zb-h1"])
+@settings(max_examples=3, deadline=None)
+@given(shape=shapes)
 def test_constant_leaves_change_nothing_a_schedule_trains(shape: Any, schedule: str) -> None:
     """Under every kind of schedule (asynchronous, interleaved, V-shaped) the structured model
     trains exactly as the same layers returning their tensors alone."""
