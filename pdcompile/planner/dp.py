@@ -320,17 +320,18 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
             continue
         received, sent, passing = tables.crossing(k, js)
         # loopback copies, where some link copies by CPU (a product over the graph's nodes)
-        copies = tables.copied(k, js) if copying else sent
+        copied = tables.copied(k, js) if copying else sent
         base = 0.0 if k == 0 else 1.0  # the first stage holds the pinned inputs
         if k == 0:  # ... so it receives nothing and sends what they feed beyond it too
             received, sent = np.zeros(js.size), tables.leaving[js].copy()
-            passing, copies = np.zeros(js.size), tables.copies[js].copy()
+            passing = np.zeros(js.size)
+            copied = tables.copies[js].copy() if copying else sent
         figures = {"compute": (tables.compute[js] - tables.compute[k])[:, None],
                    "backward": (backward[js] - backward[k])[:, None],
                    "params": (tables.params[js] - tables.params[k])[:, None],
                    "keep": (tables.keep[js] - base * tables.keep[k])[:, None],
                    "received": received[:, None], "sent": sent[:, None],
-                   "passing": passing[:, None], "sent_copies": copies[:, None]}
+                   "passing": passing[:, None], "sent_copies": copied[:, None]}
         if recompute:
             figures["forward"] = (tables.forward[js] - tables.forward[k])[:, None]
         rows[k] = _Row(js, figures, (total - tables.compute[js])[:, None])
