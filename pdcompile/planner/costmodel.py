@@ -151,6 +151,11 @@ class Placement:
     out_nic_per_byte: float = 0.0  # ... and per byte it sends (`server_interfaces`)
     nic_ring_per_byte: float = 0.0  # each interface its ring crosses, per parameter byte of
     # one all-reduce: 2 (r-1)/r / the interface's bandwidth where the replicas span servers
+    pass_per_byte: float = 0.0  # bytes passing over the stage (sent before it, read after it):
+    pass_per_msg: float = 0.0  # ... the link from rank start - 1 to start + replicas, which
+    pass_nic_per_byte: float = 0.0  # ... they cross, and the server interface if it is there
+    far_copy_in_per_byte: float = 0.0  # CPU time per byte received or sent over the slowest
+    far_copy_out_per_byte: float = 0.0  # loopback link a skip to or from the stage could take
 
 
 def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
@@ -189,11 +194,27 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
                                         whole=interfaces == "whole")
     ring = _ring_on_interfaces(cluster, start, r) \
         if len(cluster.levels) > 1 and workers == cluster.workers and copies == 1 else 0.0
+    pass_a = pass_l = pass_nic = 0.0
+    if start > 0 and end + 1 < workers:  # a skip from before the stage to after it crosses
+        # every link from rank start - 1 to start + replicas (ranks are contiguous)
+        lp = cluster.levels[cluster.link_level(start - 1, end + 1)]
+        pass_a, pass_l = 1.0 / lp.flow_rate, lp.latency
+        if len(cluster.levels) > 1 and workers == cluster.workers:
+            size = cluster.group_size(len(cluster.levels) - 2)
+            if (start - 1) // size != (end + 1) // size:
+                pass_nic = 1.0 / cluster.levels[-1].bandwidth
+    far_in = max((1.0 / lv.flow_rate for lv in cluster.levels[
+        cluster.link_level(start - 1, end):cluster.link_level(0, end) + 1] if lv.cpu_copies),
+        default=0.0) if start > 0 else 0.0
+    far_out = max((1.0 / lv.flow_rate for lv in cluster.levels[
+        cluster.link_level(start, end + 1):cluster.link_level(start, workers - 1) + 1]
+        if lv.cpu_copies), default=0.0) if end + 1 < workers else 0.0
     if interfaces == "unseen":
-        nic_in = nic_out = ring = 0.0
+        nic_in = nic_out = ring = pass_nic = 0.0
     return Placement(r, noam(r, workers - start), sync_a, sync_b, in_a, in_l, out_a, out_l,
                      copy_in, copy_out, step_seconds(1.0, cluster.device),
-                     copy_seconds(1.0, cluster.device), bucket, nic_in, nic_out, ring)
+                     copy_seconds(1.0, cluster.device), bucket, nic_in, nic_out, ring,
+                     pass_a, pass_l, pass_nic, far_in, far_out)
 
 
 def _ring_on_interfaces(cluster: Cluster, start: int, replicas: int) -> float:
@@ -258,21 +279,30 @@ class StageParts:
     cpu: np.ndarray
     noam: np.ndarray
     runs: np.ndarray  # the schedule can feed this many replicas
+    skip: np.ndarray  # one transfer of what passes over it, end to end (`stage_parts`)
 
 
 def stage_parts(*, compute: Any, backward: Any, params: Any, keep: Any, received: Any,
                 sent: Any, coef: Any, options: ModelOptions, memory: float | None,
-                recompute: Any = None) -> StageParts:
+                recompute: Any = None, passing: Any = 0.0,
+                sent_copies: Any = None) -> StageParts:
     """The pieces of stages' objectives (arguments as in `stage_values`). `recompute`: the
     stages' forward seconds per minibatch, for the stages recomputing their activations
     (pdcompile.cost.recompute): one more forward each, in their backward, and in flight only
-    what they received, plus one microbatch's activations while its backward runs."""
+    what they received, plus one microbatch's activations while its backward runs.
+    `passing`: bytes per minibatch sent from before the stage to after it (skips over it):
+    they cross the links around it (`Placement.pass_per_byte`), which no neighbour's sends
+    price where the skip leaves a server, and lengthen every circuit through it.
+    `sent_copies`: bytes per minibatch the stage's CPU copies out over loopback links, each
+    output once per later stage reading it (at most the bytes of its edges to later stages;
+    default `sent`); its loopback copies are priced on the slowest link a skip could take."""
     row = kind(options.schedule)
     m = options.per_minibatch
     r = np.asarray(coef.replicas, dtype=np.float64)
     t, p, k = np.asarray(compute) / m, np.asarray(params), np.asarray(keep) / m
     back = np.asarray(backward) / m
     inb, outb = np.asarray(received) / m, np.asarray(sent) / m
+    over = np.asarray(passing) / m
     fixed: Any = 0.0  # activation bytes held whatever the number in flight
     if recompute is not None:
         again = np.asarray(recompute) / m
@@ -281,7 +311,8 @@ def stage_parts(*, compute: Any, backward: Any, params: Any, keep: Any, received
     allreduce = exposed_allreduce_seconds(p * coef.sync_per_byte + coef.sync_fixed,
                                           backward=back, params=p, bucket=coef.sync_bucket)
     step = p * coef.step_per_byte
-    cpu = inb * coef.copy_in_per_byte + outb * coef.copy_out_per_byte
+    copies = outb if sent_copies is None else np.asarray(sent_copies) / m
+    cpu = inb * coef.far_copy_in_per_byte + copies * coef.far_copy_out_per_byte
     wire = outb * coef.out_per_byte + np.where(outb > 0, coef.out_per_msg, 0.0)
     limit = (math.inf if memory is None else memory) - fixed
     base = p * (2.0 + options.optimizer_state)
@@ -298,29 +329,36 @@ def stage_parts(*, compute: Any, backward: Any, params: Any, keep: Any, received
     # ring all-reduces (update_share / r per microbatch, as links.nic_busy_seconds counts them)
     # on every interface it crosses, that server's among them
     ring = p * coef.nic_ring_per_byte * update_share(options.schedule, m, r) / r
-    link = np.maximum(np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte) / r,
+    # what passes over the stage occupies the link around it (each skip's whole bytes: a bound
+    # on its rank pairs' share) and, where that is a server's interface, adds to the stage's
+    # own bytes there (all that crosses a server boundary next to a straight stage)
+    skip = over * coef.pass_per_byte
+    link = np.maximum(np.maximum(np.maximum(inb * coef.in_per_byte, outb * coef.out_per_byte)
+                                 / r, skip),
                       np.maximum(inb * coef.in_nic_per_byte, outb * coef.out_nic_per_byte)
-                      + ring)
+                      + over * coef.pass_nic_per_byte + ring)
+    skip = skip + np.where(over > 0, coef.pass_per_msg, 0.0)
     # a microbatched schedule cuts a minibatch into microbatches that the replicas share: no
     # more replicas than microbatches, and 2bw needs a multiple of them
     runs = r <= (m if row.microbatched else math.inf)
     if row.microbatched and not row.flush:
         runs = runs & (np.mod(m, r) == 0)
     return StageParts(r, t, own, link, wire, fit, allreduce, step, cpu,
-                      np.asarray(coef.noam, dtype=np.float64), np.asarray(runs))
+                      np.asarray(coef.noam, dtype=np.float64), np.asarray(runs), np.asarray(skip))
 
 
 def stage_values(*, compute: Any, backward: Any, params: Any, keep: Any, received: Any,
                  sent: Any, rest: Any, coef: Any, options: ModelOptions,
-                 memory: float | None) -> np.ndarray:
+                 memory: float | None, passing: Any = 0.0, sent_copies: Any = None) -> np.ndarray:
     """The planning objective of stages (seconds per minibatch; inf where it cannot run), on
     numpy arrays that broadcast: `compute` fwd+bwd and `backward` bwd seconds, `params`, `keep`
     bytes per minibatch of the stage; `received` / `sent` bytes per minibatch over its input /
     output links; `rest` the fwd+bwd of everything after it; `coef` a `Placement` whose fields
-    may be arrays (one per candidate position). See the module docstring; the DP and the
-    brute-force tests share it."""
+    may be arrays (one per candidate position); `passing` bytes per minibatch skipping over it
+    (`stage_parts`). See the module docstring; the DP and the brute-force tests share it."""
     parts = stage_parts(compute=compute, backward=backward, params=params, keep=keep,
-                        received=received, sent=sent, coef=coef, options=options, memory=memory)
+                        received=received, sent=sent, coef=coef, options=options, memory=memory,
+                        passing=passing, sent_copies=sent_copies)
     return values_of(parts, rest, options)
 
 
@@ -356,7 +394,8 @@ def values_of(x: StageParts, rest: Any, options: ModelOptions) -> np.ndarray:
 
 def stage_demand(*, compute: Any, backward: Any, params: Any, keep: Any, received: Any,
                  sent: Any, coef: Any, options: ModelOptions, memory: float | None,
-                 period: float, demand: Any) -> tuple[np.ndarray, np.ndarray]:
+                 period: float, demand: Any,
+                 passing: Any = 0.0, sent_copies: Any = None) -> tuple[np.ndarray, np.ndarray]:
     """A streaming stage's place in a pipeline that must reach `period` seconds per minibatch
     (arrays broadcast as in `stage_values`; `demand` is that of the pipeline after the stage,
     -inf for none). Returns (its minibatches in flight per replica, N; the pipeline's demand
@@ -365,12 +404,14 @@ def stage_demand(*, compute: Any, backward: Any, params: Any, keep: Any, receive
     In flight counts as "tokens" T = N r across a stage's replicas. Every circuit of the
     schedule (`cost.pipeline_time`) from this stage s through a later stage k must fit its work
     L(s, k) into T_s - (T_k - r_k) microbatch periods, and L(s, k) = own_s + 2 wire_s + Q(s+1, k)
-    where Q sums the compute and wires of the stages after s. So
+    where Q sums the compute and wires of the stages after s and what passes over them (a skip
+    from s to k is no longer than the transfers of what passes over the stages between). So
     T_s >= (own_s + 2 wire_s) / p + E_{s+1}, with the demand E_s = max(T_s - r_s + t_s / p,
     (t_s + 2 wire_s) / p + E_{s+1}) depending on the pipeline after s alone: the DP keeps, for
     each state and worker count, the continuation of least demand."""
     parts = stage_parts(compute=compute, backward=backward, params=params, keep=keep,
-                        received=received, sent=sent, coef=coef, options=options, memory=memory)
+                        received=received, sent=sent, coef=coef, options=options, memory=memory,
+                        passing=passing, sent_copies=sent_copies)
     return demand_of(parts, options, period, demand)
 
 
@@ -387,7 +428,7 @@ def demand_of(x: StageParts, options: ModelOptions, period: float,
             & (flight <= x.fit) & x.runs
         tokens = flight * r
         here = np.maximum(tokens - r + x.compute / per,
-                          (x.compute + 2.0 * x.wire) / per + after)
+                          (x.compute + 2.0 * (x.wire + x.skip)) / per + after)
     return np.where(ok, flight, math.inf), np.where(ok, here, math.inf)
 
 
@@ -419,14 +460,19 @@ def planning_objective(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], 
                        if stage_of[u] < i and any(stage_of[v] == i for v in graph.successors(u)))
         sent = sum(weight[u] for u in graph.nodes
                    if stage_of[u] == i and any(stage_of[v] > i for v in graph.successors(u)))
+        passing = sum(weight[u] for u in graph.nodes
+                      if stage_of[u] < i and any(stage_of[v] > i for v in graph.successors(u)))
+        copies = sum(float(graph.edges[u, v].get("bytes", graph.nodes[u]["act"]))
+                     for u, v in graph.edges if stage_of[u] == i < stage_of[v])
         if i == 0:
-            received = 0.0
+            received = passing = 0.0
         rest = sum(compute[i + 1:])
         coef = placement(cluster, ranks[0], len(ranks), workers)
         value = stage_values(compute=compute[i], backward=backward[i], params=params[i],
                              keep=keep[i],
                              received=received, sent=sent, rest=rest, coef=coef,
-                             options=options, memory=memory)
+                             options=options, memory=memory, passing=passing,
+                             sent_copies=copies)
         worst = max(worst, float(value))
     return worst
 

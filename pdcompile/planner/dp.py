@@ -74,22 +74,34 @@ class StateTables:
     degree: np.ndarray  # [n] successors of node n
     weight: np.ndarray  # [n] bytes node n sends to a stage that reads it (its largest edge)
     leaving: np.ndarray  # [s] bytes of member nodes with a successor outside the downset
+    copies: np.ndarray  # [s] bytes of the edges leaving the downset (loopback copies, at most)
+    edges: np.ndarray  # [n, n] bytes of edge u -> v
     valid: np.ndarray  # [k, j] bool: a stage may span (k, j]
 
-    def crossing(self, k: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Bytes received and sent per minibatch by the stages (k, j] for j in `js`: each node's
-        output once per boundary it crosses (cost/crossing.py's rule, with all later readers
-        taken as one stage)."""
+    def crossing(self, k: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Bytes received, sent and passing over per minibatch by the stages (k, j] for j in
+        `js`: each node's output once per boundary it crosses (cost/crossing.py's rule, with
+        all later readers taken as one stage); passing: from downset k to beyond downset j."""
         member = self.inside[k] >= 0  # nodes of downset k (others are marked -1)
         open_ = np.flatnonzero(member & (self.inside[k] < self.degree))  # read beyond k
         if open_.size == 0:
             none = np.zeros(js.size)
-            return none, self.leaving[js].copy()
+            return none, self.leaving[js].copy(), none.copy()
         counts = self.inside[np.ix_(js, open_)]  # [j, u]
         w = self.weight[open_]
         received = (counts > self.inside[k, open_]) @ w
         still_open = (counts < self.degree[open_]) @ w  # from downset k beyond downset j
-        return received, self.leaving[js] - still_open
+        return received, self.leaving[js] - still_open, still_open
+
+    def copied(self, k: int, js: np.ndarray) -> np.ndarray:
+        """Bytes per minibatch of the edges from the stages (k, j] to beyond j, for j in `js`:
+        a bound on what they send counted once per later stage that reads it (crossing_bytes'
+        rule, the largest edge into each), which is what their CPU copies over loopback links."""
+        open_ = np.flatnonzero((self.inside[k] >= 0) & (self.inside[k] < self.degree))
+        out = self.copies[js].copy()
+        if open_.size:  # less the edges from downset k to beyond j
+            out -= ((self.inside[js] < 0) @ self.edges[open_].T).sum(axis=1)
+        return out
 
 
 def state_tables(graph: nx.DiGraph, states: AntichainStates,
@@ -125,6 +137,10 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
     counts = member @ adjacency.T  # [s, n]: successors of n inside the downset
     inside = np.where(member > 0, counts, -1.0)
     leaving = ((member > 0) & (counts < degree)) @ weight
+    sizes = np.zeros((n, n))  # [u, v]: bytes of edge u -> v
+    for u, v in graph.edges:
+        sizes[index[u], index[v]] = edge_bytes(graph, u, v)
+    copies = ((member > 0) * ((member <= 0) @ sizes.T)).sum(axis=1)
     frontier = np.array([sum(act[v] for v in states.frontier[i]) for i in range(s)])
     valid = np.zeros((s, s), dtype=bool)
     width = (s + 7) // 8
@@ -133,7 +149,8 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
         valid[:, j] = np.unpackbits(raw, bitorder="little")[:s].astype(bool)
     return StateTables(compute=member @ comp, forward=member @ fwd, params=member @ par,
                        keep=member @ keep, act=member @ act, frontier=frontier, inside=inside,
-                       degree=degree, weight=weight, leaving=leaving, valid=valid)
+                       degree=degree, weight=weight, leaving=leaving, copies=copies,
+                       edges=sizes, valid=valid)
 
 
 # ------------------------------------------------------------------------------ native
@@ -295,20 +312,26 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                                interfaces=interfaces) for m, r in pairs])
     total = float(tables.compute[last])
     backward = tables.compute - tables.forward  # bwd seconds of each downset
+    copying = any(level.cpu_copies for level in cluster.levels)
     rows = {}
     for k in range(last):
         js = np.nonzero(tables.valid[k])[0]
         if js.size == 0:
             continue
-        received, sent = tables.crossing(k, js)
+        received, sent, passing = tables.crossing(k, js)
+        # loopback copies, where some link copies by CPU (a product over the graph's nodes)
+        copied = tables.copied(k, js) if copying else sent
         base = 0.0 if k == 0 else 1.0  # the first stage holds the pinned inputs
         if k == 0:  # ... so it receives nothing and sends what they feed beyond it too
             received, sent = np.zeros(js.size), tables.leaving[js].copy()
+            passing = np.zeros(js.size)
+            copied = tables.copies[js].copy() if copying else sent
         figures = {"compute": (tables.compute[js] - tables.compute[k])[:, None],
                    "backward": (backward[js] - backward[k])[:, None],
                    "params": (tables.params[js] - tables.params[k])[:, None],
                    "keep": (tables.keep[js] - base * tables.keep[k])[:, None],
-                   "received": received[:, None], "sent": sent[:, None]}
+                   "received": received[:, None], "sent": sent[:, None],
+                   "passing": passing[:, None], "sent_copies": copied[:, None]}
         if recompute:
             figures["forward"] = (tables.forward[js] - tables.forward[k])[:, None]
         rows[k] = _Row(js, figures, (total - tables.compute[js])[:, None])
