@@ -24,6 +24,7 @@ that the next microbatch's change leaves what autograd saved of this one's alone
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import networkx as nx
 import torch
@@ -162,20 +163,15 @@ def snapshot_buffer_reads(gm: fx.GraphModule, stage_of: dict[str, int]) -> None:
     `self.scale.mul_(0.9)`: "modified by an inplace operation"). A value sent to a later stage
     is a copy already."""
     changed = False
+    shared = alias_classes(gm)
     for state in changed_buffers(gm):
-        shared = alias_classes(gm)
         members = set().union(*(shared.get(a, {a}) for a in state.attrs))
         for node in [n for n in gm.graph.nodes if n in members]:
             for user in list(node.users):
                 if user.op == "output" or user in members or \
                         stage_of.get(user.name) != stage_of.get(node.name):
                     continue
-                with gm.graph.inserting_before(user):
-                    copy = gm.graph.call_function(torch.clone, (node,))
-                copy.meta.update({k: v for k, v in node.meta.items()
-                                  if k in (SHAPE_KEY, TREE_KEY)})
-                stage_of[copy.name] = stage_of[node.name]
-                user.replace_input_with(node, copy)
+                _read_through(gm, user, node, torch.clone, stage_of[node.name], stage_of)
                 changed = True
     if changed:
         gm.graph.lint()
@@ -197,16 +193,21 @@ def detach_what_changes_buffers(gm: fx.GraphModule, stage_of: dict[str, int]) ->
             for value in change.all_input_nodes[1:]:
                 if value.op in ("get_attr",) or value.target is detached:
                     continue
-                with gm.graph.inserting_before(change):
-                    cut = gm.graph.call_function(detached, (value,))
-                cut.meta.update({k: v for k, v in value.meta.items()
-                                 if k in (SHAPE_KEY, TREE_KEY)})
-                stage_of[cut.name] = stage_of[change.name]
-                change.replace_input_with(value, cut)
+                _read_through(gm, change, value, detached, stage_of[change.name], stage_of)
                 changed = True
     if changed:
         gm.graph.lint()
         gm.recompile()
+
+
+def _read_through(gm: fx.GraphModule, user: fx.Node, value: fx.Node, fn: Any, stage: int,
+                  stage_of: dict[str, int]) -> None:
+    """`user` reads `fn(value)`, a node inserted before it on `stage`, instead of `value`."""
+    with gm.graph.inserting_before(user):
+        through = gm.graph.call_function(fn, (value,))
+    through.meta.update({k: v for k, v in value.meta.items() if k in (SHAPE_KEY, TREE_KEY)})
+    stage_of[through.name] = stage
+    user.replace_input_with(value, through)
 
 
 def _needs_grad(gm: fx.GraphModule, target: str) -> bool:
