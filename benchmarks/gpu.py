@@ -91,6 +91,15 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def _failed_row(err: Exception, *cells: str, blanks: int) -> str:
+    """A table row for a case that raised (its traceback printed): the cells, the error's first
+    line, then `blanks` empty cells; one broken case leaves the others' rows."""
+    traceback.print_exc()
+    first = str(err).splitlines()[0][:160] if str(err) else ""
+    return "| " + " | ".join(cells) + f" | FAILED: {type(err).__name__}: {first} |" + \
+        " |" * blanks
+
+
 def equal_section(device: str) -> list[str]:
     import pdcompile
 
@@ -127,9 +136,7 @@ def equal_section(device: str) -> list[str]:
                 rows.append(f"| {name} | {schedule} | {loss_diff:.1e} | {weight_diff:.1e} | "
                             f"{'equal' if ok else 'DIFFERS'} (weights on {sorted(devices)}) |")
             except Exception as err:  # noqa: BLE001 - a row per failure, the rest still run
-                traceback.print_exc()
-                rows.append(f"| {name} | {schedule} | - | - | FAILED: "
-                            f"{type(err).__name__}: {str(err).splitlines()[0][:160]} |")
+                rows.append(_failed_row(err, name, schedule, "-", "-", blanks=0))
             print(rows[-1], flush=True)
     return rows
 
@@ -180,9 +187,7 @@ def cost_section(device: str, quick: bool) -> list[str]:
                         f"{(analytic.fwd + analytic.bwd) * 1e3:.2f} | "
                         f"{(analytic.fwd + analytic.bwd) / whole:.2f} | {seconds:.1f} |")
         except Exception as err:  # noqa: BLE001
-            traceback.print_exc()
-            rows.append(f"| {name} | FAILED: {type(err).__name__}: "
-                        f"{str(err).splitlines()[0][:160]} | | | | | | | |")
+            rows.append(_failed_row(err, name, blanks=7))
         print(rows[-1], flush=True)
         torch.cuda.empty_cache() if device == "cuda" else None
     return rows
@@ -233,9 +238,7 @@ def diagnose_section(device: str, quick: bool) -> list[str]:
                             f"{nodes.bwd * 1e3:.2f} | {fwd * 1e3:.2f} | {bwd * 1e3:.2f} | "
                             f"{(nodes.fwd + nodes.bwd) / (fwd + bwd):.2f} |")
             except Exception as err:  # noqa: BLE001
-                traceback.print_exc()
-                rows.append(f"| {name} | {label} | {caches} | FAILED: {type(err).__name__}: "
-                            f"{str(err).splitlines()[0][:160]} | | | | |")
+                rows.append(_failed_row(err, name, label, caches, blanks=4))
             print(rows[-1], flush=True)
     return rows
 
@@ -290,9 +293,7 @@ def overhead_section(device: str, quick: bool) -> list[str]:
                 p, o = statistics.median(rates["plain"]), statistics.median(rates["ours"])
                 rows.append(f"| {name} | {schedule} | {p:.0f} | {o:.0f} | {o / p:.2f} |")
             except Exception as err:  # noqa: BLE001
-                traceback.print_exc()
-                rows.append(f"| {name} | {schedule} | FAILED: {type(err).__name__}: "
-                            f"{str(err).splitlines()[0][:160]} | | |")
+                rows.append(_failed_row(err, name, schedule, blanks=2))
             print(rows[-1], flush=True)
     return rows
 
