@@ -375,12 +375,16 @@ def values_of(x: StageParts, rest: Any, options: ModelOptions) -> np.ndarray:
         trip = period + later + 2.0 * x.wire
         with np.errstate(divide="ignore", invalid="ignore"):
             period = np.where(share > flight, np.maximum(period, trip / flight), period)
-        # the fill and drain cross it and every later stage once (one microbatch there and
-        # back, `trip`), then it adds its other microbatches, then its all-reduce and step
-        # (`cost.pipeline_time._flush`); its links carry all m microbatches of the minibatch:
-        # each of its lanes m / r of them and the busiest server interface its share of them
-        # (the closed form's and the simulator's bound; CP-SAT's flush objective has it too)
-        value = np.maximum(trip + (share - 1.0) * period + x.allreduce + x.step, x.link * m)
+            # a stage holding no microbatch (flight 0) has an infinite period: where it runs
+            # one microbatch (share 1) that is 0 * inf below, NaN, masked by `ok` at the end
+            # the fill and drain cross it and every later stage once (one microbatch there and
+            # back, `trip`), then it adds its other microbatches, then its all-reduce and step
+            # (`cost.pipeline_time._flush`); its links carry all m microbatches of the
+            # minibatch: each of its lanes m / r of them and the busiest server interface its
+            # share of them (the closed form's and the simulator's bound; CP-SAT's flush
+            # objective has it too)
+            value = np.maximum(trip + (share - 1.0) * period + x.allreduce + x.step,
+                               x.link * m)
         ok = x.fit >= (share if row.forwards_first else 1.0)
     else:
         flight = np.maximum(x.fit, 1.0)

@@ -54,3 +54,38 @@ def test_flush_objective_sees_the_interfaces_of_whole_server_stages(
         closed = priced_time(graph, stages, cluster, options=options)
         assert closed.time_per_minibatch >= shared * (1 - 1e-9)
 
+
+
+def test_a_stage_that_holds_no_microbatch_is_refused_without_a_numpy_warning() -> None:
+    """A flush stage whose memory holds no microbatch (in flight 0) running one microbatch per
+    replica priced 0 * inf, NaN, which numpy reported to the user as 'invalid value encountered
+    in multiply' while searching how much memory the model needs (the value is refused anyway).
+    Found by a random run of tests/planner/test_mixed_planner.py."""
+    import warnings
+
+    import pdcompile
+    from pdcompile.errors import PlanError
+    from pdcompile.machine.device import Device
+    from pdcompile.machine.device_groups import DeviceGroup
+
+    graph = nx.DiGraph()
+    sizes = [(8.1e-3, 1e-2, 34.9e6, 14.1e6), (6.5e-3, 1.58e-2, 15.6e6, 34.9e6),
+             (8.8e-3, 1.68e-2, 24.7e6, 0.2e6), (9.8e-3, 1.87e-2, 24.5e6, 16.2e6)]
+    for i, (fwd, bwd, act, params) in enumerate(sizes):
+        graph.add_node(f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params, keep=act, label="",
+                       members=[f"n{i}"])
+    graph.add_edges_from([("n0", "n1"), ("n1", "n2"), ("n2", "n3")])
+    graph.add_edge("n0", "n2", bytes=26208.0)
+    graph.add_edge("n1", "n3", bytes=1639840.0)
+    small, large = Device("d0", 2e8, 1e13, 1e12), Device("d1", 1.9e9, 1e13, 1e12)
+    cluster = Cluster(levels=Cluster.parse("4@1e10~5us").levels,
+                      groups=(DeviceGroup(small, 2, 1.0), DeviceGroup(large, 2, 1.0)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        try:
+            plan = pdcompile.plan(graph, cluster, schedule="1f1b-flush", microbatches=4)
+        except PlanError as err:
+            assert "memory" in str(err)
+        else:
+            assert all(s.memory <= cluster.device_of(r).memory * (1 + 1e-9)
+                       for s in plan.stages for r in s.ranks)
