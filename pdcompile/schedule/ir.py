@@ -150,9 +150,12 @@ class Schedule:
         """The rank (replica) of `stage` that handles `microbatch` (round robin, or by the
         stage's shares)."""
         ranks = self.stage_ranks[stage]
-        if "shares" not in self.options:
+        given = self.options.get("shares")
+        if given is None:
             return ranks[microbatch % len(ranks)]
-        return ranks[replica_of(self.shares[stage], microbatch)]
+        # this stage's shares only (`shares` converts every stage's: a search asks this
+        # hundreds of thousands of times)
+        return ranks[replica_of(given[stage], microbatch)]
 
     def __str__(self) -> str:
         width = len(str(max(self.ranks))) if self.actions else 1
@@ -226,7 +229,7 @@ def replica_pattern(shares: tuple[int, ...]) -> tuple[int, ...]:
 
 def replica_of(shares: Sequence[int], microbatch: int) -> int:
     """The replica (index into the stage's ranks) that takes `microbatch` under `shares`."""
-    pattern = replica_pattern(tuple(int(c) for c in shares))
+    pattern = replica_pattern(tuple(map(int, shares)))
     return pattern[microbatch % len(pattern)]
 
 
