@@ -576,7 +576,8 @@ def closed_form_floor(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], S
     terms, ranks = built.terms, built.ranks
     edges, params = dict(built.costs.edges), built.costs.params
     interface = server_interface_seconds(edges, ranks, params, cluster,
-                                         schedule=options.schedule, microbatches=m) * m
+                                         schedule=options.schedule, microbatches=m,
+                                         ties=built.costs.ties) * m
     if row.flush:
         work = max(math.ceil(m / t.replicas) * t.compute - t.deferred for t in terms)
     else:
@@ -656,7 +657,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
     row = kind(options.schedule)
     copying = [row.copies_weights and n > 1 for n in flight]
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
-                          microbatches=m, params=params)
+                          microbatches=m, params=params, ties=built.costs.ties)
     priced = []
     for i, term in enumerate(terms):
         r = term.replicas
