@@ -57,6 +57,7 @@ from pdcompile.cost.pipeline_time import (
 )
 from pdcompile.cost.recompute import recompute_costs
 from pdcompile.cost.stage_costs import StageCosts
+from pdcompile.cost.ties import copied_bytes
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.plan import Stage
@@ -355,7 +356,8 @@ def stage_values(*, compute: Any, backward: Any, params: Any, keep: Any, receive
     bytes per minibatch of the stage; `received` / `sent` bytes per minibatch over its input /
     output links; `rest` the fwd+bwd of everything after it; `coef` a `Placement` whose fields
     may be arrays (one per candidate position); `passing` bytes per minibatch skipping over it
-    (`stage_parts`). See the module docstring; the DP and the brute-force tests share it."""
+    (`stage_parts`); `params` counts a tied parameter on every stage holding a copy. See the
+    module docstring; the DP and the brute-force tests share it."""
     parts = stage_parts(compute=compute, backward=backward, params=params, keep=keep,
                         received=received, sent=sent, coef=coef, options=options, memory=memory,
                         passing=passing, sent_copies=sent_copies)
@@ -452,6 +454,8 @@ def planning_objective(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], 
             backward[i] += float(data["bwd"])
         params[i] += float(data["params"])
         keep[i] += float(data.get("keep", data["act"]))
+    for i, copied in enumerate(copied_bytes(graph, stage_of, count)):
+        params[i] += copied  # a tie's copy on each later holder (cost/ties.py)
     weight = {u: max((float(graph.edges[u, v].get("bytes", graph.nodes[u]["act"]))
                       for v in graph.successors(u)), default=0.0) for u in graph.nodes}
     worst = 0.0
