@@ -208,7 +208,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
         else int(schedule.options.get("microbatches_per_minibatch", 1))
     shared = server_interface_seconds(
         {e: costs.edge_bytes(*e) for e in costs.stage_edges()}, schedule.stage_ranks,
-        costs.params, cluster, schedule=schedule.name, microbatches=per) * per
+        costs.params, cluster, schedule=schedule.name, microbatches=per, ties=costs.ties) * per
     per_minibatch = max(per_minibatch, shared)
     bubble = line.bubble_fraction((0.0, makespan))
     t0, t1, _ = line.steady_window()

@@ -6,7 +6,8 @@ backward must keep (default `act`), `label` (what the node is) and `members` (or
 when blocks were fused). Edge attribute `bytes` (default: the source's `act`) is what crosses the
 edge per minibatch in the forward; the backward sends the same amount back.
 Graph attributes: `name`, `batch_size` (samples per minibatch, may be None), optional `ties`:
-parameters read by several nodes, each `{"bytes": ..., "nodes": [names]}` (cost/ties.py).
+parameters read by several nodes, each `{"bytes": ..., "nodes": [names]}`, the first name the node
+whose `params` count them (cost/ties.py).
 """
 
 from __future__ import annotations

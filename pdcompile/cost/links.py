@@ -90,17 +90,19 @@ def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Le
 
 def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int, int], float],
                      params: Sequence[float], cluster: Cluster, *,
-                     allreduces: Sequence[float] | None = None) -> float:
+                     allreduces: Sequence[float] | None = None,
+                     rings: Sequence[tuple[Sequence[int], float, float]] = ()) -> float:
     """Seconds per microbatch that the busiest server's network interface (the outermost
     level's link of one group of the level below) needs for everything crossing it, one way:
     the activations and gradients between stages (microbatch m goes from a[m % len(a)] to
-    c[m % len(c)], `pair_levels`' rule) and each replicated stage's ring all-reduces
-    (`allreduces[s]` per microbatch, default once per round of its replicas, 1/r; a ring enters
-    and leaves each server it spans once, carrying 2 (r-1)/r of the parameters). The flows of
-    one server's workers share it, whatever a single flow may reach (`Level.flow_rate`), so a
-    plan cannot run faster than this per microbatch; 0 on a one-level cluster. A throughput
-    bound: where it is below a plan's time per microbatch the interface never limits the steady
-    state (docs/cost-model.md)."""
+    c[m % len(c)], `pair_levels`' rule), each replicated stage's ring all-reduces
+    (`allreduces[s]` per microbatch, default once per round of its replicas, 1/r) and the other
+    ring all-reduces in `rings`, each (ranks, bytes, all-reduces per microbatch): the tied
+    parameters' over the ranks sharing them (cost/ties.py). A ring enters and leaves each server
+    it spans once, carrying 2 (r-1)/r of its bytes. The flows of one server's workers share it,
+    whatever a single flow may reach (`Level.flow_rate`), so a plan cannot run faster than this
+    per microbatch; 0 on a one-level cluster. A throughput bound: where it is below a plan's
+    time per microbatch the interface never limits the steady state (docs/cost-model.md)."""
     if len(cluster.levels) < 2:
         return 0.0
     nic = cluster.levels[-1].bandwidth
@@ -118,15 +120,16 @@ def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int
         for m in range(rounds):  # activations forward, their gradients back: same bytes
             carry(senders[m % len(senders)], receivers[m % len(receivers)], size / rounds)
             carry(receivers[m % len(receivers)], senders[m % len(senders)], size / rounds)
-    for s, (ranks, nbytes) in enumerate(zip(stage_ranks, params, strict=True)):
+    replicas = [(ranks, nbytes, 1.0 / len(ranks) if allreduces is None else allreduces[s])
+                for s, (ranks, nbytes) in enumerate(zip(stage_ranks, params, strict=True))]
+    for ranks, nbytes, count in [*replicas, *rings]:
         servers = sorted({rank // server for rank in ranks})
-        r = len(ranks)
-        rings = 1.0 / r if allreduces is None else allreduces[s]
+        r = len(set(ranks))
         if len(servers) > 1:
             for host in servers:
                 for way in ("in", "out"):
                     load[host, way] = load.get((host, way), 0.0) \
-                        + 2.0 * (r - 1) / r * nbytes * rings
+                        + 2.0 * (r - 1) / r * nbytes * count
     return max(load.values(), default=0.0) / nic
 
 

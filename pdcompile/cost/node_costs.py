@@ -223,7 +223,10 @@ def shared_parameters(gm: fx.GraphModule, folded: set[str]) -> list[dict[str, An
     embedding and output head), each `{"bytes": ..., "nodes": [names]}`: a module call reads
     its module's parameters, an attribute read in `folded` (not a node of the CostGraph) is
     read by its users. Where a plan puts those nodes on several stages, the split copies the
-    parameter into each and the runtime all-reduces its gradients at every update."""
+    parameter into each and the runtime all-reduces its gradients at every update. The first
+    name is the reader whose `params` count the bytes (`param_owners`, an attribute read's
+    first user): cost/ties.py `copied_bytes` adds them to the other holders."""
+    position = {node.name: i for i, node in enumerate(gm.graph.nodes)}
     readers: dict[int, list[str]] = {}
     sizes: dict[int, float] = {}
 
@@ -240,7 +243,8 @@ def shared_parameters(gm: fx.GraphModule, folded: set[str]) -> list[dict[str, An
         elif node.op == "get_attr":
             value = get_path(gm, str(node.target))
             if isinstance(value, nn.Parameter):
-                read(value, [u.name for u in node.users if u.op != "output"]
+                read(value, sorted((u.name for u in node.users if u.op != "output"),
+                                   key=position.__getitem__)
                      if node.name in folded else [node.name])
     return [{"bytes": sizes[key], "nodes": names} for key, names in readers.items()
             if len(names) > 1]

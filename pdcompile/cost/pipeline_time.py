@@ -195,15 +195,16 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
 
 def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
                   stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
-                  microbatches: int, params: Sequence[float] | None = None) -> PipelineTime:
+                  microbatches: int, params: Sequence[float] | None = None,
+                  ties: Sequence[SharedWeights] = ()) -> PipelineTime:
     """Time per minibatch of a pipeline (see the module docstring). `edges`: bytes per
     microbatch from stage a to stage c, (a, c) with a < c. `params`: the stages' parameter
-    bytes, for the servers' network interfaces (`server_interface_seconds`); None: not
-    bounded by them."""
+    bytes, for the servers' network interfaces (`server_interface_seconds`, with the
+    all-reduces of `ties`); None: not bounded by them."""
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
     shared = 0.0 if params is None else server_interface_seconds(
-        edges, stage_ranks, params, cluster, schedule=schedule, microbatches=m)
+        edges, stage_ranks, params, cluster, schedule=schedule, microbatches=m, ties=ties)
     timed = _pipeline_time(terms, edges, stage_ranks, cluster, schedule=schedule, m=m)
     if shared * m > timed.time_per_minibatch:
         return replace(timed, time_per_minibatch=shared * m, bound="server interface")
@@ -212,14 +213,18 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
 
 def server_interface_seconds(edges: dict[tuple[int, int], float],
                              stage_ranks: Sequence[Sequence[int]], params: Sequence[float],
-                             cluster: Cluster, *, schedule: str, microbatches: int) -> float:
+                             cluster: Cluster, *, schedule: str, microbatches: int,
+                             ties: Sequence[SharedWeights] = ()) -> float:
     """Seconds per microbatch the busiest server's network interface needs
     (`links.nic_busy_seconds`), with each stage's ring all-reduces per microbatch as the
     schedule runs them (`update_share` of an update per microbatch a replica runs, over the
-    replicas that all-reduce together): a bound on throughput that the closed form and the
-    simulator both apply."""
+    replicas that all-reduce together) and the all-reduce of each tie (`ties`, cost/ties.py)
+    over the ranks sharing it once per update of its stages: a bound on throughput that the
+    closed form and the simulator both apply."""
     rings = [update_share(schedule, microbatches, len(r)) / len(r) for r in stage_ranks]
-    return nic_busy_seconds(stage_ranks, edges, params, cluster, allreduces=rings)
+    tied = [(tie.ranks(stage_ranks), tie.nbytes, max(rings[s] for s in tie.stages))
+            for tie in ties]
+    return nic_busy_seconds(stage_ranks, edges, params, cluster, allreduces=rings, rings=tied)
 
 
 def _pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],

@@ -1,20 +1,18 @@
 """Stage costs: what one worker of each stage spends per microbatch, the simulator's input.
 
 Per stage s: forward and backward seconds for one microbatch on one worker (`fwd[s]`, `bwd[s]`),
-parameter bytes (`params[s]`), bytes kept for the backward per microbatch in flight
-(`activations[s]`), optimizer-step seconds (`optimizer[s]`, None: cost/updates.py estimates it
-from the device's memory bandwidth), seconds to copy the stage's weights once (`stash[s]`, None:
-estimated likewise; weight stashing pays it for each new version); per stage edge (src, dst):
-bytes sent per microbatch (`edges`; the gradient going back is the same size); optimizer state
-per parameter byte (`optimizer_state`, for memory); of `bwd[s]`, the seconds of weight
-gradients the runtime can defer (`wgrad[s]`: the fused Linear layers' dW, which it computes in
-W actions or after the input-gradient send; None where the graph does not say, as in PipeDream's
-profiles: the simulator then takes `schedule.kinds.WGRAD_SHARE` of every backward); the tied
-parameters that stages share (`ties`, cost/ties.py: all-reduced over their ranks at each
-update). Built from
-a CostGraph and a Plan
-(`from_plan`, with cost/crossing.py's rule for what crosses), or given directly (`uniform`, the
-constructor).
+parameter bytes (`params[s]`: a tied parameter counted on every stage holding a copy), bytes kept
+for the backward per microbatch in flight (`activations[s]`), optimizer-step seconds
+(`optimizer[s]`, None: cost/updates.py estimates it from the device's memory bandwidth), seconds to
+copy the stage's weights once (`stash[s]`, None: estimated likewise; weight stashing pays it for
+each new version); per stage edge (src, dst): bytes sent per microbatch (`edges`; the gradient
+going back is the same size); optimizer state per parameter byte (`optimizer_state`, for memory);
+of `bwd[s]`, the seconds of weight gradients the runtime can defer (`wgrad[s]`: the fused Linear
+layers' dW, which it computes in W actions or after the input-gradient send; None where the graph
+does not say, as in PipeDream's profiles: the simulator then takes `schedule.kinds.WGRAD_SHARE` of
+every backward); the tied parameters that stages share (`ties`, cost/ties.py: all-reduced over
+their ranks at each update). Built from a CostGraph and a Plan (`from_plan`, with
+cost/crossing.py's rule for what crosses), or given directly (`uniform`, the constructor).
 """
 
 from __future__ import annotations
@@ -27,7 +25,7 @@ import networkx as nx
 from pdcompile.cost.crossing import crossing_bytes, input_nodes, stage_of_every_node
 from pdcompile.cost.links import slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
-from pdcompile.cost.ties import SharedWeights, shared_weights
+from pdcompile.cost.ties import SharedWeights, copied_bytes, shared_weights
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan
@@ -209,6 +207,8 @@ class StageCosts:
                 known = False
             params[s] += float(data["params"])
             keep[s] += float(data.get("keep", data["act"]))
+        for s, copied in enumerate(copied_bytes(graph, stage_of, stages)):
+            params[s] += copied  # a tie's later holders keep a copy of their own
         edges = {pair: size / microbatches
                  for pair, size in crossing_bytes(graph, stage_of).items()}
         m = float(microbatches)

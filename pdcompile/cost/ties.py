@@ -10,10 +10,14 @@ the others.
 
 The CostGraph lists the parameters read by several of its nodes in its `ties` attribute, each
 `{"bytes": ..., "nodes": [...]}` (cost/node_costs.py `to_cost_graph`; node names may be
-members of fused blocks). Here: which stages share them under a plan (`shared_weights`), and the
-seconds of their all-reduce, a ring over the union of those stages' ranks on the slowest level
-it spans (cost/links.py `stage_allreduce_seconds`, the formula of a replicated stage's
-all-reduce): 0 where one rank holds every copy. The simulator (backends/action_costs.py) and
+members of fused blocks; the first is the reader whose `params` count the bytes, since the
+CostGraph counts a parameter once). Here: which stages share them under a plan
+(`shared_weights`), the bytes of the copies that the other holders keep (`copied_bytes`: each
+is a whole parameter with its gradient, optimizer state and stashed versions, which the
+stages' parameter bytes must count), and the seconds of their all-reduce, a ring over the
+union of those stages' ranks on the slowest level it spans (cost/links.py
+`stage_allreduce_seconds`, the formula of a replicated stage's all-reduce): 0 where one rank
+holds every copy. The simulator (backends/action_costs.py) and
 the closed form (cost/pipeline_time.py `stage_terms`) both price the update with it.
 """
 
@@ -60,6 +64,30 @@ def shared_weights(graph: Any, stage_of: dict[str, int]) -> tuple[SharedWeights,
     return tuple(SharedWeights(stages, nbytes) for stages, nbytes in sorted(groups.items()))
 
 
+def copied_bytes(graph: Any, stage_of: dict[str, int], stages: int) -> list[float]:
+    """Per stage, the bytes of tied parameters it holds a copy of but the CostGraph counts at
+    another stage: that of the tie's first reader, whose node's `params` hold them. The split
+    gives every stage reading a tie a copy of its own (passes/split.py; on one rank too,
+    runtime/rank_ties.py), so each such stage keeps those bytes, their gradient, optimizer state
+    and weight versions as it keeps its own parameters'. Zeros for a graph without ties."""
+    out = [0.0] * stages
+    ties = graph.graph.get("ties", ())
+    if not ties:
+        return out
+    block_of = {member: node for node, data in graph.nodes(data=True)
+                for member in data.get("members", [node])}
+    for tie in ties:
+        held = [stage_of[block_of[n]] for n in tie["nodes"] if n in block_of]
+        if not held:
+            continue
+        first = tie["nodes"][0]
+        counted = stage_of[block_of[first]] if first in block_of else min(held)
+        for stage in sorted(set(held)):
+            if stage != counted:
+                out[stage] += float(tie["bytes"])
+    return out
+
+
 def stage_tie_seconds(ties: Sequence[SharedWeights], stage_ranks: Sequence[Sequence[int]],
                       cluster: Cluster) -> list[float]:
     """Per stage, the seconds of the tie all-reduces it joins at each update."""
@@ -96,5 +124,5 @@ def tie_partners(ties: Sequence[SharedWeights],
     return out
 
 
-__all__ = ["SharedWeights", "rank_tie_seconds", "shared_weights", "stage_tie_seconds",
-           "tie_partners"]
+__all__ = ["SharedWeights", "copied_bytes", "rank_tie_seconds", "shared_weights",
+           "stage_tie_seconds", "tie_partners"]

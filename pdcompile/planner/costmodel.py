@@ -57,6 +57,7 @@ from pdcompile.cost.pipeline_time import (
 )
 from pdcompile.cost.recompute import recompute_costs
 from pdcompile.cost.stage_costs import StageCosts
+from pdcompile.cost.ties import copied_bytes
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.plan import Stage
@@ -355,7 +356,8 @@ def stage_values(*, compute: Any, backward: Any, params: Any, keep: Any, receive
     bytes per minibatch of the stage; `received` / `sent` bytes per minibatch over its input /
     output links; `rest` the fwd+bwd of everything after it; `coef` a `Placement` whose fields
     may be arrays (one per candidate position); `passing` bytes per minibatch skipping over it
-    (`stage_parts`). See the module docstring; the DP and the brute-force tests share it."""
+    (`stage_parts`); `params` counts a tied parameter on every stage holding a copy. See the
+    module docstring; the DP and the brute-force tests share it."""
     parts = stage_parts(compute=compute, backward=backward, params=params, keep=keep,
                         received=received, sent=sent, coef=coef, options=options, memory=memory,
                         passing=passing, sent_copies=sent_copies)
@@ -456,6 +458,8 @@ def planning_objective(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], 
             backward[i] += float(data["bwd"])
         params[i] += float(data["params"])
         keep[i] += float(data.get("keep", data["act"]))
+    for i, copied in enumerate(copied_bytes(graph, stage_of, count)):
+        params[i] += copied  # a tie's copy on each later holder (cost/ties.py)
     weight = {u: max((float(graph.edges[u, v].get("bytes", graph.nodes[u]["act"]))
                       for v in graph.successors(u)), default=0.0) for u in graph.nodes}
     worst = 0.0
@@ -580,7 +584,8 @@ def closed_form_floor(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], S
     terms, ranks = built.terms, built.ranks
     edges, params = dict(built.costs.edges), built.costs.params
     interface = server_interface_seconds(edges, ranks, params, cluster,
-                                         schedule=options.schedule, microbatches=m) * m
+                                         schedule=options.schedule, microbatches=m,
+                                         ties=built.costs.ties) * m
     if row.flush:
         work = max(math.ceil(m / t.replicas) * t.compute - t.deferred for t in terms)
     else:
@@ -660,7 +665,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
     row = kind(options.schedule)
     copying = [row.copies_weights and n > 1 for n in flight]
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
-                          microbatches=m, params=params)
+                          microbatches=m, params=params, ties=built.costs.ties)
     priced = []
     for i, term in enumerate(terms):
         r = term.replicas

@@ -77,6 +77,22 @@ class StateTables:
     copies: np.ndarray  # [s] bytes of the edges leaving the downset (loopback copies, at most)
     edges: np.ndarray  # [n, n] bytes of edge u -> v
     valid: np.ndarray  # [k, j] bool: a stage may span (k, j]
+    # tied parameters (the CostGraph's `ties`, cost/ties.py), one row per tie:
+    tie_bytes: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [t] bytes
+    tie_readers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [t, s] readers
+    # of the tie in the downset
+    tie_owner: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [t, s] 1 where
+    # the downset holds the reader whose params count the tie (its first)
+
+    def tie_copies(self, k: int, js: np.ndarray) -> np.ndarray:
+        """Bytes of the tied parameters that the stages (k, j] for j in `js` hold a copy of
+        but `params` counts at another stage (cost/ties.py `copied_bytes`): a reader of the tie
+        in the stage, not the first."""
+        if self.tie_bytes.size == 0:
+            return np.zeros(js.size)
+        held = self.tie_readers[:, js] - self.tie_readers[:, k:k + 1] > 0  # [t, j]
+        first = self.tie_owner[:, js] - self.tie_owner[:, k:k + 1] > 0
+        return (held & ~first).T @ self.tie_bytes
 
     def crossing(self, k: int, js: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Bytes received, sent and passing over per minibatch by the stages (k, j] for j in
@@ -147,10 +163,23 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
     for j in range(s):
         raw = np.frombuffer(states.reach[j].to_bytes(width, "little"), dtype=np.uint8)
         valid[:, j] = np.unpackbits(raw, bitorder="little")[:s].astype(bool)
+    block_of = {m: x for x, d in zip(order, node, strict=True) for m in d.get("members", [x])}
+    ties = [t for t in graph.graph.get("ties", ()) if any(n in block_of for n in t["nodes"])]
+    readers = np.zeros((len(ties), n))
+    owner = np.zeros((len(ties), n))
+    for t, tie in enumerate(ties):
+        for name in tie["nodes"]:
+            if name in block_of:
+                readers[t, index[block_of[name]]] = 1.0
+        first = tie["nodes"][0]
+        owner[t, index[block_of[first]] if first in block_of
+              else int(np.flatnonzero(readers[t])[0])] = 1.0
     return StateTables(compute=member @ comp, forward=member @ fwd, params=member @ par,
                        keep=member @ keep, act=member @ act, frontier=frontier, inside=inside,
                        degree=degree, weight=weight, leaving=leaving, copies=copies,
-                       edges=sizes, valid=valid)
+                       edges=sizes, valid=valid,
+                       tie_bytes=np.array([float(t["bytes"]) for t in ties]),
+                       tie_readers=readers @ member.T, tie_owner=owner @ member.T)
 
 
 # ------------------------------------------------------------------------------ native
@@ -326,9 +355,10 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
             received, sent = np.zeros(js.size), tables.leaving[js].copy()
             passing = np.zeros(js.size)
             copied = tables.copies[js].copy() if copying else sent
+        tie_copy = tables.tie_copies(k, js)  # a tie's copies on its later holders
         figures = {"compute": (tables.compute[js] - tables.compute[k])[:, None],
                    "backward": (backward[js] - backward[k])[:, None],
-                   "params": (tables.params[js] - tables.params[k])[:, None],
+                   "params": (tables.params[js] - tables.params[k] + tie_copy)[:, None],
                    "keep": (tables.keep[js] - base * tables.keep[k])[:, None],
                    "received": received[:, None], "sent": sent[:, None],
                    "passing": passing[:, None], "sent_copies": copied[:, None]}

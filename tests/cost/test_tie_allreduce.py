@@ -35,18 +35,21 @@ from pdcompile.planner import price_plan
 from pdcompile.planner.simulation import simulate_plan
 
 
-def _chain(blocks: list[tuple[float, float]], tie: float | None, *, params: float = 1e5,
-           act: float = 1e6) -> nx.DiGraph:
-    """An embedding, `blocks` (forward, backward seconds) and a head reading the embedding's
-    weight again (`tie` bytes; None: the head's weight is its own)."""
+def _chain(blocks: list[tuple[float, float]], tie: float, *, tied: bool = True,
+           params: float = 1e5, act: float = 1e6) -> nx.DiGraph:
+    """An embedding of `tie` bytes, `blocks` (forward, backward seconds) and a head reading the
+    embedding's weight again (`tied`; else a weight of its own of the same bytes, so that the
+    two differ by the tie's all-reduce alone); `params` bytes of other weights per node. The
+    CostGraph counts a tied weight at its first reader (the embedding)."""
     graph = new_cost_graph("lm", 8)
     names = ["emb"] + [f"b{i}" for i in range(len(blocks))] + ["head"]
     times = [(1e-3, 2e-3), *blocks, (1e-3, 2e-3)]
     for name, (fwd, bwd) in zip(names, times, strict=True):
-        add_block(graph, name, fwd=fwd, bwd=bwd, act=act, params=params)
+        own = tie if name == "emb" or (name == "head" and not tied) else 0.0
+        add_block(graph, name, fwd=fwd, bwd=bwd, act=act, params=params + own)
     for a, b in zip(names, names[1:], strict=False):
         graph.add_edge(a, b)
-    if tie is not None:
+    if tied:
         graph.graph["ties"] = [{"bytes": tie, "nodes": ["emb", "head"]}]
     return graph
 
@@ -73,7 +76,7 @@ NETWORK = Cluster.parse("4@1e10")
 @pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe", "zb-h1"])
 def test_a_tie_split_across_ranks_adds_its_allreduce_to_the_step(schedule: str) -> None:
     blocks = [(2e-3, 4e-3)] * 4
-    tied, untied = _chain(blocks, TIE), _chain(blocks, None)
+    tied, untied = _chain(blocks, TIE), _chain(blocks, TIE, tied=False)
     plan = _plan(tied, [3], [(0,), (1,)], schedule, 8)
     price = SharedWeights((0, 1), TIE).seconds([(0,), (1,)], NETWORK)
     assert price == pytest.approx(TIE / 1e10)  # a ring of two: 2 (r-1)/r = 1 x the bytes
@@ -86,7 +89,7 @@ def test_a_v_holding_both_readers_on_one_rank_pays_nothing() -> None:
     """ZB-V puts stages 0 and 3 (the embedding and the head) on rank 0: its copies are summed
     in memory (runtime/rank_ties.py), no all-reduce crosses ranks."""
     blocks = [(2e-3, 4e-3)] * 4
-    tied, untied = _chain(blocks, TIE), _chain(blocks, None)
+    tied, untied = _chain(blocks, TIE), _chain(blocks, TIE, tied=False)
     plan = _plan(tied, [2, 3, 4], [(0,), (1,), (1,), (0,)], "zb-v", 8)
     assert StageCosts.from_plan(tied, plan).ties == (SharedWeights((0, 3), TIE),)
     assert rank_tie_seconds(StageCosts.from_plan(tied, plan).ties,
@@ -111,7 +114,7 @@ def test_the_closed_form_prices_tied_plans_as_the_simulator(data: st.DataObject,
     ranks = [(s,) for s in range(stages)]
     micro = 1 if schedule == "1f1b" else data.draw(st.integers(4 * stages, 16))
     prices = {}
-    for name, graph in (("tied", _chain(blocks, tie)), ("untied", _chain(blocks, None))):
+    for name, graph in (("tied", _chain(blocks, tie)), ("untied", _chain(blocks, tie, tied=False))):
         plan = _plan(graph, cuts, ranks, schedule, micro)
         priced = price_plan(graph, plan, cluster, memory=1e30, simulate=True)
         closed = priced.extra["closed_form_time_per_minibatch"]
@@ -189,6 +192,6 @@ def test_ranks_sharing_a_tie_that_update_at_different_rates_are_refused() -> Non
         simulate_plan(graph, plan, NETWORK, minibatches=8, timeline=False)
     # a flush updates every stage once per minibatch: it runs, and pays the tie
     flush = _plan(graph, [2], [(0, 1), (2,)], "1f1b-flush", 8)
-    untied = _plan(_chain([(2e-3, 4e-3)] * 2, None), [2], [(0, 1), (2,)], "1f1b-flush", 8)
-    assert _simulated(graph, flush, NETWORK) > _simulated(_chain([(2e-3, 4e-3)] * 2, None),
-                                                          untied, NETWORK)
+    own = _chain([(2e-3, 4e-3)] * 2, TIE, tied=False)
+    untied = _plan(own, [2], [(0, 1), (2,)], "1f1b-flush", 8)
+    assert _simulated(graph, flush, NETWORK) > _simulated(own, untied, NETWORK)
