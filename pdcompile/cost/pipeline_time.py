@@ -66,6 +66,7 @@ from pdcompile.cost.steady_cycle import steady_cycle
 from pdcompile.cost.ties import SharedWeights, stage_tie_seconds
 from pdcompile.cost.updates import copy_seconds, step_seconds, update_scale
 from pdcompile.machine.cluster import Cluster
+from pdcompile.schedule.ir import replica_pattern
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind
 
 
@@ -93,11 +94,31 @@ class StageTerms:
     # stage of `tie_group` (the stages sharing them, this one included) to reach its update
     tie: float = 0.0
     tie_group: tuple[int, ...] = ()
+    # per replica, its seconds per microbatch over `fwd` + `bwd` (replicas of two speeds: the
+    # faster ones below 1); empty where the replicas compute alike
+    paces: tuple[float, ...] = ()
+    shares: tuple[int, ...] = ()  # per replica, its microbatches of each round; empty: one each
 
     @property
     def compute(self) -> float:
         """Forward and backward of one microbatch."""
         return self.fwd + self.bwd
+
+    def busiest(self, microbatches: int) -> float:
+        """The microbatches of a minibatch of `microbatches` that the stage's busiest replica
+        computes, each counted at its pace (`paces`): ceil(m / r) where the replicas are
+        alike; on a mixed cluster, max_i c_i x pace_i over the counts c_i the round robin (or
+        the shares, `schedule.ir.replica_pattern`) deals out, so that a fast replica taking
+        the extra microbatch of an uneven deal does not count as a slow one."""
+        if not self.paces:
+            return float(math.ceil(microbatches / self.replicas))
+        pattern = replica_pattern(self.shares or (1,) * self.replicas)
+        rounds, rest = divmod(microbatches, len(pattern))
+        counts = [rounds * self.shares[i] if self.shares else rounds
+                  for i in range(self.replicas)]
+        for replica in pattern[:rest]:
+            counts[replica] += 1
+        return max(c * pace for c, pace in zip(counts, self.paces, strict=True))
 
 
 @dataclass(frozen=True)
@@ -174,9 +195,12 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
         weights = WGRAD_SHARE * bwd[s] if wgrad is None else min(wgrad[s], bwd[s])
         # on a mixed cluster the stage runs at its slowest replica's pace where they take turns,
         # at their shared speed where they take shares (cost/shares.py)
-        speed = cluster.slowest_speed(ranks) if shares is None or len(shares[s]) < 2 else \
-            shared_speed([cluster.speed_of(r) for r in ranks], shares[s])
+        speeds = [cluster.speed_of(r) for r in ranks]
+        shared = shares is not None and len(shares[s]) > 1
+        speed = shared_speed(speeds, shares[s]) if shares is not None and shared \
+            else min(speeds)
         slowness, updates = 1.0 / speed, update_scale(cluster, ranks)
+        alike = max(speeds) <= min(speeds) * (1.0 + 1e-12)
         out.append(StageTerms(
             fwd=fwd[s] * slowness, bwd=bwd[s] * slowness,
             allreduce=exposed_allreduce_seconds(
@@ -189,7 +213,9 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                                                  else copy_seconds(params[s], cluster.device)),
             cpu_copies=cpu, replicas=len(ranks), in_flight=max(1, int(in_flight[s])),
             deferred=weights * slowness if sends_back else 0.0,
-            wgrad=weights * slowness if row.split_backward else 0.0))
+            wgrad=weights * slowness if row.split_backward else 0.0,
+            paces=() if alike else tuple(speed / v for v in speeds),
+            shares=tuple(int(c) for c in shares[s]) if shares is not None and shared else ()))
     return out
 
 
@@ -600,7 +626,7 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
     path = max(reach)
     extra = []
     for s, t in enumerate(terms):
-        share = math.ceil(m / t.replicas)  # microbatches on the stage's busiest replica
+        share = t.busiest(m)  # microbatches on the stage's busiest replica
         period = t.compute + t.cpu_copies
         if share > t.in_flight:  # too few in flight to cover the round trip: the circuits bind
             period = max(period, circuits[s][0] * t.replicas)
@@ -608,9 +634,9 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
     links = [((math.ceil(m / math.lcm(len(stage_ranks[a]), len(stage_ranks[c]))) - 1) * sec,
               f"link {a}->{c}") for (a, c), sec in busy.items()]
     if gpipe:  # all forwards, then all backwards: each phase has its own busiest stage or link
-        forward = max([((math.ceil(m / t.replicas) - 1) * t.fwd, f"stage {s}")
+        forward = max([((t.busiest(m) - 1) * t.fwd, f"stage {s}")
                        for s, t in enumerate(terms)] + links)
-        backward = max([((math.ceil(m / t.replicas) - 1) * t.bwd, f"stage {s}")
+        backward = max([((t.busiest(m) - 1) * t.bwd, f"stage {s}")
                         for s, t in enumerate(terms)] + links)
         extra = [(forward[0] + backward[0], f"{forward[1]} forwards, {backward[1]} backwards")]
     added, bound = max(extra + links, key=lambda e: e[0])
@@ -619,7 +645,7 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
     for s, t in enumerate(terms):
         tail = max(tail, t.allreduce + t.step - back)
         back += t.bwd + max((sec for (a, _), sec in transfer.items() if a == s), default=0.0)
-    work = tuple(math.ceil(m / t.replicas) * t.compute for t in terms)
+    work = tuple(t.busiest(m) * t.compute for t in terms)
     return PipelineTime(path + added + tail, bound if added > 0 else "fill and drain", work,
                         tuple(rt for _, rt in circuits))
 
