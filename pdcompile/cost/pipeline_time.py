@@ -374,7 +374,8 @@ def _queued(serial: Queue, step: int) -> float:
 
 
 def _circuit_ratio(lengths: Sequence[float], tokens: int,
-                   waits: Sequence[Waiting | None] = (None,)) -> float:
+                   waits: Sequence[Waiting | None] = (None,),
+                   turns: tuple[int, float] | None = None) -> float:
     """The largest time per microbatch that circuits of `lengths` (per microbatch residue, each
     advancing `tokens` microbatches: `_orbit_length`) impose; with `waiting` = (r_k, own_k,
     serial), a
@@ -399,10 +400,26 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
     is then that round trip: the microbatches of the next round cross K again before they
     return), and the round's backward m' and the next forwards are apart by what k and K
     hold in flight: `shift` = (N_k - 1) r_k - (N_K - 1) r_K more microbatches on the way
-    (0 where K is k)."""
+    (0 where K is k).
+
+    `turns` = (r_s, own_s), flush schedules: a replica of the circuit's head stage s runs
+    its microbatches one after another, m then m + r_s, own_s apart (1F1B runs a backward
+    between two forwards). A chain of circuits may step through them: where the circuits
+    of alternate microbatches differ (a replica of a later stage on another server), the
+    slow ones chain each other through the fast ones' turns (F(m) -> B(m) -> F(m + N) ->
+    B(m + 1) -> F(m + N + 1) -> ...), so the slow class binds rather than the mean along
+    the circuits alone: `lengths[m]` over `tokens` and own_s over r_s, one event graph.
+    Streaming schedules leave it None: their queueing and rounds stand for it."""
     if tokens <= 0:
         return math.inf
     rounds = [w for w in waits if w is not None and w[0] > 1]
+    if not rounds and turns is not None:
+        replicas, work = turns
+        size = math.lcm(len(lengths), replicas)
+        if size <= PAIRS_CAP:
+            chained = [[((m + tokens) % size, lengths[m % len(lengths)], tokens),
+                        ((m + replicas) % size, work, replicas)] for m in range(size)]
+            return largest_cycle_ratio(chained)[0]
     if not rounds:
         return _orbit_length(lengths, tokens) / tokens
     size = math.lcm(len(lengths), *(w[0] for w in rounds))
@@ -502,7 +519,8 @@ def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
             tokens = head.in_flight * head.replicas - (terms[k].in_flight - 1) * terms[k].replicas
             lengths = _lockstep(profile[k - s], head.replicas) if lockstep else profile[k - s]
             worst = max(worst, _circuit_ratio(
-                lengths, tokens, _waiting(terms, own, profiles, trips, s, k, lockstep)))
+                lengths, tokens, _waiting(terms, own, profiles, trips, s, k, lockstep),
+                turns=None if queueing else (head.replicas, own[s])))
         out.append((worst, sum(profile[-1]) / len(profile[-1])))
     return out
 

@@ -81,6 +81,32 @@ def test_closed_form_follows_each_microbatchs_rank_pair() -> None:
     assert priced.time_per_minibatch == pytest.approx(simulated.time_per_minibatch, rel=0.05)
 
 
+def test_flush_closed_form_chains_the_slow_pairs_round_trips() -> None:
+    """One stage on rank 0 feeds two replicas, one beside it and one on the other server
+    (4 MB per microbatch: 0.4 ms there, 4 ms across). Stage 0 computes 1.5 ms per microbatch
+    with 3 in flight, and 1F1B runs its backwards in order, so every other microbatch's
+    backward waits for the 8.2 ms round trip across, and the one after it waits behind:
+    B(m) F(m+3) B(m+1) F(m+4) then the 8.2 ms wait before B(m+4), 11.2 ms per 4 microbatches
+    (2.8 ms each), where averaging the fast and slow round trips along m -> m+3 alone gives
+    1.2 ms, under the stage's own 1.5 ms (the closed form charged 28 ms of the 36 ms the
+    schedule runs)."""
+    graph = new_cost_graph("alternating")
+    add_block(graph, "x", fwd=0.0, bwd=0.0, act=1e6, params=0.0)
+    add_block(graph, "a", fwd=0.006, bwd=0.012, act=4.8e7, params=1e6)
+    add_block(graph, "b", fwd=0.0006, bwd=0.0012, act=1e6, params=1e6)
+    graph.add_edge("x", "a")
+    graph.add_edge("a", "b")
+    cluster = Cluster.parse("2x2@1e10,1e9~5us,20us")
+    given_plan = Plan(stages=(Stage(("x", "a"), 1, (0,)), Stage(("b",), 2, (1, 2))),
+                      time_per_minibatch=0.0, dp_time=0.0, workers=3)
+    priced = price_plan(graph, given_plan, cluster, schedule="1f1b-flush", microbatches=12,
+                        memory=1e30, simulate=True)
+    assert priced.stages[0].in_flight == 3
+    assert priced.time_per_minibatch > 12 * 2.8e-3  # the slow pair's chain, then the flush
+    assert priced.extra["closed_form_time_per_minibatch"] == pytest.approx(
+        priced.time_per_minibatch, rel=0.05)
+
+
 class Fanned(torch.nn.Module):
     """One tensor read by two layers of the next stage and by a later one (a skip)."""
 
