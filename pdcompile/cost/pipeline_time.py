@@ -40,7 +40,9 @@ r_s replicas, N_s microbatches in flight per replica (warm-up depth + 1).
   transfers there and back), and the busiest stage adds its other microbatches,
   (ceil(M / r_s) - 1) x its period (t_s, or RT_s / N_s, without the queueing of a round at
   a stage with fewer replicas, when too few are in flight to hide
-  the round trip); then every stage all-reduces and steps.
+  the round trip, the circuits chained through the replica's own turns); then every stage
+  all-reduces and steps. Replicas of different speeds count what the deal gives each at its
+  own pace instead of ceil(M / r_s) (`StageTerms.busiest`).
 """
 
 from __future__ import annotations
