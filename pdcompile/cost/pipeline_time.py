@@ -41,8 +41,10 @@ r_s replicas, N_s microbatches in flight per replica (warm-up depth + 1).
   (ceil(M / r_s) - 1) x its period (t_s, or RT_s / N_s, without the queueing of a round at
   a stage with fewer replicas, when too few are in flight to hide
   the round trip, the circuits chained through the replica's own turns); then every stage
-  all-reduces and steps. Replicas of different speeds count what the deal gives each at its
-  own pace instead of ceil(M / r_s) (`StageTerms.busiest`).
+  all-reduces and steps (what of that outlasts the backwards still to run before stage 0's
+  last; GPipe's backward phase also hides it behind a busier stage or link before it).
+  Replicas of different speeds count what the deal gives each at its own pace instead of
+  ceil(M / r_s) (`StageTerms.busiest`).
 """
 
 from __future__ import annotations
@@ -660,10 +662,17 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
                         for s, t in enumerate(terms)] + links)
         extra = [(forward[0] + backward[0], f"{forward[1]} forwards, {backward[1]} backwards")]
     added, bound = max(extra + links, key=lambda e: e[0])
-    # the last backward of stage s ends before stage 0's by the backwards of stages before it
+    # the last backward of stage s ends before stage 0's by the backwards of stages before it;
+    # in GPipe's backward phase, which runs at the pace of its busiest stage or link, also by
+    # what a busier one before it adds (`ahead`: s's all-reduce hides behind it; a link
+    # (a, c) counts from a)
+    phase = [(float(s), (t.busiest(m) - 1) * t.bwd) for s, t in enumerate(terms)] \
+        + [(a + 0.5, seconds) for (seconds, _), (a, _) in zip(links, busy, strict=True)]
     back = tail = 0.0
     for s, t in enumerate(terms):
-        tail = max(tail, t.allreduce + t.step - back)
+        ahead = 0.0 if not gpipe else max(v for _, v in phase) \
+            - max((v for at, v in phase if at >= s), default=0.0)
+        tail = max(tail, t.allreduce + t.step - back - ahead)
         back += t.bwd + max((sec for (a, _), sec in transfer.items() if a == s), default=0.0)
     work = tuple(t.busiest(m) * t.compute for t in terms)
     return PipelineTime(path + added + tail, bound if added > 0 else "fill and drain", work,

@@ -104,9 +104,10 @@ def test_mixed_clusters_refuse_what_they_cannot_plan() -> None:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=2,
-                                       max_size=2))
+                                       max_size=2),
+       schedule=st.sampled_from(["1f1b-flush", "gpipe"]))
 def test_closed_form_follows_the_simulator_on_mixed_clusters(
-        data: st.DataObject, speeds: list[float]) -> None:
+        data: st.DataObject, speeds: list[float], schedule: str) -> None:
     graph = data.draw(fanned_graphs())
     given_plan, plain = data.draw(plans(graph))
     cut = data.draw(st.integers(1, plain.workers - 1))
@@ -116,7 +117,7 @@ def test_closed_form_follows_the_simulator_on_mixed_clusters(
     stages = len(given_plan.stages)
     most = max(s.replicas for s in given_plan.stages)
     microbatches = data.draw(st.integers(max(most, 4 * stages), 32))
-    priced = price_plan(graph, given_plan, cluster, schedule="1f1b-flush",
+    priced = price_plan(graph, given_plan, cluster, schedule=schedule,
                         microbatches=microbatches, memory=1e30, simulate=True)
     closed = priced.extra["closed_form_time_per_minibatch"]
     assert closed == pytest.approx(priced.time_per_minibatch, rel=0.15)
