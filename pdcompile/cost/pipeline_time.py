@@ -40,7 +40,11 @@ r_s replicas, N_s microbatches in flight per replica (warm-up depth + 1).
   transfers there and back), and the busiest stage adds its other microbatches,
   (ceil(M / r_s) - 1) x its period (t_s, or RT_s / N_s, without the queueing of a round at
   a stage with fewer replicas, when too few are in flight to hide
-  the round trip); then every stage all-reduces and steps.
+  the round trip, the circuits chained through the replica's own turns); then every stage
+  all-reduces and steps (what of that outlasts the backwards still to run before stage 0's
+  last; GPipe's backward phase also hides it behind a busier stage or link before it).
+  Replicas of different speeds count what the deal gives each at its own pace instead of
+  ceil(M / r_s) (`StageTerms.busiest`).
 """
 
 from __future__ import annotations
@@ -66,6 +70,7 @@ from pdcompile.cost.steady_cycle import steady_cycle
 from pdcompile.cost.ties import SharedWeights, stage_tie_seconds
 from pdcompile.cost.updates import copy_seconds, step_seconds, update_scale
 from pdcompile.machine.cluster import Cluster
+from pdcompile.schedule.ir import replica_pattern
 from pdcompile.schedule.kinds import WGRAD_SHARE, kind
 
 
@@ -93,11 +98,31 @@ class StageTerms:
     # stage of `tie_group` (the stages sharing them, this one included) to reach its update
     tie: float = 0.0
     tie_group: tuple[int, ...] = ()
+    # per replica, its seconds per microbatch over `fwd` + `bwd` (replicas of two speeds: the
+    # faster ones below 1); empty where the replicas compute alike
+    paces: tuple[float, ...] = ()
+    shares: tuple[int, ...] = ()  # per replica, its microbatches of each round; empty: one each
 
     @property
     def compute(self) -> float:
         """Forward and backward of one microbatch."""
         return self.fwd + self.bwd
+
+    def busiest(self, microbatches: int) -> float:
+        """The microbatches of a minibatch of `microbatches` that the stage's busiest replica
+        computes, each counted at its pace (`paces`): ceil(m / r) where the replicas are
+        alike; on a mixed cluster, max_i c_i x pace_i over the counts c_i the round robin (or
+        the shares, `schedule.ir.replica_pattern`) deals out, so that a fast replica taking
+        the extra microbatch of an uneven deal does not count as a slow one."""
+        if not self.paces:
+            return float(math.ceil(microbatches / self.replicas))
+        pattern = replica_pattern(self.shares or (1,) * self.replicas)
+        rounds, rest = divmod(microbatches, len(pattern))
+        counts = [rounds * self.shares[i] if self.shares else rounds
+                  for i in range(self.replicas)]
+        for replica in pattern[:rest]:
+            counts[replica] += 1
+        return max(c * pace for c, pace in zip(counts, self.paces, strict=True))
 
 
 @dataclass(frozen=True)
@@ -174,9 +199,12 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
         weights = WGRAD_SHARE * bwd[s] if wgrad is None else min(wgrad[s], bwd[s])
         # on a mixed cluster the stage runs at its slowest replica's pace where they take turns,
         # at their shared speed where they take shares (cost/shares.py)
-        speed = cluster.slowest_speed(ranks) if shares is None or len(shares[s]) < 2 else \
-            shared_speed([cluster.speed_of(r) for r in ranks], shares[s])
+        speeds = [cluster.speed_of(r) for r in ranks]
+        shared = shares is not None and len(shares[s]) > 1
+        speed = shared_speed(speeds, shares[s]) if shares is not None and shared \
+            else min(speeds)
         slowness, updates = 1.0 / speed, update_scale(cluster, ranks)
+        alike = max(speeds) <= min(speeds) * (1.0 + 1e-12)
         out.append(StageTerms(
             fwd=fwd[s] * slowness, bwd=bwd[s] * slowness,
             allreduce=exposed_allreduce_seconds(
@@ -189,7 +217,9 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
                                                  else copy_seconds(params[s], cluster.device)),
             cpu_copies=cpu, replicas=len(ranks), in_flight=max(1, int(in_flight[s])),
             deferred=weights * slowness if sends_back else 0.0,
-            wgrad=weights * slowness if row.split_backward else 0.0))
+            wgrad=weights * slowness if row.split_backward else 0.0,
+            paces=() if alike else tuple(speed / v for v in speeds),
+            shares=tuple(int(c) for c in shares[s]) if shares is not None and shared else ()))
     return out
 
 
@@ -353,7 +383,8 @@ def _queued(serial: Queue, step: int) -> float:
 
 
 def _circuit_ratio(lengths: Sequence[float], tokens: int,
-                   waits: Sequence[Waiting | None] = (None,)) -> float:
+                   waits: Sequence[Waiting | None] = (None,),
+                   turns: tuple[int, float] | None = None) -> float:
     """The largest time per microbatch that circuits of `lengths` (per microbatch residue, each
     advancing `tokens` microbatches: `_orbit_length`) impose; with `waiting` = (r_k, own_k,
     serial), a
@@ -378,10 +409,26 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
     is then that round trip: the microbatches of the next round cross K again before they
     return), and the round's backward m' and the next forwards are apart by what k and K
     hold in flight: `shift` = (N_k - 1) r_k - (N_K - 1) r_K more microbatches on the way
-    (0 where K is k)."""
+    (0 where K is k).
+
+    `turns` = (r_s, own_s), flush schedules: a replica of the circuit's head stage s runs
+    its microbatches one after another, m then m + r_s, own_s apart (1F1B runs a backward
+    between two forwards). A chain of circuits may step through them: where the circuits
+    of alternate microbatches differ (a replica of a later stage on another server), the
+    slow ones chain each other through the fast ones' turns (F(m) -> B(m) -> F(m + N) ->
+    B(m + 1) -> F(m + N + 1) -> ...), so the slow class binds rather than the mean along
+    the circuits alone: `lengths[m]` over `tokens` and own_s over r_s, one event graph.
+    Streaming schedules leave it None: their queueing and rounds stand for it."""
     if tokens <= 0:
         return math.inf
     rounds = [w for w in waits if w is not None and w[0] > 1]
+    if not rounds and turns is not None:
+        replicas, work = turns
+        size = math.lcm(len(lengths), replicas)
+        if size <= PAIRS_CAP:
+            chained = [[((m + tokens) % size, lengths[m % len(lengths)], tokens),
+                        ((m + replicas) % size, work, replicas)] for m in range(size)]
+            return largest_cycle_ratio(chained)[0]
     if not rounds:
         return _orbit_length(lengths, tokens) / tokens
     size = math.lcm(len(lengths), *(w[0] for w in rounds))
@@ -481,7 +528,8 @@ def _circuits(terms: Sequence[StageTerms], own: Sequence[float],
             tokens = head.in_flight * head.replicas - (terms[k].in_flight - 1) * terms[k].replicas
             lengths = _lockstep(profile[k - s], head.replicas) if lockstep else profile[k - s]
             worst = max(worst, _circuit_ratio(
-                lengths, tokens, _waiting(terms, own, profiles, trips, s, k, lockstep)))
+                lengths, tokens, _waiting(terms, own, profiles, trips, s, k, lockstep),
+                turns=None if queueing else (head.replicas, own[s])))
         out.append((worst, sum(profile[-1]) / len(profile[-1])))
     return out
 
@@ -605,7 +653,7 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
     path = max(reach)
     extra = []
     for s, t in enumerate(terms):
-        share = math.ceil(m / t.replicas)  # microbatches on the stage's busiest replica
+        share = t.busiest(m)  # microbatches on the stage's busiest replica
         period = t.compute + t.cpu_copies
         if share > t.in_flight:  # too few in flight to cover the round trip: the circuits bind
             period = max(period, circuits[s][0] * t.replicas)
@@ -613,18 +661,25 @@ def _flush(terms: Sequence[StageTerms], transfer: dict[tuple[int, int], float],
     links = [((math.ceil(m / math.lcm(len(stage_ranks[a]), len(stage_ranks[c]))) - 1) * sec,
               f"link {a}->{c}") for (a, c), sec in busy.items()]
     if gpipe:  # all forwards, then all backwards: each phase has its own busiest stage or link
-        forward = max([((math.ceil(m / t.replicas) - 1) * t.fwd, f"stage {s}")
+        forward = max([((t.busiest(m) - 1) * t.fwd, f"stage {s}")
                        for s, t in enumerate(terms)] + links)
-        backward = max([((math.ceil(m / t.replicas) - 1) * t.bwd, f"stage {s}")
+        backward = max([((t.busiest(m) - 1) * t.bwd, f"stage {s}")
                         for s, t in enumerate(terms)] + links)
         extra = [(forward[0] + backward[0], f"{forward[1]} forwards, {backward[1]} backwards")]
     added, bound = max(extra + links, key=lambda e: e[0])
-    # the last backward of stage s ends before stage 0's by the backwards of stages before it
+    # the last backward of stage s ends before stage 0's by the backwards of stages before it;
+    # in GPipe's backward phase, which runs at the pace of its busiest stage or link, also by
+    # what a busier one before it adds (`ahead`: s's all-reduce hides behind it; a link
+    # (a, c) counts from a)
+    phase = [(float(s), (t.busiest(m) - 1) * t.bwd) for s, t in enumerate(terms)] \
+        + [(a + 0.5, seconds) for (seconds, _), (a, _) in zip(links, busy, strict=True)]
     back = tail = 0.0
     for s, t in enumerate(terms):
-        tail = max(tail, t.allreduce + t.step - back)
+        ahead = 0.0 if not gpipe else max(v for _, v in phase) \
+            - max((v for at, v in phase if at >= s), default=0.0)
+        tail = max(tail, t.allreduce + t.step - back - ahead)
         back += t.bwd + max((sec for (a, _), sec in transfer.items() if a == s), default=0.0)
-    work = tuple(math.ceil(m / t.replicas) * t.compute for t in terms)
+    work = tuple(t.busiest(m) * t.compute for t in terms)
     return PipelineTime(path + added + tail, bound if added > 0 else "fill and drain", work,
                         tuple(rt for _, rt in circuits))
 

@@ -587,7 +587,7 @@ def closed_form_floor(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], S
                                          schedule=options.schedule, microbatches=m,
                                          ties=built.costs.ties) * m
     if row.flush:
-        work = max(math.ceil(m / t.replicas) * t.compute - t.deferred for t in terms)
+        work = max(t.busiest(m) * t.compute - t.deferred for t in terms)
     else:
         work = max((t.compute + t.cpu_copies + (t.allreduce + t.step + t.copy)
                     * update_share(options.schedule, m, t.replicas)) / t.replicas
@@ -677,7 +677,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
                             optimizer_state=options.optimizer_state).total
         if row.flush:  # one all-reduce and step per minibatch
             sync = term.allreduce
-            work = math.ceil(m / r) * (term.compute + term.cpu_copies) + term.allreduce \
+            work = term.busiest(m) * (term.compute + term.cpu_copies) + term.allreduce \
                 + term.step
         else:
             sync = term.allreduce * update_share(options.schedule, m, r) * m / r

@@ -134,9 +134,11 @@ class Schedule:
             raise ScheduleError(f"rank {rank} runs no stage of this schedule")
         return found
 
-    @property
+    @functools.cached_property
     def shares(self) -> tuple[tuple[int, ...], ...]:
-        """Per stage, the microbatches each replica takes per round (all ones: round robin)."""
+        """Per stage, the microbatches each replica takes per round (all ones: round robin).
+        Worked out once per schedule: the lowering, the validation and the simulator ask
+        for it (`round_size`) for every action they place."""
         given = self.options.get("shares")
         if given is None:
             return tuple((1,) * len(ranks) for ranks in self.stage_ranks)

@@ -104,9 +104,10 @@ def test_mixed_clusters_refuse_what_they_cannot_plan() -> None:
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(data=st.data(), speeds=st.lists(st.sampled_from([0.5, 1.0, 2.0]), min_size=2,
-                                       max_size=2))
+                                       max_size=2),
+       schedule=st.sampled_from(["1f1b-flush", "gpipe"]))
 def test_closed_form_follows_the_simulator_on_mixed_clusters(
-        data: st.DataObject, speeds: list[float]) -> None:
+        data: st.DataObject, speeds: list[float], schedule: str) -> None:
     graph = data.draw(fanned_graphs())
     given_plan, plain = data.draw(plans(graph))
     cut = data.draw(st.integers(1, plain.workers - 1))
@@ -116,10 +117,37 @@ def test_closed_form_follows_the_simulator_on_mixed_clusters(
     stages = len(given_plan.stages)
     most = max(s.replicas for s in given_plan.stages)
     microbatches = data.draw(st.integers(max(most, 4 * stages), 32))
-    priced = price_plan(graph, given_plan, cluster, schedule="1f1b-flush",
+    priced = price_plan(graph, given_plan, cluster, schedule=schedule,
                         microbatches=microbatches, memory=1e30, simulate=True)
     closed = priced.extra["closed_form_time_per_minibatch"]
     assert closed == pytest.approx(priced.time_per_minibatch, rel=0.15)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b-flush", "gpipe"])
+@pytest.mark.parametrize(("speeds", "microbatches", "dealt"), [
+    ((1.0, 0.5), 3, 0.040),  # 2 x 20 ms on the fast replica, 1 x 40 ms on the slow one
+    ((1.0, 0.5), 5, 0.048),  # 3 x 12 ms fast, 2 x 24 ms slow
+    ((0.5, 1.0), 3, 0.080),  # the slow replica is dealt the extra one: 2 x 40 ms
+])
+def test_flush_closed_form_charges_each_replica_what_the_round_robin_deals_it(
+        speeds: tuple[float, float], microbatches: int, dealt: float, schedule: str) -> None:
+    """The shrunk example of the property above: one stage of 60 ms per minibatch on a
+    replica and one half as fast. An odd count of microbatches gives the first replica the
+    extra one; where that one is the fast replica, the minibatch lasts what the slow one's
+    fewer microbatches take, not the slow replica's time for the larger count (the closed
+    form charged 80 ms and 72 ms for the 40 ms and 48 ms the schedule runs)."""
+    from pdcompile.plan import Plan, Stage
+
+    graph = chain(2, params=1.0)
+    cluster = Cluster(levels=Cluster.parse("2@1e10~5us").levels, groups=(
+        DeviceGroup(DEVICES["v100"], 1, speeds[0]), DeviceGroup(DEVICES["a100"], 1, speeds[1])))
+    given_plan = Plan(stages=(Stage(tuple(graph.nodes), 2, (0, 1)),), time_per_minibatch=0.0,
+                      dp_time=0.0, workers=2)
+    priced = price_plan(graph, given_plan, cluster, schedule=schedule,
+                        microbatches=microbatches, memory=1e30, simulate=True)
+    closed = priced.extra["closed_form_time_per_minibatch"]
+    assert priced.time_per_minibatch == pytest.approx(dealt, rel=1e-3)
+    assert closed == pytest.approx(dealt, rel=1e-3)
 
 
 def test_pricing_a_plan_its_schedule_cannot_feed_says_why() -> None:
