@@ -16,7 +16,13 @@ from safetensors.torch import load_file
 
 from pdcompile.errors import DamagedFileError, PdcompileError, PipelineInputError
 from pdcompile.export.callable_ref import resolve
-from pdcompile.export.files import UNSAVED_FIX, checked_source, read_file, read_meta
+from pdcompile.export.files import (
+    UNSAVED_FIX,
+    checked_source,
+    folder_path,
+    read_file,
+    read_meta,
+)
 from pdcompile.export.integrity import MANIFEST_NAME, code_files, code_text, verified_export
 from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.ops_tracer import OpsTracer
@@ -49,7 +55,9 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     `loss_fn` / `optimizer`: use these instead of the recorded ones (or where none could be
     recorded). Every file is first checked against the export's manifest, and the modules it
     names against its trust boundary (export/trust.py; `trust=True` lifts that check)."""
-    folder = Path(path)
+    folder = folder_path(path, "pdcompile.load")
+    if not isinstance(trust, bool):  # trust="no" is a true value: it lifted the check
+        raise PipelineInputError(f"pdcompile.load(trust={trust!r}): give True or False")
     if folder.exists() and not folder.is_dir():
         raise PipelineInputError(f"{str(folder)!r} is a file, not an export folder; name a "
                                  "folder written by `pdcompile export` or Pipeline.export(path)")
@@ -105,7 +113,8 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"],
-                    clip_grad_norm=meta.get("clip_grad_norm"), autocast=meta.get("autocast"))
+                    clip_grad_norm=meta.get("clip_grad_norm"), autocast=meta.get("autocast"),
+                    unbatched=meta.get("unbatched", ()))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]
