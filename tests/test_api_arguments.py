@@ -138,3 +138,13 @@ def test_load_refuses_options_of_the_wrong_kind(options: dict[str, Any], message
     with pytest.raises(PipelineInputError, match=message):
         pdcompile.load(tmp_path / "e", **options)
     assert pdcompile.load(tmp_path / "e", trust=False).plan.workers == 2
+
+
+def test_an_order_in_rounds_names_the_microbatch_counts_it_takes() -> None:
+    """zb-h1 and the interleaved orders take microbatches in rounds of one per worker; 3 on 2
+    workers said only 'try schedule='auto' or another microbatch count'."""
+    with pytest.raises(PlanError, match=r"\('zb-h1' takes microbatches in rounds of one per "
+                                        r"worker: give a multiple of 2, e\.g\. microbatches=4, "
+                                        r"or fewer than 2\)"):
+        _compile(stages=2, schedule="zb-h1", microbatches=3)
+    assert _compile(stages=2, schedule="zb-h1", microbatches=4).microbatches == 4
