@@ -30,7 +30,13 @@ from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.evaluation import evaluate_model, evaluation_mode
 from pdcompile.runtime.grad_clip import check_max_norm
 from pdcompile.runtime.message_specs import message_table, spec_function
-from pdcompile.runtime.microbatch_cut import checked_whole, cut_inputs, cut_target, first_microbatch
+from pdcompile.runtime.microbatch_cut import (
+    checked_whole,
+    cut_inputs,
+    cut_target,
+    first_microbatch,
+    misread_batch,
+)
 from pdcompile.runtime.precision import autocast_region, check_autocast
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import NoParameters, RankState
@@ -660,6 +666,9 @@ class Pipeline:
                 f"{len(names)} ({', '.join(names)}); pass them positionally as in "
                 "example_inputs")
         self._check_none_inputs(index, tuple(inputs))
+        misread = misread_batch(self._named(tuple(inputs)), target, self.unbatched)
+        if misread is not None:
+            raise PipelineInputError(f"minibatch {index}: {misread}")
         key = _signature((tuple(inputs), target))
         if key in self._checked_shapes:
             return

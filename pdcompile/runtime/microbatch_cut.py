@@ -36,6 +36,28 @@ def batch_size(named: Mapping[str, Any], whole: Collection[str] = ()) -> int | N
     return None
 
 
+def misread_batch(named: Mapping[str, Any], target: Any, whole: Collection[str] = ()
+                  ) -> str | None:
+    """Why the batch size read from the inputs cannot be the minibatch's (None where it can):
+    the target and another input hold another count of samples than the first input's first
+    dimension, so the first input holds none (a mask first in the forward's parameters)."""
+    held = [leaf for leaf in pytree.tree_leaves(target)
+            if isinstance(leaf, torch.Tensor) and leaf.dim()]
+    batch = batch_size(named, whole)
+    if not held or batch is None or int(held[0].shape[0]) == batch:
+        return None
+    samples = int(held[0].shape[0])
+    first = next(name for name, value in named.items() if name not in whole
+                 and batch_size({name: value}) is not None)
+    others = [name for name, value in named.items() if name not in whole and any(
+        holds_samples(leaf, samples) for leaf in pytree.tree_leaves(value))]
+    if not others:
+        return None
+    return (f"input {first!r} comes first, so its first dimension ({batch}) was taken as the "
+            f"batch size, but the target and input {others[0]!r} hold {samples} samples; if "
+            f"{first!r} holds no samples, compile with unbatched=({first!r},)")
+
+
 def holds_samples(value: Any, batch: int | None) -> bool:
     """Whether `value` is cut along its first dimension in a minibatch of `batch` samples
     (None: any tensor of at least one dimension is, as a target is)."""
@@ -108,4 +130,4 @@ def checked_whole(names: Any, inputs: Collection[str]) -> tuple[str, ...]:
 
 
 __all__ = ["batch_size", "checked_whole", "cut", "cut_inputs", "cut_target",
-           "first_microbatch", "holds_samples"]
+           "first_microbatch", "holds_samples", "misread_batch"]

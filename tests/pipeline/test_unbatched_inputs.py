@@ -119,3 +119,34 @@ def test_unbatched_is_kept_in_exports_and_names_inputs(tmp_path: Any) -> None:
                              r"name the inputs that hold no samples among x, mask, weight, "
                              r"temperature \(e\.g\. unbatched=\('mask',\)\)$"):
         pdcompile.compile(Masked(), unbatched=("wieght",), **options)
+
+
+class MaskFirst(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, CLASSES)
+
+    def forward(self, mask: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        return self.b(mask @ torch.tanh(self.a(x))).mean(1)
+
+
+def test_a_whole_input_first_in_the_forward_is_named_with_the_fix() -> None:
+    """Its first dimension was taken as the batch size, and the loss function was blamed: 'the
+    target is (6, 4) float32, and the loss function cannot use it with the model's output'."""
+    torch.manual_seed(0)
+    model = MaskFirst()
+    mask, x, y = torch.tril(torch.ones(SEQ, SEQ)), torch.randn(6, SEQ, 5), torch.randn(6, CLASSES)
+    options: dict[str, Any] = {"example_inputs": (mask, x), "loss_fn": F.mse_loss, "stages": 2,
+                               "schedule": "1f1b-flush", "microbatches": 2, "optimizer": _sgd}
+    pipe = pdcompile.compile(copy.deepcopy(model), **options)
+    with pytest.raises(pdcompile.errors.PipelineInputError,
+                       match=r"^minibatch 0: input 'mask' comes first, so its first dimension "
+                             r"\(3\) was taken as the batch size, but the target and input 'x' "
+                             r"hold 6 samples; if 'mask' holds no samples, compile with "
+                             r"unbatched=\('mask',\)$"):
+        pipe.step(mask, x, target=y)
+    named = pdcompile.compile(copy.deepcopy(model), unbatched=("mask",), **options)
+    loss = named.step(mask, x, target=y)
+    want = sum(F.mse_loss(model(mask, xs), ys).item() / 2
+               for xs, ys in zip(x.tensor_split(2), y.tensor_split(2), strict=True))
+    assert loss == pytest.approx(want, rel=1e-6)
