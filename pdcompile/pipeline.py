@@ -760,6 +760,8 @@ class Pipeline:
         names = self.parts.data_inputs
         if len(inputs) == 1 and isinstance(inputs[0], dict):  # inputs given by name
             given = inputs[0]
+            if len(names) == 1 and set(given) != set(names):  # forward(batch): one dict
+                return {names[0]: given}
             if set(given) != set(names):
                 raise PipelineInputError(f"the model takes the inputs {', '.join(names)}; got "
                                          f"{', '.join(map(str, given)) or 'none'} by name")

@@ -115,6 +115,28 @@ def test_a_list_input_and_a_dict_target_are_cut_into_microbatches() -> None:
                           frontend="export")
 
 
+class DictInput(nn.Module):
+    """A forward of one dict (a data loader's batch), as Lightning-style models take it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(batch["x"])) * batch["scale"])
+
+
+def test_a_model_of_one_dict_input_trains_and_evaluates() -> None:
+    """The dict was read as inputs by name: 'the model takes the inputs batch; got x, scale by
+    name', at compile."""
+    torch.manual_seed(0)
+    model = DictInput()
+    batch = {"x": torch.randn(8, 4), "scale": torch.rand(8, 4)}
+    pipe = _trains_like_one_process(model, (batch,), torch.randn(8, 2), nn.functional.mse_loss,
+                                    "fx")
+    torch.testing.assert_close(pipe.evaluate(batch), pipe({"batch": batch}))
+
+
 class IgnoresAnInput(nn.Module):
     def __init__(self) -> None:
         super().__init__()
