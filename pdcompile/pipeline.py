@@ -35,6 +35,7 @@ from pdcompile.runtime.microbatch_cut import (
     cut_inputs,
     cut_target,
     first_microbatch,
+    inferred_whole,
     misread_batch,
 )
 from pdcompile.runtime.precision import autocast_region, check_autocast
@@ -127,8 +128,11 @@ class Pipeline:
         self._check()
         self.clip_grad_norm = self._checked_clip(clip_grad_norm)
         self.autocast = check_autocast(autocast)  # a dtype name: "bfloat16"
-        # inputs given whole to every microbatch whatever their size (runtime/microbatch_cut.py)
+        # inputs given whole to every microbatch whatever their size (runtime/microbatch_cut.py):
+        # named by the user, and those the example's sizes show to hold no samples
         self.unbatched = checked_whole(unbatched, parts.data_inputs)
+        self.whole_inputs = self.unbatched + (() if example_inputs is None else inferred_whole(
+            self._named(tuple(example_inputs)), self.unbatched))
         # one minibatch as compiled: backends check shapes against it, export saves it
         self.example_inputs: tuple[Any, ...] | None = (
             None if example_inputs is None else tuple(example_inputs))
@@ -666,7 +670,8 @@ class Pipeline:
                 f"{len(names)} ({', '.join(names)}); pass them positionally as in "
                 "example_inputs")
         self._check_none_inputs(index, tuple(inputs))
-        misread = misread_batch(self._named(tuple(inputs)), target, self.unbatched)
+        misread = misread_batch(self._named(tuple(inputs)), target, self.whole_inputs,
+                                self.unbatched)
         if misread is not None:
             raise PipelineInputError(f"minibatch {index}: {misread}")
         key = _signature((tuple(inputs), target))
@@ -709,7 +714,7 @@ class Pipeline:
         m = kind(self.schedule_name).per_minibatch(self.microbatches)
         named = self._named(inputs)
         check = self.input_shapes.test_refusal if tests_only else self.input_shapes.refusal
-        refusal = check(named, first_microbatch(named, m, self.unbatched), microbatches=m)
+        refusal = check(named, first_microbatch(named, m, self.whole_inputs), microbatches=m)
         if refusal is not None:
             raise PipelineInputError(f"minibatch {index}: {refusal}")
 
@@ -774,7 +779,7 @@ class Pipeline:
 
     def _cut(self, inputs: Sequence[Any], m: int, *, index: int, why: str
              ) -> list[dict[str, Any]]:
-        return cut_inputs(self._named(inputs), m, index=index, why=why, whole=self.unbatched)
+        return cut_inputs(self._named(inputs), m, index=index, why=why, whole=self.whole_inputs)
 
     def __call__(self, *inputs: Any) -> Any:
         """The model's output, computed by the stage modules one after another (no schedule), in
@@ -866,7 +871,7 @@ class Pipeline:
         """
         inputs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
         m = kind(self.schedule_name).per_minibatch(self.microbatches)
-        named = first_microbatch(self._named(inputs), m, self.unbatched)
+        named = first_microbatch(self._named(inputs), m, self.whole_inputs)
         return self._microbatch_values(named, inputs, m, explain=explain)
 
     def _microbatch_values(self, named: dict[str, Any], inputs: Sequence[Any] = (),

@@ -41,6 +41,7 @@ from pdcompile.plan import Plan
 from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.conv_grads import conv_deferrable
 from pdcompile.runtime.linear_grads import linear_accumulate
+from pdcompile.runtime.microbatch_cut import checked_whole
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
@@ -129,6 +130,9 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
         _load_optimizer_state(fresh.optimizer, folder / f"optimizer_{state.stage}.safetensors")
     if isinstance(meta.get("seed"), int):
         pipe.seed = meta["seed"]
+    # the inputs the compiled pipeline gave whole to every microbatch, as it found them
+    pipe.whole_inputs = checked_whole(meta.get("whole_inputs", pipe.unbatched),
+                                      pipe.parts.data_inputs)
     example_file = folder / "example.safetensors"
     if example_file.exists():
         example = read_file(example_file, load_tree)

@@ -64,6 +64,8 @@ class Exportable(Protocol):
     @property
     def unbatched(self) -> tuple[str, ...]: ...
     @property
+    def whole_inputs(self) -> tuple[str, ...]: ...
+    @property
     def plan(self) -> Plan: ...
     @property
     def parts(self) -> SplitResult: ...
@@ -135,7 +137,8 @@ def _write(pipe: Exportable, out: Path) -> Path:
         "microbatches": pipe.microbatches, "schedule_length": n, "per_minibatch": per,
         "stash": pipe.stash, "vertical_sync": pipe.vertical_sync, "seed": pipe.seed,
         "clip_grad_norm": pipe.clip_grad_norm, "autocast": pipe.autocast,
-        "unbatched": list(pipe.unbatched), "data_inputs": list(pipe.parts.data_inputs),
+        "unbatched": list(pipe.unbatched), "whole_inputs": list(pipe.whole_inputs),
+        "data_inputs": list(pipe.parts.data_inputs),
         "output_refs": [[r.name, r.stage] for r in pipe.parts.output_refs],
         "output_spec": pytree.treespec_dumps(pipe.parts.output_spec),
         "ties": [{"name": t.name, "members": [list(m) for m in t.members]}

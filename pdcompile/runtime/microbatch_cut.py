@@ -6,11 +6,13 @@ a list or dict input in pytree order). Such an input is cut along its first dime
 value goes whole to every microbatch, as the model reads it whole in one process: a number, a
 0-d tensor (a temperature), a mask of fixed shape (seq, seq), per-class weights (k,). Inputs by
 position and by name follow this one rule (before, every tensor of at least one dimension was
-cut: a shape error, or a silent wrong result where the sizes happened to fit). Sizes alone
-cannot tell a whole input whose first dimension equals the batch size (k classes at batch size
-k) from one that holds samples: such inputs are named in `whole` (compile's `unbatched=`) and
-never cut. A target is cut whole (every tensor of at least one dimension), as a loss reads it
-per sample.
+cut: a shape error, or a silent wrong result where the sizes happened to fit). The rule is
+applied once to the example minibatch, and the inputs it finds whole stay whole in every
+minibatch (`inferred_whole`), so that a short last batch of an epoch whose size happens to be a
+mask's (seq) does not cut the mask. Sizes alone cannot tell a whole input whose first dimension
+equals the example's batch size (k classes at batch size k) from one that holds samples: such
+inputs are named by the user (compile's `unbatched=`). Names in `whole` are never cut. A target
+is cut whole (every tensor of at least one dimension), as a loss reads it per sample.
 """
 
 from __future__ import annotations
@@ -36,11 +38,24 @@ def batch_size(named: Mapping[str, Any], whole: Collection[str] = ()) -> int | N
     return None
 
 
-def misread_batch(named: Mapping[str, Any], target: Any, whole: Collection[str] = ()
-                  ) -> str | None:
+def inferred_whole(named: Mapping[str, Any], whole: Collection[str] = ()) -> tuple[str, ...]:
+    """The inputs (besides `whole`) of tensors with dimensions of which none holds samples."""
+    batch = batch_size(named, whole)
+    out = []
+    for name, value in named.items():
+        shaped = [leaf for leaf in pytree.tree_leaves(value)
+                  if isinstance(leaf, torch.Tensor) and leaf.dim()]
+        if name not in whole and shaped and not any(holds_samples(v, batch) for v in shaped):
+            out.append(name)
+    return tuple(out)
+
+
+def misread_batch(named: Mapping[str, Any], target: Any, whole: Collection[str] = (),
+                  given: Collection[str] = ()) -> str | None:
     """Why the batch size read from the inputs cannot be the minibatch's (None where it can):
-    the target and another input hold another count of samples than the first input's first
-    dimension, so the first input holds none (a mask first in the forward's parameters)."""
+    the target and another input (not named by the user, `given`) hold another count of
+    samples than the first input's first dimension, so the first input holds none (a mask
+    first in the forward's parameters)."""
     held = [leaf for leaf in pytree.tree_leaves(target)
             if isinstance(leaf, torch.Tensor) and leaf.dim()]
     batch = batch_size(named, whole)
@@ -49,7 +64,7 @@ def misread_batch(named: Mapping[str, Any], target: Any, whole: Collection[str] 
     samples = int(held[0].shape[0])
     first = next(name for name, value in named.items() if name not in whole
                  and batch_size({name: value}) is not None)
-    others = [name for name, value in named.items() if name not in whole and any(
+    others = [name for name, value in named.items() if name not in given and any(
         holds_samples(leaf, samples) for leaf in pytree.tree_leaves(value))]
     if not others:
         return None
@@ -130,4 +145,4 @@ def checked_whole(names: Any, inputs: Collection[str]) -> tuple[str, ...]:
 
 
 __all__ = ["batch_size", "checked_whole", "cut", "cut_inputs", "cut_target",
-           "first_microbatch", "holds_samples", "misread_batch"]
+           "first_microbatch", "holds_samples", "inferred_whole", "misread_batch"]

@@ -150,3 +150,31 @@ def test_a_whole_input_first_in_the_forward_is_named_with_the_fix() -> None:
     want = sum(F.mse_loss(model(mask, xs), ys).item() / 2
                for xs, ys in zip(x.tensor_split(2), y.tensor_split(2), strict=True))
     assert loss == pytest.approx(want, rel=1e-6)
+
+
+def test_a_short_last_batch_of_a_masks_size_leaves_the_mask_whole() -> None:
+    """The example shows which inputs hold samples: a last batch of 3 samples (the mask's
+    size) once cut the (3, 3) mask too, silently."""
+    torch.manual_seed(0)
+    model = Masked().double()
+    rest = (torch.tril(torch.ones(SEQ, SEQ, dtype=torch.float64)),
+            torch.rand(CLASSES, dtype=torch.float64) + 0.5, torch.tensor(2.0, dtype=torch.float64))
+    x, y = torch.randn(6 + SEQ, SEQ, 5, dtype=torch.float64), torch.randn(6 + SEQ, CLASSES,
+                                                                          dtype=torch.float64)
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x[:6], *rest),
+                             loss_fn=F.mse_loss, stages=2, schedule="1f1b-flush",
+                             microbatches=3, optimizer=_sgd, frontend="fx")
+    assert pipe.whole_inputs == ("mask", "weight")
+    losses = pipe.train([((x[:6], *rest), y[:6]), ((x[6:], *rest), y[6:])])
+    opt = _sgd(model.parameters())
+    want = []
+    for xs, ys in ((x[:6], y[:6]), (x[6:], y[6:])):
+        opt.zero_grad()
+        total = 0.0
+        for xp, yp in zip(xs.tensor_split(3), ys.tensor_split(3), strict=True):
+            loss = F.mse_loss(model(xp, *rest), yp) / 3
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        want.append(total)
+    assert losses == pytest.approx(want, rel=1e-9)
