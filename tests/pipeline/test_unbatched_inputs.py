@@ -61,11 +61,12 @@ def _one_process(model: nn.Module, x: torch.Tensor, rest: tuple[torch.Tensor, ..
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(by_name=st.booleans(), micro=st.integers(1, 2),
-       batch=st.sampled_from([CLASSES, 6, 7]),
+       batch=st.sampled_from([SEQ, CLASSES, 6, 7]),
        schedule=st.sampled_from(["1f1b-flush", "gpipe", "zb-h1"]))
 def test_inputs_without_samples_reach_every_microbatch_whole(by_name: bool, micro: int,
                                                              batch: int, schedule: str) -> None:
-    """At batch size 4 (as many samples as classes) the weights are named `unbatched`."""
+    """At batch size 3 or 4 (the mask's size, the count of classes) the mask or the weights
+    are named `unbatched`: sizes alone cannot tell."""
     torch.manual_seed(0)
     model = Masked().double()
     x = torch.randn(batch, SEQ, 5, dtype=torch.float64)
@@ -80,7 +81,9 @@ def test_inputs_without_samples_reach_every_microbatch_whole(by_name: bool, micr
                              example_inputs=inputs[0] if by_name else inputs,
                              loss_fn=F.mse_loss, stages=2, schedule=schedule,
                              microbatches=micro, optimizer=_sgd, frontend="fx",
-                             unbatched=("weight",) if batch == CLASSES else ())
+                             unbatched=[name for name, size in (("mask", SEQ),
+                                                                ("weight", CLASSES))
+                                        if size == batch])
     losses = [pipe.step(*inputs, target=y) for _ in range(STEPS)]
     assert losses == pytest.approx(_one_process(model, x, rest, y, micro), rel=1e-9)
     for name, value in model.state_dict().items():
