@@ -6,7 +6,7 @@ are imported as code (see the package docstring), everything else is read as dat
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +48,18 @@ from pdcompile.schedule.ir import Schedule
 from pdcompile.util.attr_path import get_path, set_path
 from pdcompile.util.manifest import Manifest
 from pdcompile.util.module_file import exec_module_source
+
+
+def _whole(folder: Path, meta: dict[str, Any], key: str, default: Sequence[str]
+           ) -> tuple[str, ...]:
+    """pipeline.json's inputs given whole to every microbatch (`key`: those the user named,
+    or all), checked against the pipeline's inputs."""
+    try:
+        return checked_whole(meta.get(key, default), meta["data_inputs"])
+    except PipelineInputError:
+        raise DamagedFileError(f"{folder / 'pipeline.json'} has {key}={meta.get(key)!r}, "
+                               "which are not all inputs of the pipeline; export the pipeline "
+                               "again") from None
 
 
 def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -115,7 +127,7 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"],
                     clip_grad_norm=meta.get("clip_grad_norm"), autocast=meta.get("autocast"),
-                    unbatched=meta.get("unbatched", ()))
+                    unbatched=_whole(folder, meta, "unbatched", ()))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]
@@ -131,8 +143,7 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
     if isinstance(meta.get("seed"), int):
         pipe.seed = meta["seed"]
     # the inputs the compiled pipeline gave whole to every microbatch, as it found them
-    pipe.whole_inputs = checked_whole(meta.get("whole_inputs", pipe.unbatched),
-                                      pipe.parts.data_inputs)
+    pipe.whole_inputs = _whole(folder, meta, "whole_inputs", pipe.unbatched)
     example_file = folder / "example.safetensors"
     if example_file.exists():
         example = read_file(example_file, load_tree)
