@@ -763,10 +763,12 @@ class Pipeline:
 
     def _named(self, inputs: Sequence[Any]) -> dict[str, Any]:
         names = self.parts.data_inputs
-        if len(inputs) == 1 and isinstance(inputs[0], dict):  # inputs given by name
-            given = inputs[0]
+        # inputs given by name: a dict, or any mapping (a tokenizer's BatchEncoding, which
+        # compile took and step refused as one positional input)
+        if len(inputs) == 1 and isinstance(inputs[0], Mapping):
+            given = dict(inputs[0])
             if len(names) == 1 and set(given) != set(names):  # forward(batch): one dict
-                return {names[0]: given}
+                return {names[0]: inputs[0]}
             if set(given) != set(names):
                 raise PipelineInputError(f"the model takes the inputs {', '.join(names)}; got "
                                          f"{', '.join(map(str, given)) or 'none'} by name")
@@ -801,7 +803,7 @@ class Pipeline:
         """
         named = self._named(inputs)  # the input count and names, checked as for `step`
         if self.model is not None:
-            by_name = len(inputs) == 1 and isinstance(inputs[0], dict)
+            by_name = len(inputs) == 1 and isinstance(inputs[0], Mapping)
             with autocast_region(self.autocast, self.stage_modules[0]):
                 return evaluate_model(self.model, self.state_dict(), () if by_name else inputs,
                                       named if by_name else {})
@@ -902,7 +904,7 @@ class Pipeline:
         from pdcompile.runtime.model_errors import stage_failure
 
         batch = [v.shape[0] for v in inputs if isinstance(v, torch.Tensor) and v.dim()]
-        if not batch and inputs and isinstance(inputs[0], dict):
+        if not batch and inputs and isinstance(inputs[0], Mapping):
             batch = [v.shape[0] for v in inputs[0].values()
                      if isinstance(v, torch.Tensor) and v.dim()]
         minibatch = batch[0] if batch else None
