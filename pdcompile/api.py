@@ -43,6 +43,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     clip_grad_norm: float | None = None,
     param_groups: ParamGroups | None = None,
     autocast: torch.dtype | str | None = None,
+    unbatched: Sequence[str] | str = (),
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
@@ -77,6 +78,11 @@ def compile(  # noqa: A001 - the public name of the one-liner
     too). `frontend`: "fx" (symbolic tracing), "export" (torch.export) or "auto" (fx, and
     torch.export where fx cannot trace); an `fx.GraphModule` is taken as it is
     (passes/frontend.py).
+    Minibatches are cut along the first dimension of the inputs that hold samples: those whose
+    first dimension is the batch size (that of the first input tensor); the rest (a 0-d
+    temperature, a (seq, seq) mask, (k,) class weights) reach every microbatch whole.
+    `unbatched`: names of inputs given whole even where their first dimension equals the batch
+    size (k class weights at batch size k; runtime/microbatch_cut.py); kept in exports.
     """
     from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
@@ -158,7 +164,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
                     example_inputs=inputs, example_target=example_target,
                     model=None if captured.frontend == "given" else model,
                     clip_grad_norm=clip_grad_norm, param_groups=param_groups,
-                    autocast=precision)
+                    autocast=precision, unbatched=unbatched)
 
 
 _CALLABLE_EXAMPLES = {
@@ -311,6 +317,7 @@ def load(path: str, *, loss_fn: Callable[..., torch.Tensor] | None = None,
     `trust=True` lets it import modules outside torch, pdcompile and those it recorded."""
     from pdcompile.export.read import load_pipeline
 
+    _check_callables(loss_fn=loss_fn, optimizer=optimizer)
     return load_pipeline(path, loss_fn=loss_fn, optimizer=optimizer, trust=trust)
 
 

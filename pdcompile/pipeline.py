@@ -9,6 +9,7 @@ backends/program.py), never the Pipeline itself.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -29,6 +30,14 @@ from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.evaluation import evaluate_model, evaluation_mode
 from pdcompile.runtime.grad_clip import check_max_norm
 from pdcompile.runtime.message_specs import message_table, spec_function
+from pdcompile.runtime.microbatch_cut import (
+    checked_whole,
+    cut_inputs,
+    cut_target,
+    first_microbatch,
+    inferred_whole,
+    misread_batch,
+)
 from pdcompile.runtime.precision import autocast_region, check_autocast
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import NoParameters, RankState
@@ -85,7 +94,8 @@ class Pipeline:
                  example_inputs: Sequence[Any] | None = None,
                  example_target: Any = None, model: torch.nn.Module | None = None,
                  clip_grad_norm: float | None = None,
-                 param_groups: ParamGroups | None = None, autocast: Any = None) -> None:
+                 param_groups: ParamGroups | None = None, autocast: Any = None,
+                 unbatched: Sequence[str] | str = ()) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}"
                                      f"{did_you_mean(schedule, SCHEDULES)}; choose one of "
@@ -118,6 +128,11 @@ class Pipeline:
         self._check()
         self.clip_grad_norm = self._checked_clip(clip_grad_norm)
         self.autocast = check_autocast(autocast)  # a dtype name: "bfloat16"
+        # inputs given whole to every microbatch whatever their size (runtime/microbatch_cut.py):
+        # named by the user, and those the example's sizes show to hold no samples
+        self.unbatched = checked_whole(unbatched, parts.data_inputs)
+        self.whole_inputs = self.unbatched + (() if example_inputs is None else inferred_whole(
+            self._named(tuple(example_inputs)), self.unbatched))
         # one minibatch as compiled: backends check shapes against it, export saves it
         self.example_inputs: tuple[Any, ...] | None = (
             None if example_inputs is None else tuple(example_inputs))
@@ -346,8 +361,7 @@ class Pipeline:
                  per_minibatch: int | None = None) -> Schedule:
         """The lowered schedule of a run of `microbatches` (default: the compile-time count);
         built once per run shape (the distributed backend asks for it at every call)."""
-        n = microbatches or self.schedule_length()
-        per = per_minibatch if per_minibatch is not None else self.per_minibatch
+        n, per = self._run_shape("schedule", microbatches, per_minibatch)
         if (n, per) not in self._schedules:
             self._schedules[n, per] = build(
                 self.schedule_name, self.stage_ranks, n, per_minibatch=per,
@@ -357,6 +371,22 @@ class Pipeline:
                 recompute=[i for i, s in enumerate(self.plan.stages) if s.recompute],
                 shares=self.plan.shares())
         return self._schedules[n, per]
+
+    def _run_shape(self, call: str, microbatches: Any, per_minibatch: Any) -> tuple[int, int]:
+        """A run's microbatches and microbatches per minibatch as `call` was given them (None:
+        the compile-time run's); 0, a fraction or a string once ran the default run or failed
+        deep in the schedule builder."""
+        defaults = {"microbatches": self.schedule_length(), "per_minibatch": self.per_minibatch}
+        given = {"microbatches": microbatches, "per_minibatch": per_minibatch}
+        for name, value in given.items():
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise PipelineInputError(
+                    f"{call}({name}={value!r}): give a whole number of microbatches >= 1, or "
+                    f"leave it out for the compiled run's ({defaults[name]})")
+        return tuple(int(defaults[k] if v is None else v)  # type: ignore[return-value]
+                     for k, v in given.items())
 
     @property
     def per_minibatch(self) -> int:
@@ -373,8 +403,7 @@ class Pipeline:
     def rank_sources(self, microbatches: int | None = None,
                      per_minibatch: int | None = None) -> dict[int, str]:
         """Generated `run_rank` source of every rank for a run of that shape."""
-        n = microbatches or self.schedule_length()
-        per = per_minibatch if per_minibatch is not None else self.per_minibatch
+        n, per = self._run_shape("rank_sources", microbatches, per_minibatch)
         key = (n, per)
         if key not in self._sources:
             lowered = self.schedule(n, per)
@@ -589,7 +618,7 @@ class Pipeline:
                 why = ("microbatches" if kind(self.schedule_name).microbatched else
                        f"pieces that complete the round of the replicas ({self.plan.config})")
                 inputs_all.extend(self._cut(inputs, count, index=index, why=why))
-                targets.extend(_cut_target(target, count, index=index, why=why))
+                targets.extend(cut_target(target, count, index=index, why=why))
             groups.append(tuple(range(start, len(inputs_all))))
         return RunInput(MicrobatchData(inputs_all, targets), len(inputs_all), per, tuple(groups))
 
@@ -641,6 +670,10 @@ class Pipeline:
                 f"{len(names)} ({', '.join(names)}); pass them positionally as in "
                 "example_inputs")
         self._check_none_inputs(index, tuple(inputs))
+        misread = misread_batch(self._named(tuple(inputs)), target, self.whole_inputs,
+                                self.unbatched)
+        if misread is not None:
+            raise PipelineInputError(f"minibatch {index}: {misread}")
         key = _signature((tuple(inputs), target))
         if key in self._checked_shapes:
             return
@@ -681,7 +714,7 @@ class Pipeline:
         m = kind(self.schedule_name).per_minibatch(self.microbatches)
         named = self._named(inputs)
         check = self.input_shapes.test_refusal if tests_only else self.input_shapes.refusal
-        refusal = check(named, _first_microbatch(named, m), microbatches=m)
+        refusal = check(named, first_microbatch(named, m, self.whole_inputs), microbatches=m)
         if refusal is not None:
             raise PipelineInputError(f"minibatch {index}: {refusal}")
 
@@ -711,7 +744,7 @@ class Pipeline:
         output = self._output(self._named(inputs), values)
         with torch.random.fork_rng(), torch.no_grad(), \
                 autocast_region(self.autocast, self.stage_modules[-1]):
-            self.loss_fn(output, _cut_target(target, m, index=0, why="microbatches")[0])
+            self.loss_fn(output, cut_target(target, m, index=0, why="microbatches")[0])
 
     def rank_function(self, rank: int, microbatches: int, per_minibatch: int) -> RankFn:
         """The compiled generated loop of `rank` for a run of that shape."""
@@ -730,8 +763,12 @@ class Pipeline:
 
     def _named(self, inputs: Sequence[Any]) -> dict[str, Any]:
         names = self.parts.data_inputs
-        if len(inputs) == 1 and isinstance(inputs[0], dict):  # inputs given by name
-            given = inputs[0]
+        # inputs given by name: a dict, or any mapping (a tokenizer's BatchEncoding, which
+        # compile took and step refused as one positional input)
+        if len(inputs) == 1 and isinstance(inputs[0], Mapping):
+            given = dict(inputs[0])
+            if len(names) == 1 and set(given) != set(names):  # forward(batch): one dict
+                return {names[0]: inputs[0]}
             if set(given) != set(names):
                 raise PipelineInputError(f"the model takes the inputs {', '.join(names)}; got "
                                          f"{', '.join(map(str, given)) or 'none'} by name")
@@ -744,10 +781,7 @@ class Pipeline:
 
     def _cut(self, inputs: Sequence[Any], m: int, *, index: int, why: str
              ) -> list[dict[str, Any]]:
-        named = self._named(inputs)
-        chunks = {name: _chunks(value, m, f"input {name!r}", index=index, why=why)
-                  for name, value in named.items()}
-        return [{name: chunks[name][i] for name in named} for i in range(m)]
+        return cut_inputs(self._named(inputs), m, index=index, why=why, whole=self.whole_inputs)
 
     def __call__(self, *inputs: Any) -> Any:
         """The model's output, computed by the stage modules one after another (no schedule), in
@@ -769,7 +803,7 @@ class Pipeline:
         """
         named = self._named(inputs)  # the input count and names, checked as for `step`
         if self.model is not None:
-            by_name = len(inputs) == 1 and isinstance(inputs[0], dict)
+            by_name = len(inputs) == 1 and isinstance(inputs[0], Mapping)
             with autocast_region(self.autocast, self.stage_modules[0]):
                 return evaluate_model(self.model, self.state_dict(), () if by_name else inputs,
                                       named if by_name else {})
@@ -839,7 +873,7 @@ class Pipeline:
         """
         inputs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
         m = kind(self.schedule_name).per_minibatch(self.microbatches)
-        named = _first_microbatch(self._named(inputs), m)
+        named = first_microbatch(self._named(inputs), m, self.whole_inputs)
         return self._microbatch_values(named, inputs, m, explain=explain)
 
     def _microbatch_values(self, named: dict[str, Any], inputs: Sequence[Any] = (),
@@ -870,7 +904,7 @@ class Pipeline:
         from pdcompile.runtime.model_errors import stage_failure
 
         batch = [v.shape[0] for v in inputs if isinstance(v, torch.Tensor) and v.dim()]
-        if not batch and inputs and isinstance(inputs[0], dict):
+        if not batch and inputs and isinstance(inputs[0], Mapping):
             batch = [v.shape[0] for v in inputs[0].values()
                      if isinstance(v, torch.Tensor) and v.dim()]
         minibatch = batch[0] if batch else None
@@ -926,13 +960,6 @@ class _Schedulers:
             scheduler.step()
 
 
-def _first_microbatch(named: dict[str, Any], m: int) -> dict[str, Any]:
-    """The first (largest) of the `m` microbatches of inputs by name."""
-    return {name: pytree.tree_map(lambda v: v[:-(-v.shape[0] // m)]
-                                  if isinstance(v, torch.Tensor) and v.dim() else v, value)
-            for name, value in named.items()}
-
-
 def _copy(module: fx.GraphModule) -> fx.GraphModule:
     return copy_module(module)
 
@@ -950,30 +977,6 @@ def _lcm(values: list[int]) -> int:
     import math
 
     return math.lcm(*values) if values else 1
-
-
-def _chunks(value: Any, m: int, name: str, *, index: int, why: str) -> list[Any]:
-    """`value` cut along its first dimension into `m` parts differing by at most one; in a
-    list, tuple or dict (any pytree), each tensor of it so, the rest given to every part."""
-    leaves, spec = pytree.tree_flatten(value)
-    if len(leaves) != 1 or leaves[0] is not value:
-        cut = [_chunks(leaf, m, name, index=index, why=why) for leaf in leaves]
-        return [pytree.tree_unflatten([parts[i] for parts in cut], spec) for i in range(m)]
-    if not isinstance(value, torch.Tensor) or value.dim() == 0:
-        return [value] * m
-    if value.shape[0] == 0:  # nothing to train on, whatever the microbatch count
-        raise PipelineInputError(f"minibatch {index}: {name} is empty (batch size 0); give "
-                                 f"it at least {m} sample{'s' if m > 1 else ''}, or leave the "
-                                 "empty minibatch out of the stream")
-    if value.shape[0] < m:
-        raise PipelineInputError(f"minibatch {index}: {name} has batch size {value.shape[0]}, "
-                                 f"too small to cut into {m} {why}; give it at least {m} "
-                                 "samples, or compile with fewer microbatches")
-    return list(torch.tensor_split(value, m))
-
-
-def _cut_target(target: Any, m: int, *, index: int, why: str) -> list[Any]:
-    return _chunks(target, m, "the target", index=index, why=why)
 
 
 __all__ = ["MicrobatchData", "Pipeline", "RankState", "RunInput", "default_optimizer"]

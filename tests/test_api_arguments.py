@@ -3,6 +3,8 @@ argument and shows what to write, before any tracing where it can be (pdcompile/
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -87,3 +89,62 @@ def test_a_time_limit_that_is_no_number_is_refused_by_name(limit: object) -> Non
     with pytest.raises(PlanError, match=rf"^time_limit must be a number of seconds > 0 \(got "
                                         rf"{limit!r}\)$"):
         _compile(cluster="local-2", cost="analytic", time_limit=limit)
+
+
+@pytest.mark.parametrize("call", ["schedule", "rank_sources"])
+@pytest.mark.parametrize(("args", "name"), [
+    ((0,), "microbatches"), ((-2,), "microbatches"), ((2.5,), "microbatches"),
+    (("3",), "microbatches"), ((True,), "microbatches"), ((4, 0), "per_minibatch"),
+    ((4, 1.5), "per_minibatch"),
+])
+def test_a_run_shape_that_is_no_count_is_refused(call: str, args: tuple[Any, ...],
+                                                 name: str) -> None:
+    """pipe.schedule(0) built the compiled run's schedule, silently; '3' raised a raw
+    TypeError, per_minibatch=1.5 built a schedule."""
+    pipe = _compile(stages=2, schedule="1f1b-flush", microbatches=4)
+    value = args[-1]
+    with pytest.raises(PipelineInputError, match=rf"^{call}\({name}={re.escape(repr(value))}\): "
+                                                 r"give a whole number of microbatches >= 1, "
+                                                 r"or leave it out for the compiled run's \(4\)$"):
+        getattr(pipe, call)(*args)
+    assert getattr(pipe, call)() == getattr(pipe, call)(4, 4)  # the compiled run, as before
+
+
+@pytest.mark.parametrize("path", [123, None, b"out", ["out"], ""])
+def test_export_and_load_refuse_what_names_no_folder(path: object, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """os's TypeError ('expected str, bytes or os.PathLike object, not int') came out of both;
+    an empty string named the current folder."""
+    monkeypatch.chdir(tmp_path)
+    pipe = _compile(stages=2, schedule="1f1b-flush")
+    with pytest.raises(PipelineInputError, match=rf"^pipe\.export\({re.escape(repr(path))}\): "
+                                                 r"give the export folder as a string or a "
+                                                 r"pathlib\.Path, e\.g\. pipe\.export\("):
+        pipe.export(path)  # type: ignore[arg-type]
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(PipelineInputError, match=rf"^pdcompile\.load\({re.escape(repr(path))}\)"
+                                                 r": give the export folder as a string"):
+        pdcompile.load(path)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"trust": "no"}, r"^pdcompile\.load\(trust='no'\): give True or False$"),
+    ({"loss_fn": "cross_entropy"}, r"^loss_fn must be a function, got 'cross_entropy'"),
+])
+def test_load_refuses_options_of_the_wrong_kind(options: dict[str, Any], message: str,
+                                                tmp_path: Path) -> None:
+    """trust='no' is a true value: it trusted the export."""
+    _compile(stages=2, schedule="1f1b-flush").export(tmp_path / "e")
+    with pytest.raises(PipelineInputError, match=message):
+        pdcompile.load(tmp_path / "e", **options)
+    assert pdcompile.load(tmp_path / "e", trust=False).plan.workers == 2
+
+
+def test_an_order_in_rounds_names_the_microbatch_counts_it_takes() -> None:
+    """zb-h1 and the interleaved orders take microbatches in rounds of one per worker; 3 on 2
+    workers said only 'try schedule='auto' or another microbatch count'."""
+    with pytest.raises(PlanError, match=r"\('zb-h1' takes microbatches in rounds of one per "
+                                        r"worker: give a multiple of 2, e\.g\. microbatches=4, "
+                                        r"or fewer than 2\)"):
+        _compile(stages=2, schedule="zb-h1", microbatches=3)
+    assert _compile(stages=2, schedule="zb-h1", microbatches=4).microbatches == 4

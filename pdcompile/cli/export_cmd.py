@@ -77,6 +77,10 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--clip-grad-norm", type=float, default=None, metavar="C",
                         help="scale each minibatch's gradients to a global norm of at most C, "
                         "as torch.nn.utils.clip_grad_norm_ (flush schedules), e.g. 1.0")
+    parser.add_argument("--unbatched", default="", metavar="NAMES",
+                        help="inputs given whole to every microbatch although their first "
+                        "dimension equals the batch size, comma-separated (e.g. "
+                        "class_weights); others are cut or not by their sizes")
     parser.add_argument("--json", action="store_true",
                         help="print the folder, launch command and plan as JSON")
     parser.set_defaults(func=run)
@@ -112,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
             optimizer=functools.partial(torch.optim.SGD, lr=args.lr, momentum=args.momentum),
             schedule=args.schedule, microbatches=args.microbatches, planner=args.planner,
             cost=args.cost, cost_model=args.cost_model, time_limit=args.time_limit, plan=plan,
-            fuse=args.fuse, autocast=args.autocast, clip_grad_norm=args.clip_grad_norm)
+            fuse=args.fuse, autocast=args.autocast, clip_grad_norm=args.clip_grad_norm,
+            unbatched=[name for name in args.unbatched.split(",") if name])
     pipe.export(args.out)
     command = f"pdcompile run {args.out} --nproc {pipe.plan.workers}"
     if args.json:

@@ -6,6 +6,7 @@ damaged one in one line before starting workers; any file that cannot be read is
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,17 @@ UNSAVED_FIX = {
                "loss module).",
     "optimizer": "Use an optimizer class with an import path (any torch.optim optimizer, made "
                  "by a lambda or a partial, is fine)."}
+
+
+def folder_path(path: Any, call: str) -> Path:
+    """`path` as an export folder: a string or os.PathLike naming one. Another value (a number,
+    None, bytes) raised os's TypeError ('expected str, bytes or os.PathLike object'), and an
+    empty string named the current folder. `call`: the call, as the message writes it."""
+    text = os.fspath(path) if isinstance(path, str | os.PathLike) else None
+    if isinstance(text, str) and text:
+        return Path(text)
+    raise PipelineInputError(f"{call}({path!r}): give the export folder as a string or a "
+                             f"pathlib.Path, e.g. {call}('vgg16-pipeline')")
 
 
 def read_meta(folder: Path) -> dict[str, Any]:
@@ -68,7 +80,7 @@ def check_export(path: str | Path) -> dict[str, Any]:
     """Check an export folder without loading it (cheap: headers and syntax only), so that a
     launcher can refuse a damaged one in one line before starting workers; its pipeline.json.
     """
-    folder = Path(path)
+    folder = folder_path(path, "check_export")
     if folder.exists() and not folder.is_dir():
         raise PipelineInputError(f"{folder} is a file, not an export folder; name the folder "
                                  "written by Pipeline.export or `pdcompile export`")

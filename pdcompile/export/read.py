@@ -6,7 +6,7 @@ are imported as code (see the package docstring), everything else is read as dat
 from __future__ import annotations
 
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +16,13 @@ from safetensors.torch import load_file
 
 from pdcompile.errors import DamagedFileError, PdcompileError, PipelineInputError
 from pdcompile.export.callable_ref import resolve
-from pdcompile.export.files import UNSAVED_FIX, checked_source, read_file, read_meta
+from pdcompile.export.files import (
+    UNSAVED_FIX,
+    checked_source,
+    folder_path,
+    read_file,
+    read_meta,
+)
 from pdcompile.export.integrity import MANIFEST_NAME, code_files, code_text, verified_export
 from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.ops_tracer import OpsTracer
@@ -35,6 +41,7 @@ from pdcompile.plan import Plan
 from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.conv_grads import conv_deferrable
 from pdcompile.runtime.linear_grads import linear_accumulate
+from pdcompile.runtime.microbatch_cut import checked_whole
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
@@ -43,13 +50,27 @@ from pdcompile.util.manifest import Manifest
 from pdcompile.util.module_file import exec_module_source
 
 
+def _whole(folder: Path, meta: dict[str, Any], key: str, default: Sequence[str]
+           ) -> tuple[str, ...]:
+    """pipeline.json's inputs given whole to every microbatch (`key`: those the user named,
+    or all), checked against the pipeline's inputs."""
+    try:
+        return checked_whole(meta.get(key, default), meta["data_inputs"])
+    except PipelineInputError:
+        raise DamagedFileError(f"{folder / 'pipeline.json'} has {key}={meta.get(key)!r}, "
+                               "which are not all inputs of the pipeline; export the pipeline "
+                               "again") from None
+
+
 def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | None = None,
                   optimizer: OptimizerFactory | None = None, trust: bool = False) -> Pipeline:
     """A Pipeline from an exported folder: same weights, optimizer state and generated code.
     `loss_fn` / `optimizer`: use these instead of the recorded ones (or where none could be
     recorded). Every file is first checked against the export's manifest, and the modules it
     names against its trust boundary (export/trust.py; `trust=True` lifts that check)."""
-    folder = Path(path)
+    folder = folder_path(path, "pdcompile.load")
+    if not isinstance(trust, bool):  # trust="no" is a true value: it lifted the check
+        raise PipelineInputError(f"pdcompile.load(trust={trust!r}): give True or False")
     if folder.exists() and not folder.is_dir():
         raise PipelineInputError(f"{str(folder)!r} is a file, not an export folder; name a "
                                  "folder written by `pdcompile export` or Pipeline.export(path)")
@@ -105,7 +126,8 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"],
-                    clip_grad_norm=meta.get("clip_grad_norm"), autocast=meta.get("autocast"))
+                    clip_grad_norm=meta.get("clip_grad_norm"), autocast=meta.get("autocast"),
+                    unbatched=_whole(folder, meta, "unbatched", ()))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]
@@ -120,6 +142,8 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
         _load_optimizer_state(fresh.optimizer, folder / f"optimizer_{state.stage}.safetensors")
     if isinstance(meta.get("seed"), int):
         pipe.seed = meta["seed"]
+    # the inputs the compiled pipeline gave whole to every microbatch, as it found them
+    pipe.whole_inputs = _whole(folder, meta, "whole_inputs", pipe.unbatched)
     example_file = folder / "example.safetensors"
     if example_file.exists():
         example = read_file(example_file, load_tree)

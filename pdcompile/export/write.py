@@ -18,7 +18,7 @@ from safetensors.torch import save_file
 from torch.utils import _pytree as pytree
 
 from pdcompile.export.callable_ref import reference
-from pdcompile.export.files import EXPORT_FORMAT, UNSAVED_FIX
+from pdcompile.export.files import EXPORT_FORMAT, UNSAVED_FIX, folder_path
 from pdcompile.export.import_paths import NotReferable
 from pdcompile.export.integrity import clear_export, seal_export
 from pdcompile.export.module_record import record_module
@@ -62,6 +62,10 @@ class Exportable(Protocol):
     @property
     def autocast(self) -> str | None: ...
     @property
+    def unbatched(self) -> tuple[str, ...]: ...
+    @property
+    def whole_inputs(self) -> tuple[str, ...]: ...
+    @property
     def plan(self) -> Plan: ...
     @property
     def parts(self) -> SplitResult: ...
@@ -93,7 +97,7 @@ def export_pipeline(pipe: Exportable, path: str | Path) -> Path:
     """Write `pipe` to the folder `path` (created; an earlier export's files in it are
     replaced, a folder of other files whose names it would take is refused:
     export/target_folder.py), its manifest (MANIFEST.json, export/integrity.py) last."""
-    out = Path(path)
+    out = folder_path(path, "pipe.export")
     prepare_folder(out)
     with writing_lock(out):
         return _write(pipe, out)
@@ -133,6 +137,7 @@ def _write(pipe: Exportable, out: Path) -> Path:
         "microbatches": pipe.microbatches, "schedule_length": n, "per_minibatch": per,
         "stash": pipe.stash, "vertical_sync": pipe.vertical_sync, "seed": pipe.seed,
         "clip_grad_norm": pipe.clip_grad_norm, "autocast": pipe.autocast,
+        "unbatched": list(pipe.unbatched), "whole_inputs": list(pipe.whole_inputs),
         "data_inputs": list(pipe.parts.data_inputs),
         "output_refs": [[r.name, r.stage] for r in pipe.parts.output_refs],
         "output_spec": pytree.treespec_dumps(pipe.parts.output_spec),

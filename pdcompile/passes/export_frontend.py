@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import TraceError
 from pdcompile.meta import set_input_shapes, set_output_spec
 from pdcompile.passes.input_shapes import InputShapes
+from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
 
 # torch's words for an output it cannot flatten
@@ -62,7 +63,13 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
     except TypeError as err:
         raise TraceError(f"the example inputs do not fit {type(model).__name__}.forward: "
                          f"{err}") from None
+    parameters = inspect.signature(model.forward).parameters
     for name, value in bound.items():
+        star = parameters[name]
+        if star.kind == star.VAR_KEYWORD and value:
+            raise variadic_refusal(model, star, value)
+        if star.kind == star.VAR_POSITIONAL and value:
+            raise variadic_refusal(model, star, ())
         if isinstance(value, list | tuple | dict) and any(
                 isinstance(leaf, torch.Tensor) for leaf in pytree.tree_leaves(value)):
             raise TraceError(f"input {name!r} of {type(model).__name__} is a "

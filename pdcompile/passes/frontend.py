@@ -133,6 +133,8 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         try:
             return export_graph(model, args, kwargs, autocast=autocast), "export"
         except TraceError as export_error:
+            if str(export_error) == str(fx_error):  # both refused it in the same words
+                raise fx_error from None
             raise TraceError(f"{fx_error} (torch.export cannot capture it either: "
                              f"{export_error})") from None
 

@@ -203,7 +203,9 @@ class InputShapes:
             batches: dict[str, int] = {}  # a size read on dimension 0 -> the minibatch's
             for size, (name, dim) in carriers.items():
                 sizes[size] = int(microbatch[name].shape[dim])
-                if dim == 0 and microbatches > 1:
+                # an input that holds no samples reaches every microbatch whole
+                if dim == 0 and microbatches > 1 and \
+                        microbatch[name].shape[0] != minibatch[name].shape[0]:
                     batches[size] = int(minibatch[name].shape[0])
                     if last:
                         sizes[size] = batches[size] // microbatches

@@ -33,6 +33,7 @@ from torch import nn
 
 from pdcompile.errors import TraceError
 from pdcompile.passes.layer_stacks import traceable_forward
+from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
 
 DEFAULT_LEAVES: tuple[type[nn.Module], ...] = (nn.LSTM, nn.GRU, nn.RNN, nn.MultiheadAttention)
@@ -282,6 +283,14 @@ def _concrete_args(model: nn.Module, kwargs_names: Sequence[str] | None,
     params = list(signature.parameters.values())
     known = {p.name for p in params}
     unknown = wanted - known
+    star = next((p for p in params if p.kind == p.VAR_KEYWORD), None)
+    if unknown and star is not None:
+        raise variadic_refusal(model, star, unknown)
+    rest = next((i for i, p in enumerate(params) if p.kind == p.VAR_POSITIONAL), None)
+    if rest is not None and 0 < rest < (num_positional or 0):  # inputs past the named ones
+        # fx made one placeholder of the tuple, and the pipeline fed it the next input whole:
+        # xs[0] read that input's first row, silently
+        raise variadic_refusal(model, params[rest], ())
     if unknown:
         raise TraceError(f"example_kwargs_names names {sorted(unknown)}, which "
                          f"{type(model).__name__}.forward does not take (its parameters: "

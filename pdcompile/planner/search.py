@@ -961,10 +961,18 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
             lo = mid
     need_memory = hi
     if limit is not None and need_memory <= limit:  # the memory is not why: say so
+        row, m, workers = kind(options.schedule), options.per_minibatch, cluster.workers
+        rounds = ""
+        if (row.interleaved or row.split_backward) and not row.v_shape and m >= workers \
+                and m % workers:  # what _priced refuses: say which counts it takes
+            rounds = (f" ({options.schedule!r} takes microbatches in rounds of one per worker: "
+                      f"give a multiple of {workers}, e.g. microbatches={m + workers - m % workers}"
+                      f", or fewer than {workers})")
         return PlanError(
             f"no {options.schedule!r} plan of {graph.graph.get('name') or 'the model'} with "
-            f"microbatches={options.microbatches} on {cluster.workers} workers, though it fits "
-            f"{format_bytes(limit)} per worker; try schedule='auto' or another microbatch count")
+            f"microbatches={options.microbatches} on {workers} workers, though it fits "
+            f"{format_bytes(limit)} per worker{rounds}; try schedule='auto' or another "
+            "microbatch count")
     more = None
     for factor in range(2, 9):
         outer = cluster.levels[-1]

@@ -165,6 +165,19 @@ def test_export_keeps_autocast_and_clipping(model_file: Path, tmp_path: Path,
     assert "clip_grad_norm needs every stage's gradients" in capsys.readouterr().err
 
 
+def test_export_keeps_the_inputs_named_unbatched(model_file: Path, tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """compile(unbatched=) had no option: a model of (k,) class weights at batch size k could
+    not be exported from the command line without its weights cut into microbatches."""
+    out = tmp_path / "exp"
+    assert main(["export", f"{model_file}:factory", "--stages", "2", "--out", str(out),
+                 "--schedule", "1f1b-flush", "--unbatched", "input_1", "--json"]) == 0
+    assert json.loads((out / "pipeline.json").read_text())["unbatched"] == ["input_1"]
+    assert main(["export", f"{model_file}:factory", "--stages", "2", "--out", str(out),
+                 "--unbatched", "mask"]) == 1
+    assert "unbatched=['mask']: 'mask' is not an input of the model" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_console_entry_exit_codes(tmp_path: Path) -> None:

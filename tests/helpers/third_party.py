@@ -119,3 +119,60 @@ POOL: dict[str, Callable[[int], Example]] = {
     "hf-bert": hf_bert,
     "hf-rwkv": hf_rwkv,
 }
+
+
+class _Tempered(nn.Module):
+    """A causal LM whose logits are divided by a temperature given as a 0-d tensor input."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, input_ids: torch.Tensor, temperature: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=input_ids).logits / temperature
+
+
+def _own_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return output.loss
+
+
+def _logits_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output.reshape(-1, output.shape[-1]), target.reshape(-1))
+
+
+def gpt2_positions(batch: int) -> Example:
+    """GPT-2 given `position_ids` of shape (1, seq) by name, as Hugging Face's own examples do:
+    an input of no samples, broadcast over the batch."""
+    model, inputs, target, loss_fn = hf_gpt2(batch)
+    seq = inputs["input_ids"].shape[1]
+    return model, {**inputs, "position_ids": torch.arange(seq)[None]}, target, loss_fn
+
+
+def bert_own_loss(batch: int) -> Example:
+    """BERT given its labels by name, computing its own loss (`output.loss`)."""
+    model, inputs, target, _ = hf_bert(batch)
+    return model, {**inputs, "labels": target}, target, _own_loss
+
+
+def llama_tempered(batch: int) -> Example:
+    """Llama's logits divided by a 0-d temperature given by name."""
+    model, inputs, target, _ = hf_llama(batch)
+    temperature = torch.tensor(1.5, dtype=torch.float64)
+    return _Tempered(model), {**inputs, "temperature": temperature}, target, _logits_loss
+
+
+def resnet_eval(batch: int) -> Example:
+    """torchvision's ResNet trained in eval mode (BatchNorm on its running statistics, which
+    stay as they are): fine-tuning's frozen statistics."""
+    model, inputs, target, loss_fn = torchvision_resnet(batch)
+    return model.eval(), inputs, target, loss_fn
+
+
+# user paths of the README in odd combinations: inputs of no samples by name, a model that
+# computes its own loss, a model trained in eval mode
+USER_PATHS: dict[str, Callable[[int], Example]] = {
+    "hf-gpt2-positions": gpt2_positions,
+    "hf-bert-own-loss": bert_own_loss,
+    "hf-llama-tempered": llama_tempered,
+    "torchvision-resnet-eval": resnet_eval,
+}

@@ -276,3 +276,39 @@ def test_autocast_turned_off_in_forward_stays_off_under_compiles_autocast(tmp_pa
         torch.testing.assert_close(pipe.state_dict()[name], value)
     with pytest.raises(PipelineInputError, match=r"torch.autocast block .* cannot write yet"):
         pipe.export(str(tmp_path / "out"))
+
+
+class PastNamed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, *rest: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + rest[0]
+
+
+class IntoKwargs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        return self.a(x) * extra["scale"]
+
+
+@pytest.mark.parametrize("frontend", ["fx", "export", "auto"])
+def test_inputs_through_star_parameters_are_refused_naming_the_fix(frontend: str) -> None:
+    """forward(self, x, *rest) given (x, z) trained silently on z's first row under fx (its
+    one placeholder for `rest` was fed z, and rest[0] read a row); an input reaching **extra
+    was 'a name forward does not take' under fx, and torch.export advised frontend='fx'."""
+    x, z = torch.randn(4, 4), torch.randn(4, 3)
+    with pytest.raises(TraceError, match=r"^inputs past x would reach PastNamed\.forward only "
+                                         r"through \*rest, which neither front end takes as "
+                                         r"inputs of the graph: give each input a parameter of "
+                                         r"its own, e\.g\. forward\(self, x, y, \.\.\., \*rest\)$"):
+        pdcompile.compile(PastNamed(), example_inputs=(x, z), stages=1, frontend=frontend)
+    with pytest.raises(TraceError, match=r"^'scale' would reach IntoKwargs\.forward only through "
+                                         r"\*\*extra, .* e\.g\. forward\(self, x, scale, "
+                                         r"\*\*extra\)$"):
+        pdcompile.compile(IntoKwargs(), example_inputs={"x": x, "scale": z}, stages=1,
+                          frontend=frontend)

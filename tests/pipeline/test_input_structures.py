@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import re
+from collections import UserDict
 from collections.abc import Callable
 from typing import Any
 
@@ -113,6 +114,51 @@ def test_a_list_input_and_a_dict_target_are_cut_into_microbatches() -> None:
     with pytest.raises(TraceError, match="input 'xs' of ListInput is a list of tensors"):
         pdcompile.compile(ListInput(), example_inputs=([x, x * 2],), stages=2,
                           frontend="export")
+
+
+class DictInput(nn.Module):
+    """A forward of one dict (a data loader's batch), as Lightning-style models take it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 2)
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.b(torch.tanh(self.a(batch["x"])) * batch["scale"])
+
+
+def test_a_model_of_one_dict_input_trains_and_evaluates() -> None:
+    """The dict was read as inputs by name: 'the model takes the inputs batch; got x, scale by
+    name', at compile."""
+    torch.manual_seed(0)
+    model = DictInput()
+    batch = {"x": torch.randn(8, 4), "scale": torch.rand(8, 4)}
+    pipe = _trains_like_one_process(model, (batch,), torch.randn(8, 2), nn.functional.mse_loss,
+                                    "fx")
+    torch.testing.assert_close(pipe.evaluate(batch), pipe({"batch": batch}))
+
+
+class Encoding(UserDict):  # type: ignore[type-arg]
+    """A mapping that is no dict, as a tokenizer's BatchEncoding is."""
+
+
+def test_inputs_by_name_in_a_mapping_that_is_no_dict_train_as_a_dict_does() -> None:
+    """compile took a BatchEncoding by name, and step, train, evaluate and __call__ refused
+    it: 'the model takes 2 inputs (x, mask), got 1; pass them positionally'."""
+    torch.manual_seed(0)
+    x, mask, y = torch.randn(8, 4), torch.rand(8, 4), torch.randn(8, 2)
+    pipes = []
+    for inputs in (Encoding(x=x, mask=mask), {"x": x, "mask": mask}):
+        torch.manual_seed(0)
+        pipe = pdcompile.compile(OptionalMask(), example_inputs=inputs, stages=2,
+                                 loss_fn=nn.functional.mse_loss, schedule="1f1b-flush",
+                                 microbatches=MICRO)
+        pipe.train([(inputs, y)])
+        pipes.append((pipe, pipe.step(inputs, target=y), pipe.evaluate(inputs), pipe(inputs)))
+    (mapped, *got), (plain, *want) = pipes
+    assert got[0] == want[0]
+    torch.testing.assert_close(got[1:], want[1:])
+    torch.testing.assert_close(mapped.state_dict(), plain.state_dict())
 
 
 class IgnoresAnInput(nn.Module):
