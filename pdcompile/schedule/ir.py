@@ -152,12 +152,9 @@ class Schedule:
         """The rank (replica) of `stage` that handles `microbatch` (round robin, or by the
         stage's shares)."""
         ranks = self.stage_ranks[stage]
-        given = self.options.get("shares")
-        if given is None:
+        if "shares" not in self.options:
             return ranks[microbatch % len(ranks)]
-        # this stage's shares only (`shares` converts every stage's: a search asks this
-        # hundreds of thousands of times)
-        return ranks[replica_of(given[stage], microbatch)]
+        return ranks[replica_of(self.shares[stage], microbatch)]
 
     def __str__(self) -> str:
         width = len(str(max(self.ranks))) if self.actions else 1
