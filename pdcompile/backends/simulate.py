@@ -65,7 +65,7 @@ from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.schedule.deps import dependency_lists, execution_order, is_lowered
-from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.ir import COMPUTE_KINDS, Action, Kind, Schedule
 from pdcompile.schedule.kinds import kind, weight_versions
 from pdcompile.timeline import Event, Timeline
 from pdcompile.units import format_bytes, format_seconds
@@ -182,7 +182,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
         action = timed.actions[rank][index]
         if index in merged.get(rank, ()):
             continue
-        if action.kind.is_compute:
+        if action.kind in COMPUTE_KINDS:
             event = Event(rank, str(action), begin[rank][index], end[rank][index])
             compute.append((event, action))
             events.append(event)
@@ -255,7 +255,7 @@ def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], .
             for other, at in waits:
                 if end[other][at] > start:
                     start = end[other][at]
-            if kind.is_compute or kind == Kind.STEP:
+            if kind in COMPUTE_KINDS or kind is Kind.STEP:
                 finish = start + work.compute(rank, action)
             elif kind == Kind.ALLREDUCE:
                 finish = start + work.allreduce[action.stage]

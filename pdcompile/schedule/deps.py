@@ -63,11 +63,14 @@ def dependency_lists(schedule: Schedule) -> dict[int, list[tuple[Ref, ...]]]:
     """The same as `dependencies`, as one list per rank (empty tuple: nothing to wait for)."""
     lowered = is_lowered(schedule)
     targets = _TARGETS_LOWERED if lowered else _TARGETS_COMPUTE
-    occurrences: dict[tuple[int, Action], list[int]] = defaultdict(list)
+    # keyed by (rank, stage, kind, microbatch, peer): a plain tuple hashes far faster than an
+    # Action, and these tables are built for every schedule a planner tries
+    occurrences: dict[tuple[int, int, Kind, int, int | None], list[int]] = defaultdict(list)
     for rank, actions in schedule.actions.items():
         for index, action in enumerate(actions):
             if action.kind in targets:
-                occurrences[rank, action].append(index)
+                occurrences[rank, action.stage, action.kind, action.microbatch,
+                            action.peer].append(index)
     if lowered:
         return _lowered(schedule, occurrences)
     return _compute_only(schedule, occurrences)
@@ -80,9 +83,10 @@ def _missing(schedule: Schedule, rank: int, index: int, what: str) -> ScheduleEr
 
 
 def _lowered(schedule: Schedule,
-             occurrences: dict[tuple[int, Action], list[int]]) -> dict[int, list[tuple[Ref, ...]]]:
+             occurrences: dict[tuple[int, int, Kind, int, int | None], list[int]]
+             ) -> dict[int, list[tuple[Ref, ...]]]:
     out: dict[int, list[tuple[Ref, ...]]] = {}
-    seen: dict[tuple[int, Action], int] = defaultdict(int)
+    seen: dict[tuple[int, int, Kind, int, int | None], int] = defaultdict(int)
     for rank, actions in schedule.actions.items():
         deps: list[tuple[Ref, ...]] = [()] * len(actions)
         out[rank] = deps
@@ -90,27 +94,27 @@ def _lowered(schedule: Schedule,
             kind = action.kind
             if kind not in _WAITING:
                 continue
-            if kind in _MATCH:
+            key = (rank, action.stage, kind, action.microbatch, action.peer)
+            nth = seen[key]
+            seen[key] = nth + 1
+            if kind is not Kind.ALLREDUCE:  # a receive: matched with the nth send
                 if action.peer is None:
                     raise _missing(schedule, rank, index, "has no peer stage")
-                nth = seen[rank, action]
-                seen[rank, action] += 1
                 src = _peer_rank(schedule, action.peer, action.microbatch)
-                want = Action(action.peer, _MATCH[kind], action.microbatch, action.stage)
-                found = occurrences.get((src, want), []) if src is not None else []
+                found = (occurrences.get((src, action.peer, _MATCH[kind], action.microbatch,
+                                          action.stage), []) if src is not None else [])
                 if nth >= len(found):
+                    want = Action(action.peer, _MATCH[kind], action.microbatch, action.stage)
                     raise _missing(schedule, rank, index,
                                    f"has no matching {want} on rank {src}")
                 assert src is not None
                 deps[index] = ((src, found[nth]),)
-            elif kind == Kind.ALLREDUCE:
-                nth = seen[rank, action]
-                seen[rank, action] += 1
+            else:
                 waits: list[Ref] = []
                 for other in schedule.stage_ranks[action.stage]:
                     if other == rank:
                         continue
-                    found = occurrences.get((other, action), [])
+                    found = occurrences.get((other,) + key[1:], [])
                     if nth >= len(found):
                         raise _missing(schedule, rank, index,
                                        f"has no partner {action} on replica rank {other}")
@@ -120,7 +124,8 @@ def _lowered(schedule: Schedule,
     return out
 
 
-def _compute_only(schedule: Schedule, occurrences: dict[tuple[int, Action], list[int]]
+def _compute_only(schedule: Schedule,
+                  occurrences: dict[tuple[int, int, Kind, int, int | None], list[int]]
                   ) -> dict[int, list[tuple[Ref, ...]]]:
     edges = stage_edges(schedule)
     producers = {s: [a for a, b in edges if b == s] for s in range(schedule.stages)}
@@ -139,9 +144,10 @@ def _compute_only(schedule: Schedule, occurrences: dict[tuple[int, Action], list
             waits: list[Ref] = []
             for stage in others:
                 peer = _peer_rank(schedule, stage, action.microbatch)
-                want = Action(stage, action.kind, action.microbatch)
-                found = occurrences.get((peer, want), []) if peer is not None else []
+                found = (occurrences.get((peer, stage, action.kind, action.microbatch, None), [])
+                         if peer is not None else [])
                 if not found:
+                    want = Action(stage, action.kind, action.microbatch)
                     raise _missing(schedule, rank, index,
                                    f"needs {want}, which rank {peer} never runs")
                 assert peer is not None

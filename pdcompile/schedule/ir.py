@@ -45,9 +45,10 @@ class Kind(enum.Enum):
     @property
     def is_compute(self) -> bool:
         """F, B and W are compute; the rest is communication or bookkeeping."""
-        return self in (Kind.F, Kind.B, Kind.W)
+        return self in COMPUTE_KINDS
 
 
+COMPUTE_KINDS = frozenset((Kind.F, Kind.B, Kind.W))  # for hot loops: `kind in COMPUTE_KINDS`
 _KIND_TEXT = {kind: kind.value for kind in Kind}  # Enum.value is slow in hot loops
 _COMM_ARROW = {Kind.SEND_F: "->", Kind.SEND_B: "->", Kind.RECV_F: "<-", Kind.RECV_B: "<-"}
 _ACTION_RE = re.compile(
@@ -148,13 +149,24 @@ class Schedule:
         """Microbatches of one round of `stage`'s replicas (the sum of its shares)."""
         return sum(self.shares[stage])
 
+    @functools.cached_property
+    def _replica_cycles(self) -> tuple[tuple[int, ...], ...] | None:
+        """Per stage, the replica indices one round's microbatches go to, in order (None:
+        round robin). Worked out once: lowering, validation and the simulator ask `rank_of`
+        for every transfer they place or check."""
+        if "shares" not in self.options:
+            return None
+        return tuple(replica_pattern(counts) for counts in self.shares)
+
     def rank_of(self, stage: int, microbatch: int) -> int:
         """The rank (replica) of `stage` that handles `microbatch` (round robin, or by the
         stage's shares)."""
         ranks = self.stage_ranks[stage]
-        if "shares" not in self.options:
+        cycles = self._replica_cycles
+        if cycles is None:
             return ranks[microbatch % len(ranks)]
-        return ranks[replica_of(self.shares[stage], microbatch)]
+        pattern = cycles[stage]
+        return ranks[pattern[microbatch % len(pattern)]]
 
     def __str__(self) -> str:
         width = len(str(max(self.ranks))) if self.actions else 1

@@ -24,8 +24,8 @@ from __future__ import annotations
 from collections import Counter
 
 from pdcompile.errors import ScheduleError
-from pdcompile.schedule.deps import dependencies, execution_order, is_lowered, stage_edges
-from pdcompile.schedule.ir import Action, Kind, Schedule
+from pdcompile.schedule.deps import dependency_lists, execution_order, is_lowered, stage_edges
+from pdcompile.schedule.ir import COMPUTE_KINDS, Action, Kind, Schedule
 from pdcompile.schedule.kinds import KINDS, names
 from pdcompile.schedule.lower import last_backward_of_minibatch, round_updates, updates_of
 
@@ -34,12 +34,13 @@ def _fail(schedule: Schedule, message: str, mark: dict[int, int] | None = None) 
     return ScheduleError(f"schedule {schedule.name!r}: {message}\n{schedule.grid(mark=mark)}")
 
 
-def _positions(schedule: Schedule) -> dict[tuple[int, Action], int]:
-    """(rank, action) -> its first index on that rank."""
-    found: dict[tuple[int, Action], int] = {}
+def _positions(schedule: Schedule) -> dict[tuple[int, int, Kind, int, int | None], int]:
+    """(rank, stage, kind, microbatch, peer) -> the first index of that action on that rank
+    (plain tuples: they hash far faster than Actions)."""
+    found: dict[tuple[int, int, Kind, int, int | None], int] = {}
     for rank, actions in schedule.actions.items():
-        for index, action in enumerate(actions):
-            found.setdefault((rank, action), index)
+        for index, a in enumerate(actions):
+            found.setdefault((rank, a.stage, a.kind, a.microbatch, a.peer), index)
     return found
 
 
@@ -55,7 +56,7 @@ def validate(schedule: Schedule) -> None:
     if lowered:
         _check_transfers(schedule)
         _check_updates(schedule)
-    execution_order(schedule, dependencies(schedule))
+    execution_order(schedule, dependency_lists(schedule))
     if lowered:
         _check_expected_updates(schedule)
 
@@ -69,7 +70,7 @@ def _check_stages(schedule: Schedule) -> None:
                     f"stages {', '.join(map(str, stages))}"
                 raise _fail(schedule, f"rank {rank} runs {held} but step {index} is "
                             f"{action} (stage {action.stage})", {rank: index})
-            if not 0 <= action.microbatch or (action.kind.is_compute
+            if not 0 <= action.microbatch or (action.kind in COMPUTE_KINDS
                                              and action.microbatch >= schedule.microbatches):
                 raise _fail(schedule, f"rank {rank} step {index}: {action} is outside microbatches "
                             f"0..{schedule.microbatches - 1}", {rank: index})
@@ -159,15 +160,19 @@ def _check_transfers(schedule: Schedule) -> None:
     for src, dst in stage_edges(schedule):
         for m in range(schedule.microbatches):
             prod, cons = schedule.rank_of(src, m), schedule.rank_of(dst, m)
-            needed = [
-                (prod, Action(src, Kind.SEND_F, m, dst), Action(src, Kind.F, m), "after"),
-                (cons, Action(dst, Kind.RECV_F, m, src), Action(dst, Kind.F, m), "before"),
-                (cons, Action(dst, Kind.SEND_B, m, src), Action(dst, Kind.B, m), "after"),
-                (prod, Action(src, Kind.RECV_B, m, dst), Action(src, Kind.B, m), "before"),
+            needed = [  # (rank, stage, transfer, peer, compute, side)
+                (prod, src, Kind.SEND_F, dst, Kind.F, "after"),
+                (cons, dst, Kind.RECV_F, src, Kind.F, "before"),
+                (cons, dst, Kind.SEND_B, src, Kind.B, "after"),
+                (prod, src, Kind.RECV_B, dst, Kind.B, "before"),
             ]
-            for rank, transfer, compute, side in needed:
-                t_at, c_at = position.get((rank, transfer)), position.get((rank, compute))
+            for rank, stage, t_kind, peer, c_kind, side in needed:
+                t_at = position.get((rank, stage, t_kind, m, peer))
+                c_at = position.get((rank, stage, c_kind, m, None))
                 assert c_at is not None  # _check_work ran first
+                if t_at is not None and (t_at > c_at) == (side == "after"):
+                    continue
+                transfer, compute = Action(stage, t_kind, m, peer), Action(stage, c_kind, m)
                 if t_at is None:
                     raise _fail(schedule, f"stage edge ({src}, {dst}) needs {transfer} {side} "
                                 f"{compute} on rank {rank}", {rank: c_at})
@@ -243,7 +248,8 @@ def _check_stage_updates(schedule: Schedule, rank: int, stage: int,
         at, step = steps[len(anchors)]
         raise _fail(schedule, f"rank {rank}: extra weight update {step} (schedule "
                     f"{schedule.name!r}: {rule}, {len(anchors)} on this rank)", {rank: at})
-    last_compute = max((i for i, a in enumerate(actions) if a.kind.is_compute), default=-1)
+    last_compute = max((i for i, a in enumerate(actions) if a.kind in COMPUTE_KINDS),
+                       default=-1)
     for n, (k, after) in enumerate(anchors):
         want = Action(stage, Kind.STEP, k)
         if n >= len(steps):
@@ -264,7 +270,7 @@ def _check_stage_updates(schedule: Schedule, rank: int, stage: int,
                             f"among its last updates, one per stage it holds; {rule})",
                             {rank: at})
         else:
-            between = [a for a in actions[after + 1:at] if a.kind.is_compute]
+            between = [a for a in actions[after + 1:at] if a.kind in COMPUTE_KINDS]
             if at < after or between:
                 raise _fail(schedule, f"rank {rank}: {step} must follow "
                             f"{actions[after]} before any other compute ({rule})",
