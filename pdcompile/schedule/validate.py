@@ -123,37 +123,42 @@ def _check_work(schedule: Schedule) -> None:
                                 {rank: w_at})
 
 
+_SENDS = frozenset((Kind.SEND_F, Kind.SEND_B))
+_TRANSFERS = frozenset((Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B))
+
+
 def _check_transfers(schedule: Schedule) -> None:
     sends: Counter[tuple[Kind, int, int, int, int, int]] = Counter()
     recvs: Counter[tuple[Kind, int, int, int, int, int]] = Counter()
     where: dict[tuple[Kind, int, int, int, int, int], tuple[int, int]] = {}
+    stages = schedule.stages
     for rank, actions in schedule.actions.items():
         for index, a in enumerate(actions):
-            if a.kind in (Kind.SEND_F, Kind.SEND_B, Kind.RECV_F, Kind.RECV_B):
-                if a.peer is None or not 0 <= a.peer < schedule.stages or a.peer == a.stage:
-                    raise _fail(schedule, f"rank {rank} step {index}: {a} has no valid peer stage",
-                                {rank: index})
-            if a.kind in (Kind.SEND_F, Kind.SEND_B):
-                assert a.peer is not None
+            if a.kind not in _TRANSFERS:
+                continue
+            if a.peer is None or not 0 <= a.peer < stages or a.peer == a.stage:
+                raise _fail(schedule, f"rank {rank} step {index}: {a} has no valid peer stage",
+                            {rank: index})
+            if a.kind in _SENDS:
                 kind = Kind.F if a.kind == Kind.SEND_F else Kind.B
                 key = (kind, a.stage, a.peer, a.microbatch, rank,
                        schedule.rank_of(a.peer, a.microbatch))
                 sends[key] += 1
                 where.setdefault(key, (rank, index))
-            elif a.kind in (Kind.RECV_F, Kind.RECV_B):
-                assert a.peer is not None
+            else:  # RECV_F, RECV_B
                 kind = Kind.F if a.kind == Kind.RECV_F else Kind.B
                 key = (kind, a.peer, a.stage, a.microbatch,
                        schedule.rank_of(a.peer, a.microbatch), rank)
                 recvs[key] += 1
                 where.setdefault(key, (rank, index))
-    for key in sorted(set(sends) | set(recvs), key=lambda k: (k[0].value,) + k[1:]):
-        if sends[key] != recvs[key]:
-            kind, src, dst, m, src_rank, dst_rank = key
-            raise _fail(schedule, f"{kind.value}-transfer of microbatch {m} from stage {src} (rank "
-                        f"{src_rank}) to stage {dst} (rank {dst_rank}): {sends[key]} send(s) but "
-                        f"{recvs[key]} receive(s); each send needs exactly one receive",
-                        dict([where[key]]))
+    if sends != recvs:  # counts are positive: equal tables leave nothing to report
+        for key in sorted(set(sends) | set(recvs), key=lambda k: (k[0].value,) + k[1:]):
+            if sends[key] != recvs[key]:
+                kind, src, dst, m, src_rank, dst_rank = key
+                raise _fail(schedule, f"{kind.value}-transfer of microbatch {m} from stage {src} "
+                            f"(rank {src_rank}) to stage {dst} (rank {dst_rank}): {sends[key]} "
+                            f"send(s) but {recvs[key]} receive(s); each send needs exactly one "
+                            "receive", dict([where[key]]))
     if "stage_edges" not in schedule.options:
         return
     position = _positions(schedule)
