@@ -26,11 +26,12 @@ def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
     scale = max((abs(w) for out in edges for _, w, _ in out), default=0.0)
     eps = 1e-12 * scale + 1e-300
     ratio, value, cycles = _evaluate(edges, policy)
+    targets = [[target for target, _, _ in out] for out in edges]
     for _ in range(8 * count + 64):
         changed = False
-        for u, out in enumerate(edges):  # first a larger ratio, where any edge reaches one
+        for u, ends in enumerate(targets):  # first a larger ratio, where any edge reaches one
             best, pick = ratio[u] + eps, -1
-            for i, (target, _, _) in enumerate(out):
+            for i, target in enumerate(ends):
                 if ratio[target] > best:
                     best, pick = ratio[target], i
             if pick >= 0:
@@ -58,30 +59,33 @@ def _evaluate(edges: Edges, policy: list[int]) -> tuple[list[float], list[float]
     it reaches, its value (weight less ratio x tokens to that cycle, 0 at the cycle's first
     node found) and the cycle's nodes."""
     count = len(edges)
+    chosen = [out[pick] for out, pick in zip(edges, policy)]  # each node's (target, w, tokens)
     ratio, value = [0.0] * count, [0.0] * count
     cycle_of: list[list[int]] = [[] for _ in range(count)]
     state = [0] * count  # 0 not seen, 1 on the path being walked, 2 evaluated
     for origin in range(count):
+        if state[origin]:
+            continue  # evaluated from an earlier origin's path
         path, node = [], origin
         while state[node] == 0:
             state[node] = 1
             path.append(node)
-            node = edges[node][policy[node]][0]
+            node = chosen[node][0]
         if state[node] == 1:  # a new cycle, from `node`
             at = path.index(node)
             cycle = path[at:]
-            weight = sum(edges[u][policy[u]][1] for u in cycle)
-            tokens = sum(edges[u][policy[u]][2] for u in cycle)
+            weight = sum(chosen[u][1] for u in cycle)
+            tokens = sum(chosen[u][2] for u in cycle)
             eta = weight / tokens if tokens > 0 else float("inf")
             for u in cycle:
                 ratio[u], state[u], cycle_of[u] = eta, 2, cycle
             value[node] = 0.0
             for u in reversed(cycle[1:]):
-                target, w, t = edges[u][policy[u]]
+                target, w, t = chosen[u]
                 value[u] = w - eta * t + value[target]
             path = path[:at]
         for u in reversed(path):
-            target, w, t = edges[u][policy[u]]
+            target, w, t = chosen[u]
             ratio[u], cycle_of[u] = ratio[target], cycle_of[target]
             value[u] = w - ratio[u] * t + value[target]
             state[u] = 2
