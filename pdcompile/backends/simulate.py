@@ -112,12 +112,14 @@ class Prepared:
     """What the simulator works out from a lowered schedule alone, whatever the costs: the
     schedule with the W actions the runtime times after a backward's sends, every action's
     dependencies and one order that meets them (a third of a simulation's time on a 16-rank
-    pipeline; a planner simulating many plans of one schedule works it out once, `prepare`)."""
+    pipeline; a planner simulating many plans of one schedule works it out once, `prepare`),
+    and where the timeline merges each added W into its backward (`merged_backwards`)."""
 
     schedule: Schedule
     timed: Schedule
     deps: dict[int, list[tuple[tuple[int, int], ...]]]
     order: list[tuple[int, int]]
+    merged: dict[int, dict[int, int]]
 
 
 def prepare(schedule: Schedule) -> Prepared:
@@ -127,7 +129,8 @@ def prepare(schedule: Schedule) -> Prepared:
                             f"schedule.lower.lower(schedule) first (schedule {schedule.name!r})")
     timed = with_weights_after_send(schedule)
     deps = dependency_lists(timed)
-    return Prepared(schedule, timed, deps, execution_order(timed, deps))
+    return Prepared(schedule, timed, deps, execution_order(timed, deps),
+                    merged_backwards(schedule, timed))
 
 
 def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
@@ -171,7 +174,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
     else:
         begin, end = _dedicated(timed, deps, order, work)
     # the timeline records such a backward as the runtime does: one B spanning its W
-    merged = merged_backwards(schedule, timed)
+    merged = prepared.merged
     for rank, pairs in merged.items():
         for w, b in pairs.items():
             end[rank][b] = end[rank][w]

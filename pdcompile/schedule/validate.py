@@ -98,6 +98,8 @@ def _check_work(schedule: Schedule) -> None:
             rank = schedule.rank_of(stage, m)
             for kind in kinds:
                 where = positions.get((stage, kind, m), [])
+                if len(where) == 1 and where[0][0] == rank:
+                    continue  # sound: once, on its replica
                 name = f"{stage}{kind.value}{m}"
                 if not where:
                     last = len(schedule.actions.get(rank, ()))
