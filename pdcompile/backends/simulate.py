@@ -237,6 +237,9 @@ def _oversubscribed(schedule: Schedule, group_size: int, cores: int) -> bool:
     return max(groups.values(), default=0) > cores
 
 
+_RECEIVES = frozenset((Kind.RECV_F, Kind.RECV_B))
+
+
 def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], ...]]],
                order: list[tuple[int, int]], work: ActionCosts) -> tuple[Times, Times]:
     """(start, end) of every action when every rank has a processor of its own: one pass in
@@ -246,12 +249,13 @@ def _dedicated(schedule: Schedule, deps: dict[int, list[tuple[tuple[int, int], .
     end: Times = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
     arrival: Times = {rank: [0.0] * len(a) for rank, a in schedule.actions.items()}
     link_free: dict[tuple[int, int], float] = {}
+    actions = schedule.actions
     for rank, index in order:
-        action = schedule.actions[rank][index]
+        action = actions[rank][index]
         kind = action.kind
         start = free_at[rank]
         waits = deps[rank][index]
-        if kind in (Kind.RECV_F, Kind.RECV_B):
+        if kind in _RECEIVES:
             ((sender, at),) = waits
             finish = arrival[sender][at] if arrival[sender][at] > start else start
         else:
