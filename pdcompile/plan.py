@@ -260,7 +260,7 @@ class Plan:
                             f"{_shown(stages)})")
         built = []
         for index, stage in enumerate(stages):
-            where = f"stage {index}"
+            where = f"stage {index} (stages[{index}])"
             checked = _checked_fields(stage, Stage, where)
             try:
                 built.append(Stage(**checked | {
