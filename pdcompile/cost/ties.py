@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from pdcompile.cost.costgraph import topological_order
 from pdcompile.cost.links import stage_allreduce_seconds
 from pdcompile.machine.cluster import Cluster
 
@@ -88,6 +89,40 @@ def copied_bytes(graph: Any, stage_of: dict[str, int], stages: int) -> list[floa
     return out
 
 
+@dataclass(frozen=True)
+class TieReaders:
+    """One tie as the nodes of a graph reading it, for planners that place nodes one by one:
+    `owner` is the node whose `params` count the tie's `nbytes` (that of its first reader); a
+    stage holding one of `others` but not `owner` keeps a copy (`copied_bytes`)."""
+
+    nbytes: float
+    owner: str
+    others: tuple[str, ...]
+
+
+def tie_readers(graph: Any) -> tuple[TieReaders, ...]:
+    """The CostGraph's ties as its nodes (blocks) reading them, each reader once; ties read by
+    one node only, or by none of the graph's, are left out. Where the first reader is not one of
+    the graph's, the owner is the reader first in topological order (as in the DP's tables)."""
+    ties = graph.graph.get("ties", ())
+    if not ties:
+        return ()
+    block_of = {member: node for node, data in graph.nodes(data=True)
+                for member in data.get("members", [node])}
+    position = {node: i for i, node in enumerate(topological_order(graph))}
+    out = []
+    for tie in ties:
+        blocks = sorted({block_of[n] for n in tie["nodes"] if n in block_of},
+                        key=position.__getitem__)
+        if len(blocks) < 2:
+            continue
+        first = tie["nodes"][0]
+        owner = block_of[first] if first in block_of else blocks[0]
+        out.append(TieReaders(float(tie["bytes"]), owner,
+                              tuple(b for b in blocks if b != owner)))
+    return tuple(out)
+
+
 def stage_tie_seconds(ties: Sequence[SharedWeights], stage_ranks: Sequence[Sequence[int]],
                       cluster: Cluster) -> list[float]:
     """Per stage, the seconds of the tie all-reduces it joins at each update."""
@@ -124,5 +159,5 @@ def tie_partners(ties: Sequence[SharedWeights],
     return out
 
 
-__all__ = ["SharedWeights", "copied_bytes", "rank_tie_seconds", "shared_weights",
-           "stage_tie_seconds", "tie_partners"]
+__all__ = ["SharedWeights", "TieReaders", "copied_bytes", "rank_tie_seconds", "shared_weights",
+           "stage_tie_seconds", "tie_partners", "tie_readers"]

@@ -6,6 +6,8 @@ the native model's planning terms (costmodel.placement), which are the DP's: com
 plus ring all-reduce, against asynchronous communication of every edge crossing the stage's
 boundary, skip connections included; per-worker memory must fit. Stages are convex (every edge
 goes to the same or a later stage). Zero-cost inputs stay on the first stage, as in the DP.
+A stage holding a reader of a tied parameter but not the reader whose params count it keeps a
+copy (cost/ties.py), in its parameters' time and memory, as in the DP.
 
 Times are scaled to integers (the model's rounding is below 1e-5 of the slowest stage); the
 solution is re-priced exactly with costmodel.evaluate and kept only if it beats the DP's plan,
@@ -24,6 +26,7 @@ import networkx as nx
 from pdcompile.cost.costgraph import edge_bytes, topological_order
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.pipeline_time import update_share
+from pdcompile.cost.ties import copied_bytes, tie_readers
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
@@ -101,9 +104,11 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             for a in range(workers) for k in range(1, workers - a + 1)
             if _allowed(k, options)}
     terms = {key: _linear_terms(c, workers - key[0], options) for key, c in coef.items()}
+    ties = tie_readers(graph)
+    most_copied = sum(tie.nbytes * len(tie.others) for tie in ties)  # by any plan
     # scale: the slowest conceivable stage maps to SCALE_UNITS
     worst = sum(comp.values()) * max(x.per_compute for x in terms.values()) \
-        + max(x.per_param for x in terms.values()) * sum(par.values()) \
+        + max(x.per_param for x in terms.values()) * (sum(par.values()) + most_copied) \
         + max(x.fixed for x in terms.values()) \
         + sum(b for *_, b in edges) * 2 * max(max(c.in_per_byte, c.out_per_byte)
                                               for c in coef.values()) \
@@ -149,6 +154,20 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             model.add(start[s + 1] == start[s] + reps[s]).only_enforce_if(used[s + 1])
     model.add(start[0] == 0)
     model.add(sum(reps) == workers)
+    # held[t, s]: stage s keeps a copy of tie t, that is holds one of its readers but not the
+    # one whose params count its bytes (cost/ties.py `copied_bytes`, the DP's `tie_copies`);
+    # the copy counts in the stage's parameters as the node's own do. own[s]: the stage's
+    # parameter terms, (variable, bytes) pairs
+    held = {(i, s): model.new_bool_var(f"held[{i},{s}]")
+            for i in range(len(ties)) for s in range(stages)}
+    for (i, s), var in held.items():
+        tie = ties[i]
+        for r in tie.others:
+            model.add(var >= x[r, s] - x[tie.owner, s])
+        model.add(var <= 1 - x[tie.owner, s])
+        model.add(var <= sum(x[r, s] for r in tie.others))
+    own = [[(x[v, s], par[v]) for v in nodes]
+           + [(held[i, s], tie.nbytes) for i, tie in enumerate(ties)] for s in range(stages)]
     # last[s]: min(the stage's parameter bytes, one gradient bucket), in BUCKET_UNITS of the
     # bucket: the all-reduce of the last bucket, left after the backward (`_overlap`)
     bucket = cluster.allreduce_bucket
@@ -157,8 +176,8 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
         bucket_unit = bucket / BUCKET_UNITS
         for s in range(stages):
             last.append(model.new_int_var(0, BUCKET_UNITS, f"last_bucket[{s}]"))
-            model.add_min_equality(last[s], [sum(round(par[v] / bucket_unit) * x[v, s]
-                                                 for v in nodes), BUCKET_UNITS])
+            model.add_min_equality(last[s], [sum(round(b / bucket_unit) * var
+                                                 for var, b in own[s]), BUCKET_UNITS])
     # e_in[e, s] / e_out[e, s]: edge e enters / leaves stage s (>= is enough: minimising)
     before = {(v, s): sum(x[v, q] for q in range(s)) for v in nodes for s in range(stages)}
     after = {(v, s): sum(x[v, q] for q in range(s + 1, stages)) for v in nodes
@@ -180,15 +199,14 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
         for (a, k), c in coef.items():
             zz = z[s, a, k]
             lin = terms[a, k]
-            work = [(x[v, s], round(scale * (comp[v] * lin.per_compute + par[v] * lin.per_param)))
-                    for v in nodes]
+            work = [(x[v, s], round(scale * comp[v] * lin.per_compute)) for v in nodes] \
+                + [(var, round(scale * b * lin.per_param)) for var, b in own[s]]
             tail: list[tuple[Any, int]] = []
             if bucket is not None and c.sync_per_byte > 0:  # the all-reduce overlaps the
                 # backward: the whole all-reduce less the backward, or the last bucket's
                 sync = lin.per_sync * c.sync_per_byte
-                tail = [(x[v, s], round(scale * (comp[v] * lin.per_compute
-                                                 + par[v] * (lin.per_param - sync))))
-                        for v in nodes]
+                tail = [(x[v, s], round(scale * comp[v] * lin.per_compute)) for v in nodes] \
+                    + [(var, round(scale * b * (lin.per_param - sync))) for var, b in own[s]]
                 tail.append((last[s], round(scale * sync * bucket_unit)))
                 behind = scale * lin.per_sync / options.per_minibatch
                 work += [(x[v, s], -round(behind * bwd[v])) for v in nodes if bwd[v]]
@@ -196,8 +214,8 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
             copies = []
             # on the busiest server interface: its share of the stage's bytes and the rings
             # of its all-reduces (`costmodel.stage_parts`)
-            ring = [(x[v, s], round(scale * par[v] * c.nic_ring_per_byte * lin.per_sync))
-                    for v in nodes if par[v] and c.nic_ring_per_byte]
+            ring = [(var, round(scale * b * c.nic_ring_per_byte * lin.per_sync))
+                    for var, b in own[s] if b and c.nic_ring_per_byte]
             shared_in, shared_out = list(ring), list(ring)
             for i, (_, _, b) in enumerate(edges):
                 if (i, s) in e_in and c.in_nic_per_byte:
@@ -223,18 +241,23 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
                 if links:
                     model.add(sum(w * var for var, w in links) <= t).only_enforce_if(zz)
             if math.isfinite(mem_limit):
-                per_node = {v: par[v] * (lin.versions + 1.0 + options.optimizer_state)
-                            + keep[v] * lin.in_flight / options.per_minibatch for v in nodes}
-                if sum(per_node.values()) > mem_limit:
+                per_byte = lin.versions + 1.0 + options.optimizer_state
+                per_var = [(x[v, s], par[v] * per_byte
+                            + keep[v] * lin.in_flight / options.per_minibatch) for v in nodes] \
+                    + [(held[i, s], tie.nbytes * per_byte) for i, tie in enumerate(ties)]
+                if sum(bytes_ for _, bytes_ in per_var) > mem_limit:
                     # memory in millionths of the limit, rounded up (a stage within a millionth
                     # per node of the limit may be refused): with billionths, CP-SAT's presolve
                     # (OR-Tools 9.15) returned OPTIMAL for a plan 33% slower than the optimum
                     unit = mem_limit / MEMORY_UNITS
-                    model.add(sum(math.ceil(per_node[v] / unit) * x[v, s] for v in nodes)
-                              <= MEMORY_UNITS).only_enforce_if(zz)
+                    model.add(sum(math.ceil(bytes_ / unit) * var for var, bytes_ in per_var
+                                  if bytes_) <= MEMORY_UNITS).only_enforce_if(zz)
     # a valid cut that tightens the bound: the workers share all the compute, so the slowest
-    # stage takes at least total compute / workers (less a margin for the coefficients' rounding)
-    model.add(t >= math.floor(scale * sum(comp.values()) / workers) - len(nodes) - 1)
+    # stage takes at least total compute x the least compute share of a worker (k replicas'
+    # per_compute x k: 1 unflushed, (ceil(m / k) - 1) k / m under a flush, whose fill and drain
+    # the model leaves to the DP) / workers, less a margin for the coefficients' rounding
+    least = min(key[1] * x.per_compute for key, x in terms.items())
+    model.add(t >= math.floor(scale * sum(comp.values()) * least / workers) - len(nodes) - 1)
     model.minimize(t)
     # symmetry is broken by the ordering of stages; hint the DP's plan
     if hint is not None:
@@ -250,10 +273,10 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
     code = solver.solve(model)
     status = solver.status_name(code)
     # the rounding of coefficients can move the optimum by up to one unit per term
-    slack = (len(nodes) + 2 * len(edges) + 1) / scale
+    slack = (len(nodes) + len(ties) + 2 * len(edges) + 1) / scale
     if bucket is not None:  # each node's parameters in units of the bucket, and the
         # coefficient of a stage's bucket units (up to half a time unit per bucket unit)
-        slack += len(nodes) * bucket / BUCKET_UNITS * max(
+        slack += (len(nodes) + len(ties)) * bucket / BUCKET_UNITS * max(
             terms[key].per_sync * c.sync_per_byte for key, c in coef.items()) \
             + BUCKET_UNITS / 2 / scale
     if code not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
@@ -328,17 +351,22 @@ def ilp_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ..
     max(A / n, A - (1 - 1/n) backward), is not linear in the stage's nodes (n = params / bucket);
     the linear forms leave out the backward's last-bucket share and charge the ring's latencies
     whole, so this objective can sit below the DP's by up to backward / n. Plans are priced
-    exactly afterwards."""
+    exactly afterwards. A stage's parameters count the copies of the ties it holds
+    (cost/ties.py `copied_bytes`), as the model's do."""
     stage_of = {v: i for i, (nodes, _) in enumerate(stages) for v in nodes}
     pinned = set(input_nodes(graph))
     workers = cluster.workers
+    copied = copied_bytes(graph, stage_of, len(stages))  # a tie's copies on its later holders
     worst = 0.0
     for i, (nodes, ranks) in enumerate(stages):
         k = len(ranks)
         c = placement(cluster, ranks[0], k, workers)
         lin = _linear_terms(c, workers - ranks[0], options)
-        work, comm, mem = lin.fixed, 0.0, 0.0
-        params = backward = 0.0
+        params = copied[i]
+        work = lin.fixed + params * lin.per_param
+        comm = 0.0
+        mem = params * (lin.versions + 1.0 + options.optimizer_state)
+        backward = 0.0
         for v in nodes:
             d = graph.nodes[v]
             comp = 0.0 if v in pinned else float(d["fwd"]) + float(d["bwd"])

@@ -22,9 +22,10 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
   the (coarsened) graph that cuts it into stages, each on r consecutive ranks of one group,
   visiting the groups in every order, that minimises the slowest stage's time (its compute at
   its group's speed over its replicas, their all-reduce and step, the link into it) where the
-  stage's weights fit its device. A stage may also take the rest of one group and the first
-  ranks of the next (replicas of two kinds), priced at their shared speed with shares in
-  proportion to speed (`cost/shares.py`; `with_shares` then gives the plan those shares).
+  stage's weights fit its device (a tied parameter's copy on each later holder counted,
+  cost/ties.py). A stage may also take the rest of one group and the first ranks of the next
+  (replicas of two kinds), priced at their shared speed with shares in proportion to speed
+  (`cost/shares.py`; `with_shares` then gives the plan those shares).
 
 The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
 local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
@@ -52,6 +53,7 @@ from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import ring_allreduce_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
 from pdcompile.cost.shares import proportional_shares, round_shares, shared_speed
+from pdcompile.cost.ties import tie_readers
 from pdcompile.cost.updates import step_seconds
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
@@ -467,6 +469,7 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         data = coarse.nodes[b]
         work.append(work[-1] + float(data["fwd"]) + float(data["bwd"]))
         params.append(params[-1] + float(data["params"]))
+    copied = _tie_copies(graph, members, position)
     crossing = [0.0] * (n + 1)  # bytes from blocks before i to blocks at or after i
     for u, v in coarse.edges:
         for i in range(position[u] + 1, position[v] + 1):
@@ -492,7 +495,7 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         """The slowest-stage term of blocks i..j-1 on `ranks` of `device` (the smallest memory
         and slowest updates among them) computing at `speed` each."""
         r, start = len(ranks), ranks[0]
-        p = params[j] - params[i]
+        p = params[j] - params[i] + copied.get((i, j), 0.0)
         if p * (2.0 + optimizer_state) > device.memory:
             return math.inf
         span = (start, ranks[-1], r)  # a straddle's ranks are not always consecutive
@@ -578,6 +581,29 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         state = previous
     stages.reverse()
     return stages
+
+
+def _tie_copies(graph: nx.DiGraph, members: dict[str, list[str]], position: dict[str, int],
+                ) -> dict[tuple[int, int], float]:
+    """Bytes of tied parameters that a stage of blocks i..j-1 (in `position`'s order) holds a
+    copy of: a reader of the tie but not the one whose params count it (cost/ties.py
+    `copied_bytes`), keyed (i, j) where not 0. The copy is weights, gradient and optimizer state
+    on the stage's device, stepped and all-reduced by its replicas as its own parameters are."""
+    ties = tie_readers(graph)
+    if not ties:
+        return {}
+    block_of = {m: b for b, group in members.items() for m in group}
+    place = [(tie.nbytes, position[block_of.get(tie.owner, tie.owner)],
+              sorted(position[block_of.get(r, r)] for r in tie.others)) for tie in ties]
+    out: dict[tuple[int, int], float] = {}
+    n = len(position)
+    for i in range(n):
+        for j in range(i + 1, n + 1):
+            held = sum(nbytes for nbytes, owner, others in place
+                       if not i <= owner < j and any(i <= p < j for p in others))
+            if held:
+                out[i, j] = held
+    return out
 
 
 def _relax(value: dict[Any, Any], key: Any, time: float, previous: Any, placed: Any) -> None:

@@ -42,3 +42,21 @@ def random_chain(nodes: int, *, skips: int = 0, reach: int = 8, seed: int = 0) -
         start = rng.randrange(nodes - 2)
         graph.add_edge(f"n{start}", f"n{min(nodes - 1, start + rng.randint(2, reach))}")
     return graph
+
+
+TIE = 150e6  # GPT-2's 50k x 768 embedding in float32
+
+
+def tied_lm_chain() -> nx.DiGraph:
+    """An embedding of TIE bytes (three times a block's forward), four blocks of TIE / 2 and
+    a head reading the embedding again."""
+    graph = new_cost_graph("lm", 8)
+    names = ["emb", "b0", "b1", "b2", "b3", "head"]
+    for name in names:
+        fwd = 6e-3 if name == "emb" else 2e-3
+        params = TIE if name == "emb" else TIE / 2 if name.startswith("b") else 1e5
+        add_block(graph, name, fwd=fwd, bwd=2 * fwd, act=1e6, params=params)
+    for a, b in zip(names, names[1:], strict=False):
+        graph.add_edge(a, b)
+    graph.graph["ties"] = [{"bytes": TIE, "nodes": ["emb", "head"]}]
+    return graph

@@ -110,3 +110,20 @@ def drawn_chains(draw: st.DrawFn, min_blocks: int = 2, max_blocks: int = 5) -> n
         previous = f"n{i}"
     return graph
 
+
+@st.composite
+def tied_dags(draw: st.DrawFn) -> nx.DiGraph:
+    """Small random DAGs with one or two ties over two or three of their nodes, the first of
+    each holding the tie's bytes in its `params` (as the cost pass counts them)."""
+    graph = draw(small_dags(max_nodes=5))
+    nodes = [n for n in graph.nodes if graph.nodes[n]["bwd"] > 0]
+    if len(nodes) < 2:
+        return graph
+    ties = []
+    for _ in range(draw(st.integers(1, 2))):
+        readers = draw(st.lists(st.sampled_from(nodes), min_size=2, max_size=3, unique=True))
+        size = draw(st.floats(1e5, 1e8))
+        graph.nodes[readers[0]]["params"] += size
+        ties.append({"bytes": size, "nodes": readers})
+    graph.graph["ties"] = ties
+    return graph

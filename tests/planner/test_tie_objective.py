@@ -19,31 +19,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcompile import Cluster
-from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.planner.costmodel import ModelOptions, evaluate, planning_objective
 from pdcompile.planner.dp_search import planning_dp
 from tests.helpers.brute_force import brute_force
-from tests.helpers.strategies import clusters, small_dags
+from tests.helpers.graphs import TIE, tied_lm_chain
+from tests.helpers.strategies import clusters, tied_dags
 
 NATIVE = ModelOptions(cost_model="native")
-
-
-@st.composite
-def tied_dags(draw: st.DrawFn) -> nx.DiGraph:
-    """Small random DAGs with one or two ties over two or three of their nodes, the first of
-    each holding the tie's bytes in its `params` (as the cost pass counts them)."""
-    graph = draw(small_dags(max_nodes=5))
-    nodes = [n for n in graph.nodes if graph.nodes[n]["bwd"] > 0]
-    if len(nodes) < 2:
-        return graph
-    ties = []
-    for _ in range(draw(st.integers(1, 2))):
-        readers = draw(st.lists(st.sampled_from(nodes), min_size=2, max_size=3, unique=True))
-        size = draw(st.floats(1e5, 1e8))
-        graph.nodes[readers[0]]["params"] += size
-        ties.append({"bytes": size, "nodes": readers})
-    graph.graph["ties"] = ties
-    return graph
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -69,24 +51,6 @@ def test_the_dp_finds_the_brute_force_optimum_of_tied_graphs(
                               memory=min(memory, 1e30)) == pytest.approx(objective, rel=1e-9)
 
 
-TIE = 150e6  # GPT-2's 50k x 768 embedding in float32
-
-
-def _lm() -> nx.DiGraph:
-    """An embedding of TIE bytes (three times a block's forward), four blocks of TIE / 2 and
-    a head reading the embedding again."""
-    graph = new_cost_graph("lm", 8)
-    names = ["emb", "b0", "b1", "b2", "b3", "head"]
-    for name in names:
-        fwd = 6e-3 if name == "emb" else 2e-3
-        params = TIE if name == "emb" else TIE / 2 if name.startswith("b") else 1e5
-        add_block(graph, name, fwd=fwd, bwd=2 * fwd, act=1e6, params=params)
-    for a, b in zip(names, names[1:], strict=False):
-        graph.add_edge(a, b)
-    graph.graph["ties"] = [{"bytes": TIE, "nodes": ["emb", "head"]}]
-    return graph
-
-
 def test_the_dp_keeps_the_heads_stage_within_the_memory_with_its_copy_of_the_tie() -> None:
     """Two straight stages within 8.2 x TIE per worker (weights, gradients and Adam's moments
     are 4 x the parameters): the compute balances at emb, b0 | b1, b2, b3, head, whose second
@@ -94,7 +58,7 @@ def test_the_dp_keeps_the_heads_stage_within_the_memory_with_its_copy_of_the_tie
     block to the first stage, and both stages fit."""
     cluster = Cluster.parse("2@1e10")
     options = ModelOptions(cost_model="native", schedule="1f1b-flush", microbatches=4)
-    graph = _lm()
+    graph = tied_lm_chain()
     unlimited = planning_dp(graph, cluster, options=options, memory=1e30, straight=True)[1]
     assert [nodes for nodes, _ in unlimited] == [["emb", "b0"], ["b1", "b2", "b3", "head"]]
     assert evaluate(graph, unlimited, cluster, options=options)[0][1].memory \
