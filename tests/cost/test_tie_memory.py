@@ -16,7 +16,7 @@ import random
 
 import networkx as nx
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pdcompile
@@ -77,14 +77,18 @@ def test_gpt2_cut_between_its_embedding_and_head_holds_the_tie_on_both_stages() 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**16), stages=st.integers(2, 4))
+@example(seed=10437, stages=3)
 def test_each_stage_is_priced_with_the_parameter_bytes_its_module_holds(seed: int,
                                                                         stages: int) -> None:
     """TiedLM reads its embedding at the input, in the middle and as the head, and calls one
     layer twice: any cut gives ties held by one, two or three stages, each with a copy."""
     rng = random.Random(seed)
     case = tied_lm_case(seed % 7)
-    nodes = len(capture(copy.deepcopy(case[0]), case[1], None).graph.graph.nodes)
-    cut = sorted(rng.sample(range(2, nodes - 1), stages - 1))
+    nodes = list(capture(copy.deepcopy(case[0]), case[1], None).graph.graph.nodes)
+    # cut before operations only: a stage of a lone get_attr has nothing to run, and the
+    # split refuses it in one line (found by seed 10437: a stage of `emb_weight` alone)
+    calls = [i for i, n in enumerate(nodes[:-1]) if i >= 2 and n.op.startswith("call_")]
+    cut = sorted(rng.sample(calls, stages - 1))
     pipe, graph = _compiled(case, cut=cut)
     assert list(StageCosts.from_plan(graph, pipe.plan).params) == _module_bytes(pipe)
 
