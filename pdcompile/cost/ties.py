@@ -65,6 +65,18 @@ def shared_weights(graph: Any, stage_of: dict[str, int]) -> tuple[SharedWeights,
     return tuple(SharedWeights(stages, nbytes) for stages, nbytes in sorted(groups.items()))
 
 
+def updates_apart(ties: Sequence[SharedWeights], replicas: Sequence[int],
+                  flush: bool) -> SharedWeights | None:
+    """The first tie whose stages update a different number of times, or None. Outside flush
+    schedules a replica updates once per round of its stage's replicas, so stages sharing a
+    tie on unequal replicas leave update k of one rank without a partner on the other: the
+    runtime refuses such a plan and the simulator raises (backends/tie_updates.py); a planner
+    pricing by the closed form alone must not return it either."""
+    if flush:
+        return None
+    return next((tie for tie in ties if len({replicas[s] for s in tie.stages}) > 1), None)
+
+
 def copied_bytes(graph: Any, stage_of: dict[str, int], stages: int) -> list[float]:
     """Per stage, the bytes of tied parameters it holds a copy of but the CostGraph counts at
     another stage: that of the tie's first reader, whose node's `params` hold them. The split

@@ -21,6 +21,7 @@ import networkx as nx
 from pdcompile.cost.costgraph import topological_order, validate
 from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.memory import OPTIMIZER_STATE
+from pdcompile.cost.ties import shared_weights, updates_apart
 from pdcompile.errors import PlanError, ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
@@ -225,6 +226,15 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         ilp_found = _ilp_candidate(cost_graph, cluster, planner, limit, time_limit,
                                    min(candidates, key=lambda c: c.closed))
         candidates += ilp_found
+    if candidates and all(_ties_update_apart(cost_graph, c) for c in candidates):
+        # every plan found puts a tie on unequal replicas, which a streaming schedule cannot
+        # run: one worker per stage (on as many workers as fit) keeps its stages' updates equal
+        best = min(candidates, key=lambda c: c.closed)
+        try:
+            candidates += _dp_candidates(cost_graph, cluster, best.options, limit, True, workers,
+                                         fill=False).candidates
+        except PlanError:
+            pass
     if not candidates:
         refusal = _schedule_refusal(choices, workers)
         if refusal is not None:  # not the memory: the schedule cannot run on these workers
@@ -233,6 +243,13 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                                optimizer_state=optimizer_state)
         raise _no_fit(cost_graph, cluster, options, limit, straight)
     chosen, simulated = _choose(cost_graph, cluster, candidates, simulate, cache)
+    if _ties_update_apart(cost_graph, chosen):  # every candidate would: none can run
+        raise PlanError(
+            f"no {chosen.options.schedule!r} plan of {cost_graph.graph.get('name') or 'the model'} "
+            f"on {workers} workers keeps the stages sharing a tied parameter on equal replicas "
+            f"within the memory (the best found, {chosen.describe()}, would update them a "
+            "different number of times, which the runtime refuses); use a flush schedule "
+            "(schedule='1f1b-flush'), more memory per worker, or other workers")
     options = chosen.options
     everything = [data_parallel_stage(cost_graph, cluster, workers)]
     dp_options = data_parallel_options(options, cluster, workers)
@@ -727,6 +744,9 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     simulated choice fails (depths that cannot run), the next candidates by the closed form are
     simulated until one runs: a candidate the simulator refused was returned before."""
     ranked = sorted(candidates, key=lambda c: c.closed)
+    # plans whose tied stages would update apart cannot run (cost/ties.py `updates_apart`):
+    # out before the closed form picks one without the simulator to refuse it
+    ranked = [c for c in ranked if not _ties_update_apart(graph, c)] or ranked
     if simulate is False:
         return ranked[0], None
     best: tuple[float, _Candidate] | None = None
@@ -772,6 +792,18 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     if best is None:  # nothing simulated: by the closed form, one not known to fail first
         return next((c for c in ranked if c not in failed), ranked[0]), None
     return best[1], best[0]
+
+
+def _ties_update_apart(graph: nx.DiGraph, candidate: _Candidate) -> bool:
+    """Whether the candidate puts a tie on stages that update a different number of times."""
+    if not graph.graph.get("ties"):
+        return False
+    stage_of = {node: i for i, (nodes, _) in enumerate(candidate.stages) for node in nodes}
+    if any(node not in stage_of for node in graph.nodes):
+        return False  # stages over another graph's nodes: the simulator decides
+    ties = shared_weights(graph, stage_of)
+    replicas = [len(ranks) for _, ranks in candidate.stages]
+    return updates_apart(ties, replicas, kind(candidate.options.schedule).flush) is not None
 
 
 def _simulation_cost(plan_: Plan) -> int:
