@@ -43,7 +43,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     clip_grad_norm: float | None = None,
     param_groups: ParamGroups | None = None,
     autocast: torch.dtype | str | None = None,
-    unbatched: Sequence[str] | str = (),
+    unbatched: Sequence[str] | str | None = (),
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 

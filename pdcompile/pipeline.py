@@ -95,7 +95,7 @@ class Pipeline:
                  example_target: Any = None, model: torch.nn.Module | None = None,
                  clip_grad_norm: float | None = None,
                  param_groups: ParamGroups | None = None, autocast: Any = None,
-                 unbatched: Sequence[str] | str = ()) -> None:
+                 unbatched: Sequence[str] | str | None = ()) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}"
                                      f"{did_you_mean(schedule, SCHEDULES)}; choose one of "

@@ -129,8 +129,9 @@ def first_microbatch(named: Mapping[str, Any], m: int, whole: Collection[str] = 
 
 
 def checked_whole(names: Any, inputs: Collection[str]) -> tuple[str, ...]:
-    """compile's `unbatched=`: names of the model's inputs (one name alone as a string)."""
-    given = (names,) if isinstance(names, str) else names
+    """compile's `unbatched=`: names of the model's inputs (one name alone as a string; None as
+    none, as the other options take it)."""
+    given = (names,) if isinstance(names, str) else () if names is None else names
     try:
         given = tuple(given)
     except TypeError:

@@ -181,3 +181,13 @@ def test_a_short_last_batch_of_a_masks_size_leaves_the_mask_whole() -> None:
         opt.step()
         want.append(total)
     assert losses == pytest.approx(want, rel=1e-9)
+
+
+def test_unbatched_none_means_no_input_named() -> None:
+    """None reads as the other options' "nothing given" (it was refused as an input's name)."""
+    x, y = torch.randn(6, SEQ, 5), torch.randn(6, CLASSES)
+    rest = (torch.tril(torch.ones(SEQ, SEQ)), torch.rand(CLASSES) + 0.5, torch.tensor(2.0))
+    pipe = pdcompile.compile(Masked(), example_inputs=(x, *rest), loss_fn=F.mse_loss, stages=2,
+                             microbatches=2, optimizer=_sgd, unbatched=None)
+    assert pipe.unbatched == () and set(pipe.whole_inputs) == {"mask", "weight"}
+    assert pipe.step(x, *rest, target=y) > 0
