@@ -18,6 +18,7 @@ Both are vectorised with numpy over (successor state, workers, replicas).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from pdcompile.planner.costmodel import (
     stage_parts,
     values_of,
 )
+from pdcompile.schedule.kinds import kind
 
 INF = float("inf")
 
@@ -183,6 +185,9 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
 
 
 # ------------------------------------------------------------------------------ native
+TIE_CHOICES = 64  # the most replica-count combinations over ties a DP runs for (StageGrid)
+TIE_BATCH = 16  # ... and how many of them `native_dp` runs side by side (its arrays' memory)
+TIE_WORK = 20_000_000  # ... exactly where that takes at most this many stage values in all
 UNIT_LIMIT = 32  # a DP spans at most this many units of workers (a straight one: every worker)
 PARTS_BYTES = 512 << 20  # the grid keeps stage parts of rows up to this size, ...
 VALUES_BYTES = 256 << 20  # ... and planning objectives up to this; others are recomputed
@@ -216,6 +221,11 @@ class _Row:
     js: np.ndarray
     figures: dict[str, np.ndarray]
     rest: np.ndarray  # [j, 1] fwd+bwd of everything after each end state
+    # [t, j] True where the stage holds some of tie t's readers but not all: the tie then
+    # spans several stages, whose replicas a streaming schedule needs equal (`tie_allowed`)
+    tie_split: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    tie_held: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))  # [t, j]
+    # True where the stage holds one of tie t's readers at least
 
 
 @dataclass
@@ -255,6 +265,57 @@ class StageGrid:
     recompute: bool  # the stages may also recompute their activations (where planned)
     parts_kept: _Kept = field(default_factory=lambda: _Kept(PARTS_BYTES))
     values_kept: _Kept = field(default_factory=lambda: _Kept(VALUES_BYTES))
+    widths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [q]
+    # workers of the stage at each position (its replicas; units may hold several workers)
+    ties: int = 0  # tied parameters that some stage may split (rows' `tie_split`)
+
+    def tie_counts(self, free: DPResult) -> list[tuple[int, ...]]:
+        """The replica counts (in workers) that the stages splitting a tie may share under a
+        streaming schedule, one tuple per choice with a count per tie (`tie_allowed`), for a
+        DP whose optimum without the rule is `free`: every combination of the widths the grid
+        places (exact), where that stays within TIE_CHOICES combinations and TIE_WORK
+        elements of work, else (one DP pass per choice is too much on a wide grid of many
+        states) the combinations of the widths of the stages holding each tie in `free`."""
+        widths = sorted({int(w) for w in self.widths})
+        work = len(self.mq) * sum(row.js.size for row in self.rows.values())
+        if len(widths) ** self.ties <= TIE_CHOICES and work * len(widths) ** self.ties \
+                <= TIE_WORK:
+            return list(itertools.product(widths, repeat=self.ties))
+        held: list[set[int]] = [set() for _ in range(self.ties)]
+        for stage in free.stages:
+            row = self.rows[stage.before]
+            readers = self.rows[stage.before].tie_held[:, np.searchsorted(row.js, stage.after)]
+            for t in np.flatnonzero(readers):
+                held[t].add(len(stage.ranks))
+        combos = list(itertools.product(*(sorted(h) or widths for h in held)))
+        return combos[:TIE_CHOICES]
+
+    def ties_apart(self, result: DPResult) -> bool:
+        """Whether the result's stages splitting some tie sit on unequal worker counts (the
+        rule `tie_allowed` enforces; False for a grid without it)."""
+        if self.ties == 0:
+            return False
+        held: list[set[int]] = [set() for _ in range(self.ties)]
+        for stage in result.stages:
+            row = self.rows[stage.before]
+            split = row.tie_split[:, np.searchsorted(row.js, stage.after)]
+            for t in np.flatnonzero(split):
+                held[t].add(len(stage.ranks))
+        return any(len(h) > 1 for h in held)
+
+    def tie_allowed(self, k: int, choices: list[tuple[int, ...] | None],
+                    ) -> np.ndarray | None:
+        """[b, j, q] False where the stage (k, j] at position q splits a tie t over stages but
+        is not on choices[b][t] workers (a streaming schedule would update such stages apart,
+        cost/ties.py `updates_apart`; a choice None rules out nothing); None where nothing is
+        ruled out."""
+        split = self.rows[k].tie_split  # [t, j]
+        if not split.any() or all(c is None for c in choices):
+            return None
+        counts = np.array([c if c is not None else (-1,) * self.ties for c in choices])
+        wrong = (counts[:, :, None] != self.widths[None, None, :]).astype(np.float64)
+        wrong[[c is None for c in choices]] = 0.0  # [b, t, q]
+        return ~(np.einsum("tj,btq->bjq", split.astype(np.float64), wrong) > 0)
 
     def ranks(self, first_unit: int, units: int) -> tuple[int, ...]:
         """The ranks of `units` units from `first_unit` on."""
@@ -303,19 +364,23 @@ class StageGrid:
         return flight, demand
 
     def best_per_units(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per unit count m (0..workers): the smallest of `values` ([q]) over the replica
-        counts r, and the position q of the first r reaching it (m = 0: INF at position 0)."""
+        """Per unit count m (0..workers): the smallest of `values` ([q], or [b, q] for several
+        DPs side by side) over the replica counts r, and the position q of the first r reaching
+        it (m = 0: INF at position 0); [m] or [b, m] arrays."""
         n = self.workers
+        lead = values.shape[:-1]
         if len(self.mq) == n:  # one replica count per m (straight): nothing to choose
-            out_v, out_q = np.full(n + 1, INF), np.zeros(n + 1, dtype=np.int64)
-            out_v[self.mq], out_q[self.mq] = values, np.arange(n)
+            out_v = np.full((*lead, n + 1), INF)
+            out_q = np.zeros((*lead, n + 1), dtype=np.int64)
+            out_v[..., self.mq], out_q[..., self.mq] = values, np.arange(n)
             return out_v, out_q
-        grid_v = np.full((n + 1, n + 1), INF)  # [m, r]: at most UNIT_LIMIT + 1 squared
-        grid_v[self.mq, self.rq] = values
-        r_best = np.argmin(grid_v, axis=1)  # [m] the first r of the smallest
+        grid_v = np.full((*lead, n + 1, n + 1), INF)  # [m, r]: at most UNIT_LIMIT + 1 squared
+        grid_v[..., self.mq, self.rq] = values
+        r_best = np.argmin(grid_v, axis=-1)  # [m] the first r of the smallest
         col = np.zeros((n + 1, n + 1), dtype=np.int64)
         col[self.mq, self.rq] = np.arange(len(self.mq))
-        return grid_v[np.arange(n + 1), r_best], col[np.arange(n + 1), r_best]
+        return (np.take_along_axis(grid_v, r_best[..., None], axis=-1)[..., 0],
+                col[np.arange(n + 1), r_best])
 
 
 def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
@@ -364,8 +429,16 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                    "passing": passing[:, None], "sent_copies": copied[:, None]}
         if recompute:
             figures["forward"] = (tables.forward[js] - tables.forward[k])[:, None]
-        rows[k] = _Row(js, figures, (total - tables.compute[js])[:, None])
-    return StageGrid(units, last, mq, rq, bounds, rows, coef, options, memory, recompute)
+        held = tables.tie_readers[:, js] - tables.tie_readers[:, k:k + 1]  # [t, j]
+        split = (held > 0) & (held < tables.tie_readers[:, last:last + 1])
+        rows[k] = _Row(js, figures, (total - tables.compute[js])[:, None], split, held > 0)
+    widths = np.array([int(bounds[units - m + r] - bounds[units - m]) for m, r in pairs],
+                      dtype=np.int64)
+    ties = int(tables.tie_bytes.size) if not kind(options.schedule).flush else 0
+    if ties and not any(row.tie_split.any() for row in rows.values()):
+        ties = 0  # every stage holds each tie whole or not at all: nothing to rule out
+    return StageGrid(units, last, mq, rq, bounds, rows, coef, options, memory, recompute,
+                     widths=widths, ties=ties)
 
 
 def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
@@ -375,53 +448,89 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
     workers if the graph allows, fewer otherwise; with `fill` exactly as many; `max_stages`: at
     most that many stages). `options` may differ from the grid's in `flight` only.
 
-    Raises PlanError when no plan fits the memory.
+    Under a streaming schedule the stages splitting a tie hold one replica count (cost/ties.py
+    `updates_apart`): where the optimum without that rule breaks it, the DP runs again for
+    every choice of `StageGrid.tie_counts` (TIE_BATCH at a time, side by side in numpy) and
+    keeps the best, the first choice among equals (where none keeps the rule, the optimum
+    without it). Raises PlanError when no plan fits the memory.
     """
+    free = _native_dp(grid, options=options, straight=straight, fill=fill,
+                      max_stages=max_stages, choices=[None])
+    if free is None:
+        raise PlanError("no plan fits")  # the planner turns this into an actionable message
+    if not grid.ties_apart(free):  # the optimum without the rule keeps it
+        return free
+    choices = grid.tie_counts(free)
+    best: DPResult | None = None
+    for start in range(0, len(choices), TIE_BATCH):
+        found = _native_dp(grid, options=options, straight=straight, fill=fill,
+                           max_stages=max_stages, choices=list(choices[start:start + TIE_BATCH]))
+        if found is not None and (best is None or found.objective < best.objective):
+            best = found
+    # no plan keeps the rule: the free optimum, which the planner mends or drops
+    # (planner/search.py, planner/tie_repair.py)
+    return best if best is not None else free
+
+
+def _native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool, fill: bool,
+               max_stages: int | None, choices: list[tuple[int, ...] | None],
+               ) -> DPResult | None:
+    """`native_dp` for each of `choices` side by side (index b of the arrays below: the stages
+    splitting tie t on choices[b][t] workers, None: free); the best of them, None if none
+    fits."""
     n, last = grid.workers, grid.last
     depth = n if max_stages is None else max(1, min(n, max_stages))
     prev = grid.mq - grid.rq
-    q_all = np.arange(len(grid.mq))
-    # best[d, k, m]: the best pipeline of the rest after state k on m units in at most d + 1
-    # stages (one layer when the stage count is free)
+    batch = len(choices)
+    # best[b, d, k, m]: the best pipeline of the rest after state k on m units in at most
+    # d + 1 stages (one layer when the stage count is free)
     layers = depth if max_stages is not None else 1
-    best = np.full((layers, last + 1, n + 1), INF)
-    best[:, last, 0] = 0.0
+    best = np.full((batch, layers, last + 1, n + 1), INF)
+    best[:, :, last, 0] = 0.0
     if straight and not fill:  # the last stage may leave workers after it unused: a stage
         # priced on m units left starts at rank n - m, where the plan puts it
-        best[:, last, :] = 0.0
-    choice_j = np.full((layers, last + 1, n + 1), -1, dtype=np.int64)
-    choice_r = np.zeros((layers, last + 1, n + 1), dtype=np.int64)
+        best[:, :, last, :] = 0.0
+    choice_j = np.full((batch, layers, last + 1, n + 1), -1, dtype=np.int64)
+    choice_r = np.zeros((batch, layers, last + 1, n + 1), dtype=np.int64)
     for k in range(last - 1, -1, -1):
         if k not in grid.rows:
             continue
         js = grid.rows[k].js
-        stage = grid.stage_values(k, options)  # [j, q]
+        values = grid.stage_values(k, options)  # [j, q]
+        allowed = grid.tie_allowed(k, choices)  # masked apart from the kept values, which
+        # serve every choice
+        stage = values[None] if allowed is None else np.where(allowed, values, INF)  # [b, j, q]
         for d in range(layers):
             if max_stages is None:
-                follow = best[0][js][:, prev]
+                follow = best[:, 0][:, js][:, :, prev]  # [b, j, q]
             elif d == 0:  # a single stage: nothing may follow
                 follow = np.where(js[:, None] == last, np.where(prev == 0, 0.0, INF), INF)
             else:
-                follow = best[d - 1][js][:, prev]
-            cand = np.maximum(stage, follow)  # [j, q]
-            arg = np.argmin(cand, axis=0)  # [q] best successor state per (m, r)
-            val, q_best = grid.best_per_units(cand[arg, q_all])  # [m]
-            better = val < best[d, k]
-            best[d, k] = np.where(better, val, best[d, k])
-            choice_j[d, k] = np.where(better, js[arg[q_best]], choice_j[d, k])
-            choice_r[d, k] = np.where(better, grid.rq[q_best], choice_r[d, k])
+                follow = best[:, d - 1][:, js][:, :, prev]
+            cand = np.maximum(stage, follow)  # [b, j, q]
+            if cand.shape[0] != batch:
+                cand = np.broadcast_to(cand, (batch, *cand.shape[1:]))
+            arg = np.argmin(cand, axis=1)  # [b, q] best successor state per (m, r)
+            val, q_best = grid.best_per_units(
+                np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :])  # [b, m]
+            better = val < best[:, d, k]
+            best[:, d, k] = np.where(better, val, best[:, d, k])
+            chosen_j = js[np.take_along_axis(arg, q_best, axis=1)]
+            choice_j[:, d, k] = np.where(better, chosen_j, choice_j[:, d, k])
+            choice_r[:, d, k] = np.where(better, grid.rq[q_best], choice_r[:, d, k])
     top = layers - 1
     used = n
-    if not math.isfinite(best[top, 0, used]):
-        raise PlanError("no plan fits")  # the planner turns this into an actionable message
+    b = int(np.argmin(best[:, top, 0, used]))
+    if not math.isfinite(best[b, top, 0, used]):
+        return None
     stages = []
     k, m, d = 0, used, top
     while k != last:
-        j, r = int(choice_j[d, k, m]), int(choice_r[d, k, m])
+        j, r = int(choice_j[b, d, k, m]), int(choice_r[b, d, k, m])
         stages.append(DPStage(before=k, after=j, ranks=grid.ranks(used - m, r)))
         k, m = j, m - r
         d = d - 1 if max_stages is not None else d
-    return DPResult(stages=tuple(stages), objective=float(best[top, 0, used]))
+    return DPResult(stages=tuple(stages), objective=float(best[b, top, 0, used]))
 
 
 def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
@@ -431,7 +540,25 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
     circuits (costmodel.stage_demand) on the grid's workers, all of them used (straight: one
     worker per stage, any number of them unless `fill`), and each stage's in-flight count;
     None if there is none. Among the continuations of each (state, workers) it keeps the one of
-    least demand, which is best for every stage before it."""
+    least demand, which is best for every stage before it. The stages splitting a tie hold one
+    replica count (where the plan without that rule breaks it, each of `StageGrid.tie_counts`
+    is tried until one reaches the period)."""
+    free = _native_dp_period(grid, options=options, period=period, straight=straight,
+                             fill=fill, tie_counts=None)
+    if free is None or not grid.ties_apart(free[0]):
+        return free
+    for counts in grid.tie_counts(free[0]):
+        found = _native_dp_period(grid, options=options, period=period, straight=straight,
+                                  fill=fill, tie_counts=counts)
+        if found is not None:
+            return found
+    return None
+
+
+def _native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
+                      straight: bool, fill: bool, tie_counts: tuple[int, ...] | None,
+                      ) -> tuple[DPResult, tuple[int, ...]] | None:
+    """`native_dp_period` with the stages splitting a tie t on tie_counts[t] workers."""
     n, last = grid.workers, grid.last
     prev = grid.mq - grid.rq
     q_all = np.arange(len(grid.mq))
@@ -449,6 +576,9 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
         js = grid.rows[k].js
         after = demand[js][:, prev]  # [j, q]
         n_q, e_q = grid.stage_demand(k, options, period, after)
+        allowed = grid.tie_allowed(k, [tie_counts])
+        if allowed is not None:
+            e_q = np.where(allowed[0], e_q, INF)
         arg = np.argmin(e_q, axis=0)
         val, q_best = grid.best_per_units(e_q[arg, q_all])
         better = val < demand[k]
