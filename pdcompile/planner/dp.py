@@ -27,6 +27,7 @@ import networkx as nx
 import numpy as np
 
 from pdcompile.cost.costgraph import edge_bytes
+from pdcompile.cost.ties import tie_owners
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.planner.antichain import AntichainStates
@@ -84,7 +85,7 @@ class StateTables:
     tie_readers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [t, s] readers
     # of the tie in the downset
     tie_owner: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [t, s] 1 where
-    # the downset holds the reader whose params count the tie (its first)
+    # the downset holds the reader whose params count the tie (cost/ties.py `tie_owners`)
 
     def tie_copies(self, k: int, js: np.ndarray) -> np.ndarray:
         """Bytes of the tied parameters that the stages (k, j] for j in `js` hold a copy of
@@ -166,21 +167,21 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
         raw = np.frombuffer(states.reach[j].to_bytes(width, "little"), dtype=np.uint8)
         valid[:, j] = np.unpackbits(raw, bitorder="little")[:s].astype(bool)
     block_of = {m: x for x, d in zip(order, node, strict=True) for m in d.get("members", [x])}
-    ties = [t for t in graph.graph.get("ties", ()) if any(n in block_of for n in t["nodes"])]
+    # each tie read in the graph, with the block whose params count it (cost/ties.py's rule)
+    ties = [(t, o) for t, o in zip(graph.graph.get("ties", ()), tie_owners(graph), strict=True)
+            if o is not None]
     readers = np.zeros((len(ties), n))
     owner = np.zeros((len(ties), n))
-    for t, tie in enumerate(ties):
+    for t, (tie, block) in enumerate(ties):
         for name in tie["nodes"]:
             if name in block_of:
                 readers[t, index[block_of[name]]] = 1.0
-        first = tie["nodes"][0]
-        owner[t, index[block_of[first]] if first in block_of
-              else int(np.flatnonzero(readers[t])[0])] = 1.0
+        owner[t, index[block]] = 1.0
     return StateTables(compute=member @ comp, forward=member @ fwd, params=member @ par,
                        keep=member @ keep, act=member @ act, frontier=frontier, inside=inside,
                        degree=degree, weight=weight, leaving=leaving, copies=copies,
                        edges=sizes, valid=valid,
-                       tie_bytes=np.array([float(t["bytes"]) for t in ties]),
+                       tie_bytes=np.array([float(t["bytes"]) for t, _ in ties]),
                        tie_readers=readers @ member.T, tie_owner=owner @ member.T)
 
 
