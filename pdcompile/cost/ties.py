@@ -85,10 +85,17 @@ def copied_bytes(graph: Any, stage_of: dict[str, int], stages: int) -> list[floa
     bytes, their gradient, optimizer state and weight versions as it keeps its own parameters'.
     Zeros for a graph without ties."""
     out = [0.0] * stages
-    for tie in tie_readers(graph):
-        counted = stage_of[tie.owner]
-        for stage in sorted({stage_of[b] for b in tie.others} - {counted}):
-            out[stage] += tie.nbytes
+    ties = graph.graph.get("ties", ())
+    if not ties:
+        return out
+    block_of = _block_of(graph)
+    for tie, owner in zip(ties, _owners(graph, block_of), strict=True):
+        if owner is None:
+            continue
+        counted = stage_of[owner]
+        for stage in sorted({stage_of[block_of[n]] for n in tie["nodes"] if n in block_of}
+                            - {counted}):
+            out[stage] += float(tie["bytes"])
     return out
 
 
@@ -109,12 +116,21 @@ def tie_owners(graph: Any) -> list[str | None]:
     first in topological order; None for a tie none of whose readers is in the graph. The one
     rule that `copied_bytes`, `tie_readers`, the DP's tables (planner/dp.py `state_tables`)
     and CP-SAT's model follow."""
-    ties = graph.graph.get("ties", ())
-    block_of = {member: node for node, data in graph.nodes(data=True)
-                for member in data.get("members", [node])}
+    return _owners(graph, _block_of(graph))
+
+
+def _block_of(graph: Any) -> dict[str, str]:
+    """Every node name of the graph's blocks' members (and the blocks'): its block."""
+    return {member: node for node, data in graph.nodes(data=True)
+            for member in data.get("members", [node])}
+
+
+def _owners(graph: Any, block_of: dict[str, str]) -> list[str | None]:
+    """`tie_owners`, with the graph's `_block_of`; the topological order only where a first
+    reader is missing (it costs a sort of the graph, and the pricing asks for every plan)."""
     position: dict[str, int] = {}
     out: list[str | None] = []
-    for tie in ties:
+    for tie in graph.graph.get("ties", ()):
         first = tie["nodes"][0] if tie["nodes"] else None
         if first in block_of:
             out.append(block_of[first])
@@ -133,12 +149,10 @@ def tie_readers(graph: Any) -> tuple[TieReaders, ...]:
     ties = graph.graph.get("ties", ())
     if not ties:
         return ()
-    block_of = {member: node for node, data in graph.nodes(data=True)
-                for member in data.get("members", [node])}
-    owners = tie_owners(graph)
+    block_of = _block_of(graph)
     position: dict[str, int] = {}
     out = []
-    for tie, owner in zip(ties, owners, strict=True):
+    for tie, owner in zip(ties, _owners(graph, block_of), strict=True):
         blocks = {block_of[n] for n in tie["nodes"] if n in block_of}
         if len(blocks) < 2 or owner is None:
             continue

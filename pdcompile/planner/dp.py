@@ -276,20 +276,23 @@ class StageGrid:
         DP whose optimum without the rule is `free`: every combination of the widths the grid
         places (exact), where that stays within TIE_CHOICES combinations and TIE_WORK
         elements of work, else (one DP pass per choice is too much on a wide grid of many
-        states) the combinations of the widths of the stages holding each tie in `free`."""
+        states) the combinations of the widths of the stages holding each tie in `free`; those
+        first either way."""
         widths = sorted({int(w) for w in self.widths})
-        work = len(self.mq) * sum(row.js.size for row in self.rows.values())
-        if len(widths) ** self.ties <= TIE_CHOICES and work * len(widths) ** self.ties \
-                <= TIE_WORK:
-            return list(itertools.product(widths, repeat=self.ties))
         held: list[set[int]] = [set() for _ in range(self.ties)]
         for stage in free.stages:
             row = self.rows[stage.before]
-            readers = self.rows[stage.before].tie_held[:, np.searchsorted(row.js, stage.after)]
+            readers = row.tie_held[:, np.searchsorted(row.js, stage.after)]
             for t in np.flatnonzero(readers):
                 held[t].add(len(stage.ranks))
-        combos = list(itertools.product(*(sorted(h) or widths for h in held)))
-        return combos[:TIE_CHOICES]
+        near = list(itertools.product(*(sorted(h) or widths for h in held)))[:TIE_CHOICES]
+        work = len(self.mq) * sum(row.js.size for row in self.rows.values())
+        if len(widths) ** self.ties <= TIE_CHOICES and work * len(widths) ** self.ties \
+                <= TIE_WORK:  # all of them, those of `free` first (a period's search stops
+            # at the first that reaches it)
+            return near + [c for c in itertools.product(widths, repeat=self.ties)
+                           if c not in near]
+        return near
 
     def ties_apart(self, result: DPResult) -> bool:
         """Whether the result's stages splitting some tie sit on unequal worker counts (the
