@@ -21,7 +21,7 @@ import functools
 import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 import numpy as np
@@ -56,10 +56,14 @@ class DPStage:
 
 @dataclass(frozen=True)
 class DPResult:
-    """Stages in pipeline order and the DP's own objective (seconds per minibatch)."""
+    """Stages in pipeline order and the DP's own objective (seconds per minibatch); `free`:
+    where a streaming schedule's rule on tied stages changed the optimum (`native_dp`), the
+    optimum without it, whose cuts the planner may still use with the tied stages set equal
+    (planner/tie_repair.py: lowering them leaves workers idle, which the DP never does)."""
 
     stages: tuple[DPStage, ...]
     objective: float
+    free: DPResult | None = None
 
 
 # ------------------------------------------------------------------------------ state tables
@@ -473,7 +477,7 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
             best = found
     # no plan keeps the rule: the free optimum, which the planner mends or drops
     # (planner/search.py, planner/tie_repair.py)
-    return best if best is not None else free
+    return replace(best, free=free) if best is not None else free
 
 
 def _native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool, fill: bool,

@@ -460,6 +460,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         state_tables,
         unit_bounds,
     )
+    from pdcompile.planner.tie_repair import equalized
 
     copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
     # the period's bisection and the recomputation search, where the DP is small enough
@@ -484,18 +485,29 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     found: list[_Candidate] = []
 
-    def add(result: Any, flight: tuple[int, ...] | None = None, how: str = "") -> None:
+    def expanded(result: Any) -> list[tuple[list[str], tuple[int, ...]]]:
         states = prepared.states
         stages = [(states.stage_nodes(s.before, s.after),
                    _spread(s.ranks, copies, span, layout)) for s in result.stages]
         if stages and prepared.pinned:
             stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
-        expanded = expand(stages, prepared.mapping, {}, graph, order=prepared.order)
-        if all(expanded != c.stages for c in found):
-            candidate = _priced(graph, cluster, expanded, options, limit, planner="dp",
-                                status=status, in_flight=flight, how=how)
-            if candidate is not None:
-                found.append(candidate)
+        return expand(stages, prepared.mapping, {}, graph, order=prepared.order)
+
+    def add(result: Any, flight: tuple[int, ...] | None = None, how: str = "",
+            equalize: bool = False) -> None:
+        plans = [(expanded(result), flight, how)]
+        if equalize and result.free is not None:
+            # the cuts of the optimum without the tie rule, its tied stages set equal (which
+            # may leave workers idle, as the DP's own plans never do)
+            plans += [(stages, None, f"{how}, tied stages of the optimum without the rule "
+                                     f"equalized") for stages in equalized(
+                graph, expanded(result.free), workers, flush=kind(options.schedule).flush)]
+        for stages, depths, tag in plans:
+            if all(stages != c.stages for c in found):
+                candidate = _priced(graph, cluster, stages, options, limit, planner="dp",
+                                    status=status, in_flight=depths, how=tag)
+                if candidate is not None:
+                    found.append(candidate)
 
     def search_grid(recompute: bool) -> None:
         grid = stage_grid(tables, search, options=options, memory=limit, straight=straight,
@@ -528,7 +540,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             for variant, most in variants:
                 try:
                     add(native_dp(searched, options=variant, straight=straight, fill=fill,
-                                  max_stages=most), how=f"{label}{variant.flight}/{most}")
+                                  max_stages=most), how=f"{label}{variant.flight}/{most}",
+                        equalize=variant is options and most is None and label == tag)
                 except PlanError:
                     pass
         if not kind(options.schedule).flush and thorough:

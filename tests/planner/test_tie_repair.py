@@ -2,11 +2,13 @@
 
 Under '1f1b' the stages sharing a tie must hold equal replica counts (cost/ties.py
 `updates_apart`). The planner dropped every candidate that did not and, where none was left,
-fell back to a straight pipeline: a GPT-2-like chain on 8 workers within 1 GB each got the
-straight pipeline at 46.9 ms, though a refused plan's cuts with its tied stages on 2
-replicas each (2-1-1-2) run at 41.8 ms (on 5 workers: 46.7 ms against 42.1 ms, 1-1-1-1).
+fell back to a straight pipeline: a GPT-2-like chain within 1 GB per worker got the straight
+pipeline at 46.9 ms on 8 workers and 46.7 ms on 5. Mending the refused candidates' replicas
+(planner/tie_repair.py) and the DP's rule (planner/dp.py) now give 3-1-1-3 at 37.5 ms on 8
+and, on 5, four stages of one worker at 42.4 ms (the DP under the rule uses every worker; the
+cuts of its optimum without the rule, its tied stages lowered to one replica, leave one idle).
 GPT-2 XL on 16 servers of 8 H100 got 16 stages of 8 at 100.1 ms where its refused
-16-16-16-16-16-16-32 with 16 replicas each simulates at 56.0 ms.
+16-16-16-16-16-16-32 with 16 replicas on every stage simulates at 56.0 ms.
 """
 
 from __future__ import annotations
