@@ -442,11 +442,17 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
         rows[k] = _Row(js, figures, (total - tables.compute[js])[:, None], split, held > 0)
     widths = np.array([int(bounds[units - m + r] - bounds[units - m]) for m, r in pairs],
                       dtype=np.int64)
-    ties = int(tables.tie_bytes.size) if not kind(options.schedule).flush else 0
-    if ties and not any(row.tie_split.any() for row in rows.values()):
-        ties = 0  # every stage holds each tie whole or not at all: nothing to rule out
+    # the ties some stage splits (a tie read by one block never is): the rule's subjects,
+    # none under a flush, which updates every stage once per minibatch
+    splittable = np.zeros(tables.tie_bytes.size, dtype=bool)
+    if not kind(options.schedule).flush:
+        for row in rows.values():
+            splittable |= row.tie_split.any(axis=1)
+    for k, row in rows.items():
+        rows[k] = replace(row, tie_split=row.tie_split[splittable],
+                          tie_held=row.tie_held[splittable])
     return StageGrid(units, last, mq, rq, bounds, rows, coef, options, memory, recompute,
-                     widths=widths, ties=ties)
+                     widths=widths, ties=int(splittable.sum()))
 
 
 def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
