@@ -445,7 +445,11 @@ def scale_section(*, exact_limit: int = 32) -> str:
         "the planner gives every server the same pipeline (symmetric servers: one server's DP, "
         "each stage's replicas on all servers all-reducing together) after coarsening the "
         "graph to at most 300 blocks; the prediction is the closed form where a simulation "
-        "would be too long.",
+        "would be too long. GPT-2 XL's token embedding is tied to its output head: under 1f1b "
+        "the stages holding them take equal replica counts, as the runtime requires (the DP "
+        "and CP-SAT search under that rule, and refused candidates are priced again with "
+        "their tied stages set equal; docs/cost-model.md). Before, the planner dropped the "
+        "DP's plans that broke it and returned 16 stages of 8 at 100.1 ms.",
         "",
         "| graph | nodes | workers | plan s | target | config | predicted ms | by |",
         "|---|---|---|---|---|---|---|---|",

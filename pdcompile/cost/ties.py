@@ -79,59 +79,87 @@ def updates_apart(ties: Sequence[SharedWeights], replicas: Sequence[int],
 
 def copied_bytes(graph: Any, stage_of: dict[str, int], stages: int) -> list[float]:
     """Per stage, the bytes of tied parameters it holds a copy of but the CostGraph counts at
-    another stage: that of the tie's first reader, whose node's `params` hold them. The split
-    gives every stage reading a tie a copy of its own (passes/split.py; on one rank too,
-    runtime/rank_ties.py), so each such stage keeps those bytes, their gradient, optimizer state
-    and weight versions as it keeps its own parameters'. Zeros for a graph without ties."""
+    another stage: that of the tie's owner (`tie_owners`: its first reader, whose node's
+    `params` hold them). The split gives every stage reading a tie a copy of its own
+    (passes/split.py; on one rank too, runtime/rank_ties.py), so each such stage keeps those
+    bytes, their gradient, optimizer state and weight versions as it keeps its own parameters'.
+    Zeros for a graph without ties."""
     out = [0.0] * stages
     ties = graph.graph.get("ties", ())
     if not ties:
         return out
-    block_of = {member: node for node, data in graph.nodes(data=True)
-                for member in data.get("members", [node])}
-    for tie in ties:
-        held = [stage_of[block_of[n]] for n in tie["nodes"] if n in block_of]
-        if not held:
+    block_of = _block_of(graph)
+    for tie, owner in zip(ties, _owners(graph, block_of), strict=True):
+        if owner is None:
             continue
-        first = tie["nodes"][0]
-        counted = stage_of[block_of[first]] if first in block_of else min(held)
-        for stage in sorted(set(held)):
-            if stage != counted:
-                out[stage] += float(tie["bytes"])
+        counted = stage_of[owner]
+        for stage in sorted({stage_of[block_of[n]] for n in tie["nodes"] if n in block_of}
+                            - {counted}):
+            out[stage] += float(tie["bytes"])
     return out
 
 
 @dataclass(frozen=True)
 class TieReaders:
     """One tie as the nodes of a graph reading it, for planners that place nodes one by one:
-    `owner` is the node whose `params` count the tie's `nbytes` (that of its first reader); a
-    stage holding one of `others` but not `owner` keeps a copy (`copied_bytes`)."""
+    `owner` is the node whose `params` count the tie's `nbytes` (`tie_owners`); a stage
+    holding one of `others` but not `owner` keeps a copy (`copied_bytes`)."""
 
     nbytes: float
     owner: str
     others: tuple[str, ...]
 
 
+def tie_owners(graph: Any) -> list[str | None]:
+    """Per tie of the CostGraph, the node (block) whose `params` count its bytes: its first
+    reader's, or where that one is not in the graph (a graph cut from a larger one), its reader
+    first in topological order; None for a tie none of whose readers is in the graph. The one
+    rule that `copied_bytes`, `tie_readers`, the DP's tables (planner/dp.py `state_tables`)
+    and CP-SAT's model follow."""
+    return _owners(graph, _block_of(graph))
+
+
+def _block_of(graph: Any) -> dict[str, str]:
+    """Every node name of the graph's blocks' members (and the blocks'): its block."""
+    return {member: node for node, data in graph.nodes(data=True)
+            for member in data.get("members", [node])}
+
+
+def _owners(graph: Any, block_of: dict[str, str]) -> list[str | None]:
+    """`tie_owners`, with the graph's `_block_of`; the topological order only where a first
+    reader is missing (it costs a sort of the graph, and the pricing asks for every plan)."""
+    position: dict[str, int] = {}
+    out: list[str | None] = []
+    for tie in graph.graph.get("ties", ()):
+        first = tie["nodes"][0] if tie["nodes"] else None
+        if first in block_of:
+            out.append(block_of[first])
+            continue
+        blocks = {block_of[n] for n in tie["nodes"] if n in block_of}
+        if blocks and not position:
+            position = {node: i for i, node in enumerate(topological_order(graph))}
+        out.append(min(blocks, key=position.__getitem__) if blocks else None)
+    return out
+
+
 def tie_readers(graph: Any) -> tuple[TieReaders, ...]:
-    """The CostGraph's ties as its nodes (blocks) reading them, each reader once; ties read by
-    one node only, or by none of the graph's, are left out. Where the first reader is not one of
-    the graph's, the owner is the reader first in topological order (as in the DP's tables)."""
+    """The CostGraph's ties as its nodes (blocks) reading them, each reader once, in
+    topological order after the owner (`tie_owners`); ties read by one node only, or by none
+    of the graph's, are left out."""
     ties = graph.graph.get("ties", ())
     if not ties:
         return ()
-    block_of = {member: node for node, data in graph.nodes(data=True)
-                for member in data.get("members", [node])}
-    position = {node: i for i, node in enumerate(topological_order(graph))}
+    block_of = _block_of(graph)
+    position: dict[str, int] = {}
     out = []
-    for tie in ties:
-        blocks = sorted({block_of[n] for n in tie["nodes"] if n in block_of},
-                        key=position.__getitem__)
-        if len(blocks) < 2:
+    for tie, owner in zip(ties, _owners(graph, block_of), strict=True):
+        blocks = {block_of[n] for n in tie["nodes"] if n in block_of}
+        if len(blocks) < 2 or owner is None:
             continue
-        first = tie["nodes"][0]
-        owner = block_of[first] if first in block_of else blocks[0]
-        out.append(TieReaders(float(tie["bytes"]), owner,
-                              tuple(b for b in blocks if b != owner)))
+        if not position:
+            position = {node: i for i, node in enumerate(topological_order(graph))}
+        others = tuple(sorted(blocks - {owner}, key=position.__getitem__))
+        out.append(TieReaders(float(tie["bytes"]), owner, others))
     return tuple(out)
 
 
@@ -172,4 +200,4 @@ def tie_partners(ties: Sequence[SharedWeights],
 
 
 __all__ = ["SharedWeights", "TieReaders", "copied_bytes", "rank_tie_seconds", "shared_weights",
-           "stage_tie_seconds", "tie_partners", "tie_readers"]
+           "stage_tie_seconds", "tie_owners", "tie_partners", "tie_readers"]

@@ -18,14 +18,16 @@ Both are vectorised with numpy over (successor state, workers, replicas).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import networkx as nx
 import numpy as np
 
 from pdcompile.cost.costgraph import edge_bytes
+from pdcompile.cost.ties import tie_owners
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
 from pdcompile.planner.antichain import AntichainStates
@@ -38,6 +40,7 @@ from pdcompile.planner.costmodel import (
     stage_parts,
     values_of,
 )
+from pdcompile.schedule.kinds import kind
 
 INF = float("inf")
 
@@ -53,10 +56,14 @@ class DPStage:
 
 @dataclass(frozen=True)
 class DPResult:
-    """Stages in pipeline order and the DP's own objective (seconds per minibatch)."""
+    """Stages in pipeline order and the DP's own objective (seconds per minibatch); `free`:
+    where a streaming schedule's rule on tied stages changed the optimum (`native_dp`), the
+    optimum without it, whose cuts the planner may still use with the tied stages set equal
+    (planner/tie_repair.py: lowering them leaves workers idle, which the DP never does)."""
 
     stages: tuple[DPStage, ...]
     objective: float
+    free: DPResult | None = None
 
 
 # ------------------------------------------------------------------------------ state tables
@@ -82,7 +89,7 @@ class StateTables:
     tie_readers: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [t, s] readers
     # of the tie in the downset
     tie_owner: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [t, s] 1 where
-    # the downset holds the reader whose params count the tie (its first)
+    # the downset holds the reader whose params count the tie (cost/ties.py `tie_owners`)
 
     def tie_copies(self, k: int, js: np.ndarray) -> np.ndarray:
         """Bytes of the tied parameters that the stages (k, j] for j in `js` hold a copy of
@@ -164,25 +171,28 @@ def state_tables(graph: nx.DiGraph, states: AntichainStates,
         raw = np.frombuffer(states.reach[j].to_bytes(width, "little"), dtype=np.uint8)
         valid[:, j] = np.unpackbits(raw, bitorder="little")[:s].astype(bool)
     block_of = {m: x for x, d in zip(order, node, strict=True) for m in d.get("members", [x])}
-    ties = [t for t in graph.graph.get("ties", ()) if any(n in block_of for n in t["nodes"])]
+    # each tie read in the graph, with the block whose params count it (cost/ties.py's rule)
+    ties = [(t, o) for t, o in zip(graph.graph.get("ties", ()), tie_owners(graph), strict=True)
+            if o is not None]
     readers = np.zeros((len(ties), n))
     owner = np.zeros((len(ties), n))
-    for t, tie in enumerate(ties):
+    for t, (tie, block) in enumerate(ties):
         for name in tie["nodes"]:
             if name in block_of:
                 readers[t, index[block_of[name]]] = 1.0
-        first = tie["nodes"][0]
-        owner[t, index[block_of[first]] if first in block_of
-              else int(np.flatnonzero(readers[t])[0])] = 1.0
+        owner[t, index[block]] = 1.0
     return StateTables(compute=member @ comp, forward=member @ fwd, params=member @ par,
                        keep=member @ keep, act=member @ act, frontier=frontier, inside=inside,
                        degree=degree, weight=weight, leaving=leaving, copies=copies,
                        edges=sizes, valid=valid,
-                       tie_bytes=np.array([float(t["bytes"]) for t in ties]),
+                       tie_bytes=np.array([float(t["bytes"]) for t, _ in ties]),
                        tie_readers=readers @ member.T, tie_owner=owner @ member.T)
 
 
 # ------------------------------------------------------------------------------ native
+TIE_CHOICES = 64  # the most replica-count combinations over ties a DP runs for (StageGrid)
+TIE_BATCH = 16  # ... and how many of them `native_dp` runs side by side (its arrays' memory)
+TIE_WORK = 20_000_000  # ... exactly where that takes at most this many stage values in all
 UNIT_LIMIT = 32  # a DP spans at most this many units of workers (a straight one: every worker)
 PARTS_BYTES = 512 << 20  # the grid keeps stage parts of rows up to this size, ...
 VALUES_BYTES = 256 << 20  # ... and planning objectives up to this; others are recomputed
@@ -216,6 +226,11 @@ class _Row:
     js: np.ndarray
     figures: dict[str, np.ndarray]
     rest: np.ndarray  # [j, 1] fwd+bwd of everything after each end state
+    # [t, j] True where the stage holds some of tie t's readers but not all: the tie then
+    # spans several stages, whose replicas a streaming schedule needs equal (`tie_allowed`)
+    tie_split: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))
+    tie_held: np.ndarray = field(default_factory=lambda: np.zeros((0, 0), dtype=bool))  # [t, j]
+    # True where the stage holds one of tie t's readers at least
 
 
 @dataclass
@@ -255,6 +270,60 @@ class StageGrid:
     recompute: bool  # the stages may also recompute their activations (where planned)
     parts_kept: _Kept = field(default_factory=lambda: _Kept(PARTS_BYTES))
     values_kept: _Kept = field(default_factory=lambda: _Kept(VALUES_BYTES))
+    widths: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # [q]
+    # workers of the stage at each position (its replicas; units may hold several workers)
+    ties: int = 0  # tied parameters that some stage may split (rows' `tie_split`)
+
+    def tie_counts(self, free: DPResult) -> list[tuple[int, ...]]:
+        """The replica counts (in workers) that the stages splitting a tie may share under a
+        streaming schedule, one tuple per choice with a count per tie (`tie_allowed`), for a
+        DP whose optimum without the rule is `free`: every combination of the widths the grid
+        places (exact), where that stays within TIE_CHOICES combinations and TIE_WORK
+        elements of work, else (one DP pass per choice is too much on a wide grid of many
+        states) the combinations of the widths of the stages holding each tie in `free`; those
+        first either way."""
+        widths = sorted({int(w) for w in self.widths})
+        held: list[set[int]] = [set() for _ in range(self.ties)]
+        for stage in free.stages:
+            row = self.rows[stage.before]
+            readers = row.tie_held[:, np.searchsorted(row.js, stage.after)]
+            for t in np.flatnonzero(readers):
+                held[t].add(len(stage.ranks))
+        near = list(itertools.product(*(sorted(h) or widths for h in held)))[:TIE_CHOICES]
+        work = len(self.mq) * sum(row.js.size for row in self.rows.values())
+        if len(widths) ** self.ties <= TIE_CHOICES and work * len(widths) ** self.ties \
+                <= TIE_WORK:  # all of them, those of `free` first (a period's search stops
+            # at the first that reaches it)
+            return near + [c for c in itertools.product(widths, repeat=self.ties)
+                           if c not in near]
+        return near
+
+    def ties_apart(self, result: DPResult) -> bool:
+        """Whether the result's stages splitting some tie sit on unequal worker counts (the
+        rule `tie_allowed` enforces; False for a grid without it)."""
+        if self.ties == 0:
+            return False
+        held: list[set[int]] = [set() for _ in range(self.ties)]
+        for stage in result.stages:
+            row = self.rows[stage.before]
+            split = row.tie_split[:, np.searchsorted(row.js, stage.after)]
+            for t in np.flatnonzero(split):
+                held[t].add(len(stage.ranks))
+        return any(len(h) > 1 for h in held)
+
+    def tie_allowed(self, k: int, choices: list[tuple[int, ...] | None],
+                    ) -> np.ndarray | None:
+        """[b, j, q] False where the stage (k, j] at position q splits a tie t over stages but
+        is not on choices[b][t] workers (a streaming schedule would update such stages apart,
+        cost/ties.py `updates_apart`; a choice None rules out nothing); None where nothing is
+        ruled out."""
+        split = self.rows[k].tie_split  # [t, j]
+        if not split.any() or all(c is None for c in choices):
+            return None
+        counts = np.array([c if c is not None else (-1,) * self.ties for c in choices])
+        wrong = (counts[:, :, None] != self.widths[None, None, :]).astype(np.float64)
+        wrong[[c is None for c in choices]] = 0.0  # [b, t, q]
+        return ~(np.einsum("tj,btq->bjq", split.astype(np.float64), wrong) > 0)
 
     def ranks(self, first_unit: int, units: int) -> tuple[int, ...]:
         """The ranks of `units` units from `first_unit` on."""
@@ -303,19 +372,23 @@ class StageGrid:
         return flight, demand
 
     def best_per_units(self, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Per unit count m (0..workers): the smallest of `values` ([q]) over the replica
-        counts r, and the position q of the first r reaching it (m = 0: INF at position 0)."""
+        """Per unit count m (0..workers): the smallest of `values` ([q], or [b, q] for several
+        DPs side by side) over the replica counts r, and the position q of the first r reaching
+        it (m = 0: INF at position 0); [m] or [b, m] arrays."""
         n = self.workers
+        lead = values.shape[:-1]
         if len(self.mq) == n:  # one replica count per m (straight): nothing to choose
-            out_v, out_q = np.full(n + 1, INF), np.zeros(n + 1, dtype=np.int64)
-            out_v[self.mq], out_q[self.mq] = values, np.arange(n)
+            out_v = np.full((*lead, n + 1), INF)
+            out_q = np.zeros((*lead, n + 1), dtype=np.int64)
+            out_v[..., self.mq], out_q[..., self.mq] = values, np.arange(n)
             return out_v, out_q
-        grid_v = np.full((n + 1, n + 1), INF)  # [m, r]: at most UNIT_LIMIT + 1 squared
-        grid_v[self.mq, self.rq] = values
-        r_best = np.argmin(grid_v, axis=1)  # [m] the first r of the smallest
+        grid_v = np.full((*lead, n + 1, n + 1), INF)  # [m, r]: at most UNIT_LIMIT + 1 squared
+        grid_v[..., self.mq, self.rq] = values
+        r_best = np.argmin(grid_v, axis=-1)  # [m] the first r of the smallest
         col = np.zeros((n + 1, n + 1), dtype=np.int64)
         col[self.mq, self.rq] = np.arange(len(self.mq))
-        return grid_v[np.arange(n + 1), r_best], col[np.arange(n + 1), r_best]
+        return (np.take_along_axis(grid_v, r_best[..., None], axis=-1)[..., 0],
+                col[np.arange(n + 1), r_best])
 
 
 def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
@@ -364,8 +437,22 @@ def stage_grid(tables: StateTables, cluster: Cluster, *, options: ModelOptions,
                    "passing": passing[:, None], "sent_copies": copied[:, None]}
         if recompute:
             figures["forward"] = (tables.forward[js] - tables.forward[k])[:, None]
-        rows[k] = _Row(js, figures, (total - tables.compute[js])[:, None])
-    return StageGrid(units, last, mq, rq, bounds, rows, coef, options, memory, recompute)
+        held = tables.tie_readers[:, js] - tables.tie_readers[:, k:k + 1]  # [t, j]
+        split = (held > 0) & (held < tables.tie_readers[:, last:last + 1])
+        rows[k] = _Row(js, figures, (total - tables.compute[js])[:, None], split, held > 0)
+    widths = np.array([int(bounds[units - m + r] - bounds[units - m]) for m, r in pairs],
+                      dtype=np.int64)
+    # the ties some stage splits (a tie read by one block never is): the rule's subjects,
+    # none under a flush, which updates every stage once per minibatch
+    splittable = np.zeros(tables.tie_bytes.size, dtype=bool)
+    if not kind(options.schedule).flush:
+        for row in rows.values():
+            splittable |= row.tie_split.any(axis=1)
+    for k, row in rows.items():
+        rows[k] = replace(row, tie_split=row.tie_split[splittable],
+                          tie_held=row.tie_held[splittable])
+    return StageGrid(units, last, mq, rq, bounds, rows, coef, options, memory, recompute,
+                     widths=widths, ties=int(splittable.sum()))
 
 
 def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
@@ -375,53 +462,89 @@ def native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool = False,
     workers if the graph allows, fewer otherwise; with `fill` exactly as many; `max_stages`: at
     most that many stages). `options` may differ from the grid's in `flight` only.
 
-    Raises PlanError when no plan fits the memory.
+    Under a streaming schedule the stages splitting a tie hold one replica count (cost/ties.py
+    `updates_apart`): where the optimum without that rule breaks it, the DP runs again for
+    every choice of `StageGrid.tie_counts` (TIE_BATCH at a time, side by side in numpy) and
+    keeps the best, the first choice among equals (where none keeps the rule, the optimum
+    without it). Raises PlanError when no plan fits the memory.
     """
+    free = _native_dp(grid, options=options, straight=straight, fill=fill,
+                      max_stages=max_stages, choices=[None])
+    if free is None:
+        raise PlanError("no plan fits")  # the planner turns this into an actionable message
+    if not grid.ties_apart(free):  # the optimum without the rule keeps it
+        return free
+    choices = grid.tie_counts(free)
+    best: DPResult | None = None
+    for start in range(0, len(choices), TIE_BATCH):
+        found = _native_dp(grid, options=options, straight=straight, fill=fill,
+                           max_stages=max_stages, choices=list(choices[start:start + TIE_BATCH]))
+        if found is not None and (best is None or found.objective < best.objective):
+            best = found
+    # no plan keeps the rule: the free optimum, which the planner mends or drops
+    # (planner/search.py, planner/tie_repair.py)
+    return replace(best, free=free) if best is not None else free
+
+
+def _native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool, fill: bool,
+               max_stages: int | None, choices: list[tuple[int, ...] | None],
+               ) -> DPResult | None:
+    """`native_dp` for each of `choices` side by side (index b of the arrays below: the stages
+    splitting tie t on choices[b][t] workers, None: free); the best of them, None if none
+    fits."""
     n, last = grid.workers, grid.last
     depth = n if max_stages is None else max(1, min(n, max_stages))
     prev = grid.mq - grid.rq
-    q_all = np.arange(len(grid.mq))
-    # best[d, k, m]: the best pipeline of the rest after state k on m units in at most d + 1
-    # stages (one layer when the stage count is free)
+    batch = len(choices)
+    # best[b, d, k, m]: the best pipeline of the rest after state k on m units in at most
+    # d + 1 stages (one layer when the stage count is free)
     layers = depth if max_stages is not None else 1
-    best = np.full((layers, last + 1, n + 1), INF)
-    best[:, last, 0] = 0.0
+    best = np.full((batch, layers, last + 1, n + 1), INF)
+    best[:, :, last, 0] = 0.0
     if straight and not fill:  # the last stage may leave workers after it unused: a stage
         # priced on m units left starts at rank n - m, where the plan puts it
-        best[:, last, :] = 0.0
-    choice_j = np.full((layers, last + 1, n + 1), -1, dtype=np.int64)
-    choice_r = np.zeros((layers, last + 1, n + 1), dtype=np.int64)
+        best[:, :, last, :] = 0.0
+    choice_j = np.full((batch, layers, last + 1, n + 1), -1, dtype=np.int64)
+    choice_r = np.zeros((batch, layers, last + 1, n + 1), dtype=np.int64)
     for k in range(last - 1, -1, -1):
         if k not in grid.rows:
             continue
         js = grid.rows[k].js
-        stage = grid.stage_values(k, options)  # [j, q]
+        values = grid.stage_values(k, options)  # [j, q]
+        allowed = grid.tie_allowed(k, choices)  # masked apart from the kept values, which
+        # serve every choice
+        stage = values[None] if allowed is None else np.where(allowed, values, INF)  # [b, j, q]
         for d in range(layers):
             if max_stages is None:
-                follow = best[0][js][:, prev]
+                follow = best[:, 0][:, js][:, :, prev]  # [b, j, q]
             elif d == 0:  # a single stage: nothing may follow
                 follow = np.where(js[:, None] == last, np.where(prev == 0, 0.0, INF), INF)
             else:
-                follow = best[d - 1][js][:, prev]
-            cand = np.maximum(stage, follow)  # [j, q]
-            arg = np.argmin(cand, axis=0)  # [q] best successor state per (m, r)
-            val, q_best = grid.best_per_units(cand[arg, q_all])  # [m]
-            better = val < best[d, k]
-            best[d, k] = np.where(better, val, best[d, k])
-            choice_j[d, k] = np.where(better, js[arg[q_best]], choice_j[d, k])
-            choice_r[d, k] = np.where(better, grid.rq[q_best], choice_r[d, k])
+                follow = best[:, d - 1][:, js][:, :, prev]
+            cand = np.maximum(stage, follow)  # [b, j, q]
+            if cand.shape[0] != batch:
+                cand = np.broadcast_to(cand, (batch, *cand.shape[1:]))
+            arg = np.argmin(cand, axis=1)  # [b, q] best successor state per (m, r)
+            val, q_best = grid.best_per_units(
+                np.take_along_axis(cand, arg[:, None, :], axis=1)[:, 0, :])  # [b, m]
+            better = val < best[:, d, k]
+            best[:, d, k] = np.where(better, val, best[:, d, k])
+            chosen_j = js[np.take_along_axis(arg, q_best, axis=1)]
+            choice_j[:, d, k] = np.where(better, chosen_j, choice_j[:, d, k])
+            choice_r[:, d, k] = np.where(better, grid.rq[q_best], choice_r[:, d, k])
     top = layers - 1
     used = n
-    if not math.isfinite(best[top, 0, used]):
-        raise PlanError("no plan fits")  # the planner turns this into an actionable message
+    b = int(np.argmin(best[:, top, 0, used]))
+    if not math.isfinite(best[b, top, 0, used]):
+        return None
     stages = []
     k, m, d = 0, used, top
     while k != last:
-        j, r = int(choice_j[d, k, m]), int(choice_r[d, k, m])
+        j, r = int(choice_j[b, d, k, m]), int(choice_r[b, d, k, m])
         stages.append(DPStage(before=k, after=j, ranks=grid.ranks(used - m, r)))
         k, m = j, m - r
         d = d - 1 if max_stages is not None else d
-    return DPResult(stages=tuple(stages), objective=float(best[top, 0, used]))
+    return DPResult(stages=tuple(stages), objective=float(best[b, top, 0, used]))
 
 
 def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
@@ -431,7 +554,25 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
     circuits (costmodel.stage_demand) on the grid's workers, all of them used (straight: one
     worker per stage, any number of them unless `fill`), and each stage's in-flight count;
     None if there is none. Among the continuations of each (state, workers) it keeps the one of
-    least demand, which is best for every stage before it."""
+    least demand, which is best for every stage before it. The stages splitting a tie hold one
+    replica count (where the plan without that rule breaks it, each of `StageGrid.tie_counts`
+    is tried until one reaches the period)."""
+    free = _native_dp_period(grid, options=options, period=period, straight=straight,
+                             fill=fill, tie_counts=None)
+    if free is None or not grid.ties_apart(free[0]):
+        return free
+    for counts in grid.tie_counts(free[0]):
+        found = _native_dp_period(grid, options=options, period=period, straight=straight,
+                                  fill=fill, tie_counts=counts)
+        if found is not None:
+            return found
+    return None
+
+
+def _native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
+                      straight: bool, fill: bool, tie_counts: tuple[int, ...] | None,
+                      ) -> tuple[DPResult, tuple[int, ...]] | None:
+    """`native_dp_period` with the stages splitting a tie t on tie_counts[t] workers."""
     n, last = grid.workers, grid.last
     prev = grid.mq - grid.rq
     q_all = np.arange(len(grid.mq))
@@ -449,6 +590,9 @@ def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,
         js = grid.rows[k].js
         after = demand[js][:, prev]  # [j, q]
         n_q, e_q = grid.stage_demand(k, options, period, after)
+        allowed = grid.tie_allowed(k, [tie_counts])
+        if allowed is not None:
+            e_q = np.where(allowed[0], e_q, INF)
         arg = np.argmin(e_q, axis=0)
         val, q_best = grid.best_per_units(e_q[arg, q_all])
         better = val < demand[k]

@@ -7,7 +7,9 @@ plus ring all-reduce, against asynchronous communication of every edge crossing 
 boundary, skip connections included; per-worker memory must fit. Stages are convex (every edge
 goes to the same or a later stage). Zero-cost inputs stay on the first stage, as in the DP.
 A stage holding a reader of a tied parameter but not the reader whose params count it keeps a
-copy (cost/ties.py), in its parameters' time and memory, as in the DP.
+copy (cost/ties.py), in its parameters' time and memory, as in the DP; under a streaming
+schedule the stages holding a tie's readers take equal replica counts, as in the DP and as the
+runtime requires (`ties.updates_apart`).
 
 Times are scaled to integers (the model's rounding is below 1e-5 of the slowest stage); the
 solution is re-priced exactly with costmodel.evaluate and kept only if it beats the DP's plan,
@@ -168,6 +170,18 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
         model.add(var <= sum(x[r, s] for r in tie.others))
     own = [[(x[v, s], par[v]) for v in nodes]
            + [(held[i, s], tie.nbytes) for i, tie in enumerate(ties)] for s in range(stages)]
+    if not kind(options.schedule).flush:
+        # reads[t, s]: stage s holds a reader of tie t. Outside a flush a replica updates once
+        # per round of its stage's replicas, so stages sharing a tie need equal replica counts
+        # or its all-reduce loses its partner (cost/ties.py `updates_apart`)
+        for i, tie in enumerate(ties):
+            reads = [model.new_bool_var(f"reads[{i},{s}]") for s in range(stages)]
+            for s in range(stages):
+                for r in (tie.owner, *tie.others):
+                    model.add_implication(x[r, s], reads[s])
+            for s in range(stages):
+                for q in range(s + 1, stages):
+                    model.add(reps[s] == reps[q]).only_enforce_if([reads[s], reads[q]])
     # last[s]: min(the stage's parameter bytes, one gradient bucket), in BUCKET_UNITS of the
     # bucket: the all-reduce of the last bucket, left after the backward (`_overlap`)
     bucket = cluster.allreduce_bucket

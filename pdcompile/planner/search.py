@@ -81,6 +81,8 @@ MOST_MIXED_WORKERS = 128
 POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
 POLISH_BUDGET = 1200  # ... pricing at most this many plans in all (planner/polish.py) ...
 POLISH_STREAMING = 300  # ... or this many for a streaming schedule (each a circuit search)
+REPAIRED_CANDIDATES = 4  # the refused candidates per schedule option whose tied stages are
+# set to equal replicas and priced again (planner/tie_repair.py)
 
 
 def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto",
@@ -226,6 +228,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         ilp_found = _ilp_candidate(cost_graph, cluster, planner, limit, time_limit,
                                    min(candidates, key=lambda c: c.closed))
         candidates += ilp_found
+    candidates += _tie_repaired(cost_graph, cluster, candidates, limit, workers)
     if candidates and all(_ties_update_apart(cost_graph, c) for c in candidates):
         # every plan found puts a tie on unequal replicas, which a streaming schedule cannot
         # run: one worker per stage (on as many workers as fit) keeps its stages' updates equal
@@ -457,6 +460,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         state_tables,
         unit_bounds,
     )
+    from pdcompile.planner.tie_repair import equalized
 
     copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
     # the period's bisection and the recomputation search, where the DP is small enough
@@ -481,18 +485,29 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     found: list[_Candidate] = []
 
-    def add(result: Any, flight: tuple[int, ...] | None = None, how: str = "") -> None:
+    def expanded(result: Any) -> list[tuple[list[str], tuple[int, ...]]]:
         states = prepared.states
         stages = [(states.stage_nodes(s.before, s.after),
                    _spread(s.ranks, copies, span, layout)) for s in result.stages]
         if stages and prepared.pinned:
             stages[0] = (list(prepared.pinned) + stages[0][0], stages[0][1])
-        expanded = expand(stages, prepared.mapping, {}, graph, order=prepared.order)
-        if all(expanded != c.stages for c in found):
-            candidate = _priced(graph, cluster, expanded, options, limit, planner="dp",
-                                status=status, in_flight=flight, how=how)
-            if candidate is not None:
-                found.append(candidate)
+        return expand(stages, prepared.mapping, {}, graph, order=prepared.order)
+
+    def add(result: Any, flight: tuple[int, ...] | None = None, how: str = "",
+            equalize: bool = False) -> None:
+        plans = [(expanded(result), flight, how)]
+        if equalize and result.free is not None:
+            # the cuts of the optimum without the tie rule, its tied stages set equal (which
+            # may leave workers idle, as the DP's own plans never do)
+            plans += [(stages, None, f"{how}, tied stages of the optimum without the rule "
+                                     f"equalized") for stages in equalized(
+                graph, expanded(result.free), workers, flush=kind(options.schedule).flush)]
+        for stages, depths, tag in plans:
+            if all(stages != c.stages for c in found):
+                candidate = _priced(graph, cluster, stages, options, limit, planner="dp",
+                                    status=status, in_flight=depths, how=tag)
+                if candidate is not None:
+                    found.append(candidate)
 
     def search_grid(recompute: bool) -> None:
         grid = stage_grid(tables, search, options=options, memory=limit, straight=straight,
@@ -525,7 +540,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             for variant, most in variants:
                 try:
                     add(native_dp(searched, options=variant, straight=straight, fill=fill,
-                                  max_stages=most), how=f"{label}{variant.flight}/{most}")
+                                  max_stages=most), how=f"{label}{variant.flight}/{most}",
+                        equalize=variant is options and most is None and label == tag)
                 except PlanError:
                     pass
         if not kind(options.schedule).flush and thorough:
@@ -804,6 +820,39 @@ def _ties_update_apart(graph: nx.DiGraph, candidate: _Candidate) -> bool:
     ties = shared_weights(graph, stage_of)
     replicas = [len(ranks) for _, ranks in candidate.stages]
     return updates_apart(ties, replicas, kind(candidate.options.schedule).flush) is not None
+
+
+def _tie_repaired(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
+                  limit: float | None, workers: int) -> list[_Candidate]:
+    """The best REPAIRED_CANDIDATES per schedule option among the candidates whose tied stages
+    update apart (which a streaming schedule cannot run), with their cuts kept and the stages
+    sharing a tie set to one replica count (planner/tie_repair.py), each priced as any
+    candidate: a cheap way back to the DP's cuts where the DP's replicas were refused."""
+    from pdcompile.planner.tie_repair import equalized
+
+    out: list[_Candidate] = []
+    seen = {(c.options, _key(c.stages)) for c in candidates}
+    refused = sorted((c for c in candidates if _ties_update_apart(graph, c)),
+                     key=lambda c: c.closed)
+    taken: dict[ModelOptions, int] = {}
+    for candidate in refused:
+        if taken.get(candidate.options, 0) >= REPAIRED_CANDIDATES:
+            continue
+        taken[candidate.options] = taken.get(candidate.options, 0) + 1
+        for stages in equalized(graph, candidate.stages, workers,
+                                flush=kind(candidate.options.schedule).flush):
+            key = (candidate.options, _key(stages))
+            if key in seen:
+                continue
+            seen.add(key)
+            replicas = "-".join(str(len(ranks)) for _, ranks in stages)
+            found = _priced(graph, cluster, stages, candidate.options, limit,
+                            planner=candidate.planner, status="HEURISTIC",
+                            how=f"tied stages equalized to {replicas} from "
+                                f"{candidate.how or candidate.planner}")
+            if found is not None:
+                out.append(found)
+    return out
 
 
 def _simulation_cost(plan_: Plan) -> int:

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcompile import Cluster
-from pdcompile.cost.ties import copied_bytes
+from pdcompile.cost.ties import copied_bytes, shared_weights, updates_apart
 from pdcompile.planner.costmodel import ModelOptions, evaluate
 from pdcompile.planner.ilp import ilp_objective, solve
 from tests.helpers.brute_force import brute_force
@@ -70,3 +70,54 @@ def test_cp_sat_finds_the_brute_force_optimum_of_tied_graphs(
     assert solution["bound"] <= found * (1 + 1e-9) + 1e-15
     priced = evaluate(graph, solution["stages"], cluster, options=FLUSH)[0]
     assert all(s.memory <= memory * (1 + 1e-6) for s in priced)
+
+
+STREAM = ModelOptions(cost_model="native", schedule="1f1b")
+
+
+def _updates_apart(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]]) -> bool:
+    stage_of = {n: i for i, (nodes, _) in enumerate(stages) for n in nodes}
+    return updates_apart(shared_weights(graph, stage_of), [len(r) for _, r in stages],
+                         False) is not None
+
+
+def _runnable_objective(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
+                        cluster: Cluster, *, options: ModelOptions, memory: float) -> float:
+    """The model's objective of the plans '1f1b' can run: its stages sharing a tie on equal
+    replica counts (cost/ties.py `updates_apart`)."""
+    if _updates_apart(graph, stages):
+        return math.inf
+    return ilp_objective(graph, stages, cluster, options=options, memory=memory)
+
+
+@pytest.mark.parametrize("workers", [5, 6])
+def test_under_1f1b_cp_sat_keeps_a_gpt2_like_chains_tied_stages_on_equal_replicas(
+        workers: int) -> None:
+    """Blind to the rule, CP-SAT put the embedding on more replicas than the head (on 5
+    workers 2-1-1-1, on 6 3-1-1-1), which '1f1b' cannot run; now the brute force's optimum
+    among the plans that keep them equal."""
+    graph, cluster = tied_lm_chain(), Cluster.parse(f"{workers}@1e10")
+    expected = brute_force(graph, cluster, options=STREAM, memory=1e30,
+                           objective=_runnable_objective)
+    solution = solve(graph, cluster, options=STREAM, memory=None, time_limit=20)
+    assert solution["status"] == "OPTIMAL" and expected is not None
+    assert not _updates_apart(graph, solution["stages"])
+    found = ilp_objective(graph, solution["stages"], cluster, options=STREAM, memory=None)
+    assert found == pytest.approx(expected[0], rel=1e-6, abs=2 * solution["slack"])
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=tied_dags(), workers=st.integers(3, 5))
+def test_cp_sat_finds_the_runnable_brute_force_optimum_under_1f1b(
+        graph: nx.DiGraph, workers: int) -> None:
+    cluster = Cluster.parse(f"{workers}@1e10")
+    expected = brute_force(graph, cluster, options=STREAM, memory=1e30,
+                           objective=_runnable_objective)
+    solution = solve(graph, cluster, options=STREAM, memory=None, time_limit=20)
+    if expected is None:
+        assert solution["stages"] is None
+        return
+    assert solution["status"] == "OPTIMAL"
+    assert not _updates_apart(graph, solution["stages"])
+    found = ilp_objective(graph, solution["stages"], cluster, options=STREAM, memory=None)
+    assert found == pytest.approx(expected[0], rel=1e-6, abs=2 * solution["slack"])
