@@ -12,6 +12,7 @@ front end knows them (passes.input_shapes.InputShapes, from passes.export_fronte
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ STAGE_KEY = "pd.stage"
 TREE_KEY = "pd.tree"
 OUTPUT_SPEC_KEY = "pd.output_spec"
 FRONTEND_KEY = "pd.frontend"
+TRAINING_BRANCHES_KEY = "pd.training_branches"
 INPUT_SHAPES_KEY = "pd.input_shapes"
 
 _ITEM_BYTES = {
@@ -216,6 +218,17 @@ def set_frontend(gm: Any, frontend: str) -> None:
 def get_frontend(gm: Any) -> str:
     """The front end recorded by `set_frontend`; "fx" for graphs from the trace pass alone."""
     return str(getattr(gm, "meta", {}).get(FRONTEND_KEY, "fx"))
+
+
+def set_training_branches(gm: Any, nodes: Sequence[str]) -> None:
+    """Record the graph's nodes that only a training-mode capture holds
+    (passes/training_branches.py)."""
+    gm.meta[TRAINING_BRANCHES_KEY] = tuple(nodes)
+
+
+def get_training_branches(gm: Any) -> tuple[str, ...]:
+    """The nodes recorded by `set_training_branches` (none where nothing was recorded)."""
+    return tuple(getattr(gm, "meta", {}).get(TRAINING_BRANCHES_KEY, ()))
 
 
 def set_input_shapes(gm: Any, shapes: Any) -> None:

@@ -20,7 +20,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.backends.local import run_program
 from pdcompile.backends.program import MicrobatchData, RunInput, RunProgram, stages_of
 from pdcompile.errors import PdcompileError, PipelineInputError, PlanError, ScheduleError
-from pdcompile.meta import get_input_shapes
+from pdcompile.meta import get_input_shapes, get_training_branches
 from pdcompile.passes.codegen import generate_rank, load_rank
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram
@@ -131,6 +131,8 @@ class Pipeline:
         # inputs given whole to every microbatch whatever their size (runtime/microbatch_cut.py):
         # named by the user, and those the example's sizes show to hold no samples
         self.unbatched = checked_whole(unbatched, parts.data_inputs)
+        # operations only a training-mode capture holds: a loaded pipeline cannot evaluate
+        self.training_branches = get_training_branches(graph) if graph is not None else ()
         self.whole_inputs = self.unbatched + (() if example_inputs is None else inferred_whole(
             self._named(tuple(example_inputs)), self.unbatched))
         # one minibatch as compiled: backends check shapes against it, export saves it
@@ -807,6 +809,15 @@ class Pipeline:
             with autocast_region(self.autocast, self.stage_modules[0]):
                 return evaluate_model(self.model, self.state_dict(), () if by_name else inputs,
                                       named if by_name else {})
+        if self.training_branches:
+            shown = ", ".join(self.training_branches[:3]) + (
+                f" and {len(self.training_branches) - 3} more"
+                if len(self.training_branches) > 3 else "")
+            raise PipelineInputError(
+                f"this pipeline cannot evaluate: its graph took the forward's training-mode "
+                f"branches at capture ({shown} run in training mode only). Load its weights "
+                "into the model and evaluate that: model.load_state_dict(pipe.state_dict()); "
+                "model.eval(); model(x)")
         fixed = {stage: calls for stage, module in enumerate(self.stage_modules)
                  if (calls := training_mode_calls(module))}
         if fixed:

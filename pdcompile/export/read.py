@@ -128,6 +128,7 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"],
                     clip_grad_norm=meta.get("clip_grad_norm"), autocast=meta.get("autocast"),
                     unbatched=_whole(folder, meta, "unbatched", ()))
+    pipe.training_branches = tuple(str(n) for n in meta.get("training_branches", ()))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]

@@ -138,6 +138,7 @@ def _write(pipe: Exportable, out: Path) -> Path:
         "stash": pipe.stash, "vertical_sync": pipe.vertical_sync, "seed": pipe.seed,
         "clip_grad_norm": pipe.clip_grad_norm, "autocast": pipe.autocast,
         "unbatched": list(pipe.unbatched), "whole_inputs": list(pipe.whole_inputs),
+        "training_branches": list(pipe.training_branches),
         "data_inputs": list(pipe.parts.data_inputs),
         "output_refs": [[r.name, r.stage] for r in pipe.parts.output_refs],
         "output_spec": pytree.treespec_dumps(pipe.parts.output_spec),

@@ -7,7 +7,8 @@
 - a model that is already an `fx.GraphModule` (say from transformers' own fx tracer) is taken
   as it is ("given").
 
-`auto` tries fx and, where fx cannot trace the model, torch.export (which records every
+`auto` tries fx and, where fx cannot trace the model or its graph outputs other tensors than
+the model on the example inputs (passes/trace_check.py), torch.export (which records every
 operation: `leaf_modules` then no longer apply); when both fail the error names fx's culprit and
 fix and says why export failed too. The front end used is recorded on
 the graph (`meta.get_frontend`).
@@ -25,12 +26,14 @@ import torch.fx as fx
 from torch import nn
 
 from pdcompile.errors import PipelineInputError, TraceError
-from pdcompile.meta import set_frontend
+from pdcompile.meta import set_frontend, set_training_branches
 from pdcompile.passes.dense_constants import densify_constants
 from pdcompile.passes.export_frontend import export_graph
 from pdcompile.passes.inference_cache import without_inference_cache
 from pdcompile.passes.shapes import bind_inputs
 from pdcompile.passes.trace import trace
+from pdcompile.passes.trace_check import check_traced_outputs
+from pdcompile.passes.training_branches import training_branches
 from pdcompile.runtime.precision import autocast_region
 
 FRONTENDS = ("auto", "fx", "export")
@@ -124,9 +127,15 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         return export_graph(model, args, kwargs, autocast=autocast), "export"
     try:
         with autocast_region(autocast, model):
-            return trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
-                         num_positional=len(args),
-                         none_inputs=_given_as_none(model, args, kwargs)), "fx"
+            def traced() -> fx.GraphModule:
+                return trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
+                             num_positional=len(args),
+                             none_inputs=_given_as_none(model, args, kwargs))
+
+            gm = traced()
+            check_traced_outputs(model, gm, args, kwargs, bind_inputs(gm, tuple(args), kwargs))
+            set_training_branches(gm, training_branches(model, gm, traced))
+            return gm, "fx"
     except TraceError as fx_error:
         if frontend == "fx":
             raise

@@ -769,11 +769,13 @@ _DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.co
 
 def _encode(value: Any, name: str) -> torch.Tensor:
     """A value as a tensor for the transport (Python numbers and sizes as 0-d / 1-d tensors, a
-    dtype as its index in `_DTYPES`, a device as a 0-d tensor: `_decode` makes it the
-    receiver's own, where its activations live)."""
+    float as float64 so that it arrives exactly, a dtype as its index in `_DTYPES`, a device as
+    a 0-d tensor: `_decode` makes it the receiver's own, where its activations live)."""
     if isinstance(value, torch.Tensor):
         return value.detach()
-    if isinstance(value, bool | int | float):
+    if isinstance(value, float):  # Python floats are doubles: float32 (torch's default)
+        return torch.tensor(value, dtype=torch.float64)  # rounded them (1e-8 off a scale)
+    if isinstance(value, bool | int):
         return torch.tensor(value)
     if isinstance(value, torch.Size | tuple | list) and all(isinstance(v, int) for v in value):
         return torch.tensor(list(value), dtype=torch.int64)

@@ -1,6 +1,7 @@
 """A small pool of third-party models (torchvision, timm, Hugging Face transformers) in tiny
 float64 configurations, with what they train on: skips, in-place ReLUs and additions, BatchNorm,
-layer norms, attention with masks, tied embeddings, RWKV's in-place state updates.
+layer norms, attention with masks, tied embeddings, RWKV's in-place state updates, depthwise
+convolutions, auxiliary heads, an encoder-decoder, grouped-query attention.
 
 `POOL[name](batch)` returns `(model, inputs, target, loss_fn)`; inputs are a tuple, or a dict for
 the Hugging Face models. float64 so that a pipeline that sums microbatch gradients in another
@@ -110,6 +111,78 @@ def hf_rwkv(batch: int) -> Example:
     return model, {"input_ids": ids}, torch.roll(ids, -1, dims=1), next_token_loss
 
 
+def timm_convnext(batch: int) -> Example:
+    """timm's convnext_atto (depthwise 7x7 convolutions, channels-last layer norms, layer
+    scale, GELU), 32x32 images; stochastic depth off."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("convnext_atto", pretrained=False, num_classes=10,
+                              drop_path_rate=0.0).double()
+    return (model, *_images(batch, 32), classification_loss)
+
+
+def _googlenet_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """GoogLeNet's training loss: the main head and both auxiliary heads (a named tuple)."""
+    ce = nn.functional.cross_entropy
+    return ce(output.logits, target) + 0.3 * (ce(output.aux_logits1, target)
+                                              + ce(output.aux_logits2, target))
+
+
+def torchvision_googlenet(batch: int) -> Example:
+    """torchvision's GoogLeNet in training mode with its two auxiliary heads (a named tuple of
+    three outputs, branches read from the middle of the network), 64x64 images; dropout off."""
+    models = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    model = models.googlenet(num_classes=10, aux_logits=True, init_weights=True, dropout=0.0,
+                             dropout_aux=0.0).double()
+    return (model, *_images(batch, 64), _googlenet_loss)
+
+
+def _padded(batch: int, length: int, pad: int) -> torch.Tensor:
+    """An attention mask whose rows after the first end in `pad` padding positions."""
+    mask = torch.ones(batch, length, dtype=torch.long)
+    mask[1:, length - pad:] = 0
+    return mask
+
+
+def _sequence_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    logits = output.logits
+    return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+
+def hf_t5(batch: int) -> Example:
+    """Hugging Face T5ForConditionalGeneration, 2 + 2 layers of width 16: an encoder and a
+    decoder (relative position biases, cross-attention), inputs and padded masks for both by
+    name."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.T5Config(vocab_size=40, d_model=16, d_kv=8, d_ff=32, num_layers=2,
+                                   num_decoder_layers=2, num_heads=2, dropout_rate=0.0,
+                                   decoder_start_token_id=0, pad_token_id=0)
+    model = transformers.T5ForConditionalGeneration(config).double()
+    ids, decoder_ids = torch.randint(0, 40, (batch, 6)), torch.randint(0, 40, (batch, 5))
+    inputs = {"input_ids": ids, "attention_mask": _padded(batch, 6, 2),
+              "decoder_input_ids": decoder_ids,
+              "decoder_attention_mask": _padded(batch, 5, 1)}
+    return model, inputs, torch.roll(decoder_ids, -1, dims=1), _sequence_loss
+
+
+def hf_qwen2(batch: int) -> Example:
+    """Hugging Face Qwen2ForCausalLM, 2 layers of width 16 (grouped-query attention: 4 heads
+    over 2 key-value heads, rotary positions, biased projections), a padded attention mask,
+    its head tied to its embedding."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=16,
+                                      use_cache=False, tie_word_embeddings=True)
+    model = transformers.Qwen2ForCausalLM(config).double()
+    ids = torch.randint(0, 40, (batch, 6))
+    return model, {"input_ids": ids, "attention_mask": _padded(batch, 6, 2)}, \
+        torch.roll(ids, -1, dims=1), next_token_loss
+
+
 POOL: dict[str, Callable[[int], Example]] = {
     "torchvision-resnet": torchvision_resnet,
     "torchvision-squeezenet": torchvision_squeezenet,
@@ -118,6 +191,10 @@ POOL: dict[str, Callable[[int], Example]] = {
     "hf-llama": hf_llama,
     "hf-bert": hf_bert,
     "hf-rwkv": hf_rwkv,
+    "timm-convnext_atto": timm_convnext,
+    "torchvision-googlenet-aux": torchvision_googlenet,
+    "hf-t5": hf_t5,
+    "hf-qwen2": hf_qwen2,
 }
 
 

@@ -177,3 +177,43 @@ def test_a_model_with_tied_weights_evaluates() -> None:
                              plan=tied_plan(model), schedule="1f1b-flush", microbatches=2)
     pipe.step(ids, target=target)
     assert torch.equal(pipe.evaluate(ids), _reference(model, pipe, ids))
+
+
+class AuxHead(nn.Module):
+    """A main and an auxiliary head, the auxiliary one returned only in training mode (as
+    torchvision's GoogLeNet and Inception do: `if self.training and self.aux_logits:`)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body, self.head, self.aux = nn.Linear(8, 8), nn.Linear(8, 2), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor) -> Any:
+        h = torch.tanh(self.body(x))
+        if self.training:
+            return self.head(h), self.aux(h)
+        return self.head(h)
+
+
+def _aux_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    main, aux = output
+    return F.mse_loss(main, target) + 0.3 * F.mse_loss(aux, target)
+
+
+def test_a_loaded_graph_with_training_branches_refuses_to_evaluate(tmp_path: Path) -> None:
+    """The loaded graph holds the training branch (fx took it at capture): its evaluate returned
+    the training outputs `(main, aux)` where `model.eval()` returns `main`; now it is refused
+    naming the branch, while the compiled pipeline evaluates on the model's own forward."""
+    torch.manual_seed(0)
+    model = AuxHead()
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), stages=2,
+                             loss_fn=_aux_loss, schedule="1f1b-flush", microbatches=2)
+    pipe.step(x, target=y)
+    torch.testing.assert_close(pipe.evaluate(x), _reference(model, pipe, x), rtol=0, atol=0)
+    pipe.export(str(tmp_path / "pipe"))
+    loaded = pdcompile.load(str(tmp_path / "pipe"), loss_fn=_aux_loss)
+    with pytest.raises(PipelineInputError, match=r"training-mode branches.*aux.*"
+                                                 r"load_state_dict\(pipe.state_dict\(\)\)") as err:
+        loaded.evaluate(x)
+    assert "\n" not in str(err.value)
+    assert loaded.step(x, target=y) == pipe.step(x, target=y)  # it still trains
