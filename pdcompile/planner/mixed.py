@@ -5,7 +5,8 @@ computes at `Cluster.speed_of(rank)` times that speed. The candidates, every one
 mixed cluster itself by `price_plan` (the simulator where a simulation is cheap):
 
 - each device group alone (`group_alone`): the homogeneous planner on the group, with the
-  CostGraph's times divided by the group's speed, its ranks mapped onto the group's;
+  CostGraph's times divided by the group's speed, its ranks mapped onto the group's (this and
+  the next two by the homogeneous planner's DP alone under planner="auto", `seed_options`);
 - the whole cluster as if every device were the slowest (`as_slowest`): the homogeneous planner
   on the cluster with the slowest group's device, the times divided by its speed;
 - the whole cluster as if every device had the mean speed (`as_mean`), its replicas given
