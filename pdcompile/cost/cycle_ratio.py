@@ -74,7 +74,8 @@ def _evaluate(edges: Edges, policy: list[int]) -> tuple[list[float], list[float]
     it reaches, its value (weight less ratio x tokens to that cycle, 0 at the cycle's first
     node found) and the cycle's nodes."""
     count = len(edges)
-    chosen = [out[pick] for out, pick in zip(edges, policy)]  # each node's (target, w, tokens)
+    # each node's (target, w, tokens)
+    chosen = [out[pick] for out, pick in zip(edges, policy, strict=True)]
     ratio, value = [0.0] * count, [0.0] * count
     cycle_of: list[list[int]] = [[] for _ in range(count)]
     state = [0] * count  # 0 not seen, 1 on the path being walked, 2 evaluated
