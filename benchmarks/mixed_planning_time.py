@@ -64,8 +64,9 @@ def run(code: Path, profile: str, cluster: str) -> dict[str, Any]:
     """One planning call in a fresh process with `code` first on its path."""
     env = dict(os.environ, PYTHONPATH=str(code), OMP_NUM_THREADS="1")
     load = os.getloadavg()[0]
+    # run from `code`: `python -c` puts the working directory first on the path
     done = subprocess.run([sys.executable, "-c", CHILD, profile, cluster], env=env, check=True,
-                          capture_output=True, text=True)
+                          capture_output=True, text=True, cwd=code)
     out = json.loads(done.stdout.strip().splitlines()[-1])
     out["load"] = load
     if not out["code"].startswith(str(code)):
