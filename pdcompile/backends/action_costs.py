@@ -76,6 +76,9 @@ class ActionCosts:
         # per rank, the tie all-reduces of each update (at its first STEP of the update)
         self.ties = rank_tie_seconds(costs.ties, schedule.stage_ranks, cluster)
         self._tied_updates: dict[int, set[int]] = {rank: set() for rank in self.ties}
+        # a send's link, bytes and seconds, per (rank, stage, peer, receiving rank): the same for
+        # every microbatch that pair carries (a 16-rank stream sends some 600 times per pair)
+        self._sends: dict[tuple[int, int, int, int], tuple[int, float, float, bool]] = {}
 
     def compute(self, rank: int, action: Action) -> float:
         """Seconds of the rank's processor for F, B, W or STEP; call once per action, in the
@@ -104,10 +107,17 @@ class ActionCosts:
         """(receiving rank, seconds on the link, latency, whether the sender's CPU copies)."""
         assert action.peer is not None
         dst = self.schedule.rank_of(action.peer, action.microbatch)
+        key = (rank, action.stage, action.peer, dst)
+        found = self._sends.get(key)
+        if found is None:
+            found = self._sends[key] = self._send(rank, action.stage, action.peer, dst)
+        return found
+
+    def _send(self, rank: int, stage: int, peer: int, dst: int) -> tuple[int, float, float, bool]:
         if dst == rank:  # two chunks of one rank (the tip of a V): handed over in memory
             return dst, 0.0, 0.0, False
         level = self.cluster.levels[self.cluster.link_level(rank, dst)]
-        size = self.costs.edge_bytes(action.stage, action.peer)
+        size = self.costs.edge_bytes(stage, peer)
         if not size:
             return dst, 0.0, 0.0, False
         return dst, link_busy_seconds(size, level), level.latency, level.cpu_copies

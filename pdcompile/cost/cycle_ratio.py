@@ -14,42 +14,57 @@ without one deadlocks, and its caller must not build it.
 
 from __future__ import annotations
 
+import numpy as np
+
 Edges = list[list[tuple[int, float, int]]]  # per node, (target, weight, tokens) per edge out
 
 
 def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
     """(the largest weight / tokens over the cycles of `edges`, the nodes of one such cycle).
-    Every node needs an edge out (see the module docstring)."""
+    Every node needs an edge out (see the module docstring).
+
+    The improvement steps look at every edge of every node: they run on arrays of the edges
+    padded to the most edges of a node (a node's first best edge wins, as in a loop over its
+    edges in order), so that the planner's thousands of steady-cycle prices (cost/
+    steady_cycle.py: a 16-rank plan has graphs of hundreds of nodes) do not loop in Python."""
     count = len(edges)
+    widest = max(len(out) for out in edges)
+    target = np.zeros((count, widest), dtype=np.intp)
+    weight = np.full((count, widest), -np.inf)
+    tokens = np.zeros((count, widest))
+    real = np.zeros((count, widest), dtype=bool)  # an edge, not padding
+    for u, out in enumerate(edges):
+        for i, (v, w, t) in enumerate(out):
+            target[u, i], weight[u, i], tokens[u, i], real[u, i] = v, w, t, True
     # start from each node's heaviest edge: the slow circuits first, fewer improvements
-    policy = [max(range(len(out)), key=lambda i: out[i][1]) for out in edges]
-    scale = max((abs(w) for out in edges for _, w, _ in out), default=0.0)
+    policy = np.argmax(weight, axis=1)
+    scale = float(np.max(np.abs(weight[real]))) if real.any() else 0.0
     eps = 1e-12 * scale + 1e-300
-    ratio, value, cycles = _evaluate(edges, policy)
-    targets = [[target for target, _, _ in out] for out in edges]
+    rows = np.arange(count)
+    ratio, value, cycles = _evaluate(edges, policy.tolist())
     for _ in range(8 * count + 64):
-        changed = False
-        for u, ends in enumerate(targets):  # first a larger ratio, where any edge reaches one
-            best, pick = ratio[u] + eps, -1
-            for i, target in enumerate(ends):
-                if ratio[target] > best:
-                    best, pick = ratio[target], i
-            if pick >= 0:
-                policy[u], changed = pick, True
-        if not changed:  # then, among edges of the same ratio, a larger value
-            for u, out in enumerate(edges):
-                here = ratio[u]
-                best, pick = value[u] + eps * (1.0 + abs(value[u])), -1
-                for i, (target, w, t) in enumerate(out):
-                    if abs(ratio[target] - here) <= eps:
-                        gain = w - here * t + value[target]
-                        if gain > best:
-                            best, pick = gain, i
-                if pick >= 0 and pick != policy[u]:
-                    policy[u], changed = pick, True
+        here = np.asarray(ratio)
+        reached = np.where(real, here[target], -np.inf)
+        # first a larger ratio, where any edge reaches one
+        pick = np.argmax(reached, axis=1)
+        larger = reached[rows, pick] > here + eps
+        changed = bool(larger.any())
+        if changed:
+            policy = np.where(larger, pick, policy)
+        else:  # then, among edges of the same ratio, a larger value
+            worth = np.asarray(value)
+            with np.errstate(invalid="ignore"):
+                same = real & (np.abs(reached - here[:, None]) <= eps)
+                gain = weight - here[:, None] * tokens + worth[target]
+            gain = np.where(same & ~np.isnan(gain), gain, -np.inf)
+            pick = np.argmax(gain, axis=1)
+            better = (gain[rows, pick] > worth + eps * (1.0 + np.abs(worth))) & (pick != policy)
+            changed = bool(better.any())
+            if changed:
+                policy = np.where(better, pick, policy)
         if not changed:
             break
-        ratio, value, cycles = _evaluate(edges, policy)
+        ratio, value, cycles = _evaluate(edges, policy.tolist())
     top = max(range(count), key=lambda u: ratio[u])
     return ratio[top], cycles[top]
 
@@ -59,7 +74,8 @@ def _evaluate(edges: Edges, policy: list[int]) -> tuple[list[float], list[float]
     it reaches, its value (weight less ratio x tokens to that cycle, 0 at the cycle's first
     node found) and the cycle's nodes."""
     count = len(edges)
-    chosen = [out[pick] for out, pick in zip(edges, policy)]  # each node's (target, w, tokens)
+    # each node's (target, w, tokens)
+    chosen = [out[pick] for out, pick in zip(edges, policy, strict=True)]
     ratio, value = [0.0] * count, [0.0] * count
     cycle_of: list[list[int]] = [[] for _ in range(count)]
     state = [0] * count  # 0 not seen, 1 on the path being walked, 2 evaluated

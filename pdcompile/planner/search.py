@@ -316,12 +316,15 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     def closed() -> tuple[_Candidate, float, bool]:
         """The plan's candidate in closed form, data parallelism's time and whether data
         parallelism fits (what pricing with and without the simulator share)."""
-        candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight,
-                            recompute=again, shares=shares)
-        if flight is None and candidate is not None and limit is not None:
-            fitted = _priced(cost_graph, cluster, stages, options, limit, recompute=again,
-                             shares=shares)
-            candidate = fitted or candidate  # over the memory either way: the default counts
+        # in-flight counts chosen within the memory where they fit (priced once: the counts
+        # chosen without a limit are only wanted where these do not fit)
+        candidate = None
+        if flight is None and limit is not None:
+            candidate = _priced(cost_graph, cluster, stages, options, limit, recompute=again,
+                                shares=shares)
+        if candidate is None:  # over the memory either way: the default counts
+            candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight,
+                                recompute=again, shares=shares)
         if candidate is None:  # priced without a memory limit: a schedule that cannot run it
             raise PlanError(f"schedule {name!r} with {per} microbatches per minibatch cannot "
                             f"feed the replicas of plan {given.config} (each replica takes a "

@@ -52,9 +52,11 @@ class SearchCache:
         if found is None:
             self.builds += 1
             try:
+                # prepare's execution order is the validation's deadlock run (the W actions
+                # it adds after sends wait on nothing else), so that run is not made twice
                 lowered = build(name, stage_ranks, microbatches, per_minibatch=per_minibatch,
                                 stage_edges=stage_edges, warmup=warmup, recompute=recompute,
-                                shares=shares)
+                                shares=shares, progress=False)
                 found = (lowered, prepare(lowered))
             except ScheduleError as err:
                 found = err

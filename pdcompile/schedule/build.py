@@ -24,7 +24,7 @@ def build(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
           per_minibatch: int = 1, stage_edges: Sequence[tuple[int, int]] | None = None,
           warmup: Sequence[int] | None = None, vertical_sync: bool = False,
           recompute: Sequence[int] = (),
-          shares: Sequence[Sequence[int]] | None = None) -> Schedule:
+          shares: Sequence[Sequence[int]] | None = None, progress: bool = True) -> Schedule:
     """The lowered and validated schedule `name` for stages on `stage_ranks`.
 
     `microbatches`: the run's microbatches as the generator counts them (`ScheduleKind.
@@ -34,7 +34,8 @@ def build(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
     own); `stage_edges`: (src, dst) stage pairs that exchange tensors (default: the chain);
     `recompute`: the stages that recompute their activations in the backward; `shares`: per
     stage, the microbatches each replica takes per round (`schedule.shares`; default round
-    robin)."""
+    robin). `progress=False`: the deadlock run of `validate` is left to the caller, which works
+    out an execution order next (`validate`)."""
     row = kind(name)
     if microbatches < 1 or per_minibatch < 1:
         raise ScheduleError(f"a run needs at least one minibatch of at least one microbatch "
@@ -45,7 +46,7 @@ def build(name: str, stage_ranks: Sequence[Sequence[int]], microbatches: int, *,
                        warmup=list(warmup) if warmup is not None and row.chosen_warmup else None,
                        recompute=list(recompute), shares=shares)
     lowered = lower(compute, stage_edges)
-    validate(lowered)
+    validate(lowered, progress=progress)
     return lowered
 
 

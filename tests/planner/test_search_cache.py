@@ -71,10 +71,10 @@ def _validated(monkeypatch: pytest.MonkeyPatch) -> Counter[tuple[Any, ...]]:
     seen: Counter[tuple[Any, ...]] = Counter()
     validate = build_module.validate
 
-    def counted(schedule: Schedule) -> None:
+    def counted(schedule: Schedule, *, progress: bool = True) -> None:
         seen[schedule.name, schedule.stage_ranks, schedule.microbatches,
              tuple(sorted(schedule.actions.items())), repr(sorted(schedule.options.items()))] += 1
-        validate(schedule)
+        validate(schedule, progress=progress)
 
     monkeypatch.setattr(build_module, "validate", counted)
     return seen

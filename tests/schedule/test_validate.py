@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 
+from pdcompile.backends.simulate import prepare
 from pdcompile.errors import ScheduleError
 from pdcompile.schedule.generators import generate
 from pdcompile.schedule.ir import Schedule, parse_action
@@ -92,6 +93,18 @@ def test_lowered_deadlock() -> None:
     compute = make("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1")
     lowered = lower(compute)
     assert_rejected(lowered, "deadlocks", "0RECV_B0<-1")
+
+
+def test_a_deadlock_left_out_of_validation_is_found_by_the_simulators_preparation() -> None:
+    """The planner's search cache validates without the deadlock run (`progress=False`) and
+    prepares the schedule for the simulator next, whose execution order (with the W actions
+    it adds after stage 1's backward sends) deadlocks where the schedule's does."""
+    schedule = lower(make("rank 0: 0F0 0B0 0F1 0B1\nrank 1: 1F0 1F1 1B0 1B1"))
+    validate(schedule, progress=False)  # every other check passes
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        prepare(schedule)
+    with pytest.raises(ScheduleError, match="deadlocks"):
+        validate(schedule)
 
 
 def test_send_without_receive() -> None:
