@@ -31,6 +31,7 @@ from pdcompile.passes.export_frontend import export_graph
 from pdcompile.passes.inference_cache import without_inference_cache
 from pdcompile.passes.shapes import bind_inputs
 from pdcompile.passes.trace import trace
+from pdcompile.passes.trace_check import traced_difference
 from pdcompile.runtime.precision import autocast_region
 
 FRONTENDS = ("auto", "fx", "export")
@@ -124,9 +125,11 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         return export_graph(model, args, kwargs, autocast=autocast), "export"
     try:
         with autocast_region(autocast, model):
-            return trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
-                         num_positional=len(args),
-                         none_inputs=_given_as_none(model, args, kwargs)), "fx"
+            graph = trace(model, leaf_modules=leaves, example_kwargs_names=list(kwargs),
+                          num_positional=len(args),
+                          none_inputs=_given_as_none(model, args, kwargs))
+            _refuse_divergent_trace(model, graph, args, kwargs)
+        return graph, "fx"
     except TraceError as fx_error:
         if frontend == "fx":
             raise
@@ -137,6 +140,24 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
                 raise fx_error from None
             raise TraceError(f"{fx_error} (torch.export cannot capture it either: "
                              f"{export_error})") from None
+
+
+def _refuse_divergent_trace(model: nn.Module, graph: fx.GraphModule, args: Sequence[Any],
+                            kwargs: dict[str, Any]) -> None:
+    """A TraceError where fx's graph computes something other than the model on the example
+    inputs (passes/trace_check.py): `auto` then takes torch.export's graph instead."""
+    try:
+        values = bind_inputs(graph, tuple(args), dict(kwargs))
+    except PipelineInputError:
+        return  # capture() reports the inputs that do not fit
+    difference = traced_difference(model, graph, args, kwargs, values)
+    if difference is not None:
+        raise TraceError(
+            f"torch.fx traced {type(model).__name__} to a graph that computes something else "
+            f"on the example inputs: {difference} (Python in its forward that asks a tensor "
+            "what it is, such as isinstance(h, tuple), took another branch while tracing). "
+            "Fix: use frontend='export', or write that branch without asking (index the "
+            "tuple directly)")
 
 
 def _given_as_none(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]
