@@ -43,7 +43,7 @@ def _example(gru: bool, seed: int) -> tuple[nn.Module, torch.Tensor, torch.Tenso
     return model, torch.randint(0, 20, (4, 6)), torch.randn(4, 3, dtype=torch.float64)
 
 
-@settings(max_examples=4, deadline=None)
+@settings(max_examples=3, deadline=None)
 @given(gru=st.booleans(), seed=st.integers(0, 2**16), micro=st.sampled_from([1, 2]))
 def test_a_branch_on_what_a_traced_value_is_trains_like_one_process(gru: bool, seed: int,
                                                                    micro: int) -> None:
