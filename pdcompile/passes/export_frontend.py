@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import TraceError
 from pdcompile.meta import set_input_shapes, set_output_spec
 from pdcompile.passes.input_shapes import InputShapes
+from pdcompile.passes.quiet_logs import torch_export_quiet
 from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
 
@@ -237,8 +238,8 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
 
     every_size: torch.export.ExportedProgram | None = None
     try:
-        with symbolic_config.patch(  # type: ignore[attr-defined]  # made at import
-                symbol_guard_limit_before_specialize=TESTS_BEFORE_FIXED):
+        with torch_export_quiet(), symbolic_config.patch(  # type: ignore[attr-defined]
+                symbol_guard_limit_before_specialize=TESTS_BEFORE_FIXED):  # made at import
             every_size = torch.export.export(model, args, kwargs, strict=False,
                                              dynamic_shapes=free(lambda v: range(v.dim())))
     except Exception:
@@ -246,8 +247,9 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     if every_size is not None and not _batch_fixed(every_size):
         return every_size
     try:  # the batch alone free, with no limit on its tests
-        batch_only = torch.export.export(model, args, kwargs, strict=False,
-                                         dynamic_shapes=free(lambda v: (0,)))
+        with torch_export_quiet():
+            batch_only = torch.export.export(model, args, kwargs, strict=False,
+                                             dynamic_shapes=free(lambda v: (0,)))
     except Exception as err:
         if every_size is not None:
             return every_size

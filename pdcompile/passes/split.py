@@ -188,9 +188,10 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     movable = {n.name for n in items} | constants | {n.name for n in changes}
     busy = {stage_of[n.name] for n in nodes
             if n.op not in ("placeholder", "get_attr") and n.name not in movable}
-    for node in items:
-        if stage_of[node.name] in busy:
-            stage_of[node.name] = min(stage_of[node.name], stage_of[node.args[0].name])  # type: ignore[union-attr]
+    for node in items:  # where the tuple is made, or where its index is, if that is later
+        if stage_of[node.name] in busy:  # (`w[rows]` with rows computed after w)
+            made = max(stage_of[p.name] for p in node.all_input_nodes)
+            stage_of[node.name] = min(stage_of[node.name], made)
     _detach_where_made(gm, [n for n in items if n.target is detached], stage_of)
     _constants_follow_users(nodes, stage_of, len(plan.stages) - 1, constants, busy)
     _views_where_changed(gm, stage_of)

@@ -1,7 +1,8 @@
 """A small pool of third-party models (torchvision, timm, Hugging Face transformers) in tiny
 float64 configurations, with what they train on: skips, in-place ReLUs and additions, BatchNorm,
 layer norms, attention with masks, tied embeddings, RWKV's in-place state updates, depthwise
-convolutions, auxiliary heads, an encoder-decoder, grouped-query attention.
+convolutions and squeeze-excite, layer scale, shifted windows (torch.roll), dense concatenations,
+auxiliary heads (a namedtuple output), grouped-query attention, encoder-decoders (BART; T5 with masks on both sides).
 
 `POOL[name](batch)` returns `(model, inputs, target, loss_fn)`; inputs are a tuple, or a dict for
 the Hugging Face models. float64 so that a pipeline that sums microbatch gradients in another
@@ -112,33 +113,154 @@ def hf_rwkv(batch: int) -> Example:
 
 
 def timm_convnext(batch: int) -> Example:
-    """timm's convnext_atto (depthwise 7x7 convolutions, channels-last layer norms, layer
-    scale, GELU), 32x32 images; stochastic depth off."""
+    """timm's ConvNeXt (atto) with one block per stage of width 8-16: depthwise 7x7
+    convolutions, channels-last layer norms, layer scale (gamma) at 0.5, GELU."""
     timm = pytest.importorskip("timm")
     torch.manual_seed(0)
     model = timm.create_model("convnext_atto", pretrained=False, num_classes=10,
-                              drop_path_rate=0.0).double()
+                              depths=(1, 1, 1, 1), dims=(8, 8, 16, 16),
+                              ls_init_value=0.5).double()
     return (model, *_images(batch, 32), classification_loss)
 
 
-def _googlenet_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
-    """GoogLeNet's training loss: the main head and both auxiliary heads (a named tuple)."""
-    ce = nn.functional.cross_entropy
-    return ce(output.logits, target) + 0.3 * (ce(output.aux_logits1, target)
-                                              + ce(output.aux_logits2, target))
+def timm_mobilenetv3(batch: int) -> Example:
+    """timm's MobileNetV3-small at width 0.5: depthwise convolutions, hardswish, squeeze-excite
+    (a pooled gate multiplied back), BatchNorm, 32x32 images."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("mobilenetv3_small_050", pretrained=False,
+                              num_classes=10).double()
+    return (model, *_images(batch, 32), classification_loss)
+
+
+def timm_swin(batch: int) -> Example:
+    """timm's Swin with two stages of one block, width 8, 4x4 windows: torch.roll shifts,
+    window partition reshapes, relative position bias tables, an attention mask buffer."""
+    timm = pytest.importorskip("timm")
+    torch.manual_seed(0)
+    model = timm.create_model("swin_tiny_patch4_window7_224", pretrained=False,
+                              num_classes=10, img_size=32, window_size=4, embed_dim=8,
+                              depths=(1, 1), num_heads=(1, 2), drop_path_rate=0.0).double()
+    return (model, *_images(batch, 32), classification_loss)
+
+
+def torchvision_densenet(batch: int) -> Example:
+    """torchvision's DenseNet class with two dense blocks of two layers (growth 4): every layer
+    concatenates all earlier features, BatchNorm and in-place ReLUs."""
+    densenet = pytest.importorskip("torchvision.models.densenet")
+    torch.manual_seed(0)
+    model = densenet.DenseNet(growth_rate=4, block_config=(2, 2), num_init_features=8,
+                              bn_size=2, num_classes=10).double()
+    return (model, *_images(batch, 32), classification_loss)
+
+
+def torchvision_mobilenet_v2(batch: int) -> Example:
+    """torchvision's MobileNetV2 at width 0.25 (inverted residuals, depthwise convolutions,
+    ReLU6), dropout off; 64x64 images (at 32x32 its last BatchNorms see 1x1 maps of two samples
+per microbatch, and two updates grow weights to 1e3, where rounding differs by 1e-5)."""
+    models = pytest.importorskip("torchvision.models")
+    torch.manual_seed(0)
+    model = models.mobilenet_v2(num_classes=10, width_mult=0.25, dropout=0.0).double()
+    return (model, *_images(batch, 64), classification_loss)
+
+
+def _with_aux_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    """GoogLeNet's training loss: its logits' and both auxiliary heads' (a namedtuple)."""
+    return sum((classification_loss(o, target) for o in output), torch.zeros(()))
 
 
 def torchvision_googlenet(batch: int) -> Example:
-    """torchvision's GoogLeNet in training mode with its two auxiliary heads (a named tuple of
-    three outputs, branches read from the middle of the network), 64x64 images; dropout off."""
+    """torchvision's GoogLeNet in training mode with its auxiliary heads: a namedtuple output
+    of three logits, inception branches concatenated, 64x64 images, dropout off."""
     models = pytest.importorskip("torchvision.models")
     torch.manual_seed(0)
-    model = models.googlenet(num_classes=10, aux_logits=True, init_weights=True, dropout=0.0,
-                             dropout_aux=0.0).double()
-    return (model, *_images(batch, 64), _googlenet_loss)
+    model = models.googlenet(num_classes=10, aux_logits=True, transform_input=False,
+                             init_weights=True, dropout=0.0, dropout_aux=0.0).double()
+    return (model, *_images(batch, 64), _with_aux_loss)
 
 
-def _padded(batch: int, length: int, pad: int) -> torch.Tensor:
+def _padded(batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(2, 40, (batch, 6))
+    mask = torch.ones(batch, 6, dtype=torch.long)
+    mask[:, 4:] = 0
+    return ids, mask
+
+
+def hf_qwen2(batch: int) -> Example:
+    """Hugging Face Qwen2ForCausalLM, 2 layers of width 16, grouped-query attention (2 heads
+    over 1 key-value head), rotary positions, a padded attention mask."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32,
+                                      num_hidden_layers=2, num_attention_heads=2,
+                                      num_key_value_heads=1, max_position_embeddings=16,
+                                      use_cache=False)
+    model = transformers.Qwen2ForCausalLM(config).double()
+    ids, mask = _padded(batch)
+    return model, {"input_ids": ids, "attention_mask": mask}, torch.roll(ids, -1, dims=1), \
+        next_token_loss
+
+
+def hf_distilbert(batch: int) -> Example:
+    """Hugging Face DistilBertForSequenceClassification, 2 layers of width 16, padded
+    attention mask."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.DistilBertConfig(vocab_size=40, dim=16, n_layers=2, n_heads=2,
+                                           hidden_dim=32, max_position_embeddings=16,
+                                           dropout=0.0, attention_dropout=0.0,
+                                           seq_classif_dropout=0.0, num_labels=3)
+    model = transformers.DistilBertForSequenceClassification(config).double()
+    ids, mask = _padded(batch)
+    return model, {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 3, (batch,)), \
+        classification_loss
+
+
+def hf_bart(batch: int) -> Example:
+    """Hugging Face BartForConditionalGeneration, 2+2 layers of width 16: an encoder-decoder
+    given input_ids, a padded attention mask and decoder_input_ids, its head tied to the shared
+    embedding."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BartConfig(vocab_size=40, d_model=16, encoder_layers=2,
+                                     decoder_layers=2, encoder_attention_heads=2,
+                                     decoder_attention_heads=2, encoder_ffn_dim=32,
+                                     decoder_ffn_dim=32, max_position_embeddings=16,
+                                     dropout=0.0, attention_dropout=0.0,
+                                     activation_dropout=0.0, use_cache=False)
+    model = transformers.BartForConditionalGeneration(config).double()
+    ids, mask = _padded(batch)
+    decoder = torch.randint(2, 40, (batch, 5))
+    return model, {"input_ids": ids, "attention_mask": mask, "decoder_input_ids": decoder}, \
+        torch.roll(decoder, -1, dims=1), next_token_loss
+
+
+class _TiedEncoder(nn.Module):
+    """torch.nn's TransformerEncoder over an Embedding with padding_idx, key padding mask,
+    the output head tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embedding = nn.Embedding(20, 8, padding_idx=0)
+        layer = nn.TransformerEncoderLayer(8, 2, 16, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(8, 20)
+        self.head.weight = self.embedding.weight
+
+    def forward(self, tokens: torch.Tensor, padding: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(self.embedding(tokens), src_key_padding_mask=padding))
+
+
+def torch_transformer(batch: int) -> Example:
+    """torch.nn's TransformerEncoder with a key padding mask and a tied head (_TiedEncoder)."""
+    torch.manual_seed(0)
+    model = _TiedEncoder().double()
+    tokens = torch.randint(1, 20, (batch, 6))
+    tokens[:, 5] = 0
+    return model, (tokens, tokens == 0), torch.roll(tokens, -1, dims=1), next_token_loss
+
+
+def _padded_mask(batch: int, length: int, pad: int) -> torch.Tensor:
     """An attention mask whose rows after the first end in `pad` padding positions."""
     mask = torch.ones(batch, length, dtype=torch.long)
     mask[1:, length - pad:] = 0
@@ -161,26 +283,10 @@ def hf_t5(batch: int) -> Example:
                                    decoder_start_token_id=0, pad_token_id=0)
     model = transformers.T5ForConditionalGeneration(config).double()
     ids, decoder_ids = torch.randint(0, 40, (batch, 6)), torch.randint(0, 40, (batch, 5))
-    inputs = {"input_ids": ids, "attention_mask": _padded(batch, 6, 2),
+    inputs = {"input_ids": ids, "attention_mask": _padded_mask(batch, 6, 2),
               "decoder_input_ids": decoder_ids,
-              "decoder_attention_mask": _padded(batch, 5, 1)}
+              "decoder_attention_mask": _padded_mask(batch, 5, 1)}
     return model, inputs, torch.roll(decoder_ids, -1, dims=1), _sequence_loss
-
-
-def hf_qwen2(batch: int) -> Example:
-    """Hugging Face Qwen2ForCausalLM, 2 layers of width 16 (grouped-query attention: 4 heads
-    over 2 key-value heads, rotary positions, biased projections), a padded attention mask,
-    its head tied to its embedding."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.Qwen2Config(vocab_size=40, hidden_size=16, intermediate_size=32,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=16,
-                                      use_cache=False, tie_word_embeddings=True)
-    model = transformers.Qwen2ForCausalLM(config).double()
-    ids = torch.randint(0, 40, (batch, 6))
-    return model, {"input_ids": ids, "attention_mask": _padded(batch, 6, 2)}, \
-        torch.roll(ids, -1, dims=1), next_token_loss
 
 
 POOL: dict[str, Callable[[int], Example]] = {
@@ -191,10 +297,17 @@ POOL: dict[str, Callable[[int], Example]] = {
     "hf-llama": hf_llama,
     "hf-bert": hf_bert,
     "hf-rwkv": hf_rwkv,
-    "timm-convnext_atto": timm_convnext,
-    "torchvision-googlenet-aux": torchvision_googlenet,
-    "hf-t5": hf_t5,
+    "timm-convnext": timm_convnext,
+    "timm-mobilenetv3": timm_mobilenetv3,
+    "timm-swin": timm_swin,
+    "torchvision-densenet": torchvision_densenet,
+    "torchvision-mobilenet_v2": torchvision_mobilenet_v2,
+    "torchvision-googlenet": torchvision_googlenet,
     "hf-qwen2": hf_qwen2,
+    "hf-distilbert": hf_distilbert,
+    "hf-bart": hf_bart,
+    "torch-transformer": torch_transformer,
+    "hf-t5": hf_t5,
 }
 
 
@@ -253,3 +366,11 @@ USER_PATHS: dict[str, Callable[[int], Example]] = {
     "hf-llama-tempered": llama_tempered,
     "torchvision-resnet-eval": resnet_eval,
 }
+
+
+def repeated(name: str, batch: int, steps: int) -> list[tuple[Any, torch.Tensor]]:
+    """POOL[name]'s example minibatch `steps` times, as `train` and `train_processes` take a
+    stream (picklable as a functools.partial: the processes call it)."""
+    _, inputs, target, _ = POOL[name](batch)
+    given = (inputs,) if isinstance(inputs, dict) else tuple(inputs)
+    return [(given, target)] * steps
