@@ -56,9 +56,11 @@ def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
             with np.errstate(invalid="ignore"):
                 same = real & (np.abs(reached - here[:, None]) <= eps)
                 gain = weight - here[:, None] * tokens + worth[target]
-            gain = np.where(same & ~np.isnan(gain), gain, -np.inf)
-            pick = np.argmax(gain, axis=1)
-            better = (gain[rows, pick] > worth + eps * (1.0 + np.abs(worth))) & (pick != policy)
+                gain = np.where(same & ~np.isnan(gain), gain, -np.inf)
+                pick = np.argmax(gain, axis=1)
+                # a value of -inf (a cycle without tokens ahead) gives NaN here: never better
+                better = (gain[rows, pick] > worth + eps * (1.0 + np.abs(worth))) \
+                    & (pick != policy)
             changed = bool(better.any())
             if changed:
                 policy = np.where(better, pick, policy)

@@ -13,6 +13,9 @@ from hypothesis import strategies as st
 
 from pdcompile.cost.cycle_ratio import largest_cycle_ratio
 
+# numpy's warnings reach users planning a model: none may come from the prices
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
 
 @st.composite
 def graphs(draw: st.DrawFn) -> list[list[tuple[int, float, int]]]:

@@ -26,6 +26,9 @@ from pdcompile.planner.search import price_plan
 from pdcompile.profiles import load_pipedream
 from tests.helpers.strategies import drawn_chains
 
+# numpy's warnings reach users planning a model: none may come from the prices
+pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
+
 INTERFACE = "server interface"
 
 
