@@ -38,8 +38,8 @@ from pdcompile.passes.size_tests import SizeTestError
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
 from pdcompile.plan import Plan
-from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.conv_grads import conv_deferrable
+from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.linear_grads import linear_accumulate
 from pdcompile.runtime.microbatch_cut import checked_whole
 from pdcompile.runtime.rank_state import NoParameters, RankState

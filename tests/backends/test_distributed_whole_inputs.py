@@ -15,30 +15,16 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 import pdcompile
 from pdcompile.passes.split import manual_plan
 from pdcompile.passes.trace import trace
 from pdcompile.worker import train_processes
+from tests.helpers.masked_model import CLASSES, SEQ, Masked
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-SEQ, CLASSES, STEPS, MICRO = 3, 4, 3, 2
-
-
-class Masked(nn.Module):
-    """Token features mixed by a fixed (seq, seq) mask, scaled per class and by a temperature."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, CLASSES)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor,
-                temperature: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        h = mask @ h
-        return self.b(h).mean(1) * weight / temperature
+STEPS, MICRO = 3, 2
 
 
 def _whole() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

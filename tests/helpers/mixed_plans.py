@@ -17,12 +17,33 @@ from collections.abc import Iterator
 
 import networkx as nx
 
-from pdcompile.cost.costgraph import topological_order
+from pdcompile.cost.costgraph import add_block, new_cost_graph, topological_order
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.device import DEVICES
+from pdcompile.machine.device_groups import DeviceGroup
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner import price_plan
 from pdcompile.planner.mixed import with_shares
+
+Block = tuple[float, float, float, float]  # fwd, bwd, activation bytes, parameter bytes
+
+
+def block_chain(source: float, blocks: list[Block]) -> nx.DiGraph:
+    """An input of `source` bytes, then one block per entry of `blocks`, in a chain."""
+    graph = new_cost_graph("chain")
+    add_block(graph, "x", fwd=0.0, bwd=0.0, act=source, params=0.0)
+    for i, (fwd, bwd, act, params) in enumerate(blocks):
+        add_block(graph, f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params)
+        graph.add_edge("x" if i == 0 else f"n{i - 1}", f"n{i}")
+    return graph
+
+
+def fast_and_slow(network: str, slow: float) -> Cluster:
+    """Two fast ranks then two `slow` times as fast (one server each on two levels)."""
+    return Cluster(levels=Cluster.parse(network).levels,
+                   groups=(DeviceGroup(DEVICES["a100"], 2, 1.0),
+                           DeviceGroup(DEVICES["a100"], 2, slow)))
 
 
 def _takes(stages: int, fast: int, slow: int) -> Iterator[tuple[tuple[int, int], ...]]:

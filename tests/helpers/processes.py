@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-
 # Python expression, for a child's script: the child's own peak resident memory in KiB
 # (VmHWM, which exec starts afresh). `resource.getrusage(...).ru_maxrss` is kept across fork and
 # exec, so a child of a large pytest process reported the parent's peak (1.27 GB in a CI run,

@@ -2,7 +2,8 @@
 float64 configurations, with what they train on: skips, in-place ReLUs and additions, BatchNorm,
 layer norms, attention with masks, tied embeddings, RWKV's in-place state updates, depthwise
 convolutions and squeeze-excite, layer scale, shifted windows (torch.roll), dense concatenations,
-auxiliary heads (a namedtuple output), grouped-query attention, encoder-decoders (BART; T5 with masks on both sides).
+auxiliary heads (a namedtuple output), grouped-query attention, encoder-decoders (BART; T5 with
+masks on both sides).
 
 `POOL[name](batch)` returns `(model, inputs, target, loss_fn)`; inputs are a tuple, or a dict for
 the Hugging Face models. float64 so that a pipeline that sums microbatch gradients in another

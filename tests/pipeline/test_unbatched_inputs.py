@@ -20,22 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pdcompile
+from tests.helpers.masked_model import CLASSES, SEQ, Masked
 
-SEQ, CLASSES, STEPS = 3, 4, 2
-
-
-class Masked(nn.Module):
-    """Token features mixed by a fixed (seq, seq) mask, scaled per class and by a temperature."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.a, self.b = nn.Linear(5, 5), nn.Linear(5, CLASSES)
-
-    def forward(self, x: torch.Tensor, mask: torch.Tensor, weight: torch.Tensor,
-                temperature: torch.Tensor) -> torch.Tensor:
-        h = torch.tanh(self.a(x))
-        h = mask @ h
-        return self.b(h).mean(1) * weight / temperature
+STEPS = 2
 
 
 def _sgd(params: Any) -> torch.optim.Optimizer:

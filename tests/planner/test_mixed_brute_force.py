@@ -12,41 +12,19 @@ found 1.15x, where a stage with parameters wanted a fast rank alone (now planner
 
 from __future__ import annotations
 
-import networkx as nx
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pdcompile
-from pdcompile import Cluster
-from pdcompile.cost.costgraph import add_block, new_cost_graph
-from pdcompile.machine.device import DEVICES
-from pdcompile.machine.device_groups import DeviceGroup
-from tests.helpers.mixed_plans import fastest_plan
+from tests.helpers.mixed_plans import Block, block_chain, fast_and_slow, fastest_plan
 
 WITHIN = 1.10  # the planner's plan at most this many times the fastest plan
-Block = tuple[float, float, float, float]  # fwd, bwd, activation bytes, parameter bytes
 NETWORKS = ["2x2@1e11,1e9~5us,20us", "2x2@1e11,1e10~5us,20us", "4@1e9~5us", "4@1e10~5us"]
 
 
-def _chain(source: float, blocks: list[Block]) -> nx.DiGraph:
-    graph = new_cost_graph("chain")
-    add_block(graph, "x", fwd=0.0, bwd=0.0, act=source, params=0.0)
-    for i, (fwd, bwd, act, params) in enumerate(blocks):
-        add_block(graph, f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params)
-        graph.add_edge("x" if i == 0 else f"n{i - 1}", f"n{i}")
-    return graph
-
-
-def _cluster(network: str, slow: float) -> Cluster:
-    """Two fast ranks then two `slow` times as fast (one server each on two levels)."""
-    return Cluster(levels=Cluster.parse(network).levels,
-                   groups=(DeviceGroup(DEVICES["a100"], 2, 1.0),
-                           DeviceGroup(DEVICES["a100"], 2, slow)))
-
-
 def _check(source: float, blocks: list[Block], slow: float, network: str) -> None:
-    graph, cluster = _chain(source, blocks), _cluster(network, slow)
+    graph, cluster = block_chain(source, blocks), fast_and_slow(network, slow)
     ours = pdcompile.plan(graph, cluster, schedule="1f1b")
     best = fastest_plan(graph, cluster, schedule="1f1b", microbatches=1)
     assert best is not None

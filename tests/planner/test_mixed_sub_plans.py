@@ -20,30 +20,11 @@ from hypothesis import strategies as st
 import pdcompile
 import pdcompile.planner.ilp as ilp
 from pdcompile import Cluster
-from pdcompile.cost.costgraph import add_block, new_cost_graph
-from pdcompile.machine.device import DEVICES
-from pdcompile.machine.device_groups import DeviceGroup
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.mixed import seeding
+from tests.helpers.mixed_plans import Block, block_chain, fast_and_slow
 
-Block = tuple[float, float, float, float]  # fwd, bwd, activation bytes, parameter bytes
 NETWORKS = ["2x2@1e11,1e9~5us,20us", "4@1e9~5us", "4@1e10~5us"]
-
-
-def _chain(source: float, blocks: list[Block]) -> nx.DiGraph:
-    graph = new_cost_graph("chain")
-    add_block(graph, "x", fwd=0.0, bwd=0.0, act=source, params=0.0)
-    for i, (fwd, bwd, act, params) in enumerate(blocks):
-        add_block(graph, f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params)
-        graph.add_edge("x" if i == 0 else f"n{i - 1}", f"n{i}")
-    return graph
-
-
-def _cluster(network: str, slow: float) -> Cluster:
-    """Two fast ranks then two `slow` times as fast."""
-    return Cluster(levels=Cluster.parse(network).levels,
-                   groups=(DeviceGroup(DEVICES["a100"], 2, 1.0),
-                           DeviceGroup(DEVICES["a100"], 2, slow)))
 
 
 def _counting_solves(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -63,7 +44,7 @@ CHAIN = (1e6, [(6e-3, 2e-3, 3e7, 2e7), (2e-3, 1e-2, 9e7, 3e7), (3e-3, 7e-3, 1e5,
 
 
 def test_auto_plans_the_sub_plans_without_cp_sat(monkeypatch: pytest.MonkeyPatch) -> None:
-    graph, cluster = _chain(*CHAIN), _cluster("4@1e9~5us", 0.4)
+    graph, cluster = block_chain(*CHAIN), fast_and_slow("4@1e9~5us", 0.4)
     runs = _counting_solves(monkeypatch)
     auto = pdcompile.plan(graph, cluster, schedule="1f1b")
     assert auto.planner == "mixed"
@@ -108,7 +89,7 @@ def test_leaving_cp_sat_out_of_the_sub_plans_loses_nothing(
         source: float, blocks: list[Block], slow: float, network: str) -> None:
     """CP-SAT solves these sub-plans to optimality (planner="ilp"); the mixed plan built from
     the DP's sub-plans is never slower."""
-    graph, cluster = _chain(source, blocks), _cluster(network, slow)
+    graph, cluster = block_chain(source, blocks), fast_and_slow(network, slow)
     auto = pdcompile.plan(graph, cluster, schedule="1f1b")
     exact = pdcompile.plan(graph, cluster, schedule="1f1b", planner="ilp")
     assert auto.time_per_minibatch <= exact.time_per_minibatch * (1 + 1e-9), (

@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from torch import nn
 from torch.nn.utils.parametrizations import spectral_norm
 
+import pdcompile
 from pdcompile.passes.split import even_plan
 from pdcompile.plan import Plan
-import pdcompile
 from tests.helpers.schedule_cuts import cut_graph, fits, flush_reference, micro_options, placed_cut
 from tests.helpers.transparency import momentum
 
