@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -20,7 +19,7 @@ import pdcompile
 from pdcompile.passes.split import manual_plan
 from pdcompile.passes.trace import trace
 from pdcompile.worker import train_processes
-from tests.helpers.masked_model import CLASSES, SEQ, Masked
+from tests.helpers.masked_model import CLASSES, SEQ, Masked, accumulated, sgd
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -41,10 +40,6 @@ def minibatches(batch: int, steps: int) -> list[tuple[tuple[torch.Tensor, ...], 
             for _ in range(steps)]
 
 
-def _sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
-
-
 def _model() -> Masked:
     torch.manual_seed(0)
     return Masked().double()
@@ -60,26 +55,14 @@ def _pipeline(layout: str, schedule: str, batch: int) -> pdcompile.pipeline.Pipe
         plan = manual_plan(trace(model), lambda n: 0, replicas=[2])
     (inputs, target), = minibatches(batch, 1)
     return pdcompile.compile(model, example_inputs=inputs, example_target=target,
-                             loss_fn=F.mse_loss, optimizer=_sgd, schedule=schedule,
+                             loss_fn=F.mse_loss, optimizer=sgd, schedule=schedule,
                              microbatches=MICRO if schedule != "1f1b" else None, plan=plan,
                              unbatched=["weight"] if batch == CLASSES else None)
 
 
 def _one_process(batch: int, micro: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Gradient accumulation over `micro` microbatches of x and y, the rest read whole."""
     model = _model()
-    opt = _sgd(model.parameters())
-    losses = []
-    for (x, *rest), y in minibatches(batch, STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for xs, ys in zip(x.tensor_split(micro), y.tensor_split(micro), strict=True):
-            loss = F.mse_loss(model(xs, *rest), ys) / micro
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        losses.append(total)
-    return losses, model.state_dict()
+    return accumulated(model, minibatches(batch, STEPS), micro), model.state_dict()
 
 
 @pytest.mark.parametrize(("layout", "schedule", "batch"), [

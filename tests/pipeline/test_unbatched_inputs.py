@@ -20,30 +20,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pdcompile
-from tests.helpers.masked_model import CLASSES, SEQ, Masked
+from tests.helpers.masked_model import CLASSES, SEQ, Masked, accumulated, sgd
 
 STEPS = 2
-
-
-def _sgd(params: Any) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.1)
-
-
-def _one_process(model: nn.Module, x: torch.Tensor, rest: tuple[torch.Tensor, ...],
-                 y: torch.Tensor, micro: int) -> list[float]:
-    """Gradient accumulation over `micro` microbatches of x and y, the rest read whole."""
-    opt = _sgd(model.parameters())
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for xs, ys in zip(x.tensor_split(micro), y.tensor_split(micro), strict=True):
-            loss = F.mse_loss(model(xs, *rest), ys) / micro
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        losses.append(total)
-    return losses
 
 
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -67,12 +46,12 @@ def test_inputs_without_samples_reach_every_microbatch_whole(by_name: bool, micr
     pipe = pdcompile.compile(copy.deepcopy(model),
                              example_inputs=inputs[0] if by_name else inputs,
                              loss_fn=F.mse_loss, stages=2, schedule=schedule,
-                             microbatches=micro, optimizer=_sgd, frontend="fx",
+                             microbatches=micro, optimizer=sgd, frontend="fx",
                              unbatched=[name for name, size in (("mask", SEQ),
                                                                 ("weight", CLASSES))
                                         if size == batch])
     losses = [pipe.step(*inputs, target=y) for _ in range(STEPS)]
-    assert losses == pytest.approx(_one_process(model, x, rest, y, micro), rel=1e-9)
+    assert losses == pytest.approx(accumulated(model, [((x, *rest), y)] * STEPS, micro), rel=1e-9)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(pipe.state_dict()[name], value, msg=name)
 
@@ -85,10 +64,10 @@ def test_the_export_front_end_runs_whole_inputs_on_microbatches() -> None:
     x, y = torch.randn(6, SEQ, 5), torch.randn(6, CLASSES)
     rest = (torch.tril(torch.ones(SEQ, SEQ)), torch.rand(CLASSES) + 0.5, torch.tensor(2.0))
     pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x, *rest), loss_fn=F.mse_loss,
-                             stages=2, schedule="1f1b-flush", microbatches=2, optimizer=_sgd,
+                             stages=2, schedule="1f1b-flush", microbatches=2, optimizer=sgd,
                              frontend="export")
     losses = [pipe.step(x, *rest, target=y) for _ in range(STEPS)]
-    assert losses == pytest.approx(_one_process(model, x, rest, y, 2), rel=1e-5)
+    assert losses == pytest.approx(accumulated(model, [((x, *rest), y)] * STEPS, 2), rel=1e-5)
 
 
 def test_unbatched_is_kept_in_exports_and_names_inputs(tmp_path: Any) -> None:
@@ -98,7 +77,7 @@ def test_unbatched_is_kept_in_exports_and_names_inputs(tmp_path: Any) -> None:
     rest = (torch.tril(torch.ones(SEQ, SEQ)), torch.rand(CLASSES) + 0.5, torch.tensor(2.0))
     options: dict[str, Any] = {"example_inputs": (x, *rest), "loss_fn": F.mse_loss,
                                "stages": 2, "schedule": "1f1b-flush", "microbatches": 2,
-                               "optimizer": _sgd, "frontend": "fx"}
+                               "optimizer": sgd, "frontend": "fx"}
     pipe = pdcompile.compile(Masked(), unbatched="weight", **options)
     pipe.export(str(tmp_path / "e"))
     loaded = pdcompile.load(str(tmp_path / "e"))
@@ -127,7 +106,7 @@ def test_a_whole_input_first_in_the_forward_is_named_with_the_fix() -> None:
     model = MaskFirst()
     mask, x, y = torch.tril(torch.ones(SEQ, SEQ)), torch.randn(6, SEQ, 5), torch.randn(6, CLASSES)
     options: dict[str, Any] = {"example_inputs": (mask, x), "loss_fn": F.mse_loss, "stages": 2,
-                               "schedule": "1f1b-flush", "microbatches": 2, "optimizer": _sgd}
+                               "schedule": "1f1b-flush", "microbatches": 2, "optimizer": sgd}
     pipe = pdcompile.compile(copy.deepcopy(model), **options)
     with pytest.raises(pdcompile.errors.PipelineInputError,
                        match=r"^minibatch 0: input 'mask' comes first, so its first dimension "
@@ -153,10 +132,10 @@ def test_a_short_last_batch_of_a_masks_size_leaves_the_mask_whole() -> None:
                                                                           dtype=torch.float64)
     pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x[:6], *rest),
                              loss_fn=F.mse_loss, stages=2, schedule="1f1b-flush",
-                             microbatches=3, optimizer=_sgd, frontend="fx")
+                             microbatches=3, optimizer=sgd, frontend="fx")
     assert pipe.whole_inputs == ("mask", "weight")
     losses = pipe.train([((x[:6], *rest), y[:6]), ((x[6:], *rest), y[6:])])
-    opt = _sgd(model.parameters())
+    opt = sgd(model.parameters())
     want = []
     for xs, ys in ((x[:6], y[:6]), (x[6:], y[6:])):
         opt.zero_grad()
@@ -175,6 +154,6 @@ def test_unbatched_none_means_no_input_named() -> None:
     x, y = torch.randn(6, SEQ, 5), torch.randn(6, CLASSES)
     rest = (torch.tril(torch.ones(SEQ, SEQ)), torch.rand(CLASSES) + 0.5, torch.tensor(2.0))
     pipe = pdcompile.compile(Masked(), example_inputs=(x, *rest), loss_fn=F.mse_loss, stages=2,
-                             microbatches=2, optimizer=_sgd, unbatched=None)
+                             microbatches=2, optimizer=sgd, unbatched=None)
     assert pipe.unbatched == () and set(pipe.whole_inputs) == {"mask", "weight"}
     assert pipe.step(x, *rest, target=y) > 0

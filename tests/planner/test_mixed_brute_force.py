@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pdcompile
-from tests.helpers.mixed_plans import Block, block_chain, fast_and_slow, fastest_plan
+from tests.helpers.mixed_plans import Block, block_chain, block_lists, fast_and_slow, fastest_plan
 
 WITHIN = 1.10  # the planner's plan at most this many times the fastest plan
 NETWORKS = ["2x2@1e11,1e9~5us,20us", "2x2@1e11,1e10~5us,20us", "4@1e9~5us", "4@1e10~5us"]
@@ -58,8 +58,7 @@ def test_a_chain_whose_parameters_want_a_fast_rank_alone() -> None:
     _check(*MISSED_PARAMETERS_ALONE)
 
 
-blocks = st.lists(st.tuples(st.floats(1e-3, 1e-2), st.floats(1e-3, 2e-2), st.floats(1e5, 1e8),
-                            st.floats(0.0, 1e8)), min_size=2, max_size=3)
+blocks = block_lists(3)
 
 
 @pytest.mark.slow

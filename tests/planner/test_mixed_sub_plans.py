@@ -22,7 +22,7 @@ import pdcompile.planner.ilp as ilp
 from pdcompile import Cluster
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.mixed import seeding
-from tests.helpers.mixed_plans import Block, block_chain, fast_and_slow
+from tests.helpers.mixed_plans import Block, block_chain, block_lists, fast_and_slow
 
 NETWORKS = ["2x2@1e11,1e9~5us,20us", "4@1e9~5us", "4@1e10~5us"]
 
@@ -77,8 +77,7 @@ def test_cp_sat_runs_on_a_sub_plan_only_where_the_dp_is_not_exact(
     assert asked == calls
 
 
-blocks = st.lists(st.tuples(st.floats(1e-3, 1e-2), st.floats(1e-3, 2e-2), st.floats(1e5, 1e8),
-                            st.floats(0.0, 1e8)), min_size=2, max_size=4)
+blocks = block_lists(4)
 
 
 @pytest.mark.slow
