@@ -283,12 +283,7 @@ class StageGrid:
         states) the combinations of the widths of the stages holding each tie in `free`; those
         first either way."""
         widths = sorted({int(w) for w in self.widths})
-        held: list[set[int]] = [set() for _ in range(self.ties)]
-        for stage in free.stages:
-            row = self.rows[stage.before]
-            readers = row.tie_held[:, np.searchsorted(row.js, stage.after)]
-            for t in np.flatnonzero(readers):
-                held[t].add(len(stage.ranks))
+        held = self._replicas_per_tie(free, split=False)
         near = list(itertools.product(*(sorted(h) or widths for h in held)))[:TIE_CHOICES]
         work = len(self.mq) * sum(row.js.size for row in self.rows.values())
         if len(widths) ** self.ties <= TIE_CHOICES and work * len(widths) ** self.ties \
@@ -303,13 +298,18 @@ class StageGrid:
         rule `tie_allowed` enforces; False for a grid without it)."""
         if self.ties == 0:
             return False
+        return any(len(h) > 1 for h in self._replicas_per_tie(result, split=True))
+
+    def _replicas_per_tie(self, result: DPResult, *, split: bool) -> list[set[int]]:
+        """Per tie, the replica counts of the result's stages holding one of its readers (with
+        `split`: only those holding some of its readers but not all, `_Row.tie_split`)."""
         held: list[set[int]] = [set() for _ in range(self.ties)]
         for stage in result.stages:
             row = self.rows[stage.before]
-            split = row.tie_split[:, np.searchsorted(row.js, stage.after)]
-            for t in np.flatnonzero(split):
+            marks = row.tie_split if split else row.tie_held
+            for t in np.flatnonzero(marks[:, np.searchsorted(row.js, stage.after)]):
                 held[t].add(len(stage.ranks))
-        return any(len(h) > 1 for h in held)
+        return held
 
     def tie_allowed(self, k: int, choices: list[tuple[int, ...] | None],
                     ) -> np.ndarray | None:
