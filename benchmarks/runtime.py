@@ -9,6 +9,8 @@ minibatch 256; the two-stage split is 4 blocks | 4 blocks + head. One thread per
     (c) pp-1f1b    torch.distributed.pipelining Schedule1F1B, 2 stages, 8 microbatches of 32
     (c) pp-gpipe   torch.distributed.pipelining ScheduleGPipe, same
     (d) ours-1f1b  our asynchronous 1F1B (PipeDream): whole minibatches stream through, no flush
+    (d') ours-1f1b-steady  the same in its steady state: the round's minibatches timed in the
+        middle of a longer stream (as PipeDream trains an epoch; see `_steady_worker`)
     (e) ours-flush our 1F1B-flush (PipeDream-Flush), 8 microbatches of 32
     (e') ours-flush-plain  the same without fused weight-gradient accumulation (passes/fuse.py)
     (f) pp-interleaved  torch.distributed.pipelining ScheduleInterleaved1F1B: 4 chunks of 2 blocks
@@ -294,6 +296,34 @@ def _ours_worker(worker: Worker, schedule_name: str, rounds: int, steps: int,
     return times
 
 
+def _steady_worker(worker: Worker, rounds: int, steps: int, warmup: int) -> list[float]:
+    """Asynchronous 1F1B in its steady state, as PipeDream trains an epoch: each round streams
+    `steps` minibatches with STEADY_EDGE more before and after them through one run of the loop,
+    and its time is that of the `steps` in the middle, between the last stage's losses of
+    minibatches STEADY_EDGE - 1 and STEADY_EDGE + steps - 1 (`run_distributed`'s `progress`, on
+    the rank that reports them; the other rank returns 0). The pipeline's fill and drain, which
+    cap a round of 8 minibatches at 2 x 8 / 9 = 1.78x one process, are outside the window."""
+    from pdcompile.backends.distributed import run_distributed
+
+    stream = STEADY_EDGE + steps + STEADY_EDGE
+    pipe, data = ours_pipeline("1f1b", max(stream, warmup, 4))
+    if warmup:
+        run_distributed(pipe, data[:warmup], monitor=worker.monitor)
+    times = []
+    for _ in range(rounds):
+        heard: dict[int, float] = {}
+        run_distributed(pipe, data[:stream], monitor=worker.monitor,
+                        progress=lambda step, _loss: heard.setdefault(step, time.perf_counter()))
+        window = (heard[STEADY_EDGE + steps - 1] - heard[STEADY_EDGE - 1]) if heard else 0.0
+        mine = torch.tensor([window])
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+        times.append(float(mine))
+    return times
+
+
+STEADY_EDGE = 4  # minibatches streamed before and after the timed ones (ours-1f1b-steady)
+
+
 # -- bubbles of real runs (--bubbles) ----
 
 
@@ -440,6 +470,8 @@ CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
         _pp_worker, "gpipe", r, s, w)),
     "ours-1f1b": ("(d) ours, async 1F1B, whole minibatches", lambda r, s, w: _dist(
         _ours_worker, "1f1b", r, s, w)),
+    "ours-1f1b-steady": ("(d') ours, async 1F1B, steady state (fill and drain outside the window)",
+                         lambda r, s, w: _dist(_steady_worker, r, s, w)),
     "ours-flush": ("(e) ours, 1F1B-flush, 8x32", lambda r, s, w: _dist(
         _ours_worker, "1f1b-flush", r, s, w)),
     "ours-flush-plain": ("(e') ours, 1F1B-flush, 8x32, plain autograd accumulation",
