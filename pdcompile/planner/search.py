@@ -657,11 +657,15 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
         if row.microbatched and (len(ranks) > m or (not row.flush and m % len(ranks))):
             return None
     try:
-        again = list(recompute) if recompute is not None else \
-            choose_recompute(graph, stages, cluster, options=options, memory=limit)
-        flight = list(in_flight) if in_flight is not None else \
-            choose_in_flight(graph, stages, cluster, options=options, memory=limit,
-                             recompute=again)
+        if recompute is None and in_flight is None:
+            again, flight = choose_recompute(graph, stages, cluster, options=options,
+                                             memory=limit)
+        else:
+            again = list(recompute) if recompute is not None else \
+                choose_recompute(graph, stages, cluster, options=options, memory=limit)[0]
+            flight = list(in_flight) if in_flight is not None else \
+                choose_in_flight(graph, stages, cluster, options=options, memory=limit,
+                                 recompute=again)
     except PlanError:
         return None
     if shares is None and options.cost_model == "native":  # the bound below is its own
