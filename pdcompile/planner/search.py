@@ -193,8 +193,12 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                 # stages=K: K workers (the first K ranks), each holding the schedule's chunks
                 found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
             elif symmetric and not row.split_backward:  # both ways to use servers alike
-                found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
-                                       fill=False, layout="per server")
+                try:
+                    found = _dp_candidates(cost_graph, cluster, options, limit, straight,
+                                           workers, fill=False, layout="per server")
+                except PlanError:  # no pipeline fits within one server: the others below,
+                    found = _Found("servers alike", [])  # then every worker on its own
+                alike = len(found.candidates)
                 # a straight pipeline over every worker (its DP has one replica count)
                 if workers <= STRAIGHT_WORKERS:
                     try:
@@ -208,7 +212,18 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                     try:
                         across = _dp_candidates(cost_graph, cluster, options, limit, straight,
                                                 workers, fill=False, layout="across servers")
+                        alike += len(across.candidates)
                         found.candidates += across.candidates
+                    except PlanError:
+                        pass
+                if not alike:  # no replicated plan keeps the servers alike (within the
+                    # memory): every worker on its own, where a stage's replicas need not
+                    # span the servers alike (a tied LM in 10 GB on 4 x 8: none but the
+                    # straight pipeline, 646 ms, and without it no plan at all; 409 ms so)
+                    try:
+                        found.candidates += _dp_candidates(cost_graph, cluster, options, limit,
+                                                           straight, workers,
+                                                           fill=False).candidates
                     except PlanError:
                         pass
             else:  # zero-bubble schedules run every stage on one worker
