@@ -62,6 +62,8 @@ AUTO_MICROBATCHES = (8, 32)  # what schedule="auto" tries for microbatched sched
 # at least as fast with 1F1B-flush (GPipe's bubble, less memory) and interleaved zero bubble
 AUTO_SCHEDULES = ("1f1b", "1f1b-flush", "2bw", "zb-h1", "interleaved-zb", "zb-v", "dualpipev")
 VARIANT_STAGES = (2,)  # the DP's short-pipeline variants (at most this many stages)
+GROUPS_FROM = 1.5  # a flat cluster wider than EXACT_WORKERS whose best plan is this many times
+# its compute spread over every worker is also planned in groups (`_replica_groups`)
 EXACT_WORKERS = 16  # above this, multi-level clusters get one server's pipeline on every server
 ACROSS_SERVERS = 32  # ... or, up to this many servers, stages of whole servers
 STRAIGHT_WORKERS = 64  # ... or, up to this many workers, a straight pipeline over all of them
@@ -191,8 +193,12 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                 # stages=K: K workers (the first K ranks), each holding the schedule's chunks
                 found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
             elif symmetric and not row.split_backward:  # both ways to use servers alike
-                found = _dp_candidates(cost_graph, cluster, options, limit, straight, workers,
-                                       fill=False, layout="per server")
+                try:
+                    found = _dp_candidates(cost_graph, cluster, options, limit, straight,
+                                           workers, fill=False, layout="per server")
+                except PlanError:  # no pipeline fits within one server: the others below,
+                    found = _Found("servers alike", [])  # then every worker on its own
+                alike = len(found.candidates)
                 # a straight pipeline over every worker (its DP has one replica count)
                 if workers <= STRAIGHT_WORKERS:
                     try:
@@ -206,13 +212,36 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                     try:
                         across = _dp_candidates(cost_graph, cluster, options, limit, straight,
                                                 workers, fill=False, layout="across servers")
+                        alike += len(across.candidates)
                         found.candidates += across.candidates
+                    except PlanError:
+                        pass
+                if not alike:  # no replicated plan keeps the servers alike (within the
+                    # memory): every worker on its own, where a stage's replicas need not
+                    # span the servers alike (a tied LM in 10 GB on 4 x 8: none but the
+                    # straight pipeline, 646 ms, and without it no plan at all; 409 ms so)
+                    try:
+                        found.candidates += _dp_candidates(cost_graph, cluster, options, limit,
+                                                           straight, workers,
+                                                           fill=False).candidates
                     except PlanError:
                         pass
             else:  # zero-bubble schedules run every stage on one worker
                 found = _dp_candidates(cost_graph, cluster, options, limit,
                                        straight or row.split_backward, workers,
                                        fill=stages is not None)
+                best = min((c.closed for c in found.candidates), default=math.inf)
+                if stages is None and not straight and not row.split_backward \
+                        and len(cluster.levels) == 1 and not cluster.is_mixed \
+                        and workers > EXACT_WORKERS \
+                        and best > GROUPS_FROM * _work_bound(cost_graph, workers):
+                    for group, line in _replica_groups(workers):
+                        try:
+                            found.candidates += _dp_candidates(
+                                cost_graph, cluster, options, limit, line, workers,
+                                fill=line, layout="per server", group=group).candidates
+                        except PlanError:
+                            pass
         except PlanError:
             continue
         kinds_seen.append(found.kind)
@@ -438,9 +467,21 @@ def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
     return out or [(names[0], 1)]
 
 
+def _replica_groups(workers: int) -> list[tuple[int, bool]]:
+    """Sizes of the groups a flat cluster wider than EXACT_WORKERS is also planned in, one
+    pipeline per group and every group alike (`_dp_candidates`' "per server" layout): the two
+    largest divisors of `workers` from 2 to EXACT_WORKERS. The flat DP over every worker (or
+    units of them) minimises its slowest stage, and among the many plans that tie there it may
+    return a deep one whose later stages' in-flight counts leave the first stage's round trips
+    exposed (GPT-2 XL on 32 H100s on one fabric: 18 stages at 872 ms, where the 8-8-8-8 that
+    the same machines in servers of 8 get runs at 116 ms)."""
+    divisors = [g for g in range(min(EXACT_WORKERS, workers // 2), 1, -1) if workers % g == 0]
+    return [(g, False) for g in divisors[:1]] + [(g, True) for g in divisors]
+
+
 def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                    limit: float | None, straight: bool, workers: int, *, fill: bool,
-                   layout: str = "flat") -> _Found:
+                   layout: str = "flat", group: int | None = None) -> _Found:
     """The DP's plans under `options`, each priced: the optimum of the planning objective
     (costmodel.stage_values) with in-flight counts as deep as memory allows, the same with
     PipeDream's NOAM, short pipelines (at most VARIANT_STAGES stages), for streaming schedules
@@ -455,7 +496,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     server (the cluster's innermost group) and every server gets the same pipeline, each
     stage's replicas on all servers all-reducing together; "across servers", the DP plans
     whole servers (the outermost level's members) and a stage on k servers runs on all their
-    workers, replicated within each server."""
+    workers, replicated within each server. `group` (with "per server" on a one-level cluster):
+    the DP plans `group` workers and every group of them gets the same pipeline."""
     from pdcompile.planner.dp import (
         native_dp,
         native_dp_bisect,
@@ -468,7 +510,11 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
     # the period's bisection and the recomputation search, where the DP is small enough
     thorough = layout == "flat" and workers <= EXACT_WORKERS
-    if layout == "per server":
+    if layout == "per server" and group is not None:
+        span, copies = group, workers // group
+        search = replace(cluster, levels=(replace(cluster.levels[0], workers=group),),
+                         name=f"{group} workers of {cluster.name}")
+    elif layout == "per server":
         span = cluster.levels[0].workers
         copies = workers // span
         search = replace(cluster, levels=cluster.levels[:1], name=f"one server of {cluster.name}")
