@@ -17,7 +17,6 @@ from pdcompile.cost.links import (
     exposed_allreduce_seconds,
     link_busy_seconds,
     stage_allreduce_seconds,
-    staging_seconds,
 )
 from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.cost.ties import rank_tie_seconds
@@ -46,10 +45,6 @@ class ActionCosts:
             else costs.wgrad_shares(WGRAD_SHARE)
         share = [shares[s] if s in split else 0.0 for s in range(costs.stages)]
         again = recomputing(schedule)
-        # the device-host copies of what each stage sends and receives, in its F and its B
-        edges = {edge: costs.edge_bytes(*edge) for edge in costs.stage_edges()}
-        self.staged = tuple(staging_seconds(s, edges, schedule.stage_ranks, cluster)
-                            for s in range(costs.stages))
         self.backward = tuple((1.0 - share[s]) * costs.bwd[s]
                               + (costs.fwd[s] if s in again else 0.0)
                               for s in range(costs.stages))
@@ -93,11 +88,10 @@ class ActionCosts:
         if kind == Kind.F:
             if self.fresh[rank]:
                 self.fresh[rank] = False
-                return (self.costs.fwd[stage] * slowness + self.staged[stage]
-                        + self.copy_time[rank][stage])
-            return self.costs.fwd[stage] * slowness + self.staged[stage]
+                return self.costs.fwd[stage] * slowness + self.copy_time[rank][stage]
+            return self.costs.fwd[stage] * slowness
         if kind == Kind.B:
-            return self.backward[stage] * slowness + self.staged[stage]
+            return self.backward[stage] * slowness
         if kind == Kind.W:
             return self.weight[stage] * slowness
         if kind == Kind.STEP:

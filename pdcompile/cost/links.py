@@ -140,25 +140,6 @@ def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     return cluster.levels[max(cluster.levels.index(level) for level in levels)]
 
 
-def staging_seconds(stage: int, edges: dict[tuple[int, int], float],
-                    stage_ranks: Sequence[Sequence[int]], cluster: Cluster) -> float:
-    """Seconds per microbatch that stage `stage`'s device spends, in each of its forward and
-    its backward, copying what it sends and receives between device and host memory, on levels
-    whose transport sends from host memory (`Level.staging_bandwidth`): per edge of the stage,
-    one copy of the edge's bytes each way (the activations, then their gradients), averaged
-    over the rank pairs the microbatches take (`pair_levels`); 0 where no level stages."""
-    if all(level.staging_bandwidth is None for level in cluster.levels):
-        return 0.0
-    total = 0.0
-    for (a, c), size in edges.items():
-        if stage not in (a, c) or size <= 0:
-            continue
-        levels = pair_levels(cluster, stage_ranks[a], stage_ranks[c])
-        total += sum(size / lv.staging_bandwidth for lv in levels
-                     if lv.staging_bandwidth is not None) / len(levels)
-    return total
-
-
 __all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "nic_busy_seconds", "pair_levels",
            "ring_allreduce_seconds", "slowest_link", "stage_allreduce_seconds",
-           "staging_seconds", "transfer_seconds"]
+           "transfer_seconds"]

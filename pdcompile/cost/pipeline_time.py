@@ -63,7 +63,6 @@ from pdcompile.cost.links import (
     pair_levels,
     slowest_link,
     stage_allreduce_seconds,
-    staging_seconds,
     transfer_seconds,
 )
 from pdcompile.cost.shares import shared_speed
@@ -206,9 +205,8 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
             else min(speeds)
         slowness, updates = 1.0 / speed, update_scale(cluster, ranks)
         alike = max(speeds) <= min(speeds) * (1.0 + 1e-12)
-        staged = staging_seconds(s, edges, stage_ranks, cluster)  # device-host copies
         out.append(StageTerms(
-            fwd=fwd[s] * slowness + staged, bwd=bwd[s] * slowness + staged,
+            fwd=fwd[s] * slowness, bwd=bwd[s] * slowness,
             allreduce=exposed_allreduce_seconds(
                 stage_allreduce_seconds(params[s], ranks, cluster), backward=bwd[s] * slowness,
                 params=params[s], bucket=cluster.allreduce_bucket) + tied[s],

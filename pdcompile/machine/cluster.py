@@ -62,14 +62,7 @@ class Level:
     that the collective achieves over this level where it falls below `flow_rate`; None: the
     ring runs at `flow_rate`. gloo's all-reduce of CPU tensors between processes of one host
     also copies and reduces its buffers on those CPUs: on a 2-core machine it achieves about a
-    third of a send's bandwidth (machine/loopback.py measures both).
-
-    `staging_bandwidth`: bytes/s of the copy that each end of a transfer over this level makes
-    between device and host memory on the stream its compute runs on, where the transport
-    sends from host memory (PipeDream's gloo sends between servers: `tensor.cpu()` before
-    `dist.send`, `.cuda()` after `dist.recv`); the sender's device is busy that long after
-    producing the tensor, the receiver's before using it (cost/links.py, `staging_seconds`).
-    None: the link reads device memory itself, or its copies overlap compute."""
+    third of a send's bandwidth (machine/loopback.py measures both)."""
 
     workers: int
     bandwidth: float
@@ -78,7 +71,6 @@ class Level:
     cores: int | None = None
     flow_bandwidth: float | None = None
     allreduce_bandwidth: float | None = None
-    staging_bandwidth: float | None = None
 
     @property
     def flow_rate(self) -> float:

@@ -210,11 +210,6 @@ def placement(cluster: Cluster, start: int, replicas: int, workers: int, *,
     far_out = max((1.0 / lv.flow_rate for lv in cluster.levels[
         cluster.link_level(start, end + 1):cluster.link_level(start, workers - 1) + 1]
         if lv.cpu_copies), default=0.0) if end + 1 < workers else 0.0
-    # device-host copies (`Level.staging_bandwidth`): each byte in or out, once each way
-    if start > 0 and li.staging_bandwidth is not None:
-        far_in += 2.0 / li.staging_bandwidth
-    if end + 1 < workers and lo.staging_bandwidth is not None:
-        far_out += 2.0 / lo.staging_bandwidth
     if interfaces == "unseen":
         nic_in = nic_out = ring = pass_nic = 0.0
     return Placement(r, noam(r, workers - start), sync_a, sync_b, in_a, in_l, out_a, out_l,
