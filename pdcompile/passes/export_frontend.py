@@ -37,6 +37,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import TraceError
 from pdcompile.meta import set_input_shapes, set_output_spec
 from pdcompile.passes.input_shapes import InputShapes
+from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.passes.quiet_logs import torch_export_quiet
 from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
@@ -49,6 +50,20 @@ _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_cons
 # model tests its length a few times (BERT once, wav2vec2's convolutions 29 times), a vision
 # model with windows its image sizes hundreds of times (see the module doc)
 TESTS_BEFORE_FIXED = 64
+
+
+def _refuse_backward_hooks(model: nn.Module) -> None:
+    """torch.export records the forward's operations only: a module's backward hooks
+    (`register_full_backward_hook`, `register_full_backward_pre_hook`), which change the
+    gradients, were dropped and the pipeline trained without them."""
+    hooked = [(name or "the model itself", kinds) for name, module in model.named_modules()
+              if (kinds := [k for k in module_hooks(module) if k.startswith("backward")])]
+    if hooked:
+        shown = ", ".join(f"{name} ({' and '.join(kinds)})" for name, kinds in hooked[:3])
+        raise TraceError(f"{type(model).__name__} has backward hooks on {shown}, which "
+                         "torch.export does not keep (its graph holds the forward only); use "
+                         "frontend='fx' (which keeps those of submodules), or do their work in "
+                         "forward or in the loss")
 
 
 def export_graph(model: nn.Module, args: Sequence[Any] = (),
@@ -77,6 +92,7 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              f"{type(value).__name__} of tensors, which the torch.export front "
                              "end cannot take as one input; use frontend='fx' (which can), or "
                              "pass its tensors as separate inputs")
+    _refuse_backward_hooks(model)
     program = _export(model, tuple(args), kwargs, bound)
     unlifted = program.module()
     graph = unlifted.graph

@@ -33,6 +33,7 @@ from torch import nn
 
 from pdcompile.errors import TraceError
 from pdcompile.passes.layer_stacks import traceable_forward
+from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
 
@@ -99,6 +100,13 @@ class _PolicyTracer(fx.Tracer):
             qualname = self.path_of_module(m)
         except NameError:
             qualname = ""
+        backward = [k for k in module_hooks(m) if k.startswith("backward")]
+        if backward and qualname and not self.is_leaf_module(m, qualname):
+            raise TraceError(f"module {qualname!r} ({type(m).__name__}) has "
+                             f"{' and '.join(backward)}, which torch.fx drops when it traces "
+                             "through the module (the graph holds its operations, not its "
+                             f"call); keep it whole: leaf_modules=[{qualname!r}] (its call then "
+                             "runs them), or do their work in forward")
         stack_forward = traceable_forward(m)
         if stack_forward is not None and not self.is_leaf_module(m, qualname):
             forward = stack_forward
@@ -140,6 +148,17 @@ def trace(
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() takes an nn.Module, got {type(model).__name__}; wrap a "
                          "function in an nn.Module whose forward calls it")
+    hooks = module_hooks(model)
+    if hooks:  # fx traces `forward`, not the call that runs them
+        backward = any(h.startswith("backward") for h in hooks)
+        raise TraceError(f"{type(model).__name__} has {' and '.join(hooks)} registered on the "
+                         "model itself, which torch.fx does not run (it traces the forward, "
+                         "not the call); " + (
+                             "register them on a submodule, or do their work in forward or "
+                             "in the loss" if backward else
+                             "compile with frontend='export' (torch.export runs forward "
+                             "hooks), register them on a submodule, or do their work in "
+                             "forward"))
     leaf_types: list[type[nn.Module]] = list(DEFAULT_LEAVES)
     leaf_names: set[str] = set()
     for item in leaf_modules:
