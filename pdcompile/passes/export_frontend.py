@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import inspect
 import operator
+import os
 import re
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,6 +34,7 @@ import torch
 import torch.fx as fx
 import torch.fx.experimental._config as symbolic_config
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pdcompile.errors import TraceError
@@ -50,6 +53,27 @@ _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_cons
 # model tests its length a few times (BERT once, wav2vec2's convolutions 29 times), a vision
 # model with windows its image sizes hundreds of times (see the module doc)
 TESTS_BEFORE_FIXED = 64
+
+
+class _TensorHooks(TorchFunctionMode):
+    """Where the forward called `Tensor.register_hook` while torch.export ran it ("file:line"
+    of the caller): the hook changed the gradients in eager runs, and the exported graph has
+    no place for it (the pipeline trained without it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.where: list[str] = []
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is torch.Tensor.register_hook:
+            caller = next((f for f in reversed(traceback.extract_stack()[:-1])
+                           if not f.filename.startswith(_TORCH_DIR)), None)
+            self.where.append(f"{caller.filename}:{caller.lineno}" if caller else "?")
+        return func(*args, **(kwargs or {}))
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
 
 def _refuse_backward_hooks(model: nn.Module) -> None:
@@ -93,7 +117,14 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              "end cannot take as one input; use frontend='fx' (which can), or "
                              "pass its tensors as separate inputs")
     _refuse_backward_hooks(model)
-    program = _export(model, tuple(args), kwargs, bound)
+    with _TensorHooks() as tensor_hooks:
+        program = _export(model, tuple(args), kwargs, bound)
+    if tensor_hooks.where:
+        raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "
+                         f"(Tensor.register_hook at {tensor_hooks.where[0]}), which torch.export "
+                         "does not keep (its graph holds the forward only; torch.fx cannot trace "
+                         "it); change the gradient in a torch.autograd.Function or in a "
+                         "module's full backward hook instead")
     unlifted = program.module()
     graph = unlifted.graph
     if autocast is None:

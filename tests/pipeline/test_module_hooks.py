@@ -4,8 +4,8 @@ or are refused naming the module and the way that keeps them (passes/module_hook
 
 Before: the fuse pass rewrote a hooked Linear's call into `linear_accumulate` and its hooks never
 ran; torch.fx traced the model's own forward and skipped hooks on the model itself, and dropped
-backward hooks of modules it traced through; torch.export kept no backward hook. Each trained
-silently without them."""
+backward hooks of modules it traced through; torch.export kept no backward hook, nor a gradient hook registered on a tensor in forward.
+Each trained silently without them."""
 
 from __future__ import annotations
 
@@ -130,3 +130,27 @@ def test_backward_hooks_of_the_model_itself_are_refused_by_both_front_ends() -> 
     with pytest.raises(TraceError, match=r"backward_pre_hooks registered on the model itself.*"
                                          r"torch.export cannot capture it either"):
         pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), stages=2, cost="analytic")
+
+
+class GradHooked(nn.Module):
+    """A gradient hook on an activation (`h.register_hook`), registered in forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.a(x))
+        h.register_hook(lambda grad: grad * 3.0)
+        return self.b(h)
+
+
+def test_a_tensor_hook_registered_in_forward_is_refused_naming_it() -> None:
+    """fx cannot trace it; torch.export ran it on its own tensors and kept nothing of it (the
+    default front end trained without the hook); now refused naming the line."""
+    x = torch.randn(4, 8)
+    for frontend in ("auto", "export"):
+        with pytest.raises(TraceError, match=r"gradient hook on a tensor \(Tensor.register_hook"
+                                             r" at .*test_module_hooks.py:\d+\)"):
+            pdcompile.compile(GradHooked(), example_inputs=(x,), stages=2, frontend=frontend,
+                              cost="analytic")
