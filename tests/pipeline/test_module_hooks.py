@@ -4,8 +4,8 @@ or are refused naming the module and the way that keeps them (passes/module_hook
 
 Before: the fuse pass rewrote a hooked Linear's call into `linear_accumulate` and its hooks never
 ran; torch.fx traced the model's own forward and skipped hooks on the model itself, and dropped
-backward hooks of modules it traced through; torch.export kept no backward hook, nor a gradient hook registered on a tensor in forward.
-Each trained silently without them."""
+backward hooks of modules it traced through; torch.export kept no backward hook, nor a
+gradient hook registered on a tensor in forward. Each trained silently without them."""
 
 from __future__ import annotations
 
