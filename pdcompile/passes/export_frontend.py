@@ -42,6 +42,7 @@ from pdcompile.meta import set_input_shapes, set_output_spec
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.passes.quiet_logs import torch_export_quiet
+from pdcompile.passes.reentrant_checkpoint import reentrant_checkpoints_as_calls
 from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
 
@@ -117,7 +118,7 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              "end cannot take as one input; use frontend='fx' (which can), or "
                              "pass its tensors as separate inputs")
     _refuse_backward_hooks(model)
-    with _TensorHooks() as tensor_hooks:
+    with _TensorHooks() as tensor_hooks, reentrant_checkpoints_as_calls():
         program = _export(model, tuple(args), kwargs, bound)
     if tensor_hooks.where:
         raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "

@@ -34,6 +34,7 @@ from torch import nn
 from pdcompile.errors import TraceError
 from pdcompile.passes.layer_stacks import traceable_forward
 from pdcompile.passes.module_hooks import module_hooks
+from pdcompile.passes.reentrant_checkpoint import reentrant_checkpoints_as_calls
 from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
 
@@ -249,7 +250,7 @@ def _traced(model: nn.Module, tracer: _PolicyTracer,
     (fx records the operations, not their precision: `capture` then takes torch.export, which
     records it)."""
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), reentrant_checkpoints_as_calls():
             graph = tracer.trace(model, concrete_args=concrete or None)
     except TraceError:
         raise
