@@ -39,6 +39,7 @@ from torch.utils import _pytree as pytree
 
 from pdcompile.errors import TraceError
 from pdcompile.meta import set_input_shapes, set_output_spec
+from pdcompile.passes.custom_functions import custom_functions_seen
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.passes.quiet_logs import torch_export_quiet
@@ -118,8 +119,15 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              "end cannot take as one input; use frontend='fx' (which can), or "
                              "pass its tensors as separate inputs")
     _refuse_backward_hooks(model)
-    with _TensorHooks() as tensor_hooks, reentrant_checkpoints_as_calls():
+    with _TensorHooks() as tensor_hooks, reentrant_checkpoints_as_calls(), \
+            custom_functions_seen() as functions:
         program = _export(model, tuple(args), kwargs, bound)
+    if functions.calls:
+        raise TraceError(f"{type(model).__name__}.forward applies the autograd Function "
+                         f"{functions.calls[0][0]} (a backward of its own), which torch.export "
+                         "records as its forward's operations, with their derivatives in place "
+                         "of its backward; use frontend='fx' with the module that calls it kept "
+                         "whole (leaf_modules=[name])")
     if tensor_hooks.where:
         raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "
                          f"(Tensor.register_hook at {tensor_hooks.where[0]}), which torch.export "

@@ -32,6 +32,7 @@ import torch.fx as fx
 from torch import nn
 
 from pdcompile.errors import TraceError
+from pdcompile.passes.custom_functions import custom_functions_seen
 from pdcompile.passes.layer_stacks import traceable_forward
 from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.passes.reentrant_checkpoint import reentrant_checkpoints_as_calls
@@ -180,7 +181,8 @@ def trace(
     concrete = _concrete_args(model, example_kwargs_names, num_positional)
     concrete.update(dict.fromkeys(none_inputs))
     tracer = _PolicyTracer(tuple(leaf_types), frozenset(leaf_names))
-    with _BuffersKept(model) as kept:
+    with _BuffersKept(model) as kept, custom_functions_seen(
+            lambda: next(reversed(tracer.module_stack), "")) as functions:
         graph = _traced(model, tracer, concrete)
         changed = kept.changed()
         if changed:  # fx ran an in-place change of these buffers on the real ones, once
@@ -194,6 +196,14 @@ def trace(
                                  "place in a way the trace cannot record (it ran while "
                                  "tracing, once); change them from a tensor the forward "
                                  "computes, or outside forward")
+    if functions.calls:
+        name, module = functions.calls[0]
+        keep = (f"keep the module that calls it whole: leaf_modules=[{module!r}]" if module else
+                "call it from a submodule and keep that whole (leaf_modules=[name])")
+        raise TraceError(f"{type(model).__name__}.forward applies the autograd Function {name} "
+                         "(a backward of its own), which torch.fx traces as its forward's "
+                         f"operations with gradients off, so no gradient would pass it; {keep}, "
+                         "whose call then runs it, backward included")
     _cut_off_no_grad(graph)
     _drop_specialized(graph, model, concrete, keep=set(none_inputs))
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
