@@ -57,22 +57,34 @@ _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_cons
 TESTS_BEFORE_FIXED = 64
 
 
-class _TensorHooks(TorchFunctionMode):
-    """Where the forward called `Tensor.register_hook` while torch.export ran it ("file:line"
-    of the caller): the hook changed the gradients in eager runs, and the exported graph has
-    no place for it (the pipeline trained without it)."""
+class _UnkeptCalls(TorchFunctionMode):
+    """What the forward did while torch.export ran it that its graph has no place for, each as
+    "file:line" of the model's code: `Tensor.register_hook` (the hook changed the gradients in
+    eager runs) and operations under `torch.inference_mode()` (export records them as if
+    gradients were on: the region's layers trained, and gradients passed it). The pipeline
+    trained without the one and with the other, silently."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.where: list[str] = []
+        self.hooks: list[str] = []
+        self.inference: list[str] = []
+        self._inference_at_start = torch.is_inference_mode_enabled()
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
         if func is torch.Tensor.register_hook:
-            caller = next((f for f in reversed(traceback.extract_stack()[:-1])
-                           if not f.filename.startswith(_TORCH_DIR)), None)
-            self.where.append(f"{caller.filename}:{caller.lineno}" if caller else "?")
+            self.hooks.append(_caller())
+        elif not self.inference and torch.is_inference_mode_enabled() and \
+                not self._inference_at_start:
+            self.inference.append(_caller())
         return func(*args, **(kwargs or {}))
+
+
+def _caller() -> str:
+    """The innermost frame outside torch, as "file:line"."""
+    caller = next((f for f in reversed(traceback.extract_stack()[:-2])
+                   if not f.filename.startswith(_TORCH_DIR)), None)
+    return f"{caller.filename}:{caller.lineno}" if caller else "?"
 
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
@@ -119,9 +131,20 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              "end cannot take as one input; use frontend='fx' (which can), or "
                              "pass its tensors as separate inputs")
     _refuse_backward_hooks(model)
-    with _TensorHooks() as tensor_hooks, reentrant_checkpoints_as_calls(), \
+    with _UnkeptCalls() as unkept, reentrant_checkpoints_as_calls(), \
             custom_functions_seen() as functions:
         program = _export(model, tuple(args), kwargs, bound)
+    if unkept.hooks:
+        raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "
+                         f"(Tensor.register_hook at {unkept.hooks[0]}), which torch.export "
+                         "does not keep (its graph holds the forward only; torch.fx cannot trace "
+                         "it); change the gradient in a torch.autograd.Function or in a "
+                         "module's full backward hook instead")
+    if unkept.inference:
+        raise TraceError(f"{type(model).__name__}.forward runs operations under "
+                         f"torch.inference_mode() (at {unkept.inference[0]}), which torch.export "
+                         "records as if gradients were on; use torch.no_grad() there (both "
+                         "front ends keep it), or frontend='fx'")
     if functions.calls:
         raise TraceError(f"{type(model).__name__}.forward applies the autograd Function "
                          f"{functions.calls[0][0]} (a backward of its own), which torch.export "
