@@ -151,12 +151,6 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                          "records as its forward's operations, with their derivatives in place "
                          "of its backward; use frontend='fx' with the module that calls it kept "
                          "whole (leaf_modules=[name])")
-    if tensor_hooks.where:
-        raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "
-                         f"(Tensor.register_hook at {tensor_hooks.where[0]}), which torch.export "
-                         "does not keep (its graph holds the forward only; torch.fx cannot trace "
-                         "it); change the gradient in a torch.autograd.Function or in a "
-                         "module's full backward hook instead")
     unlifted = program.module()
     graph = unlifted.graph
     if autocast is None:
