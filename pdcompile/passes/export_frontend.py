@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import inspect
 import operator
+import os
 import re
+import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -32,12 +34,16 @@ import torch
 import torch.fx as fx
 import torch.fx.experimental._config as symbolic_config
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from pdcompile.errors import TraceError
 from pdcompile.meta import set_input_shapes, set_output_spec
+from pdcompile.passes.custom_functions import custom_functions_seen
 from pdcompile.passes.input_shapes import InputShapes
+from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.passes.quiet_logs import torch_export_quiet
+from pdcompile.passes.reentrant_checkpoint import reentrant_checkpoints_as_calls
 from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
 
@@ -49,6 +55,53 @@ _CHECKS = ("aten._assert_tensor_metadata", "aten._assert_scalar", "aten.sym_cons
 # model tests its length a few times (BERT once, wav2vec2's convolutions 29 times), a vision
 # model with windows its image sizes hundreds of times (see the module doc)
 TESTS_BEFORE_FIXED = 64
+
+
+class _UnkeptCalls(TorchFunctionMode):
+    """What the forward did while torch.export ran it that its graph has no place for, each as
+    "file:line" of the model's code: `Tensor.register_hook` (the hook changed the gradients in
+    eager runs) and operations under `torch.inference_mode()` (export records them as if
+    gradients were on: the region's layers trained, and gradients passed it). The pipeline
+    trained without the one and with the other, silently."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hooks: list[str] = []
+        self.inference: list[str] = []
+        self._inference_at_start = torch.is_inference_mode_enabled()
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        if func is torch.Tensor.register_hook:
+            self.hooks.append(_caller())
+        elif not self.inference and torch.is_inference_mode_enabled() and \
+                not self._inference_at_start:
+            self.inference.append(_caller())
+        return func(*args, **(kwargs or {}))
+
+
+def _caller() -> str:
+    """The innermost frame outside torch, as "file:line"."""
+    caller = next((f for f in reversed(traceback.extract_stack()[:-2])
+                   if not f.filename.startswith(_TORCH_DIR)), None)
+    return f"{caller.filename}:{caller.lineno}" if caller else "?"
+
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+
+
+def _refuse_backward_hooks(model: nn.Module) -> None:
+    """torch.export records the forward's operations only: a module's backward hooks
+    (`register_full_backward_hook`, `register_full_backward_pre_hook`), which change the
+    gradients, were dropped and the pipeline trained without them."""
+    hooked = [(name or "the model itself", kinds) for name, module in model.named_modules()
+              if (kinds := [k for k in module_hooks(module) if k.startswith("backward")])]
+    if hooked:
+        shown = ", ".join(f"{name} ({' and '.join(kinds)})" for name, kinds in hooked[:3])
+        raise TraceError(f"{type(model).__name__} has backward hooks on {shown}, which "
+                         "torch.export does not keep (its graph holds the forward only); use "
+                         "frontend='fx' (which keeps those of submodules), or do their work in "
+                         "forward or in the loss")
 
 
 def export_graph(model: nn.Module, args: Sequence[Any] = (),
@@ -77,7 +130,27 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              f"{type(value).__name__} of tensors, which the torch.export front "
                              "end cannot take as one input; use frontend='fx' (which can), or "
                              "pass its tensors as separate inputs")
-    program = _export(model, tuple(args), kwargs, bound)
+    _refuse_backward_hooks(model)
+    with _UnkeptCalls() as unkept, reentrant_checkpoints_as_calls(), \
+            custom_functions_seen() as functions:
+        program = _export(model, tuple(args), kwargs, bound)
+    if unkept.hooks:
+        raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "
+                         f"(Tensor.register_hook at {unkept.hooks[0]}), which torch.export "
+                         "does not keep (its graph holds the forward only; torch.fx cannot trace "
+                         "it); change the gradient in a torch.autograd.Function or in a "
+                         "module's full backward hook instead")
+    if unkept.inference:
+        raise TraceError(f"{type(model).__name__}.forward runs operations under "
+                         f"torch.inference_mode() (at {unkept.inference[0]}), which torch.export "
+                         "records as if gradients were on; use torch.no_grad() there (both "
+                         "front ends keep it), or frontend='fx'")
+    if functions.calls:
+        raise TraceError(f"{type(model).__name__}.forward applies the autograd Function "
+                         f"{functions.calls[0][0]} (a backward of its own), which torch.export "
+                         "records as its forward's operations, with their derivatives in place "
+                         "of its backward; use frontend='fx' with the module that calls it kept "
+                         "whole (leaf_modules=[name])")
     unlifted = program.module()
     graph = unlifted.graph
     if autocast is None:

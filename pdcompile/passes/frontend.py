@@ -34,6 +34,7 @@ from pdcompile.passes.shapes import bind_inputs
 from pdcompile.passes.trace import trace
 from pdcompile.passes.trace_check import check_traced_outputs
 from pdcompile.passes.training_branches import training_branches
+from pdcompile.passes.training_flags import training_mode_calls
 from pdcompile.runtime.precision import autocast_region
 
 FRONTENDS = ("auto", "fx", "export")
@@ -124,7 +125,7 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
             raise PipelineInputError("leaf_modules= applies to torch.fx tracing; torch.export "
                                      "records every operation: drop leaf_modules= or use "
                                      "frontend='fx'")
-        return export_graph(model, args, kwargs, autocast=autocast), "export"
+        return _exported(model, args, kwargs, autocast), "export"
     try:
         with autocast_region(autocast, model):
             def traced() -> fx.GraphModule:
@@ -140,12 +141,27 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         if frontend == "fx":
             raise
         try:
-            return export_graph(model, args, kwargs, autocast=autocast), "export"
+            return _exported(model, args, kwargs, autocast), "export"
         except TraceError as export_error:
             if str(export_error) == str(fx_error):  # both refused it in the same words
                 raise fx_error from None
             raise TraceError(f"{fx_error} (torch.export cannot capture it either: "
                              f"{export_error})") from None
+
+
+def _exported(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
+              autocast: str | None) -> fx.GraphModule:
+    """torch.export's graph of the model, with the operations only its training-mode capture
+    holds recorded as fx's are (torch.export runs the forward's Python once too, so a branch on
+    `self.training` is fixed in its graph as well)."""
+    def exported() -> fx.GraphModule:
+        return export_graph(model, args, kwargs, autocast=autocast)
+
+    gm = exported()
+    fixed = {call.split(" ")[0] for call in training_mode_calls(gm)}
+    set_training_branches(gm, [branch for branch in training_branches(model, gm, exported)
+                               if branch.split(" ")[0] not in fixed])
+    return gm
 
 
 def _given_as_none(model: nn.Module, args: Sequence[Any], kwargs: Mapping[str, Any]

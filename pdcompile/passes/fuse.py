@@ -27,6 +27,7 @@ import torch
 from torch import fx
 
 from pdcompile.passes.inplace import mutated_input
+from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.runtime.conv_grads import conv_deferrable
 from pdcompile.runtime.linear_grads import linear_accumulate
 
@@ -72,8 +73,8 @@ def deferrable_convs(gm: fx.GraphModule) -> list[fx.Node]:
 
 def _owning_calls(gm: fx.GraphModule, kinds: tuple[type, ...]) -> list[fx.Node]:
     """Calls of submodules of exactly one of `kinds` (subclasses may change forward) on one
-    input, each owning its weight and bias, which the graph reads nowhere else, and whose
-    output no user changes in place."""
+    input, each owning its weight and bias, which the graph reads nowhere else, whose output
+    no user changes in place, and without hooks of its own (passes/module_hooks.py)."""
     uses = Counter(id(p) for _name, p in gm.named_parameters(remove_duplicate=False))
     get_attr_uses = Counter(str(n.target) for n in gm.graph.nodes if n.op == "get_attr")
     out = []
@@ -90,6 +91,8 @@ def _owning_calls(gm: fx.GraphModule, kinds: tuple[type, ...]) -> list[fx.Node]:
             continue  # the graph also reads the parameter directly
         if any(mutated_input(user, gm) is node for user in node.users):
             continue  # changed in place: autograd forbids it on a custom Function's output view
+        if module_hooks(module):
+            continue  # hooks run by the module's call, which a rewritten call would skip
         out.append(node)
     return out
 

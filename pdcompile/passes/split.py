@@ -60,6 +60,7 @@ from pdcompile.passes.inplace import (
     snapshot_before_mutations,
 )
 from pdcompile.passes.output_constants import constants_from_last_stage
+from pdcompile.passes.parameter_changes import check_parameter_changes
 from pdcompile.plan import Plan, Stage
 from pdcompile.runtime.grad_mode import detached
 from pdcompile.util.attr_path import get_path
@@ -204,6 +205,7 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
             if stage_of[user.name] < stage_of[node.name]:
                 raise PlanError(_out_of_order(user, node, stage_of))
     check_buffer_state(gm, stage_of)
+    check_parameter_changes(gm, stage_of, plan)
     for node in nodes:
         set_stage(node, stage_of[node.name])
     last = len(plan.stages) - 1

@@ -32,7 +32,10 @@ import torch.fx as fx
 from torch import nn
 
 from pdcompile.errors import TraceError
+from pdcompile.passes.custom_functions import custom_functions_seen
 from pdcompile.passes.layer_stacks import traceable_forward
+from pdcompile.passes.module_hooks import module_hooks
+from pdcompile.passes.reentrant_checkpoint import reentrant_checkpoints_as_calls
 from pdcompile.passes.variadic_inputs import variadic_refusal
 from pdcompile.runtime.grad_mode import detached
 
@@ -99,6 +102,13 @@ class _PolicyTracer(fx.Tracer):
             qualname = self.path_of_module(m)
         except NameError:
             qualname = ""
+        backward = [k for k in module_hooks(m) if k.startswith("backward")]
+        if backward and qualname and not self.is_leaf_module(m, qualname):
+            raise TraceError(f"module {qualname!r} ({type(m).__name__}) has "
+                             f"{' and '.join(backward)}, which torch.fx drops when it traces "
+                             "through the module (the graph holds its operations, not its "
+                             f"call); keep it whole: leaf_modules=[{qualname!r}] (its call then "
+                             "runs them), or do their work in forward")
         stack_forward = traceable_forward(m)
         if stack_forward is not None and not self.is_leaf_module(m, qualname):
             forward = stack_forward
@@ -140,6 +150,17 @@ def trace(
     if not isinstance(model, nn.Module):
         raise TraceError(f"trace() takes an nn.Module, got {type(model).__name__}; wrap a "
                          "function in an nn.Module whose forward calls it")
+    hooks = module_hooks(model)
+    if hooks:  # fx traces `forward`, not the call that runs them
+        backward = any(h.startswith("backward") for h in hooks)
+        raise TraceError(f"{type(model).__name__} has {' and '.join(hooks)} registered on the "
+                         "model itself, which torch.fx does not run (it traces the forward, "
+                         "not the call); " + (
+                             "register them on a submodule, or do their work in forward or "
+                             "in the loss" if backward else
+                             "compile with frontend='export' (torch.export runs forward "
+                             "hooks), register them on a submodule, or do their work in "
+                             "forward"))
     leaf_types: list[type[nn.Module]] = list(DEFAULT_LEAVES)
     leaf_names: set[str] = set()
     for item in leaf_modules:
@@ -160,7 +181,8 @@ def trace(
     concrete = _concrete_args(model, example_kwargs_names, num_positional)
     concrete.update(dict.fromkeys(none_inputs))
     tracer = _PolicyTracer(tuple(leaf_types), frozenset(leaf_names))
-    with _BuffersKept(model) as kept:
+    with _BuffersKept(model) as kept, custom_functions_seen(
+            lambda: next(reversed(tracer.module_stack), "")) as functions:
         graph = _traced(model, tracer, concrete)
         changed = kept.changed()
         if changed:  # fx ran an in-place change of these buffers on the real ones, once
@@ -174,6 +196,14 @@ def trace(
                                  "place in a way the trace cannot record (it ran while "
                                  "tracing, once); change them from a tensor the forward "
                                  "computes, or outside forward")
+    if functions.calls:
+        name, module = functions.calls[0]
+        keep = (f"keep the module that calls it whole: leaf_modules=[{module!r}]" if module else
+                "call it from a submodule and keep that whole (leaf_modules=[name])")
+        raise TraceError(f"{type(model).__name__}.forward applies the autograd Function {name} "
+                         "(a backward of its own), which torch.fx traces as its forward's "
+                         f"operations with gradients off, so no gradient would pass it; {keep}, "
+                         "whose call then runs it, backward included")
     _cut_off_no_grad(graph)
     _drop_specialized(graph, model, concrete, keep=set(none_inputs))
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)
@@ -230,7 +260,7 @@ def _traced(model: nn.Module, tracer: _PolicyTracer,
     (fx records the operations, not their precision: `capture` then takes torch.export, which
     records it)."""
     try:
-        with torch.enable_grad():
+        with torch.enable_grad(), reentrant_checkpoints_as_calls():
             graph = tracer.trace(model, concrete_args=concrete or None)
     except TraceError:
         raise

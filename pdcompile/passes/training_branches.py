@@ -7,7 +7,8 @@ a loaded export has only the graph, whose evaluation ran the training branch (Go
 `evaluate` returned its three training outputs where `model.eval()` returns the logits). The
 model is traced again with every module in eval mode (modes restored after); the operations
 that trace lacks are recorded with the graph (`meta.set_training_branches`) and exported, and a
-loaded pipeline refuses to evaluate naming them.
+loaded pipeline refuses to evaluate naming them. torch.export's graphs are compared the same way
+(passes/frontend.py), leaving out in-place updates of buffers (state, not output).
 """
 
 from __future__ import annotations
@@ -43,9 +44,20 @@ def training_branches(model: nn.Module, traced: fx.GraphModule,
         key = _operation(node)
         if left[key] > 0:
             left[key] -= 1
-        elif node.op in ("call_module", "call_function", "call_method"):
+        elif node.op in ("call_module", "call_function", "call_method") and \
+                not _updates_state(node):
             found.append(f"{node.name} ({_target_name(node.target)})")
     return found
+
+
+def _updates_state(node: fx.Node) -> bool:
+    """An in-place change of a buffer the graph reads (BatchNorm's `num_batches_tracked += 1`
+    in torch.export's graph): state a training forward moves, which evaluation undoes, not a
+    branch of the output."""
+    name = _target_name(node.target).split(".")[0]  # "add_.Tensor" (aten), "add_" (a method)
+    first = node.args[0] if node.args else None
+    return name.endswith("_") and not name.endswith("__") and \
+        isinstance(first, fx.Node) and first.op == "get_attr"
 
 
 def _target_name(target: object) -> str:

@@ -3,7 +3,8 @@ float64 configurations, with what they train on: skips, in-place ReLUs and addit
 layer norms, attention with masks, tied embeddings, RWKV's in-place state updates, depthwise
 convolutions and squeeze-excite, layer scale, shifted windows (torch.roll), dense concatenations,
 auxiliary heads (a namedtuple output), grouped-query attention, encoder-decoders (BART; T5 with
-masks on both sides).
+masks on both sides), one layer's weights shared by several (ALBERT), random masking by a noise
+input with the model's own loss (ViT-MAE).
 
 `POOL[name](batch)` returns `(model, inputs, target, loss_fn)`; inputs are a tuple, or a dict for
 the Hugging Face models. float64 so that a pipeline that sums microbatch gradients in another
@@ -290,6 +291,46 @@ def hf_t5(batch: int) -> Example:
     return model, inputs, torch.roll(decoder_ids, -1, dims=1), _sequence_loss
 
 
+def hf_albert(batch: int) -> Example:
+    """Hugging Face AlbertForSequenceClassification: one layer's weights shared by 3 layers
+    (a cut ties them across stages), a factorised embedding (8 -> 16), padded attention mask."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.AlbertConfig(vocab_size=40, embedding_size=8, hidden_size=16,
+                                       num_hidden_layers=3, num_attention_heads=2,
+                                       intermediate_size=32, max_position_embeddings=16,
+                                       hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                       classifier_dropout_prob=0.0, num_labels=3)
+    model = transformers.AlbertForSequenceClassification(config).double()
+    ids, mask = _padded(batch)
+    return model, {"input_ids": ids, "attention_mask": mask}, torch.randint(0, 3, (batch,)), \
+        classification_loss
+
+
+def _mae_loss(output: Any, target: torch.Tensor) -> torch.Tensor:
+    return output.loss
+
+
+def hf_vit_mae(batch: int) -> Example:
+    """Hugging Face ViTMAEForPreTraining, 2 + 1 layers of width 16: random masking of half the
+    patches by a `noise` input (argsort, gather, a restored order), an encoder and a decoder,
+    its own reconstruction loss (`output.loss`)."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.ViTMAEConfig(image_size=16, patch_size=4, hidden_size=16,
+                                       num_hidden_layers=2, num_attention_heads=2,
+                                       intermediate_size=32, decoder_hidden_size=16,
+                                       decoder_num_hidden_layers=1,
+                                       decoder_num_attention_heads=2,
+                                       decoder_intermediate_size=32, mask_ratio=0.5,
+                                       hidden_dropout_prob=0.0,
+                                       attention_probs_dropout_prob=0.0)
+    model = transformers.ViTMAEForPreTraining(config).double()
+    pixels = torch.randn(batch, 3, 16, 16, dtype=torch.float64)
+    noise = torch.rand(batch, 16, dtype=torch.float64)
+    return model, {"pixel_values": pixels, "noise": noise}, torch.zeros(batch), _mae_loss
+
+
 POOL: dict[str, Callable[[int], Example]] = {
     "torchvision-resnet": torchvision_resnet,
     "torchvision-squeezenet": torchvision_squeezenet,
@@ -309,6 +350,8 @@ POOL: dict[str, Callable[[int], Example]] = {
     "hf-bart": hf_bart,
     "torch-transformer": torch_transformer,
     "hf-t5": hf_t5,
+    "hf-albert": hf_albert,
+    "hf-vit_mae": hf_vit_mae,
 }
 
 

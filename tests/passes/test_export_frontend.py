@@ -152,3 +152,27 @@ def test_autocast_turned_off_in_forward_is_inlined_and_exports(tmp_path: Path) -
     pipe.export(str(tmp_path / "pipe"))  # refused before: a region kept as a graph of its own
     loaded = pdcompile.load(str(tmp_path / "pipe"), optimizer=momentum)
     torch.testing.assert_close(loaded.evaluate(x), pipe.evaluate(x), rtol=0, atol=0)
+
+
+class _InferenceGate(nn.Module):
+    """A gate computed under torch.inference_mode(): no gradient for `gate`, none through it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp, self.gate, self.out = nn.Linear(8, 16), nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.inp(x))
+        with torch.inference_mode():
+            g = torch.sigmoid(self.gate(h)).mean(-1, keepdim=True)
+        return self.out(h * g.clone())
+
+
+def test_an_inference_mode_region_is_refused_naming_its_line() -> None:
+    """torch.export recorded the region as if gradients were on: `gate` trained and gradients
+    passed the gate (the pipeline's weights differed from one process after one update)."""
+    from pdcompile.errors import TraceError
+
+    with pytest.raises(TraceError, match=r"under torch.inference_mode\(\) \(at "
+                                         r".*test_export_frontend.py:\d+\).*torch.no_grad\(\)"):
+        export_graph(_InferenceGate(), (torch.randn(4, 8),))

@@ -217,3 +217,35 @@ def test_a_loaded_graph_with_training_branches_refuses_to_evaluate(tmp_path: Pat
         loaded.evaluate(x)
     assert "\n" not in str(err.value)
     assert loaded.step(x, target=y) == pipe.step(x, target=y)  # it still trains
+
+
+def test_a_loaded_export_graph_with_training_branches_refuses_to_evaluate(tmp_path: Path
+                                                                          ) -> None:
+    """torch.export fixes a branch on `self.training` in its graph as fx does: with
+    frontend='export' nothing was recorded, and the loaded pipeline's evaluate silently returned
+    the training outputs `(main, aux)`; now it is refused naming the branch."""
+    torch.manual_seed(0)
+    model = AuxHead()
+    x, y = torch.randn(8, 8), torch.randn(8, 2)
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), stages=2,
+                             loss_fn=_aux_loss, schedule="1f1b-flush", microbatches=2,
+                             frontend="export")
+    pipe.step(x, target=y)
+    pipe.export(str(tmp_path / "pipe"))
+    loaded = pdcompile.load(str(tmp_path / "pipe"), loss_fn=_aux_loss)
+    with pytest.raises(PipelineInputError, match=r"training-mode branches.*linear.*"
+                                                 r"load_state_dict\(pipe.state_dict\(\)\)"):
+        loaded.evaluate(x)
+    assert loaded.step(x, target=y) == pipe.step(x, target=y)
+
+
+def test_an_export_graph_records_no_branch_for_batch_norm_state() -> None:
+    """BatchNorm's `num_batches_tracked += 1` is in torch.export's training graph only: a state
+    update (evaluation undoes it), not a branch; its batch norm is refused as fixed training
+    mode (the test above it)."""
+    from pdcompile.meta import get_training_branches
+    from pdcompile.passes.frontend import capture
+
+    captured = capture(Modal(functional=False), (torch.randn(4, 8),), frontend="export")
+    assert get_training_branches(captured.graph) == ()
+    assert training_mode_calls(captured.graph)

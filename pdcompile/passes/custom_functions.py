@@ -1,0 +1,56 @@
+"""A model's own `torch.autograd.Function` (a gradient reversal layer, a straight-through
+estimator, a fused kernel with a hand-written backward), found while capturing.
+
+`Function.apply` runs the Function's forward with gradients off and hands autograd its backward.
+Neither front end keeps that backward: torch.fx records the forward's operations, traced with
+gradients off, which the trace then cuts from autograd as it does a `torch.no_grad()` region
+(no gradient passed the call: the layers before it never trained), and torch.export records
+the forward's operations with autograd's own derivatives (a gradient reversal passed the
+gradient unreversed). Both trained silently wrong. Such a call is refused; under torch.fx a
+module that calls it kept whole (`leaf_modules=`) runs it, its backward included.
+torch's own Functions (`torch.*`) are left alone; the reentrant checkpoint is captured as the
+call it checkpoints (passes/reentrant_checkpoint.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class CalledFunctions:
+    """The user-defined Functions applied within `custom_functions_seen`, each as
+    (qualified class name, `where()` at its first call)."""
+
+    calls: list[tuple[str, str]] = field(default_factory=list)
+
+
+@contextmanager
+def custom_functions_seen(where: Callable[[], str] = lambda: "") -> Iterator[CalledFunctions]:
+    """Within: every `apply` of a Function subclass defined outside torch is recorded (and
+    still run); `where()`: what to record of the place it was called from."""
+    seen = CalledFunctions()
+    base = torch.autograd.Function
+    original = base.__dict__["apply"]
+
+    def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
+        module = getattr(cls, "__module__", "") or ""
+        if not (module == "torch" or module.startswith("torch.")):
+            name = f"{module}.{cls.__qualname__}"
+            if all(name != seen_name for seen_name, _ in seen.calls):
+                seen.calls.append((name, where()))
+        return original.__func__(cls, *args, **kwargs)
+
+    base.apply = classmethod(apply)  # type: ignore[assignment, method-assign]
+    try:
+        yield seen
+    finally:
+        base.apply = original  # type: ignore[method-assign]
+
+
+__all__ = ["CalledFunctions", "custom_functions_seen"]
