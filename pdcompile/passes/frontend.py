@@ -67,11 +67,13 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
             *, leaf_modules: Iterable[type[nn.Module] | str] = (),
-            frontend: str = "auto", autocast: str | None = None) -> Captured:
+            frontend: str = "auto", autocast: str | None = None, batch_dim: int = 0
+            ) -> Captured:
     """The graph of `model` called as `model(*args, **kwargs)` (see the module docstring);
     `autocast`: the dtype name of the region the pipeline will run its forwards in (None:
     none). fx traces inside that region, so that a forward that turns autocast off or on is
-    seen (and taken by torch.export, which records it)."""
+    seen (and taken by torch.export, which records it). `batch_dim`: the inputs' batch
+    dimension, which torch.export leaves free where it cannot leave every size free."""
     if frontend not in FRONTENDS:
         raise PipelineInputError(f"unknown frontend {frontend!r}; choose one of "
                                  f"{', '.join(FRONTENDS)}")
@@ -82,7 +84,7 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
         _refuse_torchscript(model)
         with without_inference_cache(model, kwargs):
             graph, used = _captured(model, args, kwargs, list(leaf_modules), frontend,
-                                    autocast)
+                                    autocast, batch_dim)
     densify_constants(graph)
     set_frontend(graph, used)
     return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
@@ -117,14 +119,14 @@ def _given(model: fx.GraphModule, leaf_modules: Iterable[type[nn.Module] | str]
 
 def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
               leaves: list[type[nn.Module] | str], frontend: str, autocast: str | None,
-              ) -> tuple[fx.GraphModule, str]:
+              batch_dim: int = 0) -> tuple[fx.GraphModule, str]:
     """The graph of a model that is not already one, and the front end that made it."""
     if frontend == "export":
         if leaves:
             raise PipelineInputError("leaf_modules= applies to torch.fx tracing; torch.export "
                                      "records every operation: drop leaf_modules= or use "
                                      "frontend='fx'")
-        return export_graph(model, args, kwargs, autocast=autocast), "export"
+        return export_graph(model, args, kwargs, autocast=autocast, batch_dim=batch_dim), "export"
     try:
         with autocast_region(autocast, model):
             def traced() -> fx.GraphModule:
@@ -140,7 +142,7 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         if frontend == "fx":
             raise
         try:
-            return export_graph(model, args, kwargs, autocast=autocast), "export"
+            return export_graph(model, args, kwargs, autocast=autocast, batch_dim=batch_dim), "export"
         except TraceError as export_error:
             if str(export_error) == str(fx_error):  # both refused it in the same words
                 raise fx_error from None
