@@ -1,0 +1,60 @@
+"""passes/batch_check.py: which models it refuses (rows of dimension 0 mixed, as a
+sequence-first model's are) and which it leaves alone (a batch of one, noise in evaluation
+mode, outputs that do not hold the rows: a loss over the batch, a (batch, batch) matrix)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pdcompile.errors import PipelineInputError
+from pdcompile.passes.batch_check import check_samples_apart
+
+
+class _Fn(nn.Module):
+    def __init__(self, fn: Callable[[torch.Tensor], Any]) -> None:
+        super().__init__()
+        self.fn = fn
+        self.norm = nn.BatchNorm1d(3)  # training-mode statistics would mix rows
+
+    def forward(self, x: torch.Tensor) -> Any:
+        return self.fn(self.norm(x.transpose(1, 2)).transpose(1, 2))
+
+
+def _check(fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> None:
+    model = _Fn(fn)
+
+    def call(named: Mapping[str, Any]) -> Any:
+        return model(named["x"])
+
+    check_samples_apart(model, {"x": x}, call)
+    assert model.training  # the check's eval mode undone
+
+
+X = torch.randn(6, 4, 3)
+
+
+@pytest.mark.parametrize(("what", "fn", "x"), [
+    ("rows apart", lambda x: torch.tanh(x) * 2, X),
+    ("a batch of one", lambda x: x.cumsum(0), X[:1]),
+    ("noise in eval mode", lambda x: x.cumsum(0) + torch.randn_like(x), X),
+    ("a loss over the batch", lambda x: (x.mean(), x * 3), X),
+    ("a (batch, batch) matrix", lambda x: x.flatten(1) @ x.flatten(1).T, X),
+])
+def test_left_alone(what: str, fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> None:
+    _check(fn, x)
+
+
+@pytest.mark.parametrize(("what", "fn"), [
+    ("a running sum along dimension 0", lambda x: x.cumsum(0)),
+    ("weights normalised over dimension 0", lambda x: torch.softmax(x, 0) * x),
+    ("the rows' mean, beside a loss", lambda x: (x.sum(), x - x.mean(0))),
+])
+def test_refused(what: str, fn: Callable[[torch.Tensor], Any]) -> None:
+    with pytest.raises(PipelineInputError, match="mixes the rows of dimension 0 of input 'x' "
+                                                 r"\(6, 4, 3\).*batch_dim=1"):
+        _check(fn, X)
