@@ -142,7 +142,8 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         if frontend == "fx":
             raise
         try:
-            return export_graph(model, args, kwargs, autocast=autocast, batch_dim=batch_dim), "export"
+            return (export_graph(model, args, kwargs, autocast=autocast, batch_dim=batch_dim),
+                    "export")
         except TraceError as export_error:
             if str(export_error) == str(fx_error):  # both refused it in the same words
                 raise fx_error from None

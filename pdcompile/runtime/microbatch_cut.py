@@ -23,6 +23,7 @@ size, which inputs hold samples, and where inputs and target are cut.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,11 +81,11 @@ def checked_batch_dims(batch_dim: Any, target_batch_dim: Any,
                 "nn.TransformerEncoder and nn.LSTM take them without batch_first)")
         return value
 
+    per_input: dict[str, int] = {}
     if batch_dim is None:
-        default, per_input, given = 0, {}, False
+        default, given = 0, False
     elif isinstance(batch_dim, Mapping):
         default, given = 0, True
-        per_input = {}
         for name, dim in batch_dim.items():
             if inputs is not None and name not in inputs:
                 raise PipelineInputError(
@@ -94,7 +95,7 @@ def checked_batch_dims(batch_dim: Any, target_batch_dim: Any,
                     "all")
             per_input[name] = natural(dim, f"batch_dim[{name!r}]")
     else:
-        default, per_input, given = natural(batch_dim, "batch_dim"), {}, True
+        default, given = natural(batch_dim, "batch_dim"), True
     target = (default if isinstance(batch_dim, int) else 0) if target_batch_dim is None \
         else natural(target_batch_dim, "target_batch_dim")
     return BatchDims(default, per_input, target, given)
@@ -220,7 +221,7 @@ def first_microbatch(named: Mapping[str, Any], m: int, whole: Collection[str] = 
         return value.narrow(dim, 0, -(-value.shape[dim] // m))
 
     return {name: value if name in whole else
-            pytree.tree_map(lambda v, d=dims.of(name): first(v, d), value)
+            pytree.tree_map(functools.partial(first, dim=dims.of(name)), value)
             for name, value in named.items()}
 
 
@@ -241,5 +242,6 @@ def checked_whole(names: Any, inputs: Collection[str]) -> tuple[str, ...]:
     return given
 
 
-__all__ = ["BATCH_FIRST", "BatchDims", "batch_size", "checked_batch_dims", "checked_whole", "cut", "cut_inputs", "cut_target",
-           "first_microbatch", "holds_samples", "inferred_whole", "misread_batch"]
+__all__ = ["BATCH_FIRST", "BatchDims", "batch_size", "checked_batch_dims", "checked_whole",
+           "cut", "cut_inputs", "cut_target", "first_microbatch", "holds_samples",
+           "inferred_whole", "misread_batch"]

@@ -139,8 +139,9 @@ class _MixesAllButOne(nn.Module):
 def test_any_batch_dimension_trains_as_one_process(dim: int, micro: int, batch: int,
                                                    by_name: bool) -> None:
     """A model that mixes every dimension but its batch dimension `dim`, with a whole (2,)
-    input beside it (named `unbatched` at batch size 2), given `batch_dim={'x': dim}` and its target's: microbatches of unequal
-    sizes each count equally, as in one process's accumulation over the same pieces."""
+    input beside it (named `unbatched` at batch size 2), given `batch_dim={'x': dim}` and its
+    target's: microbatches of unequal sizes each count equally, as in one process's
+    accumulation over the same pieces."""
     shape = [2, 2, 2]
     shape[dim] = batch
     gen = torch.Generator().manual_seed(batch)
@@ -154,8 +155,9 @@ def test_any_batch_dimension_trains_as_one_process(dim: int, micro: int, batch: 
                              batch_dim={"x": dim}, target_batch_dim=dim,
                              unbatched=("weight",) if batch == 2 else ())
     assert pipe.samples(inputs) == batch
-    parts = microbatch_cut.cut_inputs({"x": x, "weight": weight}, micro, index=0, why="microbatches",
-                       whole=pipe.whole_inputs, dims=pipe.batch_dims)
+    parts = microbatch_cut.cut_inputs({"x": x, "weight": weight}, micro, index=0,
+                                      why="microbatches", whole=pipe.whole_inputs,
+                                      dims=pipe.batch_dims)
     assert torch.equal(torch.cat([p["x"] for p in parts], dim), x)
     assert all(p["weight"] is weight for p in parts)
     assert torch.equal(microbatch_cut.first_microbatch(
