@@ -117,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             raise PdcompileError(f"--stages {args.stages!r}: counts must be positive")
         plan = parts[0] if len(parts) == 1 else parts
     cluster = load_cluster(args.cluster)
+    batch_dim = _batch_dim(args.batch_dim)  # before compiling: a malformed one in one line
     with Spinner("compiling (trace, profile, plan, split)"):
         pipe = compile_pipeline(
             model, cluster, example_inputs=inputs, loss_fn=loss_fn, example_target=example_target,
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
             cost=args.cost, cost_model=args.cost_model, time_limit=args.time_limit, plan=plan,
             fuse=args.fuse, autocast=args.autocast, clip_grad_norm=args.clip_grad_norm,
             unbatched=[name for name in args.unbatched.split(",") if name],
-            batch_dim=_batch_dim(args.batch_dim), target_batch_dim=args.target_batch_dim)
+            batch_dim=batch_dim, target_batch_dim=args.target_batch_dim)
     pipe.export(args.out)
     command = f"pdcompile run {args.out} --nproc {pipe.plan.workers}"
     if args.json:
