@@ -1,6 +1,7 @@
-"""passes/batch_check.py: which models it refuses (rows of dimension 0 mixed, as a
-sequence-first model's are) and which it leaves alone (a batch of one, noise in evaluation
-mode, outputs that do not hold the rows: a loss over the batch, a (batch, batch) matrix)."""
+"""passes/batch_check.py: which models it refuses (rows of dimension 0 mixed while those of
+dimension 1 stay apart, as a sequence-first model's) and which it leaves alone (rows apart, a
+batch of one, noise in evaluation mode, outputs that do not hold the rows: a loss over the
+batch, a (batch, batch) matrix; samples mixed by design: attention over the batch)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,9 @@ X = torch.randn(6, 4, 3)
     ("noise in eval mode", lambda x: x.cumsum(0) + torch.randn_like(x), X),
     ("a loss over the batch", lambda x: (x.mean(), x * 3), X),
     ("a (batch, batch) matrix", lambda x: x.flatten(1) @ x.flatten(1).T, X),
+    ("attention over the batch", lambda x: torch.softmax(x.flatten(1) @ x.flatten(1).T, -1)
+     @ x.flatten(1), X),
+    ("rows mixed along dimension 1 too", lambda x: x - x.mean((0, 1)), X),
 ])
 def test_left_alone(what: str, fn: Callable[[torch.Tensor], Any], x: torch.Tensor) -> None:
     _check(fn, x)
@@ -53,8 +57,10 @@ def test_left_alone(what: str, fn: Callable[[torch.Tensor], Any], x: torch.Tenso
     ("a running sum along dimension 0", lambda x: x.cumsum(0)),
     ("weights normalised over dimension 0", lambda x: torch.softmax(x, 0) * x),
     ("the rows' mean, beside a loss", lambda x: (x.sum(), x - x.mean(0))),
+    ("a running sum, (batch, features) out", lambda x: x.cumsum(0)[-1]),
 ])
 def test_refused(what: str, fn: Callable[[torch.Tensor], Any]) -> None:
     with pytest.raises(PipelineInputError, match="mixes the rows of dimension 0 of input 'x' "
-                                                 r"\(6, 4, 3\).*batch_dim=1"):
+                                                 r"\(6, 4, 3\) but keeps those of "
+                                                 "dimension 1 apart.*batch_dim=1"):
         _check(fn, X)

@@ -64,7 +64,7 @@ def test_the_default_refuses_a_sequence_first_model(name: str) -> None:
     with pytest.raises(PipelineInputError) as err:
         _compile(name, "1f1b-flush", [1, 1])
     message = str(err.value)
-    assert "mixes the rows of dimension 0 of input" in message
+    assert "mixes the rows of dimension 0 of input" in message and "sequence-first" in message
     assert "batch_dim=1" in message and "unbatched=(" in message
     assert message.count("\n") == 0
 
