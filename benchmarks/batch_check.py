@@ -14,6 +14,7 @@ import argparse
 import datetime
 import os
 import statistics
+import textwrap
 import time
 from pathlib import Path
 
@@ -62,14 +63,14 @@ def main() -> None:
     ended = datetime.datetime.now(datetime.UTC)
     load = ", ".join(f"{v:.1f}" for v in os.getloadavg())
     OUT.write_text(
-        "# The batch check's cost at compile\n\n"
+        "# The batch check's cost at compile\n\n" + textwrap.fill(
         f"`python benchmarks/batch_check.py --rounds {args.rounds} --batch {args.batch} "
         f"--size {args.size}`, {began:%Y-%m-%d %H:%M}-{ended:%H:%M} UTC, one thread, load "
         f"{load} (other jobs on the 2-core VM). torchvision models with random weights at batch "
         f"{args.batch} of {args.size}x{args.size}, compiled as 2 stages of '1f1b-flush' with 2 "
         "microbatches (measured costs): the compile runs the check once (3 eval-mode "
-        "forwards' worth: the whole example, then its two halves; one more forward only "
-        "where rows differ). The check is then timed alone.\n\n"
+        "forwards: the whole example, then its two halves along dimension 0; more only "
+        "where their rows differ). The check is then timed alone.", 96) + "\n\n"
         "| model | compile (check included) | check (median) | share | rounds (s) |\n"
         "|---|---|---|---|---|\n" + "\n".join(rows) + "\n")
 
