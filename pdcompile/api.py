@@ -93,9 +93,9 @@ def compile(  # noqa: A001 - the public name of the one-liner
     microbatches and replicas' shares. `target_batch_dim`: the target's (None: an int
     `batch_dim`, else 0; a seq-first LM's `(seq, batch)` target: 1, class labels `(batch,)`:
     0). Both kept in exports. Without `batch_dim`, where the pipeline cuts minibatches, compile
-    checks on the example that the model treats the rows of dimension 0 apart (in eval mode,
-    the example's two halves give the whole's output) and refuses one that mixes them, naming
-    the input and the fix (passes/batch_check.py).
+    runs the model in eval mode on the example's halves and refuses a sequence-first layout
+    (rows of dimension 0 mixed, those of dimension 1 apart), naming the input and the fix
+    (passes/batch_check.py).
     """
     from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
@@ -200,8 +200,8 @@ def _example_samples(values: Sequence[Any], gm: fx.GraphModule, batch_dim: Any,
 
 
 def _check_batch_dim(pipe: Pipeline, inputs: tuple[Any, ...]) -> None:
-    """Refuse a model that mixes the rows of dimension 0 where the pipeline cuts its inputs
-    there without the user having named the batch dimension (passes/batch_check.py)."""
+    """Refuse a sequence-first model where the pipeline would cut its inputs along dimension
+    0 without the user having named the batch dimension (passes/batch_check.py)."""
     from pdcompile.passes.batch_check import check_samples_apart
 
     model = pipe.model
