@@ -64,3 +64,17 @@ def test_refused(what: str, fn: Callable[[torch.Tensor], Any]) -> None:
                                                  r"\(6, 4, 3\) but keeps those of "
                                                  "dimension 1 apart.*batch_dim=1"):
         _check(fn, X)
+
+
+def test_a_batch_first_mask_beside_sequence_first_features_is_named_per_input() -> None:
+    """A (batch, seq) padding mask beside (seq, batch, d) features: the fix names each
+    input's batch dimension."""
+    model = nn.Identity()
+
+    def call(named: Mapping[str, Any]) -> Any:
+        x, mask = named["x"], named["mask"]
+        return x.cumsum(0) * mask.float().mean(1)[None, :, None]
+
+    named = {"x": X, "mask": torch.rand(4, 6) > 0.5}
+    with pytest.raises(PipelineInputError, match=r"batch_dim=\{'x': 1, 'mask': 0\}"):
+        check_samples_apart(model, named, call)
