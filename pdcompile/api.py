@@ -16,6 +16,7 @@ from pdcompile.errors import PipelineInputError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.pipeline import OptimizerFactory, ParamGroups, Pipeline
 from pdcompile.plan import Plan
+from pdcompile.runtime.microbatch_cut import checked_batch_dims
 from pdcompile.schedule.kinds import KINDS, unknown
 
 
@@ -44,6 +45,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
     param_groups: ParamGroups | None = None,
     autocast: torch.dtype | str | None = None,
     unbatched: Sequence[str] | str | None = (),
+    batch_dim: int | Mapping[str, int] | None = None,
+    target_batch_dim: int | None = None,
 ) -> Pipeline:
     """Compile `model` into a pipeline for `cluster` (see DESIGN.md).
 
@@ -83,6 +86,16 @@ def compile(  # noqa: A001 - the public name of the one-liner
     temperature, a (seq, seq) mask, (k,) class weights) reach every microbatch whole.
     `unbatched`: names of inputs given whole even where their first dimension equals the batch
     size (k class weights at batch size k; runtime/microbatch_cut.py); kept in exports.
+    `batch_dim`: the dimension that holds the samples, where it is not the first: an int for
+    every input (1 for a sequence-first model, `nn.TransformerEncoder` or `nn.LSTM` without
+    `batch_first` fed `(seq, batch, d)`), or {input name: dimension} (the others: 0). Inputs
+    that hold samples are then those whose size along it is the batch size, cut along it into
+    microbatches and replicas' shares. `target_batch_dim`: the target's (None: an int
+    `batch_dim`, else 0; a seq-first LM's `(seq, batch)` target: 1, class labels `(batch,)`:
+    0). Both kept in exports. Without `batch_dim`, where the pipeline cuts minibatches, compile
+    runs the model in eval mode on the example's halves and refuses a sequence-first layout
+    (rows of dimension 0 mixed, those of dimension 1 apart), naming the input and the fix
+    (passes/batch_check.py).
     """
     from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
@@ -114,9 +127,12 @@ def compile(  # noqa: A001 - the public name of the one-liner
         from pdcompile.planner import check_plannable
 
         check_plannable(cluster)
+    dims = checked_batch_dims(batch_dim, target_batch_dim, None)  # names: after the capture
     captured = capture(model, () if named is not None else inputs, named,
-                       leaf_modules=leaf_modules, frontend=frontend, autocast=precision)
+                       leaf_modules=leaf_modules, frontend=frontend, autocast=precision,
+                       batch_dim=dims.default)
     gm = captured.graph
+    samples = _example_samples(captured.inputs, gm, batch_dim, target_batch_dim, unbatched)
     buffers = {name: b.clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     try:  # on fake tensors: what every node outputs, and so what each stage would send
         with torch.random.fork_rng(), autocast_region(precision, gm):
@@ -130,7 +146,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
         if cluster is not None:  # priced like a planned one
             chosen = _planned(gm, captured.inputs, cluster, cost=cost, given=given,
                               schedule=schedule, microbatches=microbatches,
-                              autocast=precision)
+                              autocast=precision, samples=samples)
     elif isinstance(given, int) and not isinstance(given, bool):
         if given < 1:
             raise PipelineInputError(f"stages must be a positive integer ({given} < 1)")
@@ -139,7 +155,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
                           cost=cost,
                           planner="dp", cost_model=cost_model, schedule=schedule,
                           microbatches=microbatches, stages=given, time_limit=time_limit,
-                          autocast=precision)
+                          autocast=precision, samples=samples)
     elif given is not None and not isinstance(given, bool):
         replicas = [int(r) for r in given]
         chosen = even_plan(gm, len(replicas), replicas=replicas)
@@ -150,7 +166,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
         chosen = _planned(gm, captured.inputs, cluster, planner=planner, cost=cost,
                           cost_model=cost_model, schedule=schedule,
                           microbatches=microbatches, time_limit=time_limit,
-                          autocast=precision)
+                          autocast=precision, samples=samples)
     if schedule == "auto":  # the planner's choice; '1f1b' keeps the default stream length
         schedule = chosen.schedule
         microbatches = chosen.microbatches if chosen.microbatches > 1 else None
@@ -158,13 +174,49 @@ def compile(  # noqa: A001 - the public name of the one-liner
     if fuse:
         for program in parts.stages:
             fuse_grad_accumulation(program.module)
-    return Pipeline(graph=gm, plan=chosen, parts=parts, schedule=schedule,
+    pipe = Pipeline(graph=gm, plan=chosen, parts=parts, schedule=schedule,
                     microbatches=microbatches, loss_fn=loss_fn, optimizer=optimizer,
                     stash=stash, vertical_sync=vertical_sync, name=type(model).__name__,
                     example_inputs=inputs, example_target=example_target,
                     model=None if captured.frontend == "given" else model,
                     clip_grad_norm=clip_grad_norm, param_groups=param_groups,
-                    autocast=precision, unbatched=unbatched)
+                    autocast=precision, unbatched=unbatched, batch_dim=batch_dim,
+                    target_batch_dim=target_batch_dim)
+    _check_batch_dim(pipe, inputs)
+    return pipe
+
+
+def _example_samples(values: Sequence[Any], gm: fx.GraphModule, batch_dim: Any,
+                     target_batch_dim: Any, unbatched: Any) -> int | None:
+    """The example's batch size along the batch dimension (the planner's bound on the
+    microbatch count), `batch_dim=` and `unbatched=` checked against the captured inputs."""
+    from pdcompile.runtime.microbatch_cut import batch_size, checked_whole, inferred_whole
+
+    names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    dims = checked_batch_dims(batch_dim, target_batch_dim, names)
+    whole = checked_whole(unbatched, names)
+    named = dict(zip(names, values, strict=False))
+    return batch_size(named, whole + inferred_whole(named, whole, dims), dims)
+
+
+def _check_batch_dim(pipe: Pipeline, inputs: tuple[Any, ...]) -> None:
+    """Refuse a sequence-first model where the pipeline would cut its inputs along dimension
+    0 without the user having named the batch dimension (passes/batch_check.py)."""
+    from pdcompile.passes.batch_check import check_samples_apart
+
+    model = pipe.model
+    cuts = pipe.per_minibatch > 1 or any(s.replicas > 1 for s in pipe.plan.stages)
+    if model is None or pipe.batch_dims.given or not cuts:
+        return
+    named = pipe._named(inputs)
+    by_name = len(inputs) == 1 and isinstance(inputs[0], Mapping)
+
+    def call(values: Mapping[str, Any]) -> Any:
+        if by_name:
+            return model(**values)
+        return model(*(values[name] for name in pipe.parts.data_inputs))
+
+    check_samples_apart(model, named, call, pipe.whole_inputs)
 
 
 _CALLABLE_EXAMPLES = {
@@ -204,7 +256,7 @@ def _checked_stages(given: Any, name: str) -> Any:
 def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str, *,
              cost: str, given: Plan | None = None, schedule: str = "1f1b",
              microbatches: int | None = None, autocast: str | None = None,
-             **planning: Any) -> Plan:
+             samples: int | None = None, **planning: Any) -> Plan:
     """The planner's Plan for the costed graph (copies of the model are measured, not it), or
     `given` priced on it; a plan already priced on this cluster for this schedule (one the
     planner made) is kept as it is, so a second measurement cannot change its figures."""
@@ -224,6 +276,8 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
         return given
     # profiled as the workers will find their caches (cold when they take turns on cores)
     measured, graph = costed(gm, inputs, cluster, cost=cost, autocast=autocast)
+    if samples is not None:  # along the batch dimension (the cost pass reads dimension 0)
+        graph.graph["batch_size"] = samples
     if given is not None:
         return price_plan(graph, given, cluster,
                           schedule=None if schedule == "auto" else schedule,

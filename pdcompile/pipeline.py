@@ -31,6 +31,9 @@ from pdcompile.runtime.evaluation import evaluate_model, evaluation_mode
 from pdcompile.runtime.grad_clip import check_max_norm
 from pdcompile.runtime.message_specs import message_table, spec_function
 from pdcompile.runtime.microbatch_cut import (
+    BatchDims,
+    batch_size,
+    checked_batch_dims,
     checked_whole,
     cut_inputs,
     cut_target,
@@ -95,7 +98,9 @@ class Pipeline:
                  example_target: Any = None, model: torch.nn.Module | None = None,
                  clip_grad_norm: float | None = None,
                  param_groups: ParamGroups | None = None, autocast: Any = None,
-                 unbatched: Sequence[str] | str | None = ()) -> None:
+                 unbatched: Sequence[str] | str | None = (),
+                 batch_dim: int | Mapping[str, int] | BatchDims | None = None,
+                 target_batch_dim: int | None = None) -> None:
         if schedule not in SCHEDULES:
             raise PipelineInputError(f"unknown schedule {schedule!r}"
                                      f"{did_you_mean(schedule, SCHEDULES)}; choose one of "
@@ -131,10 +136,14 @@ class Pipeline:
         # inputs given whole to every microbatch whatever their size (runtime/microbatch_cut.py):
         # named by the user, and those the example's sizes show to hold no samples
         self.unbatched = checked_whole(unbatched, parts.data_inputs)
+        # the dimension that holds the samples of each input and of the target (compile's
+        # batch_dim= / target_batch_dim=; dimension 0 unless given)
+        self.batch_dims = batch_dim if isinstance(batch_dim, BatchDims) else \
+            checked_batch_dims(batch_dim, target_batch_dim, parts.data_inputs)
         # operations only a training-mode capture holds: a loaded pipeline cannot evaluate
         self.training_branches = get_training_branches(graph) if graph is not None else ()
         self.whole_inputs = self.unbatched + (() if example_inputs is None else inferred_whole(
-            self._named(tuple(example_inputs)), self.unbatched))
+            self._named(tuple(example_inputs)), self.unbatched, self.batch_dims))
         # one minibatch as compiled: backends check shapes against it, export saves it
         self.example_inputs: tuple[Any, ...] | None = (
             None if example_inputs is None else tuple(example_inputs))
@@ -438,7 +447,7 @@ class Pipeline:
             ties=tuple(tuple(self.tie_groups(stage)) for stage in range(len(self.plan.stages))),
             schedule=self.schedule, rank_functions=self._rank_functions, prepare=self.prepare,
             microbatch_specs=self.microbatch_specs, clip_grad_norm=self.clip_grad_norm,
-            autocast=self.autocast)
+            autocast=self.autocast, samples=self.samples)
 
     def runtime(self, rank: int, *, config: RunConfig, transport: Any, data: Any,
                 specs: Callable[[Tag], list[TensorSpec]] | None = None,
@@ -620,7 +629,8 @@ class Pipeline:
                 why = ("microbatches" if kind(self.schedule_name).microbatched else
                        f"pieces that complete the round of the replicas ({self.plan.config})")
                 inputs_all.extend(self._cut(inputs, count, index=index, why=why))
-                targets.extend(cut_target(target, count, index=index, why=why))
+                targets.extend(cut_target(target, count, index=index, why=why,
+                                          dim=self.batch_dims.target))
             groups.append(tuple(range(start, len(inputs_all))))
         return RunInput(MicrobatchData(inputs_all, targets), len(inputs_all), per, tuple(groups))
 
@@ -673,7 +683,7 @@ class Pipeline:
                 "example_inputs")
         self._check_none_inputs(index, tuple(inputs))
         misread = misread_batch(self._named(tuple(inputs)), target, self.whole_inputs,
-                                self.unbatched)
+                                self.unbatched, self.batch_dims)
         if misread is not None:
             raise PipelineInputError(f"minibatch {index}: {misread}")
         key = _signature((tuple(inputs), target))
@@ -716,7 +726,8 @@ class Pipeline:
         m = kind(self.schedule_name).per_minibatch(self.microbatches)
         named = self._named(inputs)
         check = self.input_shapes.test_refusal if tests_only else self.input_shapes.refusal
-        refusal = check(named, first_microbatch(named, m, self.whole_inputs), microbatches=m)
+        refusal = check(named, first_microbatch(named, m, self.whole_inputs, self.batch_dims),
+                        microbatches=m)
         if refusal is not None:
             raise PipelineInputError(f"minibatch {index}: {refusal}")
 
@@ -746,7 +757,8 @@ class Pipeline:
         output = self._output(self._named(inputs), values)
         with torch.random.fork_rng(), torch.no_grad(), \
                 autocast_region(self.autocast, self.stage_modules[-1]):
-            self.loss_fn(output, cut_target(target, m, index=0, why="microbatches")[0])
+            self.loss_fn(output, cut_target(target, m, index=0, why="microbatches",
+                                            dim=self.batch_dims.target)[0])
 
     def rank_function(self, rank: int, microbatches: int, per_minibatch: int) -> RankFn:
         """The compiled generated loop of `rank` for a run of that shape."""
@@ -783,7 +795,12 @@ class Pipeline:
 
     def _cut(self, inputs: Sequence[Any], m: int, *, index: int, why: str
              ) -> list[dict[str, Any]]:
-        return cut_inputs(self._named(inputs), m, index=index, why=why, whole=self.whole_inputs)
+        return cut_inputs(self._named(inputs), m, index=index, why=why, whole=self.whole_inputs,
+                          dims=self.batch_dims)
+
+    def samples(self, inputs: Sequence[Any]) -> int | None:
+        """The batch size of a minibatch's inputs (None where none has the batch dimension)."""
+        return batch_size(self._named(tuple(inputs)), self.whole_inputs, self.batch_dims)
 
     def __call__(self, *inputs: Any) -> Any:
         """The model's output, computed by the stage modules one after another (no schedule), in
@@ -884,7 +901,7 @@ class Pipeline:
         """
         inputs = tuple(inputs) if isinstance(inputs, tuple | list) else (inputs,)
         m = kind(self.schedule_name).per_minibatch(self.microbatches)
-        named = first_microbatch(self._named(inputs), m, self.whole_inputs)
+        named = first_microbatch(self._named(inputs), m, self.whole_inputs, self.batch_dims)
         return self._microbatch_values(named, inputs, m, explain=explain)
 
     def _microbatch_values(self, named: dict[str, Any], inputs: Sequence[Any] = (),
@@ -897,7 +914,7 @@ class Pipeline:
 
         def failure(program: StageProgram, args: list[Any], err: Exception) -> Exception:
             return self._stage_failure(program.index, modules[program.index], args, err,
-                                       inputs or (named,), m)
+                                       self.samples(inputs or (named,)), m)
 
         try:
             with torch.random.fork_rng(), torch.no_grad(), \
@@ -910,15 +927,10 @@ class Pipeline:
 
     @staticmethod
     def _stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], err: Exception,
-                       inputs: Sequence[Any], m: int) -> PipelineInputError:
+                       minibatch: int | None, m: int) -> PipelineInputError:
         """The model's own error in a stage, with the stage, the node and the microbatch size."""
         from pdcompile.runtime.model_errors import stage_failure
 
-        batch = [v.shape[0] for v in inputs if isinstance(v, torch.Tensor) and v.dim()]
-        if not batch and inputs and isinstance(inputs[0], Mapping):
-            batch = [v.shape[0] for v in inputs[0].values()
-                     if isinstance(v, torch.Tensor) and v.dim()]
-        minibatch = batch[0] if batch else None
         return stage_failure(stage, module, args, err, microbatches=m, minibatch=minibatch,
                              microbatch=-(-minibatch // m) if minibatch is not None else None)
 

@@ -121,7 +121,7 @@ class Announcements:
                     and callable(getattr(self.batches, "state_dict", None)):
                 self.data_states[end] = self.batches.state_dict()  # type: ignore[union-attr]
             header["count"] = len(items)
-            header["sizes"] = [_batch_size(inputs) for inputs, _ in items]
+            header["sizes"] = [self._samples(inputs) for inputs, _ in items]
             if items:
                 run = self.program.prepare(items, first=index)
                 header["microbatches"] = run.microbatches
@@ -130,6 +130,12 @@ class Announcements:
         except PdcompileError as err:
             header["error"] = str(err)
         return run, header
+
+    def _samples(self, inputs: tuple[Any, ...]) -> int:
+        """A minibatch's batch size, along the dimension the pipeline cuts (1 where none)."""
+        if self.program.samples is not None:
+            return self.program.samples(inputs) or 1
+        return _batch_size(inputs)
 
     def _skip(self, count: int) -> None:
         """A reader's data, moved to the resume point (errors reach every rank, see next)."""

@@ -115,6 +115,9 @@ class RunProgram:
     slowdowns: tuple[float, ...] = ()  # per rank, an emulated slower device (with_slowdowns)
     clip_grad_norm: float | None = None  # the largest global gradient norm (grad_clip.py)
     autocast: str | None = None  # the forwards' autocast dtype (runtime/precision.py)
+    # a minibatch's inputs -> its batch size, along the batch dimension compile was told
+    # (runtime/microbatch_cut.py; None: the first dimension of the first tensor)
+    samples: Callable[[Sequence[Any]], int | None] | None = None
 
     def with_slowdowns(self, slowdowns: Sequence[float] | str | None) -> RunProgram:
         """The same program with each rank's compute stretched by its factor

@@ -81,6 +81,13 @@ def register(subparsers: Any) -> None:
                         help="inputs given whole to every microbatch although their first "
                         "dimension equals the batch size, comma-separated (e.g. "
                         "class_weights); others are cut or not by their sizes")
+    parser.add_argument("--batch-dim", default=None, metavar="D",
+                        help="the dimension of the inputs that holds the samples, where it is "
+                        "not the first: 1 for a sequence-first model fed (seq, batch, ...), "
+                        "or per input, comma-separated (e.g. src=1,mask=0)")
+    parser.add_argument("--target-batch-dim", type=int, default=None, metavar="D",
+                        help="the target's batch dimension (default: --batch-dim's where it "
+                        "is one number, else 0)")
     parser.add_argument("--json", action="store_true",
                         help="print the folder, launch command and plan as JSON")
     parser.set_defaults(func=run)
@@ -110,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
             raise PdcompileError(f"--stages {args.stages!r}: counts must be positive")
         plan = parts[0] if len(parts) == 1 else parts
     cluster = load_cluster(args.cluster)
+    batch_dim = _batch_dim(args.batch_dim)  # before compiling: a malformed one in one line
     with Spinner("compiling (trace, profile, plan, split)"):
         pipe = compile_pipeline(
             model, cluster, example_inputs=inputs, loss_fn=loss_fn, example_target=example_target,
@@ -117,7 +125,8 @@ def run(args: argparse.Namespace) -> int:
             schedule=args.schedule, microbatches=args.microbatches, planner=args.planner,
             cost=args.cost, cost_model=args.cost_model, time_limit=args.time_limit, plan=plan,
             fuse=args.fuse, autocast=args.autocast, clip_grad_norm=args.clip_grad_norm,
-            unbatched=[name for name in args.unbatched.split(",") if name])
+            unbatched=[name for name in args.unbatched.split(",") if name],
+            batch_dim=batch_dim, target_batch_dim=args.target_batch_dim)
     pipe.export(args.out)
     command = f"pdcompile run {args.out} --nproc {pipe.plan.workers}"
     if args.json:
@@ -128,3 +137,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nwrote {args.out}: stage_<i>.py/.safetensors, rank_<r>.py, plan.json, "
           f"schedule.txt, pipeline.json, launch.sh\nrun it with: {command}")
     return 0
+
+
+def _batch_dim(text: str | None) -> int | dict[str, int] | None:
+    """--batch-dim as compile takes it: one number, or NAME=D pairs."""
+    if text is None:
+        return None
+    try:
+        if "=" not in text:
+            return int(text)
+        return {name.strip(): int(dim) for name, dim in
+                (pair.split("=", 1) for pair in text.split(",") if pair)}
+    except ValueError:
+        raise PdcompileError(f"--batch-dim {text!r}: write one dimension like 1, or one per "
+                             "input like src=1,mask=0") from None

@@ -41,7 +41,7 @@ from pdcompile.plan import Plan
 from pdcompile.runtime.conv_grads import conv_deferrable
 from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.linear_grads import linear_accumulate
-from pdcompile.runtime.microbatch_cut import checked_whole
+from pdcompile.runtime.microbatch_cut import BatchDims, checked_whole
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
@@ -60,6 +60,21 @@ def _whole(folder: Path, meta: dict[str, Any], key: str, default: Sequence[str]
         raise DamagedFileError(f"{folder / 'pipeline.json'} has {key}={meta.get(key)!r}, "
                                "which are not all inputs of the pipeline; export the pipeline "
                                "again") from None
+
+
+def _batch_dims(folder: Path, meta: dict[str, Any]) -> BatchDims:
+    """pipeline.json's batch dimensions (none recorded: dimension 0, as exports made before
+    compile took `batch_dim=`), checked against the pipeline's inputs."""
+    try:
+        dims = BatchDims.from_json(meta.get("batch_dims"))
+    except (TypeError, ValueError, AttributeError):
+        dims = None
+    if dims is None or any(name not in meta["data_inputs"] for name in dims.inputs) or min(
+            (dims.default, dims.target, *dims.inputs.values())) < 0:
+        raise DamagedFileError(f"{folder / 'pipeline.json'} has batch_dims="
+                               f"{meta.get('batch_dims')!r}, which are not dimensions of the "
+                               "pipeline's inputs; export the pipeline again")
+    return dims
 
 
 def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | None = None,
@@ -127,7 +142,8 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"],
                     clip_grad_norm=meta.get("clip_grad_norm"), autocast=meta.get("autocast"),
-                    unbatched=_whole(folder, meta, "unbatched", ()))
+                    unbatched=_whole(folder, meta, "unbatched", ()),
+                    batch_dim=_batch_dims(folder, meta))
     pipe.training_branches = tuple(str(n) for n in meta.get("training_branches", ()))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]

@@ -36,6 +36,7 @@ from pdcompile.export.user_modules import save_user_modules
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.split import SplitResult, StageProgram
 from pdcompile.plan import Plan
+from pdcompile.runtime.microbatch_cut import BatchDims
 from pdcompile.runtime.rank_state import NoParameters, RankState
 from pdcompile.runtime.tensor_tree import save_tree
 from pdcompile.schedule.ir import Schedule
@@ -65,6 +66,8 @@ class Exportable(Protocol):
     def unbatched(self) -> tuple[str, ...]: ...
     @property
     def whole_inputs(self) -> tuple[str, ...]: ...
+    @property
+    def batch_dims(self) -> BatchDims: ...
     @property
     def plan(self) -> Plan: ...
     @property
@@ -138,6 +141,7 @@ def _write(pipe: Exportable, out: Path) -> Path:
         "stash": pipe.stash, "vertical_sync": pipe.vertical_sync, "seed": pipe.seed,
         "clip_grad_norm": pipe.clip_grad_norm, "autocast": pipe.autocast,
         "unbatched": list(pipe.unbatched), "whole_inputs": list(pipe.whole_inputs),
+        "batch_dims": pipe.batch_dims.to_json(),
         "training_branches": list(pipe.training_branches),
         "data_inputs": list(pipe.parts.data_inputs),
         "output_refs": [[r.name, r.stage] for r in pipe.parts.output_refs],

@@ -106,9 +106,10 @@ def _refuse_backward_hooks(model: nn.Module) -> None:
 
 def export_graph(model: nn.Module, args: Sequence[Any] = (),
                  kwargs: Mapping[str, Any] | None = None, *,
-                 autocast: str | None = None) -> fx.GraphModule:
+                 autocast: str | None = None, batch_dim: int = 0) -> fx.GraphModule:
     """Capture `model` called as `model(*args, **kwargs)` with torch.export (see module doc);
-    `autocast`: the dtype name of the region the pipeline runs its forwards in (None: none)."""
+    `autocast`: the dtype name of the region the pipeline runs its forwards in (None: none);
+    `batch_dim`: the dimension microbatches are cut along (compile's `batch_dim=`)."""
     if not isinstance(model, nn.Module):
         raise TraceError(f"export_graph() takes an nn.Module, got {type(model).__name__}")
     kwargs = dict(kwargs or {})
@@ -133,7 +134,7 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
     _refuse_backward_hooks(model)
     with _UnkeptCalls() as unkept, reentrant_checkpoints_as_calls(), \
             custom_functions_seen() as functions:
-        program = _export(model, tuple(args), kwargs, bound)
+        program = _export(model, tuple(args), kwargs, bound, batch_dim)
     if unkept.hooks:
         raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "
                          f"(Tensor.register_hook at {unkept.hooks[0]}), which torch.export "
@@ -299,13 +300,14 @@ def _inline_region(root: nn.Module, graph: fx.Graph, call: fx.Node, holder: Any,
 
 
 def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-            bound: Mapping[str, Any]) -> torch.export.ExportedProgram:
+            bound: Mapping[str, Any], batch_dim: int = 0) -> torch.export.ExportedProgram:
     """torch.export of the model with every dimension of every tensor input free where the
     model allows (other sequence lengths, other batch sizes), each fixed after
     `TESTS_BEFORE_FIXED` tests; where export fails so or fixes the batch size, with only
-    dimension 0 free (microbatches are smaller than the example), the error of that attempt."""
+    the batch dimension free (`batch_dim`, 0 unless compile was told another: microbatches are
+    smaller than the example), the error of that attempt."""
     def free(dims: Callable[[torch.Tensor], Iterable[int]]) -> dict[str, Any]:
-        return {name: {d: torch.export.Dim.AUTO for d in dims(value)}
+        return {name: {d: torch.export.Dim.AUTO for d in dims(value) if d < value.dim()}
                 if isinstance(value, torch.Tensor) and value.dim() else None
                 for name, value in bound.items()}
 
@@ -317,12 +319,12 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                                              dynamic_shapes=free(lambda v: range(v.dim())))
     except Exception:
         pass  # some sizes cannot be free: try the batch alone, and report that attempt
-    if every_size is not None and not _batch_fixed(every_size):
+    if every_size is not None and not _batch_fixed(every_size, batch_dim):
         return every_size
     try:  # the batch alone free, with no limit on its tests
         with torch_export_quiet():
             batch_only = torch.export.export(model, args, kwargs, strict=False,
-                                             dynamic_shapes=free(lambda v: (0,)))
+                                             dynamic_shapes=free(lambda v: (batch_dim,)))
     except Exception as err:
         if every_size is not None:
             return every_size
@@ -335,21 +337,22 @@ def _export(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                              "wrap the model in a module that does") from None
         raise TraceError(f"torch.export cannot capture {type(model).__name__}: "
                          f"{type(err).__name__}: {reason}") from None
-    if every_size is not None and _batch_fixed(batch_only):
+    if every_size is not None and _batch_fixed(batch_only, batch_dim):
         return every_size  # the model's code fixes its batch size: keep the other sizes free
     return batch_only
 
 
-def _batch_fixed(program: torch.export.ExportedProgram) -> bool:
-    """Whether the program fixed dimension 0 of an input whose example has 2 or more there
-    (torch.export fixes a size of 1 anyway): microbatches would be refused."""
+def _batch_fixed(program: torch.export.ExportedProgram, batch_dim: int = 0) -> bool:
+    """Whether the program fixed the batch dimension of an input whose example has 2 or more
+    there (torch.export fixes a size of 1 anyway): microbatches would be refused."""
     from torch.fx.experimental.symbolic_shapes import is_concrete_int
 
     user = set(program.graph_signature.user_inputs)
     for node in program.graph.nodes:
         value = node.meta.get("val")
         if node.op == "placeholder" and node.name in user and isinstance(value, torch.Tensor) \
-                and value.dim() and is_concrete_int(value.shape[0]) and value.shape[0] >= 2:
+                and value.dim() > batch_dim and is_concrete_int(value.shape[batch_dim]) \
+                and value.shape[batch_dim] >= 2:
             return True  # a size fixed after the fact is a SymInt of a constant
     return False
 

@@ -68,11 +68,13 @@ def unwrapped(model: nn.Module) -> nn.Module:
 
 def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any] | None = None,
             *, leaf_modules: Iterable[type[nn.Module] | str] = (),
-            frontend: str = "auto", autocast: str | None = None) -> Captured:
+            frontend: str = "auto", autocast: str | None = None, batch_dim: int = 0
+            ) -> Captured:
     """The graph of `model` called as `model(*args, **kwargs)` (see the module docstring);
     `autocast`: the dtype name of the region the pipeline will run its forwards in (None:
     none). fx traces inside that region, so that a forward that turns autocast off or on is
-    seen (and taken by torch.export, which records it)."""
+    seen (and taken by torch.export, which records it). `batch_dim`: the inputs' batch
+    dimension, which torch.export leaves free where it cannot leave every size free."""
     if frontend not in FRONTENDS:
         raise PipelineInputError(f"unknown frontend {frontend!r}; choose one of "
                                  f"{', '.join(FRONTENDS)}")
@@ -83,7 +85,7 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
         _refuse_torchscript(model)
         with without_inference_cache(model, kwargs):
             graph, used = _captured(model, args, kwargs, list(leaf_modules), frontend,
-                                    autocast)
+                                    autocast, batch_dim)
     densify_constants(graph)
     set_frontend(graph, used)
     return Captured(graph, used, tuple(bind_inputs(graph, tuple(args), kwargs)))
@@ -118,14 +120,14 @@ def _given(model: fx.GraphModule, leaf_modules: Iterable[type[nn.Module] | str]
 
 def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
               leaves: list[type[nn.Module] | str], frontend: str, autocast: str | None,
-              ) -> tuple[fx.GraphModule, str]:
+              batch_dim: int = 0) -> tuple[fx.GraphModule, str]:
     """The graph of a model that is not already one, and the front end that made it."""
     if frontend == "export":
         if leaves:
             raise PipelineInputError("leaf_modules= applies to torch.fx tracing; torch.export "
                                      "records every operation: drop leaf_modules= or use "
                                      "frontend='fx'")
-        return _exported(model, args, kwargs, autocast), "export"
+        return _exported(model, args, kwargs, autocast, batch_dim), "export"
     try:
         with autocast_region(autocast, model):
             def traced() -> fx.GraphModule:
@@ -141,7 +143,7 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         if frontend == "fx":
             raise
         try:
-            return _exported(model, args, kwargs, autocast), "export"
+            return _exported(model, args, kwargs, autocast, batch_dim), "export"
         except TraceError as export_error:
             if str(export_error) == str(fx_error):  # both refused it in the same words
                 raise fx_error from None
@@ -150,12 +152,12 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
 
 
 def _exported(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
-              autocast: str | None) -> fx.GraphModule:
+              autocast: str | None, batch_dim: int = 0) -> fx.GraphModule:
     """torch.export's graph of the model, with the operations only its training-mode capture
     holds recorded as fx's are (torch.export runs the forward's Python once too, so a branch on
     `self.training` is fixed in its graph as well)."""
     def exported() -> fx.GraphModule:
-        return export_graph(model, args, kwargs, autocast=autocast)
+        return export_graph(model, args, kwargs, autocast=autocast, batch_dim=batch_dim)
 
     gm = exported()
     fixed = {call.split(" ")[0] for call in training_mode_calls(gm)}

@@ -200,13 +200,13 @@ class InputShapes:
         words = {size: f"{name}.shape[{dim}]" for size, (name, dim) in carriers.items()}
         for last in sorted({False, microbatches > 1}):  # each distinct microbatch
             sizes: dict[str, int] = {}
-            batches: dict[str, int] = {}  # a size read on dimension 0 -> the minibatch's
+            batches: dict[str, int] = {}  # a size read on the batch dimension -> the minibatch's
             for size, (name, dim) in carriers.items():
                 sizes[size] = int(microbatch[name].shape[dim])
-                # an input that holds no samples reaches every microbatch whole
-                if dim == 0 and microbatches > 1 and \
-                        microbatch[name].shape[0] != minibatch[name].shape[0]:
-                    batches[size] = int(minibatch[name].shape[0])
+                # an input that holds no samples reaches every microbatch whole; one that
+                # does is cut along its batch dimension (0 unless compile was told another)
+                if microbatches > 1 and microbatch[name].shape[dim] != minibatch[name].shape[dim]:
+                    batches[size] = int(minibatch[name].shape[dim])
                     if last:
                         sizes[size] = batches[size] // microbatches
             for test in self.tests:

@@ -178,6 +178,24 @@ def test_export_keeps_the_inputs_named_unbatched(model_file: Path, tmp_path: Pat
     assert "unbatched=['mask']: 'mask' is not an input of the model" in capsys.readouterr().err
 
 
+def test_export_keeps_the_batch_dimension(model_file: Path, tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """compile(batch_dim=) from the command line: --batch-dim (one number, or per input) and
+    --target-batch-dim, kept in pipeline.json; a malformed one refused in one line."""
+    out = tmp_path / "exp"
+    assert main(["export", f"{model_file}:factory", "--stages", "2", "--out", str(out),
+                 "--schedule", "1f1b-flush", "--batch-dim", "input_1=0",
+                 "--target-batch-dim", "0", "--json"]) == 0
+    assert json.loads((out / "pipeline.json").read_text())["batch_dims"] == {
+        "default": 0, "inputs": {"input_1": 0}, "target": 0, "given": True}
+    capsys.readouterr()
+    assert main(["export", f"{model_file}:factory", "--stages", "2", "--out", str(out),
+                 "--batch-dim", "input_1=first"]) == 1
+    err = capsys.readouterr().err
+    assert "--batch-dim 'input_1=first': write one dimension like 1" in err
+    assert err.count("\n") == 1
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_console_entry_exit_codes(tmp_path: Path) -> None:
