@@ -59,7 +59,7 @@ from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import ring_allreduce_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
 from pdcompile.cost.shares import proportional_shares, round_shares, shared_speed
-from pdcompile.cost.ties import tie_readers
+from pdcompile.cost.ties import shared_weights, tie_readers, updates_apart
 from pdcompile.cost.updates import step_seconds
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
@@ -308,6 +308,7 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
     if not cluster.is_mixed:
         raise PlanError("plan_mixed plans for a mixed cluster; this one has one kind of device")
     homogeneous = seeding(homogeneous)
+    pricer = _runnable_only(pricer)
     made: list[tuple[str, Plan]] = []
     for group in range(len(cluster.groups)):
         try:
@@ -359,6 +360,7 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                         ("in proportion", dealt_in_proportion(c, cluster))):
             if d is not None and all(d.stages != e.stages for _, e in dealt):
                 dealt.append((f"{how}, dealt {deal}", d))
+    made += _tie_equalized(graph, cluster, made + mean + dealt)
     shared = [(f"{how}, shares by speed", s) for how, c in made + mean + dealt
               if (s := with_shares(c, cluster)) is not None]
     priced: list[tuple[str, Plan]] = []
@@ -411,6 +413,55 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                for h, p in sorted(priced, key=lambda item: item[1].time_per_minibatch)]
     return replace(best, planner="mixed", extra=best.extra | {
         "found_by": how, "mixed_candidates": ranking[:10], "mixed_times": times})
+
+
+def ties_update_apart(graph: nx.DiGraph, plan: Plan) -> bool:
+    """Whether `plan` puts a tied parameter on stages that update a different number of times,
+    which a streaming schedule cannot run (cost/ties.py `updates_apart`): a replica updates
+    once per round of its stage, `Stage.shares`' sum of microbatches where it has shares, else
+    one per replica."""
+    if not graph.graph.get("ties"):
+        return False
+    stage_of = plan.stage_of()
+    if any(node not in stage_of for node in graph.nodes):
+        return False  # stages over another graph's nodes: the simulator decides
+    rounds = [sum(s.shares) if s.shares else s.replicas for s in plan.stages]
+    return updates_apart(shared_weights(graph, stage_of), rounds,
+                         kind(plan.schedule).flush) is not None
+
+
+def _runnable_only(pricer: Pricer) -> Pricer:
+    """`pricer` refusing (PlanError) a plan whose tied stages update apart: the simulator
+    refuses it and the pricing would fall back to the closed form, so that a plan the runtime
+    cannot run would compete with those it can (every candidate, the local search's result
+    and the descents over rank sets are priced through it)."""
+    def priced(graph: nx.DiGraph, plan: Plan, cluster: Cluster, **options: Any) -> Plan:
+        if ties_update_apart(graph, plan):
+            raise PlanError(f"plan {plan.config} updates the stages sharing a tied parameter "
+                            "a different number of times")
+        return pricer(graph, plan, cluster, **options)
+
+    return priced
+
+
+def _tie_equalized(graph: nx.DiGraph, cluster: Cluster,
+                   candidates: Sequence[tuple[str, Plan]]) -> list[tuple[str, Plan]]:
+    """The candidates whose tied stages update apart, with their cuts kept and those stages
+    set to one replica count each way planner/tie_repair.py `equalized` offers (their ranks
+    then dealt out and given shares as any candidate's): the cuts are often good where only
+    the replicas cannot run."""
+    from pdcompile.planner.tie_repair import equalized
+
+    out: list[tuple[str, Plan]] = []
+    for how, plan in candidates:
+        if not ties_update_apart(graph, plan):
+            continue
+        stages = [(list(s.nodes), s.ranks) for s in plan.stages]
+        for fixed in equalized(graph, stages, cluster.workers, flush=kind(plan.schedule).flush):
+            made = _as_plan(fixed, plan.schedule, plan.microbatches)
+            if all(made.stages != p.stages for _, p in out):
+                out.append((f"{how}, tied stages equalized", made))
+    return out
 
 
 def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
