@@ -624,6 +624,7 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int] | N
         (worked out once per (g, u, v): the shares of 64 replicas take a tenth of a second)."""
         if (g, u, v) in straddles:
             return straddles[g, u, v]
+        assert order is not None  # (None: `_straight_any_order`, which has no straddles)
         here, there = order[g], order[g + 1]
         ranks = list(cluster.group_ranks(here))[u:] + list(cluster.group_ranks(there))[:v]
         speeds = [cluster.speed_of(x) for x in ranks]
