@@ -89,3 +89,15 @@ def test_the_pipedream_plan_of_a_tied_chain_is_the_best_that_runs(
     assert not _apart(graph, stages, schedule)
     assert result.time_per_minibatch == pytest.approx(_runnable_best(graph, cluster, schedule),
                                                       rel=1e-9, abs=1e-15)
+
+
+@pytest.mark.parametrize("spec", ["2x4@1e11,1e9", "2x2@1e11,1e9", "4x2@1e11,1e10"])
+def test_on_several_levels_the_pipedream_plan_of_a_tied_chain_runs(spec: str) -> None:
+    """The hierarchical recurrence nests the levels' replica counts, so there the optimum's cuts
+    come back with the tied stages set equal (before: 2-2-1-1-1-1, 2-1-1 and 3-1-1-1-1-1,
+    the embedding on more replicas than the head)."""
+    graph = tied_lm_chain()
+    result = plan(graph, Cluster.parse(spec), planner="dp", cost_model="pipedream",
+                  schedule="1f1b")
+    assert not _apart(graph, [(list(s.nodes), s.ranks) for s in result.stages], "1f1b")
+    assert math.isfinite(result.time_per_minibatch)
