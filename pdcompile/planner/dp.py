@@ -641,7 +641,8 @@ def _stacked(coefs: list[Placement]) -> Placement:
 
 # ------------------------------------------------------------------------------ pipedream
 def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
-                 straight: bool = False) -> DPResult:
+                 straight: bool = False, tie_counts: tuple[int, ...] | None = None,
+                 ) -> DPResult:
     """The original optimizer's hierarchical recurrence (see the module docstring).
 
     `memory` None means no memory constraint (the original's default); otherwise its
@@ -649,7 +650,14 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
     UNIT_LIMIT (not straight) is planned in units of neighbouring members (`unit_bounds`), so
     that its (units, replicas) pairs stay within UNIT_LIMIT^2 / 2 whatever the cluster: stages
     then hold whole units (a bound on the exact optimum, measured in the tests).
+
+    `tie_counts` (one level only): a stage holding some but not all readers of tie t
+    (`tables.tie_readers`) must sit on tie_counts[t] workers, the rule under which a streaming
+    schedule can run a plan whose stages share tied parameters (cost/ties.py `updates_apart`);
+    the planner runs this once per choice of counts (planner/search.py `_pipedream_plan`).
     """
+    if tie_counts is not None and len(cluster.levels) > 1:
+        raise PlanError("the pipedream DP applies the tie rule on one level of workers only")
     s = len(tables.compute)
     last = s - 1
     levels = cluster.levels
@@ -687,7 +695,7 @@ def pipedream_dp(tables: StateTables, cluster: Cluster, *, memory: float | None,
         else:  # the plain level; all three give the same tables
             tables_levels.append((starts, *_as_split(*_pd_level(
                 tables, seg, starts, units, level.bandwidth, inside, memory, straight,
-                bounds=bounds))))
+                bounds=bounds, tie_counts=tie_counts))))
         if not final:
             seg = tables_levels[-1][1][:, :, units]  # [a, j]
         inside = level.workers
@@ -743,7 +751,7 @@ def _as_split(val: np.ndarray, kk: np.ndarray, rr: np.ndarray,
 
 def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, bandwidth: float,
               inside: int, memory: float | None, straight: bool, *,
-              bounds: np.ndarray | None = None,
+              bounds: np.ndarray | None = None, tie_counts: tuple[int, ...] | None = None,
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """One level of the original recurrence for every start in `starts`.
 
@@ -753,10 +761,26 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
     bounds[u] to bounds[u + 1]); None: one member per unit. A stage on the units after the
     first m - r of m holds bounds[m] - bounds[m - r] members, so the arithmetic is the
     original's with those replica counts (the same floats where every unit is one member).
+    `tie_counts`: stages splitting tie t only on tie_counts[t] members (`pipedream_dp`).
     """
     s = len(tables.compute)
     last = s - 1
     na = len(starts)
+    ruled = tie_counts is not None and tables.tie_bytes.size > 0
+    counts = np.array(tie_counts if ruled else (), dtype=np.int64)  # [t]
+    total = tables.tie_readers[:, last] if ruled else np.zeros(0)  # [t] readers of each tie
+
+    def splits(ks: np.ndarray, j: int) -> np.ndarray:
+        """[t, k] True where the stage (k, j] holds some of tie t's readers but not all."""
+        held = tables.tie_readers[:, j][:, None] - tables.tie_readers[:, ks]
+        return (held > 0.5) & (held < total[:, None] - 0.5)
+
+    def off_rule(ks: np.ndarray, j: int, members: np.ndarray) -> np.ndarray:
+        """[k, p] True where the stage (k, j] on `members` [p] workers breaks the tie rule."""
+        if not ruled:
+            return np.zeros((ks.size, members.size), dtype=bool)
+        wrong = counts[:, None] != members[None, :]  # [t, p]
+        return (splits(ks, j).T.astype(np.int64) @ wrong.astype(np.int64)) > 0
     if bounds is None:
         bounds = np.arange(n + 1)
     everyone = int(bounds[n])  # the level's members
@@ -775,6 +799,10 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
             stash = math.ceil((everyone - w) / w) * (act + p)
             base = (t + 4.0 * (w - 1) * p / (bandwidth * w) / inside) / w
             base = np.where(stash <= mem_limit, base, INF)
+            if ruled:  # the stages (a, j] on w members, every j
+                held = tables.tie_readers - tables.tie_readers[:, a:a + 1]  # [t, j]
+                split = (held > 0.5) & (held < total[:, None] - 0.5)
+                base = np.where((split & (counts[:, None] != w)).any(axis=0), INF, base)
             val[i, :, m] = base
     rmax = 1 if straight else n - 1
     pairs = [(m, r) for m in range(2, n + 1) for r in range(1, min(rmax, m - 1) + 1)]
@@ -810,6 +838,8 @@ def _pd_level(tables: StateTables, seg: np.ndarray, starts: np.ndarray, n: int, 
         if j < last:
             stage = np.maximum(stage, 2.0 * tables.frontier[j] / (bandwidth * rep))
         stage = np.where(stash_factor * (act + p) <= mem_limit, stage, INF)
+        if ruled:
+            stage = np.where(off_rule(ks, j, replicas), INF, stage)
         arg = np.empty((rows.size, pm.size), dtype=np.int64)  # [a, p]
         best_p = np.empty((rows.size, pm.size))
         step = max(1, CHUNK // (pm.size * ks.size))  # starts per batch (bounds memory)

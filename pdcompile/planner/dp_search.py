@@ -171,13 +171,15 @@ def planning_dp(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions,
 
 
 def solve(prepared: Prepared, cluster: Cluster, options: Any, limit: float | None,
-           straight: bool) -> Any:
-    """The DP's best plan of the prepared states (pipedream: the original's recurrence)."""
+           straight: bool, *, tie_counts: tuple[int, ...] | None = None) -> Any:
+    """The DP's best plan of the prepared states (pipedream: the original's recurrence, with
+    `tie_counts` the replicas of the stages splitting each tie, `dp.pipedream_dp`)."""
     from pdcompile.planner.dp import native_dp, pipedream_dp, stage_grid, state_tables
 
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     if options.cost_model == "pipedream":
-        return pipedream_dp(tables, cluster, memory=limit, straight=straight)
+        return pipedream_dp(tables, cluster, memory=limit, straight=straight,
+                            tie_counts=tie_counts)
     grid = stage_grid(tables, cluster, options=options, memory=limit, straight=straight)
     return native_dp(grid, options=options, straight=straight)
 

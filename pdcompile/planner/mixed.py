@@ -26,7 +26,12 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
   stage's weights fit its device (a tied parameter's copy on each later holder counted,
   cost/ties.py). A stage may also take the rest of one group and the first ranks of the next
   (replicas of two kinds), priced at their shared speed with shares in proportion to speed
-  (`cost/shares.py`; `with_shares` then gives the plan those shares).
+  (`cost/shares.py`; `with_shares` then gives the plan those shares). A stage's link term
+  counts the cut's bytes once (activations one way, their gradients the other, each at the
+  link's rate, as the pricing does);
+- one rank per stage with the groups in any order, coming back to a group (fast, slow, fast:
+  `_straight_any_order`), which the pipelines across the groups, visiting each group once,
+  leave out.
 
 The fastest candidate that fits every rank's memory is then refined by planner/refine.py's
 local search by simulation (asynchronous 1F1B over every worker), which moves boundaries and
@@ -54,7 +59,7 @@ from pdcompile.cost.crossing import input_nodes
 from pdcompile.cost.links import ring_allreduce_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE
 from pdcompile.cost.shares import proportional_shares, round_shares, shared_speed
-from pdcompile.cost.ties import tie_readers
+from pdcompile.cost.ties import shared_weights, tie_readers, updates_apart
 from pdcompile.cost.updates import step_seconds
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster, Level
@@ -303,6 +308,7 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
     if not cluster.is_mixed:
         raise PlanError("plan_mixed plans for a mixed cluster; this one has one kind of device")
     homogeneous = seeding(homogeneous)
+    pricer = _runnable_only(pricer)
     made: list[tuple[str, Plan]] = []
     for group in range(len(cluster.groups)):
         try:
@@ -335,6 +341,12 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                                         most_replicas=most, optimizer_state=optimizer_state)
                 if stages is not None:
                     made.append((f"across groups {order}", _as_plan(stages, name, m)))
+        if not row.split_backward:
+            stages = _across_groups(graph, cluster, None, name=name, microbatches=m,
+                                    most_replicas=1, optimizer_state=optimizer_state)
+            if stages is not None:
+                made.append(("one rank per stage, groups in any order",
+                             _as_plan(stages, name, m)))
     if not straight:
         for name, m in schedules:
             if not (kind(name).chunked or kind(name).microbatched_stream):
@@ -348,6 +360,7 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                         ("in proportion", dealt_in_proportion(c, cluster))):
             if d is not None and all(d.stages != e.stages for _, e in dealt):
                 dealt.append((f"{how}, dealt {deal}", d))
+    made += _tie_equalized(graph, cluster, made + mean + dealt)
     shared = [(f"{how}, shares by speed", s) for how, c in made + mean + dealt
               if (s := with_shares(c, cluster)) is not None]
     priced: list[tuple[str, Plan]] = []
@@ -400,6 +413,55 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                for h, p in sorted(priced, key=lambda item: item[1].time_per_minibatch)]
     return replace(best, planner="mixed", extra=best.extra | {
         "found_by": how, "mixed_candidates": ranking[:10], "mixed_times": times})
+
+
+def ties_update_apart(graph: nx.DiGraph, plan: Plan) -> bool:
+    """Whether `plan` puts a tied parameter on stages that update a different number of times,
+    which a streaming schedule cannot run (cost/ties.py `updates_apart`): a replica updates
+    once per round of its stage, `Stage.shares`' sum of microbatches where it has shares, else
+    one per replica."""
+    if not graph.graph.get("ties"):
+        return False
+    stage_of = plan.stage_of()
+    if any(node not in stage_of for node in graph.nodes):
+        return False  # stages over another graph's nodes: the simulator decides
+    rounds = [sum(s.shares) if s.shares else s.replicas for s in plan.stages]
+    return updates_apart(shared_weights(graph, stage_of), rounds,
+                         kind(plan.schedule).flush) is not None
+
+
+def _runnable_only(pricer: Pricer) -> Pricer:
+    """`pricer` refusing (PlanError) a plan whose tied stages update apart: the simulator
+    refuses it and the pricing would fall back to the closed form, so that a plan the runtime
+    cannot run would compete with those it can (every candidate, the local search's result
+    and the descents over rank sets are priced through it)."""
+    def priced(graph: nx.DiGraph, plan: Plan, cluster: Cluster, **options: Any) -> Plan:
+        if ties_update_apart(graph, plan):
+            raise PlanError(f"plan {plan.config} updates the stages sharing a tied parameter "
+                            "a different number of times")
+        return pricer(graph, plan, cluster, **options)
+
+    return priced
+
+
+def _tie_equalized(graph: nx.DiGraph, cluster: Cluster,
+                   candidates: Sequence[tuple[str, Plan]]) -> list[tuple[str, Plan]]:
+    """The candidates whose tied stages update apart, with their cuts kept and those stages
+    set to one replica count each way planner/tie_repair.py `equalized` offers (their ranks
+    then dealt out and given shares as any candidate's): the cuts are often good where only
+    the replicas cannot run."""
+    from pdcompile.planner.tie_repair import equalized
+
+    out: list[tuple[str, Plan]] = []
+    for how, plan in candidates:
+        if not ties_update_apart(graph, plan):
+            continue
+        stages = [(list(s.nodes), s.ranks) for s in plan.stages]
+        for fixed in equalized(graph, stages, cluster.workers, flush=kind(plan.schedule).flush):
+            made = _as_plan(fixed, plan.schedule, plan.microbatches)
+            if all(made.stages != p.stages for _, p in out):
+                out.append((f"{how}, tied stages equalized", made))
+    return out
 
 
 def _refined(graph: nx.DiGraph, cluster: Cluster, best: Plan, *, pricer: Pricer,
@@ -481,12 +543,13 @@ def _linear_order(graph: nx.DiGraph) -> tuple[nx.DiGraph, dict[str, list[str]], 
     return coarse, members, first + [b for b in order if b not in first]
 
 
-def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *, name: str,
-                   microbatches: int, most_replicas: int | None,
+def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int] | None, *,
+                   name: str, microbatches: int, most_replicas: int | None,
                    optimizer_state: float) -> Stages | None:
     """Stages cut from a topological order over the groups in `order` (module docstring):
     value[i][g][u] is the smallest slowest-stage time that places the first i blocks with
-    groups order[:g] done and u ranks of group order[g] used."""
+    groups order[:g] done and u ranks of group order[g] used. `order` None: one rank per
+    stage, each stage on the next free rank of any group (`_straight_any_order`)."""
     coarse, members, blocks = _linear_order(graph)
     n = len(blocks)
     position = {b: i for i, b in enumerate(blocks)}
@@ -517,10 +580,15 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
     # workers the DP prices some 400,000 stages
     levels: dict[tuple[int, int, int], Level] = {}
     links: dict[int, float] = {}
+    pair_links: dict[tuple[int, int], float] = {}
 
-    def ranks_time(i: int, j: int, ranks: list[int], device: Device, speed: float) -> float:
+    def ranks_time(i: int, j: int, ranks: list[int], device: Device, speed: float,
+                   previous: int | None = None) -> float:
         """The slowest-stage term of blocks i..j-1 on `ranks` of `device` (the smallest memory
-        and slowest updates among them) computing at `speed` each."""
+        and slowest updates among them) computing at `speed` each; `previous`: the rank
+        sending into it (None: the rank before its first; -1: no link counted). The link
+        carries the activations one way and their gradients the other, each at its rate (as
+        the closed form and the simulator price them)."""
         r, start = len(ranks), ranks[0]
         p = params[j] - params[i] + copied.get((i, j), 0.0)
         if p * (2.0 + optimizer_state) > device.memory:
@@ -533,11 +601,20 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         own = (compute + sync) / r if streaming else compute / r + sync * (1 if row.flush
                                                                             else r / m)
         link = 0.0
-        if i > 0 and start > 0:
+        if previous is not None and previous >= 0 and i > 0:
+            link = link_time(i, previous, start, r)
+        elif previous is None and i > 0 and start > 0:
             if start not in links:
                 links[start] = cluster.flow_rate_between(start - 1, start)
-            link = 2.0 * crossing[i] / links[start] / r
+            link = crossing[i] / links[start] / r
         return max(own, link)
+
+    def link_time(i: int, previous: int, start: int, r: int) -> float:
+        """The link from rank `previous` into a stage of r replicas from `start` whose first
+        block is i."""
+        if (previous, start) not in pair_links:
+            pair_links[previous, start] = cluster.flow_rate_between(previous, start)
+        return crossing[i] / pair_links[previous, start] / r
 
     straddles: dict[tuple[int, int, int], tuple[list[int], Device, float]] = {}
 
@@ -547,6 +624,7 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         (worked out once per (g, u, v): the shares of 64 replicas take a tenth of a second)."""
         if (g, u, v) in straddles:
             return straddles[g, u, v]
+        assert order is not None  # (None: `_straight_any_order`, which has no straddles)
         here, there = order[g], order[g + 1]
         ranks = list(cluster.group_ranks(here))[u:] + list(cluster.group_ranks(there))[:v]
         speeds = [cluster.speed_of(x) for x in ranks]
@@ -557,6 +635,8 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
         straddles[g, u, v] = (ranks, device, shared_speed(speeds, counts))
         return straddles[g, u, v]
 
+    if order is None:
+        return _straight_any_order(cluster, n, pinned, blocks, members, ranks_time, link_time)
     # value[(i, g, u)] = (best bottleneck, previous state, stage placed)
     Key = tuple[int, int, int]
     value: dict[Key, tuple[float, Key | None, tuple[int, int, int, int] | None]] = {
@@ -605,6 +685,70 @@ def _across_groups(graph: nx.DiGraph, cluster: Cluster, order: Sequence[int], *,
             else:
                 r = state[2] - previous[2]
                 stages.append((nodes, tuple(range(start, start + r))))
+        state = previous
+    stages.reverse()
+    return stages
+
+
+ANY_ORDER_STATES = 200_000  # (blocks placed, ranks used per group, last rank) states, at most
+
+
+def _straight_any_order(cluster: Cluster, n: int, pinned: int, blocks: Sequence[str],
+                        members: dict[str, list[str]],
+                        ranks_time: Callable[..., float],
+                        link_time: Callable[[int, int, int, int], float]) -> Stages | None:
+    """One rank per stage, the stages visiting the groups in any order and coming back to a
+    group (fast, slow, fast): value[(i, used)] is the smallest slowest-stage time that places
+    the first i blocks with used[g] ranks of each group g taken, each stage on the next free
+    rank of its group. Why: the pipelines across the groups visit each group once, so where
+    a light stage wants a slow rank between two heavy ones on fast ranks (a chain of heavy,
+    light, heavy blocks over 2 fast and 2 slow ranks: 10.1 ms, against 12.3 ms for the best
+    of those) none of them reaches it, nor the descent over rank sets, whose seeds all cut
+    the chain otherwise. None where no such plan fits or the states would exceed
+    ANY_ORDER_STATES (many groups of many ranks)."""
+    sizes = [group.workers for group in cluster.groups]
+    if (n + 1) * math.prod(s + 1 for s in sizes) * (sum(sizes) + 1) > ANY_ORDER_STATES:
+        return None
+    starts = [cluster.group_ranks(g).start for g in range(len(sizes))]
+    # a state: blocks placed, ranks used per group, the rank of the last stage (-1: none yet)
+    Key = tuple[int, tuple[int, ...], int]
+    value: dict[Key, tuple[float, Key | None, int]] = {
+        (0, (0,) * len(sizes), -1): (0.0, None, 0)}
+    # a stage on one rank: its own time depends on its group alone (no all-reduce), the link
+    # on the rank before it
+    own: dict[tuple[int, int, int], float] = {}
+    by_blocks: dict[int, list[Key]] = {}
+    for key in value:
+        by_blocks.setdefault(key[0], []).append(key)
+    for i in range(n):
+        for key in sorted(by_blocks.get(i, ())):
+            here, used, last = value[key][0], key[1], key[2]
+            for g, size in enumerate(sizes):
+                if used[g] >= size:
+                    continue
+                rank = starts[g] + used[g]
+                nxt = tuple(u + (1 if x == g else 0) for x, u in enumerate(used))
+                link = link_time(i, last, rank, 1) if last >= 0 else 0.0
+                for j in range(max(i + 1, pinned if i == 0 else 0), n + 1):
+                    if (i, j, g) not in own:
+                        own[i, j, g] = ranks_time(i, j, [rank], cluster.groups[g].device,
+                                                  cluster.group_speed(g), previous=-1)
+                    t = max(own[i, j, g], link)
+                    if t < math.inf:
+                        target = (j, nxt, rank)
+                        if target not in value:
+                            by_blocks.setdefault(j, []).append(target)
+                        _relax(value, target, max(here, t), key, rank)
+    ends = [(v[0], key) for key, v in value.items() if key[0] == n and v[1] is not None]
+    if not ends:
+        return None
+    _, state = min(ends)
+    stages: Stages = []
+    while value[state][1] is not None:
+        _, previous, rank = value[state]
+        assert previous is not None
+        nodes = [x for b in blocks[previous[0]:state[0]] for x in members.get(b, [b])]
+        stages.append((nodes, (rank,)))
         state = previous
     stages.reverse()
     return stages

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import networkx as nx
 
 from pdcompile.cost.crossing import stage_of_every_node
-from pdcompile.errors import PlanError
+from pdcompile.errors import PlanError, ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.costmodel import ModelOptions, evaluate
@@ -156,9 +156,13 @@ class _Search:
         self.evaluations += 1
         plan = self.plan_of(state)
         stream = max(self.minibatches, 4 * math.lcm(*state[1]))
-        _, result = simulate_plan(self.graph, plan, self.cluster, minibatches=stream,
-                                  warmup=self.warmup, timeline=False,
-                                  cache=self.schedules)
+        try:
+            _, result = simulate_plan(self.graph, plan, self.cluster, minibatches=stream,
+                                      warmup=self.warmup, timeline=False,
+                                      cache=self.schedules)
+        except ScheduleError:  # it cannot run (stages sharing a tie on unequal replicas)
+            self.cache[state] = math.inf
+            return math.inf
         fits = all(used.total <= self.cluster.device_of(rank).memory
                    for rank, used in result.memory.items())
         value = result.time_per_minibatch if fits else math.inf

@@ -955,8 +955,16 @@ def _pipedream_plan(cost_graph: nx.DiGraph, cluster: Cluster, options: ModelOpti
     except PlanError:
         raise _no_fit(cost_graph, cluster, options, limit, straight) from None
     states = prepared.states
-    stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in result.stages]
-    nodes_ranks = expand(stages, prepared.mapping, attach, cost_graph)
+
+    def nodes_and_ranks(found: Any) -> list[tuple[list[str], tuple[int, ...]]]:
+        stages = [(states.stage_nodes(s.before, s.after), s.ranks) for s in found.stages]
+        return expand(stages, prepared.mapping, attach, cost_graph)
+
+    nodes_ranks = nodes_and_ranks(result)
+    if _stages_update_apart(cost_graph, nodes_ranks, options.schedule):
+        result, nodes_ranks = _pipedream_under_tie_rule(
+            cost_graph, cluster, options, limit, straight, prepared, nodes_and_ranks,
+            nodes_ranks)
     priced, predicted = evaluate(cost_graph, nodes_ranks, cluster, options=options)
     extra: dict[str, Any] = {"states": prepared.kind, "memory_limit": limit}
     everything = [data_parallel_stage(cost_graph, cluster)]
@@ -978,6 +986,76 @@ def _pipedream_plan(cost_graph: nx.DiGraph, cluster: Cluster, options: ModelOpti
                 workers=cluster.workers, cost_model="pipedream", planner="dp",
                 status="OPTIMAL" if prepared.kind == "all downsets" else "HEURISTIC",
                 bound=None, solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra)
+
+
+def _stages_update_apart(graph: nx.DiGraph,
+                         stages: Sequence[tuple[Sequence[str], Sequence[int]]],
+                         schedule: str) -> bool:
+    """Whether `stages` (every node of `graph`) put a tie on stages that a streaming
+    `schedule` updates a different number of times (cost/ties.py `updates_apart`)."""
+    if not graph.graph.get("ties"):
+        return False
+    stage_of = {node: i for i, (nodes, _) in enumerate(stages) for node in nodes}
+    ties = shared_weights(graph, stage_of)
+    replicas = [len(ranks) for _, ranks in stages]
+    return updates_apart(ties, replicas, kind(schedule).flush) is not None
+
+
+def _pipedream_under_tie_rule(cost_graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
+                              limit: float | None, straight: bool, prepared: Any,
+                              nodes_and_ranks: Any, refused: list[tuple[list[str],
+                                                                        tuple[int, ...]]],
+                              ) -> tuple[Any, list[tuple[list[str], tuple[int, ...]]]]:
+    """The pipedream DP's best plan whose stages sharing a tie hold equal replicas, for a
+    streaming schedule where its optimum `refused` does not (the runtime refuses that one):
+    on one level, the DP again under the rule for every choice of the tie-splitting stages'
+    replica counts (`dp.pipedream_dp` `tie_counts`, as the native DP searches per count,
+    TIE_CHOICES at most, those of `refused` first), the lowest objective kept; on several
+    levels (the recurrence nests the levels' replica counts), the refused plan's cuts with
+    the tied stages set equal (planner/tie_repair.py), priced by the model. PlanError where
+    no plan keeps the rule within the memory."""
+    import itertools
+
+    from pdcompile.cost.ties import tie_owners
+    from pdcompile.planner.dp import TIE_CHOICES, DPResult, DPStage
+    from pdcompile.planner.tie_repair import equalized
+
+    flush = kind(options.schedule).flush
+    best: tuple[float, Any, list[tuple[list[str], tuple[int, ...]]]] | None = None
+    if len(cluster.levels) == 1:
+        ties = sum(1 for owner in tie_owners(prepared.graph) if owner is not None)
+        stage_of = {n: i for i, (nodes, _) in enumerate(refused) for n in nodes}
+        near = sorted({len(refused[s][1]) for tie in shared_weights(cost_graph, stage_of)
+                       for s in tie.stages})
+        widths = [1] if straight else list(range(1, cluster.workers + 1))
+        choices = [(w,) * ties for w in near if w in widths]
+        choices += [c for c in itertools.product(widths, repeat=ties) if c not in choices]
+        for counts in choices[:TIE_CHOICES]:
+            try:
+                found = solve(prepared, cluster, options, limit, straight, tie_counts=counts)
+            except PlanError:
+                continue
+            stages = nodes_and_ranks(found)
+            if _stages_update_apart(cost_graph, stages, options.schedule):
+                continue  # a tie the DP's states see as unsplit (a removed reader)
+            if best is None or found.objective < best[0]:
+                best = (found.objective, found, stages)
+    else:
+        for stages in equalized(cost_graph, refused, cluster.workers, flush=flush):
+            priced, objective = evaluate(cost_graph, stages, cluster, options=options)
+            if limit is not None and any(s.memory > limit * (1 + 1e-12) for s in priced):
+                continue
+            if best is None or objective < best[0]:
+                best = (objective, DPResult(stages=tuple(
+                    DPStage(0, 0, tuple(ranks)) for _, ranks in stages), objective=objective),
+                    [(list(nodes), tuple(ranks)) for nodes, ranks in stages])
+    if best is None:
+        raise PlanError(
+            f"no {options.schedule!r} plan of {cost_graph.graph.get('name') or 'the model'} "
+            f"on {cluster.workers} workers keeps the stages sharing a tied parameter on equal "
+            "replicas within the memory under cost_model='pipedream'; use a flush schedule "
+            "(schedule='1f1b-flush'), more memory per worker, or cost_model='native'")
+    return best[1], best[2]
 
 
 def _plan_mixed(cost_graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[str, int]], *,

@@ -19,13 +19,14 @@ import networkx as nx
 from hypothesis import strategies as st
 
 from pdcompile.cost.costgraph import add_block, new_cost_graph, topological_order
-from pdcompile.errors import PlanError
+from pdcompile.errors import PlanError, ScheduleError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.machine.device import DEVICES
 from pdcompile.machine.device_groups import DeviceGroup
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner import price_plan
 from pdcompile.planner.mixed import with_shares
+from pdcompile.planner.simulation import simulate_plan
 
 Block = tuple[float, float, float, float]  # fwd, bwd, activation bytes, parameter bytes
 
@@ -84,13 +85,37 @@ def every_plan(graph: nx.DiGraph, cluster: Cluster, *, schedule: str,
                            schedule=schedule, microbatches=microbatches)
 
 
+def tied_block_chain(source: float, blocks: list[Block], tie: float) -> nx.DiGraph:
+    """`block_chain` with a parameter of `tie` bytes read by the first and the last block (an
+    embedding read again by the output head), counted in the first block's `params`."""
+    graph = block_chain(source, blocks)
+    first, last = "n0", f"n{len(blocks) - 1}"
+    graph.nodes[first]["params"] = float(graph.nodes[first]["params"]) + tie
+    graph.graph["ties"] = [{"bytes": tie, "nodes": [first, last]}]
+    return graph
+
+
+def runs(graph: nx.DiGraph, plan: Plan, cluster: Cluster) -> bool:
+    """Whether the simulator runs `plan` (it refuses stages sharing a tie that update a
+    different number of times, as the runtime does)."""
+    try:
+        simulate_plan(graph, plan, cluster, timeline=False)
+    except ScheduleError:
+        return False
+    return True
+
+
 def fastest_plan(graph: nx.DiGraph, cluster: Cluster, *, schedule: str,
                  microbatches: int) -> Plan | None:
-    """The cheapest of `every_plan`, round robin or with shares, that fits (None: none fits)."""
+    """The cheapest of `every_plan`, round robin or with shares, that fits and runs (None:
+    none does)."""
     best: Plan | None = None
+    tied = bool(graph.graph.get("ties"))
     for plan in every_plan(graph, cluster, schedule=schedule, microbatches=microbatches):
         shared = with_shares(plan, cluster)
         for candidate in (plan,) if shared is None else (plan, shared):
+            if tied and not runs(graph, candidate, cluster):
+                continue
             try:
                 priced = price_plan(graph, candidate, cluster, simulate=True)
             except PlanError:
