@@ -124,3 +124,7 @@ def fastest_plan(graph: nx.DiGraph, cluster: Cluster, *, schedule: str,
                     and (best is None or priced.time_per_minibatch < best.time_per_minibatch):
                 best = priced
     return best
+
+
+WITHIN = 1.10  # the mixed planner's plan at most this many times the fastest plan
+NETWORKS = ["2x2@1e11,1e9~5us,20us", "2x2@1e11,1e10~5us,20us", "4@1e9~5us", "4@1e10~5us"]

@@ -127,3 +127,16 @@ def tied_dags(draw: st.DrawFn) -> nx.DiGraph:
         ties.append({"bytes": size, "nodes": readers})
     graph.graph["ties"] = ties
     return graph
+
+
+@st.composite
+def chains(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
+    """Random chains: PipeDream's antichain states of a chain are all its prefixes."""
+    n = draw(st.integers(1, max_nodes))
+    graph = new_cost_graph("chain")
+    for i in range(n):
+        add_block(graph, f"n{i}", fwd=draw(st.floats(1e-4, 1e-2)), bwd=draw(st.floats(1e-4, 2e-2)),
+                  act=draw(st.floats(0, 5e7)), params=draw(st.floats(0, 1e6) | st.floats(0, 1e8)))
+        if i:
+            graph.add_edge(f"n{i - 1}", f"n{i}")
+    return graph

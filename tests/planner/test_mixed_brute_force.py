@@ -19,10 +19,15 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import pdcompile
-from tests.helpers.mixed_plans import Block, block_chain, block_lists, fast_and_slow, fastest_plan
-
-WITHIN = 1.10  # the planner's plan at most this many times the fastest plan
-NETWORKS = ["2x2@1e11,1e9~5us,20us", "2x2@1e11,1e10~5us,20us", "4@1e9~5us", "4@1e10~5us"]
+from tests.helpers.mixed_plans import (
+    NETWORKS,
+    WITHIN,
+    Block,
+    block_chain,
+    block_lists,
+    fast_and_slow,
+    fastest_plan,
+)
 
 
 def _check(source: float, blocks: list[Block], slow: float, network: str) -> None:

@@ -17,7 +17,7 @@ from pdcompile.planner.antichain import antichain_states, prefix_states
 from pdcompile.planner.costmodel import ModelOptions, evaluate, planning_objective
 from pdcompile.planner.dp_search import expand, planning_dp, prepare
 from tests.helpers.brute_force import brute_force
-from tests.helpers.strategies import _cluster, clusters, flat_clusters, small_dags
+from tests.helpers.strategies import _cluster, chains, clusters, flat_clusters, small_dags
 
 NATIVE = ModelOptions(cost_model="native")
 
@@ -54,19 +54,6 @@ def test_dp_matches_brute_force(graph: nx.DiGraph, cluster: Cluster,
         assert all(s.replicas == 1 for s in result.stages)
     else:
         assert sum(s.replicas for s in result.stages) == cluster.workers
-
-
-@st.composite
-def chains(draw: st.DrawFn, max_nodes: int = 6) -> nx.DiGraph:
-    """Random chains: PipeDream's antichain states of a chain are all its prefixes."""
-    n = draw(st.integers(1, max_nodes))
-    graph = new_cost_graph("chain")
-    for i in range(n):
-        add_block(graph, f"n{i}", fwd=draw(st.floats(1e-4, 1e-2)), bwd=draw(st.floats(1e-4, 2e-2)),
-                  act=draw(st.floats(0, 5e7)), params=draw(st.floats(0, 1e6) | st.floats(0, 1e8)))
-        if i:
-            graph.add_edge(f"n{i - 1}", f"n{i}")
-    return graph
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -22,6 +22,8 @@ from pdcompile.cost.ties import copied_bytes
 from pdcompile.planner.mixed import _across_groups
 from tests.helpers.graphs import tied_lm_chain
 from tests.helpers.mixed_plans import (
+    NETWORKS,
+    WITHIN,
     Block,
     block_lists,
     fast_and_slow,
@@ -29,7 +31,6 @@ from tests.helpers.mixed_plans import (
     runs,
     tied_block_chain,
 )
-from tests.planner.test_mixed_brute_force import NETWORKS, WITHIN
 
 CLUSTER = Cluster.parse("4@1e10:a100*2,v100*2")
 GB = 1e9

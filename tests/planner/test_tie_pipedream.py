@@ -25,8 +25,7 @@ from pdcompile.planner import plan
 from pdcompile.planner.costmodel import ModelOptions, evaluate
 from tests.helpers.brute_force import brute_force
 from tests.helpers.graphs import tied_lm_chain
-from tests.helpers.strategies import flat_clusters
-from tests.planner.test_partition_dp import chains
+from tests.helpers.strategies import chains, flat_clusters
 
 
 def _apart(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
