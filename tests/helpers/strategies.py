@@ -116,7 +116,12 @@ def tied_dags(draw: st.DrawFn) -> nx.DiGraph:
     """Small random DAGs with one or two ties over two or three of their nodes, the first of
     each holding the tie's bytes in its `params` (as the cost pass counts them)."""
     graph = draw(small_dags(max_nodes=5))
-    nodes = [n for n in graph.nodes if graph.nodes[n]["bwd"] > 0]
+    return with_drawn_ties(draw, graph, [n for n in graph.nodes if graph.nodes[n]["bwd"] > 0])
+
+
+def with_drawn_ties(draw: st.DrawFn, graph: nx.DiGraph, nodes: list[str]) -> nx.DiGraph:
+    """`graph` with one or two ties drawn over two or three of `nodes` (none where there are
+    fewer than two), the first reader of each holding the tie's bytes in its `params`."""
     if len(nodes) < 2:
         return graph
     ties = []

@@ -6,19 +6,12 @@ torch.export nothing trained at all; both silently."""
 
 from __future__ import annotations
 
-import copy
-
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointFunction, checkpoint
 
-import pdcompile
-from tests.helpers.one_process import train_one_process
-from tests.helpers.transparency import momentum
-
-STEPS, MICRO = 2, 2
+from tests.helpers.one_process import assert_two_stages_train_like_one_process
 
 
 class Checkpointed(nn.Module):
@@ -40,14 +33,5 @@ class Checkpointed(nn.Module):
 def test_a_checkpointed_block_trains_like_one_process(frontend: str, reentrant: bool) -> None:
     torch.manual_seed(0)
     model = Checkpointed(reentrant=reentrant).double()
-    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 3, (8,))
-    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), loss_fn=F.cross_entropy,
-                             optimizer=momentum, stages=2, schedule="1f1b-flush",
-                             microbatches=MICRO, cost="analytic", frontend=frontend)
-    losses = [pipe.step(x, target=y) for _ in range(STEPS)]
-    want, _ = train_one_process(model, momentum(list(model.parameters())), (x,), y,
-                                F.cross_entropy, micro=MICRO, steps=STEPS)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
-    for name, value in model.state_dict().items():
-        torch.testing.assert_close(pipe.state_dict()[name], value, msg=name)
+    assert_two_stages_train_like_one_process(model, frontend=frontend)
     assert "apply" not in CheckpointFunction.__dict__  # torch's own apply again after capture

@@ -6,20 +6,15 @@ its forward's derivatives: both trained silently wrong."""
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import pdcompile
 from pdcompile.errors import TraceError
-from tests.helpers.one_process import train_one_process
-from tests.helpers.transparency import momentum
-
-STEPS, MICRO = 2, 2
+from tests.helpers.one_process import assert_two_stages_train_like_one_process
 
 
 class Reversal(torch.autograd.Function):
@@ -74,14 +69,5 @@ def test_a_custom_function_is_refused_by_both_front_ends_naming_the_way() -> Non
 def test_a_custom_function_in_a_module_kept_whole_trains_like_one_process() -> None:
     torch.manual_seed(0)
     model = Net().double()
-    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 3, (8,))
-    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), loss_fn=F.cross_entropy,
-                             optimizer=momentum, stages=2, schedule="1f1b-flush",
-                             microbatches=MICRO, cost="analytic", leaf_modules=["adversary"])
-    losses = [pipe.step(x, target=y) for _ in range(STEPS)]
-    want, _ = train_one_process(model, momentum(list(model.parameters())), (x,), y,
-                                F.cross_entropy, micro=MICRO, steps=STEPS)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
-    for name, value in model.state_dict().items():
-        torch.testing.assert_close(pipe.state_dict()[name], value, msg=name)
+    assert_two_stages_train_like_one_process(model, leaf_modules=["adversary"])
     assert "apply" in torch.autograd.Function.__dict__  # torch's own apply back in place

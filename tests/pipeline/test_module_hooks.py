@@ -15,14 +15,10 @@ from typing import Any
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import pdcompile
 from pdcompile.errors import TraceError
-from tests.helpers.one_process import train_one_process
-from tests.helpers.transparency import momentum
-
-STEPS, MICRO = 2, 2
+from tests.helpers.one_process import assert_two_stages_train_like_one_process
 
 
 class Block(nn.Module):
@@ -55,20 +51,6 @@ def _tripled_grad(module: nn.Module, grad_output: tuple[Any, ...]) -> tuple[Any,
     return (grad_output[0] * 3.0,)
 
 
-def _trains_like_one_process(model: nn.Module, **options: Any) -> None:
-    torch.manual_seed(1)
-    x, y = torch.randn(8, 8, dtype=torch.float64), torch.randint(0, 3, (8,))
-    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), loss_fn=F.cross_entropy,
-                             optimizer=momentum, stages=2, schedule="1f1b-flush",
-                             microbatches=MICRO, cost="analytic", **options)
-    losses = [pipe.step(x, target=y) for _ in range(STEPS)]
-    want, _ = train_one_process(model, momentum(list(model.parameters())), (x,), y,
-                                F.cross_entropy, micro=MICRO, steps=STEPS)
-    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
-    for name, value in model.state_dict().items():
-        torch.testing.assert_close(pipe.state_dict()[name], value, msg=name)
-
-
 @pytest.mark.parametrize("frontend", ["fx", "export"])
 def test_forward_hooks_of_layers_run(frontend: str) -> None:
     """A Linear's pre-hook and a module's forward hook change what the layers compute (the fuse
@@ -78,14 +60,14 @@ def test_forward_hooks_of_layers_run(frontend: str) -> None:
     model.a.register_forward_pre_hook(_scaled_input)
     model.b.register_forward_hook(_shifted_output)
     model.block.register_forward_hook(_shifted_output)
-    _trains_like_one_process(model, frontend=frontend)
+    assert_two_stages_train_like_one_process(model, frontend=frontend)
 
 
 def test_a_backward_hook_of_a_linear_runs_under_fx() -> None:
     torch.manual_seed(0)
     model = Net().double()
     model.b.register_full_backward_pre_hook(_tripled_grad)
-    _trains_like_one_process(model, frontend="fx")
+    assert_two_stages_train_like_one_process(model, frontend="fx")
 
 
 def test_forward_hooks_of_the_model_itself_run_through_torch_export() -> None:
@@ -101,7 +83,7 @@ def test_forward_hooks_of_the_model_itself_run_through_torch_export() -> None:
                                          r"registered on the model itself.*frontend='export'"):
         pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), stages=2,
                           frontend="fx", cost="analytic")
-    _trains_like_one_process(model)
+    assert_two_stages_train_like_one_process(model)
 
 
 def test_a_backward_hook_of_a_traced_through_module_needs_it_whole() -> None:
@@ -119,7 +101,7 @@ def test_a_backward_hook_of_a_traced_through_module_needs_it_whole() -> None:
     with pytest.raises(TraceError, match=r"backward hooks on block.*torch.export does not"):
         pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), stages=2,
                           frontend="export", cost="analytic")
-    _trains_like_one_process(model, leaf_modules=["block"])
+    assert_two_stages_train_like_one_process(model, leaf_modules=["block"])
 
 
 def test_backward_hooks_of_the_model_itself_are_refused_by_both_front_ends() -> None:

@@ -25,7 +25,7 @@ from pdcompile.planner import plan
 from pdcompile.planner.costmodel import ModelOptions, evaluate
 from tests.helpers.brute_force import brute_force
 from tests.helpers.graphs import tied_lm_chain
-from tests.helpers.strategies import chains, flat_clusters
+from tests.helpers.strategies import chains, flat_clusters, with_drawn_ties
 
 
 def _apart(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
@@ -54,17 +54,7 @@ def tied_chains(draw: st.DrawFn) -> nx.DiGraph:
     """Chains of 2-6 blocks with one or two ties over two or three of them, the first reader
     holding the tie's bytes in its `params`."""
     graph = draw(chains())
-    nodes = list(graph.nodes)
-    if len(nodes) < 2:
-        return graph
-    ties = []
-    for _ in range(draw(st.integers(1, 2))):
-        readers = draw(st.lists(st.sampled_from(nodes), min_size=2, max_size=3, unique=True))
-        size = draw(st.floats(1e5, 1e8))
-        graph.nodes[readers[0]]["params"] += size
-        ties.append({"bytes": size, "nodes": readers})
-    graph.graph["ties"] = ties
-    return graph
+    return with_drawn_ties(draw, graph, list(graph.nodes))
 
 
 @pytest.mark.parametrize("schedule", ["1f1b", "2bw"])
