@@ -15,8 +15,7 @@ holds those rows (a sequence classifier's last state), it runs on the halves alo
 (an input whose size there is not the batch along dimension 0, a (batch, seq) padding mask):
 if those agree, the layout is sequence-first and compile refuses, naming the inputs and the
 fix (batch_dim=1, or a batch_dim per input). A model that mixes its rows whichever way is left
-alone: it
-mixes its samples by design (attention over the batch, a batch-size scale, an in-batch
+alone: it mixes its samples by design (attention over the batch, a batch-size scale, an in-batch
 statistic), and microbatches change what it computes as one process's accumulation would.
 Output tensors that the halves do not cut (a loss over the batch, a (batch, batch)
 similarity) are not compared, nor a batch of one. Values are compared with a tolerance (1e-3
