@@ -133,6 +133,10 @@ class PipelineTime:
     bound: str  # e.g. "stage 1 work", "round trip of stage 0", "link 0->1", "fill and drain"
     work: tuple[float, ...]  # per stage, seconds per minibatch of work over its replicas
     round_trip: tuple[float, ...]  # per stage, RT_s (seconds)
+    # where a streaming pipeline's round trip bounds it, the stages on the binding circuit
+    # (the microbatches they keep in flight, and what limits those, set its time); () where a
+    # stage's work, a link, a server's interface or a flush's fill and drain does
+    binding: tuple[int, ...] = ()
 
 
 def update_share(schedule: str, microbatches: int, replicas: Any) -> Any:
@@ -237,7 +241,8 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
         edges, stage_ranks, params, cluster, schedule=schedule, microbatches=m, ties=ties)
     timed = _pipeline_time(terms, edges, stage_ranks, cluster, schedule=schedule, m=m)
     if shared * m > timed.time_per_minibatch:
-        return replace(timed, time_per_minibatch=shared * m, bound="server interface")
+        return replace(timed, time_per_minibatch=shared * m, bound="server interface",
+                       binding=())
     return timed
 
 
@@ -280,25 +285,27 @@ def _pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], flo
                              v_shape=schedule if row.v_shape else None)
         return timed
     work = [own[s] / t.replicas for s, t in enumerate(terms)]
-    bounds = [(w, f"stage {s} work") for s, w in enumerate(work)]
-    bounds += [(seconds / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])), f"link {a}->{c}")
-               for (a, c), seconds in busy.items()]
+    bounds: list[tuple[float, str, tuple[int, ...]]] = [
+        (w, f"stage {s} work", ()) for s, w in enumerate(work)]
+    bounds += [(seconds / math.lcm(len(stage_ranks[a]), len(stage_ranks[c])), f"link {a}->{c}",
+                ()) for (a, c), seconds in busy.items()]
     # 1f1b's rounds: the steady state's event graph over one period of the replicas' rounds
     # (cost/steady_cycle.py), exact where its period is short enough to follow
     cycle = steady_cycle(terms, edges, stage_ranks, cluster, cap=PAIRS_CAP) if lockstep \
         else None
     if cycle is None:
         circuits = _circuits(terms, own, pairs, lockstep=lockstep, queueing=queueing)
-        bounds += [(period, f"round trip of stage {s}") for s, (period, _) in enumerate(circuits)]
+        bounds += [(period, f"round trip of stage {s}", (s,))
+                   for s, (period, _) in enumerate(circuits)]
         trips = [rt for _, rt in circuits]
     else:
         ratio, stages = cycle
         if ratio > max(b[0] for b in bounds) * (1.0 + 1e-9):  # not a stage's work or a link
-            bounds.append((ratio, f"round trip of stage {stages[0]}"))
+            bounds.append((ratio, f"round trip of stage {stages[0]}", tuple(stages)))
         trips = [sum(p[-1]) / len(p[-1])
                  for p in _circuit_profiles(terms, own, pairs, queueing=False)]
-    period, bound = max(bounds, key=lambda b: b[0])
-    return PipelineTime(period * m, bound, tuple(w * m for w in work), tuple(trips))
+    period, bound, binding = max(bounds, key=lambda b: b[0])
+    return PipelineTime(period * m, bound, tuple(w * m for w in work), tuple(trips), binding)
 
 
 Transfers = dict[tuple[int, int], list[float]]  # per stage edge, seconds per microbatch residue

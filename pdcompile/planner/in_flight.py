@@ -18,6 +18,7 @@ from pdcompile.planner.costmodel import (
     ModelOptions,
     default_in_flight,
     evaluate,
+    evaluate_timed,
     plan_terms,
 )
 from pdcompile.schedule.kinds import kind
@@ -34,7 +35,11 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
     in closed form (it frees memory for more microbatches in flight, for one more forward
     each). A stage whose memory does not bind (it keeps fewer in flight than it could) is not
     tried: more room changes no in-flight count there, and its forward only adds time (GPT-2
-    XL on 128 H100s: 37 in-flight choices of 8-stage candidates, half the planning time).
+    XL on 128 H100s: 37 in-flight choices of 8-stage candidates, half the planning time); nor
+    is one after every stage of the circuit that bounds the plan (`PipelineTime.binding`: a
+    later stage holding more in flight leaves that circuit fewer tokens, and its forward is
+    not on it), nor any where a stage's work, a link or a server's interface bounds it (no
+    memory moves those).
     Raises PlanError when a stage fits neither way."""
     again = [False] * len(stages)
     plain = _memory_limits(graph, stages, options, memory, again, cluster)
@@ -45,6 +50,7 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
         return again, choose_in_flight(graph, stages, cluster, options=options, memory=memory,
                                        recompute=again)
     chosen: dict[tuple[bool, ...], tuple[list[int], list[int], list[int]]] = {}
+    binding: dict[tuple[bool, ...], tuple[int, ...]] = {}
 
     def closed(flags: list[bool]) -> float:
         try:
@@ -53,8 +59,13 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
         except PlanError:  # recomputing a stage can hold more: its inputs and one microbatch
             return math.inf
         chosen[tuple(flags)] = choice
-        return evaluate(graph, stages, cluster, options=options, in_flight=choice[0],
-                        recompute=flags)[1]
+        if options.cost_model != "native":
+            return evaluate(graph, stages, cluster, options=options, in_flight=choice[0],
+                            recompute=flags)[1]
+        _, seconds, timed = evaluate_timed(graph, stages, cluster, options=options,
+                                           in_flight=choice[0], recompute=flags)
+        binding[tuple(flags)] = timed.binding
+        return seconds
 
     best = closed(again)
     # first every stage whose memory holds fewer in flight than its circuits want, together:
@@ -75,7 +86,8 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
                     if value < best * (1 - 0.01):
                         again, best = trial, value
     for s in range(len(stages)):
-        if again[s] or _room_to_spare(chosen.get(tuple(again)), stages, s):
+        if again[s] or _room_to_spare(chosen.get(tuple(again)), stages, s) \
+                or s > max(binding.get(tuple(again), (len(stages),)), default=-1):
             continue
         trial = again[:s] + [True] + again[s + 1:]
         value = closed(trial)
