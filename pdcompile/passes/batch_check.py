@@ -10,8 +10,9 @@ compile runs the model in evaluation mode (dropout off, BatchNorm on its running
 no gradients, random state and buffers left as they were) on the example minibatch and on its
 two halves along dimension 0. Where the halves' outputs, joined, equal the whole's, the rows of
 dimension 0 are apart: nothing more is run (three forwards' worth in all). Where they differ
-and the model gives the same output twice (no noise in evaluation mode), or where no output
-holds those rows (a sequence classifier's last state), it runs on the halves along dimension 1
+and the model gives the same output twice (no noise in evaluation mode), where no output
+holds those rows (a sequence classifier's last state), or where a half raises (a (batch, seq)
+padding mask left whole beside features cut along their sequence), it runs on the halves along dimension 1
 (an input whose size there is not the batch along dimension 0, a (batch, seq) padding mask):
 if those agree, the layout is sequence-first and compile refuses, naming the inputs and the
 fix (batch_dim=1, or a batch_dim per input). A model that mixes its rows whichever way is left
@@ -66,7 +67,8 @@ def check_samples_apart(model: nn.Module, named: Mapping[str, Any],
     buffers = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         with evaluation_mode([model]):
-            if across is None or _apart(call, named, whole, BATCH_FIRST) in ("apart", None):
+            rows = None if across is None else _apart(call, named, whole, BATCH_FIRST)
+            if rows in ("apart", None):
                 return
             if _apart(call, named, whole, across) != "apart":
                 return  # mixed whichever way: by design (attention over the batch)
@@ -77,11 +79,16 @@ def check_samples_apart(model: nn.Module, named: Mapping[str, Any],
     shapes = ", ".join(f"{name!r} {_shape(named[name])}" for name in cut)
     fix = "batch_dim=1" if set(across.inputs.values()) == {1} else \
         f"batch_dim={dict(across.inputs)!r}"
+    assert across is not None
+    seen = ("fails on the halves of dimension 0 of input"
+            f"{'s' if len(cut) > 1 else ''} {shapes} but keeps the rows of dimension 1 apart "
+            "(in eval mode, the example's two halves along dimension 1 give the whole's output, "
+            "its halves along dimension 0 raise)") if rows == "failed" else (
+        f"mixes the rows of dimension 0 of input{'s' if len(cut) > 1 else ''} {shapes} but "
+        "keeps those of dimension 1 apart (in eval mode, the example's two halves along "
+        "dimension 1 give the whole's output, its halves along dimension 0 do not)")
     raise PipelineInputError(
-        f"{type(model).__name__} mixes the rows of dimension 0 of input"
-        f"{'s' if len(cut) > 1 else ''} {shapes} but keeps those of dimension 1 apart (in "
-        "eval mode, the example's two halves along dimension 1 give the whole's output, its "
-        "halves along dimension 0 do not): a sequence-first layout (nn.TransformerEncoder or "
+        f"{type(model).__name__} {seen}: a sequence-first layout (nn.TransformerEncoder or "
         "nn.LSTM without batch_first, fed (seq, batch, ...)), which microbatches cut along "
         "dimension 0 would cut along the sequence, training another function. Compile with "
         f"{fix} (target_batch_dim= for the target's), or batch_dim=0 to cut dimension 0 all "
@@ -119,7 +126,9 @@ def _apart(call: Callable[[Mapping[str, Any]], Any], named: Mapping[str, Any],
     """How the model treats the rows along `dims` (see module doc): "apart" (its outputs on
     the two halves, joined, equal its output on the whole), "mixed" (they differ, and two runs
     of the whole agree), "uncut" (no output holds those rows: a mean over the batch, the last
-    state of a sequence); None where that cannot be told (a forward fails, noise)."""
+    state of a sequence), "failed" (the whole runs, a half raises: a (batch, seq) mask left
+    whole beside features cut along their sequence); None where that cannot be told (the
+    whole fails, noise)."""
     whole = [*whole, *(name for name in named if name not in dims.inputs)] if dims.given \
         else list(whole)
     batch = batch_size(named, whole, dims)
@@ -128,9 +137,12 @@ def _apart(call: Callable[[Mapping[str, Any]], Any], named: Mapping[str, Any],
     try:
         halves = cut_inputs(named, 2, index=0, why="halves", whole=whole, dims=dims)
         full = _run(call, named)
-        parts = [_run(call, half) for half in halves]
     except Exception:
         return None
+    try:
+        parts = [_run(call, half) for half in halves]
+    except Exception:
+        return "failed"
     agree = _rows_agree(full, parts)
     if agree is None:
         return "uncut"

@@ -78,3 +78,26 @@ def test_a_batch_first_mask_beside_sequence_first_features_is_named_per_input() 
     named = {"x": X, "mask": torch.rand(4, 6) > 0.5}
     with pytest.raises(PipelineInputError, match=r"batch_dim=\{'x': 1, 'mask': 0\}"):
         check_samples_apart(model, named, call)
+
+
+def test_a_mask_that_breaks_the_halves_of_dimension_0_is_named_per_input() -> None:
+    """The same layout where the (batch, seq) mask, left whole beside features cut along their
+    sequence, makes the halves of dimension 0 raise: before, the check said nothing and
+    training failed later on a shape error naming neither the layout nor batch_dim."""
+    model = nn.Identity()
+
+    def call(named: Mapping[str, Any]) -> Any:
+        x, mask = named["x"], named["mask"]
+        return x.cumsum(0) * mask.T.float()[:, :, None]
+
+    named = {"x": X, "mask": torch.rand(4, 6) > 0.5}
+    with pytest.raises(PipelineInputError, match=r"fails on the halves of dimension 0 of input "
+                                                 r"'x' \(6, 4, 3\).*batch_dim=\{'x': 1, "
+                                                 r"'mask': 0\}"):
+        check_samples_apart(model, named, call)
+
+
+def test_a_model_whose_halves_fail_either_way_is_left_alone() -> None:
+    """A model fixed to the example's batch size fails on halves whichever way it is cut:
+    nothing tells the layout, so training says what is wrong."""
+    _check(lambda x: x.reshape(6, 4, 3) * 2, X)
