@@ -469,12 +469,13 @@ def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
 
 def _replica_groups(workers: int) -> list[tuple[int, bool]]:
     """Sizes of the groups a flat cluster wider than EXACT_WORKERS is also planned in, one
-    pipeline per group and every group alike (`_dp_candidates`' "per server" layout): the two
-    largest divisors of `workers` from 2 to EXACT_WORKERS. The flat DP over every worker (or
-    units of them) minimises its slowest stage, and among the many plans that tie there it may
-    return a deep one whose later stages' in-flight counts leave the first stage's round trips
-    exposed (GPT-2 XL on 32 H100s on one fabric: 18 stages at 872 ms, where the 8-8-8-8 that
-    the same machines in servers of 8 get runs at 116 ms)."""
+    pipeline per group and every group alike (`_dp_candidates`' "per server" layout), each
+    with whether the group's pipeline is straight: the largest divisor of `workers` from 2 to
+    EXACT_WORKERS with replicated stages, and every such divisor straight. The flat DP over
+    every worker (or units of them) minimises its slowest stage, and among the many plans that
+    tie there it may return a deep one whose later stages' in-flight counts leave the first
+    stage's round trips exposed (GPT-2 XL on 32 H100s on one fabric: 18 stages at 872 ms,
+    where the 8-8-8-8 that the same machines in servers of 8 get runs at 116 ms)."""
     divisors = [g for g in range(min(EXACT_WORKERS, workers // 2), 1, -1) if workers % g == 0]
     return [(g, False) for g in divisors[:1]] + [(g, True) for g in divisors]
 
@@ -865,14 +866,10 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
 
 def _ties_update_apart(graph: nx.DiGraph, candidate: _Candidate) -> bool:
     """Whether the candidate puts a tie on stages that update a different number of times."""
-    if not graph.graph.get("ties"):
-        return False
-    stage_of = {node: i for i, (nodes, _) in enumerate(candidate.stages) for node in nodes}
-    if any(node not in stage_of for node in graph.nodes):
+    placed = {node for nodes, _ in candidate.stages for node in nodes}
+    if graph.graph.get("ties") and any(node not in placed for node in graph.nodes):
         return False  # stages over another graph's nodes: the simulator decides
-    ties = shared_weights(graph, stage_of)
-    replicas = [len(ranks) for _, ranks in candidate.stages]
-    return updates_apart(ties, replicas, kind(candidate.options.schedule).flush) is not None
+    return _stages_update_apart(graph, candidate.stages, candidate.options.schedule)
 
 
 def _tie_repaired(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
