@@ -152,13 +152,24 @@ def grad_accumulates(leaf: torch.Tensor) -> bool:
                          and grad.shape == leaf.shape and grad.dtype == leaf.dtype))
 
 
+# `autograd.Function.apply` without its Python wrapper, which (for a function without
+# `setup_context`, outside functorch transforms) unwraps dead functorch wrappers and calls this:
+# about 8 Python calls a layer and microbatch fewer (docs/runtime-profile.md)
+_APPLY = super(torch.autograd.Function, _LinearAccumulate).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+_transforms_active = torch._C._are_functorch_transforms_active
+
+
 def linear_accumulate(x: torch.Tensor, weight: torch.Tensor,
                       bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` with the fused gradient accumulation (module docstring)."""
     if not (_ACCUMULATING.get() and torch.is_grad_enabled() and weight.requires_grad) \
             or torch.is_autocast_enabled(x.device.type):  # autocast: its casts need autograd's
         return F.linear(x, weight, bias)
-    return _LinearAccumulate.apply(x, weight, bias)  # type: ignore[no-any-return]
+    if _transforms_active():  # vmap, grad...: the full path
+        return _LinearAccumulate.apply(x, weight, bias)  # type: ignore[no-any-return]
+    return _APPLY(_unwrap_if_dead(x), _unwrap_if_dead(weight),  # type: ignore[no-any-return]
+                  None if bias is None else _unwrap_if_dead(bias))
 
 
 __all__ = ["WeightGrads", "accumulating_grads", "deferring_weight_grads", "grad_accumulates",

@@ -68,7 +68,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-from torch.func import functional_call
 from torch.utils import _pytree as pytree
 
 from pdcompile.errors import PipelineInputError, ScheduleError
@@ -82,6 +81,7 @@ from pdcompile.runtime.linear_grads import (
 from pdcompile.runtime.precision import autocast_region
 from pdcompile.runtime.slowdown import stretch
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
+from pdcompile.runtime.weight_swap import ParameterSlots
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.generators import copies_weights
 from pdcompile.schedule.ir import Action, Kind, replica_of
@@ -231,6 +231,7 @@ class StageRuntime:
         self.versions = WeightVersions(self.params, copy=copies_weights(
             config.schedule, config.stage_ranks, self.stage, vertical_sync=config.vertical_sync,
             shares=config.shares or None))
+        self._slots: ParameterSlots | None = None  # found at the first stashed forward
         self.stash = StashBuffer()
         self.losses: dict[int, torch.Tensor] = {}
         # what runs now: (kind, stage, microbatch, start), for a watchdog or a model's error
@@ -362,8 +363,10 @@ class StageRuntime:
                 autocast_region(self.config.autocast, self.module):
             if self.versions.is_master(entry.params):
                 outputs = self.module(*entry.inputs)
-            else:
-                outputs = functional_call(self.module, entry.params, tuple(entry.inputs))
+            else:  # a stashed version in the parameters' places (torch.func.functional_call)
+                if self._slots is None:
+                    self._slots = ParameterSlots(self.module, list(self.params))
+                outputs = self._slots.call(entry.params, entry.inputs)
             entry.values = dict(zip(self.io.outputs, outputs, strict=True))
             if self.is_last:
                 entry.loss = self._loss(entry, microbatch)

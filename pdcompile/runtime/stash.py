@@ -3,7 +3,8 @@
 Weight stashing as in PipeDream (Narayanan et al., SOSP 2019, section 3.3): a stage that updates
 its weights while minibatches are in flight runs each minibatch's backward with the weight
 version its forward used. Versions are snapshots of the stage's parameters (`WeightVersions`),
-used through `torch.func.functional_call`, never loaded in place; a snapshot lives while an
+put in the parameters' places for a forward (runtime/weight_swap.py, as
+`torch.func.functional_call` does), never loaded in place; a snapshot lives while an
 in-flight minibatch refers to it (or while the schedule says a later forward will need it:
 vertical sync, PipeDream-2BW) and is dropped as soon as it is not. `StashBuffer` holds, per
 in-flight microbatch, its version number and the tensors its backward needs (the autograd graph
