@@ -63,7 +63,6 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -73,16 +72,12 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import PipelineInputError, ScheduleError
 from pdcompile.runtime.finite_loss import LossGuard
 from pdcompile.runtime.grad_clip import clip_factor, square_norm
-from pdcompile.runtime.linear_grads import (
-    accumulating_grads,
-    deferring_weight_grads,
-    run_weight_grads,
-)
+from pdcompile.runtime.linear_grads import FusedRegion, run_weight_grads
 from pdcompile.runtime.precision import autocast_region
 from pdcompile.runtime.slowdown import stretch
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
-from pdcompile.runtime.weight_swap import ParameterSlots
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
+from pdcompile.runtime.weight_swap import ParameterSlots
 from pdcompile.schedule.generators import copies_weights
 from pdcompile.schedule.ir import Action, Kind, replica_of
 from pdcompile.schedule.kinds import ScheduleKind, kind
@@ -358,8 +353,8 @@ class StageRuntime:
         """The stage module (and, on the last stage, the loss) on the stashed inputs; with
         `graph=False` no autograd graph is kept (a recomputing stage's first forward)."""
         defer = self.kind.split_backward or self._weights_after_send
-        with torch.enable_grad() if graph else torch.no_grad(), accumulating_grads(), \
-                deferring_weight_grads(entry.weight_grads) if defer else nullcontext(), \
+        with torch.enable_grad() if graph else torch.no_grad(), \
+                FusedRegion(entry.weight_grads if defer else None), \
                 autocast_region(self.config.autocast, self.module):
             if self.versions.is_master(entry.params):
                 outputs = self.module(*entry.inputs)

@@ -37,7 +37,7 @@ class ParameterSlots:
             for owner, attr, name in self._slots:
                 slots = owner._parameters
                 saved.append((slots, attr, slots[attr]))
-                slots[attr] = tensors[name]
+                slots[attr] = tensors[name]  # type: ignore[assignment]  # as functional_call
             return self.module(*args)
         finally:
             for slots, attr, live in reversed(saved):
