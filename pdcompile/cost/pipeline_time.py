@@ -56,6 +56,7 @@ from typing import Any
 
 from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.cycle_ratio import largest_cycle_ratio
+from pdcompile.cost.flush_path import flush_makespan
 from pdcompile.cost.links import (
     exposed_allreduce_seconds,
     link_busy_seconds,
@@ -132,7 +133,8 @@ class PipelineTime:
     time_per_minibatch: float
     bound: str  # e.g. "stage 1 work", "round trip of stage 0", "link 0->1", "fill and drain"
     work: tuple[float, ...]  # per stage, seconds per minibatch of work over its replicas
-    round_trip: tuple[float, ...]  # per stage, RT_s (seconds)
+    # per stage, RT_s (seconds); () where a flush schedule is priced by its longest path
+    round_trip: tuple[float, ...]
     # where a streaming pipeline's round trip bounds it, the stages on the binding circuit
     # (the microbatches they keep in flight, and what limits those, set its time); () where a
     # stage's work, a link, a server's interface or a flush's fill and drain does
@@ -239,7 +241,10 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
     m = microbatches if row.microbatched else 1
     shared = 0.0 if params is None else server_interface_seconds(
         edges, stage_ranks, params, cluster, schedule=schedule, microbatches=m, ties=ties)
-    timed = _pipeline_time(terms, edges, stage_ranks, cluster, schedule=schedule, m=m)
+    timed = _flush_path(terms, edges, stage_ranks, cluster, schedule=schedule, m=m,
+                        ties=ties) if row.flush else None
+    if timed is None:
+        timed = _pipeline_time(terms, edges, stage_ranks, cluster, schedule=schedule, m=m)
     if shared * m > timed.time_per_minibatch:
         return replace(timed, time_per_minibatch=shared * m, bound="server interface",
                        binding=())
@@ -260,6 +265,36 @@ def server_interface_seconds(edges: dict[tuple[int, int], float],
     tied = [(tie.ranks(stage_ranks), tie.nbytes, max(rings[s] for s in tie.stages))
             for tie in ties]
     return nic_busy_seconds(stage_ranks, edges, params, cluster, allreduces=rings, rings=tied)
+
+
+def _flush_path(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
+                stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
+                m: int, ties: Sequence[SharedWeights]) -> PipelineTime | None:
+    """A flush schedule's minibatch as the longest path through its actions
+    (cost/flush_path.py: what the simulator runs, exactly), named by its busiest stage or link
+    where that is busy for at least half of it, else by the fill and drain; None where it
+    cannot say (ranks sharing processors, whose slowdown the pass does not follow, or an order
+    the generator refuses): the closed form then."""
+    ranks = sorted({r for group in stage_ranks for r in group})
+    sharing = cluster.shared_cores()
+    if sharing is not None:
+        size, cores = sharing
+        hosts: dict[int, int] = {}
+        for rank in ranks:
+            hosts[rank // size] = hosts.get(rank // size, 0) + 1
+        if max(hosts.values()) > cores:
+            return None
+    seconds = flush_makespan(terms, edges, stage_ranks, cluster, schedule=schedule,
+                             microbatches=m, ties=ties)
+    if seconds is None:
+        return None
+    work = tuple(t.busiest(m) * t.compute for t in terms)
+    busiest = [(w, f"stage {s} work") for s, w in enumerate(work)]
+    busiest += [(m / math.lcm(len(stage_ranks[a]), len(stage_ranks[c]))
+                 * link_busy_seconds(size, slowest_link(cluster, stage_ranks[a], stage_ranks[c])),
+                 f"link {a}->{c}") for (a, c), size in edges.items()]
+    most, bound = max(busiest, key=lambda b: b[0])
+    return PipelineTime(seconds, bound if most >= seconds / 2 else "fill and drain", work, ())
 
 
 def _pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
