@@ -1,8 +1,8 @@
 """A plan's time per minibatch under a schedule, in closed form (what the planner predicts).
 
 The simulator (backends/simulate.py) runs the lowered schedule action by action; this module
-gives the same figure from the per-stage costs without running anything, so that the planner can
-price thousands of candidates. Both read one set of rules (cost/links.py for the wires,
+gives the same figure from the per-stage costs without building that schedule, so that the
+planner can price thousands of candidates. Both read one set of rules (cost/links.py for the wires,
 cost/memory.py for memory, schedule/kinds.py for what a schedule does); a test holds the two
 within 10% of each other on random plans, and benchmarks/RESULTS.md tabulates the shipped
 profiles.
@@ -35,7 +35,14 @@ r_s replicas, N_s microbatches in flight per replica (warm-up depth + 1).
   include those through a tie's all-reduce, which waits for the update of every stage sharing
   the tie: a last stage sharing an embedding with the first waits each minibatch for the
   backward to reach the first.
-* Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
+* Flush schedules (all of them: '1f1b-flush', 'gpipe', interleaved, zero bubble, V): one
+  minibatch of M microbatches is a finite graph of actions, priced as its longest path
+  (cost/flush_path.py): the simulator's makespan exactly, to rounding, on any stages, links,
+  replicas and microbatch count (tests/planner/test_flush_longest_path.py), then bounded by
+  the servers' interfaces as the simulator bounds it. The closed forms below remain for ranks
+  that outnumber their host's processors, whose slowdown the longest path does not follow
+  (the simulator shares the processors there), and for orders the generator refuses.
+  The closed form ('1f1b-flush', 'gpipe'): the first
   microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
   transfers there and back), and the busiest stage adds its other microbatches,
   (ceil(M / r_s) - 1) x its period (t_s, or RT_s / N_s, without the queueing of a round at

@@ -4,9 +4,9 @@ A flush minibatch is a finite graph of actions whose order per rank the generato
 whose durations the stage costs fix, so its makespan is that graph's longest path
 (cost/flush_path.py) and the planner's price is the simulator's figure exactly: on any stage
 count, microbatch count, stage times, link sizes and replica counts, flat clusters and two
-servers (whose shared network interfaces both bound alike, `server_interface_seconds`).
-Not covered here: ranks that outnumber their host's processors (`Level.cores`), where the
-planner keeps its closed form, and mixed clusters.
+servers (whose shared network interfaces both bound alike, `server_interface_seconds`), their
+ranks of one device or of groups of devices of different speeds. Not covered here: ranks that
+outnumber their host's processors (`Level.cores`), where the planner keeps its closed form.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from hypothesis import strategies as st
 
 from pdcompile import Cluster
 from pdcompile.cost.costgraph import add_block, new_cost_graph
+from pdcompile.machine.device import DEVICES
+from pdcompile.machine.device_groups import DeviceGroup
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner import price_plan
 from pdcompile.planner.simulation import simulate_plan
@@ -31,7 +33,8 @@ FLUSH = names("flush")
 def flush_pipelines(draw: st.DrawFn) -> tuple[nx.DiGraph, Plan, Cluster, str, int]:
     """(graph, plan, cluster, schedule, microbatches): one block per stage behind an input,
     some edges skipping ahead; 1-8 stages, 1-32 microbatches; replicated stages under
-    '1f1b-flush' and 'gpipe', chunks placed as the interleaved and V schedules place them."""
+    '1f1b-flush' and 'gpipe', chunks placed as the interleaved and V schedules place them;
+    half of the clusters mixed (devices of different speeds and memories)."""
     schedule = draw(st.sampled_from(FLUSH))
     row = kind(schedule)
     if row.v_shape:
@@ -69,6 +72,14 @@ def flush_pipelines(draw: st.DrawFn) -> tuple[nx.DiGraph, Plan, Cluster, str, in
     cluster = Cluster.parse(draw(st.sampled_from([
         f"{workers}@1e9~10us", f"{workers}@1e10~5us",
         f"{servers}x2@1e10,1e9~5us,20us", f"{servers}x2@1e9,1e8~5us,20us"])))
+    if draw(st.booleans()):  # a mixed cluster: groups of devices of different speeds
+        cuts = sorted(draw(st.sets(st.integers(1, cluster.workers - 1), max_size=2))) \
+            if cluster.workers > 1 else []
+        bounds = [0, *cuts, cluster.workers]
+        cluster = Cluster(levels=cluster.levels, groups=tuple(
+            DeviceGroup(DEVICES[draw(st.sampled_from(["v100", "a100", "titanx", "h100"]))],
+                        b - a, draw(st.none() | st.sampled_from([0.25, 0.5, 2.0])))
+            for a, b in zip(bounds, bounds[1:], strict=False)))
     plan = Plan(stages=tuple(Stage((*(("x",) if i == 0 else ()), f"n{i}"), len(group), group)
                              for i, group in enumerate(ranks)),
                 time_per_minibatch=0.0, dp_time=0.0, workers=workers)
