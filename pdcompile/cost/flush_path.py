@@ -192,7 +192,7 @@ def _updates(terms: Sequence[Terms], stage_ranks: Sequence[Sequence[int]], clust
     # a rank that holds several stages holds them on one replica each (chunks), so the
     # replicated stages are those of one-stage ranks: their all-reduce, then the steps
     before_step = dict(free)
-    for s, (t, ranks) in enumerate(zip(terms, stage_ranks, strict=True)):
+    for t, ranks in zip(terms, stage_ranks, strict=True):
         if len(ranks) > 1:
             start = max(free[r] for r in ranks)
             for r in ranks:
