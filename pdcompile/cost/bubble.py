@@ -30,7 +30,10 @@ plus `step`. Outside those conditions the forms are estimates (fewer microbatche
 leave rounds half empty; a W longer than F or B no longer fits the bubbles it is meant to fill;
 the V-shaped ones, where f differs from b, are lower bounds within 12% of the simulated
 makespan on the grid tests/cost/test_bubble.py draws).
-The planner weighs schedules with them; recomputing a stage's activations adds its forward to
+The planner prices flush schedules by the longest path through a minibatch's actions instead
+(cost/flush_path.py: exact for stages that differ, links that take time and any microbatch
+count); these forms state the uniform case in a line, and `pipeline_time` falls back on
+`v_fill` where ranks share processors. Recomputing a stage's activations adds its forward to
 its backward (`recompute.recompute_costs`).
 """
 

@@ -1,8 +1,8 @@
 """A plan's time per minibatch under a schedule, in closed form (what the planner predicts).
 
 The simulator (backends/simulate.py) runs the lowered schedule action by action; this module
-gives the same figure from the per-stage costs without running anything, so that the planner can
-price thousands of candidates. Both read one set of rules (cost/links.py for the wires,
+gives the same figure from the per-stage costs without building that schedule, so that the
+planner can price thousands of candidates. Both read one set of rules (cost/links.py for the wires,
 cost/memory.py for memory, schedule/kinds.py for what a schedule does); a test holds the two
 within 10% of each other on random plans, and benchmarks/RESULTS.md tabulates the shipped
 profiles.
@@ -35,7 +35,14 @@ r_s replicas, N_s microbatches in flight per replica (warm-up depth + 1).
   include those through a tie's all-reduce, which waits for the update of every stage sharing
   the tie: a last stage sharing an embedding with the first waits each minibatch for the
   backward to reach the first.
-* Flush schedules ('1f1b-flush', 'gpipe'): one minibatch of M microbatches. The first
+* Flush schedules (all of them: '1f1b-flush', 'gpipe', interleaved, zero bubble, V): one
+  minibatch of M microbatches is a finite graph of actions, priced as its longest path
+  (cost/flush_path.py): the simulator's makespan exactly, to rounding, on any stages, links,
+  replicas and microbatch count (tests/planner/test_flush_longest_path.py), then bounded by
+  the servers' interfaces as the simulator bounds it. The closed forms below remain for ranks
+  that outnumber their host's processors, whose slowdown the longest path does not follow
+  (the simulator shares the processors there), and for orders the generator refuses.
+  The closed form ('1f1b-flush', 'gpipe'): the first
   microbatch's forward and the last one's backward cross every stage (sum of t_s and of the
   transfers there and back), and the busiest stage adds its other microbatches,
   (ceil(M / r_s) - 1) x its period (t_s, or RT_s / N_s, without the queueing of a round at
@@ -56,6 +63,7 @@ from typing import Any
 
 from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.cycle_ratio import largest_cycle_ratio
+from pdcompile.cost.flush_path import flush_makespan
 from pdcompile.cost.links import (
     exposed_allreduce_seconds,
     link_busy_seconds,
@@ -132,7 +140,8 @@ class PipelineTime:
     time_per_minibatch: float
     bound: str  # e.g. "stage 1 work", "round trip of stage 0", "link 0->1", "fill and drain"
     work: tuple[float, ...]  # per stage, seconds per minibatch of work over its replicas
-    round_trip: tuple[float, ...]  # per stage, RT_s (seconds)
+    # per stage, RT_s (seconds); () where a flush schedule is priced by its longest path
+    round_trip: tuple[float, ...]
     # where a streaming pipeline's round trip bounds it, the stages on the binding circuit
     # (the microbatches they keep in flight, and what limits those, set its time); () where a
     # stage's work, a link, a server's interface or a flush's fill and drain does
@@ -239,7 +248,10 @@ def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], floa
     m = microbatches if row.microbatched else 1
     shared = 0.0 if params is None else server_interface_seconds(
         edges, stage_ranks, params, cluster, schedule=schedule, microbatches=m, ties=ties)
-    timed = _pipeline_time(terms, edges, stage_ranks, cluster, schedule=schedule, m=m)
+    timed = _flush_path(terms, edges, stage_ranks, cluster, schedule=schedule, m=m,
+                        ties=ties) if row.flush else None
+    if timed is None:
+        timed = _pipeline_time(terms, edges, stage_ranks, cluster, schedule=schedule, m=m)
     if shared * m > timed.time_per_minibatch:
         return replace(timed, time_per_minibatch=shared * m, bound="server interface",
                        binding=())
@@ -260,6 +272,36 @@ def server_interface_seconds(edges: dict[tuple[int, int], float],
     tied = [(tie.ranks(stage_ranks), tie.nbytes, max(rings[s] for s in tie.stages))
             for tie in ties]
     return nic_busy_seconds(stage_ranks, edges, params, cluster, allreduces=rings, rings=tied)
+
+
+def _flush_path(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
+                stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
+                m: int, ties: Sequence[SharedWeights]) -> PipelineTime | None:
+    """A flush schedule's minibatch as the longest path through its actions
+    (cost/flush_path.py: what the simulator runs, exactly), named by its busiest stage or link
+    where that is busy for at least half of it, else by the fill and drain; None where it
+    cannot say (ranks sharing processors, whose slowdown the pass does not follow, or an order
+    the generator refuses): the closed form then."""
+    ranks = sorted({r for group in stage_ranks for r in group})
+    sharing = cluster.shared_cores()
+    if sharing is not None:
+        size, cores = sharing
+        hosts: dict[int, int] = {}
+        for rank in ranks:
+            hosts[rank // size] = hosts.get(rank // size, 0) + 1
+        if max(hosts.values()) > cores:
+            return None
+    seconds = flush_makespan(terms, edges, stage_ranks, cluster, schedule=schedule,
+                             microbatches=m, ties=ties)
+    if seconds is None:
+        return None
+    work = tuple(t.busiest(m) * t.compute for t in terms)
+    busiest = [(w, f"stage {s} work") for s, w in enumerate(work)]
+    busiest += [(m / math.lcm(len(stage_ranks[a]), len(stage_ranks[c]))
+                 * link_busy_seconds(size, slowest_link(cluster, stage_ranks[a], stage_ranks[c])),
+                 f"link {a}->{c}") for (a, c), size in edges.items()]
+    most, bound = max(busiest, key=lambda b: b[0])
+    return PipelineTime(seconds, bound if most >= seconds / 2 else "fill and drain", work, ())
 
 
 def _pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],

@@ -18,8 +18,8 @@ One function, `evaluate`, prices a plan for every planner and every report. Two 
   all-reduces, optimizer steps and weight-version copies, loopback copies, memory per worker
   (weights, gradients, optimizer state, stashed versions, activations in flight), and the
   schedule-aware time per minibatch of `cost.pipeline_time` (a streaming schedule's steady state
-  bounded by work, links and in-flight round trips; a flush schedule's fill, steady part, drain
-  and final update). Each stage keeps `in_flight` microbatches in flight: the planner's choice
+  bounded by work, links and in-flight round trips; a flush schedule's minibatch as the
+  longest path through its actions, cost/flush_path.py). Each stage keeps `in_flight` microbatches in flight: the planner's choice
   (`Stage.in_flight`) or the schedule's default, PipeDream's NOAM. Where a host's workers
   outnumber its cores (`Level.cores`, as `local-N` on a small machine), a minibatch takes at
   least their CPU work over the cores (`shared_core_time`).

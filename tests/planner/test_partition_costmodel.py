@@ -121,23 +121,21 @@ def test_flush_schedules_pay_the_bubble_and_keep_one_weight_version() -> None:
     async_stages, async_time = evaluate(graph, nodes, cluster, options=ModelOptions())
     flush_stages, flush_time = evaluate(graph, nodes, cluster,
                                         options=ModelOptions(schedule="1f1b-flush", microbatches=4))
-    # fill and drain: every stage's microbatch once with both transfers there and back; stage
-    # 0 keeps 2 microbatches in flight (NOAM) while a round trip through stage 1 takes longer
-    # than 2 of its forwards and backwards, so its other 3 microbatches each wait for half a
-    # round trip; then the last update. Stage 1 sends its input gradients before its weight
-    # gradients (half its backward), which neither the path nor the round trip waits for
+    # one minibatch as the simulator runs it (the longest path through its actions): each
+    # transfer holds its link 25 ms (1e8 / 4 bytes at 1e9 B/s) and stage 0 keeps 2 microbatches
+    # in flight, running F0 F1 B0 F2 B1 F3 B2 B3 (forward 2.5 ms, backward 5 ms). F1 reaches
+    # stage 1 behind F0 on the link (27.5 -> 52.5 ms); stage 1's forward and the input-gradient
+    # half of its backward (1.5 + 1.5 ms: it sends before its weight gradients) send B1 back at
+    # 55.5 ms, there at 80.5; B1 and F3 take stage 0 to 88 ms, F3 is there at 113, its
+    # gradients back at 116 + 25 = 141 ms; B3 ends at 146 ms, then stage 0's step (the last)
     mem_bw = cluster.device.mem_bandwidth
-    transfer = 1e8 / 4 / 1e9
-    later = 0.012 / 2 / 4
-    path = (0.030 + 0.018) / 4 - later + 2 * transfer
-    round_trip = 0.030 / 4 + 0.018 / 4 - later + 2 * transfer
-    expected = path + 3 * round_trip / 2 + 3 * 2e8 / mem_bw
+    expected = 0.146 + 3 * 2e8 / mem_bw
     assert flush_time == pytest.approx(expected)
     plan_ = Plan(stages=(Stage(("a",), 1, (0,)), Stage(("b", "c"), 1, (1,))),
                  time_per_minibatch=0.0, dp_time=0.0, workers=2, schedule="1f1b-flush",
                  microbatches=4)
     _, simulated = simulate_plan(graph, plan_, cluster, timeline=False)
-    assert flush_time == pytest.approx(simulated.time_per_minibatch, rel=0.1)
+    assert flush_time == pytest.approx(simulated.time_per_minibatch, rel=1e-9)
     assert flush_time > async_time
     assert flush_stages[0].memory < async_stages[0].memory
 
