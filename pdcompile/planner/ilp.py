@@ -76,7 +76,9 @@ def improve(graph: nx.DiGraph, cluster: Cluster, hint: Plan, *, options: ModelOp
     if solution.get("stages"):
         stages = tuple(Stage(tuple(nodes), len(ranks), tuple(ranks))
                        for nodes, ranks in solution["stages"])
-        best = replace(hint, stages=stages)
+        # the solver may use ranks the hint left idle (a hint of 1-1-1 on 4 workers)
+        used = 1 + max(r for stage in stages for r in stage.ranks)
+        best = replace(hint, stages=stages, workers=max(hint.workers, used))
     status = solution["status"]
     if status not in ("OPTIMAL", "FEASIBLE"):  # no solution in time: the hint stands
         status = "FEASIBLE"

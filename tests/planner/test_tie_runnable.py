@@ -62,3 +62,20 @@ def test_streaming_plans_keep_the_stages_sharing_a_tie_on_equal_replicas(
         assert "memory" in str(err) or "tied" in str(err) or "microbatch" in str(err)
         return
     assert all(len(replicas) == 1 for replicas in _tie_replicas(graph, plan))
+
+
+def test_a_solver_plan_on_ranks_its_hint_left_idle_is_a_plan_of_all_of_them() -> None:
+    """CP-SAT, warm-started from a 1-1-1 hint on 4 workers, returned stages on all 4 ranks
+    under the hint's 3 workers, and `plan` raised "stage 3's ranks use rank 3" instead of
+    returning a plan (a tie over three of four nodes, two of them unconnected, under 2BW)."""
+    graph = nx.DiGraph(ties=[{"bytes": 42611277.0, "nodes": ["n0", "n1", "n2"]}])
+    ms = 1 / 512  # seconds
+    costs = [(ms, 2 * ms, 42611277.0), (2 * ms, 4 * ms, 0.0), (4 * ms, ms, 0.0),
+             (ms, ms, 22952789.0)]
+    for i, (fwd, bwd, params) in enumerate(costs):
+        graph.add_node(f"n{i}", fwd=fwd, bwd=bwd, act=0.0, params=params, keep=0.0,
+                       label="", members=[f"n{i}"])
+    graph.add_edge("n0", "n1")
+    plan = pdcompile.plan(graph, Cluster.parse("4@1e10"), schedule="2bw", simulate=False)
+    assert plan.workers == 4
+    assert all(len(replicas) == 1 for replicas in _tie_replicas(graph, plan))
