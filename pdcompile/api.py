@@ -132,7 +132,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
                        leaf_modules=leaf_modules, frontend=frontend, autocast=precision,
                        batch_dim=dims.default)
     gm = captured.graph
-    samples = _example_samples(captured.inputs, gm, batch_dim, target_batch_dim, unbatched)
+    samples = _example_samples(captured.inputs, gm, batch_dim, target_batch_dim, unbatched,
+                               example_target)
     buffers = {name: b.clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     try:  # on fake tensors: what every node outputs, and so what each stage would send
         with torch.random.fork_rng(), autocast_region(precision, gm):
@@ -187,15 +188,22 @@ def compile(  # noqa: A001 - the public name of the one-liner
 
 
 def _example_samples(values: Sequence[Any], gm: fx.GraphModule, batch_dim: Any,
-                     target_batch_dim: Any, unbatched: Any) -> int | None:
+                     target_batch_dim: Any, unbatched: Any, target: Any) -> int | None:
     """The example's batch size along the batch dimension (the planner's bound on the
-    microbatch count), `batch_dim=` and `unbatched=` checked against the captured inputs."""
-    from pdcompile.runtime.microbatch_cut import batch_size, checked_whole, inferred_whole
+    microbatch count), `batch_dim=`, `target_batch_dim=` and `unbatched=` checked against the
+    captured inputs and the example target (None: not given)."""
+    from pdcompile.runtime.microbatch_cut import (
+        batch_size,
+        check_dims_held,
+        checked_whole,
+        inferred_whole,
+    )
 
     names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     dims = checked_batch_dims(batch_dim, target_batch_dim, names)
     whole = checked_whole(unbatched, names)
     named = dict(zip(names, values, strict=False))
+    check_dims_held(named, whole, dims, target)
     return batch_size(named, whole + inferred_whole(named, whole, dims), dims)
 
 
