@@ -119,3 +119,13 @@ def test_simulate_refuses_a_stream_of_no_minibatches(count: str,
     err = capsys.readouterr().err
     assert f"minibatches={count}: give a positive number of minibatches" in err, err
     _one_line(err, "simulate")
+
+
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_inspect_refuses_a_top_of_no_nodes(count: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--top -2` showed every node but two (a Python slice) under "the most expensive", and
+    0 an empty table."""
+    assert main(["inspect", "--profile", "alexnet", "--top", count]) == 1
+    err = capsys.readouterr().err
+    assert f"--top takes a positive node count, not {count}" in err, err
+    _one_line(err, "inspect")
