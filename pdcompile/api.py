@@ -100,7 +100,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
     from pdcompile.passes.shapes import annotate_shapes
-    from pdcompile.passes.split import even_plan, split
+    from pdcompile.passes.split import check_plan_nodes, even_plan, split
     from pdcompile.runtime.grad_clip import check_max_norm
     from pdcompile.runtime.precision import autocast_region, check_autocast
 
@@ -143,6 +143,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
             if name in buffers:
                 b.copy_(buffers[name])
     if isinstance(given, Plan):
+        check_plan_nodes(gm, given)  # a plan of another model: priced, it lost its nodes
         chosen = given
         if cluster is not None:  # priced like a planned one
             chosen = _planned(gm, captured.inputs, cluster, cost=cost, given=given,
