@@ -100,6 +100,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
     from pdcompile.passes.shapes import annotate_shapes
+    from pdcompile.passes.inplace import make_mutations_explicit
     from pdcompile.passes.split import check_plan_nodes, even_plan, split
     from pdcompile.runtime.grad_clip import check_max_norm
     from pdcompile.runtime.precision import autocast_region, check_autocast
@@ -143,7 +144,10 @@ def compile(  # noqa: A001 - the public name of the one-liner
             if name in buffers:
                 b.copy_(buffers[name])
     if isinstance(given, Plan):
-        check_plan_nodes(gm, given)  # a plan of another model: priced, it lost its nodes
+        # in-place order made explicit first (idempotent; the cost pass and split do it too):
+        # a plan names the nodes it adds. A plan of another model, priced, lost its nodes
+        make_mutations_explicit(gm)
+        check_plan_nodes(gm, given)
         chosen = given
         if cluster is not None:  # priced like a planned one
             chosen = _planned(gm, captured.inputs, cluster, cost=cost, given=given,
