@@ -100,7 +100,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
     from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
     from pdcompile.passes.shapes import annotate_shapes
-    from pdcompile.passes.split import even_plan, split
+    from pdcompile.passes.inplace import make_mutations_explicit
+    from pdcompile.passes.split import check_plan_nodes, even_plan, split
     from pdcompile.runtime.grad_clip import check_max_norm
     from pdcompile.runtime.precision import autocast_region, check_autocast
 
@@ -132,7 +133,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
                        leaf_modules=leaf_modules, frontend=frontend, autocast=precision,
                        batch_dim=dims.default)
     gm = captured.graph
-    samples = _example_samples(captured.inputs, gm, batch_dim, target_batch_dim, unbatched)
+    samples = _example_samples(captured.inputs, gm, batch_dim, target_batch_dim, unbatched,
+                               example_target)
     buffers = {name: b.clone() for name, b in gm.named_buffers() if b.device.type != "meta"}
     try:  # on fake tensors: what every node outputs, and so what each stage would send
         with torch.random.fork_rng(), autocast_region(precision, gm):
@@ -142,6 +144,10 @@ def compile(  # noqa: A001 - the public name of the one-liner
             if name in buffers:
                 b.copy_(buffers[name])
     if isinstance(given, Plan):
+        # in-place order made explicit first (idempotent; the cost pass and split do it too):
+        # a plan names the nodes it adds. A plan of another model, priced, lost its nodes
+        make_mutations_explicit(gm)
+        check_plan_nodes(gm, given)
         chosen = given
         if cluster is not None:  # priced like a planned one
             chosen = _planned(gm, captured.inputs, cluster, cost=cost, given=given,
@@ -187,15 +193,22 @@ def compile(  # noqa: A001 - the public name of the one-liner
 
 
 def _example_samples(values: Sequence[Any], gm: fx.GraphModule, batch_dim: Any,
-                     target_batch_dim: Any, unbatched: Any) -> int | None:
+                     target_batch_dim: Any, unbatched: Any, target: Any) -> int | None:
     """The example's batch size along the batch dimension (the planner's bound on the
-    microbatch count), `batch_dim=` and `unbatched=` checked against the captured inputs."""
-    from pdcompile.runtime.microbatch_cut import batch_size, checked_whole, inferred_whole
+    microbatch count), `batch_dim=`, `target_batch_dim=` and `unbatched=` checked against the
+    captured inputs and the example target (None: not given)."""
+    from pdcompile.runtime.microbatch_cut import (
+        batch_size,
+        check_dims_held,
+        checked_whole,
+        inferred_whole,
+    )
 
     names = tuple(n.name for n in gm.graph.nodes if n.op == "placeholder")
     dims = checked_batch_dims(batch_dim, target_batch_dim, names)
     whole = checked_whole(unbatched, names)
     named = dict(zip(names, values, strict=False))
+    check_dims_held(named, whole, dims, target)
     return batch_size(named, whole + inferred_whole(named, whole, dims), dims)
 
 

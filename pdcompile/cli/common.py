@@ -57,6 +57,21 @@ class Factory(NamedTuple):
     inputs: tuple[Any, ...]
 
 
+def check_sgd_options(lr: float, momentum: float = 0.0) -> None:
+    """--lr and --momentum of the SGD a command builds: finite, lr >= 0, momentum in [0, 1).
+    torch refused a negative lr only in a traceback, and took NaN, infinite ones and a
+    momentum of 1 or more (velocity that never decays) without a word: the run diverged."""
+    import math
+
+    if not (math.isfinite(lr) and lr >= 0):
+        raise PdcompileError(f"--lr {lr!r}: a learning rate is a finite number 0 or more, "
+                             "e.g. --lr 0.01")
+    if not (math.isfinite(momentum) and 0 <= momentum < 1):
+        raise PdcompileError(f"--momentum {momentum!r}: SGD's momentum is at least 0 and below "
+                             "1 (at 1 or more a gradient never fades: the weights diverge), "
+                             "e.g. --momentum 0.9")
+
+
 def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
     """Call `path/to/file.py:factory` (or `package.module:factory`); returns (model, inputs).
     Every failure (no such module or name, an error inside the factory) is one line."""

@@ -22,6 +22,7 @@ import json
 import sys
 from typing import Any
 
+from pdcompile.cli.common import check_sgd_options
 from pdcompile.errors import PdcompileError
 
 
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pdcompile.demo import DemoSize, run_demo
 
+    check_sgd_options(args.lr)
     size = DemoSize.quick() if args.quick else DemoSize()
     if args.steps is not None:
         if args.steps < 1:

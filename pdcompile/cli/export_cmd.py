@@ -26,6 +26,7 @@ from pdcompile.cli.common import (
     Spinner,
     add_cluster_option,
     call_factory,
+    check_sgd_options,
     load_cluster,
     read_plan_file,
 )
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from pdcompile.api import compile as compile_pipeline
 
     torch.set_num_threads(1)
+    check_sgd_options(args.lr, args.momentum)  # before the factory runs: one line, at once
     module, model, inputs = call_factory(args.model)
     loss_fn = getattr(module, "loss_fn", None)
     # a factory module's make_target gives the export an example target, so that the exported

@@ -228,6 +228,8 @@ def draw_svg(graph: nx.DiGraph, path: str | Path, *, dot_program: str = "dot") -
 
 def run(args: argparse.Namespace) -> int:
     """The subcommand."""
+    if args.top is not None and args.top < 1:  # before profiling; -2 showed all nodes but 2
+        raise PdcompileError(f"--top takes a positive node count, not {args.top}; e.g. --top 10")
     graph = load_graph(args)
     mapping = None
     if args.coarsen is not None:

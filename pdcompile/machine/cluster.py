@@ -40,6 +40,21 @@ _FILE_EXAMPLE_YAML = ("levels:\n  - {workers: 4, bandwidth: 10GB/s, latency: 10u
 _FILE_EXAMPLE_JSON = ('{"levels": [{"workers": 4, "bandwidth": "10GB/s", "latency": "10us"},\n'
                       '            {"workers": 4, "bandwidth": "10Gbps"}],\n "device": "v100"}')
 
+# the outer bounds of a cluster's figures: past them a transfer's seconds overflow a float (a
+# bandwidth of 1e-300 bytes/s, a latency of 1e300 s or of .inf) and the planner hung or failed
+# on a NaN; real links are many orders of magnitude inside them
+_SLOWEST_LINK = 1.0  # bytes/s
+_LONGEST_LATENCY = 3600.0  # seconds
+_SMALLEST_BUCKET, _LARGEST_BUCKET = 1.0, 1e15  # bytes (1e30 broke the CP-SAT model's integers)
+_SLOWEST_DEVICE = 1.0  # FLOP/s or bytes/s of memory (1e-300 overflowed an update's seconds)
+
+
+def _check_link_speed(value: float, what: str) -> None:
+    """Raise ClusterError unless `value` is a finite bandwidth of at least _SLOWEST_LINK."""
+    if not _SLOWEST_LINK <= value < math.inf:
+        raise ClusterError(f"{what} {value!r} bytes/s; a link's bandwidth is finite and at least "
+                           f"{_SLOWEST_LINK:.0f} byte/s (write e.g. 10Gbps or 1.25e9)")
+
 
 @dataclass(frozen=True)
 class Level:
@@ -138,6 +153,11 @@ class Cluster:
         if self.allreduce_bucket is not None and not self.allreduce_bucket > 0:
             raise ClusterError(f"allreduce_bucket {self.allreduce_bucket!r}: a gradient bucket "
                                "holds > 0 bytes (PyTorch DDP: 25MiB), or leave it out")
+        if self.allreduce_bucket is not None and not (
+                _SMALLEST_BUCKET <= self.allreduce_bucket <= _LARGEST_BUCKET):
+            raise ClusterError(f"allreduce_bucket {self.allreduce_bucket!r}: a gradient bucket "
+                               f"holds {_SMALLEST_BUCKET:.0f} to {_LARGEST_BUCKET:.0e} bytes "
+                               "(PyTorch DDP: 25MiB), or leave it out")
         for i, level in enumerate(self.levels):
             if not isinstance(level.workers, int) or level.workers < 1:
                 raise ClusterError(
@@ -149,19 +169,29 @@ class Cluster:
                     f"level {i} has bandwidth {level.bandwidth!r}; bandwidth must be > 0 "
                     f"bytes/s ({_EXAMPLE})"
                 )
+            _check_link_speed(level.bandwidth, f"level {i} has bandwidth")
             if not level.latency >= 0:  # NaN too
                 raise ClusterError(f"level {i} has latency {level.latency!r} s; a latency is "
                                    "0 or more seconds (e.g. 10us), or leave it out")
+            if not level.latency <= _LONGEST_LATENCY:  # infinite too
+                raise ClusterError(f"level {i} has latency {level.latency!r} s; a latency is "
+                                   f"at most {_LONGEST_LATENCY:.0f} s (a real link's is "
+                                   "microseconds: write e.g. 10us)")
             if not isinstance(level.cpu_copies, bool):
                 raise ClusterError(f"level {i} has cpu_copies {level.cpu_copies!r}; write true "
                                    "or false")
             if level.flow_bandwidth is not None and not level.flow_bandwidth > 0:
                 raise ClusterError(f"level {i} has flow_bandwidth {level.flow_bandwidth!r}; a "
                                    "flow's bandwidth must be > 0 bytes/s, or leave it out")
+            if level.flow_bandwidth is not None:
+                _check_link_speed(level.flow_bandwidth, f"level {i} has flow_bandwidth")
             if level.allreduce_bandwidth is not None and not level.allreduce_bandwidth > 0:
                 raise ClusterError(f"level {i} has allreduce_bandwidth "
                                    f"{level.allreduce_bandwidth!r}; an all-reduce's bus "
                                    "bandwidth must be > 0 bytes/s, or leave it out")
+            if level.allreduce_bandwidth is not None:
+                _check_link_speed(level.allreduce_bandwidth,
+                                  f"level {i} has allreduce_bandwidth")
             if level.cores is not None and (not isinstance(level.cores, int)
                                             or isinstance(level.cores, bool) or level.cores < 1):
                 raise ClusterError(f"level {i} has cores {level.cores!r}; write a positive "
@@ -639,6 +669,14 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
             if value is not None and not value > 0:  # zero, negative or NaN
                 raise ClusterError(f"device {device!r}: {what} {value!r} must be > 0 (a speed "
                                    "or size of 0 makes every time infinite or nothing fit)")
+            if value is not None and not math.isfinite(value):
+                raise ClusterError(f"device {device!r}: {what} {value!r} must be finite (an "
+                                   "infinite size or speed makes the planner's sums "
+                                   "meaningless); write the device's real figure, e.g. 16GiB")
+            if value is not None and what != "memory" and value < _SLOWEST_DEVICE:
+                raise ClusterError(f"device {device!r}: {what} {value!r} is below "
+                                   f"{_SLOWEST_DEVICE:.0f} per second (an update's seconds "
+                                   "overflow); write the device's real figure, e.g. 900GB/s")
         return made
     key = device.strip().lower()
     if key in ("cpu-local", "local"):

@@ -164,11 +164,7 @@ def assign_stages(gm: fx.GraphModule, plan: Plan) -> dict[str, int]:
     given = plan.stage_of()
     stage_of: dict[str, int] = {}
     nodes = [n for n in gm.graph.nodes if n.op != "output"]
-    known_names = {n.name for n in nodes}
-    foreign = [name for name in given if name not in known_names]
-    if foreign:
-        raise PlanError(f"the plan names nodes the traced graph does not have: {foreign[:5]}; "
-                        "plan the cost graph of this model (to_cost_graph of the same trace)")
+    check_plan_nodes(gm, plan)
     for node in nodes:
         if node.name in given:
             stage_of[node.name] = given[node.name]
@@ -611,6 +607,15 @@ def _plan_from(stage_of: dict[str, int], count: int, replicas: Sequence[int] | N
         rank += replicas[s]
     return Plan(stages=tuple(stages), time_per_minibatch=0.0, dp_time=0.0, workers=rank,
                 planner="manual", status="GIVEN")
+
+
+def check_plan_nodes(gm: fx.GraphModule, plan: Plan) -> None:
+    """Raise PlanError when `plan` names nodes `gm` does not have (a plan of another model)."""
+    known = {n.name for n in gm.graph.nodes if n.op != "output"}
+    foreign = [name for name in plan.stage_of() if name not in known]
+    if foreign:
+        raise PlanError(f"the plan names nodes the traced graph does not have: {foreign[:5]}; "
+                        "plan the cost graph of this model (to_cost_graph of the same trace)")
 
 
 def split(gm: fx.GraphModule, plan: Plan, *, model: torch.nn.Module | None = None) -> SplitResult:

@@ -55,6 +55,12 @@ def simulate_plan(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *,
     runs streams of doubling length until its steady state holds (`simulate_steady`), so that
     `pdcompile simulate` and the planner report the same figure for the same plan. `cache`:
     the schedules a search has built already (planner/search_cache.py; None: build anew)."""
+    if minibatches is not None and (isinstance(minibatches, bool)
+                                    or not isinstance(minibatches, int) or minibatches < 1):
+        # 0 fell back to the default and -1 simulated one minibatch, each reported as the plan's
+        raise PdcompileError(f"minibatches={minibatches!r}: give a positive number of "
+                             "minibatches to stream (e.g. 32), or leave it out for enough to "
+                             "reach the steady state")
     name = schedule or plan.schedule
     if minibatches is None and not kind(name).flush:
         return _steady(graph, plan, cluster, schedule=name, microbatches=microbatches,

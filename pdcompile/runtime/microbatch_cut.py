@@ -115,6 +115,43 @@ def batch_size(named: Mapping[str, Any], whole: Collection[str] = (),
     return None
 
 
+def check_dims_held(named: Mapping[str, Any], whole: Collection[str], dims: BatchDims,
+                    target: Any = None) -> None:
+    """Refuse a `batch_dim=` the example cannot hold: an input named in it (or, for one int, every
+    input) whose tensors have no such dimension, or a target (where given) whose tensors lack
+    `dims.target`. Left alone, such an input went whole to every microbatch, silently (and the
+    error came at the first step, or in a worker of `pdcompile run`, in the loss's words)."""
+    def shapes(value: Any) -> list[tuple[int, ...]]:
+        return [tuple(leaf.shape) for leaf in pytree.tree_leaves(value)
+                if isinstance(leaf, torch.Tensor) and leaf.dim()]
+
+    if dims.given:
+        named_inputs = [n for n in dims.inputs if n in named and n not in whole]
+        for name in named_inputs:
+            held = shapes(named[name])
+            if held and all(len(shape) <= dims.of(name) for shape in held):
+                raise PipelineInputError(
+                    f"batch_dim[{name!r}]={dims.of(name)}: input {name!r} has shape "
+                    f"{held[0]}, which has no dimension {dims.of(name)}; name the dimension "
+                    f"that holds its samples (0 to {len(held[0]) - 1}), or unbatched="
+                    f"({name!r},) if it holds none")
+        others = {n: v for n, v in named.items() if n not in dims.inputs and n not in whole}
+        if not dims.inputs and others and batch_size(others, (), dims) is None \
+                and any(shapes(v) for v in others.values()):
+            listed = ", ".join(f"{n} {shapes(v)[0]}" for n, v in others.items() if shapes(v))
+            raise PipelineInputError(
+                f"batch_dim={dims.default}: no input has dimension {dims.default} ({listed}); "
+                "give the dimension that holds the samples (e.g. batch_dim=1 for (seq, batch, "
+                "...) inputs)")
+    held = shapes(target)
+    if held and any(len(shape) <= dims.target for shape in held):
+        raise PipelineInputError(
+            f"target_batch_dim={dims.target}: the example target has shape "
+            f"{next(s for s in held if len(s) <= dims.target)}, which has no dimension "
+            f"{dims.target}; compile with target_batch_dim= naming the target's batch dimension "
+            "(e.g. target_batch_dim=0 for class labels of shape (batch,))")
+
+
 def inferred_whole(named: Mapping[str, Any], whole: Collection[str] = (),
                    dims: BatchDims = BATCH_FIRST) -> tuple[str, ...]:
     """The inputs (besides `whole`) of tensors with dimensions of which none holds samples."""

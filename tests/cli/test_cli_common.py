@@ -196,6 +196,32 @@ def test_export_keeps_the_batch_dimension(model_file: Path, tmp_path: Path,
     assert err.count("\n") == 1
 
 
+@pytest.mark.parametrize(("options", "message"), [
+    (["--lr", "-1"], "--lr -1.0: a learning rate is a finite number 0 or more"),
+    (["--lr", "nan"], "--lr nan: a learning rate is a finite number"),
+    (["--lr", "inf"], "--lr inf: a learning rate is a finite number"),
+    (["--momentum", "5"], "--momentum 5.0: SGD's momentum is at least 0 and below 1"),
+    (["--momentum", "nan"], "--momentum nan: SGD's momentum"),
+    (["--batch-dim", "7"], "batch_dim=7: no input has dimension 7 (input_1 (8, 8))"),
+    (["--batch-dim", "input_1=2"], "batch_dim['input_1']=2: input 'input_1' has shape (8, 8), "
+                                   "which has no dimension 2"),
+])
+def test_export_options_no_step_could_use_are_one_line(
+        model_file: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        options: list[str], message: str) -> None:
+    """An optimizer or batch dimension the export could never train with is refused before
+    anything is written: torch refused a negative --lr in a traceback and took NaN, infinite
+    ones and a momentum of 5 without a word; a --batch-dim no input has sent every input whole
+    to each microbatch, and the run failed in its workers on the target."""
+    out = tmp_path / "exp"
+    assert main(["export", f"{model_file}:factory", "--stages", "2", "--schedule",
+                 "1f1b-flush", "--microbatches", "2", "--out", str(out), *options]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("pdcompile export: error")]
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert not out.exists()
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_console_entry_exit_codes(tmp_path: Path) -> None:

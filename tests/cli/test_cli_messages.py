@@ -107,3 +107,25 @@ def test_unknown_schedule_gets_did_you_mean() -> None:
     with pytest.raises(PdcompileError, match=r"unknown schedule 'gpip' \(did you mean 'gpipe'"):
         pdcompile.compile(nn.Linear(2, 2), example_inputs=(torch.randn(2, 2),), plan=1,
                           schedule="gpip")
+
+
+@pytest.mark.parametrize("count", ["0", "-1"])
+def test_simulate_refuses_a_stream_of_no_minibatches(count: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`--minibatches 0` fell back to the default stream and -1 simulated one minibatch; each
+    printed a time per minibatch as the plan's, without a word."""
+    assert main(["simulate", "--profile", "alexnet", "--cluster", "2@1e10",
+                 "--minibatches", count]) == 1
+    err = capsys.readouterr().err
+    assert f"minibatches={count}: give a positive number of minibatches" in err, err
+    _one_line(err, "simulate")
+
+
+@pytest.mark.parametrize("count", ["0", "-2"])
+def test_inspect_refuses_a_top_of_no_nodes(count: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--top -2` showed every node but two (a Python slice) under "the most expensive", and
+    0 an empty table."""
+    assert main(["inspect", "--profile", "alexnet", "--top", count]) == 1
+    err = capsys.readouterr().err
+    assert f"--top takes a positive node count, not {count}" in err, err
+    _one_line(err, "inspect")

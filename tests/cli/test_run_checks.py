@@ -63,6 +63,17 @@ def _refused(args: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     (["--checkpoint-every", "0", "--checkpoint-dir", "ck"],
      "--checkpoint-every must be a positive number of minibatches (0 < 1)"),
     (["--checkpoint-every", "5"], "--checkpoint-every needs --checkpoint-dir DIR"),
+    # each of these reached the workers: no fault detection (nan), a stop at start-up (0, -1),
+    # a traceback in every worker or in torchrun, or a run that waited forever
+    (["--fault-timeout", "nan"], "--fault-timeout nan: give the seconds"),
+    (["--fault-timeout", "0"], "--fault-timeout 0.0: give the seconds"),
+    (["--fault-timeout", "-1"], "--fault-timeout -1.0: give the seconds"),
+    (["--threads", "0"], "--threads 0: give the threads of each worker, 1 or more"),
+    (["--seed", str(2**70)], f"--seed {2**70}: torch takes seeds from -2**63 to 2**64-1"),
+    (["--max-restarts", "-1"], "--max-restarts -1: give how many times torchrun may restart"),
+    (["--master-port", "0"], "--master-port 0: a TCP port is 1 to 65535"),
+    (["--master-port", "70000"], "--master-port 70000: a TCP port is 1 to 65535"),
+    (["--node-rank", "5"], "--node-rank 5: with --nnodes 1 a node's rank is 0 to 0"),
 ])
 def test_bad_options_are_one_line(exported: Path, options: list[str], message: str,
                                   capsys: pytest.CaptureFixture[str]) -> None:

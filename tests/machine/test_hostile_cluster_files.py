@@ -1,7 +1,8 @@
 """Cluster files nobody here wrote: YAML tags that would run code, aliases nested into a
 billion values, structures that hold themselves, figures that are zero, negative or NaN, and
-random documents. Each gives a Cluster whose every figure is usable or one ClusterError, fast;
-nothing of the file runs."""
+random documents, figures so large or small that a transfer's seconds overflow a float. Each
+gives a Cluster whose every figure is usable (a plan over it ends, in finite time) or one
+ClusterError, fast; nothing of the file runs."""
 
 from __future__ import annotations
 
@@ -106,9 +107,86 @@ def test_random_documents_give_a_usable_cluster_or_a_cluster_error(
     devices = [cluster.device, *(group.device for group in cluster.groups)]
     figures = [d.memory for d in devices] + [d.flops for d in devices] + [
         d.mem_bandwidth for d in devices] + [level.bandwidth for level in cluster.levels]
-    assert all(value > 0 for value in figures), cluster
-    assert all(level.latency >= 0 for level in cluster.levels), cluster
+    assert all(value > 0 and math.isfinite(value) for value in figures), cluster
+    assert all(0 <= level.latency <= 3600 for level in cluster.levels), cluster
+    assert all(1 <= bandwidth < math.inf for level in cluster.levels
+               for bandwidth in (level.bandwidth, level.flow_bandwidth,
+                                 level.allreduce_bandwidth) if bandwidth is not None), cluster
     assert all(not math.isnan(group.speed) and group.speed > 0 for group in cluster.groups)
+
+
+# each of these hung the planner (a bisection between a finite and an infinite period, Howard's
+# cycle ratio on 1e300 s) or failed in a traceback (a NaN memory limit, an infinite bucket
+# count, CP-SAT refusing a coefficient of 1e30 bytes' time)
+_OVERFLOWING = [
+    ("levels: [{workers: 2, bandwidth: 1.0e-300}]", "bandwidth 1e-300"),
+    ("levels: [{workers: 2, bandwidth: .inf}]", "bandwidth inf"),
+    ("levels: [{workers: 2, bandwidth: 1.0e+9, latency: .inf}]", "latency inf"),
+    ("levels: [{workers: 2, bandwidth: 1.0e+9, latency: 1.0e+300}]", "latency 1e+300"),
+    ("levels: [{workers: 2, bandwidth: 1.0e+9, flow_bandwidth: 1.0e-300}]",
+     "flow_bandwidth 1e-300"),
+    ("levels: [{workers: 2, bandwidth: 1.0e+9, allreduce_bandwidth: 1.0e-300}]",
+     "allreduce_bandwidth 1e-300"),
+    ("{levels: [{workers: 2, bandwidth: 1.0e+9}], allreduce_bucket: .inf}", "allreduce_bucket inf"),
+    ("{levels: [{workers: 2, bandwidth: 1.0e+9}], allreduce_bucket: 1.0e-300}",
+     "allreduce_bucket 1e-300"),
+    ("{levels: [{workers: 2, bandwidth: 1.0e+9}], allreduce_bucket: 1.0e+30}",
+     "allreduce_bucket 1e+30"),
+    ("{levels: [{workers: 2, bandwidth: 1.0e+9}], device: {memory: .inf, flops: 1.0e+12, "
+     "mem_bandwidth: 900GB/s}}", "memory inf"),
+    ("{levels: [{workers: 3, bandwidth: 1.0e+9}], device: {memory: 16GiB, flops: 1.0e+12, "
+     "mem_bandwidth: 1.0e-300}}", "mem_bandwidth 1e-300"),
+    ("{levels: [{workers: 2, bandwidth: 1.0e+9}], groups: [{device: {memory: 16GiB, flops: "
+     ".inf, mem_bandwidth: 1.0e+9}, workers: 2}]}", "flops inf"),
+]
+
+
+@pytest.mark.parametrize(("text", "culprit"), _OVERFLOWING)
+def test_figures_whose_seconds_overflow_are_refused_naming_them(tmp_path: Path, text: str,
+                                                                culprit: str) -> None:
+    file = tmp_path / "cluster.yaml"
+    file.write_text(text + "\n")
+    with pytest.raises(ClusterError) as info:
+        Cluster.load(file)
+    assert culprit in str(info.value) and str(file) in str(info.value)
+
+
+@pytest.mark.parametrize("text", ["2@1e-300", "2@1e10~1e300s", "2x2@1e10,0.5"])
+def test_short_forms_whose_seconds_overflow_are_refused(text: str) -> None:
+    with pytest.raises(ClusterError, match="bandwidth|latency"):
+        Cluster.parse(text)
+
+
+@pytest.mark.parametrize("text", [
+    "{levels: [{workers: 2, bandwidth: 1, latency: 3600, flow_bandwidth: 1, "
+    "allreduce_bandwidth: 1}], allreduce_bucket: 1}",
+    "{levels: [{workers: 2, bandwidth: 1.0e+300}, {workers: 2, bandwidth: 1}], "
+    "device: {memory: 1.0e+300, flops: 1.0e+300, mem_bandwidth: 1.0e+300}}",
+    "{levels: [{workers: 3, bandwidth: 1, latency: 3600}], allreduce_bucket: 1.0e+15, "
+    "device: {memory: 16GiB, flops: 1, mem_bandwidth: 1}}",
+])
+def test_a_cluster_at_the_bounds_plans_in_finite_time(tmp_path: Path, text: str) -> None:
+    """The figures the checks let through at their edges: planning a PipeDream profile on them
+    ends with a finite time per minibatch (the alarm is a guard against a hang)."""
+    import signal
+
+    import pdcompile
+    from pdcompile.profiles import load_pipedream
+
+    file = tmp_path / "cluster.yaml"
+    file.write_text(text + "\n")
+
+    def hung(signum: int, frame: object) -> None:
+        raise AssertionError(f"planning on {text} ran past 120 s")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        plan = pdcompile.plan(load_pipedream("alexnet"), Cluster.load(file))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert math.isfinite(plan.time_per_minibatch) and plan.time_per_minibatch > 0
 
 
 def test_a_plan_over_a_hundred_thousand_ranks_is_checked_at_once() -> None:

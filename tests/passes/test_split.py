@@ -305,3 +305,22 @@ def test_every_cut_of_a_graph_with_a_symbolic_length_splits() -> None:
         plan = manual_plan(gm, lambda n, first=first: 0 if n.name in first else 1)
         check((model, (ids,), torch.randn(4, 5, 4), nn.functional.mse_loss),
               schedule="1f1b-flush", micro=2, plan=plan, frontend="export")
+
+
+@pytest.mark.parametrize("cluster", [None, "2@1e10"])
+def test_a_plan_of_another_model_is_refused_naming_its_nodes(cluster: str | None) -> None:
+    """A plan whose nodes this model does not have (another model's `pdcompile plan --json`):
+    priced on a cluster, it lost those nodes, every node fell into stage 0, and compile said
+    "stages [1] of the plan have no operation to run; use fewer stages"."""
+    import pdcompile
+    from pdcompile.plan import Plan, Stage
+
+    other = Plan(stages=(Stage(nodes=("node1", "node2"), replicas=1, ranks=(0,)),
+                         Stage(nodes=("node3",), replicas=1, ranks=(1,))),
+                 time_per_minibatch=0.0, dp_time=0.0, workers=2, planner="manual",
+                 status="GIVEN")
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 3))
+    with pytest.raises(PlanError, match=r"the plan names nodes the traced graph does not have: "
+                                        r"\['node1', 'node2', 'node3'\]"):
+        pdcompile.compile(model, cluster, example_inputs=(torch.randn(8, 4),),
+                          loss_fn=nn.functional.cross_entropy, plan=other)

@@ -119,6 +119,34 @@ def test_bad_batch_dims_are_refused_in_one_line() -> None:
         pipe.step(x, target=torch.zeros(BATCH))
 
 
+class _Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.layer(x) * mask
+
+
+@pytest.mark.parametrize(("options", "words"), [
+    ({"batch_dim": 2}, r"batch_dim=2: no input has dimension 2 \(x \(8, 4\), mask \(8, 3\)\)"),
+    ({"batch_dim": {"mask": 2}}, r"batch_dim\['mask'\]=2: input 'mask' has shape \(8, 3\), "
+                                 r"which has no dimension 2; .*unbatched=\('mask',\)"),
+    ({"target_batch_dim": 1}, r"target_batch_dim=1: the example target has shape \(8,\), which "
+                              "has no dimension 1"),
+])
+def test_a_batch_dimension_the_example_lacks_is_refused_at_compile(
+        options: dict[str, object], words: str) -> None:
+    """A dimension no input has (or that the named input or the example target lacks): before,
+    such an input went whole to every microbatch without a word (a mask the user meant to
+    cut), and the error, if any, came at the first step in the loss function's words."""
+    x, mask, y = torch.randn(BATCH, 4), torch.ones(BATCH, 3), torch.randint(0, 3, (BATCH,))
+    with pytest.raises(PipelineInputError, match=words):
+        pdcompile.compile(_Scaled(), example_inputs=(x, mask), example_target=y,
+                          loss_fn=F.cross_entropy, optimizer=sgd, schedule="1f1b-flush",
+                          microbatches=MICRO, stages=[1, 1], **options)
+
+
 class _MixesAllButOne(nn.Module):
     """Normalises over every dimension but `dim` (which holds the samples): cut along any other
     dimension, a piece's output differs from the whole's."""
