@@ -216,6 +216,22 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                         found.candidates += across.candidates
                     except PlanError:
                         pass
+                best = min((c.closed for c in found.candidates), default=math.inf)
+                if len(cluster.levels) == 2 \
+                        and best > GROUPS_FROM * _work_bound(cost_graph, workers):
+                    # one pipeline per group of servers, every group alike: stages spanning
+                    # servers within the group, replicated across the groups (a tied LM in
+                    # 10 GB on 4 x 8: 696 ms from the DP over every worker, 409 ms in groups
+                    # of 2 servers, as on one flat fabric of 32)
+                    for servers in _server_groups(cluster):
+                        try:
+                            grouped = _dp_candidates(cost_graph, cluster, options, limit,
+                                                     straight, workers, fill=False,
+                                                     layout="per server", group=servers)
+                            alike += len(grouped.candidates)
+                            found.candidates += grouped.candidates
+                        except PlanError:
+                            pass
                 if not alike:  # no replicated plan keeps the servers alike (within the
                     # memory): every worker on its own, where a stage's replicas need not
                     # span the servers alike (a tied LM in 10 GB on 4 x 8: none but the
@@ -480,6 +496,18 @@ def _replica_groups(workers: int) -> list[tuple[int, bool]]:
     return [(g, False) for g in divisors[:1]] + [(g, True) for g in divisors]
 
 
+def _server_groups(cluster: Cluster) -> list[int]:
+    """Numbers of servers a two-level cluster is also planned in groups of, one pipeline per
+    group and every group alike (`_dp_candidates`' "per server" layout with `group`): each
+    proper divisor of the server count above 1 whose group has at most EXACT_WORKERS workers
+    (the DP then spans them exactly, as on a cluster that small). One server's pipeline on
+    every server keeps a stage inside a server, and a straight pipeline or whole servers per
+    stage are the other extremes; a model whose stages need more memory or work than one
+    server's pipeline gives them runs fastest in between."""
+    per, servers = cluster.levels[0].workers, cluster.levels[-1].workers
+    return [k for k in range(2, servers) if servers % k == 0 and k * per <= EXACT_WORKERS]
+
+
 def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                    limit: float | None, straight: bool, workers: int, *, fill: bool,
                    layout: str = "flat", group: int | None = None) -> _Found:
@@ -497,8 +525,9 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     server (the cluster's innermost group) and every server gets the same pipeline, each
     stage's replicas on all servers all-reducing together; "across servers", the DP plans
     whole servers (the outermost level's members) and a stage on k servers runs on all their
-    workers, replicated within each server. `group` (with "per server" on a one-level cluster):
-    the DP plans `group` workers and every group of them gets the same pipeline."""
+    workers, replicated within each server. `group` (with "per server"): on a one-level
+    cluster the DP plans `group` workers, on two levels `group` servers, and every group of
+    them gets the same pipeline."""
     from pdcompile.planner.dp import (
         native_dp,
         native_dp_bisect,
@@ -511,7 +540,13 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
     # the period's bisection and the recomputation search, where the DP is small enough
     thorough = layout == "flat" and workers <= EXACT_WORKERS
-    if layout == "per server" and group is not None:
+    if layout == "per server" and group is not None and len(cluster.levels) > 1:
+        span = group * cluster.levels[0].workers
+        copies = workers // span
+        search = replace(cluster, levels=(cluster.levels[0],
+                                          replace(cluster.levels[1], workers=group)),
+                         name=f"{group} servers of {cluster.name}")
+    elif layout == "per server" and group is not None:
         span, copies = group, workers // group
         search = replace(cluster, levels=(replace(cluster.levels[0], workers=group),),
                          name=f"{group} workers of {cluster.name}")
@@ -630,7 +665,9 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     if not found:
         raise PlanError("no plan fits")
     kind_of_states = prepared.kind + (
-        f", one server's pipeline on each of {copies} servers" if layout == "per server"
+        f", one pipeline on each of {copies} groups of {span} workers"
+        if layout == "per server" and group is not None
+        else f", one server's pipeline on each of {copies} servers" if layout == "per server"
         else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
         else "") + (f", {units} units of about {span // units} workers" if grouped else "")
     return _Found(kind_of_states, found)
