@@ -221,8 +221,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                         and best > GROUPS_FROM * _work_bound(cost_graph, workers):
                     # one pipeline per group of servers, every group alike: stages spanning
                     # servers within the group, replicated across the groups (a tied LM in
-                    # 10 GB on 4 x 8: 696 ms from the DP over every worker, 409 ms in groups
-                    # of 2 servers, as on one flat fabric of 32)
+                    # 10 GB on 8 servers of 4: 917 ms from the DP over every worker, 470 ms
+                    # in groups of 4 servers)
                     for servers in _server_groups(cluster):
                         try:
                             grouped = _dp_candidates(cost_graph, cluster, options, limit,
