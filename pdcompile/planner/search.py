@@ -195,7 +195,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
             elif symmetric and not row.split_backward:  # both ways to use servers alike
                 try:
                     found = _dp_candidates(cost_graph, cluster, options, limit, straight,
-                                           workers, fill=False, layout="per server")
+                                           workers, fill=False, layout="per server", cache=cache)
                 except PlanError:  # no pipeline fits within one server: the others below,
                     found = _Found("servers alike", [])  # then every worker on its own
                 alike = len(found.candidates)
@@ -203,7 +203,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                 if workers <= STRAIGHT_WORKERS:
                     try:
                         line = _dp_candidates(cost_graph, cluster, options, limit, True,
-                                              workers, fill=False)
+                                              workers, fill=False, cache=cache)
                         found.candidates += line.candidates
                     except PlanError:
                         pass
@@ -211,7 +211,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                 if cluster.levels[-1].workers <= ACROSS_SERVERS:
                     try:
                         across = _dp_candidates(cost_graph, cluster, options, limit, straight,
-                                                workers, fill=False, layout="across servers")
+                                                workers, fill=False, layout="across servers",
+                                                cache=cache)
                         alike += len(across.candidates)
                         found.candidates += across.candidates
                     except PlanError:
@@ -227,7 +228,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                         try:
                             grouped = _dp_candidates(cost_graph, cluster, options, limit,
                                                      straight, workers, fill=False,
-                                                     layout="per server", group=servers)
+                                                     layout="per server", group=servers,
+                                                     cache=cache)
                             alike += len(grouped.candidates)
                             found.candidates += grouped.candidates
                         except PlanError:
@@ -239,13 +241,13 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                     try:
                         found.candidates += _dp_candidates(cost_graph, cluster, options, limit,
                                                            straight, workers,
-                                                           fill=False).candidates
+                                                           fill=False, cache=cache).candidates
                     except PlanError:
                         pass
             else:  # zero-bubble schedules run every stage on one worker
                 found = _dp_candidates(cost_graph, cluster, options, limit,
                                        straight or row.split_backward, workers,
-                                       fill=stages is not None)
+                                       fill=stages is not None, cache=cache)
                 best = min((c.closed for c in found.candidates), default=math.inf)
                 if stages is None and not straight and not row.split_backward \
                         and len(cluster.levels) == 1 and not cluster.is_mixed \
@@ -255,7 +257,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                         try:
                             found.candidates += _dp_candidates(
                                 cost_graph, cluster, options, limit, line, workers,
-                                fill=line, layout="per server", group=group).candidates
+                                fill=line, layout="per server", group=group, cache=cache).candidates
                         except PlanError:
                             pass
         except PlanError:
@@ -280,7 +282,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         best = min(candidates, key=lambda c: c.closed)
         try:
             candidates += _dp_candidates(cost_graph, cluster, best.options, limit, True, workers,
-                                         fill=False).candidates
+                                         fill=False, cache=cache).candidates
         except PlanError:
             pass
     if not candidates:
@@ -510,7 +512,8 @@ def _server_groups(cluster: Cluster) -> list[int]:
 
 def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                    limit: float | None, straight: bool, workers: int, *, fill: bool,
-                   layout: str = "flat", group: int | None = None) -> _Found:
+                   layout: str = "flat", group: int | None = None,
+                   cache: SearchCache | None = None) -> _Found:
     """The DP's plans under `options`, each priced: the optimum of the planning objective
     (costmodel.stage_values) with in-flight counts as deep as memory allows, the same with
     PipeDream's NOAM, short pipelines (at most VARIANT_STAGES stages), for streaming schedules
@@ -527,7 +530,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     whole servers (the outermost level's members) and a stage on k servers runs on all their
     workers, replicated within each server. `group` (with "per server"): on a one-level
     cluster the DP plans `group` workers, on two levels `group` servers, and every group of
-    them gets the same pipeline."""
+    them gets the same pipeline. `cache`: the search this is part of (its DPs share their
+    coarsened graphs)."""
     from pdcompile.planner.dp import (
         native_dp,
         native_dp_bisect,
@@ -559,7 +563,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         copies = workers // span
         search = replace(cluster, levels=cluster.levels[-1:], name=f"servers of {cluster.name}")
         link = cluster.levels[-2]
-    prepared = prepare(graph, "native", span, straight=straight, least=span + 1 if fill else 0)
+    prepared = prepare(graph, "native", span, straight=straight, least=span + 1 if fill else 0,
+                       cache=cache)
     if fill and len(prepared.states) - 1 < span:
         raise PlanError(f"{span} stages need {span + 1} states; the DP has "
                         f"{len(prepared.states)} ({prepared.kind})")
@@ -659,7 +664,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         # nothing fits on units: pipelines of more stages than units, one worker each
         try:
             found += _dp_candidates(graph, cluster, options, limit, True, workers,
-                                    fill=False).candidates
+                                    fill=False, cache=cache).candidates
         except PlanError:
             pass
     if not found:

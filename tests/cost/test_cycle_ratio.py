@@ -7,11 +7,10 @@ from __future__ import annotations
 import math
 
 import networkx as nx
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-import numpy as np
 
 from pdcompile.cost import cycle_ratio
 from pdcompile.cost.cycle_ratio import largest_cycle_ratio
