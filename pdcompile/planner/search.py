@@ -217,13 +217,14 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                         found.candidates += across.candidates
                     except PlanError:
                         pass
-                best = min((c.closed for c in found.candidates), default=math.inf)
-                if len(cluster.levels) == 2 \
-                        and best > GROUPS_FROM * _work_bound(cost_graph, workers):
-                    # one pipeline per group of servers, every group alike: stages spanning
-                    # servers within the group, replicated across the groups (a tied LM in
-                    # 10 GB on 8 servers of 4: 917 ms from the DP over every worker, 470 ms
-                    # in groups of 4 servers)
+                if not alike and len(cluster.levels) == 2:
+                    # no replicated plan keeps every server alike (within the memory): one
+                    # pipeline per group of servers, every group alike, its stages spanning
+                    # servers within the group and replicated across the groups (a tied LM in
+                    # 10 GB on 8 servers of 4: 917 ms from the DP over every worker below,
+                    # 470 ms in groups of 4 servers). Not tried where servers alike fit:
+                    # GPT-2 XL on 16 x 8 H100 (4 times its compute floor) planned 1.5-2 s
+                    # longer for the same plan
                     for servers in _server_groups(cluster):
                         try:
                             grouped = _dp_candidates(cost_graph, cluster, options, limit,
@@ -504,8 +505,8 @@ def _server_groups(cluster: Cluster) -> list[int]:
     proper divisor of the server count above 1 whose group has at most EXACT_WORKERS workers
     (the DP then spans them exactly, as on a cluster that small). One server's pipeline on
     every server keeps a stage inside a server, and a straight pipeline or whole servers per
-    stage are the other extremes; a model whose stages need more memory or work than one
-    server's pipeline gives them runs fastest in between."""
+    stage are the other extremes; a model whose stages need more memory than one server's
+    pipeline gives them runs fastest in between."""
     per, servers = cluster.levels[0].workers, cluster.levels[-1].workers
     return [k for k in range(2, servers) if servers % k == 0 and k * per <= EXACT_WORKERS]
 
