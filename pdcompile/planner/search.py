@@ -235,10 +235,11 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                             found.candidates += grouped.candidates
                         except PlanError:
                             pass
-                if not alike:  # no replicated plan keeps the servers alike (within the
-                    # memory): every worker on its own, where a stage's replicas need not
-                    # span the servers alike (a tied LM in 10 GB on 4 x 8: none but the
-                    # straight pipeline, 646 ms, and without it no plan at all; 409 ms so)
+                if not alike:  # no replicated plan keeps the servers or their groups
+                    # alike (within the memory): every worker on its own, where a stage's
+                    # replicas need not span the servers alike (a tied LM in 10 GB on 8
+                    # servers of 4, before groups were tried: none but the straight
+                    # pipeline, 646 ms, and without it no plan at all)
                     try:
                         found.candidates += _dp_candidates(cost_graph, cluster, options, limit,
                                                            straight, workers,
