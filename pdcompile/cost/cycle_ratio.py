@@ -17,69 +17,99 @@ from __future__ import annotations
 import numpy as np
 
 Edges = list[list[tuple[int, float, int]]]  # per node, (target, weight, tokens) per edge out
+WALKED_BELOW = 1024  # nodes: smaller graphs' policies are evaluated by walking them in Python
 
 
 def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
     """(the largest weight / tokens over the cycles of `edges`, the nodes of one such cycle).
     Every node needs an edge out (see the module docstring).
 
-    The improvement steps look at every edge of every node: they run on arrays of the edges
-    padded to the most edges of a node (a node's first best edge wins, as in a loop over its
-    edges in order), so that the planner's thousands of steady-cycle prices (cost/
-    steady_cycle.py: a 16-rank plan has graphs of hundreds of nodes) do not loop in Python."""
+    The improvement steps look at every edge of every node: they run on arrays of all the
+    edges, node after node (a node's first best edge wins, as in a loop over its edges in
+    order), and on large graphs each policy's evaluation too (`_doubled`), so that the
+    planner's thousands of steady-cycle prices (cost/steady_cycle.py: a 16-rank plan has graphs
+    of hundreds of nodes, 128 ranks in 19 stages of up to 20 replicas tens of thousands) do not
+    loop in Python."""
     count = len(edges)
-    widest = max(len(out) for out in edges)
-    target = np.zeros((count, widest), dtype=np.intp)
-    weight = np.full((count, widest), -np.inf)
-    tokens = np.zeros((count, widest))
-    real = np.zeros((count, widest), dtype=bool)  # an edge, not padding
-    for u, out in enumerate(edges):
-        for i, (v, w, t) in enumerate(out):
-            target[u, i], weight[u, i], tokens[u, i], real[u, i] = v, w, t, True
+    degree = np.array([len(out) for out in edges])
+    to, seconds, held = zip(*(edge for out in edges for edge in out), strict=True)
+    target = np.array(to, dtype=np.intp)
+    weight = np.array(seconds, dtype=float)
+    tokens = np.array(held, dtype=float)
+    first = np.cumsum(degree) - degree  # each node's first edge
+    source = np.repeat(np.arange(count), degree)
+    index = np.arange(len(target))
+
+    def first_best(values: np.ndarray) -> np.ndarray:
+        """Per node, its first edge of the largest of `values` (no NaN among them)."""
+        best = np.maximum.reduceat(values, first)
+        return np.minimum.reduceat(np.where(values == best[source], index, len(index)), first)
+
     # start from each node's heaviest edge: the slow circuits first, fewer improvements
-    policy = np.argmax(weight, axis=1)
-    scale = float(np.max(np.abs(weight[real]))) if real.any() else 0.0
+    policy = first_best(weight)
+    scale = float(np.max(np.abs(weight)))
     eps = 1e-12 * scale + 1e-300
-    rows = np.arange(count)
-    ratio, value, cycles = _evaluate(edges, policy.tolist())
+    evaluate = _walked if count < WALKED_BELOW else _doubled
+
+    def evaluated(chosen: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Cycles]:
+        return evaluate(target[chosen], weight[chosen], tokens[chosen])
+
+    here, worth, cycles = evaluated(policy)
     for _ in range(8 * count + 64):
-        here = np.asarray(ratio)
-        reached = np.where(real, here[target], -np.inf)
+        reached = here[target]
         # first a larger ratio, where any edge reaches one
-        pick = np.argmax(reached, axis=1)
-        larger = reached[rows, pick] > here + eps
+        pick = first_best(reached)
+        larger = reached[pick] > here + eps
         changed = bool(larger.any())
         if changed:
             policy = np.where(larger, pick, policy)
         else:  # then, among edges of the same ratio, a larger value
-            worth = np.asarray(value)
             with np.errstate(invalid="ignore"):
-                same = real & (np.abs(reached - here[:, None]) <= eps)
-                gain = weight - here[:, None] * tokens + worth[target]
+                ratio = here[source]
+                same = np.abs(reached - ratio) <= eps
+                gain = weight - ratio * tokens + worth[target]
                 gain = np.where(same & ~np.isnan(gain), gain, -np.inf)
-                pick = np.argmax(gain, axis=1)
+                pick = first_best(gain)
                 # a value of -inf (a cycle without tokens ahead) gives NaN here: never better
-                better = (gain[rows, pick] > worth + eps * (1.0 + np.abs(worth))) \
-                    & (pick != policy)
+                better = (gain[pick] > worth + eps * (1.0 + np.abs(worth))) & (pick != policy)
             changed = bool(better.any())
             if changed:
                 policy = np.where(better, pick, policy)
         if not changed:
             break
-        ratio, value, cycles = _evaluate(edges, policy.tolist())
-    top = max(range(count), key=lambda u: ratio[u])
-    return ratio[top], cycles[top]
+        here, worth, cycles = evaluated(policy)
+    top = int(np.argmax(here))  # the first node of the largest ratio
+    return float(here[top]), cycles.nodes(top)
 
 
-def _evaluate(edges: Edges, policy: list[int]) -> tuple[list[float], list[float], list[list[int]]]:
-    """Per node of the graph where each node follows its `policy` edge: the ratio of the cycle
-    it reaches, its value (weight less ratio x tokens to that cycle, 0 at the cycle's first
-    node found) and the cycle's nodes."""
-    count = len(edges)
-    # each node's (target, w, tokens)
-    chosen = [out[pick] for out, pick in zip(edges, policy, strict=True)]
-    ratio, value = [0.0] * count, [0.0] * count
-    cycle_of: list[list[int]] = [[] for _ in range(count)]
+class _Cycles:
+    """The cycles of a policy: per node the root of the cycle it reaches, and the policy's
+    steps to walk it."""
+
+    def __init__(self, root: list[int], step: list[int]) -> None:
+        self.root = root
+        self.step = step
+
+    def nodes(self, node: int) -> list[int]:
+        """The nodes of the cycle that `node` reaches, from its root on."""
+        root = self.root[node]
+        cycle, u = [root], self.step[root]
+        while u != root:
+            cycle.append(u)
+            u = self.step[u]
+        return cycle
+
+
+def _walked(step: np.ndarray, weight: np.ndarray,
+            tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Cycles]:
+    """Per node of the graph where node u follows one edge (to step[u], of weight[u] and
+    tokens[u]): the ratio of the cycle it reaches, its value (weight less ratio x tokens to
+    that cycle's root, 0 at the root) and the cycles, by walking from each node in turn: a
+    cycle's root is where the walk from the smallest node reaching it enters it, its ratio
+    sums its edges from there in order, and a value is the edge's own plus the next node's."""
+    count = len(step)
+    steps, weights, counts = step.tolist(), weight.tolist(), tokens.tolist()
+    ratio, value, root = [0.0] * count, [0.0] * count, [0] * count
     state = [0] * count  # 0 not seen, 1 on the path being walked, 2 evaluated
     for origin in range(count):
         if state[origin]:
@@ -88,26 +118,91 @@ def _evaluate(edges: Edges, policy: list[int]) -> tuple[list[float], list[float]
         while state[node] == 0:
             state[node] = 1
             path.append(node)
-            node = chosen[node][0]
+            node = steps[node]
         if state[node] == 1:  # a new cycle, from `node`
             at = path.index(node)
             cycle = path[at:]
-            weight = sum(chosen[u][1] for u in cycle)
-            tokens = sum(chosen[u][2] for u in cycle)
-            eta = weight / tokens if tokens > 0 else float("inf")
+            total = sum(weights[u] for u in cycle)
+            held = sum(counts[u] for u in cycle)
+            eta = total / held if held > 0 else float("inf")
             for u in cycle:
-                ratio[u], state[u], cycle_of[u] = eta, 2, cycle
+                ratio[u], state[u], root[u] = eta, 2, node
             value[node] = 0.0
             for u in reversed(cycle[1:]):
-                target, w, t = chosen[u]
-                value[u] = w - eta * t + value[target]
+                value[u] = weights[u] - eta * counts[u] + value[steps[u]]
             path = path[:at]
         for u in reversed(path):
-            target, w, t = chosen[u]
-            ratio[u], cycle_of[u] = ratio[target], cycle_of[target]
-            value[u] = w - ratio[u] * t + value[target]
+            target = steps[u]
+            ratio[u], root[u] = ratio[target], root[target]
+            value[u] = weights[u] - ratio[u] * counts[u] + value[target]
             state[u] = 2
-    return ratio, value, cycle_of
+    return np.array(ratio), np.array(value), _Cycles(root, steps)
+
+
+def _doubled(step: np.ndarray, weight: np.ndarray,
+              tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Cycles]:
+    """`_walked`'s figures to the last bit (the improvement steps' ties need them so), on
+    arrays: every sum is taken in the walk's order (a cycle's weights from its root on, a
+    value as the edge's own plus the next node's), and what the walk finds (each node's cycle,
+    the smallest node reaching it, where that walk enters it, the edges from each node to its
+    root) comes from pointer doubling: after k doublings each node knows the node 2^k edges
+    ahead."""
+    count = len(step)
+    doublings = max(1, (count - 1).bit_length())  # 2^doublings >= count: every walk cycles
+    ahead, least = step, np.minimum(np.arange(count), step)
+    for _ in range(doublings):
+        least = np.minimum(least, least[ahead])
+        ahead = ahead[ahead]
+    # ahead[u] lies on u's cycle, and least there is that cycle's smallest node
+    label = least[ahead]
+    on_cycle = np.zeros(count, dtype=bool)
+    on_cycle[ahead] = True
+    # where each walk enters its cycle, and its edges to there
+    entry = np.where(on_cycle, np.arange(count), step)
+    tail = (~on_cycle).astype(np.intp)
+    for _ in range(doublings):
+        tail = tail + tail[entry]
+        entry = entry[entry]
+    labels, origins = np.unique(label, return_index=True)  # the smallest node reaching each
+    roots = entry[origins]
+    # on a cycle, the edges ahead to its root
+    ahead = np.where(on_cycle, step, np.arange(count))
+    ahead[roots] = roots
+    around = on_cycle.astype(np.intp)
+    around[roots] = 0
+    for _ in range(doublings):
+        around = around + around[ahead]
+        ahead = ahead[ahead]
+    ratio_of = np.empty(count)
+    value = np.empty(count)
+    cyclic = np.flatnonzero(on_cycle)
+    # each cycle's nodes from its root on: by label, then the edges to the root, fewest last
+    ordered = cyclic[np.lexsort((-around[cyclic], label[cyclic]))]
+    bounds = np.flatnonzero(np.diff(label[ordered])) + 1
+    with np.errstate(invalid="ignore", over="ignore"):
+        for name, cycle in zip(labels.tolist(), np.split(ordered, bounds), strict=True):
+            cycle = np.roll(cycle, 1)  # the root (no edges to itself) first
+            total = float(np.cumsum(weight[cycle])[-1])
+            held = float(np.cumsum(tokens[cycle])[-1])
+            eta = total / held if held > 0 else float("inf")
+            ratio_of[name] = eta
+            # values back from the root: each the edge's own plus the next node's
+            back = cycle[:0:-1]
+            value[cycle[0]] = 0.0
+            value[back] = np.cumsum(weight[back] - eta * tokens[back])
+        ratio = ratio_of[label]
+        # off the cycles, level by level away from them
+        off = np.flatnonzero(~on_cycle)
+        if off.size:
+            off = off[np.argsort(tail[off], kind="stable")]
+            ends = np.cumsum(np.bincount(tail[off])).tolist()
+            own = weight - ratio * tokens
+            for start, end in zip(ends[:-1], ends[1:], strict=True):
+                level = off[start:end]
+                value[level] = own[level] + value[step[level]]
+    root_of = np.empty(count, dtype=np.intp)
+    root_of[labels] = roots
+    return ratio, value, _Cycles(root_of[label].tolist(), step.tolist())
 
 
 __all__ = ["Edges", "largest_cycle_ratio"]

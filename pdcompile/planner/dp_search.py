@@ -11,7 +11,7 @@ inputs are pinned to the first stage (their traffic to later stages is still cha
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import networkx as nx
 
@@ -20,6 +20,9 @@ from pdcompile.cost.crossing import input_nodes
 from pdcompile.errors import CostGraphError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.planner.costmodel import ModelOptions
+
+if TYPE_CHECKING:
+    from pdcompile.planner.search_cache import SearchCache
 
 COARSE_NODES = 300  # graphs bigger than this are coarsened before the fallbacks below
 DP_BUDGET = 1e7  # (states^2 / 2) * (workers, replicas) pairs: elements per pass of the DP
@@ -86,7 +89,7 @@ class Prepared:
 
 def prepare(work: nx.DiGraph, cost_model: str, workers: int, *, straight: bool = False,
             least: int = 0, levels: tuple[int, ...] | None = None,
-            memory: bool = False) -> Prepared:
+            memory: bool = False, cache: SearchCache | None = None) -> Prepared:
     """Antichain states of `work` within the DP's budget (native: `state_budget`, raised to
     `least` where a pipeline of exactly least - 1 stages is asked for; pipedream:
     `pipedream_budget` of the cluster's `levels`, default one level of `workers`, `memory`
@@ -95,7 +98,7 @@ def prepare(work: nx.DiGraph, cost_model: str, workers: int, *, straight: bool =
     topological order of the coarsened graph (at most the budget of them, cut where they spread
     its compute evenly). A pipedream graph with at least as many nodes as its budget is
     coarsened first (its antichains would be at least that many, and enumerating them costs
-    nodes^2)."""
+    nodes^2). `cache`: the search this is part of, whose coarsened graphs are made once."""
     from pdcompile.planner.antichain import antichain_states, prefix_states
 
     if cost_model == "native":
@@ -121,7 +124,11 @@ def prepare(work: nx.DiGraph, cost_model: str, workers: int, *, straight: bool =
         except CostGraphError:
             pass
     target = max(min(COARSE_NODES, budget - 1), least - 1)
-    full, mapping = coarse_with_pinned(work, target, pinned)
+    if cache is None:
+        full, mapping = coarse_with_pinned(work, target, pinned)
+    else:  # neither is changed below nor by the DP: they may serve every DP of the search
+        full, mapping = cache.made(("coarse", id(work), target, pinned), work,
+                                   lambda: coarse_with_pinned(work, target, pinned))
     coarse = full.subgraph([b for b in full.nodes if b not in set(pinned)]).copy()
     blocks = coarse.number_of_nodes()
     try:

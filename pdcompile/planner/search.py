@@ -195,7 +195,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
             elif symmetric and not row.split_backward:  # both ways to use servers alike
                 try:
                     found = _dp_candidates(cost_graph, cluster, options, limit, straight,
-                                           workers, fill=False, layout="per server")
+                                           workers, fill=False, layout="per server", cache=cache)
                 except PlanError:  # no pipeline fits within one server: the others below,
                     found = _Found("servers alike", [])  # then every worker on its own
                 alike = len(found.candidates)
@@ -203,7 +203,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                 if workers <= STRAIGHT_WORKERS:
                     try:
                         line = _dp_candidates(cost_graph, cluster, options, limit, True,
-                                              workers, fill=False)
+                                              workers, fill=False, cache=cache)
                         found.candidates += line.candidates
                     except PlanError:
                         pass
@@ -211,25 +211,45 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                 if cluster.levels[-1].workers <= ACROSS_SERVERS:
                     try:
                         across = _dp_candidates(cost_graph, cluster, options, limit, straight,
-                                                workers, fill=False, layout="across servers")
+                                                workers, fill=False, layout="across servers",
+                                                cache=cache)
                         alike += len(across.candidates)
                         found.candidates += across.candidates
                     except PlanError:
                         pass
-                if not alike:  # no replicated plan keeps the servers alike (within the
-                    # memory): every worker on its own, where a stage's replicas need not
-                    # span the servers alike (a tied LM in 10 GB on 4 x 8: none but the
-                    # straight pipeline, 646 ms, and without it no plan at all; 409 ms so)
+                if not alike and len(cluster.levels) == 2:
+                    # no replicated plan keeps every server alike (within the memory): one
+                    # pipeline per group of servers, every group alike, its stages spanning
+                    # servers within the group and replicated across the groups (a tied LM in
+                    # 10 GB on 8 servers of 4: 917 ms from the DP over every worker below,
+                    # 470 ms in groups of 4 servers). Not tried where servers alike fit:
+                    # GPT-2 XL on 16 x 8 H100 (4 times its compute floor) planned 1.5-2 s
+                    # longer for the same plan
+                    for servers in _server_groups(cluster):
+                        try:
+                            grouped = _dp_candidates(cost_graph, cluster, options, limit,
+                                                     straight, workers, fill=False,
+                                                     layout="per server", group=servers,
+                                                     cache=cache)
+                            alike += len(grouped.candidates)
+                            found.candidates += grouped.candidates
+                        except PlanError:
+                            pass
+                if not alike:  # no replicated plan keeps the servers or their groups
+                    # alike (within the memory): every worker on its own, where a stage's
+                    # replicas need not span the servers alike (a tied LM in 10 GB on 8
+                    # servers of 4, before groups were tried: none but the straight
+                    # pipeline, 646 ms, and without it no plan at all)
                     try:
                         found.candidates += _dp_candidates(cost_graph, cluster, options, limit,
                                                            straight, workers,
-                                                           fill=False).candidates
+                                                           fill=False, cache=cache).candidates
                     except PlanError:
                         pass
             else:  # zero-bubble schedules run every stage on one worker
                 found = _dp_candidates(cost_graph, cluster, options, limit,
                                        straight or row.split_backward, workers,
-                                       fill=stages is not None)
+                                       fill=stages is not None, cache=cache)
                 best = min((c.closed for c in found.candidates), default=math.inf)
                 if stages is None and not straight and not row.split_backward \
                         and len(cluster.levels) == 1 and not cluster.is_mixed \
@@ -239,7 +259,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                         try:
                             found.candidates += _dp_candidates(
                                 cost_graph, cluster, options, limit, line, workers,
-                                fill=line, layout="per server", group=group).candidates
+                                fill=line, layout="per server", group=group, cache=cache).candidates
                         except PlanError:
                             pass
         except PlanError:
@@ -264,7 +284,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         best = min(candidates, key=lambda c: c.closed)
         try:
             candidates += _dp_candidates(cost_graph, cluster, best.options, limit, True, workers,
-                                         fill=False).candidates
+                                         fill=False, cache=cache).candidates
         except PlanError:
             pass
     if not candidates:
@@ -480,9 +500,22 @@ def _replica_groups(workers: int) -> list[tuple[int, bool]]:
     return [(g, False) for g in divisors[:1]] + [(g, True) for g in divisors]
 
 
+def _server_groups(cluster: Cluster) -> list[int]:
+    """Numbers of servers a two-level cluster is also planned in groups of, one pipeline per
+    group and every group alike (`_dp_candidates`' "per server" layout with `group`): each
+    proper divisor of the server count above 1 whose group has at most EXACT_WORKERS workers
+    (the DP then spans them exactly, as on a cluster that small). One server's pipeline on
+    every server keeps a stage inside a server, and a straight pipeline or whole servers per
+    stage are the other extremes; a model whose stages need more memory than one server's
+    pipeline gives them runs fastest in between."""
+    per, servers = cluster.levels[0].workers, cluster.levels[-1].workers
+    return [k for k in range(2, servers) if servers % k == 0 and k * per <= EXACT_WORKERS]
+
+
 def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                    limit: float | None, straight: bool, workers: int, *, fill: bool,
-                   layout: str = "flat", group: int | None = None) -> _Found:
+                   layout: str = "flat", group: int | None = None,
+                   cache: SearchCache | None = None) -> _Found:
     """The DP's plans under `options`, each priced: the optimum of the planning objective
     (costmodel.stage_values) with in-flight counts as deep as memory allows, the same with
     PipeDream's NOAM, short pipelines (at most VARIANT_STAGES stages), for streaming schedules
@@ -497,8 +530,10 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     server (the cluster's innermost group) and every server gets the same pipeline, each
     stage's replicas on all servers all-reducing together; "across servers", the DP plans
     whole servers (the outermost level's members) and a stage on k servers runs on all their
-    workers, replicated within each server. `group` (with "per server" on a one-level cluster):
-    the DP plans `group` workers and every group of them gets the same pipeline."""
+    workers, replicated within each server. `group` (with "per server"): on a one-level
+    cluster the DP plans `group` workers, on two levels `group` servers, and every group of
+    them gets the same pipeline. `cache`: the search this is part of (its DPs share their
+    coarsened graphs)."""
     from pdcompile.planner.dp import (
         native_dp,
         native_dp_bisect,
@@ -511,7 +546,13 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
     copies, search, span, link = 1, cluster, workers, cluster.levels[-1]
     # the period's bisection and the recomputation search, where the DP is small enough
     thorough = layout == "flat" and workers <= EXACT_WORKERS
-    if layout == "per server" and group is not None:
+    if layout == "per server" and group is not None and len(cluster.levels) > 1:
+        span = group * cluster.levels[0].workers
+        copies = workers // span
+        search = replace(cluster, levels=(cluster.levels[0],
+                                          replace(cluster.levels[1], workers=group)),
+                         name=f"{group} servers of {cluster.name}")
+    elif layout == "per server" and group is not None:
         span, copies = group, workers // group
         search = replace(cluster, levels=(replace(cluster.levels[0], workers=group),),
                          name=f"{group} workers of {cluster.name}")
@@ -524,7 +565,8 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         copies = workers // span
         search = replace(cluster, levels=cluster.levels[-1:], name=f"servers of {cluster.name}")
         link = cluster.levels[-2]
-    prepared = prepare(graph, "native", span, straight=straight, least=span + 1 if fill else 0)
+    prepared = prepare(graph, "native", span, straight=straight, least=span + 1 if fill else 0,
+                       cache=cache)
     if fill and len(prepared.states) - 1 < span:
         raise PlanError(f"{span} stages need {span + 1} states; the DP has "
                         f"{len(prepared.states)} ({prepared.kind})")
@@ -624,13 +666,15 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         # nothing fits on units: pipelines of more stages than units, one worker each
         try:
             found += _dp_candidates(graph, cluster, options, limit, True, workers,
-                                    fill=False).candidates
+                                    fill=False, cache=cache).candidates
         except PlanError:
             pass
     if not found:
         raise PlanError("no plan fits")
     kind_of_states = prepared.kind + (
-        f", one server's pipeline on each of {copies} servers" if layout == "per server"
+        f", one pipeline on each of {copies} groups of {span} workers"
+        if layout == "per server" and group is not None
+        else f", one server's pipeline on each of {copies} servers" if layout == "per server"
         else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
         else "") + (f", {units} units of about {span // units} workers" if grouped else "")
     return _Found(kind_of_states, found)
