@@ -174,9 +174,9 @@ def test_long_runs_end_despite_rounding() -> None:
     # event times of 1e5 s and more, where a step recomputed from the rounded clock left work
     # of a femtosecond behind and the loop advanced by nothing for ever (a version did)
     schedule = lowered("1f1b", [[i] for i in range(6)], 400)
-    costs = StageCosts((1000.0,) * 6, (2000.0,) * 6, edges={(s, s + 1): 7.0 for s in range(5)},
+    costs = StageCosts((1000.0,) * 6, (2000.0,) * 6, edges={(s, s + 1): 70.0 for s in range(5)},
                        optimizer=(100.0,) * 6)
-    shared = simulate(schedule, costs, Cluster(levels=(Level(6, 0.1, 1.0, True, cores=4),)),
+    shared = simulate(schedule, costs, Cluster(levels=(Level(6, 1.0, 1.0, True, cores=4),)),
                       timeline=False)
     assert shared.makespan > 1e5
     # per minibatch: each stage's F + B + step, and every transfer copied on both of its ends
