@@ -7,6 +7,8 @@ mixed cluster itself by `price_plan` (the simulator where a simulation is cheap)
 - each device group alone (`group_alone`): the homogeneous planner on the group, with the
   CostGraph's times divided by the group's speed, its ranks mapped onto the group's (this and
   the next two without CP-SAT where the homogeneous planner's DP is exact, `seeding`);
+- the whole model on one rank of each group, the others idle (`_one_rank_each_group`), where
+  sharing the work costs more in all-reduces and transfers than it saves;
 - the whole cluster as if every device were the slowest (`as_slowest`): the homogeneous planner
   on the cluster with the slowest group's device, the times divided by its speed;
 - the whole cluster as if every device had the mean speed (`as_mean`), its replicas given
@@ -286,6 +288,19 @@ def seeding(homogeneous: Planner) -> Planner:
     return planned
 
 
+def _one_rank_each_group(graph: nx.DiGraph, cluster: Cluster,
+                         schedules: Sequence[tuple[str, int]]) -> list[tuple[str, Plan]]:
+    """The whole model on one rank of each group, the others idle: where a tied or heavy
+    model's all-reduces and transfers over a slow network cost more than the work they share,
+    one fast rank alone beats every plan on more of them (a tied chain on 2 fast and 2 slow
+    ranks over 1 GB/s: 52.2 ms alone, 61.4 ms for the best plan on all four)."""
+    name, m = next(((n, k) for n, k in schedules if not kind(n).chunked), schedules[0])
+    nodes = list(topological_order(graph))
+    return [(f"one rank of group {group}",
+             _as_plan([(nodes, (cluster.group_ranks(group).start,))], name, m))
+            for group in range(len(cluster.groups))]
+
+
 def _shifted(plan: Plan, start: int) -> Plan:
     stages = tuple(replace(s, ranks=tuple(r + start for r in s.ranks)) for s in plan.stages)
     return replace(plan, stages=stages)
@@ -317,6 +332,7 @@ def plan_mixed(graph: nx.DiGraph, cluster: Cluster, *, homogeneous: Planner, pri
                 optimizer_state=optimizer_state, straight=straight, **options)))
         except PlanError:
             pass
+    made += _one_rank_each_group(graph, cluster, schedules)
     try:
         made.append(("as slowest", as_slowest(graph, cluster, homogeneous=homogeneous,
                                               memory=memory, optimizer_state=optimizer_state,
