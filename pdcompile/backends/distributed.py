@@ -193,8 +193,9 @@ class DistributedTransport(Transport):
         payload = [t.detach().contiguous() for t in tensors]
         if self.rides is not None:
             payload += self.rides.outgoing(tag, dst_rank)
-        if packs([spec_of(t) for t in payload]):  # one transfer, not one per tensor
-            payload = [pack(payload)]
+        specs = [spec_of(t) for t in payload]
+        if packs(specs):  # one transfer, not one per tensor
+            payload = [pack(payload, specs)]
         works = [dist.isend(t, dst_rank, tag=wire_tag(tag, i)) for i, t in enumerate(payload)]
         # described only on an error: formatting the tag costs more than the send's bookkeeping
         pending = DistPending(self, works, peer=dst_rank,

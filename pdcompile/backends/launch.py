@@ -236,20 +236,11 @@ class FaultMonitor:
         what = self._waiting
         return what if isinstance(what, str) else what()
 
-    @contextmanager
-    def blocking(self, what: str | Callable[[], str] = "") -> Iterator[None]:
+    def blocking(self, what: str | Callable[[], str] = "") -> _Blocking:
         """Mark a blocking wait (on other ranks, `what`: words, or a function that gives them,
         called only when the wait is reported), so that the monitor can stop a worker stuck in
         it; time spent waiting for others is not this rank's lack of progress."""
-        self.check()
-        self._blocked_since = time.monotonic()
-        self._waiting = what
-        try:
-            yield
-        finally:
-            self._blocked_since = None
-            if self._ticks:  # progress, once the watchdog is armed
-                self._ticks += 1
+        return _Blocking(self, what)
 
     @contextmanager
     def busy(self, what: str) -> Iterator[None]:
@@ -532,6 +523,30 @@ def launcher_from_env() -> int | None:
     """The launcher's pid that `pdcompile run` passes its workers (None: not started by it)."""
     text = os.environ.get(LAUNCHER_ENV, "")
     return int(text) if text.isdigit() else None
+
+
+class _Blocking:
+    """`FaultMonitor.blocking`'s context: a class, not a generator-based context, because every
+    message a rank sends or receives enters one (a generator-based context costs about 5
+    Python calls more each time; docs/runtime-profile.md, seventh round)."""
+
+    __slots__ = ("_monitor", "_what")
+
+    def __init__(self, monitor: FaultMonitor, what: str | Callable[[], str]) -> None:
+        self._monitor = monitor
+        self._what = what
+
+    def __enter__(self) -> None:
+        monitor = self._monitor
+        monitor.check()
+        monitor._blocked_since = time.monotonic()
+        monitor._waiting = self._what
+
+    def __exit__(self, *exc: object) -> None:
+        monitor = self._monitor
+        monitor._blocked_since = None
+        if monitor._ticks:  # progress, once the watchdog is armed
+            monitor._ticks += 1
 
 
 # ----------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ alone (`packs`), so they always agree.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 
@@ -26,14 +27,21 @@ def _nbytes(spec: TensorSpec) -> int:
     return math.prod(spec.shape) * spec.dtype.itemsize
 
 
-def _offsets(specs: Sequence[TensorSpec]) -> tuple[list[int], int]:
+def _offsets(specs: Sequence[TensorSpec]) -> tuple[tuple[int, ...], int]:
     """Where each tensor starts in the buffer, and the buffer's size in bytes."""
+    return _layout(tuple(specs))
+
+
+@functools.lru_cache(maxsize=256)
+def _layout(specs: tuple[TensorSpec, ...]) -> tuple[tuple[int, ...], int]:
+    """`_offsets`, once per message shape: a run sends the same few shapes every microbatch,
+    and each message asked for its layout three times (about 10 Python calls a time)."""
     offsets, end = [], 0
     for spec in specs:
         start = -(-end // _ALIGN) * _ALIGN
         offsets.append(start)
         end = start + _nbytes(spec)
-    return offsets, end
+    return tuple(offsets), end
 
 
 def packs(specs: Sequence[TensorSpec]) -> bool:
@@ -46,9 +54,11 @@ def spec_of(tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(tuple(tensor.shape), tensor.dtype)
 
 
-def pack(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
-    """One byte buffer holding `tensors` (as `unpack` reads them back)."""
-    offsets, size = _offsets([spec_of(t) for t in tensors])
+def pack(tensors: Sequence[torch.Tensor],
+         specs: Sequence[TensorSpec] | None = None) -> torch.Tensor:
+    """One byte buffer holding `tensors` (as `unpack` reads them back); `specs`: theirs, where
+    the caller has them already."""
+    offsets, size = _offsets([spec_of(t) for t in tensors] if specs is None else specs)
     device = tensors[0].device
     buffer = torch.empty(size, dtype=torch.uint8, device=device)
     for tensor, start in zip(tensors, offsets, strict=True):

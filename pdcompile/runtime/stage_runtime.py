@@ -204,6 +204,9 @@ class StageRuntime:
         self.loss_fn = loss_fn
         self.output_refs = tuple(output_refs)
         self.output_spec = output_spec
+        # a model whose output is one tensor: the loss reads it as it is (tree_unflatten costs
+        # about 7 Python calls a microbatch)
+        self._single_output = isinstance(output_spec, pytree.TreeSpec) and output_spec.is_leaf()
         self.ties = tuple(ties)
         # where the rank holds several chunks: their runtimes, which reduce every chunk's ties
         # in one order across ranks (set by ChunkRuntimes)
@@ -378,7 +381,8 @@ class StageRuntime:
             else:
                 names = self.io.receives[ref.stage]
                 leaves.append(entry.received[ref.stage][names.index(ref.name)])
-        output = pytree.tree_unflatten(leaves, self.output_spec)
+        output = leaves[0] if self._single_output and len(leaves) == 1 \
+            else pytree.tree_unflatten(leaves, self.output_spec)
         if self.loss_fn is None:
             loss = output
         else:
