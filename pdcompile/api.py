@@ -99,8 +99,8 @@ def compile(  # noqa: A001 - the public name of the one-liner
     """
     from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
-    from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.inplace import make_mutations_explicit
+    from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.split import check_plan_nodes, even_plan, split
     from pdcompile.runtime.grad_clip import check_max_norm
     from pdcompile.runtime.precision import autocast_region, check_autocast

@@ -168,7 +168,7 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
         deps, order = tied, execution_order(timed, tied)
     work = ActionCosts(timed, costs, cluster, stash=stash, wgrad_share=wgrad_share)
     sharing = cluster.shared_cores()
-    if sharing is not None and _oversubscribed(timed, *sharing):
+    if sharing is not None and cluster.oversubscribed(timed.actions):
         begin, end = share_processors(timed, deps, work, group_size=sharing[0],
                                       cores=sharing[1])
     else:
@@ -225,16 +225,6 @@ def simulate(schedule: Schedule, costs: StageCosts, cluster: Cluster, *,
         steady_bubble=bubble if flush else line.bubble_fraction((t0, t1)),
         memory=_memory(schedule, costs, work.copying),
     )
-
-
-
-
-def _oversubscribed(schedule: Schedule, group_size: int, cores: int) -> bool:
-    """Whether some group of `group_size` ranks has more of the schedule's ranks than cores."""
-    groups: dict[int, int] = {}
-    for rank in schedule.actions:
-        groups[rank // group_size] = groups.get(rank // group_size, 0) + 1
-    return max(groups.values(), default=0) > cores
 
 
 _RECEIVES = frozenset((Kind.RECV_F, Kind.RECV_B))

@@ -282,15 +282,8 @@ def _flush_path(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float]
     where that is busy for at least half of it, else by the fill and drain; None where it
     cannot say (ranks sharing processors, whose slowdown the pass does not follow, or an order
     the generator refuses): the closed form then."""
-    ranks = sorted({r for group in stage_ranks for r in group})
-    sharing = cluster.shared_cores()
-    if sharing is not None:
-        size, cores = sharing
-        hosts: dict[int, int] = {}
-        for rank in ranks:
-            hosts[rank // size] = hosts.get(rank // size, 0) + 1
-        if max(hosts.values()) > cores:
-            return None
+    if cluster.oversubscribed({r for group in stage_ranks for r in group}):
+        return None
     seconds = flush_makespan(terms, edges, stage_ranks, cluster, schedule=schedule,
                              microbatches=m, ties=ties)
     if seconds is None:

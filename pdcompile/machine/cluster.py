@@ -253,6 +253,17 @@ class Cluster:
                 return self.group_size(k), level.cores
         return None
 
+    def oversubscribed(self, ranks: Iterable[int]) -> bool:
+        """Whether some group of `shared_cores` holds more of `ranks` than it has cores."""
+        sharing = self.shared_cores()
+        if sharing is None:
+            return False
+        size, cores = sharing
+        groups: dict[int, int] = {}
+        for rank in ranks:
+            groups[rank // size] = groups.get(rank // size, 0) + 1
+        return max(groups.values(), default=0) > cores
+
     def slowest_level_of(self, ranks: tuple[int, ...] | list[int]) -> int:
         """The outermost level that a group of ranks spans (its all-reduce's bottleneck)."""
         if len(ranks) <= 1:
