@@ -100,6 +100,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
     from pdcompile.passes.frontend import capture, unwrapped
     from pdcompile.passes.fuse import fuse_grad_accumulation
     from pdcompile.passes.inplace import make_mutations_explicit
+    from pdcompile.passes.input_devices import check_input_devices
     from pdcompile.passes.shapes import annotate_shapes
     from pdcompile.passes.split import check_plan_nodes, even_plan, split
     from pdcompile.runtime.grad_clip import check_max_norm
@@ -129,6 +130,7 @@ def compile(  # noqa: A001 - the public name of the one-liner
 
         check_plannable(cluster)
     dims = checked_batch_dims(batch_dim, target_batch_dim, None)  # names: after the capture
+    check_input_devices(model, () if named is not None else inputs, named)
     captured = capture(model, () if named is not None else inputs, named,
                        leaf_modules=leaf_modules, frontend=frontend, autocast=precision,
                        batch_dim=dims.default)

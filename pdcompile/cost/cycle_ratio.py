@@ -122,8 +122,10 @@ def _walked(step: np.ndarray, weight: np.ndarray,
         if state[node] == 1:  # a new cycle, from `node`
             at = path.index(node)
             cycle = path[at:]
-            total = sum(weights[u] for u in cycle)
-            held = sum(counts[u] for u in cycle)
+            total = held = 0.0  # in order, one addition at a time: Python 3.12's sum()
+            for u in cycle:     # compensates its rounding, which numpy's cumsum does not
+                total += weights[u]
+                held += counts[u]
             eta = total / held if held > 0 else float("inf")
             for u in cycle:
                 ratio[u], state[u], root[u] = eta, 2, node

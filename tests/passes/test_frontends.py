@@ -193,7 +193,8 @@ def test_a_wrapped_model_is_compiled_as_the_model_it_wraps(wrap: str) -> None:
     torch.manual_seed(0)
     inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 3))
     model = torch.compile(inner) if wrap == "torch.compile" else nn.DataParallel(inner)
-    x, y = torch.randn(8, 8), torch.randint(0, 3, (8,))
+    device = inner[0].weight.device  # DataParallel on a one-GPU machine moves it to the GPU
+    x, y = torch.randn(8, 8, device=device), torch.randint(0, 3, (8,), device=device)
     pipe = pdcompile.compile(model, example_inputs=(x,), loss_fn=nn.functional.cross_entropy,
                              stages=[1, 1], schedule="1f1b-flush", microbatches=2)
     assert set(pipe.state_dict()) == set(inner.state_dict())
