@@ -54,3 +54,14 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert block, "the README's \"Two commands\" section has a bash block"
     lines = [line.split("#")[0].strip() for line in block.group(1).splitlines()]
     assert ci.group(1) in lines, (ci.group(1), lines)
+
+
+def test_results_page_is_assembled_from_the_results_files() -> None:
+    """benchmarks/RESULTS.md is the concatenation of benchmarks/results/*.md: a section written
+    into RESULTS.md alone is lost by the next `python benchmarks/assemble_results.py` (three
+    sections were, once); write it into its results file and assemble."""
+    import runpy
+
+    assemble = runpy.run_path(str(ROOT / "benchmarks" / "assemble_results.py"))["assemble"]
+    assert (ROOT / "benchmarks" / "RESULTS.md").read_text() == assemble(ROOT / "benchmarks" /
+                                                                       "results")
