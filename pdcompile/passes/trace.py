@@ -72,7 +72,7 @@ def _set_item(self: fx.Proxy, index: Any, value: Any) -> None:
     self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
 
 
-_InPlaceProxy.__setitem__ = _set_item  # type: ignore[attr-defined]
+setattr(_InPlaceProxy, "__setitem__", _set_item)  # noqa: B010 - fx.Proxy declares none
 
 
 class _PolicyTracer(fx.Tracer):

@@ -627,9 +627,10 @@ def native_dp_bisect(grid: StageGrid, *, options: ModelOptions, low: float, high
     if found is None:
         return None
     if not math.isfinite(high):
-        high = _finite_period(grid, options=options, low=low, straight=straight, fill=fill)
-        if high is None:
+        finite = _finite_period(grid, options=options, low=low, straight=straight, fill=fill)
+        if finite is None:
             return found
+        high = finite
         found = native_dp_period(grid, options=options, period=high, straight=straight,
                                  fill=fill) or found
     low = max(low, high * 1e-6)

@@ -8,12 +8,12 @@ import itertools
 import operator
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import torch
 import torch.fx as fx
 import torch.nn as nn
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from pdcompile.passes.inplace import make_mutations_explicit, mutated_input, set_item
 from pdcompile.passes.shapes import annotate_shapes

@@ -9,9 +9,9 @@ import functools
 from typing import Any
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-import torch
 from torch import nn
 
 import pdcompile

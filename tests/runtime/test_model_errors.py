@@ -5,10 +5,10 @@ from __future__ import annotations
 import operator
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import torch
 import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import pdcompile
