@@ -10,6 +10,7 @@ backends/program.py), never the Pipeline itself.
 from __future__ import annotations
 
 import numbers
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -66,6 +67,9 @@ SCHEDULES = tuple(KINDS)
 
 # the seed of a pipeline's runs unless one is given (Pipeline.seed, exported)
 DEFAULT_SEED = 0
+# minibatch shapes check_minibatch remembers as accepted (the least recently seen forgotten
+# first): a stream of ever new shapes (sequence lengths) must not grow a worker's memory
+CHECKED_SHAPES_KEPT = 256
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -127,7 +131,8 @@ class Pipeline:
         self.last_timeline: Timeline | None = None
         self.last_runtimes: dict[int, StageRuntime | ChunkRuntimes] = {}
         self._sources: dict[tuple[int, int], dict[int, str]] = {}
-        self._checked_shapes: set[Any] = set()  # minibatch shapes check_minibatch accepted
+        # minibatch shapes check_minibatch accepted, the least recently seen first
+        self._checked_shapes: OrderedDict[Any, None] = OrderedDict()
         self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, by run shape
         self._check()
@@ -688,6 +693,7 @@ class Pipeline:
             raise PipelineInputError(f"minibatch {index}: {misread}")
         key = _signature((tuple(inputs), target))
         if key in self._checked_shapes:
+            self._checked_shapes.move_to_end(key)
             return
         example = self.example_inputs
         # a target never checked (no example target to compare with) is checked like a new shape
@@ -716,7 +722,9 @@ class Pipeline:
                     f"({type(err).__name__}: {detail})") from None
         else:  # captured at the whole example, it runs on microbatches: the tests must hold
             self._refuse_shapes(index, tuple(inputs), tests_only=True)
-        self._checked_shapes.add(key)
+        self._checked_shapes[key] = None
+        while len(self._checked_shapes) > CHECKED_SHAPES_KEPT:
+            self._checked_shapes.popitem(last=False)
 
     def _refuse_shapes(self, index: int, inputs: tuple[Any, ...], *, tests_only: bool) -> None:
         """Refuse inputs a graph from torch.export cannot run on (`input_shapes`; `tests_only`:
@@ -914,7 +922,8 @@ class Pipeline:
 
         def failure(program: StageProgram, args: list[Any], err: Exception) -> Exception:
             return self._stage_failure(program.index, modules[program.index], args, err,
-                                       self.samples(inputs or (named,)), m)
+                                       self.samples(inputs or (named,)), m,
+                                       fix=self._fixed_batch(named))
 
         try:
             with torch.random.fork_rng(), torch.no_grad(), \
@@ -927,12 +936,37 @@ class Pipeline:
 
     @staticmethod
     def _stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], err: Exception,
-                       minibatch: int | None, m: int) -> PipelineInputError:
-        """The model's own error in a stage, with the stage, the node and the microbatch size."""
+                       minibatch: int | None, m: int, *, fix: str | None = None
+                       ) -> PipelineInputError:
+        """The model's own error in a stage, with the stage, the node and the microbatch size
+        (`fix`: the way out where the caller knows it)."""
         from pdcompile.runtime.model_errors import stage_failure
 
         return stage_failure(stage, module, args, err, microbatches=m, minibatch=minibatch,
-                             microbatch=-(-minibatch // m) if minibatch is not None else None)
+                             microbatch=-(-minibatch // m) if minibatch is not None else None,
+                             fix=fix)
+
+    def _fixed_batch(self, microbatch: Mapping[str, Any]) -> str | None:
+        """Where torch.export fixed the batch size of an input at another size than this
+        microbatch's (the model's code turned it into a Python number: `len(x)`), the cause
+        and the way out in words; None otherwise. The graph then holds that size as a
+        constant (`torch.arange(len(logits))` became `arange(4)`), which a smaller microbatch
+        contradicts."""
+        if self.input_shapes is None:
+            return None
+        for name, shape in self.input_shapes.inputs.items():
+            value, dim = microbatch.get(name), self.batch_dims.of(name)
+            if name in self.whole_inputs or not isinstance(value, torch.Tensor) \
+                    or dim >= min(value.dim(), len(shape.dims)):
+                continue
+            fixed = shape.dims[dim]
+            if isinstance(fixed, int) and fixed != value.shape[dim]:
+                return (f"torch.export fixed the batch size of input {name!r} at {fixed} (the "
+                        "model's code turns it into a Python number, e.g. len(tensor) or "
+                        "int(x.shape[0])), so the graph holds it as a constant that a "
+                        f"microbatch of {value.shape[dim]} contradicts; read it as "
+                        "x.shape[0] or x.size(0) in the model, or compile with microbatches=1")
+        return None
 
     def _learn_kinds(self, inputs: Sequence[Any]) -> None:
         """Record which exchanged values are not tensors (they travel as 0-d tensors)."""

@@ -11,7 +11,7 @@ the same point, before the run it concerns, and none is left waiting.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -36,6 +36,9 @@ from pdcompile.runtime.value_shapes import describe, signature
 # runs (minibatches, under flush schedules) the first reader reads ahead and announces in one
 # broadcast: fewer collectives between minibatches, at the price of that many prepared in memory
 ANNOUNCE_AHEAD = 4
+# message tables every rank keeps for shapes not in the run at hand: a stream whose every
+# minibatch has a new shape (another sequence length) would otherwise add one per minibatch
+SHAPE_TABLES_KEPT = 64
 
 TargetLayout = tuple[str, list[TensorSpec]]
 Header = dict[str, Any]
@@ -67,7 +70,9 @@ class Announcements:
         self.steps, self.segment, self.ahead = steps, segment, ahead
         self.routed, self.resume, self.monitor = routed, resume, monitor
         self.source = program.plan.stages[0].ranks[0]  # the reader that tells the others
-        self.shapes: dict[Any, int] = {}  # a reader's: microbatch shape -> its table's number
+        # a reader's: microbatch shape -> its table's number, the least recently used first
+        self.shapes: OrderedDict[Any, int] = OrderedDict()
+        self.numbered = 0  # tables numbered so far (a number is never given twice)
         self.tables: dict[int, dict[str, Any]] = {}  # every rank's: number -> shapes, target
         self._announced: deque[tuple[RunInput | None, Header]] = deque()
         self.multiple, self.least = window_rounds(
@@ -100,6 +105,8 @@ class Announcements:
             if self.rank != self.source:
                 raise AnnouncedInputError(header["error"], reader=self.source)
             raise PipelineInputError(header["error"])
+        for number in header.get("forget", ()):  # no run from this one on uses them
+            self.tables.pop(number, None)
         self.tables.update(header.get("tables", {}))
         return run, header
 
@@ -126,7 +133,8 @@ class Announcements:
                 run = self.program.prepare(items, first=index)
                 header["microbatches"] = run.microbatches
                 header["groups"] = [list(g) for g in run.groups]
-                header["tables"], header["table_of"] = self._shape_tables(run)
+                header["tables"], header["table_of"], header["forget"] = \
+                    self._shape_tables(run)
         except PdcompileError as err:
             header["error"] = str(err)
         return run, header
@@ -162,21 +170,36 @@ class Announcements:
         return take_window(self.stream, limit, convert=_minibatch, first=index,
                            multiple=self.multiple, least=self.least)
 
-    def _shape_tables(self, run: RunInput) -> tuple[dict[int, dict[str, Any]], list[int]]:
-        """A reader's: the tables of the shapes first seen in `run`, and the table of each
-        microbatch (minibatches may differ in shape: a short last batch, another length)."""
+    def _shape_tables(self, run: RunInput
+                      ) -> tuple[dict[int, dict[str, Any]], list[int], list[int]]:
+        """A reader's: the tables of the shapes first seen in `run`, the table of each
+        microbatch (minibatches may differ in shape: a short last batch, another length), and
+        the tables every rank may forget once the runs before this one are done: the least
+        recently used beyond SHAPE_TABLES_KEPT that this run does not use (a shape seen again
+        later gets a new number, so a run announced ahead never names a forgotten table)."""
         new: dict[int, dict[str, Any]] = {}
         table_of = []
         for m in range(run.microbatches):
             named, target = run.data.inputs(m), run.data.target(m)
             key = signature((tuple(named.values()), target))
-            if key not in self.shapes:
-                self.shapes[key] = len(self.shapes)
+            if key in self.shapes:
+                self.shapes.move_to_end(key)
+            else:
+                self.shapes[key] = self.numbered
+                self.numbered += 1
                 new[self.shapes[key]] = {
                     "edges": self.program.microbatch_specs(named),
                     "target": target_layout(target) if self.routed else None}
             table_of.append(self.shapes[key])
-        return new, table_of
+        used = set(table_of)
+        forget = []
+        while len(self.shapes) > max(SHAPE_TABLES_KEPT, len(used)):
+            oldest, number = next(iter(self.shapes.items()))
+            if number in used:  # the least recently used is this run's: keep the rest too
+                break
+            del self.shapes[oldest]
+            forget.append(number)
+        return new, table_of, forget
 
 
 def target_layout(target: Any) -> TargetLayout | None:

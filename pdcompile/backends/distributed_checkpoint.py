@@ -95,8 +95,23 @@ def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
             restore_module_state({**part, "rng": None}, state.module, state.optimizer,
                                  origin=f"{origin} (stage {state.stage})")
         _restore_rng(saved.get("rng"), origin)
-    return Resume(ckpt, done, [float(v) for v in saved["losses"]], done, saved.get("rng"),
+    return Resume(ckpt, done, saved_losses(saved, done, origin), done, saved.get("rng"),
                   saved.get("data_state"))
+
+
+def saved_losses(saved: dict[str, Any], done: int, origin: str) -> list[float]:
+    """The losses of the `done` minibatches a checkpoint holds. A checkpoint always holds one
+    per minibatch (`save_checkpoint` after they are gathered); another count (a file edited
+    and its manifest written anew) would surface later as a missing minibatch, deep in the run."""
+    losses = saved.get("losses")
+    if isinstance(losses, list) and len(losses) == done and all(
+            isinstance(v, int | float) and not isinstance(v, bool) for v in losses):
+        return [float(v) for v in losses]
+    found = (f"{len(losses)} entries" if isinstance(losses, list) else
+             "none" if losses is None else f"a {type(losses).__name__}")
+    raise DamagedFileError(f"{origin} does not hold the loss of each of its {done} minibatches "
+                           f"(its losses: {found}, or not all numbers); delete it to resume "
+                           "from an older checkpoint")
 
 
 def fallback_note(folder: str | os.PathLike[str], chosen: int | None,
@@ -148,4 +163,4 @@ def _restore_rng(rng: Any, origin: str) -> None:
                                "delete it to resume from an older checkpoint") from None
 
 
-__all__ = ["Resume", "fallback_note", "identity", "resume_point", "save_checkpoint"]
+__all__ = ["Resume", "fallback_note", "identity", "resume_point", "save_checkpoint", "saved_losses"]

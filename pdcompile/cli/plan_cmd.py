@@ -110,6 +110,12 @@ def run(args: argparse.Namespace) -> int:
     """Plan and print."""
     from pdcompile.planner import plan
 
+    # checked before profiling and planning, which may take minutes
+    if args.collapse < 1:
+        raise PdcompileError(f"--collapse {args.collapse}: give a positive node count, e.g. "
+                             "--collapse 40 (stages of more nodes are drawn as one box)")
+    if args.stage is not None and args.stage < 0:
+        raise PdcompileError(f"--stage {args.stage}: give a stage number from 0, e.g. --stage 0")
     cluster = load_cluster(args.cluster)
     graph = load_cost_graph(args, cluster, cost=args.cost,
                             progress=args.cost != "analytic" and not args.json

@@ -131,6 +131,13 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              f"{type(value).__name__} of tensors, which the torch.export front "
                              "end cannot take as one input; use frontend='fx' (which can), or "
                              "pass its tensors as separate inputs")
+        if isinstance(value, list | tuple | dict) and not isinstance(value, torch.Size):
+            # torch.export takes it as that many inputs of their own, which no minibatch names
+            raise TraceError(f"input {name!r} of {type(model).__name__} is a "
+                             f"{type(value).__name__} of plain values, which the torch.export "
+                             "front end cannot take as one input; use frontend='fx' (which can), "
+                             f"or leave {name!r} to its default or bind it with "
+                             "functools.partial")
     _refuse_backward_hooks(model)
     with _UnkeptCalls() as unkept, reentrant_checkpoints_as_calls(), \
             custom_functions_seen() as functions:

@@ -66,6 +66,15 @@ for _op in (operator.iadd, operator.isub, operator.imul, operator.itruediv, oper
     setattr(_InPlaceProxy, f"__{_op.__name__}__", _augmented(_op))
 
 
+def _set_item(self: fx.Proxy, index: Any, value: Any) -> None:
+    """`x[i] = v`, and the store that ends `x[i] += v`, recorded as `operator.setitem` (which
+    passes/inplace.py makes a change of `x`); fx's Proxy refuses item assignment."""
+    self.tracer.create_proxy("call_function", operator.setitem, (self, index, value), {})
+
+
+setattr(_InPlaceProxy, "__setitem__", _set_item)  # noqa: B010 - fx.Proxy declares none
+
+
 class _PolicyTracer(fx.Tracer):
     """fx.Tracer with the leaf policy and a record of the innermost module that failed."""
 

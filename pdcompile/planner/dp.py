@@ -43,6 +43,7 @@ from pdcompile.planner.costmodel import (
 from pdcompile.schedule.kinds import kind
 
 INF = float("inf")
+FINITE_PERIOD_LIMIT = 1e9  # seconds per minibatch: past it no period is searched for (32 years)
 
 
 @dataclass(frozen=True)
@@ -616,10 +617,22 @@ def native_dp_bisect(grid: StageGrid, *, options: ModelOptions, low: float, high
                      straight: bool = False, fill: bool = False, tolerance: float = 0.03,
                      ) -> tuple[DPResult, tuple[int, ...]] | None:
     """The fastest period that `native_dp_period` reaches, by bisection between `low` and
-    `high` seconds per minibatch to a relative `tolerance`; None if not even `high`."""
+    `high` seconds per minibatch to a relative `tolerance`; None if not even `high`. An
+    infinite `high` (every candidate priced infinite) is first brought down to a finite period
+    some plan reaches: bisecting from infinity would return the first plan found, unsearched."""
+    if math.isnan(high):
+        return None
+    low = low if math.isfinite(low) and low > 0 else 0.0
     found = native_dp_period(grid, options=options, period=high, straight=straight, fill=fill)
     if found is None:
         return None
+    if not math.isfinite(high):
+        finite = _finite_period(grid, options=options, low=low, straight=straight, fill=fill)
+        if finite is None:
+            return found
+        high = finite
+        found = native_dp_period(grid, options=options, period=high, straight=straight,
+                                 fill=fill) or found
     low = max(low, high * 1e-6)
     while high > low * (1 + tolerance):
         mid = math.sqrt(low * high)
@@ -630,6 +643,19 @@ def native_dp_bisect(grid: StageGrid, *, options: ModelOptions, low: float, high
         else:
             high, found = mid, attempt
     return found
+
+
+def _finite_period(grid: StageGrid, *, options: ModelOptions, low: float, straight: bool,
+                   fill: bool) -> float | None:
+    """A finite period that some plan reaches, growing fourfold from `low` (or a nanosecond)
+    up to FINITE_PERIOD_LIMIT seconds; None past it."""
+    period = max(low, 1e-9)
+    while period <= FINITE_PERIOD_LIMIT:
+        if native_dp_period(grid, options=options, period=period, straight=straight,
+                            fill=fill) is not None:
+            return period
+        period *= 4
+    return None
 
 
 def _stacked(coefs: list[Placement]) -> Placement:

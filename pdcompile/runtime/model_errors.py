@@ -35,8 +35,9 @@ class _Locator(fx.Interpreter):
 
 def stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], error: Exception, *,
                   microbatch: int | None, minibatch: int | None,
-                  microbatches: int) -> PipelineInputError:
-    """The error to raise when stage `stage` fails on `args` (the caller restores buffers)."""
+                  microbatches: int, fix: str | None = None) -> PipelineInputError:
+    """The error to raise when stage `stage` fails on `args` (the caller restores buffers);
+    `fix`: the way out where the caller knows the cause (else one from the sizes)."""
     locator = _Locator(module)
     try:
         with torch.no_grad(), torch.random.fork_rng():
@@ -54,6 +55,7 @@ def stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], error
         where = f" in node {node.name!r} ({what})"
     reason = (str(error).strip().splitlines() or [""])[0]
     sizes = ""
+    known = fix
     fix = "check that the example inputs have the shapes and dtypes the model expects"
     if microbatch is not None and minibatch is not None:
         sizes = (f"; its microbatches hold {microbatch} sample{'s' * (microbatch != 1)} "
@@ -61,6 +63,7 @@ def stage_failure(stage: int, module: fx.GraphModule, args: Sequence[Any], error
         if microbatch < minibatch:
             fix = ("if the model needs more samples at once (BatchNorm needs 2 in training), "
                    "use larger minibatches or fewer microbatches (microbatches=)")
+    fix = known or fix
     return PipelineInputError(f"stage {stage} fails{where}: {type(error).__name__}: {reason}"
                               f"{sizes}; {fix}")
 

@@ -150,3 +150,25 @@ def test_a_rank_holding_several_chunks_resumes_every_chunk(tmp_path: Path,
             assert bool(chunk["optimizer"]["state"]) == has_weights, f"stage {stage}"
             for key, value in local.state(rank, stage).module.state_dict().items():
                 torch.testing.assert_close(chunk["model"][key], value)
+
+
+def test_a_checkpoint_whose_losses_were_edited_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A checkpoint rewritten with one loss fewer than its minibatches (its manifest written
+    anew, so that it verifies) is named when resumed; the resume once went on and failed after
+    training, on a minibatch whose loss it could not find (KeyError)."""
+    from pdcompile.backends.launch import LaunchError
+
+    export = _export(tmp_path / "pipe", "1f1b-flush")
+    data = functools.partial(batches, 4)
+    ckpt = tmp_path / "ckpt"
+    train_processes(export, 2, data, steps=2, timeout=120, fault_timeout=5,
+                    checkpoint_dir=ckpt, checkpoint_every=2)
+    for rank in (0, 1):
+        writer = Checkpointer(ckpt, rank=rank, every=2)
+        state = writer.load(2)
+        writer.save(2, {**state, "losses": state["losses"][:1]})
+    with pytest.raises(LaunchError) as info:
+        train_processes(export, 2, data, steps=4, timeout=120, fault_timeout=5,
+                        checkpoint_dir=ckpt, checkpoint_every=2)
+    assert "does not hold the loss of each of its 2 minibatches (its losses: 1 entries" \
+        in str(info.value), str(info.value)

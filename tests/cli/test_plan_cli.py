@@ -66,6 +66,13 @@ def test_help_lists_cluster_presets(capsys: pytest.CaptureFixture[str]) -> None:
     (["plan", "--profile", "PROFILE", "--memory", "a lot"], "memory"),
     (["plan", "--profile", "PROFILE", "--planner", "ilp", "--cost-model", "pipedream"],
      "native cost model"),
+    # refused before the profile is read and the plan made (minutes on a large model)
+    (["plan", "--profile", "/nonexistent/graph.txt", "--collapse", "0"],
+     "--collapse 0: give a positive node count"),
+    (["plan", "--profile", "/nonexistent/graph.txt", "--draw", "p.svg", "--collapse", "-3"],
+     "--collapse -3: give a positive node count"),
+    (["plan", "--profile", "/nonexistent/graph.txt", "--draw", "p.svg", "--stage", "-1"],
+     "--stage -1: give a stage number from 0"),
 ])
 def test_errors_are_one_line(argv: list[str], message: str, profiles_dir: Path,
                              capsys: pytest.CaptureFixture[str]) -> None:

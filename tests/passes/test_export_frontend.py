@@ -176,3 +176,33 @@ def test_an_inference_mode_region_is_refused_naming_its_line() -> None:
     with pytest.raises(TraceError, match=r"under torch.inference_mode\(\) \(at "
                                          r".*test_export_frontend.py:\d+\).*torch.no_grad\(\)"):
         export_graph(_InferenceGate(), (torch.randn(4, 8),))
+
+
+class _Flagged(nn.Module):
+    """A model taking a container of plain values (`flags=(1, 2)`) beside its tensor."""
+
+    def __init__(self, key: Any) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 3)
+        self.key = key
+
+    def forward(self, x: torch.Tensor, flags: Any) -> torch.Tensor:
+        return self.a(x) * flags[self.key]
+
+
+@pytest.mark.parametrize("flags", [(1, 2), [1, 2], {"k": 2}])
+def test_a_container_of_plain_values_is_refused_naming_the_input(flags: Any) -> None:
+    """torch.export rejected it with a mismatch of `dynamic_shapes` that named neither the way
+    out nor pdcompile's part; the fx front end takes it and trains."""
+    from pdcompile.errors import TraceError
+
+    x = torch.randn(4, 8)
+    key = "k" if isinstance(flags, dict) else 1
+    with pytest.raises(TraceError, match=rf"input 'flags' of _Flagged is a "
+                                         rf"{type(flags).__name__} of plain values, which the "
+                                         r"torch.export front end cannot take as one input; "
+                                         r"use frontend='fx'"):
+        export_graph(_Flagged(key), (x, flags))
+    pipe = pdcompile.compile(_Flagged(key), example_inputs=(x, flags), loss_fn=F.cross_entropy,
+                             stages=2, schedule="1f1b-flush", microbatches=2, cost="analytic")
+    assert pipe.step(x, flags, target=torch.randint(0, 3, (4,))) > 0

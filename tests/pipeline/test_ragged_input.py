@@ -10,6 +10,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import pdcompile
@@ -166,3 +168,24 @@ def test_distributed_backend_trains_them_like_the_local_one(nproc: int) -> None:
         except PipelineInputError as err:
             local_error = str(err)
         assert out[-1] == local_error  # the same refusal, on every rank
+
+
+@settings(max_examples=10, deadline=None)
+@given(shapes=st.lists(st.tuples(st.integers(2, 5), st.integers(1, 4)), min_size=1, max_size=12))
+def test_the_shapes_a_pipeline_remembers_as_checked_are_bounded(
+        shapes: list[tuple[int, int]]) -> None:
+    """A stream of ever new shapes (sequence lengths) trains alike whether the pipeline
+    remembers 2 checked shapes or all of them, and it keeps at most that many: it once kept
+    every minibatch shape it ever accepted."""
+    from pdcompile import pipeline
+
+    want = _pipeline("1f1b-flush", [1, 1], micro=2).train(_stream(shapes))
+    pipe = _pipeline("1f1b-flush", [1, 1], micro=2)
+    kept = pipeline.CHECKED_SHAPES_KEPT
+    pipeline.CHECKED_SHAPES_KEPT = 2
+    try:
+        got = pipe.train(_stream(shapes))
+    finally:
+        pipeline.CHECKED_SHAPES_KEPT = kept
+    assert got == pytest.approx(want, rel=1e-6)
+    assert len(pipe._checked_shapes) <= 2

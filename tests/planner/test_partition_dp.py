@@ -185,3 +185,25 @@ def test_an_output_read_by_two_later_stages_is_copied_twice_by_the_period_search
     cluster = _cluster(4, "1e9", "20us", True, None)
     assert_the_period_search_keeps_its_word(graph, cluster, fraction=1.75)
     assert assert_the_period_search_keeps_its_word(graph, cluster, fraction=1.9)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(graph=small_dags(), cluster=clusters, low=st.sampled_from([0.0, 1e-6, math.nan]))
+def test_the_period_bisection_from_an_infinite_bound_searches(graph: nx.DiGraph,
+                                                              cluster: Cluster,
+                                                              low: float) -> None:
+    """`native_dp_bisect` with an infinite upper bound (what the planner passes when every
+    candidate it holds is priced infinite) finds as fast a period as from a finite bound that
+    some plan reaches; it once returned the first plan reaching infinity, unsearched."""
+    options = ModelOptions(schedule="1f1b")
+    prepared = prepare(graph, "native", cluster.workers)
+    tables = dp.state_tables(prepared.graph, prepared.states, prepared.pinned)
+    grid = dp.stage_grid(tables, cluster, options=options, memory=None)
+    work = sum(d["fwd"] + d["bwd"] for _, d in graph.nodes(data=True))
+    finite = dp.native_dp_bisect(grid, options=options, low=1e-6, high=work * 100 + 1.0)
+    unbounded = dp.native_dp_bisect(grid, options=options, low=low, high=math.inf)
+    assert (finite is None) == (unbounded is None)
+    if finite is not None and unbounded is not None:
+        assert math.isfinite(unbounded[0].objective)
+        assert unbounded[0].objective <= finite[0].objective * 1.03 ** 2 + 1e-12
+    assert dp.native_dp_bisect(grid, options=options, low=1e-6, high=math.nan) is None

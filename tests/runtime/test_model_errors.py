@@ -7,6 +7,8 @@ import operator
 import pytest
 import torch
 import torch.fx as fx
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 import pdcompile
@@ -60,3 +62,44 @@ def test_trace_error_in_generated_code_points_at_no_file() -> None:
     assert "<eval_with_key" not in message  # it used to be joined to the working folder
     assert "module 'check'" in message
     assert "pdcompile.compile(..., leaf_modules=['check'])" in message
+
+
+class _Contrastive(nn.Module):
+    """CLIP's contrastive loss (transformers' `contrastive_loss`): every sample's logits
+    against every other's, labels `torch.arange(len(logits))` (`by_len`) or of
+    `logits.shape[0]`. torch.export turns `len()` into the example's batch size."""
+
+    def __init__(self, by_len: bool) -> None:
+        super().__init__()
+        self.text, self.image = nn.Linear(6, 8), nn.Linear(6, 8)
+        self.by_len = by_len
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        logits = self.text(x) @ self.image(y).t()
+        count = len(logits) if self.by_len else logits.shape[0]
+        return nn.functional.cross_entropy(logits, torch.arange(count))
+
+
+@settings(max_examples=4, deadline=None)
+@given(micro=st.sampled_from([2, 3]), per=st.integers(1, 3))
+def test_a_batch_size_export_fixed_is_named_with_the_fix(micro: int, per: int) -> None:
+    """A model that reads its batch size with len() is captured by torch.export with that
+    size as a constant: cut into microbatches, it fails in its loss. The error names the input,
+    the fixed size and the fix; it once advised larger minibatches (which fail the same)."""
+    batch = micro * per + micro  # at least 2 samples a microbatch
+    x, y = torch.randn(batch, 6), torch.randn(batch, 6)
+    with pytest.raises(PipelineInputError) as info:
+        pdcompile.compile(_Contrastive(by_len=True), example_inputs=(x, y),
+                          loss_fn=lambda out, _: out, schedule="1f1b-flush", microbatches=micro,
+                          stages=2, cost="analytic")
+    message = str(info.value)
+    assert len(message.splitlines()) == 1
+    assert f"torch.export fixed the batch size of input 'x' at {batch}" in message, message
+    assert f"a microbatch of {batch // micro} contradicts" in message
+    assert "x.size(0)" in message and "microbatches=1" in message
+    assert "larger minibatches" not in message
+    # the way out: the size read as logits.shape[0] stays free, and microbatches run
+    pipe = pdcompile.compile(_Contrastive(by_len=False), example_inputs=(x, y),
+                             loss_fn=lambda out, _: out, schedule="1f1b-flush",
+                             microbatches=micro, stages=2, cost="analytic")
+    assert pipe.step(x, y, target=torch.zeros(batch)) > 0
