@@ -287,6 +287,13 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                                          fill=False, cache=cache).candidates
         except PlanError:
             pass
+    if stages is None and workers > 1:  # the whole model on one worker, or on a half
+        candidates += _on_fewer_workers(
+            cost_graph, cluster, choices, candidates, limit, optimizer_state,
+            lambda sub: plan(cost_graph, sub, planner=planner, straight=straight, memory=limit,
+                             time_limit=time_limit, schedule=schedule,
+                             microbatches=microbatches, simulate=simulate,
+                             optimizer_state=optimizer_state, cache=cache))
     if not candidates:
         refusal = _schedule_refusal(choices, workers)
         if refusal is not None:  # not the memory: the schedule cannot run on these workers
@@ -319,8 +326,13 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if ilp_found:  # CP-SAT ran: the plan is the best of its plan and the DP's
         extra |= ilp_found[0].ilp or {}
         status, label = ilp_found[0].status, "ilp"
+    used = 1 + max(r for s in chosen.priced for r in s.ranks)
+    if stages is None and used < workers:
+        extra["idle_workers"] = _why_idle(cost_graph, cluster, chosen, simulated, candidates,
+                                          workers, simulate, cache)
     result = Plan(stages=chosen.priced, time_per_minibatch=simulated or chosen.closed,
-                  dp_time=dp_time, workers=workers, cost_model=cost_model,
+                  dp_time=dp_time, workers=used if stages is None else workers,
+                  cost_model=cost_model,
                   planner=label, status=status, bound=None,
                   solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra,
                   schedule=options.schedule, microbatches=options.per_minibatch)
@@ -876,7 +888,9 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         + [c for c in ranked if c.planner == "ilp"]
     # and plain data parallelism wherever it fits: the planner never returns a plan that it
     # predicts slower than data parallelism
-    chosen += [c for c in ranked if c.how == "data parallel" and c not in chosen]
+    # (and, for the same reason, the whole model on one worker)
+    chosen += [c for c in ranked if c.how in ("data parallel", "the whole model on one worker")
+               and c not in chosen]
     # and the best of every schedule and microbatch count (schedule="auto"): the closed form
     # ranks plans of one schedule better than plans of different ones
     for option in {(c.options.schedule, c.options.per_minibatch) for c in ranked}:
@@ -952,6 +966,63 @@ def _tie_repaired(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candida
             if found is not None:
                 out.append(found)
     return out
+
+
+def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[str, int]],
+                      candidates: list[_Candidate], limit: float | None,
+                      optimizer_state: float, again: Any) -> list[_Candidate]:
+    """Candidates that leave workers idle (planner/fewer_workers.py): the whole model on rank 0
+    under every schedule option that runs on one worker (not the chunked ones), and the plan
+    `again(sub)` makes for the cluster's first half `sub` where the best candidate so far is
+    slower than `sub`'s compute bound (`_work_bound`: no plan there can be faster otherwise),
+    priced on the cluster with its in-flight counts and recomputation."""
+    from pdcompile.planner.fewer_workers import smaller
+
+    out: list[_Candidate] = []
+    nodes = topological_order(graph)
+    for name, m in choices:
+        if kind(name).chunked:
+            continue
+        options = ModelOptions(schedule=name, microbatches=m, optimizer_state=optimizer_state)
+        alone = _priced(graph, cluster, [(nodes, (0,))], options, limit, status="HEURISTIC",
+                        how="the whole model on one worker")
+        if alone is not None:
+            out.append(alone)
+    sub = smaller(cluster)
+    best = min((c.closed for c in candidates + out), default=math.inf)
+    if sub is None or not best > _work_bound(graph, sub.workers) * (1 + 1e-9):
+        return out
+    try:
+        planned = again(sub)
+    except PlanError:
+        return out
+    options = ModelOptions(schedule=planned.schedule, microbatches=planned.microbatches,
+                           optimizer_state=optimizer_state)
+    flight = [s.in_flight for s in planned.stages]
+    found = _priced(graph, cluster, [(list(s.nodes), tuple(s.ranks)) for s in planned.stages],
+                    options, limit, in_flight=flight if all(flight) else None,
+                    recompute=[s.recompute for s in planned.stages], planner=planned.planner,
+                    status="HEURISTIC", how=f"on the first {sub.workers} of {cluster.workers} "
+                    f"workers: {planned.extra.get('found_by', 'planned')}")
+    if found is not None:
+        out.append(found)
+    return out
+
+
+def _why_idle(graph: nx.DiGraph, cluster: Cluster, chosen: _Candidate,
+              simulated: float | None, candidates: list[_Candidate], workers: int,
+              simulate: bool | None, cache: SearchCache | None) -> str:
+    """Why the chosen plan leaves workers idle, in one line (fewer_workers.idle_reason): the
+    best candidate on every worker, priced as the chosen one was."""
+    from pdcompile.planner.fewer_workers import idle_reason
+
+    everyone = [c for c in candidates
+                if len({r for _, ranks in c.stages for r in ranks}) == workers]
+    if not everyone:
+        return idle_reason(cluster, chosen.priced, simulated or chosen.closed, None, None, "")
+    best, seconds = _choose(graph, cluster, everyone, simulate, cache)
+    return idle_reason(cluster, chosen.priced, simulated or chosen.closed, best.priced,
+                       seconds or best.closed, best.as_plan().config)
 
 
 def _simulation_cost(plan_: Plan) -> int:
