@@ -40,8 +40,15 @@ def smaller(cluster: Cluster) -> Cluster | None:
         levels = cluster.levels[:-1]
     else:
         return None
-    sub = replace(cluster, levels=levels, name=f"the first half of {cluster.name or 'the cluster'}")
-    return sub if sub.workers >= 2 else None
+    workers = 1
+    for level in levels:
+        workers *= level.workers
+    if workers < 2:
+        return None
+    # a cluster of one kind written as device groups: its groups cut to the first ranks
+    first = cluster.with_workers(workers).groups if cluster.groups else ()
+    return replace(cluster, levels=levels, groups=first,
+                   name=f"the first half of {cluster.name or 'the cluster'}")
 
 
 def used_ranks(stages: Sequence[Stage]) -> set[int]:
@@ -64,6 +71,9 @@ def idle_reason(cluster: Cluster, chosen: Sequence[Stage], chosen_seconds: float
             f"{format_seconds(chosen_seconds)} per minibatch")
     if everyone is None or everyone_seconds is None:
         return f"{head}: no plan on all {total} workers fits the memory or the schedule"
+    if everyone_seconds <= chosen_seconds * (1 + 1e-9):
+        return (f"{head}: the best plan found on all {total} ({everyone_config}) is no faster "
+                f"({format_seconds(everyone_seconds)})")
     slowest = max(everyone, key=lambda s: s.time)
     links = " / ".join(format_bandwidth(level.bandwidth) for level in cluster.levels)
     others = "worker saves" if idle == 1 else f"{idle} workers save"

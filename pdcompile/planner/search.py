@@ -192,6 +192,12 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                     continue  # interleaving is planned on one level of unreplicated chunks
                 # stages=K: K workers (the first K ranks), each holding the schedule's chunks
                 found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
+                if stages is None and not straight:  # the plan is never slower than it
+                    whole = _priced(cost_graph, cluster,
+                                    [data_parallel_stage(cost_graph, cluster, workers)],
+                                    options, limit, status="HEURISTIC", how="data parallel")
+                    if whole is not None:
+                        found.candidates.append(whole)
             elif symmetric and not row.split_backward:  # both ways to use servers alike
                 try:
                     found = _dp_candidates(cost_graph, cluster, options, limit, straight,
@@ -972,7 +978,7 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
                       candidates: list[_Candidate], limit: float | None,
                       optimizer_state: float, again: Any) -> list[_Candidate]:
     """Candidates that leave workers idle (planner/fewer_workers.py): the whole model on rank 0
-    under every schedule option that runs on one worker (not the chunked ones), and the plan
+    under every schedule option that runs on one worker (not the interleaved ones), and the plan
     `again(sub)` makes for the cluster's first half `sub` where the best candidate so far is
     slower than `sub`'s compute bound (`_work_bound`: no plan there can be faster otherwise),
     priced on the cluster with its in-flight counts and recomputation."""
@@ -981,7 +987,7 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
     out: list[_Candidate] = []
     nodes = topological_order(graph)
     for name, m in choices:
-        if kind(name).chunked:
+        if kind(name).interleaved:  # chunks on several workers by design
             continue
         options = ModelOptions(schedule=name, microbatches=m, optimizer_state=optimizer_state)
         alone = _priced(graph, cluster, [(nodes, (0,))], options, limit, status="HEURISTIC",
