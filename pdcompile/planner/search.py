@@ -979,9 +979,13 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
                       optimizer_state: float, again: Any) -> list[_Candidate]:
     """Candidates that leave workers idle (planner/fewer_workers.py): the whole model on rank 0
     under every schedule option that runs on one worker (not the interleaved ones), and the plan
-    `again(sub)` makes for the cluster's first half `sub` where the best candidate so far is
-    slower than `sub`'s compute bound (`_work_bound`: no plan there can be faster otherwise),
-    priced on the cluster with its in-flight counts and recomputation."""
+    `again(sub)` makes for the cluster's first half `sub`, priced on the cluster with its
+    in-flight counts and recomputation, where the cost model leaves the half a chance: the best
+    candidate so far is slower than `sub`'s compute bound (`_work_bound`: no plan there can be
+    faster otherwise), and some stage of it pays more in all-reduces and transfers than the
+    half's bound exceeds the cluster's (what the half saves is at most that communication;
+    where memory or the pipeline's round trips bind, as GPT-2 XL's on 16 x 8 H100 at 25% of
+    its compute bound, a half searched in 46 s of CPU, recursively, found nothing faster)."""
     from pdcompile.planner.fewer_workers import smaller
 
     out: list[_Candidate] = []
@@ -995,8 +999,16 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
         if alone is not None:
             out.append(alone)
     sub = smaller(cluster)
-    best = min((c.closed for c in candidates + out), default=math.inf)
-    if sub is None or not best > _work_bound(graph, sub.workers) * (1 + 1e-9):
+    if sub is None or not candidates:
+        return out
+    best = min(candidates, key=lambda c: c.closed)  # on the cluster's workers
+    fastest = min(c.closed for c in candidates + out)
+    floor = _work_bound(graph, sub.workers)
+    # the half computes at least `floor - full` longer than every worker could; it can only
+    # win back what the best plan here pays in all-reduces and transfers
+    full = _work_bound(graph, cluster.workers)
+    paid = max(s.sync + s.comm for s in best.priced)
+    if not (fastest > floor * (1 + 1e-9) and paid > floor - full):
         return out
     try:
         planned = again(sub)
