@@ -1220,7 +1220,9 @@ def _plan_mixed(cost_graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[st
                         straight=straight, cache=cache, planner=planner,
                         time_limit=time_limit, schedule=schedule, microbatches=microbatches,
                         simulate=simulate)
-    return replace(result, solve_seconds=time.perf_counter() - started)
+    # a homogeneous sub-plan's words on its workers left idle are about another cluster
+    extra = {k: v for k, v in result.extra.items() if k != "idle_workers"}
+    return replace(result, extra=extra, solve_seconds=time.perf_counter() - started)
 
 
 # ------------------------------------------------------------------------------ helpers
