@@ -1026,7 +1026,7 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
                     options, limit, in_flight=flight if all(flight) else None,
                     recompute=[s.recompute for s in planned.stages], planner=planned.planner,
                     status="HEURISTIC", how=f"on the first {sub.workers} of {cluster.workers} "
-                    f"workers: {planned.extra.get('found_by', 'planned')}")
+                    f"workers: {planned.extra.get('found_by') or 'planned'}")
     if found is not None:
         out.append(found)
     return out
