@@ -296,7 +296,10 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if stages is None and workers > 1:  # the whole model on one worker, or on a half
         candidates += _on_fewer_workers(
             cost_graph, cluster, choices, candidates, limit, optimizer_state,
-            lambda sub: plan(cost_graph, sub, planner=planner, straight=straight, memory=limit,
+            # the half without CP-SAT under "auto" (its DP's plan is the candidate; CP-SAT's
+            # 2 s per schedule were most of what the half added on 16 workers)
+            lambda sub: plan(cost_graph, sub, planner="dp" if planner == "auto" else planner,
+                             straight=straight, memory=limit,
                              time_limit=time_limit, schedule=schedule,
                              microbatches=microbatches, simulate=simulate,
                              optimizer_state=optimizer_state, cache=cache))
