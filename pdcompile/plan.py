@@ -307,6 +307,9 @@ class Plan:
         if shared:
             lines.append("replicas take shares of each round by speed (ranks in order): "
                          + ", ".join(shared))
+        idle = self.extra.get("idle_workers")
+        if isinstance(idle, str):  # the planner left workers idle: how many, and why
+            lines.append(idle)
         why = self.prediction_text()
         if why:
             lines.append(why)

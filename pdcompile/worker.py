@@ -301,7 +301,9 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                     allow_nonfinite: bool = False, trust: bool = False,
                     seed: int | None = None,
                     slowdown: Sequence[float] | str | None = None) -> DistributedRun:
-    """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result.
+    """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result. A plan
+    that leaves workers idle (the planner found a plan on fewer of them faster) starts only
+    its own workers' processes.
 
     Each worker loads `export_dir` (pdcompile.load) and calls `run_distributed` on `data()`, so
     `data` must be picklable (a module-level function or a functools.partial of one) and give
@@ -317,13 +319,14 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
 
     from pdcompile.backends.launch import launch
 
+    asked, nproc = nproc, _started(export_dir, nproc)
     options: dict[str, Any] = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
                "checkpoint_every": checkpoint_every, "allow_nonfinite": allow_nonfinite,
                "trust": trust, "slowdown": None}
     if slowdown is not None:  # checked here: one line, before any worker starts
         from pdcompile.runtime.slowdown import check_slowdowns
 
-        options["slowdown"] = check_slowdowns(slowdown, nproc)
+        options["slowdown"] = check_slowdowns(slowdown, asked)[:nproc]
     channel = multiprocessing.get_context("spawn").Queue() if progress is not None else None
     stop = threading.Event()
     relay: threading.Thread | None = None
@@ -340,6 +343,22 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
             relay.join(timeout=5)
     result: DistributedRun = values[0]
     return result
+
+
+def _started(export_dir: str | os.PathLike[str], nproc: int) -> int:
+    """The processes to start for `nproc` asked: the plan's workers where it uses fewer (the
+    planner may leave workers idle where they would cost more than they save; an idle process
+    would have no stage to run), else `nproc` (the backend refuses a count it cannot run)."""
+    import json
+
+    try:
+        with open(os.path.join(export_dir, "plan.json")) as file:
+            workers = json.load(file)["workers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return nproc
+    if isinstance(workers, int) and not isinstance(workers, bool) and 0 < workers < nproc:
+        return workers
+    return nproc
 
 
 def _relay(channel: Any, progress: Callable[[int, float], None], stop: threading.Event) -> None:

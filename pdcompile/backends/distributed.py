@@ -618,6 +618,12 @@ def _check_run(program: RunProgram, *, steps: int | None,
                                "from its environment), or use train_processes / `pdcompile run`")
     rank, world = dist.get_rank(), dist.get_world_size()
     plan = program.plan
+    if world > plan.workers and isinstance(plan.extra.get("idle_workers"), str):
+        raise DistributedError(
+            f"the plan runs on {plan.workers} of the {world} processes started (the planner "
+            f"left workers idle: {plan.extra['idle_workers']}); start {plan.workers} (torchrun "
+            f"--nproc-per-node={plan.workers}; pdcompile run and train_processes start only "
+            "the plan's)")
     if world != plan.workers:
         raise DistributedError(
             f"the pipeline was compiled for {plan.workers} workers (configuration {plan.config}) "

@@ -69,6 +69,17 @@ def _plan_workers(export_dir: Path) -> int | None:
     return int(workers) if isinstance(workers, int) else None
 
 
+def _idle_reason(export_dir: Path) -> str:
+    """The planner's words for the workers its plan leaves idle (": 1 of 2 workers ..."), or
+    "" where the plan file gives none."""
+    try:
+        data = json.loads((export_dir / "plan.json").read_text())
+        reason = data["extra"]["idle_workers"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
+    return f" ({reason})" if isinstance(reason, str) else ""
+
+
 def _check_port_free(addr: str, port: int) -> None:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         try:
@@ -172,6 +183,12 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
         nproc = workers // max(1, int(nnodes.split(":")[-1]))
     if nproc < 1:
         raise PdcompileError(f"--nproc must be a positive integer ({nproc} < 1)")
+    if single and workers is not None and nproc > workers:
+        # a plan that leaves workers idle (the planner found fewer faster): only its ranks run
+        print(f"pdcompile run: the plan in {export_dir} uses {workers} of the {nproc} workers "
+              f"asked for{_idle_reason(export_dir)}; starting {workers} process"
+              f"{'es' if workers > 1 else ''}", file=sys.stderr, flush=True)
+        nproc = workers
     if single and workers is not None and nproc != workers:
         raise PdcompileError(f"the pipeline in {export_dir} was compiled for {workers} workers, "
                              f"not --nproc {nproc}; pass --nproc {workers}")

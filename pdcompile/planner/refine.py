@@ -66,9 +66,13 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
     `from_data_parallel`: descend from data parallelism too, on half the budget (a caller that
     prices data parallelism itself may give the plan's descent all of it); `cache`: the
     schedules of the search this refinement is part of (planner/search_cache.py)."""
-    if plan.workers != cluster.workers:
+    idle = plan.workers < cluster.workers and "idle_workers" in plan.extra
+    if plan.workers != cluster.workers and not idle:
         raise PlanError(f"the plan is for {plan.workers} workers but the cluster has "
                         f"{cluster.workers}; plan for this cluster first")
+    used = plan.workers
+    # a plan the planner left workers idle in (fewer were faster): the search may use them
+    plan = replace(plan, workers=cluster.workers)
     if max_evaluations < 1:
         raise PlanError(f"max_evaluations must be a positive integer (got {max_evaluations})")
     order, state = _linearise(plan, graph)
@@ -93,6 +97,9 @@ def refine_plan(plan: Plan, graph: nx.DiGraph, cluster: Cluster, *, minibatches:
         results.append(_descend(search, seed, value, label, limit=share, nodes=len(order)))
     best, state, moves = min(results, key=lambda r: r[0])
     refined = search.plan_of(state, simulated=best, start=start)
+    held = 1 + max(r for s in refined.stages for r in s.ranks)
+    if held < cluster.workers:  # the ranks it uses, as the planner counts them
+        refined = replace(refined, workers=max(held, used))
     return Refined(refined, best, start, search.evaluations, tuple(moves))
 
 

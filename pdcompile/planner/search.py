@@ -192,6 +192,12 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                     continue  # interleaving is planned on one level of unreplicated chunks
                 # stages=K: K workers (the first K ranks), each holding the schedule's chunks
                 found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
+                if stages is None and not straight:  # the plan is never slower than it
+                    whole = _priced(cost_graph, cluster,
+                                    [data_parallel_stage(cost_graph, cluster, workers)],
+                                    options, limit, status="HEURISTIC", how="data parallel")
+                    if whole is not None:
+                        found.candidates.append(whole)
             elif symmetric and not row.split_backward:  # both ways to use servers alike
                 try:
                     found = _dp_candidates(cost_graph, cluster, options, limit, straight,
@@ -287,6 +293,16 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                                          fill=False, cache=cache).candidates
         except PlanError:
             pass
+    if stages is None and workers > 1:  # the whole model on one worker, or on a half
+        candidates += _on_fewer_workers(
+            cost_graph, cluster, choices, candidates, limit, optimizer_state,
+            # the half without CP-SAT under "auto" (its DP's plan is the candidate; CP-SAT's
+            # 2 s per schedule were most of what the half added on 16 workers)
+            lambda sub: plan(cost_graph, sub, planner="dp" if planner == "auto" else planner,
+                             straight=straight, memory=limit,
+                             time_limit=time_limit, schedule=schedule,
+                             microbatches=microbatches, simulate=simulate,
+                             optimizer_state=optimizer_state, cache=cache))
     if not candidates:
         refusal = _schedule_refusal(choices, workers)
         if refusal is not None:  # not the memory: the schedule cannot run on these workers
@@ -319,8 +335,13 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if ilp_found:  # CP-SAT ran: the plan is the best of its plan and the DP's
         extra |= ilp_found[0].ilp or {}
         status, label = ilp_found[0].status, "ilp"
+    used = 1 + max(r for s in chosen.priced for r in s.ranks)
+    if stages is None and used < workers:
+        extra["idle_workers"] = _why_idle(cost_graph, cluster, chosen, simulated, candidates,
+                                          workers, simulate, cache)
     result = Plan(stages=chosen.priced, time_per_minibatch=simulated or chosen.closed,
-                  dp_time=dp_time, workers=workers, cost_model=cost_model,
+                  dp_time=dp_time, workers=used if stages is None else workers,
+                  cost_model=cost_model,
                   planner=label, status=status, bound=None,
                   solve_seconds=0.0, cluster=cluster.to_dict(), extra=extra,
                   schedule=options.schedule, microbatches=options.per_minibatch)
@@ -877,6 +898,9 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     # and plain data parallelism wherever it fits: the planner never returns a plan that it
     # predicts slower than data parallelism
     chosen += [c for c in ranked if c.how == "data parallel" and c not in chosen]
+    # and the whole model on one worker where it is near the best (the planner is never slower
+    # than it; further off, the closed form of one stage, exact, already says it loses)
+    chosen += [c for c in near if c.how == "the whole model on one worker" and c not in chosen]
     # and the best of every schedule and microbatch count (schedule="auto"): the closed form
     # ranks plans of one schedule better than plans of different ones
     for option in {(c.options.schedule, c.options.per_minibatch) for c in ranked}:
@@ -952,6 +976,79 @@ def _tie_repaired(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candida
             if found is not None:
                 out.append(found)
     return out
+
+
+def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[str, int]],
+                      candidates: list[_Candidate], limit: float | None,
+                      optimizer_state: float, again: Any) -> list[_Candidate]:
+    """Candidates that leave workers idle (planner/fewer_workers.py): the whole model on rank 0
+    under every schedule option that runs on one worker (not the interleaved ones), and the plan
+    `again(sub)` makes for the cluster's first half `sub`, priced on the cluster with its
+    in-flight counts and recomputation, where the cost model leaves the half a chance: the best
+    candidate so far is slower than `sub`'s compute bound (`_work_bound`: no plan there can be
+    faster otherwise), and some stage of it pays more in all-reduces and transfers than the
+    half's bound exceeds the cluster's (what the half saves is at most that communication;
+    where memory or the pipeline's round trips bind, as GPT-2 XL's on 16 x 8 H100 at 25% of
+    its compute bound, a half searched in 46 s of CPU, recursively, found nothing faster)."""
+    from pdcompile.planner.fewer_workers import smaller
+
+    out: list[_Candidate] = []
+    known = min((c.closed for c in candidates), default=math.inf)
+    # one worker computes everything: where that alone is far slower than the best plan here
+    # (beyond what `_choose` simulates), it is not priced (5,000 nodes: 0.07 s of 1.3)
+    total = _work_bound(graph, 1)
+    alone_too = total <= known * SIMULATED_WITHIN
+    for name, m in choices:
+        if kind(name).interleaved or not alone_too:  # interleaved: chunks on several workers
+            continue
+        options = ModelOptions(schedule=name, microbatches=m, optimizer_state=optimizer_state)
+        alone = _priced(graph, cluster, [(topological_order(graph), (0,))], options, limit,
+                        status="HEURISTIC",
+                        how="the whole model on one worker")
+        if alone is not None:
+            out.append(alone)
+    sub = smaller(cluster)
+    if sub is None or not candidates:
+        return out
+    best = min(candidates, key=lambda c: c.closed)  # on the cluster's workers
+    fastest = min(c.closed for c in candidates + out)
+    floor, full = total / sub.workers, total / cluster.workers
+    # the half computes at least `floor - full` longer than every worker could; it can only
+    # win back what the best plan here pays in all-reduces and transfers
+    paid = max(s.sync + s.comm for s in best.priced)
+    if not (fastest > floor * (1 + 1e-9) and paid > floor - full):
+        return out
+    try:
+        planned = again(sub)
+    except PlanError:
+        return out
+    options = ModelOptions(schedule=planned.schedule, microbatches=planned.microbatches,
+                           optimizer_state=optimizer_state)
+    flight = [s.in_flight for s in planned.stages]
+    found = _priced(graph, cluster, [(list(s.nodes), tuple(s.ranks)) for s in planned.stages],
+                    options, limit, in_flight=flight if all(flight) else None,
+                    recompute=[s.recompute for s in planned.stages], planner=planned.planner,
+                    status="HEURISTIC", how=f"on the first {sub.workers} of {cluster.workers} "
+                    f"workers: {planned.extra.get('found_by') or 'planned'}")
+    if found is not None:
+        out.append(found)
+    return out
+
+
+def _why_idle(graph: nx.DiGraph, cluster: Cluster, chosen: _Candidate,
+              simulated: float | None, candidates: list[_Candidate], workers: int,
+              simulate: bool | None, cache: SearchCache | None) -> str:
+    """Why the chosen plan leaves workers idle, in one line (fewer_workers.idle_reason): the
+    best candidate on every worker, priced as the chosen one was."""
+    from pdcompile.planner.fewer_workers import idle_reason
+
+    everyone = [c for c in candidates
+                if len({r for _, ranks in c.stages for r in ranks}) == workers]
+    if not everyone:
+        return idle_reason(cluster, chosen.priced, simulated or chosen.closed, None, None, "")
+    best, seconds = _choose(graph, cluster, everyone, simulate, cache)
+    return idle_reason(cluster, chosen.priced, simulated or chosen.closed, best.priced,
+                       seconds or best.closed, best.as_plan().config)
 
 
 def _simulation_cost(plan_: Plan) -> int:
@@ -1126,7 +1223,9 @@ def _plan_mixed(cost_graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[st
                         straight=straight, cache=cache, planner=planner,
                         time_limit=time_limit, schedule=schedule, microbatches=microbatches,
                         simulate=simulate)
-    return replace(result, solve_seconds=time.perf_counter() - started)
+    # a homogeneous sub-plan's words on its workers left idle are about another cluster
+    extra = {k: v for k, v in result.extra.items() if k != "idle_workers"}
+    return replace(result, extra=extra, solve_seconds=time.perf_counter() - started)
 
 
 # ------------------------------------------------------------------------------ helpers
