@@ -49,7 +49,7 @@ from pdcompile.planner.dp_search import (
 from pdcompile.planner.in_flight import choose_in_flight, choose_recompute, rank_memory
 from pdcompile.planner.search_cache import SearchCache
 from pdcompile.planner.simulation import simulate_steady, steady_minibatches
-from pdcompile.schedule.kinds import KINDS, kind, unknown
+from pdcompile.schedule.kinds import KINDS, kind, replicas_refused, unknown
 from pdcompile.units import format_bytes, parse_quantity
 
 PLANNERS = ("auto", "dp", "ilp")
@@ -192,12 +192,6 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                     continue  # interleaving is planned on one level of unreplicated chunks
                 # stages=K: K workers (the first K ranks), each holding the schedule's chunks
                 found = _interleaved_candidates(cost_graph, cluster, options, limit, workers)
-                if stages is None and not straight:  # the plan is never slower than it
-                    whole = _priced(cost_graph, cluster,
-                                    [data_parallel_stage(cost_graph, cluster, workers)],
-                                    options, limit, status="HEURISTIC", how="data parallel")
-                    if whole is not None:
-                        found.candidates.append(whole)
             elif symmetric and not row.split_backward:  # both ways to use servers alike
                 try:
                     found = _dp_candidates(cost_graph, cluster, options, limit, straight,
@@ -369,6 +363,9 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
     per = (microbatches or given.microbatches) if kind(name).microbatched else 1
     options = ModelOptions(schedule=name, microbatches=per, optimizer_state=optimizer_state)
     limit = _memory(memory, cluster, "native")
+    refused = replicas_refused(name, [s.ranks for s in given.stages])
+    if refused is not None:
+        raise PlanError(f"plan {given.config} cannot run under schedule {name!r}: {refused}")
     placed = given.stage_of()
     stage_of = {n: placed[n] for n in placed if n in cost_graph}
     from pdcompile.cost.crossing import stage_of_every_node
@@ -765,6 +762,8 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
     whole number each)."""
     row = kind(options.schedule)
     m = options.per_minibatch
+    if replicas_refused(options.schedule, [ranks for _, ranks in stages]) is not None:
+        return None
     for _, ranks in stages:
         if row.microbatched and (len(ranks) > m or (not row.flush and m % len(ranks))):
             return None

@@ -148,6 +148,18 @@ KINDS: dict[str, ScheduleKind] = {
 }
 
 
+def replicas_refused(name: str, stage_ranks: Sequence[Sequence[int]]) -> str | None:
+    """Why schedule `name` cannot run stages on these ranks for their replicas (the chunked
+    schedules run every stage on one worker: their orders have no replicas' rounds), or None.
+    The closed forms price any shape, so the planner asks this before pricing."""
+    replicated = [s for s, ranks in enumerate(stage_ranks) if len(ranks) != 1]
+    if not kind(name).chunked or not replicated:
+        return None
+    return (f"stages {replicated} have several replicas; {name!r} runs every stage on one "
+            f"worker (schedules that replicate stages: "
+            f"{', '.join(n for n, row in KINDS.items() if not row.chunked)})")
+
+
 def stream_length(replicas: Sequence[int], minibatches: int) -> int:
     """`minibatches` rounded up to a multiple of every replica count (each replica of a stage
     takes one minibatch per round)."""
