@@ -7,10 +7,11 @@ head split, or 2 chunks a rank for interleaved and V-shaped schedules), each ran
 - the main thread's CPU (`time.thread_time`) inside the generated rank loop (`drive`: the
   actions, their handlers, the transport) and inside the whole training loop (`_run_loop`:
   also each run's set-up, one run a minibatch under a flush schedule), medians of the rounds;
-- Python function calls inside `drive` and inside `_run_loop` (cProfile, one more round: a
-  count), and the functions called most inside `drive`;
-- bytes that torch operators copy or allocate inside `drive` (a TorchDispatchMode, one more
-  round), by operator: what the runtime adds to the compute's own traffic.
+- Python function calls inside `drive` and inside `_run_loop` outside `drive` (cProfile, one
+  more round: a count), and the functions called most inside `drive`;
+- bytes that torch operators copy or allocate on the main thread inside `drive` (a
+  TorchDispatchMode, one more round), by operator: what the runtime adds to the compute's own
+  traffic (the posting thread's packing, backends/posting_thread.py, is not counted).
 
 At width 8 almost no compute is left, so the loop's CPU there is the runtime's own overhead.
 To compare two trees, run it with each tree first on PYTHONPATH, alternating.
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.schedule}, width {args.width}, {args.rounds} rounds of {args.steps} "
           f"minibatches, load {load} -> {end}, per minibatch:")
     print("| rank | CPU in drive (ms) | rounds | CPU in _run_loop (ms) | Python calls in drive "
-          "| in _run_loop | KB copied | KB allocated |")
+          "| in _run_loop outside drive | KB copied | KB allocated |")
     for rank, r in enumerate(got):
         rounds = ", ".join(f"{t * 1e3:.2f}" for t in r["drive_rounds"])
         print(f"| {rank} | {r['drive_cpu'] * 1e3:.2f} | {rounds} | {r['loop_cpu'] * 1e3:.2f} | "
