@@ -24,9 +24,9 @@ Issue = Callable[[], tuple[list[Any], Any]]  # issues the calls: (their works, w
 
 class Posting:
     """One message's calls: a work for `DistPending`, whose `wait()` first waits until the
-    thread has issued them (at once, almost always: the rank waits for a message long after
-    it asked for it), then for gloo's works. An error raised while issuing is raised here, as
-    a failed work's would be."""
+    thread has issued them (done long before, almost always: the rank waits for a message
+    well after it asked for it), then for gloo's works. An error raised while issuing is
+    raised here, where the rank waits."""
 
     __slots__ = ("_issue", "_posted", "error", "keep", "works")
 
@@ -54,9 +54,8 @@ class Posting:
             with self._posted:
                 while self.works is None:
                     self._posted.wait()
-        if self.error is not None:
-            raise self.error if isinstance(self.error, RuntimeError) else RuntimeError(
-                str(self.error)) from self.error
+        if self.error is not None:  # as if raised inline: gloo's errors are RuntimeErrors,
+            raise self.error  # which the transport explains (a dead peer named)
         for work in self.works:  # type: ignore[union-attr]
             work.wait()
 
