@@ -7,6 +7,7 @@ head split, or 2 chunks a rank for interleaved and V-shaped schedules), each ran
 - the main thread's CPU (`time.thread_time`) inside the generated rank loop (`drive`: the
   actions, their handlers, the transport) and inside the whole training loop (`_run_loop`:
   also each run's set-up, one run a minibatch under a flush schedule), medians of the rounds;
+  and the whole process's CPU while `drive` runs (gloo's loop threads, the posting thread);
 - Python function calls inside `drive` and inside `_run_loop` outside `drive` (cProfile, one
   more round: a count), and the functions called most inside `drive`;
 - bytes that torch operators copy or allocate on the main thread inside `drive` (a
@@ -72,7 +73,7 @@ class _Hooks:
     or the byte counter inside `drive`."""
 
     def __init__(self) -> None:
-        self.cpu = {"drive": 0.0, "loop": 0.0}
+        self.cpu = {"drive": 0.0, "loop": 0.0, "process": 0.0}
         self.profilers: dict[str, cProfile.Profile] | None = None
         self.bytes: _Bytes | None = None
 
@@ -84,11 +85,13 @@ class _Hooks:
                 profiler.enable()
             if counting is not None:
                 counting.__enter__()
-            start = time.thread_time()
+            start, process = time.thread_time(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
                 self.cpu[name] += time.thread_time() - start
+                if name == "drive":
+                    self.cpu["process"] += time.process_time() - process
                 if counting is not None:
                     counting.__exit__(None, None, None)
                 if profiler is not None:
@@ -116,12 +119,13 @@ def _worker(worker: Worker, schedule: str, width: int, rounds: int, steps: int,
     distributed._run_loop = hooks.wrap("loop", distributed._run_loop)  # type: ignore
     if warmup:
         distributed.run_distributed(pipe, data[:warmup], monitor=worker.monitor)
-    drive_cpu, loop_cpu = [], []
+    drive_cpu, loop_cpu, process_cpu = [], [], []
     for _ in range(rounds):
-        hooks.cpu = {"drive": 0.0, "loop": 0.0}
+        hooks.cpu = {"drive": 0.0, "loop": 0.0, "process": 0.0}
         distributed.run_distributed(pipe, data[:steps], monitor=worker.monitor)
         drive_cpu.append(hooks.cpu["drive"] / steps)
         loop_cpu.append(hooks.cpu["loop"] / steps)
+        process_cpu.append(hooks.cpu["process"] / steps)
     hooks.profilers = {"drive": cProfile.Profile(time.thread_time),
                        "loop": cProfile.Profile(time.thread_time)}
     distributed.run_distributed(pipe, data[:steps], monitor=worker.monitor)
@@ -134,6 +138,7 @@ def _worker(worker: Worker, schedule: str, width: int, rounds: int, steps: int,
     distributed.run_distributed(pipe, data[:steps], monitor=worker.monitor)
     counted = hooks.bytes
     return {"drive_cpu": statistics.median(drive_cpu), "loop_cpu": statistics.median(loop_cpu),
+            "process_cpu": statistics.median(process_cpu),
             "drive_rounds": drive_cpu, "drive_calls": drive_calls / steps,
             "loop_calls": loop_calls / steps, "most": [(k, n / steps) for k, n in most],
             "copied": {k: v / steps for k, v in counted.copied.items()},
@@ -158,13 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{args.schedule}, width {args.width}, {args.rounds} rounds of {args.steps} "
           f"minibatches, load {load} -> {end}, per minibatch:")
     print("| rank | CPU in drive (ms) | rounds | CPU in _run_loop (ms) | Python calls in drive "
-          "| in _run_loop outside drive | KB copied | KB allocated |")
+          "| in _run_loop outside drive | KB copied | KB allocated | all threads' CPU in drive "
+          "(ms) |")
     for rank, r in enumerate(got):
         rounds = ", ".join(f"{t * 1e3:.2f}" for t in r["drive_rounds"])
         print(f"| {rank} | {r['drive_cpu'] * 1e3:.2f} | {rounds} | {r['loop_cpu'] * 1e3:.2f} | "
               f"{r['drive_calls']:.0f} | {r['loop_calls']:.0f} | "
               f"{sum(r['copied'].values()) / 1024:.0f} | "
-              f"{sum(r['allocated'].values()) / 1024:.0f} |")
+              f"{sum(r['allocated'].values()) / 1024:.0f} | {r['process_cpu'] * 1e3:.2f} |")
     for rank, r in enumerate(got):
         print(f"\nrank {rank}: copied " + ", ".join(
             f"{k} {v / 1024:.0f} KB" for k, v in sorted(r["copied"].items())) + "; allocated "
