@@ -46,8 +46,15 @@ from pdcompile.backends.launch import (
     PeerFailure,
     backend_for,
 )
-from pdcompile.backends.packed_message import empty_packed, pack, packs, spec_of, unpack
-from pdcompile.backends.posting_thread import PostingThread
+from pdcompile.backends.packed_message import (
+    empty_packed,
+    message_bytes,
+    pack,
+    packs,
+    spec_of,
+    unpack,
+)
+from pdcompile.backends.posting_thread import PostingThread, off_thread
 from pdcompile.backends.program import ProgramSource, RunInput, RunProgram, as_program
 from pdcompile.backends.target_rides import TargetRides
 from pdcompile.backends.watchdog import model_activity, model_failure, watched_batches
@@ -142,8 +149,9 @@ class DistributedTransport(Transport):
         self.device = torch.device(device)
         self.monitor = monitor
         self.pollable = dist.get_backend() != "gloo"
-        # gloo on CPU: isend / irecv issued off the rank's thread (backends/posting_thread.py);
-        # NCCL's are launches on a stream, which stay on the thread that orders them
+        # gloo on CPU: the isend / irecv of large messages issued off the rank's thread
+        # (backends/posting_thread.py); NCCL's are launches on a stream, which stay on the
+        # thread that orders them
         self._poster = PostingThread() if not self.pollable and self.device.type == "cpu" \
             else None
         self.prepost_depth = max(0, prepost_depth)
@@ -198,10 +206,11 @@ class DistributedTransport(Transport):
         payload = [t.detach().contiguous() for t in tensors]
         if self.rides is not None:
             payload += self.rides.outgoing(tag, dst_rank)
-        issue = functools.partial(_issue_send, dist.isend, payload, dst_rank, tag)
+        specs = [spec_of(t) for t in payload]
+        issue = functools.partial(_issue_send, dist.isend, payload, specs, dst_rank, tag)
         # described only on an error: formatting the tag costs more than the send's bookkeeping
         what = functools.partial(_describe, "send of", tag, "to", dst_rank)
-        if self._poster is not None:  # packed and issued on the posting thread
+        if self._poster is not None and off_thread(message_bytes(specs)):  # packed there too
             pending = DistPending(self, [self._poster.post(issue)], peer=dst_rank, what=what,
                                   result=[])
         else:
@@ -225,7 +234,8 @@ class DistributedTransport(Transport):
                        for spec in every]
             tensors = buffers
         issue = functools.partial(_issue_recv, dist.irecv, buffers, src_rank, tag)
-        works = [self._poster.post(issue)] if self._poster is not None else issue()[0]
+        works = [self._poster.post(issue)] if self._poster is not None and off_thread(
+            message_bytes(every)) else issue()[0]
         after: Callable[[], None] | None = None
         if riding and rides is not None:  # the target is read once its activations arrived
             after = functools.partial(rides.deliver, tag, tensors[len(specs):])
@@ -357,11 +367,11 @@ class DistributedTransport(Transport):
             self._poster.close()
 
 
-def _issue_send(isend: Callable[..., Any], payload: list[torch.Tensor], dst_rank: int,
+def _issue_send(isend: Callable[..., Any], payload: list[torch.Tensor],
+                specs: list[TensorSpec], dst_rank: int,
                 tag: Tag) -> tuple[list[Any], list[torch.Tensor]]:
     """A message's `isend`s, its tensors packed into one buffer where they pack; the works
     and the tensors to keep alive until they are waited."""
-    specs = [spec_of(t) for t in payload]
     if packs(specs):  # one transfer, not one per tensor
         payload = [pack(payload, specs)]
     return [isend(t, dst_rank, tag=wire_tag(tag, i)) for i, t in enumerate(payload)], payload

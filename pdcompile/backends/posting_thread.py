@@ -9,6 +9,14 @@ here, those system calls run beside the rank's compute, on a core the peer leave
 waits for that very message; the main thread only queues them, and packs a message's tensors
 here too (`pack`'s copy). One thread per transport, first in, first out: the calls reach gloo in
 the order the rank made them, as they did inline.
+
+Only messages of at least OFF_THREAD_BYTES go there. Handing a message over costs a wake-up of
+the thread and its share of the GIL; for the 128 KB microbatch messages of the flush,
+interleaved and V schedules, whose inline write costs about 20 us, that cost more CPU than it
+saved: the whole process spent about 3 ms a minibatch more under interleaved 1F1B while its
+main thread spent 2-4 ms less, and there both ranks' main threads keep both cores busy
+(docs/runtime-profile.md, eighth round). Messages of different tags match in gloo whatever the
+order they are issued in, so issuing some inline and some here changes nothing else.
 """
 
 from __future__ import annotations
@@ -20,6 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 Issue = Callable[[], tuple[list[Any], Any]]  # issues the calls: (their works, what to keep)
+# messages this large or larger are issued on the thread (module docstring); the benchmark's
+# asynchronous 1F1B sends 1 MB activations and gradients, its microbatched schedules 128 KB
+OFF_THREAD_BYTES = 512 << 10
+
+
+def off_thread(nbytes: int) -> bool:
+    """Whether a message of `nbytes` goes to the posting thread."""
+    return nbytes >= OFF_THREAD_BYTES
 
 
 class Posting:
@@ -99,4 +115,4 @@ def _serve(jobs: queue.SimpleQueue[Posting | None]) -> None:
         job.run()
 
 
-__all__ = ["Posting", "PostingThread"]
+__all__ = ["OFF_THREAD_BYTES", "Posting", "PostingThread", "off_thread"]
