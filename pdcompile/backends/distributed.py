@@ -46,14 +46,7 @@ from pdcompile.backends.launch import (
     PeerFailure,
     backend_for,
 )
-from pdcompile.backends.packed_message import (
-    empty_packed,
-    message_bytes,
-    pack,
-    packs,
-    spec_of,
-    unpack,
-)
+from pdcompile.backends.packed_message import empty_packed, pack, packs, spec_of, unpack
 from pdcompile.backends.posting_thread import PostingThread, off_thread
 from pdcompile.backends.program import ProgramSource, RunInput, RunProgram, as_program
 from pdcompile.backends.target_rides import TargetRides
@@ -210,7 +203,7 @@ class DistributedTransport(Transport):
         issue = functools.partial(_issue_send, dist.isend, payload, specs, dst_rank, tag)
         # described only on an error: formatting the tag costs more than the send's bookkeeping
         what = functools.partial(_describe, "send of", tag, "to", dst_rank)
-        if self._poster is not None and off_thread(message_bytes(specs)):  # packed there too
+        if self._poster is not None and off_thread(_bytes(payload)):  # packed there too
             pending = DistPending(self, [self._poster.post(issue)], peer=dst_rank, what=what,
                                   result=[])
         else:
@@ -235,7 +228,7 @@ class DistributedTransport(Transport):
             tensors = buffers
         issue = functools.partial(_issue_recv, dist.irecv, buffers, src_rank, tag)
         works = [self._poster.post(issue)] if self._poster is not None and off_thread(
-            message_bytes(every)) else issue()[0]
+            _bytes(buffers)) else issue()[0]
         after: Callable[[], None] | None = None
         if riding and rides is not None:  # the target is read once its activations arrived
             after = functools.partial(rides.deliver, tag, tensors[len(specs):])
@@ -375,6 +368,14 @@ def _issue_send(isend: Callable[..., Any], payload: list[torch.Tensor],
     if packs(specs):  # one transfer, not one per tensor
         payload = [pack(payload, specs)]
     return [isend(t, dst_rank, tag=wire_tag(tag, i)) for i, t in enumerate(payload)], payload
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    """A message's bytes (a loop over `nbytes`: no Python call per tensor)."""
+    total = 0
+    for t in tensors:
+        total += t.nbytes
+    return total
 
 
 def _issue_recv(irecv: Callable[..., Any], buffers: list[torch.Tensor], src_rank: int,

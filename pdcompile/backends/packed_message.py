@@ -50,11 +50,6 @@ def packs(specs: Sequence[TensorSpec]) -> bool:
     return len(specs) > 1 and _offsets(specs)[1] <= PACK_LIMIT
 
 
-def message_bytes(specs: Sequence[TensorSpec]) -> int:
-    """The bytes of a message of these tensors (as packed: each tensor aligned)."""
-    return _offsets(specs)[1]
-
-
 def spec_of(tensor: torch.Tensor) -> TensorSpec:
     return TensorSpec(tuple(tensor.shape), tensor.dtype)
 
@@ -84,4 +79,4 @@ def unpack(buffer: torch.Tensor, specs: Sequence[TensorSpec]) -> list[torch.Tens
             for spec, start in zip(specs, offsets, strict=True)]
 
 
-__all__ = ["PACK_LIMIT", "empty_packed", "message_bytes", "pack", "packs", "spec_of", "unpack"]
+__all__ = ["PACK_LIMIT", "empty_packed", "pack", "packs", "spec_of", "unpack"]
