@@ -47,6 +47,7 @@ from pdcompile.backends.launch import (
     backend_for,
 )
 from pdcompile.backends.packed_message import empty_packed, pack, packs, spec_of, unpack
+from pdcompile.backends.posting_thread import PostingThread, off_thread
 from pdcompile.backends.program import ProgramSource, RunInput, RunProgram, as_program
 from pdcompile.backends.target_rides import TargetRides
 from pdcompile.backends.watchdog import model_activity, model_failure, watched_batches
@@ -141,6 +142,11 @@ class DistributedTransport(Transport):
         self.device = torch.device(device)
         self.monitor = monitor
         self.pollable = dist.get_backend() != "gloo"
+        # gloo on CPU: the isend / irecv of large messages issued off the rank's thread
+        # (backends/posting_thread.py); NCCL's are launches on a stream, which stay on the
+        # thread that orders them
+        self._poster = PostingThread() if not self.pollable and self.device.type == "cpu" \
+            else None
         self.prepost_depth = max(0, prepost_depth)
         self.awaited: DistPending | None = None
         # the run's targets that ride in stage 0's activation messages to the last stage
@@ -194,13 +200,16 @@ class DistributedTransport(Transport):
         if self.rides is not None:
             payload += self.rides.outgoing(tag, dst_rank)
         specs = [spec_of(t) for t in payload]
-        if packs(specs):  # one transfer, not one per tensor
-            payload = [pack(payload, specs)]
-        works = [dist.isend(t, dst_rank, tag=wire_tag(tag, i)) for i, t in enumerate(payload)]
+        issue = functools.partial(_issue_send, dist.isend, payload, specs, dst_rank, tag)
         # described only on an error: formatting the tag costs more than the send's bookkeeping
-        pending = DistPending(self, works, peer=dst_rank,
-                              what=lambda: f"send of {tag} to rank {dst_rank}", result=[])
-        pending.payload = payload  # type: ignore[attr-defined]  # keep alive until sent
+        what = functools.partial(_describe, "send of", tag, "to", dst_rank)
+        if self._poster is not None and off_thread(_bytes(payload)):  # packed there too
+            pending = DistPending(self, [self._poster.post(issue)], peer=dst_rank, what=what,
+                                  result=[])
+        else:
+            works, kept = issue()
+            pending = DistPending(self, works, peer=dst_rank, what=what, result=[])
+            pending.payload = kept  # type: ignore[attr-defined]  # keep alive until sent
         self._open_sends.append(pending)
         while len(self._open_sends) > _MAX_OPEN_SENDS:
             self._open_sends.popleft().wait()
@@ -217,12 +226,15 @@ class DistributedTransport(Transport):
             buffers = [torch.empty(spec.shape, dtype=spec.dtype, device=self.device)
                        for spec in every]
             tensors = buffers
-        works = [dist.irecv(b, src_rank, tag=wire_tag(tag, i)) for i, b in enumerate(buffers)]
+        issue = functools.partial(_issue_recv, dist.irecv, buffers, src_rank, tag)
+        works = [self._poster.post(issue)] if self._poster is not None and off_thread(
+            _bytes(buffers)) else issue()[0]
         after: Callable[[], None] | None = None
         if riding and rides is not None:  # the target is read once its activations arrived
             after = functools.partial(rides.deliver, tag, tensors[len(specs):])
         return DistPending(self, works, peer=src_rank,
-                           what=lambda: f"receive of {tag} from rank {src_rank}",
+                           what=functools.partial(_describe, "receive of", tag, "from",
+                                                  src_rank),
                            result=tensors[:len(specs)], after=after)
 
     def recv(self, specs: Sequence[TensorSpec], src_rank: int, tag: Tag) -> Pending:
@@ -274,7 +286,10 @@ class DistributedTransport(Transport):
         # round): receiving one microbatch ahead instead of two cost the last stage of
         # 1F1B-flush 14-21 ms of gloo's loop-thread CPU a minibatch against 6 ms, on cores
         # that its compute shares
-        ahead = sum(tag.kind != "target" for tag in posted)
+        ahead = 0
+        for tag in posted:  # a loop, not sum() of a generator: this runs for every receive
+            if tag.kind != "target":
+                ahead += 1
         while queue and (ahead < self.prepost_depth or queue[0][1].kind == "target"):
             specs, tag = queue.popleft()
             if tag not in posted:
@@ -336,6 +351,40 @@ class DistributedTransport(Transport):
         while self._open_sends:
             self._open_sends.popleft().wait()
         self.awaited = None
+
+    def close(self) -> None:
+        """Stop the posting thread once it has issued what was queued (the transport's last
+        call, after `flush` or a failure; a transport never closed stops its thread when it is
+        collected)."""
+        if self._poster is not None:
+            self._poster.close()
+
+
+def _issue_send(isend: Callable[..., Any], payload: list[torch.Tensor],
+                specs: list[TensorSpec], dst_rank: int,
+                tag: Tag) -> tuple[list[Any], list[torch.Tensor]]:
+    """A message's `isend`s, its tensors packed into one buffer where they pack; the works
+    and the tensors to keep alive until they are waited."""
+    if packs(specs):  # one transfer, not one per tensor
+        payload = [pack(payload, specs)]
+    return [isend(t, dst_rank, tag=wire_tag(tag, i)) for i, t in enumerate(payload)], payload
+
+
+def _bytes(tensors: list[torch.Tensor]) -> int:
+    """A message's bytes (a loop over `nbytes`: no Python call per tensor)."""
+    total = 0
+    for t in tensors:
+        total += t.nbytes
+    return total
+
+
+def _issue_recv(irecv: Callable[..., Any], buffers: list[torch.Tensor], src_rank: int,
+                tag: Tag) -> tuple[list[Any], None]:
+    return [irecv(b, src_rank, tag=wire_tag(tag, i)) for i, b in enumerate(buffers)], None
+
+
+def _describe(what: str, tag: Tag, direction: str, peer: int) -> str:
+    return f"{what} {tag} {direction} rank {peer}"
 
 
 Receive = tuple[Sequence[TensorSpec], int, Tag]
@@ -589,9 +638,12 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
                                      prepost_depth=prepost_depth * len(stages))
     reporter = program.plan.stages[-1].ranks[0] == rank and progress is not None
     losses = _Losses(resume.losses, progress if reporter else None)
-    return _run_loop(program, chunk_states, transport, announcements, (run, header), resume,
-                     losses, routed=routed, record=record, monitor=monitor,
-                     checkpoint_every=checkpoint_every, allow_nonfinite=allow_nonfinite)
+    try:
+        return _run_loop(program, chunk_states, transport, announcements, (run, header), resume,
+                         losses, routed=routed, record=record, monitor=monitor,
+                         checkpoint_every=checkpoint_every, allow_nonfinite=allow_nonfinite)
+    finally:
+        transport.close()
 
 
 def idle_rank_refusal(plan: Plan) -> str | None:

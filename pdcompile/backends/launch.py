@@ -201,7 +201,10 @@ class FaultMonitor:
                            dead_rank=dead, reason=reason)
 
     def check(self) -> None:
-        """Raise `PeerFailure` if another worker is known to have died."""
+        """Raise `PeerFailure` if another worker is known to have died (called around every
+        message: the usual case, no fault known, reads one attribute)."""
+        if self._fault is None:
+            return
         err = self.error()
         if err is not None:
             raise err

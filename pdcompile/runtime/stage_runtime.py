@@ -72,6 +72,7 @@ from torch.utils import _pytree as pytree
 from pdcompile.errors import PipelineInputError, ScheduleError
 from pdcompile.runtime.finite_loss import LossGuard
 from pdcompile.runtime.grad_clip import clip_factor, square_norm
+from pdcompile.runtime.input_writes import read_only_inputs
 from pdcompile.runtime.linear_grads import FusedRegion, run_weight_grads
 from pdcompile.runtime.precision import autocast_region
 from pdcompile.runtime.slowdown import stretch
@@ -218,12 +219,22 @@ class StageRuntime:
         self.kind = config.kind
         self._loss_scale = config.loss_scale
         self.is_last = self.stage == len(config.stage_ranks) - 1
+        self._slowdown = config.slowdown_of(rank)  # read for every action
+        # the peer of a stage with one rank, for every message to or from it
+        self._only_rank = {s: ranks[0] for s, ranks in enumerate(config.stage_ranks)
+                           if len(ranks) == 1}
         self.recomputes = self.stage in config.recompute
         # a stage that sends input gradients upstream computes its Linear layers' weight
         # gradients after those sends, where the schedule does not split them off itself: the
         # previous stage's backward waits for the message, not for them (module docstring)
         self._weights_after_send = not self.kind.split_backward and bool(io.receives)
         self._after_send: dict[int, float] = {}  # microbatch -> its backward's start
+        # received values that an input of the stage module may write in place: copied; those
+        # that only operators reading them use are handed over as they are
+        # (runtime/input_writes.py)
+        read_only = read_only_inputs(module) if io.receives else frozenset()
+        self._copied = frozenset((ref.stage, ref.name) for i, ref in enumerate(io.inputs)
+                                 if i not in read_only and ref.stage is not None)
         self.params: dict[str, torch.Tensor] = dict(
             module.named_parameters(remove_duplicate=False))
         self.versions = WeightVersions(self.params, copy=copies_weights(
@@ -260,7 +271,8 @@ class StageRuntime:
 
     # ------------------------------------------------------------------ helpers
     def _peer_rank(self, stage: int, microbatch: int) -> int:
-        return self.config.replica_rank(stage, microbatch)
+        only = self._only_rank.get(stage)
+        return only if only is not None else self.config.replica_rank(stage, microbatch)
 
     def _wait(self, pending: Pending) -> Generator[Pending, None, list[torch.Tensor]]:
         while not pending.ready():
@@ -345,8 +357,10 @@ class StageRuntime:
         by_name: dict[tuple[int, str], Any] = {}
         for src, tensors in received.items():
             for name, tensor in zip(self.io.receives[src], tensors, strict=True):
-                # a non-leaf copy: the stage may modify its input in place (ReLU(inplace=True))
-                by_name[src, name] = tensor.clone() if _carries_grad(tensor) else tensor
+                # a non-leaf copy where the stage may modify its input in place
+                # (ReLU(inplace=True)), autograd forbidding it on a leaf
+                by_name[src, name] = tensor.clone() if (src, name) in self._copied and \
+                    _carries_grad(tensor) else tensor
         data = self.data.inputs(microbatch) if any(r.stage is None for r in self.io.inputs) \
             else {}
         return [data[ref.name] if ref.stage is None else by_name[ref.stage, ref.name]
@@ -431,7 +445,8 @@ class StageRuntime:
         self.stash.put(microbatch, entry)
         if self.kind.double_buffered:
             self._count_forward(microbatch)
-        stretch(start, self.config.slowdown_of(self.rank))
+        if self._slowdown > 1.0:
+            stretch(start, self._slowdown)
         self._record(Kind.F, microbatch, None, start)
         yield from ()
 
@@ -484,7 +499,8 @@ class StageRuntime:
         else:
             run_weight_grads(entry.weight_grads)  # deferred, but nothing to send first
             self._release(entry, microbatch)
-        stretch(start, self.config.slowdown_of(self.rank))
+        if self._slowdown > 1.0:
+            stretch(start, self._slowdown)
         if self.kind.split_backward or not (out and entry.weight_grads):
             self._record(Kind.B, microbatch, None, start)
         else:  # recorded once its weight gradients are done (`_finish_backward`)
@@ -499,7 +515,8 @@ class StageRuntime:
         entry = self.stash.get(microbatch)
         begun = time.time()
         run_weight_grads(entry.weight_grads)
-        stretch(begun, self.config.slowdown_of(self.rank))
+        if self._slowdown > 1.0:
+            stretch(begun, self._slowdown)
         self._release(entry, microbatch)
         self._record(Kind.B, microbatch, None, start, counted=True)
 
@@ -516,7 +533,8 @@ class StageRuntime:
         entry = self.stash.get(microbatch)
         run_weight_grads(entry.weight_grads)
         self._release(entry, microbatch)
-        stretch(start, self.config.slowdown_of(self.rank))
+        if self._slowdown > 1.0:
+            stretch(start, self._slowdown)
         self._record(Kind.W, microbatch, None, start)
         yield from ()
 

@@ -14,13 +14,17 @@ from __future__ import annotations
 import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 
-@dataclass(frozen=True)
-class Tag:
-    """What a message carries: 'act' forward activations, 'grad' their gradients, 'target'."""
+class Tag(NamedTuple):
+    """What a message carries: 'act' forward activations, 'grad' their gradients, 'target'.
+
+    A named tuple, not a frozen dataclass: tags key the transports' dicts of posted receives
+    and message shapes, and a dataclass's hash, equality and constructor are Python code
+    (about 10 calls a message; docs/runtime-profile.md, eighth round), a tuple's are not."""
 
     kind: str
     src_stage: int

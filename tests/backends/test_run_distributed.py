@@ -262,3 +262,59 @@ def test_a_target_rides_unpacked_in_a_message_too_large_to_pack() -> None:
     assert sent == {1: 2 * case.steps * 2} and results[1][0][1] == losses
     want = _pipeline(case).train(_batches(case.model, case.steps))
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
+
+
+def _thread_worker(worker: Worker, cases: list[Case], off_thread_bytes: int
+                   ) -> list[tuple[int, int, int, list[float]]]:
+    """Trains each case, counting the gloo `isend` / `irecv` calls made on the main thread and
+    on others, and the posting threads still alive once `run_distributed` returned; messages
+    of `off_thread_bytes` or more go to the posting thread."""
+    import threading
+
+    from pdcompile.backends import distributed, posting_thread
+
+    posting_thread.OFF_THREAD_BYTES = off_thread_bytes
+
+    out = []
+    isend, irecv = distributed.dist.isend, distributed.dist.irecv
+    for case in cases:
+        where = {"main": 0, "other": 0}
+
+        def counted(call: Any, where: dict[str, int] = where) -> Any:
+            def wrapped(*args: Any, **kwargs: Any) -> Any:
+                on_main = threading.current_thread() is threading.main_thread()
+                where["main" if on_main else "other"] += 1
+                return call(*args, **kwargs)
+            return wrapped
+
+        pipe = _pipeline(case)
+        batches = _batches(case.model, case.steps) if distributed.reads_data(pipe, worker.rank) \
+            else None
+        distributed.dist.isend, distributed.dist.irecv = counted(isend), counted(irecv)
+        try:
+            run = distributed.run_distributed(pipe, batches, monitor=worker.monitor)
+        finally:
+            distributed.dist.isend, distributed.dist.irecv = isend, irecv
+        alive = sum(t.name == "pdcompile-posting" for t in threading.enumerate())
+        out.append((where["main"], where["other"], alive, run.losses))
+    return out
+
+
+@pytest.mark.parametrize("large", [True, False])
+def test_gloo_sends_and_receives_of_large_messages_are_issued_off_the_ranks_thread(
+        large: bool) -> None:
+    """Every `isend` and `irecv` of a message of at least OFF_THREAD_BYTES goes to gloo from
+    the transport's posting thread (the main thread only queues it:
+    backends/posting_thread.py), smaller ones from the main thread; the posting thread is gone
+    once a call of `run_distributed` returns, and training is the same either way."""
+    cases = [Case("1f1b", (1, 1), 5), Case("1f1b-flush", (1, 1), 3, micro=4)]
+    results = launch(_thread_worker, 2, args=(cases, 0 if large else 1 << 30), timeout=120,
+                     fault_timeout=10)
+    for index, case in enumerate(cases):
+        want = _pipeline(case).train(_batches(case.model, case.steps))
+        for rank in range(2):
+            on_main, elsewhere, alive, losses = results[rank][index]
+            issued = (elsewhere, on_main) if large else (on_main, elsewhere)
+            assert issued[0] >= case.steps * (case.micro or 1) and issued[1] == 0, (case, rank)
+            assert alive == 0, (case, rank)
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want))
