@@ -12,8 +12,10 @@ process on that port, which is how the torchrun agent's own rendezvous ends up o
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import errno
+import os
 import socket
 from typing import Any
 
@@ -47,18 +49,23 @@ def listen_socket(addr: str, port: int) -> socket.socket:
 
 def open_store(addr: str, port: int, *, timeout: float = 60.0, multi_tenant: bool = False,
                world_size: int | None = None) -> tuple[Any, socket.socket]:
-    """A TCPStore server listening on `addr:port` only, and the socket (keep it open as long
-    as the store: closing it stops the server accepting)."""
+    """A TCPStore server listening on `addr:port` only, and the socket it listens on (the
+    caller's to close; the store listens on a duplicate of it, which it closes itself when it
+    is destroyed: handed the socket's own descriptor, the store closed it under the caller,
+    whose close then failed with EBADF, or closed whatever file had reused the number)."""
     import torch.distributed as dist
 
     sock = listen_socket(addr, port)
     bound = int(sock.getsockname()[1])
+    handed = os.dup(sock.fileno())
     try:
         store = dist.TCPStore(addr, bound, world_size, True,
                               timeout=datetime.timedelta(seconds=timeout),
                               wait_for_workers=False, multi_tenant=multi_tenant,
-                              master_listen_fd=sock.fileno(), use_libuv=True)
+                              master_listen_fd=handed, use_libuv=True)
     except Exception as err:  # DistNetworkError, RuntimeError
+        with contextlib.suppress(OSError):  # where the store had not taken it yet
+            os.close(handed)
         sock.close()
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DistributedError(f"cannot start the rendezvous store on {addr}:{bound} ({first})"

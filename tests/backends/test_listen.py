@@ -57,3 +57,27 @@ def test_only_the_node_hosting_a_static_rendezvous_binds_the_store() -> None:
         assert ("127.0.0.1", port) in listening([os.getpid()])
     finally:
         hosted[1].close()
+
+
+def test_the_store_and_the_caller_each_close_their_own_descriptor() -> None:
+    """The store closes the descriptor it listens on when it is destroyed: handed the caller's
+    own, it closed the caller's socket under it (a later close failed with EBADF in launch(),
+    or closed a file that had reused the number). Now the socket outlives the store, closes
+    cleanly, and stores opened and dropped leave no descriptor behind."""
+    import gc
+
+    def open_files() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    store, sock = open_store("127.0.0.1", 0)  # the first loads torch's own files
+    del store
+    gc.collect()
+    sock.close()
+    before = open_files()
+    for _ in range(5):
+        store, sock = open_store("127.0.0.1", 0)
+        del store
+        gc.collect()
+        os.fstat(sock.fileno())  # still ours
+        sock.close()  # raised OSError: [Errno 9] Bad file descriptor
+    assert open_files() == before
