@@ -14,6 +14,9 @@ without one deadlocks, and its caller must not build it.
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
 import numpy as np
 
 Edges = list[list[tuple[int, float, int]]]  # per node, (target, weight, tokens) per edge out
@@ -30,6 +33,36 @@ def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
     planner's thousands of steady-cycle prices (cost/steady_cycle.py: a 16-rank plan has graphs
     of hundreds of nodes, 128 ranks in 19 stages of up to 20 replicas tens of thousands) do not
     loop in Python."""
+    solved = policy_iteration(edges)
+    return solved.ratio, solved.cycle
+
+
+@dataclass(frozen=True)
+class Solved:
+    """What `policy_iteration` ends with: `ratio` and `cycle` as `largest_cycle_ratio`'s, the
+    edge each node follows (`policy`, an index into all the edges, node after node) and each
+    node's number of edges (`degree`: a graph of the same shape can start from `policy`).
+    `stopped`: it stopped at a policy whose cycle of `ratio` reaches `stop` (the graph's largest
+    ratio is at least that)."""
+
+    ratio: float
+    cycle: list[int]
+    policy: np.ndarray
+    degree: np.ndarray
+    stopped: bool = False
+
+
+def policy_iteration(edges: Edges, *, start: Solved | None = None,
+                     stop: float = math.inf) -> Solved:
+    """`largest_cycle_ratio`, with what it ended on (`Solved`). `start`: another graph's
+    result, whose policy this one starts from where every node has as many edges as there
+    (else from each node's heaviest edge, as without it): a graph that differs from that one in
+    a few edges' targets or tokens (the planner's deepening trials, cost/pipeline_time.py) then
+    needs few improvements. Its cycle may differ from a cold start's where several cycles share
+    the largest ratio (the ratio may then differ in its last bits): callers that need the cold
+    start's cycle use a start only to decide. `stop`: end as soon as a policy has a cycle of
+    ratio `stop` or more (`Solved.stopped`), which proves the graph's largest ratio at least
+    that: a trial that had to beat `stop` fails without the remaining improvements."""
     count = len(edges)
     degree = np.array([len(out) for out in edges])
     to, seconds, held = zip(*(edge for out in edges for edge in out), strict=True)
@@ -45,8 +78,10 @@ def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
         best = np.maximum.reduceat(values, first)
         return np.minimum.reduceat(np.where(values == best[source], index, len(index)), first)
 
-    # start from each node's heaviest edge: the slow circuits first, fewer improvements
-    policy = first_best(weight)
+    if start is not None and np.array_equal(start.degree, degree):
+        policy = start.policy
+    else:  # start from each node's heaviest edge: the slow circuits first, fewer improvements
+        policy = first_best(weight)
     scale = float(np.max(np.abs(weight)))
     eps = 1e-12 * scale + 1e-300
     evaluate = _walked if count < WALKED_BELOW else _doubled
@@ -56,6 +91,9 @@ def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
 
     here, worth, cycles = evaluated(policy)
     for _ in range(8 * count + 64):
+        if stop < math.inf and float(np.max(here)) >= stop:
+            top = int(np.argmax(here))
+            return Solved(float(here[top]), cycles.nodes(top), policy, degree, stopped=True)
         reached = here[target]
         # first a larger ratio, where any edge reaches one
         pick = first_best(reached)
@@ -79,7 +117,7 @@ def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
             break
         here, worth, cycles = evaluated(policy)
     top = int(np.argmax(here))  # the first node of the largest ratio
-    return float(here[top]), cycles.nodes(top)
+    return Solved(float(here[top]), cycles.nodes(top), policy, degree)
 
 
 class _Cycles:
@@ -205,4 +243,4 @@ def _doubled(step: np.ndarray, weight: np.ndarray,
     return ratio, value, _Cycles(root_of[label].tolist(), step.tolist())
 
 
-__all__ = ["Edges", "largest_cycle_ratio"]
+__all__ = ["Edges", "Solved", "largest_cycle_ratio", "policy_iteration"]

@@ -44,7 +44,7 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdcompile.cost.cycle_ratio import largest_cycle_ratio
+from pdcompile.cost.cycle_ratio import Solved, policy_iteration
 from pdcompile.cost.links import link_busy_seconds, pair_levels
 from pdcompile.machine.cluster import Cluster
 
@@ -98,6 +98,30 @@ def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
     """(seconds per microbatch of 1F1B's steady state, the stages its binding circuit passes
     through), or None where the period (lcm of the replica counts) exceeds `cap` microbatches.
     `edges`: bytes per microbatch from stage a to stage c."""
+    found = steady_solved(terms, edges, stage_ranks, cluster, cap=cap)
+    return None if found is None else (found[0].ratio, found[1])
+
+
+def steady_solved(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
+                  stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, cap: int,
+                  start: Solved | None = None, stop: float = math.inf,
+                  ) -> tuple[Solved, tuple[int, ...]] | None:
+    """`steady_cycle` with the policy iteration's end (`cycle_ratio.policy_iteration`, its
+    `start` and `stop`): the same pipeline with other in-flight counts has a graph of the same
+    shape (they change the targets and tokens of edges, not how many leave each event), so its
+    pricing may start from this one's policy."""
+    graph = _steady_graph(terms, edges, stage_ranks, cluster, cap=cap)
+    if graph is None:
+        return None
+    solved = policy_iteration(graph.edges, start=start, stop=stop)
+    return solved, tuple(sorted({graph.stage[u] for u in solved.cycle}))
+
+
+def _steady_graph(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
+                  stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *,
+                  cap: int) -> _Graph | None:
+    """The event graph of one period of the steady state (module docstring), or None where
+    the period exceeds `cap` microbatches."""
     period = math.lcm(*(t.replicas for t in terms))
     if period > cap:
         return None
@@ -156,8 +180,7 @@ def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
                         target, seconds, tokens = after[c][m]
                         graph.add(starts + m, target, busy + terms[c].deferred + seconds,
                                   tokens)
-    ratio, cycle = largest_cycle_ratio(graph.edges)
-    return ratio, tuple(sorted({graph.stage[u] for u in cycle}))
+    return graph
 
 
 def _tie_events(graph: _Graph, terms: Sequence[Terms], period: int) -> dict[int, int]:
@@ -190,4 +213,4 @@ def _tie_events(graph: _Graph, terms: Sequence[Terms], period: int) -> dict[int,
     return out
 
 
-__all__ = ["steady_cycle"]
+__all__ = ["steady_cycle", "steady_solved"]
