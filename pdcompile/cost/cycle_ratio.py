@@ -63,12 +63,20 @@ def policy_iteration(edges: Edges, *, start: Solved | None = None,
     start's cycle use a start only to decide. `stop`: end as soon as a policy has a cycle of
     ratio `stop` or more (`Solved.stopped`), which proves the graph's largest ratio at least
     that: a trial that had to beat `stop` fails without the remaining improvements."""
-    count = len(edges)
     degree = np.array([len(out) for out in edges])
     to, seconds, held = zip(*(edge for out in edges for edge in out), strict=True)
-    target = np.array(to, dtype=np.intp)
-    weight = np.array(seconds, dtype=float)
-    tokens = np.array(held, dtype=float)
+    return policy_iteration_on(degree, np.array(to, dtype=np.intp),
+                               np.array(seconds, dtype=float), np.array(held, dtype=float),
+                               start=start, stop=stop)
+
+
+def policy_iteration_on(degree: np.ndarray, target: np.ndarray, weight: np.ndarray,
+                        tokens: np.ndarray, *, start: Solved | None = None,
+                        stop: float = math.inf) -> Solved:
+    """`policy_iteration` on a graph given as arrays: every edge's target, weight and tokens,
+    node after node (each node's edges in order), and each node's number of edges (`degree`);
+    what a graph built on arrays (cost/steady_cycle.py) hands over without a list per node."""
+    count = len(degree)
     first = np.cumsum(degree) - degree  # each node's first edge
     source = np.repeat(np.arange(count), degree)
     index = np.arange(len(target))
@@ -243,4 +251,5 @@ def _doubled(step: np.ndarray, weight: np.ndarray,
     return ratio, value, _Cycles(root_of[label].tolist(), step.tolist())
 
 
-__all__ = ["Edges", "Solved", "largest_cycle_ratio", "policy_iteration"]
+__all__ = ["Edges", "Solved", "largest_cycle_ratio", "policy_iteration",
+           "policy_iteration_on"]

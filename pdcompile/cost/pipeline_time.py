@@ -61,6 +61,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+import numpy as np
+
 from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.cycle_ratio import Solved, largest_cycle_ratio
 from pdcompile.cost.flush_path import flush_makespan
@@ -378,20 +380,26 @@ def _circuit_profiles(terms: Sequence[StageTerms], own: Sequence[float],
             if a >= s:
                 period = math.lcm(period, len(seconds))
         slowest = period > PAIRS_CAP  # too many residues to follow: the slowest pair each
-        rows: list[list[float]] = [[] for _ in range(s, count)]
-        for m in range(1 if slowest else period):
-            reach = [-math.inf] * count  # longest path from s, without s's own work
-            reach[s] = 0.0
-            for k in range(s + 1, count):
-                best = max((reach[a] + 2.0 * (max(sec) if slowest else sec[m % len(sec)])
-                            for a, sec in incoming[k] if a >= s and reach[a] > -math.inf),
-                           default=-math.inf)
-                if best > -math.inf:  # a later stage with fewer replicas queues the round
-                    queued = terms[s].replicas / terms[k].replicas if queueing else 1.0
-                    reach[k] = best + terms[k].compute * max(1.0, queued) - terms[k].deferred
-            for k in range(s, count):
-                rows[k - s].append(own[s] + max(0.0, reach[k]))
-        out.append(rows)
+        residues = np.arange(1 if slowest else period)
+        # longest path from s, without s's own work, per microbatch residue (None: not
+        # reached); the same sums as one residue at a time, so the same floats
+        reach: list[np.ndarray | None] = [None] * count
+        reach[s] = np.zeros(len(residues))
+        for k in range(s + 1, count):
+            best = None
+            for a, sec in incoming[k]:
+                came = reach[a]
+                if a < s or came is None:
+                    continue
+                hop = np.full(len(residues), max(sec)) if slowest \
+                    else np.asarray(sec)[residues % len(sec)]
+                path = came + 2.0 * hop
+                best = path if best is None else np.maximum(best, path)
+            if best is not None:  # a later stage with fewer replicas queues the round
+                queued = terms[s].replicas / terms[k].replicas if queueing else 1.0
+                reach[k] = best + terms[k].compute * max(1.0, queued) - terms[k].deferred
+        out.append([(own[s] + np.maximum(0.0, there)).tolist() if there is not None
+                    else [own[s] + 0.0] * len(residues) for there in reach[s:]])
     return out
 
 
@@ -478,18 +486,22 @@ def _circuit_ratio(lengths: Sequence[float], tokens: int,
         worst = max(lengths)
         return max([worst / tokens] + [(worst + w[1]) / max(1, tokens + w[3] + 1)
                                        for w in rounds])
+    # per round, the steps that carry tokens and what each waits in the queue (not per m)
+    waits_of = [(replicas, later_own, shift,
+                 [(step, _queued(serial, step)) for step in range(1, replicas + 1)
+                  if tokens + shift + step > 0])
+                for replicas, later_own, serial, shift in rounds]
+    count = len(lengths)
     edges: list[list[tuple[int, float, int]]] = []
     for m in range(size):
-        out = [((m + tokens) % size, lengths[m % len(lengths)], tokens)]
-        for replicas, later_own, serial, shift in rounds:  # every round's wait, one graph
+        out = [((m + tokens) % size, lengths[m % count], tokens)]
+        for replicas, later_own, shift, steps in waits_of:  # every round's wait, one graph
             if m % replicas != replicas - 1:
                 continue
-            for step in range(1, replicas + 1):  # to each microbatch of the next round
-                if tokens + shift + step <= 0:
-                    continue
-                path = (lengths[m % len(lengths)] + lengths[(m + step) % len(lengths)]) / 2.0
+            for step, queue in steps:  # to each microbatch of the next round
+                path = (lengths[m % count] + lengths[(m + step) % count]) / 2.0
                 out.append(((m + tokens + shift + step) % size,
-                            path + later_own + _queued(serial, step), tokens + shift + step))
+                            path + later_own + queue, tokens + shift + step))
         edges.append(out)
     return largest_cycle_ratio(edges)[0]
 
