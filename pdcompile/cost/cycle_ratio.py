@@ -132,17 +132,19 @@ class _Cycles:
     """The cycles of a policy: per node the root of the cycle it reaches, and the policy's
     steps to walk it."""
 
-    def __init__(self, root: list[int], step: list[int]) -> None:
+    def __init__(self, root: list[int] | np.ndarray, step: list[int] | np.ndarray) -> None:
         self.root = root
         self.step = step
 
     def nodes(self, node: int) -> list[int]:
         """The nodes of the cycle that `node` reaches, from its root on."""
-        root = self.root[node]
-        cycle, u = [root], self.step[root]
+        root, step = int(self.root[node]), self.step
+        if isinstance(step, np.ndarray):
+            step = step.tolist()
+        cycle, u = [root], step[root]
         while u != root:
             cycle.append(u)
-            u = self.step[u]
+            u = step[u]
         return cycle
 
 
@@ -186,48 +188,62 @@ def _walked(step: np.ndarray, weight: np.ndarray,
 
 
 def _doubled(step: np.ndarray, weight: np.ndarray,
-              tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Cycles]:
+             tokens: np.ndarray) -> tuple[np.ndarray, np.ndarray, _Cycles]:
     """`_walked`'s figures to the last bit (the improvement steps' ties need them so), on
     arrays: every sum is taken in the walk's order (a cycle's weights from its root on, a
     value as the edge's own plus the next node's), and what the walk finds (each node's cycle,
     the smallest node reaching it, where that walk enters it, the edges from each node to its
     root) comes from pointer doubling: after k doublings each node knows the node 2^k edges
-    ahead."""
+    ahead. Each doubling stops once it has what it needs (the nodes on cycles, each walk's
+    entry), and those over the cycles run on their nodes alone (the planner's policies: 18,707
+    events, 2,541 of them on 18 cycles, walks of at most 3 edges to a cycle)."""
     count = len(step)
-    doublings = max(1, (count - 1).bit_length())  # 2^doublings >= count: every walk cycles
-    ahead, least = step, np.minimum(np.arange(count), step)
+    nodes = np.arange(count)
+    # the nodes on cycles: those 2^k edges ahead of any node, once the policy maps them
+    # one to one (it maps that set into itself; onto itself only when no walk's way in is left)
+    ahead = step
+    while True:
+        on_cycle = np.zeros(count, dtype=bool)
+        on_cycle[ahead] = True
+        cyclic = np.flatnonzero(on_cycle)
+        hit = np.zeros(count, dtype=bool)
+        hit[step[cyclic]] = True
+        if int(np.count_nonzero(hit)) == len(cyclic):
+            break
+        ahead = ahead[ahead]
+    # where each walk enters its cycle, and its edges to there
+    entry = np.where(on_cycle, nodes, step)
+    tail = (~on_cycle).astype(np.intp)
+    while not on_cycle[entry].all():
+        tail = tail + tail[entry]
+        entry = entry[entry]
+    # on the cycles alone (`at`: a cycle node's place among them): each cycle's smallest node
+    at = np.empty(count, dtype=np.intp)
+    at[cyclic] = np.arange(len(cyclic))
+    doublings = max(1, len(cyclic).bit_length())  # 2^doublings > the longest cycle
+    ahead, least = at[step[cyclic]], cyclic.copy()
     for _ in range(doublings):
         least = np.minimum(least, least[ahead])
         ahead = ahead[ahead]
-    # ahead[u] lies on u's cycle, and least there is that cycle's smallest node
-    label = least[ahead]
-    on_cycle = np.zeros(count, dtype=bool)
-    on_cycle[ahead] = True
-    # where each walk enters its cycle, and its edges to there
-    entry = np.where(on_cycle, np.arange(count), step)
-    tail = (~on_cycle).astype(np.intp)
-    for _ in range(doublings):
-        tail = tail + tail[entry]
-        entry = entry[entry]
+    label = least[at[entry]]
     labels, origins = np.unique(label, return_index=True)  # the smallest node reaching each
     roots = entry[origins]
     # on a cycle, the edges ahead to its root
-    ahead = np.where(on_cycle, step, np.arange(count))
-    ahead[roots] = roots
-    around = on_cycle.astype(np.intp)
-    around[roots] = 0
+    ahead = at[step[cyclic]]
+    ahead[at[roots]] = at[roots]
+    around = np.ones(len(cyclic), dtype=np.intp)
+    around[at[roots]] = 0
     for _ in range(doublings):
         around = around + around[ahead]
         ahead = ahead[ahead]
     ratio_of = np.empty(count)
     value = np.empty(count)
-    cyclic = np.flatnonzero(on_cycle)
     # each cycle's nodes from its root on: by label, then the edges to the root, fewest last
-    ordered = cyclic[np.lexsort((-around[cyclic], label[cyclic]))]
+    ordered = cyclic[np.lexsort((-around, label[cyclic]))]
     bounds = np.flatnonzero(np.diff(label[ordered])) + 1
     with np.errstate(invalid="ignore", over="ignore"):
         for name, cycle in zip(labels.tolist(), np.split(ordered, bounds), strict=True):
-            cycle = np.roll(cycle, 1)  # the root (no edges to itself) first
+            cycle = np.concatenate((cycle[-1:], cycle[:-1]))  # the root (none to itself) first
             total = float(np.cumsum(weight[cycle])[-1])
             held = float(np.cumsum(tokens[cycle])[-1])
             eta = total / held if held > 0 else float("inf")
@@ -238,17 +254,21 @@ def _doubled(step: np.ndarray, weight: np.ndarray,
             value[back] = np.cumsum(weight[back] - eta * tokens[back])
         ratio = ratio_of[label]
         # off the cycles, level by level away from them
-        off = np.flatnonzero(~on_cycle)
-        if off.size:
-            off = off[np.argsort(tail[off], kind="stable")]
-            ends = np.cumsum(np.bincount(tail[off])).tolist()
+        deepest = int(tail.max())
+        if deepest:
             own = weight - ratio * tokens
-            for start, end in zip(ends[:-1], ends[1:], strict=True):
-                level = off[start:end]
+            if deepest <= 16:  # few levels: each one's nodes found directly
+                levels = [np.flatnonzero(tail == depth) for depth in range(1, deepest + 1)]
+            else:
+                off = np.flatnonzero(~on_cycle)
+                off = off[np.argsort(tail[off], kind="stable")]
+                ends = np.cumsum(np.bincount(tail[off])).tolist()
+                levels = [off[start:end] for start, end in zip(ends[:-1], ends[1:], strict=True)]
+            for level in levels:
                 value[level] = own[level] + value[step[level]]
     root_of = np.empty(count, dtype=np.intp)
     root_of[labels] = roots
-    return ratio, value, _Cycles(root_of[label].tolist(), step.tolist())
+    return ratio, value, _Cycles(root_of[label], step)
 
 
 __all__ = ["Edges", "Solved", "largest_cycle_ratio", "policy_iteration",
