@@ -15,6 +15,7 @@ without one deadlocks, and its caller must not build it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -79,12 +80,7 @@ def policy_iteration_on(degree: np.ndarray, target: np.ndarray, weight: np.ndarr
     count = len(degree)
     first = np.cumsum(degree) - degree  # each node's first edge
     source = np.repeat(np.arange(count), degree)
-    index = np.arange(len(target))
-
-    def first_best(values: np.ndarray) -> np.ndarray:
-        """Per node, its first edge of the largest of `values` (no NaN among them)."""
-        best = np.maximum.reduceat(values, first)
-        return np.minimum.reduceat(np.where(values == best[source], index, len(index)), first)
+    first_best = _first_best(degree, first)
 
     if start is not None and np.array_equal(start.degree, degree):
         policy = start.policy
@@ -126,6 +122,32 @@ def policy_iteration_on(degree: np.ndarray, target: np.ndarray, weight: np.ndarr
         here, worth, cycles = evaluated(policy)
     top = int(np.argmax(here))  # the first node of the largest ratio
     return Solved(float(here[top]), cycles.nodes(top), policy, degree)
+
+
+def _first_best(degree: np.ndarray, first: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
+    """A function giving per node its first edge of the largest of `values` (one per edge, node
+    after node; no NaN among them): a node of one edge has it; of two (most events of a
+    schedule's graph), the second where it is larger; of more, a reduction over their edges."""
+    pairs = np.flatnonzero(degree == 2)
+    second = first[pairs] + 1
+    wide = np.flatnonzero(degree > 2)
+    spans = degree[wide]
+    starts = np.cumsum(spans) - spans  # each wide node's first edge among theirs
+    index = np.arange(int(spans.sum()))
+    edges = np.repeat(first[wide] - starts, spans) + index  # theirs, node after node
+    owner = np.repeat(np.arange(len(wide)), spans)
+
+    def first_best(values: np.ndarray) -> np.ndarray:
+        out = first.copy()
+        out[pairs] = np.where(values[second] > values[second - 1], second, second - 1)
+        if len(wide):
+            mine = values[edges]
+            best = np.maximum.reduceat(mine, starts)
+            out[wide] = edges[np.minimum.reduceat(
+                np.where(mine == best[owner], index, len(index)), starts)]
+        return out
+
+    return first_best
 
 
 class _Cycles:
