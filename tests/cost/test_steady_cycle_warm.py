@@ -161,7 +161,7 @@ def _reference_deepened(terms: list[StageTerms], edges: dict[tuple[int, int], fl
     return chosen
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(pipeline=pipelines())
 def test_the_graph_on_arrays_is_the_graph_event_by_event(
@@ -173,7 +173,7 @@ def test_the_graph_on_arrays_is_the_graph_event_by_event(
         == _reference_cycle(terms, edges, ranks, CLUSTER)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=60, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow])
 @given(pipeline=pipelines(), data=st.data())
 def test_warm_started_deepening_deepens_as_cold_starts_do(
