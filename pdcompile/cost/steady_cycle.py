@@ -44,7 +44,9 @@ import math
 from collections.abc import Sequence
 from typing import Protocol
 
-from pdcompile.cost.cycle_ratio import largest_cycle_ratio
+import numpy as np
+
+from pdcompile.cost.cycle_ratio import Solved, policy_iteration_on
 from pdcompile.cost.links import link_busy_seconds, pair_levels
 from pdcompile.machine.cluster import Cluster
 
@@ -75,21 +77,38 @@ class Terms(Protocol):
 
 
 class _Graph:
-    """Nodes numbered as they are made; per node its edges out (target, seconds, tokens)."""
+    """Nodes numbered as they are made (`stage`: each one's stage), and edges added in blocks
+    of arrays (source, target, seconds, tokens; scalars broadcast): `arrays` orders them node
+    after node, each node's edges in the order they were added, the order a list of edges per
+    node would have (the policy iteration prefers a node's first edge among equals)."""
 
     def __init__(self) -> None:
-        self.edges: list[list[tuple[int, float, int]]] = []
-        self.stage: list[int] = []
+        self.count = 0
+        self.stage: list[np.ndarray] = []
+        self.blocks: list[tuple[np.ndarray, ...]] = []
 
     def nodes(self, count: int, stage: int) -> int:
         """`count` new nodes of `stage`; the first one's number."""
-        first = len(self.edges)
-        self.edges.extend([] for _ in range(count))
-        self.stage.extend([stage] * count)
+        first = self.count
+        self.count += count
+        self.stage.append(np.full(count, stage, dtype=np.intp))
         return first
 
-    def add(self, source: int, target: int, seconds: float, tokens: int) -> None:
-        self.edges[source].append((target, seconds, tokens))
+    def add(self, source: np.ndarray, target: np.ndarray, seconds: np.ndarray | float,
+            tokens: np.ndarray | int) -> None:
+        size = len(source)
+        self.blocks.append((source, target, np.broadcast_to(np.asarray(seconds, dtype=float),
+                                                              (size,)),
+                            np.broadcast_to(np.asarray(tokens, dtype=float), (size,))))
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(edges out per node, then every edge's target, seconds and tokens, node after
+        node)."""
+        source, target, seconds, tokens = (np.concatenate(part) for part in zip(*self.blocks,
+                                                                                 strict=True))
+        order = np.argsort(source, kind="stable")
+        return (np.bincount(source, minlength=self.count), target[order], seconds[order],
+                tokens[order])
 
 
 def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
@@ -98,6 +117,31 @@ def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
     """(seconds per microbatch of 1F1B's steady state, the stages its binding circuit passes
     through), or None where the period (lcm of the replica counts) exceeds `cap` microbatches.
     `edges`: bytes per microbatch from stage a to stage c."""
+    found = steady_solved(terms, edges, stage_ranks, cluster, cap=cap)
+    return None if found is None else (found[0].ratio, found[1])
+
+
+def steady_solved(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
+                  stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, cap: int,
+                  start: Solved | None = None, stop: float = math.inf,
+                  ) -> tuple[Solved, tuple[int, ...]] | None:
+    """`steady_cycle` with the policy iteration's end (`cycle_ratio.policy_iteration`, its
+    `start` and `stop`): the same pipeline with other in-flight counts has a graph of the same
+    shape (they change the targets and tokens of edges, not how many leave each event), so its
+    pricing may start from this one's policy."""
+    graph = _steady_graph(terms, edges, stage_ranks, cluster, cap=cap)
+    if graph is None:
+        return None
+    solved = policy_iteration_on(*graph.arrays(), start=start, stop=stop)
+    stage = np.concatenate(graph.stage)
+    return solved, tuple(sorted({int(stage[u]) for u in solved.cycle}))
+
+
+def _steady_graph(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
+                  stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *,
+                  cap: int) -> _Graph | None:
+    """The event graph of one period of the steady state (module docstring), or None where
+    the period exceeds `cap` microbatches."""
     period = math.lcm(*(t.replicas for t in terms))
     if period > cap:
         return None
@@ -105,59 +149,61 @@ def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
     forward = [graph.nodes(period, s) for s in range(len(terms))]
     backward = [graph.nodes(period, s) for s in range(len(terms))]
     tied = _tie_events(graph, terms, period)
-    # where each replica goes after its backward of m: its next forward, or its round's all-reduce
-    after: list[list[tuple[int, float, int]]] = []
+    m = np.arange(period)
+    # where each replica goes after its backward of m: its next forward, or its round's
+    # all-reduce (per m: target, seconds, tokens)
+    after: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
     for s, t in enumerate(terms):
         r, held = t.replicas, (t.in_flight - 1) * t.replicas
         rounds = graph.nodes(period // r, s) if r > 1 else -1
-        hops = []
-        for m in range(period):
-            graph.add(forward[s] + m, backward[s] + (m - held) % period, t.fwd + t.copy, -held)
-            later = m + held + r  # the replica's next forward
-            if r == 1 and s in tied:  # the tie's all-reduce, then the step
-                hops.append((tied[s] + m, 0.0, 0))
-                graph.add(tied[s] + m, forward[s] + later % period, t.tie + t.step, held + r)
-                continue
-            if r == 1:
-                hops.append((forward[s] + later % period, t.step, held + r))
-                continue
+        graph.add(forward[s] + m, backward[s] + (m - held) % period, t.fwd + t.copy, -held)
+        later = m + held + r  # the replica's next forward
+        nothing = np.zeros(period)
+        if r == 1 and s in tied:  # the tie's all-reduce, then the step
+            hops = (tied[s] + m, nothing, np.zeros(period, dtype=np.intp))
+            graph.add(tied[s] + m, forward[s] + later % period, t.tie + t.step, held + r)
+        elif r == 1:
+            hops = (forward[s] + later % period, np.full(period, t.step),
+                    np.full(period, held + r))
+        else:
             last = m - m % r + r - 1  # the round's last microbatch: the all-reduce's index
-            hops.append((rounds + m // r, 0.0, last - m))
+            hops = (rounds + m // r, nothing, last - m)
             if s in tied:  # the replicas' all-reduce, then the tie's, then the step
                 graph.add(rounds + m // r, tied[s] + m // r, t.allreduce - t.tie, 0)
                 graph.add(tied[s] + m // r, forward[s] + later % period, t.tie + t.step,
                           later - last)
-                continue
-            graph.add(rounds + m // r, forward[s] + later % period, t.allreduce + t.step,
-                      later - last)
-        for m, (target, seconds, tokens) in enumerate(hops):
-            graph.add(backward[s] + m, target, t.bwd + seconds, tokens)
+            else:
+                graph.add(rounds + m // r, forward[s] + later % period, t.allreduce + t.step,
+                          later - last)
+        graph.add(backward[s] + m, hops[0], t.bwd + hops[1], hops[2])
         after.append(hops)
     for (a, c), size in edges.items():
         levels = pair_levels(cluster, stage_ranks[a], stage_ranks[c])
         pair = len(levels)  # microbatches m and m + pair share a rank pair
+        busy_of = [link_busy_seconds(size, level) for level in levels]
+        busy = np.array(busy_of)[m % pair]
+        arrival = np.array([b + level.latency if size > 0 else 0.0
+                            for b, level in zip(busy_of, levels, strict=True)])[m % pair]
+        copying = np.array([bool(level.cpu_copies and b > 0)
+                            for b, level in zip(busy_of, levels, strict=True)])[m % pair]
         for there, (sender, receiver, ready) in enumerate(
                 ((a, c, terms[a].fwd + terms[a].copy),
                  (c, a, terms[c].bwd - terms[c].deferred))):
             starts = graph.nodes(period, sender)
             events = forward if there == 0 else backward  # what sends it and what receives it
-            for m in range(period):
-                level = levels[m % pair]
-                busy = link_busy_seconds(size, level)
-                arrival = busy + level.latency if size > 0 else 0.0
-                graph.add(events[sender] + m, starts + m, ready, 0)
-                graph.add(starts + m, starts + (m + pair) % period, busy, pair)
-                graph.add(starts + m, events[receiver] + m, arrival, 0)
-                if level.cpu_copies and busy > 0:  # the sender copies until it is on the link
-                    if there == 0:
-                        held = (terms[a].in_flight - 1) * terms[a].replicas
-                        graph.add(starts + m, backward[a] + (m - held) % period, busy, -held)
-                    else:
-                        target, seconds, tokens = after[c][m]
-                        graph.add(starts + m, target, busy + terms[c].deferred + seconds,
-                                  tokens)
-    ratio, cycle = largest_cycle_ratio(graph.edges)
-    return ratio, tuple(sorted({graph.stage[u] for u in cycle}))
+            graph.add(events[sender] + m, starts + m, ready, 0)
+            graph.add(starts + m, starts + (m + pair) % period, busy, pair)
+            graph.add(starts + m, events[receiver] + m, arrival, 0)
+            if copying.any():  # the sender copies until it is on the link
+                at = m[copying]
+                if there == 0:
+                    held = (terms[a].in_flight - 1) * terms[a].replicas
+                    graph.add(starts + at, backward[a] + (at - held) % period, busy[at], -held)
+                else:
+                    target, seconds, tokens = (part[at] for part in after[c])
+                    graph.add(starts + at, target, busy[at] + terms[c].deferred + seconds,
+                              tokens)
+    return graph
 
 
 def _tie_events(graph: _Graph, terms: Sequence[Terms], period: int) -> dict[int, int]:
@@ -190,4 +236,4 @@ def _tie_events(graph: _Graph, terms: Sequence[Terms], period: int) -> dict[int,
     return out
 
 
-__all__ = ["steady_cycle"]
+__all__ = ["steady_cycle", "steady_solved"]

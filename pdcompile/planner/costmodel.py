@@ -552,11 +552,13 @@ def evaluate_timed(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequ
                    cluster: Cluster, *, options: ModelOptions,
                    in_flight: Sequence[int] | None = None,
                    recompute: Sequence[bool] | None = None,
+                   costs: StageCosts | None = None,
                    ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
     """`evaluate` and `priced_time` of the native model in one pricing (round robin): the
     planner wants both of each candidate, and on 32 mixed workers one pricing's circuits take
-    a tenth of a second."""
-    return _evaluate_native(graph, stages, cluster, options, in_flight, recompute)
+    a tenth of a second. `costs`: `plan_terms`'."""
+    return _evaluate_native(graph, stages, cluster, options, in_flight, recompute,
+                            costs=costs)
 
 
 def priced_time(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
@@ -624,19 +626,24 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
                cluster: Cluster, *, options: ModelOptions,
                in_flight: Sequence[int] | None = None,
                recompute: Sequence[bool] | None = None,
-               shares: Sequence[Sequence[int]] | None = None) -> PlanTerms:
+               shares: Sequence[Sequence[int]] | None = None,
+               costs: StageCosts | None = None) -> PlanTerms:
     """The closed form's inputs for a plan given as (nodes, ranks) per stage (`in_flight`:
     microbatches in flight per replica; 0 or None: the schedule's default; `recompute`: the
-    stages that recompute their activations, which run their forward again in the backward)."""
-    stage_of = _checked_stage_of(graph, stages)
+    stages that recompute their activations, which run their forward again in the backward).
+    `costs`: the stages' costs from an earlier call on the same stages and options (what
+    depends on the nodes alone: the planner prices one cut with many in-flight counts and
+    recomputation flags, and summing 2,000 nodes' costs each time was a tenth of its time)."""
     count = len(stages)
     ranks = [tuple(r) for _, r in stages]
-    inputs = input_nodes(graph)
-    misplaced = [n for n in inputs if stage_of[n] != 0]
-    if misplaced:
-        raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
-    costs = StageCosts.from_assignment(graph, stage_of, count,
-                                       microbatches=options.per_minibatch, inputs=inputs)
+    if costs is None:
+        stage_of = _checked_stage_of(graph, stages)
+        inputs = input_nodes(graph)
+        misplaced = [n for n in inputs if stage_of[n] != 0]
+        if misplaced:
+            raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
+        costs = StageCosts.from_assignment(graph, stage_of, count,
+                                           microbatches=options.per_minibatch, inputs=inputs)
     after = [sum(len(r) for r in ranks[i:]) for i in range(count)]
     flight = [int(in_flight[i]) if in_flight is not None and in_flight[i] > 0
               else default_in_flight(len(ranks[i]), after[i], options) for i in range(count)]
@@ -655,10 +662,11 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
 def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
                      cluster: Cluster, options: ModelOptions, in_flight: Sequence[int] | None,
                      recompute: Sequence[bool] | None = None,
-                     shares: Sequence[Sequence[int]] | None = None,
+                     shares: Sequence[Sequence[int]] | None = None, *,
+                     costs: StageCosts | None = None,
                      ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
     built = plan_terms(graph, stages, cluster, options=options, in_flight=in_flight,
-                       recompute=recompute, shares=shares)
+                       recompute=recompute, shares=shares, costs=costs)
     terms, ranks, flight = built.terms, built.ranks, built.in_flight
     edges, params = dict(built.costs.edges), built.costs.params
     m = options.per_minibatch

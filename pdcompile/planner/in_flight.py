@@ -11,6 +11,7 @@ import networkx as nx
 
 from pdcompile.cost.memory import max_in_flight
 from pdcompile.cost.pipeline_time import fewest_in_flight, runnable_in_flight, work_period
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.errors import PlanError
 from pdcompile.machine.cluster import Cluster
 from pdcompile.planner.costmodel import (
@@ -42,20 +43,24 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
     memory moves those).
     Raises PlanError when a stage fits neither way."""
     again = [False] * len(stages)
-    plain = _memory_limits(graph, stages, options, memory, again, cluster)
+    # the stages' costs, the same under every in-flight count and recomputation tried here
+    costs = plan_terms(graph, stages, cluster, options=options, recompute=again).costs
+    plain = _memory_limits(graph, stages, options, memory, again, cluster, costs=costs)
     again = [n < 1 for n in plain]
-    if any(again) and min(_memory_limits(graph, stages, options, memory, again, cluster)) < 1:
+    if any(again) and min(_memory_limits(graph, stages, options, memory, again, cluster,
+                                         costs=costs)) < 1:
         raise PlanError("a stage does not fit the memory, even recomputing its activations")
     if memory is None or kind(options.schedule).flush:
-        return again, choose_in_flight(graph, stages, cluster, options=options, memory=memory,
-                                       recompute=again)
+        return again, _in_flight(graph, stages, cluster, options=options, memory=memory,
+                                 recompute=again, costs=costs)[0]
     chosen: dict[tuple[bool, ...], tuple[list[int], list[int], list[int]]] = {}
     binding: dict[tuple[bool, ...], tuple[int, ...]] = {}
+    ratios: dict[tuple, float] = {}  # the circuits' ratios, which the trials share
 
     def closed(flags: list[bool]) -> float:
         try:
             choice = _in_flight(graph, stages, cluster, options=options, memory=memory,
-                                recompute=flags)
+                                recompute=flags, costs=costs, ratios=ratios)
         except PlanError:  # recomputing a stage can hold more: its inputs and one microbatch
             return math.inf
         chosen[tuple(flags)] = choice
@@ -63,7 +68,7 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
             return evaluate(graph, stages, cluster, options=options, in_flight=choice[0],
                             recompute=flags)[1]
         _, seconds, timed = evaluate_timed(graph, stages, cluster, options=options,
-                                           in_flight=choice[0], recompute=flags)
+                                           in_flight=choice[0], recompute=flags, costs=costs)
         binding[tuple(flags)] = timed.binding
         return seconds
 
@@ -72,8 +77,8 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
     # recomputing one of them alone may gain nothing while a circuit through another binds
     # (NASNet-A large's 2-3-3-1-2-1-1-1-1-1 on 16 workers: stage 0 alone 469 ms, stages 0-2
     # 72 ms)
-    want = choose_in_flight(graph, stages, cluster, options=options, memory=None,
-                            recompute=again)
+    want = _in_flight(graph, stages, cluster, options=options, memory=None, recompute=again,
+                      costs=costs, ratios=ratios)[0]
     starved = [a or n < w for a, n, w in zip(again, plain, want, strict=True)]
     if starved != again:
         value = closed(starved)
@@ -130,16 +135,18 @@ def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
 
 def _in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
                cluster: Cluster, *, options: ModelOptions, memory: float | None,
-               recompute: Sequence[bool] | None = None
+               recompute: Sequence[bool] | None = None, costs: StageCosts | None = None,
+               ratios: dict[tuple, float] | None = None,
                ) -> tuple[list[int], list[int], list[int]]:
     """`choose_in_flight`'s counts, the memory's limits on them (`_memory_limits`; 2BW's
     own cap included) and those limits lowered where an earlier stage cannot feed a later one
-    (`runnable_in_flight`)."""
+    (`runnable_in_flight`). `costs`: the stages' (`plan_terms`); `ratios`: circuits priced
+    before (`fewest_in_flight`)."""
     row = kind(options.schedule)
     again = list(recompute) if recompute is not None else [False] * len(stages)
     defaults = [default_in_flight(len(r), sum(len(x) for _, x in stages[i:]), options)
                 for i, (_, r) in enumerate(stages)]
-    limits = _memory_limits(graph, stages, options, memory, again, cluster)
+    limits = _memory_limits(graph, stages, options, memory, again, cluster, costs=costs)
     if any(n < 1 for n in limits) or (row.forwards_first
                                       and any(n < d for n, d in zip(limits, defaults,
                                                                     strict=True))):
@@ -154,13 +161,13 @@ def _in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]
     memory_limits = limits
     limits = runnable_in_flight(limits, replicas)
     built = plan_terms(graph, stages, cluster, options=options, in_flight=limits,
-                       recompute=again)
+                       recompute=again, costs=costs)
     edges = dict(built.costs.edges)
     target = work_period(built.terms, edges, built.ranks, cluster, schedule=options.schedule,
                          microbatches=options.per_minibatch)
     fewest = fewest_in_flight(built.terms, edges, built.ranks, cluster,
                               schedule=options.schedule, microbatches=options.per_minibatch,
-                              period=target, limits=limits)
+                              period=target, limits=limits, ratios=ratios)
     return runnable_in_flight([min(n, max(f, d)) for n, f, d in zip(limits, fewest, defaults,
                                                                      strict=True)],
                               replicas), memory_limits, limits
@@ -168,12 +175,13 @@ def _in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]
 
 def _memory_limits(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
                    options: ModelOptions, memory: float | None, recompute: Sequence[bool],
-                   cluster: Cluster) -> list[int]:
+                   cluster: Cluster, *, costs: StageCosts | None = None) -> list[int]:
     """The most microbatches each stage can keep in flight within `memory` (capped): with
     weight stashing each one adds a weight version; a recomputing stage keeps only what it
     received per microbatch, plus one microbatch's activations."""
     row = kind(options.schedule)
-    built = plan_terms(graph, stages, cluster, options=options, recompute=recompute)
+    built = plan_terms(graph, stages, cluster, options=options, recompute=recompute,
+                       costs=costs)
     out = []
     for s in range(len(stages)):
         if memory is None:
