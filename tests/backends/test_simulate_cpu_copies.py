@@ -148,10 +148,12 @@ def test_simulate_command_notes_more_workers_than_cores(local_env: None, tmp_pat
     command = ["simulate", "--costgraph", str(tmp_path / "g.json"), "--cluster", "local-2",
                "--planner", "dp", "--minibatches", "8", "--json"]
     monkeypatch.setattr("pdcompile.machine.local.usable_cores", lambda: 2)
-    assert main(command) == 0
-    assert "NOTE" not in capsys.readouterr().err
+    assert main([*command, "--out", str(tmp_path / "two")]) == 0
+    captured = capsys.readouterr()
+    assert "NOTE" not in captured.err and json.loads(captured.out)["config"] != "1"
+    # on one core the planner would rather leave a worker idle: the plan made for two cores
     monkeypatch.setattr("pdcompile.machine.local.usable_cores", lambda: 1)
-    assert main(command) == 0
+    assert main([*command, "--plan", str(tmp_path / "two" / "plan.json")]) == 0
     captured = capsys.readouterr()
     assert "2 worker processes would share this machine's 1 cores" in captured.err
     assert json.loads(captured.out)["time_per_minibatch"] > 0  # stdout stays JSON

@@ -52,8 +52,10 @@ def test_dp_matches_brute_force(graph: nx.DiGraph, cluster: Cluster,
         assert all(s.memory <= memory * (1 + 1e-9) for s in result.stages)
     if straight:
         assert all(s.replicas == 1 for s in result.stages)
-    else:
+    elif "idle_workers" not in result.extra:  # else a plan on fewer workers was faster
         assert sum(s.replicas for s in result.stages) == cluster.workers
+    else:  # tests/planner/test_fewer_workers.py: never slower than the plans it passed over
+        assert sum(s.replicas for s in result.stages) < cluster.workers
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
