@@ -349,16 +349,10 @@ def _started(export_dir: str | os.PathLike[str], nproc: int) -> int:
     """The processes to start for `nproc` asked: the plan's workers where it uses fewer (the
     planner may leave workers idle where they would cost more than they save; an idle process
     would have no stage to run), else `nproc` (the backend refuses a count it cannot run)."""
-    import json
+    from pdcompile.export.files import plan_workers
 
-    try:
-        with open(os.path.join(export_dir, "plan.json")) as file:
-            workers = json.load(file)["workers"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return nproc
-    if isinstance(workers, int) and not isinstance(workers, bool) and 0 < workers < nproc:
-        return workers
-    return nproc
+    workers = plan_workers(export_dir)
+    return workers if workers is not None and 0 < workers < nproc else nproc
 
 
 def _relay(channel: Any, progress: Callable[[int, float], None], stop: threading.Event) -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from pdcompile.backends.run_report import default_run_dir
 from pdcompile.errors import DistributedError, PdcompileError
+from pdcompile.export.files import plan_workers
 from pdcompile.machine.local import free_port
 from pdcompile.worker import DEFAULT_STEPS, add_training_options, training_arguments
 
@@ -60,15 +61,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(func=run)
 
 
-def _plan_workers(export_dir: Path) -> int | None:
-    try:
-        data = json.loads((export_dir / "plan.json").read_text())
-    except (OSError, ValueError):
-        return None
-    workers = data.get("workers") if isinstance(data, dict) else None
-    return int(workers) if isinstance(workers, int) else None
-
-
 def _idle_reason(export_dir: Path) -> str:
     """The planner's words for the workers its plan leaves idle (": 1 of 2 workers ..."), or
     "" where the plan file gives none."""
@@ -98,7 +90,7 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
     check_options(args)
     meta = check_export(export_dir)
     _check_trust(export_dir, meta, trust=args.trust)
-    check_resume(export_dir, args.checkpoint_dir, args.steps, _plan_workers(export_dir))
+    check_resume(export_dir, args.checkpoint_dir, args.steps, plan_workers(export_dir))
     _check_every_rank_runs(export_dir)
     lost = meta.get("not_saved", {})
     if lost:
@@ -175,7 +167,7 @@ def torchrun_command(args: argparse.Namespace) -> list[str]:
     steps = _check_export(export_dir, args)
     nnodes = str(args.nnodes)
     single = nnodes == "1"
-    workers = _plan_workers(export_dir)
+    workers = plan_workers(export_dir)
     nproc = args.nproc
     if nproc is None:
         if workers is None:

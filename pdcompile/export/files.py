@@ -27,6 +27,18 @@ UNSAVED_FIX = {
                  "by a lambda or a partial, is fine)."}
 
 
+def plan_workers(folder: str | os.PathLike[str]) -> int | None:
+    """The workers the export's plan uses (plan.json's `workers`: the processes a launcher
+    starts, fewer than asked where the planner left workers idle), or None where the file is
+    missing or gives no count (the load that follows names what is wrong)."""
+    try:
+        data = json.loads((Path(folder) / "plan.json").read_text())
+    except (OSError, ValueError):
+        return None
+    workers = data.get("workers") if isinstance(data, dict) else None
+    return workers if isinstance(workers, int) and not isinstance(workers, bool) else None
+
+
 def folder_path(path: Any, call: str) -> Path:
     """`path` as an export folder: a string or os.PathLike naming one. Another value (a number,
     None, bytes) raised os's TypeError ('expected str, bytes or os.PathLike object'), and an

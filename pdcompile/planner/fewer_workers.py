@@ -17,6 +17,7 @@ cluster with the later ranks idle, priced there as any other.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -40,9 +41,7 @@ def smaller(cluster: Cluster) -> Cluster | None:
         levels = cluster.levels[:-1]
     else:
         return None
-    workers = 1
-    for level in levels:
-        workers *= level.workers
+    workers = math.prod(level.workers for level in levels)
     if workers < 2:
         return None
     # a cluster of one kind written as device groups: its groups cut to the first ranks
