@@ -65,6 +65,10 @@ class DPResult:
     stages: tuple[DPStage, ...]
     objective: float
     free: DPResult | None = None
+    # the best pipeline on fewer of the grid's units, where the DP's objective says it beats
+    # every one of them (its stages on the last units, as the grid prices them): the table
+    # holds it already (planner/fewer_workers.py)
+    fewer: DPResult | None = None
 
 
 # ------------------------------------------------------------------------------ state tables
@@ -538,14 +542,25 @@ def _native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool, fill: 
     b = int(np.argmin(best[:, top, 0, used]))
     if not math.isfinite(best[b, top, 0, used]):
         return None
-    stages = []
-    k, m, d = 0, used, top
-    while k != last:
-        j, r = int(choice_j[b, d, k, m]), int(choice_r[b, d, k, m])
-        stages.append(DPStage(before=k, after=j, ranks=grid.ranks(used - m, r)))
-        k, m = j, m - r
-        d = d - 1 if max_stages is not None else d
-    return DPResult(stages=tuple(stages), objective=float(best[b, top, 0, used]))
+
+    def walked(units: int) -> DPResult:
+        """The plan on the last `units` units, back along the choices."""
+        stages = []
+        k, m, d = 0, units, top
+        while k != last:
+            j, r = int(choice_j[b, d, k, m]), int(choice_r[b, d, k, m])
+            stages.append(DPStage(before=k, after=j, ranks=grid.ranks(n - m, r)))
+            k, m = j, m - r
+            d = d - 1 if max_stages is not None else d
+        return DPResult(stages=tuple(stages), objective=float(best[b, top, 0, units]))
+
+    fewer = None
+    if not straight and not fill and n > 1:
+        # the first unit count of the smallest objective below all of them
+        units = int(np.argmin(best[b, top, 0, 1:n])) + 1
+        if best[b, top, 0, units] < best[b, top, 0, used]:
+            fewer = walked(units)
+    return replace(walked(used), fewer=fewer)
 
 
 def native_dp_period(grid: StageGrid, *, options: ModelOptions, period: float,

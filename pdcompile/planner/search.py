@@ -649,11 +649,17 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         for searched, label in grids:
             for variant, most in variants:
                 try:
-                    add(native_dp(searched, options=variant, straight=straight, fill=fill,
-                                  max_stages=most), how=f"{label}{variant.flight}/{most}",
-                        equalize=variant is options and most is None and label == tag)
+                    result = native_dp(searched, options=variant, straight=straight, fill=fill,
+                                       max_stages=most)
                 except PlanError:
-                    pass
+                    continue
+                add(result, how=f"{label}{variant.flight}/{most}",
+                    equalize=variant is options and most is None and label == tag)
+                if variant is options and most is None and result.fewer is not None:
+                    fewer = _from_first_rank(result.fewer, cluster, layout)
+                    if fewer is not None:
+                        add(fewer, how=f"{label}{variant.flight}/{most} on "
+                                       f"{1 + fewer.stages[-1].ranks[-1]} of {span} workers")
         if not kind(options.schedule).flush and thorough:
             # the grid prices one copy of the pipeline: its period is `copies` times the plan's
             high = (min((c.closed for c in found), default=0.0)
@@ -696,6 +702,20 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
         else "") + (f", {units} units of about {span // units} workers" if grouped else "")
     return _Found(kind_of_states, found)
+
+
+def _from_first_rank(result: Any, cluster: Cluster, layout: str) -> Any:
+    """A DP plan on the grid's last units (`DPResult.fewer`) moved to the first ranks, where
+    that prices it alike (a flat DP over every worker, shifted by whole servers on two levels:
+    the idle ranks are the last ones, as in every plan on fewer workers); None elsewhere."""
+    if layout != "flat" or cluster.is_mixed or not result.stages:
+        return None
+    shift = result.stages[0].ranks[0]
+    inner = math.prod(level.workers for level in cluster.levels[:-1])
+    if shift % inner:
+        return None
+    return replace(result, stages=tuple(
+        replace(s, ranks=tuple(r - shift for r in s.ranks)) for s in result.stages))
 
 
 def _interleaved_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
