@@ -56,12 +56,15 @@ def _by_enumeration(edges: list[list[tuple[int, float, int]]]) -> float:
     return best
 
 
-@pytest.mark.parametrize("walked_below", [cycle_ratio.WALKED_BELOW, 0],
-                         ids=["walked", "doubled"])
-def test_the_largest_cycle_ratio_is_the_enumerated_one(walked_below: int,
+@pytest.mark.parametrize(("listed_below", "walked_below"),
+                         [(cycle_ratio.LISTED_BELOW, cycle_ratio.WALKED_BELOW),
+                          (0, cycle_ratio.WALKED_BELOW), (0, 0)],
+                         ids=["listed", "walked", "doubled"])
+def test_the_largest_cycle_ratio_is_the_enumerated_one(listed_below: int, walked_below: int,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
-    """Small graphs walk each policy, large ones evaluate it on arrays: both, on small
-    graphs."""
+    """The smallest graphs iterate on lists, small ones walk each policy on arrays, large ones
+    evaluate it on arrays: all three, on small graphs."""
+    monkeypatch.setattr(cycle_ratio, "LISTED_BELOW", listed_below)
     monkeypatch.setattr(cycle_ratio, "WALKED_BELOW", walked_below)
     _the_enumerated_one()
 
