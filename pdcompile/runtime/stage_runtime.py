@@ -750,6 +750,24 @@ class StageRuntime:
             raise ScheduleError(f"rank {self.rank}: microbatches {sorted(self.stash.entries)} "
                                 "were forwarded but never backpropagated")
         self.versions.clear()
+        # the run's minibatches: a finished runtime stays inspectable (Pipeline.last_runtimes)
+        # without holding a window of data until the next run replaces it
+        self.data = RunOver(self.rank)
+
+
+class RunOver:
+    """The data of a finished run: none (a runtime asked for it after `finish` is a bug)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def inputs(self, microbatch: int) -> Mapping[str, Any]:
+        raise ScheduleError(f"rank {self.rank} read microbatch {microbatch}'s inputs after "
+                            "its run finished")
+
+    def target(self, microbatch: int) -> Any:
+        raise ScheduleError(f"rank {self.rank} read microbatch {microbatch}'s target after "
+                            "its run finished")
 
 
 def _random_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
