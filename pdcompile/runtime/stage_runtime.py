@@ -441,7 +441,9 @@ class StageRuntime:
             if self.loss_guard is not None:
                 self.loss_guard.check(entry.loss, rank=self.rank, stage=self.stage,
                                       microbatch=microbatch)
-            self.losses[microbatch] = entry.loss.detach()
+            # a copy: torch's CPU mse_loss returns its mean as a view of the whole elementwise
+            # buffer, so a window of kept losses pinned a window of output-sized buffers
+            self.losses[microbatch] = entry.loss.detach().clone()
         self.stash.put(microbatch, entry)
         if self.kind.double_buffered:
             self._count_forward(microbatch)

@@ -42,3 +42,20 @@ def test_the_runs_minibatches_are_released_when_train_returns(schedule: str) -> 
             assert not rt.transport.boxes.messages  # every queue emptied and dropped
             assert all(not r.joined for rounds in rt.transport.boxes.rounds.values()
                        for r in rounds)
+
+
+def test_a_kept_loss_holds_its_value_not_the_losss_elementwise_buffer() -> None:
+    """torch's CPU mse_loss returns a 0-d view of its elementwise buffer (the output's size);
+    the runtime keeps one loss per microbatch of a run (a window: up to 1,024 minibatches), so
+    it kept a window of output-sized buffers (64 KiB each here, 4 bytes with the fix)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 64))
+    x, y = torch.randn(8, 32, 16), torch.randn(8, 32, 64)
+    pipe = pdcompile.compile(model, example_inputs=(x,), example_target=y,
+                             loss_fn=nn.functional.mse_loss, cost="analytic",
+                             optimizer=functools.partial(torch.optim.SGD, lr=0.01),
+                             schedule="1f1b", microbatches=2, stages=[1, 1])
+    pipe.train([(torch.randn(8, 32, 16), torch.randn(8, 32, 64)) for _ in range(4)])
+    losses = [loss for rt in pipe.last_runtimes.values() for loss in rt.losses.values()]
+    assert len(losses) == 4
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in losses)
