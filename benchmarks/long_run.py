@@ -17,6 +17,10 @@ RSS growth under 50 MB, the last tenth's throughput within 10% of the first's.
     python benchmarks/long_run.py [--steps 30000] [--only 1f1b,1f1b-flush] [--md FILE]
                                   [--training autocast,clip] [--samples FILE.json]
 
+`--malloc` (a diagnostic: it changes what it measures) calls glibc's malloc_trim(0) at every
+sample and adds malloc's bytes in use (mallinfo2) to each sample: RSS that grows while malloc's
+bytes in use stay flat is memory the allocator keeps, not memory the program holds.
+
 `--local` measures `Pipeline.train` (the local backend, one process) on the same stream instead.
 `--drain` measures instead what draining an asynchronous run every K minibatches (checkpoints,
 the stream's window) changes: the losses of the same stream trained as one run and as runs of K
@@ -26,6 +30,7 @@ the stream's window) changes: the losses of the same stream trained as one run a
 from __future__ import annotations
 
 import argparse
+import ctypes
 import functools
 import itertools
 import json
@@ -43,6 +48,26 @@ from torch import nn
 
 WIDTH, CLASSES, BATCH = 16, 4, 8
 PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks",
+        "fordblks", "keepcost")]
+
+
+def malloc_in_use_mb(trim: bool = True) -> float:
+    """glibc malloc's bytes in use (heap and mmapped blocks) in MB, after malloc_trim(0)
+    (`trim`) has handed free pages back; NaN outside glibc."""
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+    except (OSError, AttributeError):
+        return float("nan")
+    if trim:
+        libc.malloc_trim(0)
+    info = libc.mallinfo2()
+    return (info.uordblks + info.hblkhd) / 1e6
 
 
 def rss_mb() -> float:
@@ -82,10 +107,15 @@ def export(folder: Path, schedule: str, training: tuple[str, ...] = ()) -> Path:
     return folder
 
 
-Sample = tuple[int, float, float, float]  # minibatch, wall time, RSS MB, process CPU time
+# minibatch, wall time, RSS MB, process CPU time (and with --malloc: malloc's MB in use)
+Sample = tuple[float, ...]
+MALLOC_ENV = "PDCOMPILE_LONG_RUN_MALLOC"  # --malloc, as the worker processes see it
 
 
 def _probe(step: int) -> Sample:
+    if os.environ.get(MALLOC_ENV):
+        in_use = malloc_in_use_mb()  # trims first: the RSS read after it is what is held
+        return step, time.perf_counter(), rss_mb(), time.process_time(), in_use
     return step, time.perf_counter(), rss_mb(), time.process_time()
 
 
@@ -294,10 +324,15 @@ def main() -> int:
     parser.add_argument("--training", default="",
                         help="compile options to run with: autocast, clip (comma-separated)")
     parser.add_argument("--drain", action="store_true")
+    parser.add_argument("--malloc", action="store_true",
+                        help="malloc_trim(0) at every sample, and malloc's bytes in use added "
+                        "to the samples (a diagnostic)")
     parser.add_argument("--local", action="store_true",
                         help="Pipeline.train in this process instead (the local backend)")
     args = parser.parse_args()
     torch.set_num_threads(1)
+    if args.malloc:
+        os.environ[MALLOC_ENV] = "1"  # the spawned workers inherit it
     if args.drain:
         result = drain_effect(args.steps, args.every)
         print(result)

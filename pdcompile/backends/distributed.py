@@ -610,40 +610,44 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     state = chunk_states[0]  # the rank's first chunk where it holds several
     resume = resume_point(program, chunk_states, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)
-    if steps is not None and resume.done > steps:  # every rank agreed on resume.done
-        raise PipelineInputError(
-            f"the checkpoints in {checkpoint_dir} already hold {resume.done} minibatches, and "
-            f"steps={steps} asks for fewer; ask for {resume.done} or more to train on, or name "
-            "another checkpoint folder to start afresh")
-    if monitor is not None:  # from here on, a rank that stops progressing is named
-        monitor.progress("starting")
-        if batches is not None:
-            batches = watched_batches(batches, monitor)
-    flush = schedule_kind(program.schedule_name).flush
-    last = len(program.plan.stages) - 1
-    routed = {r for r in program.plan.stages[last].ranks if not program.reads_data(r)}
-    # flush schedules run one minibatch at a time: the reader announces several runs in one
-    # broadcast, which otherwise sits on the critical path between two minibatches
-    announcements = Announcements(program, rank, batches, steps=steps,
-                                  segment=1 if flush else checkpoint_every,
-                                  ahead=ANNOUNCE_AHEAD if flush else 1, routed=routed,
-                                  resume=resume, monitor=monitor,
-                                  checkpoint_every=checkpoint_every)
-    run, header = announcements.next(resume.done, first=True)  # before any message is sent
-    transport = DistributedTransport(stage_ranks=program.stage_ranks,
-                                     groups=program.collective_groups(), monitor=monitor,
-                                     device=_module_device(state.module),
-                                     # each chunk of an interleaved rank receives as far ahead
-                                     # as a rank holding one stage
-                                     prepost_depth=prepost_depth * len(stages))
-    reporter = program.plan.stages[-1].ranks[0] == rank and progress is not None
-    losses = _Losses(resume.losses, progress if reporter else None)
     try:
-        return _run_loop(program, chunk_states, transport, announcements, (run, header), resume,
-                         losses, routed=routed, record=record, monitor=monitor,
-                         checkpoint_every=checkpoint_every, allow_nonfinite=allow_nonfinite)
-    finally:
-        transport.close()
+        if steps is not None and resume.done > steps:  # every rank agreed on resume.done
+            raise PipelineInputError(
+                f"the checkpoints in {checkpoint_dir} already hold {resume.done} minibatches, and "
+                f"steps={steps} asks for fewer; ask for {resume.done} or more to train on, or name "
+                "another checkpoint folder to start afresh")
+        if monitor is not None:  # from here on, a rank that stops progressing is named
+            monitor.progress("starting")
+            if batches is not None:
+                batches = watched_batches(batches, monitor)
+        flush = schedule_kind(program.schedule_name).flush
+        last = len(program.plan.stages) - 1
+        routed = {r for r in program.plan.stages[last].ranks if not program.reads_data(r)}
+        # flush schedules run one minibatch at a time: the reader announces several runs in one
+        # broadcast, which otherwise sits on the critical path between two minibatches
+        announcements = Announcements(program, rank, batches, steps=steps,
+                                      segment=1 if flush else checkpoint_every,
+                                      ahead=ANNOUNCE_AHEAD if flush else 1, routed=routed,
+                                      resume=resume, monitor=monitor,
+                                      checkpoint_every=checkpoint_every)
+        run, header = announcements.next(resume.done, first=True)  # before any message is sent
+        transport = DistributedTransport(stage_ranks=program.stage_ranks,
+                                         groups=program.collective_groups(), monitor=monitor,
+                                         device=_module_device(state.module),
+                                         # each chunk of an interleaved rank receives as far ahead
+                                         # as a rank holding one stage
+                                         prepost_depth=prepost_depth * len(stages))
+        reporter = program.plan.stages[-1].ranks[0] == rank and progress is not None
+        losses = _Losses(resume.losses, progress if reporter else None)
+        try:
+            return _run_loop(program, chunk_states, transport, announcements, (run, header), resume,
+                             losses, routed=routed, record=record, monitor=monitor,
+                             checkpoint_every=checkpoint_every, allow_nonfinite=allow_nonfinite)
+        finally:
+            transport.close()
+    finally:  # the checkpoint folder's writer lock: a later run, in this process too, may write
+        if resume.checkpointer is not None:
+            resume.checkpointer.release()
 
 
 def idle_rank_refusal(plan: Plan) -> str | None:

@@ -62,41 +62,46 @@ def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
     states = _as_list(states)
     rank = states[0].rank
     ckpt = Checkpointer(checkpoint_dir, rank=rank, every=every or 1, keep=keep)
-    ckpt.remove_stale()  # temporary files of a writer that was killed
-    good, damaged = ckpt.verified_steps()
-    everyone: list[Any] = [None] * dist.get_world_size()
-    with guarded(monitor, "the agreement on the checkpoint to resume from"):
-        dist.all_gather_object(everyone, (good, [(d.step, d.reason) for d in damaged]))
-    common = set.intersection(*(set(steps_of) for steps_of, _ in everyone))
-    bad = sorted((step, reason) for _, notes in everyone for step, reason in notes)
-    fallback = fallback_note(checkpoint_dir, max(common, default=None), bad)
-    if fallback and rank == 0:
-        print(f"pdcompile: {fallback}", file=sys.stderr, flush=True)
-    if not common:
-        return Resume(ckpt)
-    done = max(common)
-    saved = ckpt.load(done)
-    mine = identity(program, tuple(s.stage for s in states))
-    if saved.get("pipeline") != mine:
-        raise DistributedError(
-            f"the checkpoints in {checkpoint_dir} were written by another pipeline "
-            f"({saved.get('pipeline')}, this one is {mine}); "
-            "name another checkpoint folder or delete this one")
-    origin = f"the checkpoint of rank {rank} at step {done} in {checkpoint_dir}"
-    if len(states) == 1:
-        restore_module_state(saved, states[0].module, states[0].optimizer, origin=origin)
-    else:
-        chunks = saved.get("chunks")
-        for state in states:
-            part = chunks.get(str(state.stage)) if isinstance(chunks, dict) else None
-            if not isinstance(part, dict):
-                raise DamagedFileError(f"{origin} holds no state for stage {state.stage}; "
-                                       "delete it to resume from an older checkpoint")
-            restore_module_state({**part, "rng": None}, state.module, state.optimizer,
-                                 origin=f"{origin} (stage {state.stage})")
-        _restore_rng(saved.get("rng"), origin)
-    return Resume(ckpt, done, saved_losses(saved, done, origin), done, saved.get("rng"),
-                  saved.get("data_state"))
+    ckpt.claim()  # before the agreement: every rank of a second run is refused at once
+    try:
+        ckpt.remove_stale()  # temporary files of a writer that was killed
+        good, damaged = ckpt.verified_steps()
+        everyone: list[Any] = [None] * dist.get_world_size()
+        with guarded(monitor, "the agreement on the checkpoint to resume from"):
+            dist.all_gather_object(everyone, (good, [(d.step, d.reason) for d in damaged]))
+        common = set.intersection(*(set(steps_of) for steps_of, _ in everyone))
+        bad = sorted((step, reason) for _, notes in everyone for step, reason in notes)
+        fallback = fallback_note(checkpoint_dir, max(common, default=None), bad)
+        if fallback and rank == 0:
+            print(f"pdcompile: {fallback}", file=sys.stderr, flush=True)
+        if not common:
+            return Resume(ckpt)
+        done = max(common)
+        saved = ckpt.load(done)
+        mine = identity(program, tuple(s.stage for s in states))
+        if saved.get("pipeline") != mine:
+            raise DistributedError(
+                f"the checkpoints in {checkpoint_dir} were written by another pipeline "
+                f"({saved.get('pipeline')}, this one is {mine}); "
+                "name another checkpoint folder or delete this one")
+        origin = f"the checkpoint of rank {rank} at step {done} in {checkpoint_dir}"
+        if len(states) == 1:
+            restore_module_state(saved, states[0].module, states[0].optimizer, origin=origin)
+        else:
+            chunks = saved.get("chunks")
+            for state in states:
+                part = chunks.get(str(state.stage)) if isinstance(chunks, dict) else None
+                if not isinstance(part, dict):
+                    raise DamagedFileError(f"{origin} holds no state for stage {state.stage}; "
+                                           "delete it to resume from an older checkpoint")
+                restore_module_state({**part, "rng": None}, state.module, state.optimizer,
+                                     origin=f"{origin} (stage {state.stage})")
+            _restore_rng(saved.get("rng"), origin)
+        return Resume(ckpt, done, saved_losses(saved, done, origin), done, saved.get("rng"),
+                      saved.get("data_state"))
+    except BaseException:
+        ckpt.release()  # refused or failed: the folder is free again at once
+        raise
 
 
 def saved_losses(saved: dict[str, Any], done: int, origin: str) -> list[float]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -98,9 +99,14 @@ class RunReport:
             self._file = None
         if self.path is not None and losses is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.path.with_suffix(".csv.tmp")
-            tmp.write_text(_HEADER + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(losses)))
-            os.replace(tmp, self.path)
+            # a temporary file of its own: two runs given one run folder (--run-dir, or the
+            # checkpoint folder) once wrote the same losses.csv.tmp, and the second to finish
+            # failed at its rename after training; now the last to finish leaves its whole file
+            handle, name = tempfile.mkstemp(dir=self.path.parent, prefix=".losses.",
+                                            suffix=".tmp")
+            with os.fdopen(handle, "w") as out:
+                out.write(_HEADER + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(losses)))
+            os.replace(name, self.path)
 
 
 def summary(losses: Sequence[float], *, trained: int, seconds: float, samples: int) -> str:

@@ -27,6 +27,7 @@ from torch import nn
 
 from pdcompile.errors import PipelineInputError, TraceError
 from pdcompile.meta import set_frontend, set_training_branches
+from pdcompile.passes.attribute_names import check_attribute_names
 from pdcompile.passes.dense_constants import densify_constants
 from pdcompile.passes.export_frontend import export_graph
 from pdcompile.passes.inference_cache import without_inference_cache
@@ -79,6 +80,7 @@ def capture(model: nn.Module, args: Sequence[Any] = (), kwargs: Mapping[str, Any
         raise PipelineInputError(f"unknown frontend {frontend!r}; choose one of "
                                  f"{', '.join(FRONTENDS)}")
     kwargs = dict(kwargs or {})
+    check_attribute_names(model)
     if isinstance(model, fx.GraphModule):
         graph, used = _given(model, leaf_modules)
     else:

@@ -14,6 +14,13 @@ Layout of the folder a user names:
 
     rank_<r>/step_<k>.safetensors     the state of rank r after k minibatches (newest `keep` kept)
     rank_<r>/step_<k>.manifest.json   its manifest, written last
+    rank_<r>/.writer.lock             held (an advisory lock of the OS) by the run writing there
+
+One run writes a folder at a time: each rank claims its folder's writer lock before it reads
+its resume point (`claim`), for as long as the run lives (the OS drops it when the process
+ends, killed or not). Before, two runs given one checkpoint folder both wrote step_<k> of each
+rank, the last rename winning per rank, and a later resume could restore rank 0 from one run and
+rank 1 from the other without a word.
 
 A run resumes from the newest k that every rank has saved and that verifies (`resume_step`): if
 a crash hit while some ranks had written step k and others not yet, or one rank's step k is
@@ -26,7 +33,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -39,6 +46,7 @@ from pdcompile.util.manifest import (
     write_manifest,
 )
 
+LOCK_NAME = ".writer.lock"
 _STEP_RE = re.compile(r"^step_(\d+)\.safetensors$")
 _TMP_RE = re.compile(r"^\..+\.(\d+)\.tmp$")  # .step_<k>.safetensors.<pid>.tmp and manifests'
 MANIFEST_KIND = "checkpoint"
@@ -64,6 +72,36 @@ class Checkpointer:
         self.rank = rank
         self.every = every
         self.keep = max(2, keep)
+        self._lock: IO[str] | None = None
+
+    def claim(self) -> None:
+        """Hold this rank's writer lock for the life of this checkpointer (see the module
+        docstring); another run holding it is refused in one line. Where the OS has no such
+        locks (not POSIX), nothing is held."""
+        try:
+            import fcntl
+        except ImportError:  # pragma: no cover (Windows)
+            return
+        if self._lock is not None:
+            return
+        folder = self.rank_dir()
+        folder.mkdir(parents=True, exist_ok=True)
+        handle = open(folder / LOCK_NAME, "a")  # noqa: SIM115 (held until release())
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.close()
+            raise DistributedError(
+                f"another run is writing checkpoints to {self.folder} right now (rank "
+                f"{self.rank}'s {LOCK_NAME} is held); wait for it to end, or give this run "
+                "another checkpoint folder") from None
+        self._lock = handle
+
+    def release(self) -> None:
+        """Let another run write this rank's folder (also done when the process ends)."""
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
 
     def rank_dir(self, rank: int | None = None) -> Path:
         """The folder of one rank's checkpoints."""

@@ -48,6 +48,7 @@ class _Round:
                 for tensor, total in zip(part, totals, strict=True):
                     tensor.detach().copy_(total)
             self.summed = True
+            self.joined = {}  # summed in place: the contributions are the ranks' own tensors
 
 
 class Mailboxes:
@@ -77,7 +78,10 @@ class _Recv(Pending):
             if not self.ready():
                 raise ScheduleError(f"rank {self.key[1]} would wait forever for {self.key[2]} "
                                     f"from rank {self.key[0]} (nothing sent)")
-            self._got = self.boxes.messages[self.key].popleft()
+            queue = self.boxes.messages[self.key]
+            self._got = queue.popleft()
+            if not queue:  # a run's mailboxes end empty, not one empty queue per tag
+                del self.boxes.messages[self.key]
         return self._got
 
 

@@ -441,7 +441,9 @@ class StageRuntime:
             if self.loss_guard is not None:
                 self.loss_guard.check(entry.loss, rank=self.rank, stage=self.stage,
                                       microbatch=microbatch)
-            self.losses[microbatch] = entry.loss.detach()
+            # a copy: torch's CPU mse_loss returns its mean as a view of the whole elementwise
+            # buffer, so a window of kept losses pinned a window of output-sized buffers
+            self.losses[microbatch] = entry.loss.detach().clone()
         self.stash.put(microbatch, entry)
         if self.kind.double_buffered:
             self._count_forward(microbatch)
@@ -750,6 +752,24 @@ class StageRuntime:
             raise ScheduleError(f"rank {self.rank}: microbatches {sorted(self.stash.entries)} "
                                 "were forwarded but never backpropagated")
         self.versions.clear()
+        # the run's minibatches: a finished runtime stays inspectable (Pipeline.last_runtimes)
+        # without holding a window of data until the next run replaces it
+        self.data = RunOver(self.rank)
+
+
+class RunOver:
+    """The data of a finished run: none (a runtime asked for it after `finish` is a bug)."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+
+    def inputs(self, microbatch: int) -> Mapping[str, Any]:
+        raise ScheduleError(f"rank {self.rank} read microbatch {microbatch}'s inputs after "
+                            "its run finished")
+
+    def target(self, microbatch: int) -> Any:
+        raise ScheduleError(f"rank {self.rank} read microbatch {microbatch}'s target after "
+                            "its run finished")
 
 
 def _random_state() -> tuple[torch.Tensor, list[torch.Tensor]]:

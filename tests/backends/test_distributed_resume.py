@@ -172,3 +172,23 @@ def test_a_checkpoint_whose_losses_were_edited_is_refused_in_one_line(tmp_path: 
                         checkpoint_dir=ckpt, checkpoint_every=2)
     assert "does not hold the loss of each of its 2 minibatches (its losses: 1 entries" \
         in str(info.value), str(info.value)
+
+
+def test_a_run_into_a_checkpoint_folder_another_run_writes_is_refused(tmp_path: Path) -> None:
+    """Another run holds rank 0's folder (its writer lock): this run is refused in one line
+    naming the folder, and writes no checkpoint there (before, both runs wrote the same
+    step_<k> files, and a resume could restore ranks of two runs)."""
+    export = _export(tmp_path / "pipe", "1f1b")
+    other = Checkpointer(tmp_path / "ckpt", rank=0, every=2)
+    other.claim()
+    try:
+        with pytest.raises(pdcompile.errors.PdcompileError) as info:
+            train_processes(export, 2, functools.partial(batches, 4), steps=4, timeout=120,
+                            fault_timeout=5, checkpoint_dir=tmp_path / "ckpt",
+                            checkpoint_every=2)
+    finally:
+        other.release()
+    assert "another run is writing checkpoints" in str(info.value)
+    assert str(tmp_path / "ckpt") in str(info.value)
+    assert Checkpointer(tmp_path / "ckpt", rank=0, every=2).steps() == []
+    assert Checkpointer(tmp_path / "ckpt", rank=1, every=2).steps() == []

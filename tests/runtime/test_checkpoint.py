@@ -143,3 +143,25 @@ def test_one_flipped_bit_is_refused_and_resume_falls_back(tmp_path_factory: Any,
     good, bad = ranks[1].verified_steps()
     assert good == [1] and [d.step for d in bad] == [2]
     assert ranks[0].resume_step(2) == 1
+
+
+def test_a_second_run_writing_the_same_folder_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Two runs given one checkpoint folder at once: the second rank to claim a rank's folder
+    is refused naming the folder (before, both wrote step_<k> of each rank, the last rename
+    winning per rank, so a resume could mix ranks of two runs). Another rank's folder is free;
+    the folder is free again once the first releases it (or its process ends)."""
+    first = Checkpointer(tmp_path / "ck", rank=0, every=1)
+    first.claim()
+    first.save(1, {"w": torch.ones(2)})
+    second = Checkpointer(tmp_path / "ck", rank=0, every=1)
+    with pytest.raises(DistributedError) as info:
+        second.claim()
+    assert "\n" not in str(info.value) and str(tmp_path / "ck") in str(info.value)
+    assert "another checkpoint folder" in str(info.value)
+    other_rank = Checkpointer(tmp_path / "ck", rank=1, every=1)
+    other_rank.claim()
+    first.release()
+    second.claim()
+    assert second.steps() == [1]  # the lock file is not a checkpoint
+    second.release()
+    other_rank.release()
