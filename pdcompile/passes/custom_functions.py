@@ -14,12 +14,14 @@ call it checkpoints (passes/reentrant_checkpoint.py).
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 
 @dataclass
@@ -53,4 +55,22 @@ def custom_functions_seen(where: Callable[[], str] = lambda: "") -> Iterator[Cal
         base.apply = original  # type: ignore[method-assign]
 
 
-__all__ = ["CalledFunctions", "custom_functions_seen"]
+def calling_module(model: nn.Module) -> Callable[[], str]:
+    """A `where` for `custom_functions_seen` under torch.export, which has no module stack of
+    its own: the innermost module of `model` on the Python stack, as
+    "'qualified.name' (Type)" ("" where none is)."""
+    paths = {id(m): name for name, m in model.named_modules()}
+
+    def where() -> str:
+        frame = inspect.currentframe()
+        while frame is not None:
+            module = frame.f_locals.get("self")
+            if isinstance(module, nn.Module) and paths.get(id(module)):
+                return f"{paths[id(module)]!r} ({type(module).__name__})"
+            frame = frame.f_back
+        return ""
+
+    return where
+
+
+__all__ = ["CalledFunctions", "calling_module", "custom_functions_seen"]

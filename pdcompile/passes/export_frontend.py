@@ -39,7 +39,7 @@ from torch.utils import _pytree as pytree
 
 from pdcompile.errors import TraceError
 from pdcompile.meta import set_input_shapes, set_output_spec
-from pdcompile.passes.custom_functions import custom_functions_seen
+from pdcompile.passes.custom_functions import calling_module, custom_functions_seen
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.passes.quiet_logs import torch_export_quiet
@@ -140,7 +140,7 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              "functools.partial")
     _refuse_backward_hooks(model)
     with _UnkeptCalls() as unkept, reentrant_checkpoints_as_calls(), \
-            custom_functions_seen() as functions:
+            custom_functions_seen(calling_module(model)) as functions:
         program = _export(model, tuple(args), kwargs, bound, batch_dim)
     if unkept.hooks:
         raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "
@@ -154,11 +154,15 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                          "records as if gradients were on; use torch.no_grad() there (both "
                          "front ends keep it), or frontend='fx'")
     if functions.calls:
-        raise TraceError(f"{type(model).__name__}.forward applies the autograd Function "
-                         f"{functions.calls[0][0]} (a backward of its own), which torch.export "
-                         "records as its forward's operations, with their derivatives in place "
-                         "of its backward; use frontend='fx' with the module that calls it kept "
-                         "whole (leaf_modules=[name])")
+        name, module = functions.calls[0]
+        keep = (f"use frontend='fx' with the module that calls it, {module}, kept whole "
+                f"(leaf_modules=[{module.split(' ')[0]}])" if module else
+                "call it from a submodule and use frontend='fx' with that module kept whole "
+                "(leaf_modules=[name])")
+        raise TraceError(f"{type(model).__name__}.forward applies the autograd Function {name} "
+                         "(a backward of its own), which torch.export records as its forward's "
+                         "operations, with their derivatives in place of its backward; "
+                         f"{keep}")
     unlifted = program.module()
     graph = unlifted.graph
     if autocast is None:

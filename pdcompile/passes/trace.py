@@ -33,6 +33,7 @@ from torch import nn
 
 from pdcompile.errors import TraceError
 from pdcompile.passes.custom_functions import custom_functions_seen
+from pdcompile.passes.decorated_forward import named_forward
 from pdcompile.passes.layer_stacks import traceable_forward
 from pdcompile.passes.module_hooks import module_hooks
 from pdcompile.passes.reentrant_checkpoint import reentrant_checkpoints_as_calls
@@ -97,6 +98,11 @@ class _PolicyTracer(fx.Tracer):
         if kind.startswith("call_") and self.autocast is None and _autocast_state() != self.started:
             self.autocast = node.name  # the model's torch.autocast, which a graph cannot hold
         return node
+
+    def create_args_for_root(self, root_fn: Any, is_module: bool,
+                             concrete_args: Any = None) -> tuple[Any, list[Any]]:
+        # a decorated forward: fx is given the wrapped signature (passes/decorated_forward.py)
+        return super().create_args_for_root(named_forward(root_fn), is_module, concrete_args)
 
     def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
         if isinstance(m, self._leaf_types) or module_qualified_name in self._leaf_names:
