@@ -108,12 +108,12 @@ def _calls(profiler: cProfile.Profile) -> tuple[int, list[tuple[str, int]]]:
 
 
 def _worker(worker: Worker, schedule: str, width: int, rounds: int, steps: int,
-            warmup: int, dump: str = "") -> dict[str, Any]:
+            warmup: int, dump: str = "", fuse: bool = True) -> dict[str, Any]:
     from pdcompile.backends import distributed
 
     torch.set_num_threads(1)
     bench.WIDTH = width
-    pipe, data = bench.ours_pipeline(schedule, max(steps, warmup, 4))
+    pipe, data = bench.ours_pipeline(schedule, max(steps, warmup, 4), fuse=fuse)
     hooks = _Hooks()
     distributed.drive = hooks.wrap("drive", distributed.drive)  # type: ignore[assignment]
     distributed._run_loop = hooks.wrap("loop", distributed._run_loop)  # type: ignore
@@ -155,12 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--most", type=int, default=25, help="functions listed per rank")
     parser.add_argument("--dump", default="", help="write each rank's cProfile of `drive` to "
                         "DUMP.rank0, DUMP.rank1")
+    parser.add_argument("--no-fuse", action="store_true", help="compile without the fused "
+                        "Linear (plain F.linear, weight gradients in B: passes/fuse.py)")
     args = parser.parse_args(argv)
     load = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
     got = launch(_worker, 2, args=(args.schedule, args.width, args.rounds, args.steps,
-                                   args.warmup, args.dump), timeout=1800, fault_timeout=120)
+                                   args.warmup, args.dump, not args.no_fuse), timeout=1800, fault_timeout=120)
     end = open("/proc/loadavg").read().split()[0] if os.path.exists("/proc/loadavg") else "?"
-    print(f"{args.schedule}, width {args.width}, {args.rounds} rounds of {args.steps} "
+    print(f"{args.schedule}{', unfused' if args.no_fuse else ''}, width {args.width}, "
+          f"{args.rounds} rounds of {args.steps} "
           f"minibatches, load {load} -> {end}, per minibatch:")
     print("| rank | CPU in drive (ms) | rounds | CPU in _run_loop (ms) | Python calls in drive "
           "| in _run_loop outside drive | KB copied | KB allocated | all threads' CPU in drive "

@@ -19,7 +19,8 @@ trains --warmup minibatches, then --rounds runs of --steps minibatches; per roun
   sender's loop thread write the data, docs/runtime-profile.md, third round);
 - hand-overs between two chunks of the rank (in memory, no message).
 
-Then both ranks at once run plain torch on the same chunks (8 microbatches of 32, the chunks'
+Then both ranks at once run plain torch on the same chunks (8 microbatches of 32, or whole
+minibatches of 256 for asynchronous 1F1B, the chunks'
 forward, their backward from a random output gradient or, on the last chunk, the loss, plain
 autograd accumulation, an SGD step): the compute that the rank's actions hold.
 
@@ -226,19 +227,20 @@ def _plain(schedule: str, rank: int, steps: int) -> dict[str, float]:
     params = [p for _, c in chunks for p in c.parameters()]
     opt = torch.optim.SGD(params, lr=LR)
     gen = torch.Generator().manual_seed(rank)
-    micro = MINIBATCH // MICRO
+    count = 1 if schedule == "1f1b" else MICRO  # asynchronous 1F1B: whole minibatches
+    micro = MINIBATCH // count
     x = torch.randn(micro, WIDTH, generator=gen)
     y = torch.randint(0, 10, (micro,), generator=gen)
     grad = torch.randn(micro, WIDTH, generator=gen) * 1e-3
     spent = defaultdict(float)
     for _ in range(steps):
         opt.zero_grad()
-        for _m in range(MICRO):
+        for _m in range(count):
             for stage, chunk in chunks:
                 start = time.thread_time()
                 inp = x if stage == 0 else x.clone().requires_grad_(True)
                 out = chunk(inp)
-                loss = nn.functional.cross_entropy(out, y) / MICRO \
+                loss = nn.functional.cross_entropy(out, y) / count \
                     if last and stage == max(i for i, _ in chunks) else None
                 spent["F"] += time.thread_time() - start
                 start = time.thread_time()

@@ -478,7 +478,10 @@ class StageRuntime:
         roots: list[torch.Tensor] = []
         grads: list[torch.Tensor | None] = []
         if entry.loss is not None and entry.loss.requires_grad:
-            roots.append(entry.loss * self._loss_scale)
+            # a scale of 1 (asynchronous 1F1B's whole minibatches) would add a multiply and its
+            # backward to the graph for a product equal to the loss
+            scale = self._loss_scale
+            roots.append(entry.loss if scale == 1 else entry.loss * scale)
             grads.append(None)
         for dst, received in self._grads_in.pop(microbatch, {}).items():
             floating = [n for n in self.io.sends[dst] if _carries_grad(entry.values[n])]

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -33,9 +32,13 @@ class Tag(NamedTuple):
     name: str = ""
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """Shape and dtype of a tensor that will arrive (from the shapes pass)."""
+class TensorSpec(NamedTuple):
+    """Shape and dtype of a tensor that will arrive (from the shapes pass).
+
+    A named tuple, as `Tag` is: a message's layout is cached by its specs
+    (backends/packed_message.py) and the distributed transport matches the receives it
+    expects by them, so they are hashed and compared for every message; a tuple does that in
+    C (docs/runtime-profile.md, ninth round)."""
 
     shape: tuple[int, ...]
     dtype: torch.dtype

@@ -3,6 +3,8 @@ shapes and dtypes (the receiver's views of the buffer), and only several small t
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -52,3 +54,25 @@ def test_only_several_tensors_within_the_limit_pack() -> None:
     assert not packs([small])  # one tensor is one transfer already: no copy
     assert packs([small, TensorSpec((32,), torch.int64)])
     assert not packs([TensorSpec((PACK_LIMIT // 4,), torch.float32), TensorSpec((), torch.int64)])
+
+
+@settings(max_examples=20, deadline=None)
+@given(shape=st.lists(st.integers(0, 64), max_size=3), dtype=st.sampled_from(DTYPES))
+def test_a_spec_hashes_and_compares_without_python_code(shape: list[int],
+                                                        dtype: torch.dtype) -> None:
+    """Every message looks its layout up by its specs (and the transport matches expected
+    receives by them): their hash and equality run no Python function, as a tuple's do."""
+    spec, same = TensorSpec(tuple(shape), dtype), spec_of(torch.empty(shape, dtype=dtype))
+    called: list[str] = []
+
+    def profile(frame: object, event: str, arg: object) -> None:
+        if event == "call":
+            called.append(frame.f_code.co_name)  # type: ignore[attr-defined]
+
+    sys.setprofile(profile)
+    try:
+        equal, hashes = spec == same, hash(spec) == hash(same)
+    finally:
+        sys.setprofile(None)
+    assert equal and hashes
+    assert called == [], f"Python code ran to hash or compare specs: {called}"
