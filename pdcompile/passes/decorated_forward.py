@@ -49,9 +49,10 @@ def named_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
         if index == last_positional_only:
             heads.append("/")
     namespace: dict[str, Any] = {_WRAPPER: fn}
-    exec(f"def {inner.__name__}({', '.join(heads)}):\n"  # noqa: S102 - names from a signature
+    exec(f"def forward({', '.join(heads)}):\n"  # noqa: S102 - identifiers from a signature
          f"    return {_WRAPPER}({', '.join(calls)})\n", namespace)
-    named = namespace[inner.__name__]
+    named = namespace["forward"]
+    named.__name__ = inner.__name__  # set, not written into the code: any string may be one
     named.__defaults__ = inner.__defaults__
     named.__kwdefaults__ = inner.__kwdefaults__
     named.__qualname__ = inner.__qualname__

@@ -117,3 +117,25 @@ def test_torch_export_names_the_module_that_calls_a_custom_function() -> None:
                                          r"leaf_modules=\['act'\]"):
         pdcompile.compile(model, example_inputs=(torch.randn(4, 8, dtype=torch.float64),),
                           stages=2, cost="analytic")
+
+
+def test_a_forward_named_as_code_is_traced_without_running_its_name() -> None:
+    """The function handed to fx is written with a fixed name: a wrapped forward whose
+    `__name__` was set to text shaped as code (any string may be one) is not executed."""
+    ran: list[str] = []
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)
+    forward.__name__ = "f(x): pass\nran.append('name')\ndef g"
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+    Net.forward = scaled(2.0)(forward)  # type: ignore[method-assign]
+    model = Net()
+    x = torch.randn(5, 4)
+    gm = trace(model)
+    assert ran == []
+    torch.testing.assert_close(gm(x), model(x))
