@@ -22,10 +22,6 @@ import numpy as np
 
 Edges = list[list[tuple[int, float, int]]]  # per node, (target, weight, tokens) per edge out
 WALKED_BELOW = 1024  # nodes: smaller graphs' policies are evaluated by walking them in Python
-# nodes: smaller graphs run the whole iteration in Python (`_iterated`), where numpy's cost per
-# call exceeds its arithmetic (GPT-2 XL on flat 128: 1,318 of its 2,188 circuits' graphs have
-# at most 32 nodes, 0.28 -> 0.16 s; from 33 nodes on the arrays are as fast or faster)
-LISTED_BELOW = 33
 
 
 def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
@@ -38,10 +34,6 @@ def largest_cycle_ratio(edges: Edges) -> tuple[float, list[int]]:
     planner's thousands of steady-cycle prices (cost/steady_cycle.py: a 16-rank plan has graphs
     of hundreds of nodes, 128 ranks in 19 stages of up to 20 replicas tens of thousands) do not
     loop in Python."""
-    if len(edges) < LISTED_BELOW:
-        found = _iterated(edges)
-        if found is not None:
-            return found
     solved = policy_iteration(edges)
     return solved.ratio, solved.cycle
 
@@ -132,74 +124,6 @@ def policy_iteration_on(degree: np.ndarray, target: np.ndarray, weight: np.ndarr
     return Solved(float(here[top]), cycles.nodes(top), policy, degree)
 
 
-def _iterated(edges: Edges) -> tuple[float, list[int]] | None:
-    """`policy_iteration`'s ratio and cycle, the same steps on lists: each node's first edge of
-    the largest value where the arrays take it, every figure from the same operations in the
-    same order (so the same to the last bit, ties broken alike). None where the arrays' way
-    differs in kind (a node without edges, a weight that is not finite)."""
-    count = len(edges)
-    target = [v for out in edges for v, _, _ in out]
-    weight = [float(w) for out in edges for _, w, _ in out]
-    tokens = [float(t) for out in edges for _, _, t in out]
-    if not weight or any(not out for out in edges) or not all(map(math.isfinite, weight)):
-        return None
-    spans, start = [], 0
-    for out in edges:  # each node's edges: range(lo, hi) into the lists above
-        spans.append((start, start + len(out)))
-        start += len(out)
-
-    def first_best(values: list[float]) -> list[int]:
-        out = []
-        for lo, hi in spans:
-            best, at = values[lo], lo
-            for e in range(lo + 1, hi):
-                if values[e] > best:
-                    best, at = values[e], e
-            out.append(at)
-        return out
-
-    policy = first_best(weight)
-    scale = max(abs(w) for w in weight)
-    eps = 1e-12 * scale + 1e-300
-
-    def evaluated(chosen: list[int]) -> tuple[list[float], list[float], list[int], list[int]]:
-        step = [target[e] for e in chosen]
-        ratio, value, root = _walk([target[e] for e in chosen], [weight[e] for e in chosen],
-                                   [tokens[e] for e in chosen])
-        return ratio, value, root, step
-
-    here, worth, root, step = evaluated(policy)
-    for _ in range(8 * count + 64):
-        reached = [here[v] for v in target]
-        pick = first_best(reached)
-        larger = [reached[pick[u]] > here[u] + eps for u in range(count)]
-        changed = any(larger)
-        if changed:
-            policy = [pick[u] if larger[u] else policy[u] for u in range(count)]
-        else:  # then, among edges of the same ratio, a larger value
-            gain = [-math.inf] * len(target)
-            for u, (lo, hi) in enumerate(spans):
-                ratio = here[u]
-                for e in range(lo, hi):
-                    if abs(reached[e] - ratio) <= eps:
-                        g = weight[e] - ratio * tokens[e] + worth[target[e]]
-                        if not math.isnan(g):
-                            gain[e] = g
-            pick = first_best(gain)
-            better = [gain[pick[u]] > worth[u] + eps * (1.0 + abs(worth[u]))
-                      and pick[u] != policy[u] for u in range(count)]
-            changed = any(better)
-            if changed:
-                policy = [pick[u] if better[u] else policy[u] for u in range(count)]
-        if not changed:
-            break
-        here, worth, root, step = evaluated(policy)
-    top = max(range(count), key=here.__getitem__)  # the first node of the largest ratio
-    if math.isnan(here[top]) or any(math.isnan(x) for x in here):
-        return None  # the arrays' argmax takes the first NaN: leave it to them
-    return here[top], _Cycles(root, step).nodes(top)
-
-
 def _first_best(degree: np.ndarray, first: np.ndarray) -> Callable[[np.ndarray], np.ndarray]:
     """A function giving per node its first edge of the largest of `values` (one per edge, node
     after node; no NaN among them): a node of one edge has it; of two (most events of a
@@ -253,14 +177,8 @@ def _walked(step: np.ndarray, weight: np.ndarray,
     that cycle's root, 0 at the root) and the cycles, by walking from each node in turn: a
     cycle's root is where the walk from the smallest node reaching it enters it, its ratio
     sums its edges from there in order, and a value is the edge's own plus the next node's."""
-    ratio, value, root = _walk(step.tolist(), weight.tolist(), tokens.tolist())
-    return np.array(ratio), np.array(value), _Cycles(root, step.tolist())
-
-
-def _walk(steps: list[int], weights: list[float],
-          counts: list[float]) -> tuple[list[float], list[float], list[int]]:
-    """`_walked` on lists: each node's ratio, value and cycle root."""
-    count = len(steps)
+    count = len(step)
+    steps, weights, counts = step.tolist(), weight.tolist(), tokens.tolist()
     ratio, value, root = [0.0] * count, [0.0] * count, [0] * count
     state = [0] * count  # 0 not seen, 1 on the path being walked, 2 evaluated
     for origin in range(count):
@@ -290,7 +208,7 @@ def _walk(steps: list[int], weights: list[float],
             ratio[u], root[u] = ratio[target], root[target]
             value[u] = weights[u] - ratio[u] * counts[u] + value[target]
             state[u] = 2
-    return ratio, value, root
+    return np.array(ratio), np.array(value), _Cycles(root, steps)
 
 
 def _doubled(step: np.ndarray, weight: np.ndarray,
