@@ -34,7 +34,7 @@ from torch.fx.node import map_arg
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from pdcompile.cost.cache_flush import CACHES, CacheFlush
+from pdcompile.cost.cache_flush import CACHES, CacheFlush, step_bytes
 from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.cost.neighbours import TrainStep, busy_neighbours, check_count
 from pdcompile.cost.timers import STATISTICS, Timer, measure, select_timer
@@ -95,7 +95,8 @@ def annotate_costs(
     (`_forward_in_sequence` says why); "cold" evicts the last-level cache
     before every timed run (`cost/cache_flush.py`: as a pipeline meets a node, after the rest
     of the model and the other workers have used the caches; slower to profile, each flush
-    writes a buffer the size of that cache). Warm profiles are optimistic for memory-bound
+    writes a buffer the size of that cache, or of what a training step of the model touches
+    where that is smaller). Warm profiles are optimistic for memory-bound
     nodes, cold ones pessimistic.
 
     Measuring applies `pdcompile.runtime.allocator.tune_allocator()` to this process first
@@ -124,7 +125,8 @@ def annotate_costs(
         tune_allocator()  # time nodes with the allocator the workers will run with
         timer = timer or select_timer(_device_of(gm, values), clock=clock)
         with busy_neighbours(neighbours, TrainStep(gm, values) if neighbours else None):
-            flush = CacheFlush(_device_of(gm, values)) if caches == "cold" else None
+            flush = (CacheFlush(_device_of(gm, values), touched=step_bytes(gm, _outputs(gm)))
+                     if caches == "cold" else None)
             costs = _measured(gm, values, warmup=warmup, repeats=repeats, progress=progress,
                               timer=timer, statistic=statistic, flush=flush,
                               fallback=lambda: _fallback_device(device, _device_of(gm, values)))
@@ -500,6 +502,12 @@ def _overheads(timer: Timer, device: torch.device, *, warmup: int, repeats: int,
     bwd = measure(timer, lambda og: torch.autograd.backward(og[0], og[1]), setup=setup_b,
                   warmup=warmup, repeats=repeats, statistic=statistic)
     return fwd, bwd
+
+
+def _outputs(gm: fx.GraphModule) -> int:
+    """Bytes of every node's output, as the shape pass recorded them."""
+    return sum(get_shape(n).nbytes for n in gm.graph.nodes
+               if n.op not in ("output", "get_attr") and has_shape(n))
 
 
 def _then(setup: Callable[[], Any], flush: Callable[[], None] | None) -> Callable[[], Any]:

@@ -15,6 +15,7 @@ from pdcompile.cost.cache_flush import (
     MAX_BYTES,
     CacheFlush,
     last_level_cache_bytes,
+    step_bytes,
 )
 from pdcompile.errors import PdcompileError
 from pdcompile.meta import get_cost
@@ -52,8 +53,10 @@ def test_a_flush_writes_its_whole_buffer_and_stays_bounded() -> None:
 class _CountingFlush:
     """Stands in for CacheFlush: counts its calls."""
 
-    def __init__(self, device: torch.device, size: int | None = None) -> None:
+    def __init__(self, device: torch.device, size: int | None = None, *,
+                 touched: int | None = None) -> None:
         self.calls = 0
+        self.touched = touched
 
     def __call__(self) -> None:
         self.calls += 1
@@ -62,8 +65,8 @@ class _CountingFlush:
 def test_cold_profiles_flush_before_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
     made: list[_CountingFlush] = []
 
-    def factory(device: torch.device) -> _CountingFlush:
-        made.append(_CountingFlush(device))
+    def factory(device: torch.device, *, touched: int | None = None) -> _CountingFlush:
+        made.append(_CountingFlush(device, touched=touched))
         return made[-1]
 
     monkeypatch.setattr(cost_pass, "CacheFlush", factory)
@@ -77,6 +80,34 @@ def test_cold_profiles_flush_before_every_run(monkeypatch: pytest.MonkeyPatch) -
     made.clear()
     cost_pass.annotate_costs(trace(model), (torch.randn(8, 32),), warmup=1, repeats=3)
     assert not made  # warm, the default, never flushes
+
+
+def test_a_flush_writes_no_more_than_a_training_step_touches() -> None:
+    """On a host reporting a huge last-level cache, a tiny model's cold profile writes what its
+    own training step streams (weights, gradients, activations and theirs), not the cache."""
+    assert CacheFlush(torch.device("cpu"), size=480 * 2**20, touched=3 * 2**20).nbytes == 3 * 2**20
+    assert CacheFlush(torch.device("cpu"), size=2**20, touched=3 * 2**20).nbytes == 2**20
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    params = sum(p.numel() for p in model.parameters()) * 4
+    assert step_bytes(model, 1000) == 2 * params + 2 * 1000
+    frozen = nn.Linear(8, 8).requires_grad_(False)
+    assert step_bytes(frozen, 0) == (64 + 8) * 4  # no gradients to write
+
+
+def test_cold_profiles_flush_what_the_model_touches(monkeypatch: pytest.MonkeyPatch) -> None:
+    made: list[_CountingFlush] = []
+
+    def factory(device: torch.device, *, touched: int | None = None) -> _CountingFlush:
+        made.append(_CountingFlush(device, touched=touched))
+        return made[-1]
+
+    monkeypatch.setattr(cost_pass, "CacheFlush", factory)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    cost_pass.annotate_costs(trace(model), (torch.randn(8, 32),), warmup=0, repeats=1,
+                             caches="cold")
+    params = sum(p.numel() for p in model.parameters()) * 4
+    outputs = (8 * 32 + 8 * 32 + 8 * 32 + 8 * 4) * 4  # the input and the three layers' outputs
+    assert made[0].touched == 2 * params + 2 * outputs
 
 
 @pytest.mark.parametrize("kwargs, message", [
