@@ -1335,10 +1335,16 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
         except PlanError:
             return False
 
+    largest, total = _memory_floor(work, options)
+    floor = max(largest, total / cluster.workers)
     lo, hi = 0.0, float(limit or 1.0)
+    if floor > hi:  # no plan fits below the floor: start the search there
+        lo, hi = floor * (1 - 1e-12), floor
     while not fits(cluster, hi) and hi < 1e18:
         lo, hi = hi, hi * 2
-    for _ in range(14):  # to 1 part in 16000
+    for _ in range(14):  # to 1 part in 1,000 of the figure (at most 1 in 16,000 of the range)
+        if hi - lo <= hi * 1e-3:
+            break
         mid = (lo + hi) / 2
         if fits(cluster, mid):
             hi = mid
@@ -1363,18 +1369,44 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
         outer = cluster.levels[-1]
         bigger = replace(cluster, levels=cluster.levels[:-1] + (
             replace(outer, workers=outer.workers * factor),))
-        if bigger.workers > 4096:
-            break
+        if bigger.workers > 4096 or largest > float(limit or 0.0):
+            break  # (the largest node alone exceeds the limit: no number of workers fits)
+        if total / bigger.workers > float(limit or 0.0):
+            continue  # the floor says no: not worth a solve
         if fits(bigger, float(limit or 0.0)):
             more = bigger.workers
             break
     how = (f"at least {more} workers" if more is not None
            else f"more than {cluster.workers * 8} workers")
+    if more is None and largest > float(limit or 0.0):
+        return PlanError(
+            f"{graph.graph.get('name') or 'the model'} does not fit {format_bytes(limit or 0)} "
+            f"per worker on {cluster.workers} workers under any plan; it needs "
+            f"{_bytes_up(need_memory)} per worker on this cluster, and no number of workers "
+            f"fits {format_bytes(limit or 0)} each: one of its nodes alone needs "
+            f"{_bytes_up(largest)} (weights, gradients, optimizer state and one microbatch's "
+            "activations); pass memory=... / --memory, or more microbatches if activations "
+            "dominate")
     return PlanError(
         f"{graph.graph.get('name') or 'the model'} does not fit {format_bytes(limit or 0)} per "
         f"worker on {cluster.workers} workers under any plan; it needs "
         f"{_bytes_up(need_memory)} per worker on this cluster, or {how} with "
         f"{format_bytes(limit or 0)} each (pass memory=... / --memory, or a bigger cluster)")
+
+
+def _memory_floor(work: nx.DiGraph, options: ModelOptions) -> tuple[float, float]:
+    """(the largest node's, the sum of all nodes') least bytes on a worker under the native
+    model (`costmodel.stage_parts`): a stage holds its weights, gradients and optimizer state
+    and at least one microbatch's kept activations, so a plan needs at least the largest node's
+    share on one worker and the sum of them over all its workers (replicas and tied copies only
+    add). (0, 0) for the pipedream model, whose memory is counted otherwise."""
+    if options.cost_model != "native":
+        return 0.0, 0.0
+    m = options.per_minibatch
+    needs = [float(data.get("params", 0.0)) * (2.0 + options.optimizer_state)
+             + float(data.get("keep", data.get("act", 0.0))) / m
+             for _, data in work.nodes(data=True)]
+    return max(needs, default=0.0), sum(needs)
 
 
 def _bytes_up(value: float) -> str:
