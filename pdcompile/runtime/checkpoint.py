@@ -29,8 +29,10 @@ damaged, all go back to the previous common step.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -38,8 +40,9 @@ from typing import IO, Any
 import torch
 
 from pdcompile.errors import DamagedFileError, DistributedError
-from pdcompile.runtime.tensor_tree import load_tree, save_tree
+from pdcompile.runtime.tensor_tree import load_tree_bytes, save_tree
 from pdcompile.util.manifest import (
+    FileEntry,
     check_entry,
     fsync_dir,
     read_manifest,
@@ -50,6 +53,7 @@ LOCK_NAME = ".writer.lock"
 _STEP_RE = re.compile(r"^step_(\d+)\.safetensors$")
 _TMP_RE = re.compile(r"^\..+\.(\d+)\.tmp$")  # .step_<k>.safetensors.<pid>.tmp and manifests'
 MANIFEST_KIND = "checkpoint"
+_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -133,15 +137,41 @@ class Checkpointer:
         return good, bad
 
     def verify(self, step: int, rank: int | None = None) -> None:
-        """Refuse, in one line naming the file, a checkpoint that does not match its manifest."""
+        """Refuse, in one line naming the file, a checkpoint that does not match its manifest
+        (read in chunks: verifying holds 1 MB of the file at a time)."""
+        path, entry, fix = self._entry(step, rank)
+        with _open_regular(path, fix) as handle:
+            _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
+            sha = hashlib.sha256()
+            while chunk := handle.read(_CHUNK):
+                sha.update(chunk)
+        if sha.hexdigest() != entry.sha256:
+            raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: "
+                                   f"altered or damaged on disk); {fix}")
+
+    def read_verified(self, step: int, rank: int | None = None) -> tuple[Path, bytes]:
+        """The bytes of a checkpoint file, read once and checked against its manifest: what is
+        loaded is what was checked (before, the file was hashed, then opened again to load,
+        and a file replaced in between was loaded unchecked)."""
+        path, entry, fix = self._entry(step, rank)
+        with _open_regular(path, fix) as handle:
+            _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
+            data = handle.read(entry.size + 1)
+        check_entry(path, entry, fix=fix, data=data)
+        return path, data
+
+    def _entry(self, step: int, rank: int | None) -> tuple[Path, FileEntry, str]:
+        """A step's file, its manifest entry and the fix its errors name."""
         folder = self.rank_dir(rank)
         fix = "delete it to resume from an older checkpoint"
-        manifest = read_manifest(folder / _manifest_name(step), kind=MANIFEST_KIND, fix=fix)
+        manifest_path = folder / _manifest_name(step)
+        _refuse_special(manifest_path, fix)
+        manifest = read_manifest(manifest_path, kind=MANIFEST_KIND, fix=fix)
         name = _step_name(step)
         entry = manifest.files.get(name)
         if entry is None or len(manifest.files) != 1:
             raise DamagedFileError(f"{manifest.path} does not describe {name}; {fix}")
-        check_entry(folder / name, entry, fix=fix)
+        return folder / name, entry, fix
 
     def remove_stale(self) -> list[Path]:
         """Delete this rank's temporary files whose writer is gone (killed mid-save)."""
@@ -196,9 +226,9 @@ class Checkpointer:
         if not path.is_file():
             raise DistributedError(f"no checkpoint of rank {self.rank} at step {step} in "
                                    f"{self.folder}; delete the folder to start afresh")
-        self.verify(step)
+        path, data = self.read_verified(step)
         try:
-            state = load_tree(path)
+            state = load_tree_bytes(data, path)
         except DamagedFileError as err:
             raise DamagedFileError(f"{err}; or delete {path} to resume from an older "
                                    "checkpoint") from None
@@ -242,6 +272,47 @@ def _step_name(step: int) -> str:
 
 def _manifest_name(step: int) -> str:
     return f"step_{step:08d}.manifest.json"
+
+
+def _refuse_special(path: Path, fix: str) -> None:
+    """Refuse a link or anything but a plain file where a checkpoint writes plain files: a
+    link could point the reader at another file of the machine, and a FIFO or /dev/zero would
+    hang it (one is never read to its end)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return  # named as missing by the reader
+    if stat.S_ISLNK(mode):
+        raise DamagedFileError(f"{path} is a link (to {os.readlink(path)}), where pdcompile "
+                               f"writes a plain file; {fix}")
+    if not stat.S_ISREG(mode):
+        raise DamagedFileError(f"{path} is not a plain file (a folder, device or pipe), where "
+                               f"pdcompile writes one; {fix}")
+
+
+def _open_regular(path: Path, fix: str) -> IO[bytes]:
+    """`path` opened for reading if it is a plain file and not a link (checked on the open
+    file itself, so that it cannot be swapped between the check and the read)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise DamagedFileError(f"{path} is missing from the checkpoint (its manifest lists "
+                               f"it); {fix}") from None
+    except OSError:  # ELOOP: a link, refused with O_NOFOLLOW
+        _refuse_special(path, fix)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        _refuse_special(path, fix)
+        raise DamagedFileError(f"{path} is not a plain file; {fix}")
+    return os.fdopen(fd, "rb")
+
+
+def _check_size(path: Path, size: int, entry: FileEntry, fix: str) -> None:
+    if size != entry.size:
+        raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it "
+                               f"says {entry.size}: truncated or altered); {fix}")
 
 
 def _pid_alive(pid: int) -> bool:

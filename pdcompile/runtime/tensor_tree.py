@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
+from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
 from pdcompile.errors import DamagedFileError
@@ -150,5 +151,26 @@ def load_tree(path: str | os.PathLike[str]) -> Any:
                                f"({detail}); write it again") from None
 
 
+def load_tree_bytes(data: bytes, name: str | os.PathLike[str]) -> Any:
+    """The value `save_tree` wrote, from the bytes of its file already in memory (those a
+    manifest was checked against: nothing is read again); `name` names the file in errors."""
+    try:
+        if len(data) < 8:
+            raise ValueError(f"{len(data)} bytes, shorter than a safetensors header")
+        size = int.from_bytes(data[:8], "little")
+        if size > len(data) - 8:
+            raise ValueError(f"a header of {size:,} bytes in a file of {len(data):,}")
+        header = json.loads(data[8:8 + size])
+        metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        if not isinstance(metadata, dict) or _KEY not in metadata:
+            raise ValueError("it holds no pdcompile data")
+        return decode(json.loads(metadata[_KEY]), load_tensors(data))
+    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError,
+            RecursionError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedFileError(f"{name} is truncated, altered or not a file pdcompile wrote "
+                               f"({detail}); write it again") from None
+
+
 __all__ = ["TreeEncodeError", "decode", "dtype_name", "dtype_of", "encode", "load_tree",
-           "save_tree"]
+           "load_tree_bytes", "save_tree"]
