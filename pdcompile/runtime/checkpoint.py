@@ -223,7 +223,7 @@ class Checkpointer:
     def load(self, step: int) -> dict[str, Any]:
         """This rank's state at `step`."""
         path = self._path(step)
-        if not path.is_file():
+        if not os.path.lexists(path):  # a link or a pipe there is named by read_verified
             raise DistributedError(f"no checkpoint of rank {self.rank} at step {step} in "
                                    f"{self.folder}; delete the folder to start afresh")
         path, data = self.read_verified(step)

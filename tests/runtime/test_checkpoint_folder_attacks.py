@@ -1,0 +1,83 @@
+"""A checkpoint folder edited by someone else: what is loaded is what was checked, and links,
+pipes or devices where pdcompile writes plain files are refused in one line, without a hang."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from pdcompile.errors import DamagedFileError
+from pdcompile.runtime import checkpoint
+from pdcompile.runtime.checkpoint import Checkpointer
+from pdcompile.runtime.tensor_tree import save_tree
+
+pytestmark = pytest.mark.timeout(30)  # the old reader hung on a pipe: fail, do not wait
+
+
+def _saved(folder: Path) -> Checkpointer:
+    ckpt = Checkpointer(folder, rank=0, every=1)
+    ckpt.save(1, {"w": torch.ones(4)})
+    return ckpt
+
+
+def test_the_bytes_loaded_are_the_bytes_checked(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """The file is swapped for another checkpoint (same rank and step, other weights) right
+    after its manifest check passes: the load still returns the checked weights (before, the
+    file was opened again after the check, and the swapped one was loaded unchecked)."""
+    ckpt = _saved(tmp_path)
+    path = ckpt.rank_dir() / "step_00000001.safetensors"
+    other = save_tree(tmp_path / "other.safetensors",
+                      {"w": torch.full((4,), 666.0), "step": 1, "rank": 0}).read_bytes()
+    original = checkpoint.check_entry
+
+    def check_then_swap(*args: Any, **kwargs: Any) -> None:
+        original(*args, **kwargs)
+        path.write_bytes(other)
+
+    monkeypatch.setattr(checkpoint, "check_entry", check_then_swap)
+    torch.testing.assert_close(ckpt.load(1)["w"], torch.ones(4))
+
+
+def test_a_link_in_place_of_a_checkpoint_is_refused(tmp_path: Path) -> None:
+    """A link in place of the file, even to a copy whose bytes match the manifest: pdcompile
+    writes no links there, and following one reads whatever file of the machine it names."""
+    ckpt = _saved(tmp_path)
+    path = ckpt.rank_dir() / "step_00000001.safetensors"
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    path.replace(elsewhere)
+    path.symlink_to(elsewhere)
+    for read in (ckpt.load, ckpt.verify):
+        with pytest.raises(DamagedFileError) as info:
+            read(1)
+        message = str(info.value)
+        assert "\n" not in message and f"{path} is a link (to {elsewhere})" in message, message
+    assert ckpt.verified_steps()[0] == [] and ckpt.resume_step(1) is None
+
+
+@pytest.mark.parametrize("name", ["step_00000001.safetensors", "step_00000001.manifest.json"])
+def test_a_pipe_in_place_of_a_checkpoint_file_is_refused_without_a_hang(tmp_path: Path,
+                                                                        name: str) -> None:
+    """A FIFO named as the file or its manifest: loading it waited for a writer forever (the
+    manifest), or said there was no checkpoint (the file); neither is a complete step."""
+    ckpt = _saved(tmp_path)
+    path = ckpt.rank_dir() / name
+    path.unlink()
+    os.mkfifo(path)
+    with pytest.raises(DamagedFileError, match="is not a plain file"):
+        ckpt.load(1)
+    assert ckpt.verified_steps()[0] == [] and ckpt.resume_step(1) is None
+
+
+def test_a_manifest_linked_elsewhere_is_refused(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path)
+    manifest = ckpt.rank_dir() / "step_00000001.manifest.json"
+    elsewhere = tmp_path / "elsewhere.json"
+    manifest.replace(elsewhere)
+    manifest.symlink_to(elsewhere)
+    with pytest.raises(DamagedFileError, match=f"{manifest} is a link"):
+        ckpt.load(1)
