@@ -69,8 +69,8 @@ def check_same_model(saved: dict[str, Any], states: Sequence[RankState],
         if theirs == print_:
             continue
         what = ("was written before checkpoints recorded the model they hold" if theirs is None
-                else f"holds the state of another model at stage {stage} (its layers or the "
-                "way they are called differ, though its parameters have the same shapes)")
+                else f"holds the state of another model at stage {stage} (its layers, the "
+                "order they are called in, or its parameters' names, shapes or dtypes differ)")
         raise DistributedError(
             f"the checkpoints in {folder} were written by another model: step {step} of stage "
             f"{stage} {what}; give this run another checkpoint folder, or delete this one to "

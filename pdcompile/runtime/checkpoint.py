@@ -91,7 +91,9 @@ class Checkpointer:
             return
         folder = self.rank_dir()
         folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / LOCK_NAME, "a")  # noqa: SIM115 (held until release())
+        _refuse_special(folder / LOCK_NAME, "delete it; pdcompile writes it anew")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+        handle = os.fdopen(os.open(folder / LOCK_NAME, flags, 0o644), "a")  # held until release()
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

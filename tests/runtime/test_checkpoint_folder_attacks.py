@@ -81,3 +81,17 @@ def test_a_manifest_linked_elsewhere_is_refused(tmp_path: Path) -> None:
     manifest.symlink_to(elsewhere)
     with pytest.raises(DamagedFileError, match=f"{manifest} is a link"):
         ckpt.load(1)
+
+
+def test_a_writer_lock_linked_elsewhere_is_refused_and_nothing_is_created_there(
+        tmp_path: Path) -> None:
+    """A dangling link named as a rank's writer lock: claiming the lock once created (empty) the
+    file it names, wherever that is."""
+    ckpt = Checkpointer(tmp_path / "ckpt", rank=0, every=1)
+    ckpt.rank_dir().mkdir(parents=True)
+    target = tmp_path / "elsewhere" / "created.txt"
+    target.parent.mkdir()
+    (ckpt.rank_dir() / checkpoint.LOCK_NAME).symlink_to(target)
+    with pytest.raises(DamagedFileError, match=r"\.writer\.lock is a link"):
+        ckpt.claim()
+    assert not target.exists()
