@@ -152,15 +152,24 @@ class Checkpointer:
             raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: "
                                    f"altered or damaged on disk); {fix}")
 
-    def read_verified(self, step: int, rank: int | None = None) -> tuple[Path, bytes]:
+    def read_verified(self, step: int, rank: int | None = None) -> tuple[Path, bytearray]:
         """The bytes of a checkpoint file, read once and checked against its manifest: what is
         loaded is what was checked (before, the file was hashed, then opened again to load,
         and a file replaced in between was loaded unchecked)."""
         path, entry, fix = self._entry(step, rank)
         with _open_regular(path, fix) as handle:
             _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
-            data = handle.read(entry.size + 1)
-        check_entry(path, entry, fix=fix, data=data)
+            data = bytearray(entry.size)
+            view, sha, done = memoryview(data), hashlib.sha256(), 0
+            while done < entry.size:  # hashed chunk by chunk as read, while in the cache
+                got = handle.readinto(view[done:done + _CHUNK])
+                if not got:
+                    break
+                sha.update(view[done:done + got])
+                done += got
+            if done < entry.size or handle.read(1):  # it shrank or grew as it was read
+                data = data[:done] + b"?"
+        check_entry(path, entry, fix=fix, data=data, data_sha256=sha.hexdigest())
         return path, data
 
     def _entry(self, step: int, rank: int | None) -> tuple[Path, FileEntry, str]:

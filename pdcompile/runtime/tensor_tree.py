@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load as load_tensors
 from safetensors.torch import save_file
 
 from pdcompile.errors import DamagedFileError
@@ -151,25 +150,74 @@ def load_tree(path: str | os.PathLike[str]) -> Any:
                                f"({detail}); write it again") from None
 
 
-def load_tree_bytes(data: bytes, name: str | os.PathLike[str]) -> Any:
+def load_tree_bytes(data: bytes | bytearray, name: str | os.PathLike[str]) -> Any:
     """The value `save_tree` wrote, from the bytes of its file already in memory (those a
-    manifest was checked against: nothing is read again); `name` names the file in errors."""
+    manifest was checked against: nothing is read again); `name` names the file in errors.
+    The tensors are views of `data` (a bytearray: writable; bytes are copied once): a load holds
+    the file's size in memory once, not once more per copy."""
     try:
-        if len(data) < 8:
-            raise ValueError(f"{len(data)} bytes, shorter than a safetensors header")
-        size = int.from_bytes(data[:8], "little")
-        if size > len(data) - 8:
-            raise ValueError(f"a header of {size:,} bytes in a file of {len(data):,}")
-        header = json.loads(data[8:8 + size])
-        metadata = header.get("__metadata__") if isinstance(header, dict) else None
+        buffer = data if isinstance(data, bytearray) else bytearray(data)
+        header, start = _header(buffer)
+        metadata = header.pop("__metadata__", None)
         if not isinstance(metadata, dict) or _KEY not in metadata:
             raise ValueError("it holds no pdcompile data")
-        return decode(json.loads(metadata[_KEY]), load_tensors(data))
-    except (SafetensorError, ValueError, KeyError, TypeError, RuntimeError,
-            RecursionError) as err:
+        return decode(json.loads(metadata[_KEY]), _tensors(buffer, header, start))
+    except (ValueError, KeyError, TypeError, RuntimeError, RecursionError) as err:
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DamagedFileError(f"{name} is truncated, altered or not a file pdcompile wrote "
                                f"({detail}); write it again") from None
+
+
+# safetensors' names of the dtypes save_tree can write
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64}
+_MAX_HEADER = 100_000_000  # safetensors' own limit
+
+
+def _header(data: bytearray) -> tuple[dict[str, Any], int]:
+    """A safetensors file's JSON header and where its tensor bytes start."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, shorter than a safetensors header")
+    size = int.from_bytes(data[:8], "little")
+    if size > min(len(data) - 8, _MAX_HEADER):
+        raise ValueError(f"a header of {size:,} bytes in a file of {len(data):,}")
+    header = json.loads(bytes(data[8:8 + size]))
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return header, 8 + size
+
+
+def _tensors(data: bytearray, header: dict[str, Any], start: int) -> dict[str, torch.Tensor]:
+    """The tensors a header describes, as views of `data`; their byte ranges must tile the
+    rest of the file exactly, as safetensors requires."""
+    tensors: dict[str, torch.Tensor] = {}
+    spans = []
+    for key, info in header.items():
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        shape = [int(n) for n in info["shape"]]
+        begin, end = (int(v) for v in info["data_offsets"])
+        count = 1
+        for n in shape:
+            if n < 0:
+                raise ValueError(f"tensor {key!r} has a negative size")
+            count *= n
+        if end - begin != count * dtype.itemsize or begin < 0:
+            raise ValueError(f"tensor {key!r} spans bytes {begin}-{end}, not its shape's")
+        spans.append((begin, end, key))
+        tensors[key] = (torch.frombuffer(data, dtype=dtype, count=count, offset=start + begin)
+                        .reshape(shape) if count else torch.empty(shape, dtype=dtype))
+    position = 0
+    for begin, end, key in sorted(spans):
+        if begin != position:
+            raise ValueError(f"tensor {key!r} starts at byte {begin}, not {position}")
+        position = end
+    if start + position != len(data):
+        raise ValueError(f"its tensors end at byte {start + position} of {len(data)}")
+    return tensors
 
 
 __all__ = ["TreeEncodeError", "decode", "dtype_name", "dtype_of", "encode", "load_tree",
