@@ -2,7 +2,8 @@
 
 `Checkpointer.load` once hashed the file (in 1 MB chunks), then opened it again and read it
 through safetensors' memory map: the file read twice, and a file swapped in between loaded
-unchecked. It now reads the file once into memory, hashes those bytes and decodes them. This
+unchecked. It now reads the file once, front to back, each tensor's bytes straight into its own
+memory, hashing every chunk as it lands, and uses the value only once the hash matches. This
 measures both side by side on one checkpoint of about `--mib` MiB (the weights, and SGD momentum
 of the same size, of Linear(1024, 1024) layers), interleaved, `--repeats` times each, each in a
 fresh process (so that its peak resident memory is its own):

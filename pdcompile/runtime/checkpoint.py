@@ -6,8 +6,8 @@ random-number state and the data position (minibatches done). A save writes a te
 the same folder, flushes it to disk and renames it into place, then writes the checkpoint's
 manifest (its size and SHA-256, util/manifest.py) the same way, last: a checkpoint counts only
 once its manifest exists, and is used only if its file still matches it (a flipped bit on disk
-is refused, not trained on); a load reads the file once and decodes the bytes it checked, and a
-link, pipe or device where a checkpoint or manifest belongs is refused. The file is safetensors with the non-tensor fields as JSON
+is refused, not trained on); a load reads the file once, and the bytes it hashes are the bytes
+it loads; a link, pipe or device where a checkpoint or manifest belongs is refused. The file is safetensors with the non-tensor fields as JSON
 (runtime/tensor_tree): loading one runs no code. Temporary files left by a writer that was
 killed are removed by the next save or resume of that rank.
 
@@ -41,7 +41,7 @@ from typing import IO, Any
 import torch
 
 from pdcompile.errors import DamagedFileError, DistributedError
-from pdcompile.runtime.tensor_tree import load_tree_bytes, save_tree
+from pdcompile.runtime.tensor_tree import read_tree, save_tree
 from pdcompile.util.manifest import (
     FileEntry,
     check_entry,
@@ -152,25 +152,28 @@ class Checkpointer:
             raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: "
                                    f"altered or damaged on disk); {fix}")
 
-    def read_verified(self, step: int, rank: int | None = None) -> tuple[Path, bytearray]:
-        """The bytes of a checkpoint file, read once and checked against its manifest: what is
-        loaded is what was checked (before, the file was hashed, then opened again to load,
-        and a file replaced in between was loaded unchecked)."""
+    def read_verified(self, step: int, rank: int | None = None) -> tuple[Path, Any]:
+        """A checkpoint file's value, read once: every byte is hashed as it is read and is the
+        byte that lands in the value, which is returned only once the whole file matches its
+        manifest (before, the file was hashed, then opened again to load, and a file replaced
+        in between was loaded unchecked)."""
         path, entry, fix = self._entry(step, rank)
+        sha = hashlib.sha256()
         with _open_regular(path, fix) as handle:
             _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
-            data = bytearray(entry.size)
-            view, sha, done = memoryview(data), hashlib.sha256(), 0
-            while done < entry.size:  # hashed chunk by chunk as read, while in the cache
-                got = handle.readinto(view[done:done + _CHUNK])
-                if not got:
-                    break
-                sha.update(view[done:done + got])
-                done += got
-            if done < entry.size or handle.read(1):  # it shrank or grew as it was read
-                data = data[:done] + b"?"
-        check_entry(path, entry, fix=fix, data=data, data_sha256=sha.hexdigest())
-        return path, data
+            try:
+                value: Any = read_tree(handle, entry.size, path, seen=sha.update)
+            except DamagedFileError as err:
+                value = err  # named below unless the file does not match its manifest
+            size = handle.tell()
+            while chunk := handle.read(_CHUNK):  # the rest (a damaged header stops early)
+                sha.update(chunk)
+                size += len(chunk)
+        check_entry(path, entry, fix=fix, read=(size, sha.hexdigest()))
+        if isinstance(value, DamagedFileError):
+            raise DamagedFileError(f"{value}; or delete {path} to resume from an older "
+                                   "checkpoint")
+        return path, value
 
     def _entry(self, step: int, rank: int | None) -> tuple[Path, FileEntry, str]:
         """A step's file, its manifest entry and the fix its errors name."""
@@ -238,12 +241,7 @@ class Checkpointer:
         if not os.path.lexists(path):  # a link or a pipe there is named by read_verified
             raise DistributedError(f"no checkpoint of rank {self.rank} at step {step} in "
                                    f"{self.folder}; delete the folder to start afresh")
-        path, data = self.read_verified(step)
-        try:
-            state = load_tree_bytes(data, path)
-        except DamagedFileError as err:
-            raise DamagedFileError(f"{err}; or delete {path} to resume from an older "
-                                   "checkpoint") from None
+        path, state = self.read_verified(step)
         if not isinstance(state, dict) or state.get("rank") != self.rank \
                 or state.get("step") != step:
             found = state if not isinstance(state, dict) else (

@@ -125,12 +125,14 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
     return Manifest(path, found, files)
 
 
-def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | bytearray | None = None,
-                kind: str = "folder", data_sha256: str | None = None) -> None:
-    """Refuse `path` (or `data`, its bytes already read, whose SHA-256 the reader may have
-    computed as it read them: `data_sha256`) unless it has the entry's size and SHA-256; the
-    message names the file and what differs."""
-    if data is None:
+def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = None,
+                kind: str = "folder", read: tuple[int, str] | None = None) -> None:
+    """Refuse `path` (or `data`, its bytes already read, or `read`: the size and SHA-256 of its
+    bytes as the caller read them) unless it has the entry's size and SHA-256; the message
+    names the file and what differs."""
+    if read is not None:
+        size = read[0]
+    elif data is None:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -141,10 +143,10 @@ def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | bytearr
     if size != entry.size:
         raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it says "
                                f"{entry.size}: truncated or altered); {fix}")
-    if data is None:
-        found = digest(path)
+    if read is not None:
+        found = read[1]
     else:
-        found = data_sha256 if data_sha256 is not None else hashlib.sha256(data).hexdigest()
+        found = hashlib.sha256(data).hexdigest() if data is not None else digest(path)
     if found != entry.sha256:
         raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: altered "
                                f"or damaged on disk); {fix}")
