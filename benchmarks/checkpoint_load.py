@@ -62,7 +62,8 @@ def measure(folder: Path, variant: str) -> dict[str, float]:
         state = ckpt.load(1)
     seconds = time.perf_counter() - start
     assert state["model"]
-    return {"seconds": seconds, "rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return {"seconds": seconds, "rss_mib": peak}
 
 
 def main() -> int:

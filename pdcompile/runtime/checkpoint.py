@@ -7,9 +7,10 @@ the same folder, flushes it to disk and renames it into place, then writes the c
 manifest (its size and SHA-256, util/manifest.py) the same way, last: a checkpoint counts only
 once its manifest exists, and is used only if its file still matches it (a flipped bit on disk
 is refused, not trained on); a load reads the file once, and the bytes it hashes are the bytes
-it loads; a link, pipe or device where a checkpoint or manifest belongs is refused. The file is safetensors with the non-tensor fields as JSON
-(runtime/tensor_tree): loading one runs no code. Temporary files left by a writer that was
-killed are removed by the next save or resume of that rank.
+it loads; a link, pipe or device where a checkpoint or manifest belongs is refused. The file is
+safetensors with the non-tensor fields as JSON (runtime/tensor_tree): loading one runs no code.
+Temporary files left by a writer that was killed are removed by the next save or resume of that
+rank.
 
 Layout of the folder a user names:
 

@@ -5,6 +5,7 @@ names and shapes but compute something else."""
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -102,7 +103,7 @@ def test_the_same_model_compiled_exported_and_loaded_elsewhere_has_the_same_prin
     assert fingerprints(pdcompile.load(str(tmp_path / "pipe")).states()) == mine
     out = subprocess.run([sys.executable, "-c", _IN_ANOTHER_PROCESS, str(tmp_path / "pipe")],
                          capture_output=True, text=True, timeout=120, check=True,
-                         env={**__import__("os").environ, "PYTHONHASHSEED": "12345"})
+                         env={**os.environ, "PYTHONHASHSEED": "12345"})
     assert out.stdout.strip() == str(sorted(mine.items()))
 
 
