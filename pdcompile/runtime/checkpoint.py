@@ -53,7 +53,9 @@ from pdcompile.util.manifest import (
 
 LOCK_NAME = ".writer.lock"
 _STEP_RE = re.compile(r"^step_(\d+)\.safetensors$")
-_TMP_RE = re.compile(r"^\..+\.(\d+)\.tmp$")  # .step_<k>.safetensors.<pid>.tmp and manifests'
+# .step_<k>.safetensors.<pid>.tmp and its manifest's: the temporary files a save writes (and
+# nothing else: remove_stale deletes them)
+_TMP_RE = re.compile(r"^\.step_\d+\.(?:safetensors|manifest\.json)\.(\d+)\.tmp$")
 MANIFEST_KIND = "checkpoint"
 _CHUNK = 1 << 20
 
@@ -90,8 +92,7 @@ class Checkpointer:
             return
         if self._lock is not None:
             return
-        folder = self.rank_dir()
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self._own_dir()
         _refuse_special(folder / LOCK_NAME, "delete it; pdcompile writes it anew")
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
         handle = os.fdopen(os.open(folder / LOCK_NAME, flags, 0o644), "a")  # held until release()
@@ -114,6 +115,18 @@ class Checkpointer:
     def rank_dir(self, rank: int | None = None) -> Path:
         """The folder of one rank's checkpoints."""
         return self.folder / f"rank_{self.rank if rank is None else rank}"
+
+    def _own_dir(self) -> Path:
+        """This rank's folder, made if missing, to write and delete files in; refused when it
+        is a link (saves and clean-ups would write and delete files wherever it points)."""
+        folder = self.rank_dir()
+        if folder.is_symlink():
+            raise DistributedError(
+                f"{folder} is a link (to {os.readlink(folder)}), not a folder pdcompile made: "
+                "checkpoints write and delete files there; give this run another checkpoint "
+                "folder, or replace the link with a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def due(self, step: int) -> bool:
         """True when a checkpoint is due after `step` minibatches."""
@@ -194,6 +207,7 @@ class Checkpointer:
         folder = self.rank_dir()
         if not folder.is_dir():
             return []
+        folder = self._own_dir()
         removed = []
         for path in folder.iterdir():
             match = _TMP_RE.match(path.name)
@@ -205,8 +219,7 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Write `state` (with `step` added) atomically; drop checkpoints older than `keep`."""
-        folder = self.rank_dir()
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self._own_dir()
         self.remove_stale()
         final = self._path(step)
         (folder / _manifest_name(step)).unlink(missing_ok=True)  # rewritten below, last

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from pdcompile.errors import DamagedFileError
+from pdcompile.errors import DamagedFileError, DistributedError
 from pdcompile.runtime import checkpoint
 from pdcompile.runtime.checkpoint import Checkpointer
 from pdcompile.runtime.tensor_tree import save_tree
@@ -95,3 +95,34 @@ def test_a_writer_lock_linked_elsewhere_is_refused_and_nothing_is_created_there(
     with pytest.raises(DamagedFileError, match=r"\.writer\.lock is a link"):
         ckpt.claim()
     assert not target.exists()
+
+
+def _dead_pid() -> int:
+    return int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
+
+
+def test_a_rank_folder_linked_elsewhere_is_refused_and_nothing_there_is_touched(
+        tmp_path: Path) -> None:
+    """rank_0 a link to another folder: a save wrote its files there, and its clean-up deleted
+    that folder's files named like a killed writer's temporary file."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    kept = elsewhere / f".step_00000001.safetensors.{_dead_pid()}.tmp"
+    kept.write_text("not pdcompile's")
+    (tmp_path / "ckpt").mkdir()
+    (tmp_path / "ckpt" / "rank_0").symlink_to(elsewhere)
+    ckpt = Checkpointer(tmp_path / "ckpt", rank=0, every=1)
+    for act in (ckpt.claim, ckpt.remove_stale, lambda: ckpt.save(1, {"w": torch.ones(2)})):
+        with pytest.raises(DistributedError, match=f"{ckpt.rank_dir()} is a link"):
+            act()
+    assert sorted(elsewhere.iterdir()) == [kept]
+
+
+def test_only_the_temporary_files_a_save_writes_are_removed(tmp_path: Path) -> None:
+    ckpt = _saved(tmp_path)
+    dead = _dead_pid()
+    mine = ckpt.rank_dir() / f".step_00000002.safetensors.{dead}.tmp"
+    theirs = ckpt.rank_dir() / f".notes.{dead}.tmp"  # a name a save never writes
+    for path in (mine, theirs):
+        path.write_text("x")
+    assert ckpt.remove_stale() == [mine] and theirs.exists()
