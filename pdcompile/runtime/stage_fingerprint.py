@@ -71,6 +71,9 @@ def _qualified(obj: Any) -> str:
     """`torch.relu` -> "torch.relu"; an op overload -> "aten.relu.default"."""
     if isinstance(obj, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
         return str(obj)
+    owner = getattr(obj, "__self__", None)
+    if isinstance(owner, type):  # MyFunction.apply: the class tells two Functions apart
+        return f"{_qualified(owner)}.{getattr(obj, '__name__', '?')}"
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None)
     where = getattr(obj, "__module__", None)
     if name is None:

@@ -119,3 +119,34 @@ def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path: Path) ->
     assert "another checkpoint folder" in message
     with pytest.raises(DistributedError, match="written before checkpoints recorded the model"):
         check_same_model({}, relu, tmp_path, 2)  # a checkpoint older than fingerprints
+
+
+class _Double(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:
+        return grad * 2
+
+
+class _Triple(_Double):
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:
+        return x * 3
+
+
+class _Applies(nn.Module):
+    def __init__(self, function: type[torch.autograd.Function]) -> None:
+        super().__init__()
+        self.function = function
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.function.apply(x)
+
+
+def test_two_autograd_functions_differ() -> None:
+    """Both are called as `<class>.apply`, a method their classes share: the class counts."""
+    graphs = [fx.symbolic_trace(_Applies(f)) for f in (_Double, _Triple)]
+    assert stage_fingerprint(graphs[0]) != stage_fingerprint(graphs[1])
