@@ -7,7 +7,8 @@ schedules all flush each minibatch, so at a checkpoint no weight version or grad
 flight. A run resumes from the newest step that every rank saved and that
 verifies against its manifest on every rank, agreed over the group (a damaged newer one is
 skipped, and rank 0 says so), and only when the checkpoint was written by the same pipeline and
-stage.
+stage, and by the same model: each checkpoint holds the fingerprint of what each of its stages
+runs (runtime/stage_fingerprint.py), and a resume whose stages run something else is refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pdcompile.backends.program import RunProgram
 from pdcompile.errors import DamagedFileError, DistributedError
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.rank_state import RankState
+from pdcompile.runtime.stage_fingerprint import stage_fingerprint
 
 
 @dataclass
@@ -49,6 +51,30 @@ def identity(program: RunProgram, stage: int | tuple[int, ...]) -> dict[str, Any
     return {"config": program.plan.config, "schedule": program.schedule_name,
             "stage": stages[0] if len(stages) == 1 else list(stages),
             "microbatches": program.microbatches}
+
+
+def fingerprints(states: Sequence[RankState]) -> dict[str, str]:
+    """The fingerprint of what each stage a rank holds runs, by stage (a checkpoint's field)."""
+    return {str(s.stage): stage_fingerprint(s.module, s.param_order) for s in states}
+
+
+def check_same_model(saved: dict[str, Any], states: Sequence[RankState],
+                     folder: str | os.PathLike[str], step: int) -> None:
+    """Refuse a checkpoint whose stages ran another model than `states` (same plan and
+    parameter shapes, other layers: its weights would load and train on without a word)."""
+    found = saved.get("fingerprints")
+    mine = fingerprints(states)
+    for stage, print_ in mine.items():
+        theirs = found.get(stage) if isinstance(found, dict) else None
+        if theirs == print_:
+            continue
+        what = ("was written before checkpoints recorded the model they hold" if theirs is None
+                else f"holds the state of another model at stage {stage} (its layers, the "
+                "order they are called in, or its parameters' names, shapes or dtypes differ)")
+        raise DistributedError(
+            f"the checkpoints in {folder} were written by another model: step {step} of stage "
+            f"{stage} {what}; give this run another checkpoint folder, or delete this one to "
+            "start afresh")
 
 
 def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
@@ -84,6 +110,7 @@ def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
                 f"the checkpoints in {checkpoint_dir} were written by another pipeline "
                 f"({saved.get('pipeline')}, this one is {mine}); "
                 "name another checkpoint folder or delete this one")
+        check_same_model(saved, states, checkpoint_dir, done)
         origin = f"the checkpoint of rank {rank} at step {done} in {checkpoint_dir}"
         if len(states) == 1:
             restore_module_state(saved, states[0].module, states[0].optimizer, origin=origin)
@@ -144,12 +171,14 @@ def save_checkpoint(ckpt: Checkpointer, program: RunProgram,
     pipeline = identity(program, tuple(s.stage for s in states))
     if len(states) == 1:
         ckpt.save(done, module_state(states[0].module, states[0].optimizer, losses=list(losses),
-                                     data_position=done, pipeline=pipeline, **extra))
+                                     data_position=done, pipeline=pipeline,
+                                     fingerprints=fingerprints(states), **extra))
         return
     chunks = {str(s.stage): {k: v for k, v in module_state(s.module, s.optimizer).items()
                              if k != "rng"} for s in states}
     ckpt.save(done, {"chunks": chunks, "rng": torch.get_rng_state(), "losses": list(losses),
-                     "data_position": done, "pipeline": pipeline, **extra})
+                     "data_position": done, "pipeline": pipeline,
+                     "fingerprints": fingerprints(states), **extra})
 
 
 def _as_list(states: RankState | Sequence[RankState]) -> list[RankState]:
@@ -168,4 +197,5 @@ def _restore_rng(rng: Any, origin: str) -> None:
                                "delete it to resume from an older checkpoint") from None
 
 
-__all__ = ["Resume", "fallback_note", "identity", "resume_point", "save_checkpoint", "saved_losses"]
+__all__ = ["Resume", "check_same_model", "fallback_note", "fingerprints", "identity",
+           "resume_point", "save_checkpoint", "saved_losses"]

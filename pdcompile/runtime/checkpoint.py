@@ -6,9 +6,11 @@ random-number state and the data position (minibatches done). A save writes a te
 the same folder, flushes it to disk and renames it into place, then writes the checkpoint's
 manifest (its size and SHA-256, util/manifest.py) the same way, last: a checkpoint counts only
 once its manifest exists, and is used only if its file still matches it (a flipped bit on disk
-is refused, not trained on). The file is safetensors with the non-tensor fields as JSON
-(runtime/tensor_tree): loading one runs no code. Temporary files left by a writer that was
-killed are removed by the next save or resume of that rank.
+is refused, not trained on); a load reads the file once, and the bytes it hashes are the bytes
+it loads; a link, pipe or device where a checkpoint or manifest belongs is refused. The file is
+safetensors with the non-tensor fields as JSON (runtime/tensor_tree): loading one runs no code.
+Temporary files left by a writer that was killed are removed by the next save or resume of that
+rank.
 
 Layout of the folder a user names:
 
@@ -29,8 +31,10 @@ damaged, all go back to the previous common step.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -38,8 +42,9 @@ from typing import IO, Any
 import torch
 
 from pdcompile.errors import DamagedFileError, DistributedError
-from pdcompile.runtime.tensor_tree import load_tree, save_tree
+from pdcompile.runtime.tensor_tree import read_tree, save_tree
 from pdcompile.util.manifest import (
+    FileEntry,
     check_entry,
     fsync_dir,
     read_manifest,
@@ -48,8 +53,11 @@ from pdcompile.util.manifest import (
 
 LOCK_NAME = ".writer.lock"
 _STEP_RE = re.compile(r"^step_(\d+)\.safetensors$")
-_TMP_RE = re.compile(r"^\..+\.(\d+)\.tmp$")  # .step_<k>.safetensors.<pid>.tmp and manifests'
+# .step_<k>.safetensors.<pid>.tmp and its manifest's: the temporary files a save writes (and
+# nothing else: remove_stale deletes them)
+_TMP_RE = re.compile(r"^\.step_\d+\.(?:safetensors|manifest\.json)\.(\d+)\.tmp$")
 MANIFEST_KIND = "checkpoint"
+_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -84,9 +92,10 @@ class Checkpointer:
             return
         if self._lock is not None:
             return
-        folder = self.rank_dir()
-        folder.mkdir(parents=True, exist_ok=True)
-        handle = open(folder / LOCK_NAME, "a")  # noqa: SIM115 (held until release())
+        folder = self._own_dir()
+        _refuse_special(folder / LOCK_NAME, "delete it; pdcompile writes it anew")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
+        handle = os.fdopen(os.open(folder / LOCK_NAME, flags, 0o644), "a")  # held until release()
         try:
             fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -106,6 +115,18 @@ class Checkpointer:
     def rank_dir(self, rank: int | None = None) -> Path:
         """The folder of one rank's checkpoints."""
         return self.folder / f"rank_{self.rank if rank is None else rank}"
+
+    def _own_dir(self) -> Path:
+        """This rank's folder, made if missing, to write and delete files in; refused when it
+        is a link (saves and clean-ups would write and delete files wherever it points)."""
+        folder = self.rank_dir()
+        if folder.is_symlink():
+            raise DistributedError(
+                f"{folder} is a link (to {os.readlink(folder)}), not a folder pdcompile made: "
+                "checkpoints write and delete files there; give this run another checkpoint "
+                "folder, or replace the link with a folder")
+        folder.mkdir(parents=True, exist_ok=True)
+        return folder
 
     def due(self, step: int) -> bool:
         """True when a checkpoint is due after `step` minibatches."""
@@ -133,21 +154,60 @@ class Checkpointer:
         return good, bad
 
     def verify(self, step: int, rank: int | None = None) -> None:
-        """Refuse, in one line naming the file, a checkpoint that does not match its manifest."""
+        """Refuse, in one line naming the file, a checkpoint that does not match its manifest
+        (read in chunks: verifying holds 1 MB of the file at a time)."""
+        path, entry, fix = self._entry(step, rank)
+        with _open_regular(path, fix) as handle:
+            _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
+            sha = hashlib.sha256()
+            while chunk := handle.read(_CHUNK):
+                sha.update(chunk)
+        if sha.hexdigest() != entry.sha256:
+            raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: "
+                                   f"altered or damaged on disk); {fix}")
+
+    def read_verified(self, step: int, rank: int | None = None) -> tuple[Path, Any]:
+        """A checkpoint file's value, read once: every byte is hashed as it is read and is the
+        byte that lands in the value, which is returned only once the whole file matches its
+        manifest (before, the file was hashed, then opened again to load, and a file replaced
+        in between was loaded unchecked)."""
+        path, entry, fix = self._entry(step, rank)
+        sha = hashlib.sha256()
+        with _open_regular(path, fix) as handle:
+            _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
+            try:
+                value: Any = read_tree(handle, entry.size, path, seen=sha.update)
+            except DamagedFileError as err:
+                value = err  # named below unless the file does not match its manifest
+            size = handle.tell()
+            while chunk := handle.read(_CHUNK):  # the rest (a damaged header stops early)
+                sha.update(chunk)
+                size += len(chunk)
+        check_entry(path, entry, fix=fix, read=(size, sha.hexdigest()))
+        if isinstance(value, DamagedFileError):
+            raise DamagedFileError(f"{value}; or delete {path} to resume from an older "
+                                   "checkpoint")
+        return path, value
+
+    def _entry(self, step: int, rank: int | None) -> tuple[Path, FileEntry, str]:
+        """A step's file, its manifest entry and the fix its errors name."""
         folder = self.rank_dir(rank)
         fix = "delete it to resume from an older checkpoint"
-        manifest = read_manifest(folder / _manifest_name(step), kind=MANIFEST_KIND, fix=fix)
+        manifest_path = folder / _manifest_name(step)
+        _refuse_special(manifest_path, fix)
+        manifest = read_manifest(manifest_path, kind=MANIFEST_KIND, fix=fix)
         name = _step_name(step)
         entry = manifest.files.get(name)
         if entry is None or len(manifest.files) != 1:
             raise DamagedFileError(f"{manifest.path} does not describe {name}; {fix}")
-        check_entry(folder / name, entry, fix=fix)
+        return folder / name, entry, fix
 
     def remove_stale(self) -> list[Path]:
         """Delete this rank's temporary files whose writer is gone (killed mid-save)."""
         folder = self.rank_dir()
         if not folder.is_dir():
             return []
+        folder = self._own_dir()
         removed = []
         for path in folder.iterdir():
             match = _TMP_RE.match(path.name)
@@ -159,8 +219,7 @@ class Checkpointer:
 
     def save(self, step: int, state: dict[str, Any]) -> Path:
         """Write `state` (with `step` added) atomically; drop checkpoints older than `keep`."""
-        folder = self.rank_dir()
-        folder.mkdir(parents=True, exist_ok=True)
+        folder = self._own_dir()
         self.remove_stale()
         final = self._path(step)
         (folder / _manifest_name(step)).unlink(missing_ok=True)  # rewritten below, last
@@ -193,15 +252,10 @@ class Checkpointer:
     def load(self, step: int) -> dict[str, Any]:
         """This rank's state at `step`."""
         path = self._path(step)
-        if not path.is_file():
+        if not os.path.lexists(path):  # a link or a pipe there is named by read_verified
             raise DistributedError(f"no checkpoint of rank {self.rank} at step {step} in "
                                    f"{self.folder}; delete the folder to start afresh")
-        self.verify(step)
-        try:
-            state = load_tree(path)
-        except DamagedFileError as err:
-            raise DamagedFileError(f"{err}; or delete {path} to resume from an older "
-                                   "checkpoint") from None
+        path, state = self.read_verified(step)
         if not isinstance(state, dict) or state.get("rank") != self.rank \
                 or state.get("step") != step:
             found = state if not isinstance(state, dict) else (
@@ -242,6 +296,47 @@ def _step_name(step: int) -> str:
 
 def _manifest_name(step: int) -> str:
     return f"step_{step:08d}.manifest.json"
+
+
+def _refuse_special(path: Path, fix: str) -> None:
+    """Refuse a link or anything but a plain file where a checkpoint writes plain files: a
+    link could point the reader at another file of the machine, and a FIFO or /dev/zero would
+    hang it (one is never read to its end)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return  # named as missing by the reader
+    if stat.S_ISLNK(mode):
+        raise DamagedFileError(f"{path} is a link (to {os.readlink(path)}), where pdcompile "
+                               f"writes a plain file; {fix}")
+    if not stat.S_ISREG(mode):
+        raise DamagedFileError(f"{path} is not a plain file (a folder, device or pipe), where "
+                               f"pdcompile writes one; {fix}")
+
+
+def _open_regular(path: Path, fix: str) -> IO[bytes]:
+    """`path` opened for reading if it is a plain file and not a link (checked on the open
+    file itself, so that it cannot be swapped between the check and the read)."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        raise DamagedFileError(f"{path} is missing from the checkpoint (its manifest lists "
+                               f"it); {fix}") from None
+    except OSError:  # ELOOP: a link, refused with O_NOFOLLOW
+        _refuse_special(path, fix)
+        raise
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        _refuse_special(path, fix)
+        raise DamagedFileError(f"{path} is not a plain file; {fix}")
+    return os.fdopen(fd, "rb")
+
+
+def _check_size(path: Path, size: int, entry: FileEntry, fix: str) -> None:
+    if size != entry.size:
+        raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it "
+                               f"says {entry.size}: truncated or altered); {fix}")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -13,10 +13,12 @@ numbers; a truncated or altered file raises `DamagedFileError` naming it.
 
 from __future__ import annotations
 
+import io
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -150,5 +152,99 @@ def load_tree(path: str | os.PathLike[str]) -> Any:
                                f"({detail}); write it again") from None
 
 
+def read_tree(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
+              seen: Callable[[memoryview], object]) -> Any:
+    """The value `save_tree` wrote, read from `handle` (a file of `size` bytes) front to back,
+    once: every byte read is passed to `seen` (e.g. a hash's update) and is the byte that ends
+    up in the value, each tensor's straight into its own memory. `name` names the file in
+    errors (DamagedFileError). The caller checks what `seen` saw before it uses the value."""
+    try:
+        head = _read(handle, 8, seen)
+        header_size = int.from_bytes(head, "little")
+        if header_size > min(size - 8, _MAX_HEADER):
+            raise ValueError(f"a header of {header_size:,} bytes in a file of {size:,}")
+        header = json.loads(_read(handle, header_size, seen))
+        if not isinstance(header, dict):
+            raise ValueError("its header is not a JSON object")
+        metadata = header.pop("__metadata__", None)
+        if not isinstance(metadata, dict) or _KEY not in metadata:
+            raise ValueError("it holds no pdcompile data")
+        tensors = {}
+        for key, dtype, shape, nbytes in _layout(header, size - 8 - header_size):
+            raw = torch.empty(nbytes, dtype=torch.uint8)
+            if nbytes:
+                _read_into(handle, memoryview(raw.numpy()), seen)
+            tensors[key] = raw.view(dtype).reshape(shape) if nbytes else torch.empty(
+                shape, dtype=dtype)
+        return decode(json.loads(metadata[_KEY]), tensors)
+    except (ValueError, KeyError, TypeError, RuntimeError, RecursionError) as err:
+        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise DamagedFileError(f"{name} is truncated, altered or not a file pdcompile wrote "
+                               f"({detail}); write it again") from None
+
+
+def load_tree_bytes(data: bytes, name: str | os.PathLike[str]) -> Any:
+    """`read_tree` on bytes in memory (the same checks as on a file)."""
+    return read_tree(io.BytesIO(data), len(data), name, seen=lambda _: None)
+
+
+# safetensors' names of the dtypes save_tree can write
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+    "U64": torch.uint64, "U32": torch.uint32, "U16": torch.uint16, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+    "C64": torch.complex64}
+_MAX_HEADER = 100_000_000  # safetensors' own limit
+_CHUNK = 1 << 20
+
+
+def _layout(header: dict[str, Any], payload: int
+            ) -> list[tuple[str, torch.dtype, list[int], int]]:
+    """The tensors a safetensors header describes, in file order: key, dtype, shape, bytes.
+    Their byte ranges must tile the `payload` bytes after the header exactly, as safetensors
+    requires (so that nothing is allocated beyond the file's size)."""
+    spans = []
+    for key, info in header.items():
+        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
+        shape = [int(n) for n in info["shape"]]
+        begin, end = (int(v) for v in info["data_offsets"])
+        count = 1
+        for n in shape:
+            if n < 0:
+                raise ValueError(f"tensor {key!r} has a negative size")
+            count *= n
+        if end - begin != count * dtype.itemsize:
+            raise ValueError(f"tensor {key!r} spans bytes {begin}-{end}, not its shape's")
+        spans.append((begin, end, key, dtype, shape))
+    position = 0
+    for begin, end, key, _, _ in sorted(spans, key=lambda s: s[:2]):
+        if begin != position:
+            raise ValueError(f"tensor {key!r} starts at byte {begin}, not {position}")
+        position = end
+    if position != payload:
+        raise ValueError(f"its tensors end at byte {position} of {payload}")
+    return [(key, dtype, shape, end - begin)
+            for begin, end, key, dtype, shape in sorted(spans, key=lambda s: s[:2])]
+
+
+def _read(handle: BinaryIO, count: int, seen: Callable[[memoryview], object]) -> bytes:
+    out = bytearray(count)
+    _read_into(handle, memoryview(out), seen)
+    return bytes(out)
+
+
+def _read_into(handle: BinaryIO, target: memoryview, seen: Callable[[memoryview], object]
+               ) -> None:
+    """Fill `target` from `handle`, chunk by chunk, each chunk shown to `seen` as it lands."""
+    done = 0
+    while done < len(target):
+        got = handle.readinto(target[done:done + _CHUNK])
+        if not got:
+            raise ValueError(f"it ends {len(target) - done} bytes early")
+        seen(target[done:done + got])
+        done += got
+
+
 __all__ = ["TreeEncodeError", "decode", "dtype_name", "dtype_of", "encode", "load_tree",
-           "save_tree"]
+           "load_tree_bytes", "read_tree", "save_tree"]

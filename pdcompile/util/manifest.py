@@ -126,10 +126,13 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
 
 
 def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = None,
-                kind: str = "folder") -> None:
-    """Refuse `path` (or `data`, its bytes already read) unless it has the entry's size and
-    SHA-256; the message names the file and what differs."""
-    if data is None:
+                kind: str = "folder", read: tuple[int, str] | None = None) -> None:
+    """Refuse `path` (or `data`, its bytes already read, or `read`: the size and SHA-256 of its
+    bytes as the caller read them) unless it has the entry's size and SHA-256; the message
+    names the file and what differs."""
+    if read is not None:
+        size = read[0]
+    elif data is None:
         try:
             size = path.stat().st_size
         except FileNotFoundError:
@@ -140,7 +143,10 @@ def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = 
     if size != entry.size:
         raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it says "
                                f"{entry.size}: truncated or altered); {fix}")
-    found = hashlib.sha256(data).hexdigest() if data is not None else digest(path)
+    if read is not None:
+        found = read[1]
+    else:
+        found = hashlib.sha256(data).hexdigest() if data is not None else digest(path)
     if found != entry.sha256:
         raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: altered "
                                f"or damaged on disk); {fix}")

@@ -26,9 +26,9 @@ def batches(n: int = 6) -> list[tuple[torch.Tensor, torch.Tensor]]:
             for _ in range(n)]
 
 
-def _export(folder: Path, schedule: str) -> Path:
+def _export(folder: Path, schedule: str, act: type[nn.Module] = nn.ReLU) -> Path:
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.ReLU(), nn.Linear(WIDTH, WIDTH), nn.ReLU(),
+    model = nn.Sequential(nn.Linear(WIDTH, WIDTH), act(), nn.Linear(WIDTH, WIDTH), act(),
                           nn.Linear(WIDTH, 3))
     x, y = batches(1)[0]
     pipe = pdcompile.compile(model, example_inputs=(x,), example_target=y,
@@ -192,3 +192,27 @@ def test_a_run_into_a_checkpoint_folder_another_run_writes_is_refused(tmp_path: 
     assert str(tmp_path / "ckpt") in str(info.value)
     assert Checkpointer(tmp_path / "ckpt", rank=0, every=2).steps() == []
     assert Checkpointer(tmp_path / "ckpt", rank=1, every=2).steps() == []
+
+
+def test_a_checkpoint_of_another_model_of_the_same_shapes_is_refused(tmp_path: Path) -> None:
+    """Linear-ReLU-Linear and Linear-Tanh-Linear have the same parameters (names, shapes) and
+    the same plan: a run of the second in the first's checkpoint folder once resumed from it
+    without a word (the check compared plan, schedule, stage and microbatches only). It is
+    refused in one line naming the folder, the stage and the fix; a fresh export of the first
+    model still resumes there."""
+    from pdcompile.backends.launch import LaunchError
+
+    data = functools.partial(batches, 4)
+    ckpt = tmp_path / "ckpt"
+    train_processes(_export(tmp_path / "relu", "1f1b-flush"), 2, data, steps=2, timeout=120,
+                    fault_timeout=5, checkpoint_dir=ckpt, checkpoint_every=2)
+    with pytest.raises(LaunchError) as info:
+        train_processes(_export(tmp_path / "tanh", "1f1b-flush", nn.Tanh), 2, data, steps=4,
+                        timeout=120, fault_timeout=5, checkpoint_dir=ckpt, checkpoint_every=2)
+    message = str(info.value)
+    assert f"the checkpoints in {ckpt} were written by another model" in message, message
+    assert "stage 0" in message and "another checkpoint folder" in message, message
+    again = train_processes(_export(tmp_path / "relu_again", "1f1b-flush"), 2, data, steps=4,
+                            timeout=120, fault_timeout=5, checkpoint_dir=ckpt,
+                            checkpoint_every=2)
+    assert again.resumed_from == 2 and again.steps == 2

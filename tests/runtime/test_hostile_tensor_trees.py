@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from pdcompile.errors import DamagedFileError
-from pdcompile.runtime.tensor_tree import load_tree
+from pdcompile.runtime.tensor_tree import load_tree, load_tree_bytes, save_tree
 
 _TAGS = ["$tensor", "$tensor_data", "$dtype", "$device", "$tuple", "$dict", "$set"]
 _LEAVES = (st.none() | st.booleans() | st.integers(-3, 3) | st.floats()
@@ -55,3 +55,33 @@ def test_a_malformed_skeleton_is_one_damaged_file_error(tmp_path: Path, skeleton
         load_tree(file)
     except DamagedFileError as err:
         assert str(file) in str(err) and "\n" not in str(err)
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(cut=st.integers(0, 10_000), flips=st.lists(st.tuples(st.integers(0, 10_000),
+                                                            st.integers(1, 255)), max_size=3),
+       junk=st.binary(max_size=64))
+def test_bytes_in_memory_read_as_their_file_does(tmp_path: Path, cut: int,
+                                                 flips: list[tuple[int, int]],
+                                                 junk: bytes) -> None:
+    """`load_tree_bytes` (a checkpoint's bytes, read once and checked) on a cut, altered or
+    extended file: what `load_tree` gives for that file, the value or one DamagedFileError
+    naming it."""
+    file = save_tree(tmp_path / "tree.safetensors",
+                     {"w": torch.arange(6.0), "step": 3, "nested": ({"a": torch.ones(2)},)})
+    raw = bytearray(file.read_bytes())
+    for position, bit in flips:
+        raw[position % len(raw)] ^= bit
+    data = bytes(raw[: cut % (len(raw) + 1)]) + junk
+    file.write_bytes(data)
+    try:
+        expected = load_tree(file)
+    except DamagedFileError:
+        expected = DamagedFileError
+    try:
+        found = load_tree_bytes(data, file)
+    except DamagedFileError as err:
+        assert str(file) in str(err) and "\n" not in str(err)
+        found = DamagedFileError
+    assert repr(found) == repr(expected)
