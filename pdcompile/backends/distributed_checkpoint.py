@@ -114,6 +114,7 @@ def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
         origin = f"the checkpoint of rank {rank} at step {done} in {checkpoint_dir}"
         if len(states) == 1:
             restore_module_state(saved, states[0].module, states[0].optimizer, origin=origin)
+            _restore_stage_rng(saved, states[0], origin)
         else:
             chunks = saved.get("chunks")
             for state in states:
@@ -123,6 +124,7 @@ def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
                                            "delete it to resume from an older checkpoint")
                 restore_module_state({**part, "rng": None}, state.module, state.optimizer,
                                      origin=f"{origin} (stage {state.stage})")
+                _restore_stage_rng(part, state, f"{origin} (stage {state.stage})")
             _restore_rng(saved.get("rng"), origin)
         return Resume(ckpt, done, saved_losses(saved, done, origin), done, saved.get("rng"),
                       saved.get("data_state"))
@@ -172,13 +174,32 @@ def save_checkpoint(ckpt: Checkpointer, program: RunProgram,
     if len(states) == 1:
         ckpt.save(done, module_state(states[0].module, states[0].optimizer, losses=list(losses),
                                      data_position=done, pipeline=pipeline,
-                                     fingerprints=fingerprints(states), **extra))
+                                     fingerprints=fingerprints(states),
+                                     **_stage_rng(states[0]), **extra))
         return
-    chunks = {str(s.stage): {k: v for k, v in module_state(s.module, s.optimizer).items()
+    chunks = {str(s.stage): {k: v for k, v in module_state(s.module, s.optimizer,
+                                                           **_stage_rng(s)).items()
                              if k != "rng"} for s in states}
     ckpt.save(done, {"chunks": chunks, "rng": torch.get_rng_state(), "losses": list(losses),
                      "data_position": done, "pipeline": pipeline,
                      "fingerprints": fingerprints(states), **extra})
+
+
+def _stage_rng(state: RankState) -> dict[str, Any]:
+    """The stage's own random stream (runtime/stage_random.py), where it has one."""
+    return {} if state.random is None else {"stage_rng": state.random.state()}
+
+
+def _restore_stage_rng(saved: dict[str, Any], state: RankState, origin: str) -> None:
+    """Back to the stage stream a checkpoint holds (one written before the streams holds
+    none: the stream then goes on from its seed)."""
+    cpu = saved.get("stage_rng")
+    if cpu is None or state.random is None:
+        return
+    if not isinstance(cpu, torch.Tensor) or cpu.dtype != torch.uint8:
+        raise DamagedFileError(f"{origin} holds no random state of its stage's forwards; "
+                               "delete it to resume from an older checkpoint")
+    state.random.restore(cpu)
 
 
 def _as_list(states: RankState | Sequence[RankState]) -> list[RankState]:

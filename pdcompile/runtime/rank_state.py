@@ -9,6 +9,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from pdcompile.runtime.stage_random import StageRandom
+
 
 class NoParameters(torch.optim.Optimizer):
     """The optimizer of a stage without parameters (pooling, activations): steps do nothing."""
@@ -29,6 +31,8 @@ class RankState:
     module: fx.GraphModule
     optimizer: torch.optim.Optimizer
     param_order: tuple[str, ...]
+    # the stream its forwards draw from (runtime/stage_random.py); None until its first run
+    random: StageRandom | None = None
 
 
 __all__ = ["NoParameters", "RankState"]

@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import time
+from contextlib import nullcontext
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -76,6 +77,7 @@ from pdcompile.runtime.input_writes import read_only_inputs
 from pdcompile.runtime.linear_grads import FusedRegion, run_weight_grads
 from pdcompile.runtime.precision import autocast_region
 from pdcompile.runtime.slowdown import stretch
+from pdcompile.runtime.stage_random import StageRandom
 from pdcompile.runtime.stash import StashBuffer, StashEntry, WeightVersions
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.runtime.weight_swap import ParameterSlots
@@ -193,8 +195,10 @@ class StageRuntime:
                  data: DataSource, loss_fn: Callable[..., torch.Tensor] | None = None,
                  output_refs: Sequence[ValueSource] = (), output_spec: Any = None,
                  ties: Sequence[TieGroup] = (), specs: SpecFn | None = None,
-                 recorder: Any = None) -> None:
+                 recorder: Any = None, random: StageRandom | None = None) -> None:
         self.rank = rank
+        # the stream the forwards draw from (runtime/stage_random.py); None: the process's
+        self._random = random
         self.io = io
         self.stage = io.index
         self.module = module
@@ -424,19 +428,8 @@ class StageRuntime:
         received = self._received.pop(microbatch, {})
         params = self.versions.acquire(version) if self.config.stash else self.params
         entry = StashEntry(version, params, self._arguments(microbatch, received), received)
-        if self.recomputes:
-            entry.rng = _random_state()
-        if self.config.stash and not self.recomputes:
-            self._run(entry, microbatch)
-        elif self.recomputes:
-            before = [(b, b.detach().clone()) for b in self.module.buffers()]
-            self._run(entry, microbatch, graph=False)
-            # what the recomputation must find in the buffers that this forward changes (the
-            # forwards of later microbatches change them again before it runs)
-            entry.buffers = [(b, old) for b, old in before if not torch.equal(b, old)]
-        else:
-            with torch.no_grad():
-                self._run(entry, microbatch)
+        with nullcontext() if self._random is None else self._random.drawing():
+            self._forward_entry(entry, microbatch)
         if entry.loss is not None:
             if self.loss_guard is not None:
                 self.loss_guard.check(entry.loss, rank=self.rank, stage=self.stage,
@@ -451,6 +444,23 @@ class StageRuntime:
             stretch(start, self._slowdown)
         self._record(Kind.F, microbatch, None, start)
         yield from ()
+
+    def _forward_entry(self, entry: StashEntry, microbatch: int) -> None:
+        """The forward itself: with its autograd graph, or without one (a stage that
+        recomputes, whose backward runs it again from the random state recorded here)."""
+        if self.recomputes:
+            entry.rng = _random_state()
+        if self.config.stash and not self.recomputes:
+            self._run(entry, microbatch)
+        elif self.recomputes:
+            before = [(b, b.detach().clone()) for b in self.module.buffers()]
+            self._run(entry, microbatch, graph=False)
+            # what the recomputation must find in the buffers that this forward changes (the
+            # forwards of later microbatches change them again before it runs)
+            entry.buffers = [(b, old) for b, old in before if not torch.equal(b, old)]
+        else:
+            with torch.no_grad():
+                self._run(entry, microbatch)
 
     def _count_forward(self, microbatch: int) -> None:
         """2bw: once all of minibatch t's forwards ran here, version t-1 may be dropped."""
