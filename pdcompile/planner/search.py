@@ -71,6 +71,7 @@ STRAIGHT_WORKERS = 64  # ... or, up to this many workers, a straight pipeline ov
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
 SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
 SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; above: closed form
+PLANNED_ON_FEWER = "on the first"  # how a candidate the planner made on fewer workers begins
 # the most workers a cluster may have to be planned or priced: the planner holds every rank of
 # a plan (a stage replicated on all of them), so its time and memory grow with the workers;
 # at 10^6 a plan takes about 20 s and 300 MB on one core (10^7: minutes and gigabytes, 10^12
@@ -288,16 +289,28 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                                          fill=False, cache=cache).candidates
         except PlanError:
             pass
-    if stages is None and workers > 1:  # the whole model on one worker, or on a half
-        candidates += _on_fewer_workers(
-            cost_graph, cluster, choices, candidates, limit, optimizer_state,
-            # the half without CP-SAT under "auto" (its DP's plan is the candidate; CP-SAT's
-            # 2 s per schedule were most of what the half added on 16 workers)
-            lambda sub: plan(cost_graph, sub, planner="dp" if planner == "auto" else planner,
-                             straight=straight, memory=limit,
-                             time_limit=time_limit, schedule=schedule,
-                             microbatches=microbatches, simulate=simulate,
-                             optimizer_state=optimizer_state, cache=cache))
+    if stages is None and workers > 1:  # the whole model on one worker, or on fewer
+        # the smaller clusters without CP-SAT under "auto" (its DP's plan is the candidate;
+        # CP-SAT's 2 s per schedule were most of what the half added on 16 workers)
+        sub_planner = "dp" if planner == "auto" else planner
+
+        def again(sub: Cluster) -> Plan | PlanError:
+            """The plan on `sub`, made once per search: the plans on every smaller count
+            plan the same smaller counts again."""
+            def make() -> Plan | PlanError:
+                try:
+                    return plan(cost_graph, sub, planner=sub_planner, straight=straight,
+                                memory=limit, time_limit=time_limit, schedule=schedule,
+                                microbatches=microbatches, simulate=simulate,
+                                optimizer_state=optimizer_state, cache=cache)
+                except PlanError as err:
+                    return err
+            key = ("plan on fewer workers", id(cost_graph), sub, sub_planner, straight,
+                   limit, time_limit, schedule, microbatches, simulate, optimizer_state)
+            return cache.made(key, cost_graph, make)
+
+        candidates += _on_fewer_workers(cost_graph, cluster, choices, candidates, limit,
+                                        optimizer_state, again)
     if not candidates:
         refusal = _schedule_refusal(choices, workers)
         if refusal is not None:  # not the memory: the schedule cannot run on these workers
@@ -647,6 +660,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             grids.append((stage_grid(tables, search, options=options, memory=limit,
                                      straight=straight, workers=span, interfaces="whole"),
                           "whole interfaces "))
+        fewer: list[tuple[Any, str, bool]] = []  # the table's plans on fewer units
         for searched, label in grids:
             for variant, most in variants:
                 try:
@@ -656,11 +670,26 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                     continue
                 add(result, how=f"{label}{variant.flight}/{most}",
                     equalize=variant is options and most is None and label == tag)
-                if variant is options and most is None and result.fewer is not None:
-                    fewer = _from_first_rank(result.fewer, cluster, layout)
-                    if fewer is not None:
-                        add(fewer, how=f"{label}{variant.flight}/{most} on "
-                                       f"{1 + fewer.stages[-1].ranks[-1]} of {span} workers")
+                if most is None:
+                    # the one the objective says beats every worker's plan is always priced
+                    leader = min(result.fewer, key=lambda f: f.objective, default=None)
+                    fewer += [(f, f"{label}{variant.flight}/{most}",
+                               f is leader and f.objective < result.objective)
+                              for f in result.fewer]
+        # the others where the price may prefer them: a plan on w workers takes at least the
+        # work bound on w (`_work_bound`), and one further than SIMULATED_WITHIN off the best
+        # found is never simulated (`_choose`). Under a flush the objective counts no stage's
+        # fill before it: 1-2-1 on 4 workers over 10 GB/s priced 18.01 ms, where straight on 3,
+        # which the objective ranked behind, takes 15.11 ms
+        known = min((c.closed for c in found), default=math.inf)
+        total = _work_bound(graph, 1) if fewer else 0.0
+        for result_, how, leads in fewer:
+            moved = _from_first_rank(result_, cluster, layout)
+            if moved is None:
+                continue
+            used = 1 + moved.stages[-1].ranks[-1]
+            if leads or total / used <= known * SIMULATED_WITHIN:
+                add(moved, how=f"{how} on {used} of {span} workers")
         if not kind(options.schedule).flush and thorough:
             # the grid prices one copy of the pipeline: its period is `copies` times the plan's
             high = (min((c.closed for c in found), default=0.0)
@@ -921,6 +950,9 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     # and the whole model on one worker where it is near the best (the planner is never slower
     # than it; further off, the closed form of one stage, exact, already says it loses)
     chosen += [c for c in near if c.how == "the whole model on one worker" and c not in chosen]
+    # and every plan the planner made on fewer of the workers: it never returns a plan that
+    # it predicts slower than one of those (planner/fewer_workers.py)
+    chosen += [c for c in ranked if c.how.startswith(PLANNED_ON_FEWER) and c not in chosen]
     # and the best of every schedule and microbatch count (schedule="auto"): the closed form
     # ranks plans of one schedule better than plans of different ones
     for option in {(c.options.schedule, c.options.per_minibatch) for c in ranked}:
@@ -1003,14 +1035,16 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
                       optimizer_state: float, again: Any) -> list[_Candidate]:
     """Candidates that leave workers idle (planner/fewer_workers.py): the whole model on rank 0
     under every schedule option that runs on one worker (not the interleaved ones), and the plan
-    `again(sub)` makes for the cluster's first half `sub`, priced on the cluster with its
-    in-flight counts and recomputation, where the cost model leaves the half a chance: the best
-    candidate so far is slower than `sub`'s compute bound (`_work_bound`: no plan there can be
-    faster otherwise), and some stage of it pays more in all-reduces and transfers than the
+    `again(sub)` makes (a Plan, or the PlanError it raised) for each smaller cluster `sub` of
+    `fewer_workers.fewer_clusters`, priced on the cluster with its in-flight counts and
+    recomputation. Every count of a small flat cluster where `sub`'s compute bound
+    (`_work_bound`: no plan there can be faster) leaves it a chance against the best candidate
+    so far, within SIMULATED_WITHIN; the first half of any other where the best candidate is
+    slower than that bound and some stage of it pays more in all-reduces and transfers than the
     half's bound exceeds the cluster's (what the half saves is at most that communication;
     where memory or the pipeline's round trips bind, as GPT-2 XL's on 16 x 8 H100 at 25% of
     its compute bound, a half searched in 46 s of CPU, recursively, found nothing faster)."""
-    from pdcompile.planner.fewer_workers import smaller
+    from pdcompile.planner.fewer_workers import fewer_clusters
 
     out: list[_Candidate] = []
     known = min((c.closed for c in candidates), default=math.inf)
@@ -1027,31 +1061,39 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
                         how="the whole model on one worker")
         if alone is not None:
             out.append(alone)
-    sub = smaller(cluster)
-    if sub is None or not candidates:
+    subs = fewer_clusters(cluster)
+    if not subs or not candidates:
         return out
     best = min(candidates, key=lambda c: c.closed)  # on the cluster's workers
     fastest = min(c.closed for c in candidates + out)
-    floor, full = total / sub.workers, total / cluster.workers
-    # the half computes at least `floor - full` longer than every worker could; it can only
-    # win back what the best plan here pays in all-reduces and transfers
+    full = total / cluster.workers
+    # the most the best plan here pays in all-reduces and transfers in a stage
     paid = max(s.sync + s.comm for s in best.priced)
-    if not (fastest > floor * (1 + 1e-9) and paid > floor - full):
-        return out
-    try:
+    for sub, every in subs:
+        floor = total / sub.workers
+        # no plan on `sub` is faster than its work bound, and one further than
+        # SIMULATED_WITHIN off the best is never simulated; the half computes at least
+        # `floor - full` longer than every worker could, and can only win back what the best
+        # plan here pays in all-reduces and transfers
+        if every and floor > fastest * SIMULATED_WITHIN:
+            continue
+        if not every and not (fastest > floor * (1 + 1e-9) and paid > floor - full):
+            continue
         planned = again(sub)
-    except PlanError:
-        return out
-    options = ModelOptions(schedule=planned.schedule, microbatches=planned.microbatches,
-                           optimizer_state=optimizer_state)
-    flight = [s.in_flight for s in planned.stages]
-    found = _priced(graph, cluster, [(list(s.nodes), tuple(s.ranks)) for s in planned.stages],
-                    options, limit, in_flight=flight if all(flight) else None,
-                    recompute=[s.recompute for s in planned.stages], planner=planned.planner,
-                    status="HEURISTIC", how=f"on the first {sub.workers} of {cluster.workers} "
-                    f"workers: {planned.extra.get('found_by') or 'planned'}")
-    if found is not None:
-        out.append(found)
+        if isinstance(planned, PlanError):
+            continue
+        options = ModelOptions(schedule=planned.schedule, microbatches=planned.microbatches,
+                               optimizer_state=optimizer_state)
+        flight = [s.in_flight for s in planned.stages]
+        found = _priced(graph, cluster,
+                        [(list(s.nodes), tuple(s.ranks)) for s in planned.stages],
+                        options, limit, in_flight=flight if all(flight) else None,
+                        recompute=[s.recompute for s in planned.stages],
+                        planner=planned.planner, status="HEURISTIC",
+                        how=f"{PLANNED_ON_FEWER} {sub.workers} of {cluster.workers} workers: "
+                            f"{planned.extra.get('found_by') or 'planned'}")
+        if found is not None:
+            out.append(found)
     return out
 
 
