@@ -39,9 +39,12 @@ from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Stage
 from pdcompile.units import format_bandwidth, format_seconds
 
-# flat clusters of up to this many workers: every smaller count of their first workers is
-# planned in full where a bound leaves it a chance (beyond, the DP's table and the first half)
+# flat clusters of up to this many workers and graphs of up to this many nodes: every smaller
+# count of the first workers is planned in full where a bound leaves it a chance (beyond, the
+# DP's table and the first half): GPT-2 XL on flat 8 H100 (its search 9 s of CPU) planned the
+# counts 2-7 for minutes
 EVERY_COUNT_WORKERS = 8
+EVERY_COUNT_NODES = 64
 
 
 def smaller(cluster: Cluster) -> Cluster | None:
@@ -70,20 +73,21 @@ def smaller(cluster: Cluster) -> Cluster | None:
 
 def first_workers(cluster: Cluster, workers: int) -> Cluster:
     """A flat cluster's first `workers` workers, as a cluster of their own."""
+    # one name for the counts of every smaller cluster: the search plans each once
     return replace(cluster, levels=(replace(cluster.levels[0], workers=workers),),
-                   name=f"the first {workers} of {cluster.name or 'the cluster'}")
+                   name=f"the first {workers} workers")
 
 
-def fewer_clusters(cluster: Cluster) -> list[tuple[Cluster, bool]]:
+def fewer_clusters(cluster: Cluster, nodes: int) -> list[tuple[Cluster, bool]]:
     """The smaller clusters whose plans the planner also prices on `cluster`, and for each
     whether it is planned wherever the work bound alone leaves it a chance (True) or only where
     the best plan also pays more in communication than the half's bound exceeds the cluster's
     (planner/search.py `_on_fewer_workers`): every count from 2 of a flat cluster of up to
-    EVERY_COUNT_WORKERS workers (the DP's objective, which ranks its table's plans on fewer
-    workers, can disagree with the price that ranks them: 1-2-1 on 4 workers over 10 GB/s under
-    1f1b-flush at 18.01 ms, straight on 3 of them at 15.11 ms); elsewhere the first half."""
+    EVERY_COUNT_WORKERS workers, for a graph of up to EVERY_COUNT_NODES `nodes` (the DP's
+    objective, which ranks its table's plans on fewer workers, can disagree with the price,
+    and the table is not the whole search); elsewhere the first half."""
     if len(cluster.levels) == 1 and not cluster.is_mixed and not cluster.groups \
-            and cluster.workers <= EVERY_COUNT_WORKERS:
+            and cluster.workers <= EVERY_COUNT_WORKERS and nodes <= EVERY_COUNT_NODES:
         return [(first_workers(cluster, k), True) for k in range(2, cluster.workers)]
     half = smaller(cluster)
     return [] if half is None else [(half, False)]
@@ -121,5 +125,5 @@ def idle_reason(cluster: Cluster, chosen: Sequence[Stage], chosen_seconds: float
             f"on transfers over {links}: more than the other {others}")
 
 
-__all__ = ["EVERY_COUNT_WORKERS", "fewer_clusters", "first_workers", "idle_reason", "smaller",
-           "used_ranks"]
+__all__ = ["EVERY_COUNT_NODES", "EVERY_COUNT_WORKERS", "fewer_clusters", "first_workers",
+           "idle_reason", "smaller", "used_ranks"]

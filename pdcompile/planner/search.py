@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
@@ -178,6 +178,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
 
     workers = stages or cluster.workers
     candidates: list[_Candidate] = []
+    fewer_plans: list[_FewerPlan] = []
     kinds_seen = []
     if symmetric is None:
         symmetric = (stages is None and not straight and len(cluster.levels) > 1
@@ -268,6 +269,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
             continue
         kinds_seen.append(found.kind)
         candidates += found.candidates
+        fewer_plans += found.fewer
+    candidates += _priced_fewer(cost_graph, cluster, fewer_plans, candidates, limit)
     if not straight:  # its moves merge, split and replicate stages
         candidates += _polished(cost_graph, cluster, candidates, limit)
     ilp_found: list[_Candidate] = []
@@ -493,6 +496,21 @@ class _Candidate:
 class _Found:
     kind: str
     candidates: list[_Candidate]
+    # the DP table's plans on fewer workers, unpriced (`_FewerPlan`): priced once the whole
+    # search's best is known (`_priced_fewer`)
+    fewer: list[_FewerPlan] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _FewerPlan:
+    """A DP plan on the first `workers` of the cluster's workers, as (nodes, ranks) stages."""
+
+    stages: list[tuple[list[str], tuple[int, ...]]]
+    options: ModelOptions
+    workers: int
+    objective: float  # the DP's, which ranks the plans of one count
+    status: str
+    how: str
 
 
 def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
@@ -608,6 +626,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     found: list[_Candidate] = []
+    later: list[_FewerPlan] = []  # the table's plans on fewer workers (`_Found.fewer`)
 
     def expanded(result: Any) -> list[tuple[list[str], tuple[int, ...]]]:
         states = prepared.states
@@ -676,20 +695,21 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                     fewer += [(f, f"{label}{variant.flight}/{most}",
                                f is leader and f.objective < result.objective)
                               for f in result.fewer]
-        # the others where the price may prefer them: a plan on w workers takes at least the
-        # work bound on w (`_work_bound`), and one further than SIMULATED_WITHIN off the best
-        # found is never simulated (`_choose`). Under a flush the objective counts no stage's
-        # fill before it: 1-2-1 on 4 workers over 10 GB/s priced 18.01 ms, where straight on 3,
-        # which the objective ranked behind, takes 15.11 ms
-        known = min((c.closed for c in found), default=math.inf)
-        total = _work_bound(graph, 1) if fewer else 0.0
+        # the others wait for the whole search's best (`_priced_fewer`)
         for result_, how, leads in fewer:
             moved = _from_first_rank(result_, cluster, layout)
             if moved is None:
                 continue
             used = 1 + moved.stages[-1].ranks[-1]
-            if leads or total / used <= known * SIMULATED_WITHIN:
+            if leads:
                 add(moved, how=f"{how} on {used} of {span} workers")
+            elif thorough:
+                # not on wider clusters, where the objective misranks them by factors and
+                # pricing is dear: GPT-2 XL on flat 32 H100, the flat DP's plans on 9-31
+                # workers (objectives 0.11-0.28 s, prices 0.66-0.73 s against the best plan's
+                # 0.116 s) took 9 s of CPU to price, more than the rest of the search
+                later.append(_FewerPlan(expanded(moved), options, used, result_.objective,
+                                        status, f"{how} on {used} of {span} workers"))
         if not kind(options.schedule).flush and thorough:
             # the grid prices one copy of the pipeline: its period is `copies` times the plan's
             high = (min((c.closed for c in found), default=0.0)
@@ -731,7 +751,37 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         else f", one server's pipeline on each of {copies} servers" if layout == "per server"
         else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
         else "") + (f", {units} units of about {span // units} workers" if grouped else "")
-    return _Found(kind_of_states, found)
+    return _Found(kind_of_states, found, later)
+
+
+def _priced_fewer(graph: nx.DiGraph, cluster: Cluster, plans: list[_FewerPlan],
+                  candidates: list[_Candidate], limit: float | None) -> list[_Candidate]:
+    """The DP table's plans on fewer workers (`_Found.fewer`), priced where the price may
+    prefer them to every candidate: a plan on w workers takes at least the work bound on w
+    (`_work_bound`), and one further than SIMULATED_WITHIN off the best is never simulated
+    (`_choose`). The DP's objective, which chose them, can misrank them: under a flush it
+    counts no stage's fill before it (1-2-1 on 4 workers over 10 GB/s priced 18.01 ms, where
+    straight on 3, which the objective ranked behind, takes 15.11 ms). One plan per count
+    and schedule option, the DP's best among them (its variants and grids); none already a
+    candidate."""
+    if not plans or not candidates:
+        return []
+    known = min(c.closed for c in candidates)
+    total = _work_bound(graph, 1)
+    out: list[_Candidate] = []
+    seen: set[tuple[Any, ...]] = set()
+    for p in sorted(plans, key=lambda p: p.objective):
+        key = (p.options, p.workers)
+        if key in seen or total / p.workers > known * SIMULATED_WITHIN:
+            continue
+        seen.add(key)
+        if any(c.options == p.options and c.stages == p.stages for c in candidates + out):
+            continue
+        priced = _priced(graph, cluster, p.stages, p.options, limit, planner="dp",
+                         status=p.status, how=p.how)
+        if priced is not None:
+            out.append(priced)
+    return out
 
 
 def _from_first_rank(result: Any, cluster: Cluster, layout: str) -> Any:
@@ -1061,7 +1111,7 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
                         how="the whole model on one worker")
         if alone is not None:
             out.append(alone)
-    subs = fewer_clusters(cluster)
+    subs = fewer_clusters(cluster, graph.number_of_nodes())
     if not subs or not candidates:
         return out
     best = min(candidates, key=lambda c: c.closed)  # on the cluster's workers
