@@ -65,10 +65,11 @@ class DPResult:
     stages: tuple[DPStage, ...]
     objective: float
     free: DPResult | None = None
-    # the best pipeline on fewer of the grid's units, where the DP's objective says it beats
-    # every one of them (its stages on the last units, as the grid prices them): the table
-    # holds it already (planner/fewer_workers.py)
-    fewer: DPResult | None = None
+    # the best pipeline on each smaller count of the grid's units, fewest first (its stages on
+    # the last units, as the grid prices them): the table holds them already, and the DP's
+    # objective may misrank them against the price (under a flush it counts no stage's fill
+    # before it), so the planner prices those a bound leaves a chance (planner/fewer_workers.py)
+    fewer: tuple[DPResult, ...] = ()
 
 
 # ------------------------------------------------------------------------------ state tables
@@ -554,12 +555,10 @@ def _native_dp(grid: StageGrid, *, options: ModelOptions, straight: bool, fill: 
             d = d - 1 if max_stages is not None else d
         return DPResult(stages=tuple(stages), objective=float(best[b, top, 0, units]))
 
-    fewer = None
-    if not straight and not fill and n > 1:
-        # the first unit count of the smallest objective below all of them
-        units = int(np.argmin(best[b, top, 0, 1:n])) + 1
-        if best[b, top, 0, units] < best[b, top, 0, used]:
-            fewer = walked(units)
+    fewer: tuple[DPResult, ...] = ()
+    if not straight and not fill:
+        fewer = tuple(walked(units) for units in range(1, n)
+                      if math.isfinite(best[b, top, 0, units]))
     return replace(walked(used), fewer=fewer)
 
 

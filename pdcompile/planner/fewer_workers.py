@@ -15,11 +15,18 @@ The smaller cluster's ranks are the first ones of the cluster, so its plan is a 
 cluster with the later ranks idle, priced there as any other.
 
 Any other number of workers comes from the DP's own table (planner/dp.py `DPResult.fewer`):
-it holds the best pipeline of the model on every count of units, so where its objective on
-fewer units beats all of them (three blocks of 100 MB of weights on 4 workers over 1 GB/s:
-every plan on 4 replicates a stage and all-reduces it; 3 on 3 take 25.5 ms, the first half's
-2 stages 31.1 ms) that plan, moved to the first ranks, is one more candidate: one walk back
-and one price, only where the objective says the extra workers cost time.
+it holds the best pipeline of the model by its objective on every count of units (three
+blocks of 100 MB of weights on 4 workers over 1 GB/s: every plan on 4 replicates a stage and
+all-reduces it; 3 on 3 take 25.5 ms, the first half's 2 stages 31.1 ms). The objective can
+misrank those against the price (under a flush it counts no stage's fill before it: 1-2-1 on
+4 workers over 10 GB/s at 18.01 ms, straight on 3 of them, which it ranked behind, 15.11 ms),
+so each, moved to the first ranks, is priced wherever its count's work bound is within
+SIMULATED_WITHIN of the best found: one walk back and one price each. And the table is not
+the whole search (the period's bisection chooses other in-flight counts and cuts, the polish
+moves stages): on a flat cluster of up to EVERY_COUNT_WORKERS workers every smaller count is
+planned in full where its work bound leaves it a chance (`fewer_clusters`), once per search,
+so the planner is never slower, by its own price, than its plan on fewer of the workers
+(1-2 on 3 workers over 1 GB/s took 46.36 ms, where its plan on 2 of them takes 44.73 ms).
 """
 
 from __future__ import annotations
@@ -31,6 +38,13 @@ from dataclasses import replace
 from pdcompile.machine.cluster import Cluster
 from pdcompile.plan import Stage
 from pdcompile.units import format_bandwidth, format_seconds
+
+# flat clusters of up to this many workers and graphs of up to this many nodes: every smaller
+# count of the first workers is planned in full where a bound leaves it a chance (beyond, the
+# DP's table and the first half): GPT-2 XL on flat 8 H100 (its search 9 s of CPU) planned the
+# counts 2-7 for minutes
+EVERY_COUNT_WORKERS = 8
+EVERY_COUNT_NODES = 64
 
 
 def smaller(cluster: Cluster) -> Cluster | None:
@@ -55,6 +69,28 @@ def smaller(cluster: Cluster) -> Cluster | None:
     first = cluster.with_workers(workers).groups if cluster.groups else ()
     return replace(cluster, levels=levels, groups=first,
                    name=f"the first half of {cluster.name or 'the cluster'}")
+
+
+def first_workers(cluster: Cluster, workers: int) -> Cluster:
+    """A flat cluster's first `workers` workers, as a cluster of their own."""
+    # one name for the counts of every smaller cluster: the search plans each once
+    return replace(cluster, levels=(replace(cluster.levels[0], workers=workers),),
+                   name=f"the first {workers} workers")
+
+
+def fewer_clusters(cluster: Cluster, nodes: int) -> list[tuple[Cluster, bool]]:
+    """The smaller clusters whose plans the planner also prices on `cluster`, and for each
+    whether it is planned wherever the work bound alone leaves it a chance (True) or only where
+    the best plan also pays more in communication than the half's bound exceeds the cluster's
+    (planner/search.py `_on_fewer_workers`): every count from 2 of a flat cluster of up to
+    EVERY_COUNT_WORKERS workers, for a graph of up to EVERY_COUNT_NODES `nodes` (the DP's
+    objective, which ranks its table's plans on fewer workers, can disagree with the price,
+    and the table is not the whole search); elsewhere the first half."""
+    if len(cluster.levels) == 1 and not cluster.is_mixed and not cluster.groups \
+            and cluster.workers <= EVERY_COUNT_WORKERS and nodes <= EVERY_COUNT_NODES:
+        return [(first_workers(cluster, k), True) for k in range(2, cluster.workers)]
+    half = smaller(cluster)
+    return [] if half is None else [(half, False)]
 
 
 def used_ranks(stages: Sequence[Stage]) -> set[int]:
@@ -89,4 +125,5 @@ def idle_reason(cluster: Cluster, chosen: Sequence[Stage], chosen_seconds: float
             f"on transfers over {links}: more than the other {others}")
 
 
-__all__ = ["idle_reason", "smaller", "used_ranks"]
+__all__ = ["EVERY_COUNT_NODES", "EVERY_COUNT_WORKERS", "fewer_clusters", "first_workers",
+           "idle_reason", "smaller", "used_ranks"]

@@ -13,7 +13,7 @@ import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import networkx as nx
@@ -71,6 +71,7 @@ STRAIGHT_WORKERS = 64  # ... or, up to this many workers, a straight pipeline ov
 SIMULATED_CANDIDATES = 4  # the best candidates by the closed form that the simulator ranks
 SIMULATED_WITHIN = 1.5  # ... among those at most this much slower than the best in closed form
 SIMULATION_BUDGET = 100_000  # actions and all-reduce waits per simulation; above: closed form
+PLANNED_ON_FEWER = "on the first"  # how a candidate the planner made on fewer workers begins
 # the most workers a cluster may have to be planned or priced: the planner holds every rank of
 # a plan (a stage replicated on all of them), so its time and memory grow with the workers;
 # at 10^6 a plan takes about 20 s and 300 MB on one core (10^7: minutes and gigabytes, 10^12
@@ -177,6 +178,7 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
 
     workers = stages or cluster.workers
     candidates: list[_Candidate] = []
+    fewer_plans: list[_FewerPlan] = []
     kinds_seen = []
     if symmetric is None:
         symmetric = (stages is None and not straight and len(cluster.levels) > 1
@@ -267,6 +269,8 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
             continue
         kinds_seen.append(found.kind)
         candidates += found.candidates
+        fewer_plans += found.fewer
+    candidates += _priced_fewer(cost_graph, cluster, fewer_plans, candidates, limit)
     if not straight:  # its moves merge, split and replicate stages
         candidates += _polished(cost_graph, cluster, candidates, limit)
     ilp_found: list[_Candidate] = []
@@ -288,16 +292,28 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
                                          fill=False, cache=cache).candidates
         except PlanError:
             pass
-    if stages is None and workers > 1:  # the whole model on one worker, or on a half
-        candidates += _on_fewer_workers(
-            cost_graph, cluster, choices, candidates, limit, optimizer_state,
-            # the half without CP-SAT under "auto" (its DP's plan is the candidate; CP-SAT's
-            # 2 s per schedule were most of what the half added on 16 workers)
-            lambda sub: plan(cost_graph, sub, planner="dp" if planner == "auto" else planner,
-                             straight=straight, memory=limit,
-                             time_limit=time_limit, schedule=schedule,
-                             microbatches=microbatches, simulate=simulate,
-                             optimizer_state=optimizer_state, cache=cache))
+    if stages is None and workers > 1:  # the whole model on one worker, or on fewer
+        # the smaller clusters without CP-SAT under "auto" (its DP's plan is the candidate;
+        # CP-SAT's 2 s per schedule were most of what the half added on 16 workers)
+        sub_planner = "dp" if planner == "auto" else planner
+
+        def again(sub: Cluster) -> Plan | PlanError:
+            """The plan on `sub`, made once per search: the plans on every smaller count
+            plan the same smaller counts again."""
+            def make() -> Plan | PlanError:
+                try:
+                    return plan(cost_graph, sub, planner=sub_planner, straight=straight,
+                                memory=limit, time_limit=time_limit, schedule=schedule,
+                                microbatches=microbatches, simulate=simulate,
+                                optimizer_state=optimizer_state, cache=cache)
+                except PlanError as err:
+                    return err
+            key = ("plan on fewer workers", id(cost_graph), sub, sub_planner, straight,
+                   limit, time_limit, schedule, microbatches, simulate, optimizer_state)
+            return cache.made(key, cost_graph, make)
+
+        candidates += _on_fewer_workers(cost_graph, cluster, choices, candidates, limit,
+                                        optimizer_state, again)
     if not candidates:
         refusal = _schedule_refusal(choices, workers)
         if refusal is not None:  # not the memory: the schedule cannot run on these workers
@@ -480,6 +496,21 @@ class _Candidate:
 class _Found:
     kind: str
     candidates: list[_Candidate]
+    # the DP table's plans on fewer workers, unpriced (`_FewerPlan`): priced once the whole
+    # search's best is known (`_priced_fewer`)
+    fewer: list[_FewerPlan] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _FewerPlan:
+    """A DP plan on the first `workers` of the cluster's workers, as (nodes, ranks) stages."""
+
+    stages: list[tuple[list[str], tuple[int, ...]]]
+    options: ModelOptions
+    workers: int
+    objective: float  # the DP's, which ranks the plans of one count
+    status: str
+    how: str
 
 
 def _schedule_choices(schedule: str, microbatches: int | None, cost_model: str,
@@ -595,6 +626,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         else "HEURISTIC"
     tables = state_tables(prepared.graph, prepared.states, prepared.pinned)
     found: list[_Candidate] = []
+    later: list[_FewerPlan] = []  # the table's plans on fewer workers (`_Found.fewer`)
 
     def expanded(result: Any) -> list[tuple[list[str], tuple[int, ...]]]:
         states = prepared.states
@@ -647,6 +679,7 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
             grids.append((stage_grid(tables, search, options=options, memory=limit,
                                      straight=straight, workers=span, interfaces="whole"),
                           "whole interfaces "))
+        fewer: list[tuple[Any, str, bool]] = []  # the table's plans on fewer units
         for searched, label in grids:
             for variant, most in variants:
                 try:
@@ -656,11 +689,27 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                     continue
                 add(result, how=f"{label}{variant.flight}/{most}",
                     equalize=variant is options and most is None and label == tag)
-                if variant is options and most is None and result.fewer is not None:
-                    fewer = _from_first_rank(result.fewer, cluster, layout)
-                    if fewer is not None:
-                        add(fewer, how=f"{label}{variant.flight}/{most} on "
-                                       f"{1 + fewer.stages[-1].ranks[-1]} of {span} workers")
+                if most is None:
+                    # the one the objective says beats every worker's plan is always priced
+                    leader = min(result.fewer, key=lambda f: f.objective, default=None)
+                    fewer += [(f, f"{label}{variant.flight}/{most}",
+                               f is leader and f.objective < result.objective)
+                              for f in result.fewer]
+        # the others wait for the whole search's best (`_priced_fewer`)
+        for result_, how, leads in fewer:
+            moved = _from_first_rank(result_, cluster, layout)
+            if moved is None:
+                continue
+            used = 1 + moved.stages[-1].ranks[-1]
+            if leads:
+                add(moved, how=f"{how} on {used} of {span} workers")
+            elif thorough:
+                # not on wider clusters, where the objective misranks them by factors and
+                # pricing is dear: GPT-2 XL on flat 32 H100, the flat DP's plans on 9-31
+                # workers (objectives 0.11-0.28 s, prices 0.66-0.73 s against the best plan's
+                # 0.116 s) took 9 s of CPU to price, more than the rest of the search
+                later.append(_FewerPlan(expanded(moved), options, used, result_.objective,
+                                        status, f"{how} on {used} of {span} workers"))
         if not kind(options.schedule).flush and thorough:
             # the grid prices one copy of the pipeline: its period is `copies` times the plan's
             high = (min((c.closed for c in found), default=0.0)
@@ -702,7 +751,37 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
         else f", one server's pipeline on each of {copies} servers" if layout == "per server"
         else f", whole servers per stage ({copies} workers each)" if layout == "across servers"
         else "") + (f", {units} units of about {span // units} workers" if grouped else "")
-    return _Found(kind_of_states, found)
+    return _Found(kind_of_states, found, later)
+
+
+def _priced_fewer(graph: nx.DiGraph, cluster: Cluster, plans: list[_FewerPlan],
+                  candidates: list[_Candidate], limit: float | None) -> list[_Candidate]:
+    """The DP table's plans on fewer workers (`_Found.fewer`), priced where the price may
+    prefer them to every candidate: a plan on w workers takes at least the work bound on w
+    (`_work_bound`), and one further than SIMULATED_WITHIN off the best is never simulated
+    (`_choose`). The DP's objective, which chose them, can misrank them: under a flush it
+    counts no stage's fill before it (1-2-1 on 4 workers over 10 GB/s priced 18.01 ms, where
+    straight on 3, which the objective ranked behind, takes 15.11 ms). One plan per count
+    and schedule option, the DP's best among them (its variants and grids); none already a
+    candidate."""
+    if not plans or not candidates:
+        return []
+    known = min(c.closed for c in candidates)
+    total = _work_bound(graph, 1)
+    out: list[_Candidate] = []
+    seen: set[tuple[Any, ...]] = set()
+    for p in sorted(plans, key=lambda p: p.objective):
+        key = (p.options, p.workers)
+        if key in seen or total / p.workers > known * SIMULATED_WITHIN:
+            continue
+        seen.add(key)
+        if any(c.options == p.options and c.stages == p.stages for c in candidates + out):
+            continue
+        priced = _priced(graph, cluster, p.stages, p.options, limit, planner="dp",
+                         status=p.status, how=p.how)
+        if priced is not None:
+            out.append(priced)
+    return out
 
 
 def _from_first_rank(result: Any, cluster: Cluster, layout: str) -> Any:
@@ -921,6 +1000,9 @@ def _choose(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     # and the whole model on one worker where it is near the best (the planner is never slower
     # than it; further off, the closed form of one stage, exact, already says it loses)
     chosen += [c for c in near if c.how == "the whole model on one worker" and c not in chosen]
+    # and every plan the planner made on fewer of the workers: it never returns a plan that
+    # it predicts slower than one of those (planner/fewer_workers.py)
+    chosen += [c for c in ranked if c.how.startswith(PLANNED_ON_FEWER) and c not in chosen]
     # and the best of every schedule and microbatch count (schedule="auto"): the closed form
     # ranks plans of one schedule better than plans of different ones
     for option in {(c.options.schedule, c.options.per_minibatch) for c in ranked}:
@@ -1003,14 +1085,16 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
                       optimizer_state: float, again: Any) -> list[_Candidate]:
     """Candidates that leave workers idle (planner/fewer_workers.py): the whole model on rank 0
     under every schedule option that runs on one worker (not the interleaved ones), and the plan
-    `again(sub)` makes for the cluster's first half `sub`, priced on the cluster with its
-    in-flight counts and recomputation, where the cost model leaves the half a chance: the best
-    candidate so far is slower than `sub`'s compute bound (`_work_bound`: no plan there can be
-    faster otherwise), and some stage of it pays more in all-reduces and transfers than the
+    `again(sub)` makes (a Plan, or the PlanError it raised) for each smaller cluster `sub` of
+    `fewer_workers.fewer_clusters`, priced on the cluster with its in-flight counts and
+    recomputation. Every count of a small flat cluster where `sub`'s compute bound
+    (`_work_bound`: no plan there can be faster) leaves it a chance against the best candidate
+    so far, within SIMULATED_WITHIN; the first half of any other where the best candidate is
+    slower than that bound and some stage of it pays more in all-reduces and transfers than the
     half's bound exceeds the cluster's (what the half saves is at most that communication;
     where memory or the pipeline's round trips bind, as GPT-2 XL's on 16 x 8 H100 at 25% of
     its compute bound, a half searched in 46 s of CPU, recursively, found nothing faster)."""
-    from pdcompile.planner.fewer_workers import smaller
+    from pdcompile.planner.fewer_workers import fewer_clusters
 
     out: list[_Candidate] = []
     known = min((c.closed for c in candidates), default=math.inf)
@@ -1027,31 +1111,39 @@ def _on_fewer_workers(graph: nx.DiGraph, cluster: Cluster, choices: list[tuple[s
                         how="the whole model on one worker")
         if alone is not None:
             out.append(alone)
-    sub = smaller(cluster)
-    if sub is None or not candidates:
+    subs = fewer_clusters(cluster, graph.number_of_nodes())
+    if not subs or not candidates:
         return out
     best = min(candidates, key=lambda c: c.closed)  # on the cluster's workers
     fastest = min(c.closed for c in candidates + out)
-    floor, full = total / sub.workers, total / cluster.workers
-    # the half computes at least `floor - full` longer than every worker could; it can only
-    # win back what the best plan here pays in all-reduces and transfers
+    full = total / cluster.workers
+    # the most the best plan here pays in all-reduces and transfers in a stage
     paid = max(s.sync + s.comm for s in best.priced)
-    if not (fastest > floor * (1 + 1e-9) and paid > floor - full):
-        return out
-    try:
+    for sub, every in subs:
+        floor = total / sub.workers
+        # no plan on `sub` is faster than its work bound, and one further than
+        # SIMULATED_WITHIN off the best is never simulated; the half computes at least
+        # `floor - full` longer than every worker could, and can only win back what the best
+        # plan here pays in all-reduces and transfers
+        if every and floor > fastest * SIMULATED_WITHIN:
+            continue
+        if not every and not (fastest > floor * (1 + 1e-9) and paid > floor - full):
+            continue
         planned = again(sub)
-    except PlanError:
-        return out
-    options = ModelOptions(schedule=planned.schedule, microbatches=planned.microbatches,
-                           optimizer_state=optimizer_state)
-    flight = [s.in_flight for s in planned.stages]
-    found = _priced(graph, cluster, [(list(s.nodes), tuple(s.ranks)) for s in planned.stages],
-                    options, limit, in_flight=flight if all(flight) else None,
-                    recompute=[s.recompute for s in planned.stages], planner=planned.planner,
-                    status="HEURISTIC", how=f"on the first {sub.workers} of {cluster.workers} "
-                    f"workers: {planned.extra.get('found_by') or 'planned'}")
-    if found is not None:
-        out.append(found)
+        if isinstance(planned, PlanError):
+            continue
+        options = ModelOptions(schedule=planned.schedule, microbatches=planned.microbatches,
+                               optimizer_state=optimizer_state)
+        flight = [s.in_flight for s in planned.stages]
+        found = _priced(graph, cluster,
+                        [(list(s.nodes), tuple(s.ranks)) for s in planned.stages],
+                        options, limit, in_flight=flight if all(flight) else None,
+                        recompute=[s.recompute for s in planned.stages],
+                        planner=planned.planner, status="HEURISTIC",
+                        how=f"{PLANNED_ON_FEWER} {sub.workers} of {cluster.workers} workers: "
+                            f"{planned.extra.get('found_by') or 'planned'}")
+        if found is not None:
+            out.append(found)
     return out
 
 
