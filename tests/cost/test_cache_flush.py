@@ -62,7 +62,8 @@ class _CountingFlush:
         self.calls += 1
 
 
-def test_cold_profiles_flush_before_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
+def _counting_flushes(monkeypatch: pytest.MonkeyPatch) -> list[_CountingFlush]:
+    """The cost pass's flushes from now on, counting instead of writing."""
     made: list[_CountingFlush] = []
 
     def factory(device: torch.device, *, touched: int | None = None) -> _CountingFlush:
@@ -70,6 +71,11 @@ def test_cold_profiles_flush_before_every_run(monkeypatch: pytest.MonkeyPatch) -
         return made[-1]
 
     monkeypatch.setattr(cost_pass, "CacheFlush", factory)
+    return made
+
+
+def test_cold_profiles_flush_before_every_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    made = _counting_flushes(monkeypatch)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     gm = trace(model)
     cost_pass.annotate_costs(gm, (torch.randn(8, 32),), warmup=1, repeats=3, caches="cold")
@@ -95,13 +101,7 @@ def test_a_flush_writes_no_more_than_a_training_step_touches() -> None:
 
 
 def test_cold_profiles_flush_what_the_model_touches(monkeypatch: pytest.MonkeyPatch) -> None:
-    made: list[_CountingFlush] = []
-
-    def factory(device: torch.device, *, touched: int | None = None) -> _CountingFlush:
-        made.append(_CountingFlush(device, touched=touched))
-        return made[-1]
-
-    monkeypatch.setattr(cost_pass, "CacheFlush", factory)
+    made = _counting_flushes(monkeypatch)
     model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
     cost_pass.annotate_costs(trace(model), (torch.randn(8, 32),), warmup=0, repeats=1,
                              caches="cold")

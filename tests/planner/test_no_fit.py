@@ -30,6 +30,20 @@ def _chain(params: list[float], act: float = 1e6) -> nx.DiGraph:
     return graph
 
 
+def _refusal_and_solves(graph: nx.DiGraph) -> tuple[str, list[int]]:
+    """The refusal of `graph` on 2 workers of 8 GiB, and the worker count of every solve."""
+    sizes: list[int] = []
+    real = search.solve
+
+    def counted(prepared: Any, cluster: Any, *args: Any, **kwargs: Any) -> Any:
+        sizes.append(cluster.workers)
+        return real(prepared, cluster, *args, **kwargs)
+
+    with mock.patch.object(search, "solve", counted), pytest.raises(PlanError) as refused:
+        pdcompile.plan(graph, "2@1e9", planner="dp", memory="8GiB")
+    return str(refused.value), sizes
+
+
 def _needed(text: str) -> float:
     figure, unit = text.split("it needs ")[1].split(" per worker")[0].split()
     return float(figure) * {"GiB": 2**30, "MiB": 2**20, "KiB": 2**10}[unit]
@@ -54,16 +68,7 @@ def test_a_node_no_worker_can_hold_is_named_without_trying_bigger_clusters() -> 
     more workers cannot help, and the search said 'more than 16 workers' after 7 solves on
     clusters of 4 to 16 workers."""
     graph = _chain([1e8, 4e9, 1e8])
-    sizes: list[int] = []
-    real = search.solve
-
-    def counted(prepared: Any, cluster: Any, *args: Any, **kwargs: Any) -> Any:
-        sizes.append(cluster.workers)
-        return real(prepared, cluster, *args, **kwargs)
-
-    with mock.patch.object(search, "solve", counted), pytest.raises(PlanError) as refused:
-        pdcompile.plan(graph, "2@1e9", planner="dp", memory="8GiB")
-    text = str(refused.value)
+    text, sizes = _refusal_and_solves(graph)
     assert "no number of workers fits 8.0 GiB each" in text, text
     assert "one of its nodes alone needs 14.9" in text, text  # 4e9 x (2 + 2) bytes
     assert sizes and set(sizes) == {2}, sizes  # only the memory search on the cluster given
@@ -73,16 +78,7 @@ def test_bigger_clusters_the_floor_rules_out_are_not_solved() -> None:
     """Twenty layers of 1 GB (4 GB each with gradients and Adam's state) on 8 GiB workers need
     at least 10 workers by their total alone: clusters of 4, 6 and 8 are not solved."""
     graph = _chain([1e9] * 20)
-    sizes: list[int] = []
-    real = search.solve
-
-    def counted(prepared: Any, cluster: Any, *args: Any, **kwargs: Any) -> Any:
-        sizes.append(cluster.workers)
-        return real(prepared, cluster, *args, **kwargs)
-
-    with mock.patch.object(search, "solve", counted), pytest.raises(PlanError) as refused:
-        pdcompile.plan(graph, "2@1e9", planner="dp", memory="8GiB")
-    text = str(refused.value)
+    text, sizes = _refusal_and_solves(graph)
     workers = int(text.split("at least ")[1].split(" workers")[0])
     assert not {4, 6, 8} & set(sizes), sizes
     pdcompile.plan(graph, f"{workers}@1e9", planner="dp", memory="8GiB")  # the count suffices
