@@ -13,7 +13,6 @@ numbers; a truncated or altered file raises `DamagedFileError` naming it.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 from collections.abc import Callable
@@ -183,11 +182,6 @@ def read_tree(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
                                f"({detail}); write it again") from None
 
 
-def load_tree_bytes(data: bytes, name: str | os.PathLike[str]) -> Any:
-    """`read_tree` on bytes in memory (the same checks as on a file)."""
-    return read_tree(io.BytesIO(data), len(data), name, seen=lambda _: None)
-
-
 # safetensors' names of the dtypes save_tree can write
 _SAFETENSORS_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -247,4 +241,4 @@ def _read_into(handle: BinaryIO, target: memoryview, seen: Callable[[memoryview]
 
 
 __all__ = ["TreeEncodeError", "decode", "dtype_name", "dtype_of", "encode", "load_tree",
-           "load_tree_bytes", "read_tree", "save_tree"]
+           "read_tree", "save_tree"]

@@ -5,6 +5,7 @@ naming the file; nothing is unpickled or run."""
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from pdcompile.errors import DamagedFileError
-from pdcompile.runtime.tensor_tree import load_tree, load_tree_bytes, save_tree
+from pdcompile.runtime.tensor_tree import load_tree, read_tree, save_tree
 
 _TAGS = ["$tensor", "$tensor_data", "$dtype", "$device", "$tuple", "$dict", "$set"]
 _LEAVES = (st.none() | st.booleans() | st.integers(-3, 3) | st.floats()
@@ -65,7 +66,7 @@ def test_a_malformed_skeleton_is_one_damaged_file_error(tmp_path: Path, skeleton
 def test_bytes_in_memory_read_as_their_file_does(tmp_path: Path, cut: int,
                                                  flips: list[tuple[int, int]],
                                                  junk: bytes) -> None:
-    """`load_tree_bytes` (a checkpoint's bytes, read once and checked) on a cut, altered or
+    """`read_tree` (a checkpoint's bytes, read once and checked) on a cut, altered or
     extended file: what `load_tree` gives for that file, the value or one DamagedFileError
     naming it."""
     file = save_tree(tmp_path / "tree.safetensors",
@@ -80,7 +81,7 @@ def test_bytes_in_memory_read_as_their_file_does(tmp_path: Path, cut: int,
     except DamagedFileError:
         expected = DamagedFileError
     try:
-        found = load_tree_bytes(data, file)
+        found = read_tree(io.BytesIO(data), len(data), file, seen=lambda _: None)
     except DamagedFileError as err:
         assert str(file) in str(err) and "\n" not in str(err)
         found = DamagedFileError
