@@ -157,14 +157,11 @@ class Checkpointer:
         """Refuse, in one line naming the file, a checkpoint that does not match its manifest
         (read in chunks: verifying holds 1 MB of the file at a time)."""
         path, entry, fix = self._entry(step, rank)
+        sha = hashlib.sha256()
         with _open_regular(path, fix) as handle:
             _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
-            sha = hashlib.sha256()
-            while chunk := handle.read(_CHUNK):
-                sha.update(chunk)
-        if sha.hexdigest() != entry.sha256:
-            raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: "
-                                   f"altered or damaged on disk); {fix}")
+            size = _hash_rest(handle, sha)
+        check_entry(path, entry, fix=fix, read=(size, sha.hexdigest()))
 
     def read_verified(self, step: int, rank: int | None = None) -> tuple[Path, Any]:
         """A checkpoint file's value, read once: every byte is hashed as it is read and is the
@@ -179,10 +176,7 @@ class Checkpointer:
                 value: Any = read_tree(handle, entry.size, path, seen=sha.update)
             except DamagedFileError as err:
                 value = err  # named below unless the file does not match its manifest
-            size = handle.tell()
-            while chunk := handle.read(_CHUNK):  # the rest (a damaged header stops early)
-                sha.update(chunk)
-                size += len(chunk)
+            size = handle.tell() + _hash_rest(handle, sha)  # a damaged header stops early
         check_entry(path, entry, fix=fix, read=(size, sha.hexdigest()))
         if isinstance(value, DamagedFileError):
             raise DamagedFileError(f"{value}; or delete {path} to resume from an older "
@@ -331,6 +325,15 @@ def _open_regular(path: Path, fix: str) -> IO[bytes]:
         _refuse_special(path, fix)
         raise DamagedFileError(f"{path} is not a plain file; {fix}")
     return os.fdopen(fd, "rb")
+
+
+def _hash_rest(handle: IO[bytes], sha: Any) -> int:
+    """Feed the rest of `handle` to `sha` in chunks; the bytes fed."""
+    fed = 0
+    while chunk := handle.read(_CHUNK):
+        sha.update(chunk)
+        fed += len(chunk)
+    return fed
 
 
 def _check_size(path: Path, size: int, entry: FileEntry, fix: str) -> None:
