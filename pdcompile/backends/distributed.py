@@ -56,7 +56,6 @@ from pdcompile.plan import Plan
 from pdcompile.runtime.finite_loss import LossGuard, guard_runtime
 from pdcompile.runtime.message_specs import MessageTable, spec_function
 from pdcompile.runtime.rank_state import RankState
-from pdcompile.runtime.stage_random import StageRandom
 from pdcompile.runtime.stream_window import WINDOW
 from pdcompile.runtime.transport import Pending, Tag, TensorSpec, Transport
 from pdcompile.schedule.ir import Action, Kind, Schedule
@@ -609,8 +608,7 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     stages = program.stages_of(rank)
     chunk_states = [program.state(rank, s) for s in stages]  # one per chunk it holds
     for chunk in chunk_states:  # every rank was seeded alike: each stage draws its own stream
-        if chunk.random is None:
-            chunk.random = StageRandom.seeded(rank, chunk.stage)
+        chunk.own_random()  # before a resume restores it
     state = chunk_states[0]  # the rank's first chunk where it holds several
     resume = resume_point(program, chunk_states, checkpoint_dir, every=checkpoint_every,
                           keep=keep_checkpoints, monitor=monitor)

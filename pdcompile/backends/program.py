@@ -20,7 +20,6 @@ from pdcompile.plan import Plan
 from pdcompile.runtime.chunks import ChunkRuntimes
 from pdcompile.runtime.rank_function import RankFn
 from pdcompile.runtime.rank_state import RankState
-from pdcompile.runtime.stage_random import StageRandom
 from pdcompile.runtime.stage_runtime import (
     RunConfig,
     SpecFn,
@@ -186,14 +185,13 @@ class RunProgram:
         chunk, sharing its transport and data (runtime/chunks.py)."""
         def one(stage: int) -> StageRuntime:
             state = self.state(rank, stage)
-            if state.random is None:  # its own stream, on every backend alike
-                state.random = StageRandom.seeded(rank, stage)
             return StageRuntime(
                 rank=rank, io=self.stages[stage], module=state.module,
                 optimizer=state.optimizer, config=config, transport=transport, data=data,
                 loss_fn=self.loss_fn, output_refs=self.output_refs,
                 output_spec=self.output_spec, ties=self.ties[stage],
-                specs=specs, recorder=recorder, random=state.random)
+                specs=specs, recorder=recorder,
+                random=state.own_random())  # its own stream, on every backend alike
 
         stages = self.stages_of(rank)
         if len(stages) == 1:

@@ -34,5 +34,12 @@ class RankState:
     # the stream its forwards draw from (runtime/stage_random.py); None until its first run
     random: StageRandom | None = None
 
+    def own_random(self) -> StageRandom:
+        """Its stream, seeded on first use from the process's seed, its rank and its stage
+        (every rank is seeded alike, so that data readers agree)."""
+        if self.random is None:
+            self.random = StageRandom.seeded(self.rank, self.stage)
+        return self.random
+
 
 __all__ = ["NoParameters", "RankState"]
