@@ -18,7 +18,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +46,7 @@ class Manifest:
     path: Path
     kind: str
     files: dict[str, FileEntry]
+    data: bytes = field(default=b"", repr=False)  # the manifest's bytes as read (signing.py)
 
     @property
     def total_bytes(self) -> int:
@@ -85,17 +86,23 @@ def read_json_text(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> str:
     """The text of a JSON file pdcompile wrote, refused (DamagedFileError) when it is larger
     than any such file can be, before a byte of it is read into memory (a hostile folder's
     multi-gigabyte pipeline.json or manifest)."""
+    return read_json_bytes(path, fix=fix, limit=limit).decode()
+
+
+def read_json_bytes(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a JSON file pdcompile wrote, with `read_json_text`'s size limit."""
     size = path.stat().st_size
     if size > limit:
         raise DamagedFileError(f"{path} holds {size:,} bytes, more than any file of its kind "
                                f"pdcompile writes ({limit:,}): it is not one; {fix}")
-    return path.read_text()
+    return path.read_bytes()
 
 
 def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
     """A manifest file read and checked for its format; one line naming it otherwise."""
     try:
-        data = json.loads(read_json_text(path, fix=fix))
+        raw = read_json_bytes(path, fix=fix)
+        data = json.loads(raw)
     except DamagedFileError:
         raise
     except FileNotFoundError:
@@ -122,7 +129,7 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
             raise DamagedFileError(f"{path} names {name!r}, outside its folder; {fix}")
         if "\x00" in name or Path(name).parts in ((), (".",)):
             raise DamagedFileError(f"{path} names {name!r}, which is not a file name; {fix}")
-    return Manifest(path, found, files)
+    return Manifest(path, found, files, raw)
 
 
 def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = None,
@@ -195,5 +202,5 @@ def entries(manifest: Manifest) -> dict[str, Any]:
 
 
 __all__ = ["MANIFEST_FORMAT", "MAX_JSON_BYTES", "FileEntry", "Manifest", "check_entry", "digest",
-           "entries", "fsync_dir", "read_json_text", "read_manifest", "read_verified", "verify",
+           "entries", "fsync_dir", "read_json_bytes", "read_json_text", "read_manifest", "read_verified", "verify",
            "write_manifest"]

@@ -19,6 +19,7 @@ from torch import nn
 
 import pdcompile
 from pdcompile.errors import PdcompileError
+from pdcompile.export import read as pdcompile_read
 from pdcompile.export.files import check_export
 from pdcompile.export.integrity import seal_export
 from pdcompile.pipeline import Pipeline
@@ -118,6 +119,29 @@ def test_files_swapped_in_from_another_export_are_refused(
     for name in names:
         shutil.copy(theirs / name, folder / name)
     _refused_in_one_line(folder)
+
+
+def test_files_swapped_after_the_check_are_not_loaded(
+        exports: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file of another export of the same model put in place of this one's right after
+    the manifest check passed (and before anything is loaded): the load still returns exactly
+    what was checked. Before, the folder was hashed, then its files opened again to load them,
+    and the other export's weights, optimizer state and example were loaded unchecked."""
+    mine, theirs = exports
+    folder = _copy(mine, tmp_path / "swapped")
+    checked = pdcompile_read.check_imports
+
+    def check_then_swap(*args: Any, **kwargs: Any) -> None:
+        checked(*args, **kwargs)
+        for file in theirs.iterdir():
+            if file.is_file() and not file.name.startswith("MANIFEST"):
+                shutil.copy(file, folder / file.name)
+
+    monkeypatch.setattr(pdcompile_read, "check_imports", check_then_swap)
+    loaded = pdcompile.load(str(folder))
+    monkeypatch.undo()
+    assert _same(loaded, pdcompile.load(str(mine)))
+    assert not _same(loaded, pdcompile.load(str(theirs)))
 
 
 def test_a_data_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pdcompile.errors import DamagedFileError, DistributedError
-from pdcompile.runtime import checkpoint
+from pdcompile.runtime import checkpoint, verified_read
 from pdcompile.runtime.checkpoint import Checkpointer
 from pdcompile.runtime.tensor_tree import save_tree
 
@@ -33,13 +33,13 @@ def test_the_bytes_loaded_are_the_bytes_checked(tmp_path: Path,
     path = ckpt.rank_dir() / "step_00000001.safetensors"
     other = save_tree(tmp_path / "other.safetensors",
                       {"w": torch.full((4,), 666.0), "step": 1, "rank": 0}).read_bytes()
-    original = checkpoint.check_entry
+    original = verified_read.check_entry
 
     def check_then_swap(*args: Any, **kwargs: Any) -> None:
         original(*args, **kwargs)
         path.write_bytes(other)
 
-    monkeypatch.setattr(checkpoint, "check_entry", check_then_swap)
+    monkeypatch.setattr(verified_read, "check_entry", check_then_swap)
     torch.testing.assert_close(ckpt.load(1)["w"], torch.ones(4))
 
 
