@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,7 @@ MANIFEST_FORMAT = "pdcompile.manifest/1"
 # few megabytes, for models of hundreds of thousands of parameters)
 MAX_JSON_BYTES = 1 << 28
 _CHUNK = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,7 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
         if data["format"] != MANIFEST_FORMAT:
             raise DamagedFileError(f"{path} is format {data['format']!r}, expected "
                                    f"{MANIFEST_FORMAT!r}; {fix}")
-        files = {str(name): FileEntry(int(entry["size"]), str(entry["sha256"]))
-                 for name, entry in data["files"].items()}
+        files = {str(name): _entry(entry) for name, entry in data["files"].items()}
         found = str(data["kind"])
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise DamagedFileError(f"{path} is altered or incomplete ({type(err).__name__}: {err}); "
@@ -130,6 +131,18 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
         if "\x00" in name or Path(name).parts in ((), (".",)):
             raise DamagedFileError(f"{path} names {name!r}, which is not a file name; {fix}")
     return Manifest(path, found, files, raw)
+
+
+def _entry(entry: Any) -> FileEntry:
+    """A manifest's entry of one file, as the writer writes it: a size that is a whole number
+    of bytes (not 1.5, true, or Infinity, which int() refused with an OverflowError that no
+    caller named) and a SHA-256 in hex."""
+    size, sha = entry["size"], entry["sha256"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"size {size!r} is not a number of bytes")
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        raise ValueError(f"sha256 {sha!r} is not a SHA-256 in hex")
+    return FileEntry(size, sha)
 
 
 def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = None,
