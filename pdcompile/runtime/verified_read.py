@@ -64,8 +64,8 @@ def read_checked(path: Path, entry: FileEntry, parse: Parser[T], *, fix: str,
             value = err  # named below unless the file does not match its manifest
         read = handle.tell() + hash_rest(handle, sha)  # a damaged header stops early
     check_entry(path, entry, fix=fix, read=(read, sha.hexdigest()))
-    if isinstance(value, DamagedFileError):
-        raise DamagedFileError(f"{value}; or {fix}")
+    if isinstance(value, DamagedFileError):  # the parser's words, with this file's fix
+        raise DamagedFileError(f"{str(value).removesuffix('; write it again')}; {fix}")
     return value
 
 
