@@ -111,7 +111,7 @@ def check_same_model(saved: dict[str, Any], states: Sequence[RankState],
                 f"{what}; if this is the model that wrote it, resume anyway with "
                 f"{RESUME_ANYWAY}, else give this run another checkpoint folder, or delete "
                 "this one to start afresh")
-        notes.append(f"{what}; resumed anyway ({RESUME_ANYWAY})")
+        notes.append(f"{what}; resumed anyway, as {RESUME_ANYWAY} asks")
     return notes
 
 
