@@ -23,6 +23,7 @@ from pdcompile.export import read as pdcompile_read
 from pdcompile.export.files import check_export
 from pdcompile.export.integrity import seal_export
 from pdcompile.pipeline import Pipeline
+from pdcompile.util.manifest import write_manifest
 from tests.helpers.byte_damage import bounded, damage
 
 
@@ -304,3 +305,30 @@ def test_a_json_file_larger_than_any_written_is_refused_unread(
         out.truncate(512 << 20)
     message = _refused_in_one_line(folder)
     assert f"{512 << 20:,} bytes" in message and name in message
+
+
+def test_a_signed_manifest_swapped_in_after_the_check_does_not_vouch_for_the_files(
+        exports: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stage_0.py edited and the manifest written again without the key (so unsigned), the
+    user's signed manifest put back right after the files were checked against the forged
+    one: the signature is checked on the manifest the files were checked against, and the
+    export is refused before its code runs. Before, the signature was checked on the file read
+    again, so the put-back manifest vouched for the edited code, which ran."""
+    mine, _ = exports
+    folder = _copy(mine, tmp_path / "forged")
+    signed = (folder / "MANIFEST.json").read_bytes()
+    marker = tmp_path / "payload-ran"
+    with open(folder / "stage_0.py", "a") as code:
+        code.write(f"\nopen({str(marker)!r}, 'w').close()\n")
+    names = [p.name for p in folder.iterdir() if p.name not in ("MANIFEST.json", "MANIFEST.sig")]
+    write_manifest(folder, names, kind="export", manifest_name="MANIFEST.json")
+    listed = pdcompile_read.code_files  # called once the files were checked, before the trust
+
+    def put_back(*args: Any, **kwargs: Any) -> list[str]:
+        (folder / "MANIFEST.json").write_bytes(signed)
+        return listed(*args, **kwargs)
+
+    monkeypatch.setattr(pdcompile_read, "code_files", put_back)
+    with pytest.raises(PdcompileError) as info:
+        pdcompile.load(str(folder))
+    assert "MANIFEST.sig does not match" in str(info.value) and not marker.exists()
