@@ -53,3 +53,6 @@ SHORT_FORMS = ("1", "3@1e9", "8@450GB/s~3us:h100", "4x4@1e10,1.25e9:v100", "16@1
                "128@450GB/s~3us:h100", "8x16@450GB/s,400Gbps~3us,5us:h100")
 MIXED_FORMS = ("mixed-A", "mixed-h100-a100", "8@1e10:a100*4,v100*4",
                "4x2@150GB/s,100Gbps:h100*4,titanx*4")
+# those of at most 16 workers (the fast lane's)
+SMALL_FORMS = tuple(f for f in SHORT_FORMS if f not in ("h100-4node", "128@450GB/s~3us:h100",
+                                                        "8x16@450GB/s,400Gbps~3us,5us:h100"))
