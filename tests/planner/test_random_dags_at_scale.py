@@ -134,3 +134,15 @@ def test_a_node_of_1e300_seconds_plans_without_hanging() -> None:
     plan = pdcompile.plan(graph, cluster, schedule="auto")
     _valid(plan, graph, cluster)
     assert plan.time_per_minibatch >= 0.99e300 / cluster.workers  # the node on every worker
+
+
+def test_a_graph_of_subnormal_costs_plans_with_cp_sat() -> None:
+    """One node whose backward takes 5e-324 s (the smallest float) and whose weights are
+    1e-300 bytes: CP-SAT scaled its costs to integers by SCALE_UNITS over the largest, which
+    overflowed to inf ('cannot convert float infinity to integer')."""
+    graph = new_cost_graph("subnormal")
+    add_block(graph, "n0", fwd=0.0, bwd=5e-324, act=0.0, params=1e-300)
+    cluster = Cluster.parse("4@1e10")
+    plan = pdcompile.plan(graph, cluster, schedule="auto", planner="ilp")
+    _valid(plan, graph, cluster)
+    assert plan.time_per_minibatch < 1e-9
