@@ -28,6 +28,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 BATCH, MICRO, STEPS = 4, 2, 2
 
+# Losses agree to float64's rounding, except where the model computes in float32 whatever its
+# weights' dtype: transformers' Mamba runs its selective scan on `.float()` copies, so a
+# replicated stage's smaller microbatch rounds its loss to another float32 neighbour (1 ulp).
+LOSS_RTOL = {"hf-mamba": 3e-7}
+
 
 @settings(max_examples=1, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1))
@@ -43,7 +48,7 @@ def test_a_random_cut_trains_like_one_process(name: str, seed: int) -> None:
     given_inputs = (inputs,) if isinstance(inputs, dict) else tuple(inputs)
     losses = [pipe.step(*given_inputs, target=target) for _ in range(STEPS)]
     want, state = flush_reference(model, inputs, target, loss_fn, MICRO, STEPS, momentum)
-    assert losses == pytest.approx(want, rel=1e-9)
+    assert losses == pytest.approx(want, rel=LOSS_RTOL.get(name, 1e-9))
     got, left_out = pipe.state_dict(), replicated_buffers(pipe)
     assert set(got) == set(state)
     for key, value in state.items():
