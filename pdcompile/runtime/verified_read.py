@@ -48,16 +48,21 @@ def parse_bytes(handle: BinaryIO, size: int, path: Path,
     return read_bytes(handle, size, seen)
 
 
+def _check_size(handle: BinaryIO, path: Path, entry: FileEntry, fix: str) -> None:
+    """Refuse an open file whose size is not its manifest's before reading any of it."""
+    size = os.fstat(handle.fileno()).st_size
+    if size != entry.size:
+        raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it "
+                               f"says {entry.size}: truncated or altered); {fix}")
+
+
 def read_checked(path: Path, entry: FileEntry, parse: Parser[T], *, fix: str,
                  kind: str) -> T:
     """`parse` run over `path`, read once, returned only if every byte matched `entry`
     (`kind`: "checkpoint" or "export", as errors name the folder; `fix`: what they advise)."""
     sha = hashlib.sha256()
     with open_regular(path, fix, kind) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size != entry.size:
-            raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it "
-                                   f"says {entry.size}: truncated or altered); {fix}")
+        _check_size(handle, path, entry, fix)
         try:
             value: T | DamagedFileError = parse(handle, entry.size, path, sha.update)
         except DamagedFileError as err:
@@ -73,10 +78,7 @@ def hash_file(path: Path, entry: FileEntry, *, fix: str, kind: str) -> None:
     """Refuse `path` unless it matches `entry` (read in 1 MB chunks, nothing kept)."""
     sha = hashlib.sha256()
     with open_regular(path, fix, kind) as handle:
-        size = os.fstat(handle.fileno()).st_size
-        if size != entry.size:
-            raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it "
-                                   f"says {entry.size}: truncated or altered); {fix}")
+        _check_size(handle, path, entry, fix)
         read = hash_rest(handle, sha)
     check_entry(path, entry, fix=fix, read=(read, sha.hexdigest()))
 
