@@ -61,8 +61,8 @@ def _check(graph: nx.DiGraph, form: str, schedule: str) -> None:
         plan = pdcompile.plan(graph, cluster, schedule=schedule)
     except PlanError as err:
         # nothing fits the memory, or a chunked schedule needs more ranks or nodes
-        assert kind(schedule).chunked or any(w in str(err) for w in ("fit", "cannot",
-                                                                     "too few")), err
+        chunked = schedule != "auto" and kind(schedule).chunked
+        assert chunked or any(w in str(err) for w in ("fit", "cannot", "too few")), err
         return
     _valid(plan, graph, cluster)
     _, simulated = simulate_plan(graph, plan, cluster, timeline=False)
