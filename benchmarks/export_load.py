@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from checkpoint_load import load_table  # beside this file (its table, the same columns)
 
 HERE = Path(__file__).resolve().parent.parent
 
@@ -102,17 +103,8 @@ def main() -> int:
         for _ in range(args.repeats):
             for variant, package in variants.items():
                 found[variant].append(_one(package, folder))
-    rows = [f"Export of {size / 2 ** 20:.0f} MiB ({size:,} bytes), {args.repeats} loads of "
-            f"each, interleaved, each in a fresh process, median; files in the page cache; load "
-            f"average at the start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}, at the end "
-            f"{' / '.join(f'{v:.1f}' for v in os.getloadavg())}.", "",
-            "| load | seconds | peak RSS (MiB) | seconds vs before |", "|---|---|---|---|"]
-    base = statistics.median(r["seconds"] for r in found["before"])
-    for variant in variants:
-        secs = statistics.median(r["seconds"] for r in found[variant])
-        rss = statistics.median(r["rss_mib"] for r in found[variant])
-        rows.append(f"| {variant} | {secs:.3f} | {rss:.0f} | {secs / base:.2f}x |")
-    text = "\n".join(rows)
+    text = load_table(f"Export of {size / 2 ** 20:.0f} MiB ({size:,} bytes)", "files",
+                      args.repeats, load, found, "before")
     print(text)
     if args.md:
         args.md.write_text(text + "\n")

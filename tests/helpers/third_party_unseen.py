@@ -80,13 +80,18 @@ def _ids(batch: int) -> torch.Tensor:
     return torch.randint(0, 40, (batch, 6), generator=torch.Generator().manual_seed(2))
 
 
+def _hf_model(model_class: str, config_class: str, config: dict[str, Any]) -> nn.Module:
+    """transformers' `model_class` of `config_class(**config)`, seeded, in float64."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    built = getattr(transformers, config_class)(**config)
+    return getattr(transformers, model_class)(built).double()
+
+
 def _causal_lm(model_class: str, config_class: str, **config: Any) -> Callable[[int], Example]:
     """A Hugging Face causal (or masked) LM of `config`, trained on next tokens."""
     def build(batch: int) -> Example:
-        transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        model = getattr(transformers, model_class)(
-            getattr(transformers, config_class)(**config)).double()
+        model = _hf_model(model_class, config_class, config)
         ids = _ids(batch)
         return model, {"input_ids": ids}, torch.roll(ids, -1, dims=1), next_token_loss
     return build
@@ -100,10 +105,7 @@ def _classifier(model_class: str, config_class: str, **config: Any) -> Callable[
     """A Hugging Face sequence classifier of `config` over padded rows (the last two
     positions of every row after the first masked)."""
     def build(batch: int) -> Example:
-        transformers = pytest.importorskip("transformers")
-        torch.manual_seed(0)
-        model = getattr(transformers, model_class)(
-            getattr(transformers, config_class)(**config)).double()
+        model = _hf_model(model_class, config_class, config)
         ids = _ids(batch)
         mask = torch.ones_like(ids)
         mask[1:, -2:] = 0
