@@ -12,16 +12,15 @@ the check and the load was loaded unchecked.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 
 from pdcompile.errors import DamagedFileError
 from pdcompile.export.integrity import FIX, listed_export
-from pdcompile.runtime.tensor_tree import read_tensors, tree_value
-from pdcompile.runtime.verified_read import parse_bytes, read_checked
+from pdcompile.runtime.tensor_tree import tree_value
+from pdcompile.runtime.verified_read import parse_bytes, parse_safetensors, read_checked
 from pdcompile.util.manifest import Manifest
 
 
@@ -37,7 +36,7 @@ class ExportFiles:
         for name, entry in sorted(manifest.files.items()):
             path = self.folder / name
             if name.endswith(".safetensors"):
-                self._tensors[name] = read_checked(path, entry, _parse_safetensors, fix=FIX,
+                self._tensors[name] = read_checked(path, entry, parse_safetensors, fix=FIX,
                                                    kind="export")
             else:
                 self._bytes[name] = read_checked(path, entry, parse_bytes, fix=FIX,
@@ -103,13 +102,6 @@ def read_export(folder: Path) -> ExportFiles:
     """Every file of the export in `folder`, read once and checked against its manifest (and
     no file of the writer's names that the manifest leaves out, export/integrity.py)."""
     return ExportFiles(listed_export(folder))
-
-
-def _parse_safetensors(handle: BinaryIO, size: int, path: Path,
-                       seen: Callable[[memoryview], object]
-                       ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Its metadata and tensors: the file is a tree or plain tensors by name, decided later."""
-    return read_tensors(handle, size, path, seen=seen)
 
 
 __all__ = ["ExportFiles", "read_export"]

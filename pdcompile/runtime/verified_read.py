@@ -36,10 +36,12 @@ def parse_tree(handle: BinaryIO, size: int, path: Path,
     return read_tree(handle, size, path, seen=seen)
 
 
-def parse_tensors(handle: BinaryIO, size: int, path: Path,
-                  seen: Callable[[memoryview], object]) -> dict[str, torch.Tensor]:
-    """A plain safetensors file's tensors (its metadata ignored)."""
-    return read_tensors(handle, size, path, seen=seen)[1]
+def parse_safetensors(handle: BinaryIO, size: int, path: Path,
+                      seen: Callable[[memoryview], object]
+                      ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A safetensors file's metadata and tensors (a tree or plain tensors, for the caller to
+    decide: `tensor_tree.tree_value` makes the tree)."""
+    return read_tensors(handle, size, path, seen=seen)
 
 
 def parse_bytes(handle: BinaryIO, size: int, path: Path,
@@ -127,5 +129,5 @@ def hash_rest(handle: IO[bytes], sha: Any) -> int:
     return fed
 
 
-__all__ = ["hash_file", "hash_rest", "open_regular", "parse_bytes", "parse_tensors",
+__all__ = ["hash_file", "hash_rest", "open_regular", "parse_bytes", "parse_safetensors",
            "parse_tree", "read_checked", "refuse_special"]
