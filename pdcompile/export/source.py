@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 
 from pdcompile.errors import PipelineInputError
+from pdcompile.passes.attribute_names import plain_identifier
 
 
 def module_source(module: fx.GraphModule, class_name: str, *, doc: str = ""
@@ -78,7 +79,7 @@ def _docstring_text(text: str) -> str:
 
 
 def _plain(name: str) -> bool:
-    return name.isidentifier() and not keyword.iskeyword(name)
+    return name.isidentifier() and not keyword.iskeyword(name) and plain_identifier(name)
 
 
 def _global_line(name: str, value: Any) -> str | None:

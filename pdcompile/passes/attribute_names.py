@@ -5,13 +5,16 @@ name is an identifier, else `getattr(self, "name")` with the name pasted between
 unescaped. A name holding a quote, a backslash or a line break therefore ended the string: the
 trace failed with a SyntaxError about code the user never wrote, or (a name shaped as code)
 the rest of the name ran as Python when the graph ran, and was written into every export's
-stage files. A keyword (`class`) became `self.class`, a SyntaxError. Such names are refused
-here, in one line naming the attribute and the fix, before fx writes any code.
+stage files. A keyword (`class`) became `self.class`, a SyntaxError. An identifier Python
+rewrites as it reads it (NFKC: the micro sign `µ` reads as the Greek `μ`, `ﬁ` as `fi`) became
+`self.µ`, which looks up another attribute: an AttributeError when the graph ran. Such names are
+refused here, in one line naming the attribute and the fix, before fx writes any code.
 """
 
 from __future__ import annotations
 
 import keyword
+import unicodedata
 from collections.abc import Iterator
 
 from torch import nn
@@ -29,8 +32,9 @@ def check_attribute_names(model: nn.Module) -> None:
                 raise PipelineInputError(
                     f"{type(model).__name__} has a {kind} named {part!r}{where}: "
                     "torch.fx writes attribute names into generated Python unquoted, so a "
-                    "keyword or a name holding a quote, a backslash or a line break breaks the "
-                    "code or runs as code; rename it (letters, digits and _, not a keyword)")
+                    "keyword, a name holding a quote, a backslash or a line break, or one "
+                    "Python reads as another (NFKC) breaks the code or runs as code; rename it "
+                    "(letters, digits and _, not a keyword)")
 
 
 def writable(name: str) -> bool:
@@ -38,8 +42,14 @@ def writable(name: str) -> bool:
     identifier that is not a keyword (`self.name`), or printable text without quote or
     backslash (`getattr(self, "name")`)."""
     if name.isidentifier():
-        return not keyword.iskeyword(name)
+        return not keyword.iskeyword(name) and plain_identifier(name)
     return name.isprintable() and '"' not in name and "\\" not in name
+
+
+def plain_identifier(name: str) -> bool:
+    """Whether Python reads the identifier `name` as itself: it folds identifiers to NFKC as it
+    parses them, so `self.µ` (micro sign) reads the attribute `μ` (Greek mu)."""
+    return unicodedata.normalize("NFKC", name) == name
 
 
 def _attribute_paths(model: nn.Module) -> Iterator[tuple[str, str]]:
@@ -52,4 +62,4 @@ def _attribute_paths(model: nn.Module) -> Iterator[tuple[str, str]]:
         yield "buffer", name
 
 
-__all__ = ["check_attribute_names", "writable"]
+__all__ = ["check_attribute_names", "plain_identifier", "writable"]

@@ -47,9 +47,12 @@ def _injection(marker: Path) -> str:
             'getattr(next(getattr(self, "children")()), "forward')
 
 
-@pytest.mark.parametrize("name", ["class", 'a"b', "a\\b", "a\nb", "a\rb", "a\u2028b", "INJECT"])
+@pytest.mark.parametrize("name", ["class", 'a"b', "a\\b", "a\nb", "a\rb", "a\u2028b", "\u00b5",
+                                  "\ufb01x", "INJECT"])
 def test_a_name_fx_cannot_write_is_refused_and_never_runs(tmp_path: Path, name: str) -> None:
-    """Before, fx raised a SyntaxError about code the user never wrote, or ran the name."""
+    """Before, fx raised a SyntaxError about code the user never wrote, or ran the name; an
+    identifier Python reads as another (the micro sign as Greek mu, the ligature as `fi`)
+    failed with an AttributeError when the stage ran."""
     marker = tmp_path / "ran"
     name = _injection(marker) if name == "INJECT" else name
     with pytest.raises(PipelineInputError) as info:
