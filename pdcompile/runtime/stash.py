@@ -45,8 +45,15 @@ class WeightVersions:
         self._snapshots: dict[int, dict[str, torch.Tensor]] = {}
         self._refs: dict[int, int] = {}
         self._kept: set[int] = set()
-        # the last dropped version's distinct tensors, by the name of their first parameter:
-        # the next snapshot's storage where nothing else holds them (module docstring)
+        # each distinct parameter once, under its first name, and every name's first name
+        # (tied names share one tensor in every version)
+        self._distinct: dict[str, torch.Tensor] = {}
+        first: dict[int, str] = {}
+        for name, p in master.items():
+            self._distinct.setdefault(first.setdefault(id(p), name), p)
+        self._first_of = {name: first[id(p)] for name, p in master.items()}
+        # the last dropped version's tensors by first name: the next snapshot's storage where
+        # nothing else holds them (module docstring)
         self._spare: dict[str, torch.Tensor] = {}
         self.peak = 0  # most versions held at once (snapshots, or 1 without copies)
 
@@ -121,43 +128,27 @@ class WeightVersions:
             dropped = self._snapshots.pop(version, None)
             self._refs.pop(version, None)
             if dropped is not None:
-                self._spare = _distinct(dropped)
+                self._spare = {name: dropped[name] for name in self._distinct}
 
     def snapshot(self) -> dict[str, torch.Tensor]:
         """A new version: a detached copy of every distinct live parameter, by name; into the
         last dropped version's tensors where nothing else holds them, else a clone."""
         spare, self._spare = self._spare, {}
-        copies: dict[int, torch.Tensor] = {}
-        out: dict[str, torch.Tensor] = {}
-        for name, p in self.master.items():
-            if id(p) not in copies:
-                copies[id(p)] = _copy_into(spare, name, p)
-            out[name] = copies[id(p)]
-        return out
-
-
-def _distinct(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """`tensors` with each tensor once, under its first name (tied names share one)."""
-    seen: set[int] = set()
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = t
-    return out
+        with torch.no_grad():
+            copies = {name: _copy_into(spare, name, p) for name, p in self._distinct.items()}
+        return {name: copies[first] for name, first in self._first_of.items()}
 
 
 def _copy_into(spare: dict[str, torch.Tensor], name: str, p: torch.Tensor) -> torch.Tensor:
-    """A detached copy of `p` with its own `.grad`: `spare[name]` overwritten where it has p's
-    shape, dtype, device and layout, no gradient, and no holder but `spare`; else a clone."""
+    """A detached copy of `p` with its own `.grad` (run under no_grad): `spare[name]`
+    overwritten where it has p's shape, strides, dtype, device and layout, no gradient, and no
+    holder but `spare`; else a clone."""
     if only_held_here(spare, name):
         old = spare[name]
-        if old.shape == p.shape and old.dtype == p.dtype and old.device == p.device \
-                and old.layout == p.layout and old.grad is None and old.is_leaf \
-                and old.stride() == p.stride() and old.requires_grad == p.requires_grad:
-            with torch.no_grad():
-                old.copy_(p)
-            return old
+        if old.shape == p.shape and old.stride() == p.stride() and old.dtype == p.dtype \
+                and old.device == p.device and old.layout == p.layout and old.grad is None \
+                and old.is_leaf and old.requires_grad == p.requires_grad:
+            return old.copy_(p)
     return p.detach().clone().requires_grad_(p.requires_grad)
 
 
