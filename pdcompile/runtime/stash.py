@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from pdcompile.runtime.tensor_reuse import only_held_here
-
 from pdcompile.errors import ScheduleError
+from pdcompile.runtime.tensor_reuse import only_held_here
 
 
 class WeightVersions:
