@@ -49,6 +49,7 @@ from pdcompile.runtime.stage_runtime import RunConfig, StageRuntime, TieGroup
 from pdcompile.runtime.stream_window import take_window, window_limit, window_rounds
 from pdcompile.runtime.transport import Tag, TensorSpec
 from pdcompile.runtime.value_shapes import describe as _describe
+from pdcompile.runtime.value_shapes import shape_key
 from pdcompile.runtime.value_shapes import signature as _signature
 from pdcompile.schedule.build import build
 from pdcompile.schedule.generators import checked_shares, interleaved_shape
@@ -70,6 +71,8 @@ DEFAULT_SEED = 0
 # minibatch shapes check_minibatch remembers as accepted (the least recently seen forgotten
 # first): a stream of ever new shapes (sequence lengths) must not grow a worker's memory
 CHECKED_SHAPES_KEPT = 256
+# message tables `microbatch_specs` keeps, by input shape (the least recently used dropped)
+MESSAGE_TABLES_KEPT = 64
 
 
 def default_optimizer(params: list[torch.nn.Parameter]) -> torch.optim.Optimizer:
@@ -135,6 +138,9 @@ class Pipeline:
         self._checked_shapes: OrderedDict[Any, None] = OrderedDict()
         self._functions: dict[tuple[int, int], dict[int, RankFn]] = {}
         self._schedules: dict[tuple[int, int], Schedule] = {}  # lowered, by run shape
+        # message tables by the shapes of a microbatch's inputs (`microbatch_specs`), the least
+        # recently used first
+        self._message_tables: OrderedDict[Any, dict[Tag, list[TensorSpec]]] = OrderedDict()
         self._check()
         self.clip_grad_norm = self._checked_clip(clip_grad_norm)
         self.autocast = check_autocast(autocast)  # a dtype name: "bfloat16"
@@ -987,8 +993,24 @@ class Pipeline:
 
     def microbatch_specs(self, named: dict[str, Any]) -> dict[Tag, list[TensorSpec]]:
         """Shapes and dtypes of every message of one microbatch (model inputs by name, as
-        `RunInput.data.inputs(m)` gives them), keyed by the tags of microbatch 0."""
-        return message_table(self.parts.stages, self._microbatch_values(named))
+        `RunInput.data.inputs(m)` gives them), keyed by the tags of microbatch 0.
+
+        Working them out runs every stage forward on the microbatch (a whole minibatch under
+        asynchronous 1F1B), which the first reader of a distributed run did at the start of
+        every run while the other ranks waited; a table is kept per input shape
+        (`shape_key`: tensors' shapes and dtypes, numbers and strings by value; inputs holding
+        other objects are worked out every time), MESSAGE_TABLES_KEPT at most."""
+        key = shape_key(named)
+        found = self._message_tables.get((key, self.autocast)) if key is not None else None
+        if found is None:
+            found = message_table(self.parts.stages, self._microbatch_values(named))
+            if key is not None:
+                self._message_tables[key, self.autocast] = found
+                while len(self._message_tables) > MESSAGE_TABLES_KEPT:
+                    self._message_tables.popitem(last=False)
+        else:
+            self._message_tables.move_to_end((key, self.autocast))
+        return {tag: list(specs) for tag, specs in found.items()}
 
     # ------------------------------------------------------------------ elsewhere
     def export(self, path: str) -> None:

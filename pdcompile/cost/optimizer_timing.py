@@ -59,8 +59,9 @@ def time_optimizer_steps(pipe: Stages, *, repeats: int = 5,
 
 def time_weight_copies(pipe: Stages, *, repeats: int = 5) -> tuple[float, ...]:
     """Median seconds to snapshot each stage's parameters once, as weight stashing does
-    (runtime/stash.WeightVersions: a detached clone of every distinct parameter). The first
-    snapshot of each stage is not counted; stages without parameters take 0 s."""
+    in its steady state (runtime/stash.WeightVersions: a copy of every distinct parameter into
+    the tensors of the version last dropped). The first snapshot of each stage, a clone, is not
+    counted; stages without parameters take 0 s."""
     if repeats < 1:
         raise ValueError(f"repeats must be a positive integer (got {repeats})")
     return tuple(_time_copies(dict(module.named_parameters(remove_duplicate=False)), repeats)
@@ -74,16 +75,18 @@ def _time_copies(params: dict[str, torch.Tensor], repeats: int) -> float:
     if any(p.device.type == "meta" for p in params.values()):
         raise ValueError("parameters on the meta device have no data to copy; time the copies "
                          "on a materialised model, or leave the simulator's default")
-    versions = WeightVersions(params, copy=True)  # the runtime's own snapshot
+    versions = WeightVersions(params, copy=True)  # the runtime's own snapshots
     seconds = []
     for attempt in range(repeats + 1):
         _synchronize(first)
         started = time.perf_counter()
-        clones = versions.snapshot()
+        copies = versions.acquire(versions.current)
         _synchronize(first)
-        if attempt:  # the first one may grow the heap
+        if attempt:  # the first one clones (and may grow the heap); the others reuse it
             seconds.append(time.perf_counter() - started)
-        del clones
+        del copies
+        versions.release(versions.current)  # dropped: the next snapshot's storage
+        versions.advance()
     return statistics.median(seconds)
 
 

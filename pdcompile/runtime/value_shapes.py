@@ -22,6 +22,28 @@ def signature(value: Any) -> Any:
     return type(value).__name__
 
 
+_SCALARS = (bool, int, float, complex, str, bytes, type(None))
+
+
+def shape_key(value: Any) -> Any:
+    """What decides the shapes a graph computes from a (nested) value: its tensors' shapes,
+    dtypes and devices and its numbers and strings themselves (a number can be a size); None
+    where a leaf is another object, whose effect on shapes this cannot tell."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype, value.device)
+    if isinstance(value, tuple | list):
+        keys = [shape_key(v) for v in value]
+        return None if any(k is None for k in keys) else (type(value).__name__, *keys)
+    if isinstance(value, dict):
+        items = [(k, shape_key(v)) for k, v in value.items()]
+        if any(k is None for _, k in items) or not all(isinstance(k, str) for k, _ in items):
+            return None
+        return ("dict", *sorted(items))
+    if isinstance(value, _SCALARS):
+        return (type(value).__name__, value)
+    return None
+
+
 def describe(value: Any) -> str:
     """"(8, 12) float32" for a tensor, a tuple of those for a tuple, the type otherwise."""
     if isinstance(value, torch.Tensor):
@@ -31,4 +53,4 @@ def describe(value: Any) -> str:
     return type(value).__name__
 
 
-__all__ = ["describe", "signature"]
+__all__ = ["describe", "shape_key", "signature"]
