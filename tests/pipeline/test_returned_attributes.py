@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import random
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +23,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 import pdcompile
+from tests.helpers.processes import run_export_losses
 from tests.helpers.random_models import random_cut
 from tests.helpers.schedule_cuts import cut_graph, flush_reference
 from tests.helpers.transparency import momentum
@@ -87,3 +89,22 @@ def test_a_returned_parameter_trains_like_one_process(inside: bool, as_tuple: bo
     for name, value in state.items():
         torch.testing.assert_close(got[name], value, msg=lambda m, n=name: f"{n}: {m}")
     assert not torch.equal(got["log_var"], model.log_var.detach())  # the loss trained it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_exported_returned_parameter_trains_on_two_processes_like_one(tmp_path: Path) -> None:
+    """The log variances read in stage 0 and returned by stage 1: a tie across processes,
+    all-reduced as any other (the loss's gradient reaches stage 1's copy only)."""
+    torch.manual_seed(0)
+    model = WeightedHeads(inside=True, as_tuple=False).double()
+    x, target = (torch.randn(BATCH, 4, dtype=torch.float64) for _ in range(2))
+    pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=(x,), example_target=target,
+                             loss_fn=weighted_loss, optimizer=momentum, schedule="1f1b-flush",
+                             microbatches=MICRO, stages=[1, 1], cost="analytic")
+    want, _ = flush_reference(model, (x,), target, weighted_loss, MICRO, STEPS, momentum)
+    pipe.export(str(tmp_path / "pipe"))
+    loaded = pdcompile.load(str(tmp_path / "pipe"), loss_fn=weighted_loss)
+    torch.testing.assert_close(loaded.evaluate(x)["log_var"], model.log_var.detach())
+    assert run_export_losses(tmp_path / "pipe", nproc=2, steps=STEPS) == pytest.approx(want,
+                                                                                      rel=1e-9)
