@@ -8,6 +8,7 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -54,7 +55,7 @@ class Factory(NamedTuple):
 
     module: types.ModuleType
     model: Any
-    inputs: tuple[Any, ...]
+    inputs: tuple[Any, ...] | dict[str, Any]
 
 
 def check_sgd_options(lr: float, momentum: float = 0.0) -> None:
@@ -72,8 +73,9 @@ def check_sgd_options(lr: float, momentum: float = 0.0) -> None:
                              "e.g. --momentum 0.9")
 
 
-def load_factory(spec: str) -> tuple[Any, tuple[Any, ...]]:
-    """Call `path/to/file.py:factory` (or `package.module:factory`); returns (model, inputs).
+def load_factory(spec: str) -> tuple[Any, tuple[Any, ...] | dict[str, Any]]:
+    """Call `path/to/file.py:factory` (or `package.module:factory`); returns (model, inputs):
+    a tuple, or a dict that binds the model's inputs by name (as `compile()` takes it).
     Every failure (no such module or name, an error inside the factory) is one line."""
     found = call_factory(spec)
     return found.model, found.inputs
@@ -93,6 +95,8 @@ def call_factory(spec: str) -> Factory:
         raise PdcompileError(f"{spec}() must return (model, example_inputs), got "
                              f"{type(result).__name__}")
     model, inputs = result[0], result[1]
+    if isinstance(inputs, Mapping):  # bound by name, as compile() binds a dict
+        return Factory(module, model, dict(inputs))
     if not isinstance(inputs, tuple):
         inputs = (inputs,)
     return Factory(module, model, inputs)

@@ -184,17 +184,20 @@ def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
     Attribute reads (get_attr: torch.export's weights, tensor constants) are not nodes: the split
     puts them in every stage that uses them, so a plan cannot place them apart; their parameter
     bytes count to their first user (a planner that could place them alone made stages of
-    weights with nothing to run)."""
+    weights with nothing to run). One that only the model's output reads (a parameter returned
+    as it is) is returned by the last stage (passes/output_constants.py): no node either."""
     graph = new_cost_graph(name=name or type(gm).__name__, batch_size=None)
     position = {node: i for i, node in enumerate(gm.graph.nodes)}
     folded: set[str] = set()
     carried: dict[str, float] = {}  # parameter bytes of attribute reads, by their first user
     for node in gm.graph.nodes:
+        if node.op != "get_attr":
+            continue
+        folded.add(node.name)
         users = [u for u in node.users if u.op != "output"]
-        if node.op == "get_attr" and users and len(users) == len(node.users):
+        if users:  # else only the output reads it: the last stage returns it
             first = min(users, key=position.__getitem__)
             carried[first.name] = carried.get(first.name, 0.0) + get_cost(node).params
-            folded.add(node.name)
     for node in gm.graph.nodes:
         if node.op == "output" or node.name in folded:
             continue

@@ -1,4 +1,5 @@
-"""A constant leaf of the model's output (None, a number, a string) is made by the last stage.
+"""A constant leaf of the model's output (None, a number, a string), and a parameter or buffer
+the model returns as it is, is made by the last stage.
 
 A model may return `{"logits": x, "aux": None}`, `(out, None)` (`nn.MultiheadAttention` with
 `need_weights=False`) or a tuple with a flag in it; in one process the loss function ignores the
@@ -8,6 +9,15 @@ such models. `constants_from_last_stage` replaces each constant leaf of the grap
 node of the last stage that returns it: the last stage returns the constant as one of its
 outputs, and the loss function, `evaluate` and an exported pipeline receive the structure the
 model returned, constant included, with no change to the runtime or the export format.
+
+A parameter or buffer returned as it is (learnable log variances that weight a multi-task loss,
+a temperature, a prior the loss reads) is an attribute read that only the output uses: no stage
+ran it, so the split had no stage to return it from (torch.fx's split_module failed on it, and
+the planner, which saw the read as a node of its own, made a stage of it alone, which split
+refused as a stage with nothing to run). It too is returned by the last stage through an
+`output_constant` node, which reads the attribute there: a parameter that earlier stages also
+use is then tied across stages (its gradients summed, passes/split.py), as one process sums
+the loss's gradient and the forward's.
 """
 
 from __future__ import annotations
@@ -30,16 +40,17 @@ def output_constant(value: Any) -> Any:
 
 
 def constants_from_last_stage(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> None:
-    """Replace each leaf of the graph's output that is no node with an `output_constant` node
-    of stage `last`. Raises PlanError naming a leaf that is neither a node nor a literal."""
+    """Replace each leaf of the graph's output that is no node, or an attribute read (a
+    parameter or buffer returned as it is), with an `output_constant` node of stage `last`.
+    Raises PlanError naming a leaf that is neither a node nor a literal."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
     changed = False
 
     def made(leaf: Any) -> Any:
         nonlocal changed
-        if isinstance(leaf, fx.Node):
+        if isinstance(leaf, fx.Node) and leaf.op != "get_attr":
             return leaf
-        if not isinstance(leaf, _LITERALS):
+        if not isinstance(leaf, (*_LITERALS, fx.Node)):
             raise PlanError(f"the model's output holds {leaf!r} ({type(leaf).__name__}), which "
                             "is neither a tensor, an input nor a literal (None, a number, a "
                             "string); return tensors computed by the model, or literals")

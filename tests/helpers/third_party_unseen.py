@@ -4,7 +4,12 @@ squeeze-excite), RegNet (grouped convolutions, squeeze-excite), ViT, ShuffleNetV
 shuffle, split branches) and MNASNet; Hugging Face Falcon (parallel attention and MLP), OPT,
 Phi (partial rotary), Gemma 2 (logit soft-capping, sliding window), Mamba (selective scan in
 PyTorch), DeBERTa-v2 (disentangled relative attention), FNet (Fourier mixing), MobileBERT
-(bottlenecks, stacked feed-forwards) and XLNet (two-stream relative attention).
+(bottlenecks, stacked feed-forwards) and XLNet (two-stream relative attention); torchvision's
+Swin (shifted windows, relative position bias), MaxViT (block and grid attention over MBConv,
+BatchNorm beside LayerNorm) and Inception v3 (factorised convolutions, four-branch blocks);
+Hugging Face GPT-NeoX (parallel residual, partial rotary), Funnel (pooling that shortens the
+sequence between blocks), ConvBERT (span-based dynamic convolution) and Whisper's encoder
+(an audio classifier: convolutions over mel features, then attention).
 
 `UNSEEN[name](batch)` returns `(model, inputs, target, loss_fn)` as `third_party.POOL` does;
 `repeated_unseen` is its example minibatch as a stream for `train_processes` (picklable)."""
@@ -76,6 +81,46 @@ def mnasnet(batch: int) -> Example:
     return (model, *_images(batch, 32), classification_loss)
 
 
+def swin(batch: int) -> Example:
+    s = pytest.importorskip("torchvision.models.swin_transformer")
+    torch.manual_seed(0)
+    model = s.SwinTransformer(patch_size=[4, 4], embed_dim=8, depths=[1, 1], num_heads=[1, 2],
+                              window_size=[2, 2], stochastic_depth_prob=0.0,
+                              num_classes=10).double()
+    return (model, *_images(batch, 16), classification_loss)
+
+
+def maxvit(batch: int) -> Example:
+    m = pytest.importorskip("torchvision.models.maxvit")
+    torch.manual_seed(0)
+    model = m.MaxVit(input_size=(32, 32), stem_channels=8, partition_size=2,
+                     block_channels=[8, 16], block_layers=[1, 1], head_dim=4,
+                     stochastic_depth_prob=0.0, num_classes=10).double()
+    return (model, *_images(batch, 32), classification_loss)
+
+
+def inception3(batch: int) -> Example:
+    i = pytest.importorskip("torchvision.models.inception")
+    torch.manual_seed(0)
+    model = i.Inception3(num_classes=10, aux_logits=False, init_weights=False,
+                         dropout=0.0).double()
+    return (model, *_images(batch, 75), classification_loss)
+
+
+def whisper_encoder(batch: int) -> Example:
+    model = _hf_model("WhisperForAudioClassification", "WhisperConfig",
+                      {"vocab_size": 40, "num_mel_bins": 8, "encoder_layers": 2,
+                       "encoder_attention_heads": 2, "decoder_layers": 1,
+                       "decoder_attention_heads": 2, "d_model": 16, "encoder_ffn_dim": 32,
+                       "decoder_ffn_dim": 32, "max_source_positions": 8,
+                       "max_target_positions": 8, "dropout": 0.0, "pad_token_id": 0,
+                       "bos_token_id": 1, "eos_token_id": 2, "decoder_start_token_id": 1})
+    features = torch.randn(batch, 8, 16, dtype=torch.float64,
+                           generator=torch.Generator().manual_seed(2))
+    labels = torch.randint(0, 2, (batch,), generator=torch.Generator().manual_seed(3))
+    return model, {"input_features": features}, labels, _logits_loss
+
+
 def _ids(batch: int) -> torch.Tensor:
     return torch.randint(0, 40, (batch, 6), generator=torch.Generator().manual_seed(2))
 
@@ -124,6 +169,22 @@ UNSEEN: dict[str, Callable[[int], Example]] = {
     "torchvision-vit": vit,
     "torchvision-shufflenet": shufflenet,
     "torchvision-mnasnet": mnasnet,
+    "torchvision-swin": swin,
+    "torchvision-maxvit": maxvit,
+    "torchvision-inception3": inception3,
+    "hf-whisper-encoder": whisper_encoder,
+    "hf-gpt-neox": _causal_lm("GPTNeoXForCausalLM", "GPTNeoXConfig", num_hidden_layers=2,
+                              intermediate_size=32, max_position_embeddings=16, rotary_pct=0.5,
+                              hidden_dropout=0.0, attention_dropout=0.0, use_cache=False,
+                              **_SMALL),
+    "hf-funnel": _classifier("FunnelForSequenceClassification", "FunnelConfig", num_labels=3,
+                             vocab_size=40, block_sizes=[1, 1], d_model=16, n_head=2, d_head=8,
+                             d_inner=32, hidden_dropout=0.0, attention_dropout=0.0,
+                             activation_dropout=0.0),
+    "hf-convbert": _classifier("ConvBertForSequenceClassification", "ConvBertConfig",
+                               num_labels=3, num_hidden_layers=2, intermediate_size=32,
+                               max_position_embeddings=16, embedding_size=16, **_NO_DROPOUT,
+                               **_SMALL),
     "hf-falcon": _causal_lm("FalconForCausalLM", "FalconConfig", num_hidden_layers=2,
                             hidden_dropout=0.0, attention_dropout=0.0, use_cache=False, **_SMALL),
     "hf-opt": _causal_lm("OPTForCausalLM", "OPTConfig", num_hidden_layers=2, ffn_dim=32,
