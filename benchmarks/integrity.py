@@ -3,8 +3,9 @@
 Builds an MLP whose weights take about `--gib` GiB (float32 Linear(4096, 4096) layers, two
 stages), exports it, then measures side by side, `--repeats` times each, interleaved:
 
-    verify   export/integrity.verified_export (every file hashed against MANIFEST.json)
-    load     pdcompile.load (which verifies first, then reads, rebuilds and traces the stages)
+    verify   export/checked.checked_export (`pdcompile verify`: every file read once, hashed
+             against MANIFEST.json and parsed as the loader parses it, tensors not kept)
+    load     pdcompile.load (which reads every file once, checked, then rebuilds the stages)
     seal     export/integrity.seal_export (what writing the manifest adds to an export)
 
 and prints a Markdown table (median seconds, GB/s, verify's share of load). The files are in
@@ -29,7 +30,8 @@ import torch
 from torch import nn
 
 import pdcompile
-from pdcompile.export.integrity import seal_export, verified_export
+from pdcompile.export.checked import checked_export
+from pdcompile.export.integrity import seal_export
 
 
 def build(folder: Path, gib: float) -> int:
@@ -66,7 +68,7 @@ def main() -> int:
         size = build(folder, args.gib)
         times: dict[str, list[float]] = {"verify": [], "load": [], "seal": []}
         for _ in range(args.repeats):
-            times["verify"].append(timed(lambda: verified_export(folder)))
+            times["verify"].append(timed(lambda: checked_export(folder)))
             times["load"].append(timed(lambda: pdcompile.load(str(folder))))
             times["seal"].append(timed(lambda: seal_export(folder)))
         median = {k: statistics.median(v) for k, v in times.items()}

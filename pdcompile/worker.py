@@ -359,10 +359,10 @@ def _started(export_dir: str | os.PathLike[str], nproc: int) -> int:
     """The processes to start for `nproc` asked: the plan's workers where it uses fewer (the
     planner may leave workers idle where they would cost more than they save; an idle process
     would have no stage to run), else `nproc` (the backend refuses a count it cannot run)."""
-    from pdcompile.export.files import plan_workers
+    from pdcompile.export.plan_file import plan_workers
 
-    workers = plan_workers(export_dir)
-    return workers if workers is not None and 0 < workers < nproc else nproc
+    workers = plan_workers(export_dir)  # checked: one line naming plan.json otherwise
+    return workers if isinstance(nproc, int) and workers < nproc else nproc  # launch checks it
 
 
 def _relay(channel: Any, progress: Callable[[int, float], None], stop: threading.Event) -> None:

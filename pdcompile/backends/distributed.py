@@ -661,13 +661,16 @@ def idle_rank_refusal(plan: Plan) -> str | None:
     planner may leave a slow device out), where a process would wait on no schedule; None
     where every rank holds a stage."""
     held = {r for stage in plan.stages for r in stage.ranks}
-    idle = [r for r in range(plan.workers) if r not in held]
-    if not idle:
+    if len(held) == plan.workers:
         return None
-    return (f"ranks {idle} of the plan ({plan.config} on {plan.workers} workers) hold no stage, "
-            f"and the distributed backend runs a stage on every process; plan for the workers "
-            f"that run (a cluster of {len(held)}, ranks renumbered from 0), or train this plan "
-            f"with the local backend (Pipeline.train)")
+    # the first few (not range(workers) in full: a plan file may say 10**12 workers)
+    idle = list(itertools.islice((r for r in range(plan.workers) if r not in held), 8))
+    more = plan.workers - len(held) - len(idle)
+    idle_text = f"{idle}" if not more else f"{str(idle)[:-1]}, ... ({more:,} more)]"
+    return (f"ranks {idle_text} of the plan ({plan.config} on {plan.workers} workers) hold no "
+            f"stage, and the distributed backend runs a stage on every process; plan for the "
+            f"workers that run (a cluster of {len(held)}, ranks renumbered from 0), or train "
+            f"this plan with the local backend (Pipeline.train)")
 
 
 def _check_run(program: RunProgram, *, steps: int | None,

@@ -258,5 +258,5 @@ def _restore_rng(rng: Any, origin: str) -> None:
                                "delete it to resume from an older checkpoint") from None
 
 
-__all__ = ["RESUME_ANYWAY", "Resume", "check_same_model", "fallback_note", "fingerprints", "identity",
-           "resume_point", "save_checkpoint", "saved_losses"]
+__all__ = ["RESUME_ANYWAY", "Resume", "check_same_model", "fallback_note", "fingerprints",
+           "identity", "resume_point", "save_checkpoint", "saved_losses"]

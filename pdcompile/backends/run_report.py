@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import stat
 import sys
 import tempfile
 import time
@@ -79,11 +80,11 @@ class RunReport:
         assert self.path is not None
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept = []
-        if first and self.path.is_file():
-            for line in self.path.read_text().splitlines()[1:]:
-                head = line.split(",", 1)[0]
-                if head.isdigit() and int(head) <= first:
-                    kept.append(line + "\n")
+        for line in (_earlier_lines(self.path) if first else [])[1:]:
+            head, _, loss = line.partition(",")
+            if head.isascii() and head.isdigit() and int(head) <= first and _is_loss(loss):
+                kept.append(line + "\n")
+        _clear_special(self.path)
         out = open(self.path, "w")  # noqa: SIM115 (closed by close())
         out.write(_HEADER + "".join(kept))
         return out
@@ -107,6 +108,42 @@ class RunReport:
             with os.fdopen(handle, "w") as out:
                 out.write(_HEADER + "".join(f"{i + 1},{v!r}\n" for i, v in enumerate(losses)))
             os.replace(name, self.path)
+
+
+def _earlier_lines(path: Path) -> list[str]:
+    """The lines of an earlier run's loss file, as far as they are text: a damaged byte (which
+    raised UnicodeDecodeError, and a digit such as "²" ValueError, in the resumed run's
+    reporting rank) is read as U+FFFD and its line dropped by the caller; a loss file that is
+    no plain file (a link; a pipe, which waited forever) gives none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
+    except OSError:  # missing, or a link (ELOOP): nothing of an earlier run of ours
+        return []
+    with os.fdopen(fd, "rb") as handle:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return []
+        return handle.read().decode(errors="replace").splitlines()
+
+
+def _clear_special(path: Path) -> None:
+    """Remove a link, pipe or anything but a plain file where the loss file is written (opening
+    a pipe to write waited forever for a reader, and a link had its target overwritten)."""
+    try:
+        mode = os.lstat(path).st_mode
+    except OSError:
+        return
+    if not stat.S_ISREG(mode) and not stat.S_ISDIR(mode):
+        path.unlink()
+
+
+def _is_loss(text: str) -> bool:
+    """Whether `text` is a loss as the file holds them (a float's repr, nan and inf too)."""
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return text.isascii()
 
 
 def summary(losses: Sequence[float], *, trained: int, seconds: float, samples: int) -> str:

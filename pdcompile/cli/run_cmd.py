@@ -25,8 +25,8 @@ from pathlib import Path
 
 from pdcompile.backends.run_report import default_run_dir
 from pdcompile.errors import DistributedError, PdcompileError
-from pdcompile.export.files import plan_workers
 from pdcompile.machine.local import free_port
+from pdcompile.plan import Plan
 from pdcompile.worker import DEFAULT_STEPS, add_training_options, training_arguments
 
 WORKER_MODULE = "pdcompile.worker"
@@ -61,14 +61,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[ty
     parser.set_defaults(func=run)
 
 
-def _idle_reason(export_dir: Path) -> str:
+def _idle_reason(plan: Plan) -> str:
     """The planner's words for the workers its plan leaves idle (": 1 of 2 workers ..."), or
-    "" where the plan file gives none."""
-    try:
-        data = json.loads((export_dir / "plan.json").read_text())
-        reason = data["extra"]["idle_workers"]
-    except (OSError, ValueError, KeyError, TypeError):
-        return ""
+    "" where the plan gives none."""
+    reason = plan.extra.get("idle_workers")
     return f" ({reason})" if isinstance(reason, str) else ""
 
 
@@ -81,17 +77,22 @@ def _check_port_free(addr: str, port: int) -> None:
                                    "different --master-port, or none to pick a free one") from None
 
 
-def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
+def _check_export(export_dir: Path, args: argparse.Namespace) -> tuple[int | None, Plan]:
     """Refuse, in one line and before any worker starts, an export that is damaged or cannot
-    train as asked; the number of minibatches to pass the workers (None: all of --data)."""
+    train as asked; the number of minibatches to pass the workers (None: all of --data), and
+    the plan as checked (what the launch decides from: never plan.json read again)."""
     from pdcompile.cli.run_checks import check_data, check_options, check_resume
-    from pdcompile.export.files import check_export
+    from pdcompile.export.checked import checked_export
+    from pdcompile.export.trust import check_imports
 
     check_options(args)
-    meta = check_export(export_dir)
-    _check_trust(export_dir, meta, trust=args.trust)
-    check_resume(export_dir, args.checkpoint_dir, args.steps, plan_workers(export_dir))
-    _check_every_rank_runs(export_dir)
+    checked = checked_export(export_dir)
+    meta, plan = checked.meta, checked.plan
+    # the modules the export names, from the files as checked (code, module records)
+    check_imports(export_dir, meta, checked.code, trust=args.trust, trees=checked.trees,
+                  manifest_data=checked.manifest.data)
+    _check_every_rank_runs(export_dir, plan)
+    check_resume(export_dir, args.checkpoint_dir, args.steps, plan.workers)
     lost = meta.get("not_saved", {})
     if lost:
         what = " and ".join(lost)
@@ -102,7 +103,7 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
             "optimizer) and export again")
     if args.data is not None:
         check_data(export_dir, args.data)  # one line here, not every worker's after seconds
-        return args.steps
+        return args.steps, plan
     example = meta.get("example", {})
     if not example.get("inputs"):
         raise PdcompileError(f"{export_dir} holds no example minibatch to train on; pass "
@@ -117,31 +118,18 @@ def _check_export(export_dir: Path, args: argparse.Namespace) -> int | None:
         print(f"pdcompile run: training on the exported example minibatch, {DEFAULT_STEPS} "
               "times (--steps N for another count, --data FILE.py:FUNCTION for real data)",
               file=sys.stderr, flush=True)
-        return DEFAULT_STEPS
-    return args.steps
+        return DEFAULT_STEPS, plan
+    return args.steps, plan
 
 
-def _check_every_rank_runs(export_dir: Path) -> None:
+def _check_every_rank_runs(export_dir: Path, plan: Plan) -> None:
     """One line before any worker starts, not one per worker: a plan with a rank that holds
     no stage cannot run on torch.distributed."""
     from pdcompile.backends.distributed import idle_rank_refusal
-    from pdcompile.cli.common import read_plan_file
 
-    refusal = idle_rank_refusal(read_plan_file(str(export_dir / "plan.json")))
+    refusal = idle_rank_refusal(plan)
     if refusal is not None:
         raise PdcompileError(f"{export_dir}: {refusal}")
-
-
-def _check_trust(export_dir: Path, meta: dict[str, object], *, trust: bool) -> None:
-    """Refuse, before any worker starts, an export naming modules outside its boundary."""
-    from pdcompile.export.files import checked_source
-    from pdcompile.export.integrity import code_files, code_text, export_manifest
-    from pdcompile.export.trust import check_imports
-
-    manifest = export_manifest(export_dir)  # check_export verified every file just before
-    code = {name: checked_source(code_text(manifest, name), export_dir / name)
-            for name in code_files(manifest, "")}
-    check_imports(export_dir, meta, code, trust=trust)
 
 
 def _is_loopback(endpoint: str) -> bool:
@@ -164,24 +152,22 @@ def _is_loopback(endpoint: str) -> bool:
 def torchrun_command(args: argparse.Namespace) -> list[str]:
     """The torchrun command line for `args` (see `register`)."""
     export_dir = Path(args.export_dir)
-    steps = _check_export(export_dir, args)
+    steps, plan = _check_export(export_dir, args)
     nnodes = str(args.nnodes)
     single = nnodes == "1"
-    workers = plan_workers(export_dir)
+    workers = plan.workers
     nproc = args.nproc
     if nproc is None:
-        if workers is None:
-            raise PdcompileError(f"{export_dir}/plan.json gives no worker count; pass --nproc N")
         nproc = workers // max(1, int(nnodes.split(":")[-1]))
     if nproc < 1:
         raise PdcompileError(f"--nproc must be a positive integer ({nproc} < 1)")
-    if single and workers is not None and nproc > workers:
+    if single and nproc > workers:
         # a plan that leaves workers idle (the planner found fewer faster): only its ranks run
         print(f"pdcompile run: the plan in {export_dir} uses {workers} of the {nproc} workers "
-              f"asked for{_idle_reason(export_dir)}; starting {workers} process"
+              f"asked for{_idle_reason(plan)}; starting {workers} process"
               f"{'es' if workers > 1 else ''}", file=sys.stderr, flush=True)
         nproc = workers
-    if single and workers is not None and nproc != workers:
+    if single and nproc != workers:
         raise PdcompileError(f"the pipeline in {export_dir} was compiled for {workers} workers, "
                              f"not --nproc {nproc}; pass --nproc {workers}")
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",

@@ -55,16 +55,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _verify_export(folder: Path, *, trust: bool) -> int:
-    from pdcompile.export.files import check_export, checked_source
-    from pdcompile.export.integrity import code_files, code_text, export_manifest
+    from pdcompile.export.checked import checked_export
     from pdcompile.export.trust import check_imports, named_modules
 
-    meta = check_export(folder)  # every file against the manifest, headers, syntax
-    manifest = export_manifest(folder)
-    code = {name: checked_source(code_text(manifest, name), folder / name)
-            for name in code_files(manifest, "")}
-    check_imports(folder, meta, code, trust=trust)
-    modules = sorted({m.split(".")[0] for m in named_modules(folder, meta, code)})
+    checked = checked_export(folder)  # every file read once against the manifest, parsed
+    meta, code, manifest = checked.meta, checked.code, checked.manifest
+    check_imports(folder, meta, code, trust=trust, trees=checked.trees,
+                  manifest_data=manifest.data)
+    modules = sorted({m.split(".")[0] for m in named_modules(folder, meta, code,
+                                                             trees=checked.trees)})
     print(f"{folder}: export verified: {len(manifest.files)} files, "
           f"{format_bytes(manifest.total_bytes)}, each matching its size and SHA-256 in "
           f"{manifest.path.name}; {len(code)} Python files (code that runs on load); modules "

@@ -2,12 +2,12 @@
 the folder is read or any of its code runs.
 
 `seal_export` lists every file the writer put in the folder with its size and SHA-256
-(util/manifest.py); `verified_export` checks them all (the loader instead reads each once,
-checked as it is read: export/verified_files.py), and both refuse a folder with files of the
+(util/manifest.py); `listed_export` reads it back and refuses a folder with files of the
 writer's names that the manifest does not list (code, or data such as an example minibatch a
-signed export never had); `code_text` hands the loader the text of a generated Python file
-exactly as it was checked (read once), so that what runs is what was verified. A manifest
-catches damage and edits; it is not a signature (see docs/how-it-works.md, "Trust").
+signed export never had). The files themselves are read once each, checked as they are read
+(export/verified_files.py: by the loader, and by the check that loads nothing,
+export/checked.py), so that what is used is what was checked. A manifest catches damage and
+edits; it is not a signature (see docs/how-it-works.md, "Trust").
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export.signing import SIGNATURE_NAME, sign
 from pdcompile.export.user_modules import FOLDER as USER_CODE
-from pdcompile.util.manifest import Manifest, read_manifest, read_verified, verify, write_manifest
+from pdcompile.util.manifest import Manifest, read_manifest, write_manifest
 
 MANIFEST_NAME = "MANIFEST.json"
 MANIFEST_KIND = "export"
@@ -61,16 +61,6 @@ def seal_export(folder: Path) -> Path:
     return manifest
 
 
-def verified_export(path: str | Path) -> Manifest:
-    """The export's manifest, every file it lists checked (size, SHA-256); one line naming the
-    first file that differs, is missing, or is code the manifest does not list. (The loader
-    reads each file once instead, export/verified_files.py: this is for checks that load
-    nothing.)"""
-    manifest = listed_export(path)
-    verify(manifest, fix=FIX)
-    return manifest
-
-
 def listed_export(path: str | Path) -> Manifest:
     """The export's manifest, its files not yet read; one line naming a file of the writer's
     names that it does not list (code, or data such as an example minibatch)."""
@@ -92,26 +82,10 @@ def listed_export(path: str | Path) -> Manifest:
     return manifest
 
 
-def export_manifest(path: str | Path) -> Manifest:
-    """The export's manifest, read (its files not checked: `verified_export` does that)."""
-    return read_manifest(Path(path) / MANIFEST_NAME, kind=MANIFEST_KIND, fix=FIX)
-
-
-def code_text(manifest: Manifest, name: str) -> str:
-    """The text of a generated Python file of the export, read once and checked against the
-    manifest (the loader compiles this text, never the file again)."""
-    data = read_verified(manifest, name, fix=FIX)
-    try:
-        return data.decode()
-    except UnicodeDecodeError:
-        raise DamagedFileError(f"{manifest.path.parent / name} is not UTF-8 text; {FIX}") \
-            from None
-
-
 def code_files(manifest: Manifest, prefix: str) -> list[str]:
     """The generated Python files of the export whose names start with `prefix`."""
     return sorted(n for n in manifest.files if n.startswith(prefix) and _CODE.match(n))
 
 
-__all__ = ["FIX", "MANIFEST_NAME", "clear_export", "code_files", "code_text", "export_manifest",
-           "is_written_name", "listed_export", "seal_export", "verified_export"]
+__all__ = ["FIX", "MANIFEST_NAME", "clear_export", "code_files", "is_written_name",
+           "listed_export", "seal_export"]

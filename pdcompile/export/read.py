@@ -22,10 +22,11 @@ from pdcompile.export.files import (
     read_file,
     read_meta,
 )
-from pdcompile.export.integrity import MANIFEST_NAME, code_files
+from pdcompile.export.integrity import FIX, MANIFEST_NAME, code_files
 from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.ops_tracer import OpsTracer
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
+from pdcompile.export.plan_file import export_plan, schedule_misfit
 from pdcompile.export.signing import unsigned_reason
 from pdcompile.export.trust import check_imports
 from pdcompile.export.user_modules import load_user_modules
@@ -37,7 +38,6 @@ from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.size_tests import SizeTestError
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
-from pdcompile.plan import Plan
 from pdcompile.runtime.conv_grads import conv_deferrable
 from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.linear_grads import linear_accumulate
@@ -118,7 +118,7 @@ def _rebuild(folder: Path, meta: dict[str, Any], files: ExportFiles, code: dict[
              loss_fn: Callable[..., torch.Tensor] | None,
              optimizer: OptimizerFactory | None) -> Pipeline:
     """The Pipeline of a checked export (load_pipeline): its files read and its code run."""
-    plan = read_file(folder / "plan.json", lambda _: Plan.from_json(files.text("plan.json")))
+    plan = export_plan(files, meta)  # fitted to pipeline.json and schedule.txt
     lost = [k for k in meta.get("not_saved", {}) if {"loss_fn": loss_fn,
                                                      "optimizer": optimizer}.get(k) is None]
     if lost:
@@ -180,11 +180,36 @@ def _rebuild(folder: Path, meta: dict[str, Any], files: ExportFiles, code: dict[
                                    "malformed); export the pipeline again") from None
     sources = {int(name[len("rank_"):-len(".py")]): code[name]
                for name in code_files(files.manifest, "rank_")}
-    schedule = read_file(folder / "schedule.txt",
-                         lambda _: Schedule.from_text(files.text("schedule.txt")))
+    schedule = _exported_schedule(folder, files, meta, pipe)
     if sources and schedule.ranks == sorted(sources):
-        pipe.use_sources(sources, meta["schedule_length"], meta["per_minibatch"])
+        pipe.use_sources(sources, schedule.microbatches, pipe.per_minibatch)
     return pipe
+
+
+def _exported_schedule(folder: Path, files: ExportFiles, meta: dict[str, Any],
+                       pipe: Pipeline) -> Schedule:
+    """schedule.txt (the order the rank files were generated from), checked to be the schedule
+    the loaded pipeline makes of its plan (kept: the pipeline does not build it again), so
+    that the rank code runs the plan the pipeline reports and prices; one line naming
+    plan.json and schedule.txt otherwise (they were edited apart)."""
+    stored = read_file(folder / "schedule.txt",
+                       lambda _: Schedule.from_text(files.text("schedule.txt")))
+    n, per = pipe.schedule_length(), pipe.per_minibatch
+    misfit = schedule_misfit(stored, meta, n, per)
+    if misfit is None:
+        try:
+            built = pipe.schedule(n, per)
+        except PdcompileError as err:
+            misfit = f"its plan makes no schedule ({str(err).splitlines()[0]})"
+        else:
+            if built.to_text() != stored.to_text():
+                misfit = ("the schedule its plan makes is not the one the rank files were "
+                          "generated from")
+    if misfit is not None:
+        raise DamagedFileError(f"{folder / 'plan.json'} and {folder / 'schedule.txt'} do not "
+                               f"fit the export's other files: {misfit} (altered, or another "
+                               f"export's); {FIX}")
+    return stored
 
 
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, files: ExportFiles,

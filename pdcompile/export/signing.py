@@ -18,12 +18,14 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import stat
 import tempfile
 import warnings
 from pathlib import Path
 
 SIGNATURE_NAME = "MANIFEST.sig"
 _KEY_BYTES = 32
+_MOST_SIGNATURE_BYTES = 4096  # a signature is 64 hex digits and a line break
 
 
 def export_key_path() -> Path:
@@ -115,12 +117,31 @@ def unsigned_reason(folder: Path, manifest_name: str, manifest_data: bytes | Non
         return f"this user's signing key cannot be used ({err})"
     if key is None:
         return f"this user has no signing key ({export_key_path()}): it was written elsewhere"
-    found = signature.read_bytes().strip()  # bytes: a signature that is not text differs too
+    found = _signature_bytes(signature)  # bytes: a signature that is not text differs too
+    if found is None:
+        return (f"its {SIGNATURE_NAME} is not a plain file of a signature's size (a link, a "
+                "pipe or a large file): not one the writer made")
     data = (folder / manifest_name).read_bytes() if manifest_data is None else manifest_data
     if not hmac.compare_digest(found, _mac(key, data).encode()):
         return f"its {SIGNATURE_NAME} does not match the signing key {export_key_path()}: it " \
                "was written by someone else, or changed after it was written"
     return None
+
+
+def _signature_bytes(path: Path) -> bytes | None:
+    """The signature file's bytes (stripped), or None where it is a link, not a plain file
+    (checked on the open file, read without blocking) or larger than any signature: a link to
+    a file of gigabytes was read whole before, and a pipe put in its place waited forever."""
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                     | getattr(os, "O_NONBLOCK", 0))
+    except OSError:  # ELOOP: a link
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MOST_SIGNATURE_BYTES:
+            return None
+        return handle.read(_MOST_SIGNATURE_BYTES + 1).strip()
 
 
 __all__ = ["SIGNATURE_NAME", "UnusableKeyError", "export_key_path", "sign", "unsigned_reason"]

@@ -21,9 +21,10 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from pdcompile.errors import PipelineInputError
+from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export.integrity import MANIFEST_NAME
 from pdcompile.export.signing import unsigned_reason
+from pdcompile.runtime.tensor_tree import load_skeleton
 
 # what an export's own code imports, whatever the model: torch, pdcompile's runtime, and the
 # standard modules torch.fx's generated code and the container types name
@@ -31,7 +32,6 @@ BASE_PACKAGES = frozenset({"torch", "pdcompile", "builtins", "collections", "ope
                            "_operator", "math", "functools", "typing"})
 TRUST_HINT = ("pass trust=True to pdcompile.load (--trust to `pdcompile run`) only if you trust "
               "whoever wrote this folder: an export is code that runs when it is loaded")
-_TREE_KEY = "pdcompile.tree"
 
 
 def named_modules(folder: Path, meta: dict[str, Any], code: dict[str, str],
@@ -161,13 +161,11 @@ def _type_names(tree: Any) -> Iterator[str]:
 
 
 def _tree_skeleton(file: Path) -> Any:
-    """The JSON part of a tensor-tree file (runtime/tensor_tree), without its tensors."""
-    from safetensors import safe_open
-
+    """The JSON part of a tensor-tree file the writer just wrote (runtime/tensor_tree's reader,
+    its tensors' bytes not kept)."""
     try:
-        with safe_open(str(file), framework="pt") as handle:
-            return json.loads((handle.metadata() or {}).get(_TREE_KEY, "null"))
-    except Exception:  # a damaged file: the manifest or the loader names it
+        return load_skeleton(file)
+    except (OSError, DamagedFileError):  # a damaged file: the manifest or the loader names it
         return None
 
 

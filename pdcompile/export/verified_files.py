@@ -12,6 +12,7 @@ the check and the load was loaded unchecked.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,25 +20,38 @@ import torch
 
 from pdcompile.errors import DamagedFileError
 from pdcompile.export.integrity import FIX, listed_export
-from pdcompile.runtime.tensor_tree import tree_value
-from pdcompile.runtime.verified_read import parse_bytes, parse_safetensors, read_checked
+from pdcompile.runtime.tensor_tree import tree_skeleton, tree_value
+from pdcompile.runtime.verified_read import (
+    parse_bytes,
+    parse_safetensors,
+    parse_safetensors_header,
+    read_checked,
+)
 from pdcompile.util.manifest import Manifest
 
 
 class ExportFiles:
     """Every file of one export, read once and checked (`read_export`)."""
 
-    def __init__(self, manifest: Manifest) -> None:
+    def __init__(self, manifest: Manifest, *, tensors: bool = True,
+                 names: Iterable[str] | None = None) -> None:
         self.manifest = manifest
         self.folder = manifest.path.parent
+        self.holds_tensors = tensors
         self._bytes: dict[str, bytes] = {}
         self._tensors: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
         self._taken: set[str] = set()
+        wanted = None if names is None else set(names)
         for name, entry in sorted(manifest.files.items()):
+            if wanted is not None and name not in wanted:
+                continue
             path = self.folder / name
-            if name.endswith(".safetensors"):
+            if name.endswith(".safetensors") and tensors:
                 self._tensors[name] = read_checked(path, entry, parse_safetensors, fix=FIX,
                                                    kind="export")
+            elif name.endswith(".safetensors"):  # the same parser, the tensors not kept
+                self._tensors[name] = (read_checked(path, entry, parse_safetensors_header,
+                                                    fix=FIX, kind="export"), {})
             else:
                 self._bytes[name] = read_checked(path, entry, parse_bytes, fix=FIX,
                                                  kind="export")
@@ -82,11 +96,25 @@ class ExportFiles:
             raise DamagedFileError(f"{str(err).removesuffix('; write it again')}; {FIX}") \
                 from None
 
+    def skeleton(self, name: str) -> Any:
+        """A tensor-tree file's JSON part as checked, its tensors left as references (all a
+        check that loads nothing reads of it)."""
+        if name not in self._tensors:
+            raise self._missing(name)
+        try:
+            return tree_skeleton(self._tensors[name][0], self.folder / name)
+        except DamagedFileError as err:
+            raise DamagedFileError(f"{str(err).removesuffix('; write it again')}; {FIX}") \
+                from None
+
     def _stored(self, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """A safetensors file's metadata and tensors: the ones read the first time, copies
         after."""
         if name not in self._tensors:
             raise self._missing(name)
+        if not self.holds_tensors:
+            raise LookupError("these files were read without their tensors "
+                              "(read_export(folder, tensors=False))")
         metadata, tensors = self._tensors[name]
         if name in self._taken:
             return metadata, {key: value.clone() for key, value in tensors.items()}
@@ -98,10 +126,14 @@ class ExportFiles:
                                 f"manifest does not list it); {FIX}")
 
 
-def read_export(folder: Path) -> ExportFiles:
+def read_export(folder: Path, *, tensors: bool = True,
+                names: Iterable[str] | None = None) -> ExportFiles:
     """Every file of the export in `folder`, read once and checked against its manifest (and
-    no file of the writer's names that the manifest leaves out, export/integrity.py)."""
-    return ExportFiles(listed_export(folder))
+    no file of the writer's names that the manifest leaves out, export/integrity.py).
+    `tensors=False`: safetensors files are read and checked by the same parser, their headers
+    kept and their tensors dropped (a check that loads nothing: `pdcompile verify`, `run`).
+    `names`: only these of the listed files (a launcher's look at the plan)."""
+    return ExportFiles(listed_export(folder), tensors=tensors, names=names)
 
 
 __all__ = ["ExportFiles", "read_export"]

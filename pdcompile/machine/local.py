@@ -18,6 +18,7 @@ import math
 import os
 import platform
 import socket
+import stat
 import tempfile
 import time
 from pathlib import Path
@@ -40,18 +41,59 @@ def machine_identity() -> str:
     return f"{socket.gethostname()} {platform.machine()} torch {torch.__version__}"
 
 
+# the figures a machine can have, widely: a cached one outside (1e-300 bytes/s, a latency of
+# a day) is no measurement of this machine's and is measured again
+_PLAUSIBLE = {"bandwidth": (1e3, 1e15), "allreduce_bandwidth": (1e3, 1e15),
+              "latency": (1e-9, 60.0), "flops": (1e5, 1e18), "mem_bandwidth": (1e5, 1e16)}
+_MOST_BYTES = 1 << 16  # the cache holds a handful of numbers: a larger file is none of ours
+
+
 def _read_cache() -> dict[str, float]:
-    """The cached figures of this machine: each a finite positive number (anything else in the
-    file, a damaged value or another machine's figures, is measured again)."""
+    """The cached figures of this machine: each a finite positive number within what a
+    machine can have (anything else in the file, a damaged value or another machine's
+    figures, is measured again). A cache that is no plain file of ours (a FIFO, a link to
+    /dev/zero, a file of gigabytes: reading it hung or filled the memory) is measured again."""
+    text = _cache_text()
+    if text is None:
+        return {}
     try:
-        data = json.loads(_cache_file().read_text())
-    except (OSError, ValueError, RecursionError):
+        data = json.loads(text)
+    except (ValueError, RecursionError):
         return {}
     if not isinstance(data, dict) or data.get("machine", machine_identity()) != machine_identity():
         return {}
-    return {key: float(value) for key, value in data.items() if key != "machine"
-            and isinstance(value, int | float) and not isinstance(value, bool)
-            and math.isfinite(value) and value > 0}
+    return {key: number for key, value in data.items() if key != "machine"
+            and (number := _figure(key, value)) is not None}
+
+
+def _cache_text() -> str | None:
+    """The cache file's text, or None where it is missing, unreadable, not a plain file (read
+    without blocking: checked on the open file) or larger than any cache pdcompile writes."""
+    try:
+        fd = os.open(_cache_file(), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    except OSError:
+        return None
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > _MOST_BYTES:
+            return None
+        try:
+            return handle.read(_MOST_BYTES + 1).decode()
+        except (OSError, UnicodeDecodeError):
+            return None
+
+
+def _figure(key: str, value: Any) -> float | None:
+    """`value` as the cached figure `key`: a finite positive number (an int too large for a
+    float, 10**400, raised OverflowError) within what a machine can have; else None."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except OverflowError:
+        return None
+    low, high = _PLAUSIBLE.get(key, (0.0, math.inf))
+    return number if math.isfinite(number) and number > 0 and low <= number <= high else None
 
 
 def _write_cache(update: dict[str, Any]) -> None:

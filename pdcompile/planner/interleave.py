@@ -21,7 +21,7 @@ import torch.fx as fx
 from pdcompile.cost.costgraph import topological_order
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan, Stage
-from pdcompile.schedule.placement import v_position
+from pdcompile.schedule.placement import chunk_placement, v_position
 
 
 def interleave(plan: Plan, ranks: int) -> Plan:
@@ -36,8 +36,8 @@ def interleave(plan: Plan, ranks: int) -> Plan:
         raise PlanError(f"stages {replicated} of the plan are replicated; an interleaved "
                         "placement runs every chunk on one rank (plan a straight pipeline)")
     placed = tuple(replace(stage, ranks=(c % ranks,)) for c, stage in enumerate(plan.stages))
-    return replace(plan, stages=placed, workers=ranks,
-                   extra={**plan.extra, "chunks_per_rank": stages // ranks})
+    return replace(plan, stages=placed, workers=ranks, extra={
+        **plan.extra, **chunk_placement([s.ranks for s in placed], v_shape=False)})
 
 
 def fold_v(plan: Plan) -> Plan:
@@ -54,8 +54,8 @@ def fold_v(plan: Plan) -> Plan:
     ranks = stages // 2
     placed = tuple(replace(stage, ranks=(v_position(c, ranks),))
                    for c, stage in enumerate(plan.stages))
-    return replace(plan, stages=placed, workers=ranks,
-                   extra={**plan.extra, "chunks_per_rank": 2, "placement": "v"})
+    return replace(plan, stages=placed, workers=ranks, extra={
+        **plan.extra, **chunk_placement([s.ranks for s in placed], v_shape=True)})
 
 
 def v_plan(gm: fx.GraphModule, ranks: int) -> Plan:

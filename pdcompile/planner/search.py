@@ -51,6 +51,7 @@ from pdcompile.planner.in_flight import choose_in_flight, choose_recompute, rank
 from pdcompile.planner.search_cache import SearchCache
 from pdcompile.planner.simulation import simulate_steady, steady_minibatches
 from pdcompile.schedule.kinds import KINDS, kind, replicas_refused, unknown
+from pdcompile.schedule.placement import chunk_placement
 from pdcompile.units import format_bytes, parse_quantity
 
 PLANNERS = ("auto", "dp", "ilp")
@@ -346,6 +347,9 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if ilp_found:  # CP-SAT ran: the plan is the best of its plan and the DP's
         extra |= ilp_found[0].ilp or {}
         status, label = ilp_found[0].status, "ilp"
+    # several chunks per rank (interleaved, a V): recorded as interleave/fold_v record it
+    extra |= chunk_placement([s.ranks for s in chosen.priced],
+                             v_shape=kind(options.schedule).v_shape)
     used = 1 + max(r for s in chosen.priced for r in s.ranks)
     if stages is None and used < workers:
         extra["idle_workers"] = _why_idle(cost_graph, cluster, chosen, simulated, candidates,

@@ -21,7 +21,12 @@ same in every process and for every fresh compile of the same model: no ids, mem
 (stripped from reprs), file paths or dict orders. Modules that only hold parameters read with
 `get_attr` are left out: a compiled pipeline keeps the user's `nn.Linear` there, an export
 loaded back a plain `nn.Module` holding the same tensors. `stage_fingerprint` is the single hash
-of both that checkpoints stored before the split (still compared with theirs).
+of both that checkpoints stored before the split (still compared with theirs). Its walker
+(`_runs`, `_arg`) stays beside the strict one (`_structure`, `_strict_arg`): it cannot be
+rebuilt from the strict walk and its drifting part, which keep less (constants joined by
+spaces, the placeholders "<callable>" and "<constant>" alike to those strings, a float and
+its repr as text alike), and its bytes must stay those older checkpoints hold (pinned in
+tests/runtime/test_stage_fingerprint.py, as the strict part's are).
 """
 
 from __future__ import annotations

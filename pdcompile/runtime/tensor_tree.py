@@ -145,6 +145,15 @@ def load_tree(path: str | os.PathLike[str]) -> Any:
         return read_tree(handle, os.fstat(handle.fileno()).st_size, file, seen=_ignore)
 
 
+def load_skeleton(path: str | os.PathLike[str]) -> Any:
+    """The JSON part of the tree file `path` (`tree_skeleton`), read by `read_tensors` as
+    `load_tree` reads it, its tensors' bytes read but not kept; DamagedFileError as there."""
+    with open(path, "rb") as handle:
+        metadata, _ = read_tensors(handle, os.fstat(handle.fileno()).st_size, path,
+                                   seen=_ignore, tree=True, keep=False)
+    return tree_skeleton(metadata, path)
+
+
 def _ignore(_: memoryview) -> None:
     """A `seen` that keeps nothing (a read that checks no hash)."""
 
@@ -163,20 +172,22 @@ def tree_value(metadata: dict[str, Any], tensors: dict[str, torch.Tensor],
                name: str | os.PathLike[str]) -> Any:
     """The tree of a file `read_tensors` read (its metadata and tensors); DamagedFileError
     naming the file when the metadata holds none or a malformed one."""
+    skeleton = tree_skeleton(metadata, name)
     try:
-        if _KEY not in metadata:
-            raise ValueError("it holds no pdcompile data")
-        return decode(json.loads(metadata[_KEY]), tensors)
+        return decode(skeleton, tensors)
     except (ValueError, KeyError, TypeError, RuntimeError, RecursionError) as err:
         raise _damaged(name, err) from None
 
 
 def read_tensors(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
-                 seen: Callable[[memoryview], object], tree: bool = False
+                 seen: Callable[[memoryview], object], tree: bool = False, keep: bool = True
                  ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """A safetensors file's metadata and tensors, read from `handle` as `read_tree` reads
     (once, front to back, every byte shown to `seen`). `tree`: refuse a file without a tree
-    before its tensors are read. The caller checks what `seen` saw before it uses them."""
+    before its tensors are read. `keep=False`: the tensors' bytes are read and shown to `seen`
+    the same way, through one reused buffer, and dropped (no tensors returned: a check that
+    loads nothing holds no copy of the weights). The caller checks what `seen` saw before it
+    uses them."""
     try:
         head = read_bytes(handle, 8, seen)
         header_size = int.from_bytes(head, "little")
@@ -191,7 +202,11 @@ def read_tensors(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
         if not isinstance(metadata, dict) or (tree and _KEY not in metadata):
             raise ValueError("it holds no pdcompile data")
         tensors = {}
-        for key, dtype, shape, nbytes in _layout(header, size - 8 - header_size):
+        spans = _layout(header, size - 8 - header_size)
+        if not keep:
+            _skip(handle, sum(span[3] for span in spans), seen)
+            return metadata, tensors
+        for key, dtype, shape, nbytes in spans:
             raw = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:
                 _read_into(handle, memoryview(raw.numpy()), seen)
@@ -199,6 +214,18 @@ def read_tensors(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
                 shape, dtype=dtype)
         return metadata, tensors
     except (ValueError, KeyError, TypeError, RuntimeError, RecursionError) as err:
+        raise _damaged(name, err) from None
+
+
+def tree_skeleton(metadata: dict[str, Any], name: str | os.PathLike[str]) -> Any:
+    """The JSON part of a tree file `read_tensors` read (its tensors left as the references
+    the JSON holds: what a check reads of a file it does not load); DamagedFileError naming
+    the file when the metadata holds none or no valid JSON."""
+    try:
+        if _KEY not in metadata:
+            raise ValueError("it holds no pdcompile data")
+        return json.loads(metadata[_KEY])
+    except (ValueError, TypeError, RecursionError) as err:
         raise _damaged(name, err) from None
 
 
@@ -226,9 +253,14 @@ def _layout(header: dict[str, Any], payload: int
     requires (so that nothing is allocated beyond the file's size)."""
     spans = []
     for key, info in header.items():
-        dtype = _SAFETENSORS_DTYPES[info["dtype"]]
-        shape = [int(n) for n in info["shape"]]
-        begin, end = (int(v) for v in info["data_offsets"])
+        dtype = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if dtype is None:
+            raise ValueError(f"tensor {key!r} has dtype {_shown(info['dtype'])}, which pdcompile "
+                             "does not write")
+        shape, offsets = list(info["shape"]), list(info["data_offsets"])
+        if not all(type(n) is int for n in [*shape, *offsets]):  # not 2.5, "2" or true
+            raise ValueError(f"tensor {key!r} has a shape or offsets that are not integers")
+        begin, end = offsets
         count = 1
         for n in shape:
             if n < 0:
@@ -248,12 +280,28 @@ def _layout(header: dict[str, Any], payload: int
             for begin, end, key, dtype, shape in sorted(spans, key=lambda s: s[:2])]
 
 
+def _shown(value: Any) -> str:
+    """A value of a header for a message, cut short."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def read_bytes(handle: BinaryIO, count: int, seen: Callable[[memoryview], object]) -> bytes:
     """The next `count` bytes of `handle`, each chunk shown to `seen` as it lands (ValueError
     when the file ends first)."""
     out = bytearray(count)
     _read_into(handle, memoryview(out), seen)
     return bytes(out)
+
+
+def _skip(handle: BinaryIO, count: int, seen: Callable[[memoryview], object]) -> None:
+    """Read the next `count` bytes of `handle` through one buffer of at most a chunk, each
+    chunk shown to `seen` as it lands, none kept (ValueError when the file ends first)."""
+    buffer = memoryview(bytearray(min(count, _CHUNK)))
+    while count:
+        step = min(count, _CHUNK)
+        _read_into(handle, buffer[:step], seen)
+        count -= step
 
 
 def _read_into(handle: BinaryIO, target: memoryview, seen: Callable[[memoryview], object]
@@ -268,5 +316,6 @@ def _read_into(handle: BinaryIO, target: memoryview, seen: Callable[[memoryview]
         done += got
 
 
-__all__ = ["TreeEncodeError", "decode", "dtype_name", "dtype_of", "encode", "load_tree",
-           "read_bytes", "read_tensors", "read_tree", "save_tree", "tree_value"]
+__all__ = ["TreeEncodeError", "decode", "dtype_name", "dtype_of", "encode", "load_skeleton",
+           "load_tree",
+           "read_bytes", "read_tensors", "read_tree", "save_tree", "tree_skeleton", "tree_value"]

@@ -16,6 +16,7 @@ schedule runs on (`ScheduleKind.v_shape`).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from pdcompile.errors import ScheduleError
 
@@ -68,4 +69,15 @@ def chunk_shape(stage_ranks: Sequence[Sequence[int]], *, v_shape: bool) -> tuple
     return p, len(shape) // p
 
 
-__all__ = ["chunk_shape", "v_chunks", "v_position"]
+def chunk_placement(stage_ranks: Sequence[Sequence[int]], *, v_shape: bool) -> dict[str, Any]:
+    """What a plan's `extra` records of its chunks: "chunks_per_rank" where a rank holds
+    several stages, and "placement": "v" for a V (ZB-V, DualPipeV); {} for one stage per rank.
+    Every plan of chunks records it, made by planner.interleave or by the planner's search."""
+    ranks = {rank for ranks in stage_ranks for rank in ranks}
+    if not ranks or len(stage_ranks) <= len(ranks):
+        return {}
+    return {"chunks_per_rank": len(stage_ranks) // len(ranks),
+            **({"placement": "v"} if v_shape else {})}
+
+
+__all__ = ["chunk_placement", "chunk_shape", "v_chunks", "v_position"]

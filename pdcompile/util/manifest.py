@@ -145,54 +145,16 @@ def _entry(entry: Any) -> FileEntry:
     return FileEntry(size, sha)
 
 
-def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = None,
-                kind: str = "folder", read: tuple[int, str] | None = None) -> None:
-    """Refuse `path` (or `data`, its bytes already read, or `read`: the size and SHA-256 of its
-    bytes as the caller read them) unless it has the entry's size and SHA-256; the message
-    names the file and what differs."""
-    if read is not None:
-        size = read[0]
-    elif data is None:
-        try:
-            size = path.stat().st_size
-        except FileNotFoundError:
-            raise DamagedFileError(f"{path} is missing from the {kind} (its manifest lists "
-                                   f"it); {fix}") from None
-    else:
-        size = len(data)
+def check_entry(path: Path, entry: FileEntry, *, fix: str, read: tuple[int, str]) -> None:
+    """Refuse `path` unless `read` (the size and SHA-256 of its bytes as the caller read them,
+    runtime/verified_read.py) are the entry's; the message names the file and what differs."""
+    size, found = read
     if size != entry.size:
         raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it says "
                                f"{entry.size}: truncated or altered); {fix}")
-    if read is not None:
-        found = read[1]
-    else:
-        found = hashlib.sha256(data).hexdigest() if data is not None else digest(path)
     if found != entry.sha256:
         raise DamagedFileError(f"{path} does not match its manifest (another SHA-256: altered "
                                f"or damaged on disk); {fix}")
-
-
-def verify(manifest: Manifest, *, fix: str) -> None:
-    """Check every file the manifest lists (size, then SHA-256); the first mismatch raises."""
-    folder = manifest.path.parent
-    for name, entry in sorted(manifest.files.items()):
-        check_entry(folder / name, entry, fix=fix, kind=manifest.kind)
-
-
-def read_verified(manifest: Manifest, name: str, *, fix: str) -> bytes:
-    """The bytes of one listed file, read once and checked: what is used is what was checked."""
-    entry = manifest.files.get(name)
-    path = manifest.path.parent / name
-    if entry is None:
-        raise DamagedFileError(f"{path} is not listed in {manifest.path.name}, so it is not part "
-                               f"of what was written; {fix}")
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        raise DamagedFileError(f"{path} is missing from the {manifest.kind} (its manifest "
-                               f"lists it); {fix}") from None
-    check_entry(path, entry, fix=fix, data=data, kind=manifest.kind)
-    return data
 
 
 def fsync_dir(folder: Path) -> None:
@@ -215,5 +177,5 @@ def entries(manifest: Manifest) -> dict[str, Any]:
 
 
 __all__ = ["MANIFEST_FORMAT", "MAX_JSON_BYTES", "FileEntry", "Manifest", "check_entry", "digest",
-           "entries", "fsync_dir", "read_json_bytes", "read_json_text", "read_manifest", "read_verified", "verify",
+           "entries", "fsync_dir", "read_json_bytes", "read_json_text", "read_manifest",
            "write_manifest"]

@@ -17,7 +17,7 @@ from torch import nn
 import pdcompile
 from pdcompile.cli import main
 from pdcompile.errors import PdcompileError
-from pdcompile.export.files import check_export
+from pdcompile.export.checked import check_export
 from pdcompile.export.integrity import seal_export
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 

@@ -20,7 +20,7 @@ from torch import nn
 import pdcompile
 from pdcompile.errors import PdcompileError
 from pdcompile.export import read as pdcompile_read
-from pdcompile.export.files import check_export
+from pdcompile.export.checked import check_export
 from pdcompile.export.integrity import seal_export
 from pdcompile.pipeline import Pipeline
 from pdcompile.util.manifest import write_manifest

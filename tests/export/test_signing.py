@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pdcompile
 from pdcompile.errors import PipelineInputError
 from pdcompile.export import signing
 from pdcompile.pipeline import Pipeline
+from tests.helpers.byte_damage import bounded
 from tests.helpers.small_pipes import two_stage_pipe
 
 
@@ -95,3 +97,43 @@ def _make_key(keys: list[bytes | None], errors: list[BaseException]) -> None:
         keys.append(signing._key(create=True))
     except BaseException as err:  # noqa: BLE001 (reported by the test)
         errors.append(err)
+
+
+def _to_big_file(out: Path) -> None:
+    big = out.parent / "big"
+    with open(big, "wb") as handle:  # sparse: no disk used
+        handle.truncate(1 << 30)
+    (out / "MANIFEST.sig").unlink()
+    (out / "MANIFEST.sig").symlink_to(big)
+
+
+def _to_own_copy(out: Path) -> None:
+    copy = out.parent / "copy.sig"
+    copy.write_bytes((out / "MANIFEST.sig").read_bytes())
+    (out / "MANIFEST.sig").unlink()
+    (out / "MANIFEST.sig").symlink_to(copy)
+
+
+def _large(out: Path) -> None:
+    with open(out / "MANIFEST.sig", "ab") as handle:
+        handle.truncate(1 << 30)
+
+
+@pytest.mark.parametrize("change", [_to_big_file, _to_own_copy, _large],
+                         ids=["link-to-1-gib", "link-to-a-copy", "1-gib-file"])
+def test_a_signature_that_is_no_file_the_writer_made_is_refused_unread(
+        pipe: Pipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        change: Callable[[Path], None]) -> None:
+    """MANIFEST.sig a link (to a file of a gigabyte, or to a copy of the right signature) or a
+    gigabyte itself: refused in one line saying so, without reading it (before, it was read
+    whole: a gigabyte into memory). A link is refused even to the right bytes, as the loader
+    refuses links among the export's files (the writer makes none); trust=True loads it."""
+    monkeypatch.setenv("PDCOMPILE_KEY", str(tmp_path / "export.key"))
+    out = tmp_path / "out"
+    pipe.export(str(out))
+    change(out)
+    with bounded(30), pytest.raises(PipelineInputError) as info:
+        pdcompile.load(str(out))
+    message = str(info.value)
+    assert "not a plain file of a signature's size" in message and "\n" not in message
+    assert pdcompile.load(str(out), trust=True).plan == pipe.plan

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,7 @@ from hypothesis import strategies as st
 
 from pdcompile.machine import local as local_machine
 from pdcompile.machine.loopback import Loopback
+from tests.helpers.byte_damage import bounded
 
 _MEASURED = Loopback(3e9, 2e-5, 1e9)
 _CPU = (7e10, 2e10)
@@ -39,14 +42,18 @@ def _usable(value: float) -> bool:
     return math.isfinite(value) and value > 0
 
 
-def _number(value: object) -> bool:
+def _number(key: str, value: object) -> bool:
     """A figure the cache may hold: a finite positive int or float, not a bool (JSON's true
-    is no bandwidth)."""
-    return isinstance(value, int | float) and not isinstance(value, bool) and _usable(value)
+    is no bandwidth), within what a machine can have (`local._PLAUSIBLE`)."""
+    if not isinstance(value, int | float) or isinstance(value, bool) or abs(value) > 1e300:
+        return False
+    low, high = local_machine._PLAUSIBLE[key]
+    return _usable(value) and low <= value <= high
 
 
-_VALUES = (st.none() | st.booleans() | st.floats() | st.integers(-10, 10**15) | st.text(max_size=8)
-           | st.lists(st.floats(), max_size=2))
+_VALUES = (st.none() | st.booleans() | st.floats() | st.integers(-10, 10**15)
+           | st.integers(10**300, 10**400) | st.sampled_from([1e-300, 1e300, 5e-10, 1e6])
+           | st.text(max_size=8) | st.lists(st.floats(), max_size=2))
 
 
 @settings(max_examples=200, deadline=None,
@@ -68,12 +75,39 @@ def test_whatever_the_file_holds_the_figures_are_usable(cache: Path, doc: object
         "machine", local_machine.machine_identity()) == local_machine.machine_identity() else {}
     for key, used in (("flops", device.flops), ("bandwidth", loop.bandwidth)):
         value = given_.get(key)
-        own = _number(value)
-        if own and all(_number(given_.get(k))
+        own = _number(key, value)
+        if own and all(_number(k, given_.get(k))
                        for k in (("flops", "mem_bandwidth") if key == "flops"
                                  else Loopback._fields)):
             assert used == float(value)  # the file's own figure, kept
     assert json.loads(cache.read_text())["machine"] == local_machine.machine_identity()
+
+
+def _fifo(cache: Path) -> None:
+    os.mkfifo(cache)
+
+
+def _zeros(cache: Path) -> None:
+    os.symlink("/dev/zero", cache)
+
+
+def _huge(cache: Path) -> None:
+    with open(cache, "wb") as out:  # sparse: no disk used
+        out.truncate(4 << 30)
+
+
+@pytest.mark.parametrize("make", [_fifo, _zeros, _huge], ids=["fifo", "dev-zero", "4-gib"])
+def test_a_cache_that_is_no_file_of_ours_is_measured_again(
+        cache: Path, make: Callable[[Path], None]) -> None:
+    """local.json a FIFO, a link to /dev/zero or a 4 GiB file: measured again at once, and the
+    cache written anew. Before, reading it waited forever for a writer, or read until the
+    memory was full."""
+    make(cache)
+    with bounded(30):
+        assert local_machine.local_bandwidth() == _MEASURED
+        assert local_machine.local_device().flops == _CPU[0]
+    assert cache.is_file() and not cache.is_symlink()
+    assert json.loads(cache.read_text())["bandwidth"] == _MEASURED.bandwidth
 
 
 def test_another_machines_figures_are_measured_again(cache: Path) -> None:

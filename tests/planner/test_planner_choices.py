@@ -151,6 +151,40 @@ def test_stages_k_with_a_chunked_schedule_gives_k_workers_their_chunks(schedule:
         [(0,), (1,), (1,), (0,)] if v_shape else [(0,), (1,), (0,), (1,)])
 
 
+@pytest.mark.parametrize("schedule", ["interleaved-1f1b", "interleaved-zb", "zb-v", "dualpipev"])
+def test_a_planned_chunked_plan_records_its_chunks_through_json_and_export(
+        schedule: str, tmp_path: Any) -> None:
+    """A plan the planner chunks records its chunks per rank (and a V its placement) as a plan
+    placed by planner.interleave does, through plan.json and an export's load. Before, the
+    search priced the placed plan's stages anew and dropped `chunks_per_rank` and
+    `placement`."""
+    import torch
+    from torch import nn
+
+    from pdcompile.planner.interleave import fold_v, interleave
+
+    v_shape = schedule in ("zb-v", "dualpipev")
+    planned = pdcompile.plan(_chain(8), "2@1e10", schedule=schedule, microbatches=4,
+                             planner="dp")
+    straight = pdcompile.plan(_chain(8), "4@1e10", stages=4, straight=True)
+    placed = fold_v(straight) if v_shape else interleave(straight, 2)
+    wanted = {"chunks_per_rank": 2, **({"placement": "v"} if v_shape else {})}
+    for plan in (planned, placed, Plan.from_json(planned.to_json())):
+        assert {k: plan.extra.get(k) for k in ("chunks_per_rank", "placement")
+                if k in plan.extra} == wanted
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(8)])
+    x = torch.randn(8, 4)
+    pipe = pdcompile.compile(model, example_inputs=(x,), loss_fn=nn.functional.mse_loss,
+                             cluster="2@1e10", schedule=schedule, microbatches=4,
+                             cost="analytic")
+    assert len(pipe.plan.stages) == 4
+    pipe.export(str(tmp_path / "out"))
+    loaded = pdcompile.load(str(tmp_path / "out")).plan
+    assert {k: loaded.extra.get(k) for k in ("chunks_per_rank", "placement")
+            if k in loaded.extra} == wanted
+
+
 def test_stages_k_balances_cost_not_parameters() -> None:
     # the last layer costs four times the others: four balanced stages give it a stage alone
     graph = _chain(8, uneven=True)

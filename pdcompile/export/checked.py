@@ -1,0 +1,96 @@
+"""An export checked without loading it: what `pdcompile verify` and `pdcompile run` decide from.
+
+Every file the manifest lists is read once, checked against its entry as it is read, by the
+reader the loader uses (export/verified_files.py, runtime/verified_read.py): safetensors files
+by the same parser (the header, and the tensors' layout against the file's size), their
+tensors' bytes hashed and dropped. pipeline.json is checked for its format and fields,
+plan.json fitted to the other files (export/plan_file.py), every generated Python file
+compiled (not run), and the JSON part of every tensor-tree file parsed. What the launcher
+then decides from (the worker count, the modules the trust check scans) is what was checked
+here, never a file read again: before, the folder was hashed first, then its files opened
+again by safetensors (`safe_open`, whose header check is not the loader's) and by the trust
+scan, so a file swapped in between, or a header whose sizes the loader refuses, passed the
+check.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdcompile.errors import DamagedFileError, PipelineInputError
+from pdcompile.export.files import checked_source, folder_path, read_meta
+from pdcompile.export.integrity import FIX, code_files
+from pdcompile.export.plan_file import export_plan
+from pdcompile.export.verified_files import read_export
+from pdcompile.plan import Plan
+from pdcompile.util.manifest import Manifest
+
+# the files the loader reads as tensor trees (runtime/tensor_tree): optimizer states, the
+# example minibatch, and the module records of the stages and of the graph
+_TREE_FILE = re.compile(r"^(optimizer_\d+|example|stage_\d+_modules|graph_modules)"
+                        r"\.safetensors$")
+
+
+@dataclass(frozen=True)
+class CheckedExport:
+    """What `checked_export` read of an export, each file once and checked."""
+
+    folder: Path
+    meta: dict[str, Any]  # pipeline.json
+    plan: Plan  # plan.json, fitted to the other files
+    manifest: Manifest
+    code: dict[str, str]  # the generated Python files' text (compiled, not run), by name
+    trees: dict[str, Any]  # the recorded module files' JSON parts (what they name), by name
+
+
+def checked_export(path: str | Path) -> CheckedExport:
+    """Check an export folder without loading it (module docstring); one line naming the first
+    file that is missing, damaged, altered or does not fit the others."""
+    folder = folder_path(path, "check_export")
+    if folder.exists() and not folder.is_dir():
+        raise PipelineInputError(f"{folder} is a file, not an export folder; name the folder "
+                                 "written by Pipeline.export or `pdcompile export`")
+    if not folder.is_dir():
+        raise PipelineInputError(f"export folder {str(folder)!r} does not exist; write one with "
+                                 "`pdcompile export` or Pipeline.export(path)")
+    read_meta(folder)  # the format named first, as the loader names it
+    files = read_export(folder, tensors=False)
+    meta = read_meta(folder, files.text("pipeline.json"))
+    for name in _expected(meta):
+        if not files.has(name):
+            raise DamagedFileError(f"{folder / name} is missing from the export; {FIX}")
+    trees = {name: files.skeleton(name) for name in sorted(files.manifest.files)
+             if _TREE_FILE.match(name)}  # what the loader reads as trees: their JSON parts
+    plan = export_plan(files, meta)
+    code = {name: checked_source(files.text(name), folder / name)
+            for name in code_files(files.manifest, "")}
+    recorded = {name: tree for name, tree in trees.items()
+                if name.endswith("_modules.safetensors")}
+    return CheckedExport(folder, meta, plan, files.manifest, code, recorded)
+
+
+def check_export(path: str | Path) -> dict[str, Any]:
+    """Check an export folder without loading it (`checked_export`), so that a launcher can
+    refuse a damaged one in one line before starting workers; its pipeline.json."""
+    return checked_export(path).meta
+
+
+def _expected(meta: dict[str, Any]) -> list[str]:
+    """The files an export with this pipeline.json must hold."""
+    names = ["plan.json", "schedule.txt"]
+    for i, stage in enumerate(meta["stages"]):
+        names += [f"stage_{i}.py", f"stage_{i}.safetensors", f"optimizer_{i}.safetensors"]
+        if stage.get("recorded_modules"):
+            names.append(f"stage_{i}_modules.safetensors")
+    example = meta.get("example")
+    if isinstance(example, dict) and example.get("inputs"):
+        names.append("example.safetensors")
+    if meta.get("unused"):
+        names.append("unused.safetensors")
+    return names
+
+
+__all__ = ["CheckedExport", "check_export", "checked_export"]

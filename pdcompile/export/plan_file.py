@@ -1,0 +1,104 @@
+"""An export's plan.json: read from the export's checked files and fitted to the others.
+
+The plan says how many processes a launcher starts and which rank runs which stage. It was
+read unchecked by the launcher (`plan_workers`: a worker count from a file nobody verified,
+where a damaged one silently gave none), and at load trusted to fit the stages, schedule and
+rank code beside it: a plan.json edited under a manifest written again (an export loaded with
+trust=True) loaded with its stages on other ranks than the rank code runs them on, or one more
+replica than the code has, which deadlocked its first step. Here plan.json is taken from the
+files read once against the manifest (export/verified_files.py), parsed by `Plan.from_json`
+(every field's type), and fitted: as many stages as pipeline.json, only nodes the exported graph
+has, and each stage on the ranks schedule.txt (the order the rank files were generated from)
+gives it. Anything else is one DamagedFileError naming plan.json, what does not fit, and the
+fix.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from pdcompile.errors import DamagedFileError
+from pdcompile.export.files import folder_path, read_file, read_meta
+from pdcompile.export.integrity import FIX
+from pdcompile.export.verified_files import ExportFiles, read_export
+from pdcompile.plan import Plan
+from pdcompile.schedule.ir import Schedule
+
+# the files that say what the plan must fit (all a launcher reads to count its workers)
+PLAN_FILES = ("pipeline.json", "plan.json", "schedule.txt")
+
+
+def export_plan(files: ExportFiles, meta: dict[str, Any]) -> Plan:
+    """The Plan of the export whose checked files are `files` (pipeline.json's content
+    `meta`), fitted to them (module docstring)."""
+    path = files.folder / "plan.json"
+    plan = read_file(path, lambda _: Plan.from_json(files.text("plan.json")))
+    schedule = read_file(files.folder / "schedule.txt",
+                         lambda _: Schedule.from_text(files.text("schedule.txt")))
+    misfit = plan_misfit(plan, meta, schedule)
+    if misfit is not None:
+        raise DamagedFileError(f"{path} does not fit the export's other files: {misfit} (altered, "
+                               f"or another export's); {FIX}")
+    return plan
+
+
+def plan_misfit(plan: Plan, meta: dict[str, Any], schedule: Schedule) -> str | None:
+    """How `plan` does not fit an export's pipeline.json (`meta`) and schedule.txt
+    (`schedule`), in words; None where it fits."""
+    stages = len(meta["stages"])
+    if len(plan.stages) != stages:
+        return f"it has {len(plan.stages)} stages where pipeline.json has {stages}"
+    placed = [list(stage.ranks) for stage in plan.stages]
+    scheduled = [list(ranks) for ranks in schedule.stage_ranks]
+    if placed != scheduled:
+        return (f"its stages run on ranks {_short(placed)} where schedule.txt (the order the "
+                f"rank files run) has {_short(scheduled)}")
+    graph = meta.get("graph_stages")
+    if isinstance(graph, dict) and graph:  # the traced graph's nodes (left out when unsaved)
+        stranger = next((n for s in plan.stages for n in s.nodes if n not in graph), None)
+        if stranger is not None:
+            return f"it names the node {stranger!r}, which the exported graph does not have"
+    return None
+
+
+def schedule_misfit(stored: Schedule, meta: dict[str, Any], microbatches: int,
+                    per_minibatch: int) -> str | None:
+    """How schedule.txt (`stored`) does not fit the run shape the loaded pipeline runs
+    (`microbatches`, `per_minibatch`) and pipeline.json (`meta`) records, in words, before any
+    schedule of that shape is built (a header claiming 10**9 microbatches over a few actions
+    would build one that large); None where it fits."""
+    recorded = (meta.get("schedule_length"), meta.get("per_minibatch"))
+    if recorded != (microbatches, per_minibatch):
+        return (f"pipeline.json records runs of {recorded[0]!r} microbatches ({recorded[1]!r} "
+                f"per minibatch) where its own settings give {microbatches} ({per_minibatch})")
+    if stored.microbatches != microbatches or stored.options.get(
+            "microbatches_per_minibatch", 1) != per_minibatch:
+        return (f"schedule.txt is a run of {stored.microbatches} microbatches "
+                f"({stored.options.get('microbatches_per_minibatch', 1)!r} per minibatch) where "
+                f"pipeline.json records {microbatches} ({per_minibatch})")
+    actions = sum(len(ranks) for ranks in stored.actions.values())
+    if actions < microbatches * stored.stages:  # every microbatch runs forward on each stage
+        return (f"schedule.txt holds {actions} actions, fewer than its {microbatches} "
+                f"microbatches on {stored.stages} stages need")
+    return None
+
+
+def plan_workers(folder: str | os.PathLike[str]) -> int:
+    """The workers the export's plan uses (plan.json's `workers`: the processes a launcher
+    starts, fewer than asked where the planner left workers idle), read from plan.json checked
+    against the manifest and fitted to the export (`export_plan`); one line naming the file
+    otherwise. Only the files the plan must fit are read (`PLAN_FILES`)."""
+    path = folder_path(folder, "plan_workers")
+    read_meta(path)  # the format named first, as the loader names it
+    files = read_export(path, names=PLAN_FILES)
+    return export_plan(files, read_meta(path, files.text("pipeline.json"))).workers
+
+
+def _short(ranks: list[list[int]]) -> str:
+    """Ranks per stage for a message, cut short."""
+    text = str(ranks)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+__all__ = ["PLAN_FILES", "export_plan", "plan_misfit", "plan_workers", "schedule_misfit"]
