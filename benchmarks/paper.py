@@ -3,7 +3,8 @@ cost model, row by row.
 
 For each of the 12 rows whose model we ship a profile of: the paper's configuration and measured
 speed-up over data parallelism (epoch time); our plan's configuration and predicted speed-up
-(`pdcompile.plan(..., schedule="1f1b")` on the paper's cluster with the row's servers); the
+(`pdcompile.plan(..., schedule="1f1b")` on the paper's cluster with the row's servers, the
+profile scaled to the per-worker minibatch the paper's runs used: `cost/minibatch.py`); the
 paper's own configuration priced by us (`price_plan`) and its predicted speed-up; the error of
 each against the paper; and what dominates the time of data parallelism and of the pipeline in
 our model (compute, all-reduce, activations on the wire).
@@ -205,7 +206,7 @@ def why_not_dp(r: dict[str, Any]) -> str:
     else:
         factor = r["dp_allreduce_ms"] / spare
         tie = (f"DP ties our plan only with its all-reduce {factor:.0f}x faster "
-               f"({factor * r['dp_ring_gbps']:.0f} Gbps of bus bandwidth, where one flow "
+               f"({factor * r['dp_ring_gbps']:.0f} Gbps of bus bandwidth, where a ring hop "
                f"between the servers gets {r['dp_ring_gbps']:.0f} Gbps)")
     return (f"- {r['profile']} {r['shape']} ({r['cluster']}), paper DP, ours "
             f"{r['our_config']}: our plan {r['our_ms']:.1f} ms per minibatch ({r['our_bound']}); "
@@ -214,8 +215,8 @@ def why_not_dp(r: dict[str, Any]) -> str:
             f"(what the backward does not hide); {tie}. The original optimizer's own model "
             f"(all-reduce at the link's bandwidth, no overlap) on the same profile picks "
             f"{r['original_optimizer']}: it does not choose DP either, so the paper's choice "
-            "rests on something the profile does not carry (its measured DP run, another "
-            "minibatch size, or gradients smaller than the profile's parameters)")
+            "rests on something the profile does not carry (its measured DP run, or "
+            "gradients smaller than the profile's parameters)")
 
 
 def _shown_stages(bound: str, count: int) -> set[int]:
