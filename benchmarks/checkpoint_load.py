@@ -66,6 +66,23 @@ def measure(folder: Path, variant: str) -> dict[str, float]:
     return {"seconds": seconds, "rss_mib": peak}
 
 
+def load_table(what: str, files: str, repeats: int, load: tuple[float, float, float],
+               found: dict[str, list[dict[str, float]]], versus: str) -> str:
+    """The Markdown table of `found` (per variant, in order: each load's seconds and peak RSS):
+    medians, and seconds against the first variant's (`versus`, as the heading names it)."""
+    rows = [f"{what}, {repeats} loads of each, interleaved, each in a fresh process, median; "
+            f"{files} in the page cache; load average at the start {load[0]:.1f} / "
+            f"{load[1]:.1f} / {load[2]:.1f}, at the end "
+            f"{' / '.join(f'{v:.1f}' for v in os.getloadavg())}.", "",
+            f"| load | seconds | peak RSS (MiB) | seconds vs {versus} |", "|---|---|---|---|"]
+    base = statistics.median(r["seconds"] for r in next(iter(found.values())))
+    for variant, runs in found.items():
+        secs = statistics.median(r["seconds"] for r in runs)
+        rss = statistics.median(r["rss_mib"] for r in runs)
+        rows.append(f"| {variant} | {secs:.3f} | {rss:.0f} | {secs / base:.2f}x |")
+    return "\n".join(rows)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -87,17 +104,8 @@ def main() -> int:
                 out = subprocess.run([sys.executable, __file__, "--one", tmp, variant],
                                      capture_output=True, text=True, check=True, timeout=600)
                 found[variant].append(json.loads(out.stdout))
-    rows = [f"Checkpoint of {size / 2 ** 20:.0f} MiB ({size:,} bytes), {args.repeats} loads of "
-            f"each, interleaved, each in a fresh process, median; file in the page cache; load "
-            f"average at the start {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}, at the end "
-            f"{' / '.join(f'{v:.1f}' for v in os.getloadavg())}.", "",
-            "| load | seconds | peak RSS (MiB) | seconds vs the old load |", "|---|---|---|---|"]
-    base = statistics.median(r["seconds"] for r in found[_VARIANTS[0]])
-    for variant in _VARIANTS:
-        secs = statistics.median(r["seconds"] for r in found[variant])
-        rss = statistics.median(r["rss_mib"] for r in found[variant])
-        rows.append(f"| {variant} | {secs:.3f} | {rss:.0f} | {secs / base:.2f}x |")
-    text = "\n".join(rows)
+    text = load_table(f"Checkpoint of {size / 2 ** 20:.0f} MiB ({size:,} bytes)", "file",
+                      args.repeats, load, found, "the old load")
     print(text)
     if args.md:
         args.md.write_text(text + "\n")

@@ -25,11 +25,19 @@ minibatch 256; the two-stage split is 4 blocks | 4 blocks + head. One thread per
         chunks 0 and 3 on rank 0, 1 and 2 on rank 1; 8 microbatches of 32
     (h) pp-dualpipev / ours-dualpipev  DualPipeV (ScheduleDualPipeV / our dualpipev), the same
 
-Each configuration runs `--rounds` rounds of `--steps` minibatches, each after a warm-up; the
-rounds of all configurations are interleaved (so that a load from elsewhere on the machine hits
-them alike), and the table shows the median samples/s and the ratio to (a).
+Each configuration runs `--rounds` rounds of `--steps` minibatches, each round in processes of
+its own (one for (a), two for the others) after `--warmup` minibatches; a pass runs one round of
+every configuration in turn, so that a load from elsewhere on the machine hits them alike, and
+`--warmup-passes` passes run first and are not counted. The table shows each configuration's
+median samples/s with the range of its rounds, and each ratio as the median (and range) of the
+ratios within a pass: a round set against the reference's round of the same pass, minutes apart
+at most, so a drift of the machine over the run moves both sides of a ratio alike. Under the
+table, (a)'s CPU seconds per round against its wall seconds: on a quiet machine they agree, and a
+round whose CPU time is as high as its wall time but above the other rounds' ran on a slower
+core (frequency, a busy hyper-thread sibling), not behind other processes.
 
-    python benchmarks/runtime.py [--rounds 6] [--steps 8] [--only single,ddp,...] [--md FILE]
+    python benchmarks/runtime.py [--rounds 6] [--steps 8] [--warmup-passes 1] [--only single,...]
+        [--md FILE]
 
 `--bubbles` measures instead the bubble of real runs (1f1b-flush, zb-h1, interleaved-1f1b,
 interleaved-zb, zb-v, dualpipev; `run_distributed(record=True)`, --steps minibatches, the first
@@ -109,26 +117,31 @@ def make_data(steps: int, seed: int = 1) -> list[tuple[torch.Tensor, torch.Tenso
 
 
 def _rounds(step: Callable[[int], None], *, rounds: int, steps: int, warmup: int,
-            sync: Callable[[], None] = lambda: None) -> list[float]:
-    """Seconds per round of `steps` steps, after `warmup` steps."""
+            sync: Callable[[], None] = lambda: None, cpu: list[float] | None = None
+            ) -> list[float]:
+    """Seconds per round of `steps` steps, after `warmup` steps (and this process's CPU seconds
+    per round appended to `cpu`, if given)."""
     for i in range(warmup):
         step(i)
     sync()
     times = []
     for _ in range(rounds):
         sync()
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         for i in range(steps):
             step(i)
         sync()
         times.append(time.perf_counter() - start)
+        if cpu is not None:
+            cpu.append(time.process_time() - start_cpu)
     return times
 
 
 # -- (a) one process ----
 
 
-def run_single(*, rounds: int, steps: int, warmup: int, micro: int = 1) -> list[float]:
+def run_single(*, rounds: int, steps: int, warmup: int, micro: int = 1,
+               cpu: list[float] | None = None) -> list[float]:
     """Plain training in this process with one thread (`micro` > 1: gradient accumulation)."""
     torch.set_num_threads(1)
     model = build_model()
@@ -143,7 +156,17 @@ def run_single(*, rounds: int, steps: int, warmup: int, micro: int = 1) -> list[
             (loss_fn(model(xs), ys) / micro).backward()
         opt.step()
 
-    return _rounds(step, rounds=rounds, steps=steps, warmup=warmup)
+    return _rounds(step, rounds=rounds, steps=steps, warmup=warmup, cpu=cpu)
+
+
+def _single_worker(worker: Worker, rounds: int, steps: int, warmup: int,
+                   micro: int) -> list[float]:
+    """`run_single` in a process of its own (launched like the others' workers, so that every
+    configuration's rounds start from the same fresh process), its rounds' wall seconds followed
+    by their CPU seconds."""
+    cpu: list[float] = []
+    times = run_single(rounds=rounds, steps=steps, warmup=warmup, micro=micro, cpu=cpu)
+    return times + cpu
 
 
 # -- (b) DDP ----
@@ -458,11 +481,18 @@ def _dist(fn: Callable[..., list[float]], *args: Any) -> list[float]:
     return [max(a, b) for a, b in zip(values[0], values[1], strict=True)]
 
 
+def _single(rounds: int, steps: int, warmup: int, micro: int = 1) -> list[float]:
+    """`run_single`'s rounds in a launched process of their own: their wall seconds, then
+    their CPU seconds (`main` splits them: WITH_CPU)."""
+    values: list[float] = launch(_single_worker, 1, args=(rounds, steps, warmup, micro),
+                                 timeout=1800, fault_timeout=60)[0]
+    return values
+
+
 CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
-    "single": ("(a) one process, one thread", lambda r, s, w: run_single(
-        rounds=r, steps=s, warmup=w)),
-    "single-8": ("(a') one process, 8x32 microbatches", lambda r, s, w: run_single(
-        rounds=r, steps=s, warmup=w, micro=MICRO)),
+    "single": ("(a) one process, one thread", lambda r, s, w: _single(r, s, w)),
+    "single-8": ("(a') one process, 8x32 microbatches", lambda r, s, w: _single(
+        r, s, w, MICRO)),
     "ddp": ("(b) DDP, 2 processes", lambda r, s, w: _dist(_ddp_worker, r, s, w)),
     "pp-1f1b": ("(c) pipelining Schedule1F1B, 8x32", lambda r, s, w: _dist(
         _pp_worker, "1f1b", r, s, w)),
@@ -496,6 +526,8 @@ CONFIGS: dict[str, tuple[str, Callable[[int, int, int], list[float]]]] = {
     "ours-dualpipev": ("(h) ours, dualpipev, 2x2 chunks in a V, 8x32", lambda r, s, w: _dist(
         _ours_worker, "dualpipev", r, s, w)),
 }
+# configurations that return their rounds' wall seconds followed by their CPU seconds
+WITH_CPU = frozenset({"single", "single-8"})
 # pairs measured against each other (ours / torch's), printed under the table
 PAIRS = [("ours-flush", "pp-1f1b"), ("ours-interleaved", "pp-interleaved"),
          ("ours-zb", "pp-zb"), ("ours-izb", "pp-izb"), ("ours-zbv", "pp-zbv"),
@@ -507,7 +539,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=8, help="minibatches per round")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="minibatches before each round's timing")
+    parser.add_argument("--warmup-passes", type=int, default=1,
+                        help="passes over every configuration run first and not counted")
     parser.add_argument("--only", default="", help="comma-separated subset of: "
                         + ", ".join(CONFIGS))
     parser.add_argument("--md", default="", help="also write the table to this Markdown file")
@@ -520,43 +555,81 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sleep-ms", type=float, default=10.0)
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    # every configuration runs with the allocator pdcompile's workers use: this process for (a),
-    # the launched workers of the others (backends/launch.py); PDCOMPILE_ALLOCATOR=system for none
+    # every configuration runs with the allocator pdcompile's workers use (backends/launch.py
+    # tunes its workers'; this process's for --bubbles); PDCOMPILE_ALLOCATOR=system for none
     tune_allocator()
     if args.bubbles:
         sleep = args.sleep_ms / 1e3 if args.bubbles == "sleep" else 0.0
         return bubbles(args.steps, args.warmup, args.md, sleep)
     names = [n for n in args.only.split(",") if n] or list(CONFIGS)
-    # passes interleave the configurations, so that load from elsewhere hits them all alike
-    times: dict[str, list[float]] = {name: [] for name in names}
-    for _ in range(args.rounds):
-        for name in names:
-            times[name] += CONFIGS[name][1](1, args.steps, args.warmup)
-    rows: list[tuple[str, str, float, list[float]]] = []
-    for name in names:
-        rates = [args.steps * MINIBATCH / t for t in times[name] if t > 0] or [0.0]
-        rows.append((name, CONFIGS[name][0], statistics.median(rates), rates))
-        print(f"{name:<11} {statistics.median(rates):8.1f} samples/s  "
-              f"rounds: {' '.join(f'{r:.0f}' for r in rates)}", file=sys.stderr, flush=True)
-    base = next((r[2] for r in rows if r[0] == "single"), None)
-    lines = [f"machine: {platform.node()} ({platform.machine()}, "
-             f"{torch.get_num_threads()} thread per process), torch {torch.__version__}, "
-             f"{args.rounds} rounds x {args.steps} minibatches of {MINIBATCH}, medians",
-             "", "| configuration | samples/s | ratio to (a) |", "|---|---:|---:|"]
-    for _name, label, rate, _rates in rows:
-        ratio = f"{rate / base:.2f}x" if base else "-"
-        lines.append(f"| {label} | {rate:.1f} | {ratio} |")
-    rate_of = {row[0]: row[2] for row in rows}
-    pairs = [(a, b) for a, b in PAIRS if a in rate_of and b in rate_of and rate_of[b] > 0]
-    if pairs:
-        lines += ["", "| ours / torch, same schedule and microbatching | ratio |", "|---|---:|"]
-        lines += [f"| {a} / {b} | {rate_of[a] / rate_of[b]:.2f}x |" for a, b in pairs]
-    text = "\n".join(lines)
+    unknown = [n for n in names if n not in CONFIGS]
+    if unknown:
+        parser.error(f"unknown configuration(s) {', '.join(unknown)}; choose from "
+                     + ", ".join(CONFIGS))
+    times, cpu = measure(names, args.rounds, args.steps, args.warmup, args.warmup_passes)
+    text = table(names, times, cpu, args.rounds, args.steps, args.warmup_passes)
     print(text)
     if args.md:
         with open(args.md, "w") as out:
             out.write(text + "\n")
     return 0
+
+
+def measure(names: list[str], rounds: int, steps: int, warmup: int, warmup_passes: int
+            ) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
+    """Wall seconds of each configuration's rounds, one round of each per pass (in the order of
+    `names`), after `warmup_passes` uncounted passes; and the CPU seconds of WITH_CPU's rounds."""
+    times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names if name in WITH_CPU}
+    for number in range(warmup_passes + rounds):
+        for name in names:
+            got = CONFIGS[name][1](1, steps, warmup)
+            if number >= warmup_passes:
+                times[name] += got[:1]
+                if name in cpu:
+                    cpu[name] += got[1:]
+    return times, cpu
+
+
+def _spread(values: list[float], fmt: str = "{:.2f}") -> str:
+    """'median (min-max)'."""
+    return (fmt.format(statistics.median(values)) + " (" + fmt.format(min(values)) + "-"
+            + fmt.format(max(values)) + ")")
+
+
+def _pass_ratios(times: dict[str, list[float]], name: str, reference: str) -> list[float]:
+    """`name`'s samples/s over `reference`'s, pass by pass (times are seconds of equal work)."""
+    return [r / n for n, r in zip(times[name], times[reference], strict=True) if n > 0]
+
+
+def table(names: list[str], times: dict[str, list[float]], cpu: dict[str, list[float]],
+          rounds: int, steps: int, warmup_passes: int) -> str:
+    """The Markdown table: medians and ranges of samples/s, ratios pass by pass."""
+    rates = {name: [steps * MINIBATCH / t for t in times[name] if t > 0] or [0.0]
+             for name in names}
+    for name in names:
+        print(f"{name:<11} {statistics.median(rates[name]):8.1f} samples/s  "
+              f"rounds: {' '.join(f'{r:.0f}' for r in rates[name])}", file=sys.stderr,
+              flush=True)
+    lines = [f"machine: {platform.node()} ({platform.machine()}, "
+             f"{torch.get_num_threads()} thread per process), torch {torch.__version__}, "
+             f"{rounds} rounds x {steps} minibatches of {MINIBATCH} after {warmup_passes} "
+             "uncounted pass(es); medians (range) over the rounds; ratios pass by pass", "",
+             "| configuration | samples/s | ratio to (a) |", "|---|---:|---:|"]
+    for name in names:
+        ratio = (_spread(_pass_ratios(times, name, "single"), "{:.2f}x") if "single" in names
+                 else "-")
+        lines.append(f"| {CONFIGS[name][0]} | {_spread(rates[name], '{:.1f}')} | {ratio} |")
+    pairs = [(a, b) for a, b in PAIRS if a in names and b in names]
+    if pairs:
+        lines += ["", "| ours / torch, same schedule and microbatching | ratio |", "|---|---:|"]
+        lines += [f"| {a} / {b} | {_spread(_pass_ratios(times, a, b), '{:.2f}x')} |"
+                  for a, b in pairs]
+    for name, seconds in cpu.items():
+        lines += ["", f"{name}, CPU / wall seconds per round, in the order run: "
+                  + ", ".join(f"{c:.2f} / {w:.2f}" for c, w in
+                              zip(seconds, times[name], strict=True))]
+    return "\n".join(lines)
 
 
 def bubbles(steps: int, skip: int, md: str, sleep: float = 0.0) -> int:

@@ -72,6 +72,12 @@ def add_training_options(group: Any, *, fault_timeout: float | None) -> None:
     group.add_argument("--allow-nonfinite", action="store_true",
                        help="keep training after a NaN or infinite loss (default: stop, naming "
                             "its step, rank and stage)")
+    group.add_argument("--resume-anyway", action="store_true",
+                       help="resume from --checkpoint-dir even where its checkpoints record the "
+                            "model's layers or operations under other names or settings (a "
+                            "torch upgrade can change them) or record no model (written by an "
+                            "older pdcompile); never where its parameters, their order or the "
+                            "graph differ")
     group.add_argument("--trust", action="store_true",
                        help="let the export import modules other than torch, pdcompile and "
                             "those it recorded (an export is code: only for exports you trust)")
@@ -89,7 +95,7 @@ def add_training_options(group: Any, *, fault_timeout: float | None) -> None:
                             "--checkpoint-dir, else EXPORT_DIR/runs/<date>)")
 
 
-_FLAGS = ("allow_nonfinite", "trust")
+_FLAGS = ("allow_nonfinite", "trust", "resume_anyway")
 _VALUED = ("steps", "checkpoint_dir", "checkpoint_every", "fault_timeout", "data", "threads",
            "timeline", "seed", "slowdown", "run_dir")
 
@@ -242,7 +248,8 @@ def _main(args: argparse.Namespace) -> int:
                               checkpoint_dir=args.checkpoint_dir,
                               checkpoint_every=args.checkpoint_every, monitor=monitor,
                               record=args.timeline is not None, progress=report,
-                              allow_nonfinite=args.allow_nonfinite, slowdown=args.slowdown)
+                              allow_nonfinite=args.allow_nonfinite, slowdown=args.slowdown,
+                              resume_anyway=args.resume_anyway)
         if rank == 0:
             if run.resumed_from is not None:
                 print(f"resumed from the checkpoint after minibatch {run.resumed_from}",
@@ -300,7 +307,8 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
                     progress: Callable[[int, float], None] | None = None,
                     allow_nonfinite: bool = False, trust: bool = False,
                     seed: int | None = None,
-                    slowdown: Sequence[float] | str | None = None) -> DistributedRun:
+                    slowdown: Sequence[float] | str | None = None,
+                    resume_anyway: bool = False) -> DistributedRun:
     """Train an exported pipeline on `nproc` local processes (gloo); rank 0's result. A plan
     that leaves workers idle (the planner found a plan on fewer of them faster) starts only
     its own workers' processes.
@@ -312,7 +320,9 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
     run unless `allow_nonfinite`; `trust`: as `pdcompile.load(..., trust=True)`. `seed`: every
     worker's random seed, set before `data()` is called (default: the export's, `Pipeline.seed`).
     `slowdown`: per rank, the factor its compute is stretched by (an emulated slower device,
-    runtime/slowdown.py), e.g. [1, 2]. Raises `LaunchError` naming the rank that failed first;
+    runtime/slowdown.py), e.g. [1, 2]. `resume_anyway`: as `run_distributed`'s (a checkpoint
+    recorded under other layer names or none resumed). Raises `LaunchError` naming the rank that
+    failed first;
     no process outlives the call.
     """
     import multiprocessing
@@ -322,7 +332,7 @@ def train_processes(export_dir: str | os.PathLike[str], nproc: int,
     asked, nproc = nproc, _started(export_dir, nproc)
     options: dict[str, Any] = {"steps": steps, "record": record, "checkpoint_dir": checkpoint_dir,
                "checkpoint_every": checkpoint_every, "allow_nonfinite": allow_nonfinite,
-               "trust": trust, "slowdown": None}
+               "trust": trust, "slowdown": None, "resume_anyway": resume_anyway}
     if slowdown is not None:  # checked here: one line, before any worker starts
         from pdcompile.runtime.slowdown import check_slowdowns
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,6 +27,20 @@ def test_every_example_is_tested() -> None:
     tested = {"train_local.py", "plan_vgg16_cluster_a.py", "export_and_torchrun.py",
               "gpt2_xl_h100.py", "custom_leaf.py"}
     assert {p.name for p in EXAMPLES.glob("*.py")} == tested
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("name", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_an_example_runs_as_written_in_an_empty_folder(name: str, tmp_path: Path) -> None:
+    """The file alone, copied into an empty folder and run there with no arguments, as a user
+    who downloaded it would (the other tests run the smaller `--small` variants from the
+    repository's root, where a path relative to it would still resolve)."""
+    shutil.copy(EXAMPLES / name, tmp_path / name)
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, name], cwd=tmp_path, env=env, capture_output=True,
+                          text=True, timeout=280, check=False)
+    assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
 
 
 @pytest.mark.slow

@@ -565,7 +565,8 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
                     record: bool = False, progress: Callable[[int, float], None] | None = None,
                     prepost_depth: int = 2, keep_checkpoints: int = 2,
                     allow_nonfinite: bool = False,
-                    slowdown: Sequence[float] | str | None = None) -> DistributedRun:
+                    slowdown: Sequence[float] | str | None = None,
+                    resume_anyway: bool = False) -> DistributedRun:
     """Train a pipeline (its `RunProgram`, or a Pipeline) on this process's rank of an
     initialised default process group.
 
@@ -589,7 +590,10 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
     folder resumes from the newest step all ranks saved (backends/distributed_checkpoint.py).
     An asynchronous stream is cut into runs of K minibatches for that (the pipeline drains at
     each checkpoint, so no stash state is in flight; the losses then equal `Pipeline.train`
-    called once per K minibatches).
+    called once per K minibatches). A resume is refused where the checkpoint was written by
+    another model; `resume_anyway=True` resumes where only its layers' classes, settings or
+    operation names differ (a torch upgrade can change them), or it recorded no model
+    (backends/distributed_checkpoint.py, `check_same_model`).
     `progress(step, loss)` is called on the first rank of the last stage after each minibatch
     whose loss it knows (`step` indexes `losses`); with a replicated last stage the other
     replicas' minibatches are reported at checkpoints and at the end.
@@ -611,7 +615,7 @@ def run_distributed(source: RunProgram | ProgramSource, batches: Iterable[Any] |
         chunk.own_random()  # before a resume restores it
     state = chunk_states[0]  # the rank's first chunk where it holds several
     resume = resume_point(program, chunk_states, checkpoint_dir, every=checkpoint_every,
-                          keep=keep_checkpoints, monitor=monitor)
+                          keep=keep_checkpoints, monitor=monitor, resume_anyway=resume_anyway)
     try:
         if steps is not None and resume.done > steps:  # every rank agreed on resume.done
             raise PipelineInputError(

@@ -8,7 +8,10 @@ flight. A run resumes from the newest step that every rank saved and that
 verifies against its manifest on every rank, agreed over the group (a damaged newer one is
 skipped, and rank 0 says so), and only when the checkpoint was written by the same pipeline and
 stage, and by the same model: each checkpoint holds the fingerprint of what each of its stages
-runs (runtime/stage_fingerprint.py), and a resume whose stages run something else is refused.
+runs (runtime/stage_fingerprint.py), and a resume whose stages run something else is refused:
+always where the parameters, their order or the graph differ; where only the layers' classes,
+settings or operation names differ (what a torch upgrade can change), or the checkpoint recorded
+no print, unless the user says it is the same model (`resume_anyway`, `--resume-anyway`).
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from pdcompile.backends.program import RunProgram
 from pdcompile.errors import DamagedFileError, DistributedError
 from pdcompile.runtime.checkpoint import Checkpointer, module_state, restore_module_state
 from pdcompile.runtime.rank_state import RankState
-from pdcompile.runtime.stage_fingerprint import stage_fingerprint
+from pdcompile.runtime.stage_fingerprint import first_drift, stage_fingerprint, stage_print
 
 
 @dataclass
@@ -53,36 +56,71 @@ def identity(program: RunProgram, stage: int | tuple[int, ...]) -> dict[str, Any
             "microbatches": program.microbatches}
 
 
-def fingerprints(states: Sequence[RankState]) -> dict[str, str]:
-    """The fingerprint of what each stage a rank holds runs, by stage (a checkpoint's field)."""
-    return {str(s.stage): stage_fingerprint(s.module, s.param_order) for s in states}
+RESUME_ANYWAY = "resume_anyway=True (--resume-anyway)"
+
+
+def fingerprints(states: Sequence[RankState]) -> dict[str, dict[str, Any]]:
+    """The print of what each stage a rank holds runs, by stage (a checkpoint's field; its
+    strict and drifting parts, runtime/stage_fingerprint.py)."""
+    return {str(s.stage): stage_print(s.module, s.param_order) for s in states}
 
 
 def check_same_model(saved: dict[str, Any], states: Sequence[RankState],
-                     folder: str | os.PathLike[str], step: int) -> None:
+                     folder: str | os.PathLike[str], step: int, *,
+                     resume_anyway: bool = False) -> list[str]:
     """Refuse a checkpoint whose stages ran another model than `states` (same plan and
-    parameter shapes, other layers: its weights would load and train on without a word)."""
+    parameter shapes, other layers: its weights would load and train on without a word).
+
+    The contract: a difference in the strict part (state names, shapes, dtypes, parameter
+    order, graph structure) is always refused. A difference only in the drifting part (module
+    classes and settings, operation names: what a torch upgrade may rename), or a checkpoint
+    that recorded no print of this form (written before), is refused unless `resume_anyway`;
+    the lines saying what was resumed despite a difference are returned (to be printed)."""
     found = saved.get("fingerprints")
-    mine = fingerprints(states)
-    for stage, print_ in mine.items():
+    notes = []
+    for state in states:
+        stage = str(state.stage)
         theirs = found.get(stage) if isinstance(found, dict) else None
-        if theirs == print_:
-            continue
-        what = ("was written before checkpoints recorded the model they hold" if theirs is None
-                else f"holds the state of another model at stage {stage} (its layers, the "
-                "order they are called in, or its parameters' names, shapes or dtypes differ)")
-        raise DistributedError(
-            f"the checkpoints in {folder} were written by another model: step {step} of stage "
-            f"{stage} {what}; give this run another checkpoint folder, or delete this one to "
-            "start afresh")
+        mine = stage_print(state.module, state.param_order)
+        where = f"step {step} of stage {stage} in {folder}"
+        if isinstance(theirs, dict) and theirs.get("strict") != mine["strict"]:
+            raise DistributedError(
+                f"the checkpoints in {folder} were written by another model: {where} holds the "
+                f"state of another model (its parameters' or buffers' names, shapes or dtypes, "
+                f"their order, or the graph its layers are called in differ); give this run "
+                "another checkpoint folder, or delete this one to start afresh")
+        if isinstance(theirs, dict):
+            if theirs.get("drifting") == mine["drifting"]:
+                continue
+            what = (f"the checkpoint at {where} was written by this model's parameters and "
+                    f"graph, but with other layers or operations: "
+                    f"{first_drift(theirs.get('drifting'), mine['drifting'])} (a torch "
+                    "upgrade can rename or reconfigure these; another model does too)")
+        elif isinstance(theirs, str) and theirs == stage_fingerprint(state.module,
+                                                                     state.param_order):
+            continue  # written before the split, by this very model
+        elif isinstance(theirs, str):
+            what = (f"the checkpoint at {where} recorded its model in an older form, which "
+                    "differs from this model's and cannot tell a renamed operation (a torch "
+                    "upgrade) from another model")
+        else:
+            what = (f"the checkpoint at {where} was written before checkpoints recorded the "
+                    "model they hold, so it cannot be checked to be this model's")
+        if not resume_anyway:
+            raise DistributedError(
+                f"{what}; if this is the model that wrote it, resume anyway with "
+                f"{RESUME_ANYWAY}, else give this run another checkpoint folder, or delete "
+                "this one to start afresh")
+        notes.append(f"{what}; resumed anyway, as {RESUME_ANYWAY} asks")
+    return notes
 
 
 def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
                  checkpoint_dir: str | os.PathLike[str] | None, *, every: int | None,
-                 keep: int, monitor: FaultMonitor | None) -> Resume:
+                 keep: int, monitor: FaultMonitor | None, resume_anyway: bool = False) -> Resume:
     """The newest step every rank has saved in `checkpoint_dir` (agreed over the group: every
     rank calls it), with this rank's weights and optimizers restored into `states` (one per
-    chunk it holds)."""
+    chunk it holds). `resume_anyway`: as `check_same_model`."""
     if checkpoint_dir is None:
         return Resume()
     states = _as_list(states)
@@ -110,7 +148,9 @@ def resume_point(program: RunProgram, states: RankState | Sequence[RankState],
                 f"the checkpoints in {checkpoint_dir} were written by another pipeline "
                 f"({saved.get('pipeline')}, this one is {mine}); "
                 "name another checkpoint folder or delete this one")
-        check_same_model(saved, states, checkpoint_dir, done)
+        for note in check_same_model(saved, states, checkpoint_dir, done,
+                                     resume_anyway=resume_anyway):
+            print(f"pdcompile: rank {rank}: {note}", file=sys.stderr, flush=True)
         origin = f"the checkpoint of rank {rank} at step {done} in {checkpoint_dir}"
         if len(states) == 1:
             restore_module_state(saved, states[0].module, states[0].optimizer, origin=origin)
@@ -218,5 +258,5 @@ def _restore_rng(rng: Any, origin: str) -> None:
                                "delete it to resume from an older checkpoint") from None
 
 
-__all__ = ["Resume", "check_same_model", "fallback_note", "fingerprints", "identity",
+__all__ = ["RESUME_ANYWAY", "Resume", "check_same_model", "fallback_note", "fingerprints", "identity",
            "resume_point", "save_checkpoint", "saved_losses"]

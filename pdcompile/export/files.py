@@ -50,11 +50,13 @@ def folder_path(path: Any, call: str) -> Path:
                              f"pathlib.Path, e.g. {call}('vgg16-pipeline')")
 
 
-def read_meta(folder: Path) -> dict[str, Any]:
-    """pipeline.json of an export, checked for its format (clear errors otherwise)."""
+def read_meta(folder: Path, text: str | None = None) -> dict[str, Any]:
+    """pipeline.json of an export, checked for its format (clear errors otherwise); `text`:
+    its content as already read and checked against the manifest (the loader's), else the
+    file is read."""
     try:
-        meta = json.loads(read_json_text(folder / "pipeline.json",
-                                         fix="export the pipeline again"))
+        meta = json.loads(read_json_text(folder / "pipeline.json", fix="export the pipeline "
+                                         "again") if text is None else text)
     except DamagedFileError:
         raise
     except FileNotFoundError:

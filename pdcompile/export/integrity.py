@@ -2,7 +2,8 @@
 the folder is read or any of its code runs.
 
 `seal_export` lists every file the writer put in the folder with its size and SHA-256
-(util/manifest.py); `verified_export` checks them all and refuses a folder with files of the
+(util/manifest.py); `verified_export` checks them all (the loader instead reads each once,
+checked as it is read: export/verified_files.py), and both refuse a folder with files of the
 writer's names that the manifest does not list (code, or data such as an example minibatch a
 signed export never had); `code_text` hands the loader the text of a generated Python file
 exactly as it was checked (read once), so that what runs is what was verified. A manifest
@@ -62,7 +63,17 @@ def seal_export(folder: Path) -> Path:
 
 def verified_export(path: str | Path) -> Manifest:
     """The export's manifest, every file it lists checked (size, SHA-256); one line naming the
-    first file that differs, is missing, or is code the manifest does not list."""
+    first file that differs, is missing, or is code the manifest does not list. (The loader
+    reads each file once instead, export/verified_files.py: this is for checks that load
+    nothing.)"""
+    manifest = listed_export(path)
+    verify(manifest, fix=FIX)
+    return manifest
+
+
+def listed_export(path: str | Path) -> Manifest:
+    """The export's manifest, its files not yet read; one line naming a file of the writer's
+    names that it does not list (code, or data such as an example minibatch)."""
     folder = Path(path)
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
@@ -78,7 +89,6 @@ def verified_export(path: str | Path) -> Manifest:
             raise DamagedFileError(f"{path_} is not listed in {MANIFEST_NAME}: {what} the "
                                    "export did not write; remove it, or export the pipeline "
                                    "again")
-    verify(manifest, fix=FIX)
     return manifest
 
 
@@ -104,4 +114,4 @@ def code_files(manifest: Manifest, prefix: str) -> list[str]:
 
 
 __all__ = ["FIX", "MANIFEST_NAME", "clear_export", "code_files", "code_text", "export_manifest",
-           "is_written_name", "seal_export", "verified_export"]
+           "is_written_name", "listed_export", "seal_export", "verified_export"]

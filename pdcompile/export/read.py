@@ -12,7 +12,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from safetensors.torch import load_file
 
 from pdcompile.errors import DamagedFileError, PdcompileError, PipelineInputError
 from pdcompile.export.callable_ref import resolve
@@ -23,13 +22,14 @@ from pdcompile.export.files import (
     read_file,
     read_meta,
 )
-from pdcompile.export.integrity import MANIFEST_NAME, code_files, code_text, verified_export
+from pdcompile.export.integrity import MANIFEST_NAME, code_files
 from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.ops_tracer import OpsTracer
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.export.signing import unsigned_reason
 from pdcompile.export.trust import check_imports
 from pdcompile.export.user_modules import load_user_modules
+from pdcompile.export.verified_files import ExportFiles, read_export
 from pdcompile.meta import set_stage
 from pdcompile.passes.crossing import load_spec
 from pdcompile.passes.dense_constants import densify_constants
@@ -43,10 +43,8 @@ from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.linear_grads import linear_accumulate
 from pdcompile.runtime.microbatch_cut import BatchDims, checked_whole
 from pdcompile.runtime.rank_state import NoParameters, RankState
-from pdcompile.runtime.tensor_tree import load_tree
 from pdcompile.schedule.ir import Schedule
 from pdcompile.util.attr_path import get_path, set_path
-from pdcompile.util.manifest import Manifest
 from pdcompile.util.module_file import exec_module_source
 
 
@@ -89,16 +87,21 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
     if folder.exists() and not folder.is_dir():
         raise PipelineInputError(f"{str(folder)!r} is a file, not an export folder; name a "
                                  "folder written by `pdcompile export` or Pipeline.export(path)")
-    meta = read_meta(folder)  # JSON only: its format is named before anything else
-    manifest = verified_export(folder)
-    code = {name: checked_source(code_text(manifest, name), folder / name)
-            for name in code_files(manifest, "")}
-    check_imports(folder, meta, code, trust=trust)
+    read_meta(folder)  # JSON only: its format is named before anything else
+    files = read_export(folder)  # every file read once, checked: nothing is read again
+    meta = read_meta(folder, files.text("pipeline.json"))
+    code = {name: checked_source(files.text(name), folder / name)
+            for name in code_files(files.manifest, "")}
+    records = {name: read_file(folder / name, lambda _, n=name: files.tree(n))
+               for name in files.manifest.files if name.endswith("_modules.safetensors")}
+    check_imports(folder, meta, code, trust=trust, trees=records,
+                  manifest_data=files.manifest.data)
     try:
-        return _rebuild(folder, meta, manifest, code, loss_fn=loss_fn, optimizer=optimizer)
+        return _rebuild(folder, meta, files, code, loss_fn=loss_fn, optimizer=optimizer)
     except (KeyError, TypeError, AttributeError, IndexError, ValueError) as err:
         named = isinstance(err, PdcompileError) and str(folder) in str(err)
-        unsigned = None if named else unsigned_reason(folder, MANIFEST_NAME)
+        unsigned = None if named else unsigned_reason(folder, MANIFEST_NAME,
+                                                      files.manifest.data)
         if unsigned is None:  # named already, or this user's own export: raised as it is
             raise
         detail = str(err).splitlines()[0] if str(err) else ""
@@ -111,11 +114,11 @@ def load_pipeline(path: str | Path, *, loss_fn: Callable[..., torch.Tensor] | No
             "export the pipeline again") from None
 
 
-def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[str, str], *,
+def _rebuild(folder: Path, meta: dict[str, Any], files: ExportFiles, code: dict[str, str], *,
              loss_fn: Callable[..., torch.Tensor] | None,
              optimizer: OptimizerFactory | None) -> Pipeline:
     """The Pipeline of a checked export (load_pipeline): its files read and its code run."""
-    plan = read_file(folder / "plan.json", lambda p: Plan.from_json(p.read_text()))
+    plan = read_file(folder / "plan.json", lambda _: Plan.from_json(files.text("plan.json")))
     lost = [k for k in meta.get("not_saved", {}) if {"loss_fn": loss_fn,
                                                      "optimizer": optimizer}.get(k) is None]
     if lost:
@@ -124,20 +127,21 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
             f"the {' and '.join(lost)} of {folder} could not be saved at export ({why}); pass "
             f"it again: pdcompile.load(path, {', '.join(k + '=...' for k in lost)}). "
             + " ".join(UNSAVED_FIX[k] for k in lost))
-    load_user_modules(meta.get("user_modules", {}), folder)  # before what names them
+    load_user_modules(meta.get("user_modules", {}), folder, read=files.data)  # before what
+    # names them
     if loss_fn is None and meta.get("loss_fn") is not None:
         loss_fn = resolve(meta["loss_fn"], what="loss function")
     recipes = [None if r is None else OptimizerRecipe.from_dict(r) for r in meta["optimizers"]]
     factory = optimizer or next((r for r in recipes if r is not None), None)
-    programs = [_load_stage(folder, i, s, code) for i, s in enumerate(meta["stages"])]
+    programs = [_load_stage(files, i, s, code) for i, s in enumerate(meta["stages"])]
     parts = SplitResult(
         stages=programs, data_inputs=tuple(meta["data_inputs"]),
         output_refs=tuple(ValueRef(n, s) for n, s in meta["output_refs"]),
         output_spec=load_spec(meta["output_spec"]),  # imports the modules of its types
         ties=tuple(TiedParameter(t["name"], tuple((int(s), str(n)) for s, n in t["members"]))
                    for t in meta["ties"]),
-        unused=_load_unused(folder) if meta.get("unused") else {})
-    graph = _load_graph(folder, meta.get("graph_stages", {}), len(programs), code)
+        unused=_load_unused(files) if meta.get("unused") else {})
+    graph = _load_graph(files, meta.get("graph_stages", {}), len(programs), code)
     pipe = Pipeline(graph=graph, plan=plan, parts=parts, schedule=meta["schedule"],
                     microbatches=meta["microbatches"], loss_fn=loss_fn, optimizer=factory,
                     stash=meta["stash"], vertical_sync=meta["vertical_sync"], name=meta["name"],
@@ -156,14 +160,14 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
             order = tuple(stage_meta["param_order"])
             fresh = RankState(state.rank, state.stage, state.module, recipe.build(named), order)
         pipe.replace_state(fresh)
-        _load_optimizer_state(fresh.optimizer, folder / f"optimizer_{state.stage}.safetensors")
+        _load_optimizer_state(fresh.optimizer, files, f"optimizer_{state.stage}.safetensors")
     if isinstance(meta.get("seed"), int):
         pipe.seed = meta["seed"]
     # the inputs the compiled pipeline gave whole to every microbatch, as it found them
     pipe.whole_inputs = _whole(folder, meta, "whole_inputs", pipe.unbatched)
-    example_file = folder / "example.safetensors"
-    if example_file.exists():
-        example = read_file(example_file, load_tree)
+    if files.has("example.safetensors"):
+        example = read_file(folder / "example.safetensors",
+                            lambda _: files.tree("example.safetensors"))
         pipe.example_inputs, pipe.example_target = tuple(example["inputs"]), example["target"]
     if meta.get("input_shapes") is not None:  # the shapes a graph from torch.export runs on
         try:
@@ -175,16 +179,19 @@ def _rebuild(folder: Path, meta: dict[str, Any], manifest: Manifest, code: dict[
             raise DamagedFileError(f"{folder / 'pipeline.json'} is altered (input_shapes "
                                    "malformed); export the pipeline again") from None
     sources = {int(name[len("rank_"):-len(".py")]): code[name]
-               for name in code_files(manifest, "rank_")}
-    schedule = read_file(folder / "schedule.txt", lambda p: Schedule.from_text(p.read_text()))
+               for name in code_files(files.manifest, "rank_")}
+    schedule = read_file(folder / "schedule.txt",
+                         lambda _: Schedule.from_text(files.text("schedule.txt")))
     if sources and schedule.ranks == sorted(sources):
         pipe.use_sources(sources, meta["schedule_length"], meta["per_minibatch"])
     return pipe
 
 
-def _load_optimizer_state(optimizer: torch.optim.Optimizer, path: Path) -> None:
+def _load_optimizer_state(optimizer: torch.optim.Optimizer, files: ExportFiles,
+                          name: str) -> None:
     """Load a stage's optimizer state; a file that does not fit the optimizer is named."""
-    state = read_file(path, load_tree)
+    path = files.folder / name
+    state = read_file(path, lambda _: files.tree(name))
     if isinstance(optimizer, NoParameters):
         return
     try:
@@ -213,22 +220,23 @@ class _LeafTracer(OpsTracer):
         return "." not in module_qualified_name
 
 
-def _load_unused(folder: Path) -> dict[str, torch.Tensor]:
-    """The model's tensors that no stage holds (export/write.py), in fresh storage."""
-    stored = read_file(folder / "unused.safetensors", lambda p: load_file(str(p)))
-    return {name: value.clone() for name, value in stored.items()}
+def _load_unused(files: ExportFiles) -> dict[str, torch.Tensor]:
+    """The model's tensors that no stage holds (export/write.py), each in its own memory."""
+    return read_file(files.folder / "unused.safetensors",
+                     lambda _: files.tensors("unused.safetensors"))
 
 
-def _load_stage(folder: Path, index: int, meta: dict[str, Any],
+def _load_stage(files: ExportFiles, index: int, meta: dict[str, Any],
                 code: dict[str, str]) -> StageProgram:
+    folder = files.folder
     source = _import(folder / f"stage_{index}.py", code, f"stage{index}")
     extra = {}
     if meta["recorded_modules"]:
-        extra = _read_records(folder / f"stage_{index}_modules.safetensors")
+        extra = _read_records(files, f"stage_{index}_modules.safetensors")
     stage = getattr(source, f"Stage{index}")(extra)
-    # fresh (aligned) storage: kernels may pick another path for unaligned mmap-ed tensors
-    stored = read_file(folder / f"stage_{index}.safetensors", lambda p: load_file(str(p)))
-    tensors = {k: v.clone() for k, v in stored.items()}
+    # each tensor read into its own (aligned) memory, as checked against the manifest
+    tensors = read_file(folder / f"stage_{index}.safetensors",
+                        lambda _: files.tensors(f"stage_{index}.safetensors"))
     plain = {n for n in tensors if n not in dict(stage.named_parameters())
              and n not in dict(stage.named_buffers())}
     for n in plain:  # tensor constants read by get_attr
@@ -283,14 +291,14 @@ class _AllLeaves(OpsTracer):
         return True
 
 
-def _load_graph(folder: Path, stages: dict[str, int], count: int,
+def _load_graph(files: ExportFiles, stages: dict[str, int], count: int,
                 code: dict[str, str]) -> fx.GraphModule | None:
     """The exported graph (weights on the meta device), every node with its "pd.stage"."""
     if not stages or "graph.py" not in code:
         return None
-    source = _import(folder / "graph.py", code, "graph")  # its errors are the export's
+    source = _import(files.folder / "graph.py", code, "graph")  # its errors are the export's
     try:  # the graph is informational: one that cannot be rebuilt or traced is left out
-        root = source.Graph(_read_records(folder / "graph_modules.safetensors", device="meta"))
+        root = source.Graph(_read_records(files, "graph_modules.safetensors", device="meta"))
         traced = _AllLeaves(autowrap_functions=_KEPT_CALLS).trace(root)
         graph = fx.GraphModule(root, traced, class_name="Graph")
     except Exception:
@@ -306,9 +314,11 @@ def _load_graph(folder: Path, stages: dict[str, int], count: int,
     return graph
 
 
-def _read_records(path: Path, *, device: str = "cpu") -> dict[str, torch.nn.Module]:
+def _read_records(files: ExportFiles, name: str, *, device: str = "cpu"
+                  ) -> dict[str, torch.nn.Module]:
     """The submodules recorded beside a stage (or the graph), rebuilt (module_record)."""
-    stored = read_file(path, load_tree)
+    path = files.folder / name
+    stored = read_file(path, lambda _: files.tree(name))
     try:
         return {name: rebuild_module(record, stored["tensors"], device=device)
                 for name, record in stored["records"].items()}

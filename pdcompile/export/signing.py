@@ -75,8 +75,8 @@ def _usable(path: Path, key: bytes) -> bytes:
     return key
 
 
-def _mac(key: bytes, manifest: Path) -> str:
-    return hmac.new(key, manifest.read_bytes(), hashlib.sha256).hexdigest()
+def _mac(key: bytes, manifest: bytes) -> str:
+    return hmac.new(key, manifest, hashlib.sha256).hexdigest()
 
 
 def sign(folder: Path, manifest_name: str) -> Path | None:
@@ -94,13 +94,17 @@ def sign(folder: Path, manifest_name: str) -> Path | None:
     assert key is not None
     out = folder / SIGNATURE_NAME
     tmp = folder / f".{SIGNATURE_NAME}.{os.getpid()}.tmp"
-    tmp.write_text(_mac(key, folder / manifest_name) + "\n")
+    tmp.write_text(_mac(key, (folder / manifest_name).read_bytes()) + "\n")
     os.replace(tmp, out)
     return out
 
 
-def unsigned_reason(folder: Path, manifest_name: str) -> str | None:
-    """Why the folder's manifest is not signed by this user's key; None when it is."""
+def unsigned_reason(folder: Path, manifest_name: str, manifest_data: bytes | None = None
+                    ) -> str | None:
+    """Why the folder's manifest is not signed by this user's key; None when it is.
+    `manifest_data`: the manifest's bytes as the caller read and used them (its files were
+    checked against these bytes: the signature must vouch for the same ones, not for a
+    manifest put in their place since)."""
     signature = folder / SIGNATURE_NAME
     if not signature.is_file():
         return f"it has no {SIGNATURE_NAME} (written by another tool, or by a version before " \
@@ -112,7 +116,8 @@ def unsigned_reason(folder: Path, manifest_name: str) -> str | None:
     if key is None:
         return f"this user has no signing key ({export_key_path()}): it was written elsewhere"
     found = signature.read_bytes().strip()  # bytes: a signature that is not text differs too
-    if not hmac.compare_digest(found, _mac(key, folder / manifest_name).encode()):
+    data = (folder / manifest_name).read_bytes() if manifest_data is None else manifest_data
+    if not hmac.compare_digest(found, _mac(key, data).encode()):
         return f"its {SIGNATURE_NAME} does not match the signing key {export_key_path()}: it " \
                "was written by someone else, or changed after it was written"
     return None

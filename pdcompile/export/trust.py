@@ -17,7 +17,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -34,11 +34,13 @@ TRUST_HINT = ("pass trust=True to pdcompile.load (--trust to `pdcompile run`) on
 _TREE_KEY = "pdcompile.tree"
 
 
-def named_modules(folder: Path, meta: dict[str, Any],
-                  code: dict[str, str]) -> dict[str, str]:
+def named_modules(folder: Path, meta: dict[str, Any], code: dict[str, str],
+                  trees: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Every module the export names, with where it is named first: import paths in
     pipeline.json and in the recorded module files, container types of the output spec, and
-    the import statements of the generated code (`code`: file name -> verified text)."""
+    the import statements of the generated code (`code`: file name -> verified text).
+    `trees`: the recorded module files' values as the loader read and will use them (by file
+    name); without, their JSON is read from the folder (the writer's own files)."""
     found: dict[str, str] = {}
     for path in _paths_in(meta):
         found.setdefault(path, "pipeline.json")
@@ -47,9 +49,12 @@ def named_modules(folder: Path, meta: dict[str, Any],
             found.setdefault(name.rpartition(".")[0] or name, "pipeline.json (output_spec)")
     except ValueError:
         pass  # read_meta and load_spec name a malformed spec
-    for file in sorted(folder.glob("*_modules.safetensors")):
-        for path in _paths_in(_tree_skeleton(file)):
-            found.setdefault(path, file.name)
+    if trees is None:
+        trees = {file.name: _tree_skeleton(file)
+                 for file in folder.glob("*_modules.safetensors")}
+    for name, tree in sorted(trees.items()):
+        for path in _paths_in(tree):
+            found.setdefault(path, name)
     for name, text in sorted(code.items()):
         for module, line in _code_imports(text):
             found.setdefault(module, f"{name}, line {line}")
@@ -63,12 +68,15 @@ def export_modules(folder: Path, meta: dict[str, Any], code: dict[str, str]) -> 
 
 
 def check_imports(folder: Path, meta: dict[str, Any], code: dict[str, str], *,
-                  trust: bool) -> None:
+                  trust: bool, trees: Mapping[str, Any] | None = None,
+                  manifest_data: bytes | None = None) -> None:
     """Refuse, in one line, an export that names a module outside its trust boundary (module
-    docstring); nothing is imported here (only the top-level package is located)."""
+    docstring); nothing is imported here (only the top-level package is located). `trees`:
+    as `named_modules`; `manifest_data`: the manifest's bytes the files were checked against
+    (the signature is checked on those, not on the file read again)."""
     if trust:
         return
-    unsigned = unsigned_reason(folder, MANIFEST_NAME)
+    unsigned = unsigned_reason(folder, MANIFEST_NAME, manifest_data)
     if unsigned is not None:
         raise PipelineInputError(f"{folder} is not an export this user wrote: {unsigned}; "
                                  f"{TRUST_HINT}")
@@ -136,7 +144,7 @@ def _paths_in(tree: Any) -> Iterator[str]:
                 yield value.partition(":")[0]
             else:
                 yield from _paths_in(value)
-    elif isinstance(tree, list):
+    elif isinstance(tree, list | tuple):  # tuples: a tree as decoded (tensor_tree)
         for value in tree:
             yield from _paths_in(value)
 

@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
-from pdcompile.util.module_file import exec_module_file
+from pdcompile.util.module_file import exec_module_source
 from pdcompile.util.user_code import USER_MODULE_PREFIX, user_module_file
 
 FOLDER = "user_code"
@@ -55,10 +55,13 @@ def save_user_modules(trees: Iterable[Any], out: Path) -> dict[str, dict[str, st
     return saved
 
 
-def load_user_modules(entries: dict[str, Any], folder: Path) -> None:
+def load_user_modules(entries: dict[str, Any], folder: Path,
+                      read: Callable[[str], bytes] | None = None) -> None:
     """Import each copied user file under its recorded module name (a module of that name
     already imported from the same content is kept). Raises DamagedFileError when a copy is
-    missing or altered, PipelineInputError when its code fails."""
+    missing or altered, PipelineInputError when its code fails. `read`: a file's bytes by
+    name, as the loader read and checked them (export/verified_files.py). The code run is the
+    bytes whose SHA-256 was checked, never the file opened again."""
     for name, entry in entries.items():
         try:
             path = folder / entry["file"]
@@ -67,7 +70,7 @@ def load_user_modules(entries: dict[str, Any], folder: Path) -> None:
             raise DamagedFileError(f"{folder / 'pipeline.json'} has a malformed user_modules "
                                    f"entry {name!r}; export the pipeline again") from None
         try:
-            data = path.read_bytes()
+            data = path.read_bytes() if read is None else read(str(entry["file"]))
         except OSError:
             raise DamagedFileError(f"{path} (the model file the export recorded) is missing; "
                                    "export the pipeline again") from None
@@ -79,13 +82,15 @@ def load_user_modules(entries: dict[str, Any], folder: Path) -> None:
                 hashlib.sha256(loaded.read_bytes()).hexdigest() == expected:
             continue
         try:
-            module = exec_module_file(path, name)
+            source = data.decode()
+        except UnicodeDecodeError:
+            raise DamagedFileError(f"{path} cannot be imported as Python (not UTF-8 text); "
+                                   "export the pipeline again") from None
+        try:
+            exec_module_source(source, path, name)
         except Exception as err:
             raise PipelineInputError(f"importing {path} (the model file the export recorded) "
                                      f"raised {type(err).__name__}: {err}") from None
-        if module is None:
-            raise DamagedFileError(f"{path} cannot be imported as Python; export the pipeline "
-                                   "again")
 
 
 __all__ = ["load_user_modules", "named_user_modules", "save_user_modules"]

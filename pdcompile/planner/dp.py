@@ -649,7 +649,9 @@ def native_dp_bisect(grid: StageGrid, *, options: ModelOptions, low: float, high
                                  fill=fill) or found
     low = max(low, high * 1e-6)
     while high > low * (1 + tolerance):
-        mid = math.sqrt(low * high)
+        # each root alone: low * high overflowed to inf past 1e154 s (a node costed at
+        # 1e300 s), mid became inf, and the bisection never ended
+        mid = math.sqrt(low) * math.sqrt(high)
         attempt = native_dp_period(grid, options=options, period=mid, straight=straight,
                                    fill=fill)
         if attempt is None:

@@ -120,6 +120,9 @@ def solve(graph: nx.DiGraph, cluster: Cluster, *, options: ModelOptions, memory:
         + sum(b for *_, b in edges) * 2 * max(max(c.copy_in_per_byte, c.copy_out_per_byte)
                                               for c in coef.values()) * options.microbatches
     scale = SCALE_UNITS / worst if worst > 0 else 1.0
+    if not math.isfinite(scale):  # the largest cost below 1e-300 s (5e-324 gave inf,
+        # and round(inf) failed): every plan costs nothing worth telling apart
+        scale = 1.0
 
     model = cp_model.CpModel()
     # x[v, s]: node v runs in stage s

@@ -131,11 +131,19 @@ def _steady(graph: nx.DiGraph, plan: Plan, cluster: Cluster, *, schedule: str,
     while factor < longest:
         factor *= 2
         longer = once(length * factor)
-        moved = abs(longer[1].time_per_minibatch / result.time_per_minibatch - 1.0)
+        moved = _moved(result.time_per_minibatch, longer[1].time_per_minibatch)
         schedule_, result = longer
         if moved < tolerance:
             break
     return schedule_, result
+
+
+def _moved(before: float, after: float) -> float:
+    """How far a longer stream moved the time per minibatch, relative to the shorter's; a
+    graph that costs nothing (every node free) takes 0 s on both and has not moved."""
+    if before == after:
+        return 0.0
+    return abs(after - before) / before if before > 0 else math.inf
 
 
 def _warmup(warmup: str | Sequence[int], plan: Plan, costs: StageCosts, cluster: Cluster,

@@ -31,10 +31,8 @@ damaged, all go back to the previous common step.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -42,14 +40,9 @@ from typing import IO, Any
 import torch
 
 from pdcompile.errors import DamagedFileError, DistributedError
-from pdcompile.runtime.tensor_tree import read_tree, save_tree
-from pdcompile.util.manifest import (
-    FileEntry,
-    check_entry,
-    fsync_dir,
-    read_manifest,
-    write_manifest,
-)
+from pdcompile.runtime.tensor_tree import save_tree
+from pdcompile.runtime.verified_read import hash_file, parse_tree, read_checked, refuse_special
+from pdcompile.util.manifest import FileEntry, fsync_dir, read_manifest, write_manifest
 
 LOCK_NAME = ".writer.lock"
 _STEP_RE = re.compile(r"^step_(\d+)\.safetensors$")
@@ -57,7 +50,6 @@ _STEP_RE = re.compile(r"^step_(\d+)\.safetensors$")
 # nothing else: remove_stale deletes them)
 _TMP_RE = re.compile(r"^\.step_\d+\.(?:safetensors|manifest\.json)\.(\d+)\.tmp$")
 MANIFEST_KIND = "checkpoint"
-_CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -93,7 +85,7 @@ class Checkpointer:
         if self._lock is not None:
             return
         folder = self._own_dir()
-        _refuse_special(folder / LOCK_NAME, "delete it; pdcompile writes it anew")
+        refuse_special(folder / LOCK_NAME, "delete it; pdcompile writes it anew")
         flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | getattr(os, "O_NOFOLLOW", 0)
         handle = os.fdopen(os.open(folder / LOCK_NAME, flags, 0o644), "a")  # held until release()
         try:
@@ -157,38 +149,21 @@ class Checkpointer:
         """Refuse, in one line naming the file, a checkpoint that does not match its manifest
         (read in chunks: verifying holds 1 MB of the file at a time)."""
         path, entry, fix = self._entry(step, rank)
-        sha = hashlib.sha256()
-        with _open_regular(path, fix) as handle:
-            _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
-            size = _hash_rest(handle, sha)
-        check_entry(path, entry, fix=fix, read=(size, sha.hexdigest()))
+        hash_file(path, entry, fix=fix, kind="checkpoint")
 
     def read_verified(self, step: int, rank: int | None = None) -> tuple[Path, Any]:
-        """A checkpoint file's value, read once: every byte is hashed as it is read and is the
-        byte that lands in the value, which is returned only once the whole file matches its
-        manifest (before, the file was hashed, then opened again to load, and a file replaced
-        in between was loaded unchecked)."""
+        """A checkpoint file's value, read once (runtime/verified_read.py): every byte is hashed
+        as it is read and is the byte that lands in the value, which is returned only once the
+        whole file matches its manifest."""
         path, entry, fix = self._entry(step, rank)
-        sha = hashlib.sha256()
-        with _open_regular(path, fix) as handle:
-            _check_size(path, os.fstat(handle.fileno()).st_size, entry, fix)
-            try:
-                value: Any = read_tree(handle, entry.size, path, seen=sha.update)
-            except DamagedFileError as err:
-                value = err  # named below unless the file does not match its manifest
-            size = handle.tell() + _hash_rest(handle, sha)  # a damaged header stops early
-        check_entry(path, entry, fix=fix, read=(size, sha.hexdigest()))
-        if isinstance(value, DamagedFileError):
-            raise DamagedFileError(f"{value}; or delete {path} to resume from an older "
-                                   "checkpoint")
-        return path, value
+        return path, read_checked(path, entry, parse_tree, fix=fix, kind="checkpoint")
 
     def _entry(self, step: int, rank: int | None) -> tuple[Path, FileEntry, str]:
         """A step's file, its manifest entry and the fix its errors name."""
         folder = self.rank_dir(rank)
         fix = "delete it to resume from an older checkpoint"
         manifest_path = folder / _manifest_name(step)
-        _refuse_special(manifest_path, fix)
+        refuse_special(manifest_path, fix)
         manifest = read_manifest(manifest_path, kind=MANIFEST_KIND, fix=fix)
         name = _step_name(step)
         entry = manifest.files.get(name)
@@ -290,56 +265,6 @@ def _step_name(step: int) -> str:
 
 def _manifest_name(step: int) -> str:
     return f"step_{step:08d}.manifest.json"
-
-
-def _refuse_special(path: Path, fix: str) -> None:
-    """Refuse a link or anything but a plain file where a checkpoint writes plain files: a
-    link could point the reader at another file of the machine, and a FIFO or /dev/zero would
-    hang it (one is never read to its end)."""
-    try:
-        mode = os.lstat(path).st_mode
-    except FileNotFoundError:
-        return  # named as missing by the reader
-    if stat.S_ISLNK(mode):
-        raise DamagedFileError(f"{path} is a link (to {os.readlink(path)}), where pdcompile "
-                               f"writes a plain file; {fix}")
-    if not stat.S_ISREG(mode):
-        raise DamagedFileError(f"{path} is not a plain file (a folder, device or pipe), where "
-                               f"pdcompile writes one; {fix}")
-
-
-def _open_regular(path: Path, fix: str) -> IO[bytes]:
-    """`path` opened for reading if it is a plain file and not a link (checked on the open
-    file itself, so that it cannot be swapped between the check and the read)."""
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-    try:
-        fd = os.open(path, flags)
-    except FileNotFoundError:
-        raise DamagedFileError(f"{path} is missing from the checkpoint (its manifest lists "
-                               f"it); {fix}") from None
-    except OSError:  # ELOOP: a link, refused with O_NOFOLLOW
-        _refuse_special(path, fix)
-        raise
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        _refuse_special(path, fix)
-        raise DamagedFileError(f"{path} is not a plain file; {fix}")
-    return os.fdopen(fd, "rb")
-
-
-def _hash_rest(handle: IO[bytes], sha: Any) -> int:
-    """Feed the rest of `handle` to `sha` in chunks; the bytes fed."""
-    fed = 0
-    while chunk := handle.read(_CHUNK):
-        sha.update(chunk)
-        fed += len(chunk)
-    return fed
-
-
-def _check_size(path: Path, size: int, entry: FileEntry, fix: str) -> None:
-    if size != entry.size:
-        raise DamagedFileError(f"{path} does not match its manifest ({size} bytes where it "
-                               f"says {entry.size}: truncated or altered); {fix}")
 
 
 def _pid_alive(pid: int) -> bool:

@@ -2,8 +2,10 @@
 
 A tree is made of dicts, lists, tuples, tensors, torch dtypes and JSON scalars (None, bool,
 int, float, str). `save_tree` writes its tensors to one safetensors file and the rest of the
-tree, as JSON, into that file's metadata; `load_tree` reads it back. Reading runs no code from
-the file (safetensors and JSON, no pickle), so a file from elsewhere can at worst hold wrong
+tree, as JSON, into that file's metadata; `read_tree` reads it back from an open file, once,
+showing every byte to a hash as it lands (runtime/verified_read.py checks it against a
+manifest), and `load_tree` is the same reader on a path. Reading runs no code from the file
+(safetensors and JSON, no pickle), so a file from elsewhere can at worst hold wrong
 numbers; a truncated or altered file raises `DamagedFileError` naming it.
 
 `encode` / `decode` are the JSON half on its own: with a `tensors` dict the tensors go there
@@ -20,7 +22,6 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from pdcompile.errors import DamagedFileError
@@ -133,22 +134,19 @@ def save_tree(path: str | os.PathLike[str], value: Any, *, where: str = "value")
 
 
 def load_tree(path: str | os.PathLike[str]) -> Any:
-    """The value `save_tree` wrote to `path`; `DamagedFileError` (naming the file) when the
-    file is truncated, altered or not such a file. Missing files raise FileNotFoundError."""
+    """The value `save_tree` wrote to `path` (read by `read_tree`, the one reader);
+    `DamagedFileError` (naming the file) when the file is truncated, altered or not such a file.
+    Missing files raise FileNotFoundError. Nothing checks the bytes against a manifest here:
+    files pdcompile loads for use are read by runtime/verified_read.py."""
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(2, "No such file", str(file))
-    try:
-        with safe_open(str(file), framework="pt") as handle:
-            metadata = handle.metadata() or {}
-            if _KEY not in metadata:
-                raise ValueError("it holds no pdcompile data")
-            tensors = {key: handle.get_tensor(key) for key in handle.keys()}  # noqa: SIM118
-        return decode(json.loads(metadata[_KEY]), tensors)
-    except (SafetensorError, ValueError, KeyError, TypeError, OSError, RuntimeError) as err:
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DamagedFileError(f"{file} is truncated, altered or not a file pdcompile wrote "
-                               f"({detail}); write it again") from None
+    with open(file, "rb") as handle:
+        return read_tree(handle, os.fstat(handle.fileno()).st_size, file, seen=_ignore)
+
+
+def _ignore(_: memoryview) -> None:
+    """A `seen` that keeps nothing (a read that checks no hash)."""
 
 
 def read_tree(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
@@ -157,16 +155,40 @@ def read_tree(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
     once: every byte read is passed to `seen` (e.g. a hash's update) and is the byte that ends
     up in the value, each tensor's straight into its own memory. `name` names the file in
     errors (DamagedFileError). The caller checks what `seen` saw before it uses the value."""
+    metadata, tensors = read_tensors(handle, size, name, seen=seen, tree=True)
+    return tree_value(metadata, tensors, name)
+
+
+def tree_value(metadata: dict[str, Any], tensors: dict[str, torch.Tensor],
+               name: str | os.PathLike[str]) -> Any:
+    """The tree of a file `read_tensors` read (its metadata and tensors); DamagedFileError
+    naming the file when the metadata holds none or a malformed one."""
     try:
-        head = _read(handle, 8, seen)
+        if _KEY not in metadata:
+            raise ValueError("it holds no pdcompile data")
+        return decode(json.loads(metadata[_KEY]), tensors)
+    except (ValueError, KeyError, TypeError, RuntimeError, RecursionError) as err:
+        raise _damaged(name, err) from None
+
+
+def read_tensors(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
+                 seen: Callable[[memoryview], object], tree: bool = False
+                 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A safetensors file's metadata and tensors, read from `handle` as `read_tree` reads
+    (once, front to back, every byte shown to `seen`). `tree`: refuse a file without a tree
+    before its tensors are read. The caller checks what `seen` saw before it uses them."""
+    try:
+        head = read_bytes(handle, 8, seen)
         header_size = int.from_bytes(head, "little")
         if header_size > min(size - 8, _MAX_HEADER):
             raise ValueError(f"a header of {header_size:,} bytes in a file of {size:,}")
-        header = json.loads(_read(handle, header_size, seen))
+        header = json.loads(read_bytes(handle, header_size, seen))
         if not isinstance(header, dict):
             raise ValueError("its header is not a JSON object")
         metadata = header.pop("__metadata__", None)
-        if not isinstance(metadata, dict) or _KEY not in metadata:
+        if metadata is None and not tree:
+            metadata = {}
+        if not isinstance(metadata, dict) or (tree and _KEY not in metadata):
             raise ValueError("it holds no pdcompile data")
         tensors = {}
         for key, dtype, shape, nbytes in _layout(header, size - 8 - header_size):
@@ -175,11 +197,15 @@ def read_tree(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
                 _read_into(handle, memoryview(raw.numpy()), seen)
             tensors[key] = raw.view(dtype).reshape(shape) if nbytes else torch.empty(
                 shape, dtype=dtype)
-        return decode(json.loads(metadata[_KEY]), tensors)
+        return metadata, tensors
     except (ValueError, KeyError, TypeError, RuntimeError, RecursionError) as err:
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DamagedFileError(f"{name} is truncated, altered or not a file pdcompile wrote "
-                               f"({detail}); write it again") from None
+        raise _damaged(name, err) from None
+
+
+def _damaged(name: str | os.PathLike[str], err: BaseException) -> DamagedFileError:
+    detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+    return DamagedFileError(f"{name} is truncated, altered or not a file pdcompile wrote "
+                            f"({detail}); write it again")
 
 
 # safetensors' names of the dtypes save_tree can write
@@ -222,7 +248,9 @@ def _layout(header: dict[str, Any], payload: int
             for begin, end, key, dtype, shape in sorted(spans, key=lambda s: s[:2])]
 
 
-def _read(handle: BinaryIO, count: int, seen: Callable[[memoryview], object]) -> bytes:
+def read_bytes(handle: BinaryIO, count: int, seen: Callable[[memoryview], object]) -> bytes:
+    """The next `count` bytes of `handle`, each chunk shown to `seen` as it lands (ValueError
+    when the file ends first)."""
     out = bytearray(count)
     _read_into(handle, memoryview(out), seen)
     return bytes(out)
@@ -241,4 +269,4 @@ def _read_into(handle: BinaryIO, target: memoryview, seen: Callable[[memoryview]
 
 
 __all__ = ["TreeEncodeError", "decode", "dtype_name", "dtype_of", "encode", "load_tree",
-           "read_tree", "save_tree"]
+           "read_bytes", "read_tensors", "read_tree", "save_tree", "tree_value"]

@@ -17,8 +17,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +30,7 @@ MANIFEST_FORMAT = "pdcompile.manifest/1"
 # few megabytes, for models of hundreds of thousands of parameters)
 MAX_JSON_BYTES = 1 << 28
 _CHUNK = 1 << 20
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class Manifest:
     path: Path
     kind: str
     files: dict[str, FileEntry]
+    data: bytes = field(default=b"", repr=False)  # the manifest's bytes as read (signing.py)
 
     @property
     def total_bytes(self) -> int:
@@ -85,17 +88,23 @@ def read_json_text(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> str:
     """The text of a JSON file pdcompile wrote, refused (DamagedFileError) when it is larger
     than any such file can be, before a byte of it is read into memory (a hostile folder's
     multi-gigabyte pipeline.json or manifest)."""
+    return read_json_bytes(path, fix=fix, limit=limit).decode()
+
+
+def read_json_bytes(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> bytes:
+    """The bytes of a JSON file pdcompile wrote, with `read_json_text`'s size limit."""
     size = path.stat().st_size
     if size > limit:
         raise DamagedFileError(f"{path} holds {size:,} bytes, more than any file of its kind "
                                f"pdcompile writes ({limit:,}): it is not one; {fix}")
-    return path.read_text()
+    return path.read_bytes()
 
 
 def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
     """A manifest file read and checked for its format; one line naming it otherwise."""
     try:
-        data = json.loads(read_json_text(path, fix=fix))
+        raw = read_json_bytes(path, fix=fix)
+        data = json.loads(raw)
     except DamagedFileError:
         raise
     except FileNotFoundError:
@@ -109,8 +118,7 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
         if data["format"] != MANIFEST_FORMAT:
             raise DamagedFileError(f"{path} is format {data['format']!r}, expected "
                                    f"{MANIFEST_FORMAT!r}; {fix}")
-        files = {str(name): FileEntry(int(entry["size"]), str(entry["sha256"]))
-                 for name, entry in data["files"].items()}
+        files = {str(name): _entry(entry) for name, entry in data["files"].items()}
         found = str(data["kind"])
     except (KeyError, TypeError, ValueError, AttributeError) as err:
         raise DamagedFileError(f"{path} is altered or incomplete ({type(err).__name__}: {err}); "
@@ -122,7 +130,19 @@ def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
             raise DamagedFileError(f"{path} names {name!r}, outside its folder; {fix}")
         if "\x00" in name or Path(name).parts in ((), (".",)):
             raise DamagedFileError(f"{path} names {name!r}, which is not a file name; {fix}")
-    return Manifest(path, found, files)
+    return Manifest(path, found, files, raw)
+
+
+def _entry(entry: Any) -> FileEntry:
+    """A manifest's entry of one file, as the writer writes it: a size that is a whole number
+    of bytes (not 1.5, true, or Infinity, which int() refused with an OverflowError that no
+    caller named) and a SHA-256 in hex."""
+    size, sha = entry["size"], entry["sha256"]
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ValueError(f"size {size!r} is not a number of bytes")
+    if not isinstance(sha, str) or not _SHA256.fullmatch(sha):
+        raise ValueError(f"sha256 {sha!r} is not a SHA-256 in hex")
+    return FileEntry(size, sha)
 
 
 def check_entry(path: Path, entry: FileEntry, *, fix: str, data: bytes | None = None,
@@ -195,5 +215,5 @@ def entries(manifest: Manifest) -> dict[str, Any]:
 
 
 __all__ = ["MANIFEST_FORMAT", "MAX_JSON_BYTES", "FileEntry", "Manifest", "check_entry", "digest",
-           "entries", "fsync_dir", "read_json_text", "read_manifest", "read_verified", "verify",
+           "entries", "fsync_dir", "read_json_bytes", "read_json_text", "read_manifest", "read_verified", "verify",
            "write_manifest"]

@@ -198,8 +198,8 @@ def test_a_checkpoint_of_another_model_of_the_same_shapes_is_refused(tmp_path: P
     """Linear-ReLU-Linear and Linear-Tanh-Linear have the same parameters (names, shapes) and
     the same plan: a run of the second in the first's checkpoint folder once resumed from it
     without a word (the check compared plan, schedule, stage and microbatches only). It is
-    refused in one line naming the folder, the stage and the fix; a fresh export of the first
-    model still resumes there."""
+    refused in one line naming the folder, the stage, the layer that differs and the opt-in; a
+    fresh export of the first model still resumes there, and the second with the opt-in."""
     from pdcompile.backends.launch import LaunchError
 
     data = functools.partial(batches, 4)
@@ -210,9 +210,16 @@ def test_a_checkpoint_of_another_model_of_the_same_shapes_is_refused(tmp_path: P
         train_processes(_export(tmp_path / "tanh", "1f1b-flush", nn.Tanh), 2, data, steps=4,
                         timeout=120, fault_timeout=5, checkpoint_dir=ckpt, checkpoint_every=2)
     message = str(info.value)
-    assert f"the checkpoints in {ckpt} were written by another model" in message, message
-    assert "stage 0" in message and "another checkpoint folder" in message, message
+    assert f"step 2 of stage 0 in {ckpt}" in message and "ReLU()' in the checkpoint, is " \
+        "'torch.nn.modules.activation.Tanh()' now" in message, message
+    assert "resume_anyway=True (--resume-anyway)" in message, message
+    assert "another checkpoint folder" in message, message
     again = train_processes(_export(tmp_path / "relu_again", "1f1b-flush"), 2, data, steps=4,
                             timeout=120, fault_timeout=5, checkpoint_dir=ckpt,
                             checkpoint_every=2)
     assert again.resumed_from == 2 and again.steps == 2
+    # the explicit opt-in: the same parameters and graph, other layer classes, resumed
+    anyway = train_processes(_export(tmp_path / "tanh_anyway", "1f1b-flush", nn.Tanh), 2, data,
+                             steps=4, timeout=120, fault_timeout=5, checkpoint_dir=ckpt,
+                             checkpoint_every=2, resume_anyway=True)
+    assert anyway.resumed_from == 4 and len(anyway.losses) == 4

@@ -19,9 +19,12 @@ from torch import nn
 
 import pdcompile
 from pdcompile.errors import PdcompileError
+from pdcompile.export import read as pdcompile_read
 from pdcompile.export.files import check_export
 from pdcompile.export.integrity import seal_export
 from pdcompile.pipeline import Pipeline
+from pdcompile.util.manifest import write_manifest
+from tests.helpers.byte_damage import bounded, damage
 
 
 def _pipeline(seed: int, *, example: bool = True) -> Pipeline:
@@ -79,26 +82,23 @@ def _refused_in_one_line(folder: Path, *, trust: bool = False) -> str:
     return message
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=40, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
-def test_a_flipped_byte_anywhere_is_refused_or_changes_nothing(
+def test_damage_anywhere_is_refused_or_changes_nothing(
         exports: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory,
         data: st.DataObject) -> None:
-    """Any byte of any file (the manifest and signature included), xor-ed with a drawn mask:
-    load refuses in one line naming a file of the folder, or (never, so far) loads exactly
-    what was written. With trust=True too: trust lifts the signature, not the manifest."""
+    """Any file (the manifest and signature included) with bytes flipped anywhere, cut short
+    or extended: load refuses in one line naming a file of the folder (no other exception,
+    no hang), or loads exactly what was written. With trust=True too: trust lifts the
+    signature, not the manifest."""
     original, _ = exports
-    folder = _copy(original, tmp_path_factory.mktemp("flip") / "out")
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and p.stat().st_size)
-    file = data.draw(st.sampled_from(files), label="file")
-    raw = bytearray(file.read_bytes())
-    at = data.draw(st.integers(0, len(raw) - 1), label="offset")
-    raw[at] ^= data.draw(st.integers(1, 255), label="mask")
-    file.write_bytes(bytes(raw))
+    folder = _copy(original, tmp_path_factory.mktemp("damage") / "out")
+    damage(data, [p for p in folder.rglob("*") if p.is_file()])
     trust = data.draw(st.booleans(), label="trust")
     try:
-        loaded = pdcompile.load(str(folder), trust=trust)
+        with bounded(60):
+            loaded = pdcompile.load(str(folder), trust=trust)
     except PdcompileError as err:
         assert "\n" not in str(err) and str(folder) in str(err)
         return
@@ -118,6 +118,29 @@ def test_files_swapped_in_from_another_export_are_refused(
     for name in names:
         shutil.copy(theirs / name, folder / name)
     _refused_in_one_line(folder)
+
+
+def test_files_swapped_after_the_check_are_not_loaded(
+        exports: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every file of another export of the same model put in place of this one's right after
+    the manifest check passed (and before anything is loaded): the load still returns exactly
+    what was checked. Before, the folder was hashed, then its files opened again to load them,
+    and the other export's weights, optimizer state and example were loaded unchecked."""
+    mine, theirs = exports
+    folder = _copy(mine, tmp_path / "swapped")
+    checked = pdcompile_read.check_imports
+
+    def check_then_swap(*args: Any, **kwargs: Any) -> None:
+        checked(*args, **kwargs)
+        for file in theirs.iterdir():
+            if file.is_file() and not file.name.startswith("MANIFEST"):
+                shutil.copy(file, folder / file.name)
+
+    monkeypatch.setattr(pdcompile_read, "check_imports", check_then_swap)
+    loaded = pdcompile.load(str(folder))
+    monkeypatch.undo()
+    assert _same(loaded, pdcompile.load(str(mine)))
+    assert not _same(loaded, pdcompile.load(str(theirs)))
 
 
 def test_a_data_file_the_manifest_does_not_list_is_refused(tmp_path: Path) -> None:
@@ -282,3 +305,30 @@ def test_a_json_file_larger_than_any_written_is_refused_unread(
         out.truncate(512 << 20)
     message = _refused_in_one_line(folder)
     assert f"{512 << 20:,} bytes" in message and name in message
+
+
+def test_a_signed_manifest_swapped_in_after_the_check_does_not_vouch_for_the_files(
+        exports: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """stage_0.py edited and the manifest written again without the key (so unsigned), the
+    user's signed manifest put back right after the files were checked against the forged
+    one: the signature is checked on the manifest the files were checked against, and the
+    export is refused before its code runs. Before, the signature was checked on the file read
+    again, so the put-back manifest vouched for the edited code, which ran."""
+    mine, _ = exports
+    folder = _copy(mine, tmp_path / "forged")
+    signed = (folder / "MANIFEST.json").read_bytes()
+    marker = tmp_path / "payload-ran"
+    with open(folder / "stage_0.py", "a") as code:
+        code.write(f"\nopen({str(marker)!r}, 'w').close()\n")
+    names = [p.name for p in folder.iterdir() if p.name not in ("MANIFEST.json", "MANIFEST.sig")]
+    write_manifest(folder, names, kind="export", manifest_name="MANIFEST.json")
+    listed = pdcompile_read.code_files  # called once the files were checked, before the trust
+
+    def put_back(*args: Any, **kwargs: Any) -> list[str]:
+        (folder / "MANIFEST.json").write_bytes(signed)
+        return listed(*args, **kwargs)
+
+    monkeypatch.setattr(pdcompile_read, "code_files", put_back)
+    with pytest.raises(PdcompileError) as info:
+        pdcompile.load(str(folder))
+    assert "MANIFEST.sig does not match" in str(info.value) and not marker.exists()

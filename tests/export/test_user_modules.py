@@ -14,6 +14,7 @@ import torch
 import pdcompile
 from pdcompile.cli import main
 from pdcompile.errors import DamagedFileError
+from pdcompile.export import user_modules
 from pdcompile.export.user_modules import named_user_modules
 from pdcompile.util.user_code import USER_MODULE_PREFIX, import_user_module
 from tests.helpers.model_files import MODEL_FILE
@@ -77,6 +78,27 @@ def test_an_altered_or_missing_copy_is_named(model_file: Path, tmp_path: Path) -
     copy.unlink()
     with pytest.raises(DamagedFileError, match=r"usernet.py is missing from the export"):
         pdcompile.load(str(out))
+
+
+def test_a_copy_swapped_after_its_check_is_not_run(model_file: Path, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The model file's copy replaced by other code right after its SHA-256 was checked: the
+    code run is the checked bytes. Before, the file was opened again to run it, and the
+    replacement ran."""
+    out = tmp_path / "exp"
+    _export(model_file, out)
+    _forget()
+    copy = out / json.loads((out / "pipeline.json").read_text())["user_modules"][
+        f"{USER_MODULE_PREFIX}usernet"]["file"]
+    looked_up = user_modules.user_module_file
+
+    def swap_then_look_up(name: str) -> Path | None:
+        copy.write_text(MODEL_FILE + "\nSWAPPED = True\n")
+        return looked_up(name)
+
+    monkeypatch.setattr(user_modules, "user_module_file", swap_then_look_up)
+    assert pdcompile.load(str(out)).loss_fn is not None
+    assert not hasattr(sys.modules[f"{USER_MODULE_PREFIX}usernet"], "SWAPPED")
 
 
 def test_a_module_of_the_same_content_already_imported_is_kept(model_file: Path,

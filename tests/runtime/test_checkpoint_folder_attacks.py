@@ -3,17 +3,21 @@ pipes or devices where pdcompile writes plain files are refused in one line, wit
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pdcompile.errors import DamagedFileError, DistributedError
-from pdcompile.runtime import checkpoint
+from pdcompile.runtime import checkpoint, verified_read
 from pdcompile.runtime.checkpoint import Checkpointer
 from pdcompile.runtime.tensor_tree import save_tree
+from tests.helpers.byte_damage import bounded, damage
 
 pytestmark = pytest.mark.timeout(30)  # the old reader hung on a pipe: fail, do not wait
 
@@ -22,6 +26,63 @@ def _saved(folder: Path) -> Checkpointer:
     ckpt = Checkpointer(folder, rank=0, every=1)
     ckpt.save(1, {"w": torch.ones(4)})
     return ckpt
+
+
+_STATE = {"w": torch.arange(6.0).reshape(2, 3), "losses": [0.5, 0.25], "rng": torch.get_rng_state(),
+          "optimizer": {"state": {0: {"momentum_buffer": torch.ones(3, dtype=torch.float64)}},
+                        "param_groups": [{"lr": 0.1, "params": [0]}]}, "step_names": ("a", "b")}
+
+
+def _equal(a: Any, b: Any) -> bool:
+    """Equal values: tensors bit for bit and of the same dtype, containers of the same type."""
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
+            torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and list(a) == list(b) and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(map(_equal, a, b))
+    return type(a) is type(b) and a == b
+
+
+@pytest.mark.timeout(300)  # 150 loads; each is bounded on its own
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_damage_anywhere_is_refused_or_changes_nothing(tmp_path_factory: pytest.TempPathFactory,
+                                                      data: st.DataObject) -> None:
+    """A saved checkpoint's file or manifest with bytes flipped anywhere, cut short or
+    extended: loading it gives exactly what was saved, or one DamagedFileError naming the file
+    (no other exception, no hang), and the step is not offered to a resume."""
+    ckpt = Checkpointer(tmp_path_factory.mktemp("damage"), rank=0, every=1)
+    ckpt.save(1, _STATE)
+    expected = ckpt.load(1)
+    damage(data, [p for p in ckpt.rank_dir().iterdir() if p.name.startswith("step_")])
+    try:
+        with bounded(30):
+            found = ckpt.load(1)
+    except DamagedFileError as err:
+        assert "\n" not in str(err) and str(ckpt.rank_dir()) in str(err), str(err)
+        assert ckpt.resume_step(1) is None
+        return
+    assert _equal(found, expected) and ckpt.resume_step(1) == 1
+
+
+@pytest.mark.parametrize("size", ["Infinity", "-Infinity", "1e999", "NaN", "1.5", "true", "-1",
+                                  '"12"'])
+def test_a_manifest_size_that_is_not_a_number_of_bytes_is_one_line(tmp_path: Path,
+                                                                   size: str) -> None:
+    """A hand-edited manifest whose size is not a whole number of bytes: Infinity raised
+    int()'s OverflowError as a raw traceback, and 1.5 or true were read as 1."""
+    ckpt = _saved(tmp_path)
+    manifest = ckpt.rank_dir() / "step_00000001.manifest.json"
+    data = json.loads(manifest.read_text())
+    (entry,) = data["files"].values()
+    manifest.write_text(json.dumps(data).replace(f'"size": {entry["size"]}', f'"size": {size}'))
+    with pytest.raises(DamagedFileError) as info:
+        ckpt.load(1)
+    assert "\n" not in str(info.value) and f"{manifest} is altered" in str(info.value)
+    assert ckpt.resume_step(1) is None
 
 
 def test_the_bytes_loaded_are_the_bytes_checked(tmp_path: Path,
@@ -33,13 +94,13 @@ def test_the_bytes_loaded_are_the_bytes_checked(tmp_path: Path,
     path = ckpt.rank_dir() / "step_00000001.safetensors"
     other = save_tree(tmp_path / "other.safetensors",
                       {"w": torch.full((4,), 666.0), "step": 1, "rank": 0}).read_bytes()
-    original = checkpoint.check_entry
+    original = verified_read.check_entry
 
     def check_then_swap(*args: Any, **kwargs: Any) -> None:
         original(*args, **kwargs)
         path.write_bytes(other)
 
-    monkeypatch.setattr(checkpoint, "check_entry", check_then_swap)
+    monkeypatch.setattr(verified_read, "check_entry", check_then_swap)
     torch.testing.assert_close(ckpt.load(1)["w"], torch.ones(4))
 
 

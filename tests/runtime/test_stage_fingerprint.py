@@ -4,6 +4,7 @@ names and shapes but compute something else."""
 
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import subprocess
@@ -17,9 +18,15 @@ from hypothesis import strategies as st
 from torch import fx, nn
 
 import pdcompile
-from pdcompile.backends.distributed_checkpoint import check_same_model, fingerprints
+from pdcompile.backends.distributed_checkpoint import (
+    RESUME_ANYWAY,
+    check_same_model,
+    fingerprints,
+)
 from pdcompile.errors import DistributedError
-from pdcompile.runtime.stage_fingerprint import stage_fingerprint
+from pdcompile.runtime.stage_fingerprint import stage_fingerprint, stage_print
+from pdcompile.worker import add_training_options, training_arguments
+from pdcompile.worker import parser as worker_parser
 
 WIDTH = 6
 ACTIVATIONS = {"relu": nn.ReLU, "tanh": nn.Tanh, "gelu": nn.GELU, "sigmoid": nn.Sigmoid,
@@ -63,6 +70,10 @@ def test_equal_exactly_for_the_same_computation(first: tuple, second: tuple,
     assert _print(first, seeds[0]) == _print(first, seeds[1])
     # no two entries of ACTIVATIONS compute the same function
     assert (_print(first, seeds[0]) == _print(second, seeds[1])) == (first == second)
+    # the strict part: the same parameters called in the same order, whatever the activations
+    strict = [stage_print(fx.symbolic_trace(Chain(*spec, 0)))["strict"] for spec in (first,
+                                                                                    second)]
+    assert (strict[0] == strict[1]) == (first[1] == second[1])
 
 
 def test_the_parameter_order_and_dtypes_count() -> None:
@@ -107,18 +118,100 @@ def test_the_same_model_compiled_exported_and_loaded_elsewhere_has_the_same_prin
     assert out.stdout.strip() == str(sorted(mine.items()))
 
 
-def test_a_checkpoint_of_another_model_is_refused_in_one_line(tmp_path: Path) -> None:
+def _refusal(saved: dict, states: list, folder: Path, **options: bool) -> str:
+    with pytest.raises(DistributedError) as info:
+        check_same_model(saved, states, folder, 2, **options)
+    message = str(info.value)
+    assert "\n" not in message and f"step 2 of stage 1 in {folder}" in message, message
+    return message
+
+
+def test_another_activation_is_refused_unless_resumed_anyway(tmp_path: Path) -> None:
+    """ReLU where the checkpoint had Tanh: parameters, order and graph the same, a layer's
+    class not: refused by default naming the stage, the layer and the opt-in; resumed with it,
+    saying so."""
     relu, tanh = _compile(nn.ReLU).states(), _compile(nn.Tanh).states()
     saved = {"fingerprints": fingerprints(relu)}
-    check_same_model(saved, relu, tmp_path, 2)  # the same model: resumed
-    with pytest.raises(DistributedError) as info:
-        check_same_model(saved, tanh[1:], tmp_path, 2)
-    message = str(info.value)
-    assert "\n" not in message and f"the checkpoints in {tmp_path} were written by another " \
-        "model: step 2 of stage 1 holds the state of another model" in message, message
-    assert "another checkpoint folder" in message
-    with pytest.raises(DistributedError, match="written before checkpoints recorded the model"):
-        check_same_model({}, relu, tmp_path, 2)  # a checkpoint older than fingerprints
+    assert check_same_model(saved, relu, tmp_path, 2) == []  # the same model: resumed
+    message = _refusal(saved, tanh[1:], tmp_path)
+    assert "module '3' was 'torch.nn.modules.activation.ReLU()' in the checkpoint, is " \
+        "'torch.nn.modules.activation.Tanh()' now" in message, message
+    assert RESUME_ANYWAY in message and "another checkpoint folder" in message
+    notes = check_same_model(saved, tanh[1:], tmp_path, 2, resume_anyway=True)
+    assert len(notes) == 1 and "module '3'" in notes[0] and "resumed anyway" in notes[0]
+
+
+def test_a_torch_upgrade_renaming_an_operation_is_refused_unless_resumed_anyway(
+        tmp_path: Path) -> None:
+    """The same model, its checkpoint written by a torch whose layer settings and operator
+    names read otherwise (the drifting part edited as an upgrade would)."""
+    states = _compile(nn.ReLU).states()
+    saved = {"fingerprints": fingerprints(states)}
+    drifting = saved["fingerprints"]["1"]["drifting"]
+    drifting["modules"]["3"] = "torch.nn.modules.activation.ReLU(inplace=False)"
+    drifting["functions"] = {**drifting["functions"], "x": "aten.relu.Tensor"}
+    message = _refusal(saved, states[1:], tmp_path)
+    assert "ReLU(inplace=False)" in message and RESUME_ANYWAY in message, message
+    assert check_same_model(saved, states[1:], tmp_path, 2, resume_anyway=True)
+
+
+@pytest.mark.parametrize("change", ["dtype", "order", "graph"])
+def test_a_strict_difference_is_refused_even_resumed_anyway(tmp_path: Path, change: str
+                                                            ) -> None:
+    """Another parameter dtype, another parameter order, layers called in another order:
+    the checkpoint's numbers would mean something else; no opt-in resumes it."""
+    spec = (("relu", "relu"), (0, 1))
+    model = fx.symbolic_trace(Chain(*spec, 0))
+    names = [n for n, _ in model.named_parameters()]
+    other, other_names = model, names
+    if change == "dtype":
+        other = fx.symbolic_trace(Chain(*spec, 0)).double()
+    elif change == "order":
+        other_names = names[::-1]
+    else:
+        other = fx.symbolic_trace(Chain(spec[0], (1, 0), 0))
+    saved = {"fingerprints": {"1": stage_print(model, names)}}
+    for anyway in (False, True):
+        message = _refusal(saved, [_Held(other, other_names)], tmp_path, resume_anyway=anyway)
+        assert "written by another model" in message and "resume_anyway" not in message
+
+
+@pytest.mark.parametrize("recorded", ["none", "older form"])
+def test_a_checkpoint_without_a_print_is_refused_unless_resumed_anyway(
+        tmp_path: Path, recorded: str) -> None:
+    """Written before checkpoints recorded prints (none), or recorded as the single hash
+    checkpoints stored before the strict and drifting parts were split, which differs."""
+    relu, tanh = _compile(nn.ReLU).states(), _compile(nn.Tanh).states()
+    saved = {} if recorded == "none" else {
+        "fingerprints": {s: stage_fingerprint(t.module, t.param_order)
+                         for s, t in zip(("0", "1"), tanh, strict=True)}}
+    message = _refusal(saved, relu[1:], tmp_path)
+    assert RESUME_ANYWAY in message and ("written before checkpoints recorded" in message
+                                         if recorded == "none" else "older form" in message)
+    assert check_same_model(saved, relu[1:], tmp_path, 2, resume_anyway=True)
+
+
+def test_a_checkpoint_of_the_older_form_by_the_same_model_resumes(tmp_path: Path) -> None:
+    states = _compile(nn.ReLU).states()
+    saved = {"fingerprints": {str(s.stage): stage_fingerprint(s.module, s.param_order)
+                              for s in states}}
+    assert check_same_model(saved, states, tmp_path, 2) == []
+
+
+def test_the_opt_in_is_a_training_flag_passed_to_workers() -> None:
+    """`pdcompile run --resume-anyway` reaches the worker's command line and its parser."""
+    options = argparse.ArgumentParser()
+    add_training_options(options, fault_timeout=None)
+    args = options.parse_args(["--resume-anyway"])
+    assert args.resume_anyway and "--resume-anyway" in training_arguments(args)
+    assert worker_parser().parse_args(["out", *training_arguments(args)]).resume_anyway
+
+
+class _Held:
+    """What check_same_model reads of a rank's state: its stage, module and parameter order."""
+
+    def __init__(self, module: torch.nn.Module, param_order: list[str]) -> None:
+        self.stage, self.module, self.param_order = 1, module, tuple(param_order)
 
 
 class _Double(torch.autograd.Function):

@@ -1,0 +1,107 @@
+"""An export's files read once, each checked against MANIFEST.json as it is read: what the
+loader uses is what was checked.
+
+`read_export` reads every file the manifest lists, front to back, hashing each chunk as it
+lands (runtime/verified_read.py, the reader checkpoints use too): safetensors files straight
+into their tensors, the rest as bytes. The loader then takes everything from `ExportFiles`,
+never from the folder again. Before, the folder was hashed first and its files opened again to
+load them (safetensors' memory map, JSON, the user's model file), and a file replaced between
+the check and the load was loaded unchecked.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pdcompile.errors import DamagedFileError
+from pdcompile.export.integrity import FIX, listed_export
+from pdcompile.runtime.tensor_tree import tree_value
+from pdcompile.runtime.verified_read import parse_bytes, parse_safetensors, read_checked
+from pdcompile.util.manifest import Manifest
+
+
+class ExportFiles:
+    """Every file of one export, read once and checked (`read_export`)."""
+
+    def __init__(self, manifest: Manifest) -> None:
+        self.manifest = manifest
+        self.folder = manifest.path.parent
+        self._bytes: dict[str, bytes] = {}
+        self._tensors: dict[str, tuple[dict[str, Any], dict[str, torch.Tensor]]] = {}
+        self._taken: set[str] = set()
+        for name, entry in sorted(manifest.files.items()):
+            path = self.folder / name
+            if name.endswith(".safetensors"):
+                self._tensors[name] = read_checked(path, entry, parse_safetensors, fix=FIX,
+                                                   kind="export")
+            else:
+                self._bytes[name] = read_checked(path, entry, parse_bytes, fix=FIX,
+                                                 kind="export")
+
+    def has(self, name: str) -> bool:
+        """Whether the export holds a file of this name."""
+        return name in self._bytes or name in self._tensors
+
+    def data(self, name: str) -> bytes:
+        """A file's bytes as checked."""
+        if name not in self._bytes:
+            raise self._missing(name)
+        return self._bytes[name]
+
+    def text(self, name: str) -> str:
+        """A text file's content as checked."""
+        try:
+            return self.data(name).decode()
+        except UnicodeDecodeError:
+            raise DamagedFileError(f"{self.folder / name} is not UTF-8 text; {FIX}") from None
+
+    def json(self, name: str) -> Any:
+        """A JSON file's content as checked."""
+        try:
+            return json.loads(self.text(name))
+        except (ValueError, RecursionError) as err:
+            raise DamagedFileError(f"{self.folder / name} is not valid JSON ({err}); {FIX}") \
+                from None
+
+    def tensors(self, name: str) -> dict[str, torch.Tensor]:
+        """A plain safetensors file's tensors as checked (each in its own aligned memory; a
+        second call gets copies: two holders, replicas of one stage, never share one)."""
+        return dict(self._stored(name)[1])
+
+    def tree(self, name: str) -> Any:
+        """A tensor-tree file's value (runtime/tensor_tree) as checked (its tensors copies
+        on a second call, as `tensors`)."""
+        metadata, tensors = self._stored(name)
+        try:
+            return tree_value(metadata, tensors, self.folder / name)
+        except DamagedFileError as err:
+            raise DamagedFileError(f"{str(err).removesuffix('; write it again')}; {FIX}") \
+                from None
+
+    def _stored(self, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        """A safetensors file's metadata and tensors: the ones read the first time, copies
+        after."""
+        if name not in self._tensors:
+            raise self._missing(name)
+        metadata, tensors = self._tensors[name]
+        if name in self._taken:
+            return metadata, {key: value.clone() for key, value in tensors.items()}
+        self._taken.add(name)
+        return metadata, tensors
+
+    def _missing(self, name: str) -> DamagedFileError:
+        return DamagedFileError(f"{self.folder / name} is missing from the export (its "
+                                f"manifest does not list it); {FIX}")
+
+
+def read_export(folder: Path) -> ExportFiles:
+    """Every file of the export in `folder`, read once and checked against its manifest (and
+    no file of the writer's names that the manifest leaves out, export/integrity.py)."""
+    return ExportFiles(listed_export(folder))
+
+
+__all__ = ["ExportFiles", "read_export"]

@@ -1,0 +1,62 @@
+"""Hypothesis strategies for the planner at scale: random DAGs of hundreds to thousands of
+nodes (a spine with branches, joins and skips of any reach, not only chains) whose costs
+include zeros and extremes, and clusters written in the short form (flat, servers, presets,
+mixed device groups)."""
+
+from __future__ import annotations
+
+import random
+
+import networkx as nx
+from hypothesis import strategies as st
+
+from pdcompile.cost.costgraph import add_block, new_cost_graph
+
+# a value of each kind: mostly ordinary, sometimes zero or (for the times and sizes) extreme
+_SECONDS = st.sampled_from([0.0, 1e-9, 1.0]) | st.floats(1e-5, 1e-2)
+_BYTES = st.sampled_from([0.0, 1.0, 1e9]) | st.integers(0, 10_000_000).map(float)
+_WEIGHTS = st.sampled_from([0.0, 2e8]) | st.integers(0, 4_000_000).map(float)
+
+
+@st.composite
+def scale_dags(draw: st.DrawFn, min_nodes: int = 100, max_nodes: int = 2000) -> nx.DiGraph:
+    """A DAG of `min_nodes`-`max_nodes` nodes: each node after the first reads its predecessor,
+    a recent node (a branch) or one to four earlier ones (joins, long skips), some edges with
+    bytes of their own. Costs are drawn per node from a few values (so that thousands of nodes
+    cost one draw each, not four), picked and wired by a drawn seed."""
+    n = draw(st.integers(min_nodes, max_nodes))
+    seconds = draw(st.lists(_SECONDS, min_size=8, max_size=8))
+    sizes = draw(st.lists(_BYTES, min_size=8, max_size=8))
+    weights = draw(st.lists(_WEIGHTS, min_size=4, max_size=4))
+    # one seed for the structure and the picks (hypothesis's own randoms draw every call
+    # from its buffer: thousands per graph, too large an example to generate)
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    graph = new_cost_graph(f"random DAG of {n}", 32)
+    for i in range(n):
+        add_block(graph, f"n{i}", fwd=rng.choice(seconds), bwd=rng.choice(seconds),
+                  act=rng.choice(sizes), params=rng.choice(weights))
+    for i in range(1, n):
+        style = rng.random()
+        if style < 0.6:
+            parents = {i - 1}
+        elif style < 0.8:
+            parents = {rng.randrange(max(0, i - 50), i)}
+        else:
+            parents = set(rng.sample(range(i), min(i, rng.randint(1, 4))))
+        for p in parents:
+            if rng.random() < 0.3:
+                graph.add_edge(f"n{p}", f"n{i}", bytes=rng.choice(sizes))
+            else:
+                graph.add_edge(f"n{p}", f"n{i}")
+    return graph
+
+
+# short forms and presets (cluster.py's grammar): flat, servers, devices, mixed groups
+SHORT_FORMS = ("1", "3@1e9", "8@450GB/s~3us:h100", "4x4@1e10,1.25e9:v100", "16@10Gbps:cpu",
+               "2x4@1e11,1e9", "A", "B", "C", "h100-node", "h100-4node",
+               "128@450GB/s~3us:h100", "8x16@450GB/s,400Gbps~3us,5us:h100")
+MIXED_FORMS = ("mixed-A", "mixed-h100-a100", "8@1e10:a100*4,v100*4",
+               "4x2@150GB/s,100Gbps:h100*4,titanx*4")
+# those of at most 16 workers (the fast lane's)
+SMALL_FORMS = tuple(f for f in SHORT_FORMS if f not in ("h100-4node", "128@450GB/s~3us:h100",
+                                                        "8x16@450GB/s,400Gbps~3us,5us:h100"))
