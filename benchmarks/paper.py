@@ -3,7 +3,8 @@ cost model, row by row.
 
 For each of the 12 rows whose model we ship a profile of: the paper's configuration and measured
 speed-up over data parallelism (epoch time); our plan's configuration and predicted speed-up
-(`pdcompile.plan(..., schedule="1f1b")` on the paper's cluster with the row's servers); the
+(`pdcompile.plan(..., schedule="1f1b")` on the paper's cluster with the row's servers, the
+profile scaled to the per-worker minibatch the paper's runs used: `cost/minibatch.py`); the
 paper's own configuration priced by us (`price_plan`) and its predicted speed-up; the error of
 each against the paper; and what dominates the time of data parallelism and of the pipeline in
 our model (compute, all-reduce, activations on the wire).
@@ -39,12 +40,23 @@ sys.path.insert(0, str(ROOT))
 from pdcompile import Cluster  # noqa: E402
 from pdcompile.cost.costgraph import topological_order  # noqa: E402
 from pdcompile.cost.links import nic_busy_seconds  # noqa: E402
+from pdcompile.cost.minibatch import at_minibatch  # noqa: E402
 from pdcompile.plan import Plan, Stage  # noqa: E402
 from pdcompile.planner.costmodel import ModelOptions, plan_terms  # noqa: E402
 from pdcompile.planner.search import plan, price_plan  # noqa: E402
 from pdcompile.profiles import load_pipedream  # noqa: E402
 
 GOLDEN = ROOT / "tests" / "planner" / "paper_table1.json"
+
+# Samples per minibatch of each shipped profile, read off its tensors: the Input's activation
+# (images: 128 x 3 x 224 x 224 x 4 bytes for VGG-16 and ResNet-50, 256 for AlexNet) and the LSTM
+# state (1 x batch x 1024 x 4 bytes: GNMT-8's 131,072 bytes are 32 sentences, GNMT-16's 524,288
+# are 128).
+PROFILE_MINIBATCH = {"vgg16": 128, "resnet50": 128, "alexnet": 256, "gnmt": 32,
+                     "gnmt_large": 128}
+# The per-worker minibatch of the paper's runs, data parallelism and PipeDream alike
+# (msr-fiddle/pipedream, commit 7db6a1c, runtime/*/driver_configs/*.yml: `batch_size`).
+RUN_MINIBATCH = {"vgg16": 64, "resnet50": 128, "alexnet": 256, "gnmt": 64, "gnmt_large": 64}
 
 
 @dataclass(frozen=True)
@@ -194,7 +206,7 @@ def why_not_dp(r: dict[str, Any]) -> str:
     else:
         factor = r["dp_allreduce_ms"] / spare
         tie = (f"DP ties our plan only with its all-reduce {factor:.0f}x faster "
-               f"({factor * r['dp_ring_gbps']:.0f} Gbps of bus bandwidth, where one flow "
+               f"({factor * r['dp_ring_gbps']:.0f} Gbps of bus bandwidth, where a ring hop "
                f"between the servers gets {r['dp_ring_gbps']:.0f} Gbps)")
     return (f"- {r['profile']} {r['shape']} ({r['cluster']}), paper DP, ours "
             f"{r['our_config']}: our plan {r['our_ms']:.1f} ms per minibatch ({r['our_bound']}); "
@@ -203,8 +215,8 @@ def why_not_dp(r: dict[str, Any]) -> str:
             f"(what the backward does not hide); {tie}. The original optimizer's own model "
             f"(all-reduce at the link's bandwidth, no overlap) on the same profile picks "
             f"{r['original_optimizer']}: it does not choose DP either, so the paper's choice "
-            "rests on something the profile does not carry (its measured DP run, another "
-            "minibatch size, or gradients smaller than the profile's parameters)")
+            "rests on something the profile does not carry (its measured DP run, or "
+            "gradients smaller than the profile's parameters)")
 
 
 def _shown_stages(bound: str, count: int) -> set[int]:
@@ -213,9 +225,16 @@ def _shown_stages(bound: str, count: int) -> set[int]:
     return found or {0, count - 1}
 
 
+def row_graph(row: PaperRow) -> Any:
+    """The row's profile at the per-worker minibatch the paper's runs used
+    (`cost.minibatch.at_minibatch`)."""
+    return at_minibatch(load_pipedream(row.profile), PROFILE_MINIBATCH[row.profile],
+                        RUN_MINIBATCH[row.profile])
+
+
 def measure(row: PaperRow) -> dict[str, Any]:
     """One row: our plan and the paper's config priced by us, with errors."""
-    graph = load_pipedream(row.profile)
+    graph = row_graph(row)
     cluster = row_cluster(row)
     ours = plan(graph, cluster, schedule="1f1b")
     theirs = price_plan(graph, paper_plan(graph, row, cluster), cluster, schedule="1f1b")
@@ -235,6 +254,8 @@ def measure(row: PaperRow) -> dict[str, Any]:
     return {
         "profile": row.profile, "cluster": row.cluster, "shape": row.shape,
         "paper_config": row.config, "paper_speedup": row.speedup,
+        "profile_minibatch": PROFILE_MINIBATCH[row.profile],
+        "run_minibatch": RUN_MINIBATCH[row.profile],
         "our_config": config_of(ours), "our_speedup": round(ours_speedup, 4),
         "our_ms": round(ours.time_per_minibatch * 1e3, 3),
         "dp_ms": round(ours.dp_time * 1e3, 3), "dp_fits": bool(ours.extra.get("dp_fits")),
@@ -342,7 +363,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     if args.golden:
-        keep = ("profile", "cluster", "shape", "paper_config", "paper_speedup", "our_config",
+        keep = ("profile", "cluster", "shape", "paper_config", "paper_speedup",
+                "profile_minibatch", "run_minibatch", "our_config",
                 "our_speedup", "paper_config_speedup", "paper_config_closed_speedup",
                 "paper_stages")
         GOLDEN.write_text(json.dumps([{k: r[k] for k in keep} for r in rows], indent=1) + "\n")

@@ -77,7 +77,12 @@ class Level:
     that the collective achieves over this level where it falls below `flow_rate`; None: the
     ring runs at `flow_rate`. gloo's all-reduce of CPU tensors between processes of one host
     also copies and reduces its buffers on those CPUs: on a 2-core machine it achieves about a
-    third of a send's bandwidth (machine/loopback.py measures both)."""
+    third of a send's bandwidth (machine/loopback.py measures both).
+
+    `allreduce_flows`: the connections a collective spreads each hop over this level across
+    (NCCL's channels, one socket each: NCCL 2.4 builds one ring per network interface and
+    doubles the rings between servers of NVLink GPUs), so a ring hop runs at `flows` times
+    `flow_rate`, at most the link; 1: one connection, as gloo and a single-channel ring."""
 
     workers: int
     bandwidth: float
@@ -86,6 +91,7 @@ class Level:
     cores: int | None = None
     flow_bandwidth: float | None = None
     allreduce_bandwidth: float | None = None
+    allreduce_flows: int = 1
 
     @property
     def flow_rate(self) -> float:
@@ -96,14 +102,20 @@ class Level:
 
     @property
     def allreduce_rate(self) -> float:
-        """Bus bandwidth (bytes/s) of a ring all-reduce over this level."""
+        """Bus bandwidth (bytes/s) of a ring all-reduce over this level: its hops' connections
+        (`allreduce_flows` of `flow_rate` each, at most the link), at most
+        `allreduce_bandwidth`."""
+        hop = min(self.bandwidth, self.allreduce_flows * self.flow_rate)
         if self.allreduce_bandwidth is None:
-            return self.flow_rate
-        return min(self.flow_rate, self.allreduce_bandwidth)
+            return hop
+        return min(hop, self.allreduce_bandwidth)
 
 
 _PCIE, _NVLINK_V100, _NVLINK_H100 = 1e10, 1.5e11, 4.5e11
+_MOST_FLOWS = 64  # NCCL's most channels (MAXCHANNELS: 16 in 2.4, 32 in 2.7, 64 later)
 _AWS_FLOW = 5e9 / 8  # AWS EC2 documentation, "instance network bandwidth": single-flow limit
+_NCCL_PCIE = 4.9e9  # NCCL's ring all-reduce over 4 GPUs on PCIe: bus bandwidth (NVIDIA/nccl#445)
+_NCCL_NVLINK_CHANNELS = 2  # NCCL 2.4 (misc/rings.cc): rings doubled across NVLink servers
 _DDP_BUCKET = 25.0 * 2**20  # torch.nn.parallel.DistributedDataParallel's bucket_cap_mb=25
 
 PRESET_HELP: dict[str, str] = {
@@ -192,6 +204,13 @@ class Cluster:
             if level.allreduce_bandwidth is not None:
                 _check_link_speed(level.allreduce_bandwidth,
                                   f"level {i} has allreduce_bandwidth")
+            if not isinstance(level.allreduce_flows, int) or isinstance(level.allreduce_flows,
+                                                                       bool) \
+                    or not 1 <= level.allreduce_flows <= _MOST_FLOWS:
+                raise ClusterError(f"level {i} has allreduce_flows {level.allreduce_flows!r}; "
+                                   f"write a whole number of connections from 1 to "
+                                   f"{_MOST_FLOWS} (NCCL's channels across the level), or "
+                                   "leave it out for 1")
             if level.cores is not None and (not isinstance(level.cores, int)
                                             or isinstance(level.cores, bool) or level.cores < 1):
                 raise ClusterError(f"level {i} has cores {level.cores!r}; write a positive "
@@ -397,7 +416,7 @@ class Cluster:
                           + (f" ({format_bandwidth(lv.flow_rate)} per flow)"
                              if lv.flow_rate < lv.bandwidth else "")
                           + (f" ({format_bandwidth(lv.allreduce_rate)} all-reduce)"
-                             if lv.allreduce_rate < lv.flow_rate else "")
+                             if lv.allreduce_rate != lv.flow_rate else "")
                           + (" CPU copies" if lv.cpu_copies else "")
                           + (f", {lv.cores} cores" if lv.cores is not None else "")
                           for lv in self.levels)
@@ -437,10 +456,14 @@ class Cluster:
             cluster = cls(levels=levels, groups=groups, name=key)
             return cluster if workers is None else cluster.with_workers(workers)
         table: dict[str, tuple[tuple[Level, ...], Device]] = {
-            "A": ((Level(4, _PCIE, 10e-6), Level(4, 10 * gbps, 50e-6)), v100),
-            # AWS caps one flow at 5 Gbps between instances outside a cluster placement group
+            # NCCL's ring over 4 GPUs on PCIe reaches 4.9 GB/s of bus bandwidth (nccl#445)
+            "A": ((Level(4, _PCIE, 10e-6, allreduce_bandwidth=_NCCL_PCIE),
+                   Level(4, 10 * gbps, 50e-6)), v100),
+            # AWS caps one flow at 5 Gbps between instances outside a cluster placement group;
+            # NCCL 2.4 doubles its rings between servers of NVLink GPUs: 2 sockets per hop
             "B": ((Level(8, _NVLINK_V100, 5e-6),
-                   Level(2, 25 * gbps, 50e-6, flow_bandwidth=_AWS_FLOW)), v100),
+                   Level(2, 25 * gbps, 50e-6, flow_bandwidth=_AWS_FLOW,
+                         allreduce_flows=_NCCL_NVLINK_CHANNELS)), v100),
             "C": ((Level(4, 40 * gbps, 30e-6),), titan),
             "h100-node": ((Level(8, _NVLINK_H100, 3e-6),), h100),
             "h100-4node": ((Level(8, _NVLINK_H100, 3e-6), Level(4, 400 * gbps, 5e-6)), h100),
@@ -504,7 +527,8 @@ class Cluster:
     @classmethod
     def load(cls, path: str | Path) -> Cluster:
         """Read a JSON or YAML file: {name, device, allreduce_bucket, levels: [{workers,
-        bandwidth, latency, cpu_copies, cores, flow_bandwidth, allreduce_bandwidth}], groups:
+        bandwidth, latency, cpu_copies, cores, flow_bandwidth, allreduce_bandwidth,
+        allreduce_flows}], groups:
         [{device, workers, speed}]} (all but workers and bandwidth optional; groups make a mixed
         cluster, and its device, the reference, defaults to the first group's).
 
@@ -553,7 +577,8 @@ class Cluster:
             if not isinstance(item, dict) or "workers" not in item or "bandwidth" not in item:
                 raise ClusterError(f"level {i} ({item!r}) needs 'workers' and 'bandwidth'")
             unknown = set(item) - {"workers", "bandwidth", "latency", "cpu_copies", "cores",
-                                   "flow_bandwidth", "allreduce_bandwidth"}
+                                   "flow_bandwidth", "allreduce_bandwidth",
+                                   "allreduce_flows"}
             if unknown:
                 raise ClusterError(f"level {i} has unknown keys {sorted(unknown)}")
             workers = item["workers"]
@@ -573,7 +598,11 @@ class Cluster:
             ring = item.get("allreduce_bandwidth")
             ring = None if ring is None else _quantity(ring, "bandwidth",
                                                        f"level {i} allreduce_bandwidth")
-            levels.append(Level(workers, bandwidth, latency, cpu_copies, cores, flow, ring))
+            flows = item.get("allreduce_flows", 1)
+            if not isinstance(flows, int) or isinstance(flows, bool):
+                raise ClusterError(f"level {i}: allreduce_flows {flows!r} is not an integer")
+            levels.append(Level(workers, bandwidth, latency, cpu_copies, cores, flow, ring,
+                                flows))
         bucket = data.get("allreduce_bucket")
         bucket = None if bucket is None else _quantity(bucket, "bytes", "allreduce_bucket")
         unknown = set(data) - {"name", "device", "allreduce_bucket", "levels", "groups"}
@@ -591,9 +620,9 @@ class Cluster:
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (base units: bytes, bytes/s, seconds, FLOP/s)."""
-        optional = ("flow_bandwidth", "allreduce_bandwidth")
-        levels = [{k: v for k, v in asdict(level).items() if k not in optional or v is not None}
-                  for level in self.levels]
+        optional = {"flow_bandwidth": None, "allreduce_bandwidth": None, "allreduce_flows": 1}
+        levels = [{k: v for k, v in asdict(level).items()
+                   if k not in optional or v != optional[k]} for level in self.levels]
         out: dict[str, Any] = {"name": self.name, "device": asdict(self.device), "levels": levels}
         if self.allreduce_bucket is not None:
             out["allreduce_bucket"] = self.allreduce_bucket

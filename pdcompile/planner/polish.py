@@ -20,6 +20,9 @@ import networkx as nx
 from pdcompile.planner.moves import State, descend, linearised, stages_of
 
 Stages = list[tuple[list[str], tuple[int, ...]]]
+# where no neighbour is cheaper, the most plans of the same price whose neighbours the walk
+# prices for a cheaper one (a plan of a few stages has about a hundred neighbours)
+PLATEAU_STATES = 4
 
 
 def as_state(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
@@ -50,9 +53,11 @@ def polish(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int
     """Steepest descent from `stages` by `price` (seconds per minibatch; inf where a plan
     does not fit), at most `budget` prices: the best plan reached, its price and the moves
     taken; None where the plan is not one the moves walk (`as_state`) or no neighbour is
-    cheaper. `floor`: a cheap lower bound on `price`; a neighbour whose floor is at or above
-    the current plan's price cannot be taken and is not priced, but counts against the
-    budget as if it were (so the walk, and the plan, are those of pricing every one)."""
+    cheaper. Where no neighbour is cheaper, the walk looks for one from plans of the same
+    price (at most PLATEAU_STATES of them: `moves.plateau_exit`). `floor`: a cheap lower
+    bound on `price`; a neighbour whose floor is above the current plan's price cannot be
+    taken and is not priced, but counts against the budget as if it were (so the walk, and
+    the plan, are those of pricing every one)."""
     walked = as_state(graph, stages)
     if walked is None:
         return None
@@ -64,20 +69,21 @@ def polish(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int
             cache[candidate] = price(stages_of(candidate, order))
         return cache[candidate]
 
-    def bounded(candidate: State, best: float) -> float | None:
+    def bounded(candidate: State, above: float) -> float | None:
         if floor is None:
             return None
         value = floor(stages_of(candidate, order))
-        if not value >= best * (1 - 1e-9):
+        if not value > above:
             return None
         cache[candidate] = value  # counted, never taken: its price is at least this
         return value
 
     best, state, moves = descend(state, cost(state), cost, lambda: len(cache) < budget,
-                                 cache.__contains__, nodes=len(order), floor=bounded)
+                                 cache.__contains__, nodes=len(order), floor=bounded,
+                                 plateau=PLATEAU_STATES)
     if not moves:
         return None
     return stages_of(state, order), best, moves
 
 
-__all__ = ["as_state", "polish"]
+__all__ = ["PLATEAU_STATES", "as_state", "polish"]

@@ -58,17 +58,18 @@ def test_buckets_finish_one_after_another_on_one_stream() -> None:
     assert exposed_allreduce_seconds(4.0, backward=100.0, params=100.0, bucket=25.0) == 1.0
 
 
-def test_a_flow_gets_at_most_its_cap_and_a_ring_hop_is_one_flow() -> None:
+def test_a_flow_gets_at_most_its_cap_and_a_ring_hop_its_connections() -> None:
     capped = Level(2, 25e9 / 8, 0.0, flow_bandwidth=5e9 / 8)
     assert capped.flow_rate == 5e9 / 8
     assert transfer_seconds(5e9 / 8, capped) == 1.0
     assert ring_allreduce_seconds(1e9, 2, capped) == 1e9 / (5e9 / 8)
     assert Level(2, 1e9, flow_bandwidth=5e9).flow_rate == 1e9  # the link bounds the flow
     b = Cluster.preset("B")
-    # inside a server NVLink; across the two servers one flow at AWS's 5 Gbps
+    # inside a server NVLink; across the two servers a send is one flow at AWS's 5 Gbps, a
+    # ring hop NCCL 2.4's two rings (two sockets) at 5 Gbps each
     assert stage_allreduce_seconds(1e9, [0, 1], b) == ring_allreduce_seconds(1e9, 2, b.levels[0])
     assert b.flow_rate_between(0, 8) == 5e9 / 8
-    assert stage_allreduce_seconds(1e9, [0, 8], b) == 1e9 / (5e9 / 8) + 2 * b.levels[1].latency
+    assert stage_allreduce_seconds(1e9, [0, 8], b) == 1e9 / (10e9 / 8) + 2 * b.levels[1].latency
 
 
 def test_flow_caps_and_buckets_survive_a_cluster_file() -> None:
@@ -165,7 +166,49 @@ def test_an_allreduce_bandwidth_survives_a_cluster_file_and_is_checked() -> None
     assert cluster.levels[0].allreduce_rate == 1e9
     assert Cluster.from_dict(cluster.to_dict()).levels == cluster.levels
     assert "1 GB/s all-reduce" in cluster.describe()
-    assert "allreduce_bandwidth" not in Cluster.preset("A").to_dict()["levels"][0]
+    assert "allreduce_bandwidth" not in Cluster.preset("C").to_dict()["levels"][0]
     data["levels"][0]["allreduce_bandwidth"] = 0
     with pytest.raises(ClusterError, match="allreduce_bandwidth 0.0.*> 0 bytes/s"):
         Cluster.from_dict(data)
+
+
+@given(bandwidth=st.floats(1e6, 1e12), flow=st.floats(1e6, 1e12), flows=st.integers(1, 64),
+       replicas=st.integers(2, 64), nbytes=sizes)
+def test_a_ring_spread_over_several_connections_runs_at_their_sum_up_to_the_link(
+        bandwidth: float, flow: float, flows: int, replicas: int, nbytes: float) -> None:
+    """NCCL 2.4 doubles its rings between servers of NVLink GPUs, each ring its own socket:
+    a ring hop runs at `allreduce_flows` flows' rate, at most the link; a send stays one flow."""
+    level = Level(replicas, bandwidth, 1e-5, flow_bandwidth=flow, allreduce_flows=flows)
+    single = Level(replicas, bandwidth, 1e-5, flow_bandwidth=flow)
+    assert level.allreduce_rate == min(bandwidth, flows * min(bandwidth, flow))
+    assert transfer_seconds(nbytes, level) == transfer_seconds(nbytes, single)
+    assert ring_allreduce_seconds(nbytes, replicas, level) <= ring_allreduce_seconds(
+        nbytes, replicas, single) * (1 + 1e-12)
+    assert replace(level, allreduce_bandwidth=flow / 2).allreduce_rate <= flow / 2
+
+
+def test_allreduce_flows_survive_a_cluster_file_and_are_checked() -> None:
+    from pdcompile.errors import ClusterError
+
+    data = {"levels": [{"workers": 8, "bandwidth": "150GB/s"},
+                       {"workers": 2, "bandwidth": "25Gbps", "flow_bandwidth": "5Gbps",
+                        "allreduce_flows": 2}]}
+    cluster = Cluster.from_dict(data)
+    assert cluster.levels[1].allreduce_rate == pytest.approx(10e9 / 8)
+    assert Cluster.from_dict(cluster.to_dict()).levels == cluster.levels
+    assert "allreduce_flows" not in cluster.to_dict()["levels"][0]
+    assert "1.25 GB/s all-reduce" in cluster.describe()
+    for bad in (0, 65, 1.5, True):
+        data["levels"][1]["allreduce_flows"] = bad
+        with pytest.raises(ClusterError, match="allreduce_flows"):
+            Cluster.from_dict(data)
+
+
+def test_the_papers_clusters_run_ncclS_rings_as_nccl_2_4_built_them() -> None:
+    """Cluster A: one ring per network interface, and on PCIe NCCL's measured 4.9 GB/s of bus
+    bandwidth (nccl#445); cluster B: two rings between NVLink servers, 5 Gbps per socket."""
+    inner, outer = Cluster.preset("A").levels
+    assert inner.allreduce_rate == 4.9e9 and inner.flow_rate == 1e10
+    assert outer.allreduce_rate == outer.bandwidth == 10e9 / 8
+    outer = Cluster.preset("B").levels[1]
+    assert outer.flow_rate == 5e9 / 8 and outer.allreduce_rate == 10e9 / 8

@@ -15,6 +15,7 @@ import pytest
 
 import pdcompile
 from pdcompile import Cluster
+from pdcompile.cost.minibatch import at_minibatch
 from pdcompile.plan import Plan, Stage
 from pdcompile.planner.search import price_plan
 from pdcompile.profiles import load_pipedream
@@ -38,6 +39,12 @@ def _cluster(row: dict[str, Any]) -> Cluster:
     return replace(preset, levels=preset.levels[:-1] + (outer,))
 
 
+def _graph(row: dict[str, Any]) -> Any:
+    """The row's profile at the per-worker minibatch the paper's runs used."""
+    return at_minibatch(load_pipedream(row["profile"]), row["profile_minibatch"],
+                        row["run_minibatch"])
+
+
 def _paper_plan(row: dict[str, Any]) -> Plan:
     stages = tuple(Stage(tuple(nodes), len(ranks), tuple(ranks))
                    for nodes, ranks in row["paper_stages"])
@@ -55,7 +62,7 @@ def test_golden_rows_are_the_papers_table() -> None:
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r['profile']}-{r['shape']}{r['cluster']}"
                                            for r in ROWS])
 def test_the_papers_configuration_is_priced_as_recorded(row: dict[str, Any]) -> None:
-    graph = load_pipedream(row["profile"])
+    graph = _graph(row)
     given = _paper_plan(row)
     replicas = [s.replicas for s in given.stages]
     if row["paper_config"] == "straight":
@@ -71,7 +78,7 @@ def test_the_papers_configuration_is_priced_as_recorded(row: dict[str, Any]) -> 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r['profile']}-{r['shape']}{r['cluster']}"
                                            for r in ROWS])
 def test_our_planner_chooses_as_recorded(row: dict[str, Any]) -> None:
-    graph = load_pipedream(row["profile"])
+    graph = _graph(row)
     chosen = pdcompile.plan(graph, _cluster(row), schedule="1f1b")
     replicas = [s.replicas for s in chosen.stages]
     config = "straight" if len(replicas) > 1 and set(replicas) == {1} \
@@ -96,7 +103,7 @@ def test_the_papers_straight_cut_is_the_planners(row: dict[str, Any]) -> None:
     straight cut (`stages=N`); the fast lane prices the recorded cut, so a planner change that
     picks another cut would leave the golden file describing a configuration the benchmark no
     longer prices. Hold the recorded cut to the planner's."""
-    graph = load_pipedream(row["profile"])
+    graph = _graph(row)
     cluster = _cluster(row)
     chosen = pdcompile.plan(graph, cluster, schedule="1f1b", stages=cluster.workers)
     assert [[sorted(s.nodes), list(s.ranks)] for s in chosen.stages] == \
