@@ -102,7 +102,7 @@ def fits(plan: Plan, schedule: str) -> bool:
 
 def micro_options(schedule: str, plan: Plan, batch: int) -> list[int]:
     """Microbatch counts the schedule's order runs with on this placement that cut `batch`
-    samples evenly (the references cut with `torch.chunk`), at least 2 samples each
+    samples evenly (the references cut with `torch.tensor_split`), at least 2 samples each
     (BatchNorm in training needs 2)."""
     return [m for m in _runs_with(schedule, plan) if batch % m == 0 and batch // m >= 2]
 
@@ -125,12 +125,20 @@ def _runs_with(schedule: str, plan: Plan) -> list[int]:
 
 def _parts(inputs: Inputs, target: torch.Tensor, micro: int
            ) -> list[tuple[Inputs, torch.Tensor]]:
-    targets = target.chunk(micro)
+    """`micro` microbatches as the pipeline cuts them: tensors by `tensor_split` along the
+    batch (sizes differ by at most one where `micro` does not divide it); numbers, None and
+    0-d tensors go whole to every microbatch."""
+    def cut(value: Any) -> list[Any]:
+        if isinstance(value, torch.Tensor) and value.dim() > 0:
+            return list(torch.tensor_split(value, micro))
+        return [value] * micro
+
+    targets = cut(target)
     if isinstance(inputs, dict):
-        cut = {k: v.chunk(micro) for k, v in inputs.items()}
-        return [({k: v[i] for k, v in cut.items()}, t) for i, t in enumerate(targets)]
-    pieces = [t.chunk(micro) for t in inputs]
-    return [(tuple(p[i] for p in pieces), t) for i, t in enumerate(targets)]
+        pieces = {name: cut(v) for name, v in inputs.items()}
+        return [({name: p[i] for name, p in pieces.items()}, targets[i]) for i in range(micro)]
+    columns = [cut(v) for v in inputs]
+    return [(tuple(c[i] for c in columns), targets[i]) for i in range(micro)]
 
 
 def _call(model: nn.Module, inputs: Inputs) -> Any:

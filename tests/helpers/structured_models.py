@@ -20,7 +20,6 @@ each microbatch's loss weighted 1/m) and passes numbers and None whole, as the p
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -29,6 +28,7 @@ import torch.nn.functional as F
 from hypothesis import strategies as st
 from torch import nn
 
+from tests.helpers.schedule_cuts import flush_reference
 from tests.helpers.transparency import momentum
 
 WIDTH = 4
@@ -169,36 +169,8 @@ def structured_models(draw: st.DrawFn) -> dict[str, Any]:
             "stateful": bool(STATEFUL & set(kinds))}
 
 
-def _microbatches(inputs: Inputs, target: torch.Tensor, micro: int
-                  ) -> list[tuple[Inputs, torch.Tensor]]:
-    def cut(value: Any) -> list[Any]:
-        if isinstance(value, torch.Tensor) and value.dim() > 0:
-            return list(torch.tensor_split(value, micro))
-        return [value] * micro  # numbers and None go whole to every microbatch
-
-    targets = cut(target)
-    if isinstance(inputs, dict):
-        pieces = {name: cut(v) for name, v in inputs.items()}
-        return [({name: p[i] for name, p in pieces.items()}, targets[i]) for i in range(micro)]
-    columns = [cut(v) for v in inputs]
-    return [(tuple(c[i] for c in columns), targets[i]) for i in range(micro)]
-
-
 def structured_reference(model: nn.Module, inputs: Inputs, target: torch.Tensor, micro: int,
                          steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Losses and state after `steps` updates of one-process training (SGD with momentum, as
     `momentum`), each accumulating the microbatches' gradients."""
-    model = copy.deepcopy(model)
-    optimizer = momentum(list(model.parameters()))
-    losses = []
-    for _ in range(steps):
-        optimizer.zero_grad()
-        total = 0.0
-        for part, part_target in _microbatches(inputs, target, micro):
-            output = model(**part) if isinstance(part, dict) else model(*part)
-            loss = structured_loss(output, part_target)
-            (loss / micro).backward()
-            total += loss.item() / micro
-        optimizer.step()
-        losses.append(total)
-    return losses, model.state_dict()
+    return flush_reference(model, inputs, target, structured_loss, micro, steps, momentum)
