@@ -1,7 +1,9 @@
 """The shape of a (nested) value, as a key and in words: how minibatches are told apart.
 
-`signature` is equal for values shaped alike (a cache key: a minibatch shape checked once, a
-message table per microbatch shape); `describe` says a shape in an error message.
+`signature` is equal for values shaped alike (a minibatch shape checked once: numbers count by
+type); `shape_key` also tells numbers, strings and devices apart and gives up on other objects
+(a message table kept per microbatch shape: a number may be a size the messages take);
+`describe` says a shape in an error message.
 """
 
 from __future__ import annotations
