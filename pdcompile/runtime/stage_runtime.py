@@ -232,6 +232,13 @@ class StageRuntime:
         # gradients after those sends, where the schedule does not split them off itself: the
         # previous stage's backward waits for the message, not for them (module docstring)
         self._weights_after_send = not self.kind.split_backward and bool(io.receives)
+        self._defers = self.kind.split_backward or self._weights_after_send
+        # the fused Linear (linear_grads.py) only pays where a weight's gradient accumulates
+        # over several backwards before an update, or where its weight gradients wait; a stage
+        # with one backward per update that defers nothing runs plain autograd, which computes
+        # the same products (and fires gradient hooks) without an autograd Function per layer
+        self._fused = self._defers or config.microbatches_per_minibatch > 1 \
+            or self.replicas > 1
         self._after_send: dict[int, float] = {}  # microbatch -> its backward's start
         # received values that an input of the stage module may write in place: copied; those
         # that only operators reading them use are handed over as they are
@@ -373,9 +380,9 @@ class StageRuntime:
     def _run(self, entry: StashEntry, microbatch: int, *, graph: bool = True) -> None:
         """The stage module (and, on the last stage, the loss) on the stashed inputs; with
         `graph=False` no autograd graph is kept (a recomputing stage's first forward)."""
-        defer = self.kind.split_backward or self._weights_after_send
-        with torch.enable_grad() if graph else torch.no_grad(), \
-                FusedRegion(entry.weight_grads if defer else None), \
+        fused = FusedRegion(entry.weight_grads if self._defers else None) if self._fused \
+            else nullcontext()
+        with torch.enable_grad() if graph else torch.no_grad(), fused, \
                 autocast_region(self.config.autocast, self.module):
             if self.versions.is_master(entry.params):
                 outputs = self.module(*entry.inputs)
