@@ -7,7 +7,10 @@ sets its mode. A pipeline that cuts a minibatch into microbatches accumulates ev
 gradient once per microbatch; plain autograd computes each microbatch's dW = gy^T x into a fresh
 tensor and then adds it to `.grad`, while this backward does it in one `addmm_` (gy^T x + grad,
 in place), as Megatron-LM's `gradient_accumulation_fusion` does on GPUs. The result equals plain
-autograd's up to float rounding (one fused add instead of two roundings).
+autograd's up to float rounding (one fused add instead of two roundings). The runtime enters
+that mode only where it pays (runtime/stage_runtime.py): where gradients accumulate over several
+backwards before an update, or where weight gradients wait (below); a stage with one backward
+per update that defers nothing runs plain autograd.
 
 The fused path is taken only for forwards run inside `accumulating_grads()` (the pipeline
 runtime's): there the graph is always consumed by `backward()`, which accumulates into `.grad`.
