@@ -56,10 +56,9 @@ def save_user_modules(trees: Iterable[Any], out: Path) -> dict[str, dict[str, st
         data = plain_file_bytes(source, MAX_SOURCE_BYTES)
         if data is None:
             raise PipelineInputError(
-                f"{source} (the model file {name.removeprefix(USER_MODULE_PREFIX)!r} was "
-                "imported from, which the export copies) is no longer a readable plain file of "
-                f"at most {MAX_SOURCE_BYTES:,} bytes (replaced by a pipe, folder or larger "
-                "file since it was imported?); put the model file back and export again")
+                f"the model file {source}, which the export copies, is no longer a plain file "
+                f"of at most {MAX_SOURCE_BYTES:,} bytes (replaced since its import by a pipe, a "
+                "folder or a larger file?); put the model file back and export again")
         folder.mkdir(exist_ok=True)
         (folder / f"{name}.py").write_bytes(data)
         saved[name] = {"file": f"{FOLDER}/{name}.py", "sha256": hashlib.sha256(data).hexdigest()}
