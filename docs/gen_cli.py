@@ -21,9 +21,11 @@ what `pdcompile COMMAND --help` prints.
 Conventions shared by all subcommands:
 
 - A model is named `path/to/file.py:factory` or `package.module:factory`, where `factory()`
-  returns `(model, example_inputs)` (a tuple of inputs by position, one tensor, or a dict that
-  binds them by name, as `compile()` takes them); a `loss_fn(output, target)` defined beside it
-  is used as the loss. Bundled models: `pdcompile.models.{vgg16,resnet50,alexnet,gnmt,gpt2,democnn}:factory`.
+  returns `(model, example_inputs)`, exactly these two (a tuple of inputs by position, one
+  tensor, or a dict that binds them by name, as `compile()` takes them; a third value, such as
+  a target, is refused); a `loss_fn(output, target)` defined beside it is used as the loss, and
+  a `make_target(inputs)` beside it gives `export` an example target. Bundled models:
+  `pdcompile.models.{vgg16,resnet50,alexnet,gnmt,gpt2,democnn}:factory`.
 - A cluster is a preset (`A`, `B`, `C`, `h100-node`, `h100-4node`, `local-N`), a short string such
   as `4x4@1e10,1.25e9:v100`, or a `.json`/`.yaml` file.
 - Exit status: 0 ok; 1 a user error, explained in one line on stderr

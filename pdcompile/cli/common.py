@@ -35,6 +35,14 @@ def add_cluster_option(parser: argparse.ArgumentParser, default: str = "local-2"
                         help=f"{CLUSTER_HELP} (default: {default}). Presets:\n{presets}")
 
 
+def add_cost_option(parser: argparse.ArgumentParser) -> None:
+    """--cost, as every subcommand that traces a MODEL takes it (plan, simulate): how the
+    model's operators are costed (`load_cost_graph`)."""
+    parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),
+                        help="for a MODEL: measured on this machine (default) or analytic on "
+                        "the cluster's device (FLOPs and bytes), e.g. --cost analytic")
+
+
 def load_cluster(text: str, *, planned: bool = True) -> Cluster:
     """A cluster from a file path or a string; `planned`: one the planner can plan for (not
     too large: refused here, before any tracing or profiling)."""
@@ -91,10 +99,15 @@ def call_factory(spec: str) -> Factory:
     factory = find_callable(module, name, spec=spec,
                             hint=f"define 'def {name}(): return model, example_inputs'")
     result = call_user(factory, spec=spec)
-    if not isinstance(result, tuple) or len(result) < 2:
-        raise PdcompileError(f"{spec}() must return (model, example_inputs), got "
-                             f"{type(result).__name__}")
-    model, inputs = result[0], result[1]
+    if not isinstance(result, tuple) or len(result) != 2:
+        # a third value (a target, a loss) was dropped without a word: the run trained on
+        # targets and a loss other than those the factory returned
+        got = (f"a tuple of {len(result)} value{'s' * (len(result) != 1)}"
+               if isinstance(result, tuple) else type(result).__name__)
+        raise PdcompileError(f"{spec}() must return (model, example_inputs), two values, got "
+                             f"{got}; define a loss beside the factory as def loss_fn(output, "
+                             "target), and a target for the inputs as def make_target(inputs)")
+    model, inputs = result
     if isinstance(inputs, Mapping):  # bound by name, as compile() binds a dict
         return Factory(module, model, dict(inputs))
     if not isinstance(inputs, tuple):

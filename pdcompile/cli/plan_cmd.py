@@ -26,7 +26,13 @@ import argparse
 import sys
 from typing import Any
 
-from pdcompile.cli.common import Spinner, add_cluster_option, load_cluster, load_cost_graph
+from pdcompile.cli.common import (
+    Spinner,
+    add_cluster_option,
+    add_cost_option,
+    load_cluster,
+    load_cost_graph,
+)
 from pdcompile.errors import PdcompileError
 from pdcompile.planner import PLANNERS
 from pdcompile.schedule.kinds import KINDS
@@ -72,9 +78,7 @@ def register(subparsers: Any) -> None:
     parser.add_argument("--stages", type=int, default=None, metavar="K",
                         help="exactly K straight stages balanced by cost (with a schedule "
                         "of chunks: K workers with two chunks each), e.g. --stages 4")
-    parser.add_argument("--cost", default="measured", choices=("measured", "analytic"),
-                        help="for a MODEL: measured on this machine (default) or analytic on "
-                        "the cluster's device (FLOPs and bytes), e.g. --cost analytic")
+    add_cost_option(parser)
     parser.add_argument("--analytic", action="store_const", const="analytic", dest="cost",
                         help=argparse.SUPPRESS)
     parser.add_argument("--draw", metavar="PATH",

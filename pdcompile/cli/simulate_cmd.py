@@ -12,7 +12,8 @@ plan) it prints predicted against measured figures (`pdcompile.viz.compare`: tim
 bubble, per-stage forward, backward and receive waits) and draws the measured run too.
 A MODEL is profiled on this CPU, with cold caches where the cluster's workers outnumber their
 cores (`local-N` on a smaller machine: the workers take turns, and the simulator shares the
-cores among them).
+cores among them), or, with --cost analytic, priced on the cluster's device (FLOPs and bytes),
+as `pdcompile plan --cost analytic` prices it.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import Any
 from pdcompile.backends.simulate import SimResult
 from pdcompile.cli.common import (
     add_cluster_option,
+    add_cost_option,
     load_cluster,
     load_cost_graph,
     read_plan_file,
@@ -67,6 +69,7 @@ def register(subparsers: Any) -> None:
                         "a plan without one), NOAM, or 'latency' (deep enough to hide transfers)")
     parser.add_argument("--planner", default="auto", choices=("auto", "dp", "ilp"))
     parser.add_argument("--cost-model", default="native", choices=("native", "pipedream"))
+    add_cost_option(parser)
     parser.add_argument("--measured", help="a timeline.json recorded by a real run, to compare")
     parser.add_argument("--out", help="folder for plan.json, schedule.txt, timeline.json, "
                         "gantt.png/.svg and trace.json")
@@ -83,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     import pdcompile
 
     cluster = load_cluster(args.cluster)
-    graph = load_cost_graph(args, cluster)
+    graph = load_cost_graph(args, cluster, cost=args.cost)
     if args.slowdown:
         try:
             factors = [float(f) for f in args.slowdown.split(",")]

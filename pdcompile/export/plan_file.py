@@ -9,8 +9,12 @@ replica than the code has, which deadlocked its first step. Here plan.json is ta
 files read once against the manifest (export/verified_files.py), parsed by `Plan.from_json`
 (every field's type), and fitted: as many stages as pipeline.json, only nodes the exported graph
 has, and each stage on the ranks schedule.txt (the order the rank files were generated from)
-gives it. Anything else is one DamagedFileError naming plan.json, what does not fit, and the
-fix.
+gives it. Each node it lists is in the stage the export's records put it
+(`recorded_stages`: the stage whose code computes it), or, where the split ran it elsewhere than
+the plan said (a tuple's items read where the tuple is made, constants where they are used), in
+the stage pipeline.json's `plan_moved` records for it: a plan.json with a node moved to another
+stage loaded, and reported and priced a partition other than the one its stage code runs.
+Anything else is one DamagedFileError naming plan.json, what does not fit, and the fix.
 """
 
 from __future__ import annotations
@@ -55,10 +59,52 @@ def plan_misfit(plan: Plan, meta: dict[str, Any], schedule: Schedule) -> str | N
         return (f"its stages run on ranks {_short(placed)} where schedule.txt (the order the "
                 f"rank files run) has {_short(scheduled)}")
     graph = meta.get("graph_stages")
-    if isinstance(graph, dict) and graph:  # the traced graph's nodes (left out when unsaved)
+    if isinstance(graph, dict) and graph:  # the traced graph's nodes (none without a graph)
         stranger = next((n for s in plan.stages for n in s.nodes if n not in graph), None)
         if stranger is not None:
             return f"it names the node {stranger!r}, which the exported graph does not have"
+    return _moved_misfit(plan, meta)
+
+
+def recorded_stages(meta: dict[str, Any]) -> dict[str, int]:
+    """The stage whose code computes each node, as an export's pipeline.json (`meta`) records
+    it (the traced graph's stages; none where the pipeline had no graph). A stage's recorded
+    outputs do not say it: a value is also output by the stages it passes through."""
+    graph = meta.get("graph_stages")
+    if not isinstance(graph, dict):
+        return {}
+    return {str(name): stage for name, stage in graph.items() if name != "output"}
+
+
+def moved_nodes(plan: Plan, recorded: dict[str, int]) -> dict[str, int]:
+    """The nodes `plan` puts in another stage than the one that runs them (`recorded`), with the
+    plan's stage: what the split moved (a tuple's items, constants), which the writer records
+    as pipeline.json's `plan_moved`."""
+    return {node: stage for node, stage in plan.stage_of().items()
+            if node in recorded and recorded[node] != stage}
+
+
+def _moved_misfit(plan: Plan, meta: dict[str, Any]) -> str | None:
+    """How `plan` puts a node in another stage than pipeline.json's records (`meta`) give it,
+    in words; None where every node is where they say. Exports written before `plan_moved`
+    was recorded are not checked (their plans' moves cannot be told from a damaged one's)."""
+    moved = meta.get("plan_moved")
+    if moved is None:
+        return None
+    if not isinstance(moved, dict) or any(type(s) is not int for s in moved.values()):
+        return "pipeline.json's plan_moved is not a table of node stages"
+    recorded = recorded_stages(meta)
+    for index, stage in enumerate(plan.stages):
+        for node in stage.nodes:
+            want = moved.get(node, recorded.get(node, index))
+            if want != index:
+                return (f"it puts the node {node!r} in stage {index} where the exported plan "
+                        f"had it in stage {want!r}")
+    given = plan.stage_of()
+    lost = next((node for node in moved if node not in given), None)
+    if lost is not None:
+        return (f"it leaves out the node {lost!r}, which the exported plan had in stage "
+                f"{moved[lost]}")
     return None
 
 
@@ -101,4 +147,5 @@ def _short(ranks: list[list[int]]) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-__all__ = ["PLAN_FILES", "export_plan", "plan_misfit", "plan_workers", "schedule_misfit"]
+__all__ = ["PLAN_FILES", "export_plan", "moved_nodes", "plan_misfit", "plan_workers",
+           "recorded_stages", "schedule_misfit"]

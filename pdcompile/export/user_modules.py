@@ -3,6 +3,11 @@ import path from that file (the `loss_fn` beside the factory, a leaf module's cl
 optimizer class) names a module no other process can import, so the export keeps a copy of the
 file, with its SHA-256, and reading the export imports that copy under the same name.
 
+The imported file is read again (to copy it, and to tell whether a module already imported
+under the name is the exported one) only as a plain file of bounded size
+(util/bounded_file.py): before, it was read whole, whatever it had become since its import, so
+a FIFO in its place hung the export and a huge file filled memory.
+
     user_code/pdcompile_user_mynet.py   a copy of mynet.py, as it was at export
     pipeline.json "user_modules": {"pdcompile_user_mynet": {"file": "user_code/...",
                                                             "sha256": "..."}}
@@ -17,10 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
+from pdcompile.util.bounded_file import plain_file_bytes
 from pdcompile.util.module_file import exec_module_source
 from pdcompile.util.user_code import USER_MODULE_PREFIX, user_module_file
 
 FOLDER = "user_code"
+MAX_SOURCE_BYTES = 1 << 26  # a model file's source: a larger file is not one a person wrote
 
 
 def named_user_modules(tree: Any) -> set[str]:
@@ -46,7 +53,12 @@ def save_user_modules(trees: Iterable[Any], out: Path) -> dict[str, dict[str, st
     for name in sorted(set().union(*(named_user_modules(t) for t in trees))):
         source = user_module_file(name)
         assert source is not None  # named_user_modules keeps only these
-        data = source.read_bytes()
+        data = plain_file_bytes(source, MAX_SOURCE_BYTES)
+        if data is None:
+            raise PipelineInputError(
+                f"the model file {source}, which the export copies, is no longer a plain file "
+                f"of at most {MAX_SOURCE_BYTES:,} bytes (replaced since its import by a pipe, a "
+                "folder or a larger file?); put the model file back and export again")
         folder.mkdir(exist_ok=True)
         (folder / f"{name}.py").write_bytes(data)
         saved[name] = {"file": f"{FOLDER}/{name}.py", "sha256": hashlib.sha256(data).hexdigest()}
@@ -77,9 +89,9 @@ def load_user_modules(entries: dict[str, Any], folder: Path,
         if hashlib.sha256(data).hexdigest() != expected:
             raise DamagedFileError(f"{path} is not the model file that was exported (its "
                                    "SHA-256 differs); export the pipeline again")
-        loaded = user_module_file(name)
-        if loaded is not None and loaded.is_file() and \
-                hashlib.sha256(loaded.read_bytes()).hexdigest() == expected:
+        loaded = user_module_file(name)  # the same content is no more bytes than the copy
+        imported = None if loaded is None else plain_file_bytes(loaded, len(data))
+        if imported is not None and hashlib.sha256(imported).hexdigest() == expected:
             continue
         try:
             source = data.decode()

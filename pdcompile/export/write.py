@@ -23,6 +23,7 @@ from pdcompile.export.import_paths import NotReferable
 from pdcompile.export.integrity import clear_export, seal_export
 from pdcompile.export.module_record import record_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
+from pdcompile.export.plan_file import moved_nodes, recorded_stages
 from pdcompile.export.source import module_source, tensor_state
 from pdcompile.export.target_folder import (
     OLD_FILE,
@@ -155,6 +156,8 @@ def _write(pipe: Exportable, out: Path) -> Path:
         "input_shapes": None if pipe.input_shapes is None else pipe.input_shapes.to_json(),
         **_callables(pipe),
     }
+    # the plan's nodes the split ran in another stage (plan_file.py checks plan.json by them)
+    meta["plan_moved"] = moved_nodes(pipe.plan, recorded_stages(meta))
     code = {p.name: p.read_text() for p in [*out.glob("stage_*.py"), *out.glob("rank_*.py"),
                                            *out.glob("graph.py")]}
     meta["user_modules"] = save_user_modules([meta, records, list(code.values())], out)
@@ -265,7 +268,9 @@ def _callables(pipe: Exportable) -> dict[str, Any]:
 
 def _save_graph(graph: fx.GraphModule | None, folder: Path) -> dict[str, int]:
     """The traced graph as source (graph.py) with its submodules recorded on the meta device
-    (no weights: those live in the stages); best effort, the graph is informational."""
+    (no weights: those live in the stages); best effort, the graph is informational. The stage
+    of each of its nodes, returned, is recorded even where the graph cannot be saved: plan.json
+    is checked against it (export/plan_file.py)."""
     for old in (folder / "graph.py", folder / "graph_modules.safetensors"):
         old.unlink(missing_ok=True)
     if graph is None:
@@ -281,7 +286,6 @@ def _save_graph(graph: fx.GraphModule | None, folder: Path) -> dict[str, int]:
         (folder / "graph.py").write_text(source)
     except Exception:  # e.g. a module attribute with no JSON form: the graph is optional
         (folder / "graph_modules.safetensors").unlink(missing_ok=True)
-        return {}
     return stages
 
 

@@ -503,6 +503,14 @@ class Cluster:
         if match is None:  # pragma: no cover - the pattern accepts every string
             raise ClusterError(f"cannot read cluster {text!r}; write {_EXAMPLE}")
         shape, bws, lats, dev = match.groups()
+        # a mark with nothing after it ("4@", a shell variable that expanded to nothing) took
+        # the default (1 GB/s, no latency, a V100) without a word
+        for mark, part, what in (("@", bws, "a bandwidth per level, e.g. 4@10Gbps"),
+                                 ("~", lats, "a latency per level, e.g. 4@10Gbps~5us"),
+                                 (":", dev, "a device, e.g. 4@10Gbps:h100")):
+            if part is not None and not part.strip():
+                raise ClusterError(f"in cluster {text!r}: nothing after {mark!r}; give {what}, "
+                                   f"or leave {mark!r} out for the default")
         counts: list[int] = []
         for part in shape.split("x"):
             if not part.strip().isdigit() or int(part) < 1:

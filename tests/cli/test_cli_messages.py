@@ -52,6 +52,12 @@ def test_mistyped_names_get_did_you_mean(argv: list[str], expect: str,
     ("def factory():\n    raise ValueError('no weights here')\n",
      "{file}:factory() raised ValueError: no weights here ({file}, line 2)"),
     ("def factory():\n    return 3\n", "{file}:factory() must return (model, example_inputs)"),
+    ("import torch\n\ndef factory():\n    x = torch.randn(4, 3)\n"
+     "    return torch.nn.Linear(3, 2), (x,), torch.zeros(4, dtype=torch.long)\n",
+     "{file}:factory() must return (model, example_inputs), two values, got a tuple of 3 values;"
+     " define a loss beside the factory as def loss_fn(output, target), and a target for the "
+     "inputs as def make_target(inputs)"),
+    ("def factory():\n    return (3,)\n", "got a tuple of 1 value;"),
 ])
 def test_a_model_file_that_fails_is_one_line_with_where(
         tmp_path: Path, source: str, expect: str, capsys: pytest.CaptureFixture[str]) -> None:

@@ -6,7 +6,9 @@ under a manifest written again loaded with its stages on ranks other than the ra
 
 from __future__ import annotations
 
+import copy
 import json
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -14,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, reject, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -24,6 +26,8 @@ from pdcompile.errors import PdcompileError
 from pdcompile.export.integrity import seal_export
 from pdcompile.export.plan_file import plan_workers
 from tests.helpers.byte_damage import bounded, damage
+from tests.helpers.random_models import explicit_graph, random_cut, random_models, squared_error
+from tests.helpers.transparency import momentum
 
 
 def _export(folder: Path, seed: int, sizes: tuple[int, ...]) -> Path:
@@ -126,6 +130,11 @@ def _renamed_node(plan: dict[str, Any]) -> None:
     plan["stages"][1]["nodes"].append("not_a_node")
 
 
+def _moved_node(plan: dict[str, Any]) -> None:
+    """stage 0's last node moved to the front of stage 1: every name still one the graph has."""
+    plan["stages"][1]["nodes"].insert(0, plan["stages"][0]["nodes"].pop())
+
+
 def _others(folder: Path, other: Path) -> None:
     shutil.copy(other / "plan.json", folder / "plan.json")
 
@@ -135,6 +144,8 @@ def _others(folder: Path, other: Path) -> None:
     (_edit(_extra_replica), "its stages run on ranks [[0], [1, 2]] where schedule.txt"),
     (_edit(_one_stage), "it has 1 stages where pipeline.json has 2"),
     (_edit(_renamed_node), "names the node 'not_a_node', which the exported graph does not"),
+    (_edit(_moved_node), "puts the node '_0' in stage 1 where the exported plan had it in "
+                         "stage 0"),
     (_others, "names the node"),
     (_edit(lambda p: p["stages"][0].update(ranks=[5])), "rank 5"),
     (_edit(lambda p: p.update(workers=float("nan"))), "workers must be an integer"),
@@ -142,7 +153,8 @@ def _others(folder: Path, other: Path) -> None:
     (_edit(lambda p: p["stages"][0].update(compute=float("nan"))), "compute must be"),
     (_edit(lambda p: p.update(surplus=1)), "'surplus'"),
     (_edit(lambda p: p.update(stages={})), "stages"),
-], ids=["ranks-swapped", "extra-replica", "one-stage", "unknown-node", "other-models-plan",
+], ids=["ranks-swapped", "extra-replica", "one-stage", "unknown-node", "moved-node",
+        "other-models-plan",
         "rank-out-of-range", "nan-workers", "string-workers", "nan-compute", "extra-key",
         "stages-not-a-list"])
 def test_a_plan_json_that_does_not_fit_the_export_is_refused_in_one_line(
@@ -151,7 +163,8 @@ def test_a_plan_json_that_does_not_fit_the_export_is_refused_in_one_line(
     """plan.json edited (or another model's) under a manifest written again, loaded with
     trust=True: the launcher's count, `pdcompile run` and the load refuse it in one line naming
     plan.json and what is wrong. Before, swapped ranks and the other model's plan loaded (the
-    stages on ranks the rank code does not run them on), an extra replica loaded and
+    stages on ranks the rank code does not run them on), a node moved to the next stage
+    loaded (a partition other than the stage code's), an extra replica loaded and
     deadlocked its first step, and plan_workers counted workers from any of them."""
     folder = _copy(exports[0], tmp_path / "out")
     edit(folder, exports[1])
@@ -161,6 +174,55 @@ def test_a_plan_json_that_does_not_fit_the_export_is_refused_in_one_line(
     assert main(["run", str(folder), "--trust", "--dry-run"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and words in err, err
+
+
+@st.composite
+def _cut_models(draw: st.DrawFn) -> tuple[nn.Module, tuple[torch.Tensor, ...], Any]:
+    """A random model (tests/helpers/random_models.py) and a random cut of it into 2-3 stages
+    given as the plan: the split moves some of its nodes (a tuple's items, constants)."""
+    model, inputs = draw(random_models(max_steps=6))
+    graph = explicit_graph(copy.deepcopy(model), inputs)
+    plan = random_cut(graph, random.Random(draw(st.integers(0, 2**32))),
+                      stages=draw(st.integers(2, 3)), replicas=[1, 1, 1])
+    return model, inputs, plan
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=_cut_models(), data=st.data())
+def test_a_plan_json_with_a_node_moved_is_refused_and_the_written_one_loads(
+        case: tuple[nn.Module, tuple[torch.Tensor, ...], Any],
+        tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
+    """Random models cut at random: the plan as written loads (also where the split ran some
+    of its nodes in other stages than it names), and the same plan.json with one drawn node
+    moved to another drawn stage, under a manifest written again, is refused in one line
+    naming plan.json and the node. Before, every such move loaded."""
+    model, inputs, plan = case
+    try:
+        pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs,
+                                 loss_fn=squared_error, plan=plan, schedule="1f1b-flush",
+                                 microbatches=2, optimizer=momentum)
+    except PdcompileError:
+        reject()
+    folder = tmp_path_factory.mktemp("cut") / "out"
+    pipe.export(str(folder))
+    assert pdcompile.load(str(folder), trust=True, loss_fn=squared_error,
+                          optimizer=momentum).plan.stage_of() == pipe.plan.stage_of()
+    written = json.loads((folder / "plan.json").read_text())
+    stages = written["stages"]
+    node = data.draw(st.sampled_from(sorted(n for s in stages for n in s["nodes"])), label="node")
+    source = next(i for i, s in enumerate(stages) if node in s["nodes"])
+    target = data.draw(st.sampled_from([i for i in range(len(stages)) if i != source]),
+                       label="to stage")
+    stages[source]["nodes"].remove(node)
+    stages[target]["nodes"].insert(data.draw(st.integers(0, len(stages[target]["nodes"]))),
+                                   node)
+    (folder / "plan.json").write_text(json.dumps(written))
+    _resealed(folder)
+    message = _one_line(lambda: pdcompile.load(str(folder), trust=True, loss_fn=squared_error,
+                                               optimizer=momentum), folder)
+    assert f"puts the node {node!r} in stage {target}" in message, message
+    assert f"puts the node {node!r} in stage {target}" in _one_line(
+        lambda: plan_workers(folder), folder)
 
 
 def test_a_plan_of_a_trillion_workers_is_refused_at_once(

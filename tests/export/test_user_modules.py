@@ -5,7 +5,11 @@ by name; the export keeps a copy with its SHA-256 and loading imports that copy.
 from __future__ import annotations
 
 import json
+import os
+import resource
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -13,10 +17,11 @@ import torch
 
 import pdcompile
 from pdcompile.cli import main
-from pdcompile.errors import DamagedFileError
+from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export import user_modules
 from pdcompile.export.user_modules import named_user_modules
 from pdcompile.util.user_code import USER_MODULE_PREFIX, import_user_module
+from tests.helpers.byte_damage import bounded
 from tests.helpers.model_files import MODEL_FILE
 
 
@@ -125,3 +130,67 @@ def test_only_modules_loaded_from_files_are_named(model_file: Path) -> None:
             "code": f"from {name} import shift\nimport {USER_MODULE_PREFIX}nothing_loaded\n"}
     assert named_user_modules(tree) == {name}
     assert named_user_modules(torch.nn.functional.relu.__module__) == set()
+
+
+@contextmanager
+def _address_space_capped(headroom: int = 8 << 30) -> Iterator[None]:
+    """No allocation past this process's present size plus `headroom` (Linux): a reader that
+    tries to hold a terabyte fails at once with MemoryError, whatever the machine's overcommit,
+    instead of filling memory."""
+    status = Path("/proc/self/status")
+    if not status.is_file():
+        pytest.skip("needs /proc (Linux) to cap the address space")
+    size = next(int(line.split()[1]) * 1024 for line in status.read_text().splitlines()
+                if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = size + headroom
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard == resource.RLIM_INFINITY
+                                            else min(cap, hard), hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _replace(path: Path, kind: str, size: int) -> None:
+    """The file at `path` replaced by a FIFO, or by a sparse file of `size` bytes."""
+    path.unlink()
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        with path.open("wb") as handle:
+            handle.truncate(size)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge"])
+def test_a_model_file_replaced_after_its_import_is_not_read_whole_at_export(
+        model_file: Path, tmp_path: Path, kind: str) -> None:
+    """The model file replaced, after its import, by a FIFO or by a file larger than any model
+    source (the export copies the file): refused in one line naming it, at once. Before, the
+    export opened the FIFO and waited for a writer forever, and read any file whole."""
+    module = import_user_module(str(model_file), what="model")
+    model, inputs = module.factory()
+    pipe = pdcompile.compile(model, example_inputs=inputs, loss_fn=module.loss_fn,
+                             stages=[1, 1], microbatches=2, cost="analytic")
+    _replace(model_file, kind, (64 << 20) + 1)  # 1 more than user_modules.MAX_SOURCE_BYTES
+    with bounded(30), pytest.raises(PipelineInputError) as info:
+        pipe.export(str(tmp_path / "exp"))
+    message = str(info.value)
+    assert "\n" not in message and str(model_file) in message, message
+    assert "put the model file back and export again" in message, message
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge"])
+def test_an_imported_model_file_replaced_since_is_not_read_whole_at_load(
+        model_file: Path, tmp_path: Path, kind: str) -> None:
+    """The model file of a module already imported under the exported name replaced by a FIFO
+    or a terabyte (sparse) file: the load reads at most the copy's size of it, finds it is not
+    the exported file, and imports the copy. Before, the file was read whole to hash it (a
+    terabyte asked of memory: MemoryError here, under a capped address space)."""
+    out = tmp_path / "exp"
+    _export(model_file, out)
+    _replace(model_file, kind, 1 << 40)
+    with bounded(30), _address_space_capped():
+        loaded = pdcompile.load(str(out))
+    module = sys.modules[f"{USER_MODULE_PREFIX}usernet"]
+    assert loaded.loss_fn is module.loss_fn and module.__file__ != str(model_file)

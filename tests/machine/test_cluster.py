@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import re
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from pdcompile.errors import ClusterError
 from pdcompile.machine.cluster import PRESET_HELP, Cluster, Level
@@ -205,3 +209,23 @@ def test_unknown_device_in_a_string(text: str, fixed: str) -> None:
     assert message.startswith(f"in cluster {text!r}: unknown device {bad!r}; devices are: v100")
     assert message.endswith(f'write e.g. "{fixed}"')
     assert Cluster.parse(fixed).workers == Cluster.parse(fixed.replace(":v100", "")).workers
+
+
+@given(shape=st.sampled_from(["2", "4x4", "2x2x2"]), blank=st.sampled_from(["", " ", "  "]),
+       before=st.sampled_from(["", "@10Gbps", "@1e10~1ms"]),
+       mark=st.sampled_from(["@", "~", ":"]))
+def test_a_mark_with_nothing_after_it_is_refused(shape: str, blank: str, before: str,
+                                                  mark: str) -> None:
+    """`4@` (a shell variable that expanded to nothing: `--cluster 4@$BW`), `4@1e10~`, `4:`:
+    refused in one line naming the mark. Before, each took the default (1 GB/s, no latency, a
+    V100) without a word, where `4x4@1e10,` was refused."""
+    levels = shape.count("x") + 1
+    head = shape + (before.replace("10Gbps", ",".join(["10Gbps"] * levels))
+                    .replace("1e10~1ms", ",".join(["1e10"] * levels) + "~"
+                             + ",".join(["1ms"] * levels)))
+    if mark == "@" and "@" in head or mark == "~" and "~" in head:
+        return  # the mark already has its values
+    spec = head + mark + blank
+    with pytest.raises(ClusterError, match=f"nothing after '{re.escape(mark)}'"):
+        Cluster.parse(spec)
+    assert Cluster.parse(head).workers == math.prod(int(c) for c in shape.split("x"))
