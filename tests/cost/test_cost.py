@@ -65,7 +65,7 @@ class _SleepFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        time.sleep(0.03)
+        time.sleep(0.1)
         return grad
 
 
@@ -131,9 +131,11 @@ def test_measured_backward_is_measured_not_guessed() -> None:
     gm = annotate_costs(trace(SlowBackward(), leaf_modules=[Sleeper]), (torch.randn(2, 4),),
                         warmup=1, repeats=3)
     cost = get_cost(_node(gm, "sleep"))
-    assert 0.0015 < cost.fwd < 0.02
-    assert cost.bwd > 0.025
-    assert cost.bwd > 5 * cost.fwd
+    # a sleep lasts at least as long as asked and, on a loaded machine, some milliseconds
+    # longer: bounds with room for that (a guess from the forward, 2 x fwd, stays far below)
+    assert 0.0015 < cost.fwd < 0.05
+    assert cost.bwd > 0.09
+    assert cost.bwd > 2 * cost.fwd + 0.05
 
 
 def test_analytic_linear_flops_and_roofline() -> None:
