@@ -879,12 +879,13 @@ step and the weight-stash copies): both price the ring all-reduce alike and leav
 `Input` time (data loading) out (the pipedream cost model prices the all-reduce its own way, so
 its data-parallel times differ).
 
-Against the paper. The simulated speed-ups are well below the paper's measured ones, and for
-VGG-16 the paper's own configuration (15-1) simulates better here (1.88x on A, 1.35x on B) than
-the plans our planners choose (at best 1.45x on A, 1.29x on B), though it needs 27.6 GiB per
-worker in our memory model (over a 16 GiB V100): the planners' closed-form models rank
-configurations differently from the simulator; `pdcompile.refine_plan` searches around the
-planner's plan with the simulator itself (benchmarks/refine.py, refine.md). The remaining gap to
+Against the paper. The simulated speed-ups are well below the paper's measured ones. For
+VGG-16 the native planner's plans simulate at 1.51x on A (15-1, the paper's configuration) and
+1.42x on B (12-4), the paper's 15-1 at 1.45x on both, and all fit a 16 GiB V100 (14.5 and
+13.0 GiB per worker for ours); the pipedream cost model's plans simulate at 1.12x and 0.38x:
+its closed-form model ranks configurations differently from the simulator.
+`pdcompile.refine_plan` searches around the planner's plan with the simulator itself
+(benchmarks/refine.py, refine.md). The remaining gap to
 5.28x / 2.98x is not explained by anything measured here; one candidate is the baseline: our
 data parallelism is an ideal ring all-reduce at full link bandwidth, the paper's was PyTorch's
 DistributedDataParallel of 2019 on those clusters. This comparison is deterministic (profiles
@@ -895,10 +896,12 @@ and cluster models only, no timing), so it does not change between runs.
 {speed_table}
 """
     if args.write and RESULTS.exists():  # sections not rerun now are kept from the last run
+        # (every one, those written by hand too: the data-parallel fidelity runs were once
+        # dropped here), in the file's order
+        own = set(sections_of(report))
         kept = sections_of(RESULTS.read_text())
-        for title in (FIDELITY_TITLE, SYNTHETIC_TITLE):
-            if title not in sections and title in kept:
-                sections[title] = kept[title]
+        sections = {title: sections.get(title, body) for title, body in kept.items()
+                    if title not in own} | sections
     report = replace_sections(report, sections)
     print(report)
     if args.write:

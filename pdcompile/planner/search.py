@@ -86,6 +86,9 @@ MOST_MIXED_WORKERS = 128
 POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
 POLISH_BUDGET = 2400  # ... pricing at most this many plans in all (planner/polish.py) ...
 POLISH_STREAMING = 300  # ... or this many for a streaming schedule (each a circuit search)
+# ... and, under a flush schedule, from those of its POLISH_FROM best that the closed form
+# prices this much above the DP's own objective for them (the objective misjudged them)
+POLISH_DISAGREEMENT = 0.10
 REPAIRED_CANDIDATES = 4  # the refused candidates per schedule option whose tied stages are
 # set to equal replicas and priced again (planner/tie_repair.py)
 
@@ -343,6 +346,9 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
     if simulated is not None:
         extra["simulated_time_per_minibatch"] = simulated
     extra["found_by"] = chosen.how
+    # the DP's own objective for the plan, where the DP made it (the closed form above it:
+    # what the objective left out, planner/polish.py)
+    extra["dp_objective"] = chosen.objective
     status, label = chosen.status, "dp"
     if ilp_found:  # CP-SAT ran: the plan is the best of its plan and the DP's
         extra |= ilp_found[0].ilp or {}
@@ -481,6 +487,7 @@ class _Candidate:
     status: str = "OPTIMAL"
     ilp: dict[str, Any] | None = None
     how: str = ""  # which search found it
+    objective: float | None = None  # the DP's own objective for it, where the DP made it
 
     def describe(self) -> str:
         replicas = "-".join(str(s.replicas) for s in self.priced)
@@ -651,8 +658,11 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                 graph, expanded(result.free), workers, flush=kind(options.schedule).flush)]
         for stages, depths, tag in plans:
             if all(stages != c.stages for c in found):
+                # the objective is the DP's for its own plan, on one copy of the pipeline
+                objective = result.objective if tag == how and copies == 1 else None
                 candidate = _priced(graph, cluster, stages, options, limit, planner="dp",
-                                    status=status, in_flight=depths, how=tag)
+                                    status=status, in_flight=depths, how=tag,
+                                    objective=objective)
                 if candidate is not None:
                     found.append(candidate)
 
@@ -782,7 +792,7 @@ def _priced_fewer(graph: nx.DiGraph, cluster: Cluster, plans: list[_FewerPlan],
         if any(c.options == p.options and c.stages == p.stages for c in candidates + out):
             continue
         priced = _priced(graph, cluster, p.stages, p.options, limit, planner="dp",
-                         status=p.status, how=p.how)
+                         status=p.status, how=p.how, objective=p.objective)
         if priced is not None:
             out.append(priced)
     return out
@@ -917,7 +927,17 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     the plans closed-form descents reach from its POLISH_FROM best candidates
     (planner/polish.py), each priced as any candidate (POLISH_BUDGET prices in all per
     schedule, a millisecond or so each on a graph of a few dozen nodes; POLISH_STREAMING for a
-    streaming schedule, whose in-flight choice searches circuits: 0.1-0.2 s each on GNMT)."""
+    streaming schedule, whose in-flight choice searches circuits: 0.1-0.2 s each on GNMT).
+
+    Under a flush schedule, also where none binds: from those of its POLISH_FROM best that the
+    closed form prices more than POLISH_DISAGREEMENT above the DP's objective for them, or
+    that the DP's objective did not rank (data parallelism, a 4 that 2-2 beat). The
+    objective is a maximum over stages, each seen alone (its fill and drain, its work, its
+    share of an interface), so where the price of a plan is well above it the objective
+    misjudged that plan, and may have misjudged its neighbours too (inception_v3 on
+    cluster B: it ranked 11-5 at 79.5 ms ahead of 8-8 at 80.4 ms; the closed form prices 11-5
+    at 100.2 ms, and no interface binds there: the planner returned 8 of the 16 workers at
+    86.81 ms where a descent from 11-5 reaches 7-1-8 at 63.74 ms)."""
     from pdcompile.planner.moves import runs_nothing
     from pdcompile.planner.polish import polish
 
@@ -930,8 +950,12 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         # a flush schedule, priced exactly and cheaply (cost/flush_path.py), descends where
         # any of its best few is bound by an interface (resnext101 on cluster A: 1-2-2-3-1-3-3-1,
         # 123 ms and second best, walks to 3-5-1-3-3-1 at 92.5 ms, under the best's 102.4 ms)
-        watched = ranked[:POLISH_FROM] if kind(option.schedule).flush else ranked[:1]
-        if all(c.bound != "server interface" for c in watched):
+        flush = kind(option.schedule).flush
+        watched = ranked[:POLISH_FROM] if flush else ranked[:1]
+        starts = watched if any(c.bound == "server interface" for c in watched) else [
+            c for c in watched if flush and (c.objective is None  # not the DP's (data parallel)
+                                             or c.closed > c.objective * (1 + POLISH_DISAGREEMENT))]
+        if not starts:
             continue
 
         def price(stages: list[tuple[list[str], tuple[int, ...]]],
@@ -957,8 +981,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             except PlanError:
                 return -math.inf  # priced, and refused there
 
-        for start in ranked[:POLISH_FROM]:
-            budget = POLISH_BUDGET if kind(option.schedule).flush else POLISH_STREAMING
+        for start in starts:
+            budget = POLISH_BUDGET if flush else POLISH_STREAMING
             left = budget - sum(1 for key in priced.keys() | floored if key[0] == option)
             if left <= 0:
                 break
