@@ -9,7 +9,10 @@ shared).
 
 Sets: `fidelity` (the 84 plans of the fidelity table: 14 shipped profiles x clusters A, B, C x
 1f1b and 1f1b-flush), `xl` (GPT-2 XL, analytic H100 costs, on flat 24, 32, 128 and on servers),
-`random` (random-cost chains of benchmarks/planner_fidelity.py `chain`).
+`random` (random-cost chains of benchmarks/planner_fidelity.py `chain`), `flat` (the shipped
+profiles on flat clusters of 8 and 128 workers), `dags` (random DAGs of
+benchmarks/random_dags.py `dag`: branches, joins, skips, zero and extreme costs, on flat and
+server clusters).
 """
 
 from __future__ import annotations
@@ -30,11 +33,17 @@ RANDOM_CASES = ((1000, 100, "24@450GB/s~3us:h100"), (1000, 100, "32@450GB/s~3us:
                 (5000, 300, "128@450GB/s~3us:h100"),
                 (5000, 300, "8x16@450GB/s,400Gbps~3us,5us:h100"),
                 (300, 30, "8@450GB/s~3us:h100"))
+FLAT_CLUSTERS = ("8@1e10", "128@450GB/s~3us:h100")
+DAG_CASES = ((300, 1, "2@1e10"), (300, 2, "8@450GB/s~3us:h100"), (1000, 1, "A"),
+             (1000, 2, "B"), (2000, 1, "128@450GB/s~3us:h100"),
+             (2000, 2, "8x16@450GB/s,400Gbps~3us,5us:h100"), (800, 3, "4x4@1e10,1.25e9:v100"),
+             (3000, 4, "32@450GB/s~3us:h100"))
 
 
 def cases(sets: list[str]) -> list[tuple[str, Any]]:
     """(name, thunk returning (graph, cluster, schedule)) for each case of `sets`."""
     from planner_fidelity import chain, gpt2_xl_graph
+    from random_dags import dag
 
     import pdcompile
     from pdcompile.profiles import SHIPPED, load_pipedream
@@ -48,6 +57,16 @@ def cases(sets: list[str]) -> list[tuple[str, Any]]:
                     out.append((f"{name} {cluster} {schedule}",
                                 lambda n=name, c=cluster, s=schedule:
                                 (load_pipedream(SHIPPED / n), pdcompile.Cluster.preset(c), s)))
+    if "flat" in sets:
+        names = sorted(p.name for p in SHIPPED.iterdir() if (p / "graph.txt").is_file())
+        for name in names:
+            for cluster in FLAT_CLUSTERS:
+                out.append((f"{name} {cluster} 1f1b",
+                            lambda n=name, c=cluster: (load_pipedream(SHIPPED / n), c, "1f1b")))
+    if "dags" in sets:
+        for nodes, seed, cluster in DAG_CASES:
+            out.append((f"dag {nodes} seed {seed} {cluster}",
+                        lambda n=nodes, k=seed, c=cluster: (dag(n, k), c, "1f1b")))
     if "xl" in sets:
         for cluster in XL_CLUSTERS:
             out.append((f"gpt2-xl {cluster}",
@@ -63,6 +82,7 @@ def dump(sets: list[str], only: str | None, shard: tuple[int, int] = (0, 1)) -> 
     """{case: {"plan": plan without its solve time, "cpu": CPU seconds of the plan call}};
     `shard` (i, n): every n-th case from the i-th."""
     import pdcompile
+    from pdcompile.errors import PlanError
 
     result: dict[str, Any] = {}
     for number, (name, make) in enumerate(cases(sets)):
@@ -70,7 +90,13 @@ def dump(sets: list[str], only: str | None, shard: tuple[int, int] = (0, 1)) -> 
             continue
         graph, cluster, schedule = make()
         cpu = time.process_time()
-        plan = pdcompile.plan(graph, cluster, schedule=schedule)
+        try:
+            plan = pdcompile.plan(graph, cluster, schedule=schedule)
+        except PlanError as err:  # a refusal is compared as its message
+            result[name] = {"plan": {"refused": str(err), "extra": {}},
+                            "cpu": time.process_time() - cpu}
+            print(f"{name}: refused ({str(err)[:80]})", flush=True)
+            continue
         cpu = time.process_time() - cpu
         data = plan.to_dict()
         data.pop("solve_seconds", None)
@@ -113,7 +139,7 @@ def diff(old_path: str, new_path: str) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", default="fidelity,xl,random",
-                        help="comma-separated: fidelity, xl, random")
+                        help="comma-separated: fidelity, xl, random, flat, dags")
     parser.add_argument("--only", help="only the cases whose name contains this")
     parser.add_argument("--out", help="the JSON file to write")
     parser.add_argument("--shard", default="0/1", help="i/n: every n-th case from the i-th")

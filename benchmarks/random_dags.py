@@ -15,40 +15,58 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
+
+import networkx as nx
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def dag(n: int, seed: int) -> nx.DiGraph:
+    """The random DAG of `n` nodes drawn by `seed` (module docstring): the same graph for the
+    same arguments, in any process."""
+    from pdcompile.cost.costgraph import add_block, new_cost_graph
+
+    rng = random.Random(seed)
+
+    def uniform(low: float, high: float) -> Callable[[], float]:
+        return lambda: rng.uniform(low, high)
+
+    seconds = [0.0] * 2 + [1e-9] + [uniform(1e-5, 1e-2)] * 36 + [1.0]
+    sizes = [0.0] * 2 + [1.0] + [uniform(0, 1e7)] * 36 + [1e9]
+    weights = [0.0] * 10 + [uniform(0, 4e6)] * 29 + [2e8]
+
+    def pick(values: list[Any]) -> float:
+        value = rng.choice(values)
+        return float(value() if callable(value) else value)
+
+    graph = new_cost_graph(f"random DAG of {n}", 32)
+    for i in range(n):
+        add_block(graph, f"n{i}", fwd=pick(seconds), bwd=pick(seconds),
+                  act=float(int(pick(sizes))), params=float(int(pick(weights))))
+    for i in range(1, n):
+        style = rng.random()
+        parents = ({i - 1} if style < 0.6 else {rng.randrange(max(0, i - 50), i)}
+                   if style < 0.8 else set(rng.sample(range(i), min(i, rng.randint(1, 4)))))
+        for p in parents:
+            if rng.random() < 0.3:
+                graph.add_edge(f"n{p}", f"n{i}", bytes=float(int(pick(sizes))))
+            else:
+                graph.add_edge(f"n{p}", f"n{i}")
+    return graph
+
 
 CHILD = """
 import json, random, sys, time
 sys.path.insert(0, {bench!r})
 import pdcompile
-from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
-
-def dag(n, seed):
-    rng = random.Random(seed)
-    u = lambda lo, hi: (lambda: rng.uniform(lo, hi))
-    seconds = [0.0] * 2 + [1e-9] + [u(1e-5, 1e-2)] * 36 + [1.0]
-    sizes = [0.0] * 2 + [1.0] + [u(0, 1e7)] * 36 + [1e9]
-    weights = [0.0] * 10 + [u(0, 4e6)] * 29 + [2e8]
-    pick = lambda values: (lambda v: v() if callable(v) else v)(rng.choice(values))
-    graph = new_cost_graph(f"random DAG of {{n}}", 32)
-    for i in range(n):
-        add_block(graph, f"n{{i}}", fwd=pick(seconds), bwd=pick(seconds),
-                  act=float(int(pick(sizes))), params=float(int(pick(weights))))
-    for i in range(1, n):
-        style = rng.random()
-        parents = ({{i - 1}} if style < 0.6 else {{rng.randrange(max(0, i - 50), i)}}
-                   if style < 0.8 else set(rng.sample(range(i), min(i, rng.randint(1, 4)))))
-        for p in parents:
-            if rng.random() < 0.3:
-                graph.add_edge(f"n{{p}}", f"n{{i}}", bytes=float(int(pick(sizes))))
-            else:
-                graph.add_edge(f"n{{p}}", f"n{{i}}")
-    return graph
+from random_dags import dag
 
 kind, n, seed, cluster = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if kind == "xl":

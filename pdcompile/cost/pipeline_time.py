@@ -416,7 +416,8 @@ def _lockstep(lengths: list[float], replicas: int) -> list[float]:
     round's longest circuit."""
     if replicas == 1 or len(lengths) % replicas:
         return lengths
-    return [max(lengths[m - m % replicas:m - m % replicas + replicas]) for m in range(len(lengths))]
+    rounds = [max(lengths[i:i + replicas]) for i in range(0, len(lengths), replicas)]
+    return [longest for longest in rounds for _ in range(replicas)]
 
 
 # `_circuit_ratio`'s (r_k, own_k, serial, shift); serial: (replicas, seconds) per stage the

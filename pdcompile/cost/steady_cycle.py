@@ -97,9 +97,7 @@ class _Graph:
     def add(self, source: np.ndarray, target: np.ndarray, seconds: np.ndarray | float,
             tokens: np.ndarray | int) -> None:
         size = len(source)
-        self.blocks.append((source, target, np.broadcast_to(np.asarray(seconds, dtype=float),
-                                                              (size,)),
-                            np.broadcast_to(np.asarray(tokens, dtype=float), (size,))))
+        self.blocks.append((source, target, _column(seconds, size), _column(tokens, size)))
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         """(edges out per node, then every edge's target, seconds and tokens, node after
@@ -109,6 +107,16 @@ class _Graph:
         order = np.argsort(source, kind="stable")
         return (np.bincount(source, minlength=self.count), target[order], seconds[order],
                 tokens[order])
+
+
+def _column(value: np.ndarray | float, size: int) -> np.ndarray:
+    """`value` as `size` floats: a number repeated, an array as it is (np.broadcast_to did
+    this at some microseconds a call, 50,000 calls in a wide cluster's search)."""
+    if isinstance(value, (int, float)):
+        return np.full(size, float(value))
+    if isinstance(value, np.ndarray) and value.shape == (size,) and value.dtype == float:
+        return value
+    return np.broadcast_to(np.asarray(value, dtype=float), (size,))
 
 
 def steady_cycle(terms: Sequence[Terms], edges: dict[tuple[int, int], float],

@@ -60,3 +60,59 @@ MIXED_FORMS = ("mixed-A", "mixed-h100-a100", "8@1e10:a100*4,v100*4",
 # those of at most 16 workers (the fast lane's)
 SMALL_FORMS = tuple(f for f in SHORT_FORMS if f not in ("h100-4node", "128@450GB/s~3us:h100",
                                                         "8x16@450GB/s,400Gbps~3us,5us:h100"))
+
+
+# costs of every scale: zero, the smallest normal float, tiny, ordinary, huge
+_ANY_SECONDS = (st.sampled_from([0.0, 2.2250738585072014e-308, 1e-12, 1e3])
+                | st.floats(1e-6, 1e-1))
+_ANY_BYTES = st.sampled_from([0.0, 1.0, 1e12]) | st.integers(0, 100_000_000).map(float)
+_WEIGHT_BYTES = st.sampled_from([0.0, 1.0, 1e10]) | st.integers(0, 100_000_000).map(float)
+
+
+@st.composite
+def layered_dags(draw: st.DrawFn, min_nodes: int = 20, max_nodes: int = 3000) -> nx.DiGraph:
+    """A DAG of layers `width` nodes wide (1 to 8 parallel branches), each node reading one
+    or more nodes of the layer before and, with a drawn probability, a skip from up to
+    `reach` layers back; costs from a drawn palette of zeros, tiny, ordinary and huge values,
+    and, sometimes, one node whose compute is 1,000 times everything else's together (a single
+    dominant node). Structure and picks come from one drawn seed (see `scale_dags`)."""
+    n = draw(st.integers(min_nodes, max_nodes))
+    width = draw(st.integers(1, 8))
+    skip = draw(st.sampled_from([0.0, 0.05, 0.3]))
+    reach = draw(st.integers(2, 60))
+    seconds = draw(st.lists(_ANY_SECONDS, min_size=6, max_size=6))
+    sizes = draw(st.lists(_ANY_BYTES, min_size=6, max_size=6))
+    weights = draw(st.lists(_WEIGHT_BYTES, min_size=4, max_size=4))
+    dominant = draw(st.booleans())
+    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    graph = new_cost_graph(f"layered DAG of {n}, width {width}", 32)
+    for i in range(n):
+        add_block(graph, f"n{i}", fwd=rng.choice(seconds), bwd=rng.choice(seconds),
+                  act=rng.choice(sizes), params=rng.choice(weights))
+    for i in range(1, n):
+        layer = i // width
+        before = range(max(0, (layer - 1) * width), min(i, layer * width)) if layer else ()
+        parents = set(rng.sample(before, rng.randint(1, len(before)))) if before else set()
+        if rng.random() < skip and layer > 1:
+            parents.add(rng.randrange(max(0, (layer - reach) * width), (layer - 1) * width))
+        for p in parents:
+            graph.add_edge(f"n{p}", f"n{i}")
+    if dominant:
+        node = graph.nodes[f"n{rng.randrange(n)}"]
+        total = sum(float(d["fwd"]) + float(d["bwd"]) for _, d in graph.nodes(data=True))
+        node["fwd"], node["bwd"] = 1e3 * max(total, 1e-3), 2e3 * max(total, 1e-3)
+    return graph
+
+
+@st.composite
+def cluster_forms(draw: st.DrawFn, most: int = 128) -> str:
+    """A cluster in the short form: flat of 2 to `most` workers, or servers of 2 to 16 workers
+    each (up to `most` in all), over links from 1 GB/s to NVLink's 450 GB/s."""
+    if draw(st.booleans()):
+        workers = draw(st.integers(2, most))
+        fabric = draw(st.sampled_from(["1e9", "1e10", "450GB/s~3us:h100"]))
+        return f"{workers}@{fabric}"
+    per_server = draw(st.integers(2, min(16, most // 2)))
+    servers = draw(st.integers(2, max(2, most // per_server)))
+    fabric = draw(st.sampled_from(["1e10,1.25e9", "450GB/s,400Gbps~3us,5us:h100"]))
+    return f"{per_server}x{servers}@{fabric}"  # workers per server, then servers
