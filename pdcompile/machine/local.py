@@ -18,7 +18,6 @@ import math
 import os
 import platform
 import socket
-import stat
 import tempfile
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any
 
 from pdcompile.machine.device import Device
 from pdcompile.machine.loopback import Loopback, measure_loopback
+from pdcompile.util.bounded_file import plain_file_bytes
 
 
 def _cache_file() -> Path:
@@ -69,18 +69,11 @@ def _read_cache() -> dict[str, float]:
 def _cache_text() -> str | None:
     """The cache file's text, or None where it is missing, unreadable, not a plain file (read
     without blocking: checked on the open file) or larger than any cache pdcompile writes."""
+    data = plain_file_bytes(_cache_file(), _MOST_BYTES)
     try:
-        fd = os.open(_cache_file(), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    except OSError:
+        return None if data is None else data.decode()
+    except UnicodeDecodeError:
         return None
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > _MOST_BYTES:
-            return None
-        try:
-            return handle.read(_MOST_BYTES + 1).decode()
-        except (OSError, UnicodeDecodeError):
-            return None
 
 
 def _figure(key: str, value: Any) -> float | None:
