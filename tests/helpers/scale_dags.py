@@ -31,10 +31,7 @@ def scale_dags(draw: st.DrawFn, min_nodes: int = 100, max_nodes: int = 2000) -> 
     # one seed for the structure and the picks (hypothesis's own randoms draw every call
     # from its buffer: thousands per graph, too large an example to generate)
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    graph = new_cost_graph(f"random DAG of {n}", 32)
-    for i in range(n):
-        add_block(graph, f"n{i}", fwd=rng.choice(seconds), bwd=rng.choice(seconds),
-                  act=rng.choice(sizes), params=rng.choice(weights))
+    graph = _nodes(f"random DAG of {n}", n, rng, seconds, sizes, weights)
     for i in range(1, n):
         style = rng.random()
         if style < 0.6:
@@ -85,10 +82,7 @@ def layered_dags(draw: st.DrawFn, min_nodes: int = 20, max_nodes: int = 3000) ->
     weights = draw(st.lists(_WEIGHT_BYTES, min_size=4, max_size=4))
     dominant = draw(st.booleans())
     rng = random.Random(draw(st.integers(0, 2**32 - 1)))
-    graph = new_cost_graph(f"layered DAG of {n}, width {width}", 32)
-    for i in range(n):
-        add_block(graph, f"n{i}", fwd=rng.choice(seconds), bwd=rng.choice(seconds),
-                  act=rng.choice(sizes), params=rng.choice(weights))
+    graph = _nodes(f"layered DAG of {n}, width {width}", n, rng, seconds, sizes, weights)
     for i in range(1, n):
         layer = i // width
         before = range(max(0, (layer - 1) * width), min(i, layer * width)) if layer else ()
@@ -116,3 +110,13 @@ def cluster_forms(draw: st.DrawFn, most: int = 128) -> str:
     servers = draw(st.integers(2, max(2, most // per_server)))
     fabric = draw(st.sampled_from(["1e10,1.25e9", "450GB/s,400Gbps~3us,5us:h100"]))
     return f"{per_server}x{servers}@{fabric}"  # workers per server, then servers
+
+
+def _nodes(name: str, n: int, rng: random.Random, seconds: list[float], sizes: list[float],
+           weights: list[float]) -> nx.DiGraph:
+    """A cost graph of `n` unwired nodes n0..n{n-1}, each cost picked from the drawn palettes."""
+    graph = new_cost_graph(name, 32)
+    for i in range(n):
+        add_block(graph, f"n{i}", fwd=rng.choice(seconds), bwd=rng.choice(seconds),
+                  act=rng.choice(sizes), params=rng.choice(weights))
+    return graph
