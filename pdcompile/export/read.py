@@ -38,6 +38,7 @@ from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.size_tests import SizeTestError
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
 from pdcompile.pipeline import OptimizerFactory, Pipeline
+from pdcompile.runtime import function_call  # noqa: F401 - registers the operator stage code calls
 from pdcompile.runtime.conv_grads import conv_deferrable
 from pdcompile.runtime.grad_mode import detached
 from pdcompile.runtime.linear_grads import linear_accumulate

@@ -58,6 +58,8 @@ def named_modules(folder: Path, meta: dict[str, Any], code: dict[str, str],
     for name, text in sorted(code.items()):
         for module, line in _code_imports(text):
             found.setdefault(module, f"{name}, line {line}")
+        for module, line in _function_modules(text):
+            found.setdefault(module, f"{name}, line {line} (an autograd Function's module)")
     return {module: where for module, where in found.items() if module}
 
 
@@ -197,6 +199,23 @@ def _code_imports(text: str) -> Iterator[tuple[str, int]]:
             yield node.module, node.lineno
         elif isinstance(node, ast.ImportFrom):
             yield "." * node.level + (node.module or ""), node.lineno
+
+
+def _function_modules(text: str) -> Iterator[tuple[str, int]]:
+    """The modules of the autograd Functions a Python text calls through
+    `pdcompile::function_call` (runtime/function_call.py), which imports them when it runs:
+    the first argument of every `....function_call.default("module:Name", ...)` call."""
+    try:
+        tree = parsed(text)
+    except SyntaxError:
+        return
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                and isinstance(node.func.value, ast.Attribute)
+                and node.func.value.attr == "function_call" and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)):
+            yield node.args[0].value.partition(":")[0], node.lineno
 
 
 __all__ = ["BASE_PACKAGES", "TRUST_HINT", "check_imports", "export_modules", "named_modules"]

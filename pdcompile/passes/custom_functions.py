@@ -6,8 +6,10 @@ Neither front end keeps that backward: torch.fx records the forward's operations
 gradients off, which the trace then cuts from autograd as it does a `torch.no_grad()` region
 (no gradient passed the call: the layers before it never trained), and torch.export records
 the forward's operations with autograd's own derivatives (a gradient reversal passed the
-gradient unreversed). Both trained silently wrong. Such a call is refused; under torch.fx a
-module that calls it kept whole (`leaf_modules=`) runs it, its backward included.
+gradient unreversed). Both trained silently wrong. Under torch.export, a call on tensors alone
+of a Function its module holds by name becomes one operator that runs the Function, backward
+included (runtime/function_call.py); any other call is refused, and under torch.fx every
+call is (a module that calls it kept whole, `leaf_modules=`, runs it, backward included).
 torch's own Functions (`torch.*`) are left alone; the reentrant checkpoint is captured as the
 call it checkpoints (passes/reentrant_checkpoint.py).
 """
@@ -23,6 +25,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from pdcompile.runtime.function_call import applied_as_operator, import_path
+
 
 @dataclass
 class CalledFunctions:
@@ -33,9 +37,13 @@ class CalledFunctions:
 
 
 @contextmanager
-def custom_functions_seen(where: Callable[[], str] = lambda: "") -> Iterator[CalledFunctions]:
+def custom_functions_seen(where: Callable[[], str] = lambda: "", *, as_operator: bool = False
+                          ) -> Iterator[CalledFunctions]:
     """Within: every `apply` of a Function subclass defined outside torch is recorded (and
-    still run); `where()`: what to record of the place it was called from."""
+    still run); `where()`: what to record of the place it was called from. `as_operator`
+    (torch.export): a call on tensors alone of a Function its module holds by name runs as
+    the operator of runtime/function_call.py instead, which keeps its backward, and is not
+    recorded."""
     seen = CalledFunctions()
     base = torch.autograd.Function
     original = base.__dict__["apply"]
@@ -43,6 +51,10 @@ def custom_functions_seen(where: Callable[[], str] = lambda: "") -> Iterator[Cal
     def apply(cls: type, *args: Any, **kwargs: Any) -> Any:
         module = getattr(cls, "__module__", "") or ""
         if not (module == "torch" or module.startswith("torch.")):
+            path = import_path(cls) if as_operator and not kwargs and all(
+                isinstance(a, torch.Tensor) for a in args) else None
+            if path is not None:
+                return applied_as_operator(path, args)
             name = f"{module}.{cls.__qualname__}"
             if all(name != seen_name for seen_name, _ in seen.calls):
                 seen.calls.append((name, where()))

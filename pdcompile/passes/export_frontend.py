@@ -140,7 +140,7 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                              "functools.partial")
     _refuse_backward_hooks(model)
     with _UnkeptCalls() as unkept, reentrant_checkpoints_as_calls(), \
-            custom_functions_seen(calling_module(model)) as functions:
+            custom_functions_seen(calling_module(model), as_operator=True) as functions:
         program = _export(model, tuple(args), kwargs, bound, batch_dim)
     if unkept.hooks:
         raise TraceError(f"{type(model).__name__}.forward registers a gradient hook on a tensor "
@@ -160,9 +160,11 @@ def export_graph(model: nn.Module, args: Sequence[Any] = (),
                 "call it from a submodule and use frontend='fx' with that module kept whole "
                 "(leaf_modules=[name])")
         raise TraceError(f"{type(model).__name__}.forward applies the autograd Function {name} "
-                         "(a backward of its own), which torch.export records as its forward's "
-                         "operations, with their derivatives in place of its backward; "
-                         f"{keep}")
+                         "(a backward of its own) to other values than tensors alone, or is "
+                         "a class no module holds by name (defined inside a function), which "
+                         "torch.export would record as its forward's operations, with their "
+                         "derivatives in place of its backward; define it at a module's top "
+                         f"level and pass it tensors alone, or {keep}")
     unlifted = program.module()
     graph = unlifted.graph
     if autocast is None:

@@ -218,7 +218,8 @@ def trace(
         raise TraceError(f"{type(model).__name__}.forward applies the autograd Function {name} "
                          "(a backward of its own), which torch.fx traces as its forward's "
                          f"operations with gradients off, so no gradient would pass it; {keep}, "
-                         "whose call then runs it, backward included")
+                         "whose call then runs it, backward included, or use "
+                         "frontend='export', which keeps it as one operator with its backward")
     _cut_off_no_grad(graph)
     _drop_specialized(graph, model, concrete, keep=set(none_inputs))
     gm = fx.GraphModule(tracer.root, graph, class_name=type(model).__name__)

@@ -9,7 +9,8 @@ Swin (shifted windows, relative position bias), MaxViT (block and grid attention
 BatchNorm beside LayerNorm) and Inception v3 (factorised convolutions, four-branch blocks);
 Hugging Face GPT-NeoX (parallel residual, partial rotary), Funnel (pooling that shortens the
 sequence between blocks), ConvBERT (span-based dynamic convolution) and Whisper's encoder
-(an audio classifier: convolutions over mel features, then attention).
+(an audio classifier: convolutions over mel features, then attention); BLOOM (ALiBi, its own
+GeLU autograd Function, captured by torch.export as one operator).
 
 `UNSEEN[name](batch)` returns `(model, inputs, target, loss_fn)` as `third_party.POOL` does;
 `repeated_unseen` is its example minibatch as a stream for `train_processes` (picklable)."""
@@ -214,6 +215,9 @@ UNSEEN: dict[str, Callable[[int], Example]] = {
                                  embedding_size=8, intra_bottleneck_size=8, true_hidden_size=8,
                                  num_feedforward_networks=2, max_position_embeddings=16,
                                  classifier_dropout=0.0, **_NO_DROPOUT, **_SMALL),
+    "hf-bloom": _causal_lm("BloomForCausalLM", "BloomConfig", vocab_size=40, hidden_size=16,
+                           n_layer=2, n_head=2, hidden_dropout=0.0, attention_dropout=0.0,
+                           use_cache=False),
 }
 
 

@@ -1,7 +1,7 @@
 """Random valid cuts of third-party models no other test draws (tests/helpers/
 third_party_unseen.py: torchvision ConvNeXt, EfficientNet, RegNet, ViT, ShuffleNetV2, MNASNet,
 Swin, MaxViT, Inception v3; Hugging Face Falcon, OPT, Phi, Gemma 2, Mamba, FNet, XLNet,
-DeBERTa-v2, MobileBERT, GPT-NeoX, Funnel, ConvBERT, Whisper's encoder) train as
+DeBERTa-v2, MobileBERT, GPT-NeoX, Funnel, ConvBERT, Whisper's encoder, BLOOM) train as
 one process does: on the local backend a drawn cut of 2-4 stages with replicas (losses and
 every weight, buffers of replicated stages aside), and on two gloo processes a drawn cut of
 two stages, or one stage on both (losses), two updates of 1F1B-flush over 2 microbatches."""
