@@ -31,6 +31,7 @@ from pdcompile.passes.attribute_names import check_attribute_names
 from pdcompile.passes.dense_constants import densify_constants
 from pdcompile.passes.export_frontend import export_graph
 from pdcompile.passes.inference_cache import without_inference_cache
+from pdcompile.passes.input_changes import refuse_input_changes
 from pdcompile.passes.shapes import bind_inputs
 from pdcompile.passes.trace import trace
 from pdcompile.passes.trace_check import check_traced_outputs
@@ -138,6 +139,7 @@ def _captured(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
                              none_inputs=_given_as_none(model, args, kwargs))
 
             gm = traced()
+            refuse_input_changes(gm, type(model).__name__)  # before any run on the example
             check_traced_outputs(model, gm, args, kwargs, bind_inputs(gm, tuple(args), kwargs))
             set_training_branches(gm, training_branches(model, gm, traced))
             return gm, "fx"
@@ -162,6 +164,7 @@ def _exported(model: nn.Module, args: Sequence[Any], kwargs: dict[str, Any],
         return export_graph(model, args, kwargs, autocast=autocast, batch_dim=batch_dim)
 
     gm = exported()
+    refuse_input_changes(gm, type(model).__name__)
     fixed = {call.split(" ")[0] for call in training_mode_calls(gm)}
     set_training_branches(gm, [branch for branch in training_branches(model, gm, exported)
                                if branch.split(" ")[0] not in fixed])
