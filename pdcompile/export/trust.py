@@ -210,12 +210,17 @@ def _function_modules(text: str) -> Iterator[tuple[str, int]]:
     except SyntaxError:
         return
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
-                and isinstance(node.func.value, ast.Attribute)
-                and node.func.value.attr == "function_call" and node.args
-                and isinstance(node.args[0], ast.Constant)
-                and isinstance(node.args[0].value, str)):
-            yield node.args[0].value.partition(":")[0], node.lineno
+        if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)):
+            continue
+        outer = node.func.value
+        if node.func.attr != "function_call" and not (
+                isinstance(outer, ast.Attribute) and outer.attr == "function_call"):
+            continue
+        first = node.args[0] if node.args else None
+        if isinstance(first, ast.Constant) and isinstance(first.value, str):
+            yield first.value.partition(":")[0], node.lineno
+        else:  # a name computed at run time: no module the export recorded
+            yield "(an autograd Function named at run time)", node.lineno
 
 
 __all__ = ["BASE_PACKAGES", "TRUST_HINT", "check_imports", "export_modules", "named_modules"]
