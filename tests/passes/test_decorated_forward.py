@@ -1,7 +1,7 @@
 """A forward wrapped by a decorator that takes `(*args, **kwargs)` (functools.wraps: a logging
 decorator, transformers' `deprecate_kwarg` on BLOOM) is traced by torch.fx through the wrapper
-(passes/decorated_forward.py), and a model's own autograd Function refused by torch.export is
-named with the module that calls it. Before, fx failed on every such forward with "code:
+(passes/decorated_forward.py), and a model's own autograd Function is kept by torch.export
+with its backward. Before, fx failed on every such forward with "code:
 co_varnames is too small" (it rewrote the wrapper's code to take the wrapped function's
 arguments), so the fix the refusal of a custom Function gave (frontend='fx', the module kept
 whole) failed too; and torch.export's refusal said `leaf_modules=[name]` without the name."""
@@ -110,13 +110,11 @@ def test_a_decorated_forward_with_a_custom_function_kept_whole_trains_like_one_p
     assert_two_stages_train_like_one_process(model, frontend="fx", leaf_modules=["act"])
 
 
-def test_torch_export_names_the_module_that_calls_a_custom_function() -> None:
+def test_torch_export_keeps_a_custom_function_inside_a_decorated_forward() -> None:
+    """torch.export keeps the Function as one operator running its own backward
+    (runtime/function_call.py), which it once refused naming the module that calls it."""
     model = decorated_net(1, 1.0, star_kwargs=False, keyword_only=False)
-    with pytest.raises(TraceError, match=r"Function .*Halved .*torch.export records.*"
-                                         r"the module that calls it, 'act' \(Act\).*"
-                                         r"leaf_modules=\['act'\]"):
-        pdcompile.compile(model, example_inputs=(torch.randn(4, 8, dtype=torch.float64),),
-                          stages=2, cost="analytic")
+    assert_two_stages_train_like_one_process(model, frontend="export")
 
 
 def test_a_forward_named_as_code_is_traced_without_running_its_name() -> None:
