@@ -48,6 +48,7 @@ from pdcompile.planner.dp_search import (
     solve,
 )
 from pdcompile.planner.in_flight import choose_in_flight, choose_recompute, rank_memory
+from pdcompile.planner.memory_floor import SLACK, least_memory, node_floor
 from pdcompile.planner.search_cache import SearchCache
 from pdcompile.planner.simulation import simulate_steady, steady_minibatches
 from pdcompile.schedule.kinds import KINDS, kind, replicas_refused, unknown
@@ -181,6 +182,18 @@ def plan(cost_graph: nx.DiGraph, cluster: Cluster | str, *, planner: str = "auto
         return replace(result, solve_seconds=time.perf_counter() - started)
 
     workers = stages or cluster.workers
+    if limit is not None and min(
+            node_floor(cost_graph, ModelOptions(schedule=name, microbatches=m,
+                                                optimizer_state=optimizer_state)).on(workers)
+            for name, m in choices) > limit * (1 + SLACK):
+        # no plan on these workers (or fewer) fits under any schedule: refused without the
+        # search, whose DPs would all fail (a 1,546-node DAG on 6 servers of 8: 16 s of them)
+        refusal = _schedule_refusal(choices, workers)
+        if refusal is not None:
+            raise PlanError(refusal)
+        options = ModelOptions(schedule=choices[0][0], microbatches=choices[0][1],
+                               optimizer_state=optimizer_state)
+        raise _no_fit(cost_graph, cluster, options, limit, straight)
     candidates: list[_Candidate] = []
     fewer_plans: list[_FewerPlan] = []
     kinds_seen = []
@@ -666,6 +679,10 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                 if candidate is not None:
                     found.append(candidate)
 
+    # no chain of these states fits the memory in `units` stages: every DP below would fail
+    hopeless = limit is not None and limit <= least_memory(
+        tables.params, tables.keep, tables.valid, units, options)
+
     def search_grid(recompute: bool) -> None:
         grid = stage_grid(tables, search, options=options, memory=limit, straight=straight,
                           workers=span, copies=copies, copy_link=link,
@@ -738,8 +755,9 @@ def _dp_candidates(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions,
                     break
                 low, high = high, high * 4
 
-    search_grid(recompute=False)
-    if not straight:
+    if not hopeless:
+        search_grid(recompute=False)
+    if not straight and not hopeless:
         whole = _priced(graph, cluster, [data_parallel_stage(graph, cluster)], options, limit,
                         planner="dp", status=status, how="data parallel")
         if whole is not None:
@@ -1435,31 +1453,52 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
     Each cluster's states are prepared once for the ~30 probes of the search (they depend on
     the workers, not on the memory tried; prepared anew per probe, a 2,000-node graph took
     93% of a refusal's time here)."""
-    work, _ = planning_graph(graph, options.cost_model)
-    prepared_for: dict[tuple[int, ...], Prepared] = {}
+    from pdcompile.planner.dp import state_tables, unit_bounds
 
-    def prepared(c: Cluster) -> Prepared:
+    work, _ = planning_graph(graph, options.cost_model)
+    native = options.cost_model == "native"
+    prepared_for: dict[tuple[int, ...], tuple[Prepared, float]] = {}
+
+    def prepared(c: Cluster) -> tuple[Prepared, float]:
+        """The cluster's states and the memory below which no DP on them fits (0: unknown)."""
         levels = tuple(level.workers for level in c.levels)
         if levels not in prepared_for:
             if options.cost_model == "pipedream":  # its budget: the cluster's, with memory
-                prepared_for[levels] = prepare(work, "pipedream", c.workers, straight=straight,
-                                               levels=levels, memory=True)
+                ready = prepare(work, "pipedream", c.workers, straight=straight,
+                                levels=levels, memory=True)
             else:
-                prepared_for[levels] = prepare(work, options.cost_model, c.workers)
+                ready = prepare(work, options.cost_model, c.workers)
+            least = 0.0
+            if native:
+                tables = state_tables(ready.graph, ready.states, ready.pinned)
+                # the DP's stages: at most one per unit of workers
+                units = len(unit_bounds(c.workers, straight=straight)) - 1
+                least = least_memory(tables.params, tables.keep, tables.valid, units,
+                                     options, floor=floor.on(c.workers))
+            prepared_for[levels] = (ready, least)
         return prepared_for[levels]
 
     def fits(c: Cluster, mem: float) -> bool:
+        ready, least = prepared(c)
+        if mem <= least:  # proven without the DP: no chain of its states fits
+            return False
         try:
-            solve(prepared(c), c, options, mem, straight)
+            solve(ready, c, options, mem, straight)
             return True
         except PlanError:
             return False
 
-    largest, total = _memory_floor(work, options)
-    floor = max(largest, total / cluster.workers)
+    floor = node_floor(work, options) if native else None
+    largest = floor.largest if floor is not None else 0.0
+    total = floor.total if floor is not None else 0.0
     lo, hi = 0.0, float(limit or 1.0)
-    if floor > hi:  # no plan fits below the floor: start the search there
-        lo, hi = floor * (1 - 1e-12), floor
+    if floor is not None:
+        # nothing fits at or below the relaxation's bound: start just above it (where the
+        # DP's plans need no more than the relaxation, one solve finds the figure)
+        least = prepared(cluster)[1]
+        start = max(floor.on(cluster.workers), least * (1 + 2e-4))
+        if start > hi:
+            lo, hi = max(least, floor.on(cluster.workers) * (1 - 1e-12)), start
     while not fits(cluster, hi) and hi < 1e18:
         lo, hi = hi, hi * 2
     for _ in range(14):  # to 1 part in 1,000 of the figure (at most 1 in 16,000 of the range)
@@ -1498,35 +1537,33 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
             break
     how = (f"at least {more} workers" if more is not None
            else f"more than {cluster.workers * 8} workers")
-    if more is None and largest > float(limit or 0.0):
+    name = graph.graph.get('name') or 'the model'
+    has = format_bytes(limit or 0)
+    if more is None and largest > float(limit or 0.0) and floor is not None:
+        if floor.node_weights + floor.node_activations >= floor.inputs:
+            culprit = (f"its node {floor.node!r} alone needs "
+                       f"{_bytes_up(floor.node_weights + floor.node_activations)} "
+                       f"({_bytes_up(floor.node_weights)} of weights, gradients and optimizer "
+                       f"state, {_bytes_up(floor.node_activations)} of one microbatch's kept "
+                       "activations)")
+            heavy = floor.node_activations > floor.node_weights
+        else:
+            culprit = (f"its inputs, which sit together on the first stage, need "
+                       f"{_bytes_up(floor.inputs)} of one microbatch's activations")
+            heavy = True
+        fix = ("more microbatches per minibatch or a smaller minibatch (activations dominate), "
+               "or memory=... / --memory" if heavy else
+               "memory=... / --memory, or a smaller layer there (weights dominate)")
         return PlanError(
-            f"{graph.graph.get('name') or 'the model'} does not fit {format_bytes(limit or 0)} "
-            f"per worker on {cluster.workers} workers under any plan; it needs "
-            f"{_bytes_up(need_memory)} per worker on this cluster, and no number of workers "
-            f"fits {format_bytes(limit or 0)} each: one of its nodes alone needs "
-            f"{_bytes_up(largest)} (weights, gradients, optimizer state and one microbatch's "
-            "activations); pass memory=... / --memory, or more microbatches if activations "
-            "dominate")
+            f"{name} does not fit {has} per worker under any plan on any number of workers: "
+            f"{culprit}, more than a worker's {has} (on these {cluster.workers} workers it "
+            f"needs {_bytes_up(need_memory)} per worker); fix: {fix}")
+    together = (f"its nodes together need {_bytes_up(total)}, " if floor is not None
+                and total / cluster.workers > float(limit or 0.0) else "")
     return PlanError(
-        f"{graph.graph.get('name') or 'the model'} does not fit {format_bytes(limit or 0)} per "
-        f"worker on {cluster.workers} workers under any plan; it needs "
-        f"{_bytes_up(need_memory)} per worker on this cluster, or {how} with "
-        f"{format_bytes(limit or 0)} each (pass memory=... / --memory, or a bigger cluster)")
-
-
-def _memory_floor(work: nx.DiGraph, options: ModelOptions) -> tuple[float, float]:
-    """(the largest node's, the sum of all nodes') least bytes on a worker under the native
-    model (`costmodel.stage_parts`): a stage holds its weights, gradients and optimizer state
-    and at least one microbatch's kept activations, so a plan needs at least the largest node's
-    share on one worker and the sum of them over all its workers (replicas and tied copies only
-    add). (0, 0) for the pipedream model, whose memory is counted otherwise."""
-    if options.cost_model != "native":
-        return 0.0, 0.0
-    m = options.per_minibatch
-    needs = [float(data.get("params", 0.0)) * (2.0 + options.optimizer_state)
-             + float(data.get("keep", data.get("act", 0.0))) / m
-             for _, data in work.nodes(data=True)]
-    return max(needs, default=0.0), sum(needs)
+        f"{name} does not fit {has} per worker on {cluster.workers} workers under any plan; "
+        f"{together}it needs {_bytes_up(need_memory)} per worker on this cluster, or {how} "
+        f"with {has} each (pass memory=... / --memory, or a bigger cluster)")
 
 
 def _bytes_up(value: float) -> str:

@@ -81,7 +81,16 @@ def layered_dags(draw: st.DrawFn, min_nodes: int = 20, max_nodes: int = 3000) ->
     sizes = draw(st.lists(_ANY_BYTES, min_size=6, max_size=6))
     weights = draw(st.lists(_WEIGHT_BYTES, min_size=4, max_size=4))
     dominant = draw(st.booleans())
-    rng = random.Random(draw(st.integers(0, 2**32 - 1)))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return layered_dag(n, width, skip, reach, seconds, sizes, weights, dominant, seed)
+
+
+def layered_dag(n: int, width: int, skip: float, reach: int, seconds: list[float],
+                sizes: list[float], weights: list[float], dominant: bool,
+                seed: int) -> nx.DiGraph:
+    """The graph `layered_dags` draws, from its drawn values (benchmarks and reproductions
+    build a draw again from them)."""
+    rng = random.Random(seed)
     graph = _nodes(f"layered DAG of {n}, width {width}", n, rng, seconds, sizes, weights)
     for i in range(1, n):
         layer = i // width
