@@ -149,6 +149,9 @@ def _rebuild(folder: Path, meta: dict[str, Any], files: ExportFiles, code: dict[
                     unbatched=_whole(folder, meta, "unbatched", ()),
                     batch_dim=_batch_dims(folder, meta))
     pipe.training_branches = tuple(str(n) for n in meta.get("training_branches", ()))
+    # kept as recorded (checked by export_plan): exported again, plan.json is checked against
+    # the same nodes, whether or not the graph could be rebuilt, and under the same names
+    pipe.recorded_graph_stages = dict(meta.get("graph_stages", {}))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]
