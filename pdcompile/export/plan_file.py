@@ -17,11 +17,15 @@ stage loaded, and reported and priced a partition other than the one its stage c
 every node of the graph is in the plan, but those pipeline.json's `plan_unnamed` records as made
 after planning (constants, detached values): a node deleted from plan.json (not moved) loaded,
 and the pipeline reported and priced a stage without it.
+Last, plan.json is the file pipeline.json was written with (`plan_sha256`): its predictions
+(compute, times, status) fit nothing else, and a number in them changed (a stage's compute 0.0
+to 4) under a manifest written again loaded as a plan priced otherwise.
 Anything else is one DamagedFileError naming plan.json, what does not fit, and the fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -43,7 +47,7 @@ def export_plan(files: ExportFiles, meta: dict[str, Any]) -> Plan:
     plan = read_file(path, lambda _: Plan.from_json(files.text("plan.json")))
     schedule = read_file(files.folder / "schedule.txt",
                          lambda _: Schedule.from_text(files.text("schedule.txt")))
-    misfit = plan_misfit(plan, meta, schedule)
+    misfit = plan_misfit(plan, meta, schedule) or _digest_misfit(files.data("plan.json"), meta)
     if misfit is not None:
         raise DamagedFileError(f"{path} does not fit the export's other files: {misfit} (altered, "
                                f"or another export's); {FIX}")
@@ -70,6 +74,21 @@ def plan_misfit(plan: Plan, meta: dict[str, Any], schedule: Schedule) -> str | N
         if stranger is not None:
             return f"it names the node {stranger!r}, which the exported graph does not have"
     return _moved_misfit(plan, meta) or _lost_misfit(plan, meta)
+
+
+def plan_digest(text: str) -> str:
+    """The SHA-256 of plan.json's text as written (pipeline.json's `plan_sha256`)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _digest_misfit(data: bytes, meta: dict[str, Any]) -> str | None:
+    """How plan.json's bytes (`data`) are not those pipeline.json records, in words; None where
+    they are (or, in an export written before the digest was recorded, unchecked)."""
+    recorded = meta.get("plan_sha256")
+    if recorded is None or recorded == hashlib.sha256(data).hexdigest():
+        return None
+    return ("it is not the plan.json pipeline.json was written with (its SHA-256 is not "
+            "pipeline.json's plan_sha256)")
 
 
 def recorded_stages(meta: dict[str, Any]) -> dict[str, int]:
@@ -178,5 +197,5 @@ def _short(ranks: list[list[int]]) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-__all__ = ["PLAN_FILES", "export_plan", "moved_nodes", "plan_misfit", "plan_workers",
-           "recorded_stages", "schedule_misfit", "unnamed_nodes"]
+__all__ = ["PLAN_FILES", "export_plan", "moved_nodes", "plan_digest", "plan_misfit",
+           "plan_workers", "recorded_stages", "schedule_misfit", "unnamed_nodes"]

@@ -23,7 +23,12 @@ from pdcompile.export.import_paths import NotReferable
 from pdcompile.export.integrity import clear_export, seal_export
 from pdcompile.export.module_record import record_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
-from pdcompile.export.plan_file import moved_nodes, recorded_stages, unnamed_nodes
+from pdcompile.export.plan_file import (
+    moved_nodes,
+    plan_digest,
+    recorded_stages,
+    unnamed_nodes,
+)
 from pdcompile.export.source import module_source, tensor_state
 from pdcompile.export.target_folder import (
     OLD_FILE,
@@ -124,7 +129,8 @@ def _write(pipe: Exportable, out: Path) -> Path:
         old.unlink()
     for rank, source in pipe.rank_sources(n, per).items():
         (out / f"rank_{rank}.py").write_text(source)
-    (out / "plan.json").write_text(pipe.plan.to_json())
+    plan_text = pipe.plan.to_json()
+    (out / "plan.json").write_text(plan_text)
     (out / "schedule.txt").write_text(pipe.schedule(n, per).to_text())
     _save_graph(pipe.graph, out)
     unused = out / "unused.safetensors"  # the model's tensors no stage holds (SplitResult.unused)
@@ -162,6 +168,7 @@ def _write(pipe: Exportable, out: Path) -> Path:
     # name (made after planning): plan_file.py checks plan.json node by node against them
     meta["plan_moved"] = moved_nodes(pipe.plan, recorded_stages(meta))
     meta["plan_unnamed"] = unnamed_nodes(pipe.plan, recorded_stages(meta))
+    meta["plan_sha256"] = plan_digest(plan_text)  # the plan's predictions, checked whole
     code = {p.name: p.read_text() for p in [*out.glob("stage_*.py"), *out.glob("rank_*.py"),
                                            *out.glob("graph.py")]}
     meta["user_modules"] = save_user_modules([meta, records, list(code.values())], out)

@@ -24,7 +24,7 @@ import pdcompile
 from pdcompile.cli import main
 from pdcompile.errors import PdcompileError
 from pdcompile.export.integrity import seal_export
-from pdcompile.export.plan_file import plan_workers
+from pdcompile.export.plan_file import plan_digest, plan_workers
 from tests.helpers.byte_damage import bounded, damage
 from tests.helpers.random_models import explicit_graph, random_cut, random_models, squared_error
 from tests.helpers.transparency import momentum
@@ -261,6 +261,8 @@ def test_a_plan_of_a_trillion_workers_is_refused_at_once(
     ended)."""
     folder = _copy(exports[0], tmp_path / "out")
     _edit(lambda p: p.update(workers=10**12))(folder, exports[1])
+    # pipeline.json's digest of plan.json edited with it (a plan.json alone edited is refused)
+    _set(folder / "pipeline.json", plan_sha256=plan_digest((folder / "plan.json").read_text()))
     _resealed(folder)
     assert plan_workers(folder) == 10**12
     with bounded(30):
