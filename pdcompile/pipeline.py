@@ -153,6 +153,9 @@ class Pipeline:
             checked_batch_dims(batch_dim, target_batch_dim, parts.data_inputs)
         # operations only a training-mode capture holds: a loaded pipeline cannot evaluate
         self.training_branches = get_training_branches(graph) if graph is not None else ()
+        # the stage of each node of the traced graph as an export recorded it (set by the
+        # loader): a loaded graph may be missing or traced again under other node names
+        self.recorded_graph_stages: dict[str, int] | None = None
         self.whole_inputs = self.unbatched + (() if example_inputs is None else inferred_whole(
             self._named(tuple(example_inputs)), self.unbatched, self.batch_dims))
         # one minibatch as compiled: backends check shapes against it, export saves it
@@ -333,6 +336,18 @@ class Pipeline:
     def stage_optimizers(self, stage: int) -> list[torch.optim.Optimizer]:
         """The optimizers of a stage's replicas."""
         return [self.state(r, stage).optimizer for r in self.plan.stages[stage].ranks]
+
+    @property
+    def graph_stages(self) -> dict[str, int]:
+        """The stage whose code computes each node of the traced graph (its "pd.stage"; the
+        export's record where the pipeline was loaded from one, so that exporting it again
+        keeps the nodes plan.json is checked against); empty where there is no graph."""
+        if self.recorded_graph_stages is not None:
+            return dict(self.recorded_graph_stages)
+        if self.graph is None:
+            return {}
+        return {n.name: int(n.meta["pd.stage"]) for n in self.graph.graph.nodes
+                if "pd.stage" in n.meta}
 
     @property
     def stage_ranks(self) -> tuple[tuple[int, ...], ...]:

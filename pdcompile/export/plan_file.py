@@ -13,12 +13,19 @@ gives it. Each node it lists is in the stage the export's records put it
 (`recorded_stages`: the stage whose code computes it), or, where the split ran it elsewhere than
 the plan said (a tuple's items read where the tuple is made, constants where they are used), in
 the stage pipeline.json's `plan_moved` records for it: a plan.json with a node moved to another
-stage loaded, and reported and priced a partition other than the one its stage code runs.
+stage loaded, and reported and priced a partition other than the one its stage code runs. And
+every node of the graph is in the plan, but those pipeline.json's `plan_unnamed` records as made
+after planning (constants, detached values): a node deleted from plan.json (not moved) loaded,
+and the pipeline reported and priced a stage without it.
+Last, plan.json is the file pipeline.json was written with (`plan_sha256`): its predictions
+(compute, times, status) fit nothing else, and a number in them changed (a stage's compute 0.0
+to 4) under a manifest written again loaded as a plan priced otherwise.
 Anything else is one DamagedFileError naming plan.json, what does not fit, and the fix.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from typing import Any
 
@@ -40,7 +47,7 @@ def export_plan(files: ExportFiles, meta: dict[str, Any]) -> Plan:
     plan = read_file(path, lambda _: Plan.from_json(files.text("plan.json")))
     schedule = read_file(files.folder / "schedule.txt",
                          lambda _: Schedule.from_text(files.text("schedule.txt")))
-    misfit = plan_misfit(plan, meta, schedule)
+    misfit = plan_misfit(plan, meta, schedule) or _digest_misfit(files.data("plan.json"), meta)
     if misfit is not None:
         raise DamagedFileError(f"{path} does not fit the export's other files: {misfit} (altered, "
                                f"or another export's); {FIX}")
@@ -58,12 +65,30 @@ def plan_misfit(plan: Plan, meta: dict[str, Any], schedule: Schedule) -> str | N
     if placed != scheduled:
         return (f"its stages run on ranks {_short(placed)} where schedule.txt (the order the "
                 f"rank files run) has {_short(scheduled)}")
-    graph = meta.get("graph_stages")
-    if isinstance(graph, dict) and graph:  # the traced graph's nodes (none without a graph)
+    graph = meta.get("graph_stages", {})
+    if not isinstance(graph, dict) or any(
+            type(s) is not int or not 0 <= s < stages for s in graph.values()):
+        return "pipeline.json's graph_stages is not a table of the stages of the graph's nodes"
+    if graph:  # the traced graph's nodes (none without a graph)
         stranger = next((n for s in plan.stages for n in s.nodes if n not in graph), None)
         if stranger is not None:
             return f"it names the node {stranger!r}, which the exported graph does not have"
-    return _moved_misfit(plan, meta)
+    return _moved_misfit(plan, meta) or _lost_misfit(plan, meta)
+
+
+def plan_digest(text: str) -> str:
+    """The SHA-256 of plan.json's text as written (pipeline.json's `plan_sha256`)."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _digest_misfit(data: bytes, meta: dict[str, Any]) -> str | None:
+    """How plan.json's bytes (`data`) are not those pipeline.json records, in words; None where
+    they are (or, in an export written before the digest was recorded, unchecked)."""
+    recorded = meta.get("plan_sha256")
+    if recorded is None or recorded == hashlib.sha256(data).hexdigest():
+        return None
+    return ("it is not the plan.json pipeline.json was written with (its SHA-256 is not "
+            "pipeline.json's plan_sha256)")
 
 
 def recorded_stages(meta: dict[str, Any]) -> dict[str, int]:
@@ -82,6 +107,31 @@ def moved_nodes(plan: Plan, recorded: dict[str, int]) -> dict[str, int]:
     as pipeline.json's `plan_moved`."""
     return {node: stage for node, stage in plan.stage_of().items()
             if node in recorded and recorded[node] != stage}
+
+
+def unnamed_nodes(plan: Plan, recorded: dict[str, int]) -> list[str]:
+    """The graph's nodes (`recorded`) that `plan` does not name: made after planning (the
+    split's constants, values detached for a no_grad region), which the writer records as
+    pipeline.json's `plan_unnamed`."""
+    named = plan.stage_of()
+    return sorted(node for node in recorded if node not in named)
+
+
+def _lost_misfit(plan: Plan, meta: dict[str, Any]) -> str | None:
+    """The first node of the graph that `plan` leaves out (and pipeline.json's `plan_unnamed`
+    does not record as made after planning), in words; None where the plan names them all.
+    Exports written before `plan_unnamed` was recorded are not checked."""
+    unnamed = meta.get("plan_unnamed")
+    if unnamed is None:
+        return None
+    if not isinstance(unnamed, list) or not all(isinstance(n, str) for n in unnamed):
+        return "pipeline.json's plan_unnamed is not a list of node names"
+    named, skipped = plan.stage_of(), set(unnamed)
+    for node, stage in recorded_stages(meta).items():
+        if node not in named and node not in skipped:
+            return (f"it leaves out the node {node!r}, which stage {stage}'s code computes "
+                    "(every node of the exported graph is in the plan)")
+    return None
 
 
 def _moved_misfit(plan: Plan, meta: dict[str, Any]) -> str | None:
@@ -147,5 +197,5 @@ def _short(ranks: list[list[int]]) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-__all__ = ["PLAN_FILES", "export_plan", "moved_nodes", "plan_misfit", "plan_workers",
-           "recorded_stages", "schedule_misfit"]
+__all__ = ["PLAN_FILES", "export_plan", "moved_nodes", "plan_digest", "plan_misfit",
+           "plan_workers", "recorded_stages", "schedule_misfit", "unnamed_nodes"]

@@ -150,6 +150,9 @@ def _rebuild(folder: Path, meta: dict[str, Any], files: ExportFiles, code: dict[
                     unbatched=_whole(folder, meta, "unbatched", ()),
                     batch_dim=_batch_dims(folder, meta))
     pipe.training_branches = tuple(str(n) for n in meta.get("training_branches", ()))
+    # kept as recorded (checked by export_plan): exported again, plan.json is checked against
+    # the same nodes, whether or not the graph could be rebuilt, and under the same names
+    pipe.recorded_graph_stages = dict(meta.get("graph_stages", {}))
     for state in pipe.states():
         stage_meta = meta["stages"][state.stage]
         recipe = recipes[state.stage]
@@ -182,9 +185,24 @@ def _rebuild(folder: Path, meta: dict[str, Any], files: ExportFiles, code: dict[
     sources = {int(name[len("rank_"):-len(".py")]): code[name]
                for name in code_files(files.manifest, "rank_")}
     schedule = _exported_schedule(folder, files, meta, pipe)
+    _check_rank_code(folder, sources, pipe)
     if sources and schedule.ranks == sorted(sources):
         pipe.use_sources(sources, schedule.microbatches, pipe.per_minibatch)
     return pipe
+
+
+def _check_rank_code(folder: Path, sources: dict[int, str], pipe: Pipeline) -> None:
+    """Each rank file is the code generated from schedule.txt (kept, checked: the schedule
+    the pipeline makes of its plan); one line naming the file otherwise. A rank file swapped
+    with another's, or cut short at a line, under a manifest written again, loaded and
+    deadlocked (or ran another order) at its first step."""
+    generated = pipe.rank_sources(pipe.schedule_length(), pipe.per_minibatch)
+    for rank, text in sorted(sources.items()):
+        if generated.get(rank) != text:
+            what = ("a rank the schedule does not have" if rank not in generated else
+                    "not the code generated from schedule.txt for that rank")
+            raise DamagedFileError(f"{folder / f'rank_{rank}.py'} is {what} (altered, or "
+                                   f"another export's); {FIX}")
 
 
 def _exported_schedule(folder: Path, files: ExportFiles, meta: dict[str, Any],
@@ -222,11 +240,37 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, files: ExportFiles,
         return
     try:
         optimizer.load_state_dict(state)
+        _check_state_values(optimizer)
     except (ValueError, KeyError, TypeError, RuntimeError) as err:
         detail = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise DamagedFileError(f"{path} does not fit the stage's {type(optimizer).__name__} "
                                f"optimizer ({detail}); export the pipeline again, or pass the "
                                "optimizer it was saved with") from None
+
+
+# torch.optim's per-parameter buffers that always have the parameter's shape
+_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
+                           "square_avg", "acc_delta", "sum", "grad_avg", "exp_inf", "ax",
+                           "prev", "step_size"})
+
+
+def _check_state_values(optimizer: torch.optim.Optimizer) -> None:
+    """No value of a parameter's optimizer state a table or text, and torch.optim's buffers
+    of the parameter's shape (ValueError otherwise):
+    torch's load_state_dict takes any tree, and a state with a table in place of Adam's
+    exp_avg (one byte of the file changed, under a manifest written again) loaded and failed
+    at the first step."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                wrong = isinstance(value, dict | str | bytes) or (
+                    key in _PARAM_SHAPED and isinstance(value, torch.Tensor)
+                    and value.shape != param.shape)
+                if wrong:
+                    shown = tuple(value.shape) if isinstance(value, torch.Tensor) else \
+                        type(value).__name__
+                    raise ValueError(f"state {key!r} of a parameter of shape "
+                                     f"{tuple(param.shape)} is {shown}")
 
 
 # functions an exported stage calls that stay calls when it is traced back: traced through, the

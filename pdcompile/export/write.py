@@ -23,7 +23,12 @@ from pdcompile.export.import_paths import NotReferable
 from pdcompile.export.integrity import clear_export, seal_export
 from pdcompile.export.module_record import record_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
-from pdcompile.export.plan_file import moved_nodes, recorded_stages
+from pdcompile.export.plan_file import (
+    moved_nodes,
+    plan_digest,
+    recorded_stages,
+    unnamed_nodes,
+)
 from pdcompile.export.source import module_source, tensor_state
 from pdcompile.export.target_folder import (
     OLD_FILE,
@@ -76,6 +81,8 @@ class Exportable(Protocol):
     @property
     def graph(self) -> fx.GraphModule | None: ...
     @property
+    def graph_stages(self) -> dict[str, int]: ...
+    @property
     def stage_modules(self) -> list[fx.GraphModule]: ...
     @property
     def example_inputs(self) -> tuple[Any, ...] | None: ...
@@ -122,9 +129,10 @@ def _write(pipe: Exportable, out: Path) -> Path:
         old.unlink()
     for rank, source in pipe.rank_sources(n, per).items():
         (out / f"rank_{rank}.py").write_text(source)
-    (out / "plan.json").write_text(pipe.plan.to_json())
+    plan_text = pipe.plan.to_json()
+    (out / "plan.json").write_text(plan_text)
     (out / "schedule.txt").write_text(pipe.schedule(n, per).to_text())
-    graph_stages = _save_graph(pipe.graph, out)
+    _save_graph(pipe.graph, out)
     unused = out / "unused.safetensors"  # the model's tensors no stage holds (SplitResult.unused)
     if pipe.parts.unused:
         save_file({k: v.contiguous() for k, v in pipe.parts.unused.items()}, str(unused))
@@ -149,15 +157,18 @@ def _write(pipe: Exportable, out: Path) -> Path:
         "output_spec": pytree.treespec_dumps(pipe.parts.output_spec),
         "ties": [{"name": t.name, "members": [list(m) for m in t.members]}
                  for t in pipe.parts.ties],
-        "stages": stages_meta, "graph_stages": graph_stages,
+        "stages": stages_meta, "graph_stages": pipe.graph_stages,
         "unused": bool(pipe.parts.unused),
         "example": {"inputs": pipe.example_inputs is not None,
                     "target": pipe.example_target is not None},
         "input_shapes": None if pipe.input_shapes is None else pipe.input_shapes.to_json(),
         **_callables(pipe),
     }
-    # the plan's nodes the split ran in another stage (plan_file.py checks plan.json by them)
+    # the plan's nodes the split ran in another stage, and the graph's nodes the plan does not
+    # name (made after planning): plan_file.py checks plan.json node by node against them
     meta["plan_moved"] = moved_nodes(pipe.plan, recorded_stages(meta))
+    meta["plan_unnamed"] = unnamed_nodes(pipe.plan, recorded_stages(meta))
+    meta["plan_sha256"] = plan_digest(plan_text)  # the plan's predictions, checked whole
     code = {p.name: p.read_text() for p in [*out.glob("stage_*.py"), *out.glob("rank_*.py"),
                                            *out.glob("graph.py")]}
     meta["user_modules"] = save_user_modules([meta, records, list(code.values())], out)
@@ -266,16 +277,15 @@ def _callables(pipe: Exportable) -> dict[str, Any]:
     return out
 
 
-def _save_graph(graph: fx.GraphModule | None, folder: Path) -> dict[str, int]:
+def _save_graph(graph: fx.GraphModule | None, folder: Path) -> None:
     """The traced graph as source (graph.py) with its submodules recorded on the meta device
     (no weights: those live in the stages); best effort, the graph is informational. The stage
-    of each of its nodes, returned, is recorded even where the graph cannot be saved: plan.json
-    is checked against it (export/plan_file.py)."""
+    of each of its nodes (`graph_stages` in pipeline.json) is recorded even where the graph
+    cannot be saved: plan.json is checked against it (export/plan_file.py)."""
     for old in (folder / "graph.py", folder / "graph_modules.safetensors"):
         old.unlink(missing_ok=True)
     if graph is None:
-        return {}
-    stages = {n.name: int(n.meta["pd.stage"]) for n in graph.graph.nodes if "pd.stage" in n.meta}
+        return
     try:
         light = copy_module(graph).to("meta")
         source, recorded = module_source(light, "Graph", doc="The traced model (structure only).")
@@ -286,7 +296,6 @@ def _save_graph(graph: fx.GraphModule | None, folder: Path) -> dict[str, int]:
         (folder / "graph.py").write_text(source)
     except Exception:  # e.g. a module attribute with no JSON form: the graph is optional
         (folder / "graph_modules.safetensors").unlink(missing_ok=True)
-    return stages
 
 
 __all__ = ["Exportable", "export_pipeline"]

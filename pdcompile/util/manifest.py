@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -92,12 +93,26 @@ def read_json_text(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> str:
 
 
 def read_json_bytes(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> bytes:
-    """The bytes of a JSON file pdcompile wrote, with `read_json_text`'s size limit."""
-    size = path.stat().st_size
-    if size > limit:
-        raise DamagedFileError(f"{path} holds {size:,} bytes, more than any file of its kind "
-                               f"pdcompile writes ({limit:,}): it is not one; {fix}")
-    return path.read_bytes()
+    """The bytes of a JSON file pdcompile wrote, with `read_json_text`'s size limit, read only
+    as a plain file: opened without blocking and checked on the open file, as a FIFO put in its
+    place hung the reader forever (a folder raises IsADirectoryError, as reading one does)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with os.fdopen(fd, "rb") as handle:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(f"{path} is a folder")
+        if not stat.S_ISREG(info.st_mode):
+            raise DamagedFileError(f"{path} is not a plain file (a FIFO, socket or device in "
+                                   f"its place): it is not one pdcompile wrote; {fix}")
+        if info.st_size > limit:
+            raise DamagedFileError(f"{path} holds {info.st_size:,} bytes, more than any file "
+                                   f"of its kind pdcompile writes ({limit:,}): it is not one; "
+                                   f"{fix}")
+        data = handle.read(limit + 1)
+    if len(data) > limit:  # grew while read
+        raise DamagedFileError(f"{path} holds more than {limit:,} bytes, more than any file of "
+                               f"its kind pdcompile writes: it is not one; {fix}")
+    return data
 
 
 def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:

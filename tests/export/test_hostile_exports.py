@@ -332,3 +332,71 @@ def test_a_signed_manifest_swapped_in_after_the_check_does_not_vouch_for_the_fil
     with pytest.raises(PdcompileError) as info:
         pdcompile.load(str(folder))
     assert "MANIFEST.sig does not match" in str(info.value) and not marker.exists()
+
+
+@pytest.mark.parametrize("name", ["pipeline.json", "MANIFEST.json"])
+def test_a_fifo_in_place_of_a_json_file_is_refused_at_once(
+        exports: tuple[Path, Path], tmp_path: Path, name: str) -> None:
+    """A FIFO where pipeline.json or the manifest belongs: refused in one line naming it, at
+    once (before, the loader opened it to read and waited for a writer forever)."""
+    folder = _copy(exports[0], tmp_path / "out")
+    (folder / name).unlink()
+    os.mkfifo(folder / name)
+    with bounded(30):
+        message = _refused_in_one_line(folder, trust=True)
+    assert name in message and "not a plain file" in message, message
+
+
+def _swap(a: str, b: str) -> Any:
+    def damage(folder: Path) -> None:
+        first, second = (folder / a).read_bytes(), (folder / b).read_bytes()
+        (folder / a).write_bytes(second)
+        (folder / b).write_bytes(first)
+    return damage
+
+
+def _plan_number(folder: Path) -> None:
+    plan = json.loads((folder / "plan.json").read_text())
+    plan["stages"][0]["compute"] += 4.0  # a prediction no other file repeats
+    (folder / "plan.json").write_text(json.dumps(plan, indent=1))
+
+
+def _cut_at_line(name: str, lines: int) -> Any:
+    def damage(folder: Path) -> None:
+        text = (folder / name).read_text().splitlines(keepends=True)
+        (folder / name).write_text("".join(text[:lines]))
+    return damage
+
+
+def _optimizer_table(folder: Path) -> None:
+    """Adam's exp_avg of stage 0's first parameter stored as a table instead of a tensor."""
+    from pdcompile.runtime.tensor_tree import load_tree, save_tree
+
+    path = folder / "optimizer_0.safetensors"
+    state = load_tree(path)
+    first = next(iter(state["state"].values()))
+    first["exp_avg"] = {"not": first["exp_avg"]}
+    save_tree(path, state)
+
+
+@pytest.mark.parametrize("damage, culprit", [
+    (_swap("rank_0.py", "rank_1.py"), "rank_0.py"),
+    (_cut_at_line("rank_1.py", 12), "rank_1.py"),
+    (_plan_number, "plan.json"),
+    (_optimizer_table, "optimizer_0.safetensors"),
+], ids=["rank-files-swapped", "rank-file-cut-at-a-line", "plan-prediction-changed",
+        "optimizer-state-a-table"])
+def test_one_file_changed_under_a_manifest_written_again_is_refused(
+        exports: tuple[Path, Path], tmp_path: Path, damage: Any, culprit: str) -> None:
+    """One file changed into another that still parses, the manifest written again over it
+    (someone else's export, loaded with trust=True): refused in one line naming the file.
+    Before, each loaded: swapped or cut rank files deadlocked the first step, a plan priced
+    otherwise was reported as the export's, and Adam's state with a table in place of a tensor
+    failed at the first step with AttributeError."""
+    folder = _copy(exports[0], tmp_path / "out")
+    damage(folder)
+    seal_export(folder)
+    (folder / "MANIFEST.sig").unlink()
+    with bounded(60):
+        message = _refused_in_one_line(folder, trust=True)
+    assert culprit in message, message

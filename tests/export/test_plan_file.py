@@ -24,7 +24,7 @@ import pdcompile
 from pdcompile.cli import main
 from pdcompile.errors import PdcompileError
 from pdcompile.export.integrity import seal_export
-from pdcompile.export.plan_file import plan_workers
+from pdcompile.export.plan_file import plan_digest, plan_workers
 from tests.helpers.byte_damage import bounded, damage
 from tests.helpers.random_models import explicit_graph, random_cut, random_models, squared_error
 from tests.helpers.transparency import momentum
@@ -135,6 +135,11 @@ def _moved_node(plan: dict[str, Any]) -> None:
     plan["stages"][1]["nodes"].insert(0, plan["stages"][0]["nodes"].pop())
 
 
+def _deleted_node(plan: dict[str, Any]) -> None:
+    """stage 0's last node left out of every stage (the other nodes where they were)."""
+    plan["stages"][0]["nodes"].pop()
+
+
 def _others(folder: Path, other: Path) -> None:
     shutil.copy(other / "plan.json", folder / "plan.json")
 
@@ -146,6 +151,7 @@ def _others(folder: Path, other: Path) -> None:
     (_edit(_renamed_node), "names the node 'not_a_node', which the exported graph does not"),
     (_edit(_moved_node), "puts the node '_0' in stage 1 where the exported plan had it in "
                          "stage 0"),
+    (_edit(_deleted_node), "leaves out the node '_0', which stage 0's code computes"),
     (_others, "names the node"),
     (_edit(lambda p: p["stages"][0].update(ranks=[5])), "rank 5"),
     (_edit(lambda p: p.update(workers=float("nan"))), "workers must be an integer"),
@@ -154,7 +160,7 @@ def _others(folder: Path, other: Path) -> None:
     (_edit(lambda p: p.update(surplus=1)), "'surplus'"),
     (_edit(lambda p: p.update(stages={})), "stages"),
 ], ids=["ranks-swapped", "extra-replica", "one-stage", "unknown-node", "moved-node",
-        "other-models-plan",
+        "deleted-node", "other-models-plan",
         "rank-out-of-range", "nan-workers", "string-workers", "nan-compute", "extra-key",
         "stages-not-a-list"])
 def test_a_plan_json_that_does_not_fit_the_export_is_refused_in_one_line(
@@ -164,7 +170,8 @@ def test_a_plan_json_that_does_not_fit_the_export_is_refused_in_one_line(
     trust=True: the launcher's count, `pdcompile run` and the load refuse it in one line naming
     plan.json and what is wrong. Before, swapped ranks and the other model's plan loaded (the
     stages on ranks the rank code does not run them on), a node moved to the next stage
-    loaded (a partition other than the stage code's), an extra replica loaded and
+    loaded (a partition other than the stage code's), so did a node deleted from the plan
+    (a stage reported and priced without it), an extra replica loaded and
     deadlocked its first step, and plan_workers counted workers from any of them."""
     folder = _copy(exports[0], tmp_path / "out")
     edit(folder, exports[1])
@@ -189,13 +196,18 @@ def _cut_models(draw: st.DrawFn) -> tuple[nn.Module, tuple[torch.Tensor, ...], A
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
 @given(case=_cut_models(), data=st.data())
-def test_a_plan_json_with_a_node_moved_is_refused_and_the_written_one_loads(
+def test_a_plan_json_with_a_node_moved_or_deleted_is_refused_and_the_written_one_loads(
         case: tuple[nn.Module, tuple[torch.Tensor, ...], Any],
         tmp_path_factory: pytest.TempPathFactory, data: st.DataObject) -> None:
     """Random models cut at random: the plan as written loads (also where the split ran some
-    of its nodes in other stages than it names), and the same plan.json with one drawn node
-    moved to another drawn stage, under a manifest written again, is refused in one line
-    naming plan.json and the node. Before, every such move loaded."""
+    of its nodes in other stages than it names), and so does the loaded pipeline exported
+    again (drawn: its graph rebuilt from graph.py, or none, as where graph.py could not be
+    saved); the same plan.json (of either export) with one drawn node moved to another drawn
+    stage, or deleted, under a manifest written again, is refused in one line naming plan.json
+    and the node. Before, every such move loaded, and so did every deletion of a node the
+    split had not moved; an export of a loaded pipeline without a graph recorded no nodes (its
+    plan.json then went unchecked), and one whose graph was traced again under other names
+    (`iadd` as `add_3`) was refused although nothing was changed."""
     model, inputs, plan = case
     try:
         pipe = pdcompile.compile(copy.deepcopy(model), example_inputs=inputs,
@@ -205,24 +217,41 @@ def test_a_plan_json_with_a_node_moved_is_refused_and_the_written_one_loads(
         reject()
     folder = tmp_path_factory.mktemp("cut") / "out"
     pipe.export(str(folder))
-    assert pdcompile.load(str(folder), trust=True, loss_fn=squared_error,
-                          optimizer=momentum).plan.stage_of() == pipe.plan.stage_of()
+    kw: dict[str, Any] = {"trust": True, "loss_fn": squared_error, "optimizer": momentum}
+    loaded = pdcompile.load(str(folder), **kw)
+    assert loaded.plan.stage_of() == pipe.plan.stage_of()
+    if data.draw(st.booleans(), label="exported again"):
+        if data.draw(st.booleans(), label="without its graph"):
+            loaded.graph = None
+        again = tmp_path_factory.mktemp("again") / "out"
+        try:
+            loaded.export(str(again))
+        except PdcompileError:  # a leaf module a loaded stage holds that cannot be recorded
+            reject()
+        written_meta = json.loads((folder / "pipeline.json").read_text())
+        again_meta = json.loads((again / "pipeline.json").read_text())
+        for key in ("graph_stages", "plan_moved", "plan_unnamed"):
+            assert again_meta[key] == written_meta[key], key
+        assert pdcompile.load(str(again), **kw).plan.stage_of() == pipe.plan.stage_of()
+        folder = again
     written = json.loads((folder / "plan.json").read_text())
     stages = written["stages"]
     node = data.draw(st.sampled_from(sorted(n for s in stages for n in s["nodes"])), label="node")
     source = next(i for i, s in enumerate(stages) if node in s["nodes"])
-    target = data.draw(st.sampled_from([i for i in range(len(stages)) if i != source]),
-                       label="to stage")
     stages[source]["nodes"].remove(node)
-    stages[target]["nodes"].insert(data.draw(st.integers(0, len(stages[target]["nodes"]))),
-                                   node)
+    if data.draw(st.booleans(), label="deleted"):
+        words = f"leaves out the node {node!r}"
+    else:
+        target = data.draw(st.sampled_from([i for i in range(len(stages)) if i != source]),
+                           label="to stage")
+        stages[target]["nodes"].insert(data.draw(st.integers(0, len(stages[target]["nodes"]))),
+                                       node)
+        words = f"puts the node {node!r} in stage {target}"
     (folder / "plan.json").write_text(json.dumps(written))
     _resealed(folder)
-    message = _one_line(lambda: pdcompile.load(str(folder), trust=True, loss_fn=squared_error,
-                                               optimizer=momentum), folder)
-    assert f"puts the node {node!r} in stage {target}" in message, message
-    assert f"puts the node {node!r} in stage {target}" in _one_line(
-        lambda: plan_workers(folder), folder)
+    message = _one_line(lambda: pdcompile.load(str(folder), **kw), folder)
+    assert words in message, message
+    assert words in _one_line(lambda: plan_workers(folder), folder)
 
 
 def test_a_plan_of_a_trillion_workers_is_refused_at_once(
@@ -232,6 +261,8 @@ def test_a_plan_of_a_trillion_workers_is_refused_at_once(
     ended)."""
     folder = _copy(exports[0], tmp_path / "out")
     _edit(lambda p: p.update(workers=10**12))(folder, exports[1])
+    # pipeline.json's digest of plan.json edited with it (a plan.json alone edited is refused)
+    _set(folder / "pipeline.json", plan_sha256=plan_digest((folder / "plan.json").read_text()))
     _resealed(folder)
     assert plan_workers(folder) == 10**12
     with bounded(30):
