@@ -58,6 +58,29 @@ def batches():
 '''
 
 
+DROP_SEND = '''
+import pdcompile.runtime.stage_runtime as stage_runtime
+
+_send_b = stage_runtime.StageRuntime.send_b
+
+
+def send_b(self, microbatch, dst):
+    if self.stage != 1 or microbatch % 2 == 0:
+        yield from _send_b(self, microbatch, dst)
+        return
+    transport = self.transport
+    send = transport.send
+    transport.send = lambda *args, **kwargs: None
+    try:
+        yield from _send_b(self, microbatch, dst)
+    finally:
+        transport.send = send
+
+
+stage_runtime.StageRuntime.send_b = send_b
+'''
+
+
 def _run(tmp_path: Path, action: str, *extra: str, at: int = 6
          ) -> tuple[str, int, dict[str, float]]:
     """`pdcompile run` on data that does `action` at minibatch `at`: its output, exit status
@@ -126,26 +149,22 @@ def test_a_non_finite_loss_stops_the_run_naming_step_rank_and_stage(tmp_path: Pa
 
 def test_ranks_that_wait_for_each_other_are_named_within_the_fault_timeout(
         tmp_path: Path) -> None:
-    """Generated loops that disagree (rank 1's second send of gradients removed, the export
-    resealed as if written so): every rank ends up waiting for the other. The issue's probe of an
-    edited loop hung 136 s and ended in an AssertionError; now the deadlock is named, with what
-    each rank waits for, within the fault timeout."""
-    from pdcompile.export.integrity import seal_export
-
+    """Ranks that disagree (stage 1's send of the second microbatch's gradients never leaves
+    it): every rank ends up waiting for the other. The issue's probe of an edited loop hung 136 s
+    and ended in an AssertionError; now the deadlock is named, with what each rank waits for,
+    within the fault timeout. The loader refuses an edited rank file, so the send is dropped in
+    the processes themselves (a sitecustomize module on their path)."""
     folder = _export(tmp_path / "exported")
-    rank_file = folder / "rank_1.py"
-    lines = rank_file.read_text().splitlines()
-    sends = [i for i, line in enumerate(lines) if "rt.send_b(" in line]
-    del lines[sends[-1]]
-    rank_file.write_text("\n".join(lines) + "\n")
-    seal_export(folder)
+    patches = tmp_path / "patches"
+    patches.mkdir()
+    (patches / "sitecustomize.py").write_text(DROP_SEND)
     (tmp_path / "data_fn.py").write_text(DATA.format(at=10 ** 6, action="pass"))
     start = time.time()
     done = subprocess.run([sys.executable, "-m", "pdcompile", "run", str(folder), "--nproc", "2",
                            "--threads", "1", "--data", f"{tmp_path / 'data_fn.py'}:batches",
                            "--steps", "40", "--fault-timeout", "3"],
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=150)
+                          env={**os.environ, "PYTHONPATH": f"{patches}{os.pathsep}{ROOT}"},
+                          text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=150)
     took = time.time() - start
     out = done.stdout
     print(f"a deadlock ended the run {took:.1f} s after it started")

@@ -51,7 +51,8 @@ def _check(case: dict[str, Any], seed: int, schedule: str) -> None:
                                  loss_fn=structured_loss, optimizer=momentum, schedule=schedule,
                                  microbatches=micro, plan=plan)
     except PlanError as err:  # a changed buffer's nodes that no stage can hold together
-        assert "must run in one stage" in str(err) and "buffer 'running'" in str(err), err
+        assert "must run in one stage" in str(err), err
+        assert "buffer 'running'" in str(err) or "buffer 'count'" in str(err), err
         return
     given_inputs = (inputs,) if isinstance(inputs, dict) else tuple(inputs)
     losses = [pipe.step(*given_inputs, target=target) for _ in range(STEPS)]
