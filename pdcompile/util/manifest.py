@@ -18,13 +18,13 @@ import hashlib
 import json
 import os
 import re
-import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import DamagedFileError
+from pdcompile.util.bounded_file import NotPlainFile, read_plain_file
 
 MANIFEST_FORMAT = "pdcompile.manifest/1"
 # the largest JSON file of an export or a checkpoint read whole (real ones: kilobytes to a
@@ -96,23 +96,20 @@ def read_json_bytes(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> byt
     """The bytes of a JSON file pdcompile wrote, with `read_json_text`'s size limit, read only
     as a plain file: opened without blocking and checked on the open file, as a FIFO put in its
     place hung the reader forever (a folder raises IsADirectoryError, as reading one does)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as handle:
-        info = os.fstat(fd)
-        if stat.S_ISDIR(info.st_mode):
-            raise IsADirectoryError(f"{path} is a folder")
-        if not stat.S_ISREG(info.st_mode):
+    try:
+        return read_plain_file(path, limit)
+    except NotPlainFile as why:
+        if why.kind == "folder":
+            raise IsADirectoryError(f"{path} is a folder") from None
+        if why.kind == "special":
             raise DamagedFileError(f"{path} is not a plain file (a FIFO, socket or device in "
-                                   f"its place): it is not one pdcompile wrote; {fix}")
-        if info.st_size > limit:
-            raise DamagedFileError(f"{path} holds {info.st_size:,} bytes, more than any file "
+                                   f"its place): it is not one pdcompile wrote; {fix}") from None
+        if why.kind == "large":
+            raise DamagedFileError(f"{path} holds {why.size:,} bytes, more than any file "
                                    f"of its kind pdcompile writes ({limit:,}): it is not one; "
-                                   f"{fix}")
-        data = handle.read(limit + 1)
-    if len(data) > limit:  # grew while read
+                                   f"{fix}") from None
         raise DamagedFileError(f"{path} holds more than {limit:,} bytes, more than any file of "
-                               f"its kind pdcompile writes: it is not one; {fix}")
-    return data
+                               f"its kind pdcompile writes: it is not one; {fix}") from None
 
 
 def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:
