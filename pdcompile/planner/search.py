@@ -979,6 +979,10 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
         def price(stages: list[tuple[list[str], tuple[int, ...]]],
                   options: ModelOptions = option) -> float:
             key = (options, _key(stages))
+            if key not in priced and runs_nothing(stages, inputs):
+                # a stage of the input alone, which the split refuses: a walk that stepped
+                # there (a plateau move, as fast) lost the cheaper plan it had reached before
+                priced[key] = None
             if key not in priced:
                 try:
                     priced[key] = _priced(graph, cluster, stages, options, limit)
@@ -994,6 +998,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
                 found = priced[key]
                 return math.inf if found is None else found.closed
             floored.add(key)  # counted against the budget as a price (polish.polish)
+            if runs_nothing(stages, inputs):
+                return math.inf  # never taken (see price)
             try:
                 return closed_form_floor(graph, stages, cluster, options=options)
             except PlanError:
