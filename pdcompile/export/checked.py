@@ -5,7 +5,8 @@ reader the loader uses (export/verified_files.py, runtime/verified_read.py): saf
 by the same parser (the header, and the tensors' layout against the file's size), their
 tensors' bytes hashed and dropped. pipeline.json is checked for its format and fields,
 plan.json fitted to the other files (export/plan_file.py), every generated Python file
-compiled (not run), and the JSON part of every tensor-tree file parsed. What the launcher
+compiled (not run), each rank file compared with the code generated from schedule.txt
+(export/rank_code.py), and the JSON part of every tensor-tree file parsed. What the launcher
 then decides from (the worker count, the modules the trust check scans) is what was checked
 here, never a file read again: before, the folder was hashed first, then its files opened
 again by safetensors (`safe_open`, whose header check is not the loader's) and by the trust
@@ -21,11 +22,13 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
-from pdcompile.export.files import checked_source, folder_path, read_meta
+from pdcompile.export.files import checked_source, folder_path, read_file, read_meta
 from pdcompile.export.integrity import FIX, code_files
 from pdcompile.export.plan_file import export_plan
+from pdcompile.export.rank_code import check_rank_code, generated_sources
 from pdcompile.export.verified_files import read_export
 from pdcompile.plan import Plan
+from pdcompile.schedule.ir import Schedule
 from pdcompile.util.manifest import Manifest
 
 # the files the loader reads as tensor trees (runtime/tensor_tree): optimizer states, the
@@ -67,6 +70,13 @@ def checked_export(path: str | Path) -> CheckedExport:
     plan = export_plan(files, meta)
     code = {name: checked_source(files.text(name), folder / name)
             for name in code_files(files.manifest, "")}
+    # each rank file is what codegen makes of schedule.txt (export_plan fitted schedule.txt to
+    # the plan's ranks; the loader also checks it is the schedule the plan makes)
+    schedule = read_file(folder / "schedule.txt",
+                         lambda _: Schedule.from_text(files.text("schedule.txt")))
+    check_rank_code(folder, {int(name[len("rank_"):-len(".py")]): code[name]
+                             for name in code_files(files.manifest, "rank_")},
+                    generated_sources(schedule))
     recorded = {name: tree for name, tree in trees.items()
                 if name.endswith("_modules.safetensors")}
     return CheckedExport(folder, meta, plan, files.manifest, code, recorded)

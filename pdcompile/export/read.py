@@ -27,6 +27,7 @@ from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.ops_tracer import OpsTracer
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.export.plan_file import export_plan, schedule_misfit
+from pdcompile.export.rank_code import check_rank_code
 from pdcompile.export.signing import unsigned_reason
 from pdcompile.export.trust import check_imports
 from pdcompile.export.user_modules import load_user_modules
@@ -196,13 +197,8 @@ def _check_rank_code(folder: Path, sources: dict[int, str], pipe: Pipeline) -> N
     the pipeline makes of its plan); one line naming the file otherwise. A rank file swapped
     with another's, or cut short at a line, under a manifest written again, loaded and
     deadlocked (or ran another order) at its first step."""
-    generated = pipe.rank_sources(pipe.schedule_length(), pipe.per_minibatch)
-    for rank, text in sorted(sources.items()):
-        if generated.get(rank) != text:
-            what = ("a rank the schedule does not have" if rank not in generated else
-                    "not the code generated from schedule.txt for that rank")
-            raise DamagedFileError(f"{folder / f'rank_{rank}.py'} is {what} (altered, or "
-                                   f"another export's); {FIX}")
+    check_rank_code(folder, sources,
+                    pipe.rank_sources(pipe.schedule_length(), pipe.per_minibatch))
 
 
 def _exported_schedule(folder: Path, files: ExportFiles, meta: dict[str, Any],

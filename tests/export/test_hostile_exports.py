@@ -400,3 +400,31 @@ def test_one_file_changed_under_a_manifest_written_again_is_refused(
     with bounded(60):
         message = _refused_in_one_line(folder, trust=True)
     assert culprit in message, message
+
+
+@pytest.mark.parametrize("damage, culprit", [
+    (_swap("rank_0.py", "rank_1.py"), "rank_0.py"),
+    (_cut_at_line("rank_1.py", 12), "rank_1.py"),
+    (_plan_number, "plan.json"),
+], ids=["rank-files-swapped", "rank-file-cut-at-a-line", "plan-prediction-changed"])
+def test_what_loading_refuses_verify_and_a_dry_run_refuse_too(
+        exports: tuple[Path, Path], tmp_path: Path, damage: Any, culprit: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The same files changed under a manifest written again: check_export, `pdcompile verify
+    --trust` and `pdcompile run --trust --dry-run` refuse them in one line naming the file, as
+    loading does (before, verify passed swapped or cut rank files: only the loader compared
+    them with the code generated from schedule.txt)."""
+    from pdcompile.cli import main
+
+    folder = _copy(exports[0], tmp_path / "out")
+    damage(folder)
+    seal_export(folder)
+    (folder / "MANIFEST.sig").unlink()
+    with pytest.raises(PdcompileError) as info:
+        check_export(folder)
+    assert "\n" not in str(info.value) and str(folder / culprit) in str(info.value), info.value
+    for command in (["verify", str(folder), "--trust"],
+                    ["run", str(folder), "--trust", "--dry-run"]):
+        assert main(command) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(folder / culprit) in err, err
