@@ -177,12 +177,15 @@ def _differing_options(rebuilt: torch.nn.Module, child: torch.nn.Module) -> list
 
 
 def _is_state(value: Any) -> bool:
-    """A tensor, or a list of tensors or of weak references to them (an RNN's weights)."""
+    """A tensor, or a list of tensors or of weak references (an RNN's weights and its
+    `_flat_weight_refs`). A weak reference is state whatever it points at now: a loaded
+    RNN's parameters are assigned anew (load_state_dict(assign=True)), which leaves its
+    references to the weights it was built with dead until its next forward; read as an
+    option then, the layer went to module_record, which cannot store a weak reference, and a
+    loaded pipeline with an nn.LSTM or nn.GRU could not be exported again."""
     if isinstance(value, tuple | list):
         return bool(value) and all(v is None or _is_state(v) for v in value)
-    if isinstance(value, weakref.ref):
-        return isinstance(value(), torch.Tensor)
-    return isinstance(value, torch.Tensor)
+    return isinstance(value, torch.Tensor | weakref.ref)
 
 
 def _is_option(value: Any) -> bool:
