@@ -27,8 +27,11 @@ from pdcompile.runtime.verified_read import (
     parse_safetensors_header,
     read_checked,
 )
-from pdcompile.util.manifest import Manifest
+from pdcompile.util.manifest import MAX_JSON_BYTES, Manifest
 
+# the largest file of an export read whole (its code, JSON files and schedule; real ones:
+# kilobytes to a few megabytes), the bound JSON files already had
+MAX_WHOLE_BYTES = MAX_JSON_BYTES
 
 class ExportFiles:
     """Every file of one export, read once and checked (`read_export`)."""
@@ -53,6 +56,11 @@ class ExportFiles:
                 self._tensors[name] = (read_checked(path, entry, parse_safetensors_header,
                                                     fix=FIX, kind="export"), {})
             else:
+                if entry.size > MAX_WHOLE_BYTES:  # before a byte is read (a sparse file of
+                    # gigabytes under a manifest written again took minutes and its memory)
+                    raise DamagedFileError(
+                        f"{path} holds {entry.size:,} bytes by its manifest, more than any "
+                        f"file pdcompile writes to be read whole ({MAX_WHOLE_BYTES:,}); {FIX}")
                 self._bytes[name] = read_checked(path, entry, parse_bytes, fix=FIX,
                                                  kind="export")
 

@@ -347,6 +347,33 @@ def test_a_fifo_in_place_of_a_json_file_is_refused_at_once(
     assert name in message and "not a plain file" in message, message
 
 
+@pytest.mark.parametrize("name", ["rank_0.py", "stage_1.py", "schedule.txt", "plan.json"])
+def test_a_huge_sparse_file_under_a_manifest_written_again_is_refused_at_once(
+        exports: tuple[Path, Path], tmp_path: Path, name: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A file read whole (code, the schedule, JSON) made an 8 GiB sparse file, the manifest
+    written again to list it (someone else's export, trusted): loading, check_export and
+    `pdcompile verify --trust` refuse it at once, naming it. Before, each read all 8 GiB into
+    memory (over a minute) before the digest refused it."""
+    from pdcompile.cli import main
+
+    folder = _copy(exports[0], tmp_path / "out")
+    os.truncate(folder / name, 8 << 30)
+    manifest = json.loads((folder / "MANIFEST.json").read_text())
+    manifest["files"][name]["size"] = 8 << 30
+    (folder / "MANIFEST.json").write_text(json.dumps(manifest))
+    (folder / "MANIFEST.sig").unlink()
+    with bounded(20):
+        message = _refused_in_one_line(folder, trust=True)
+        assert name in message and "read whole" in message, message
+        with pytest.raises(PdcompileError) as info:
+            check_export(folder)
+        assert str(folder / name) in str(info.value), info.value
+        assert main(["verify", str(folder), "--trust"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and str(folder / name) in err, err
+
+
 def _swap(a: str, b: str) -> Any:
     def damage(folder: Path) -> None:
         first, second = (folder / a).read_bytes(), (folder / b).read_bytes()
