@@ -186,19 +186,12 @@ def _rebuild(folder: Path, meta: dict[str, Any], files: ExportFiles, code: dict[
     sources = {int(name[len("rank_"):-len(".py")]): code[name]
                for name in code_files(files.manifest, "rank_")}
     schedule = _exported_schedule(folder, files, meta, pipe)
-    _check_rank_code(folder, sources, pipe)
+    # each rank file is the code the pipeline generates from that schedule (rank_code.py)
+    check_rank_code(folder, sources, pipe.rank_sources(pipe.schedule_length(),
+                                                       pipe.per_minibatch))
     if sources and schedule.ranks == sorted(sources):
         pipe.use_sources(sources, schedule.microbatches, pipe.per_minibatch)
     return pipe
-
-
-def _check_rank_code(folder: Path, sources: dict[int, str], pipe: Pipeline) -> None:
-    """Each rank file is the code generated from schedule.txt (kept, checked: the schedule
-    the pipeline makes of its plan); one line naming the file otherwise. A rank file swapped
-    with another's, or cut short at a line, under a manifest written again, loaded and
-    deadlocked (or ran another order) at its first step."""
-    check_rank_code(folder, sources,
-                    pipe.rank_sources(pipe.schedule_length(), pipe.per_minibatch))
 
 
 def _exported_schedule(folder: Path, files: ExportFiles, meta: dict[str, Any],

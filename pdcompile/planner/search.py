@@ -1011,8 +1011,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             if left <= 0:
                 break
             walked = polish(graph, start.stages, price, budget=left, floor=floor)
-            if walked is None or runs_nothing(walked[0], inputs):
-                continue  # a stage of the input alone runs nothing: the split refuses it
+            if walked is None:  # (it never ends on a stage of the input alone: see price)
+                continue
             stages, _, moves = walked
             found = priced.get((option, _key(stages)))
             if found is not None and all(found.stages != c.stages for c in candidates + out):
