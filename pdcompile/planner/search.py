@@ -1529,22 +1529,30 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
             f"microbatches={options.microbatches} on {workers} workers, though it fits "
             f"{format_bytes(limit)} per worker{rounds}; try schedule='auto' or another "
             "microbatch count")
-    more = None
+    more, tried = None, cluster.workers
     for factor in range(2, 9):
         outer = cluster.levels[-1]
         bigger = replace(cluster, levels=cluster.levels[:-1] + (
             replace(outer, workers=outer.workers * factor),))
         if bigger.workers > 4096 or largest > float(limit or 0.0):
             break  # (the largest node alone exceeds the limit: no number of workers fits)
+        tried = bigger.workers
         if total / bigger.workers > float(limit or 0.0):
             continue  # the floor says no: not worth a solve
         if fits(bigger, float(limit or 0.0)):
             more = bigger.workers
             break
-    how = (f"at least {more} workers" if more is not None
-           else f"more than {cluster.workers * 8} workers")
     name = graph.graph.get('name') or 'the model'
     has = format_bytes(limit or 0)
+    other = _other_schedule_fits(work, prepared(cluster)[0], cluster, options, limit, straight)
+    instead = (f"; schedule={other[0]!r} with microbatches={other[1]} fits it on these "
+               f"{cluster.workers} workers" if other is not None else "")
+    if more is not None:
+        how = f"at least {more} workers"
+    elif tried > cluster.workers:  # what the loop tried, not a promise that more would fit
+        how = f"none of the bigger clusters tried, up to {tried} workers, fits"
+    else:
+        how = None
     if more is None and largest > float(limit or 0.0) and floor is not None:
         if floor.node_weights + floor.node_activations >= floor.inputs:
             culprit = (f"its node {floor.node!r} alone needs "
@@ -1561,15 +1569,48 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
                "or memory=... / --memory" if heavy else
                "memory=... / --memory, or a smaller layer there (weights dominate)")
         return PlanError(
-            f"{name} does not fit {has} per worker under any plan on any number of workers: "
+            f"{name} does not fit {has} per worker under any plan with schedule="
+            f"{options.schedule!r} on any number of workers: "
             f"{culprit}, more than a worker's {has} (on these {cluster.workers} workers it "
-            f"needs {_bytes_up(need_memory)} per worker); fix: {fix}")
+            f"needs {_bytes_up(need_memory)} per worker){instead}; fix: "
+            f"{'another schedule, ' if other is not None else ''}{fix}")
     together = (f"its nodes together need {_bytes_up(total)}, " if floor is not None
                 and total / cluster.workers > float(limit or 0.0) else "")
+    bigger_cluster = (f", or {how} with {has} each" if more is not None
+                      else f" (with {has} each, {how})" if how is not None else "")
     return PlanError(
-        f"{name} does not fit {has} per worker on {cluster.workers} workers under any plan; "
-        f"{together}it needs {_bytes_up(need_memory)} per worker on this cluster, or {how} "
-        f"with {has} each (pass memory=... / --memory, or a bigger cluster)")
+        f"{name} does not fit {has} per worker on {cluster.workers} workers under any "
+        f"plan with schedule={options.schedule!r}; {together}it needs {_bytes_up(need_memory)} per worker on "
+        f"this cluster{bigger_cluster}{instead} (pass memory=... / --memory, "
+        f"{'another schedule, ' if other is not None else ''}or a bigger cluster)")
+
+
+def _other_schedule_fits(work: nx.DiGraph, ready: Prepared, cluster: Cluster,
+                         options: ModelOptions, limit: float | None,
+                         straight: bool) -> tuple[str, int] | None:
+    """The first schedule of `AUTO_SCHEDULES` (one stage per rank, the user's microbatches
+    or those "auto" tries) other than the refused one whose plan fits `limit` on `cluster`:
+    one DP solve each on the states already prepared, after the node floor. A refusal of
+    schedule='1f1b' (one microbatch per minibatch, a stage keeping one in flight per later
+    stage) said only "more workers" where '1f1b-flush' fit on the same workers."""
+    if options.cost_model != "native" or limit is None:
+        return None
+    given = options.microbatches if kind(options.schedule).microbatched else None
+    for name in AUTO_SCHEDULES:
+        row = kind(name)
+        if name == options.schedule or row.interleaved or row.v_shape:
+            continue
+        counts = [1] if not row.microbatched else [given] if given else list(AUTO_MICROBATCHES)
+        for m in counts:
+            other = replace(options, schedule=name, microbatches=m)
+            if node_floor(work, other).on(cluster.workers) > limit * (1 + SLACK):
+                continue
+            try:
+                solve(ready, cluster, other, limit, straight)
+            except PlanError:
+                continue
+            return name, m
+    return None
 
 
 def _bytes_up(value: float) -> str:
