@@ -87,6 +87,11 @@ MOST_MIXED_WORKERS = 128
 POLISH_FROM = 8  # the best candidates per schedule that closed-form descents start from ...
 POLISH_BUDGET = 2400  # ... pricing at most this many plans in all (planner/polish.py) ...
 POLISH_STREAMING = 300  # ... or this many for a streaming schedule (each a circuit search)
+# ... from a plan of at most this many stages; from a deeper one, fewer by the cube of the
+# ratio: a streaming price's circuit search grows about so with the stages (a 1,500-node DAG
+# on 8x6@1e10,1.25e9: 0.015 s at 3 stages, 0.10 s at 24, 0.76 s at 48), and 300 prices of
+# 48-stage plans made a 5,000-node DAG's plan take 740 s of CPU
+POLISH_STREAMING_STAGES = 16
 # ... and, under a flush schedule, from those of its POLISH_FROM best that the closed form
 # prices this much above the DP's own objective for them (the objective misjudged them)
 POLISH_DISAGREEMENT = 0.10
@@ -1006,7 +1011,7 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
                 return -math.inf  # priced, and refused there
 
         for start in starts:
-            budget = POLISH_BUDGET if flush else POLISH_STREAMING
+            budget = POLISH_BUDGET if flush else _streaming_budget(len(start.stages))
             left = budget - sum(1 for key in priced.keys() | floored if key[0] == option)
             if left <= 0:
                 break
@@ -1020,6 +1025,14 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
                 found.status = "HEURISTIC"
                 out.append(found)
     return out
+
+
+def _streaming_budget(stages: int) -> int:
+    """Prices a streaming schedule's descent may spend from a plan of `stages` stages: the
+    same work, about, whatever the depth (POLISH_STREAMING_STAGES); deterministic, so that
+    the plan does not depend on the machine's load."""
+    deeper = max(1.0, stages / POLISH_STREAMING_STAGES)
+    return max(1, int(POLISH_STREAMING / deeper**3))
 
 
 def _key(stages: Sequence[tuple[Sequence[str], Sequence[int]]]) -> tuple[Any, ...]:
