@@ -7,11 +7,11 @@ the user's, kept outside every export (`export_key_path`: `$PDCOMPILE_KEY`, else
 `$XDG_CONFIG_HOME/pdcompile/export.key`, else `~/.config/pdcompile/export.key`, made on first
 use with 32 random bytes, readable by the user alone; a shorter key, or one others may read,
 signs nothing and verifies nothing, as anyone could sign with it; nor does a key path that is
-not a plain file of bounded size, such as a pipe or a device, which is never read whole). Without `trust=True`
-(`--trust`) a folder loads only when its signature verifies under that key: written by this
-user (on this machine, or wherever the key file was copied) and not changed since. An export
-from anyone else, or one edited by hand, needs `trust=True`: the choice to run its code is the
-user's.
+not a plain file of bounded size, such as a pipe or a device, which is never read whole).
+Without `trust=True` (`--trust`) a folder loads only when its signature verifies under that
+key: written by this user (on this machine, or wherever the key file was copied) and not
+changed since. An export from anyone else, or one edited by hand, needs `trust=True`: the
+choice to run its code is the user's.
 """
 
 from __future__ import annotations
