@@ -59,3 +59,33 @@ def test_a_loaded_recurrent_pipeline_exports_again_and_trains_the_same(
     assert found.keys() == expected.keys()
     for name, value in expected.items():
         torch.testing.assert_close(found[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("cell", [nn.LSTM, nn.GRU, nn.RNN], ids=["lstm", "gru", "rnn"])
+def test_a_recurrent_layer_inside_a_leaf_module_exports_and_trains_the_same(
+        tmp_path: Path, cell: type[nn.RNNBase]) -> None:
+    """An RNN inside a module given as `leaf_modules=` is written as a record (module_record),
+    its lists of its own weights and weak references to them as their names: before, export
+    refused it ('..._flat_weight_refs[0] is a ReferenceType, which cannot be stored without
+    pickle'). Loaded, and loaded again after a second export, it trains as the original does,
+    losses and weights equal to the bit."""
+    torch.manual_seed(0)
+    inputs, target = torch.randn(8, 3, 4), torch.randn(8, 3, 4)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), _Recurrent(cell))
+    pipe = pdcompile.compile(model, example_inputs=(inputs,), loss_fn=squared_error,
+                             optimizer=momentum, leaf_modules=[_Recurrent], plan=[2, 1],
+                             schedule="1f1b-flush", microbatches=2)
+    assert any(isinstance(m, _Recurrent) for m in pipe.stage_modules[1].modules())
+    pipe.export(str(tmp_path / "first"))
+    first = _load(tmp_path / "first")
+    first.export(str(tmp_path / "second"))
+    second = _load(tmp_path / "second")
+    want = [pipe.step(inputs, target=target) for _ in range(3)]
+    assert [first.step(inputs, target=target) for _ in range(3)] == want
+    assert [second.step(inputs, target=target) for _ in range(3)] == want
+    expected = pipe.state_dict()
+    for loaded in (first, second):
+        found = loaded.state_dict()
+        assert found.keys() == expected.keys()
+        for name, value in expected.items():
+            torch.testing.assert_close(found[name], value, rtol=0, atol=0, msg=name)
