@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pdcompile.errors import PdcompileError
 from pdcompile.machine.cluster import PRESET_HELP, Cluster
+from pdcompile.util.manifest import read_json_bytes
 
 if TYPE_CHECKING:
     import networkx as nx
@@ -123,8 +124,11 @@ def read_plan_file(path: str) -> Plan:
     fix = "write one with `pdcompile plan MODEL --json > plan.json`"
     if not file.is_file():
         raise PdcompileError(f"plan file {path!r} does not exist; {fix}")
+    # as the loader reads JSON: a plain file of bounded size (a plan is kilobytes; a file of
+    # gigabytes was read whole), refused before a byte is read
+    data = read_json_bytes(file, fix=fix)
     try:
-        return Plan.from_json(file.read_text())
+        return Plan.from_json(data.decode())
     except UnicodeDecodeError:
         raise PdcompileError(f"plan file {path!r} is not text; {fix}") from None
     except PdcompileError as err:

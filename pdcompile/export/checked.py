@@ -6,12 +6,13 @@ by the same parser (the header, and the tensors' layout against the file's size)
 tensors' bytes hashed and dropped. pipeline.json is checked for its format and fields,
 plan.json fitted to the other files (export/plan_file.py), every generated Python file
 compiled (not run), each rank file compared with the code generated from schedule.txt
-(export/rank_code.py), and the JSON part of every tensor-tree file parsed. What the launcher
-then decides from (the worker count, the modules the trust check scans) is what was checked
-here, never a file read again: before, the folder was hashed first, then its files opened
-again by safetensors (`safe_open`, whose header check is not the loader's) and by the trust
-scan, so a file swapped in between, or a header whose sizes the loader refuses, passed the
-check.
+(export/rank_code.py), each stage's optimizer state fitted to its recorded optimizer by the
+loader's check on shapes alone (export/optimizer_state.py), and the JSON part of every
+tensor-tree file parsed. What the launcher then decides from (the worker count, the modules
+the trust check scans) is what was checked here, never a file read again: before, the folder
+was hashed first, then its files opened again by safetensors (`safe_open`, whose header check
+is not the loader's) and by the trust scan, so a file swapped in between, or a header whose
+sizes the loader refuses, passed the check.
 """
 
 from __future__ import annotations
@@ -21,12 +22,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pdcompile.errors import DamagedFileError, PipelineInputError
+from pdcompile.errors import DamagedFileError, PdcompileError, PipelineInputError
 from pdcompile.export.files import checked_source, folder_path, read_file, read_meta
 from pdcompile.export.integrity import FIX, code_files
+from pdcompile.export.optimizer_recipe import OptimizerRecipe
+from pdcompile.export.optimizer_state import fit_optimizer_state
+from pdcompile.export.trust import BASE_PACKAGES
 from pdcompile.export.plan_file import export_plan
 from pdcompile.export.rank_code import check_rank_code, generated_sources
-from pdcompile.export.verified_files import read_export
+from pdcompile.export.verified_files import ExportFiles, read_export
 from pdcompile.plan import Plan
 from pdcompile.schedule.ir import Schedule
 from pdcompile.util.manifest import Manifest
@@ -77,6 +81,7 @@ def checked_export(path: str | Path) -> CheckedExport:
     check_rank_code(folder, {int(name[len("rank_"):-len(".py")]): code[name]
                              for name in code_files(files.manifest, "rank_")},
                     generated_sources(schedule))
+    _check_optimizer_states(files, meta)
     recorded = {name: tree for name, tree in trees.items()
                 if name.endswith("_modules.safetensors")}
     return CheckedExport(folder, meta, plan, files.manifest, code, recorded)
@@ -86,6 +91,38 @@ def check_export(path: str | Path) -> dict[str, Any]:
     """Check an export folder without loading it (`checked_export`), so that a launcher can
     refuse a damaged one in one line before starting workers; its pipeline.json."""
     return checked_export(path).meta
+
+
+def _check_optimizer_states(files: ExportFiles, meta: dict[str, Any]) -> None:
+    """Each stage's optimizer state fitted by the loader's check (export/optimizer_state.py) to
+    the optimizer the loader builds from its recipe, built here over parameters of the stage's
+    shapes alone (meta tensors). Not checked here: a stage whose optimizer was not recorded
+    (none, or one load must be given), or whose class is not torch's or pdcompile's (the
+    user's code, which a check runs none of): the loader fits those to the optimizer it gets."""
+    folder = files.folder
+    for index, recorded in enumerate(meta["optimizers"]):
+        if recorded is None:
+            continue
+        try:
+            recipe = OptimizerRecipe.from_dict(recorded)
+        except (KeyError, TypeError, ValueError):
+            raise DamagedFileError(f"{folder / 'pipeline.json'} has a malformed optimizer of "
+                                   f"stage {index}; {FIX}") from None
+        if recipe.cls.split(".")[0] not in BASE_PACKAGES:
+            continue
+        params = read_file(folder / f"stage_{index}.safetensors",
+                           lambda _, i=index: files.layout(f"stage_{i}.safetensors"))
+        try:
+            optimizer = recipe.build(params)
+        except PdcompileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as err:
+            detail = str(err).splitlines()[0] if str(err) else type(err).__name__
+            raise DamagedFileError(f"{folder / 'pipeline.json'} records an optimizer of stage "
+                                   f"{index} that cannot be built ({detail}); {FIX}") from None
+        name = f"optimizer_{index}.safetensors"
+        state = read_file(folder / name, lambda _, n=name: files.layout_tree(n))
+        fit_optimizer_state(optimizer, state, folder / name)
 
 
 def _expected(meta: dict[str, Any]) -> list[str]:

@@ -2,7 +2,8 @@
 write as Python source (user leaf modules, containers) and for loss modules.
 
 A record holds the module's class (by import path), its plain attributes (numbers, strings,
-tuples, dtypes, functions by import path, small tensors), the shapes of its parameters and
+tuples, dtypes, functions by import path, small tensors; lists of its own weights or of weak
+references to them, an RNN's, by the weights' names), the shapes of its parameters and
 buffers (their values travel in the stage's safetensors file, or inline with `values=True`)
 and its children's records. `rebuild_module` imports the class, makes an instance without
 calling its constructor (whose arguments are unknown), and puts those attributes back, which
@@ -12,6 +13,7 @@ is what pickle does for a module, minus running whatever code a file names.
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any
 
 import torch
@@ -54,10 +56,14 @@ def record_module(module: torch.nn.Module, *, values: bool = False,
                                      "an export cannot keep; compile with frontend='export', "
                                      "whose graph records what they compute, or remove them")
     attributes: dict[str, Any] = {}
+    own = {id(t): n for n, t in [*module._parameters.items(), *module._buffers.items()]
+           if t is not None}
     for name, value in module.__dict__.items():
         if name in _BASE:
             continue
-        attributes[name] = _attribute(value, sink, f"{where}.{name}", culprit)
+        refers = _own_tensors(value, own)
+        attributes[name] = {"own": refers} if refers is not None else \
+            _attribute(value, sink, f"{where}.{name}", culprit)
     non_persistent = sorted(module._non_persistent_buffers_set)
     record: dict[str, Any] = {
         "class": cls, "training": module.training, "attributes": attributes,
@@ -105,6 +111,47 @@ def _parametrization_hook(hook: Any) -> bool:
     not the model's, and of no use to a rebuilt layer, whose state dicts are new."""
     function = getattr(hook, "hook", hook)
     return getattr(function, "__module__", "") == "torch.nn.utils.parametrizations"
+
+
+def _own_tensors(value: Any, own: dict[int, str]) -> dict[str, Any] | None:
+    """A list or tuple of the module's own parameters and buffers, of weak references, and of
+    Nones (an RNN's `_flat_weights` and `_flat_weight_refs`), as their names; None for any
+    other value. A weak reference to anything but the module's own tensors (dead, as a loaded
+    RNN's are until its next forward) is kept as a dead one: it tells the RNN that its weights
+    changed. Recorded as values, the weights were written twice and a weak reference not at
+    all: an nn.LSTM inside a leaf module could not be exported."""
+    if not isinstance(value, list | tuple) or not value:
+        return None
+    names: list[list[Any]] = []
+    for item in value:
+        target = item() if isinstance(item, weakref.ref) else item
+        if isinstance(target, torch.Tensor) and id(target) in own:
+            names.append([own[id(target)], isinstance(item, weakref.ref)])
+        elif item is None or isinstance(item, weakref.ref):
+            names.append([None, item is not None])
+        else:
+            return None
+    if all(name is None and not is_ref for name, is_ref in names):
+        return None
+    return {"items": names, "tuple": isinstance(value, tuple)}
+
+
+def _rebuilt_own(entry: dict[str, Any], module: torch.nn.Module) -> list[Any] | tuple[Any, ...]:
+    """An `_own_tensors` value made again from the rebuilt module's parameters and buffers (a
+    weak reference to each where the module held one; a dead one where it held one to
+    nothing of its own)."""
+    own = {**module._parameters, **module._buffers}
+    items = []
+    for name, is_ref in entry["items"]:
+        if name is not None and own.get(name) is None:
+            raise ValueError(f"a module record names {name!r}, which is no parameter or "
+                             f"buffer of its {type(module).__name__}")
+        tensor = None if name is None else own[name]
+        if is_ref:
+            items.append(weakref.ref(tensor if tensor is not None else torch.empty(0)))
+        else:
+            items.append(tensor)
+    return tuple(items) if entry["tuple"] else items
 
 
 def _attribute(value: Any, sink: dict[str, torch.Tensor] | None, where: str,
@@ -156,6 +203,8 @@ def rebuild_module(record: dict[str, Any], tensors: dict[str, torch.Tensor] | No
     torch.nn.Module.__init__(module)
     module.training = bool(record["training"])
     for name, attr in record["attributes"].items():
+        if "own" in attr:  # made once the parameters and buffers are in place
+            continue
         if "function" in attr:
             value = find(attr["function"])
         elif "enum" in attr:
@@ -172,6 +221,9 @@ def rebuild_module(record: dict[str, Any], tensors: dict[str, torch.Tensor] | No
     for name, spec in record["buffers"].items():
         module._buffers[name] = None if spec is None else _tensor(spec, tensors, device)
     module._non_persistent_buffers_set = set(record["non_persistent"])
+    for name, attr in record["attributes"].items():
+        if "own" in attr:
+            module.__dict__[name] = _rebuilt_own(attr["own"], module)
     for name, child in record["children"].items():
         module._modules[name] = None if child is None else rebuild_module(child, tensors,
                                                                           device=device)

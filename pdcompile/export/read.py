@@ -26,6 +26,7 @@ from pdcompile.export.integrity import FIX, MANIFEST_NAME, code_files
 from pdcompile.export.module_record import rebuild_module
 from pdcompile.export.ops_tracer import OpsTracer
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
+from pdcompile.export.optimizer_state import fit_optimizer_state
 from pdcompile.export.plan_file import export_plan, schedule_misfit
 from pdcompile.export.rank_code import check_rank_code
 from pdcompile.export.signing import unsigned_reason
@@ -222,44 +223,13 @@ def _exported_schedule(folder: Path, files: ExportFiles, meta: dict[str, Any],
 
 def _load_optimizer_state(optimizer: torch.optim.Optimizer, files: ExportFiles,
                           name: str) -> None:
-    """Load a stage's optimizer state; a file that does not fit the optimizer is named."""
+    """Load a stage's optimizer state; a file that does not fit the optimizer is named
+    (export/optimizer_state.py: the check verify runs too)."""
     path = files.folder / name
     state = read_file(path, lambda _: files.tree(name))
     if isinstance(optimizer, NoParameters):
         return
-    try:
-        optimizer.load_state_dict(state)
-        _check_state_values(optimizer)
-    except (ValueError, KeyError, TypeError, RuntimeError) as err:
-        detail = str(err).splitlines()[0] if str(err) else type(err).__name__
-        raise DamagedFileError(f"{path} does not fit the stage's {type(optimizer).__name__} "
-                               f"optimizer ({detail}); export the pipeline again, or pass the "
-                               "optimizer it was saved with") from None
-
-
-# torch.optim's per-parameter buffers that always have the parameter's shape
-_PARAM_SHAPED = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer",
-                           "square_avg", "acc_delta", "sum", "grad_avg", "exp_inf", "ax",
-                           "prev", "step_size"})
-
-
-def _check_state_values(optimizer: torch.optim.Optimizer) -> None:
-    """No value of a parameter's optimizer state a table or text, and torch.optim's buffers
-    of the parameter's shape (ValueError otherwise):
-    torch's load_state_dict takes any tree, and a state with a table in place of Adam's
-    exp_avg (one byte of the file changed, under a manifest written again) loaded and failed
-    at the first step."""
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            for key, value in optimizer.state.get(param, {}).items():
-                wrong = isinstance(value, dict | str | bytes) or (
-                    key in _PARAM_SHAPED and isinstance(value, torch.Tensor)
-                    and value.shape != param.shape)
-                if wrong:
-                    shown = tuple(value.shape) if isinstance(value, torch.Tensor) else \
-                        type(value).__name__
-                    raise ValueError(f"state {key!r} of a parameter of shape "
-                                     f"{tuple(param.shape)} is {shown}")
+    fit_optimizer_state(optimizer, state, path)
 
 
 # functions an exported stage calls that stay calls when it is traced back: traced through, the

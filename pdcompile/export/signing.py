@@ -6,11 +6,12 @@ manifest: `MANIFEST.sig` holds the HMAC-SHA256 of MANIFEST.json's bytes under a 
 the user's, kept outside every export (`export_key_path`: `$PDCOMPILE_KEY`, else
 `$XDG_CONFIG_HOME/pdcompile/export.key`, else `~/.config/pdcompile/export.key`, made on first
 use with 32 random bytes, readable by the user alone; a shorter key, or one others may read,
-signs nothing and verifies nothing, as anyone could sign with it). Without `trust=True`
-(`--trust`) a folder loads only when its signature verifies under that key: written by this
-user (on this machine, or wherever the key file was copied) and not changed since. An export
-from anyone else, or one edited by hand, needs `trust=True`: the choice to run its code is the
-user's.
+signs nothing and verifies nothing, as anyone could sign with it; nor does a key path that is
+not a plain file of bounded size, such as a pipe or a device, which is never read whole).
+Without `trust=True` (`--trust`) a folder loads only when its signature verifies under that
+key: written by this user (on this machine, or wherever the key file was copied) and not
+changed since. An export from anyone else, or one edited by hand, needs `trust=True`: the
+choice to run its code is the user's.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ import stat
 import tempfile
 import warnings
 from pathlib import Path
+
+from pdcompile.util.bounded_file import NotPlainFile, read_plain_file
+from pdcompile.util.manifest import MAX_JSON_BYTES, read_json_bytes
 
 SIGNATURE_NAME = "MANIFEST.sig"
 _KEY_BYTES = 32
@@ -46,7 +50,7 @@ def _key(*, create: bool) -> bytes | None:
     OSError (UnusableKeyError) for a key file that cannot be read or must not sign."""
     path = export_key_path()
     try:
-        return _usable(path, path.read_bytes())
+        return _usable(path, _key_bytes(path))
     except FileNotFoundError:
         if not create:
             return None
@@ -61,7 +65,23 @@ def _key(*, create: bool) -> bytes | None:
         pass
     finally:
         Path(tmp).unlink(missing_ok=True)
-    return _usable(path, path.read_bytes())
+    return _usable(path, _key_bytes(path))
+
+
+def _key_bytes(path: Path) -> bytes:
+    """The key file's bytes, read only as a plain file no larger than any file pdcompile reads
+    whole: PDCOMPILE_KEY naming /dev/zero or a pipe was read forever, a file of gigabytes into
+    memory. Raises UnusableKeyError otherwise (OSError where it cannot be read)."""
+    try:
+        return read_plain_file(path, MAX_JSON_BYTES)
+    except NotPlainFile as why:
+        if why.kind == "folder":
+            raise IsADirectoryError(f"{path} is a folder") from None
+        what = ("not a plain file (a device or a pipe)" if why.kind == "special" else
+                f"{why.size:,} bytes, more than any file pdcompile reads whole "
+                f"({MAX_JSON_BYTES:,})")
+        raise UnusableKeyError(f"the signing key {path} is {what}; delete it (a new one is "
+                               "made) or set PDCOMPILE_KEY to a path of your own") from None
 
 
 def _usable(path: Path, key: bytes) -> bytes:
@@ -121,7 +141,9 @@ def unsigned_reason(folder: Path, manifest_name: str, manifest_data: bytes | Non
     if found is None:
         return (f"its {SIGNATURE_NAME} is not a plain file of a signature's size (a link, a "
                 "pipe or a large file): not one the writer made")
-    data = (folder / manifest_name).read_bytes() if manifest_data is None else manifest_data
+    data = manifest_data
+    if data is None:  # read as the loader reads a manifest: a plain file of bounded size
+        data = read_json_bytes(folder / manifest_name, fix="export the pipeline again")
     if not hmac.compare_digest(found, _mac(key, data).encode()):
         return f"its {SIGNATURE_NAME} does not match the signing key {export_key_path()}: it " \
                "was written by someone else, or changed after it was written"

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
-from pdcompile.util.bounded_file import plain_file_bytes
+from pdcompile.util.bounded_file import NotPlainFile, plain_file_bytes, read_plain_file
 from pdcompile.util.module_file import exec_module_source
 from pdcompile.util.user_code import USER_MODULE_PREFIX, user_module_file
 
@@ -82,7 +82,7 @@ def load_user_modules(entries: dict[str, Any], folder: Path,
             raise DamagedFileError(f"{folder / 'pipeline.json'} has a malformed user_modules "
                                    f"entry {name!r}; export the pipeline again") from None
         try:
-            data = path.read_bytes() if read is None else read(str(entry["file"]))
+            data = _copy_bytes(path) if read is None else read(str(entry["file"]))
         except OSError:
             raise DamagedFileError(f"{path} (the model file the export recorded) is missing; "
                                    "export the pipeline again") from None
@@ -103,6 +103,22 @@ def load_user_modules(entries: dict[str, Any], folder: Path,
         except Exception as err:
             raise PipelineInputError(f"importing {path} (the model file the export recorded) "
                                      f"raised {type(err).__name__}: {err}") from None
+
+
+def _copy_bytes(path: Path) -> bytes:
+    """A copied model file's bytes, read only as a plain file of at most MAX_SOURCE_BYTES
+    (no copy the writer made is larger): before, a file of gigabytes in its place (or a pipe)
+    was read whole before its SHA-256 refused it."""
+    try:
+        return read_plain_file(path, MAX_SOURCE_BYTES)
+    except NotPlainFile as why:
+        what = ("not a plain file (a folder, a pipe or a device in its place)"
+                if why.kind in ("folder", "special") else
+                f"more than {MAX_SOURCE_BYTES:,} bytes, more than any model file the export "
+                "copies")
+        raise DamagedFileError(f"{path} (the model file the export recorded) is {what}: it is "
+                               "not the copy the export wrote; export the pipeline again") \
+            from None
 
 
 __all__ = ["load_user_modules", "named_user_modules", "save_user_modules"]

@@ -24,7 +24,7 @@ from pdcompile.runtime.tensor_tree import tree_skeleton, tree_value
 from pdcompile.runtime.verified_read import (
     parse_bytes,
     parse_safetensors,
-    parse_safetensors_header,
+    parse_safetensors_layout,
     read_checked,
 )
 from pdcompile.util.manifest import MAX_JSON_BYTES, Manifest
@@ -53,8 +53,8 @@ class ExportFiles:
                 self._tensors[name] = read_checked(path, entry, parse_safetensors, fix=FIX,
                                                    kind="export")
             elif name.endswith(".safetensors"):  # the same parser, the tensors not kept
-                self._tensors[name] = (read_checked(path, entry, parse_safetensors_header,
-                                                    fix=FIX, kind="export"), {})
+                self._tensors[name] = read_checked(path, entry, parse_safetensors_layout,
+                                                   fix=FIX, kind="export")
             else:
                 if entry.size > MAX_WHOLE_BYTES:  # before a byte is read (a sparse file of
                     # gigabytes under a manifest written again took minutes and its memory)
@@ -97,12 +97,7 @@ class ExportFiles:
     def tree(self, name: str) -> Any:
         """A tensor-tree file's value (runtime/tensor_tree) as checked (its tensors copies
         on a second call, as `tensors`)."""
-        metadata, tensors = self._stored(name)
-        try:
-            return tree_value(metadata, tensors, self.folder / name)
-        except DamagedFileError as err:
-            raise DamagedFileError(f"{str(err).removesuffix('; write it again')}; {FIX}") \
-                from None
+        return self._tree(name, *self._stored(name))
 
     def skeleton(self, name: str) -> Any:
         """A tensor-tree file's JSON part as checked, its tensors left as references (all a
@@ -114,6 +109,30 @@ class ExportFiles:
         except DamagedFileError as err:
             raise DamagedFileError(f"{str(err).removesuffix('; write it again')}; {FIX}") \
                 from None
+
+    def layout(self, name: str) -> dict[str, torch.Tensor]:
+        """A plain safetensors file's tensors as meta tensors (shapes and dtypes alone: what a
+        check that loads nothing fits to the other files); read without tensors only."""
+        return dict(self._layout(name)[1])
+
+    def layout_tree(self, name: str) -> Any:
+        """A tensor-tree file's value with its tensors as meta tensors (`layout`)."""
+        return self._tree(name, *self._layout(name))
+
+    def _tree(self, name: str, metadata: dict[str, Any], tensors: dict[str, torch.Tensor]
+              ) -> Any:
+        try:
+            return tree_value(metadata, tensors, self.folder / name)
+        except DamagedFileError as err:
+            raise DamagedFileError(f"{str(err).removesuffix('; write it again')}; {FIX}") \
+                from None
+
+    def _layout(self, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+        if name not in self._tensors:
+            raise self._missing(name)
+        if self.holds_tensors:
+            raise LookupError("these files were read with their tensors (use tensors/tree)")
+        return self._tensors[name]
 
     def _stored(self, name: str) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
         """A safetensors file's metadata and tensors: the ones read the first time, copies
@@ -139,7 +158,8 @@ def read_export(folder: Path, *, tensors: bool = True,
     """Every file of the export in `folder`, read once and checked against its manifest (and
     no file of the writer's names that the manifest leaves out, export/integrity.py).
     `tensors=False`: safetensors files are read and checked by the same parser, their headers
-    kept and their tensors dropped (a check that loads nothing: `pdcompile verify`, `run`).
+    kept and their tensors dropped, kept as shapes alone (`layout`: a check that loads nothing,
+    `pdcompile verify`, `run`).
     `names`: only these of the listed files (a launcher's look at the plan)."""
     return ExportFiles(listed_export(folder), tensors=tensors, names=names)
 

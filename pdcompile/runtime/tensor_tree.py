@@ -185,9 +185,9 @@ def read_tensors(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
     """A safetensors file's metadata and tensors, read from `handle` as `read_tree` reads
     (once, front to back, every byte shown to `seen`). `tree`: refuse a file without a tree
     before its tensors are read. `keep=False`: the tensors' bytes are read and shown to `seen`
-    the same way, through one reused buffer, and dropped (no tensors returned: a check that
-    loads nothing holds no copy of the weights). The caller checks what `seen` saw before it
-    uses them."""
+    the same way, through one reused buffer, and dropped, the tensors returned as meta tensors
+    (their shapes and dtypes alone: a check that loads nothing holds no copy of the weights).
+    The caller checks what `seen` saw before it uses them."""
     try:
         head = read_bytes(handle, 8, seen)
         header_size = int.from_bytes(head, "little")
@@ -205,7 +205,8 @@ def read_tensors(handle: BinaryIO, size: int, name: str | os.PathLike[str], *,
         spans = _layout(header, size - 8 - header_size)
         if not keep:
             _skip(handle, sum(span[3] for span in spans), seen)
-            return metadata, tensors
+            return metadata, {key: torch.empty(shape, dtype=dtype, device="meta")
+                              for key, dtype, shape, _ in spans}
         for key, dtype, shape, nbytes in spans:
             raw = torch.empty(nbytes, dtype=torch.uint8)
             if nbytes:

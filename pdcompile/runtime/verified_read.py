@@ -44,12 +44,14 @@ def parse_safetensors(handle: BinaryIO, size: int, path: Path,
     return read_tensors(handle, size, path, seen=seen)
 
 
-def parse_safetensors_header(handle: BinaryIO, size: int, path: Path,
-                             seen: Callable[[memoryview], object]) -> dict[str, Any]:
-    """A safetensors file's metadata, read by the same parser as `parse_safetensors` (its
-    header, and its tensors' layout against the file's size, checked), the tensors' bytes
-    read and hashed but not kept: what a check that loads nothing reads."""
-    return read_tensors(handle, size, path, seen=seen, keep=False)[0]
+def parse_safetensors_layout(handle: BinaryIO, size: int, path: Path,
+                             seen: Callable[[memoryview], object]
+                             ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """A safetensors file's metadata and its tensors as meta tensors (shapes and dtypes), read
+    by the same parser as `parse_safetensors` (its header, and its tensors' layout against the
+    file's size, checked), the tensors' bytes read and hashed but not kept: what a check that
+    loads nothing reads."""
+    return read_tensors(handle, size, path, seen=seen, keep=False)
 
 
 def parse_bytes(handle: BinaryIO, size: int, path: Path,
@@ -138,4 +140,4 @@ def hash_rest(handle: IO[bytes], sha: Any) -> int:
 
 
 __all__ = ["hash_file", "hash_rest", "open_regular", "parse_bytes", "parse_safetensors",
-           "parse_safetensors_header", "parse_tree", "read_checked", "refuse_special"]
+           "parse_safetensors_layout", "parse_tree", "read_checked", "refuse_special"]

@@ -145,3 +145,22 @@ def test_a_bad_plan_file_is_one_line_naming_it(tmp_path: Path, content: bytes,
                  "--cluster", "2@10GB/s:v100"]) == 1
     err = capsys.readouterr().err.strip()
     assert "\n" not in err and str(file) in err and "pdcompile plan MODEL --json" in err
+
+
+def test_a_plan_file_over_any_json_file_is_refused_unread(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A plan file one byte over any JSON file pdcompile writes (sparse): refused in one line
+    naming it, the limit and the fix, before a byte is read. Before, it was read whole into
+    memory (and decoded) before its JSON was refused."""
+    from pdcompile.util.manifest import MAX_JSON_BYTES
+    from tests.helpers.byte_damage import bounded
+
+    file = tmp_path / "plan.json"
+    with open(file, "wb") as handle:
+        handle.truncate(MAX_JSON_BYTES + 1)
+    with bounded(10):
+        code = main(["simulate", "pdcompile.models.demomlp:factory", "--plan", str(file),
+                     "--cluster", "2@10GB/s:v100"])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and "\n" not in err and str(file) in err, err
+    assert f"({MAX_JSON_BYTES:,})" in err and "pdcompile plan MODEL --json" in err, err

@@ -395,24 +395,56 @@ def _cut_at_line(name: str, lines: int) -> Any:
     return damage
 
 
-def _optimizer_table(folder: Path) -> None:
-    """Adam's exp_avg of stage 0's first parameter stored as a table instead of a tensor."""
-    from pdcompile.runtime.tensor_tree import load_tree, save_tree
+def _optimizer_state(change: Any) -> Any:
+    """`change` applied to stage 0's saved optimizer state (Adam's: its tree, as torch gives
+    it) and the file written again."""
+    def damage(folder: Path) -> None:
+        from pdcompile.runtime.tensor_tree import load_tree, save_tree
 
-    path = folder / "optimizer_0.safetensors"
-    state = load_tree(path)
+        path = folder / "optimizer_0.safetensors"
+        state = load_tree(path)
+        change(state)
+        save_tree(path, state)
+    return damage
+
+
+def _exp_avg_a_table(state: dict[str, Any]) -> None:
+    """Adam's exp_avg of stage 0's first parameter a table instead of a tensor."""
     first = next(iter(state["state"].values()))
     first["exp_avg"] = {"not": first["exp_avg"]}
-    save_tree(path, state)
+
+
+def _exp_avg_reshaped(state: dict[str, Any]) -> None:
+    """Adam's exp_avg_sq of stage 0's first parameter (8 x 6) a tensor of another shape."""
+    first = next(iter(state["state"].values()))
+    first["exp_avg_sq"] = first["exp_avg_sq"].reshape(-1)
+
+
+def _step_a_word(state: dict[str, Any]) -> None:
+    """Adam's step count of stage 0's first parameter a word."""
+    next(iter(state["state"].values()))["step"] = "many"
+
+
+def _a_parameter_more(state: dict[str, Any]) -> None:
+    """The saved group one parameter longer than the recorded optimizer's."""
+    group = state["param_groups"][0]
+    group["params"] = [*group["params"], max(group["params"]) + 1]
+
+
+_OPTIMIZER_DAMAGE = [(_optimizer_state(c), "optimizer_0.safetensors")
+                     for c in (_exp_avg_a_table, _exp_avg_reshaped, _step_a_word,
+                               _a_parameter_more)]
+_OPTIMIZER_IDS = ["optimizer-state-a-table", "optimizer-state-reshaped", "optimizer-step-a-word",
+                  "optimizer-group-longer"]
 
 
 @pytest.mark.parametrize("damage, culprit", [
     (_swap("rank_0.py", "rank_1.py"), "rank_0.py"),
     (_cut_at_line("rank_1.py", 12), "rank_1.py"),
     (_plan_number, "plan.json"),
-    (_optimizer_table, "optimizer_0.safetensors"),
+    *_OPTIMIZER_DAMAGE,
 ], ids=["rank-files-swapped", "rank-file-cut-at-a-line", "plan-prediction-changed",
-        "optimizer-state-a-table"])
+        *_OPTIMIZER_IDS])
 def test_one_file_changed_under_a_manifest_written_again_is_refused(
         exports: tuple[Path, Path], tmp_path: Path, damage: Any, culprit: str) -> None:
     """One file changed into another that still parses, the manifest written again over it
@@ -433,14 +465,17 @@ def test_one_file_changed_under_a_manifest_written_again_is_refused(
     (_swap("rank_0.py", "rank_1.py"), "rank_0.py"),
     (_cut_at_line("rank_1.py", 12), "rank_1.py"),
     (_plan_number, "plan.json"),
-], ids=["rank-files-swapped", "rank-file-cut-at-a-line", "plan-prediction-changed"])
+    *_OPTIMIZER_DAMAGE,
+], ids=["rank-files-swapped", "rank-file-cut-at-a-line", "plan-prediction-changed",
+        *_OPTIMIZER_IDS])
 def test_what_loading_refuses_verify_and_a_dry_run_refuse_too(
         exports: tuple[Path, Path], tmp_path: Path, damage: Any, culprit: str,
         capsys: pytest.CaptureFixture[str]) -> None:
     """The same files changed under a manifest written again: check_export, `pdcompile verify
     --trust` and `pdcompile run --trust --dry-run` refuse them in one line naming the file, as
     loading does (before, verify passed swapped or cut rank files: only the loader compared
-    them with the code generated from schedule.txt)."""
+    them with the code generated from schedule.txt; and an optimizer state that does not fit
+    the recorded optimizer: only the loader fitted it)."""
     from pdcompile.cli import main
 
     folder = _copy(exports[0], tmp_path / "out")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -13,9 +14,10 @@ from pathlib import Path
 import pytest
 
 import pdcompile
-from pdcompile.errors import PipelineInputError
+from pdcompile.errors import DamagedFileError, PipelineInputError
 from pdcompile.export import signing
 from pdcompile.pipeline import Pipeline
+from pdcompile.util.manifest import MAX_JSON_BYTES
 from tests.helpers.byte_damage import bounded
 from tests.helpers.small_pipes import two_stage_pipe
 
@@ -137,3 +139,53 @@ def test_a_signature_that_is_no_file_the_writer_made_is_refused_unread(
     message = str(info.value)
     assert "not a plain file of a signature's size" in message and "\n" not in message
     assert pdcompile.load(str(out), trust=True).plan == pipe.plan
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _over_any_whole_file(path: Path) -> None:
+    with open(path, "wb") as handle:  # sparse: no disk used
+        handle.truncate(MAX_JSON_BYTES + 1)
+    path.chmod(0o600)
+
+
+@pytest.mark.parametrize("make", [_fifo, _over_any_whole_file], ids=["fifo", "huge"])
+def test_a_key_file_that_is_a_pipe_or_huge_is_refused_unread(
+        pipe: Pipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        make: Callable[[Path], None]) -> None:
+    """PDCOMPILE_KEY naming a pipe, or a file one byte over any file pdcompile reads whole:
+    refused in one line naming it and the fix, at once, both by load and by export (which
+    leaves the export unsigned, with a warning). Before, the pipe waited for a writer forever
+    and the file was read whole into memory (then signed and verified nothing it wrote)."""
+    out = tmp_path / "out"
+    pipe.export(str(out))
+    key_file = tmp_path / "odd.key"
+    make(key_file)
+    monkeypatch.setenv("PDCOMPILE_KEY", str(key_file))
+    with bounded(10), pytest.raises(PipelineInputError) as info:
+        pdcompile.load(str(out))
+    message = str(info.value)
+    assert "signing key cannot be used" in message and str(key_file) in message, message
+    assert "set PDCOMPILE_KEY to a path of your own" in message and "\n" not in message
+    with bounded(10), pytest.warns(UserWarning, match="set PDCOMPILE_KEY to a path"):
+        pipe.export(str(tmp_path / "unsigned"))
+    assert not (tmp_path / "unsigned" / "MANIFEST.sig").exists()
+
+
+def test_a_manifest_over_any_json_file_is_refused_unread_by_its_signature_check(
+        pipe: Pipeline, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`unsigned_reason` without the caller's manifest bytes reads MANIFEST.json itself, as
+    the loader reads it: one byte over any JSON file pdcompile writes is refused in one line
+    naming it, at once. Before, it was read whole into memory and hashed."""
+    monkeypatch.setenv("PDCOMPILE_KEY", str(tmp_path / "export.key"))
+    out = tmp_path / "out"
+    pipe.export(str(out))
+    with open(out / "MANIFEST.json", "ab") as handle:
+        handle.truncate(MAX_JSON_BYTES + 1)
+    with bounded(10), pytest.raises(DamagedFileError) as info:
+        signing.unsigned_reason(out, "MANIFEST.json")
+    message = str(info.value)
+    assert str(out / "MANIFEST.json") in message and f"({MAX_JSON_BYTES:,})" in message
+    assert "export the pipeline again" in message and "\n" not in message

@@ -194,3 +194,24 @@ def test_an_imported_model_file_replaced_since_is_not_read_whole_at_load(
         loaded = pdcompile.load(str(out))
     module = sys.modules[f"{USER_MODULE_PREFIX}usernet"]
     assert loaded.loss_fn is module.loss_fn and module.__file__ != str(model_file)
+
+
+@pytest.mark.parametrize("kind", ["fifo", "huge"])
+def test_a_copy_read_from_the_folder_is_refused_unread_when_no_copy(
+        model_file: Path, tmp_path: Path, kind: str) -> None:
+    """`load_user_modules` without the loader's checked bytes reads the copy itself: a FIFO or
+    a file one byte over any model source in its place is refused in one line naming it, at
+    once. Before, the FIFO waited for a writer forever and the file was read whole before its
+    SHA-256 refused it."""
+    out = tmp_path / "exp"
+    _export(model_file, out)
+    entries = json.loads((out / "pipeline.json").read_text())["user_modules"]
+    copy = out / entries[f"{USER_MODULE_PREFIX}usernet"]["file"]
+    _replace(copy, kind, user_modules.MAX_SOURCE_BYTES + 1)
+    _forget()
+    with bounded(10), pytest.raises(DamagedFileError) as info:
+        user_modules.load_user_modules(entries, out)
+    message = str(info.value)
+    assert "\n" not in message and str(copy) in message, message
+    assert "not the copy the export wrote; export the pipeline again" in message, message
+    assert kind == "fifo" or f"more than {user_modules.MAX_SOURCE_BYTES:,} bytes" in message
