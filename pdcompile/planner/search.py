@@ -1593,8 +1593,9 @@ def _no_fit(graph: nx.DiGraph, cluster: Cluster, options: ModelOptions, limit: f
                       else f" (with {has} each, {how})" if how is not None else "")
     return PlanError(
         f"{name} does not fit {has} per worker on {cluster.workers} workers under any "
-        f"plan with schedule={options.schedule!r}; {together}it needs {_bytes_up(need_memory)} per worker on "
-        f"this cluster{bigger_cluster}{instead} (pass memory=... / --memory, "
+        f"plan with schedule={options.schedule!r}; {together}it needs "
+        f"{_bytes_up(need_memory)} per worker on this cluster{bigger_cluster}{instead} "
+        "(pass memory=... / --memory, "
         f"{'another schedule, ' if other is not None else ''}or a bigger cluster)")
 
 
