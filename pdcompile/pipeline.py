@@ -1059,11 +1059,14 @@ def _copy(module: fx.GraphModule) -> fx.GraphModule:
 
 
 def _default_microbatches(schedule: str, plan: Plan) -> int:
-    """'1f1b': the length of an exported run, at least twice the workers and a multiple of
-    every replica count (each replica takes its turn); else one microbatch per stage."""
+    """'1f1b': the length of an exported run, at least twice the workers that hold a stage
+    and a multiple of every replica count (each replica takes its turn); else one microbatch
+    per stage. Idle workers do not count: a plan file saying 10**12 workers made a stream of
+    2 * 10**12 microbatches."""
     if not kind(schedule).microbatched:
         need = _lcm([s.round_size for s in plan.stages])
-        return need * -(-2 * plan.workers // need)
+        held = len({rank for stage in plan.stages for rank in stage.ranks})
+        return need * -(-2 * held // need)
     return max(1, len(plan.stages))
 
 

@@ -18,6 +18,7 @@ from pdcompile.cli import main
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan, Stage
 from pdcompile.schedule.kinds import KINDS
+from tests.helpers.byte_damage import bounded
 
 _STAGE = {"nodes": ["input_1", "_0"], "replicas": 1, "ranks": [0], "compute": 0.001,
           "sync": 0.0, "comm": 0.0, "memory": 1e6, "time": 0.001, "copies": 0.0,
@@ -56,7 +57,7 @@ def _assert_runnable(plan: Plan) -> None:
     of their own, a known schedule, a plan that reads back equal."""
     ranks = [r for s in plan.stages for r in s.ranks]
     assert all(type(r) is int for r in ranks), ranks
-    assert set(ranks) <= set(range(plan.workers)), (ranks, plan.workers)
+    assert all(0 <= r < plan.workers for r in ranks), (ranks, plan.workers)
     for s in plan.stages:
         assert type(s.replicas) is int and s.replicas == len(s.ranks) == len(set(s.ranks))
         assert type(s.in_flight) is int and s.in_flight >= 0 and type(s.recompute) is bool
@@ -164,3 +165,27 @@ def test_a_plan_file_over_any_json_file_is_refused_unread(
     err = capsys.readouterr().err.strip()
     assert code == 1 and "\n" not in err and str(file) in err, err
     assert f"({MAX_JSON_BYTES:,})" in err and "pdcompile plan MODEL --json" in err, err
+
+
+def test_a_plan_file_with_idle_workers_beyond_count_exports_at_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A planned plan for demomlp with workers raised to 10**12 (its stages stay on ranks 0 and
+    1; a plan may leave workers idle): `pdcompile export` used to build a '1f1b' stream of twice
+    the workers, 2 * 10**12 microbatches (a MemoryError traceback; 10**6 workers ran for
+    minutes). The stream follows the ranks that hold a stage."""
+    planned = tmp_path / "planned"
+    assert main(["export", "pdcompile.models.demomlp:factory", "--cluster", "local-2",
+                 "--schedule", "1f1b", "--out", str(planned)]) == 0
+    plan = json.loads((planned / "plan.json").read_text())
+    plan["workers"] = 10**12
+    file = tmp_path / "plan.json"
+    file.write_text(json.dumps(plan))
+    capsys.readouterr()
+    with bounded(60):
+        assert main(["export", "pdcompile.models.demomlp:factory", "--plan", str(file),
+                     "--out", str(tmp_path / "out"), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert printed["workers"] == 10**12
+    held = {r for s in printed["plan"]["stages"] for r in s["ranks"]}
+    assert held == {0, 1}
+    assert "microbatches=4 " in (tmp_path / "out" / "schedule.txt").read_text()
