@@ -1020,7 +1020,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
                 continue
             stages, _, moves = walked
             found = priced.get((option, _key(stages)))
-            if found is not None and all(found.stages != c.stages for c in candidates + out):
+            if found is not None and all((found.options, found.stages) != (c.options, c.stages)
+                                         for c in candidates + out):
                 found.how = f"polished from {start.how or 'the DP'}, {len(moves)} moves"
                 found.status = "HEURISTIC"
                 out.append(found)

@@ -100,3 +100,30 @@ def test_a_walk_through_a_stage_of_the_input_alone_keeps_the_cheaper_plan_it_rea
     # at least as fast as 2-2-2-2 at 33.86 ms; before, 2-2-1-3 at 35.81 ms
     assert closed <= 0.03385561 * (1 + 1e-6), (ours.config, closed)
     assert all(price >= closed * (1 - 1e-5) for price, _ in _neighbour_prices(graph, ours, cluster))
+
+
+def test_a_walk_that_ends_on_another_microbatch_counts_cut_is_kept() -> None:
+    """Four blocks on 5 workers over 1 GB/s, 1F1B-flush, microbatches left to the planner
+    (8 and 32): the walk from 1-4 with 32 microbatches (27.02 ms) ends one move away at a cut
+    the DP had already found for 8 microbatches, and the walk's plan was dropped as already a
+    candidate, its microbatch count ignored. The planner returned 1-4 at 27.02 ms where the
+    same call with microbatches=32 returns 24.49 ms (found by hypothesis's draws in
+    test_fewer_workers: 1-5 on 6 workers slower than 1-4 on 5 of them)."""
+    graph = new_cost_graph("chain")
+    add_block(graph, "x", fwd=0.0, bwd=0.0, act=1e5, params=0.0)
+    blocks = [(0.0028381354105668777, 0.0022135346600654885, 1e7, 18775787.42332196),
+              (0.007080790936925709, 0.0030413762671864532, 18135254.847214263, 0.0),
+              (0.009519084392289986, 0.02, 391507.0, 5177234.0),
+              (0.0078125, 0.015625, 1e5, 0.0)]
+    previous = "x"
+    for i, (fwd, bwd, act, params) in enumerate(blocks):
+        add_block(graph, f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params)
+        graph.add_edge(previous, f"n{i}")
+        previous = f"n{i}"
+    cluster = Cluster.parse("5@1e9")
+    chosen = pdcompile.plan(graph, cluster, schedule="1f1b-flush", planner="dp")
+    given = pdcompile.plan(graph, cluster, schedule="1f1b-flush", microbatches=32,
+                           planner="dp")
+    assert given.time_per_minibatch <= 0.0244901 * (1 + 1e-6), given.time_per_minibatch
+    assert chosen.time_per_minibatch <= given.time_per_minibatch * (1 + 1e-9), (
+        chosen.config, chosen.microbatches, chosen.time_per_minibatch)
