@@ -262,7 +262,7 @@ class Timeline:
         except NotPlainFile as why:
             raise TimelineError(refusal(
                 why, path, role="timeline", limit=MAX_TIMELINE_BYTES,
-                because=f"some {MAX_TIMELINE_BYTES // _EVENT_BYTES:,} events",
+                because=f"{MAX_TIMELINE_BYTES // _EVENT_BYTES / 1e6:.1f} million events take",
                 fix="give the timeline.json a run recorded (`pdcompile run --timeline FILE`) "
                     "or `pdcompile simulate --out` wrote")) from None
         except (OSError, UnicodeDecodeError) as err:

@@ -154,7 +154,7 @@ def load(path: str | Path) -> nx.DiGraph:
     except NotPlainFile as why:
         raise CostGraphError(refusal(
             why, path, role="CostGraph", limit=MAX_COSTGRAPH_BYTES,
-            because="442 times GPT-2 XL's", fix=_WRITE_ONE)) from None
+            because="442 times GPT-2 XL's CostGraph", fix=_WRITE_ONE)) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         if isinstance(err, CostGraphError):
             raise CostGraphError(f"CostGraph {path}: {err}") from None

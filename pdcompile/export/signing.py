@@ -79,7 +79,7 @@ def _key_bytes(path: Path) -> bytes:
             raise IsADirectoryError(f"{path} is a folder") from None
         raise UnusableKeyError(refusal(
             why, path, role="the signing key", limit=MAX_JSON_BYTES,
-            because="no file pdcompile reads whole is larger",
+            because="any file pdcompile reads whole",
             fix="delete it (a new one is made) or set PDCOMPILE_KEY to a path of your own")
         ) from None
 

@@ -119,7 +119,7 @@ def _copy_bytes(path: Path) -> bytes:
     except NotPlainFile as why:
         raise DamagedFileError(refusal(
             why, path, role="the copy of a model file the export recorded",
-            limit=MAX_SOURCE_BYTES, because="no model file the export copies is larger",
+            limit=MAX_SOURCE_BYTES, because="any model file the export copies",
             fix="it is not the copy the export wrote; export the pipeline again")) from None
 
 

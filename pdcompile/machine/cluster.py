@@ -553,7 +553,7 @@ class Cluster:
             raise ClusterError(refusal(
                 why, file, role="cluster file", limit=MAX_CLUSTER_FILE_BYTES,
                 because=f"3 times a file of {_MAX_VALUES:,} values, the most one may hold",
-                fix=f"give a cluster file, or the cluster as a string, {_EXAMPLE}")
+                fix=f"give a YAML or JSON cluster file, or the cluster as a string, {_EXAMPLE}")
             ) from None
         except OSError as err:
             raise ClusterError(f"cannot read cluster file {str(file)!r}: "

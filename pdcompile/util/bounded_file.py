@@ -46,17 +46,18 @@ def refusal(why: NotPlainFile, path: Path | str, *, role: str, limit: int, becau
             fix: str) -> str:
     """The one line that says why `path` was not read: it names the file (`role` before the
     path, e.g. "the signing key"; "" for none), what it is instead (a folder, a FIFO or a
-    device, or its size against `limit`, which `because` justifies), and `fix`, the remedy.
-    One wording for every reader of a user's file, so that each says the same thing."""
+    device, or its size against `limit`, with `because` saying what the limit is: "any file
+    pdcompile reads whole"), and `fix`, the remedy. One wording for every reader of a user's
+    file, so that each says the same thing."""
     named = f"{role} {path}" if role else str(path)
     if why.kind == "folder":
         what = "is a folder, not a plain file"
     elif why.kind == "special":
         what = f"is not a plain file but {_special_kind(why.mode)}"
     elif why.kind == "large":
-        what = f"holds {why.size:,} bytes, more than {limit:,} bytes ({because})"
+        what = f"holds {why.size:,} bytes, more than {because} ({limit:,})"
     else:
-        what = f"holds more than {limit:,} bytes (it grew while read; {because})"
+        what = f"grew past {limit:,} bytes while read, more than {because}"
     return f"{named} {what}; {fix}"
 
 

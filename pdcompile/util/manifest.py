@@ -103,7 +103,7 @@ def read_json_bytes(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> byt
             raise IsADirectoryError(f"{path} is a folder") from None
         raise DamagedFileError(refusal(
             why, path, role="", limit=limit,
-            because="no file of its kind that pdcompile writes is larger",
+            because="any file of its kind pdcompile writes",
             fix=f"it is not one pdcompile wrote; {fix}")) from None
 
 

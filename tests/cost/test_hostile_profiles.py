@@ -73,7 +73,8 @@ def _over_the_limit(path: Path) -> None:
 
 @pytest.mark.parametrize(("make", "what"), [
     (_fifo, "is not a plain file but a FIFO"),
-    (_over_the_limit, f"holds {MAX_PROFILE_BYTES + 1:,} bytes, more than {MAX_PROFILE_BYTES:,}"),
+    (_over_the_limit, f"holds {MAX_PROFILE_BYTES + 1:,} bytes, more than 268 times the "
+                      f"largest PipeDream profile shipped ({MAX_PROFILE_BYTES:,})"),
 ], ids=["fifo", "over-the-limit"])
 def test_a_profile_that_is_no_plain_file_of_a_profiles_size_is_refused_unread(
         tmp_path: Path, make: Callable[[Path], None], what: str) -> None:

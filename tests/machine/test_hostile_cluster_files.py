@@ -236,8 +236,9 @@ def test_a_cluster_file_that_is_no_plain_file_of_its_size_is_refused_unread(
         with file.open("wb") as handle:  # sparse: no disk used
             handle.truncate(MAX_CLUSTER_FILE_BYTES + 1)
     what = {"fifo": "is not a plain file but a FIFO",
-            "over-the-limit": f"holds {MAX_CLUSTER_FILE_BYTES + 1:,} bytes, more than "
-                              f"{MAX_CLUSTER_FILE_BYTES:,} bytes",
+            "over-the-limit": f"holds {MAX_CLUSTER_FILE_BYTES + 1:,} bytes, more than 3 times "
+                              f"a file of 100,000 values, the most one may hold "
+                              f"({MAX_CLUSTER_FILE_BYTES:,})",
             "folder": "is a folder, not a plain file"}[kind]
     with bounded(5), pytest.raises(ClusterError) as info:
         Cluster.load(file)

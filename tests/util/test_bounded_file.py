@@ -44,15 +44,15 @@ def test_each_kind_is_named_in_one_line_with_the_role_path_and_fix(tmp_path: Pat
         handle.truncate(3 << 30)  # sparse: no disk used
     cases = {"folder": (tmp_path, "is a folder, not a plain file"),
              "special": (fifo, "is not a plain file but a FIFO (a named pipe)"),
-             "large": (huge, f"holds {3 << 30:,} bytes, more than 1,024 bytes (the reason)")}
+             "large": (huge, f"holds {3 << 30:,} bytes, more than the most (1,024)")}
     for kind, (path, what) in cases.items():
         why = _refused(path, 1024)
         assert why.kind == kind
-        message = refusal(why, path, role="the thing", limit=1024, because="the reason",
+        message = refusal(why, path, role="the thing", limit=1024, because="the most",
                           fix="give another")
         assert message == f"the thing {path} {what}; give another", message
-    assert refusal(NotPlainFile("grew", 1025), "f", role="", limit=1024, because="why",
-                   fix="fix") == "f holds more than 1,024 bytes (it grew while read; why); fix"
+    assert refusal(NotPlainFile("grew", 1025), "f", role="", limit=1024, because="the most",
+                   fix="fix") == "f grew past 1,024 bytes while read, more than the most; fix"
 
 
 @pytest.mark.skipif(not Path("/dev/zero").exists(), reason="needs /dev/zero")
