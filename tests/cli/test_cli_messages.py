@@ -143,12 +143,14 @@ def test_inspect_refuses_a_top_of_no_nodes(count: str, capsys: pytest.CaptureFix
     ("graph.txt", ["--cluster", "4", "--profile", "{fifo}"], "profile"),
     ("graph.json", ["--cluster", "4", "--costgraph", "{fifo}"], "CostGraph"),
     ("cluster.yaml", ["--cluster", "{fifo}", "--profile", "vgg16"], "cluster file"),
-], ids=["profile", "costgraph", "cluster"])
+    ("cluster", ["--cluster", "{fifo}", "--profile", "vgg16"], "cluster file"),
+], ids=["profile", "costgraph", "cluster", "cluster-without-suffix"])
 def test_a_fifo_named_as_an_input_file_is_one_line_at_once(
         tmp_path: Path, name: str, options: list[str], role: str,
         capsys: pytest.CaptureFixture[str]) -> None:
     """`pdcompile plan --profile FIFO` (or --costgraph, --cluster): refused in one line naming
-    the file, exit 1. Before, the command waited for a writer forever."""
+    the file, exit 1. Before, the command waited for a writer forever (a cluster FIFO without
+    a suffix was taken for a preset's name: "unknown cluster preset")."""
     fifo = tmp_path / name
     os.mkfifo(fifo)
     with bounded(10):
