@@ -22,6 +22,7 @@ import networkx as nx
 
 from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import ProfileError
+from pdcompile.util.bounded_file import NotPlainFile, read_plain_file, refusal
 
 _FIELDS = ("forward_compute_time", "backward_compute_time", "activation_size", "parameter_size")
 _NODE_EXAMPLE = ("node4 -- Conv2d(3, 64, kernel_size=(3, 3)) -- forward_compute_time=1.2, "
@@ -48,6 +49,11 @@ def _number(text: str, where: str, field: str, *, in_list: bool = False) -> floa
 def _short(text: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
+
+MAX_PROFILE_BYTES = 1 << 26
+"""The largest graph.txt read (64 MiB): 268 times the largest PipeDream profile shipped
+(nasnetalarge: 249,981 bytes, 1,251 layers), some 300,000 layers. The file is read whole, and
+a FIFO named as one blocked the reader forever, a sparse file of gigabytes filled memory."""
 
 SHIPPED = Path(__file__).resolve().parent / "data" / "pipedream"
 """PipeDream's profiles as the package ships them: SHIPPED / name / "graph.txt"."""
@@ -90,7 +96,13 @@ def load_pipedream(path: str | Path) -> nx.DiGraph:
     malformed line raises ProfileError with file:line."""
     file = profile_path(path)
     try:
-        lines = file.read_text().splitlines()
+        lines = read_plain_file(file, MAX_PROFILE_BYTES).decode().splitlines()
+    except NotPlainFile as why:
+        raise ProfileError(refusal(
+            why, file, role="profile", limit=MAX_PROFILE_BYTES,
+            because="268 times the largest PipeDream profile shipped",
+            fix="give a PipeDream graph.txt, a folder holding one, or a shipped profile's "
+                "name")) from None
     except OSError as err:
         raise ProfileError(f"cannot read profile {file}: {err.strerror}") from None
     except UnicodeDecodeError as err:

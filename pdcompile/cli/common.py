@@ -46,8 +46,11 @@ def add_cost_option(parser: argparse.ArgumentParser) -> None:
 
 def load_cluster(text: str, *, planned: bool = True) -> Cluster:
     """A cluster from a file path or a string; `planned`: one the planner can plan for (not
-    too large: refused here, before any tracing or profiling)."""
-    if text.endswith((".json", ".yaml", ".yml")) or Path(text).is_file():
+    too large: refused here, before any tracing or profiling). A path that exists and is no
+    folder is a file even where it is not a plain one (a FIFO: refused as one, not taken for
+    a preset's name)."""
+    path = Path(text)
+    if text.endswith((".json", ".yaml", ".yml")) or (path.exists() and not path.is_dir()):
         cluster = Cluster.load(text)
     else:
         cluster = Cluster.parse(text)

@@ -21,9 +21,14 @@ from typing import Any
 import networkx as nx
 
 from pdcompile.errors import CostGraphError
+from pdcompile.util.bounded_file import NotPlainFile, read_plain_file, refusal
 
 FORMAT = "pdcompile.costgraph/1"  # the file format's name, kept when the module moved
 COST_KEYS = ("fwd", "bwd", "act", "params")
+MAX_COSTGRAPH_BYTES = 1 << 28
+"""The largest CostGraph file read (256 MiB, as any JSON file pdcompile reads whole): 442 times
+GPT-2 XL's (2,074 nodes in 607,295 bytes), so some 900,000 nodes. A FIFO named as one blocked
+the reader forever, a sparse file of gigabytes filled memory."""
 
 
 def new_cost_graph(name: str = "", batch_size: int | None = None) -> nx.DiGraph:
@@ -142,16 +147,23 @@ def save(graph: nx.DiGraph, path: str | Path) -> None:
 
 
 def load(path: str | Path) -> nx.DiGraph:
-    """Read a CostGraph written by `save`."""
+    """Read a CostGraph written by `save`: a plain file of at most MAX_COSTGRAPH_BYTES, refused
+    before a byte of it is read otherwise (a folder, a FIFO, a device, a larger file)."""
     try:
-        return from_dict(json.loads(Path(path).read_text()))
+        return from_dict(json.loads(read_plain_file(Path(path), MAX_COSTGRAPH_BYTES).decode()))
+    except NotPlainFile as why:
+        raise CostGraphError(refusal(
+            why, path, role="CostGraph", limit=MAX_COSTGRAPH_BYTES,
+            because="442 times GPT-2 XL's CostGraph", fix=_WRITE_ONE)) from None
     except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
         if isinstance(err, CostGraphError):
             raise CostGraphError(f"CostGraph {path}: {err}") from None
         detail = str(err).splitlines()[0] if str(err) else ""
         raise CostGraphError(f"cannot read CostGraph {path} ({type(err).__name__}: {detail}); "
-                             "write one with `pdcompile inspect MODEL --save FILE.json` or "
-                             "pdcompile.costgraph.save") from None
+                             f"{_WRITE_ONE}") from None
+
+
+_WRITE_ONE = "write one with `pdcompile inspect MODEL --save FILE.json` or pdcompile.costgraph.save"
 
 
 # --------------------------------------------------------------------------------- coarsening

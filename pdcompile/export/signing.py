@@ -24,7 +24,7 @@ import tempfile
 import warnings
 from pathlib import Path
 
-from pdcompile.util.bounded_file import NotPlainFile, read_plain_file
+from pdcompile.util.bounded_file import NotPlainFile, read_plain_file, refusal
 from pdcompile.util.manifest import MAX_JSON_BYTES, read_json_bytes
 
 SIGNATURE_NAME = "MANIFEST.sig"
@@ -75,13 +75,13 @@ def _key_bytes(path: Path) -> bytes:
     try:
         return read_plain_file(path, MAX_JSON_BYTES)
     except NotPlainFile as why:
-        if why.kind == "folder":
+        if why.kind == "folder":  # the callers say what a folder in the key's place means
             raise IsADirectoryError(f"{path} is a folder") from None
-        what = ("not a plain file (a device or a pipe)" if why.kind == "special" else
-                f"{why.size:,} bytes, more than any file pdcompile reads whole "
-                f"({MAX_JSON_BYTES:,})")
-        raise UnusableKeyError(f"the signing key {path} is {what}; delete it (a new one is "
-                               "made) or set PDCOMPILE_KEY to a path of your own") from None
+        raise UnusableKeyError(refusal(
+            why, path, role="the signing key", limit=MAX_JSON_BYTES,
+            because="any file pdcompile reads whole",
+            fix="delete it (a new one is made) or set PDCOMPILE_KEY to a path of your own")
+        ) from None
 
 
 def _usable(path: Path, key: bytes) -> bytes:

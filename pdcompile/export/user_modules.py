@@ -22,7 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import DamagedFileError, PipelineInputError
-from pdcompile.util.bounded_file import NotPlainFile, plain_file_bytes, read_plain_file
+from pdcompile.util.bounded_file import (
+    NotPlainFile,
+    plain_file_bytes,
+    read_plain_file,
+    refusal,
+)
 from pdcompile.util.module_file import exec_module_source
 from pdcompile.util.user_code import USER_MODULE_PREFIX, user_module_file
 
@@ -112,13 +117,10 @@ def _copy_bytes(path: Path) -> bytes:
     try:
         return read_plain_file(path, MAX_SOURCE_BYTES)
     except NotPlainFile as why:
-        what = ("not a plain file (a folder, a pipe or a device in its place)"
-                if why.kind in ("folder", "special") else
-                f"more than {MAX_SOURCE_BYTES:,} bytes, more than any model file the export "
-                "copies")
-        raise DamagedFileError(f"{path} (the model file the export recorded) is {what}: it is "
-                               "not the copy the export wrote; export the pipeline again") \
-            from None
+        raise DamagedFileError(refusal(
+            why, path, role="the copy of a model file the export recorded",
+            limit=MAX_SOURCE_BYTES, because="any model file the export copies",
+            fix="it is not the copy the export wrote; export the pipeline again")) from None
 
 
 __all__ = ["load_user_modules", "named_user_modules", "save_user_modules"]

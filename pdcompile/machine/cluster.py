@@ -33,6 +33,7 @@ from pdcompile.machine.device_groups import (
     parse_groups,
 )
 from pdcompile.units import format_bandwidth, format_bytes, parse_quantity
+from pdcompile.util.bounded_file import NotPlainFile, read_plain_file, refusal
 
 _EXAMPLE = 'e.g. "4x4@1e10,1.25e9:v100" (2 levels, innermost first) or "16@10Gbps" or "A"'
 _FILE_EXAMPLE_YAML = ("levels:\n  - {workers: 4, bandwidth: 10GB/s, latency: 10us}\n"
@@ -547,11 +548,20 @@ class Cluster:
         example = _FILE_EXAMPLE_JSON if is_json else _FILE_EXAMPLE_YAML
         valid = f"a valid {'JSON' if is_json else 'YAML'} cluster file:\n{example}"
         try:
-            raw = file.read_text()
+            raw = read_plain_file(file, MAX_CLUSTER_FILE_BYTES).decode()
+        except NotPlainFile as why:
+            raise ClusterError(refusal(
+                why, file, role="cluster file", limit=MAX_CLUSTER_FILE_BYTES,
+                because=f"3 times a file of {_MAX_VALUES:,} values, the most one may hold",
+                fix=f"give a YAML or JSON cluster file, or the cluster as a string, {_EXAMPLE}")
+            ) from None
         except OSError as err:
             raise ClusterError(f"cannot read cluster file {str(file)!r}: "
                                f"{err.strerror or err}; check the path, or write {valid}\n"
                                f"or give the cluster as a string, {_EXAMPLE}") from None
+        except UnicodeDecodeError as err:
+            raise ClusterError(f"cluster file {file} is not text (byte {err.start} is not "
+                               f"UTF-8); write {valid}") from None
         try:
             if is_json:
                 data = json.loads(raw)
@@ -738,6 +748,11 @@ def _device(device: Device | str | dict[str, Any] | None) -> Device:
 
 
 _MAX_VALUES = 100_000  # values a cluster file may hold, aliases expanded (a real one: tens)
+MAX_CLUSTER_FILE_BYTES = 1 << 22
+"""The largest cluster file read (4 MiB): more than 3 times a file of `_MAX_VALUES` values
+written out plainly (15,000 groups: 0.75 MB of YAML, 1.28 MB of JSON indented by 2), 10,000
+times a real one (some hundred bytes). A FIFO named as one blocked the reader forever, a sparse
+file of gigabytes filled memory."""
 
 
 def _mixed_presets(gbps: float) -> dict[str, tuple[tuple[Level, ...], tuple[DeviceGroup, ...]]]:

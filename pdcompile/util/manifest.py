@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pdcompile.errors import DamagedFileError
-from pdcompile.util.bounded_file import NotPlainFile, read_plain_file
+from pdcompile.util.bounded_file import NotPlainFile, read_plain_file, refusal
 
 MANIFEST_FORMAT = "pdcompile.manifest/1"
 # the largest JSON file of an export or a checkpoint read whole (real ones: kilobytes to a
@@ -99,17 +99,12 @@ def read_json_bytes(path: Path, *, fix: str, limit: int = MAX_JSON_BYTES) -> byt
     try:
         return read_plain_file(path, limit)
     except NotPlainFile as why:
-        if why.kind == "folder":
+        if why.kind == "folder":  # the callers say what a folder in the file's place means
             raise IsADirectoryError(f"{path} is a folder") from None
-        if why.kind == "special":
-            raise DamagedFileError(f"{path} is not a plain file (a FIFO, socket or device in "
-                                   f"its place): it is not one pdcompile wrote; {fix}") from None
-        if why.kind == "large":
-            raise DamagedFileError(f"{path} holds {why.size:,} bytes, more than any file "
-                                   f"of its kind pdcompile writes ({limit:,}): it is not one; "
-                                   f"{fix}") from None
-        raise DamagedFileError(f"{path} holds more than {limit:,} bytes, more than any file of "
-                               f"its kind pdcompile writes: it is not one; {fix}") from None
+        raise DamagedFileError(refusal(
+            why, path, role="", limit=limit,
+            because="any file of its kind pdcompile writes",
+            fix=f"it is not one pdcompile wrote; {fix}")) from None
 
 
 def read_manifest(path: Path, *, kind: str, fix: str) -> Manifest:

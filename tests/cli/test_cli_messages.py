@@ -5,6 +5,7 @@ factory that cannot be imported or fails is named with where, and `step(x, y)` p
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ import pdcompile
 from pdcompile.cli import main
 from pdcompile.errors import ClusterError, PdcompileError, PipelineInputError
 from pdcompile.machine.cluster import Cluster
+from tests.helpers.byte_damage import bounded
 
 
 def _one_line(err: str, command: str) -> None:
@@ -135,3 +137,24 @@ def test_inspect_refuses_a_top_of_no_nodes(count: str, capsys: pytest.CaptureFix
     err = capsys.readouterr().err
     assert f"--top takes a positive node count, not {count}" in err, err
     _one_line(err, "inspect")
+
+
+@pytest.mark.parametrize(("name", "options", "role"), [
+    ("graph.txt", ["--cluster", "4", "--profile", "{fifo}"], "profile"),
+    ("graph.json", ["--cluster", "4", "--costgraph", "{fifo}"], "CostGraph"),
+    ("cluster.yaml", ["--cluster", "{fifo}", "--profile", "vgg16"], "cluster file"),
+    ("cluster", ["--cluster", "{fifo}", "--profile", "vgg16"], "cluster file"),
+], ids=["profile", "costgraph", "cluster", "cluster-without-suffix"])
+def test_a_fifo_named_as_an_input_file_is_one_line_at_once(
+        tmp_path: Path, name: str, options: list[str], role: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`pdcompile plan --profile FIFO` (or --costgraph, --cluster): refused in one line naming
+    the file, exit 1. Before, the command waited for a writer forever (a cluster FIFO without
+    a suffix was taken for a preset's name: "unknown cluster preset")."""
+    fifo = tmp_path / name
+    os.mkfifo(fifo)
+    with bounded(10):
+        assert main(["plan", *(o.format(fifo=fifo) for o in options)]) == 1
+    err = capsys.readouterr().err
+    _one_line(err, "plan")
+    assert f"{role} {fifo} is not a plain file but a FIFO" in err, err

@@ -5,6 +5,8 @@ CostGraph of finite non-negative figures or one ProfileError naming the file."""
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -12,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcompile.errors import ProfileError
-from pdcompile.profiles import load_pipedream
+from pdcompile.profiles import MAX_PROFILE_BYTES, SHIPPED, load_pipedream, shipped_profiles
+from tests.helpers.byte_damage import bounded
 
 _LINE = ("node{n} -- Conv2d(3, 64) -- forward_compute_time={f}, backward_compute_time=2.0, "
          "activation_size={a}, parameter_size=7168.0")
@@ -57,3 +60,37 @@ def test_random_damage_gives_a_usable_graph_or_a_profile_error(tmp_path: Path,
     for _, node in graph.nodes(data=True):
         for key in ("fwd", "bwd", "act", "params"):
             assert math.isfinite(node[key]) and node[key] >= 0, (key, node)
+
+
+def _fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def _over_the_limit(path: Path) -> None:
+    with path.open("wb") as handle:  # sparse: no disk used
+        handle.truncate(MAX_PROFILE_BYTES + 1)
+
+
+@pytest.mark.parametrize(("make", "what"), [
+    (_fifo, "is not a plain file but a FIFO"),
+    (_over_the_limit, f"holds {MAX_PROFILE_BYTES + 1:,} bytes, more than 268 times the "
+                      f"largest PipeDream profile shipped ({MAX_PROFILE_BYTES:,})"),
+], ids=["fifo", "over-the-limit"])
+def test_a_profile_that_is_no_plain_file_of_a_profiles_size_is_refused_unread(
+        tmp_path: Path, make: Callable[[Path], None], what: str) -> None:
+    """A FIFO named as graph.txt, or a file one byte over the limit: one ProfileError naming
+    it, at once. Before, the FIFO waited for a writer forever, and a sparse file of a gigabyte
+    was read whole (42 s and 10 GB of memory, then a message about its first line)."""
+    file = tmp_path / "graph.txt"
+    make(file)
+    with bounded(5), pytest.raises(ProfileError) as info:
+        load_pipedream(tmp_path)  # the folder holding it, as --profile takes one
+    message = str(info.value)
+    assert message.startswith(f"profile {file} {what}"), message
+    assert "a shipped profile's name" in message and "\n" not in message
+
+
+def test_the_largest_shipped_profile_is_far_under_the_limit() -> None:
+    """The limit's figure: 100 times the largest profile that ships still reads."""
+    largest = max((SHIPPED / name / "graph.txt").stat().st_size for name in shipped_profiles())
+    assert 100 * largest < MAX_PROFILE_BYTES

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pdcompile.errors import ClusterError
-from pdcompile.machine.cluster import Cluster
+from pdcompile.machine.cluster import MAX_CLUSTER_FILE_BYTES, Cluster
+from tests.helpers.byte_damage import bounded
 
 
 def _aliases(depth: int, width: int) -> str:
@@ -215,3 +217,53 @@ def test_a_plan_over_a_hundred_thousand_ranks_is_checked_at_once() -> None:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
     assert plan.workers == n and plan.stages[0].ranks[-1] == n - 1
+
+
+@pytest.mark.parametrize("kind", ["fifo", "over-the-limit", "folder"])
+@pytest.mark.parametrize("suffix", [".yaml", ".json"])
+def test_a_cluster_file_that_is_no_plain_file_of_its_size_is_refused_unread(
+        tmp_path: Path, kind: str, suffix: str) -> None:
+    """A FIFO, a file one byte over the limit or a folder named as the cluster file: one
+    ClusterError naming it, what it is and the fix, at once. Before, the FIFO waited for a
+    writer forever, a sparse file of a gigabyte was read whole (2.2 GB of memory); a folder
+    now reads as the others do."""
+    file = tmp_path / f"cluster{suffix}"
+    if kind == "fifo":
+        os.mkfifo(file)
+    elif kind == "folder":
+        file.mkdir()
+    else:
+        with file.open("wb") as handle:  # sparse: no disk used
+            handle.truncate(MAX_CLUSTER_FILE_BYTES + 1)
+    what = {"fifo": "is not a plain file but a FIFO",
+            "over-the-limit": f"holds {MAX_CLUSTER_FILE_BYTES + 1:,} bytes, more than 3 times "
+                              f"a file of 100,000 values, the most one may hold "
+                              f"({MAX_CLUSTER_FILE_BYTES:,})",
+            "folder": "is a folder, not a plain file"}[kind]
+    with bounded(5), pytest.raises(ClusterError) as info:
+        Cluster.load(file)
+    message = str(info.value)
+    assert message.startswith(f"cluster file {file} {what}"), message
+    assert "or the cluster as a string" in message and "\n" not in message
+
+
+def test_a_cluster_file_at_the_value_limit_fits_the_byte_limit(tmp_path: Path) -> None:
+    """The byte limit's figure: a file of (nearly) as many values as a cluster file may hold,
+    written out plainly as indented JSON, reads to its values' refusal, not the size's."""
+    groups = [{"device": "a100-80gb", "workers": 16, "speed": 0.8125}] * 16_000
+    file = tmp_path / "many.json"
+    file.write_text(json.dumps({"levels": [{"workers": 8, "bandwidth": 1e9}],
+                                "groups": groups}, indent=2))
+    assert 3 * file.stat().st_size < MAX_CLUSTER_FILE_BYTES
+    with pytest.raises(ClusterError, match="expands to more than 100,000 values"):
+        Cluster.load(file)
+
+
+def test_a_cluster_file_that_is_not_text_is_one_cluster_error(tmp_path: Path) -> None:
+    """Before, a file that is not UTF-8 raised UnicodeDecodeError out of Cluster.load (a
+    traceback at the command line)."""
+    file = tmp_path / "cluster.yaml"
+    file.write_bytes(b"levels:\n - {workers: 2, bandwidth: 1e9}\nname: \xff\xfe\n")
+    with pytest.raises(ClusterError) as info:
+        Cluster.load(file)
+    assert str(info.value).startswith(f"cluster file {file} is not text (byte 46 is not UTF-8)")
