@@ -39,13 +39,15 @@ def fit_optimizer_state(optimizer: torch.optim.Optimizer, state: Any, path: Path
 
 def _check_state_values(optimizer: torch.optim.Optimizer) -> None:
     """No value of a parameter's optimizer state a table or text, and torch.optim's buffers
-    of the parameter's shape (ValueError otherwise)."""
+    tensors of the parameter's shape (ValueError otherwise): a number in place of Adam's
+    exp_avg loaded and was broadcast over the parameter at the first step."""
     for group in optimizer.param_groups:
         for param in group["params"]:
             for key, value in optimizer.state.get(param, {}).items():
                 wrong = isinstance(value, dict | str | bytes) or (
-                    key in _PARAM_SHAPED and isinstance(value, torch.Tensor)
-                    and value.shape != param.shape)
+                    # None: SGD without momentum keeps momentum_buffer None
+                    key in _PARAM_SHAPED and value is not None
+                    and (not isinstance(value, torch.Tensor) or value.shape != param.shape))
                 if wrong:
                     shown = tuple(value.shape) if isinstance(value, torch.Tensor) else \
                         type(value).__name__

@@ -420,6 +420,11 @@ def _exp_avg_reshaped(state: dict[str, Any]) -> None:
     first["exp_avg_sq"] = first["exp_avg_sq"].reshape(-1)
 
 
+def _exp_avg_a_number(state: dict[str, Any]) -> None:
+    """Adam's exp_avg of stage 0's first parameter a number (broadcast at the first step)."""
+    next(iter(state["state"].values()))["exp_avg"] = 0.5
+
+
 def _step_a_word(state: dict[str, Any]) -> None:
     """Adam's step count of stage 0's first parameter a word."""
     next(iter(state["state"].values()))["step"] = "many"
@@ -432,9 +437,10 @@ def _a_parameter_more(state: dict[str, Any]) -> None:
 
 
 _OPTIMIZER_DAMAGE = [(_optimizer_state(c), "optimizer_0.safetensors")
-                     for c in (_exp_avg_a_table, _exp_avg_reshaped, _step_a_word,
-                               _a_parameter_more)]
-_OPTIMIZER_IDS = ["optimizer-state-a-table", "optimizer-state-reshaped", "optimizer-step-a-word",
+                     for c in (_exp_avg_a_table, _exp_avg_reshaped, _exp_avg_a_number,
+                               _step_a_word, _a_parameter_more)]
+_OPTIMIZER_IDS = ["optimizer-state-a-table", "optimizer-state-reshaped",
+                  "optimizer-state-a-number", "optimizer-step-a-word",
                   "optimizer-group-longer"]
 
 
