@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from pdcompile import Cluster
 from pdcompile.cost.ties import copied_bytes, shared_weights, updates_apart
 from pdcompile.planner.costmodel import ModelOptions, evaluate
-from pdcompile.planner.ilp import ilp_objective, solve
+from pdcompile.planner.ilp import MEMORY_UNITS, ilp_objective, solve
 from tests.helpers.brute_force import brute_force
 from tests.helpers.graphs import TIE, tied_lm_chain
 from tests.helpers.strategies import clusters, tied_dags
@@ -63,10 +63,24 @@ def test_cp_sat_finds_the_brute_force_optimum_of_tied_graphs(
     if expected is None:
         assert solution["stages"] is None
         return
-    assert solution["status"] == "OPTIMAL"
+    # the model counts memory in millionths of the limit, each term rounded up: a stage within
+    # a millionth per node and tie of the limit may be refused (ilp.MEMORY_UNITS), so the
+    # optimum lies between the brute force's at the limit and at the limit less that margin
+    # (a drawn limit of exactly the whole graph's need on one worker was refused)
+    margin = (graph.number_of_nodes() + len(graph.graph.get("ties", ()))) / MEMORY_UNITS
+    within = brute_force(graph, cluster, options=FLUSH, memory=memory * (1 - margin),
+                         objective=ilp_objective)
+    if within is None:
+        assert solution["status"] in ("OPTIMAL", "INFEASIBLE")
+        if solution["stages"] is None:
+            return
+    else:
+        assert solution["status"] == "OPTIMAL"
     found = ilp_objective(graph, solution["stages"], cluster, options=FLUSH, memory=memory)
     assert math.isfinite(found)
-    assert found == pytest.approx(expected[0], rel=1e-6, abs=2 * solution["slack"])
+    best = expected[0] if within is None else within[0]
+    assert expected[0] * (1 - 1e-6) - 2 * solution["slack"] <= found \
+        <= best * (1 + 1e-6) + 2 * solution["slack"]
     assert solution["bound"] <= found * (1 + 1e-9) + 1e-15
     priced = evaluate(graph, solution["stages"], cluster, options=FLUSH)[0]
     assert all(s.memory <= memory * (1 + 1e-6) for s in priced)
