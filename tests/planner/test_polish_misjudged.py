@@ -16,13 +16,13 @@ from hypothesis import strategies as st
 
 import pdcompile
 from pdcompile import Cluster
-from pdcompile.cost.costgraph import add_block, new_cost_graph
 from pdcompile.errors import PlanError
 from pdcompile.plan import Plan
 from pdcompile.planner.costmodel import ModelOptions
 from pdcompile.planner.moves import neighbours, runs_nothing, stages_of
 from pdcompile.planner.polish import as_state
 from pdcompile.planner.search import POLISH_DISAGREEMENT, _priced
+from tests.helpers.mixed_plans import block_chain
 from tests.helpers.strategies import drawn_chains
 
 pytestmark = pytest.mark.filterwarnings("error::RuntimeWarning")
@@ -81,18 +81,12 @@ def test_a_walk_through_a_stage_of_the_input_alone_keeps_the_cheaper_plan_it_rea
     then a move as fast split the input into a stage of its own (1-1-2-2-2), a plan the split
     refuses; the planner threw the whole walk away and returned 2-2-1-3 (found by a newer
     hypothesis's draws in CI). A stage of the input alone is now never walked to."""
-    graph = new_cost_graph("chain")
-    add_block(graph, "x", fwd=0.0, bwd=0.0, act=1e5, params=0.0)
     blocks = [(0.001, 0.010795865608559201, 15249289.0, 26964665.0),
               (0.001953125, 0.015625, 33330871.0, 0.0),
               (0.0078125, 0.015625, 2424942.0, 45722418.0),
               (0.001953125, 0.005859375, 1e5, 41026057.0),
               (0.0078125, 0.0078125, 1e5, 0.0)]
-    previous = "x"
-    for i, (fwd, bwd, act, params) in enumerate(blocks):
-        add_block(graph, f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params)
-        graph.add_edge(previous, f"n{i}")
-        previous = f"n{i}"
+    graph = block_chain(1e5, blocks)
     cluster = Cluster.parse("2x4@1e10,1e9~5us,20us")
     ours = pdcompile.plan(graph, cluster, schedule="1f1b-flush", microbatches=4, planner="dp")
     closed = ours.extra["closed_form_time_per_minibatch"]
@@ -109,17 +103,11 @@ def test_a_walk_that_ends_on_another_microbatch_counts_cut_is_kept() -> None:
     candidate, its microbatch count ignored. The planner returned 1-4 at 27.02 ms where the
     same call with microbatches=32 returns 24.49 ms (found by hypothesis's draws in
     test_fewer_workers: 1-5 on 6 workers slower than 1-4 on 5 of them)."""
-    graph = new_cost_graph("chain")
-    add_block(graph, "x", fwd=0.0, bwd=0.0, act=1e5, params=0.0)
     blocks = [(0.0028381354105668777, 0.0022135346600654885, 1e7, 18775787.42332196),
               (0.007080790936925709, 0.0030413762671864532, 18135254.847214263, 0.0),
               (0.009519084392289986, 0.02, 391507.0, 5177234.0),
               (0.0078125, 0.015625, 1e5, 0.0)]
-    previous = "x"
-    for i, (fwd, bwd, act, params) in enumerate(blocks):
-        add_block(graph, f"n{i}", fwd=fwd, bwd=bwd, act=act, params=params)
-        graph.add_edge(previous, f"n{i}")
-        previous = f"n{i}"
+    graph = block_chain(1e5, blocks)
     cluster = Cluster.parse("5@1e9")
     chosen = pdcompile.plan(graph, cluster, schedule="1f1b-flush", planner="dp")
     given = pdcompile.plan(graph, cluster, schedule="1f1b-flush", microbatches=32,
