@@ -26,10 +26,11 @@ from pdcompile.errors import PdcompileError
 from pdcompile.schedule.ir import Action, Kind, Schedule, parse_action
 from pdcompile.schedule.kinds import KINDS
 from pdcompile.util.bounded_file import NotPlainFile, read_plain_file, refusal
+from pdcompile.util.manifest import MAX_JSON_BYTES
 
 TIMELINE_FORMAT = "pdcompile.timeline/1"
 COMPUTE_KINDS = (Kind.F, Kind.B, Kind.W)
-MAX_TIMELINE_BYTES = 1 << 28
+MAX_TIMELINE_BYTES = MAX_JSON_BYTES
 """The largest timeline file read (256 MiB, as any JSON file pdcompile reads whole): at the 57
 bytes an event takes (a simulated run of vgg16 on 16 workers: 1,155 events in 65,514 bytes),
 some 4.7 million events. A FIFO named as one blocked the reader forever, a sparse file of

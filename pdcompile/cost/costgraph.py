@@ -22,10 +22,11 @@ import networkx as nx
 
 from pdcompile.errors import CostGraphError
 from pdcompile.util.bounded_file import NotPlainFile, read_plain_file, refusal
+from pdcompile.util.manifest import MAX_JSON_BYTES
 
 FORMAT = "pdcompile.costgraph/1"  # the file format's name, kept when the module moved
 COST_KEYS = ("fwd", "bwd", "act", "params")
-MAX_COSTGRAPH_BYTES = 1 << 28
+MAX_COSTGRAPH_BYTES = MAX_JSON_BYTES
 """The largest CostGraph file read (256 MiB, as any JSON file pdcompile reads whole): 442 times
 GPT-2 XL's (2,074 nodes in 607,295 bytes), so some 900,000 nodes. A FIFO named as one blocked
 the reader forever, a sparse file of gigabytes filled memory."""

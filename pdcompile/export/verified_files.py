@@ -29,9 +29,6 @@ from pdcompile.runtime.verified_read import (
 )
 from pdcompile.util.manifest import MAX_JSON_BYTES, Manifest
 
-# the largest file of an export read whole (its code, JSON files and schedule; real ones:
-# kilobytes to a few megabytes), the bound JSON files already had
-MAX_WHOLE_BYTES = MAX_JSON_BYTES
 
 class ExportFiles:
     """Every file of one export, read once and checked (`read_export`)."""
@@ -56,11 +53,13 @@ class ExportFiles:
                 self._tensors[name] = read_checked(path, entry, parse_safetensors_layout,
                                                    fix=FIX, kind="export")
             else:
-                if entry.size > MAX_WHOLE_BYTES:  # before a byte is read (a sparse file of
+                # the largest file of an export read whole (code, JSON, schedule; real
+                # ones: kilobytes to a few megabytes), the bound JSON files already had
+                if entry.size > MAX_JSON_BYTES:  # before a byte is read (a sparse file of
                     # gigabytes under a manifest written again took minutes and its memory)
                     raise DamagedFileError(
                         f"{path} holds {entry.size:,} bytes by its manifest, more than any "
-                        f"file pdcompile writes to be read whole ({MAX_WHOLE_BYTES:,}); {FIX}")
+                        f"file pdcompile writes to be read whole ({MAX_JSON_BYTES:,}); {FIX}")
                 self._bytes[name] = read_checked(path, entry, parse_bytes, fix=FIX,
                                                  kind="export")
 
