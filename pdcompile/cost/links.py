@@ -136,8 +136,10 @@ def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int
 def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     """The slowest level that the transfers between two stages on ranks `a` and `b` cross
     (`pair_levels`)."""
-    levels = pair_levels(cluster, a, b)
-    return cluster.levels[max(cluster.levels.index(level) for level in levels)]
+    if len(cluster.levels) == 1 and max(*a, *b) < cluster.workers:  # one level: every pair
+        return cluster.levels[0]
+    link, na, nb = cluster.link_level, len(a), len(b)
+    return cluster.levels[max(link(a[m % na], b[m % nb]) for m in range(math.lcm(na, nb)))]
 
 
 __all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "nic_busy_seconds", "pair_levels",

@@ -201,15 +201,21 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
         if tie.seconds(stage_ranks, cluster) > 0.0:
             for s in tie.stages:
                 partners[s].update(tie.stages)
+    # per stage, the seconds its CPU copies the activations forward from a and their
+    # gradients back from c, on every edge (a, c) it takes part in (edges in their order)
+    copying_cpu = [0.0] * len(stage_ranks)
+    if any(level.cpu_copies for level in cluster.levels):
+        for (a, c), size in edges.items():
+            level = slowest_link(cluster, stage_ranks[a], stage_ranks[c])
+            if level.cpu_copies:
+                busy = link_busy_seconds(size, level)
+                for s in {a, c}:
+                    copying_cpu[s] += busy
+    receivers = {c for _, c in edges}
     out = []
     for s, ranks in enumerate(stage_ranks):
-        sends_back = not row.split_backward and any(c == s for _, c in edges)
-        cpu = 0.0
-        for (a, c), size in edges.items():
-            if s in (a, c):  # activations forward from a, their gradients back from c
-                level = slowest_link(cluster, stage_ranks[a], stage_ranks[c])
-                if level.cpu_copies:
-                    cpu += link_busy_seconds(size, level)
+        sends_back = not row.split_backward and s in receivers
+        cpu = copying_cpu[s]
         made = copying[s] and row.copies_weights
         weights = WGRAD_SHARE * bwd[s] if wgrad is None else min(wgrad[s], bwd[s])
         # on a mixed cluster the stage runs at its slowest replica's pace where they take turns,

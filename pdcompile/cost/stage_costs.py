@@ -47,6 +47,11 @@ class StageCosts:
     wgrad: tuple[float, ...] | None = None
     ties: tuple[SharedWeights, ...] = ()
 
+    def received(self, stage: int) -> float:
+        """Bytes per microbatch the stage receives from earlier stages (what it keeps when it
+        recomputes its activations)."""
+        return sum(size for (_, c), size in self.edges.items() if c == stage)
+
     def __post_init__(self) -> None:
         stages = len(self.fwd)
         if stages == 0 or len(self.bwd) != stages:

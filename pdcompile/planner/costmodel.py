@@ -610,7 +610,7 @@ class PlanTerms:
 
     def inputs(self, stage: int) -> float:
         """Bytes per microbatch the stage receives (what it keeps when it recomputes)."""
-        return sum(size for (_, c), size in self.costs.edges.items() if c == stage)
+        return self.costs.received(stage)
 
     def activations(self, stage: int, in_flight: int) -> float:
         """The most activation bytes a worker of the stage holds with `in_flight`
@@ -620,6 +620,20 @@ class PlanTerms:
                                     activations=costs.activations[stage],
                                     inputs=self.inputs(stage), in_flight=max(1, in_flight))
         return footprint[self.recompute[stage]].activations
+
+
+def plan_costs(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]], *,
+               options: ModelOptions) -> StageCosts:
+    """The stages' costs per microbatch (what depends on the nodes alone: `plan_terms`'
+    `costs`). Raises PlanError where a node is in no stage, an edge goes back or an input is
+    not in the first stage."""
+    stage_of = _checked_stage_of(graph, stages)
+    inputs = input_nodes(graph)
+    misplaced = [n for n in inputs if stage_of[n] != 0]
+    if misplaced:
+        raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
+    return StageCosts.from_assignment(graph, stage_of, len(stages),
+                                      microbatches=options.per_minibatch, inputs=inputs)
 
 
 def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
@@ -637,13 +651,7 @@ def plan_terms(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence
     count = len(stages)
     ranks = [tuple(r) for _, r in stages]
     if costs is None:
-        stage_of = _checked_stage_of(graph, stages)
-        inputs = input_nodes(graph)
-        misplaced = [n for n in inputs if stage_of[n] != 0]
-        if misplaced:
-            raise PlanError(f"inputs {misplaced[:3]} must be in the first stage")
-        costs = StageCosts.from_assignment(graph, stage_of, count,
-                                           microbatches=options.per_minibatch, inputs=inputs)
+        costs = plan_costs(graph, stages, options=options)
     after = [sum(len(r) for r in ranks[i:]) for i in range(count)]
     flight = [int(in_flight[i]) if in_flight is not None and in_flight[i] > 0
               else default_in_flight(len(ranks[i]), after[i], options) for i in range(count)]
@@ -674,11 +682,15 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
     copying = [row.copies_weights and n > 1 for n in flight]
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
                           microbatches=m, params=params, ties=built.costs.ties)
+    transfers: list[list[float]] = [[] for _ in terms]  # per stage, its edges' in their order
+    for (a, c), size in edges.items():
+        seconds = transfer_seconds(size, slowest_link(cluster, ranks[a], ranks[c]))
+        for i in {a, c}:
+            transfers[i].append(seconds)
     priced = []
     for i, term in enumerate(terms):
         r = term.replicas
-        comm = sum(transfer_seconds(size, slowest_link(cluster, ranks[a], ranks[c]))
-                   for (a, c), size in edges.items() if i in (a, c))
+        comm = sum(transfers[i])
         versions = weight_versions(options.schedule, flight[i], copies=copying[i])
         mem = worker_memory(params[i], activations=built.activations(i, flight[i]),
                             in_flight=flight[i], versions=versions,

@@ -20,6 +20,7 @@ from pdcompile.planner.costmodel import (
     default_in_flight,
     evaluate,
     evaluate_timed,
+    plan_costs,
     plan_terms,
 )
 from pdcompile.schedule.kinds import kind
@@ -44,7 +45,7 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
     Raises PlanError when a stage fits neither way."""
     again = [False] * len(stages)
     # the stages' costs, the same under every in-flight count and recomputation tried here
-    costs = plan_terms(graph, stages, cluster, options=options, recompute=again).costs
+    costs = plan_costs(graph, stages, options=options)
     plain = _memory_limits(graph, stages, options, memory, again, cluster, costs=costs)
     again = [n < 1 for n in plain]
     if any(again) and min(_memory_limits(graph, stages, options, memory, again, cluster,
@@ -180,17 +181,15 @@ def _memory_limits(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, .
     weight stashing each one adds a weight version; a recomputing stage keeps only what it
     received per microbatch, plus one microbatch's activations."""
     row = kind(options.schedule)
-    built = plan_terms(graph, stages, cluster, options=options, recompute=recompute,
-                       costs=costs)
+    costs = costs if costs is not None else plan_costs(graph, stages, options=options)
+    if memory is None:
+        return [IN_FLIGHT_CAP] * len(stages)
     out = []
     for s in range(len(stages)):
-        if memory is None:
-            out.append(IN_FLIGHT_CAP)
-            continue
-        keep = built.costs.activations[s]
-        per, fixed = (built.inputs(s), keep) if recompute[s] else (keep, 0.0)
+        keep = costs.activations[s]
+        per, fixed = (costs.received(s), keep) if recompute[s] else (keep, 0.0)
         fits = max_in_flight(
-            built.costs.params[s], per, versions_per_flight=row.stashed_versions == "in-flight",
+            costs.params[s], per, versions_per_flight=row.stashed_versions == "in-flight",
             fixed_versions=1 if row.stashed_versions == "in-flight"
             else int(row.stashed_versions), optimizer_state=options.optimizer_state,
             limit=rank_memory(memory, cluster, stages[s][1]) - fixed)

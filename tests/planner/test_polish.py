@@ -225,3 +225,27 @@ def test_the_floor_leaves_every_plan_as_pricing_every_neighbour_does(
                                 planner="dp")
     assert floored.stages == priced.stages
     assert floored.time_per_minibatch == priced.time_per_minibatch
+
+
+def test_a_walk_from_a_plan_of_no_time_prices_nothing_more() -> None:
+    """No plan is faster than one of 0 s, so a walk from it has nothing to find. On a graph
+    whose nodes cost nothing every neighbour is as fast, and the walk searched that plateau to
+    its whole budget: 5,400 prices for 927 free nodes on h100-4node (a random DAG of
+    tests/planner/test_random_dags_at_scale.py)."""
+    from pdcompile.cost.costgraph import add_block, new_cost_graph
+    from pdcompile.planner.polish import polish
+
+    graph = new_cost_graph("free")
+    for i in range(40):
+        add_block(graph, f"n{i}", fwd=0.0, bwd=0.0, act=0.0, params=0.0)
+        if i:
+            graph.add_edge(f"n{i - 1}", f"n{i}")
+    nodes = topological_order(graph)
+    priced: list[Any] = []
+
+    def price(stages: Any) -> float:
+        priced.append(stages)
+        return 0.0
+
+    assert polish(graph, [(nodes[:20], (0, 1)), (nodes[20:], (2, 3))], price, budget=500) is None
+    assert len(priced) == 1  # the plan it starts from, and no neighbour
