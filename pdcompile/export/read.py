@@ -250,13 +250,17 @@ class _LeafTracer(OpsTracer):
 
 
 def _unregistered(graph: fx.Graph) -> fx.Graph:
-    """The traced graph with its kept calls plain calls, as in a compiled pipeline's graphs. fx
-    marks a call kept by `autowrap_functions` "is_wrapped", and the code of a GraphModule made
+    """The traced graph with its `_KEPT_CALLS` plain calls, as in a compiled pipeline's graphs.
+    fx marks a call kept by `autowrap_functions` "is_wrapped", and the code of a GraphModule made
     from it then calls `torch.fx.wrap(name)` each time it is compiled: every load added an entry
     to fx's process-wide table of wrapped functions, never removed, that every later trace in
-    the process patches in and out (400 loads made each load 2.5 times slower)."""
+    the process patches in and out (400 loads made each load 2.5 times slower). These calls
+    need no mark: the loader keeps them itself. Calls the split marks (`flatten_value`, ...)
+    keep theirs: an export of this pipeline needs its `wrap` to trace them back as calls."""
+    kept = set(_KEPT_CALLS)
     for node in graph.nodes:
-        node.meta.pop("is_wrapped", None)
+        if node.op == "call_function" and node.target in kept:
+            node.meta.pop("is_wrapped", None)
     return graph
 
 
