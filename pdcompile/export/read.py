@@ -249,6 +249,21 @@ class _LeafTracer(OpsTracer):
         return "." not in module_qualified_name
 
 
+def _unregistered(graph: fx.Graph) -> fx.Graph:
+    """The traced graph with its `_KEPT_CALLS` plain calls, as in a compiled pipeline's graphs.
+    fx marks a call kept by `autowrap_functions` "is_wrapped", and the code of a GraphModule made
+    from it then calls `torch.fx.wrap(name)` each time it is compiled: every load added an entry
+    to fx's process-wide table of wrapped functions, never removed, that every later trace in
+    the process patches in and out (400 loads made each load 2.5 times slower). These calls
+    need no mark: the loader keeps them itself. Calls the split marks (`flatten_value`, ...)
+    keep theirs: an export of this pipeline needs its `wrap` to trace them back as calls."""
+    kept = set(_KEPT_CALLS)
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target in kept:
+            node.meta.pop("is_wrapped", None)
+    return graph
+
+
 def _load_unused(files: ExportFiles) -> dict[str, torch.Tensor]:
     """The model's tensors that no stage holds (export/write.py), each in its own memory."""
     return read_file(files.folder / "unused.safetensors",
@@ -285,7 +300,7 @@ def _load_stage(files: ExportFiles, index: int, meta: dict[str, Any],
     for name in meta.get("frozen", []):  # absent from exports written before it was kept
         get_path(stage, name).requires_grad_(False)
     _set_modes(stage, meta, folder / "pipeline.json")
-    graph = _LeafTracer(autowrap_functions=_KEPT_CALLS).trace(stage)
+    graph = _unregistered(_LeafTracer(autowrap_functions=_KEPT_CALLS).trace(stage))
     module = fx.GraphModule(stage, graph, class_name=f"Stage{index}")
     module.training = stage.training
     densify_constants(module)  # the trace above bakes constants again
@@ -328,7 +343,7 @@ def _load_graph(files: ExportFiles, stages: dict[str, int], count: int,
     source = _import(files.folder / "graph.py", code, "graph")  # its errors are the export's
     try:  # the graph is informational: one that cannot be rebuilt or traced is left out
         root = source.Graph(_read_records(files, "graph_modules.safetensors", device="meta"))
-        traced = _AllLeaves(autowrap_functions=_KEPT_CALLS).trace(root)
+        traced = _unregistered(_AllLeaves(autowrap_functions=_KEPT_CALLS).trace(root))
         graph = fx.GraphModule(root, traced, class_name="Graph")
     except Exception:
         return None
