@@ -82,10 +82,15 @@ def pair_levels(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[Le
     """The level each transfer between two stages on ranks `a` and `b` crosses, per microbatch
     residue: microbatch m goes from a[m % len(a)] to b[m % len(b)] (round robin over replicas),
     so the rank pairs used are those of m < lcm(len(a), len(b))."""
+    return [cluster.levels[k] for k in _pair_level_indices(cluster, a, b)]
+
+
+def _pair_level_indices(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> list[int]:
+    """`pair_levels` as indices into `cluster.levels` (what `slowest_link` compares)."""
+    pairs = math.lcm(len(a), len(b))
     if len(cluster.levels) == 1 and max(*a, *b) < cluster.workers:  # one level: every pair
-        return [cluster.levels[0]] * math.lcm(len(a), len(b))
-    return [cluster.levels[cluster.link_level(a[m % len(a)], b[m % len(b)])]
-            for m in range(math.lcm(len(a), len(b)))]
+        return [0] * pairs
+    return [cluster.link_level(a[m % len(a)], b[m % len(b)]) for m in range(pairs)]
 
 
 def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int, int], float],
@@ -136,10 +141,7 @@ def nic_busy_seconds(stage_ranks: Sequence[Sequence[int]], edges: dict[tuple[int
 def slowest_link(cluster: Cluster, a: Sequence[int], b: Sequence[int]) -> Level:
     """The slowest level that the transfers between two stages on ranks `a` and `b` cross
     (`pair_levels`)."""
-    if len(cluster.levels) == 1 and max(*a, *b) < cluster.workers:  # one level: every pair
-        return cluster.levels[0]
-    link, na, nb = cluster.link_level, len(a), len(b)
-    return cluster.levels[max(link(a[m % na], b[m % nb]) for m in range(math.lcm(na, nb)))]
+    return cluster.levels[max(_pair_level_indices(cluster, a, b))]
 
 
 __all__ = ["exposed_allreduce_seconds", "link_busy_seconds", "nic_busy_seconds", "pair_levels",

@@ -608,17 +608,13 @@ class PlanTerms:
     in_flight: list[int]
     recompute: list[bool]
 
-    def inputs(self, stage: int) -> float:
-        """Bytes per microbatch the stage receives (what it keeps when it recomputes)."""
-        return self.costs.received(stage)
-
     def activations(self, stage: int, in_flight: int) -> float:
         """The most activation bytes a worker of the stage holds with `in_flight`
         microbatches in flight (pdcompile.cost.recompute for a recomputing stage)."""
         costs = self.costs
         footprint = recompute_costs(fwd=costs.fwd[stage], bwd=costs.bwd[stage],
                                     activations=costs.activations[stage],
-                                    inputs=self.inputs(stage), in_flight=max(1, in_flight))
+                                    inputs=costs.received(stage), in_flight=max(1, in_flight))
         return footprint[self.recompute[stage]].activations
 
 
