@@ -65,7 +65,7 @@ import numpy as np
 
 from pdcompile.cost.bubble import v_fill
 from pdcompile.cost.cycle_ratio import Solved, largest_cycle_ratio
-from pdcompile.cost.flush_path import flush_makespan
+from pdcompile.cost.flush_path import FlushOrders, flush_makespan
 from pdcompile.cost.links import (
     exposed_allreduce_seconds,
     link_busy_seconds,
@@ -247,17 +247,19 @@ def stage_terms(*, fwd: Sequence[float], bwd: Sequence[float], params: Sequence[
 def pipeline_time(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
                   stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
                   microbatches: int, params: Sequence[float] | None = None,
-                  ties: Sequence[SharedWeights] = ()) -> PipelineTime:
+                  ties: Sequence[SharedWeights] = (),
+                  orders: FlushOrders | None = None) -> PipelineTime:
     """Time per minibatch of a pipeline (see the module docstring). `edges`: bytes per
     microbatch from stage a to stage c, (a, c) with a < c. `params`: the stages' parameter
     bytes, for the servers' network interfaces (`server_interface_seconds`, with the
-    all-reduces of `ties`); None: not bounded by them."""
+    all-reduces of `ties`); None: not bounded by them. `orders`: flush orders made before
+    (`flush_path.FlushOrders`), for a caller pricing many plans."""
     row = kind(schedule)
     m = microbatches if row.microbatched else 1
     shared = 0.0 if params is None else server_interface_seconds(
         edges, stage_ranks, params, cluster, schedule=schedule, microbatches=m, ties=ties)
     timed = _flush_path(terms, edges, stage_ranks, cluster, schedule=schedule, m=m,
-                        ties=ties) if row.flush else None
+                        ties=ties, orders=orders) if row.flush else None
     if timed is None:
         timed = _pipeline_time(terms, edges, stage_ranks, cluster, schedule=schedule, m=m)
     if shared * m > timed.time_per_minibatch:
@@ -284,7 +286,8 @@ def server_interface_seconds(edges: dict[tuple[int, int], float],
 
 def _flush_path(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float],
                 stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
-                m: int, ties: Sequence[SharedWeights]) -> PipelineTime | None:
+                m: int, ties: Sequence[SharedWeights],
+                orders: FlushOrders | None = None) -> PipelineTime | None:
     """A flush schedule's minibatch as the longest path through its actions
     (cost/flush_path.py: what the simulator runs, exactly), named by its busiest stage or link
     where that is busy for at least half of it, else by the fill and drain; None where it
@@ -293,7 +296,7 @@ def _flush_path(terms: Sequence[StageTerms], edges: dict[tuple[int, int], float]
     if cluster.oversubscribed({r for group in stage_ranks for r in group}):
         return None
     seconds = flush_makespan(terms, edges, stage_ranks, cluster, schedule=schedule,
-                             microbatches=m, ties=ties)
+                             microbatches=m, ties=ties, orders=orders)
     if seconds is None:
         return None
     work = tuple(t.busiest(m) * t.compute for t in terms)

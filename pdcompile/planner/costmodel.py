@@ -45,6 +45,7 @@ import networkx as nx
 import numpy as np
 
 from pdcompile.cost.crossing import input_nodes
+from pdcompile.cost.flush_path import FlushOrders
 from pdcompile.cost.links import exposed_allreduce_seconds, slowest_link, transfer_seconds
 from pdcompile.cost.memory import OPTIMIZER_STATE, worker_memory
 from pdcompile.cost.pipeline_time import (
@@ -552,13 +553,13 @@ def evaluate_timed(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequ
                    cluster: Cluster, *, options: ModelOptions,
                    in_flight: Sequence[int] | None = None,
                    recompute: Sequence[bool] | None = None,
-                   costs: StageCosts | None = None,
+                   costs: StageCosts | None = None, orders: FlushOrders | None = None,
                    ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
     """`evaluate` and `priced_time` of the native model in one pricing (round robin): the
     planner wants both of each candidate, and on 32 mixed workers one pricing's circuits take
-    a tenth of a second. `costs`: `plan_terms`'."""
+    a tenth of a second. `costs`: `plan_terms`'; `orders`: `pipeline_time`'s."""
     return _evaluate_native(graph, stages, cluster, options, in_flight, recompute,
-                            costs=costs)
+                            costs=costs, orders=orders)
 
 
 def priced_time(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
@@ -570,18 +571,21 @@ def priced_time(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequenc
 
 
 def closed_form_floor(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Sequence[int]]],
-                      cluster: Cluster, *, options: ModelOptions) -> float:
+                      cluster: Cluster, *, options: ModelOptions,
+                      costs: StageCosts | None = None) -> float:
     """A lower bound on the closed form of the plan (`evaluate`'s time per minibatch) under any
     in-flight counts and recomputation, without choosing them (what makes pricing a streaming
     plan slow: its circuits): the busiest server's interface, and each stage's work over its
     replicas (streaming: compute and update per microbatch, one in flight, so no weight copies;
     flush: its busiest replica's microbatches less the weight gradients deferred after its
     send). Recomputation adds a forward and hides at most as much all-reduce. 0 for chunked
-    schedules (interleaved, zero bubble, V), whose fill the closed form shortens."""
+    schedules (interleaved, zero bubble, V), whose fill the closed form shortens. `costs`:
+    `plan_costs` of these stages and options, where the caller has them."""
     row = kind(options.schedule)
     if row.chunked or options.cost_model != "native":
         return 0.0
-    built = plan_terms(graph, stages, cluster, options=options, in_flight=[1] * len(stages))
+    built = plan_terms(graph, stages, cluster, options=options, in_flight=[1] * len(stages),
+                       costs=costs)
     m = options.per_minibatch if row.microbatched else 1
     terms, ranks = built.terms, built.ranks
     edges, params = dict(built.costs.edges), built.costs.params
@@ -667,7 +671,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
                      cluster: Cluster, options: ModelOptions, in_flight: Sequence[int] | None,
                      recompute: Sequence[bool] | None = None,
                      shares: Sequence[Sequence[int]] | None = None, *,
-                     costs: StageCosts | None = None,
+                     costs: StageCosts | None = None, orders: FlushOrders | None = None,
                      ) -> tuple[tuple[Stage, ...], float, PipelineTime]:
     built = plan_terms(graph, stages, cluster, options=options, in_flight=in_flight,
                        recompute=recompute, shares=shares, costs=costs)
@@ -677,7 +681,7 @@ def _evaluate_native(graph: nx.DiGraph, stages: Sequence[tuple[Sequence[str], Se
     row = kind(options.schedule)
     copying = [row.copies_weights and n > 1 for n in flight]
     timed = pipeline_time(terms, edges, ranks, cluster, schedule=options.schedule,
-                          microbatches=m, params=params, ties=built.costs.ties)
+                          microbatches=m, params=params, ties=built.costs.ties, orders=orders)
     transfers: list[list[float]] = [[] for _ in terms]  # per stage, its edges' in their order
     for (a, c), size in edges.items():
         seconds = transfer_seconds(size, slowest_link(cluster, ranks[a], ranks[c]))

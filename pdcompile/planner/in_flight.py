@@ -28,7 +28,8 @@ from pdcompile.schedule.kinds import kind
 
 def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
                      cluster: Cluster, *, options: ModelOptions,
-                     memory: float | None) -> tuple[list[bool], list[int]]:
+                     memory: float | None, costs: StageCosts | None = None,
+                     ) -> tuple[list[bool], list[int]]:
     """Which stages recompute their activations (pdcompile.cost.recompute), and the
     microbatches each stage then keeps in flight (`choose_in_flight`): recomputing are those
     that cannot keep even one microbatch's activations otherwise; then those whose memory holds
@@ -42,10 +43,11 @@ def choose_recompute(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int,
     later stage holding more in flight leaves that circuit fewer tokens, and its forward is
     not on it), nor any where a stage's work, a link or a server's interface bounds it (no
     memory moves those).
+    `costs`: `plan_costs` of these stages and options, where the caller has them.
     Raises PlanError when a stage fits neither way."""
     again = [False] * len(stages)
     # the stages' costs, the same under every in-flight count and recomputation tried here
-    costs = plan_costs(graph, stages, options=options)
+    costs = costs if costs is not None else plan_costs(graph, stages, options=options)
     plain = _memory_limits(graph, stages, options, memory, again, cluster, costs=costs)
     again = [n < 1 for n in plain]
     if any(again) and min(_memory_limits(graph, stages, options, memory, again, cluster,
@@ -123,15 +125,16 @@ def _room_to_spare(choice: tuple[list[int], list[int], list[int]] | None,
 
 def choose_in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],
                      cluster: Cluster, *, options: ModelOptions, memory: float | None,
-                     recompute: Sequence[bool] | None = None) -> list[int]:
+                     recompute: Sequence[bool] | None = None,
+                     costs: StageCosts | None = None) -> list[int]:
     """Microbatches each stage keeps in flight. Streaming schedules: PipeDream's NOAM, deeper
     where the round trips need more to fill the pipeline's period
     (`cost.pipeline_time.fewest_in_flight`), never more than the memory holds (so below NOAM
     where it must: the plan still runs, its round trips exposed). Flush schedules: NOAM, at
     most what fits. `recompute`: the stages that recompute their activations. Raises PlanError
-    when a stage cannot hold even one."""
+    when a stage cannot hold even one. `costs`: `plan_costs` of these stages and options."""
     return _in_flight(graph, stages, cluster, options=options, memory=memory,
-                      recompute=recompute)[0]
+                      recompute=recompute, costs=costs)[0]
 
 
 def _in_flight(graph: nx.DiGraph, stages: list[tuple[list[str], tuple[int, ...]]],

@@ -20,7 +20,9 @@ import networkx as nx
 
 from pdcompile.cost.costgraph import topological_order, validate
 from pdcompile.cost.crossing import input_nodes
+from pdcompile.cost.flush_path import FlushOrders
 from pdcompile.cost.memory import OPTIMIZER_STATE
+from pdcompile.cost.stage_costs import StageCosts
 from pdcompile.cost.ties import shared_weights, updates_apart
 from pdcompile.errors import PlanError, ScheduleError
 from pdcompile.machine.cluster import Cluster
@@ -34,6 +36,7 @@ from pdcompile.planner.costmodel import (
     default_in_flight,
     evaluate,
     evaluate_timed,
+    plan_costs,
     priced_time,
 )
 from pdcompile.planner.dp_search import (
@@ -891,12 +894,15 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
             stages: list[tuple[list[str], tuple[int, ...]]], options: ModelOptions,
             limit: float | None, *, in_flight: Sequence[int] | None = None,
             recompute: Sequence[bool] | None = None,
-            shares: Sequence[Sequence[int]] | None = None, **tags: Any) -> _Candidate | None:
+            shares: Sequence[Sequence[int]] | None = None, costs: StageCosts | None = None,
+            orders: FlushOrders | None = None, **tags: Any) -> _Candidate | None:
     """A candidate priced with its in-flight counts (given, else `choose_in_flight`) and its
     stages' recomputation (given, else `choose_recompute`); None if it does not fit, or if the
     schedule cannot feed its replicas (a microbatched schedule gives each replica of a stage
     its share of a minibatch's microbatches: no more replicas than microbatches, and 2bw a
-    whole number each)."""
+    whole number each). `costs`: `plan_costs` of these stages and options, where the caller
+    has them (made here otherwise, once for the choices and the price); `orders`: flush
+    orders made before (`cost.flush_path.FlushOrders`), for a search pricing many cuts."""
     row = kind(options.schedule)
     m = options.per_minibatch
     if replicas_refused(options.schedule, [ranks for _, ranks in stages]) is not None:
@@ -904,21 +910,31 @@ def _priced(graph: nx.DiGraph, cluster: Cluster,
     for _, ranks in stages:
         if row.microbatched and (len(ranks) > m or (not row.flush and m % len(ranks))):
             return None
+    timed_here = shares is None and options.cost_model == "native"  # the bound is its own
+    if costs is None and (recompute is None or in_flight is None or timed_here):
+        try:
+            costs = plan_costs(graph, stages, options=options)
+        except PlanError:  # a plan priced as given says why; one to choose for is refused
+            if in_flight is not None and recompute is not None:
+                raise
+            return None
     try:
         if recompute is None and in_flight is None:
             again, flight = choose_recompute(graph, stages, cluster, options=options,
-                                             memory=limit)
+                                             memory=limit, costs=costs)
         else:
             again = list(recompute) if recompute is not None else \
-                choose_recompute(graph, stages, cluster, options=options, memory=limit)[0]
+                choose_recompute(graph, stages, cluster, options=options, memory=limit,
+                                 costs=costs)[0]
             flight = list(in_flight) if in_flight is not None else \
                 choose_in_flight(graph, stages, cluster, options=options, memory=limit,
-                                 recompute=again)
+                                 recompute=again, costs=costs)
     except PlanError:
         return None
-    if shares is None and options.cost_model == "native":  # the bound below is its own
+    if timed_here:
         priced, closed, timed = evaluate_timed(graph, stages, cluster, options=options,
-                                               in_flight=flight, recompute=again)
+                                               in_flight=flight, recompute=again, costs=costs,
+                                               orders=orders)
     else:
         priced, closed = evaluate(graph, stages, cluster, options=options, in_flight=flight,
                                   recompute=again, shares=shares)
@@ -967,6 +983,10 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     out: list[_Candidate] = []
     priced: dict[tuple[Any, ...], _Candidate | None] = {}  # per options and plan
     floored: set[tuple[Any, ...]] = set()  # plans a lower bound kept from pricing
+    # the stages' costs of the plan floored last: the walk prices a plan right after its floor
+    # lets it through, and its costs (a pass over every node and edge) are the same
+    floor_costs: dict[tuple[Any, ...], StageCosts] = {}
+    orders = FlushOrders()  # the walks change nodes far more often than ranks or depths
     inputs = set(input_nodes(graph))
     for option in dict.fromkeys(c.options for c in candidates):
         ranked = sorted((c for c in candidates if c.options == option), key=lambda c: c.closed)
@@ -990,7 +1010,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
                 priced[key] = None
             if key not in priced:
                 try:
-                    priced[key] = _priced(graph, cluster, stages, options, limit)
+                    priced[key] = _priced(graph, cluster, stages, options, limit,
+                                          costs=floor_costs.get(key), orders=orders)
                 except PlanError:  # e.g. an input moved out of the first stage
                     priced[key] = None
             found = priced[key]
@@ -1005,8 +1026,11 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             floored.add(key)  # counted against the budget as a price (polish.polish)
             if runs_nothing(stages, inputs):
                 return math.inf  # never taken (see price)
+            floor_costs.clear()
             try:
-                return closed_form_floor(graph, stages, cluster, options=options)
+                floor_costs[key] = plan_costs(graph, stages, options=options)
+                return closed_form_floor(graph, stages, cluster, options=options,
+                                         costs=floor_costs[key])
             except PlanError:
                 return -math.inf  # priced, and refused there
 
