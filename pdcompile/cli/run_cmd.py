@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shlex
 import signal
@@ -22,6 +23,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from pdcompile.backends.run_report import default_run_dir
 from pdcompile.errors import DistributedError, PdcompileError
@@ -280,37 +282,83 @@ def supervise(cmd: list[str], *, nproc: int, grace: float = 3.0) -> int:
     return 0
 
 
+def _json_in(path: Path) -> Any:
+    """The JSON value `path` holds; ValueError where it holds none (no file, not JSON, nested
+    deeper than Python's parser goes)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, RecursionError) as err:
+        raise ValueError(f"{path}: {err}") from None
+
+
+def _is_rank(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
 def _recorded_cause(path: Path) -> str | None:
-    """The first cause the workers recorded (backends/launch.write_cause), as words."""
+    """The first cause the workers recorded (backends/launch.write_cause: {"rank": int,
+    "reason": str}), as words; None where there is none of that shape."""
     from pdcompile.backends.launch import describe_cause
 
     try:
-        data = json.loads(path.read_text())
-        return describe_cause(int(data["rank"]), str(data["reason"]))
-    except (OSError, ValueError, KeyError, TypeError):
+        data = _json_in(path)
+    except ValueError:
         return None
+    if not isinstance(data, dict) or not _is_rank(data.get("rank")) \
+            or not isinstance(data.get("reason"), str):
+        return None
+    return describe_cause(data["rank"], data["reason"])
+
+
+def _worker_failures(data: Any) -> list[dict[str, Any]] | None:
+    """The agent's list of failed workers (backends/torchrun_agent: each a rank, a signal name or
+    an exit code, a time), each as {"rank", "signal", "exitcode", "time"}; None where `data` is
+    not such a list (the files are read back from disk: any JSON may be there)."""
+    if not isinstance(data, list) or not data:
+        return None
+    failures = []
+    for entry in data:
+        if not isinstance(entry, dict) or not _is_rank(entry.get("rank")):
+            return None
+        signal_name, code, at = entry.get("signal") or None, entry.get("exitcode"), \
+            entry.get("time")
+        if signal_name is not None and not isinstance(signal_name, str):
+            return None
+        if signal_name is None and (not isinstance(code, int) or isinstance(code, bool)):
+            return None
+        if at is not None and (isinstance(at, bool) or not isinstance(at, int | float)
+                               or not math.isfinite(at)):
+            return None
+        failures.append({"rank": entry["rank"], "signal": signal_name, "exitcode": code,
+                         "time": at or 0})
+    return failures
 
 
 def _failure_line(report: Path, code: int) -> str:
-    """One line naming the rank that failed first (from the agent's report)."""
+    """One line naming the rank that failed first (from the agent's report, or the workers'
+    record of the cause beside it); the generic line where neither is understood."""
+    generic = (f"the distributed run failed (torchrun exit code {code}); the workers' errors "
+               "are above")
     try:
-        failures = json.loads(report.read_text())
-    except (OSError, ValueError):
-        return (f"the distributed run failed (torchrun exit code {code}); the workers' errors "
-                "are above")
-    if isinstance(failures, dict) and "error" in failures:  # the agent could not start
-        return str(failures["error"])
+        data = _json_in(report)
+    except ValueError:
+        return generic
+    error = data.get("error") if isinstance(data, dict) else None
+    if isinstance(error, str) and error.strip():  # {"error": ...}: the agent could not start
+        return error
     cause = _recorded_cause(report.with_name("cause.json"))
     if cause is not None:  # the workers' own record of the first cause beats exit statuses
         return f"the distributed run failed: {cause}; the workers' messages are above"
+    failures = _worker_failures(data)
+    if failures is None:
+        return generic
     # the agent stops the survivors of a failure with SIGTERM: those are not causes
-    causes = [f for f in failures if f.get("signal") != "SIGTERM"] or failures
-    causes.sort(key=lambda f: (f.get("time") or 0, f["rank"]))
+    causes = [f for f in failures if f["signal"] != "SIGTERM"] or failures
+    causes.sort(key=lambda f: (f["time"], f["rank"]))
     stopped = len(failures) - len(causes)
 
-    def how(f: dict[str, object]) -> str:
-        signal_name = f.get("signal")
-        return (f"rank {f['rank']} was killed by {signal_name}" if signal_name
+    def how(f: dict[str, Any]) -> str:
+        return (f"rank {f['rank']} was killed by {f['signal']}" if f["signal"]
                 else f"rank {f['rank']} exited with code {f['exitcode']}")
 
     rest = "".join(f", then {how(f)}" for f in causes[1:])

@@ -34,8 +34,9 @@ from pdcompile.export.trust import check_imports
 from pdcompile.export.user_modules import load_user_modules
 from pdcompile.export.verified_files import ExportFiles, read_export
 from pdcompile.meta import set_stage
-from pdcompile.passes.crossing import load_spec
+from pdcompile.passes.crossing import flatten_value, load_spec, rebuild_value
 from pdcompile.passes.dense_constants import densify_constants
+from pdcompile.passes.inplace import changed_alias, clone_leaves, set_item
 from pdcompile.passes.input_shapes import InputShapes
 from pdcompile.passes.size_tests import SizeTestError
 from pdcompile.passes.split import SplitResult, StageProgram, TiedParameter, ValueRef
@@ -233,9 +234,14 @@ def _load_optimizer_state(optimizer: torch.optim.Optimizer, files: ExportFiles,
 
 
 # functions an exported stage calls that stay calls when it is traced back: traced through, the
-# fused Linear (and a deferrable convolution) would bake in the plain path, and `detached` would
-# see a Proxy, not a tensor, and return it as it is (the model's no_grad lost)
-_KEPT_CALLS = (linear_accumulate, conv_deferrable, detached)
+# fused Linear (and a deferrable convolution) would bake in the plain path, `detached` would see a
+# Proxy, not a tensor, and return it as it is (the model's no_grad lost), and the split's own calls
+# (`flatten_value`, `rebuild_value` of a structured value crossing a cut, `changed_alias`,
+# `set_item`, `clone_leaves` of an in-place change) would run on a Proxy (a tuple flattened to
+# one leaf: "tuple index out of range" on load). The loader's tracers keep them by name, so the
+# generated code need not register them with `torch.fx.wrap` (see `_unregistered`).
+_KEPT_CALLS = (linear_accumulate, conv_deferrable, detached, flatten_value, rebuild_value,
+               changed_alias, set_item, clone_leaves)
 
 
 class _LeafTracer(OpsTracer):
@@ -252,11 +258,13 @@ class _LeafTracer(OpsTracer):
 def _unregistered(graph: fx.Graph) -> fx.Graph:
     """The traced graph with its `_KEPT_CALLS` plain calls, as in a compiled pipeline's graphs.
     fx marks a call kept by `autowrap_functions` "is_wrapped", and the code of a GraphModule made
-    from it then calls `torch.fx.wrap(name)` each time it is compiled: every load added an entry
-    to fx's process-wide table of wrapped functions, never removed, that every later trace in
-    the process patches in and out (400 loads made each load 2.5 times slower). These calls
-    need no mark: the loader keeps them itself. Calls the split marks (`flatten_value`, ...)
-    keep theirs: an export of this pipeline needs its `wrap` to trace them back as calls."""
+    from it then calls `torch.fx.wrap(name)` each time it is compiled (an export writes that call
+    into the stage file too, run at each import): each adds an entry, keyed by the code's own
+    globals so never the same, to fx's process-wide table of wrapped functions, never removed,
+    that every later trace in the process patches in and out (each load of a pipeline sending
+    an LSTM's state across a cut added 9; after 300 loads a load took 6.8 times as long). These
+    calls need no mark: the loader's tracers keep them by name. A function the model itself
+    wraps with `torch.fx.wrap` keeps its mark: its stage file's `wrap` is what keeps it."""
     kept = set(_KEPT_CALLS)
     for node in graph.nodes:
         if node.op == "call_function" and node.target in kept:

@@ -73,7 +73,6 @@ def _copy_of(graph: fx.Graph, value: fx.Node) -> fx.Node:
         return graph.call_function(torch.clone, (value,))
     copy = graph.call_function(clone_leaves, (value,))
     copy.meta.update({k: v for k, v in value.meta.items() if k in (SHAPE_KEY, TREE_KEY)})
-    copy.meta["is_wrapped"] = True  # generated code wraps it: re-tracing keeps the call
     return copy
 
 
@@ -153,7 +152,6 @@ def make_mutations_explicit(gm: fx.GraphModule) -> bool:
             continue
         if node.target is operator.setitem:
             node.target = set_item
-            node.meta["is_wrapped"] = True  # generated code calls it; re-tracing keeps the call
             changed = True
         for user in list(mutated.users):
             if user is not node and order[user] > order[node]:
@@ -168,7 +166,6 @@ def make_mutations_explicit(gm: fx.GraphModule) -> bool:
                 continue
             with graph.inserting_after(node):
                 after = graph.call_function(changed_alias, (other, node))
-            after.meta["is_wrapped"] = True
             for user in late:
                 user.replace_input_with(other, after)
             order = {n: i for i, n in enumerate(graph.nodes)}

@@ -312,7 +312,6 @@ def _changes_where_made(gm: fx.GraphModule, changes: list[fx.Node], stage_of: di
             continue
         with gm.graph.inserting_before(node):
             taken = gm.graph.call_function(changed_alias, node.args)
-        taken.meta["is_wrapped"] = True
         stage_of[taken.name] = home
         node.args = (taken, taken)
 
@@ -778,7 +777,6 @@ def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> Non
                             "...), or cut elsewhere") from None
         with graph.inserting_after(node):
             flat = graph.call_function(flatten_value, (node,))
-        flat.meta["is_wrapped"] = True  # generated code wraps it: re-tracing keeps the call
         stage_of[flat.name] = home
         leaves: list[Any] = []
         previous = flat
@@ -794,7 +792,6 @@ def _send_leaves(gm: fx.GraphModule, stage_of: dict[str, int], last: int) -> Non
             users = [u for u in node.users if u is not flat and stage(u) == target]
             with graph.inserting_before(min(users, key=order.__getitem__)):
                 rebuilt = graph.call_function(rebuild_value, (list(leaves), text))
-            rebuilt.meta["is_wrapped"] = True
             stage_of[rebuilt.name] = target
             for user in users:
                 user.replace_input_with(node, rebuilt)
