@@ -19,7 +19,7 @@ from pdcompile import Cluster
 from pdcompile.cost.flush_path import FlushOrders
 from pdcompile.plan import Plan
 from pdcompile.planner.costmodel import ModelOptions, evaluate_timed
-from tests.planner.test_flush_longest_path import flush_pipelines
+from tests.helpers.flush_pipelines import flush_pipelines
 
 
 @settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
