@@ -29,6 +29,7 @@ from pdcompile.backends.run_report import default_run_dir
 from pdcompile.errors import DistributedError, PdcompileError
 from pdcompile.machine.local import free_port
 from pdcompile.plan import Plan
+from pdcompile.util.manifest import read_json_bytes
 from pdcompile.worker import DEFAULT_STEPS, add_training_options, training_arguments
 
 WORKER_MODULE = "pdcompile.worker"
@@ -283,10 +284,11 @@ def supervise(cmd: list[str], *, nproc: int, grace: float = 3.0) -> int:
 
 
 def _json_in(path: Path) -> Any:
-    """The JSON value `path` holds; ValueError where it holds none (no file, not JSON, nested
-    deeper than Python's parser goes)."""
+    """The JSON value `path` holds; ValueError where it holds none (no file, not a plain file,
+    too large, not JSON, nested deeper than Python's parser goes). Read as a bounded plain file:
+    a FIFO in its place would hang the last line of a failed run."""
     try:
-        return json.loads(path.read_text())
+        return json.loads(read_json_bytes(path, fix="the workers' messages above say why"))
     except (OSError, RecursionError) as err:
         raise ValueError(f"{path}: {err}") from None
 

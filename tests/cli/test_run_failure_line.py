@@ -5,8 +5,11 @@ rank, a time given as text raised AttributeError / KeyError / TypeError instead 
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import tempfile
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -89,3 +92,37 @@ def test_files_of_another_shape_give_the_generic_line() -> None:
     assert _line([{"rank": 0, "exitcode": 1}], {"rank": float("inf"), "reason": "x"}) == (
         "the distributed run failed: rank 0 exited with code 1 first; the workers' messages "
         "are above")
+
+
+def _line_within(seconds: float, build: Any) -> str | None:
+    """`_failure_line` of the report `build(folder)` leaves, or None where it did not return
+    within `seconds` (the reader is then released by opening the FIFO's other end)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "failures.json"
+        build(report)
+        found: list[str] = []
+        reader = threading.Thread(target=lambda: found.append(_failure_line(report, 1)),
+                                  daemon=True)
+        reader.start()
+        reader.join(seconds)
+        if reader.is_alive():  # blocked opening a FIFO: give it a writer that closes at once
+            for fifo in (report, report.with_name("cause.json")):
+                if fifo.is_fifo():
+                    with contextlib.suppress(OSError):
+                        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
+            reader.join(seconds)
+            return None
+        return found[0]
+
+
+def test_a_fifo_in_place_of_either_file_gives_the_generic_line_without_waiting() -> None:
+    assert _line_within(10, lambda report: os.mkfifo(report)) == GENERIC
+
+    def fifo_cause(report: Path) -> None:
+        report.write_text(json.dumps([{"rank": 0, "exitcode": 1, "pid": 3, "signal": None,
+                                       "time": 1}]))
+        os.mkfifo(report.with_name("cause.json"))
+    assert _line_within(10, fifo_cause) == (
+        "the distributed run failed: rank 0 exited with code 1 first; the workers' messages "
+        "are above")
+
