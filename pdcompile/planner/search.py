@@ -985,7 +985,7 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
     floored: set[tuple[Any, ...]] = set()  # plans a lower bound kept from pricing
     # the stages' costs of the plan floored last: the walk prices a plan right after its floor
     # lets it through, and its costs (a pass over every node and edge) are the same
-    floor_costs: dict[tuple[Any, ...], StageCosts] = {}
+    floor_costs: tuple[tuple[Any, ...], StageCosts] | None = None  # (plan's key, its costs)
     orders = FlushOrders()  # the walks change nodes far more often than ranks or depths
     inputs = set(input_nodes(graph))
     for option in dict.fromkeys(c.options for c in candidates):
@@ -1011,7 +1011,8 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             if key not in priced:
                 try:
                     priced[key] = _priced(graph, cluster, stages, options, limit,
-                                          costs=floor_costs.get(key), orders=orders)
+                                          costs=floor_costs[1] if floor_costs is not None
+                                          and floor_costs[0] == key else None, orders=orders)
                 except PlanError:  # e.g. an input moved out of the first stage
                     priced[key] = None
             found = priced[key]
@@ -1026,11 +1027,12 @@ def _polished(graph: nx.DiGraph, cluster: Cluster, candidates: list[_Candidate],
             floored.add(key)  # counted against the budget as a price (polish.polish)
             if runs_nothing(stages, inputs):
                 return math.inf  # never taken (see price)
-            floor_costs.clear()
+            nonlocal floor_costs
+            floor_costs = None
             try:
-                floor_costs[key] = plan_costs(graph, stages, options=options)
+                floor_costs = (key, plan_costs(graph, stages, options=options))
                 return closed_form_floor(graph, stages, cluster, options=options,
-                                         costs=floor_costs[key])
+                                         costs=floor_costs[1])
             except PlanError:
                 return -math.inf  # priced, and refused there
 
