@@ -13,12 +13,15 @@ from typing import Any
 import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import pdcompile.cost.flush_path as flush_path
 from pdcompile import Cluster
 from pdcompile.cost.flush_path import FlushOrders
+from pdcompile.errors import PlanError
 from pdcompile.plan import Plan
 from pdcompile.planner.costmodel import ModelOptions, evaluate_timed
+from pdcompile.schedule.kinds import kind
 from tests.helpers.flush_pipelines import flush_pipelines
 
 
@@ -36,6 +39,38 @@ def test_a_kept_order_prices_a_plan_as_a_fresh_one(
     assert fresh[1] == first[1] == kept[1]
     assert fresh[2] == first[2] == kept[2]
     assert fresh[0] == kept[0]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pipeline=flush_pipelines(), data=st.data())
+def test_plans_differing_only_in_their_order_share_no_kept_order(
+        pipeline: tuple[nx.DiGraph, Plan, Cluster, str, int], data: st.DataObject) -> None:
+    """The same cut under other warm-up depths, and under fewer microbatches, through the
+    orders the first pricing kept: each priced as a fresh pricing does (a shape that left out
+    a field would hand the first plan's order to the second)."""
+    graph, plan, cluster, schedule, microbatches = pipeline
+    stages = [(list(s.nodes), tuple(s.ranks)) for s in plan.stages]
+    options = ModelOptions(schedule=schedule, microbatches=microbatches)
+    orders = FlushOrders()
+    evaluate_timed(graph, stages, cluster, options=options, orders=orders)
+    variants: list[tuple[ModelOptions, list[int] | None]] = []
+    if kind(schedule).chosen_warmup:
+        depths = data.draw(st.lists(st.integers(1, microbatches), min_size=len(stages),
+                                    max_size=len(stages)))
+        variants.append((options, depths))
+    fewer = data.draw(st.integers(1, microbatches))
+    variants.append((ModelOptions(schedule=schedule, microbatches=fewer), None))
+    for other, in_flight in variants:
+        try:
+            fresh = evaluate_timed(graph, stages, cluster, options=other, in_flight=in_flight)
+        except PlanError:
+            with pytest.raises(PlanError):
+                evaluate_timed(graph, stages, cluster, options=other, in_flight=in_flight,
+                               orders=orders)
+            continue
+        kept = evaluate_timed(graph, stages, cluster, options=other, in_flight=in_flight,
+                              orders=orders)
+        assert (fresh[0], fresh[1], fresh[2]) == (kept[0], kept[1], kept[2])
 
 
 def _counted(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
