@@ -106,8 +106,8 @@ class FlushOrders:
     walks through them (`FlushWalk`), by shape and stage edges. Why: a planner's walk prices
     thousands of cuts that differ in which nodes a stage holds, not in ranks, microbatches or
     warm-up depths, so in the orders; generating each again was a sixth of planning densenet121
-    on cluster A (6,675 orders, 136 different), and following the order's dependencies again
-    a third of it."""
+    on cluster A (6,675 orders, 136 different), and following each order's dependencies again
+    for every price nearly a fifth (8.5 of 37.8 CPU seconds; 2.3 with the walks kept)."""
 
     def __init__(self, keep: int = 64) -> None:
         self._keep = keep
