@@ -102,14 +102,18 @@ def _generated(shape: _Shape) -> Schedule | None:
 
 
 class FlushOrders:
-    """The flush orders one search has made, by shape, the most recent `keep` of them. Why:
-    a planner's walk prices thousands of cuts that differ in which nodes a stage holds, not in
-    ranks, microbatches or warm-up depths, so in the orders; generating each again was a sixth
-    of planning densenet121 on cluster A (6,675 orders, 136 different)."""
+    """The flush orders one search has made, by shape, the most recent `keep` of them, and the
+    walks through them (`FlushWalk`), by shape and stage edges. Why: a planner's walk prices
+    thousands of cuts that differ in which nodes a stage holds, not in ranks, microbatches or
+    warm-up depths, so in the orders; generating each again was a sixth of planning densenet121
+    on cluster A (6,675 orders, 136 different), and following each order's dependencies again
+    for every price nearly a fifth (8.5 of 37.8 CPU seconds; 2.3 with the walks kept)."""
 
     def __init__(self, keep: int = 64) -> None:
         self._keep = keep
         self._made: OrderedDict[_Shape, Schedule | None] = OrderedDict()
+        self._walks: OrderedDict[tuple[_Shape, tuple[tuple[int, int], ...]], FlushWalk] = \
+            OrderedDict()
 
     def order(self, shape: _Shape) -> Schedule | None:
         """The order of `shape` (`flush_order`'s), made here if not among the kept."""
@@ -122,6 +126,172 @@ class FlushOrders:
             self._made.popitem(last=False)
         return made
 
+    def walk(self, shape: _Shape, order: Schedule,
+             edges: tuple[tuple[int, int], ...]) -> FlushWalk:
+        """The walk through `order` (that of `shape`) over the stage edges `edges` (sorted),
+        made here if not among the kept."""
+        key = (shape, edges)
+        found = self._walks.get(key)
+        if found is not None:
+            self._walks.move_to_end(key)
+            return found
+        made = FlushWalk(order, shape[1], edges, split=kind(shape[0]).split_backward)
+        self._walks[key] = made
+        if len(self._walks) > self._keep:
+            self._walks.popitem(last=False)
+        return made
+
+
+_W, _F, _B, _OTHER = 0, 1, 2, 3  # what a step of a walk does (`FlushWalk`)
+
+
+class FlushWalk:
+    """The pass of `flush_makespan` through one order and set of stage edges, its seconds left
+    out: which action waits for which transfers, which link each send takes. Why: which rank
+    runs next, which transfer an action waits for and which have arrived depend on the order and
+    the edges alone, never on a stage's seconds, so the pass can be worked out once and then
+    replayed for every cut of the same shape, its additions and maxima the same, in the same
+    order (the price is the same to the bit).
+
+    `segments`: (rank's place, its steps) in the order the pass runs them; a step is (what, the
+    rank and stage's place in `pairs`, the transfers it waits for, its sends as (link, send
+    slot, transfer)); `slots`: per send slot (rank, destination, stage edge), one per rank pair
+    and lower stage as the pass prices them; `deadlocked`: some rank waits for what nobody
+    sends."""
+
+    def __init__(self, order: Schedule, stage_ranks: Sequence[Sequence[int]],
+                 edges: tuple[tuple[int, int], ...], *, split: bool) -> None:
+        self.split = split
+        stages = len(stage_ranks)
+        producers: list[list[int]] = [[] for _ in range(stages)]
+        consumers: list[list[int]] = [[] for _ in range(stages)]
+        for a, c in edges:
+            consumers[a].append(c)
+            producers[c].append(a)
+        place: dict[tuple[int, int], int] = {}
+        for s, ranks in enumerate(stage_ranks):
+            for rank in ranks:
+                place.setdefault((rank, s), len(place))
+        # per place: (stage, replica index) of its pace (the last, as a dict keeps it)
+        pairs: dict[int, tuple[int, int]] = {}
+        for s, ranks in enumerate(stage_ranks):
+            for i, rank in enumerate(ranks):
+                pairs[place[rank, s]] = (s, i)
+        self.pairs = [pairs[p] for p in range(len(place))]
+        actions = order.actions
+        self.ranks = list(actions)
+        rank_place = {rank: i for i, rank in enumerate(self.ranks)}
+        transfers: dict[tuple[Kind, int, int, int], int] = {}
+        links: dict[tuple[int, int], int] = {}
+        slots: dict[tuple[int, int, int], int] = {}
+        self.slots: list[tuple[int, int, tuple[int, int]]] = []
+        waiting: dict[tuple[Kind, int, int, int], list[int]] = {}
+        position = {rank: 0 for rank in actions}
+        self.segments: list[tuple[int, list[tuple[int, int, tuple[int, ...],
+                                                  tuple[tuple[int, int, int], ...]]]]] = []
+        ready = list(actions)
+        while ready:
+            rank = ready.pop()
+            own = actions[rank]
+            at = position[rank]
+            steps: list[tuple[int, int, tuple[int, ...], tuple[tuple[int, int, int], ...]]] = []
+            while at < len(own):
+                action = own[at]
+                s, m, what = action.stage, action.microbatch, action.kind
+                here = place[rank, s]
+                if what is Kind.W:
+                    steps.append((_W, here, (), ()))
+                    at += 1
+                    continue
+                peers = producers[s] if what is Kind.F else consumers[s]
+                waits: list[int] = []
+                blocked = None
+                for peer in peers:
+                    key = (what, peer, s, m)
+                    got = transfers.get(key)
+                    if got is None:
+                        blocked = key
+                        break
+                    waits.append(got)
+                if blocked is not None:
+                    waiting.setdefault(blocked, []).append(rank)
+                    break
+                targets = consumers[s] if what is Kind.F else producers[s]
+                sends: list[tuple[int, int, int]] = []
+                for peer in targets:
+                    dst = order.rank_of(peer, m)
+                    slot_key = (rank, dst, s if s < peer else peer)
+                    if slot_key not in slots:
+                        slots[slot_key] = len(self.slots)
+                        self.slots.append((rank, dst, (s, peer) if s < peer else (peer, s)))
+                    link = links.setdefault((rank, dst), len(links))
+                    key = (what, s, peer, m)
+                    sent = transfers.setdefault(key, len(transfers))
+                    sends.append((link, slots[slot_key], sent))
+                    ready.extend(waiting.pop(key, ()))
+                code = _F if what is Kind.F else _B if what is Kind.B else _OTHER
+                steps.append((code, here, tuple(waits), tuple(sends)))
+                at += 1
+            position[rank] = at
+            if steps:
+                self.segments.append((rank_place[rank], steps))
+        self.deadlocked = any(position[rank] < len(own) for rank, own in actions.items())
+        self.links, self.transfers = len(links), len(transfers)
+
+    def makespan_before_updates(self, terms: Sequence[Terms], edges: dict[tuple[int, int], float],
+                                cluster: Cluster) -> dict[int, float]:
+        """Per rank, when its last action ends (`flush_makespan`'s pass with these seconds)."""
+        split = self.split
+        forward: list[float] = []
+        backward: list[float] = []
+        wgrad: list[float] = []
+        deferred: list[float | None] = []
+        for s, i in self.pairs:
+            t = terms[s]
+            pace = t.paces[i] if t.paces else 1.0
+            forward.append(t.fwd * pace)
+            backward.append((t.bwd - t.wgrad - t.deferred) * pace)
+            wgrad.append(t.wgrad * pace)
+            deferred.append(t.deferred * pace if not split and t.deferred > 0.0 else None)
+        slots: list[tuple[float, float, bool]] = []
+        for rank, dst, edge in self.slots:
+            size = edges[edge]
+            if dst == rank or not size:
+                slots.append((0.0, 0.0, False))
+            else:
+                level = cluster.levels[cluster.link_level(rank, dst)]
+                slots.append((link_busy_seconds(size, level), level.latency, level.cpu_copies))
+        arrived = [0.0] * self.transfers
+        link_free = [0.0] * self.links
+        free = [0.0] * len(self.ranks)
+        for at, steps in self.segments:
+            now = free[at]
+            for code, here, waits, sends in steps:
+                if code == _W:
+                    now += wgrad[here]
+                    continue
+                for w in waits:
+                    got = arrived[w]
+                    if got > now:
+                        now = got
+                now += forward[here] if code == _F else backward[here]
+                for link, slot, sent in sends:
+                    busy, latency, copies = slots[slot]
+                    start = link_free[link]
+                    if not start > now:  # max(now, the link's free time), as max keeps now
+                        start = now
+                    end = start + busy
+                    link_free[link] = end
+                    arrived[sent] = end + latency
+                    if copies:
+                        now = end
+                if code == _B:
+                    more = deferred[here]
+                    if more is not None:
+                        now += more
+            free[at] = now
+        return dict(zip(self.ranks, free, strict=True))
+
 
 def flush_makespan(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
                    stage_ranks: Sequence[Sequence[int]], cluster: Cluster, *, schedule: str,
@@ -131,93 +301,24 @@ def flush_makespan(terms: Sequence[Terms], edges: dict[tuple[int, int], float],
     """Seconds from the first forward to the last step of one minibatch of the flush schedule
     `schedule` (module docstring); `edges`: bytes per microbatch from stage a to stage c.
     `order`: `flush_order` of these arguments, made before (None: made here, or taken from
-    `orders`). None where the order cannot be generated or would deadlock (the simulator
-    refuses it too)."""
-    order = order if order is not None else flush_order(schedule, stage_ranks, terms,
-                                                         microbatches, orders=orders)
-    if order is None:
-        return None
-    split = kind(schedule).split_backward
-    producers: list[list[int]] = [[] for _ in terms]
-    consumers: list[list[int]] = [[] for _ in terms]
-    for a, c in sorted(edges):
-        consumers[a].append(c)
-        producers[c].append(a)
-    # per rank and stage its seconds per F, B before its sends, and W (deferred or split)
-    pace: dict[tuple[int, int], float] = {}
-    for s, (t, ranks) in enumerate(zip(terms, stage_ranks, strict=True)):
-        for i, rank in enumerate(ranks):
-            pace[rank, s] = t.paces[i] if t.paces else 1.0
-    sends: dict[tuple[int, int, int], tuple[float, float, bool]] = {}
-
-    def send(rank: int, dst: int, a: int, c: int) -> tuple[float, float, bool]:
-        """(seconds on the link, latency, whether the sender copies) of stage edge (a, c)."""
-        key = (rank, dst, a if a < c else c)
-        found = sends.get(key)
-        if found is None:
-            size = edges[(a, c) if a < c else (c, a)]
-            if dst == rank or not size:
-                found = (0.0, 0.0, False)
-            else:
-                level = cluster.levels[cluster.link_level(rank, dst)]
-                found = (link_busy_seconds(size, level), level.latency, level.cpu_copies)
-            sends[key] = found
-        return found
-
-    arrived: dict[tuple[Kind, int, int, int], float] = {}  # (kind, from, to, microbatch)
-    waiting: dict[tuple[Kind, int, int, int], list[int]] = {}
-    link_free: dict[tuple[int, int], float] = {}
-    actions = order.actions
-    position = {rank: 0 for rank in actions}
-    free = {rank: 0.0 for rank in actions}
-    ready = list(actions)
-    while ready:
-        rank = ready.pop()
-        own = actions[rank]
-        at, now = position[rank], free[rank]
-        while at < len(own):
-            action = own[at]
-            s, m, what = action.stage, action.microbatch, action.kind
-            t = terms[s]
-            if what is Kind.W:
-                now += t.wgrad * pace[rank, s]
-                at += 1
-                continue
-            peers = producers[s] if what is Kind.F else consumers[s]
-            blocked = None
-            for peer in peers:
-                key = (what, peer, s, m)
-                got = arrived.get(key)
-                if got is None:
-                    blocked = key
-                    break
-                if got > now:
-                    now = got
-            if blocked is not None:
-                waiting.setdefault(blocked, []).append(rank)
-                break
-            if what is Kind.F:
-                now += t.fwd * pace[rank, s]
-                targets = consumers[s]
-            else:
-                now += (t.bwd - t.wgrad - t.deferred) * pace[rank, s]
-                targets = producers[s]
-            for peer in targets:
-                dst = order.rank_of(peer, m)
-                busy, latency, copies = send(rank, dst, s, peer)
-                start = max(now, link_free.get((rank, dst), 0.0))
-                link_free[rank, dst] = start + busy
-                key = (what, s, peer, m)
-                arrived[key] = start + busy + latency
-                if copies:
-                    now = start + busy
-                ready.extend(waiting.pop(key, ()))
-            if what is Kind.B and not split and t.deferred > 0.0:
-                now += t.deferred * pace[rank, s]
-            at += 1
-        position[rank], free[rank] = at, now
-    if any(position[rank] < len(own) for rank, own in actions.items()):
-        return None  # a deadlock: some rank waits for what nobody sends
+    `orders`, with the walk through it). None where the order cannot be generated or would
+    deadlock (the simulator refuses it too)."""
+    keys = tuple(sorted(edges))
+    if order is None and orders is not None:
+        shape = _order_shape(schedule, stage_ranks, terms, microbatches)
+        order = orders.order(shape)
+        if order is None:
+            return None
+        walk = orders.walk(shape, order, keys)
+    else:
+        order = order if order is not None else flush_order(schedule, stage_ranks, terms,
+                                                             microbatches)
+        if order is None:
+            return None
+        walk = FlushWalk(order, stage_ranks, keys, split=kind(schedule).split_backward)
+    if walk.deadlocked:
+        return None  # some rank waits for what nobody sends
+    free = walk.makespan_before_updates(terms, edges, cluster)
     return _updates(terms, stage_ranks, cluster, free, ties)
 
 
@@ -251,4 +352,4 @@ def _updates(terms: Sequence[Terms], stage_ranks: Sequence[Sequence[int]], clust
     return end
 
 
-__all__ = ["FlushOrders", "flush_makespan", "flush_order"]
+__all__ = ["FlushOrders", "FlushWalk", "flush_makespan", "flush_order"]
