@@ -16,7 +16,10 @@ the stage pipeline.json's `plan_moved` records for it: a plan.json with a node m
 stage loaded, and reported and priced a partition other than the one its stage code runs. And
 every node of the graph is in the plan, but those pipeline.json's `plan_unnamed` records as made
 after planning (constants, detached values): a node deleted from plan.json (not moved) loaded,
-and the pipeline reported and priced a stage without it.
+and the pipeline reported and priced a stage without it. A node of the plan the exported graph no
+longer has (a view changed in place in a later stage than its base's is made again there under
+a new name) is in pipeline.json's `plan_gone`, with its stage: without it such an export was
+refused at load as naming a node the graph does not have.
 Last, plan.json is the file pipeline.json was written with (`plan_sha256`): its predictions
 (compute, times, status) fit nothing else, and a number in them changed (a stage's compute 0.0
 to 4) under a manifest written again loaded as a plan priced otherwise.
@@ -69,8 +72,12 @@ def plan_misfit(plan: Plan, meta: dict[str, Any], schedule: Schedule) -> str | N
     if not isinstance(graph, dict) or any(
             type(s) is not int or not 0 <= s < stages for s in graph.values()):
         return "pipeline.json's graph_stages is not a table of the stages of the graph's nodes"
+    gone = meta.get("plan_gone", {})
+    if not isinstance(gone, dict) or any(type(s) is not int for s in gone.values()):
+        return "pipeline.json's plan_gone is not a table of node stages"
     if graph:  # the traced graph's nodes (none without a graph)
-        stranger = next((n for s in plan.stages for n in s.nodes if n not in graph), None)
+        known = set(graph) | set(gone)
+        stranger = next((n for s in plan.stages for n in s.nodes if n not in known), None)
         if stranger is not None:
             return f"it names the node {stranger!r}, which the exported graph does not have"
     return _moved_misfit(plan, meta) or _lost_misfit(plan, meta)
@@ -109,6 +116,15 @@ def moved_nodes(plan: Plan, recorded: dict[str, int]) -> dict[str, int]:
             if node in recorded and recorded[node] != stage}
 
 
+def gone_nodes(plan: Plan, graph: dict[str, int]) -> dict[str, int]:
+    """The nodes `plan` names that the exported graph (`graph`, pipeline.json's `graph_stages`)
+    no longer has: replaced by the split (a view changed in place in a later stage than the one
+    that made it is made again there, under a new name), which the writer records as
+    pipeline.json's `plan_gone`, with the plan's stage."""
+    return {node: stage for node, stage in plan.stage_of().items()
+            if graph and node not in graph}
+
+
 def unnamed_nodes(plan: Plan, recorded: dict[str, int]) -> list[str]:
     """The graph's nodes (`recorded`) that `plan` does not name: made after planning (the
     split's constants, values detached for a no_grad region), which the writer records as
@@ -143,18 +159,19 @@ def _moved_misfit(plan: Plan, meta: dict[str, Any]) -> str | None:
         return None
     if not isinstance(moved, dict) or any(type(s) is not int for s in moved.values()):
         return "pipeline.json's plan_moved is not a table of node stages"
-    recorded = recorded_stages(meta)
+    recorded, gone = recorded_stages(meta), meta.get("plan_gone", {})
     for index, stage in enumerate(plan.stages):
         for node in stage.nodes:
-            want = moved.get(node, recorded.get(node, index))
+            want = moved.get(node, recorded.get(node, gone.get(node, index)))
             if want != index:
                 return (f"it puts the node {node!r} in stage {index} where the exported plan "
                         f"had it in stage {want!r}")
     given = plan.stage_of()
-    lost = next((node for node in moved if node not in given), None)
+    held = {**gone, **moved}
+    lost = next((node for node in held if node not in given), None)
     if lost is not None:
         return (f"it leaves out the node {lost!r}, which the exported plan had in stage "
-                f"{moved[lost]}")
+                f"{held[lost]}")
     return None
 
 
@@ -197,5 +214,5 @@ def _short(ranks: list[list[int]]) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-__all__ = ["PLAN_FILES", "export_plan", "moved_nodes", "plan_digest", "plan_misfit",
-           "plan_workers", "recorded_stages", "schedule_misfit", "unnamed_nodes"]
+__all__ = ["PLAN_FILES", "export_plan", "gone_nodes", "moved_nodes", "plan_digest",
+           "plan_misfit", "plan_workers", "recorded_stages", "schedule_misfit", "unnamed_nodes"]

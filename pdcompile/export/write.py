@@ -24,6 +24,7 @@ from pdcompile.export.integrity import clear_export, seal_export
 from pdcompile.export.module_record import record_module
 from pdcompile.export.optimizer_recipe import OptimizerRecipe
 from pdcompile.export.plan_file import (
+    gone_nodes,
     moved_nodes,
     plan_digest,
     recorded_stages,
@@ -168,6 +169,7 @@ def _write(pipe: Exportable, out: Path) -> Path:
     # name (made after planning): plan_file.py checks plan.json node by node against them
     meta["plan_moved"] = moved_nodes(pipe.plan, recorded_stages(meta))
     meta["plan_unnamed"] = unnamed_nodes(pipe.plan, recorded_stages(meta))
+    meta["plan_gone"] = gone_nodes(pipe.plan, meta["graph_stages"])  # the split replaced them
     meta["plan_sha256"] = plan_digest(plan_text)  # the plan's predictions, checked whole
     code = {p.name: p.read_text() for p in [*out.glob("stage_*.py"), *out.glob("rank_*.py"),
                                            *out.glob("graph.py")]}

@@ -164,3 +164,31 @@ def test_planned_random_models_run_as_exported(case: dict[str, Any],
 def test_planned_random_models_run_as_exported_many(
         case: dict[str, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
     _check(case, tmp_path_factory.mktemp("export") / "out")
+
+
+def test_a_view_changed_in_a_later_stage_than_its_base_loads(tmp_path: Path) -> None:
+    """Found by the `_many` draws: a view (`narrow`) of a value made in stage 1 (`transpose`)
+    changed in place in stage 2 is made again in stage 2 under a new name, so the exported
+    graph no longer has the plan's `narrow`; loading refused the export ('plan.json does not
+    fit the export's other files: it names the node 'narrow', which the exported graph does
+    not have')."""
+    from pdcompile.passes.split import manual_plan
+    from tests.helpers.random_models import explicit_graph
+
+    steps = [Step("max", 6, 6, 7), Step("shared", 28, 43, 7), Step("lstm", 49, 40, 2),
+             Step("view_mul_", 24, 7, 3)]
+    torch.manual_seed(0)
+    model = RandomNet(steps, 1, (-1, -2)).double()
+    inputs = (torch.randn(8, 3, 4, dtype=torch.float64),)
+    first = {"x", "embed_0", "max_1", "getitem", "sub", "shared", "mean", "add", "mean_2"}
+    second = {"layers_2", "getitem_1", "getitem_2", "getitem_3", "getitem_4", "transpose",
+              "mean_1", "add_1", "add_2"}
+    plan = manual_plan(explicit_graph(model, inputs),
+                       lambda n: 0 if n.name in first else 1 if n.name in second else 2)
+    assert "narrow" in plan.stages[2].nodes
+    _round_trip(model, inputs, tmp_path / "out", 8, plan=plan, schedule="1f1b")
+    kw: dict[str, Any] = {"loss_fn": squared_error, "optimizer": momentum, "trust": True}
+    loaded = pdcompile.load(str(tmp_path / "out"), **kw)
+    assert loaded.plan.stage_of() == plan.stage_of()
+    loaded.export(str(tmp_path / "again"))  # exported again, it loads again
+    assert pdcompile.load(str(tmp_path / "again"), **kw).plan.stage_of() == plan.stage_of()

@@ -230,7 +230,7 @@ def test_a_plan_json_with_a_node_moved_or_deleted_is_refused_and_the_written_one
             reject()
         written_meta = json.loads((folder / "pipeline.json").read_text())
         again_meta = json.loads((again / "pipeline.json").read_text())
-        for key in ("graph_stages", "plan_moved", "plan_unnamed"):
+        for key in ("graph_stages", "plan_moved", "plan_unnamed", "plan_gone"):
             assert again_meta[key] == written_meta[key], key
         assert pdcompile.load(str(again), **kw).plan.stage_of() == pipe.plan.stage_of()
         folder = again
