@@ -178,9 +178,8 @@ def _with_prefixes(graph: nx.DiGraph, order: tuple[str, ...], downsets: list[int
                     key=lambda bits: (bin(bits).count("1"), bits))
     if len(joined) > max_states:
         raise _too_many(graph, max_states)
-    fronts_all = [fronts[bits] if bits in fronts else
-                  tuple(u for u in range(n) if bits >> u & 1
-                        and any(not bits >> v & 1 for v in succ[u])) for bits in joined]
+    fronts_all = [fronts[bits] if bits in fronts else _out_frontier(bits, succ)
+                  for bits in joined]
     return AntichainStates(order=order, downsets=tuple(joined), frontier=tuple(fronts_all),
                            reach=_strict_subsets(joined, n))
 
@@ -222,12 +221,15 @@ def _all_downsets(graph: nx.DiGraph, order: tuple[str, ...], pred: list[list[int
                         nxt.append((grown, grows | out_bits[v]))
         frontier_sets = nxt
     downsets = sorted(seen, key=lambda b: (bin(b).count("1"), b))
-    frontier = []
-    for bits in downsets:
-        frontier.append(tuple(u for u in range(n) if bits >> u & 1
-                              and any(not bits >> v & 1 for v in succ[u])))
+    frontier = [_out_frontier(bits, succ) for bits in downsets]
     return AntichainStates(order=order, downsets=tuple(downsets), frontier=tuple(frontier),
                            reach=_strict_subsets(downsets, n))
+
+
+def _out_frontier(bits: int, succ: list[list[int]]) -> tuple[int, ...]:
+    """The nodes of a downset with a successor outside it: what its stage boundary sends."""
+    return tuple(u for u in range(len(succ)) if bits >> u & 1
+                 and any(not bits >> v & 1 for v in succ[u]))
 
 
 def _strict_subsets(downsets: list[int], n: int) -> tuple[int, ...]:
