@@ -652,6 +652,8 @@ def native_dp_bisect(grid: StageGrid, *, options: ModelOptions, low: float, high
         # each root alone: low * high overflowed to inf past 1e154 s (a node costed at
         # 1e300 s), mid became inf, and the bisection never ended
         mid = math.sqrt(low) * math.sqrt(high)
+        if not low < mid < high:
+            break  # no float between them (subnormal periods): it would never end either
         attempt = native_dp_period(grid, options=options, period=mid, straight=straight,
                                    fill=fill)
         if attempt is None:

@@ -100,6 +100,8 @@ def least_memory(params: np.ndarray, keep: np.ndarray, valid: np.ndarray, stages
         return lo
     while hi - lo > hi * 1e-4:
         mid = (lo + hi) / 2
+        if not lo < mid < hi:
+            break  # no float lies between them (subnormal costs): the loop would never end
         if _reaches(params, keep, held, valid, stages, factor, m, mid):
             hi = mid
         else:
