@@ -199,7 +199,17 @@ def coarsen(graph: nx.DiGraph, *, target: int = 300, branches: bool = False,
     succ: dict[str, set[str]] = {n: set(graph.successors(n)) for n in graph.nodes}
     pred: dict[str, set[str]] = {n: set(graph.predecessors(n)) for n in graph.nodes}
     members: dict[str, list[str]] = {n: [n] for n in graph.nodes}
+    block_of = {n: n for n in graph.nodes}
     compute = {n: float(d["fwd"]) + float(d["bwd"]) for n, d in graph.nodes(data=True)}
+
+    def hidden(u: str, v: str) -> float:
+        """The bytes from block u to block v, which fusing them keeps inside one block (counted
+        from the side with fewer members)."""
+        if len(members[u]) <= len(members[v]):
+            return sum(edge_bytes(graph, a, b) for a in members[u]
+                       for b in graph.successors(a) if block_of[b] == v)
+        return sum(edge_bytes(graph, a, b) for b in members[v]
+                   for a in graph.predecessors(b) if block_of[a] == u)
 
     def other_path(u: str, v: str) -> bool:
         """Whether v is reachable from u other than by the edge u -> v: searched forward from
@@ -240,16 +250,22 @@ def coarsen(graph: nx.DiGraph, *, target: int = 300, branches: bool = False,
                 succ[p].add(u)
                 pred[u].add(p)
         succ[u].discard(v)
+        for m in members[v]:
+            block_of[m] = u
         members[u] += members.pop(v)
         compute[u] += compute.pop(v)
 
-    # phase 1: compute-free blocks join a neighbour (the cheapest one they can join)
+    # phase 1: compute-free blocks join a neighbour: the one whose edge to them carries the
+    # most bytes (an expand joins its consumer, not the size it read: timm's convit_small fused
+    # all ten layers' expanded position tables into one block that every cut then sent),
+    # then the cheapest
     for node in order:
         z = node
         while len(members) > target and z in members and compute[z] == 0:
-            candidates = sorted([(compute[p], 0, position[p], p, z) for p in pred[z]]
-                                + [(compute[s], 1, position[s], z, s) for s in succ[z]])
-            fused = next(((u, v) for _, _, _, u, v in candidates if not other_path(u, v)), None)
+            candidates = sorted(
+                [(-hidden(p, z), compute[p], 0, position[p], p, z) for p in pred[z]]
+                + [(-hidden(z, s), compute[s], 1, position[s], z, s) for s in succ[z]])
+            fused = next(((u, v) for *_, u, v in candidates if not other_path(u, v)), None)
             if fused is None:
                 break
             fuse(*fused)
