@@ -309,6 +309,10 @@ def _planned(gm: fx.GraphModule, inputs: tuple[Any, ...], cluster: Cluster | str
                      **planning).expanded(mapping)
 
 
+# `stages=K` keeps whole layer blocks unless cutting inside them is this much faster
+BLOCKS_PREFERRED_WITHIN = 0.1
+
+
 def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster,
                        kept: list[tuple[str, list[str]]], **planning: Any) -> Plan:
     """`stages=K`: the planner's K stages on the graph with each numbered layer block (a
@@ -338,13 +342,15 @@ def _planned_in_blocks(gm: fx.GraphModule, graph: Any, cluster: Cluster,
                 by_blocks = make_plan(coarse, cluster, **planning).expanded(mapping)
                 # whole blocks are a preference, not a rule: where they are few and unequal
                 # they cannot balance (timm's shvit_s2 in 4 stages: 21.47 ms, an even cut of
-                # its nodes 10.67 ms), so the plan of the nodes themselves is priced too
+                # its nodes 10.67 ms), so the plan of the nodes themselves is priced too, and
+                # taken where it is clearly faster
                 try:
                     by_nodes = _planned_in_nodes(graph, cluster, kept, **planning)
                 except PlanError:
                     return by_blocks
-                return by_nodes if by_nodes.time_per_minibatch < by_blocks.time_per_minibatch \
-                    else by_blocks
+                faster = by_nodes.time_per_minibatch < \
+                    by_blocks.time_per_minibatch * (1 - BLOCKS_PREFERRED_WITHIN)
+                return by_nodes if faster else by_blocks
     return _planned_in_nodes(graph, cluster, kept, **planning)
 
 
