@@ -121,7 +121,8 @@ def to_dict(graph: nx.DiGraph) -> dict[str, Any]:
     return {"format": FORMAT, "name": graph.graph.get("name", ""),
             "batch_size": graph.graph.get("batch_size"), "nodes": nodes, "edges": edges,
             **({"ties": [dict(t) for t in graph.graph["ties"]]}
-               if graph.graph.get("ties") else {})}
+               if graph.graph.get("ties") else {}),
+            **({"inputs": list(graph.graph["inputs"])} if "inputs" in graph.graph else {})}
 
 
 def from_dict(data: dict[str, Any]) -> nx.DiGraph:
@@ -139,6 +140,8 @@ def from_dict(data: dict[str, Any]) -> nx.DiGraph:
     if data.get("ties"):
         graph.graph["ties"] = [{"bytes": float(t["bytes"]), "nodes": list(t["nodes"])}
                                for t in data["ties"]]
+    if "inputs" in data:
+        graph.graph["inputs"] = [str(name) for name in data["inputs"]]
     return graph
 
 

@@ -22,10 +22,17 @@ def input_nodes(graph: nx.DiGraph) -> tuple[str, ...]:
     PipeDream's `Input` nodes). They sit on the first stage and cost no compute there (a PipeDream
     profile's `Input` forward time is data loading, which the input pipeline overlaps with
     training); what they feed to later stages is traffic. Empty when every node is such a
-    source."""
+    source. A graph that names its inputs (`graph.graph["inputs"]`: a traced model's
+    placeholders) has no others: a parameter's transpose whose weight bytes count to a shape
+    read before it is such a source too (timm's haloregnetz_b: ten of them were pinned to the
+    first stage, and a cut that kept them in their layers was refused)."""
     # sources first, from one pass over the in-degree view (the planner asks once per plan
     # priced: asking each node its degrees was a seventh of planning a 400-node graph)
     sources = [n for n, degree in graph.in_degree if degree == 0]
+    named = graph.graph.get("inputs")
+    if named is not None:
+        named = set(named)
+        sources = [n for n in sources if n in named]
     found = tuple(n for n in sources
                   if graph.out_degree(n) > 0
                   and not float(graph.nodes[n]["params"]) and not float(graph.nodes[n]["bwd"]))

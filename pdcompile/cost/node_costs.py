@@ -213,6 +213,9 @@ def to_cost_graph(gm: fx.GraphModule, *, name: str = "") -> nx.DiGraph:
     ties = shared_parameters(gm, folded)
     if ties:
         graph.graph["ties"] = ties
+    # the inputs are the placeholders, not every source without weights (cost.crossing)
+    graph.graph["inputs"] = [n.name for n in gm.graph.nodes if n.op == "placeholder"
+                             and n.name in graph]
     for node in gm.graph.nodes:
         if node.op == "placeholder" and has_shape(node) and get_shape(node):
             first = get_shape(node)[0]

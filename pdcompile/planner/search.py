@@ -440,7 +440,9 @@ def price_plan(cost_graph: nx.DiGraph, given: Plan, cluster: Cluster | str, *,
         if candidate is None:  # over the memory either way: the default counts
             candidate = _priced(cost_graph, cluster, stages, options, None, in_flight=flight,
                                 recompute=again, shares=shares)
-        if candidate is None:  # priced without a memory limit: a schedule that cannot run it
+        if candidate is None:  # priced without a memory limit: a cut the cost model refuses
+            # says why (it raises), else a schedule that cannot feed its replicas
+            plan_costs(cost_graph, stages, options=options)
             raise PlanError(f"schedule {name!r} with {per} microbatches per minibatch cannot "
                             f"feed the replicas of plan {given.config} (each replica takes a "
                             "share of a minibatch's microbatches); give at least as many "
