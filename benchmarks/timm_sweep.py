@@ -11,17 +11,24 @@ flush schedules (those whose updates equal one process's: 1F1B-flush, GPipe, int
 ZB-H1, interleaved ZB, ZB-V, DualPipeV; not the asynchronous 1F1B and 2BW) and a microbatch
 count that schedule's order runs with on K workers (2 or 4 for 1F1B-flush and GPipe; 2, K or
 2K up to 4 for the other chunked orders; 2K for DualPipeV), 2 images a microbatch; `stages=K`
-gives an interleaved or V-shaped schedule K workers holding two chunks each. Architectures over 40 M parameters are left out (float64 and two
-copies of the model; a 600 M one ran this 24 GiB machine out of memory), and so are models that
-train differently from themselves in one process (random operations the flags above miss).
+gives an interleaved or V-shaped schedule K workers holding two chunks each. Architectures over
+40 M parameters are left out (float64 and two copies of the model; a 600 M one ran this 24 GiB
+machine out of memory), and so are models that train differently from themselves in one
+process (random operations the flags above miss).
 
     python benchmarks/timm_sweep.py --seed 23 --count 60 [--out /tmp/timm.jsonl]
     python benchmarks/timm_sweep.py --seed 23 --count 161 --start 79   # the draws after 79
     python benchmarks/timm_sweep.py --seed 24 --count 40 --schedules   # schedules drawn too
 
+    python benchmarks/timm_sweep.py --one xcit_tiny_12_p8_384 --stages 2 \
+        [--schedule zb-v --micro 4]   # one architecture, in this process, no time limit
+
 `--start N` draws the first N families as before (the same seeds give the same draws) but runs
 only those after them, to go on from where a run stopped; `--schedules` changes the draws after
 each architecture's stage count, so its runs are comparable only with runs that also use it.
+`--limit` is wall-clock time: on a loaded machine the slowest (float64 maxvit_tiny_tf_512: about
+345 s of one core's CPU, and over 15 GiB; xcit_tiny_12_p8_384: 131 s) time out, so run a
+TIMEOUT again with `--one`, which has none.
 
 Each line printed (and appended to --out) is one architecture as JSON; the end prints a
 summary table. Outcomes: equal (losses to 1e-9 relative, weights and buffers to 1e-7 of each
