@@ -49,6 +49,16 @@ def test_a_chain_whose_fastest_plan_mixes_kinds_in_a_stage() -> None:
            0.4, "4@1e9~5us")
 
 
+def test_a_chain_whose_stages_want_one_rank_of_each_server() -> None:
+    """A drawn chain (seed 1212 of the property test below) on which the planner's plan was
+    1.108x the fastest: data parallelism with shares (6.667 ms) against 2-2 over (0, 2) and
+    (1, 3), each stage one fast rank of the first server and one slow rank of the second,
+    shares 2:1 (6.019 ms): the same pipeline on every server (mixed.on_every_server)."""
+    _check(100000.0, [(0.001, 0.005995205070302586, 96004976.28057425, 39276408.19671482),
+                      (0.005995205070302586, 0.001, 100000.0, 39276408.19671482)],
+           0.6, "2x2@1e11,1e10~5us,20us")
+
+
 MISSED_PARAMETERS_ALONE = (
     6013396.877858702, [(0.009731719638999867, 0.009235391368236163, 45349860.37937977,
                          1.5336773019241991e-31),
